@@ -1,0 +1,205 @@
+//! KV storage element types. Storage may be 16-bit; arithmetic is always fp32 (or f64 in the
+//! oracle), so every element type only needs a lossless widening to `f32`.
+
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+/// The element type KV (and queries) are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DType {
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        }
+    }
+
+    /// Rounds an `f32` to the nearest value this type can store, so that random inputs can be
+    /// drawn once and given identically to every backend and to the f64 oracle.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            DType::F32 => x,
+            DType::F16 => f16::from_f32(x).to_f32(),
+            DType::Bf16 => bf16::from_f32(x).to_f32(),
+        }
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Ok(DType::F32),
+            "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
+            "bf16" | "bfloat16" => Ok(DType::Bf16),
+            other => Err(format!("unknown dtype `{other}`; use f32, f16 or bf16")),
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A storable KV element: plain old data with a widening conversion.
+pub trait KvElement: bytemuck::Pod + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl KvElement for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl KvElement for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+impl KvElement for bf16 {
+    const DTYPE: DType = DType::Bf16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// Owned, typed storage for one tensor of KV elements.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TypedVec {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+impl TypedVec {
+    /// Stores `values` (already representable in `dtype`, or rounded here) as `dtype`.
+    pub fn from_f32(dtype: DType, values: &[f32]) -> Self {
+        match dtype {
+            DType::F32 => TypedVec::F32(values.to_vec()),
+            DType::F16 => TypedVec::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+            DType::Bf16 => TypedVec::Bf16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
+        }
+    }
+
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F32 => TypedVec::F32(vec![0.0; len]),
+            DType::F16 => TypedVec::F16(vec![f16::ZERO; len]),
+            DType::Bf16 => TypedVec::Bf16(vec![bf16::ZERO; len]),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            TypedVec::F32(_) => DType::F32,
+            TypedVec::F16(_) => DType::F16,
+            TypedVec::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            TypedVec::F32(v) => v.len(),
+            TypedVec::F16(v) => v.len(),
+            TypedVec::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The raw bytes, e.g. for sending KV blocks between ranks or uploading to a device.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            TypedVec::F32(v) => bytemuck::cast_slice(v),
+            TypedVec::F16(v) => bytemuck::cast_slice(v),
+            TypedVec::Bf16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            TypedVec::F32(v) => bytemuck::cast_slice_mut(v),
+            TypedVec::F16(v) => bytemuck::cast_slice_mut(v),
+            TypedVec::Bf16(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+
+    /// Copies `src` (same dtype) into `self[offset..]`.
+    pub fn copy_from(&mut self, offset: usize, src: &TypedVec) {
+        let width = self.dtype().size_bytes();
+        let bytes = src.as_bytes();
+        self.as_bytes_mut()[offset * width..offset * width + bytes.len()].copy_from_slice(bytes);
+    }
+
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            TypedVec::F32(v) => v.clone(),
+            TypedVec::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            TypedVec::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_matches_storage() {
+        for dtype in DType::ALL {
+            let x = 0.123_456_79_f32;
+            let stored = TypedVec::from_f32(dtype, &[x]).to_f32_vec()[0];
+            assert_eq!(stored, dtype.round(x), "{dtype}");
+        }
+        assert_ne!(DType::Bf16.round(0.123_456_79), 0.123_456_79);
+    }
+
+    #[test]
+    fn parses_names() {
+        assert_eq!("BF16".parse::<DType>().unwrap(), DType::Bf16);
+        assert!("int8".parse::<DType>().unwrap_err().contains("use f32"));
+    }
+
+    #[test]
+    fn copy_from_places_elements() {
+        let mut dst = TypedVec::zeros(DType::Bf16, 6);
+        dst.copy_from(2, &TypedVec::from_f32(DType::Bf16, &[1.0, 2.0]));
+        assert_eq!(dst.to_f32_vec(), vec![0.0, 0.0, 1.0, 2.0, 0.0, 0.0]);
+    }
+}

@@ -1,0 +1,31 @@
+//! # canopy-core
+//!
+//! The GPU-free heart of canopy: exact attention math, KV trees, the plan type, every planner,
+//! rank sharding and the benchmark workloads.
+//!
+//! Everything downstream consumes these types unchanged: the CPU backend (the oracle for all
+//! GPU tests) and the CUDA backend execute the same [`Plan`]s; the distributed engine shards a
+//! [`KvTree`] with [`shard_tree`] and merges per-rank partial states with [`merge_state`]'s
+//! conventions (fp32 `o` normalised, natural-log `lse`, empty partial `o = 0, lse = -inf`).
+
+pub mod data;
+pub mod dtype;
+pub mod error;
+pub mod math;
+pub mod plan;
+pub mod planner;
+pub mod shape;
+pub mod shard;
+pub mod tree;
+pub mod workload;
+
+pub use data::ProblemData;
+pub use dtype::{DType, KvElement, TypedVec};
+pub use error::{CoreError, Result};
+pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
+pub use plan::{Group, IoReport, Plan};
+pub use planner::{plan, FastTreeParams, Method, PlannerConfig};
+pub use shape::AttnShape;
+pub use shard::{shard_tree, Shard, TreeView};
+pub use tree::{KvTree, NamedNode, NodeId, TreeBuilder};
+pub use workload::{builtin_names, Overrides, TreeSpec, WorkloadSpec};

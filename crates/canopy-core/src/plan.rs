@@ -1,0 +1,382 @@
+//! The one plan type every planner produces and every backend executes.
+//!
+//! A plan is a list of [`Group`]s. A group is a set of KV address ranges × a set of query rows:
+//! a kernel loads the group's KV tiles once and applies them to all of its queries (all query
+//! heads of each KV head: the GQA rows), writing one *partial row* per query. An optional
+//! per-token bit mask says which of the group's queries may see each token (DeFT-Flatten
+//! blocks span several tree nodes). Groups cover all heads; a backend parallelises over
+//! groups × KV heads.
+//!
+//! The plan also stores, in CSR form, which partial rows each query must merge. The CSR order
+//! is the group order, so the merge is deterministic (no atomics) on every backend.
+
+use crate::error::{CoreError, Result};
+use crate::shape::AttnShape;
+use crate::DType;
+use serde::Serialize;
+use std::ops::Range;
+
+/// One unit of work: KV ranges × query rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    /// KV address ranges, concatenated in order to form the group's token list.
+    pub kv: Vec<Range<u32>>,
+    /// Query rows (indices into the tree's queries).
+    pub queries: Vec<u32>,
+    /// Token-major bit mask, `mask_words()` u64 words per token; bit `j` of a token's words
+    /// says whether `queries[j]` sees it. `None`: every query sees every token.
+    pub mask: Option<Vec<u64>>,
+}
+
+impl Group {
+    pub fn unmasked(kv: Vec<Range<u32>>, queries: Vec<u32>) -> Self {
+        Group {
+            kv,
+            queries,
+            mask: None,
+        }
+    }
+
+    pub fn tokens(&self) -> u32 {
+        self.kv.iter().map(|r| r.end - r.start).sum()
+    }
+
+    /// Words of mask per token.
+    pub fn mask_words(&self) -> usize {
+        self.queries.len().div_ceil(64)
+    }
+
+    /// Whether the group's `local_query` may see its `token`-th token.
+    #[inline]
+    pub fn visible(&self, token: usize, local_query: usize) -> bool {
+        match &self.mask {
+            None => true,
+            Some(mask) => {
+                mask[token * self.mask_words() + local_query / 64] >> (local_query % 64) & 1 == 1
+            }
+        }
+    }
+}
+
+/// A validated plan for one rank's share of a tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    num_queries: u32,
+    groups: Vec<Group>,
+    /// First partial row of each group; a group's rows are `base..base + queries.len()`.
+    partial_base: Vec<u32>,
+    /// CSR offsets, `num_queries + 1` long, into `query_rows`.
+    query_ptr: Vec<u32>,
+    /// Partial rows of each query, in group order.
+    query_rows: Vec<u32>,
+}
+
+impl Plan {
+    /// Validates the groups and builds the partial-row layout and the query → rows CSR map.
+    pub fn new(num_queries: usize, groups: Vec<Group>) -> Result<Plan> {
+        let mut partial_base = Vec::with_capacity(groups.len());
+        let mut counts = vec![0u32; num_queries];
+        let mut rows = 0u32;
+        for (g, group) in groups.iter().enumerate() {
+            if group.queries.is_empty() {
+                return Err(CoreError::Plan(format!("group {g} has no queries")));
+            }
+            if group.kv.iter().any(|r| r.start >= r.end) {
+                return Err(CoreError::Plan(format!(
+                    "group {g} has an empty or reversed KV range"
+                )));
+            }
+            for &q in &group.queries {
+                if q as usize >= num_queries {
+                    return Err(CoreError::Plan(format!(
+                        "group {g} names query {q} of {num_queries}"
+                    )));
+                }
+                counts[q as usize] += 1;
+            }
+            if let Some(mask) = &group.mask {
+                let want = group.tokens() as usize * group.mask_words();
+                if mask.len() != want {
+                    return Err(CoreError::Plan(format!(
+                        "group {g} mask has {} words, expected {want}",
+                        mask.len()
+                    )));
+                }
+            }
+            partial_base.push(rows);
+            rows += group.queries.len() as u32;
+        }
+        let mut query_ptr = Vec::with_capacity(num_queries + 1);
+        query_ptr.push(0u32);
+        for c in &counts {
+            query_ptr.push(query_ptr.last().unwrap() + c);
+        }
+        let mut fill = query_ptr[..num_queries].to_vec();
+        let mut query_rows = vec![0u32; rows as usize];
+        for (group, &base) in groups.iter().zip(&partial_base) {
+            for (j, &q) in group.queries.iter().enumerate() {
+                query_rows[fill[q as usize] as usize] = base + j as u32;
+                fill[q as usize] += 1;
+            }
+        }
+        Ok(Plan {
+            num_queries: num_queries as u32,
+            groups,
+            partial_base,
+            query_ptr,
+            query_rows,
+        })
+    }
+
+    pub fn num_queries(&self) -> usize {
+        self.num_queries as usize
+    }
+
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    pub fn partial_base(&self) -> &[u32] {
+        &self.partial_base
+    }
+
+    pub fn num_partial_rows(&self) -> usize {
+        self.query_rows.len()
+    }
+
+    /// The partial rows query `q` merges, in deterministic group order. Empty when the query
+    /// has no keys here: its result is the empty partial.
+    pub fn rows_of(&self, q: usize) -> &[u32] {
+        &self.query_rows[self.query_ptr[q] as usize..self.query_ptr[q + 1] as usize]
+    }
+
+    /// CSR offsets and rows, as a device upload wants them.
+    pub fn csr(&self) -> (&[u32], &[u32]) {
+        (&self.query_ptr, &self.query_rows)
+    }
+
+    /// Moves every KV address by `-offset`, for a rank that stores only its own shard.
+    pub fn relocated(&self, map: impl Fn(Range<u32>) -> Range<u32>) -> Plan {
+        let mut plan = self.clone();
+        for g in &mut plan.groups {
+            for r in &mut g.kv {
+                *r = map(r.clone());
+            }
+        }
+        plan
+    }
+
+    /// The analytic IO of executing this plan (DeFT's IO table), for `shape` and `dtype`.
+    pub fn io(&self, shape: &AttnShape, dtype: DType) -> IoReport {
+        let elem = dtype.size_bytes() as u64;
+        let kv_token_bytes = 2 * shape.kv_token_elems() as u64 * elem;
+        let q_row_bytes = shape.q_row_elems() as u64 * elem;
+        // o (fp32, head_dim) + lse (fp32) per query head; written by stage 1, read by stage 2.
+        let partial_row_bytes = shape.q_heads as u64 * (shape.head_dim as u64 + 1) * 4;
+        let tokens: Vec<u64> = self.groups.iter().map(|g| g.tokens() as u64).collect();
+        let kv_tokens: u64 = tokens.iter().sum();
+        let max = tokens.iter().copied().max().unwrap_or(0);
+        let mean = if tokens.is_empty() {
+            0.0
+        } else {
+            kv_tokens as f64 / tokens.len() as f64
+        };
+        IoReport {
+            groups: self.groups.len(),
+            partial_rows: self.num_partial_rows(),
+            kv_tokens_read: kv_tokens,
+            kv_bytes: kv_tokens * kv_token_bytes,
+            q_bytes: self.num_partial_rows() as u64 * q_row_bytes,
+            partial_bytes: 2 * self.num_partial_rows() as u64 * partial_row_bytes,
+            mask_bytes: self
+                .groups
+                .iter()
+                .filter_map(|g| g.mask.as_ref())
+                .map(|m| m.len() as u64 * 8)
+                .sum(),
+            max_group_tokens: max,
+            balance: if mean > 0.0 { max as f64 / mean } else { 1.0 },
+        }
+    }
+
+    /// Checks that every query sees exactly its context (within `expected`) once: no token
+    /// missing, none twice. Independent of any arithmetic, so planners are tested on it alone.
+    pub fn check_coverage(&self, expected: impl Fn(u32) -> Vec<Range<u32>>) -> Result<()> {
+        let mut seen: Vec<Vec<Range<u32>>> = vec![Vec::new(); self.num_queries()];
+        for group in &self.groups {
+            let mut token = 0usize;
+            for r in &group.kv {
+                for (j, &q) in group.queries.iter().enumerate() {
+                    let mut run: Option<u32> = None;
+                    for (i, addr) in (r.start..r.end).enumerate() {
+                        let vis = group.visible(token + i, j);
+                        match (vis, run) {
+                            (true, None) => run = Some(addr),
+                            (false, Some(s)) => {
+                                seen[q as usize].push(s..addr);
+                                run = None;
+                            }
+                            _ => {}
+                        }
+                    }
+                    if let Some(s) = run {
+                        seen[q as usize].push(s..r.end);
+                    }
+                }
+                token += (r.end - r.start) as usize;
+            }
+        }
+        for (q, mut got) in seen.into_iter().enumerate() {
+            got.sort_by_key(|r| r.start);
+            let merged = coalesce(&got).map_err(|addr| {
+                CoreError::Plan(format!("query {q} sees token {addr} more than once"))
+            })?;
+            let mut want: Vec<Range<u32>> = expected(q as u32)
+                .into_iter()
+                .filter(|r| !r.is_empty())
+                .collect();
+            want.sort_by_key(|r| r.start);
+            let want = coalesce(&want)
+                .map_err(|a| CoreError::Plan(format!("expected context overlaps at {a}")))?;
+            if merged != want {
+                return Err(CoreError::Plan(format!(
+                    "query {q} sees {merged:?} but its context is {want:?}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Merges sorted, touching ranges; `Err(addr)` at the first overlap.
+fn coalesce(sorted: &[Range<u32>]) -> std::result::Result<Vec<Range<u32>>, u32> {
+    let mut out: Vec<Range<u32>> = Vec::new();
+    for r in sorted {
+        match out.last_mut() {
+            Some(last) if r.start < last.end => return Err(r.start),
+            Some(last) if r.start == last.end => last.end = r.end,
+            _ => out.push(r.clone()),
+        }
+    }
+    Ok(out)
+}
+
+/// Splits a token list (given as ranges) into consecutive chunks of at most `chunk` tokens.
+pub fn split_ranges(ranges: &[Range<u32>], chunk: u32) -> Vec<Vec<Range<u32>>> {
+    let chunk = chunk.max(1);
+    let mut out = Vec::new();
+    let mut cur: Vec<Range<u32>> = Vec::new();
+    let mut room = chunk;
+    for r in ranges {
+        let mut start = r.start;
+        while start < r.end {
+            let take = room.min(r.end - start);
+            cur.push(start..start + take);
+            start += take;
+            room -= take;
+            if room == 0 {
+                out.push(std::mem::take(&mut cur));
+                room = chunk;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Analytic IO of a plan: the quantities of DeFT's IO table plus balance.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct IoReport {
+    pub groups: usize,
+    pub partial_rows: usize,
+    /// KV tokens loaded, summed over groups (per KV head).
+    pub kv_tokens_read: u64,
+    /// K and V bytes loaded over all KV heads.
+    pub kv_bytes: u64,
+    /// Query bytes loaded (a query is reloaded by every group it is in).
+    pub q_bytes: u64,
+    /// Partial (o, lse) bytes written by stage 1 and read back by stage 2.
+    pub partial_bytes: u64,
+    pub mask_bytes: u64,
+    pub max_group_tokens: u64,
+    /// Max over mean KV tokens per group (1.0 is perfectly even).
+    pub balance: f64,
+}
+
+impl IoReport {
+    pub fn total_bytes(&self) -> u64 {
+        self.kv_bytes + self.q_bytes + self.partial_bytes + self.mask_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csr_lists_rows_in_group_order() {
+        let groups = vec![
+            Group::unmasked(vec![0..4], vec![0, 1]),
+            Group::unmasked(vec![4..6], vec![1]),
+            Group::unmasked(vec![6..8], vec![0]),
+        ];
+        let plan = Plan::new(3, groups).unwrap();
+        assert_eq!(plan.partial_base(), &[0, 2, 3]);
+        assert_eq!(plan.rows_of(0), &[0, 3]);
+        assert_eq!(plan.rows_of(1), &[1, 2]);
+        assert!(plan.rows_of(2).is_empty());
+    }
+
+    #[test]
+    fn rejects_malformed_groups() {
+        assert!(Plan::new(1, vec![Group::unmasked(vec![0..1], vec![])]).is_err());
+        assert!(Plan::new(1, vec![Group::unmasked(vec![0..1], vec![3])]).is_err());
+        assert!(Plan::new(1, vec![Group::unmasked(vec![2..2], vec![0])]).is_err());
+        let bad_mask = Group {
+            kv: vec![0..3],
+            queries: vec![0],
+            mask: Some(vec![1]),
+        };
+        assert!(Plan::new(1, vec![bad_mask]).is_err());
+    }
+
+    #[test]
+    fn coverage_catches_duplicates_and_gaps() {
+        let ctx = |_q: u32| vec![0..8];
+        let ok = Plan::new(1, vec![Group::unmasked(vec![0..3, 3..8], vec![0])]).unwrap();
+        ok.check_coverage(ctx).unwrap();
+        let dup = Plan::new(
+            1,
+            vec![
+                Group::unmasked(vec![0..5], vec![0]),
+                Group::unmasked(vec![4..8], vec![0]),
+            ],
+        )
+        .unwrap();
+        assert!(dup
+            .check_coverage(ctx)
+            .unwrap_err()
+            .to_string()
+            .contains("more than once"));
+        let gap = Plan::new(1, vec![Group::unmasked(vec![0..5], vec![0])]).unwrap();
+        assert!(gap.check_coverage(ctx).is_err());
+        // A mask that hides token 1 from the query leaves a gap.
+        let masked = Group {
+            kv: vec![0..8],
+            queries: vec![0],
+            mask: Some(vec![1, 0, 1, 1, 1, 1, 1, 1]),
+        };
+        assert!(Plan::new(1, vec![masked])
+            .unwrap()
+            .check_coverage(ctx)
+            .is_err());
+    }
+
+    #[test]
+    fn split_ranges_crosses_range_boundaries() {
+        let chunks = split_ranges(&[0..5, 10..13], 3);
+        assert_eq!(chunks, vec![vec![0..3], vec![3..5, 10..11], vec![11..13]]);
+    }
+}

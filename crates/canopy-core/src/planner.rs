@@ -1,0 +1,462 @@
+//! Planners: every way canopy knows to group a tree's KV with its queries.
+//!
+//! All of them read a [`TreeView`] (the tree through one rank's windows) and return a [`Plan`],
+//! so any method runs on any backend and on any shard.
+//!
+//! - **Q-guided** (the Radix-attention / SGLang baseline): one group per query and chunk of its
+//!   root-to-leaf context. Shared prefixes are re-read by every query that shares them.
+//! - **DeFT-Node**: one group per tree node with every query below it: each node's KV is read
+//!   once, but node sizes are uneven.
+//! - **DeFT-Node-Chunk**: DeFT-Node with nodes cut into chunks, for balance.
+//! - **DeFT-Flatten**: the live tokens in depth-first order cut into even blocks; each block's
+//!   queries are the union of its nodes' queries, told apart by a per-token bit mask.
+//! - **FastTree**: a greedy, per-edge choice of whether a node's KV is computed once for all
+//!   queries below it (one more intermediate partial per query) or pushed down into its
+//!   children's groups (KV re-read, fewer partials, fuller tensor-core tiles), by a cost model;
+//!   then long-context splitting when too few groups remain to fill the GPU.
+
+use crate::error::{CoreError, Result};
+use crate::plan::{split_ranges, Group, Plan};
+use crate::shape::AttnShape;
+use crate::shard::TreeView;
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// A planning method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Method {
+    QGuided,
+    DeftNode,
+    DeftNodeChunk,
+    DeftFlatten,
+    FastTree,
+}
+
+impl Method {
+    pub const ALL: [Method; 5] = [
+        Method::QGuided,
+        Method::DeftNode,
+        Method::DeftNodeChunk,
+        Method::DeftFlatten,
+        Method::FastTree,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::QGuided => "q-guided",
+            Method::DeftNode => "deft-node",
+            Method::DeftNodeChunk => "deft-node-chunk",
+            Method::DeftFlatten => "deft-flatten",
+            Method::FastTree => "fasttree",
+        }
+    }
+
+    /// Parses a method name, or `all` into every method.
+    pub fn parse_list(s: &str) -> Result<Vec<Method>> {
+        if s == "all" {
+            return Ok(Method::ALL.to_vec());
+        }
+        s.split(',').map(|m| m.trim().parse()).collect()
+    }
+}
+
+impl std::str::FromStr for Method {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        Method::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| CoreError::UnknownMethod(s.to_string()))
+    }
+}
+
+impl std::fmt::Display for Method {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// FastTree's cost model. Units are arbitrary but shared: `beta` is the cost of loading one
+/// KV token of one KV head; the others are relative to it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FastTreeParams {
+    /// Cost per (padded query row × KV token) of tensor-core work.
+    pub alpha: f64,
+    /// Cost per KV token loaded.
+    pub beta: f64,
+    /// Cost per intermediate partial row written by stage 1 and read by stage 2.
+    pub gamma: f64,
+    /// Query rows (queries × GQA group) per tensor-core tile; rows are padded to it.
+    pub tile_q: usize,
+    /// KV tokens per tile; groups are padded to it.
+    pub tile_kv: u32,
+    /// Groups × KV heads below which long groups are split (about two waves of SMs).
+    pub min_parallelism: usize,
+    /// Smallest chunk long-context splitting makes.
+    pub min_split_tokens: u32,
+}
+
+impl Default for FastTreeParams {
+    fn default() -> Self {
+        FastTreeParams {
+            alpha: 0.01,
+            beta: 1.0,
+            gamma: 4.0,
+            tile_q: 16,
+            tile_kv: 32,
+            min_parallelism: 264,
+            min_split_tokens: 256,
+        }
+    }
+}
+
+/// Every planner's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PlannerConfig {
+    /// Q-guided: tokens per split of each query's context.
+    pub q_guided_chunk: u32,
+    /// DeFT-Node-Chunk: tokens per node chunk.
+    pub node_chunk: u32,
+    /// DeFT-Flatten: tokens per block of the flattened tree.
+    pub flatten_block: u32,
+    /// DeFT-Flatten: queries per group (`None`: all of a block's queries in one group, so each
+    /// token is read exactly once per KV head).
+    pub flatten_query_chunk: Option<u32>,
+    pub fasttree: FastTreeParams,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig {
+            q_guided_chunk: 256,
+            node_chunk: 128,
+            flatten_block: 128,
+            flatten_query_chunk: None,
+            fasttree: FastTreeParams::default(),
+        }
+    }
+}
+
+/// Plans `view` with `method`.
+pub fn plan(
+    view: &TreeView,
+    method: Method,
+    shape: &AttnShape,
+    cfg: &PlannerConfig,
+) -> Result<Plan> {
+    let groups = match method {
+        Method::QGuided => q_guided(view, cfg.q_guided_chunk),
+        Method::DeftNode => deft_node(view, None),
+        Method::DeftNodeChunk => deft_node(view, Some(cfg.node_chunk)),
+        Method::DeftFlatten => deft_flatten(view, cfg.flatten_block, cfg.flatten_query_chunk),
+        Method::FastTree => fasttree(view, shape, &cfg.fasttree),
+    };
+    Plan::new(view.tree.num_queries(), groups)
+}
+
+fn q_guided(view: &TreeView, chunk: u32) -> Vec<Group> {
+    (0..view.tree.num_queries() as u32)
+        .flat_map(|q| {
+            split_ranges(&view.query_context(q), chunk)
+                .into_iter()
+                .map(move |kv| Group::unmasked(kv, vec![q]))
+        })
+        .collect()
+}
+
+fn deft_node(view: &TreeView, chunk: Option<u32>) -> Vec<Group> {
+    let mut groups = Vec::new();
+    for &n in view.tree.dfs_order() {
+        let kv = view.node_kv(n);
+        let queries = view.tree.queries_through(n);
+        if kv.is_empty() || queries.is_empty() {
+            continue;
+        }
+        let pieces = match chunk {
+            None => vec![vec![kv]],
+            Some(c) => split_ranges(&[kv], c),
+        };
+        groups.extend(
+            pieces
+                .into_iter()
+                .map(|kv| Group::unmasked(kv, queries.to_vec())),
+        );
+    }
+    groups
+}
+
+/// A run of one node's live tokens in the flattened order.
+struct Segment<'t> {
+    kv: Range<u32>,
+    queries: &'t [u32],
+}
+
+fn deft_flatten(view: &TreeView, block: u32, query_chunk: Option<u32>) -> Vec<Group> {
+    // Live tokens only: KV no query can see (pruned branches still in the cache) is skipped.
+    let segments: Vec<Segment> = view
+        .tree
+        .dfs_order()
+        .iter()
+        .map(|&n| Segment {
+            kv: view.node_kv(n),
+            queries: view.tree.queries_through(n),
+        })
+        .filter(|s| !s.kv.is_empty() && !s.queries.is_empty())
+        .collect();
+    let mut groups = Vec::new();
+    let mut start = 0usize; // index of the first segment of the current block
+    let mut offset = 0u32; // tokens of segments[start] already used
+    while start < segments.len() {
+        // Take up to `block` tokens as (segment index, range) pieces.
+        let mut pieces: Vec<(usize, Range<u32>)> = Vec::new();
+        let mut room = block.max(1);
+        while room > 0 && start < segments.len() {
+            let s = &segments[start];
+            let lo = s.kv.start + offset;
+            let take = room.min(s.kv.end - lo);
+            pieces.push((start, lo..lo + take));
+            room -= take;
+            offset += take;
+            if lo + take == s.kv.end {
+                start += 1;
+                offset = 0;
+            }
+        }
+        let mut queries: Vec<u32> = pieces
+            .iter()
+            .flat_map(|(s, _)| segments[*s].queries.iter().copied())
+            .collect();
+        queries.sort_unstable();
+        queries.dedup();
+        let chunk = query_chunk.map_or(queries.len(), |c| c.max(1) as usize);
+        for qs in queries.chunks(chunk) {
+            groups.extend(masked_group(&segments, &pieces, qs));
+        }
+    }
+    groups
+}
+
+/// The group of `pieces` seen by `queries`, with a per-token mask unless all see all.
+fn masked_group(
+    segments: &[Segment],
+    pieces: &[(usize, Range<u32>)],
+    queries: &[u32],
+) -> Option<Group> {
+    let words = queries.len().div_ceil(64);
+    let mut kv = Vec::new();
+    let mut mask = Vec::new();
+    let mut all_visible = true;
+    for (s, range) in pieces {
+        let mut bits = vec![0u64; words];
+        for (j, q) in queries.iter().enumerate() {
+            if segments[*s].queries.binary_search(q).is_ok() {
+                bits[j / 64] |= 1 << (j % 64);
+            } else {
+                all_visible = false;
+            }
+        }
+        if bits.iter().all(|&b| b == 0) {
+            continue;
+        }
+        kv.push(range.clone());
+        for _ in range.clone() {
+            mask.extend_from_slice(&bits);
+        }
+    }
+    if kv.is_empty() {
+        return None;
+    }
+    Some(Group {
+        kv,
+        queries: queries.to_vec(),
+        mask: (!all_visible).then_some(mask),
+    })
+}
+
+fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group> {
+    let tree = view.tree;
+    let gqa = shape.group_size();
+    let padded_rows = |queries: usize| (queries * gqa).div_ceil(p.tile_q) * p.tile_q;
+    let padded_tokens = |t: u64| t.div_ceil(p.tile_kv as u64) * p.tile_kv as u64;
+    // Cost of one group of `t` tokens and `q` queries, counting its partial rows.
+    let group_cost = |t: u64, q: usize| -> f64 {
+        if q == 0 || t == 0 {
+            return 0.0;
+        }
+        let t = padded_tokens(t) as f64;
+        p.alpha * padded_rows(q) as f64 * t + p.beta * t + p.gamma * q as f64
+    };
+
+    // Top-down (BFS order = parents first): each node receives the ranges its ancestors pushed
+    // down, adds its own, and decides per child edge whether to push the total into the child.
+    let mut inherited: Vec<Vec<Range<u32>>> = vec![Vec::new(); tree.nodes().len()];
+    let mut order: Vec<u32> = tree.roots().to_vec();
+    let mut groups = Vec::new();
+    let mut i = 0;
+    while i < order.len() {
+        let n = order[i];
+        i += 1;
+        let node = tree.node(n);
+        order.extend(&node.children);
+        let mut total = std::mem::take(&mut inherited[n as usize]);
+        let own = view.node_kv(n);
+        if !own.is_empty() {
+            total.push(own);
+        }
+        let t: u64 = total.iter().map(|r| (r.end - r.start) as u64).sum();
+        let through = tree.queries_through(n);
+        if t == 0 || through.is_empty() {
+            continue;
+        }
+        // Queries that stay in this node's group; children are pushed greedily, best first.
+        let mut stay: Vec<u32> = through.to_vec();
+        let mut children: Vec<(f64, u32)> = node
+            .children
+            .iter()
+            .map(|&c| {
+                let qc = tree.queries_through(c).len();
+                let push = p.alpha * padded_rows(qc) as f64 * padded_tokens(t) as f64
+                    + p.beta * padded_tokens(t) as f64;
+                (push - p.gamma * qc as f64, c)
+            })
+            .filter(|(_, c)| !tree.queries_through(*c).is_empty())
+            .collect();
+        children.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (_, c) in children {
+            let qc = tree.queries_through(c);
+            let remaining: Vec<u32> = stay
+                .iter()
+                .copied()
+                .filter(|q| qc.binary_search(q).is_err())
+                .collect();
+            let before = group_cost(t, stay.len());
+            let after = group_cost(t, remaining.len())
+                + p.alpha * padded_rows(qc.len()) as f64 * padded_tokens(t) as f64
+                + p.beta * padded_tokens(t) as f64
+                - p.gamma * qc.len() as f64;
+            if after < before {
+                inherited[c as usize] = total.clone();
+                stay = remaining;
+            }
+        }
+        if !stay.is_empty() {
+            groups.push(Group::unmasked(total, stay));
+        }
+    }
+    split_long_groups(groups, shape.kv_heads, p)
+}
+
+/// FastTree's long-context splitting: when groups × KV heads cannot fill the GPU, cut the
+/// groups into chunks so that there are about `min_parallelism` of them.
+fn split_long_groups(groups: Vec<Group>, kv_heads: usize, p: &FastTreeParams) -> Vec<Group> {
+    if groups.len() * kv_heads >= p.min_parallelism || groups.is_empty() {
+        return groups;
+    }
+    let total: u64 = groups.iter().map(|g| g.tokens() as u64).sum();
+    let want = p.min_parallelism.div_ceil(kv_heads) as u64;
+    let chunk = (total.div_ceil(want) as u32).max(p.min_split_tokens);
+    groups
+        .into_iter()
+        .flat_map(|g| {
+            let queries = g.queries;
+            split_ranges(&g.kv, chunk)
+                .into_iter()
+                .map(move |kv| Group::unmasked(kv, queries.clone()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::{shard_tree, Shard};
+    use crate::tree::TreeBuilder;
+
+    fn fork() -> crate::tree::KvTree {
+        let mut b = TreeBuilder::new();
+        let root = b.add_root(300);
+        for _ in 0..4 {
+            let c = b.add_child(root, 20).unwrap();
+            b.add_query(c).unwrap();
+        }
+        b.build().unwrap()
+    }
+
+    #[test]
+    fn every_method_covers_every_context_on_every_shard() {
+        let t = fork();
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        for ranks in 1..=3 {
+            for shard in shard_tree(&t, ranks).unwrap() {
+                let view = TreeView::new(&t, &shard);
+                for m in Method::ALL {
+                    let plan = plan(&view, m, &shape, &PlannerConfig::default()).unwrap();
+                    plan.check_coverage(|q| view.query_context(q))
+                        .unwrap_or_else(|e| panic!("{m} p={ranks}: {e}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shared_prefix_is_read_once_by_deft_and_per_query_by_q_guided() {
+        let t = fork();
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let io = |m| {
+            plan(&view, m, &shape, &PlannerConfig::default())
+                .unwrap()
+                .io(&shape, crate::DType::F16)
+        };
+        assert_eq!(io(Method::DeftFlatten).kv_tokens_read, 380);
+        assert_eq!(io(Method::DeftNode).kv_tokens_read, 380);
+        assert_eq!(io(Method::QGuided).kv_tokens_read, 4 * 320);
+    }
+
+    #[test]
+    fn flatten_masks_only_mixed_blocks() {
+        let t = fork();
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let p = plan(
+            &view,
+            Method::DeftFlatten,
+            &shape,
+            &PlannerConfig::default(),
+        )
+        .unwrap();
+        // Blocks 0 and 1 are pure root tokens (all queries, no mask); block 2 mixes the root tail
+        // with the four children.
+        assert!(p.groups()[0].mask.is_none());
+        assert!(p.groups()[2].mask.is_some());
+        assert_eq!(p.groups().len(), 3);
+    }
+
+    #[test]
+    fn fasttree_splits_a_lone_long_sequence() {
+        let mut b = TreeBuilder::new();
+        let r = b.add_root(100_000);
+        b.add_query(r).unwrap();
+        let t = b.build().unwrap();
+        let shape = AttnShape::new(16, 16, 128).unwrap();
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let p = plan(&view, Method::FastTree, &shape, &PlannerConfig::default()).unwrap();
+        assert!(p.groups().len() * 16 >= 264, "{} groups", p.groups().len());
+        p.check_coverage(|q| view.query_context(q)).unwrap();
+    }
+
+    #[test]
+    fn method_names_round_trip() {
+        for m in Method::ALL {
+            assert_eq!(m.name().parse::<Method>().unwrap(), m);
+        }
+        assert_eq!(Method::parse_list("all").unwrap().len(), 5);
+        assert!("radix".parse::<Method>().is_err());
+    }
+}

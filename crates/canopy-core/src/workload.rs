@@ -1,0 +1,473 @@
+//! Benchmark workloads by name (`../shared/workloads.md`), defined as TOML under
+//! `configs/workloads/` and embedded in the binary, plus any TOML file a user writes.
+//!
+//! A workload is a tree generator (long sequences, FastTree's level arrays, DeFT's few-shot,
+//! tree-of-thought and speculative token trees, or an explicit list of named nodes) and a
+//! default attention shape and dtype.
+
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::shape::AttnShape;
+use crate::tree::{KvTree, NamedNode, NodeId, TreeBuilder};
+use serde::Deserialize;
+
+/// The workloads shipped in `configs/workloads/`, by name.
+const BUILTIN: &[(&str, &str)] = &[
+    ("long", include_str!("../../../configs/workloads/long.toml")),
+    (
+        "fasttree-0",
+        include_str!("../../../configs/workloads/fasttree-0.toml"),
+    ),
+    (
+        "fasttree-1",
+        include_str!("../../../configs/workloads/fasttree-1.toml"),
+    ),
+    (
+        "fasttree-2",
+        include_str!("../../../configs/workloads/fasttree-2.toml"),
+    ),
+    (
+        "fasttree-3",
+        include_str!("../../../configs/workloads/fasttree-3.toml"),
+    ),
+    (
+        "fasttree-4",
+        include_str!("../../../configs/workloads/fasttree-4.toml"),
+    ),
+    (
+        "fasttree-5",
+        include_str!("../../../configs/workloads/fasttree-5.toml"),
+    ),
+    (
+        "fasttree-6",
+        include_str!("../../../configs/workloads/fasttree-6.toml"),
+    ),
+    (
+        "fasttree-7",
+        include_str!("../../../configs/workloads/fasttree-7.toml"),
+    ),
+    (
+        "fasttree-8",
+        include_str!("../../../configs/workloads/fasttree-8.toml"),
+    ),
+    (
+        "fasttree-9",
+        include_str!("../../../configs/workloads/fasttree-9.toml"),
+    ),
+    (
+        "few-shot-b20",
+        include_str!("../../../configs/workloads/few-shot-b20.toml"),
+    ),
+    (
+        "few-shot-b30",
+        include_str!("../../../configs/workloads/few-shot-b30.toml"),
+    ),
+    (
+        "few-shot-b50",
+        include_str!("../../../configs/workloads/few-shot-b50.toml"),
+    ),
+    (
+        "tot-sorting",
+        include_str!("../../../configs/workloads/tot-sorting.toml"),
+    ),
+    (
+        "tot-document",
+        include_str!("../../../configs/workloads/tot-document.toml"),
+    ),
+    (
+        "tot-keyword",
+        include_str!("../../../configs/workloads/tot-keyword.toml"),
+    ),
+    (
+        "tot-set",
+        include_str!("../../../configs/workloads/tot-set.toml"),
+    ),
+    (
+        "spec-t32",
+        include_str!("../../../configs/workloads/spec-t32.toml"),
+    ),
+    (
+        "spec-t64",
+        include_str!("../../../configs/workloads/spec-t64.toml"),
+    ),
+    (
+        "spec-t128",
+        include_str!("../../../configs/workloads/spec-t128.toml"),
+    ),
+    (
+        "spec-t256",
+        include_str!("../../../configs/workloads/spec-t256.toml"),
+    ),
+];
+
+/// Names of the built-in workloads.
+pub fn builtin_names() -> Vec<&'static str> {
+    BUILTIN.iter().map(|(n, _)| *n).collect()
+}
+
+/// How a workload's tree is generated.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum TreeSpec {
+    /// `batch` independent sequences of `seq_len` tokens, one decode query each.
+    Long {
+        seq_len: u32,
+        #[serde(default = "one")]
+        batch: u32,
+    },
+    /// FastTree's benchmark trees: nodes and tokens per level, children spread evenly.
+    Fasttree {
+        nodes_per_level: Vec<u32>,
+        tokens_per_level: Vec<u32>,
+    },
+    /// DeFT few-shot: a prompt with `branches` children of `generated` tokens, a query on each.
+    FewShot {
+        prompt: u32,
+        branches: u32,
+        generated: u32,
+    },
+    /// DeFT tree-of-thought (breadth-first): at each of `depth` levels the selected node gets
+    /// `width` thoughts of `thought` tokens; the last level's thoughts are live.
+    Tot {
+        prompt: u32,
+        width: u32,
+        depth: u32,
+        thought: u32,
+    },
+    /// DeFT speculative decoding: a sequence of `prompt` tokens under a token tree of `tokens`
+    /// query tokens and `depth` levels (wide at depth 1, narrowing below).
+    Spec {
+        prompt: u32,
+        tokens: u32,
+        depth: u32,
+    },
+    /// A user's tree of named nodes.
+    Explicit { nodes: Vec<NamedNode> },
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ShapeSpec {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    #[serde(default)]
+    scale: Option<f32>,
+    #[serde(default)]
+    dtype: Option<DType>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkloadFile {
+    #[serde(default)]
+    description: String,
+    shape: ShapeSpec,
+    tree: TreeSpec,
+}
+
+/// A workload definition before generation (overrides still apply).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkloadSpec {
+    pub name: String,
+    pub description: String,
+    pub shape: AttnShape,
+    pub dtype: DType,
+    pub tree: TreeSpec,
+}
+
+/// Command-line overrides of a workload's sizes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Overrides {
+    pub seq_len: Option<u32>,
+    pub batch: Option<u32>,
+    pub prompt_len: Option<u32>,
+}
+
+impl WorkloadSpec {
+    /// A built-in workload by name, or a TOML file by path.
+    pub fn load(name_or_path: &str) -> Result<WorkloadSpec> {
+        if let Some((name, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+            return Self::parse(name, text);
+        }
+        let path = std::path::Path::new(name_or_path);
+        if path.extension().is_some_and(|e| e == "toml") || path.exists() {
+            let text = std::fs::read_to_string(path).map_err(|e| CoreError::WorkloadFile {
+                path: name_or_path.into(),
+                reason: e.to_string(),
+            })?;
+            let name = path.file_stem().map_or(name_or_path.to_string(), |s| {
+                s.to_string_lossy().into_owned()
+            });
+            return Self::parse(&name, &text);
+        }
+        Err(CoreError::UnknownWorkload {
+            name: name_or_path.into(),
+            known: builtin_names().join(", "),
+        })
+    }
+
+    /// Parses a workload TOML document.
+    pub fn parse(name: &str, text: &str) -> Result<WorkloadSpec> {
+        let file: WorkloadFile =
+            toml::from_str(text).map_err(|e| CoreError::Workload(format!("{name}: {e}")))?;
+        let shape = AttnShape {
+            q_heads: file.shape.q_heads,
+            kv_heads: file.shape.kv_heads,
+            head_dim: file.shape.head_dim,
+            scale: file.shape.scale,
+        };
+        shape.validate()?;
+        Ok(WorkloadSpec {
+            name: name.to_string(),
+            description: file.description,
+            shape,
+            dtype: file.shape.dtype.unwrap_or(DType::F16),
+            tree: file.tree,
+        })
+    }
+
+    /// Applies size overrides (`--seq-len`, `--batch`, `--prompt-len`) where they make sense.
+    pub fn with_overrides(mut self, o: Overrides) -> Result<WorkloadSpec> {
+        match &mut self.tree {
+            TreeSpec::Long { seq_len, batch } => {
+                *seq_len = o.seq_len.unwrap_or(*seq_len);
+                *batch = o.batch.unwrap_or(*batch);
+            }
+            TreeSpec::FewShot { prompt, .. }
+            | TreeSpec::Tot { prompt, .. }
+            | TreeSpec::Spec { prompt, .. } => {
+                *prompt = o.prompt_len.unwrap_or(*prompt);
+            }
+            _ => {}
+        }
+        let applies_seq = matches!(self.tree, TreeSpec::Long { .. });
+        if !applies_seq && (o.seq_len.is_some() || o.batch.is_some()) {
+            return Err(CoreError::Workload(format!(
+                "--seq-len and --batch apply to the `long` workload, not `{}`",
+                self.name
+            )));
+        }
+        let has_prompt = matches!(
+            self.tree,
+            TreeSpec::FewShot { .. } | TreeSpec::Tot { .. } | TreeSpec::Spec { .. }
+        );
+        if !has_prompt && o.prompt_len.is_some() {
+            return Err(CoreError::Workload(format!(
+                "--prompt-len applies to few-shot, tot and spec workloads, not `{}`",
+                self.name
+            )));
+        }
+        Ok(self)
+    }
+
+    /// Generates the tree.
+    pub fn build_tree(&self) -> Result<KvTree> {
+        build_tree(&self.tree)
+    }
+}
+
+fn positive(name: &str, v: u32) -> Result<u32> {
+    if v == 0 {
+        Err(CoreError::Workload(format!("`{name}` must be at least 1")))
+    } else {
+        Ok(v)
+    }
+}
+
+/// Hangs `count` children under `parents`, child `j` under `parents[j * len / count]`.
+fn spread_level(
+    b: &mut TreeBuilder,
+    parents: &[NodeId],
+    count: u32,
+    tokens: u32,
+) -> Result<Vec<NodeId>> {
+    (0..count as usize)
+        .map(|j| match parents {
+            [] => Ok(b.add_root(tokens)),
+            _ => b.add_child(parents[j * parents.len() / count as usize], tokens),
+        })
+        .collect()
+}
+
+pub fn build_tree(spec: &TreeSpec) -> Result<KvTree> {
+    let mut b = TreeBuilder::new();
+    match spec {
+        TreeSpec::Long { seq_len, batch } => {
+            let len = positive("seq_len", *seq_len)?;
+            for _ in 0..positive("batch", *batch)? {
+                let r = b.add_root(len);
+                b.add_query(r)?;
+            }
+        }
+        TreeSpec::Fasttree {
+            nodes_per_level,
+            tokens_per_level,
+        } => {
+            if nodes_per_level.len() != tokens_per_level.len() || nodes_per_level.is_empty() {
+                return Err(CoreError::Workload(
+                    "nodes_per_level and tokens_per_level must be non-empty and of equal length"
+                        .into(),
+                ));
+            }
+            let mut level = Vec::new();
+            for (&n, &c) in nodes_per_level.iter().zip(tokens_per_level) {
+                level = spread_level(
+                    &mut b,
+                    &level,
+                    positive("nodes_per_level", n)?,
+                    positive("tokens_per_level", c)?,
+                )?;
+            }
+            for &leaf in &level {
+                b.add_query(leaf)?;
+            }
+        }
+        TreeSpec::FewShot {
+            prompt,
+            branches,
+            generated,
+        } => {
+            let root = b.add_root(positive("prompt", *prompt)?);
+            for _ in 0..positive("branches", *branches)? {
+                let c = b.add_child(root, positive("generated", *generated)?)?;
+                b.add_query(c)?;
+            }
+        }
+        TreeSpec::Tot {
+            prompt,
+            width,
+            depth,
+            thought,
+        } => {
+            let mut selected = b.add_root(positive("prompt", *prompt)?);
+            let mut live = Vec::new();
+            for _ in 0..positive("depth", *depth)? {
+                live = (0..positive("width", *width)?)
+                    .map(|_| b.add_child(selected, positive("thought", *thought)?))
+                    .collect::<Result<_>>()?;
+                selected = live[0];
+            }
+            for &n in &live {
+                b.add_query(n)?;
+            }
+        }
+        TreeSpec::Spec {
+            prompt,
+            tokens,
+            depth,
+        } => {
+            let root = b.add_root(positive("prompt", *prompt)?);
+            let depth = positive("depth", *depth)?;
+            if *tokens < depth {
+                return Err(CoreError::Workload(format!(
+                    "a token tree of depth {depth} needs at least {depth} tokens"
+                )));
+            }
+            // Level i gets weight depth - i: wide at depth 1, narrowing below.
+            let weights: Vec<u32> = (0..depth).map(|i| depth - i).collect();
+            let total: u32 = weights.iter().sum();
+            let mut sizes: Vec<u32> = weights
+                .iter()
+                .map(|w| (tokens * w / total).max(1))
+                .collect();
+            let assigned: u32 = sizes.iter().sum();
+            sizes[0] = (sizes[0] + tokens).saturating_sub(assigned).max(1);
+            let mut level = vec![root];
+            for &count in &sizes {
+                level = spread_level(&mut b, &level, count, 1)?;
+                for &n in &level {
+                    b.add_query(n)?;
+                }
+            }
+        }
+        TreeSpec::Explicit { nodes } => {
+            let tree = KvTree::from_named(nodes)?;
+            if tree.num_queries() == 0 {
+                return Err(CoreError::Workload(
+                    "the tree has no queries; set `queries = 1` on live leaves".into(),
+                ));
+            }
+            return Ok(tree);
+        }
+    }
+    b.build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_parses_and_builds() {
+        for name in builtin_names() {
+            let spec = WorkloadSpec::load(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let tree = spec.build_tree().unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(tree.num_queries() > 0, "{name}");
+        }
+    }
+
+    #[test]
+    fn fasttree_sizes_match_the_peer_table() {
+        // Tree tokens as listed in shared/peers.md.
+        for (name, tokens, requests) in [
+            ("fasttree-0", 2568, 64),
+            ("fasttree-4", 34816, 1024),
+            ("fasttree-7", 278816, 1024),
+            ("fasttree-9", 20464, 1024),
+        ] {
+            let t = WorkloadSpec::load(name).unwrap().build_tree().unwrap();
+            assert_eq!(
+                (t.total_tokens(), t.num_queries()),
+                (tokens, requests),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn spec_tree_has_requested_tokens_and_depth() {
+        let spec = WorkloadSpec::load("spec-t64")
+            .unwrap()
+            .with_overrides(Overrides {
+                prompt_len: Some(100),
+                ..Default::default()
+            })
+            .unwrap();
+        let t = spec.build_tree().unwrap();
+        assert_eq!(t.num_queries(), 64);
+        assert_eq!(t.total_tokens(), 164);
+        assert!(t.nodes().iter().all(|n| n.depth <= 4));
+    }
+
+    #[test]
+    fn unknown_names_and_misapplied_overrides_are_clear() {
+        let e = WorkloadSpec::load("fasttree-99").unwrap_err().to_string();
+        assert!(
+            e.contains("unknown workload") && e.contains("fasttree-4"),
+            "{e}"
+        );
+        let e = WorkloadSpec::load("fasttree-1")
+            .unwrap()
+            .with_overrides(Overrides {
+                seq_len: Some(5),
+                ..Default::default()
+            });
+        assert!(e.unwrap_err().to_string().contains("--seq-len"));
+    }
+
+    #[test]
+    fn bad_toml_is_reported_with_its_name() {
+        let e = WorkloadSpec::parse("mine", "[shape]\nq_heads = 30\nkv_heads = 8\nhead_dim = 128\n[tree]\nkind = \"long\"\nseq_len = 4\n");
+        assert!(e.unwrap_err().to_string().contains("multiple"));
+        let e = WorkloadSpec::parse(
+            "mine",
+            "[shape]\nq_heads = 8\nkv_heads = 8\nhead_dim = 128\n[tree]\nkind = \"forest\"\n",
+        );
+        assert!(e.unwrap_err().to_string().contains("mine"));
+    }
+}
