@@ -1,0 +1,362 @@
+//! Ranks as threads of one process.
+
+use crate::{Collective, CommError, Element, ReduceOp, Result, Traffic};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Why the world was aborted, and by whom.
+#[derive(Debug, Clone)]
+struct Abort {
+    by: usize,
+    reason: String,
+}
+
+#[derive(Debug, Default)]
+struct BarrierState {
+    arrived: usize,
+    generation: u64,
+    abort: Option<Abort>,
+}
+
+/// State shared by every rank of a [`ThreadWorld`].
+struct Shared {
+    size: usize,
+    timeout: Duration,
+    barrier: Mutex<BarrierState>,
+    wake: Condvar,
+    /// One staging slot per rank for all-reduce / all-gather.
+    slots: Vec<Mutex<Vec<u8>>>,
+    /// `links[src][dst]`: the sender for messages from `src` to `dst`, and its receiver.
+    senders: Vec<Vec<Sender<Vec<u8>>>>,
+    receivers: Vec<Vec<Mutex<Receiver<Vec<u8>>>>>,
+}
+
+/// A world of ranks that are threads of this process.
+pub struct ThreadWorld;
+
+impl ThreadWorld {
+    /// Runs `f` on `size` ranks, each on its own thread with its own [`ThreadComm`], and
+    /// returns each rank's result in rank order. A rank whose `f` fails aborts the world so
+    /// that its peers' pending collectives fail instead of waiting out the timeout.
+    pub fn run<T, E, F>(size: usize, timeout: Duration, f: F) -> Vec<std::result::Result<T, E>>
+    where
+        T: Send,
+        E: Send + std::fmt::Display,
+        F: Fn(ThreadComm) -> std::result::Result<T, E> + Sync,
+    {
+        let shared = Arc::new(Shared::new(size, timeout));
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..size)
+                .map(|rank| {
+                    let comm = ThreadComm { rank, shared: shared.clone(), bytes: AtomicU64::new(0), calls: AtomicU64::new(0) };
+                    let f = &f;
+                    let shared = shared.clone();
+                    scope.spawn(move || {
+                        let result = f(comm);
+                        if let Err(e) = &result {
+                            shared.abort(rank, e.to_string());
+                        }
+                        result
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| match h.join() {
+                    Ok(r) => r,
+                    Err(panic) => {
+                        shared.abort(rank, "the rank's thread panicked".into());
+                        std::panic::resume_unwind(panic)
+                    }
+                })
+                .collect()
+        })
+    }
+}
+
+impl Shared {
+    fn new(size: usize, timeout: Duration) -> Self {
+        // senders[src][dst] pairs with receivers[dst][src].
+        let mut senders: Vec<Vec<Sender<Vec<u8>>>> = (0..size).map(|_| Vec::with_capacity(size)).collect();
+        let mut by_dst: Vec<Vec<Option<Mutex<Receiver<Vec<u8>>>>>> =
+            (0..size).map(|_| (0..size).map(|_| None).collect()).collect();
+        for (src, row) in senders.iter_mut().enumerate() {
+            for dst_row in by_dst.iter_mut() {
+                let (tx, rx) = channel();
+                row.push(tx);
+                dst_row[src] = Some(Mutex::new(rx));
+            }
+        }
+        let receivers = by_dst.into_iter().map(|row| row.into_iter().flatten().collect()).collect();
+        Shared {
+            size,
+            timeout,
+            barrier: Mutex::new(BarrierState::default()),
+            wake: Condvar::new(),
+            slots: (0..size).map(|_| Mutex::new(Vec::new())).collect(),
+            senders,
+            receivers,
+        }
+    }
+
+    fn abort(&self, by: usize, reason: String) {
+        let mut st = self.barrier.lock().unwrap_or_else(|p| p.into_inner());
+        st.abort.get_or_insert(Abort { by, reason });
+        self.wake.notify_all();
+    }
+
+    fn aborted(&self) -> Option<Abort> {
+        self.barrier.lock().unwrap_or_else(|p| p.into_inner()).abort.clone()
+    }
+}
+
+/// One rank's handle on a [`ThreadWorld`].
+pub struct ThreadComm {
+    rank: usize,
+    shared: Arc<Shared>,
+    bytes: AtomicU64,
+    calls: AtomicU64,
+}
+
+impl ThreadComm {
+    fn aborted_err(&self, op: &'static str, a: Abort) -> CommError {
+        CommError::Aborted { rank: self.rank, op, by: a.by, reason: a.reason }
+    }
+
+    fn count(&self, bytes: u64) {
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn wait_all(&self, op: &'static str) -> Result<()> {
+        let sh = &self.shared;
+        let deadline = Instant::now() + sh.timeout;
+        let mut st = sh.barrier.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = st.abort.clone() {
+            return Err(self.aborted_err(op, a));
+        }
+        let generation = st.generation;
+        st.arrived += 1;
+        if st.arrived == sh.size {
+            st.arrived = 0;
+            st.generation += 1;
+            sh.wake.notify_all();
+            return Ok(());
+        }
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout { rank: self.rank, op, secs: sh.timeout.as_secs_f64() });
+            }
+            st = sh.wake.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            if st.generation != generation {
+                return Ok(());
+            }
+            if let Some(a) = st.abort.clone() {
+                return Err(self.aborted_err(op, a));
+            }
+        }
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer >= self.shared.size {
+            return Err(CommError::BadPeer { rank: self.rank, peer, size: self.shared.size });
+        }
+        Ok(())
+    }
+
+    fn stage<T: Element>(&self, data: &[T]) {
+        let mut slot = self.shared.slots[self.rank].lock().unwrap_or_else(|p| p.into_inner());
+        slot.clear();
+        slot.extend_from_slice(bytemuck::cast_slice(data));
+    }
+}
+
+impl Collective for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let p = self.shared.size as u64;
+        self.stage(buf);
+        self.wait_all("all_reduce")?;
+        for (r, slot) in self.shared.slots.iter().enumerate() {
+            let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.len() != std::mem::size_of_val(buf) {
+                let detail = format!("rank {r} sent {} bytes, this rank {}", slot.len(), std::mem::size_of_val(buf));
+                drop(slot);
+                self.shared.abort(self.rank, "all_reduce size mismatch".into());
+                return Err(CommError::SizeMismatch { rank: self.rank, op: "all_reduce", detail });
+            }
+            let theirs: Vec<T> = bytemuck::pod_collect_to_vec(&slot);
+            if r == 0 {
+                buf.copy_from_slice(&theirs);
+            } else {
+                buf.iter_mut().zip(theirs).for_each(|(a, b)| *a = T::reduce(*a, b, op));
+            }
+        }
+        self.wait_all("all_reduce")?;
+        self.count(2 * (p - 1) * std::mem::size_of_val(buf) as u64 / p);
+        Ok(())
+    }
+
+    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let p = self.shared.size;
+        if recv.len() != send.len() * p {
+            let detail = format!("recv holds {} elements, needs {} x {p}", recv.len(), send.len());
+            return Err(CommError::SizeMismatch { rank: self.rank, op: "all_gather", detail });
+        }
+        self.stage(send);
+        self.wait_all("all_gather")?;
+        for (r, chunk) in recv.chunks_mut(send.len().max(1)).enumerate().take(p) {
+            let slot = self.shared.slots[r].lock().unwrap_or_else(|p| p.into_inner());
+            if slot.len() != std::mem::size_of_val(chunk) {
+                let detail = format!("rank {r} sent {} bytes, expected {}", slot.len(), std::mem::size_of_val(chunk));
+                return Err(CommError::SizeMismatch { rank: self.rank, op: "all_gather", detail });
+            }
+            chunk.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&slot));
+        }
+        self.wait_all("all_gather")?;
+        self.count(std::mem::size_of_val(recv) as u64 * (p as u64 - 1) / p as u64);
+        Ok(())
+    }
+
+    fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.check_peer(peer)?;
+        if let Some(a) = self.shared.aborted() {
+            return Err(self.aborted_err("send", a));
+        }
+        // The receiver lives as long as the world, so a send cannot fail while ranks run.
+        let _ = self.shared.senders[self.rank][peer].send(bytemuck::cast_slice(buf).to_vec());
+        self.count(std::mem::size_of_val(buf) as u64);
+        Ok(())
+    }
+
+    fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.check_peer(peer)?;
+        let rx = self.shared.receivers[self.rank][peer].lock().unwrap_or_else(|p| p.into_inner());
+        let deadline = Instant::now() + self.shared.timeout;
+        // Poll in short slices so an abort elsewhere is noticed quickly.
+        let msg = loop {
+            if let Some(a) = self.shared.aborted() {
+                return Err(self.aborted_err("recv", a));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout { rank: self.rank, op: "recv", secs: self.shared.timeout.as_secs_f64() });
+            }
+            match rx.recv_timeout((deadline - now).min(Duration::from_millis(20))) {
+                Ok(m) => break m,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => unreachable!("senders live as long as the world"),
+            }
+        };
+        if msg.len() != std::mem::size_of_val(buf) {
+            let detail = format!("peer {peer} sent {} bytes, expected {}", msg.len(), std::mem::size_of_val(buf));
+            return Err(CommError::SizeMismatch { rank: self.rank, op: "recv", detail });
+        }
+        buf.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&msg));
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.wait_all("barrier")
+    }
+
+    fn traffic(&self) -> Traffic {
+        Traffic { bytes: self.bytes.load(Ordering::Relaxed), calls: self.calls.load(Ordering::Relaxed) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn all_reduce_sums_and_maxes_in_rank_order() {
+        let out = ThreadWorld::run(4, T, |c| {
+            let mut s = vec![c.rank() as f32 + 1.0; 3];
+            c.all_reduce(&mut s, ReduceOp::Sum)?;
+            let mut m = vec![c.rank() as f32, -(c.rank() as f32)];
+            c.all_reduce(&mut m, ReduceOp::Max)?;
+            Ok::<_, CommError>((s, m, c.traffic()))
+        });
+        for r in out {
+            let (s, m, t) = r.unwrap();
+            assert_eq!(s, vec![10.0; 3]);
+            assert_eq!(m, vec![3.0, 0.0]);
+            assert_eq!(t.calls, 2);
+            assert_eq!(t.bytes, 2 * 3 * 12 / 4 + 2 * 3 * 8 / 4);
+        }
+    }
+
+    #[test]
+    fn all_gather_and_ring_send_recv() {
+        let out = ThreadWorld::run(3, T, |c| {
+            let mut all = vec![0.0f32; 6];
+            c.all_gather(&[c.rank() as f32, 10.0 + c.rank() as f32], &mut all)?;
+            let next = (c.rank() + 1) % 3;
+            let prev = (c.rank() + 2) % 3;
+            c.send(&[c.rank() as u8; 5], next)?;
+            let mut got = [0u8; 5];
+            c.recv(&mut got, prev)?;
+            Ok::<_, CommError>((all, got))
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            let (all, got) = res.unwrap();
+            assert_eq!(all, vec![0.0, 10.0, 1.0, 11.0, 2.0, 12.0]);
+            assert_eq!(got, [((r + 2) % 3) as u8; 5]);
+        }
+    }
+
+    #[test]
+    fn a_failing_rank_aborts_its_peers_quickly() {
+        let start = Instant::now();
+        let out = ThreadWorld::run(3, Duration::from_secs(30), |c| {
+            if c.rank() == 1 {
+                return Err("rank 1 lost its GPU".to_string());
+            }
+            let mut x = [1.0f32];
+            c.all_reduce(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            Ok(())
+        });
+        assert!(start.elapsed() < Duration::from_secs(5));
+        for (r, res) in out.iter().enumerate() {
+            let e = res.as_ref().unwrap_err();
+            if r != 1 {
+                assert!(e.contains("because rank 1 failed") && e.contains("lost its GPU"), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_peer_times_out() {
+        let out = ThreadWorld::run(2, Duration::from_millis(200), |c| {
+            if c.rank() == 0 {
+                let mut x = [0u8; 1];
+                c.recv(&mut x, 1)?; // rank 1 never sends
+            }
+            Ok::<_, CommError>(())
+        });
+        assert!(matches!(out[0], Err(CommError::Timeout { rank: 0, op: "recv", .. })));
+    }
+
+    #[test]
+    fn mismatched_sizes_are_errors_not_garbage() {
+        let out = ThreadWorld::run(2, T, |c| {
+            let mut x = vec![1.0f32; 1 + c.rank()];
+            c.all_reduce(&mut x, ReduceOp::Sum)
+        });
+        assert!(out.iter().any(|r| matches!(r, Err(CommError::SizeMismatch { .. }))));
+    }
+}
