@@ -22,13 +22,30 @@ use thiserror::Error;
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum CommError {
     #[error("rank {rank}: {op} timed out after {secs:.1} s waiting for its peers; a peer may have died or hung (raise --timeout if the work is just slow)")]
-    Timeout { rank: usize, op: &'static str, secs: f64 },
+    Timeout {
+        rank: usize,
+        op: &'static str,
+        secs: f64,
+    },
     #[error("rank {rank}: {op} aborted because rank {by} failed: {reason}")]
-    Aborted { rank: usize, op: &'static str, by: usize, reason: String },
+    Aborted {
+        rank: usize,
+        op: &'static str,
+        by: usize,
+        reason: String,
+    },
     #[error("rank {rank}: {op} got buffers of different sizes ({detail})")]
-    SizeMismatch { rank: usize, op: &'static str, detail: String },
+    SizeMismatch {
+        rank: usize,
+        op: &'static str,
+        detail: String,
+    },
     #[error("rank {rank}: peer {peer} is out of range for a world of {size} ranks")]
-    BadPeer { rank: usize, peer: usize, size: usize },
+    BadPeer {
+        rank: usize,
+        peer: usize,
+        size: usize,
+    },
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;

@@ -50,7 +50,12 @@ impl ThreadWorld {
         std::thread::scope(|scope| {
             let handles: Vec<_> = (0..size)
                 .map(|rank| {
-                    let comm = ThreadComm { rank, shared: shared.clone(), bytes: AtomicU64::new(0), calls: AtomicU64::new(0) };
+                    let comm = ThreadComm {
+                        rank,
+                        shared: shared.clone(),
+                        bytes: AtomicU64::new(0),
+                        calls: AtomicU64::new(0),
+                    };
                     let f = &f;
                     let shared = shared.clone();
                     scope.spawn(move || {
@@ -80,9 +85,11 @@ impl ThreadWorld {
 impl Shared {
     fn new(size: usize, timeout: Duration) -> Self {
         // senders[src][dst] pairs with receivers[dst][src].
-        let mut senders: Vec<Vec<Sender<Vec<u8>>>> = (0..size).map(|_| Vec::with_capacity(size)).collect();
-        let mut by_dst: Vec<Vec<Option<Mutex<Receiver<Vec<u8>>>>>> =
-            (0..size).map(|_| (0..size).map(|_| None).collect()).collect();
+        let mut senders: Vec<Vec<Sender<Vec<u8>>>> =
+            (0..size).map(|_| Vec::with_capacity(size)).collect();
+        let mut by_dst: Vec<Vec<Option<Mutex<Receiver<Vec<u8>>>>>> = (0..size)
+            .map(|_| (0..size).map(|_| None).collect())
+            .collect();
         for (src, row) in senders.iter_mut().enumerate() {
             for dst_row in by_dst.iter_mut() {
                 let (tx, rx) = channel();
@@ -90,7 +97,10 @@ impl Shared {
                 dst_row[src] = Some(Mutex::new(rx));
             }
         }
-        let receivers = by_dst.into_iter().map(|row| row.into_iter().flatten().collect()).collect();
+        let receivers = by_dst
+            .into_iter()
+            .map(|row| row.into_iter().flatten().collect())
+            .collect();
         Shared {
             size,
             timeout,
@@ -109,7 +119,11 @@ impl Shared {
     }
 
     fn aborted(&self) -> Option<Abort> {
-        self.barrier.lock().unwrap_or_else(|p| p.into_inner()).abort.clone()
+        self.barrier
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .abort
+            .clone()
     }
 }
 
@@ -123,7 +137,12 @@ pub struct ThreadComm {
 
 impl ThreadComm {
     fn aborted_err(&self, op: &'static str, a: Abort) -> CommError {
-        CommError::Aborted { rank: self.rank, op, by: a.by, reason: a.reason }
+        CommError::Aborted {
+            rank: self.rank,
+            op,
+            by: a.by,
+            reason: a.reason,
+        }
     }
 
     fn count(&self, bytes: u64) {
@@ -149,9 +168,17 @@ impl ThreadComm {
         loop {
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::Timeout { rank: self.rank, op, secs: sh.timeout.as_secs_f64() });
+                return Err(CommError::Timeout {
+                    rank: self.rank,
+                    op,
+                    secs: sh.timeout.as_secs_f64(),
+                });
             }
-            st = sh.wake.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = sh
+                .wake
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
             if st.generation != generation {
                 return Ok(());
             }
@@ -163,13 +190,19 @@ impl ThreadComm {
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         if peer >= self.shared.size {
-            return Err(CommError::BadPeer { rank: self.rank, peer, size: self.shared.size });
+            return Err(CommError::BadPeer {
+                rank: self.rank,
+                peer,
+                size: self.shared.size,
+            });
         }
         Ok(())
     }
 
     fn stage<T: Element>(&self, data: &[T]) {
-        let mut slot = self.shared.slots[self.rank].lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.shared.slots[self.rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         slot.clear();
         slot.extend_from_slice(bytemuck::cast_slice(data));
     }
@@ -191,16 +224,27 @@ impl Collective for ThreadComm {
         for (r, slot) in self.shared.slots.iter().enumerate() {
             let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
             if slot.len() != std::mem::size_of_val(buf) {
-                let detail = format!("rank {r} sent {} bytes, this rank {}", slot.len(), std::mem::size_of_val(buf));
+                let detail = format!(
+                    "rank {r} sent {} bytes, this rank {}",
+                    slot.len(),
+                    std::mem::size_of_val(buf)
+                );
                 drop(slot);
-                self.shared.abort(self.rank, "all_reduce size mismatch".into());
-                return Err(CommError::SizeMismatch { rank: self.rank, op: "all_reduce", detail });
+                self.shared
+                    .abort(self.rank, "all_reduce size mismatch".into());
+                return Err(CommError::SizeMismatch {
+                    rank: self.rank,
+                    op: "all_reduce",
+                    detail,
+                });
             }
             let theirs: Vec<T> = bytemuck::pod_collect_to_vec(&slot);
             if r == 0 {
                 buf.copy_from_slice(&theirs);
             } else {
-                buf.iter_mut().zip(theirs).for_each(|(a, b)| *a = T::reduce(*a, b, op));
+                buf.iter_mut()
+                    .zip(theirs)
+                    .for_each(|(a, b)| *a = T::reduce(*a, b, op));
             }
         }
         self.wait_all("all_reduce")?;
@@ -211,16 +255,34 @@ impl Collective for ThreadComm {
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let p = self.shared.size;
         if recv.len() != send.len() * p {
-            let detail = format!("recv holds {} elements, needs {} x {p}", recv.len(), send.len());
-            return Err(CommError::SizeMismatch { rank: self.rank, op: "all_gather", detail });
+            let detail = format!(
+                "recv holds {} elements, needs {} x {p}",
+                recv.len(),
+                send.len()
+            );
+            return Err(CommError::SizeMismatch {
+                rank: self.rank,
+                op: "all_gather",
+                detail,
+            });
         }
         self.stage(send);
         self.wait_all("all_gather")?;
         for (r, chunk) in recv.chunks_mut(send.len().max(1)).enumerate().take(p) {
-            let slot = self.shared.slots[r].lock().unwrap_or_else(|p| p.into_inner());
+            let slot = self.shared.slots[r]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             if slot.len() != std::mem::size_of_val(chunk) {
-                let detail = format!("rank {r} sent {} bytes, expected {}", slot.len(), std::mem::size_of_val(chunk));
-                return Err(CommError::SizeMismatch { rank: self.rank, op: "all_gather", detail });
+                let detail = format!(
+                    "rank {r} sent {} bytes, expected {}",
+                    slot.len(),
+                    std::mem::size_of_val(chunk)
+                );
+                return Err(CommError::SizeMismatch {
+                    rank: self.rank,
+                    op: "all_gather",
+                    detail,
+                });
             }
             chunk.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&slot));
         }
@@ -242,7 +304,9 @@ impl Collective for ThreadComm {
 
     fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
         self.check_peer(peer)?;
-        let rx = self.shared.receivers[self.rank][peer].lock().unwrap_or_else(|p| p.into_inner());
+        let rx = self.shared.receivers[self.rank][peer]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let deadline = Instant::now() + self.shared.timeout;
         // Poll in short slices so an abort elsewhere is noticed quickly.
         let msg = loop {
@@ -251,17 +315,31 @@ impl Collective for ThreadComm {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::Timeout { rank: self.rank, op: "recv", secs: self.shared.timeout.as_secs_f64() });
+                return Err(CommError::Timeout {
+                    rank: self.rank,
+                    op: "recv",
+                    secs: self.shared.timeout.as_secs_f64(),
+                });
             }
             match rx.recv_timeout((deadline - now).min(Duration::from_millis(20))) {
                 Ok(m) => break m,
                 Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => unreachable!("senders live as long as the world"),
+                Err(RecvTimeoutError::Disconnected) => {
+                    unreachable!("senders live as long as the world")
+                }
             }
         };
         if msg.len() != std::mem::size_of_val(buf) {
-            let detail = format!("peer {peer} sent {} bytes, expected {}", msg.len(), std::mem::size_of_val(buf));
-            return Err(CommError::SizeMismatch { rank: self.rank, op: "recv", detail });
+            let detail = format!(
+                "peer {peer} sent {} bytes, expected {}",
+                msg.len(),
+                std::mem::size_of_val(buf)
+            );
+            return Err(CommError::SizeMismatch {
+                rank: self.rank,
+                op: "recv",
+                detail,
+            });
         }
         buf.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&msg));
         Ok(())
@@ -272,7 +350,10 @@ impl Collective for ThreadComm {
     }
 
     fn traffic(&self) -> Traffic {
-        Traffic { bytes: self.bytes.load(Ordering::Relaxed), calls: self.calls.load(Ordering::Relaxed) }
+        Traffic {
+            bytes: self.bytes.load(Ordering::Relaxed),
+            calls: self.calls.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -327,14 +408,18 @@ mod tests {
                 return Err("rank 1 lost its GPU".to_string());
             }
             let mut x = [1.0f32];
-            c.all_reduce(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            c.all_reduce(&mut x, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
             Ok(())
         });
         assert!(start.elapsed() < Duration::from_secs(5));
         for (r, res) in out.iter().enumerate() {
             let e = res.as_ref().unwrap_err();
             if r != 1 {
-                assert!(e.contains("because rank 1 failed") && e.contains("lost its GPU"), "{e}");
+                assert!(
+                    e.contains("because rank 1 failed") && e.contains("lost its GPU"),
+                    "{e}"
+                );
             }
         }
     }
@@ -348,7 +433,14 @@ mod tests {
             }
             Ok::<_, CommError>(())
         });
-        assert!(matches!(out[0], Err(CommError::Timeout { rank: 0, op: "recv", .. })));
+        assert!(matches!(
+            out[0],
+            Err(CommError::Timeout {
+                rank: 0,
+                op: "recv",
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -357,6 +449,8 @@ mod tests {
             let mut x = vec![1.0f32; 1 + c.rank()];
             c.all_reduce(&mut x, ReduceOp::Sum)
         });
-        assert!(out.iter().any(|r| matches!(r, Err(CommError::SizeMismatch { .. }))));
+        assert!(out
+            .iter()
+            .any(|r| matches!(r, Err(CommError::SizeMismatch { .. }))));
     }
 }

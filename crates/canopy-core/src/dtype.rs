@@ -167,6 +167,15 @@ impl TypedVec {
         self.as_bytes_mut()[offset * width..offset * width + bytes.len()].copy_from_slice(bytes);
     }
 
+    /// A copy of elements `range`.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> TypedVec {
+        match self {
+            TypedVec::F32(v) => TypedVec::F32(v[range].to_vec()),
+            TypedVec::F16(v) => TypedVec::F16(v[range].to_vec()),
+            TypedVec::Bf16(v) => TypedVec::Bf16(v[range].to_vec()),
+        }
+    }
+
     pub fn to_f32_vec(&self) -> Vec<f32> {
         match self {
             TypedVec::F32(v) => v.clone(),

@@ -28,4 +28,4 @@ pub use planner::{plan, FastTreeParams, Method, PlannerConfig};
 pub use shape::AttnShape;
 pub use shard::{shard_tree, Shard, TreeView};
 pub use tree::{KvTree, NamedNode, NodeId, TreeBuilder};
-pub use workload::{builtin_names, Overrides, TreeSpec, WorkloadSpec};
+pub use workload::{builtin_names, random_tree, Overrides, TreeSpec, WorkloadSpec};

@@ -1,1 +1,22 @@
-//! placeholder
+//! # canopy-engine
+//!
+//! Executes plans on a [`Backend`] and runs decode steps across ranks.
+//!
+//! - [`backend`]: the trait every executor implements; [`cpu::CpuBackend`] is the reference
+//!   executor (and the oracle of every GPU test).
+//! - [`merge`]: the cross-rank Tree Attention merges (`allreduce3`, `allreduce2`, `allgather`).
+//! - [`strategy`]: the per-rank decode loop for the tree and ring strategies, generic over the
+//!   transport ([`canopy_comm::Collective`]), and the thread-per-rank driver.
+
+pub mod backend;
+pub mod conformance;
+pub mod cpu;
+mod error;
+pub mod merge;
+pub mod strategy;
+
+pub use backend::{Backend, HostKv};
+pub use cpu::CpuBackend;
+pub use error::{EngineError, Result};
+pub use merge::{merge_across, MergeCollective};
+pub use strategy::{rank_main, run_threads, Problem, RankResult, RunConfig, RunReport, Strategy};

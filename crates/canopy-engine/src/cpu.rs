@@ -1,0 +1,196 @@
+//! The CPU backend: executes any plan with the blocked f32 flash-decoding kernel of
+//! `canopy_core::math`, groups in parallel on rayon. It is the oracle every GPU test compares
+//! against (beside the f64 reference) and the backend of CPU-only machines and CI.
+
+use crate::backend::{Backend, HostKv};
+use crate::{EngineError, Result};
+use canopy_core::math::group_partial;
+use canopy_core::{AttnShape, AttnStates, DType, KvElement, Plan, TypedVec};
+use rayon::prelude::*;
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+pub struct CpuKv {
+    shape: AttnShape,
+    tokens: usize,
+    pub k: TypedVec,
+    pub v: TypedVec,
+}
+
+pub struct CpuQueries {
+    shape: AttnShape,
+    q: Vec<f32>,
+}
+
+impl HostKv for CpuKv {
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    fn bytes(&self, tokens: usize) -> (&[u8], &[u8]) {
+        let n = tokens * self.shape.kv_token_elems() * self.k.dtype().size_bytes();
+        (&self.k.as_bytes()[..n], &self.v.as_bytes()[..n])
+    }
+
+    fn bytes_mut(&mut self, tokens: usize) -> (&mut [u8], &mut [u8]) {
+        let n = tokens * self.shape.kv_token_elems() * self.k.dtype().size_bytes();
+        (
+            &mut self.k.as_bytes_mut()[..n],
+            &mut self.v.as_bytes_mut()[..n],
+        )
+    }
+}
+
+fn err(message: String) -> EngineError {
+    EngineError::Backend {
+        backend: "cpu",
+        message,
+    }
+}
+
+impl Backend for CpuBackend {
+    type Kv = CpuKv;
+    type Queries = CpuQueries;
+    type Plan = Plan;
+    type States = AttnStates;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<CpuKv> {
+        let n = tokens * shape.kv_token_elems();
+        Ok(CpuKv {
+            shape: *shape,
+            tokens,
+            k: TypedVec::zeros(dtype, n),
+            v: TypedVec::zeros(dtype, n),
+        })
+    }
+
+    fn write_kv(&self, kv: &mut CpuKv, start: usize, k: &TypedVec, v: &TypedVec) -> Result<()> {
+        let per = kv.shape.kv_token_elems();
+        if k.dtype() != kv.k.dtype()
+            || v.dtype() != kv.k.dtype()
+            || k.len() != v.len()
+            || k.len() % per != 0
+        {
+            return Err(err(format!(
+                "write_kv wants whole tokens of {} (got K {} x {}, V {} x {})",
+                kv.k.dtype(),
+                k.len(),
+                k.dtype(),
+                v.len(),
+                v.dtype()
+            )));
+        }
+        if start + k.len() / per > kv.tokens {
+            return Err(err(format!(
+                "write_kv past the end: {} + {} > {} tokens",
+                start,
+                k.len() / per,
+                kv.tokens
+            )));
+        }
+        kv.k.copy_from(start * per, k);
+        kv.v.copy_from(start * per, v);
+        Ok(())
+    }
+
+    fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> Result<CpuQueries> {
+        if q.len() % shape.q_row_elems() != 0 {
+            return Err(err(format!(
+                "{} query elements are not whole rows of {}",
+                q.len(),
+                shape.q_row_elems()
+            )));
+        }
+        Ok(CpuQueries {
+            shape: *shape,
+            q: q.to_vec(),
+        })
+    }
+
+    fn upload_plan(&self, plan: &Plan) -> Result<Plan> {
+        Ok(plan.clone())
+    }
+
+    fn run_plan(&self, kv: &CpuKv, q: &CpuQueries, plan: &Plan) -> Result<AttnStates> {
+        let shape = &q.shape;
+        if q.q.len() / shape.q_row_elems() < plan.num_queries() {
+            return Err(err(format!(
+                "the plan has {} queries but {} were uploaded",
+                plan.num_queries(),
+                q.q.len() / shape.q_row_elems()
+            )));
+        }
+        if let Some(g) = plan
+            .groups()
+            .iter()
+            .find(|g| g.kv.iter().any(|r| r.end as usize > kv.tokens))
+        {
+            return Err(err(format!(
+                "a group reads {:?}, beyond the {} stored tokens",
+                g.kv, kv.tokens
+            )));
+        }
+        let (h, d) = (shape.q_heads, shape.head_dim);
+        let mut out = AttnStates::poisoned(plan.num_partial_rows(), h, d);
+        // Carve the output into each group's rows so groups run in parallel without locks.
+        let mut work = Vec::with_capacity(plan.groups().len());
+        let (mut o_rest, mut lse_rest) = (out.o.as_mut_slice(), out.lse.as_mut_slice());
+        for g in plan.groups() {
+            let rows = g.queries.len();
+            let (o, o_tail) = std::mem::take(&mut o_rest).split_at_mut(rows * h * d);
+            let (lse, lse_tail) = std::mem::take(&mut lse_rest).split_at_mut(rows * h);
+            o_rest = o_tail;
+            lse_rest = lse_tail;
+            work.push((g, o, lse));
+        }
+        fn run<E: KvElement>(
+            shape: &AttnShape,
+            q: &[f32],
+            k: &[E],
+            v: &[E],
+            work: Vec<(&canopy_core::Group, &mut [f32], &mut [f32])>,
+        ) {
+            work.into_par_iter()
+                .for_each(|(g, o, lse)| group_partial(shape, g, q, k, v, o, lse));
+        }
+        match (&kv.k, &kv.v) {
+            (TypedVec::F32(k), TypedVec::F32(v)) => run(shape, &q.q, k, v, work),
+            (TypedVec::F16(k), TypedVec::F16(v)) => run(shape, &q.q, k, v, work),
+            (TypedVec::Bf16(k), TypedVec::Bf16(v)) => run(shape, &q.q, k, v, work),
+            _ => return Err(err("K and V dtypes differ".into())),
+        }
+        Ok(out)
+    }
+
+    fn merge(&self, partials: &AttnStates, plan: &Plan) -> Result<AttnStates> {
+        let (h, d) = (partials.heads, partials.head_dim);
+        let mut out = AttnStates::empty(plan.num_queries(), h, d);
+        out.o
+            .par_chunks_mut(h * d)
+            .zip(out.lse.par_chunks_mut(h))
+            .enumerate()
+            .for_each(|(qi, (o, lse))| {
+                for &row in plan.rows_of(qi) {
+                    let r = row as usize;
+                    for head in 0..h {
+                        canopy_core::merge_state(
+                            &mut o[head * d..(head + 1) * d],
+                            &mut lse[head],
+                            partials.o_of(r, head),
+                            partials.lse[r * h + head],
+                        );
+                    }
+                }
+            });
+        Ok(out)
+    }
+
+    fn download(&self, states: &AttnStates) -> Result<AttnStates> {
+        Ok(states.clone())
+    }
+}

@@ -1,0 +1,294 @@
+//! Distributed decode over `p` ranks: **tree** (local partials, then a cross-rank merge) and
+//! **ring** (KV blocks travel around the ring, each rank folding every block into its own
+//! queries' states). The per-rank logic ([`rank_main`]) is written against [`Collective`], so
+//! the same code runs on threads of one process and, later, under `mpirun`.
+
+use crate::backend::{Backend, HostKv};
+use crate::merge::{merge_across, MergeCollective};
+use crate::{EngineError, Result};
+use canopy_comm::{Collective, ThreadWorld};
+use canopy_core::{
+    plan, reference_attention, relative_error, shard_tree, AttnShape, AttnStates, DType, KvTree,
+    Method, Plan, PlannerConfig, ProblemData, Shard, TreeView, TypedVec,
+};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// How ranks combine their shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Strategy {
+    Tree(MergeCollective),
+    Ring,
+}
+
+impl Strategy {
+    pub fn name(&self) -> String {
+        match self {
+            Strategy::Tree(c) => format!("tree/{}", c.name()),
+            Strategy::Ring => "ring".into(),
+        }
+    }
+}
+
+/// An attention problem: a tree, its shape and dtype, and its data.
+#[derive(Debug, Clone)]
+pub struct Problem {
+    pub tree: KvTree,
+    pub shape: AttnShape,
+    pub dtype: DType,
+    pub data: ProblemData,
+}
+
+impl Problem {
+    /// Fresh random data for `tree`.
+    pub fn random(tree: KvTree, shape: AttnShape, dtype: DType, seed: u64) -> Problem {
+        let data = ProblemData::random(
+            &shape,
+            dtype,
+            tree.num_queries(),
+            tree.total_tokens() as usize,
+            seed,
+        );
+        Problem {
+            tree,
+            shape,
+            dtype,
+            data,
+        }
+    }
+
+    /// The f64 oracle's outputs.
+    pub fn oracle(&self) -> Vec<f64> {
+        reference_attention(
+            &self.tree,
+            &self.shape,
+            &self.data.q,
+            &self.data.k.to_f32_vec(),
+            &self.data.v.to_f32_vec(),
+        )
+        .0
+    }
+
+    /// K and V bytes of one token.
+    pub fn kv_token_bytes(&self) -> u64 {
+        2 * (self.shape.kv_token_elems() * self.dtype.size_bytes()) as u64
+    }
+
+    /// This shard's K and V, copied into compact storage (windows back to back).
+    fn shard_kv(&self, shard: &Shard) -> (TypedVec, TypedVec) {
+        let per = self.shape.kv_token_elems();
+        let mut k = TypedVec::zeros(self.dtype, shard.tokens() as usize * per);
+        let mut v = k.clone();
+        let mut at = 0;
+        for w in &shard.windows {
+            let (s, e) = (w.start as usize * per, w.end as usize * per);
+            k.copy_from(at, &self.data.k.slice(s..e));
+            v.copy_from(at, &self.data.v.slice(s..e));
+            at += e - s;
+        }
+        (k, v)
+    }
+}
+
+/// Everything a distributed run needs besides the problem.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub ranks: usize,
+    pub strategy: Strategy,
+    pub method: Method,
+    pub planner: PlannerConfig,
+    pub warmup: usize,
+    pub iters: usize,
+    pub timeout: Duration,
+}
+
+/// What one rank measured and produced.
+#[derive(Debug, Clone)]
+pub struct RankResult {
+    /// Seconds per decode step (barrier to barrier).
+    pub latencies: Vec<f64>,
+    pub output: AttnStates,
+    pub kv_bytes: u64,
+    /// Bytes this rank communicated per step.
+    pub comm_bytes_per_step: u64,
+}
+
+/// The outcome of a distributed run, gathered from all ranks.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    pub strategy: String,
+    pub ranks: usize,
+    pub latencies_s: Vec<f64>,
+    pub kv_bytes_per_rank: u64,
+    pub comm_bytes_per_rank: u64,
+    /// Largest relative error of any rank's output against the f64 oracle, when computed.
+    pub rel_error: Option<f64>,
+    /// Largest relative difference between any rank's output and rank 0's.
+    pub rank_spread: f64,
+    #[serde(skip)]
+    pub output: AttnStates,
+}
+
+/// Plans `shard` and rewrites it to the rank's compact addresses.
+fn local_plan(problem: &Problem, shard: &Shard, cfg: &RunConfig) -> Result<Plan> {
+    let view = TreeView::new(&problem.tree, shard);
+    Ok(shard.localize(&plan(&view, cfg.method, &problem.shape, &cfg.planner)?))
+}
+
+/// One rank's whole run: load its shard, plan, warm up, then time `iters` decode steps.
+pub fn rank_main<B, C>(
+    problem: &Problem,
+    cfg: &RunConfig,
+    backend: &B,
+    comm: &C,
+) -> Result<RankResult>
+where
+    B: Backend,
+    B::Kv: HostKv,
+    C: Collective,
+{
+    let (rank, p) = (comm.rank(), comm.size());
+    let shards = shard_tree(&problem.tree, p)?;
+    let shape = &problem.shape;
+    let q = backend.upload_queries(shape, &problem.data.q)?;
+    let max_tokens = shards.iter().map(|s| s.tokens()).max().unwrap_or(0) as usize;
+    let mut own = backend.alloc_kv(shape, problem.dtype, shards[rank].tokens() as usize)?;
+    let (k, v) = problem.shard_kv(&shards[rank]);
+    backend.write_kv(&mut own, 0, &k, &v)?;
+    drop((k, v));
+
+    let mut step: Box<dyn FnMut() -> Result<AttnStates> + '_> = match cfg.strategy {
+        Strategy::Tree(how) => {
+            let plan = backend.upload_plan(&local_plan(problem, &shards[rank], cfg)?)?;
+            Box::new(move || {
+                let partials = backend.run_plan(&own, &q, &plan)?;
+                let mut states = backend.download(&backend.merge(&partials, &plan)?)?;
+                merge_across(&mut states, comm, how)?;
+                Ok(states)
+            })
+        }
+        Strategy::Ring => {
+            let plans = shards
+                .iter()
+                .map(|s| backend.upload_plan(&local_plan(problem, s, cfg)?))
+                .collect::<Result<Vec<_>>>()?;
+            let tokens: Vec<usize> = shards.iter().map(|s| s.tokens() as usize).collect();
+            let mut bufs = [
+                backend.alloc_kv(shape, problem.dtype, max_tokens)?,
+                backend.alloc_kv(shape, problem.dtype, max_tokens)?,
+            ];
+            let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+            Box::new(move || {
+                let mut acc =
+                    AttnStates::empty(problem.tree.num_queries(), shape.q_heads, shape.head_dim);
+                for s in 0..p {
+                    let src = (rank + p - s) % p; // whose shard this rank holds at step s
+                    let (cur, spare): (&B::Kv, &mut B::Kv) = match s {
+                        0 => (&own, &mut bufs[0]),
+                        _ => {
+                            let [a, b] = &mut bufs;
+                            if s % 2 == 1 {
+                                (&*a, b)
+                            } else {
+                                (&*b, a)
+                            }
+                        }
+                    };
+                    // Post the send first so the transfer overlaps this step's compute.
+                    if s + 1 < p {
+                        let (k, v) = cur.bytes(tokens[src]);
+                        comm.send(k, next)?;
+                        comm.send(v, next)?;
+                    }
+                    let partials = backend.run_plan(cur, &q, &plans[src])?;
+                    acc.merge_from(&backend.download(&backend.merge(&partials, &plans[src])?)?);
+                    if s + 1 < p {
+                        let from = (src + p - 1) % p;
+                        let (k, v) = spare.bytes_mut(tokens[from]);
+                        comm.recv(k, prev)?;
+                        comm.recv(v, prev)?;
+                    }
+                }
+                Ok(acc)
+            })
+        }
+    };
+
+    for _ in 0..cfg.warmup {
+        step()?;
+    }
+    let traffic_before = comm.traffic().bytes;
+    let mut latencies = Vec::with_capacity(cfg.iters);
+    let mut output = None;
+    for _ in 0..cfg.iters.max(1) {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        let out = step()?;
+        comm.barrier()?;
+        latencies.push(t0.elapsed().as_secs_f64());
+        output = Some(out);
+    }
+    let barrier_free = comm.traffic().bytes - traffic_before;
+    Ok(RankResult {
+        latencies,
+        output: output.expect("at least one iteration"),
+        kv_bytes: shards[rank].tokens() as u64 * problem.kv_token_bytes(),
+        comm_bytes_per_step: barrier_free / cfg.iters.max(1) as u64,
+    })
+}
+
+/// Runs `cfg.ranks` ranks as threads of this process, each with a backend from `make`.
+pub fn run_threads<B, F>(
+    problem: &Problem,
+    cfg: &RunConfig,
+    oracle: Option<&[f64]>,
+    make: F,
+) -> Result<RunReport>
+where
+    B: Backend,
+    B::Kv: HostKv,
+    F: Fn(usize) -> Result<B> + Sync,
+{
+    if cfg.ranks == 0 {
+        return Err(EngineError::Config("--ranks must be at least 1".into()));
+    }
+    let results = ThreadWorld::run(cfg.ranks, cfg.timeout, |comm| {
+        let backend = make(comm.rank())?;
+        rank_main(problem, cfg, &backend, &comm)
+    });
+    let results = results.into_iter().collect::<Result<Vec<_>>>()?;
+    Ok(report(cfg, results, oracle))
+}
+
+/// Gathers the ranks' results into one report.
+pub fn report(cfg: &RunConfig, results: Vec<RankResult>, oracle: Option<&[f64]>) -> RunReport {
+    let base: Vec<f64> = results[0].output.o.iter().map(|&x| x as f64).collect();
+    let rank_spread = results
+        .iter()
+        .map(|r| relative_error(&r.output.o, &base))
+        .fold(0.0, f64::max);
+    let rel_error = oracle.map(|want| {
+        results
+            .iter()
+            .map(|r| relative_error(&r.output.o, want))
+            .fold(0.0, f64::max)
+    });
+    RunReport {
+        strategy: cfg.strategy.name(),
+        ranks: cfg.ranks,
+        latencies_s: results[0].latencies.clone(),
+        kv_bytes_per_rank: results.iter().map(|r| r.kv_bytes).max().unwrap_or(0),
+        comm_bytes_per_rank: results
+            .iter()
+            .map(|r| r.comm_bytes_per_step)
+            .max()
+            .unwrap_or(0),
+        rel_error,
+        rank_spread,
+        output: results
+            .into_iter()
+            .next()
+            .expect("one rank at least")
+            .output,
+    }
+}

@@ -1,0 +1,126 @@
+//! Property tests: random trees × GQA shapes × every planner × every strategy on up to eight
+//! simulated ranks against the f64 oracle; planner coverage and IO; merge algebra.
+
+use canopy_core::{
+    merge_state, plan, random_tree, relative_error, shard_tree, AttnShape, DType, Method,
+    PlannerConfig, Shard, TreeView, EMPTY_LSE,
+};
+use canopy_engine::{
+    run_threads, CpuBackend, MergeCollective, Problem, RunConfig, Strategy as Decode,
+};
+use proptest::prelude::*;
+use std::time::Duration;
+
+fn shapes() -> impl Strategy<Value = AttnShape> {
+    prop_oneof![
+        Just(AttnShape::new(4, 4, 64).unwrap()),
+        Just(AttnShape::new(8, 2, 64).unwrap()),
+        Just(AttnShape::new(4, 1, 128).unwrap()),
+        Just(AttnShape::new(2, 2, 256).unwrap()),
+    ]
+}
+
+fn dtypes() -> impl Strategy<Value = DType> {
+    prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::F16)]
+}
+
+fn strategies() -> [Decode; 4] {
+    [
+        Decode::Tree(MergeCollective::Allreduce3),
+        Decode::Tree(MergeCollective::Allreduce2),
+        Decode::Tree(MergeCollective::Allgather),
+        Decode::Ring,
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_planner_and_strategy_matches_the_oracle(
+        seed in any::<u64>(), ranks in 1usize..=8, shape in shapes(), dtype in dtypes(),
+    ) {
+        let tree = random_tree(seed, 16, 40);
+        let problem = Problem::random(tree, shape, dtype, seed);
+        let oracle = problem.oracle();
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        for method in Method::ALL {
+            for strategy in strategies() {
+                let cfg = RunConfig {
+                    ranks, strategy, method, planner: PlannerConfig::default(),
+                    warmup: 0, iters: 1, timeout: Duration::from_secs(60),
+                };
+                let r = run_threads(&problem, &cfg, Some(&oracle), |_| Ok(CpuBackend)).unwrap();
+                let err = r.rel_error.unwrap();
+                prop_assert!(err < tol, "{method} {} p={ranks}: rel error {err}", strategy.name());
+                prop_assert!(r.output.o.iter().chain(&r.output.lse).all(|x| !x.is_nan()), "NaN output");
+                prop_assert!(r.rank_spread < 1e-6, "ranks disagree by {}", r.rank_spread);
+            }
+        }
+    }
+
+    #[test]
+    fn every_planner_covers_each_context_exactly_once(
+        seed in any::<u64>(), ranks in 1usize..=8, block in 1u32..200, chunk in 1u32..300,
+    ) {
+        let tree = random_tree(seed, 40, 64);
+        let shape = AttnShape::new(8, 2, 128).unwrap();
+        let cfg = PlannerConfig { flatten_block: block, node_chunk: chunk, q_guided_chunk: chunk,
+            flatten_query_chunk: (seed % 3 == 0).then_some(1 + (seed % 7) as u32), ..PlannerConfig::default() };
+        for shard in shard_tree(&tree, ranks).unwrap() {
+            let view = TreeView::new(&tree, &shard);
+            for method in Method::ALL {
+                let p = plan(&view, method, &shape, &cfg).unwrap();
+                if let Err(e) = p.check_coverage(|q| view.query_context(q)) {
+                    return Err(TestCaseError::fail(format!("{method} rank {}: {e}", shard.rank)));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn deft_reads_live_tokens_once_and_q_guided_reads_every_path(seed in any::<u64>()) {
+        let tree = random_tree(seed, 40, 64);
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let shard = Shard::whole(&tree);
+        let view = TreeView::new(&tree, &shard);
+        let cfg = PlannerConfig::default();
+        let live: u64 = tree.nodes().iter().enumerate()
+            .filter(|(i, _)| !tree.queries_through(*i as u32).is_empty())
+            .map(|(_, n)| n.len() as u64).sum();
+        let paths: u64 = (0..tree.num_queries() as u32).map(|q| tree.query_context_len(q)).sum();
+        let token_bytes = 2 * 8 * 128 * 2;
+        for (method, want) in [(Method::DeftFlatten, live), (Method::DeftNode, live), (Method::DeftNodeChunk, live), (Method::QGuided, paths)] {
+            let io = plan(&view, method, &shape, &cfg).unwrap().io(&shape, DType::F16);
+            prop_assert_eq!(io.kv_tokens_read, want, "{}", method);
+            prop_assert_eq!(io.kv_bytes, want * token_bytes);
+        }
+    }
+
+    #[test]
+    fn merge_is_associative_and_empty_is_identity(
+        a in prop::collection::vec(-3.0f32..3.0, 8), b in prop::collection::vec(-3.0f32..3.0, 8),
+        c in prop::collection::vec(-3.0f32..3.0, 8), l in prop::collection::vec(-20.0f32..20.0, 3),
+        empties in prop::collection::vec(any::<bool>(), 3),
+    ) {
+        let lse: Vec<f32> = l.iter().zip(&empties).map(|(&x, &e)| if e { EMPTY_LSE } else { x }).collect();
+        // The empty partial is canonical: o = 0 with lse = -inf.
+        let st = |o: &[f32], l: f32| (if l == EMPTY_LSE { vec![0.0; o.len()] } else { o.to_vec() }, l);
+        let merge = |(mut o, mut l): (Vec<f32>, f32), (o2, l2): (Vec<f32>, f32)| { merge_state(&mut o, &mut l, &o2, l2); (o, l) };
+        let (a, b, c) = (st(&a, lse[0]), st(&b, lse[1]), st(&c, lse[2]));
+        let left = merge(merge(a.clone(), b.clone()), c.clone());
+        let right = merge(a.clone(), merge(b.clone(), c.clone()));
+        prop_assert!(!left.1.is_nan() && left.0.iter().all(|x| !x.is_nan()));
+        if left.1 == EMPTY_LSE {
+            prop_assert_eq!(right.1, EMPTY_LSE);
+        } else {
+            prop_assert!((left.1 - right.1).abs() <= 1e-5 * left.1.abs().max(1.0));
+            let want: Vec<f64> = right.0.iter().map(|&x| x as f64).collect();
+            prop_assert!(relative_error(&left.0, &want) < 1e-5 || want.iter().all(|&x| x.abs() < 1e-6));
+        }
+        let empty = (vec![0.0; 8], EMPTY_LSE);
+        let with_empty = merge(a.clone(), empty.clone());
+        prop_assert_eq!(&with_empty, &a.clone());
+        prop_assert_eq!(merge(empty, a.clone()), a);
+    }
+}
