@@ -1,1 +1,62 @@
-fn main() {}
+//! `canopy`: the command-line front of canopy.
+//!
+//! - `canopy info`: what this machine has (CPU, GPUs, driver, NVRTC, NCCL, MPI).
+//! - `canopy bench attention`: sequence-sharded decode attention, tree vs ring, on p ranks.
+//! - `canopy plan`: how each planner groups a workload's tree, and what it reads.
+//! - `canopy selftest`: the backend conformance suite against the f64 oracle.
+//!
+//! Errors go to stderr with a non-zero exit; `--json` prints one JSON document instead of the
+//! table, with the same fields.
+
+mod bench;
+mod info;
+mod plan_cmd;
+mod table;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "canopy",
+    version,
+    about = "Decode attention over very long and prefix-shared contexts on many GPUs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the CPU, GPUs, driver, NVRTC, NCCL and MPI this machine has.
+    Info(info::InfoArgs),
+    /// Run benchmarks.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Plan a workload with one or all methods and report groups, IO and balance.
+    Plan(plan_cmd::PlanArgs),
+    /// Run the backend conformance suite against the f64 oracle.
+    Selftest(bench::SelftestArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info(a) => info::run(a),
+        Command::Bench(b) => bench::run(b),
+        Command::Plan(a) => plan_cmd::run(a),
+        Command::Selftest(a) => bench::selftest(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

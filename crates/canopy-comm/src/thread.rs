@@ -20,6 +20,9 @@ struct BarrierState {
     abort: Option<Abort>,
 }
 
+/// One direction of a point-to-point link: the receiving end, shared behind a lock.
+type Inbox = Mutex<Receiver<Vec<u8>>>;
+
 /// State shared by every rank of a [`ThreadWorld`].
 struct Shared {
     size: usize,
@@ -30,7 +33,7 @@ struct Shared {
     slots: Vec<Mutex<Vec<u8>>>,
     /// `links[src][dst]`: the sender for messages from `src` to `dst`, and its receiver.
     senders: Vec<Vec<Sender<Vec<u8>>>>,
-    receivers: Vec<Vec<Mutex<Receiver<Vec<u8>>>>>,
+    receivers: Vec<Vec<Inbox>>,
 }
 
 /// A world of ranks that are threads of this process.
@@ -87,7 +90,7 @@ impl Shared {
         // senders[src][dst] pairs with receivers[dst][src].
         let mut senders: Vec<Vec<Sender<Vec<u8>>>> =
             (0..size).map(|_| Vec::with_capacity(size)).collect();
-        let mut by_dst: Vec<Vec<Option<Mutex<Receiver<Vec<u8>>>>>> = (0..size)
+        let mut by_dst: Vec<Vec<Option<Inbox>>> = (0..size)
             .map(|_| (0..size).map(|_| None).collect())
             .collect();
         for (src, row) in senders.iter_mut().enumerate() {

@@ -30,6 +30,7 @@ pub enum Method {
     DeftNode,
     DeftNodeChunk,
     DeftFlatten,
+    #[serde(rename = "fasttree")]
     FastTree,
 }
 

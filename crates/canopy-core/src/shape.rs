@@ -37,7 +37,7 @@ impl AttnShape {
                 self.q_heads, self.kv_heads
             )));
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(CoreError::Shape(format!(
                 "query heads ({}) must be a multiple of KV heads ({}) for grouped-query attention",
                 self.q_heads, self.kv_heads

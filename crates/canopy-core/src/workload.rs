@@ -398,6 +398,49 @@ pub fn build_tree(spec: &TreeSpec) -> Result<KvTree> {
     b.build()
 }
 
+/// A random tree for property and conformance tests: forests, deep chains, single-token
+/// nodes, wide fans, queries on internal nodes (token trees) and dead leaves (pruned branches
+/// still in the cache) all occur. Always has at least one query.
+pub fn random_tree(seed: u64, max_nodes: usize, max_tokens: u32) -> KvTree {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let nodes = rng.gen_range(1..=max_nodes.max(1));
+    let chain = rng.gen_bool(0.2);
+    let mut b = TreeBuilder::new();
+    let mut ids: Vec<NodeId> = Vec::new();
+    for i in 0..nodes {
+        let tokens = if rng.gen_bool(0.3) {
+            1
+        } else {
+            rng.gen_range(1..=max_tokens.max(1))
+        };
+        let id = if i == 0 || rng.gen_bool(0.05) {
+            b.add_root(tokens)
+        } else {
+            let parent = if chain {
+                ids[i - 1]
+            } else {
+                ids[rng.gen_range(0..ids.len())]
+            };
+            b.add_child(parent, tokens).expect("parent exists")
+        };
+        ids.push(id);
+    }
+    let tree = b.clone().build().expect("valid by construction");
+    for &id in &ids {
+        let leaf = tree.node(id).children.is_empty();
+        // Most leaves are live; a few internal nodes carry token-tree queries.
+        if (leaf && rng.gen_bool(0.85)) || (!leaf && rng.gen_bool(0.15)) {
+            b.add_query(id).expect("node exists");
+        }
+    }
+    if b.clone().build().map_or(true, |t| t.num_queries() == 0) {
+        b.add_query(*ids.last().expect("one node"))
+            .expect("node exists");
+    }
+    b.build().expect("valid by construction")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -470,47 +513,4 @@ mod tests {
         );
         assert!(e.unwrap_err().to_string().contains("mine"));
     }
-}
-
-/// A random tree for property and conformance tests: forests, deep chains, single-token
-/// nodes, wide fans, queries on internal nodes (token trees) and dead leaves (pruned branches
-/// still in the cache) all occur. Always has at least one query.
-pub fn random_tree(seed: u64, max_nodes: usize, max_tokens: u32) -> KvTree {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let nodes = rng.gen_range(1..=max_nodes.max(1));
-    let chain = rng.gen_bool(0.2);
-    let mut b = TreeBuilder::new();
-    let mut ids: Vec<NodeId> = Vec::new();
-    for i in 0..nodes {
-        let tokens = if rng.gen_bool(0.3) {
-            1
-        } else {
-            rng.gen_range(1..=max_tokens.max(1))
-        };
-        let id = if i == 0 || rng.gen_bool(0.05) {
-            b.add_root(tokens)
-        } else {
-            let parent = if chain {
-                ids[i - 1]
-            } else {
-                ids[rng.gen_range(0..ids.len())]
-            };
-            b.add_child(parent, tokens).expect("parent exists")
-        };
-        ids.push(id);
-    }
-    let tree = b.clone().build().expect("valid by construction");
-    for &id in &ids {
-        let leaf = tree.node(id).children.is_empty();
-        // Most leaves are live; a few internal nodes carry token-tree queries.
-        if (leaf && rng.gen_bool(0.85)) || (!leaf && rng.gen_bool(0.15)) {
-            b.add_query(id).expect("node exists");
-        }
-    }
-    if b.clone().build().map_or(true, |t| t.num_queries() == 0) {
-        b.add_query(*ids.last().expect("one node"))
-            .expect("node exists");
-    }
-    b.build().expect("valid by construction")
 }

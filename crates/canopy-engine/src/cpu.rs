@@ -74,7 +74,7 @@ impl Backend for CpuBackend {
         if k.dtype() != kv.k.dtype()
             || v.dtype() != kv.k.dtype()
             || k.len() != v.len()
-            || k.len() % per != 0
+            || !k.len().is_multiple_of(per)
         {
             return Err(err(format!(
                 "write_kv wants whole tokens of {} (got K {} x {}, V {} x {})",
@@ -99,7 +99,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> Result<CpuQueries> {
-        if q.len() % shape.q_row_elems() != 0 {
+        if !q.len().is_multiple_of(shape.q_row_elems()) {
             return Err(err(format!(
                 "{} query elements are not whole rows of {}",
                 q.len(),

@@ -1,0 +1,54 @@
+//! `canopy info`: what this machine offers canopy. Never panics on a machine without GPUs.
+
+use anyhow::Result;
+use clap::Args;
+use serde::Serialize;
+use std::process::Command;
+
+#[derive(Args)]
+pub struct InfoArgs {
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Info {
+    canopy_version: &'static str,
+    cpu_cores: usize,
+    os: &'static str,
+    arch: &'static str,
+    gpu: String,
+    mpi: Option<String>,
+}
+
+/// `mpirun --version`'s first line, if MPI is installed.
+fn mpi_version() -> Option<String> {
+    let out = Command::new("mpirun").arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().next().map(|l| l.trim().to_string())
+}
+
+pub fn run(a: InfoArgs) -> Result<()> {
+    let info = Info {
+        canopy_version: env!("CARGO_PKG_VERSION"),
+        cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        os: std::env::consts::OS,
+        arch: std::env::consts::ARCH,
+        gpu: "not probed: this build has no CUDA backend".into(),
+        mpi: mpi_version(),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&info)?);
+        return Ok(());
+    }
+    println!("canopy {}", info.canopy_version);
+    println!("cpu:  {} cores ({} {})", info.cpu_cores, info.os, info.arch);
+    println!("gpu:  {}", info.gpu);
+    println!(
+        "mpi:  {}",
+        info.mpi
+            .as_deref()
+            .unwrap_or("not found (mpirun is not on PATH)")
+    );
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! The `canopy` binary end to end, including bad input.
+
+use assert_cmd::Command;
+use predicates::str::contains;
+use serde_json::Value;
+
+fn canopy() -> Command {
+    Command::cargo_bin("canopy").expect("the canopy binary is built")
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = canopy()
+        .args(args)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    serde_json::from_slice(&out).expect("valid JSON")
+}
+
+#[test]
+fn info_never_fails_and_has_json() {
+    canopy()
+        .arg("info")
+        .assert()
+        .success()
+        .stdout(contains("cpu:"));
+    let v = json(&["info", "--json"]);
+    assert!(v["cpu_cores"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn plan_shows_tree_methods_reading_far_less_than_q_guided() {
+    let v = json(&[
+        "plan",
+        "--workload",
+        "fasttree-4",
+        "--method",
+        "all",
+        "--json",
+    ]);
+    let methods = v["methods"].as_array().unwrap();
+    assert_eq!(methods.len(), 5);
+    let kv = |name: &str| {
+        methods.iter().find(|m| m["method"] == name).unwrap()["kv_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let q_guided = kv("q-guided");
+    for m in ["deft-node", "deft-node-chunk", "deft-flatten", "fasttree"] {
+        assert!(
+            kv(m) * 10 < q_guided,
+            "{m} reads {} vs q-guided {q_guided}",
+            kv(m)
+        );
+    }
+    // DeFT-Flatten reads every tree token once: 34816 tokens x 8 KV heads x 128 x 2 (K, V) x 2 B.
+    assert_eq!(kv("deft-flatten"), 34816 * 8 * 128 * 2 * 2);
+}
+
+#[test]
+fn bench_attention_matches_the_oracle_for_every_strategy() {
+    let v = json(&[
+        "bench",
+        "attention",
+        "--backend",
+        "cpu",
+        "--seq-len",
+        "3000",
+        "--ranks",
+        "3",
+        "--iters",
+        "1",
+        "--json",
+    ]);
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "three tree collectives and ring");
+    for r in rows {
+        let err = r["rel_error"].as_f64().unwrap();
+        assert!(err < 1e-2, "{}: {err}", r["strategy"]);
+        assert!(r["median_ms"].as_f64().unwrap() > 0.0);
+    }
+    let ring = rows.iter().find(|r| r["strategy"] == "ring").unwrap();
+    assert_eq!(
+        ring["comm_bytes_per_rank"].as_u64().unwrap(),
+        2 * 1000 * 16 * 128 * 2 * 2,
+        "(p-1) shards of K and V"
+    );
+}
+
+#[test]
+fn bad_input_gets_a_clear_message_and_non_zero_exit() {
+    canopy()
+        .args(["plan", "--workload", "fasttree-99"])
+        .assert()
+        .failure()
+        .stderr(contains("unknown workload `fasttree-99`"))
+        .stderr(contains("fasttree-4"));
+    canopy()
+        .args([
+            "plan",
+            "--workload",
+            "fasttree-1",
+            "--heads",
+            "30",
+            "--kv-heads",
+            "8",
+        ])
+        .assert()
+        .failure()
+        .stderr(contains("must be a multiple of KV heads"));
+    canopy()
+        .args(["plan", "--workload", "fasttree-1", "--method", "radix"])
+        .assert()
+        .failure()
+        .stderr(contains("unknown planning method"));
+    canopy()
+        .args(["bench", "attention", "--ranks", "0"])
+        .assert()
+        .failure()
+        .stderr(contains("at least 1"));
+    canopy()
+        .args(["plan", "--workload", "fasttree-1", "--seq-len", "10"])
+        .assert()
+        .failure()
+        .stderr(contains("--seq-len"));
+}
+
+#[test]
+fn user_trees_plan_and_bad_ones_are_rejected() {
+    let dir = std::env::temp_dir().join(format!("canopy-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let head = "[shape]\nq_heads = 8\nkv_heads = 2\nhead_dim = 64\n[tree]\nkind = \"explicit\"\n";
+    let node = |id: &str, parent: Option<&str>, q: u32| {
+        let p = parent.map_or(String::new(), |p| format!("parent = \"{p}\"\n"));
+        format!("[[tree.nodes]]\nid = \"{id}\"\n{p}tokens = 5\nqueries = {q}\n")
+    };
+    let good = dir.join("good.toml");
+    std::fs::write(
+        &good,
+        format!(
+            "{head}{}{}{}",
+            node("root", None, 0),
+            node("a", Some("root"), 1),
+            node("b", Some("root"), 1)
+        ),
+    )
+    .unwrap();
+    let v = json(&["plan", "--workload", good.to_str().unwrap(), "--json"]);
+    assert_eq!(v["queries"], 2);
+    let cyclic = dir.join("cyclic.toml");
+    std::fs::write(
+        &cyclic,
+        format!(
+            "{head}{}{}{}",
+            node("root", None, 1),
+            node("a", Some("b"), 1),
+            node("b", Some("a"), 1)
+        ),
+    )
+    .unwrap();
+    canopy()
+        .args(["plan", "--workload", cyclic.to_str().unwrap()])
+        .assert()
+        .failure()
+        .stderr(contains("cycle"));
+    let orphan = dir.join("orphan.toml");
+    std::fs::write(
+        &orphan,
+        format!(
+            "{head}{}{}",
+            node("root", None, 1),
+            node("a", Some("ghost"), 1)
+        ),
+    )
+    .unwrap();
+    canopy()
+        .args(["plan", "--workload", orphan.to_str().unwrap()])
+        .assert()
+        .failure()
+        .stderr(contains("orphan"));
+    canopy()
+        .args([
+            "plan",
+            "--workload",
+            dir.join("missing.toml").to_str().unwrap(),
+        ])
+        .assert()
+        .failure()
+        .stderr(contains("could not read"));
+}
+
+#[test]
+fn selftest_passes_on_the_cpu() {
+    canopy()
+        .args([
+            "selftest",
+            "--backend",
+            "cpu",
+            "--ranks",
+            "1,3",
+            "--cases",
+            "2",
+        ])
+        .assert()
+        .success()
+        .stdout(contains("0 failed"));
+}

@@ -1,1 +1,0 @@
-//! CLI tests (filled in with the CLI).
