@@ -48,7 +48,7 @@ proptest! {
             for strategy in strategies() {
                 let cfg = RunConfig {
                     ranks, strategy, method, planner: PlannerConfig::default(),
-                    warmup: 0, iters: 1, timeout: Duration::from_secs(60),
+                    warmup: 0, iters: 1, timeout: Duration::from_secs(60), poison: true,
                 };
                 let r = run_threads(&problem, &cfg, Some(&oracle), |_| Ok(CpuBackend)).unwrap();
                 let err = r.rel_error.unwrap();

@@ -162,6 +162,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
             warmup: a.warmup,
             iters: a.iters,
             timeout: Duration::from_secs_f64(a.timeout),
+            poison: false,
         };
         let r: RunReport = run_threads(&problem, &cfg, oracle.as_deref(), |_| Ok(CpuBackend))?;
         let ms: Vec<f64> = r.latencies_s.iter().map(|s| s * 1e3).collect();

@@ -41,17 +41,6 @@ impl AttnStates {
         }
     }
 
-    /// States filled with NaN, so that any element a kernel fails to write is caught.
-    pub fn poisoned(rows: usize, heads: usize, head_dim: usize) -> Self {
-        AttnStates {
-            rows,
-            heads,
-            head_dim,
-            o: vec![f32::NAN; rows * heads * head_dim],
-            lse: vec![f32::NAN; rows * heads],
-        }
-    }
-
     pub fn o_of(&self, row: usize, head: usize) -> &[f32] {
         let i = (row * self.heads + head) * self.head_dim;
         &self.o[i..i + self.head_dim]

@@ -1,9 +1,11 @@
 //! The backend trait every executor implements (CPU here; CUDA in `canopy-cuda`).
 //!
 //! The split mirrors a GPU's: data lives in backend-owned buffers (`Kv`, `Queries`, `States`),
-//! plans are uploaded once and executed many times, and only [`Backend::download`] brings
-//! results back to the host. Stage 1 ([`Backend::run_plan`]) writes one partial row per
-//! (group, query); stage 2 ([`Backend::merge`]) folds each query's rows in the plan's CSR order.
+//! plans are uploaded once and executed many times into buffers allocated once (no allocation
+//! in a decode step), and only [`Backend::download`] brings results back to the host. Stage 1
+//! ([`Backend::run_plan`]) writes one partial row per (group, query) of the *uploaded* plan (a
+//! backend may re-split groups to fill its processors); stage 2 ([`Backend::merge`]) folds each
+//! query's rows in the plan's CSR order, deterministically.
 
 use crate::Result;
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
@@ -19,14 +21,30 @@ pub trait Backend: Send + Sync {
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv>;
     /// Writes `k` and `v` (whole tokens, same dtype) starting at token `start`.
     fn write_kv(&self, kv: &mut Self::Kv, start: usize, k: &TypedVec, v: &TypedVec) -> Result<()>;
-    /// Query rows, `rows × q_heads × head_dim` fp32 (the kernels read them in the KV dtype).
+    /// Query rows, `rows × q_heads × head_dim` fp32 (kernels may read them in the KV dtype).
     fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> Result<Self::Queries>;
-    fn upload_plan(&self, plan: &Plan) -> Result<Self::Plan>;
-    /// Stage 1: one partial row per (group, query) of the plan.
-    fn run_plan(&self, kv: &Self::Kv, q: &Self::Queries, plan: &Self::Plan)
-        -> Result<Self::States>;
-    /// Stage 2: one state per query (empty where the query has no keys here).
-    fn merge(&self, partials: &Self::States, plan: &Self::Plan) -> Result<Self::States>;
+    fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> Result<Self::Plan>;
+    /// Buffers for `rows` states of `shape`.
+    fn alloc_states(&self, shape: &AttnShape, rows: usize) -> Result<Self::States>;
+    /// Buffers for the uploaded plan's partial rows.
+    fn alloc_partials(&self, shape: &AttnShape, plan: &Self::Plan) -> Result<Self::States>;
+    /// Fills `states` with NaN so that a row a kernel fails to write is caught by a test.
+    fn poison(&self, states: &mut Self::States) -> Result<()>;
+    /// Stage 1: writes every partial row of the plan.
+    fn run_plan(
+        &self,
+        kv: &Self::Kv,
+        q: &Self::Queries,
+        plan: &Self::Plan,
+        partials: &mut Self::States,
+    ) -> Result<()>;
+    /// Stage 2: one state per query into `out` (empty where the query has no keys here).
+    fn merge(
+        &self,
+        partials: &Self::States,
+        plan: &Self::Plan,
+        out: &mut Self::States,
+    ) -> Result<()>;
     fn download(&self, states: &Self::States) -> Result<AttnStates>;
 }
 

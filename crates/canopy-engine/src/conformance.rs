@@ -96,6 +96,7 @@ where
                         warmup: 0,
                         iters: 1,
                         timeout: Duration::from_secs(60),
+                        poison: true,
                     };
                     let report = run_threads(&problem, &cfg, Some(&oracle), &make)?;
                     let err = report

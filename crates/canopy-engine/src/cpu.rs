@@ -112,11 +112,31 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn upload_plan(&self, plan: &Plan) -> Result<Plan> {
+    fn upload_plan(&self, _shape: &AttnShape, plan: &Plan) -> Result<Plan> {
         Ok(plan.clone())
     }
 
-    fn run_plan(&self, kv: &CpuKv, q: &CpuQueries, plan: &Plan) -> Result<AttnStates> {
+    fn alloc_states(&self, shape: &AttnShape, rows: usize) -> Result<AttnStates> {
+        Ok(AttnStates::empty(rows, shape.q_heads, shape.head_dim))
+    }
+
+    fn alloc_partials(&self, shape: &AttnShape, plan: &Plan) -> Result<AttnStates> {
+        self.alloc_states(shape, plan.num_partial_rows())
+    }
+
+    fn poison(&self, states: &mut AttnStates) -> Result<()> {
+        states.o.fill(f32::NAN);
+        states.lse.fill(f32::NAN);
+        Ok(())
+    }
+
+    fn run_plan(
+        &self,
+        kv: &CpuKv,
+        q: &CpuQueries,
+        plan: &Plan,
+        out: &mut AttnStates,
+    ) -> Result<()> {
         let shape = &q.shape;
         if q.q.len() / shape.q_row_elems() < plan.num_queries() {
             return Err(err(format!(
@@ -136,7 +156,15 @@ impl Backend for CpuBackend {
             )));
         }
         let (h, d) = (shape.q_heads, shape.head_dim);
-        let mut out = AttnStates::poisoned(plan.num_partial_rows(), h, d);
+        if (out.rows, out.heads, out.head_dim) != (plan.num_partial_rows(), h, d) {
+            return Err(err(format!(
+                "partials buffer is {}x{}x{}, the plan needs {}x{h}x{d}",
+                out.rows,
+                out.heads,
+                out.head_dim,
+                plan.num_partial_rows()
+            )));
+        }
         // Carve the output into each group's rows so groups run in parallel without locks.
         let mut work = Vec::with_capacity(plan.groups().len());
         let (mut o_rest, mut lse_rest) = (out.o.as_mut_slice(), out.lse.as_mut_slice());
@@ -164,17 +192,25 @@ impl Backend for CpuBackend {
             (TypedVec::Bf16(k), TypedVec::Bf16(v)) => run(shape, &q.q, k, v, work),
             _ => return Err(err("K and V dtypes differ".into())),
         }
-        Ok(out)
+        Ok(())
     }
 
-    fn merge(&self, partials: &AttnStates, plan: &Plan) -> Result<AttnStates> {
+    fn merge(&self, partials: &AttnStates, plan: &Plan, out: &mut AttnStates) -> Result<()> {
         let (h, d) = (partials.heads, partials.head_dim);
-        let mut out = AttnStates::empty(plan.num_queries(), h, d);
+        if (out.rows, out.heads, out.head_dim) != (plan.num_queries(), h, d) {
+            let want = format!("{}x{h}x{d}", plan.num_queries());
+            return Err(err(format!(
+                "output buffer is {}x{}x{}, the plan needs {want}",
+                out.rows, out.heads, out.head_dim
+            )));
+        }
         out.o
             .par_chunks_mut(h * d)
             .zip(out.lse.par_chunks_mut(h))
             .enumerate()
             .for_each(|(qi, (o, lse))| {
+                o.fill(0.0);
+                lse.fill(canopy_core::EMPTY_LSE);
                 for &row in plan.rows_of(qi) {
                     let r = row as usize;
                     for head in 0..h {
@@ -187,7 +223,7 @@ impl Backend for CpuBackend {
                     }
                 }
             });
-        Ok(out)
+        Ok(())
     }
 
     fn download(&self, states: &AttnStates) -> Result<AttnStates> {

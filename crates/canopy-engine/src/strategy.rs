@@ -100,6 +100,8 @@ pub struct RunConfig {
     pub warmup: usize,
     pub iters: usize,
     pub timeout: Duration,
+    /// Poison every output buffer before each step (tests), so unwritten rows show as NaN.
+    pub poison: bool,
 }
 
 /// What one rank measured and produced.
@@ -157,12 +159,26 @@ where
     backend.write_kv(&mut own, 0, &k, &v)?;
     drop((k, v));
 
+    let nq = problem.tree.num_queries();
+    let poison = cfg.poison;
+    // Stage 1 + stage 2 of one plan over one KV buffer, into `out`.
+    let run =
+        |kv: &B::Kv, plan: &B::Plan, partials: &mut B::States, out: &mut B::States| -> Result<()> {
+            if poison {
+                backend.poison(partials)?;
+                backend.poison(out)?;
+            }
+            backend.run_plan(kv, &q, plan, partials)?;
+            backend.merge(partials, plan, out)
+        };
+    let mut local = backend.alloc_states(shape, nq)?;
     let mut step: Box<dyn FnMut() -> Result<AttnStates> + '_> = match cfg.strategy {
         Strategy::Tree(how) => {
-            let plan = backend.upload_plan(&local_plan(problem, &shards[rank], cfg)?)?;
+            let plan = backend.upload_plan(shape, &local_plan(problem, &shards[rank], cfg)?)?;
+            let mut partials = backend.alloc_partials(shape, &plan)?;
             Box::new(move || {
-                let partials = backend.run_plan(&own, &q, &plan)?;
-                let mut states = backend.download(&backend.merge(&partials, &plan)?)?;
+                run(&own, &plan, &mut partials, &mut local)?;
+                let mut states = backend.download(&local)?;
                 merge_across(&mut states, comm, how)?;
                 Ok(states)
             })
@@ -170,7 +186,11 @@ where
         Strategy::Ring => {
             let plans = shards
                 .iter()
-                .map(|s| backend.upload_plan(&local_plan(problem, s, cfg)?))
+                .map(|s| backend.upload_plan(shape, &local_plan(problem, s, cfg)?))
+                .collect::<Result<Vec<_>>>()?;
+            let mut partials = plans
+                .iter()
+                .map(|p| backend.alloc_partials(shape, p))
                 .collect::<Result<Vec<_>>>()?;
             let tokens: Vec<usize> = shards.iter().map(|s| s.tokens() as usize).collect();
             let mut bufs = [
@@ -179,8 +199,7 @@ where
             ];
             let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
             Box::new(move || {
-                let mut acc =
-                    AttnStates::empty(problem.tree.num_queries(), shape.q_heads, shape.head_dim);
+                let mut acc = AttnStates::empty(nq, shape.q_heads, shape.head_dim);
                 for s in 0..p {
                     let src = (rank + p - s) % p; // whose shard this rank holds at step s
                     let (cur, spare): (&B::Kv, &mut B::Kv) = match s {
@@ -200,8 +219,8 @@ where
                         comm.send(k, next)?;
                         comm.send(v, next)?;
                     }
-                    let partials = backend.run_plan(cur, &q, &plans[src])?;
-                    acc.merge_from(&backend.download(&backend.merge(&partials, &plans[src])?)?);
+                    run(cur, &plans[src], &mut partials[src], &mut local)?;
+                    acc.merge_from(&backend.download(&local)?);
                     if s + 1 < p {
                         let from = (src + p - 1) % p;
                         let (k, v) = spare.bytes_mut(tokens[from]);
