@@ -155,6 +155,39 @@ impl Plan {
         (&self.query_ptr, &self.query_rows)
     }
 
+    /// Splits long groups so that there are at least `min_groups` of them (each chunk keeps
+    /// its group's queries and its slice of the mask). Chunks are at least `min_chunk` tokens.
+    /// Backends use this to fill every processor whatever the context length; FastTree uses
+    /// it for long-context splitting. A plan that already has enough groups is returned as is.
+    pub fn split_for_parallelism(&self, min_groups: usize, min_chunk: u32) -> Plan {
+        if self.groups.len() >= min_groups || self.groups.is_empty() {
+            return self.clone();
+        }
+        let total: u64 = self.groups.iter().map(|g| g.tokens() as u64).sum();
+        let chunk = (total.div_ceil(min_groups as u64) as u32)
+            .max(min_chunk)
+            .max(1);
+        let mut groups = Vec::new();
+        for g in &self.groups {
+            let words = g.mask_words();
+            let mut token = 0usize;
+            for kv in split_ranges(&g.kv, chunk) {
+                let n: usize = kv.iter().map(|r| (r.end - r.start) as usize).sum();
+                let mask = g
+                    .mask
+                    .as_ref()
+                    .map(|m| m[token * words..(token + n) * words].to_vec());
+                token += n;
+                groups.push(Group {
+                    kv,
+                    queries: g.queries.clone(),
+                    mask,
+                });
+            }
+        }
+        Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")
+    }
+
     /// Moves every KV address by `-offset`, for a rank that stores only its own shard.
     pub fn relocated(&self, map: impl Fn(Range<u32>) -> Range<u32>) -> Plan {
         let mut plan = self.clone();
@@ -372,6 +405,30 @@ mod tests {
             .unwrap()
             .check_coverage(ctx)
             .is_err());
+    }
+
+    #[test]
+    fn splitting_keeps_coverage_and_slices_masks() {
+        // One masked group of 10 tokens: query 0 sees the first 6, query 1 the last 4.
+        let mask: Vec<u64> = (0..10).map(|t| if t < 6 { 0b01 } else { 0b10 }).collect();
+        let g = Group {
+            kv: vec![0..4, 20..26],
+            queries: vec![0, 1],
+            mask: Some(mask),
+        };
+        let plan = Plan::new(2, vec![g]).unwrap();
+        let split = plan.split_for_parallelism(4, 1);
+        assert_eq!(split.groups().len(), 4);
+        split
+            .check_coverage(|q| {
+                if q == 0 {
+                    vec![0..4, 20..22]
+                } else {
+                    vec![22..26]
+                }
+            })
+            .unwrap();
+        assert_eq!(plan.split_for_parallelism(1, 1), plan);
     }
 
     #[test]

@@ -155,7 +155,18 @@ pub fn plan(
         Method::DeftFlatten => deft_flatten(view, cfg.flatten_block, cfg.flatten_query_chunk),
         Method::FastTree => fasttree(view, shape, &cfg.fasttree),
     };
-    Plan::new(view.tree.num_queries(), groups)
+    let plan = Plan::new(view.tree.num_queries(), groups)?;
+    Ok(match method {
+        // FastTree's long-context splitting: enough groups × KV heads to fill the GPU.
+        Method::FastTree => {
+            let ft = &cfg.fasttree;
+            plan.split_for_parallelism(
+                ft.min_parallelism.div_ceil(shape.kv_heads),
+                ft.min_split_tokens,
+            )
+        }
+        _ => plan,
+    })
 }
 
 fn q_guided(view: &TreeView, chunk: u32) -> Vec<Group> {
@@ -347,27 +358,7 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
             groups.push(Group::unmasked(total, stay));
         }
     }
-    split_long_groups(groups, shape.kv_heads, p)
-}
-
-/// FastTree's long-context splitting: when groups × KV heads cannot fill the GPU, cut the
-/// groups into chunks so that there are about `min_parallelism` of them.
-fn split_long_groups(groups: Vec<Group>, kv_heads: usize, p: &FastTreeParams) -> Vec<Group> {
-    if groups.len() * kv_heads >= p.min_parallelism || groups.is_empty() {
-        return groups;
-    }
-    let total: u64 = groups.iter().map(|g| g.tokens() as u64).sum();
-    let want = p.min_parallelism.div_ceil(kv_heads) as u64;
-    let chunk = (total.div_ceil(want) as u32).max(p.min_split_tokens);
     groups
-        .into_iter()
-        .flat_map(|g| {
-            let queries = g.queries;
-            split_ranges(&g.kv, chunk)
-                .into_iter()
-                .map(move |kv| Group::unmasked(kv, queries.clone()))
-        })
-        .collect()
 }
 
 #[cfg(test)]
