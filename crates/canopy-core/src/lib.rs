@@ -19,7 +19,7 @@ pub mod shard;
 pub mod tree;
 pub mod workload;
 
-pub use data::ProblemData;
+pub use data::{HashedKv, KvSource, ProblemData, SliceKv};
 pub use dtype::{DType, KvElement, TypedVec};
 pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};

@@ -9,6 +9,7 @@
 //!   merge to the empty partial (never `-inf - -inf = NaN`) and the empty partial is the
 //!   identity. Merging is associative and commutative up to rounding.
 
+use crate::data::KvSource;
 use crate::dtype::KvElement;
 use crate::plan::Group;
 use crate::shape::AttnShape;
@@ -130,52 +131,63 @@ pub fn relative_error(got: &[f32], want: &[f64]) -> f64 {
 }
 
 /// The oracle: exact attention in f64 for every query of `tree`, straight from the tree (no
-/// plan), over full `k`, `v` (`tokens × kv_heads × head_dim`, already widened to f32) and
-/// `q` (`queries × q_heads × head_dim`). Returns `(o, lse)` as f64.
+/// plan), with K and V rows from `kv` and queries `q` (`queries × q_heads × head_dim`).
+/// Returns `(o, lse)` as f64. Parallel over (query, head) pairs.
 pub fn reference_attention(
     tree: &KvTree,
     shape: &AttnShape,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: &impl KvSource,
 ) -> (Vec<f64>, Vec<f64>) {
-    let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    use rayon::prelude::*;
+    let (h, d) = (shape.q_heads, shape.head_dim);
     let g = shape.group_size();
     let scale = shape.softmax_scale() as f64;
     let nq = tree.num_queries();
-    let mut o = vec![0.0f64; nq * h * d];
-    let mut lse = vec![f64::NEG_INFINITY; nq * h];
-    let mut scores = Vec::new();
-    for qi in 0..nq {
-        let ctx = tree.query_context(qi as u32);
-        for head in 0..h {
-            let kvh = head / g;
-            let qv = &q[(qi * h + head) * d..(qi * h + head + 1) * d];
-            scores.clear();
-            for r in &ctx {
-                for t in r.clone() {
-                    let kv = &k[(t as usize * hk + kvh) * d..][..d];
-                    let s: f64 = qv.iter().zip(kv).map(|(&a, &b)| a as f64 * b as f64).sum();
-                    scores.push((t, s * scale));
+    let cells: Vec<(Vec<f64>, f64)> = (0..nq * h)
+        .into_par_iter()
+        .map(|cell| {
+            let (qi, head) = (cell / h, cell % h);
+            let qv = &q[cell * d..(cell + 1) * d];
+            let (mut k, mut v) = (vec![0.0f32; d], vec![0.0f32; d]);
+            // One pass with a running max (rescaling in f64 is exact enough for an oracle).
+            let (mut m, mut sum) = (f64::NEG_INFINITY, 0.0f64);
+            let mut out = vec![0.0f64; d];
+            for r in tree.query_context(qi as u32) {
+                for t in r {
+                    kv.rows(t as usize, head / g, &mut k, &mut v);
+                    let s = qv
+                        .iter()
+                        .zip(&k)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale;
+                    if s > m {
+                        let c = (m - s).exp();
+                        sum *= c;
+                        out.iter_mut().for_each(|x| *x *= c);
+                        m = s;
+                    }
+                    let p = (s - m).exp();
+                    sum += p;
+                    out.iter_mut()
+                        .zip(&v)
+                        .for_each(|(x, &vv)| *x += p * vv as f64);
                 }
             }
-            if scores.is_empty() {
-                continue;
+            if sum == 0.0 {
+                (out, f64::NEG_INFINITY)
+            } else {
+                out.iter_mut().for_each(|x| *x /= sum);
+                (out, m + sum.ln())
             }
-            let m = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-            let mut sum = 0.0;
-            let out = &mut o[(qi * h + head) * d..(qi * h + head + 1) * d];
-            for &(t, s) in &scores {
-                let p = (s - m).exp();
-                sum += p;
-                let vv = &v[(t as usize * hk + kvh) * d..][..d];
-                for (acc, &x) in out.iter_mut().zip(vv) {
-                    *acc += p * x as f64;
-                }
-            }
-            out.iter_mut().for_each(|x| *x /= sum);
-            lse[qi * h + head] = m + sum.ln();
-        }
+        })
+        .collect();
+    let mut o = Vec::with_capacity(nq * h * d);
+    let mut lse = Vec::with_capacity(nq * h);
+    for (cell_o, cell_lse) in cells {
+        o.extend(cell_o);
+        lse.push(cell_lse);
     }
     (o, lse)
 }

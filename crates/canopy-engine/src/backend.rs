@@ -8,6 +8,7 @@
 //! query's rows in the plan's CSR order, deterministically.
 
 use crate::Result;
+use canopy_comm::Collective;
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
 
 pub trait Backend: Send + Sync {
@@ -46,13 +47,20 @@ pub trait Backend: Send + Sync {
         out: &mut Self::States,
     ) -> Result<()>;
     fn download(&self, states: &Self::States) -> Result<AttnStates>;
-}
-
-/// KV storage whose bytes the host can address directly, so KV blocks can travel between
-/// ranks through a host [`canopy_comm::Collective`] (the ring strategy on host transports).
-pub trait HostKv {
-    fn tokens(&self) -> usize;
-    /// K and V bytes of the first `tokens` tokens.
-    fn bytes(&self, tokens: usize) -> (&[u8], &[u8]);
-    fn bytes_mut(&mut self, tokens: usize) -> (&mut [u8], &mut [u8]);
+    /// Sends the first `tokens` tokens of `kv` (K then V) to `peer`: the ring's KV hand-off.
+    fn send_kv<C: Collective>(
+        &self,
+        kv: &Self::Kv,
+        tokens: usize,
+        comm: &C,
+        peer: usize,
+    ) -> Result<()>;
+    /// Receives `tokens` tokens from `peer` into the start of `kv`.
+    fn recv_kv<C: Collective>(
+        &self,
+        kv: &mut Self::Kv,
+        tokens: usize,
+        comm: &C,
+        peer: usize,
+    ) -> Result<()>;
 }

@@ -4,7 +4,7 @@
 //! on a GPU machine from the release binary, where there is no cargo. Every case draws fresh
 //! random data, backends start from poisoned (NaN) outputs, and each case checks every query.
 
-use crate::backend::{Backend, HostKv};
+use crate::backend::Backend;
 use crate::strategy::{run_threads, Problem, RunConfig, Strategy};
 use crate::{MergeCollective, Result};
 use canopy_core::{
@@ -65,7 +65,6 @@ pub fn run_suite<B, F>(
 ) -> Result<Vec<CaseResult>>
 where
     B: Backend,
-    B::Kv: HostKv,
     F: Fn(usize) -> Result<B> + Sync,
 {
     let shapes = [

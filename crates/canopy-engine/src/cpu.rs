@@ -2,8 +2,9 @@
 //! `canopy_core::math`, groups in parallel on rayon. It is the oracle every GPU test compares
 //! against (beside the f64 reference) and the backend of CPU-only machines and CI.
 
-use crate::backend::{Backend, HostKv};
+use crate::backend::Backend;
 use crate::{EngineError, Result};
+use canopy_comm::Collective;
 use canopy_core::math::group_partial;
 use canopy_core::{AttnShape, AttnStates, DType, KvElement, Plan, TypedVec};
 use rayon::prelude::*;
@@ -23,22 +24,19 @@ pub struct CpuQueries {
     q: Vec<f32>,
 }
 
-impl HostKv for CpuKv {
-    fn tokens(&self) -> usize {
-        self.tokens
-    }
-
-    fn bytes(&self, tokens: usize) -> (&[u8], &[u8]) {
-        let n = tokens * self.shape.kv_token_elems() * self.k.dtype().size_bytes();
-        (&self.k.as_bytes()[..n], &self.v.as_bytes()[..n])
-    }
-
+impl CpuKv {
+    /// K and V bytes of the first `tokens` tokens.
     fn bytes_mut(&mut self, tokens: usize) -> (&mut [u8], &mut [u8]) {
         let n = tokens * self.shape.kv_token_elems() * self.k.dtype().size_bytes();
         (
             &mut self.k.as_bytes_mut()[..n],
             &mut self.v.as_bytes_mut()[..n],
         )
+    }
+
+    fn bytes(&self, tokens: usize) -> (&[u8], &[u8]) {
+        let n = tokens * self.shape.kv_token_elems() * self.k.dtype().size_bytes();
+        (&self.k.as_bytes()[..n], &self.v.as_bytes()[..n])
     }
 }
 
@@ -228,5 +226,31 @@ impl Backend for CpuBackend {
 
     fn download(&self, states: &AttnStates) -> Result<AttnStates> {
         Ok(states.clone())
+    }
+
+    fn send_kv<C: Collective>(
+        &self,
+        kv: &CpuKv,
+        tokens: usize,
+        comm: &C,
+        peer: usize,
+    ) -> Result<()> {
+        let (k, v) = kv.bytes(tokens);
+        comm.send(k, peer)?;
+        comm.send(v, peer)?;
+        Ok(())
+    }
+
+    fn recv_kv<C: Collective>(
+        &self,
+        kv: &mut CpuKv,
+        tokens: usize,
+        comm: &C,
+        peer: usize,
+    ) -> Result<()> {
+        let (k, v) = kv.bytes_mut(tokens);
+        comm.recv(k, peer)?;
+        comm.recv(v, peer)?;
+        Ok(())
     }
 }

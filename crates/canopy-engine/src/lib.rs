@@ -15,7 +15,7 @@ mod error;
 pub mod merge;
 pub mod strategy;
 
-pub use backend::{Backend, HostKv};
+pub use backend::Backend;
 pub use cpu::CpuBackend;
 pub use error::{EngineError, Result};
 pub use merge::{merge_across, MergeCollective};

@@ -3,13 +3,13 @@
 //! queries' states). The per-rank logic ([`rank_main`]) is written against [`Collective`], so
 //! the same code runs on threads of one process and, later, under `mpirun`.
 
-use crate::backend::{Backend, HostKv};
+use crate::backend::Backend;
 use crate::merge::{merge_across, MergeCollective};
 use crate::{EngineError, Result};
 use canopy_comm::{Collective, ThreadWorld};
 use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, AttnStates, DType, KvTree,
-    Method, Plan, PlannerConfig, ProblemData, Shard, TreeView, TypedVec,
+    Method, Plan, PlannerConfig, ProblemData, Shard, SliceKv, TreeView, TypedVec,
 };
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -59,14 +59,13 @@ impl Problem {
 
     /// The f64 oracle's outputs.
     pub fn oracle(&self) -> Vec<f64> {
-        reference_attention(
-            &self.tree,
-            &self.shape,
-            &self.data.q,
-            &self.data.k.to_f32_vec(),
-            &self.data.v.to_f32_vec(),
-        )
-        .0
+        let (k, v) = (self.data.k.to_f32_vec(), self.data.v.to_f32_vec());
+        let kv = SliceKv {
+            k: &k,
+            v: &v,
+            kv_heads: self.shape.kv_heads,
+        };
+        reference_attention(&self.tree, &self.shape, &self.data.q, &kv).0
     }
 
     /// K and V bytes of one token.
@@ -146,7 +145,6 @@ pub fn rank_main<B, C>(
 ) -> Result<RankResult>
 where
     B: Backend,
-    B::Kv: HostKv,
     C: Collective,
 {
     let (rank, p) = (comm.rank(), comm.size());
@@ -215,17 +213,12 @@ where
                     };
                     // Post the send first so the transfer overlaps this step's compute.
                     if s + 1 < p {
-                        let (k, v) = cur.bytes(tokens[src]);
-                        comm.send(k, next)?;
-                        comm.send(v, next)?;
+                        backend.send_kv(cur, tokens[src], comm, next)?;
                     }
                     run(cur, &plans[src], &mut partials[src], &mut local)?;
                     acc.merge_from(&backend.download(&local)?);
                     if s + 1 < p {
-                        let from = (src + p - 1) % p;
-                        let (k, v) = spare.bytes_mut(tokens[from]);
-                        comm.recv(k, prev)?;
-                        comm.recv(v, prev)?;
+                        backend.recv_kv(spare, tokens[(src + p - 1) % p], comm, prev)?;
                     }
                 }
                 Ok(acc)
@@ -265,7 +258,6 @@ pub fn run_threads<B, F>(
 ) -> Result<RunReport>
 where
     B: Backend,
-    B::Kv: HostKv,
     F: Fn(usize) -> Result<B> + Sync,
 {
     if cfg.ranks == 0 {
