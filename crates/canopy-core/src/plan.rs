@@ -155,23 +155,27 @@ impl Plan {
         (&self.query_ptr, &self.query_rows)
     }
 
-    /// Splits long groups so that there are at least `min_groups` of them (each chunk keeps
-    /// its group's queries and its slice of the mask). Chunks are at least `min_chunk` tokens.
-    /// Backends use this to fill every processor whatever the context length; FastTree uses
-    /// it for long-context splitting. A plan that already has enough groups is returned as is.
-    pub fn split_for_parallelism(&self, min_groups: usize, min_chunk: u32) -> Plan {
-        if self.groups.len() >= min_groups || self.groups.is_empty() {
+    /// Splits groups into equal pieces so that there are about `target` groups, each group
+    /// getting its share of `target` by token count (pieces keep their group's queries and
+    /// their slice of its mask; none is shorter than `min_chunk` tokens). Backends use this to
+    /// fill every processor in one balanced wave whatever the context length; FastTree uses it
+    /// for long-context splitting. A plan with `target` groups or more is returned as is.
+    pub fn split_for_parallelism(&self, target: usize, min_chunk: u32) -> Plan {
+        if self.groups.len() >= target || self.groups.is_empty() {
             return self.clone();
         }
         let total: u64 = self.groups.iter().map(|g| g.tokens() as u64).sum();
-        let chunk = (total.div_ceil(min_groups as u64) as u32)
-            .max(min_chunk)
-            .max(1);
         let mut groups = Vec::new();
         for g in &self.groups {
+            let tokens = g.tokens() as u64;
+            let share = (tokens * target as u64 + total / 2) / total.max(1);
+            let pieces = share.min(tokens / min_chunk.max(1) as u64).max(1);
+            let sizes: Vec<u32> = (0..pieces)
+                .map(|i| ((i + 1) * tokens / pieces - i * tokens / pieces) as u32)
+                .collect();
             let words = g.mask_words();
             let mut token = 0usize;
-            for kv in split_ranges(&g.kv, chunk) {
+            for kv in split_ranges_into(&g.kv, &sizes) {
                 let n: usize = kv.iter().map(|r| (r.end - r.start) as usize).sum();
                 let mask = g
                     .mask
@@ -297,25 +301,37 @@ fn coalesce(sorted: &[Range<u32>]) -> std::result::Result<Vec<Range<u32>>, u32> 
 /// Splits a token list (given as ranges) into consecutive chunks of at most `chunk` tokens.
 pub fn split_ranges(ranges: &[Range<u32>], chunk: u32) -> Vec<Vec<Range<u32>>> {
     let chunk = chunk.max(1);
-    let mut out = Vec::new();
+    let total: u32 = ranges.iter().map(|r| r.end - r.start).sum();
+    let sizes: Vec<u32> = (0..total.div_ceil(chunk))
+        .map(|i| chunk.min(total - i * chunk))
+        .collect();
+    split_ranges_into(ranges, &sizes)
+}
+
+/// Splits a token list (given as ranges) into consecutive pieces of the given sizes (which add
+/// up to the list's length).
+pub fn split_ranges_into(ranges: &[Range<u32>], sizes: &[u32]) -> Vec<Vec<Range<u32>>> {
+    let mut out = Vec::with_capacity(sizes.len());
+    let mut pieces = sizes.iter().copied().filter(|&s| s > 0);
     let mut cur: Vec<Range<u32>> = Vec::new();
-    let mut room = chunk;
+    let mut room = pieces.next().unwrap_or(0);
     for r in ranges {
         let mut start = r.start;
-        while start < r.end {
+        while start < r.end && room > 0 {
             let take = room.min(r.end - start);
             cur.push(start..start + take);
             start += take;
             room -= take;
             if room == 0 {
                 out.push(std::mem::take(&mut cur));
-                room = chunk;
+                room = pieces.next().unwrap_or(0);
             }
         }
     }
-    if !cur.is_empty() {
-        out.push(cur);
-    }
+    debug_assert!(
+        cur.is_empty() && room == 0,
+        "sizes must add up to the ranges' length"
+    );
     out
 }
 
@@ -419,6 +435,21 @@ mod tests {
         let plan = Plan::new(2, vec![g]).unwrap();
         let split = plan.split_for_parallelism(4, 1);
         assert_eq!(split.groups().len(), 4);
+        assert!(
+            split.groups().iter().all(|g| g.tokens() >= 2),
+            "equal pieces"
+        );
+        // A batch of 16 requests asked for 50 groups gets 3 equal pieces each (48 <= 50).
+        let batch: Vec<Group> = (0..16)
+            .map(|i| Group::unmasked(vec![i * 100..(i + 1) * 100], vec![i]))
+            .collect();
+        let batch_split = Plan::new(16, batch).unwrap().split_for_parallelism(50, 8);
+        assert_eq!(batch_split.groups().len(), 48);
+        assert_eq!(
+            plan.split_for_parallelism(4, 5).groups().len(),
+            2,
+            "min_chunk bounds the pieces"
+        );
         split
             .check_coverage(|q| {
                 if q == 0 {
