@@ -16,6 +16,8 @@ use std::time::Duration;
 pub enum BenchCommand {
     /// Sequence-sharded decode attention: tree vs ring over p ranks, against the f64 oracle.
     Attention(AttentionArgs),
+    /// The CUDA decode kernels on one GPU, swept over context length, against the memory floor.
+    Kernel(crate::kernel_bench::KernelArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -102,21 +104,47 @@ const ORACLE_MAX_ELEMS: u64 = 1 << 27;
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Attention(a) => attention(a),
+        BenchCommand::Kernel(a) => crate::kernel_bench::run(a),
     }
 }
 
-/// Resolves `auto` and refuses backends this build or machine cannot run.
-fn resolve_backend(choice: BackendChoice) -> Result<&'static str> {
+/// Resolves `auto` (CUDA when a GPU and NVRTC are usable, else the CPU with a note) and
+/// refuses `cuda` with the reason when it cannot run here.
+pub fn resolve_backend(choice: BackendChoice) -> Result<&'static str> {
+    let cuda = || {
+        let n = canopy_cuda::probe::device_count()?;
+        if canopy_cuda::probe::nvrtc_present() {
+            Ok(n)
+        } else {
+            Err(canopy_cuda::CudaError::NoNvrtc)
+        }
+    };
     match choice {
         BackendChoice::Cpu => Ok("cpu"),
-        BackendChoice::Auto => {
-            eprintln!("note: no usable CUDA backend in this build; running on the CPU backend");
-            Ok("cpu")
-        }
-        BackendChoice::Cuda => {
-            bail!("the CUDA backend is not available in this build; use --backend cpu")
-        }
+        BackendChoice::Cuda => Ok(cuda().map(|_| "cuda")?),
+        BackendChoice::Auto => match cuda() {
+            Ok(_) => Ok("cuda"),
+            Err(e) => {
+                eprintln!("note: running on the CPU backend ({e})");
+                Ok("cpu")
+            }
+        },
     }
+}
+
+/// Runs `cfg` on the chosen backend's ranks: one GPU per rank on CUDA.
+fn run_on(
+    backend: &str,
+    problem: &Problem,
+    cfg: &RunConfig,
+    oracle: Option<&[f64]>,
+) -> Result<RunReport> {
+    Ok(match backend {
+        "cuda" => run_threads(problem, cfg, oracle, |rank| {
+            Ok(canopy_cuda::CudaBackend::new(rank)?)
+        })?,
+        _ => run_threads(problem, cfg, oracle, |_| Ok(CpuBackend))?,
+    })
 }
 
 fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> {
@@ -164,7 +192,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
             timeout: Duration::from_secs_f64(a.timeout),
             poison: false,
         };
-        let r: RunReport = run_threads(&problem, &cfg, oracle.as_deref(), |_| Ok(CpuBackend))?;
+        let r = run_on(backend, &problem, &cfg, oracle.as_deref())?;
         let ms: Vec<f64> = r.latencies_s.iter().map(|s| s * 1e3).collect();
         rows.push(Row {
             strategy: r.strategy,
@@ -240,11 +268,39 @@ pub struct SelftestArgs {
     cases: usize,
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// CUDA: also run every case with KV in pages of this many tokens (0: contiguous only).
+    #[arg(long, default_value_t = 16)]
+    page_size: u32,
 }
 
 pub fn selftest(a: SelftestArgs) -> Result<()> {
     let backend = resolve_backend(a.backend)?;
-    let results = run_suite(|_| Ok(CpuBackend), &a.ranks, a.seed, a.cases)?;
+    let results = match backend {
+        "cuda" => {
+            // Ranks share the visible GPUs round-robin, so one GPU tests every rank count.
+            let gpus = canopy_cuda::probe::device_count()?;
+            let mut r = run_suite(
+                |rank| Ok(canopy_cuda::CudaBackend::new(rank % gpus)?),
+                &a.ranks,
+                a.seed,
+                a.cases,
+            )?;
+            if a.page_size > 0 {
+                let paged = run_suite(
+                    |rank| Ok(canopy_cuda::CudaBackend::new(rank % gpus)?.with_paging(a.page_size)?),
+                    &a.ranks,
+                    a.seed ^ 1,
+                    a.cases,
+                )?;
+                r.extend(paged.into_iter().map(|mut c| {
+                    c.name = format!("paged/{} {}", a.page_size, c.name);
+                    c
+                }));
+            }
+            r
+        }
+        _ => run_suite(|_| Ok(CpuBackend), &a.ranks, a.seed, a.cases)?,
+    };
     let failed: Vec<_> = results.iter().filter(|r| !r.passed).collect();
     let worst = results.iter().map(|r| r.rel_error).fold(0.0, f64::max);
     for f in &failed {

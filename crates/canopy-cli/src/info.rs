@@ -17,7 +17,8 @@ struct Info {
     cpu_cores: usize,
     os: &'static str,
     arch: &'static str,
-    gpu: String,
+    /// CUDA driver, NVRTC, NCCL and GPUs, or why there are none.
+    cuda: Result<canopy_cuda::CudaInfo, String>,
     mpi: Option<String>,
 }
 
@@ -34,7 +35,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
         cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         os: std::env::consts::OS,
         arch: std::env::consts::ARCH,
-        gpu: "not probed: this build has no CUDA backend".into(),
+        cuda: canopy_cuda::probe().map_err(|e| e.to_string()),
         mpi: mpi_version(),
     };
     if a.json {
@@ -43,7 +44,28 @@ pub fn run(a: InfoArgs) -> Result<()> {
     }
     println!("canopy {}", info.canopy_version);
     println!("cpu:  {} cores ({} {})", info.cpu_cores, info.os, info.arch);
-    println!("gpu:  {}", info.gpu);
+    match &info.cuda {
+        Ok(c) => {
+            println!(
+                "cuda: driver {}, NVRTC {}, NCCL {}",
+                c.driver_version,
+                c.nvrtc_version.as_deref().unwrap_or("not found"),
+                c.nccl_version.as_deref().unwrap_or("not found")
+            );
+            for g in &c.gpus {
+                println!(
+                    "gpu {}: {}, {:.1} GiB, {} SMs, compute capability {}.{}",
+                    g.ordinal,
+                    g.name,
+                    g.memory_bytes as f64 / (1u64 << 30) as f64,
+                    g.multiprocessors,
+                    g.compute_capability.0,
+                    g.compute_capability.1
+                );
+            }
+        }
+        Err(e) => println!("gpu:  none usable: {e}"),
+    }
     println!(
         "mpi:  {}",
         info.mpi

@@ -10,6 +10,7 @@
 
 mod bench;
 mod info;
+mod kernel_bench;
 mod plan_cmd;
 mod table;
 
@@ -38,6 +39,12 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Run the backend conformance suite against the f64 oracle.
     Selftest(bench::SelftestArgs),
+    /// Compile every CUDA kernel variant with NVRTC into the kernel cache (no GPU needed).
+    CompileKernels {
+        /// Target architecture.
+        #[arg(long, default_value = "sm_90a")]
+        arch: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -51,6 +58,9 @@ fn main() -> ExitCode {
         Command::Bench(b) => bench::run(b),
         Command::Plan(a) => plan_cmd::run(a),
         Command::Selftest(a) => bench::selftest(a),
+        Command::CompileKernels { arch } => canopy_cuda::compile::compile_all(&arch)
+            .map(|done| println!("compiled {} kernel variants for {arch}", done.len()))
+            .map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

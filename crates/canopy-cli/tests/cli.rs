@@ -1,6 +1,7 @@
 //! The `canopy` binary end to end, including bad input.
 
 use assert_cmd::Command;
+use predicates::prelude::*;
 use predicates::str::contains;
 use serde_json::Value;
 
@@ -206,4 +207,28 @@ fn selftest_passes_on_the_cpu() {
         .assert()
         .success()
         .stdout(contains("0 failed"));
+}
+
+#[test]
+fn cuda_without_a_driver_is_a_clear_error_not_a_panic() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        return; // a GPU machine: the device scripts test the CUDA path there
+    }
+    for args in [
+        &["bench", "attention", "--backend", "cuda"][..],
+        &["bench", "kernel"],
+        &["selftest", "--backend", "cuda"],
+    ] {
+        canopy()
+            .args(args)
+            .assert()
+            .failure()
+            .stderr(contains("use --backend cpu"))
+            .stderr(contains("panicked").not());
+    }
+    canopy()
+        .arg("info")
+        .assert()
+        .success()
+        .stdout(contains("none usable"));
 }

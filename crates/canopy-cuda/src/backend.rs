@@ -1,0 +1,708 @@
+//! [`CudaBackend`]: the engine's [`Backend`] on one GPU.
+//!
+//! KV lives in device memory, contiguous or paged (a pool of fixed-size pages behind a page
+//! table, the layout the radix cache uses; pages are deliberately shuffled so tests catch any
+//! kernel that ignores the table). Plans are uploaded once as flat arrays (group descriptors,
+//! KV ranges, query lists, masks, CSR map), after re-splitting their groups so that the decode
+//! kernel fills every SM in one balanced wave. Each decode step is two launches on one stream:
+//! `decode_partial` (one CTA per group × KV head) and `merge_partials` (one CTA per query ×
+//! head), with no host synchronisation in between.
+
+use crate::compile::{arch_for, cubin, Source};
+use crate::error::{CudaError, DriverContext, Result};
+use crate::probe::{device_count, nvrtc_present, GpuInfo};
+use canopy_comm::Collective;
+use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
+use canopy_engine::Backend;
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+type EResult<T> = canopy_engine::Result<T>;
+
+/// Threads per decode CTA (four warps; see `kernels/decode.cu`).
+const DECODE_THREADS: u32 = 128;
+/// u32 words per group descriptor (see `kernels/decode.cu`).
+const GROUP_WORDS: usize = 6;
+/// Shortest KV chunk a group is split into: below this, partials and launch costs dominate.
+const MIN_SPLIT_TOKENS: u32 = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kernel {
+    Decode {
+        dtype: DType,
+        head_dim: usize,
+        rows: usize,
+    },
+    Merge,
+    Fill(DType),
+}
+
+fn dtype_code(d: DType) -> String {
+    match d {
+        DType::F32 => "0",
+        DType::F16 => "1",
+        DType::Bf16 => "2",
+    }
+    .into()
+}
+
+/// The compile-time row count a plan needs: the smallest of 1, 2, 4, 8 covering the largest
+/// group's GQA rows (larger groups loop over rows in passes of 8).
+fn rows_config(max_rows: usize) -> usize {
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&r| r >= max_rows)
+        .unwrap_or(8)
+}
+
+/// The engine's backend on one GPU.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    gpu: GpuInfo,
+    arch: String,
+    functions: Mutex<HashMap<Kernel, CudaFunction>>,
+    page_size: Option<u32>,
+}
+
+/// Device KV: K and V bytes and, when paged, the page table.
+pub struct CudaKv {
+    shape: AttnShape,
+    dtype: DType,
+    tokens: usize,
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
+    paging: Option<Paging>,
+}
+
+struct Paging {
+    shift: u32,
+    /// Logical page → physical page, on the host (for copies) and on the device (for kernels).
+    host: Vec<u32>,
+    device: CudaSlice<u32>,
+}
+
+pub struct CudaQueries {
+    q: CudaSlice<f32>,
+    rows: usize,
+}
+
+/// An uploaded plan.
+pub struct CudaPlan {
+    plan: Plan,
+    rows: usize,
+    groups: CudaSlice<u32>,
+    ranges: CudaSlice<u32>,
+    queries: CudaSlice<u32>,
+    masks: CudaSlice<u64>,
+    query_ptr: CudaSlice<u32>,
+    query_rows: CudaSlice<u32>,
+}
+
+impl CudaPlan {
+    /// The plan as executed (after splitting for parallelism).
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+}
+
+/// Device states: `rows × heads × head_dim` outputs and `rows × heads` lse.
+pub struct CudaStates {
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+    o: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+}
+
+/// Registers and memory of a compiled kernel (spills show as local bytes).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct KernelResources {
+    pub registers: i32,
+    pub local_bytes: i32,
+    pub shared_bytes: i32,
+    pub ctas_per_sm: u32,
+}
+
+impl CudaBackend {
+    /// A backend on GPU `ordinal`, or a clear error if the driver, NVRTC or GPU is missing.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::DeviceOutOfRange { ordinal, count });
+        }
+        if !nvrtc_present() {
+            return Err(CudaError::NoNvrtc);
+        }
+        let ctx = CudaContext::new(ordinal).ctx(format!("creating a context on GPU {ordinal}"))?;
+        // One stream per backend orders everything; per-buffer event tracking would only add
+        // event records and waits to every launch.
+        // SAFETY: no buffers exist yet on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().ctx("cuStreamCreate")?;
+        let gpu = GpuInfo {
+            ordinal,
+            name: ctx.name().ctx("cuDeviceGetName")?,
+            memory_bytes: ctx.total_mem().ctx("cuDeviceTotalMem")? as u64,
+            multiprocessors: ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .ctx("cuDeviceGetAttribute")? as u32,
+            compute_capability: ctx.compute_capability().ctx("cuDeviceGetAttribute")?,
+        };
+        let arch = arch_for(gpu.compute_capability);
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            gpu,
+            arch,
+            functions: Mutex::new(HashMap::new()),
+            page_size: None,
+        })
+    }
+
+    /// Stores KV in pages of `page_size` tokens (a power of two from 16 to 256).
+    pub fn with_paging(mut self, page_size: u32) -> Result<CudaBackend> {
+        if !(16..=256).contains(&page_size) || !page_size.is_power_of_two() {
+            return Err(CudaError::Unsupported(format!(
+                "page size {page_size} must be a power of two from 16 to 256"
+            )));
+        }
+        self.page_size = Some(page_size);
+        Ok(self)
+    }
+
+    pub fn gpu(&self) -> &GpuInfo {
+        &self.gpu
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
+        let mut fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = fns.get(&kernel) {
+            return Ok(f.clone());
+        }
+        let (source, name, defines) = match kernel {
+            Kernel::Decode {
+                dtype,
+                head_dim,
+                rows,
+            } => (
+                Source::Decode,
+                "decode_partial",
+                vec![
+                    ("CANOPY_DTYPE", dtype_code(dtype)),
+                    ("HEAD_DIM", head_dim.to_string()),
+                    ("ROWS", rows.to_string()),
+                ],
+            ),
+            Kernel::Merge => (
+                Source::Merge,
+                "merge_partials",
+                vec![("CANOPY_DTYPE", "0".into())],
+            ),
+            Kernel::Fill(dtype) => (
+                Source::Fill,
+                "fill_random",
+                vec![("CANOPY_DTYPE", dtype_code(dtype))],
+            ),
+        };
+        let module = self
+            .ctx
+            .load_module(Ptx::from_binary(cubin(source, &self.arch, &defines)?))
+            .ctx("cuModuleLoadData")?;
+        let f = module
+            .load_function(name)
+            .ctx(format!("cuModuleGetFunction({name})"))?;
+        fns.insert(kernel, f.clone());
+        Ok(f)
+    }
+
+    /// Registers, spills, shared memory and occupancy of the decode kernel for a configuration.
+    pub fn decode_resources(
+        &self,
+        dtype: DType,
+        head_dim: usize,
+        rows: usize,
+    ) -> Result<KernelResources> {
+        let f = self.function(Kernel::Decode {
+            dtype,
+            head_dim,
+            rows: rows_config(rows),
+        })?;
+        Ok(KernelResources {
+            registers: f.num_regs().ctx("cuFuncGetAttribute")?,
+            local_bytes: f.local_size_bytes().ctx("cuFuncGetAttribute")?,
+            shared_bytes: f.shared_size_bytes().ctx("cuFuncGetAttribute")?,
+            ctas_per_sm: f
+                .occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None)
+                .ctx("cuOccupancy")?,
+        })
+    }
+
+    fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: every buffer is written (upload, kernel or poison) before it is read.
+        unsafe { self.stream.alloc::<T>(len.max(1)) }.ctx(format!(
+            "allocating {} bytes",
+            len * std::mem::size_of::<T>()
+        ))
+    }
+
+    fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        let mut d = self.alloc::<T>(host.len())?;
+        if !host.is_empty() {
+            self.stream.memcpy_htod(host, &mut d).ctx("cuMemcpyHtoD")?;
+        }
+        Ok(d)
+    }
+
+    /// Fills the whole of `kv` with the hashed random values of tokens `first_token..` of a
+    /// global tensor (see `canopy_core::data`), on the device.
+    pub fn fill_random(&self, kv: &mut CudaKv, seed: u64, first_token: u64) -> Result<()> {
+        if kv.paging.is_some() {
+            return Err(CudaError::Unsupported(
+                "random fill writes contiguous KV only".into(),
+            ));
+        }
+        let f = self.function(Kernel::Fill(kv.dtype))?;
+        let per = kv.shape.kv_token_elems() as u64;
+        let n = kv.tokens as u64 * per;
+        let first = first_token * per;
+        let amp = canopy_core::data::KV_AMPLITUDE;
+        let cfg = LaunchConfig {
+            grid_dim: (self.gpu.multiprocessors * 8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for (buf, stream_id) in [
+            (&mut kv.k, canopy_core::data::STREAM_K),
+            (&mut kv.v, canopy_core::data::STREAM_V),
+        ] {
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(buf)
+                .arg(&n)
+                .arg(&first)
+                .arg(&seed)
+                .arg(&stream_id)
+                .arg(&amp);
+            // SAFETY: the kernel writes n elements of the dtype into a buffer of that size.
+            unsafe { b.launch(cfg) }.ctx("launching fill_random")?;
+        }
+        Ok(())
+    }
+
+    /// Measured device-to-device copy bandwidth (bytes read + written per second) over
+    /// `bytes`-sized buffers: the ceiling the benchmarks' floors divide by.
+    pub fn copy_bandwidth(&self, bytes: usize, iters: usize) -> Result<f64> {
+        let src = self.alloc::<u8>(bytes)?;
+        let mut dst = self.alloc::<u8>(bytes)?;
+        let times = self.time_ms(iters, || {
+            self.stream.memcpy_dtod(&src, &mut dst).ctx("cuMemcpyDtoD")
+        })?;
+        Ok(2.0 * bytes as f64 / (crate::bench::median(&times) * 1e-3))
+    }
+
+    /// Runs `f` `iters` times after three warm-ups, timing each run with CUDA events. All runs
+    /// are enqueued before any is waited for, so the GPU never idles on the host's launches.
+    pub fn time_ms(&self, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        for _ in 0..3 {
+            f()?;
+        }
+        let mut events = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let start = self
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .ctx("cuEventRecord")?;
+            f()?;
+            let end = self
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .ctx("cuEventRecord")?;
+            events.push((start, end));
+        }
+        events
+            .iter()
+            .map(|(s, e)| Ok(s.elapsed_ms(e).ctx("cuEventElapsedTime")? as f64))
+            .collect()
+    }
+
+    /// Bytes of one token's K (or V).
+    fn token_bytes(kv: &CudaKv) -> usize {
+        kv.shape.kv_token_elems() * kv.dtype.size_bytes()
+    }
+
+    /// Physical byte ranges holding logical tokens `start..start + n`, in logical order.
+    fn segments(kv: &CudaKv, start: usize, n: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+        let tb = Self::token_bytes(kv);
+        match &kv.paging {
+            None => vec![(0, start * tb..(start + n) * tb)],
+            Some(p) => {
+                let size = 1usize << p.shift;
+                let mut out = Vec::new();
+                let (mut t, end) = (start, start + n);
+                while t < end {
+                    let (page, within) = (t >> p.shift, t & (size - 1));
+                    let take = (size - within).min(end - t);
+                    let phys = p.host[page] as usize * size + within;
+                    out.push(((t - start) * tb, phys * tb..(phys + take) * tb));
+                    t += take;
+                }
+                out
+            }
+        }
+    }
+
+    fn write_bytes(&self, kv: &mut CudaKv, start: usize, k: &[u8], v: &[u8]) -> Result<()> {
+        let n = k.len() / Self::token_bytes(kv);
+        for (host_at, dev) in Self::segments(kv, start, n) {
+            let len = dev.len();
+            self.stream
+                .memcpy_htod(&k[host_at..host_at + len], &mut kv.k.slice_mut(dev.clone()))
+                .ctx("cuMemcpyHtoD")?;
+            self.stream
+                .memcpy_htod(&v[host_at..host_at + len], &mut kv.v.slice_mut(dev))
+                .ctx("cuMemcpyHtoD")?;
+        }
+        Ok(())
+    }
+
+    fn read_bytes(&self, kv: &CudaKv, n: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        let bytes = n * Self::token_bytes(kv);
+        let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
+        for (host_at, dev) in Self::segments(kv, 0, n) {
+            let len = dev.len();
+            self.stream
+                .memcpy_dtoh(&kv.k.slice(dev.clone()), &mut k[host_at..host_at + len])
+                .ctx("cuMemcpyDtoH")?;
+            self.stream
+                .memcpy_dtoh(&kv.v.slice(dev), &mut v[host_at..host_at + len])
+                .ctx("cuMemcpyDtoH")?;
+        }
+        self.stream.synchronize().ctx("cuStreamSynchronize")?;
+        Ok((k, v))
+    }
+}
+
+impl Backend for CudaBackend {
+    type Kv = CudaKv;
+    type Queries = CudaQueries;
+    type Plan = CudaPlan;
+    type States = CudaStates;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> EResult<CudaKv> {
+        let token_bytes = shape.kv_token_elems() * dtype.size_bytes();
+        let (slots, paging) = match self.page_size {
+            None => (tokens, None),
+            Some(size) => {
+                let pages = tokens.div_ceil(size as usize);
+                // A fixed shuffle of the physical pages (multiplicative, coprime stride).
+                let stride = (1..=pages.max(1))
+                    .rev()
+                    .find(|s| gcd(*s, pages.max(1)) == 1 && *s * 2 <= pages + 1)
+                    .unwrap_or(1);
+                let host: Vec<u32> = (0..pages)
+                    .map(|i| ((i * stride + 3) % pages.max(1)) as u32)
+                    .collect();
+                let device = self.upload(&host)?;
+                (
+                    pages * size as usize,
+                    Some(Paging {
+                        shift: size.trailing_zeros(),
+                        host,
+                        device,
+                    }),
+                )
+            }
+        };
+        let bytes = slots * token_bytes;
+        let free = self
+            .ctx
+            .mem_get_info()
+            .map(|(free, _)| free)
+            .unwrap_or(usize::MAX);
+        if 2 * bytes > free {
+            return Err(CudaError::Unsupported(format!(
+                "{tokens} tokens of KV need {:.1} GiB but GPU {} has {:.1} GiB free; use more ranks or a shorter context",
+                2.0 * bytes as f64 / (1u64 << 30) as f64,
+                self.gpu.ordinal,
+                free as f64 / (1u64 << 30) as f64
+            ))
+            .into());
+        }
+        Ok(CudaKv {
+            shape: *shape,
+            dtype,
+            tokens,
+            k: self.alloc(bytes)?,
+            v: self.alloc(bytes)?,
+            paging,
+        })
+    }
+
+    fn write_kv(&self, kv: &mut CudaKv, start: usize, k: &TypedVec, v: &TypedVec) -> EResult<()> {
+        if k.dtype() != kv.dtype || v.dtype() != kv.dtype || k.len() != v.len() {
+            return Err(CudaError::Unsupported(format!(
+                "write_kv wants K and V of {} of equal length",
+                kv.dtype
+            ))
+            .into());
+        }
+        let per = kv.shape.kv_token_elems();
+        if !k.len().is_multiple_of(per) || start + k.len() / per > kv.tokens {
+            return Err(CudaError::Unsupported(format!(
+                "write_kv of {} elements at token {start} does not fit {} tokens",
+                k.len(),
+                kv.tokens
+            ))
+            .into());
+        }
+        Ok(self.write_bytes(kv, start, k.as_bytes(), v.as_bytes())?)
+    }
+
+    fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> EResult<CudaQueries> {
+        Ok(CudaQueries {
+            q: self.upload(q)?,
+            rows: q.len() / shape.q_row_elems(),
+        })
+    }
+
+    fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> EResult<CudaPlan> {
+        let max_rows = plan
+            .groups()
+            .iter()
+            .map(|g| g.queries.len())
+            .max()
+            .unwrap_or(1)
+            * shape.group_size();
+        let rows = rows_config(max_rows);
+        // One balanced wave: as many CTAs as fit on the GPU at once.
+        let res = self.decode_resources(DType::Bf16, shape.head_dim, rows)?;
+        let capacity = (self.gpu.multiprocessors * res.ctas_per_sm.max(1)) as usize;
+        let plan = plan.split_for_parallelism(capacity.div_ceil(shape.kv_heads), MIN_SPLIT_TOKENS);
+        let (mut groups, mut ranges, mut queries, mut masks) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (g, &base) in plan.groups().iter().zip(plan.partial_base()) {
+            let mask = match &g.mask {
+                Some(m) => {
+                    masks.extend_from_slice(m);
+                    (masks.len() - m.len() + 1) as u32
+                }
+                None => 0,
+            };
+            groups.extend_from_slice(&[
+                (ranges.len() / 2) as u32,
+                g.kv.len() as u32,
+                queries.len() as u32,
+                g.queries.len() as u32,
+                base,
+                mask,
+            ]);
+            ranges.extend(g.kv.iter().flat_map(|r| [r.start, r.end]));
+            queries.extend_from_slice(&g.queries);
+        }
+        debug_assert_eq!(groups.len(), plan.groups().len() * GROUP_WORDS);
+        let (ptr, rows_csr) = plan.csr();
+        Ok(CudaPlan {
+            rows,
+            groups: self.upload(&groups)?,
+            ranges: self.upload(&ranges)?,
+            queries: self.upload(&queries)?,
+            masks: self.upload(&masks)?,
+            query_ptr: self.upload(ptr)?,
+            query_rows: self.upload(rows_csr)?,
+            plan,
+        })
+    }
+
+    fn alloc_states(&self, shape: &AttnShape, rows: usize) -> EResult<CudaStates> {
+        Ok(CudaStates {
+            rows,
+            heads: shape.q_heads,
+            head_dim: shape.head_dim,
+            o: self.alloc(rows * shape.q_row_elems())?,
+            lse: self.alloc(rows * shape.q_heads)?,
+        })
+    }
+
+    fn alloc_partials(&self, shape: &AttnShape, plan: &CudaPlan) -> EResult<CudaStates> {
+        self.alloc_states(shape, plan.plan.num_partial_rows())
+    }
+
+    fn poison(&self, s: &mut CudaStates) -> EResult<()> {
+        for buf in [&mut s.o, &mut s.lse] {
+            let bytes = buf.len() * 4;
+            let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: writes exactly the buffer's bytes; 0xFFFFFFFF is a NaN in f32.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
+            }
+            .ctx("cuMemsetD8Async")?;
+        }
+        Ok(())
+    }
+
+    fn run_plan(
+        &self,
+        kv: &CudaKv,
+        q: &CudaQueries,
+        plan: &CudaPlan,
+        partials: &mut CudaStates,
+    ) -> EResult<()> {
+        let shape = &kv.shape;
+        if partials.rows != plan.plan.num_partial_rows() || q.rows < plan.plan.num_queries() {
+            return Err(
+                CudaError::Unsupported("partials or queries do not match the plan".into()).into(),
+            );
+        }
+        let groups = plan.plan.groups().len() as u32;
+        if groups == 0 {
+            return Ok(());
+        }
+        let f = self.function(Kernel::Decode {
+            dtype: kv.dtype,
+            head_dim: shape.head_dim,
+            rows: plan.rows,
+        })?;
+        let null = 0u64;
+        let (q_heads, kv_heads) = (shape.q_heads as i32, shape.kv_heads as i32);
+        let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
+        let shift = kv.paging.as_ref().map_or(0u32, |p| p.shift);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&q.q)
+            .arg(&plan.groups)
+            .arg(&plan.ranges)
+            .arg(&plan.queries)
+            .arg(&plan.masks);
+        match &kv.paging {
+            Some(p) => b.arg(&p.device),
+            None => b.arg(&null),
+        };
+        b.arg(&shift)
+            .arg(&mut partials.o)
+            .arg(&mut partials.lse)
+            .arg(&q_heads)
+            .arg(&kv_heads)
+            .arg(&scale_log2);
+        let cfg = LaunchConfig {
+            grid_dim: (groups, shape.kv_heads as u32, 1),
+            block_dim: (DECODE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match decode_partial's signature; every index the kernel forms comes
+        // from the validated plan, within the buffers allocated for it.
+        unsafe { b.launch(cfg) }.ctx("launching decode_partial")?;
+        Ok(())
+    }
+
+    fn merge(&self, partials: &CudaStates, plan: &CudaPlan, out: &mut CudaStates) -> EResult<()> {
+        let nq = plan.plan.num_queries() as u32;
+        if out.rows != nq as usize {
+            return Err(CudaError::Unsupported(format!(
+                "output has {} rows for {nq} queries",
+                out.rows
+            ))
+            .into());
+        }
+        if nq == 0 {
+            return Ok(());
+        }
+        let f = self.function(Kernel::Merge)?;
+        let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&partials.o)
+            .arg(&partials.lse)
+            .arg(&plan.query_ptr)
+            .arg(&plan.query_rows)
+            .arg(&mut out.o)
+            .arg(&mut out.lse)
+            .arg(&heads)
+            .arg(&d);
+        let cfg = LaunchConfig {
+            grid_dim: (nq, heads as u32, 1),
+            block_dim: ((d as u32).min(128), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match merge_partials; CSR rows index the partial buffers.
+        unsafe { b.launch(cfg) }.ctx("launching merge_partials")?;
+        Ok(())
+    }
+
+    fn download(&self, s: &CudaStates) -> EResult<AttnStates> {
+        let mut o = self.stream.clone_dtoh(&s.o).ctx("cuMemcpyDtoH")?;
+        let mut lse = self.stream.clone_dtoh(&s.lse).ctx("cuMemcpyDtoH")?;
+        self.stream.synchronize().ctx("cuStreamSynchronize")?;
+        o.truncate(s.rows * s.heads * s.head_dim);
+        lse.truncate(s.rows * s.heads);
+        Ok(AttnStates {
+            rows: s.rows,
+            heads: s.heads,
+            head_dim: s.head_dim,
+            o,
+            lse,
+        })
+    }
+
+    /// Stages through host memory; the NCCL transport replaces this with device send/recv.
+    fn send_kv<C: Collective>(
+        &self,
+        kv: &CudaKv,
+        tokens: usize,
+        comm: &C,
+        peer: usize,
+    ) -> EResult<()> {
+        let (k, v) = self.read_bytes(kv, tokens)?;
+        comm.send(&k, peer)?;
+        comm.send(&v, peer)?;
+        Ok(())
+    }
+
+    fn recv_kv<C: Collective>(
+        &self,
+        kv: &mut CudaKv,
+        tokens: usize,
+        comm: &C,
+        peer: usize,
+    ) -> EResult<()> {
+        let bytes = tokens * Self::token_bytes(kv);
+        let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
+        comm.recv(&mut k, peer)?;
+        comm.recv(&mut v, peer)?;
+        Ok(self.write_bytes(kv, 0, &k, &v)?)
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_config_covers_gqa_rows() {
+        assert_eq!(rows_config(1), 1);
+        assert_eq!(rows_config(3), 4);
+        assert_eq!(rows_config(8), 8);
+        assert_eq!(rows_config(4096), 8);
+    }
+}

@@ -1,0 +1,142 @@
+//! `canopy bench kernel`: the decode kernels on one GPU against the memory floor.
+//!
+//! KV is generated on the device (hash-based, never zeros) so gigabytes of cache cost no host
+//! traffic; the f64 oracle regenerates the same values on the CPU. Each point reports the
+//! median of CUDA-event timings of one decode step (stage 1 + stage 2), the bytes the step must
+//! move (KV + queries + partials written and read + outputs), the bandwidth that implies, and
+//! the floor `bytes / measured copy bandwidth`.
+
+use crate::backend::CudaBackend;
+use crate::error::Result;
+use canopy_core::data::{hashed_queries, HashedKv};
+use canopy_core::{
+    plan, reference_attention, relative_error, AttnShape, DType, Method, Overrides, PlannerConfig,
+    Shard, TreeView, WorkloadSpec,
+};
+use canopy_engine::Backend;
+use serde::Serialize;
+
+/// The median of `xs` (NaN when empty).
+pub fn median(xs: &[f64]) -> f64 {
+    quantile(xs, 0.5)
+}
+
+/// The `q`-quantile of `xs` by nearest rank.
+pub fn quantile(xs: &[f64], q: f64) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(((v.len().max(1) - 1) as f64 * q).round() as usize)
+        .copied()
+        .unwrap_or(f64::NAN)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelPoint {
+    pub seq_len: u32,
+    pub batch: u32,
+    /// Groups after splitting for parallelism (CTAs = groups × KV heads).
+    pub groups: usize,
+    pub median_ms: f64,
+    pub p10_ms: f64,
+    pub p90_ms: f64,
+    pub kv_bytes: u64,
+    /// KV + queries + partials (written and read) + outputs.
+    pub bytes: u64,
+    /// `bytes / median time`.
+    pub achieved_gbps: f64,
+    /// Achieved over the measured copy bandwidth.
+    pub fraction_of_copy: f64,
+    /// `bytes / copy bandwidth`.
+    pub floor_ms: f64,
+    /// KV bytes only over the copy bandwidth (the floor the batch goal names).
+    pub kv_floor_ms: f64,
+    pub rel_error: Option<f64>,
+}
+
+/// Times one decode step of `batch` requests of `seq_len` tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn bench_point(
+    backend: &CudaBackend,
+    shape: &AttnShape,
+    dtype: DType,
+    seq_len: u32,
+    batch: u32,
+    iters: usize,
+    copy_bw: f64,
+    check: bool,
+    seed: u64,
+) -> canopy_engine::Result<KernelPoint> {
+    let spec = WorkloadSpec::load("long")?.with_overrides(Overrides {
+        seq_len: Some(seq_len),
+        batch: Some(batch),
+        prompt_len: None,
+    })?;
+    let tree = spec.build_tree()?;
+    let shard = Shard::whole(&tree);
+    // One group per request; the backend splits it to fill the GPU in one wave.
+    let cfg = PlannerConfig {
+        q_guided_chunk: u32::MAX,
+        ..PlannerConfig::default()
+    };
+    let host_plan = plan(&TreeView::new(&tree, &shard), Method::QGuided, shape, &cfg)?;
+    let tokens = tree.total_tokens() as usize;
+    let mut kv = backend.alloc_kv(shape, dtype, tokens)?;
+    backend.fill_random(&mut kv, seed, 0)?;
+    let q_host = hashed_queries(shape, dtype, tree.num_queries(), seed);
+    let q = backend.upload_queries(shape, &q_host)?;
+    let dplan = backend.upload_plan(shape, &host_plan)?;
+    let mut partials = backend.alloc_partials(shape, &dplan)?;
+    let mut out = backend.alloc_states(shape, tree.num_queries())?;
+    let times = backend.time_ms(iters, || {
+        backend
+            .run_plan(&kv, &q, &dplan, &mut partials)
+            .map_err(to_cuda)?;
+        backend.merge(&partials, &dplan, &mut out).map_err(to_cuda)
+    })?;
+    let io = dplan.plan().io(shape, dtype);
+    let f32_q_bytes = io.partial_rows as u64 * shape.q_row_elems() as u64 * 4;
+    let out_bytes =
+        tree.num_queries() as u64 * shape.q_heads as u64 * (shape.head_dim as u64 + 1) * 4;
+    let bytes = io.kv_bytes + f32_q_bytes + io.partial_bytes + out_bytes;
+    let med = median(&times);
+    let rel_error = if check {
+        let got = backend.download(&out)?;
+        let oracle = reference_attention(
+            &tree,
+            shape,
+            &q_host,
+            &HashedKv {
+                seed,
+                dtype,
+                kv_heads: shape.kv_heads,
+            },
+        );
+        Some(relative_error(&got.o, &oracle.0))
+    } else {
+        None
+    };
+    Ok(KernelPoint {
+        seq_len,
+        batch,
+        groups: io.groups,
+        median_ms: med,
+        p10_ms: quantile(&times, 0.1),
+        p90_ms: quantile(&times, 0.9),
+        kv_bytes: io.kv_bytes,
+        bytes,
+        achieved_gbps: bytes as f64 / (med * 1e-3) / 1e9,
+        fraction_of_copy: bytes as f64 / (med * 1e-3) / copy_bw,
+        floor_ms: bytes as f64 / copy_bw * 1e3,
+        kv_floor_ms: io.kv_bytes as f64 / copy_bw * 1e3,
+        rel_error,
+    })
+}
+
+fn to_cuda(e: canopy_engine::EngineError) -> crate::CudaError {
+    crate::CudaError::Unsupported(e.to_string())
+}
+
+/// The copy bandwidth, measured on buffers of 2 GiB (far beyond L2).
+pub fn measure_copy_bandwidth(backend: &CudaBackend) -> Result<f64> {
+    backend.copy_bandwidth(2 << 30, 20)
+}

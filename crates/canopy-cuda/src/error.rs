@@ -1,0 +1,54 @@
+use thiserror::Error;
+
+/// Everything the CUDA backend can fail at, each saying what the user can do.
+#[derive(Debug, Error)]
+pub enum CudaError {
+    #[error("no CUDA driver found (libcuda.so could not be loaded); install the NVIDIA driver or use --backend cpu")]
+    NoDriver,
+    #[error("NVRTC (libnvrtc.so) could not be loaded; add the CUDA toolkit's lib folder (e.g. /usr/local/cuda/lib64) to LD_LIBRARY_PATH, or use --backend cpu")]
+    NoNvrtc,
+    #[error("no CUDA GPU is visible (the driver reports {0} devices); check CUDA_VISIBLE_DEVICES, or use --backend cpu")]
+    NoDevice(i32),
+    #[error(
+        "GPU {ordinal} was requested but only {count} are visible; lower --ranks or use more GPUs"
+    )]
+    DeviceOutOfRange { ordinal: usize, count: usize },
+    #[error("CUDA driver call failed in {context}: {source}")]
+    Driver {
+        context: String,
+        source: cudarc::driver::DriverError,
+    },
+    #[error("NVRTC failed to compile kernel {kernel} ({options}):\n{log}")]
+    Compile {
+        kernel: String,
+        options: String,
+        log: String,
+    },
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+pub type Result<T, E = CudaError> = std::result::Result<T, E>;
+
+/// Adds context to a driver result.
+pub(crate) trait DriverContext<T> {
+    fn ctx(self, context: impl Into<String>) -> Result<T>;
+}
+
+impl<T> DriverContext<T> for std::result::Result<T, cudarc::driver::DriverError> {
+    fn ctx(self, context: impl Into<String>) -> Result<T> {
+        self.map_err(|source| CudaError::Driver {
+            context: context.into(),
+            source,
+        })
+    }
+}
+
+impl From<CudaError> for canopy_engine::EngineError {
+    fn from(e: CudaError) -> Self {
+        canopy_engine::EngineError::Backend {
+            backend: "cuda",
+            message: e.to_string(),
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! # canopy-cuda
+//!
+//! The CUDA backend of canopy's engine, on [`cudarc`] with dynamic loading: the binary builds
+//! and runs on machines without CUDA, and every entry point checks that the driver and NVRTC can
+//! be loaded (cudarc panics on first use otherwise) and returns [`CudaError`] with what to do.
+//!
+//! Kernels live in `kernels/*.cu` at the repository root, are embedded in the binary, compiled
+//! at run time by NVRTC for the device's architecture (`sm_90a` on Hopper) and cached on disk
+//! ([`compile`]). [`CudaBackend`] implements the engine's `Backend` trait: KV storage
+//! (contiguous or paged), plan upload (re-split so one balanced wave of CTAs fills the GPU),
+//! the split-KV flash-decoding partial kernel and the deterministic CSR merge.
+
+mod backend;
+pub mod bench;
+pub mod compile;
+mod error;
+pub mod probe;
+
+pub use backend::{CudaBackend, CudaKv, CudaPlan, CudaQueries, CudaStates, KernelResources};
+pub use error::{CudaError, Result};
+pub use probe::{probe, CudaInfo, GpuInfo};

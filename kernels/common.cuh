@@ -1,0 +1,93 @@
+// Helpers shared by canopy's kernels. NVRTC compiles each kernel file with this file prepended
+// (no include paths and no CUDA headers needed at run time).
+//
+// Element types are selected with -DCANOPY_DTYPE: 0 = f32, 1 = f16, 2 = bf16. Conversions are
+// written in PTX / integer ops so the kernels need neither cuda_fp16.h nor cuda_bf16.h.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NEG_INF __int_as_float(0xff800000)
+#define LN2 0.69314718055994530942f
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16_rn(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Round-to-nearest-even to bf16 (finite inputs), as the `half` crate does on the host.
+__device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
+    u32 u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+// A 16-byte streaming load that bypasses L1 (KV is read once per CTA).
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+// Eight consecutive elements of one KV row, raw.
+struct Raw8 {
+    uint4 a;
+#if CANOPY_DTYPE == 0
+    uint4 b;
+#endif
+};
+
+#if CANOPY_DTYPE == 0
+#define ELEM_BYTES 4
+#else
+#define ELEM_BYTES 2
+#endif
+
+__device__ __forceinline__ Raw8 load8(const unsigned char* base, u64 elem) {
+    Raw8 r;
+    const unsigned char* p = base + elem * ELEM_BYTES;
+    r.a = ld_stream(p);
+#if CANOPY_DTYPE == 0
+    r.b = ld_stream(p + 16);
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void widen8(const Raw8& r, float out[8]) {
+#if CANOPY_DTYPE == 0
+    out[0] = __uint_as_float(r.a.x); out[1] = __uint_as_float(r.a.y);
+    out[2] = __uint_as_float(r.a.z); out[3] = __uint_as_float(r.a.w);
+    out[4] = __uint_as_float(r.b.x); out[5] = __uint_as_float(r.b.y);
+    out[6] = __uint_as_float(r.b.z); out[7] = __uint_as_float(r.b.w);
+#elif CANOPY_DTYPE == 1
+    const u32 w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = f16_to_f32((u16)(w[i] & 0xffffu));
+        out[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+    }
+#else
+    const u32 w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+#endif
+}
