@@ -36,15 +36,6 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
     return (u16)(u >> 16);
 }
 
-// A 16-byte streaming load that bypasses L1 (KV is read once per CTA).
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
-    return r;
-}
-
 // Eight consecutive elements of one KV row, raw.
 struct Raw8 {
     uint4 a;
@@ -58,16 +49,6 @@ struct Raw8 {
 #else
 #define ELEM_BYTES 2
 #endif
-
-__device__ __forceinline__ Raw8 load8(const unsigned char* base, u64 elem) {
-    Raw8 r;
-    const unsigned char* p = base + elem * ELEM_BYTES;
-    r.a = ld_stream(p);
-#if CANOPY_DTYPE == 0
-    r.b = ld_stream(p + 16);
-#endif
-    return r;
-}
 
 __device__ __forceinline__ void widen8(const Raw8& r, float out[8]) {
 #if CANOPY_DTYPE == 0

@@ -1,43 +1,105 @@
 // Split-KV flash decoding over a canopy plan: stage 1 (partial states). Stage 2 is merge.cu.
 //
-// Stage 1: one CTA per (plan group, KV head). The CTA streams the group's KV token ranges
-// once and applies each token to every query row of the group that shares the KV head (the
-// GQA rows: queries x q_heads/kv_heads), so KV is read once per group whatever the GQA ratio.
+// One CTA per (plan group, KV head). The CTA streams the group's KV tokens once and applies
+// each token to every query row of the group that shares the KV head (the GQA rows: queries x
+// q_heads / kv_heads), so KV is read once per group whatever the GQA ratio.
 //
 // Layout: K and V are [token][kv_head][HEAD_DIM]; a token's head row is HEAD_DIM contiguous
 // elements. LANES = HEAD_DIM / 8 lanes hold one token's row, 8 elements (16 bytes in 16-bit
-// storage) each, so a warp covers TPW = 32 / LANES tokens per load and each lane keeps UNROLL
-// K and UNROLL V loads in flight. Each sub-warp (LANES lanes) keeps its own online-softmax state
-// per row (in the log2 domain: queries are pre-scaled by scale * log2(e)); the CTA merges the
-// sub-warp states in shared memory and writes one normalised partial (o, natural-log lse) per
-// (query, head). Masked groups test one bit per (token, query); paged KV maps a logical token
-// through the page table.
+// storage) each, so a warp covers TPW = 32 / LANES tokens per load and UNROLL loads per step.
+//
+// Loads go through a STAGES-deep cp.async pipeline in shared memory: each lane copies its own
+// 16-byte pieces for steps ahead and later reads back only what it copied itself, so no barrier
+// is needed and loads stay in flight while the lane computes. Each sub-warp (LANES lanes) keeps
+// its own online-softmax state per row, in the log2 domain (queries are pre-scaled by
+// scale * log2(e)); at the end the CTA merges the sub-warp states in shared memory (reusing the
+// pipeline's space) and writes one normalised partial (o, natural-log lse) per (query, head).
+// Masked groups test one bit per (token, query); paged KV maps a logical token through the
+// page table; a group's tokens may span several KV ranges.
 //
 // Compile-time parameters: CANOPY_DTYPE, HEAD_DIM, ROWS (rows per pass; more rows loop).
 
 #define NWARPS 4
+#define THREADS (NWARPS * 32)
 #define LANES (HEAD_DIM / 8)
 #define TPW (32 / LANES)
 #define SLOTS (NWARPS * TPW)
-// Register budget (from the compiler's resource report for sm_90a): one row fits 128
-// registers with 4 tokens in flight per lane, so it asks for 4 CTAs per SM; more rows keep the
-// compiler's choice (forcing it spills), and 4+ rows trade in-flight tokens for registers.
-#if ROWS >= 4
+#define STAGES 3
+#if CANOPY_DTYPE == 0
 #define UNROLL 2
+#define RAWV 2  // 16-byte pieces per 8 elements
 #else
 #define UNROLL 4
+#define RAWV 1
 #endif
-#if ROWS == 1
+#define WARP_STEP (TPW * UNROLL)
+#define CTA_STEP (NWARPS * WARP_STEP)
+// Register budget (from the compiler's resource report for sm_90a): up to 4 rows fit 128
+// registers without spilling, so they ask for 4 CTAs per SM (48 KB of shared memory each);
+// 8 rows keep the compiler's choice (forcing it spills).
+#if ROWS <= 4
 #define MIN_CTAS 4
 #else
 #define MIN_CTAS 1
 #endif
 
-// Per group: range_begin, range_count, query_begin, query_count, partial_base, mask_begin + 1
-// (0: unmasked).
-#define GROUP_WORDS 6
+// Per group: range_begin, range_count, query_begin, query_count, partial_base,
+// mask_begin + 1 (0: unmasked), tokens.
+#define GROUP_WORDS 7
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_CTAS)
+struct MergeScratch {
+    float m[SLOTS][ROWS];
+    float l[SLOTS][ROWS];
+    float acc[SLOTS][ROWS][HEAD_DIM];
+};
+
+union SharedSpace {
+    uint4 pipe[STAGES * UNROLL * 2 * RAWV][THREADS];  // lane-minor: conflict-free
+    MergeScratch merge;
+};
+
+// Walks a group's KV ranges in token order: maps group-local token indices to addresses.
+struct Cursor {
+    u32 ri, local_begin, local_end, addr_begin;
+};
+
+__device__ __forceinline__ void cursor_start(Cursor& c, const u32* ranges, u32 range_begin) {
+    c.ri = 0;
+    c.local_begin = 0;
+    c.addr_begin = ranges[2 * range_begin];
+    c.local_end = ranges[2 * range_begin + 1] - c.addr_begin;
+}
+
+__device__ __forceinline__ u32 cursor_seek(Cursor& c, u32 local, const u32* ranges, u32 range_begin) {
+    while (local >= c.local_end) {
+        ++c.ri;
+        const u32 rs = ranges[2 * (range_begin + c.ri)], re = ranges[2 * (range_begin + c.ri) + 1];
+        c.local_begin = c.local_end;
+        c.local_end += re - rs;
+        c.addr_begin = rs;
+    }
+    return c.addr_begin + (local - c.local_begin);
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+__device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1)); }
+
+__device__ __forceinline__ void widen_smem(const uint4* p, float out[8]) {
+    Raw8 r;
+    r.a = p[0];
+#if CANOPY_DTYPE == 0
+    r.b = p[THREADS];
+#endif
+    widen8(r, out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
                const float* __restrict__ q, const u32* __restrict__ groups,
                const u32* __restrict__ ranges, const u32* __restrict__ group_queries,
@@ -45,8 +107,8 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
                float* __restrict__ out_o, float* __restrict__ out_lse, int q_heads, int kv_heads,
                float scale_log2) {
     const u32* gd = groups + (u64)blockIdx.x * GROUP_WORDS;
-    const u32 range_begin = gd[0], range_count = gd[1], query_begin = gd[2];
-    const u32 query_count = gd[3], partial_base = gd[4], mask_plus1 = gd[5];
+    const u32 range_begin = gd[0], query_begin = gd[2];
+    const u32 query_count = gd[3], partial_base = gd[4], mask_plus1 = gd[5], tokens = gd[6];
     const int kvh = blockIdx.y;
     const int gsz = q_heads / kv_heads;
     const int total_rows = (int)query_count * gsz;
@@ -55,10 +117,9 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
     const u32 words = (query_count + 63) / 64;
     const u64 tok_stride = (u64)kv_heads * HEAD_DIM;
     const u32 page_mask = (1u << page_shift) - 1u;
+    const u32 steps = (tokens + CTA_STEP - 1) / CTA_STEP;
 
-    __shared__ float sm_m[SLOTS][ROWS];
-    __shared__ float sm_l[SLOTS][ROWS];
-    __shared__ float sm_acc[SLOTS][ROWS][HEAD_DIM];
+    __shared__ SharedSpace sh;
 
     for (int row0 = 0; row0 < total_rows; row0 += ROWS) {
         const int nrows = min(ROWS, total_rows - row0);
@@ -78,107 +139,126 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
                 for (int i = 0; i < 8; ++i) qf[r][i] = qp[i] * scale_log2;
             }
         }
-        u32 tok_base = 0;  // group-local index of the current range's first token
-        for (u32 ri = 0; ri < range_count; ++ri) {
-            const u32 rs = ranges[2 * (range_begin + ri)], re = ranges[2 * (range_begin + ri) + 1];
-            for (u32 t0 = rs + warp * TPW * UNROLL; t0 < re; t0 += NWARPS * TPW * UNROLL) {
-                Raw8 kr[UNROLL], vr[UNROLL];
-                u32 tok[UNROLL];
-                bool valid[UNROLL];
+        Cursor cur[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) cursor_start(cur[u], ranges, range_begin);
+
+        // Copies step `step`'s K and V pieces of this lane into pipeline stage step % STAGES.
+        auto issue = [&](u32 step) {
+            if (step < steps) {
+                const int stage = step % STAGES;
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
-                    tok[u] = t0 + u * TPW + sub;
-                    valid[u] = tok[u] < re;
-                    if (valid[u]) {
-                        const u32 addr = page_table
-                            ? (page_table[tok[u] >> page_shift] << page_shift) | (tok[u] & page_mask)
-                            : tok[u];
-                        const u64 off = (u64)addr * tok_stride + (u64)kvh * HEAD_DIM + dim0;
-                        kr[u] = load8(kc, off);
-                        vr[u] = load8(vc, off);
+                    const u32 local = step * CTA_STEP + warp * WARP_STEP + u * TPW + sub;
+                    const bool valid = local < tokens;
+                    u64 off = 0;
+                    if (valid) {
+                        const u32 t = cursor_seek(cur[u], local, ranges, range_begin);
+                        const u32 addr = page_table ? (page_table[t >> page_shift] << page_shift) | (t & page_mask) : t;
+                        off = ((u64)addr * tok_stride + (u64)kvh * HEAD_DIM + dim0) * ELEM_BYTES;
                     }
-                }
-                float kf[UNROLL][8], vf[UNROLL][8];
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    if (valid[u]) {
-                        widen8(kr[u], kf[u]);
-                        widen8(vr[u], vf[u]);
-                    } else {
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) { kf[u][i] = 0.f; vf[u][i] = 0.f; }
+                    for (int w = 0; w < RAWV; ++w) {
+                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 0) * RAWV + w][threadIdx.x], kc + off + 16 * w, valid ? 16 : 0);
+                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 1) * RAWV + w][threadIdx.x], vc + off + 16 * w, valid ? 16 : 0);
                     }
-                }
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    if (r >= nrows) break;  // uniform across the CTA
-                    float s[UNROLL];
-#pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) {
-                        float d = 0.f;
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) d = fmaf(qf[r][i], kf[u][i], d);
-#pragma unroll
-                        for (int off = LANES / 2; off > 0; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
-                        s[u] = d;
-                    }
-                    const u32 j = (u32)(row0 + r) / gsz;
-                    float mx = NEG_INF;
-#pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) {
-                        bool keep = valid[u];
-                        if (keep && mask_plus1) {
-                            const u64 local = tok_base + (tok[u] - rs);
-                            keep = (masks[mask_plus1 - 1 + local * words + j / 64] >> (j % 64)) & 1ull;
-                        }
-                        if (!keep) s[u] = NEG_INF;
-                        mx = fmaxf(mx, s[u]);
-                    }
-                    const float m_new = fmaxf(m[r], mx);
-                    if (m_new == NEG_INF) continue;
-                    const float alpha = fast_exp2(m[r] - m_new);
-                    float lsum = l[r] * alpha;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[r][i] *= alpha;
-#pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) {
-                        const float p = fast_exp2(s[u] - m_new);
-                        lsum += p;
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vf[u][i], acc[r][i]);
-                    }
-                    l[r] = lsum;
-                    m[r] = m_new;
                 }
             }
-            tok_base += re - rs;
+            cp_async_commit();  // an empty group past the end keeps the wait count uniform
+        };
+
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) issue(s);
+        for (u32 step = 0; step < steps; ++step) {
+            issue(step + STAGES - 1);
+            cp_async_wait_ahead();
+            const int stage = step % STAGES;
+            const u32 local0 = step * CTA_STEP + warp * WARP_STEP + sub;
+            // Scores of every row for this step's tokens.
+            float s[ROWS][UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                float kf[8];
+                widen_smem(&sh.pipe[((stage * UNROLL + u) * 2 + 0) * RAWV][threadIdx.x], kf);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    float d = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) d = fmaf(qf[r][i], kf[i], d);
+                    s[r][u] = d;
+                }
+            }
+            float p[ROWS][UNROLL];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (r >= nrows) break;  // uniform across the CTA
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                    for (int off = LANES / 2; off > 0; off /= 2) s[r][u] += __shfl_xor_sync(0xffffffffu, s[r][u], off);
+                const u32 j = (u32)(row0 + r) / gsz;
+                float mx = NEG_INF;
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const u32 local = local0 + u * TPW;
+                    bool keep = local < tokens;
+                    if (keep && mask_plus1) keep = (masks[mask_plus1 - 1 + (u64)local * words + j / 64] >> (j % 64)) & 1ull;
+                    if (!keep) s[r][u] = NEG_INF;
+                    mx = fmaxf(mx, s[r][u]);
+                }
+                const float m_new = fmaxf(m[r], mx);
+                const float alpha = m_new == NEG_INF ? 1.f : fast_exp2(m[r] - m_new);
+                float lsum = l[r] * alpha;
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    p[r][u] = m_new == NEG_INF ? 0.f : fast_exp2(s[r][u] - m_new);
+                    lsum += p[r][u];
+                }
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][i] *= alpha;
+                l[r] = lsum;
+                m[r] = m_new;
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                float vf[8];
+                widen_smem(&sh.pipe[((stage * UNROLL + u) * 2 + 1) * RAWV][threadIdx.x], vf);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r >= nrows) break;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p[r][u], vf[i], acc[r][i]);
+                }
+            }
         }
+        asm volatile("cp.async.wait_all;\n" ::);
+        __syncthreads();  // every warp is done with the pipeline before it becomes merge scratch
         // Merge the sub-warps' states.
         const int slot = warp * TPW + sub;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             if (r < nrows) {
                 if (lane % LANES == 0) {
-                    sm_m[slot][r] = m[r];
-                    sm_l[slot][r] = l[r];
+                    sh.merge.m[slot][r] = m[r];
+                    sh.merge.l[slot][r] = l[r];
                 }
 #pragma unroll
-                for (int i = 0; i < 8; ++i) sm_acc[slot][r][dim0 + i] = acc[r][i];
+                for (int i = 0; i < 8; ++i) sh.merge.acc[slot][r][dim0 + i] = acc[r][i];
             }
         }
         __syncthreads();
-        for (int idx = threadIdx.x; idx < nrows * HEAD_DIM; idx += NWARPS * 32) {
+        for (int idx = threadIdx.x; idx < nrows * HEAD_DIM; idx += THREADS) {
             const int r = idx / HEAD_DIM, d = idx % HEAD_DIM;
             float M = NEG_INF;
 #pragma unroll
-            for (int s = 0; s < SLOTS; ++s) M = fmaxf(M, sm_m[s][r]);
+            for (int s = 0; s < SLOTS; ++s) M = fmaxf(M, sh.merge.m[s][r]);
             float L = 0.f, O = 0.f;
             if (M != NEG_INF) {
 #pragma unroll
                 for (int s = 0; s < SLOTS; ++s) {
-                    const float w = fast_exp2(sm_m[s][r] - M);
-                    L = fmaf(sm_l[s][r], w, L);
-                    O = fmaf(sm_acc[s][r][d], w, O);
+                    const float w = fast_exp2(sh.merge.m[s][r] - M);
+                    L = fmaf(sh.merge.l[s][r], w, L);
+                    O = fmaf(sh.merge.acc[s][r][d], w, O);
                 }
             }
             const int row = row0 + r;
@@ -188,6 +268,6 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
             out_o[(prow * q_heads + head) * HEAD_DIM + d] = empty ? 0.f : O / L;
             if (d == 0) out_lse[prow * q_heads + head] = empty ? NEG_INF : (M + __log2f(L)) * LN2;
         }
-        __syncthreads();
+        __syncthreads();  // the scratch is the next pass's pipeline
     }
 }

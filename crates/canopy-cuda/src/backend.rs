@@ -27,7 +27,7 @@ type EResult<T> = canopy_engine::Result<T>;
 /// Threads per decode CTA (four warps; see `kernels/decode.cu`).
 const DECODE_THREADS: u32 = 128;
 /// u32 words per group descriptor (see `kernels/decode.cu`).
-const GROUP_WORDS: usize = 6;
+const GROUP_WORDS: usize = 7;
 /// Shortest KV chunk a group is split into: below this, partials and launch costs dominate.
 const MIN_SPLIT_TOKENS: u32 = 256;
 
@@ -491,7 +491,8 @@ impl Backend for CudaBackend {
         // One balanced wave: as many CTAs as fit on the GPU at once.
         let res = self.decode_resources(DType::Bf16, shape.head_dim, rows)?;
         let capacity = (self.gpu.multiprocessors * res.ctas_per_sm.max(1)) as usize;
-        let plan = plan.split_for_parallelism(capacity.div_ceil(shape.kv_heads), MIN_SPLIT_TOKENS);
+        // Round down: one CTA past the resident capacity costs a whole second wave.
+        let plan = plan.split_for_parallelism((capacity / shape.kv_heads).max(1), MIN_SPLIT_TOKENS);
         let (mut groups, mut ranges, mut queries, mut masks) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (g, &base) in plan.groups().iter().zip(plan.partial_base()) {
@@ -509,6 +510,7 @@ impl Backend for CudaBackend {
                 g.queries.len() as u32,
                 base,
                 mask,
+                g.tokens(),
             ]);
             ranges.extend(g.kv.iter().flat_map(|r| [r.start, r.end]));
             queries.extend_from_slice(&g.queries);
