@@ -8,9 +8,13 @@
 // elements. LANES = HEAD_DIM / 8 lanes hold one token's row, 8 elements (16 bytes in 16-bit
 // storage) each, so a warp covers TPW = 32 / LANES tokens per load and UNROLL loads per step.
 //
-// Loads go through a STAGES-deep cp.async pipeline in shared memory: each lane copies its own
-// 16-byte pieces for steps ahead and later reads back only what it copied itself, so no barrier
-// is needed and loads stay in flight while the lane computes. Each sub-warp (LANES lanes) keeps
+// Loads: with one row (pure streaming, little compute per byte) each lane issues all of a
+// step's 16-byte K and V loads straight into registers (DIRECT); with GQA rows (more compute per
+// byte) they go through a STAGES-deep cp.async pipeline in shared memory instead, so loads for
+// later steps stay in flight while the lane computes. In the pipeline each lane copies its own
+// pieces and reads back only what it copied itself, so no barrier is needed. Measured on H200
+// (docs/BENCHMARKS.md): direct loads reach the copy bandwidth with one row but 25% of it with
+// four; the pipeline gives 84% with four and 96-98% with one. Each sub-warp (LANES lanes) keeps
 // its own online-softmax state per row, in the log2 domain (queries are pre-scaled by
 // scale * log2(e)); at the end the CTA merges the sub-warp states in shared memory (reusing the
 // pipeline's space) and writes one normalised partial (o, natural-log lse) per (query, head).
@@ -25,6 +29,7 @@
 #define TPW (32 / LANES)
 #define SLOTS (NWARPS * TPW)
 #define STAGES 3
+#define DIRECT (ROWS == 1)
 #if CANOPY_DTYPE == 0
 #define UNROLL 2
 #define RAWV 2  // 16-byte pieces per 8 elements
@@ -54,7 +59,9 @@ struct MergeScratch {
 };
 
 union SharedSpace {
+#if !DIRECT
     uint4 pipe[STAGES * UNROLL * 2 * RAWV][THREADS];  // lane-minor: conflict-free
+#endif
     MergeScratch merge;
 };
 
@@ -90,13 +97,13 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 __device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1)); }
 
-__device__ __forceinline__ void widen_smem(const uint4* p, float out[8]) {
-    Raw8 r;
-    r.a = p[0];
-#if CANOPY_DTYPE == 0
-    r.b = p[THREADS];
-#endif
-    widen8(r, out);
+// A 16-byte load that bypasses L1 (KV is read once per CTA).
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
@@ -143,43 +150,73 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) cursor_start(cur[u], ranges, range_begin);
 
+        // Byte offset of this lane's piece of token slot `u` of `step`, or ~0 past the end.
+        auto piece = [&](u32 step, int u) -> u64 {
+            const u32 local = step * CTA_STEP + warp * WARP_STEP + u * TPW + sub;
+            if (local >= tokens) return ~0ull;
+            const u32 t = cursor_seek(cur[u], local, ranges, range_begin);
+            const u32 addr = page_table ? (page_table[t >> page_shift] << page_shift) | (t & page_mask) : t;
+            return ((u64)addr * tok_stride + (u64)kvh * HEAD_DIM + dim0) * ELEM_BYTES;
+        };
+#if !DIRECT
         // Copies step `step`'s K and V pieces of this lane into pipeline stage step % STAGES.
         auto issue = [&](u32 step) {
             if (step < steps) {
                 const int stage = step % STAGES;
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
-                    const u32 local = step * CTA_STEP + warp * WARP_STEP + u * TPW + sub;
-                    const bool valid = local < tokens;
-                    u64 off = 0;
-                    if (valid) {
-                        const u32 t = cursor_seek(cur[u], local, ranges, range_begin);
-                        const u32 addr = page_table ? (page_table[t >> page_shift] << page_shift) | (t & page_mask) : t;
-                        off = ((u64)addr * tok_stride + (u64)kvh * HEAD_DIM + dim0) * ELEM_BYTES;
-                    }
+                    const u64 off = piece(step, u);
+                    const bool valid = off != ~0ull;
 #pragma unroll
                     for (int w = 0; w < RAWV; ++w) {
-                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 0) * RAWV + w][threadIdx.x], kc + off + 16 * w, valid ? 16 : 0);
-                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 1) * RAWV + w][threadIdx.x], vc + off + 16 * w, valid ? 16 : 0);
+                        const u64 at = valid ? off + 16 * w : 0;
+                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 0) * RAWV + w][threadIdx.x], kc + at, valid ? 16 : 0);
+                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 1) * RAWV + w][threadIdx.x], vc + at, valid ? 16 : 0);
                     }
                 }
             }
             cp_async_commit();  // an empty group past the end keeps the wait count uniform
         };
-
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) issue(s);
+#endif
         for (u32 step = 0; step < steps; ++step) {
+            // This step's raw K and V pieces: loaded into registers now (DIRECT), or read from
+            // the pipeline stage when used (so they never all occupy registers at once).
+#if DIRECT
+            Raw8 kr[UNROLL], vr[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const u64 off = piece(step, u);
+                const bool valid = off != ~0ull;
+                kr[u].a = valid ? ld_stream(kc + off) : make_uint4(0, 0, 0, 0);
+                vr[u].a = valid ? ld_stream(vc + off) : make_uint4(0, 0, 0, 0);
+#if CANOPY_DTYPE == 0
+                kr[u].b = valid ? ld_stream(kc + off + 16) : make_uint4(0, 0, 0, 0);
+                vr[u].b = valid ? ld_stream(vc + off + 16) : make_uint4(0, 0, 0, 0);
+#endif
+            }
+            auto fetch = [&](int u, int which) -> Raw8 { return which == 0 ? kr[u] : vr[u]; };
+#else
             issue(step + STAGES - 1);
             cp_async_wait_ahead();
             const int stage = step % STAGES;
+            auto fetch = [&](int u, int which) -> Raw8 {
+                Raw8 r;
+                r.a = sh.pipe[((stage * UNROLL + u) * 2 + which) * RAWV][threadIdx.x];
+#if CANOPY_DTYPE == 0
+                r.b = sh.pipe[((stage * UNROLL + u) * 2 + which) * RAWV + 1][threadIdx.x];
+#endif
+                return r;
+            };
+#endif
             const u32 local0 = step * CTA_STEP + warp * WARP_STEP + sub;
             // Scores of every row for this step's tokens.
             float s[ROWS][UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 float kf[8];
-                widen_smem(&sh.pipe[((stage * UNROLL + u) * 2 + 0) * RAWV][threadIdx.x], kf);
+                widen8(fetch(u, 0), kf);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
                     float d = 0.f;
@@ -222,7 +259,7 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 float vf[8];
-                widen_smem(&sh.pipe[((stage * UNROLL + u) * 2 + 1) * RAWV][threadIdx.x], vf);
+                widen8(fetch(u, 1), vf);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
                     if (r >= nrows) break;
@@ -231,7 +268,9 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
                 }
             }
         }
+#if !DIRECT
         asm volatile("cp.async.wait_all;\n" ::);
+#endif
         __syncthreads();  // every warp is done with the pipeline before it becomes merge scratch
         // Merge the sub-warps' states.
         const int slot = warp * TPW + sub;
