@@ -33,6 +33,9 @@ pub struct KernelArgs {
     check: bool,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Waves of resident CTAs each step is split into.
+    #[arg(long, default_value_t = 1)]
+    waves: u32,
     #[arg(long)]
     json: bool,
     /// Also write the JSON document to this file.
@@ -43,6 +46,7 @@ pub struct KernelArgs {
 #[derive(Serialize)]
 struct Output {
     gpu: String,
+    waves: u32,
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -60,7 +64,7 @@ pub fn run(a: KernelArgs) -> Result<()> {
         a.shape.head_dim.unwrap_or(128),
     )?;
     let dtype = a.shape.dtype.unwrap_or(DType::Bf16);
-    let backend = CudaBackend::new(a.gpu)?;
+    let backend = CudaBackend::new(a.gpu)?.with_waves(a.waves);
     let copy = measure_copy_bandwidth(&backend)?;
     let resources = backend.decode_resources(dtype, shape.head_dim, shape.group_size())?;
     let mut points = Vec::new();
@@ -71,6 +75,7 @@ pub fn run(a: KernelArgs) -> Result<()> {
     }
     let out = Output {
         gpu: backend.gpu().name.clone(),
+        waves: a.waves,
         q_heads: shape.q_heads,
         kv_heads: shape.kv_heads,
         head_dim: shape.head_dim,

@@ -68,6 +68,7 @@ pub struct CudaBackend {
     arch: String,
     functions: Mutex<HashMap<Kernel, CudaFunction>>,
     page_size: Option<u32>,
+    waves: u32,
 }
 
 /// Device KV: K and V bytes and, when paged, the page table.
@@ -161,6 +162,7 @@ impl CudaBackend {
             gpu,
             arch,
             functions: Mutex::new(HashMap::new()),
+            waves: 1,
             page_size: None,
         })
     }
@@ -174,6 +176,13 @@ impl CudaBackend {
         }
         self.page_size = Some(page_size);
         Ok(self)
+    }
+
+    /// Splits plans into `waves` waves of resident CTAs (default 1): more, smaller CTAs shorten
+    /// the tail where a few CTAs finish alone, at the cost of more partial rows.
+    pub fn with_waves(mut self, waves: u32) -> CudaBackend {
+        self.waves = waves.max(1);
+        self
     }
 
     pub fn gpu(&self) -> &GpuInfo {
@@ -490,7 +499,7 @@ impl Backend for CudaBackend {
         let rows = rows_config(max_rows);
         // One balanced wave: as many CTAs as fit on the GPU at once.
         let res = self.decode_resources(DType::Bf16, shape.head_dim, rows)?;
-        let capacity = (self.gpu.multiprocessors * res.ctas_per_sm.max(1)) as usize;
+        let capacity = (self.gpu.multiprocessors * res.ctas_per_sm.max(1) * self.waves) as usize;
         // Round down: one CTA past the resident capacity costs a whole second wave.
         let plan = plan.split_for_parallelism((capacity / shape.kv_heads).max(1), MIN_SPLIT_TOKENS);
         let (mut groups, mut ranges, mut queries, mut masks) =
