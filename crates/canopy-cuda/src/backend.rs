@@ -69,6 +69,7 @@ pub struct CudaBackend {
     functions: Mutex<HashMap<Kernel, CudaFunction>>,
     page_size: Option<u32>,
     waves: u32,
+    max_ctas_per_sm: Option<u32>,
 }
 
 /// Device KV: K and V bytes and, when paged, the page table.
@@ -163,6 +164,7 @@ impl CudaBackend {
             arch,
             functions: Mutex::new(HashMap::new()),
             waves: 1,
+            max_ctas_per_sm: None,
             page_size: None,
         })
     }
@@ -182,6 +184,12 @@ impl CudaBackend {
     /// the tail where a few CTAs finish alone, at the cost of more partial rows.
     pub fn with_waves(mut self, waves: u32) -> CudaBackend {
         self.waves = waves.max(1);
+        self
+    }
+
+    /// Plans for at most `n` resident CTAs per SM (default: as many as fit).
+    pub fn with_ctas_per_sm(mut self, n: Option<u32>) -> CudaBackend {
+        self.max_ctas_per_sm = n;
         self
     }
 
@@ -499,7 +507,11 @@ impl Backend for CudaBackend {
         let rows = rows_config(max_rows);
         // One balanced wave: as many CTAs as fit on the GPU at once.
         let res = self.decode_resources(DType::Bf16, shape.head_dim, rows)?;
-        let capacity = (self.gpu.multiprocessors * res.ctas_per_sm.max(1) * self.waves) as usize;
+        let per_sm = res
+            .ctas_per_sm
+            .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
+            .max(1);
+        let capacity = (self.gpu.multiprocessors * per_sm * self.waves) as usize;
         // Round down: one CTA past the resident capacity costs a whole second wave.
         let plan = plan.split_for_parallelism((capacity / shape.kv_heads).max(1), MIN_SPLIT_TOKENS);
         let (mut groups, mut ranges, mut queries, mut masks) =
