@@ -23,8 +23,6 @@ log() { echo "== $*"; }
 
   log "decode kernel: 16 heads x 128, bf16, 1 query"
   $BIN bench kernel --heads 16 --kv-heads 16 --head-dim 128 --dtype bf16 --json-out "$OUT/kernel_mha.json"
-  log "decode kernel: 16 heads x 128, split into 2 waves of CTAs"
-  $BIN bench kernel --heads 16 --kv-heads 16 --head-dim 128 --dtype bf16 --waves 2 --seq-lens 131072,524288,1048576 --check false
   log "decode kernel: Llama shape 32 q / 8 kv heads"
   $BIN bench kernel --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --json-out "$OUT/kernel_llama.json"
   log "decode kernel: batch of 16 requests x 32K, Llama shape"

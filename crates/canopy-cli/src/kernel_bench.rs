@@ -36,9 +36,9 @@ pub struct KernelArgs {
     /// Waves of resident CTAs each step is split into.
     #[arg(long, default_value_t = 1)]
     waves: u32,
-    /// Plan for at most this many resident CTAs per SM (default: as many as fit).
-    #[arg(long)]
-    ctas_per_sm: Option<u32>,
+    /// Plan for at most this many resident CTAs per SM.
+    #[arg(long, default_value_t = 4)]
+    ctas_per_sm: u32,
     #[arg(long)]
     json: bool,
     /// Also write the JSON document to this file.
@@ -69,7 +69,7 @@ pub fn run(a: KernelArgs) -> Result<()> {
     let dtype = a.shape.dtype.unwrap_or(DType::Bf16);
     let backend = CudaBackend::new(a.gpu)?
         .with_waves(a.waves)
-        .with_ctas_per_sm(a.ctas_per_sm);
+        .with_ctas_per_sm(Some(a.ctas_per_sm));
     let copy = measure_copy_bandwidth(&backend)?;
     let resources = backend.decode_resources(dtype, shape.head_dim, shape.group_size())?;
     let mut points = Vec::new();

@@ -28,6 +28,11 @@ type EResult<T> = canopy_engine::Result<T>;
 const DECODE_THREADS: u32 = 128;
 /// u32 words per group descriptor (see `kernels/decode.cu`).
 const GROUP_WORDS: usize = 7;
+/// Resident decode CTAs per SM the planner aims for. The one-row kernel fits 5 at 96 registers,
+/// but 4 was faster at every length on H200 (128K: 0.263 vs 0.277 ms; 512K: 0.992 vs 1.023;
+/// 1M: 1.967 vs 2.017; twice each, docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of
+/// shared memory each).
+const DEFAULT_CTAS_PER_SM: u32 = 4;
 /// Shortest KV chunk a group is split into: below this, partials and launch costs dominate.
 const MIN_SPLIT_TOKENS: u32 = 256;
 
@@ -164,7 +169,7 @@ impl CudaBackend {
             arch,
             functions: Mutex::new(HashMap::new()),
             waves: 1,
-            max_ctas_per_sm: None,
+            max_ctas_per_sm: Some(DEFAULT_CTAS_PER_SM),
             page_size: None,
         })
     }
@@ -187,7 +192,7 @@ impl CudaBackend {
         self
     }
 
-    /// Plans for at most `n` resident CTAs per SM (default: as many as fit).
+    /// Plans for at most `n` resident CTAs per SM (default 4; `None`: as many as fit).
     pub fn with_ctas_per_sm(mut self, n: Option<u32>) -> CudaBackend {
         self.max_ctas_per_sm = n;
         self
