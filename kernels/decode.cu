@@ -290,19 +290,9 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[r][i] *= alpha;
             }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                float vf[8];
-                widen8(fetch(u, 1), vf);
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    const float p = __shfl_sync(0xffffffffu, p_mine, base + r * UNROLL + u);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vf[i], acc[r][i]);
-                }
-            }
+            auto prob = [&](int r, int u) { return __shfl_sync(0xffffffffu, p_mine, base + r * UNROLL + u); };
 #else
-            float p[ROWS][UNROLL];
+            float p[ROWS][UNROLL] = {};
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r >= nrows) break;  // uniform across the CTA
@@ -333,18 +323,20 @@ decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __rest
                 l[r] = lsum;
                 m[r] = m_new;
             }
+            auto prob = [&](int r, int u) { return p[r][u]; };
+#endif
+            // Accumulate V, weighted by each row's probabilities (rows past nrows weigh 0).
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 float vf[8];
                 widen8(fetch(u, 1), vf);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
-                    if (r >= nrows) break;
+                    const float pr = prob(r, u);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p[r][u], vf[i], acc[r][i]);
+                    for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(pr, vf[i], acc[r][i]);
                 }
             }
-#endif
         }
 #if !DIRECT
         asm volatile("cp.async.wait_all;\n" ::);

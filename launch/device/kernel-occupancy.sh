@@ -2,12 +2,7 @@
 # Occupancy experiment for the one-row decode kernel: as many CTAs per SM as fit (5 at 96
 # registers) against 4, at the lengths where fixed costs show. Same set-up as kernel.sh.
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0
-export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export CANOPY_KERNEL_CACHE=/tmp/canopy-kernels
-BIN=${CANOPY_BIN:-.device/canopy}
+source "$(dirname "$0")/env.sh"
 {
   for round in 1 2; do
     for cap in 5 4; do

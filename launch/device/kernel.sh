@@ -6,12 +6,7 @@
 # .device/ (built on the developer machine: cargo build --release; cp target/release/canopy
 # .device/; strip .device/canopy). Results go to $OUT (or ./out).
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0
-export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export CANOPY_KERNEL_CACHE=/tmp/canopy-kernels
-BIN=${CANOPY_BIN:-.device/canopy}
+source "$(dirname "$0")/env.sh"
 log() { echo "== $*"; }
 
 {

@@ -14,7 +14,6 @@ use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
 use canopy_engine::Backend;
-use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
@@ -152,15 +151,7 @@ impl CudaBackend {
         // SAFETY: no buffers exist yet on this context.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().ctx("cuStreamCreate")?;
-        let gpu = GpuInfo {
-            ordinal,
-            name: ctx.name().ctx("cuDeviceGetName")?,
-            memory_bytes: ctx.total_mem().ctx("cuDeviceTotalMem")? as u64,
-            multiprocessors: ctx
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .ctx("cuDeviceGetAttribute")? as u32,
-            compute_capability: ctx.compute_capability().ctx("cuDeviceGetAttribute")?,
-        };
+        let gpu = GpuInfo::read(&ctx)?;
         let arch = arch_for(gpu.compute_capability);
         Ok(CudaBackend {
             ctx,

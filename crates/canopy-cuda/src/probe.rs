@@ -16,6 +16,21 @@ pub struct GpuInfo {
     pub compute_capability: (i32, i32),
 }
 
+impl GpuInfo {
+    /// Reads the properties of the GPU behind `ctx`.
+    pub fn read(ctx: &CudaContext) -> Result<GpuInfo> {
+        Ok(GpuInfo {
+            ordinal: ctx.ordinal(),
+            name: ctx.name().ctx("cuDeviceGetName")?,
+            memory_bytes: ctx.total_mem().ctx("cuDeviceTotalMem")? as u64,
+            multiprocessors: ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .ctx("cuDeviceGetAttribute")? as u32,
+            compute_capability: ctx.compute_capability().ctx("cuDeviceGetAttribute")?,
+        })
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct CudaInfo {
     /// e.g. "13.0"
@@ -92,15 +107,7 @@ pub fn probe() -> Result<CudaInfo> {
     let mut gpus = Vec::with_capacity(count);
     for ordinal in 0..count {
         let ctx = CudaContext::new(ordinal).ctx(format!("creating a context on GPU {ordinal}"))?;
-        gpus.push(GpuInfo {
-            ordinal,
-            name: ctx.name().ctx("cuDeviceGetName")?,
-            memory_bytes: ctx.total_mem().ctx("cuDeviceTotalMem")? as u64,
-            multiprocessors: ctx
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .ctx("cuDeviceGetAttribute")? as u32,
-            compute_capability: ctx.compute_capability().ctx("cuDeviceGetAttribute")?,
-        });
+        gpus.push(GpuInfo::read(&ctx)?);
     }
     Ok(CudaInfo {
         driver_version: version(v),

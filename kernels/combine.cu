@@ -1,0 +1,57 @@
+// The cross-rank Tree Attention merge on the device, between NCCL collectives.
+//
+// States are `cells` = queries x heads of (o[d] normalised, natural-log lse). With M the
+// all-reduced max of lse, each rank contributes numerator o * exp(lse - M) and denominator
+// exp(lse - M); after the SUM the result is (num / den, M + ln den). Empty partials (lse = -inf)
+// weigh 0, and a cell empty on every rank stays empty (o = 0, lse = -inf): never NaN.
+//
+// Packed layout for the SUM: [num: cells x d | den: cells], so allreduce2 is one collective.
+
+extern "C" __global__ void combine_weights(const float* __restrict__ o, const float* __restrict__ lse,
+                                           const float* __restrict__ max_lse, float* __restrict__ packed,
+                                           u32 cells, u32 d) {
+    const u64 n = (u64)cells * d;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n + cells; i += (u64)gridDim.x * blockDim.x) {
+        const u32 c = i < n ? (u32)(i / d) : (u32)(i - n);
+        const float w = lse[c] == NEG_INF ? 0.f : __expf(lse[c] - max_lse[c]);
+        packed[i] = i < n ? o[i] * w : w;
+    }
+}
+
+extern "C" __global__ void combine_finish(const float* __restrict__ packed, const float* __restrict__ max_lse,
+                                          float* __restrict__ o, float* __restrict__ lse, u32 cells, u32 d) {
+    const u64 n = (u64)cells * d;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n + cells; i += (u64)gridDim.x * blockDim.x) {
+        if (i < n) {
+            const float den = packed[n + i / d];
+            o[i] = den > 0.f ? packed[i] / den : 0.f;
+        } else {
+            const u32 c = (u32)(i - n);
+            const float den = packed[n + c];
+            lse[c] = den > 0.f ? max_lse[c] + __logf(den) : NEG_INF;
+        }
+    }
+}
+
+// All-gather form: `gathered` holds every rank's [o: cells x d | lse: cells], rank by rank;
+// each thread folds one element over the ranks in rank order (deterministic).
+extern "C" __global__ void combine_gathered(const float* __restrict__ gathered, u32 ranks,
+                                            float* __restrict__ o, float* __restrict__ lse, u32 cells, u32 d) {
+    const u64 n = (u64)cells * d, stride = n + cells;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n + cells; i += (u64)gridDim.x * blockDim.x) {
+        const u32 c = i < n ? (u32)(i / d) : (u32)(i - n);
+        float M = NEG_INF;
+        for (u32 r = 0; r < ranks; ++r) M = fmaxf(M, gathered[r * stride + n + c]);
+        float den = 0.f, num = 0.f;
+        if (M != NEG_INF) {
+            for (u32 r = 0; r < ranks; ++r) {
+                const float l = gathered[r * stride + n + c];
+                const float w = l == NEG_INF ? 0.f : __expf(l - M);
+                den += w;
+                if (i < n) num = fmaf(gathered[r * stride + i], w, num);
+            }
+        }
+        if (i < n) o[i] = den > 0.f ? num / den : 0.f;
+        else lse[c] = den > 0.f ? M + __logf(den) : NEG_INF;
+    }
+}
