@@ -36,7 +36,7 @@ const DEFAULT_CTAS_PER_SM: u32 = 4;
 const MIN_SPLIT_TOKENS: u32 = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Kernel {
+pub(crate) enum Kernel {
     Decode {
         dtype: DType,
         head_dim: usize,
@@ -44,6 +44,7 @@ enum Kernel {
     },
     Merge,
     Fill(DType),
+    Combine(&'static str),
 }
 
 fn dtype_code(d: DType) -> String {
@@ -122,8 +123,8 @@ pub struct CudaStates {
     rows: usize,
     heads: usize,
     head_dim: usize,
-    o: CudaSlice<f32>,
-    lse: CudaSlice<f32>,
+    pub(crate) o: CudaSlice<f32>,
+    pub(crate) lse: CudaSlice<f32>,
 }
 
 /// Registers and memory of a compiled kernel (spills show as local bytes).
@@ -197,7 +198,7 @@ impl CudaBackend {
         &self.stream
     }
 
-    fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
+    pub(crate) fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
         let mut fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = fns.get(&kernel) {
             return Ok(f.clone());
@@ -221,6 +222,7 @@ impl CudaBackend {
                 "merge_partials",
                 vec![("CANOPY_DTYPE", "0".into())],
             ),
+            Kernel::Combine(name) => (Source::Combine, name, vec![("CANOPY_DTYPE", "0".into())]),
             Kernel::Fill(dtype) => (
                 Source::Fill,
                 "fill_random",
@@ -260,7 +262,7 @@ impl CudaBackend {
         })
     }
 
-    fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
+    pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every buffer is written (upload, kernel or poison) before it is read.
         unsafe { self.stream.alloc::<T>(len.max(1)) }.ctx(format!(
             "allocating {} bytes",
@@ -276,18 +278,27 @@ impl CudaBackend {
         Ok(d)
     }
 
-    /// Fills the whole of `kv` with the hashed random values of tokens `first_token..` of a
-    /// global tensor (see `canopy_core::data`), on the device.
-    pub fn fill_random(&self, kv: &mut CudaKv, seed: u64, first_token: u64) -> Result<()> {
-        if kv.paging.is_some() {
+    /// Fills tokens `dst..dst + count` of `kv` with the hashed random values of global tokens
+    /// `first_token..` (see `canopy_core::data`), on the device: a rank fills its shard of a
+    /// tensor that the f64 oracle regenerates whole on the CPU.
+    pub fn fill_random(
+        &self,
+        kv: &mut CudaKv,
+        dst: usize,
+        count: usize,
+        seed: u64,
+        first_token: u64,
+    ) -> Result<()> {
+        if kv.paging.is_some() || dst + count > kv.tokens {
             return Err(CudaError::Unsupported(
-                "random fill writes contiguous KV only".into(),
+                "random fill writes whole tokens of contiguous KV".into(),
             ));
         }
         let f = self.function(Kernel::Fill(kv.dtype))?;
-        let per = kv.shape.kv_token_elems() as u64;
-        let n = kv.tokens as u64 * per;
-        let first = first_token * per;
+        let per = kv.shape.kv_token_elems();
+        let bytes = per * kv.dtype.size_bytes();
+        let n = (count * per) as u64;
+        let first = first_token * per as u64;
         let amp = canopy_core::data::KV_AMPLITUDE;
         let cfg = LaunchConfig {
             grid_dim: (self.gpu.multiprocessors * 8, 1, 1),
@@ -298,14 +309,15 @@ impl CudaBackend {
             (&mut kv.k, canopy_core::data::STREAM_K),
             (&mut kv.v, canopy_core::data::STREAM_V),
         ] {
+            let mut view = buf.slice_mut(dst * bytes..(dst + count) * bytes);
             let mut b = self.stream.launch_builder(&f);
-            b.arg(buf)
+            b.arg(&mut view)
                 .arg(&n)
                 .arg(&first)
                 .arg(&seed)
                 .arg(&stream_id)
                 .arg(&amp);
-            // SAFETY: the kernel writes n elements of the dtype into a buffer of that size.
+            // SAFETY: the kernel writes n elements of the dtype into a view of that size.
             unsafe { b.launch(cfg) }.ctx("launching fill_random")?;
         }
         Ok(())

@@ -81,7 +81,7 @@ pub fn bench_point(
     let host_plan = plan(&TreeView::new(&tree, &shard), Method::QGuided, shape, &cfg)?;
     let tokens = tree.total_tokens() as usize;
     let mut kv = backend.alloc_kv(shape, dtype, tokens)?;
-    backend.fill_random(&mut kv, seed, 0)?;
+    backend.fill_random(&mut kv, 0, tokens, seed, 0)?;
     let q_host = hashed_queries(shape, dtype, tree.num_queries(), seed);
     let q = backend.upload_queries(shape, &q_host)?;
     let dplan = backend.upload_plan(shape, &host_plan)?;

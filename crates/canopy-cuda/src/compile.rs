@@ -17,6 +17,7 @@ pub enum Source {
     Decode,
     Merge,
     Fill,
+    Combine,
 }
 
 impl Source {
@@ -25,6 +26,7 @@ impl Source {
             Source::Decode => "decode.cu",
             Source::Merge => "merge.cu",
             Source::Fill => "fill.cu",
+            Source::Combine => "combine.cu",
         }
     }
 
@@ -33,6 +35,7 @@ impl Source {
             Source::Decode => include_str!("../../../kernels/decode.cu"),
             Source::Merge => include_str!("../../../kernels/merge.cu"),
             Source::Fill => include_str!("../../../kernels/fill.cu"),
+            Source::Combine => include_str!("../../../kernels/combine.cu"),
         }
     }
 }
@@ -140,7 +143,10 @@ fn compile(name: &str, text: &str, options: &[String]) -> Result<Vec<u8>> {
 /// Every kernel variant the backend can load, as (source, defines).
 pub fn all_variants() -> Vec<(Source, Vec<(&'static str, String)>)> {
     let codes = [("0", "f32"), ("1", "f16"), ("2", "bf16")];
-    let mut out = vec![(Source::Merge, vec![("CANOPY_DTYPE", "0".to_string())])];
+    let mut out = vec![
+        (Source::Merge, vec![("CANOPY_DTYPE", "0".to_string())]),
+        (Source::Combine, vec![("CANOPY_DTYPE", "0".to_string())]),
+    ];
     for (code, _) in codes {
         out.push((Source::Fill, vec![("CANOPY_DTYPE", code.to_string())]));
         for head_dim in canopy_core::shape::SUPPORTED_HEAD_DIMS {

@@ -13,6 +13,7 @@
 mod backend;
 pub mod bench;
 pub mod compile;
+pub mod distributed;
 mod error;
 pub mod probe;
 
