@@ -55,3 +55,21 @@ extern "C" __global__ void combine_gathered(const float* __restrict__ gathered, 
         else lse[c] = den > 0.f ? M + __logf(den) : NEG_INF;
     }
 }
+
+// The ring's fold: (acc_o, acc_lse) <- merge((acc_o, acc_lse), (o, lse)). One block per cell,
+// so every thread reads the old lse before thread 0 rewrites it.
+extern "C" __global__ void combine_pair(float* __restrict__ acc_o, float* __restrict__ acc_lse,
+                                        const float* __restrict__ o, const float* __restrict__ lse, u32 d) {
+    const u32 c = blockIdx.x;
+    const float la = acc_lse[c], lb = lse[c];
+    const float M = fmaxf(la, lb);
+    const float wa = la == NEG_INF ? 0.f : __expf(la - M);
+    const float wb = lb == NEG_INF ? 0.f : __expf(lb - M);
+    const float den = wa + wb;
+    for (u32 i = threadIdx.x; i < d; i += blockDim.x) {
+        const u64 at = (u64)c * d + i;
+        acc_o[at] = den > 0.f ? (acc_o[at] * wa + o[at] * wb) / den : 0.f;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) acc_lse[c] = den > 0.f ? M + __logf(den) : NEG_INF;
+}

@@ -83,6 +83,8 @@ struct Row {
     p90_ms: f64,
     kv_bytes_per_rank: u64,
     comm_bytes_per_rank: u64,
+    /// Ring on CUDA: NCCL send/recv bandwidth measured alone (GB/s sent per rank).
+    link_gbps: Option<f64>,
     rel_error: Option<f64>,
 }
 
@@ -161,26 +163,21 @@ fn cpu_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
             p90_ms: quantile(&ms, 0.9),
             kv_bytes_per_rank: r.kv_bytes_per_rank,
             comm_bytes_per_rank: r.comm_bytes_per_rank,
+            link_gbps: None,
             rel_error: r.rel_error,
         });
     }
     Ok(rows)
 }
 
-/// Tree attention over GPUs 0..ranks with NCCL, KV generated on each GPU, against the f64
+/// Tree and ring over GPUs 0..ranks with NCCL, KV generated on each GPU, against the f64
 /// oracle regenerated on the CPU.
 fn cuda_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for strategy in strategies(a.strategy, &a.collective)? {
-        let Strategy::Tree(collective) = strategy else {
-            eprintln!(
-                "note: the ring over NCCL is not implemented yet; the ring runs with --backend cpu"
-            );
-            continue;
-        };
-        let cfg = canopy_cuda::distributed::TreeRunConfig {
+        let cfg = canopy_cuda::distributed::DistributedConfig {
             ranks: a.ranks,
-            collective,
+            strategy,
             shape: spec.shape,
             dtype: spec.dtype,
             seq_len: a.seq_len,
@@ -189,9 +186,9 @@ fn cuda_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
             check: true,
             seed: a.seed,
         };
-        let r = canopy_cuda::distributed::tree_attention(&cfg)?;
+        let r = canopy_cuda::distributed::run(&cfg)?;
         rows.push(Row {
-            strategy: Strategy::Tree(collective).name(),
+            strategy: r.strategy,
             ranks: a.ranks,
             seq_len: a.seq_len,
             batch: a.batch,
@@ -200,6 +197,7 @@ fn cuda_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
             p90_ms: r.p90_ms,
             kv_bytes_per_rank: r.kv_bytes_per_rank,
             comm_bytes_per_rank: r.comm_bytes_per_rank,
+            link_gbps: r.link_gbps,
             rel_error: r.rel_error,
         });
     }
@@ -267,6 +265,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
         "p90 ms",
         "KV/rank",
         "comm/rank",
+        "link GB/s",
         "rel err vs f64",
     ]);
     for r in &out.rows {
@@ -280,6 +279,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
             format!("{:.3}", r.p90_ms),
             bytes(r.kv_bytes_per_rank),
             bytes(r.comm_bytes_per_rank),
+            r.link_gbps.map_or("-".into(), |g| format!("{g:.0}")),
             r.rel_error
                 .map_or("n/a (too large)".into(), |e| format!("{e:.2e}")),
         ]);

@@ -82,9 +82,16 @@ pub struct CudaKv {
     shape: AttnShape,
     dtype: DType,
     tokens: usize,
-    k: CudaSlice<u8>,
-    v: CudaSlice<u8>,
+    pub(crate) k: CudaSlice<u8>,
+    pub(crate) v: CudaSlice<u8>,
     paging: Option<Paging>,
+}
+
+impl CudaKv {
+    /// Bytes of K (or V) of the first `tokens` tokens of contiguous storage.
+    pub(crate) fn bytes_of(&self, tokens: usize) -> usize {
+        tokens * self.shape.kv_token_elems() * self.dtype.size_bytes()
+    }
 }
 
 struct Paging {

@@ -1,5 +1,5 @@
-//! Tree Attention across the GPUs of one process: one thread, one [`CudaBackend`] and one NCCL
-//! communicator per GPU (the zero-setup default; `mpirun` runs the same per-rank code).
+//! Decoding across the GPUs of one process, tree and ring: one thread, one [`CudaBackend`] and
+//! one NCCL communicator per GPU (the zero-setup default).
 //!
 //! Each rank holds a contiguous shard of every sequence (`canopy_core::shard_tree`), generated
 //! in place on its GPU, and a decode step is:
@@ -10,10 +10,17 @@
 //!    - `allreduce2`: MAX, then one SUM of numerator and denominator packed together;
 //!    - `allgather`: one all-gather of (o, lse) and a fold in rank order.
 //!
-//! Every rank ends with the exact output. Timings are CUDA events on rank 0's stream around
-//! whole steps, with every step enqueued before any is waited on.
+//! The ring baseline: KV shards travel around the ring with NCCL send/recv (grouped, so the
+//! send to the next rank and the receive from the previous one proceed together) on a second
+//! stream, double-buffered and overlapped with the partial kernel on the compute stream (events
+//! order the two: a buffer is overwritten only after the kernel that read it, and a kernel reads
+//! a buffer only after it arrived). Each rank folds every shard's states into its own output, so
+//! every rank ends with the full result, as in tree decoding.
+//!
+//! Every rank ends with the exact output. Timings are CUDA events on rank 0's compute stream
+//! around whole steps, with every step enqueued before any is waited on.
 
-use crate::backend::{CudaBackend, Kernel};
+use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel};
 use crate::bench::{median, quantile};
 use crate::error::{CudaError, DriverContext, Result};
 use canopy_core::data::{hashed_queries, HashedKv};
@@ -21,18 +28,19 @@ use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, DType, Method, Overrides,
     PlannerConfig, TreeView, WorkloadSpec,
 };
-use canopy_engine::{Backend, MergeCollective};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use canopy_engine::{Backend, MergeCollective, Strategy};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 use serde::Serialize;
 
-/// Rank 0's step timings (ms) and final outputs; other ranks return `None`.
-type RankOutcome = canopy_engine::Result<Option<(Vec<f64>, Vec<f32>)>>;
+/// Rank 0's step timings (ms), final outputs and (ring) measured link bandwidth in bytes per
+/// second; other ranks return `None`.
+type RankOutcome = canopy_engine::Result<Option<(Vec<f64>, Vec<f32>, Option<f64>)>>;
 
-/// One measured configuration of distributed tree decoding.
+/// One measured configuration of distributed decoding.
 #[derive(Debug, Clone, Serialize)]
-pub struct TreeRunReport {
-    pub collective: MergeCollective,
+pub struct DistributedReport {
+    pub strategy: String,
     pub ranks: usize,
     pub seq_len: u32,
     pub batch: u32,
@@ -41,16 +49,19 @@ pub struct TreeRunReport {
     pub p90_ms: f64,
     /// Largest shard's K and V bytes.
     pub kv_bytes_per_rank: u64,
-    /// Bytes each rank sends per step, by NCCL's ring formulas.
+    /// Bytes each rank sends per step (tree: by NCCL's ring formulas; ring: the KV shards).
     pub comm_bytes_per_rank: u64,
+    /// Ring: the NCCL send/recv bandwidth per rank measured alone on the same buffers
+    /// (bytes sent per second), the ring's floor is `comm_bytes_per_rank / link`.
+    pub link_gbps: Option<f64>,
     pub rel_error: Option<f64>,
 }
 
 /// What to run.
 #[derive(Debug, Clone)]
-pub struct TreeRunConfig {
+pub struct DistributedConfig {
     pub ranks: usize,
-    pub collective: MergeCollective,
+    pub strategy: Strategy,
     pub shape: AttnShape,
     pub dtype: DType,
     pub seq_len: u32,
@@ -76,7 +87,7 @@ fn merge_traffic(how: MergeCollective, ranks: usize, cells: u64, d: u64) -> u64 
 }
 
 /// Runs `cfg` on GPUs `0..cfg.ranks` and reports rank 0's timings.
-pub fn tree_attention(cfg: &TreeRunConfig) -> canopy_engine::Result<TreeRunReport> {
+pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> {
     let gpus = crate::probe::device_count()?;
     if cfg.ranks == 0 || cfg.ranks > gpus {
         return Err(CudaError::Unsupported(format!(
@@ -102,15 +113,28 @@ pub fn tree_attention(cfg: &TreeRunConfig) -> canopy_engine::Result<TreeRunRepor
     let results: Vec<RankOutcome> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..cfg.ranks)
             .map(|rank| {
-                let (tree, shard) = (&tree, &shards[rank]);
-                scope.spawn(
-                    move || -> canopy_engine::Result<Option<(Vec<f64>, Vec<f32>)>> {
-                        let backend = CudaBackend::new(rank)?;
-                        let comm = Comm::from_rank(backend.stream().clone(), rank, cfg.ranks, id)
-                            .map_err(nccl("ncclCommInitRank"))?;
-                        rank_steps(&backend, &comm, cfg, tree, shard)
-                    },
-                )
+                let (tree, shards) = (&tree, &shards);
+                scope.spawn(move || -> RankOutcome {
+                    let backend = CudaBackend::new(rank)?;
+                    // The tree's collectives run in order on the compute stream; the ring's
+                    // transfers run on their own stream, to overlap the kernels.
+                    let comm_stream = match cfg.strategy {
+                        Strategy::Tree(_) => backend.stream().clone(),
+                        Strategy::Ring => backend
+                            .stream()
+                            .context()
+                            .new_stream()
+                            .ctx("cuStreamCreate")?,
+                    };
+                    let comm = Comm::from_rank(comm_stream, rank, cfg.ranks, id)
+                        .map_err(nccl("ncclCommInitRank"))?;
+                    match cfg.strategy {
+                        Strategy::Tree(how) => {
+                            rank_steps(&backend, &comm, cfg, how, tree, &shards[rank])
+                        }
+                        Strategy::Ring => ring_steps(&backend, &comm, cfg, tree, shards),
+                    }
+                })
             })
             .collect();
         handles
@@ -124,7 +148,7 @@ pub fn tree_attention(cfg: &TreeRunConfig) -> canopy_engine::Result<TreeRunRepor
             timings = Some(t);
         }
     }
-    let (times, out) = timings.expect("rank 0 reports");
+    let (times, out, link) = timings.expect("rank 0 reports");
     let rel_error = cfg.check.then(|| {
         let q = hashed_queries(&cfg.shape, cfg.dtype, tree.num_queries(), cfg.seed);
         let kv = HashedKv {
@@ -136,8 +160,21 @@ pub fn tree_attention(cfg: &TreeRunConfig) -> canopy_engine::Result<TreeRunRepor
     });
     let cells = (tree.num_queries() * cfg.shape.q_heads) as u64;
     let token_bytes = 2 * (cfg.shape.kv_token_elems() * cfg.dtype.size_bytes()) as u64;
-    Ok(TreeRunReport {
-        collective: cfg.collective,
+    let comm_bytes_per_rank = match cfg.strategy {
+        _ if cfg.ranks == 1 => 0,
+        Strategy::Tree(how) => merge_traffic(how, cfg.ranks, cells, cfg.shape.head_dim as u64),
+        // Rank r sends every shard but the one before it: the (p - 1) largest is the bound.
+        Strategy::Ring => {
+            let mut sizes: Vec<u64> = shards
+                .iter()
+                .map(|s| s.tokens() as u64 * token_bytes)
+                .collect();
+            sizes.sort_unstable();
+            sizes[1..].iter().sum()
+        }
+    };
+    Ok(DistributedReport {
+        strategy: cfg.strategy.name(),
         ranks: cfg.ranks,
         seq_len: cfg.seq_len,
         batch: cfg.batch,
@@ -146,36 +183,39 @@ pub fn tree_attention(cfg: &TreeRunConfig) -> canopy_engine::Result<TreeRunRepor
         p90_ms: quantile(&times, 0.9),
         kv_bytes_per_rank: shards.iter().map(|s| s.tokens() as u64).max().unwrap_or(0)
             * token_bytes,
-        comm_bytes_per_rank: if cfg.ranks > 1 {
-            merge_traffic(cfg.collective, cfg.ranks, cells, cfg.shape.head_dim as u64)
-        } else {
-            0
-        },
+        comm_bytes_per_rank,
+        link_gbps: link.map(|bps| bps / 1e9),
         rel_error,
     })
 }
 
-/// One rank: load its shard, then time `cfg.iters` decode steps. Rank 0 returns its timings and
-/// final output.
-fn rank_steps(
+/// KV of `shard`, generated in place on this rank's GPU (windows back to back).
+fn load_shard(
     backend: &CudaBackend,
-    comm: &Comm,
-    cfg: &TreeRunConfig,
-    tree: &canopy_core::KvTree,
+    cfg: &DistributedConfig,
     shard: &canopy_core::Shard,
-) -> RankOutcome {
-    let shape = &cfg.shape;
-    let mut kv = backend.alloc_kv(shape, cfg.dtype, shard.tokens() as usize)?;
+    capacity: usize,
+) -> Result<CudaKv> {
+    let mut kv = backend
+        .alloc_kv(&cfg.shape, cfg.dtype, capacity)
+        .map_err(engine)?;
     let mut at = 0usize;
     for w in &shard.windows {
         let n = (w.end - w.start) as usize;
         backend.fill_random(&mut kv, at, n, cfg.seed, w.start as u64)?;
         at += n;
     }
-    let q = backend.upload_queries(
-        shape,
-        &hashed_queries(shape, cfg.dtype, tree.num_queries(), cfg.seed),
-    )?;
+    Ok(kv)
+}
+
+/// `shard`'s plan (one group per request; the backend splits it to fill the GPU), in the
+/// shard's compact addresses, uploaded.
+fn shard_plan(
+    backend: &CudaBackend,
+    cfg: &DistributedConfig,
+    tree: &canopy_core::KvTree,
+    shard: &canopy_core::Shard,
+) -> canopy_engine::Result<CudaPlan> {
     let single = PlannerConfig {
         q_guided_chunk: u32::MAX,
         ..PlannerConfig::default()
@@ -183,29 +223,222 @@ fn rank_steps(
     let local = shard.localize(&plan(
         &TreeView::new(tree, shard),
         Method::QGuided,
-        shape,
+        &cfg.shape,
         &single,
     )?);
-    let dplan = backend.upload_plan(shape, &local)?;
+    backend.upload_plan(&cfg.shape, &local)
+}
+
+fn engine(e: canopy_engine::EngineError) -> CudaError {
+    CudaError::Unsupported(e.to_string())
+}
+
+/// One tree rank: load its shard, then time `cfg.iters` decode steps.
+fn rank_steps(
+    backend: &CudaBackend,
+    comm: &Comm,
+    cfg: &DistributedConfig,
+    how: MergeCollective,
+    tree: &canopy_core::KvTree,
+    shard: &canopy_core::Shard,
+) -> RankOutcome {
+    let shape = &cfg.shape;
+    let kv = load_shard(backend, cfg, shard, shard.tokens() as usize)?;
+    let q = backend.upload_queries(
+        shape,
+        &hashed_queries(shape, cfg.dtype, tree.num_queries(), cfg.seed),
+    )?;
+    let dplan = shard_plan(backend, cfg, tree, shard)?;
     let mut partials = backend.alloc_partials(shape, &dplan)?;
     let mut out = backend.alloc_states(shape, tree.num_queries())?;
-    let cells = tree.num_queries() * shape.q_heads;
-    let d = shape.head_dim;
-    let mut merge = DeviceMerge::new(backend, cells, d, cfg.ranks)?;
+    let mut merge = DeviceMerge::new(
+        backend,
+        tree.num_queries() * shape.q_heads,
+        shape.head_dim,
+        cfg.ranks,
+    )?;
     let times = backend.time_ms(cfg.iters, || {
         backend
             .run_plan(&kv, &q, &dplan, &mut partials)
-            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
-        backend
-            .merge(&partials, &dplan, &mut out)
-            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
-        merge.run(backend, comm, cfg.collective, &mut out.o, &mut out.lse)
+            .map_err(engine)?;
+        backend.merge(&partials, &dplan, &mut out).map_err(engine)?;
+        merge.run(backend, comm, how, &mut out.o, &mut out.lse)
     })?;
     if comm.rank() != 0 {
         return Ok(None);
     }
-    let host = backend.download(&out)?;
-    Ok(Some((times, host.o)))
+    Ok(Some((times, backend.download(&out)?.o, None)))
+}
+
+/// Sends the first `tokens` tokens of `from` to `next` and receives `recv_tokens` tokens from
+/// `prev` into `into`, as one NCCL group on the communicator's stream.
+fn exchange(
+    comm: &Comm,
+    from: &CudaKv,
+    tokens: usize,
+    into: &mut CudaKv,
+    recv_tokens: usize,
+    next: usize,
+    prev: usize,
+) -> Result<()> {
+    let (sb, rb) = (from.bytes_of(tokens), into.bytes_of(recv_tokens));
+    cudarc::nccl::result::group_start().map_err(nccl("ncclGroupStart"))?;
+    comm.send(&from.k.slice(0..sb), next as i32)
+        .map_err(nccl("send(K)"))?;
+    comm.send(&from.v.slice(0..sb), next as i32)
+        .map_err(nccl("send(V)"))?;
+    comm.recv(&mut into.k.slice_mut(0..rb), prev as i32)
+        .map_err(nccl("recv(K)"))?;
+    comm.recv(&mut into.v.slice_mut(0..rb), prev as i32)
+        .map_err(nccl("recv(V)"))?;
+    cudarc::nccl::result::group_end().map_err(nccl("ncclGroupEnd"))?;
+    Ok(())
+}
+
+fn record(stream: &CudaStream) -> Result<cudarc::driver::CudaEvent> {
+    stream.record_event(None).ctx("cuEventRecord")
+}
+
+/// One ring rank: time `cfg.iters` steps of p partial kernels, each on the shard that has just
+/// arrived, while the next shard travels; then the NCCL exchange alone, for the link bandwidth.
+fn ring_steps(
+    backend: &CudaBackend,
+    comm: &Comm,
+    cfg: &DistributedConfig,
+    tree: &canopy_core::KvTree,
+    shards: &[canopy_core::Shard],
+) -> RankOutcome {
+    let shape = &cfg.shape;
+    let (rank, p) = (comm.rank(), cfg.ranks);
+    let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+    let tokens: Vec<usize> = shards.iter().map(|s| s.tokens() as usize).collect();
+    let max_tokens = tokens.iter().copied().max().unwrap_or(0);
+    let own = load_shard(backend, cfg, &shards[rank], tokens[rank])?;
+    let mut bufs = [
+        backend.alloc_kv(shape, cfg.dtype, max_tokens)?,
+        backend.alloc_kv(shape, cfg.dtype, max_tokens)?,
+    ];
+    let q = backend.upload_queries(
+        shape,
+        &hashed_queries(shape, cfg.dtype, tree.num_queries(), cfg.seed),
+    )?;
+    let plans = shards
+        .iter()
+        .map(|s| shard_plan(backend, cfg, tree, s))
+        .collect::<canopy_engine::Result<Vec<_>>>()?;
+    let mut partials = plans
+        .iter()
+        .map(|pl| backend.alloc_partials(shape, pl))
+        .collect::<canopy_engine::Result<Vec<_>>>()?;
+    let (mut acc, mut tmp) = (
+        backend.alloc_states(shape, tree.num_queries())?,
+        backend.alloc_states(shape, tree.num_queries())?,
+    );
+    let cells = (tree.num_queries() * shape.q_heads) as u32;
+    let d = shape.head_dim as u32;
+    let pair = backend.function(Kernel::Combine("combine_pair"))?;
+    let (compute, transfer) = (backend.stream(), comm.stream());
+    let times = backend.time_ms(cfg.iters, || {
+        // `ready`: everything the compute stream has read so far; a buffer is received into
+        // only after it, and a kernel reads a buffer only after its arrival event.
+        let mut ready = record(compute)?;
+        for s in 0..p {
+            let src = (rank + p - s) % p;
+            let (cur, spare): (&CudaKv, &mut CudaKv) = match s {
+                0 => (&own, &mut bufs[0]),
+                _ => {
+                    let [a, b] = &mut bufs;
+                    if s % 2 == 1 {
+                        (&*a, b)
+                    } else {
+                        (&*b, a)
+                    }
+                }
+            };
+            let arrived = if s + 1 < p {
+                transfer.wait(&ready).ctx("cuStreamWaitEvent")?;
+                exchange(
+                    comm,
+                    cur,
+                    tokens[src],
+                    spare,
+                    tokens[(src + p - 1) % p],
+                    next,
+                    prev,
+                )?;
+                Some(record(&transfer)?)
+            } else {
+                None
+            };
+            let out = if s == 0 { &mut acc } else { &mut tmp };
+            backend
+                .run_plan(cur, &q, &plans[src], &mut partials[src])
+                .map_err(engine)?;
+            backend
+                .merge(&partials[src], &plans[src], out)
+                .map_err(engine)?;
+            if s > 0 {
+                let mut b = compute.launch_builder(&pair);
+                b.arg(&mut acc.o)
+                    .arg(&mut acc.lse)
+                    .arg(&tmp.o)
+                    .arg(&tmp.lse)
+                    .arg(&d);
+                let grid = LaunchConfig {
+                    grid_dim: (cells.max(1), 1, 1),
+                    block_dim: (d.min(128), 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: one block per cell; reads and writes cells × d outputs and cells lse.
+                unsafe { b.launch(grid) }.ctx("launching combine_pair")?;
+            }
+            ready = record(compute)?;
+            if let Some(ev) = arrived {
+                compute.wait(&ev).ctx("cuStreamWaitEvent")?;
+            }
+        }
+        Ok(())
+    })?;
+    // The exchange alone on the same buffers: the link bandwidth the ring's floor divides by.
+    let link = if p > 1 {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        transfer.wait(&record(compute)?).ctx("cuStreamWaitEvent")?;
+        exchange(
+            comm,
+            &own,
+            tokens[rank],
+            &mut bufs[0],
+            tokens[prev],
+            next,
+            prev,
+        )?;
+        let start = transfer
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .ctx("cuEventRecord")?;
+        let reps = cfg.iters.max(1);
+        for _ in 0..reps {
+            exchange(
+                comm,
+                &own,
+                tokens[rank],
+                &mut bufs[0],
+                tokens[prev],
+                next,
+                prev,
+            )?;
+        }
+        let end = transfer
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .ctx("cuEventRecord")?;
+        let ms = start.elapsed_ms(&end).ctx("cuEventElapsedTime")? as f64 / reps as f64;
+        Some(2.0 * own.bytes_of(tokens[rank]) as f64 / (ms * 1e-3))
+    } else {
+        None
+    };
+    if rank != 0 {
+        return Ok(None);
+    }
+    Ok(Some((times, backend.download(&acc)?.o, link)))
 }
 
 /// Device buffers and launches of the cross-rank merge.
