@@ -36,13 +36,23 @@ pub enum StrategyChoice {
     All,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Launcher {
+    Threads,
+    Mpi,
+}
+
 #[derive(Args)]
 pub struct AttentionArgs {
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
-    /// Ranks (threads of this process, one per GPU on CUDA).
-    #[arg(long, default_value_t = 4)]
-    ranks: usize,
+    /// Ranks: threads of this process (one per GPU on CUDA), 4 by default; under
+    /// `--launcher mpi` the MPI world size (if given, it must match).
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// How ranks are started: threads of this process, or one process per rank under mpirun/srun.
+    #[arg(long, value_enum, default_value = "threads")]
+    launcher: Launcher,
     /// Context length of each request.
     #[arg(long, default_value_t = 32768)]
     seq_len: u32,
@@ -142,7 +152,7 @@ fn cpu_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for strategy in strategies(a.strategy, &a.collective)? {
         let cfg = RunConfig {
-            ranks: a.ranks,
+            ranks: a.ranks(),
             strategy,
             method: a.method,
             planner: PlannerConfig::default(),
@@ -152,10 +162,17 @@ fn cpu_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
             poison: false,
         };
         let r: RunReport = run_threads(&problem, &cfg, oracle.as_deref(), |_| Ok(CpuBackend))?;
+        rows.push(Row::from_report(a, r));
+    }
+    Ok(rows)
+}
+
+impl Row {
+    fn from_report(a: &AttentionArgs, r: RunReport) -> Row {
         let ms: Vec<f64> = r.latencies_s.iter().map(|s| s * 1e3).collect();
-        rows.push(Row {
+        Row {
             strategy: r.strategy,
-            ranks: a.ranks,
+            ranks: r.ranks,
             seq_len: a.seq_len,
             batch: a.batch,
             median_ms: quantile(&ms, 0.5),
@@ -165,9 +182,109 @@ fn cpu_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
             comm_bytes_per_rank: r.comm_bytes_per_rank,
             link_gbps: None,
             rel_error: r.rel_error,
-        });
+        }
     }
-    Ok(rows)
+}
+
+/// One process per rank under mpirun/srun, CPU backend, collectives over MPI. Every rank checks
+/// that all ranks were started with the same configuration; rank 0 returns the rows.
+#[cfg(feature = "mpi")]
+fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Option<Vec<Row>>> {
+    use canopy_comm::{Collective, MpiComm};
+    use canopy_engine::{rank_main, strategy::report, RankResult};
+    if backend != "cpu" {
+        bail!("--launcher mpi runs the CPU backend so far; use --backend cpu (GPUs: --launcher threads)");
+    }
+    let comm = MpiComm::init()?;
+    let p = comm.size();
+    if let Some(r) = a.ranks.filter(|&r| r != p) {
+        bail!("--ranks {r} but mpirun started {p} ranks; drop --ranks or make them agree");
+    }
+    // Every rank must run the same problem: compare a hash of the configuration.
+    let config = format!(
+        "{:?} {:?} {} {} {:?} {} {:?} {} {} {}",
+        spec.shape,
+        spec.dtype,
+        a.seq_len,
+        a.batch,
+        a.strategy,
+        a.collective,
+        a.method,
+        a.iters,
+        a.warmup,
+        a.seed
+    );
+    let hash = config.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    let mut hashes = vec![0u8; 8 * p];
+    comm.all_gather(&hash.to_le_bytes(), &mut hashes)?;
+    if let Some(r) = hashes.chunks(8).position(|h| h != hash.to_le_bytes()) {
+        bail!("rank {r} was started with a different configuration than rank {}: launch every rank with the same arguments", comm.rank());
+    }
+    let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, a.seed);
+    let elems = problem.tree.total_tokens() as u64 * spec.shape.kv_token_elems() as u64;
+    let oracle = (comm.rank() == 0 && elems <= ORACLE_MAX_ELEMS).then(|| problem.oracle());
+    let mut rows = Vec::new();
+    for strategy in strategies(a.strategy, &a.collective)? {
+        let cfg = RunConfig {
+            ranks: p,
+            strategy,
+            method: a.method,
+            planner: PlannerConfig::default(),
+            warmup: a.warmup,
+            iters: a.iters,
+            timeout: Duration::from_secs_f64(a.timeout),
+            poison: false,
+        };
+        let mine = rank_main(&problem, &cfg, &CpuBackend, &comm)?;
+        // Rank 0 needs every rank's output (to check they agree) and byte counts.
+        let mut o = vec![0f32; mine.output.o.len() * p];
+        comm.all_gather(&mine.output.o, &mut o)?;
+        let mut lse = vec![0f32; mine.output.lse.len() * p];
+        comm.all_gather(&mine.output.lse, &mut lse)?;
+        let mut counts = vec![0u8; 16 * p];
+        let own: Vec<u8> = [
+            mine.kv_bytes.to_le_bytes(),
+            mine.comm_bytes_per_step.to_le_bytes(),
+        ]
+        .concat();
+        comm.all_gather(&own, &mut counts)?;
+        if comm.rank() != 0 {
+            continue;
+        }
+        let results: Vec<RankResult> = (0..p)
+            .map(|r| {
+                let word = |i: usize| {
+                    u64::from_le_bytes(
+                        counts[16 * r + 8 * i..16 * r + 8 * i + 8]
+                            .try_into()
+                            .expect("8 bytes"),
+                    )
+                };
+                let (no, nl) = (mine.output.o.len(), mine.output.lse.len());
+                let mut output = mine.output.clone();
+                output.o.copy_from_slice(&o[r * no..(r + 1) * no]);
+                output.lse.copy_from_slice(&lse[r * nl..(r + 1) * nl]);
+                RankResult {
+                    latencies: mine.latencies.clone(),
+                    output,
+                    kv_bytes: word(0),
+                    comm_bytes_per_step: word(1),
+                }
+            })
+            .collect();
+        rows.push(Row::from_report(
+            a,
+            report(&cfg, results, oracle.as_deref()),
+        ));
+    }
+    Ok((comm.rank() == 0).then_some(rows))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_rows(_: &AttentionArgs, _: &WorkloadSpec, _: &str) -> Result<Option<Vec<Row>>> {
+    bail!("this canopy was built without MPI; rebuild with `cargo build --release -p canopy-cli --features mpi` (needs OpenMPI and libclang)")
 }
 
 /// Tree and ring over GPUs 0..ranks with NCCL, KV generated on each GPU, against the f64
@@ -176,7 +293,7 @@ fn cuda_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for strategy in strategies(a.strategy, &a.collective)? {
         let cfg = canopy_cuda::distributed::DistributedConfig {
-            ranks: a.ranks,
+            ranks: a.ranks(),
             strategy,
             shape: spec.shape,
             dtype: spec.dtype,
@@ -189,7 +306,7 @@ fn cuda_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
         let r = canopy_cuda::distributed::run(&cfg)?;
         rows.push(Row {
             strategy: r.strategy,
-            ranks: a.ranks,
+            ranks: a.ranks(),
             seq_len: a.seq_len,
             batch: a.batch,
             median_ms: r.median_ms,
@@ -222,8 +339,14 @@ fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> {
     })
 }
 
+impl AttentionArgs {
+    fn ranks(&self) -> usize {
+        self.ranks.unwrap_or(4)
+    }
+}
+
 fn attention(a: AttentionArgs) -> Result<()> {
-    if a.ranks == 0 {
+    if a.ranks == Some(0) {
         bail!("--ranks must be at least 1");
     }
     let backend = resolve_backend(a.backend)?;
@@ -233,10 +356,15 @@ fn attention(a: AttentionArgs) -> Result<()> {
         prompt_len: None,
     })?;
     a.shape.apply(&mut spec)?;
-    let rows = match backend {
-        "cuda" => cuda_rows(&a, &spec)?,
-        _ => cpu_rows(&a, &spec)?,
+    let rows = match (a.launcher, backend) {
+        (Launcher::Mpi, _) => match mpi_rows(&a, &spec, backend)? {
+            Some(rows) => rows,
+            None => return Ok(()), // only rank 0 reports
+        },
+        (Launcher::Threads, "cuda") => cuda_rows(&a, &spec)?,
+        (Launcher::Threads, _) => cpu_rows(&a, &spec)?,
     };
+    let ranks = rows.first().map_or(a.ranks(), |r| r.ranks);
     let out = AttentionOutput {
         backend,
         q_heads: spec.shape.q_heads,
@@ -253,7 +381,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
     }
     println!(
         "decode attention on {} ({} ranks): {}/{} heads x {}, {}, {} iters",
-        out.backend, a.ranks, out.q_heads, out.kv_heads, out.head_dim, out.dtype, out.iters
+        out.backend, ranks, out.q_heads, out.kv_heads, out.head_dim, out.dtype, out.iters
     );
     let mut t = Table::new(&[
         "strategy",

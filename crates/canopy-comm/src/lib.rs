@@ -4,6 +4,9 @@
 //! (all-reduce max/sum, all-gather, point-to-point send/recv, barrier) so that the engine's
 //! strategies are written once and run over any transport.
 //!
+//! [`MpiComm`] (cargo feature `mpi`) is one rank per process under `mpirun` / `srun`, with the
+//! same determinism: reductions gather every rank's bytes and fold them in rank order.
+//!
 //! [`ThreadWorld`] runs `p` ranks as threads of one process and exchanges host buffers through
 //! shared memory. It is deterministic (reductions fold ranks in rank order, so every rank gets
 //! bit-identical results) and never hangs: every wait has a timeout, and a rank that fails
@@ -13,8 +16,12 @@
 //! (all-reduce `2 (p-1)/p · n`, all-gather `(p-1)/p · n_total`, send `n`), so benchmarks report
 //! the same "bytes communicated per rank" on every transport.
 
+#[cfg(feature = "mpi")]
+mod mpi_comm;
 mod thread;
 
+#[cfg(feature = "mpi")]
+pub use mpi_comm::MpiComm;
 pub use thread::{ThreadComm, ThreadWorld};
 
 use thiserror::Error;
@@ -46,6 +53,8 @@ pub enum CommError {
         peer: usize,
         size: usize,
     },
+    #[error("MPI: {0}")]
+    Mpi(String),
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;
@@ -76,6 +85,25 @@ impl Element for u8 {
         match op {
             ReduceOp::Sum => a.wrapping_add(b),
             ReduceOp::Max => a.max(b),
+        }
+    }
+}
+
+/// Folds every rank's copy of a buffer (`chunks`, in rank order, as raw bytes) into `buf` with
+/// `op`. Every rank folds the same bytes in the same order, so all get bit-identical results.
+pub(crate) fn fold_rank_order<'a, T: Element>(
+    buf: &mut [T],
+    chunks: impl Iterator<Item = &'a [u8]>,
+    op: ReduceOp,
+) {
+    for (r, bytes) in chunks.enumerate() {
+        let theirs: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
+        if r == 0 {
+            buf.copy_from_slice(&theirs);
+        } else {
+            buf.iter_mut()
+                .zip(theirs)
+                .for_each(|(a, b)| *a = T::reduce(*a, b, op));
         }
     }
 }

@@ -224,32 +224,32 @@ impl Collective for ThreadComm {
         let p = self.shared.size as u64;
         self.stage(buf);
         self.wait_all("all_reduce")?;
-        for (r, slot) in self.shared.slots.iter().enumerate() {
-            let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.len() != std::mem::size_of_val(buf) {
-                let detail = format!(
-                    "rank {r} sent {} bytes, this rank {}",
-                    slot.len(),
-                    std::mem::size_of_val(buf)
-                );
-                drop(slot);
-                self.shared
-                    .abort(self.rank, "all_reduce size mismatch".into());
-                return Err(CommError::SizeMismatch {
-                    rank: self.rank,
-                    op: "all_reduce",
-                    detail,
-                });
-            }
-            let theirs: Vec<T> = bytemuck::pod_collect_to_vec(&slot);
-            if r == 0 {
-                buf.copy_from_slice(&theirs);
-            } else {
-                buf.iter_mut()
-                    .zip(theirs)
-                    .for_each(|(a, b)| *a = T::reduce(*a, b, op));
-            }
+        let slots: Vec<_> = self
+            .shared
+            .slots
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        if let Some(r) = slots
+            .iter()
+            .position(|s| s.len() != std::mem::size_of_val(buf))
+        {
+            let detail = format!(
+                "rank {r} sent {} bytes, this rank {}",
+                slots[r].len(),
+                std::mem::size_of_val(buf)
+            );
+            drop(slots);
+            self.shared
+                .abort(self.rank, "all_reduce size mismatch".into());
+            return Err(CommError::SizeMismatch {
+                rank: self.rank,
+                op: "all_reduce",
+                detail,
+            });
         }
+        crate::fold_rank_order(buf, slots.iter().map(|s| s.as_slice()), op);
+        drop(slots);
         self.wait_all("all_reduce")?;
         self.count(2 * (p - 1) * std::mem::size_of_val(buf) as u64 / p);
         Ok(())

@@ -1,0 +1,176 @@
+//! Ranks as MPI processes (`mpirun -np P canopy … --launcher mpi`).
+
+use crate::{fold_rank_order, Collective, CommError, Element, ReduceOp, Result, Traffic};
+use mpi::environment::Universe;
+use mpi::point_to_point::{Destination, Source};
+use mpi::request::{Request, StaticScope};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::CommunicatorCollectives;
+use std::cell::{Cell, RefCell};
+
+/// A send in flight: the request and the copy of the data it reads (freed once it completes).
+struct PendingSend {
+    request: Request<'static, [u8], StaticScope>,
+    data: *mut [u8],
+}
+
+/// This process's rank in the MPI world.
+pub struct MpiComm {
+    /// Keeps MPI initialised for as long as the communicator lives.
+    _universe: Universe,
+    world: SimpleCommunicator,
+    /// Sends are non-blocking copies, so a ring's send-then-receive cannot deadlock (as with
+    /// NCCL's grouped send/recv). They are completed before a collective or a barrier, not in
+    /// `recv`: waiting there for the neighbour to receive would chain waits around the ring.
+    pending: RefCell<Vec<PendingSend>>,
+    bytes: Cell<u64>,
+    calls: Cell<u64>,
+}
+
+impl MpiComm {
+    /// Initialises MPI (once per process).
+    pub fn init() -> Result<MpiComm> {
+        let universe = mpi::initialize()
+            .ok_or_else(|| CommError::Mpi("MPI is already initialised in this process".into()))?;
+        let world = universe.world();
+        Ok(MpiComm {
+            _universe: universe,
+            world,
+            pending: RefCell::new(Vec::new()),
+            bytes: Cell::new(0),
+            calls: Cell::new(0),
+        })
+    }
+
+    /// Waits for every send in flight and frees its data.
+    fn complete_sends(&self) {
+        for send in self.pending.borrow_mut().drain(..) {
+            send.request.wait();
+            // SAFETY: `data` came from Box::into_raw in `send`, and its only reader, the
+            // request, has completed.
+            drop(unsafe { Box::from_raw(send.data) });
+        }
+    }
+
+    /// This process's rank among the ranks of its node (`MPI_Comm_split_type` shared memory):
+    /// the GPU a rank drives.
+    pub fn local_rank(&self) -> usize {
+        self.world.split_shared(0).rank() as usize
+    }
+
+    fn count(&self, bytes: u64) {
+        self.bytes.set(self.bytes.get() + bytes);
+        self.calls.set(self.calls.get() + 1);
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if peer >= self.size() {
+            return Err(CommError::BadPeer {
+                rank: self.rank(),
+                peer,
+                size: self.size(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        self.complete_sends();
+    }
+}
+
+impl Collective for MpiComm {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.complete_sends();
+        let p = self.size();
+        let mine: &[u8] = bytemuck::cast_slice(buf);
+        let mut all = vec![0u8; mine.len() * p];
+        self.world.all_gather_into(mine, &mut all[..]);
+        let len = mine.len();
+        fold_rank_order(buf, all.chunks(len.max(1)).take(p), op);
+        self.count(2 * (p as u64 - 1) * len as u64 / p as u64);
+        Ok(())
+    }
+
+    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.complete_sends();
+        let p = self.size();
+        if recv.len() != send.len() * p {
+            let detail = format!(
+                "recv holds {} elements, needs {} x {p}",
+                recv.len(),
+                send.len()
+            );
+            return Err(CommError::SizeMismatch {
+                rank: self.rank(),
+                op: "all_gather",
+                detail,
+            });
+        }
+        let recv_bytes: &mut [u8] = bytemuck::cast_slice_mut(recv);
+        self.world
+            .all_gather_into(bytemuck::cast_slice::<T, u8>(send), recv_bytes);
+        self.count(std::mem::size_of_val(recv) as u64 * (p as u64 - 1) / p as u64);
+        Ok(())
+    }
+
+    fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.check_peer(peer)?;
+        let data: *mut [u8] = Box::into_raw(
+            bytemuck::cast_slice::<T, u8>(buf)
+                .to_vec()
+                .into_boxed_slice(),
+        );
+        // SAFETY: the copy lives until `complete_sends` waits for this request and frees it.
+        let static_data: &'static [u8] = unsafe { &*data };
+        let request = self
+            .world
+            .process_at_rank(peer as i32)
+            .immediate_send(StaticScope, static_data);
+        self.pending
+            .borrow_mut()
+            .push(PendingSend { request, data });
+        self.count(static_data.len() as u64);
+        Ok(())
+    }
+
+    fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.check_peer(peer)?;
+        let want = std::mem::size_of_val(buf);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        let status = self.world.process_at_rank(peer as i32).receive_into(bytes);
+        let got = status.count(<u8 as mpi::datatype::Equivalence>::equivalent_datatype()) as usize;
+        if got != want {
+            let detail = format!("peer {peer} sent {got} bytes, expected {want}");
+            return Err(CommError::SizeMismatch {
+                rank: self.rank(),
+                op: "recv",
+                detail,
+            });
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.complete_sends();
+        self.world.barrier();
+        Ok(())
+    }
+
+    fn traffic(&self) -> Traffic {
+        Traffic {
+            bytes: self.bytes.get(),
+            calls: self.calls.get(),
+        }
+    }
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One canopy process per rank under Open MPI, on one node or on the nodes of a hostfile:
+#   launch/mpirun.sh NP [HOSTFILE] -- canopy arguments…
+# e.g. launch/mpirun.sh 4 -- bench attention --backend cpu --seq-len 65536
+# The binary must be built with `cargo build --release -p canopy-cli --features mpi`.
+# Ranks agree on their configuration at start (a hash exchanged over MPI) and fail together if
+# one dies. So far `--launcher mpi` drives the CPU backend; GPUs run with `--launcher threads`
+# (one thread and NCCL communicator per GPU) until the one-process-per-GPU path lands.
+set -euo pipefail
+np=${1:?usage: launch/mpirun.sh NP [HOSTFILE] -- canopy arguments}
+shift
+hosts=()
+if [ "${1:-}" != "--" ] && [ -n "${1:-}" ]; then hosts=(--hostfile "$1"); shift; fi
+[ "${1:-}" = "--" ] && shift
+root=()
+[ "$(id -u)" = 0 ] && root=(--allow-run-as-root)
+# NVLink multicast stays off; the rest is Open MPI's and NCCL's defaults.
+exec mpirun "${root[@]}" "${hosts[@]}" -np "$np" -x NCCL_NVLS_ENABLE=0 -x LD_LIBRARY_PATH \
+  "${CANOPY_BIN:-target/release/canopy}" "$@" --launcher mpi
