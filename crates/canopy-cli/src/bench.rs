@@ -151,16 +151,7 @@ fn cpu_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
     let oracle = (elems <= ORACLE_MAX_ELEMS).then(|| problem.oracle());
     let mut rows = Vec::new();
     for strategy in strategies(a.strategy, &a.collective)? {
-        let cfg = RunConfig {
-            ranks: a.ranks(),
-            strategy,
-            method: a.method,
-            planner: PlannerConfig::default(),
-            warmup: a.warmup,
-            iters: a.iters,
-            timeout: Duration::from_secs_f64(a.timeout),
-            poison: false,
-        };
+        let cfg = a.run_config(a.ranks(), strategy);
         let r: RunReport = run_threads(&problem, &cfg, oracle.as_deref(), |_| Ok(CpuBackend))?;
         rows.push(Row::from_report(a, r));
     }
@@ -227,16 +218,7 @@ fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Opt
     let oracle = (comm.rank() == 0 && elems <= ORACLE_MAX_ELEMS).then(|| problem.oracle());
     let mut rows = Vec::new();
     for strategy in strategies(a.strategy, &a.collective)? {
-        let cfg = RunConfig {
-            ranks: p,
-            strategy,
-            method: a.method,
-            planner: PlannerConfig::default(),
-            warmup: a.warmup,
-            iters: a.iters,
-            timeout: Duration::from_secs_f64(a.timeout),
-            poison: false,
-        };
+        let cfg = a.run_config(p, strategy);
         let mine = rank_main(&problem, &cfg, &CpuBackend, &comm)?;
         // Rank 0 needs every rank's output (to check they agree) and byte counts.
         let mut o = vec![0f32; mine.output.o.len() * p];
@@ -342,6 +324,20 @@ fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> {
 impl AttentionArgs {
     fn ranks(&self) -> usize {
         self.ranks.unwrap_or(4)
+    }
+
+    /// The engine's configuration for `ranks` CPU ranks running `strategy`.
+    fn run_config(&self, ranks: usize, strategy: Strategy) -> RunConfig {
+        RunConfig {
+            ranks,
+            strategy,
+            method: self.method,
+            planner: PlannerConfig::default(),
+            warmup: self.warmup,
+            iters: self.iters,
+            timeout: Duration::from_secs_f64(self.timeout),
+            poison: false,
+        }
     }
 }
 

@@ -28,7 +28,7 @@ use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, DType, Method, Overrides,
     PlannerConfig, TreeView, WorkloadSpec,
 };
-use canopy_engine::{Backend, MergeCollective, Strategy};
+use canopy_engine::{ring_buffers, Backend, MergeCollective, Strategy};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 use serde::Serialize;
@@ -344,17 +344,7 @@ fn ring_steps(
         let mut ready = record(compute)?;
         for s in 0..p {
             let src = (rank + p - s) % p;
-            let (cur, spare): (&CudaKv, &mut CudaKv) = match s {
-                0 => (&own, &mut bufs[0]),
-                _ => {
-                    let [a, b] = &mut bufs;
-                    if s % 2 == 1 {
-                        (&*a, b)
-                    } else {
-                        (&*b, a)
-                    }
-                }
-            };
+            let (cur, spare) = ring_buffers(s, &own, &mut bufs);
             let arrived = if s + 1 < p {
                 transfer.wait(&ready).ctx("cuStreamWaitEvent")?;
                 exchange(
@@ -403,20 +393,7 @@ fn ring_steps(
     let link = if p > 1 {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
         transfer.wait(&record(compute)?).ctx("cuStreamWaitEvent")?;
-        exchange(
-            comm,
-            &own,
-            tokens[rank],
-            &mut bufs[0],
-            tokens[prev],
-            next,
-            prev,
-        )?;
-        let start = transfer
-            .record_event(Some(CU_EVENT_DEFAULT))
-            .ctx("cuEventRecord")?;
-        let reps = cfg.iters.max(1);
-        for _ in 0..reps {
+        let mut exchange_own = || {
             exchange(
                 comm,
                 &own,
@@ -425,7 +402,15 @@ fn ring_steps(
                 tokens[prev],
                 next,
                 prev,
-            )?;
+            )
+        };
+        exchange_own()?; // warm-up
+        let start = transfer
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .ctx("cuEventRecord")?;
+        let reps = cfg.iters.max(1);
+        for _ in 0..reps {
+            exchange_own()?;
         }
         let end = transfer
             .record_event(Some(CU_EVENT_DEFAULT))

@@ -19,4 +19,6 @@ pub use backend::Backend;
 pub use cpu::CpuBackend;
 pub use error::{EngineError, Result};
 pub use merge::{merge_across, MergeCollective};
-pub use strategy::{rank_main, run_threads, Problem, RankResult, RunConfig, RunReport, Strategy};
+pub use strategy::{
+    rank_main, ring_buffers, run_threads, Problem, RankResult, RunConfig, RunReport, Strategy,
+};

@@ -136,6 +136,17 @@ fn local_plan(problem: &Problem, shard: &Shard, cfg: &RunConfig) -> Result<Plan>
     Ok(shard.localize(&plan(&view, cfg.method, &problem.shape, &cfg.planner)?))
 }
 
+/// The ring's double buffering at step `s`: the shard computed on (`own` at step 0, then the
+/// buffer received into at the previous step) and the buffer the next shard is received into.
+pub fn ring_buffers<'a, K>(s: usize, own: &'a K, bufs: &'a mut [K; 2]) -> (&'a K, &'a mut K) {
+    let [a, b] = bufs;
+    match s {
+        0 => (own, a),
+        _ if s % 2 == 1 => (&*a, b),
+        _ => (&*b, a),
+    }
+}
+
 /// One rank's whole run: load its shard, plan, warm up, then time `iters` decode steps.
 pub fn rank_main<B, C>(
     problem: &Problem,
@@ -200,17 +211,7 @@ where
                 let mut acc = AttnStates::empty(nq, shape.q_heads, shape.head_dim);
                 for s in 0..p {
                     let src = (rank + p - s) % p; // whose shard this rank holds at step s
-                    let (cur, spare): (&B::Kv, &mut B::Kv) = match s {
-                        0 => (&own, &mut bufs[0]),
-                        _ => {
-                            let [a, b] = &mut bufs;
-                            if s % 2 == 1 {
-                                (&*a, b)
-                            } else {
-                                (&*b, a)
-                            }
-                        }
-                    };
+                    let (cur, spare) = ring_buffers(s, &own, &mut bufs);
                     // Post the send first so the transfer overlaps this step's compute.
                     if s + 1 < p {
                         backend.send_kv(cur, tokens[src], comm, next)?;
