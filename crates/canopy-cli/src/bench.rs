@@ -159,6 +159,22 @@ fn cpu_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
 }
 
 impl Row {
+    fn from_distributed(a: &AttentionArgs, r: canopy_cuda::distributed::DistributedReport) -> Row {
+        Row {
+            strategy: r.strategy,
+            ranks: r.ranks,
+            seq_len: a.seq_len,
+            batch: a.batch,
+            median_ms: r.median_ms,
+            p10_ms: r.p10_ms,
+            p90_ms: r.p90_ms,
+            kv_bytes_per_rank: r.kv_bytes_per_rank,
+            comm_bytes_per_rank: r.comm_bytes_per_rank,
+            link_gbps: r.link_gbps,
+            rel_error: r.rel_error,
+        }
+    }
+
     fn from_report(a: &AttentionArgs, r: RunReport) -> Row {
         let ms: Vec<f64> = r.latencies_s.iter().map(|s| s * 1e3).collect();
         Row {
@@ -183,9 +199,6 @@ impl Row {
 fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Option<Vec<Row>>> {
     use canopy_comm::{Collective, MpiComm};
     use canopy_engine::{rank_main, strategy::report, RankResult};
-    if backend != "cpu" {
-        bail!("--launcher mpi runs the CPU backend so far; use --backend cpu (GPUs: --launcher threads)");
-    }
     let comm = MpiComm::init()?;
     let p = comm.size();
     if let Some(r) = a.ranks.filter(|&r| r != p) {
@@ -212,6 +225,18 @@ fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Opt
     comm.all_gather(&hash.to_le_bytes(), &mut hashes)?;
     if let Some(r) = hashes.chunks(8).position(|h| h != hash.to_le_bytes()) {
         bail!("rank {r} was started with a different configuration than rank {}: launch every rank with the same arguments", comm.rank());
+    }
+    if backend == "cuda" {
+        // One process per GPU: the same per-rank code as the threads launcher, NCCL between
+        // processes.
+        let mut rows = Vec::new();
+        for strategy in strategies(a.strategy, &a.collective)? {
+            let cfg = a.distributed_config(p, strategy, spec);
+            if let Some(r) = canopy_cuda::distributed::run_mpi(&cfg, &comm)? {
+                rows.push(Row::from_distributed(a, r));
+            }
+        }
+        return Ok((comm.rank() == 0).then_some(rows));
     }
     let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, a.seed);
     let elems = problem.tree.total_tokens() as u64 * spec.shape.kv_token_elems() as u64;
@@ -274,31 +299,11 @@ fn mpi_rows(_: &AttentionArgs, _: &WorkloadSpec, _: &str) -> Result<Option<Vec<R
 fn cuda_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for strategy in strategies(a.strategy, &a.collective)? {
-        let cfg = canopy_cuda::distributed::DistributedConfig {
-            ranks: a.ranks(),
-            strategy,
-            shape: spec.shape,
-            dtype: spec.dtype,
-            seq_len: a.seq_len,
-            batch: a.batch,
-            iters: a.iters,
-            check: true,
-            seed: a.seed,
-        };
-        let r = canopy_cuda::distributed::run(&cfg)?;
-        rows.push(Row {
-            strategy: r.strategy,
-            ranks: a.ranks(),
-            seq_len: a.seq_len,
-            batch: a.batch,
-            median_ms: r.median_ms,
-            p10_ms: r.p10_ms,
-            p90_ms: r.p90_ms,
-            kv_bytes_per_rank: r.kv_bytes_per_rank,
-            comm_bytes_per_rank: r.comm_bytes_per_rank,
-            link_gbps: r.link_gbps,
-            rel_error: r.rel_error,
-        });
+        let cfg = a.distributed_config(a.ranks(), strategy, spec);
+        rows.push(Row::from_distributed(
+            a,
+            canopy_cuda::distributed::run(&cfg)?,
+        ));
     }
     Ok(rows)
 }
@@ -324,6 +329,26 @@ fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> {
 impl AttentionArgs {
     fn ranks(&self) -> usize {
         self.ranks.unwrap_or(4)
+    }
+
+    /// The configuration for `ranks` GPUs running `strategy` with NCCL.
+    fn distributed_config(
+        &self,
+        ranks: usize,
+        strategy: Strategy,
+        spec: &WorkloadSpec,
+    ) -> canopy_cuda::distributed::DistributedConfig {
+        canopy_cuda::distributed::DistributedConfig {
+            ranks,
+            strategy,
+            shape: spec.shape,
+            dtype: spec.dtype,
+            seq_len: self.seq_len,
+            batch: self.batch,
+            iters: self.iters,
+            check: true,
+            seed: self.seed,
+        }
     }
 
     /// The engine's configuration for `ranks` CPU ranks running `strategy`.

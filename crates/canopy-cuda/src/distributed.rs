@@ -86,22 +86,10 @@ fn merge_traffic(how: MergeCollective, ranks: usize, cells: u64, d: u64) -> u64 
     }
 }
 
-/// Runs `cfg` on GPUs `0..cfg.ranks` and reports rank 0's timings.
-pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> {
-    let gpus = crate::probe::device_count()?;
-    if cfg.ranks == 0 || cfg.ranks > gpus {
-        return Err(CudaError::Unsupported(format!(
-            "{} ranks need {} GPUs but {gpus} are visible; lower --ranks",
-            cfg.ranks, cfg.ranks
-        ))
-        .into());
-    }
-    if !crate::probe::nccl_present() && cfg.ranks > 1 {
-        return Err(CudaError::Unsupported(
-            "NCCL (libnccl.so.2) could not be loaded; install NCCL or use --ranks 1".into(),
-        )
-        .into());
-    }
+/// The problem every rank derives from `cfg`: the tree and its shards.
+fn problem(
+    cfg: &DistributedConfig,
+) -> canopy_engine::Result<(canopy_core::KvTree, Vec<canopy_core::Shard>)> {
     let spec = WorkloadSpec::load("long")?.with_overrides(Overrides {
         seq_len: Some(cfg.seq_len),
         batch: Some(cfg.batch),
@@ -109,32 +97,66 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
     })?;
     let tree = spec.build_tree()?;
     let shards = shard_tree(&tree, cfg.ranks)?;
+    Ok((tree, shards))
+}
+
+/// Refuses configurations this machine cannot run, before anything is allocated.
+fn check_machine(cfg: &DistributedConfig, gpus_needed: usize) -> canopy_engine::Result<()> {
+    let gpus = crate::probe::device_count()?;
+    if cfg.ranks == 0 || gpus_needed > gpus {
+        return Err(CudaError::Unsupported(format!(
+            "{} ranks need {gpus_needed} GPUs on this node but {gpus} are visible; lower the rank count",
+            cfg.ranks
+        ))
+        .into());
+    }
+    if !crate::probe::nccl_present() && cfg.ranks > 1 {
+        return Err(CudaError::Unsupported(
+            "NCCL (libnccl.so.2) could not be loaded; install NCCL or use one rank".into(),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// One rank on GPU `gpu`: joins the NCCL communicator `id` and runs the strategy.
+fn rank_body(
+    cfg: &DistributedConfig,
+    rank: usize,
+    gpu: usize,
+    id: Id,
+    tree: &canopy_core::KvTree,
+    shards: &[canopy_core::Shard],
+) -> RankOutcome {
+    let backend = CudaBackend::new(gpu)?;
+    // The tree's collectives run in order on the compute stream; the ring's transfers run on
+    // their own stream, to overlap the kernels.
+    let comm_stream = match cfg.strategy {
+        Strategy::Tree(_) => backend.stream().clone(),
+        Strategy::Ring => backend
+            .stream()
+            .context()
+            .new_stream()
+            .ctx("cuStreamCreate")?,
+    };
+    let comm =
+        Comm::from_rank(comm_stream, rank, cfg.ranks, id).map_err(nccl("ncclCommInitRank"))?;
+    match cfg.strategy {
+        Strategy::Tree(how) => rank_steps(&backend, &comm, cfg, how, tree, &shards[rank]),
+        Strategy::Ring => ring_steps(&backend, &comm, cfg, tree, shards),
+    }
+}
+
+/// Runs `cfg` on GPUs `0..cfg.ranks`, one thread each, and reports rank 0's timings.
+pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> {
+    check_machine(cfg, cfg.ranks)?;
+    let (tree, shards) = problem(cfg)?;
     let id = Id::new().map_err(nccl("ncclGetUniqueId"))?;
     let results: Vec<RankOutcome> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..cfg.ranks)
             .map(|rank| {
                 let (tree, shards) = (&tree, &shards);
-                scope.spawn(move || -> RankOutcome {
-                    let backend = CudaBackend::new(rank)?;
-                    // The tree's collectives run in order on the compute stream; the ring's
-                    // transfers run on their own stream, to overlap the kernels.
-                    let comm_stream = match cfg.strategy {
-                        Strategy::Tree(_) => backend.stream().clone(),
-                        Strategy::Ring => backend
-                            .stream()
-                            .context()
-                            .new_stream()
-                            .ctx("cuStreamCreate")?,
-                    };
-                    let comm = Comm::from_rank(comm_stream, rank, cfg.ranks, id)
-                        .map_err(nccl("ncclCommInitRank"))?;
-                    match cfg.strategy {
-                        Strategy::Tree(how) => {
-                            rank_steps(&backend, &comm, cfg, how, tree, &shards[rank])
-                        }
-                        Strategy::Ring => ring_steps(&backend, &comm, cfg, tree, shards),
-                    }
-                })
+                scope.spawn(move || rank_body(cfg, rank, rank, id, tree, shards))
             })
             .collect();
         handles
@@ -142,13 +164,58 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
             .map(|h| h.join().expect("a rank thread panicked"))
             .collect()
     });
-    let mut timings = None;
+    let mut rank0 = None;
     for r in results {
         if let Some(t) = r? {
-            timings = Some(t);
+            rank0 = Some(t);
         }
     }
-    let (times, out, link) = timings.expect("rank 0 reports");
+    Ok(finish(cfg, &tree, &shards, rank0.expect("rank 0 reports")))
+}
+
+/// One process per GPU under mpirun/srun: this process is rank `comm.rank()` of `cfg.ranks`
+/// (the MPI world size) and drives the GPU of its node-local rank; rank 0's NCCL id reaches
+/// every rank over MPI. Rank 0 returns the report.
+#[cfg(feature = "mpi")]
+pub fn run_mpi(
+    cfg: &DistributedConfig,
+    comm: &canopy_comm::MpiComm,
+) -> canopy_engine::Result<Option<DistributedReport>> {
+    use canopy_comm::Collective;
+    let local = comm.local_rank();
+    check_machine(cfg, local + 1)?;
+    let (tree, shards) = problem(cfg)?;
+    let mine = if comm.rank() == 0 {
+        Some(Id::new().map_err(nccl("ncclGetUniqueId"))?)
+    } else {
+        None
+    };
+    let bytes: Vec<u8> = mine.map_or(vec![0u8; 128], |id| {
+        id.internal().iter().map(|&c| c as u8).collect()
+    });
+    let mut all = vec![0u8; 128 * comm.size()];
+    comm.all_gather(&bytes, &mut all)?;
+    let internal: [std::ffi::c_char; 128] = std::array::from_fn(|i| all[i] as std::ffi::c_char);
+    let outcome = rank_body(
+        cfg,
+        comm.rank(),
+        local,
+        Id::uninit(internal),
+        &tree,
+        &shards,
+    )?;
+    comm.barrier()?;
+    Ok(outcome.map(|rank0| finish(cfg, &tree, &shards, rank0)))
+}
+
+/// Rank 0's timings and output, checked against the oracle, as a report.
+fn finish(
+    cfg: &DistributedConfig,
+    tree: &canopy_core::KvTree,
+    shards: &[canopy_core::Shard],
+    rank0: (Vec<f64>, Vec<f32>, Option<f64>),
+) -> DistributedReport {
+    let (times, out, link) = rank0;
     let rel_error = cfg.check.then(|| {
         let q = hashed_queries(&cfg.shape, cfg.dtype, tree.num_queries(), cfg.seed);
         let kv = HashedKv {
@@ -156,7 +223,7 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
             dtype: cfg.dtype,
             kv_heads: cfg.shape.kv_heads,
         };
-        relative_error(&out, &reference_attention(&tree, &cfg.shape, &q, &kv).0)
+        relative_error(&out, &reference_attention(tree, &cfg.shape, &q, &kv).0)
     });
     let cells = (tree.num_queries() * cfg.shape.q_heads) as u64;
     let token_bytes = 2 * (cfg.shape.kv_token_elems() * cfg.dtype.size_bytes()) as u64;
@@ -173,7 +240,7 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
             sizes[1..].iter().sum()
         }
     };
-    Ok(DistributedReport {
+    DistributedReport {
         strategy: cfg.strategy.name(),
         ranks: cfg.ranks,
         seq_len: cfg.seq_len,
@@ -186,7 +253,7 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
         comm_bytes_per_rank,
         link_gbps: link.map(|bps| bps / 1e9),
         rel_error,
-    })
+    }
 }
 
 /// KV of `shard`, generated in place on this rank's GPU (windows back to back).
