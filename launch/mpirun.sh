@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One canopy process per rank under Open MPI, on one node or on the nodes of a hostfile:
 #   launch/mpirun.sh NP [HOSTFILE] -- canopy arguments…
-# e.g. launch/mpirun.sh 4 -- bench attention --backend cpu --seq-len 65536
+# e.g. launch/mpirun.sh 4 -- bench attention --backend cuda --seq-len 1048576
 # The binary must be built with `cargo build --release -p canopy-cli --features mpi`.
-# Ranks agree on their configuration at start (a hash exchanged over MPI) and fail together if
-# one dies. So far `--launcher mpi` drives the CPU backend; GPUs run with `--launcher threads`
-# (one thread and NCCL communicator per GPU) until the one-process-per-GPU path lands.
+# Ranks agree on their configuration at start (a hash exchanged over MPI). With --backend cuda
+# each process drives the GPU of its node-local rank and the ranks talk NCCL; on the CPU they
+# talk MPI, and a rank that dies ends the job.
 set -euo pipefail
 np=${1:?usage: launch/mpirun.sh NP [HOSTFILE] -- canopy arguments}
 shift
