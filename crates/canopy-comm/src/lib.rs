@@ -108,6 +108,19 @@ pub(crate) fn fold_rank_order<'a, T: Element>(
     }
 }
 
+/// Checks that an all-gather's receive buffer holds `ranks` copies of the send buffer.
+pub(crate) fn check_gather_len(rank: usize, send: usize, recv: usize, ranks: usize) -> Result<()> {
+    if recv != send * ranks {
+        let detail = format!("recv holds {recv} elements, needs {send} x {ranks}");
+        return Err(CommError::SizeMismatch {
+            rank,
+            op: "all_gather",
+            detail,
+        });
+    }
+    Ok(())
+}
+
 /// Bytes one rank has communicated, by the ring-algorithm formulas (see the crate notes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Traffic {

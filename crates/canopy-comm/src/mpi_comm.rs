@@ -105,18 +105,7 @@ impl Collective for MpiComm {
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.complete_sends();
         let p = self.size();
-        if recv.len() != send.len() * p {
-            let detail = format!(
-                "recv holds {} elements, needs {} x {p}",
-                recv.len(),
-                send.len()
-            );
-            return Err(CommError::SizeMismatch {
-                rank: self.rank(),
-                op: "all_gather",
-                detail,
-            });
-        }
+        crate::check_gather_len(self.rank(), send.len(), recv.len(), p)?;
         let recv_bytes: &mut [u8] = bytemuck::cast_slice_mut(recv);
         self.world
             .all_gather_into(bytemuck::cast_slice::<T, u8>(send), recv_bytes);

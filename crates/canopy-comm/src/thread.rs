@@ -257,18 +257,7 @@ impl Collective for ThreadComm {
 
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let p = self.shared.size;
-        if recv.len() != send.len() * p {
-            let detail = format!(
-                "recv holds {} elements, needs {} x {p}",
-                recv.len(),
-                send.len()
-            );
-            return Err(CommError::SizeMismatch {
-                rank: self.rank,
-                op: "all_gather",
-                detail,
-            });
-        }
+        crate::check_gather_len(self.rank, send.len(), recv.len(), p)?;
         self.stage(send);
         self.wait_all("all_gather")?;
         for (r, chunk) in recv.chunks_mut(send.len().max(1)).enumerate().take(p) {
