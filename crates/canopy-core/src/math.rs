@@ -72,22 +72,6 @@ impl AttnStates {
             self.merge_row_from(r, other, r);
         }
     }
-
-    /// Merges a plan's partial rows into one state per query, following the CSR map in order
-    /// (deterministic). A query with no rows gets the empty partial.
-    pub fn merge_partials(
-        partials: &AttnStates,
-        rows_of: impl Fn(usize) -> Vec<u32>,
-        queries: usize,
-    ) -> Self {
-        let mut out = AttnStates::empty(queries, partials.heads, partials.head_dim);
-        for q in 0..queries {
-            for r in rows_of(q) {
-                out.merge_row_from(q, partials, r as usize);
-            }
-        }
-        out
-    }
 }
 
 /// Merges the partial `(o_b, lse_b)` into `(o_a, lse_a)`. Total: see the module notes.

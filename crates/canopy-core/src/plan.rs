@@ -354,12 +354,6 @@ pub struct IoReport {
     pub balance: f64,
 }
 
-impl IoReport {
-    pub fn total_bytes(&self) -> u64 {
-        self.kv_bytes + self.q_bytes + self.partial_bytes + self.mask_bytes
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

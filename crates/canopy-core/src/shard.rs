@@ -61,15 +61,6 @@ impl Shard {
             r.start - off..r.end - off
         })
     }
-
-    /// The part of `range` inside this shard's windows.
-    pub fn clip(&self, range: Range<u32>) -> Vec<Range<u32>> {
-        self.windows
-            .iter()
-            .map(|w| range.start.max(w.start)..range.end.min(w.end))
-            .filter(|r| r.start < r.end)
-            .collect()
-    }
 }
 
 /// Splits every root's span evenly into `ranks` contiguous windows.
