@@ -1,8 +1,9 @@
 //! `canopy bench attention` and `canopy selftest`.
 
 use crate::plan_cmd::ShapeArgs;
-use crate::table::{bytes, quantile, Table};
+use crate::table::{bytes, Table};
 use anyhow::{bail, Result};
+use canopy_core::stats::quantile;
 use canopy_core::{Method, Overrides, PlannerConfig, WorkloadSpec};
 use canopy_engine::conformance::run_suite;
 use canopy_engine::{
@@ -218,9 +219,7 @@ fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Opt
         a.warmup,
         a.seed
     );
-    let hash = config.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
+    let hash = canopy_core::stats::fnv1a(&[config.as_bytes()]);
     let mut hashes = vec![0u8; 8 * p];
     comm.all_gather(&hash.to_le_bytes(), &mut hashes)?;
     if let Some(r) = hashes.chunks(8).position(|h| h != hash.to_le_bytes()) {

@@ -77,16 +77,6 @@ pub fn bytes(b: u64) -> String {
     }
 }
 
-/// The `q`-quantile (0..=1) of `xs` by nearest rank.
-pub fn quantile(xs: &[f64], q: f64) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v[((v.len() - 1) as f64 * q).round() as usize]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,9 +93,7 @@ mod tests {
     }
 
     #[test]
-    fn quantiles_and_units() {
-        assert_eq!(quantile(&[3.0, 1.0, 2.0], 0.5), 2.0);
-        assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0, 5.0], 0.9), 5.0);
+    fn units() {
         assert_eq!(bytes(512), "512 B");
         assert_eq!(bytes(3 * 1024 * 1024), "3.00 MiB");
     }

@@ -108,6 +108,21 @@ pub(crate) fn fold_rank_order<'a, T: Element>(
     }
 }
 
+/// Checks that `who` sent this rank the `want` bytes it expects in `op`.
+pub(crate) fn check_bytes(
+    rank: usize,
+    op: &'static str,
+    who: std::fmt::Arguments,
+    got: usize,
+    want: usize,
+) -> Result<()> {
+    if got != want {
+        let detail = format!("{who} sent {got} bytes, expected {want}");
+        return Err(CommError::SizeMismatch { rank, op, detail });
+    }
+    Ok(())
+}
+
 /// Checks that an all-gather's receive buffer holds `ranks` copies of the send buffer.
 pub(crate) fn check_gather_len(rank: usize, send: usize, recv: usize, ranks: usize) -> Result<()> {
     if recv != send * ranks {

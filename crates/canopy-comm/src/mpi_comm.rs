@@ -139,15 +139,7 @@ impl Collective for MpiComm {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
         let status = self.world.process_at_rank(peer as i32).receive_into(bytes);
         let got = status.count(<u8 as mpi::datatype::Equivalence>::equivalent_datatype()) as usize;
-        if got != want {
-            let detail = format!("peer {peer} sent {got} bytes, expected {want}");
-            return Err(CommError::SizeMismatch {
-                rank: self.rank(),
-                op: "recv",
-                detail,
-            });
-        }
-        Ok(())
+        crate::check_bytes(self.rank(), "recv", format_args!("peer {peer}"), got, want)
     }
 
     fn barrier(&self) -> Result<()> {

@@ -230,23 +230,19 @@ impl Collective for ThreadComm {
             .iter()
             .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()))
             .collect();
-        if let Some(r) = slots
-            .iter()
-            .position(|s| s.len() != std::mem::size_of_val(buf))
-        {
-            let detail = format!(
-                "rank {r} sent {} bytes, this rank {}",
-                slots[r].len(),
-                std::mem::size_of_val(buf)
-            );
+        let want = std::mem::size_of_val(buf);
+        if let Some(r) = slots.iter().position(|s| s.len() != want) {
+            let got = slots[r].len();
             drop(slots);
             self.shared
                 .abort(self.rank, "all_reduce size mismatch".into());
-            return Err(CommError::SizeMismatch {
-                rank: self.rank,
-                op: "all_reduce",
-                detail,
-            });
+            return crate::check_bytes(
+                self.rank,
+                "all_reduce",
+                format_args!("rank {r}"),
+                got,
+                want,
+            );
         }
         crate::fold_rank_order(buf, slots.iter().map(|s| s.as_slice()), op);
         drop(slots);
@@ -264,18 +260,13 @@ impl Collective for ThreadComm {
             let slot = self.shared.slots[r]
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            if slot.len() != std::mem::size_of_val(chunk) {
-                let detail = format!(
-                    "rank {r} sent {} bytes, expected {}",
-                    slot.len(),
-                    std::mem::size_of_val(chunk)
-                );
-                return Err(CommError::SizeMismatch {
-                    rank: self.rank,
-                    op: "all_gather",
-                    detail,
-                });
-            }
+            crate::check_bytes(
+                self.rank,
+                "all_gather",
+                format_args!("rank {r}"),
+                slot.len(),
+                std::mem::size_of_val(chunk),
+            )?;
             chunk.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&slot));
         }
         self.wait_all("all_gather")?;
@@ -321,18 +312,13 @@ impl Collective for ThreadComm {
                 }
             }
         };
-        if msg.len() != std::mem::size_of_val(buf) {
-            let detail = format!(
-                "peer {peer} sent {} bytes, expected {}",
-                msg.len(),
-                std::mem::size_of_val(buf)
-            );
-            return Err(CommError::SizeMismatch {
-                rank: self.rank,
-                op: "recv",
-                detail,
-            });
-        }
+        crate::check_bytes(
+            self.rank,
+            "recv",
+            format_args!("peer {peer}"),
+            msg.len(),
+            std::mem::size_of_val(buf),
+        )?;
         buf.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&msg));
         Ok(())
     }

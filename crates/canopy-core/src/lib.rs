@@ -16,6 +16,7 @@ pub mod plan;
 pub mod planner;
 pub mod shape;
 pub mod shard;
+pub mod stats;
 pub mod tree;
 pub mod workload;
 

@@ -338,7 +338,7 @@ impl CudaBackend {
         let times = self.time_ms(iters, || {
             self.stream.memcpy_dtod(&src, &mut dst).ctx("cuMemcpyDtoD")
         })?;
-        Ok(2.0 * bytes as f64 / (crate::bench::median(&times) * 1e-3))
+        Ok(2.0 * bytes as f64 / (canopy_core::stats::median(&times) * 1e-3))
     }
 
     /// Runs `f` `iters` times after three warm-ups, timing each run with CUDA events. All runs

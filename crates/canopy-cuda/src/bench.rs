@@ -9,26 +9,13 @@
 use crate::backend::CudaBackend;
 use crate::error::Result;
 use canopy_core::data::{hashed_queries, HashedKv};
+use canopy_core::stats::{median, quantile};
 use canopy_core::{
     plan, reference_attention, relative_error, AttnShape, DType, Method, Overrides, PlannerConfig,
     Shard, TreeView, WorkloadSpec,
 };
 use canopy_engine::Backend;
 use serde::Serialize;
-
-/// The median of `xs` (NaN when empty).
-pub fn median(xs: &[f64]) -> f64 {
-    quantile(xs, 0.5)
-}
-
-/// The `q`-quantile of `xs` by nearest rank.
-pub fn quantile(xs: &[f64], q: f64) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    v.get(((v.len().max(1) - 1) as f64 * q).round() as usize)
-        .copied()
-        .unwrap_or(f64::NAN)
-}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelPoint {

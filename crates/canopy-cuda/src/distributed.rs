@@ -21,9 +21,9 @@
 //! around whole steps, with every step enqueued before any is waited on.
 
 use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel};
-use crate::bench::{median, quantile};
 use crate::error::{CudaError, DriverContext, Result};
 use canopy_core::data::{hashed_queries, HashedKv};
+use canopy_core::stats::{median, quantile};
 use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, DType, Method, Overrides,
     PlannerConfig, TreeView, WorkloadSpec,
