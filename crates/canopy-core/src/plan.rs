@@ -206,7 +206,7 @@ impl Plan {
     /// The analytic IO of executing this plan (DeFT's IO table), for `shape` and `dtype`.
     pub fn io(&self, shape: &AttnShape, dtype: DType) -> IoReport {
         let elem = dtype.size_bytes() as u64;
-        let kv_token_bytes = 2 * shape.kv_token_elems() as u64 * elem;
+        let kv_token_bytes = 2 * shape.kv_token_bytes(dtype) as u64;
         let q_row_bytes = shape.q_row_elems() as u64 * elem;
         // o (fp32, head_dim) + lse (fp32) per query head; written by stage 1, read by stage 2.
         let partial_row_bytes = shape.q_heads as u64 * (shape.head_dim as u64 + 1) * 4;

@@ -73,6 +73,11 @@ impl AttnShape {
         self.kv_heads * self.head_dim
     }
 
+    /// Bytes of one token's K (or V) over all KV heads, stored as `dtype`.
+    pub fn kv_token_bytes(&self, dtype: crate::DType) -> usize {
+        self.kv_token_elems() * dtype.size_bytes()
+    }
+
     /// Elements of one query row over all query heads.
     pub fn q_row_elems(&self) -> usize {
         self.q_heads * self.head_dim

@@ -90,7 +90,7 @@ pub struct CudaKv {
 impl CudaKv {
     /// Bytes of K (or V) of the first `tokens` tokens of contiguous storage.
     pub(crate) fn bytes_of(&self, tokens: usize) -> usize {
-        tokens * self.shape.kv_token_elems() * self.dtype.size_bytes()
+        tokens * self.shape.kv_token_bytes(self.dtype)
     }
 }
 
@@ -303,7 +303,7 @@ impl CudaBackend {
         }
         let f = self.function(Kernel::Fill(kv.dtype))?;
         let per = kv.shape.kv_token_elems();
-        let bytes = per * kv.dtype.size_bytes();
+        let bytes = kv.bytes_of(1);
         let n = (count * per) as u64;
         let first = first_token * per as u64;
         let amp = canopy_core::data::KV_AMPLITUDE;
@@ -367,14 +367,9 @@ impl CudaBackend {
             .collect()
     }
 
-    /// Bytes of one token's K (or V).
-    fn token_bytes(kv: &CudaKv) -> usize {
-        kv.shape.kv_token_elems() * kv.dtype.size_bytes()
-    }
-
     /// Physical byte ranges holding logical tokens `start..start + n`, in logical order.
     fn segments(kv: &CudaKv, start: usize, n: usize) -> Vec<(usize, std::ops::Range<usize>)> {
-        let tb = Self::token_bytes(kv);
+        let tb = kv.bytes_of(1);
         match &kv.paging {
             None => vec![(0, start * tb..(start + n) * tb)],
             Some(p) => {
@@ -394,7 +389,7 @@ impl CudaBackend {
     }
 
     fn write_bytes(&self, kv: &mut CudaKv, start: usize, k: &[u8], v: &[u8]) -> Result<()> {
-        let n = k.len() / Self::token_bytes(kv);
+        let n = k.len() / kv.bytes_of(1);
         for (host_at, dev) in Self::segments(kv, start, n) {
             let len = dev.len();
             self.stream
@@ -408,7 +403,7 @@ impl CudaBackend {
     }
 
     fn read_bytes(&self, kv: &CudaKv, n: usize) -> Result<(Vec<u8>, Vec<u8>)> {
-        let bytes = n * Self::token_bytes(kv);
+        let bytes = kv.bytes_of(n);
         let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
         for (host_at, dev) in Self::segments(kv, 0, n) {
             let len = dev.len();
@@ -435,7 +430,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> EResult<CudaKv> {
-        let token_bytes = shape.kv_token_elems() * dtype.size_bytes();
+        let token_bytes = shape.kv_token_bytes(dtype);
         let (slots, paging) = match self.page_size {
             None => (tokens, None),
             Some(size) => {
@@ -716,7 +711,7 @@ impl Backend for CudaBackend {
         comm: &C,
         peer: usize,
     ) -> EResult<()> {
-        let bytes = tokens * Self::token_bytes(kv);
+        let bytes = kv.bytes_of(tokens);
         let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
         comm.recv(&mut k, peer)?;
         comm.recv(&mut v, peer)?;

@@ -226,7 +226,7 @@ fn finish(
         relative_error(&out, &reference_attention(tree, &cfg.shape, &q, &kv).0)
     });
     let cells = (tree.num_queries() * cfg.shape.q_heads) as u64;
-    let token_bytes = 2 * (cfg.shape.kv_token_elems() * cfg.dtype.size_bytes()) as u64;
+    let token_bytes = 2 * cfg.shape.kv_token_bytes(cfg.dtype) as u64;
     let comm_bytes_per_rank = match cfg.strategy {
         _ if cfg.ranks == 1 => 0,
         Strategy::Tree(how) => merge_traffic(how, cfg.ranks, cells, cfg.shape.head_dim as u64),

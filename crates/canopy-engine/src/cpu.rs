@@ -27,7 +27,7 @@ pub struct CpuQueries {
 impl CpuKv {
     /// K and V bytes of the first `tokens` tokens.
     fn bytes_mut(&mut self, tokens: usize) -> (&mut [u8], &mut [u8]) {
-        let n = tokens * self.shape.kv_token_elems() * self.k.dtype().size_bytes();
+        let n = tokens * self.shape.kv_token_bytes(self.k.dtype());
         (
             &mut self.k.as_bytes_mut()[..n],
             &mut self.v.as_bytes_mut()[..n],
@@ -35,7 +35,7 @@ impl CpuKv {
     }
 
     fn bytes(&self, tokens: usize) -> (&[u8], &[u8]) {
-        let n = tokens * self.shape.kv_token_elems() * self.k.dtype().size_bytes();
+        let n = tokens * self.shape.kv_token_bytes(self.k.dtype());
         (&self.k.as_bytes()[..n], &self.v.as_bytes()[..n])
     }
 }

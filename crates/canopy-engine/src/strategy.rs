@@ -70,7 +70,7 @@ impl Problem {
 
     /// K and V bytes of one token.
     pub fn kv_token_bytes(&self) -> u64 {
-        2 * (self.shape.kv_token_elems() * self.dtype.size_bytes()) as u64
+        2 * self.shape.kv_token_bytes(self.dtype) as u64
     }
 
     /// This shard's K and V, copied into compact storage (windows back to back).
