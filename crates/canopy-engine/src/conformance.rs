@@ -42,16 +42,24 @@ pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree)> {
             )
         })
         .collect();
-    for name in ["fasttree-0", "few-shot-b20", "tot-set", "spec-t32"] {
-        let spec = WorkloadSpec::load(name).expect("built-in workload");
-        let spec = spec.with_overrides(canopy_core::Overrides {
-            prompt_len: Some(300),
+    // Small versions of the named workloads: FastTree's smallest tree as is, the DeFT ones with
+    // a 300-token prompt.
+    let named = [
+        ("fasttree-0", None),
+        ("few-shot-b20", Some(300)),
+        ("tot-set", Some(300)),
+        ("spec-t32", Some(300)),
+    ];
+    for (name, prompt_len) in named {
+        let overrides = canopy_core::Overrides {
+            prompt_len,
             ..Default::default()
-        });
+        };
+        let spec = WorkloadSpec::load(name).and_then(|s| s.with_overrides(overrides));
         let tree = spec
             .and_then(|s| s.build_tree())
-            .or_else(|_| WorkloadSpec::load(name)?.build_tree());
-        trees.push((name.to_string(), tree.expect("built-in workload builds")));
+            .expect("built-in workload builds");
+        trees.push((name.to_string(), tree));
     }
     trees
 }
