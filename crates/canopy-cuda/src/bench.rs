@@ -75,10 +75,8 @@ pub fn bench_point(
     let mut partials = backend.alloc_partials(shape, &dplan)?;
     let mut out = backend.alloc_states(shape, tree.num_queries())?;
     let times = backend.time_ms(iters, || {
-        backend
-            .run_plan(&kv, &q, &dplan, &mut partials)
-            .map_err(to_cuda)?;
-        backend.merge(&partials, &dplan, &mut out).map_err(to_cuda)
+        backend.run_plan(&kv, &q, &dplan, &mut partials)?;
+        Ok(backend.merge(&partials, &dplan, &mut out)?)
     })?;
     let io = dplan.plan().io(shape, dtype);
     let f32_q_bytes = io.partial_rows as u64 * shape.q_row_elems() as u64 * 4;
@@ -117,10 +115,6 @@ pub fn bench_point(
         kv_floor_ms: io.kv_bytes as f64 / copy_bw * 1e3,
         rel_error,
     })
-}
-
-fn to_cuda(e: canopy_engine::EngineError) -> crate::CudaError {
-    crate::CudaError::Unsupported(e.to_string())
 }
 
 /// The copy bandwidth, measured on buffers of 2 GiB (far beyond L2).

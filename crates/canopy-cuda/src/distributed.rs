@@ -263,9 +263,7 @@ fn load_shard(
     shard: &canopy_core::Shard,
     capacity: usize,
 ) -> Result<CudaKv> {
-    let mut kv = backend
-        .alloc_kv(&cfg.shape, cfg.dtype, capacity)
-        .map_err(engine)?;
+    let mut kv = backend.alloc_kv(&cfg.shape, cfg.dtype, capacity)?;
     let mut at = 0usize;
     for w in &shard.windows {
         let n = (w.end - w.start) as usize;
@@ -296,10 +294,6 @@ fn shard_plan(
     backend.upload_plan(&cfg.shape, &local)
 }
 
-fn engine(e: canopy_engine::EngineError) -> CudaError {
-    CudaError::Unsupported(e.to_string())
-}
-
 /// One tree rank: load its shard, then time `cfg.iters` decode steps.
 fn rank_steps(
     backend: &CudaBackend,
@@ -325,10 +319,8 @@ fn rank_steps(
         cfg.ranks,
     )?;
     let times = backend.time_ms(cfg.iters, || {
-        backend
-            .run_plan(&kv, &q, &dplan, &mut partials)
-            .map_err(engine)?;
-        backend.merge(&partials, &dplan, &mut out).map_err(engine)?;
+        backend.run_plan(&kv, &q, &dplan, &mut partials)?;
+        backend.merge(&partials, &dplan, &mut out)?;
         merge.run(backend, comm, how, &mut out.o, &mut out.lse)
     })?;
     if comm.rank() != 0 {
@@ -428,12 +420,8 @@ fn ring_steps(
                 None
             };
             let out = if s == 0 { &mut acc } else { &mut tmp };
-            backend
-                .run_plan(cur, &q, &plans[src], &mut partials[src])
-                .map_err(engine)?;
-            backend
-                .merge(&partials[src], &plans[src], out)
-                .map_err(engine)?;
+            backend.run_plan(cur, &q, &plans[src], &mut partials[src])?;
+            backend.merge(&partials[src], &plans[src], out)?;
             if s > 0 {
                 let mut b = compute.launch_builder(&pair);
                 b.arg(&mut acc.o)

@@ -26,6 +26,15 @@ pub enum CudaError {
     },
     #[error("{0}")]
     Unsupported(String),
+    /// An engine call (through the `Backend` trait) failed inside a CUDA-only routine.
+    #[error(transparent)]
+    Engine(Box<canopy_engine::EngineError>),
+}
+
+impl From<canopy_engine::EngineError> for CudaError {
+    fn from(e: canopy_engine::EngineError) -> Self {
+        CudaError::Engine(Box::new(e))
+    }
 }
 
 pub type Result<T, E = CudaError> = std::result::Result<T, E>;
