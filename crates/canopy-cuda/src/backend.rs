@@ -515,7 +515,10 @@ impl Backend for CudaBackend {
             .unwrap_or(1)
             * shape.group_size();
         let rows = rows_config(max_rows);
-        // One balanced wave: as many CTAs as fit on the GPU at once.
+        // One balanced wave: as many CTAs as fit on the GPU at once. The plan is uploaded before
+        // it meets its KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32
+        // variants use the same shared memory and no more registers (compiler resource report),
+        // so their true occupancy is never lower and the wave never spills into a second.
         let res = self.decode_resources(DType::Bf16, shape.head_dim, rows)?;
         let per_sm = res
             .ctas_per_sm
