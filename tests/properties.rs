@@ -5,9 +5,7 @@ use canopy_core::{
     merge_state, plan, random_tree, relative_error, shard_tree, AttnShape, DType, Method,
     PlannerConfig, Shard, TreeView, EMPTY_LSE,
 };
-use canopy_engine::{
-    run_threads, CpuBackend, MergeCollective, Problem, RunConfig, Strategy as Decode,
-};
+use canopy_engine::{run_threads, CpuBackend, Problem, RunConfig, Strategy as Decode};
 use proptest::prelude::*;
 use std::time::Duration;
 
@@ -24,15 +22,6 @@ fn dtypes() -> impl Strategy<Value = DType> {
     prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::F16)]
 }
 
-fn strategies() -> [Decode; 4] {
-    [
-        Decode::Tree(MergeCollective::Allreduce3),
-        Decode::Tree(MergeCollective::Allreduce2),
-        Decode::Tree(MergeCollective::Allgather),
-        Decode::Ring,
-    ]
-}
-
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
@@ -45,10 +34,11 @@ proptest! {
         let oracle = problem.oracle();
         let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
         for method in Method::ALL {
-            for strategy in strategies() {
+            for strategy in Decode::every() {
                 let cfg = RunConfig {
                     ranks, strategy, method, planner: PlannerConfig::default(),
                     warmup: 0, iters: 1, timeout: Duration::from_secs(60), poison: true,
+                    virtual_nodes: (ranks % 2 == 0).then_some(2),
                 };
                 let r = run_threads(&problem, &cfg, Some(&oracle), |_| Ok(CpuBackend)).unwrap();
                 let err = r.rel_error.unwrap();

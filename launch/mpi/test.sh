@@ -16,13 +16,14 @@ passed=0; failed=0
 ok() { echo "PASS: $*"; passed=$((passed + 1)); }
 bad() { echo "FAIL: $*"; failed=$((failed + 1)); }
 
-# 1. Four ranks, every strategy, exact against the oracle.
-if out=$(timeout 120 "${MPIRUN[@]}" "$BIN" bench attention --launcher mpi --backend cpu --seq-len 8192 --iters 2 --json) &&
+# 1. Four ranks, every strategy (hierarchical over 2 virtual nodes of 2), exact against the
+#    oracle.
+if out=$(timeout 120 "${MPIRUN[@]}" "$BIN" bench attention --launcher mpi --backend cpu --seq-len 8192 --iters 2 --virtual-nodes 2 --json) &&
    python3 -c "
 import json, sys
 d = json.loads(sys.argv[1])
 rows = d['rows']
-assert len(rows) == 4, rows
+assert len(rows) == 6, rows
 for r in rows:
     assert r['ranks'] == 4 and r['rel_error'] < 1e-5, r
 print('4 ranks:', ', '.join(f\"{r['strategy']} {r['rel_error']:.1e}\" for r in rows))

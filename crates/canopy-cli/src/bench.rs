@@ -1,4 +1,4 @@
-//! `canopy bench attention` and `canopy selftest`.
+//! `canopy bench attention`, `canopy bench scaling` (rows from here) and `canopy selftest`.
 
 use crate::plan_cmd::ShapeArgs;
 use crate::table::{bytes, Table};
@@ -6,17 +6,20 @@ use anyhow::{bail, Result};
 use canopy_core::stats::quantile;
 use canopy_core::{Method, Overrides, PlannerConfig, WorkloadSpec};
 use canopy_engine::conformance::run_suite;
+use canopy_engine::cost::PaperModel;
 use canopy_engine::{
     run_threads, CpuBackend, MergeCollective, Problem, RunConfig, RunReport, Strategy,
 };
 use clap::{Args, Subcommand, ValueEnum};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// Sequence-sharded decode attention: tree vs ring over p ranks, against the f64 oracle.
     Attention(AttentionArgs),
+    /// Tree vs ring over a sweep of rank counts and context lengths: table, CSV, JSON, plot.
+    Scaling(crate::scaling::ScalingArgs),
     /// The CUDA decode kernels on one GPU, swept over context length, against the memory floor.
     Kernel(crate::kernel_bench::KernelArgs),
 }
@@ -43,60 +46,86 @@ pub enum Launcher {
     Mpi,
 }
 
+/// What every distributed benchmark takes besides the rank count and context length.
+#[derive(Args, Clone)]
+pub struct RunArgs {
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// How ranks are started: threads of this process, or one process per rank under mpirun/srun.
+    #[arg(long, value_enum, default_value = "threads")]
+    pub launcher: Launcher,
+    /// Independent requests, each sharded over all ranks.
+    #[arg(long, default_value_t = 1)]
+    pub batch: u32,
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    #[arg(long, value_enum, default_value = "all")]
+    pub strategy: StrategyChoice,
+    /// Tree merge: allreduce3, allreduce2, allgather, hierarchical, auto, a comma list, or all.
+    #[arg(long, default_value = "all")]
+    pub collective: String,
+    /// Split the ranks into this many equal virtual nodes for the hierarchical merge (default:
+    /// nodes are hosts).
+    #[arg(long)]
+    pub virtual_nodes: Option<usize>,
+    /// Planner for each rank's local partials.
+    #[arg(long, default_value = "q-guided")]
+    pub method: Method,
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Seconds a rank waits for its peers (CUDA: for a step, by its watchdog) before failing.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// CUDA: check against the f64 oracle (recomputed on the CPU) only up to this many context
+    /// tokens in all; longer runs report no error.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub check_max_tokens: u64,
+    /// Fault injection for tests: this rank stops before its first step, as if it had died.
+    #[arg(long, hide = true)]
+    pub stall_rank: Option<usize>,
+    #[arg(long)]
+    pub json: bool,
+}
+
 #[derive(Args)]
 pub struct AttentionArgs {
-    #[arg(long, value_enum, default_value = "auto")]
-    backend: BackendChoice,
+    #[command(flatten)]
+    run: RunArgs,
     /// Ranks: threads of this process (one per GPU on CUDA), 4 by default; under
     /// `--launcher mpi` the MPI world size (if given, it must match).
     #[arg(long)]
     ranks: Option<usize>,
-    /// How ranks are started: threads of this process, or one process per rank under mpirun/srun.
-    #[arg(long, value_enum, default_value = "threads")]
-    launcher: Launcher,
     /// Context length of each request.
     #[arg(long, default_value_t = 32768)]
     seq_len: u32,
-    /// Independent requests, each sharded over all ranks.
-    #[arg(long, default_value_t = 1)]
-    batch: u32,
-    #[command(flatten)]
-    shape: ShapeArgs,
-    #[arg(long, value_enum, default_value = "all")]
-    strategy: StrategyChoice,
-    /// Tree merge: allreduce3, allreduce2, allgather or all.
-    #[arg(long, default_value = "all")]
-    collective: String,
-    /// Planner for each rank's local partials.
-    #[arg(long, default_value = "q-guided")]
-    method: Method,
-    #[arg(long, default_value_t = 5)]
-    iters: usize,
-    #[arg(long, default_value_t = 1)]
-    warmup: usize,
-    /// Seconds a rank waits for its peers before failing.
-    #[arg(long, default_value_t = 120.0)]
-    timeout: f64,
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    #[arg(long)]
-    json: bool,
 }
 
-#[derive(Serialize)]
-struct Row {
-    strategy: String,
-    ranks: usize,
-    seq_len: u32,
-    batch: u32,
-    median_ms: f64,
-    p10_ms: f64,
-    p90_ms: f64,
-    kv_bytes_per_rank: u64,
-    comm_bytes_per_rank: u64,
+/// One measured (strategy, ranks, context) point.
+#[derive(Serialize, Deserialize, Clone)]
+pub struct Row {
+    pub strategy: String,
+    pub ranks: usize,
+    pub seq_len: u32,
+    pub batch: u32,
+    pub median_ms: f64,
+    pub p10_ms: f64,
+    pub p90_ms: f64,
+    pub kv_bytes_per_rank: u64,
+    /// Bytes the busiest rank sent per step, counted at each call.
+    pub comm_bytes_per_rank: u64,
+    /// The paper's analytic bytes per rank and step.
+    pub paper_comm_bytes: u64,
+    /// CUDA: device memory the busiest rank used; CPU: none measured.
+    pub peak_mem_bytes: Option<u64>,
+    /// The paper's analytic per-rank memory.
+    pub paper_mem_bytes: u64,
     /// Ring on CUDA: NCCL send/recv bandwidth measured alone (GB/s sent per rank).
-    link_gbps: Option<f64>,
-    rel_error: Option<f64>,
+    pub link_gbps: Option<f64>,
+    pub rel_error: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -117,6 +146,7 @@ const ORACLE_MAX_ELEMS: u64 = 1 << 27;
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Attention(a) => attention(a),
+        BenchCommand::Scaling(a) => crate::scaling::run(a),
         BenchCommand::Kernel(a) => crate::kernel_bench::run(a),
     }
 }
@@ -145,79 +175,173 @@ pub fn resolve_backend(choice: BackendChoice) -> Result<&'static str> {
     }
 }
 
+/// How this process takes part: the ranks are its threads, or it is one MPI rank.
+pub enum World {
+    Threads,
+    #[cfg(feature = "mpi")]
+    Mpi(canopy_comm::MpiComm),
+}
+
+impl World {
+    pub fn new(launcher: Launcher) -> Result<World> {
+        match launcher {
+            Launcher::Threads => Ok(World::Threads),
+            #[cfg(feature = "mpi")]
+            Launcher::Mpi => Ok(World::Mpi(canopy_comm::MpiComm::init()?)),
+            #[cfg(not(feature = "mpi"))]
+            Launcher::Mpi => bail!("this canopy was built without MPI; rebuild with `cargo build --release -p canopy-cli --features mpi` (needs OpenMPI and libclang)"),
+        }
+    }
+
+    /// The MPI world size, if this is an MPI rank.
+    pub fn mpi_size(&self) -> Option<usize> {
+        match self {
+            World::Threads => None,
+            #[cfg(feature = "mpi")]
+            World::Mpi(c) => Some(canopy_comm::Collective::size(c)),
+        }
+    }
+}
+
+/// The `long` workload at `seq_len` with the requested shape.
+pub fn long_spec(run: &RunArgs, seq_len: u32) -> Result<WorkloadSpec> {
+    let mut spec = WorkloadSpec::load("long")?.with_overrides(Overrides {
+        seq_len: Some(seq_len),
+        batch: Some(run.batch),
+        prompt_len: None,
+    })?;
+    run.shape.apply(&mut spec)?;
+    Ok(spec)
+}
+
+/// Every requested strategy at one (ranks, seq_len) point; `None` on MPI ranks other than 0.
+pub fn rows(
+    run: &RunArgs,
+    world: &World,
+    backend: &str,
+    ranks: usize,
+    seq_len: u32,
+) -> Result<Option<Vec<Row>>> {
+    let spec = long_spec(run, seq_len)?;
+    let strategies = strategies(run.strategy, &run.collective)?;
+    match world {
+        World::Threads if backend == "cuda" => strategies
+            .into_iter()
+            .map(|s| {
+                let cfg = run.distributed_config(ranks, s, &spec, seq_len);
+                Ok(Row::from_distributed(canopy_cuda::distributed::run(&cfg)?))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some),
+        World::Threads => cpu_rows(run, &spec, ranks, seq_len, &strategies).map(Some),
+        #[cfg(feature = "mpi")]
+        World::Mpi(comm) => mpi_rows(run, comm, &spec, backend, seq_len, &strategies),
+    }
+}
+
 /// Tree and ring on CPU ranks (threads of this process), against the f64 oracle.
-fn cpu_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
-    let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, a.seed);
+fn cpu_rows(
+    run: &RunArgs,
+    spec: &WorkloadSpec,
+    ranks: usize,
+    seq_len: u32,
+    strategies: &[Strategy],
+) -> Result<Vec<Row>> {
+    let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, run.seed);
     let elems = problem.tree.total_tokens() as u64 * spec.shape.kv_token_elems() as u64;
     let oracle = (elems <= ORACLE_MAX_ELEMS).then(|| problem.oracle());
     let mut rows = Vec::new();
-    for strategy in strategies(a.strategy, &a.collective)? {
-        let cfg = a.run_config(a.ranks(), strategy);
+    for &strategy in strategies {
+        let cfg = run.run_config(ranks, strategy);
         let r: RunReport = run_threads(&problem, &cfg, oracle.as_deref(), |_| Ok(CpuBackend))?;
-        rows.push(Row::from_report(a, r));
+        rows.push(Row::from_report(run, spec, seq_len, strategy, r));
     }
     Ok(rows)
 }
 
 impl Row {
-    fn from_distributed(a: &AttentionArgs, r: canopy_cuda::distributed::DistributedReport) -> Row {
+    fn from_distributed(r: canopy_cuda::distributed::DistributedReport) -> Row {
         Row {
             strategy: r.strategy,
             ranks: r.ranks,
-            seq_len: a.seq_len,
-            batch: a.batch,
+            seq_len: r.seq_len,
+            batch: r.batch,
             median_ms: r.median_ms,
             p10_ms: r.p10_ms,
             p90_ms: r.p90_ms,
             kv_bytes_per_rank: r.kv_bytes_per_rank,
             comm_bytes_per_rank: r.comm_bytes_per_rank,
+            paper_comm_bytes: r.paper_comm_bytes,
+            peak_mem_bytes: Some(r.peak_mem_bytes),
+            paper_mem_bytes: r.paper_mem_bytes,
             link_gbps: r.link_gbps,
             rel_error: r.rel_error,
         }
     }
 
-    fn from_report(a: &AttentionArgs, r: RunReport) -> Row {
+    fn from_report(
+        run: &RunArgs,
+        spec: &WorkloadSpec,
+        seq_len: u32,
+        strategy: Strategy,
+        r: RunReport,
+    ) -> Row {
         let ms: Vec<f64> = r.latencies_s.iter().map(|s| s * 1e3).collect();
+        let p = r.ranks as u64;
+        let cells = (run.batch as usize * spec.shape.q_heads) as u64;
+        let paper = match strategy {
+            Strategy::Tree(_) => {
+                PaperModel::tree(p, cells, spec.shape.head_dim as u64, r.kv_bytes_per_rank)
+            }
+            Strategy::Ring => PaperModel::ring(p, r.kv_bytes_per_rank),
+        };
         Row {
             strategy: r.strategy,
             ranks: r.ranks,
-            seq_len: a.seq_len,
-            batch: a.batch,
+            seq_len,
+            batch: run.batch,
             median_ms: quantile(&ms, 0.5),
             p10_ms: quantile(&ms, 0.1),
             p90_ms: quantile(&ms, 0.9),
             kv_bytes_per_rank: r.kv_bytes_per_rank,
             comm_bytes_per_rank: r.comm_bytes_per_rank,
+            paper_comm_bytes: paper.comm_bytes,
+            peak_mem_bytes: None,
+            paper_mem_bytes: paper.memory_bytes,
             link_gbps: None,
             rel_error: r.rel_error,
         }
     }
 }
 
-/// One process per rank under mpirun/srun, CPU backend, collectives over MPI. Every rank checks
-/// that all ranks were started with the same configuration; rank 0 returns the rows.
+/// One process per rank under mpirun/srun, collectives over MPI (CPU backend) or NCCL (CUDA).
+/// Every rank checks that all ranks were started with the same configuration; rank 0 returns
+/// the rows.
 #[cfg(feature = "mpi")]
-fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Option<Vec<Row>>> {
-    use canopy_comm::{Collective, MpiComm};
+fn mpi_rows(
+    run: &RunArgs,
+    comm: &canopy_comm::MpiComm,
+    spec: &WorkloadSpec,
+    backend: &str,
+    seq_len: u32,
+    strategies: &[Strategy],
+) -> Result<Option<Vec<Row>>> {
+    use canopy_comm::Collective;
     use canopy_engine::{rank_main, strategy::report, RankResult};
-    let comm = MpiComm::init()?;
     let p = comm.size();
-    if let Some(r) = a.ranks.filter(|&r| r != p) {
-        bail!("--ranks {r} but mpirun started {p} ranks; drop --ranks or make them agree");
-    }
     // Every rank must run the same problem: compare a hash of the configuration.
     let config = format!(
-        "{:?} {:?} {} {} {:?} {} {:?} {} {} {}",
+        "{backend} {:?} {:?} {seq_len} {} {:?} {} {:?} {:?} {} {} {}",
         spec.shape,
         spec.dtype,
-        a.seq_len,
-        a.batch,
-        a.strategy,
-        a.collective,
-        a.method,
-        a.iters,
-        a.warmup,
-        a.seed
+        run.batch,
+        run.strategy,
+        run.collective,
+        run.virtual_nodes,
+        run.method,
+        run.iters,
+        run.warmup,
+        run.seed
     );
     let hash = canopy_core::stats::fnv1a(&[config.as_bytes()]);
     let mut hashes = vec![0u8; 8 * p];
@@ -229,21 +353,21 @@ fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Opt
         // One process per GPU: the same per-rank code as the threads launcher, NCCL between
         // processes.
         let mut rows = Vec::new();
-        for strategy in strategies(a.strategy, &a.collective)? {
-            let cfg = a.distributed_config(p, strategy, spec);
-            if let Some(r) = canopy_cuda::distributed::run_mpi(&cfg, &comm)? {
-                rows.push(Row::from_distributed(a, r));
+        for &strategy in strategies {
+            let cfg = run.distributed_config(p, strategy, spec, seq_len);
+            if let Some(r) = canopy_cuda::distributed::run_mpi(&cfg, comm)? {
+                rows.push(Row::from_distributed(r));
             }
         }
         return Ok((comm.rank() == 0).then_some(rows));
     }
-    let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, a.seed);
+    let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, run.seed);
     let elems = problem.tree.total_tokens() as u64 * spec.shape.kv_token_elems() as u64;
     let oracle = (comm.rank() == 0 && elems <= ORACLE_MAX_ELEMS).then(|| problem.oracle());
     let mut rows = Vec::new();
-    for strategy in strategies(a.strategy, &a.collective)? {
-        let cfg = a.run_config(p, strategy);
-        let mine = rank_main(&problem, &cfg, &CpuBackend, &comm)?;
+    for &strategy in strategies {
+        let cfg = run.run_config(p, strategy);
+        let mine = rank_main(&problem, &cfg, &CpuBackend, comm)?;
         // Rank 0 needs every rank's output (to check they agree) and byte counts.
         let mut o = vec![0f32; mine.output.o.len() * p];
         comm.all_gather(&mine.output.o, &mut o)?;
@@ -277,37 +401,22 @@ fn mpi_rows(a: &AttentionArgs, spec: &WorkloadSpec, backend: &str) -> Result<Opt
                     output,
                     kv_bytes: word(0),
                     comm_bytes_per_step: word(1),
+                    chosen: mine.chosen,
                 }
             })
             .collect();
         rows.push(Row::from_report(
-            a,
+            run,
+            spec,
+            seq_len,
+            strategy,
             report(&cfg, results, oracle.as_deref()),
         ));
     }
     Ok((comm.rank() == 0).then_some(rows))
 }
 
-#[cfg(not(feature = "mpi"))]
-fn mpi_rows(_: &AttentionArgs, _: &WorkloadSpec, _: &str) -> Result<Option<Vec<Row>>> {
-    bail!("this canopy was built without MPI; rebuild with `cargo build --release -p canopy-cli --features mpi` (needs OpenMPI and libclang)")
-}
-
-/// Tree and ring over GPUs 0..ranks with NCCL, KV generated on each GPU, against the f64
-/// oracle regenerated on the CPU.
-fn cuda_rows(a: &AttentionArgs, spec: &WorkloadSpec) -> Result<Vec<Row>> {
-    let mut rows = Vec::new();
-    for strategy in strategies(a.strategy, &a.collective)? {
-        let cfg = a.distributed_config(a.ranks(), strategy, spec);
-        rows.push(Row::from_distributed(
-            a,
-            canopy_cuda::distributed::run(&cfg)?,
-        ));
-    }
-    Ok(rows)
-}
-
-fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> {
+pub fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> {
     let collectives: Vec<MergeCollective> = if collective == "all" {
         MergeCollective::ALL.to_vec()
     } else {
@@ -325,28 +434,28 @@ fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> {
     })
 }
 
-impl AttentionArgs {
-    fn ranks(&self) -> usize {
-        self.ranks.unwrap_or(4)
-    }
-
+impl RunArgs {
     /// The configuration for `ranks` GPUs running `strategy` with NCCL.
     fn distributed_config(
         &self,
         ranks: usize,
         strategy: Strategy,
         spec: &WorkloadSpec,
+        seq_len: u32,
     ) -> canopy_cuda::distributed::DistributedConfig {
         canopy_cuda::distributed::DistributedConfig {
             ranks,
             strategy,
             shape: spec.shape,
             dtype: spec.dtype,
-            seq_len: self.seq_len,
+            seq_len,
             batch: self.batch,
             iters: self.iters,
-            check: true,
+            check: seq_len as u64 * self.batch as u64 <= self.check_max_tokens,
             seed: self.seed,
+            virtual_nodes: self.virtual_nodes,
+            timeout: Duration::from_secs_f64(self.timeout),
+            stall_rank: self.stall_rank,
         }
     }
 
@@ -361,6 +470,7 @@ impl AttentionArgs {
             iters: self.iters,
             timeout: Duration::from_secs_f64(self.timeout),
             poison: false,
+            virtual_nodes: self.virtual_nodes,
         }
     }
 }
@@ -369,33 +479,31 @@ fn attention(a: AttentionArgs) -> Result<()> {
     if a.ranks == Some(0) {
         bail!("--ranks must be at least 1");
     }
-    let backend = resolve_backend(a.backend)?;
-    let mut spec = WorkloadSpec::load("long")?.with_overrides(Overrides {
-        seq_len: Some(a.seq_len),
-        batch: Some(a.batch),
-        prompt_len: None,
-    })?;
-    a.shape.apply(&mut spec)?;
-    let rows = match (a.launcher, backend) {
-        (Launcher::Mpi, _) => match mpi_rows(&a, &spec, backend)? {
-            Some(rows) => rows,
-            None => return Ok(()), // only rank 0 reports
-        },
-        (Launcher::Threads, "cuda") => cuda_rows(&a, &spec)?,
-        (Launcher::Threads, _) => cpu_rows(&a, &spec)?,
+    let run = &a.run;
+    let backend = resolve_backend(run.backend)?;
+    let world = World::new(run.launcher)?;
+    let ranks = match (world.mpi_size(), a.ranks) {
+        (Some(p), Some(r)) if r != p => {
+            bail!("--ranks {r} but mpirun started {p} ranks; drop --ranks or make them agree")
+        }
+        (Some(p), _) => p,
+        (None, r) => r.unwrap_or(4),
     };
-    let ranks = rows.first().map_or(a.ranks(), |r| r.ranks);
+    let spec = long_spec(run, a.seq_len)?;
+    let Some(rows) = rows(run, &world, backend, ranks, a.seq_len)? else {
+        return Ok(()); // only rank 0 reports
+    };
     let out = AttentionOutput {
         backend,
         q_heads: spec.shape.q_heads,
         kv_heads: spec.shape.kv_heads,
         head_dim: spec.shape.head_dim,
         dtype: spec.dtype,
-        method: a.method,
-        iters: a.iters,
+        method: run.method,
+        iters: run.iters,
         rows,
     };
-    if a.json {
+    if run.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
@@ -403,6 +511,12 @@ fn attention(a: AttentionArgs) -> Result<()> {
         "decode attention on {} ({} ranks): {}/{} heads x {}, {}, {} iters",
         out.backend, ranks, out.q_heads, out.kv_heads, out.head_dim, out.dtype, out.iters
     );
+    println!("{}", row_table(&out.rows).render());
+    Ok(())
+}
+
+/// The rows as a terminal table.
+pub fn row_table(rows: &[Row]) -> Table {
     let mut t = Table::new(&[
         "strategy",
         "ranks",
@@ -413,10 +527,13 @@ fn attention(a: AttentionArgs) -> Result<()> {
         "p90 ms",
         "KV/rank",
         "comm/rank",
+        "paper comm",
+        "peak mem",
+        "paper mem",
         "link GB/s",
         "rel err vs f64",
     ]);
-    for r in &out.rows {
+    for r in rows {
         t.row(vec![
             r.strategy.clone(),
             r.ranks.to_string(),
@@ -427,13 +544,15 @@ fn attention(a: AttentionArgs) -> Result<()> {
             format!("{:.3}", r.p90_ms),
             bytes(r.kv_bytes_per_rank),
             bytes(r.comm_bytes_per_rank),
+            bytes(r.paper_comm_bytes),
+            r.peak_mem_bytes.map_or("-".into(), bytes),
+            bytes(r.paper_mem_bytes),
             r.link_gbps.map_or("-".into(), |g| format!("{g:.0}")),
             r.rel_error
                 .map_or("n/a (too large)".into(), |e| format!("{e:.2e}")),
         ]);
     }
-    println!("{}", t.render());
-    Ok(())
+    t
 }
 
 #[derive(Args)]

@@ -2,6 +2,7 @@
 //!
 //! - `canopy info`: what this machine has (CPU, GPUs, driver, NVRTC, NCCL, MPI).
 //! - `canopy bench attention`: sequence-sharded decode attention, tree vs ring, on p ranks.
+//! - `canopy bench scaling`: the same over a sweep of p and N, with CSV, JSON and plots.
 //! - `canopy plan`: how each planner groups a workload's tree, and what it reads.
 //! - `canopy selftest`: the backend conformance suite against the f64 oracle.
 //!
@@ -12,6 +13,8 @@ mod bench;
 mod info;
 mod kernel_bench;
 mod plan_cmd;
+mod plot;
+mod scaling;
 mod table;
 
 use clap::{Parser, Subcommand};

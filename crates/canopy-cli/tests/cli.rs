@@ -76,7 +76,7 @@ fn bench_attention_matches_the_oracle_for_every_strategy() {
         "--json",
     ]);
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 4, "three tree collectives and ring");
+    assert_eq!(rows.len(), 6, "five tree collectives and ring");
     for r in rows {
         let err = r["rel_error"].as_f64().unwrap();
         assert!(err < 1e-2, "{}: {err}", r["strategy"]);
@@ -88,6 +88,81 @@ fn bench_attention_matches_the_oracle_for_every_strategy() {
         2 * 1000 * 16 * 128 * 2 * 2,
         "(p-1) shards of K and V"
     );
+}
+
+#[test]
+fn bench_scaling_writes_csv_json_and_a_plot_and_redraws_from_json() {
+    let dir = std::env::temp_dir().join(format!("canopy-scaling-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (csv, saved) = (dir.join("s.csv"), dir.join("s.json"));
+    let args = [
+        "bench",
+        "scaling",
+        "--backend",
+        "cpu",
+        "--ranks",
+        "1,2,4",
+        "--seq-lens",
+        "1024,4096",
+        "--collective",
+        "allreduce2,hierarchical",
+        "--virtual-nodes",
+        "2",
+        "--iters",
+        "1",
+    ];
+    let out = canopy()
+        .args(args)
+        .args(["--json", "--csv", csv.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(&saved, &out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(
+        rows.len(),
+        2 * 3 * 3,
+        "2 lengths x 3 rank counts x (2 tree + ring)"
+    );
+    for r in rows {
+        assert!(r["rel_error"].as_f64().unwrap() < 1e-2, "{r}");
+    }
+    // Hierarchical over 2 virtual nodes of 2 at p = 4: the leader sends more than the
+    // paper's flat all-reduce formula, and every rank still gets the exact result.
+    let h = rows
+        .iter()
+        .find(|r| r["strategy"] == "tree/hierarchical" && r["ranks"] == 4)
+        .unwrap();
+    assert!(h["comm_bytes_per_rank"].as_u64().unwrap() > 0);
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(
+        text.lines().count(),
+        1 + rows.len(),
+        "a header and one line per row"
+    );
+    assert!(text.lines().next().unwrap().contains("paper_comm_bytes"));
+    // Re-tabulate (and plot, where a font is installed) from the saved JSON, without running.
+    let font = [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    ]
+    .into_iter()
+    .any(|f| std::path::Path::new(f).exists());
+    let svg = dir.join("s.svg");
+    let mut redraw = canopy();
+    redraw.args(["bench", "scaling", "--from", saved.to_str().unwrap()]);
+    if font {
+        redraw.args(["--plot", svg.to_str().unwrap()]);
+    }
+    redraw.assert().success().stdout(contains("ring / tree"));
+    if font {
+        assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    }
 }
 
 #[test]

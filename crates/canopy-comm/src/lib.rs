@@ -157,4 +157,9 @@ pub trait Collective {
     fn barrier(&self) -> Result<()>;
     /// Traffic since the world started.
     fn traffic(&self) -> Traffic;
+    /// The host this rank runs on; ranks with the same host share a node. Threads of one
+    /// process all share one.
+    fn host_name(&self) -> Result<String> {
+        Ok("localhost".into())
+    }
 }

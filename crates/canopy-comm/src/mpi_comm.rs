@@ -82,6 +82,11 @@ impl Drop for MpiComm {
 }
 
 impl Collective for MpiComm {
+    fn host_name(&self) -> Result<String> {
+        mpi::environment::processor_name()
+            .map_err(|e| CommError::Mpi(format!("MPI_Get_processor_name failed: {e:?}")))
+    }
+
     fn rank(&self) -> usize {
         self.world.rank() as usize
     }

@@ -15,7 +15,8 @@ use canopy_comm::Collective;
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
 use canopy_engine::Backend;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -75,7 +76,12 @@ pub struct CudaBackend {
     page_size: Option<u32>,
     waves: u32,
     max_ctas_per_sm: Option<u32>,
+    /// Free device memory when the backend was created.
+    free_at_start: usize,
 }
+
+/// Warm-up steps [`CudaBackend::time_ms`] runs before it times.
+pub const WARMUP_STEPS: usize = 3;
 
 /// Device KV: K and V bytes and, when paged, the page table.
 pub struct CudaKv {
@@ -161,7 +167,9 @@ impl CudaBackend {
         let stream = ctx.new_stream().ctx("cuStreamCreate")?;
         let gpu = GpuInfo::read(&ctx)?;
         let arch = arch_for(gpu.compute_capability);
+        let (free_at_start, _) = ctx.mem_get_info().ctx("cuMemGetInfo")?;
         Ok(CudaBackend {
+            free_at_start,
             ctx,
             stream,
             gpu,
@@ -343,9 +351,19 @@ impl CudaBackend {
 
     /// Runs `f` `iters` times after three warm-ups, timing each run with CUDA events. All runs
     /// are enqueued before any is waited for, so the GPU never idles on the host's launches.
-    pub fn time_ms(&self, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    pub fn time_ms(&self, iters: usize, f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        self.time_ms_until(iters, |e| e.synchronize().ctx("cuEventSynchronize"), f)
+    }
+
+    /// [`time_ms`](Self::time_ms), waiting for the last event with `wait` (a watchdog).
+    pub fn time_ms_until(
+        &self,
+        iters: usize,
+        wait: impl Fn(&CudaEvent) -> Result<()>,
+        mut f: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-        for _ in 0..3 {
+        for _ in 0..WARMUP_STEPS {
             f()?;
         }
         let mut events = Vec::with_capacity(iters);
@@ -361,10 +379,20 @@ impl CudaBackend {
                 .ctx("cuEventRecord")?;
             events.push((start, end));
         }
+        if let Some((_, last)) = events.last() {
+            wait(last)?;
+        }
         events
             .iter()
             .map(|(s, e)| Ok(s.elapsed_ms(e).ctx("cuEventElapsedTime")? as f64))
             .collect()
+    }
+
+    /// Device memory in use on this GPU beyond what was in use when the backend was created
+    /// (buffers, NCCL's, and the kernels'): this rank's footprint while its buffers live.
+    pub fn device_bytes_in_use(&self) -> Result<u64> {
+        let (free, _) = self.ctx.mem_get_info().ctx("cuMemGetInfo")?;
+        Ok(self.free_at_start.saturating_sub(free) as u64)
     }
 
     /// Physical byte ranges holding logical tokens `start..start + n`, in logical order.

@@ -8,7 +8,12 @@
 //!    - `allreduce3` (the paper's Algorithm 3): MAX of lse, then SUM of the numerator and SUM of
 //!      the denominator;
 //!    - `allreduce2`: MAX, then one SUM of numerator and denominator packed together;
-//!    - `allgather`: one all-gather of (o, lse) and a fold in rank order.
+//!    - `allgather`: one all-gather of (o, lse) and a fold in rank order;
+//!    - `hierarchical`: MAX and a reduce inside each node, the fused all-reduce among node
+//!      leaders only, then a broadcast inside each node (sub-communicators per node and for
+//!      the leaders);
+//!    - `auto`: one of these, chosen by the cost model after timing this world's all-reduce
+//!      and all-gather at the merge's sizes.
 //!
 //! The ring baseline: KV shards travel around the ring with NCCL send/recv (grouped, so the
 //! send to the next rank and the receive from the previous one proceed together) on a second
@@ -18,28 +23,41 @@
 //! every rank ends with the full result, as in tree decoding.
 //!
 //! Every rank ends with the exact output. Timings are CUDA events on rank 0's compute stream
-//! around whole steps, with every step enqueued before any is waited on.
+//! around whole steps, with every step enqueued before any is waited on. Every wait goes
+//! through a [`Watchdog`]: a dead or stalled peer ends each rank within `timeout` with an error
+//! naming the rank and the NCCL call, never a hang.
 
-use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel};
+use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel, WARMUP_STEPS};
 use crate::error::{CudaError, DriverContext, Result};
+use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
 use canopy_core::data::{hashed_queries, HashedKv};
 use canopy_core::stats::{median, quantile};
 use canopy_core::{
-    plan, reference_attention, relative_error, shard_tree, AttnShape, DType, Method, Overrides,
-    PlannerConfig, TreeView, WorkloadSpec,
+    plan, reference_attention, relative_error, shard_tree, AttnShape, DType, KvTree, Method,
+    Overrides, PlannerConfig, Shard, TreeView, WorkloadSpec,
 };
-use canopy_engine::{ring_buffers, Backend, MergeCollective, Strategy};
+use canopy_engine::cost::{CallKind, CostModel, PaperModel};
+use canopy_engine::{ring_buffers, Backend, MergeCollective, NodeLayout, Strategy};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nccl::{Comm, Id, ReduceOp};
+use cudarc::nccl::Id;
 use serde::Serialize;
+use std::time::Duration;
 
-/// Rank 0's step timings (ms), final outputs and (ring) measured link bandwidth in bytes per
-/// second; other ranks return `None`.
-type RankOutcome = canopy_engine::Result<Option<(Vec<f64>, Vec<f32>, Option<f64>)>>;
+/// What one rank reports: rank 0 also its step timings (ms), outputs and (ring) the link
+/// bandwidth measured alone, in bytes sent per second.
+struct RankOutput {
+    rank0: Option<(Vec<f64>, Vec<f32>, Option<f64>)>,
+    peak_bytes: u64,
+    wire_bytes_per_step: u64,
+    chosen: Option<MergeCollective>,
+}
+
+type RankOutcome = canopy_engine::Result<RankOutput>;
 
 /// One measured configuration of distributed decoding.
 #[derive(Debug, Clone, Serialize)]
 pub struct DistributedReport {
+    /// `tree/<collective>` or `ring`; `tree/auto (<chosen>)` when the cost model chose.
     pub strategy: String,
     pub ranks: usize,
     pub seq_len: u32,
@@ -49,8 +67,15 @@ pub struct DistributedReport {
     pub p90_ms: f64,
     /// Largest shard's K and V bytes.
     pub kv_bytes_per_rank: u64,
-    /// Bytes each rank sends per step (tree: by NCCL's ring formulas; ring: the KV shards).
+    /// Bytes the busiest rank sent per step, counted at each NCCL call (ring-algorithm volumes
+    /// for collectives, the buffer for send).
     pub comm_bytes_per_rank: u64,
+    /// The paper's analytic bytes per rank and step, for comparison.
+    pub paper_comm_bytes: u64,
+    /// Device memory the busiest rank used (cuMemGetInfo, everything canopy and NCCL allocated).
+    pub peak_mem_bytes: u64,
+    /// The paper's analytic per-rank memory.
+    pub paper_mem_bytes: u64,
     /// Ring: the NCCL send/recv bandwidth per rank measured alone on the same buffers
     /// (bytes sent per second), the ring's floor is `comm_bytes_per_rank / link`.
     pub link_gbps: Option<f64>,
@@ -69,27 +94,17 @@ pub struct DistributedConfig {
     pub iters: usize,
     pub check: bool,
     pub seed: u64,
-}
-
-fn nccl(context: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> CudaError + '_ {
-    move |e| CudaError::Unsupported(format!("NCCL {context} failed: {e:?}"))
-}
-
-/// Bytes one rank sends per step for the merge of `cells` states of dimension `d`.
-fn merge_traffic(how: MergeCollective, ranks: usize, cells: u64, d: u64) -> u64 {
-    let p = ranks as u64;
-    let all_reduce = |bytes: u64| 2 * (p - 1) * bytes / p;
-    match how {
-        MergeCollective::Allreduce3 => all_reduce(cells * 4) * 2 + all_reduce(cells * d * 4),
-        MergeCollective::Allreduce2 => all_reduce(cells * 4) + all_reduce(cells * (d + 1) * 4),
-        MergeCollective::Allgather => (p - 1) * cells * (d + 1) * 4,
-    }
+    /// Cut the ranks into this many virtual nodes for `hierarchical` (default: hosts).
+    pub virtual_nodes: Option<usize>,
+    /// How long a rank waits for a step before its watchdog aborts the communicators.
+    pub timeout: Duration,
+    /// Fault injection (tests of the watchdog): this rank stops before its first step, as if
+    /// it had died.
+    pub stall_rank: Option<usize>,
 }
 
 /// The problem every rank derives from `cfg`: the tree and its shards.
-fn problem(
-    cfg: &DistributedConfig,
-) -> canopy_engine::Result<(canopy_core::KvTree, Vec<canopy_core::Shard>)> {
+fn problem(cfg: &DistributedConfig) -> canopy_engine::Result<(KvTree, Vec<Shard>)> {
     let spec = WorkloadSpec::load("long")?.with_overrides(Overrides {
         seq_len: Some(cfg.seq_len),
         batch: Some(cfg.batch),
@@ -119,14 +134,87 @@ fn check_machine(cfg: &DistributedConfig, gpus_needed: usize) -> canopy_engine::
     Ok(())
 }
 
-/// One rank on GPU `gpu`: joins the NCCL communicator `id` and runs the strategy.
+/// The NCCL unique ids of one run: the world, each node, and the node leaders.
+#[derive(Clone)]
+struct CommIds {
+    world: Id,
+    nodes: Vec<Id>,
+    leaders: Id,
+}
+
+impl CommIds {
+    fn new(nodes: usize) -> Result<CommIds> {
+        let id = || Id::new().map_err(|e| nccl_error("ncclGetUniqueId", e));
+        Ok(CommIds {
+            world: id()?,
+            nodes: (0..nodes).map(|_| id()).collect::<Result<_>>()?,
+            leaders: id()?,
+        })
+    }
+
+    #[cfg(feature = "mpi")]
+    fn to_bytes(&self) -> Vec<u8> {
+        std::iter::once(&self.world)
+            .chain(&self.nodes)
+            .chain([&self.leaders])
+            .flat_map(|id| id.internal().iter().map(|&c| c as u8))
+            .collect()
+    }
+
+    #[cfg(feature = "mpi")]
+    fn from_bytes(bytes: &[u8]) -> CommIds {
+        let mut ids: Vec<Id> = bytes
+            .chunks(128)
+            .map(|c| Id::uninit(std::array::from_fn(|i| c[i] as std::ffi::c_char)))
+            .collect();
+        let leaders = ids.pop().expect("a leaders id");
+        let world = ids.remove(0);
+        CommIds {
+            world,
+            nodes: ids,
+            leaders,
+        }
+    }
+}
+
+fn nccl_error(call: &'static str, e: cudarc::nccl::result::NcclError) -> CudaError {
+    CudaError::Nccl {
+        rank: 0,
+        call,
+        detail: format!("{:?}", e.0),
+    }
+}
+
+/// A rank's communicators: the world's, and for the hierarchical merge its node's and (on
+/// leaders) the leaders'.
+struct RankComms {
+    world: NcclComm,
+    node: Option<NcclComm>,
+    leaders: Option<NcclComm>,
+}
+
+impl RankComms {
+    fn all(&self) -> Vec<&NcclComm> {
+        std::iter::once(&self.world)
+            .chain(&self.node)
+            .chain(&self.leaders)
+            .collect()
+    }
+
+    fn wire_bytes(&self) -> u64 {
+        self.all().iter().map(|c| c.wire_bytes()).sum()
+    }
+}
+
+/// One rank on GPU `gpu`: joins the communicators and runs the strategy.
 fn rank_body(
     cfg: &DistributedConfig,
     rank: usize,
     gpu: usize,
-    id: Id,
-    tree: &canopy_core::KvTree,
-    shards: &[canopy_core::Shard],
+    ids: &CommIds,
+    layout: &NodeLayout,
+    tree: &KvTree,
+    shards: &[Shard],
 ) -> RankOutcome {
     let backend = CudaBackend::new(gpu)?;
     // The tree's collectives run in order on the compute stream; the ring's transfers run on
@@ -139,11 +227,43 @@ fn rank_body(
             .new_stream()
             .ctx("cuStreamCreate")?,
     };
-    let comm =
-        Comm::from_rank(comm_stream, rank, cfg.ranks, id).map_err(nccl("ncclCommInitRank"))?;
+    let world = NcclComm::new(comm_stream, rank, cfg.ranks, &ids.world)?;
+    let (node, leaders) = if cfg.strategy == Strategy::Tree(MergeCollective::Hierarchical) {
+        let n = layout.node_of(rank);
+        let members = layout.members(n);
+        let local = members.iter().position(|&r| r == rank).expect("a member");
+        let stream = backend.stream().clone();
+        let node = NcclComm::new(stream.clone(), local, members.len(), &ids.nodes[n])?;
+        let leaders = match layout.leaders().iter().position(|&l| l == rank) {
+            Some(i) => Some(NcclComm::new(stream, i, layout.nodes(), &ids.leaders)?),
+            None => None,
+        };
+        (Some(node), leaders)
+    } else {
+        (None, None)
+    };
+    let comms = RankComms {
+        world,
+        node,
+        leaders,
+    };
+    if cfg.stall_rank == Some(rank) {
+        return Err(CudaError::Unsupported(format!(
+            "rank {rank}: stopped before its first step (fault injected with --stall-rank)"
+        ))
+        .into());
+    }
     match cfg.strategy {
-        Strategy::Tree(how) => rank_steps(&backend, &comm, cfg, how, tree, &shards[rank]),
-        Strategy::Ring => ring_steps(&backend, &comm, cfg, tree, shards),
+        Strategy::Tree(how) => rank_steps(&backend, &comms, cfg, how, layout, tree, &shards[rank]),
+        Strategy::Ring => ring_steps(&backend, &comms.world, cfg, tree, shards),
+    }
+}
+
+/// The node layout of a single-process run: one host, or the requested virtual nodes.
+fn local_layout(cfg: &DistributedConfig) -> canopy_engine::Result<NodeLayout> {
+    match cfg.virtual_nodes {
+        Some(k) => NodeLayout::virtual_nodes(cfg.ranks, k),
+        None => Ok(NodeLayout::single(cfg.ranks)),
     }
 }
 
@@ -151,12 +271,13 @@ fn rank_body(
 pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> {
     check_machine(cfg, cfg.ranks)?;
     let (tree, shards) = problem(cfg)?;
-    let id = Id::new().map_err(nccl("ncclGetUniqueId"))?;
+    let layout = local_layout(cfg)?;
+    let ids = CommIds::new(layout.nodes())?;
     let results: Vec<RankOutcome> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..cfg.ranks)
             .map(|rank| {
-                let (tree, shards) = (&tree, &shards);
-                scope.spawn(move || rank_body(cfg, rank, rank, id, tree, shards))
+                let (tree, shards, ids, layout) = (&tree, &shards, &ids, &layout);
+                scope.spawn(move || rank_body(cfg, rank, rank, ids, layout, tree, shards))
             })
             .collect();
         handles
@@ -164,58 +285,68 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
             .map(|h| h.join().expect("a rank thread panicked"))
             .collect()
     });
-    let mut rank0 = None;
-    for r in results {
-        if let Some(t) = r? {
-            rank0 = Some(t);
-        }
-    }
-    Ok(finish(cfg, &tree, &shards, rank0.expect("rank 0 reports")))
+    let outputs = results
+        .into_iter()
+        .collect::<canopy_engine::Result<Vec<_>>>()?;
+    let peak = outputs.iter().map(|o| o.peak_bytes).max().unwrap_or(0);
+    let wire = outputs
+        .iter()
+        .map(|o| o.wire_bytes_per_step)
+        .max()
+        .unwrap_or(0);
+    let rank0 = outputs.into_iter().next().expect("rank 0 reports");
+    Ok(finish(cfg, &tree, &shards, rank0, peak, wire))
 }
 
 /// One process per GPU under mpirun/srun: this process is rank `comm.rank()` of `cfg.ranks`
-/// (the MPI world size) and drives the GPU of its node-local rank; rank 0's NCCL id reaches
-/// every rank over MPI. Rank 0 returns the report.
+/// (the MPI world size) and drives the GPU of its node-local rank; rank 0's NCCL ids reach
+/// every rank over MPI, and nodes are the ranks' hosts (or `cfg.virtual_nodes`). Rank 0
+/// returns the report.
 #[cfg(feature = "mpi")]
 pub fn run_mpi(
     cfg: &DistributedConfig,
     comm: &canopy_comm::MpiComm,
 ) -> canopy_engine::Result<Option<DistributedReport>> {
-    use canopy_comm::Collective;
+    use canopy_comm::{Collective, ReduceOp};
     let local = comm.local_rank();
     check_machine(cfg, local + 1)?;
     let (tree, shards) = problem(cfg)?;
-    let mine = if comm.rank() == 0 {
-        Some(Id::new().map_err(nccl("ncclGetUniqueId"))?)
+    let layout = canopy_engine::strategy::node_layout(comm, cfg.virtual_nodes)?;
+    let bytes = if comm.rank() == 0 {
+        CommIds::new(layout.nodes())?.to_bytes()
     } else {
-        None
+        vec![0u8; 128 * (layout.nodes() + 2)]
     };
-    let bytes: Vec<u8> = mine.map_or(vec![0u8; 128], |id| {
-        id.internal().iter().map(|&c| c as u8).collect()
-    });
-    let mut all = vec![0u8; 128 * comm.size()];
+    let mut all = vec![0u8; bytes.len() * comm.size()];
     comm.all_gather(&bytes, &mut all)?;
-    let internal: [std::ffi::c_char; 128] = std::array::from_fn(|i| all[i] as std::ffi::c_char);
-    let outcome = rank_body(
+    let ids = CommIds::from_bytes(&all[..bytes.len()]);
+    let out = rank_body(cfg, comm.rank(), local, &ids, &layout, &tree, &shards)?;
+    let mut most = [out.peak_bytes as f32, out.wire_bytes_per_step as f32];
+    comm.all_reduce(&mut most[..], ReduceOp::Max)?;
+    comm.barrier()?;
+    if comm.rank() != 0 {
+        return Ok(None);
+    }
+    Ok(Some(finish(
         cfg,
-        comm.rank(),
-        local,
-        Id::uninit(internal),
         &tree,
         &shards,
-    )?;
-    comm.barrier()?;
-    Ok(outcome.map(|rank0| finish(cfg, &tree, &shards, rank0)))
+        out,
+        most[0] as u64,
+        most[1] as u64,
+    )))
 }
 
 /// Rank 0's timings and output, checked against the oracle, as a report.
 fn finish(
     cfg: &DistributedConfig,
-    tree: &canopy_core::KvTree,
-    shards: &[canopy_core::Shard],
-    rank0: (Vec<f64>, Vec<f32>, Option<f64>),
+    tree: &KvTree,
+    shards: &[Shard],
+    rank0: RankOutput,
+    peak_mem_bytes: u64,
+    comm_bytes_per_rank: u64,
 ) -> DistributedReport {
-    let (times, out, link) = rank0;
+    let (times, out, link) = rank0.rank0.expect("rank 0 reports its timings");
     let rel_error = cfg.check.then(|| {
         let q = hashed_queries(&cfg.shape, cfg.dtype, tree.num_queries(), cfg.seed);
         let kv = HashedKv {
@@ -227,30 +358,31 @@ fn finish(
     });
     let cells = (tree.num_queries() * cfg.shape.q_heads) as u64;
     let token_bytes = 2 * cfg.shape.kv_token_bytes(cfg.dtype) as u64;
-    let comm_bytes_per_rank = match cfg.strategy {
-        _ if cfg.ranks == 1 => 0,
-        Strategy::Tree(how) => merge_traffic(how, cfg.ranks, cells, cfg.shape.head_dim as u64),
-        // Rank r sends every shard but the one before it: the (p - 1) largest is the bound.
-        Strategy::Ring => {
-            let mut sizes: Vec<u64> = shards
-                .iter()
-                .map(|s| s.tokens() as u64 * token_bytes)
-                .collect();
-            sizes.sort_unstable();
-            sizes[1..].iter().sum()
+    let kv_bytes_per_rank =
+        shards.iter().map(|s| s.tokens() as u64).max().unwrap_or(0) * token_bytes;
+    let p = cfg.ranks as u64;
+    let paper = match cfg.strategy {
+        Strategy::Tree(_) => {
+            PaperModel::tree(p, cells, cfg.shape.head_dim as u64, kv_bytes_per_rank)
         }
+        Strategy::Ring => PaperModel::ring(p, kv_bytes_per_rank),
     };
     DistributedReport {
-        strategy: cfg.strategy.name(),
+        strategy: match rank0.chosen {
+            Some(c) => format!("{} ({})", cfg.strategy.name(), c.name()),
+            None => cfg.strategy.name(),
+        },
         ranks: cfg.ranks,
         seq_len: cfg.seq_len,
         batch: cfg.batch,
         median_ms: median(&times),
         p10_ms: quantile(&times, 0.1),
         p90_ms: quantile(&times, 0.9),
-        kv_bytes_per_rank: shards.iter().map(|s| s.tokens() as u64).max().unwrap_or(0)
-            * token_bytes,
+        kv_bytes_per_rank,
         comm_bytes_per_rank,
+        paper_comm_bytes: paper.comm_bytes,
+        peak_mem_bytes,
+        paper_mem_bytes: paper.memory_bytes,
         link_gbps: link.map(|bps| bps / 1e9),
         rel_error,
     }
@@ -260,7 +392,7 @@ fn finish(
 fn load_shard(
     backend: &CudaBackend,
     cfg: &DistributedConfig,
-    shard: &canopy_core::Shard,
+    shard: &Shard,
     capacity: usize,
 ) -> Result<CudaKv> {
     let mut kv = backend.alloc_kv(&cfg.shape, cfg.dtype, capacity)?;
@@ -278,8 +410,8 @@ fn load_shard(
 fn shard_plan(
     backend: &CudaBackend,
     cfg: &DistributedConfig,
-    tree: &canopy_core::KvTree,
-    shard: &canopy_core::Shard,
+    tree: &KvTree,
+    shard: &Shard,
 ) -> canopy_engine::Result<CudaPlan> {
     let single = PlannerConfig {
         q_guided_chunk: u32::MAX,
@@ -294,14 +426,20 @@ fn shard_plan(
     backend.upload_plan(&cfg.shape, &local)
 }
 
+/// Wire bytes per timed step, from the counters before and after `time_ms_until`.
+fn per_step(before: u64, after: u64, iters: usize) -> u64 {
+    (after - before) / (WARMUP_STEPS + iters) as u64
+}
+
 /// One tree rank: load its shard, then time `cfg.iters` decode steps.
 fn rank_steps(
     backend: &CudaBackend,
-    comm: &Comm,
+    comms: &RankComms,
     cfg: &DistributedConfig,
     how: MergeCollective,
-    tree: &canopy_core::KvTree,
-    shard: &canopy_core::Shard,
+    layout: &NodeLayout,
+    tree: &KvTree,
+    shard: &Shard,
 ) -> RankOutcome {
     let shape = &cfg.shape;
     let kv = load_shard(backend, cfg, shard, shard.tokens() as usize)?;
@@ -312,27 +450,47 @@ fn rank_steps(
     let dplan = shard_plan(backend, cfg, tree, shard)?;
     let mut partials = backend.alloc_partials(shape, &dplan)?;
     let mut out = backend.alloc_states(shape, tree.num_queries())?;
-    let mut merge = DeviceMerge::new(
-        backend,
-        tree.num_queries() * shape.q_heads,
-        shape.head_dim,
-        cfg.ranks,
+    let cells = tree.num_queries() * shape.q_heads;
+    let mut merge = DeviceMerge::new(backend, cells, shape.head_dim, cfg.ranks)?;
+    let watchdog = Watchdog {
+        timeout: cfg.timeout,
+    };
+    let (how, chosen) = match how {
+        MergeCollective::Auto => {
+            let model = merge.calibrate(backend, &comms.world, &watchdog)?;
+            let pick = model.choose(layout, cells as u64, shape.head_dim as u64);
+            (pick, Some(pick))
+        }
+        how => (how, None),
+    };
+    let before = comms.wire_bytes();
+    let times = backend.time_ms_until(
+        cfg.iters,
+        |e| watchdog.wait(e, &comms.all()),
+        || {
+            backend.run_plan(&kv, &q, &dplan, &mut partials)?;
+            backend.merge(&partials, &dplan, &mut out)?;
+            merge.run(backend, comms, how, &mut out.o, &mut out.lse)
+        },
     )?;
-    let times = backend.time_ms(cfg.iters, || {
-        backend.run_plan(&kv, &q, &dplan, &mut partials)?;
-        backend.merge(&partials, &dplan, &mut out)?;
-        merge.run(backend, comm, how, &mut out.o, &mut out.lse)
-    })?;
-    if comm.rank() != 0 {
-        return Ok(None);
-    }
-    Ok(Some((times, backend.download(&out)?.o, None)))
+    let wire_bytes_per_step = per_step(before, comms.wire_bytes(), cfg.iters);
+    let peak_bytes = backend.device_bytes_in_use()?;
+    let rank0 = match comms.world.rank() {
+        0 => Some((times, backend.download(&out)?.o, None)),
+        _ => None,
+    };
+    Ok(RankOutput {
+        rank0,
+        peak_bytes,
+        wire_bytes_per_step,
+        chosen,
+    })
 }
 
 /// Sends the first `tokens` tokens of `from` to `next` and receives `recv_tokens` tokens from
 /// `prev` into `into`, as one NCCL group on the communicator's stream.
 fn exchange(
-    comm: &Comm,
+    comm: &NcclComm,
     from: &CudaKv,
     tokens: usize,
     into: &mut CudaKv,
@@ -341,17 +499,12 @@ fn exchange(
     prev: usize,
 ) -> Result<()> {
     let (sb, rb) = (from.bytes_of(tokens), into.bytes_of(recv_tokens));
-    cudarc::nccl::result::group_start().map_err(nccl("ncclGroupStart"))?;
-    comm.send(&from.k.slice(0..sb), next as i32)
-        .map_err(nccl("send(K)"))?;
-    comm.send(&from.v.slice(0..sb), next as i32)
-        .map_err(nccl("send(V)"))?;
-    comm.recv(&mut into.k.slice_mut(0..rb), prev as i32)
-        .map_err(nccl("recv(K)"))?;
-    comm.recv(&mut into.v.slice_mut(0..rb), prev as i32)
-        .map_err(nccl("recv(V)"))?;
-    cudarc::nccl::result::group_end().map_err(nccl("ncclGroupEnd"))?;
-    Ok(())
+    group(comm.rank(), || {
+        comm.send("send(K)", &from.k.slice(0..sb), next)?;
+        comm.send("send(V)", &from.v.slice(0..sb), next)?;
+        comm.recv("recv(K)", &mut into.k.slice_mut(0..rb), prev)?;
+        comm.recv("recv(V)", &mut into.v.slice_mut(0..rb), prev)
+    })
 }
 
 fn record(stream: &CudaStream) -> Result<cudarc::driver::CudaEvent> {
@@ -362,10 +515,10 @@ fn record(stream: &CudaStream) -> Result<cudarc::driver::CudaEvent> {
 /// arrived, while the next shard travels; then the NCCL exchange alone, for the link bandwidth.
 fn ring_steps(
     backend: &CudaBackend,
-    comm: &Comm,
+    comm: &NcclComm,
     cfg: &DistributedConfig,
-    tree: &canopy_core::KvTree,
-    shards: &[canopy_core::Shard],
+    tree: &KvTree,
+    shards: &[Shard],
 ) -> RankOutcome {
     let shape = &cfg.shape;
     let (rank, p) = (comm.rank(), cfg.ranks);
@@ -397,53 +550,64 @@ fn ring_steps(
     let d = shape.head_dim as u32;
     let pair = backend.function(Kernel::Combine("combine_pair"))?;
     let (compute, transfer) = (backend.stream(), comm.stream());
-    let times = backend.time_ms(cfg.iters, || {
-        // `ready`: everything the compute stream has read so far; a buffer is received into
-        // only after it, and a kernel reads a buffer only after its arrival event.
-        let mut ready = record(compute)?;
-        for s in 0..p {
-            let src = (rank + p - s) % p;
-            let (cur, spare) = ring_buffers(s, &own, &mut bufs);
-            let arrived = if s + 1 < p {
-                transfer.wait(&ready).ctx("cuStreamWaitEvent")?;
-                exchange(
-                    comm,
-                    cur,
-                    tokens[src],
-                    spare,
-                    tokens[(src + p - 1) % p],
-                    next,
-                    prev,
-                )?;
-                Some(record(&transfer)?)
-            } else {
-                None
-            };
-            let out = if s == 0 { &mut acc } else { &mut tmp };
-            backend.run_plan(cur, &q, &plans[src], &mut partials[src])?;
-            backend.merge(&partials[src], &plans[src], out)?;
-            if s > 0 {
-                let mut b = compute.launch_builder(&pair);
-                b.arg(&mut acc.o)
-                    .arg(&mut acc.lse)
-                    .arg(&tmp.o)
-                    .arg(&tmp.lse)
-                    .arg(&d);
-                let grid = LaunchConfig {
-                    grid_dim: (cells.max(1), 1, 1),
-                    block_dim: (d.min(128), 1, 1),
-                    shared_mem_bytes: 0,
+    let watchdog = Watchdog {
+        timeout: cfg.timeout,
+    };
+    let before = comm.wire_bytes();
+    let times = backend.time_ms_until(
+        cfg.iters,
+        |e| watchdog.wait(e, &[comm]),
+        || {
+            // `ready`: everything the compute stream has read so far; a buffer is received into
+            // only after it, and a kernel reads a buffer only after its arrival event.
+            let mut ready = record(compute)?;
+            for s in 0..p {
+                let src = (rank + p - s) % p;
+                let (cur, spare) = ring_buffers(s, &own, &mut bufs);
+                let arrived = if s + 1 < p {
+                    transfer.wait(&ready).ctx("cuStreamWaitEvent")?;
+                    exchange(
+                        comm,
+                        cur,
+                        tokens[src],
+                        spare,
+                        tokens[(src + p - 1) % p],
+                        next,
+                        prev,
+                    )?;
+                    Some(record(transfer)?)
+                } else {
+                    None
                 };
-                // SAFETY: one block per cell; reads and writes cells × d outputs and cells lse.
-                unsafe { b.launch(grid) }.ctx("launching combine_pair")?;
+                let out = if s == 0 { &mut acc } else { &mut tmp };
+                backend.run_plan(cur, &q, &plans[src], &mut partials[src])?;
+                backend.merge(&partials[src], &plans[src], out)?;
+                if s > 0 {
+                    let mut b = compute.launch_builder(&pair);
+                    b.arg(&mut acc.o)
+                        .arg(&mut acc.lse)
+                        .arg(&tmp.o)
+                        .arg(&tmp.lse)
+                        .arg(&d);
+                    let grid = LaunchConfig {
+                        grid_dim: (cells.max(1), 1, 1),
+                        block_dim: (d.min(128), 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: one block per cell; reads and writes cells × d outputs and cells
+                    // lse.
+                    unsafe { b.launch(grid) }.ctx("launching combine_pair")?;
+                }
+                ready = record(compute)?;
+                if let Some(ev) = arrived {
+                    compute.wait(&ev).ctx("cuStreamWaitEvent")?;
+                }
             }
-            ready = record(compute)?;
-            if let Some(ev) = arrived {
-                compute.wait(&ev).ctx("cuStreamWaitEvent")?;
-            }
-        }
-        Ok(())
-    })?;
+            Ok(())
+        },
+    )?;
+    let wire_bytes_per_step = per_step(before, comm.wire_bytes(), cfg.iters);
+    let peak_bytes = backend.device_bytes_in_use()?;
     // The exchange alone on the same buffers: the link bandwidth the ring's floor divides by.
     let link = if p > 1 {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
@@ -470,15 +634,22 @@ fn ring_steps(
         let end = transfer
             .record_event(Some(CU_EVENT_DEFAULT))
             .ctx("cuEventRecord")?;
+        watchdog.wait(&end, &[comm])?;
         let ms = start.elapsed_ms(&end).ctx("cuEventElapsedTime")? as f64 / reps as f64;
         Some(2.0 * own.bytes_of(tokens[rank]) as f64 / (ms * 1e-3))
     } else {
         None
     };
-    if rank != 0 {
-        return Ok(None);
-    }
-    Ok(Some((times, backend.download(&acc)?.o, link)))
+    let rank0 = match rank {
+        0 => Some((times, backend.download(&acc)?.o, link)),
+        _ => None,
+    };
+    Ok(RankOutput {
+        rank0,
+        peak_bytes,
+        wire_bytes_per_step,
+        chosen: None,
+    })
 }
 
 /// Device buffers and launches of the cross-rank merge.
@@ -517,11 +688,153 @@ impl DeviceMerge {
         }
     }
 
+    /// Times this world's all-reduce and all-gather at the merge's two payload sizes and fits
+    /// the cost model; every rank takes the slowest rank's timings, so all choose alike.
+    fn calibrate(
+        &mut self,
+        backend: &CudaBackend,
+        world: &NcclComm,
+        watchdog: &Watchdog,
+    ) -> Result<CostModel> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        const REPS: usize = 20;
+        let stream = backend.stream();
+        let mut slowest = backend.alloc::<f32>(1)?;
+        CostModel::calibrate(
+            self.ranks,
+            self.cells as u64,
+            self.d as u64,
+            |kind, bytes| -> Result<f64> {
+                let n = (bytes / 4) as usize;
+                let mut one = || match kind {
+                    CallKind::AllGather => world.all_gather(
+                        "all_gather(calibration)",
+                        &self.packed.slice(0..n),
+                        &mut self.gathered.slice_mut(0..n * self.ranks),
+                    ),
+                    _ => world.all_reduce_in_place(
+                        "all_reduce(calibration)",
+                        &mut self.packed.slice_mut(0..n),
+                        NcclOp::Sum,
+                    ),
+                };
+                one()?;
+                let start = stream
+                    .record_event(Some(CU_EVENT_DEFAULT))
+                    .ctx("cuEventRecord")?;
+                for _ in 0..REPS {
+                    one()?;
+                }
+                let end = stream
+                    .record_event(Some(CU_EVENT_DEFAULT))
+                    .ctx("cuEventRecord")?;
+                watchdog.wait(&end, &[world])?;
+                let us = start.elapsed_ms(&end).ctx("cuEventElapsedTime")? * 1e3 / REPS as f32;
+                stream
+                    .memcpy_htod(&[us], &mut slowest)
+                    .ctx("cuMemcpyHtoD")?;
+                world.all_reduce_in_place(
+                    "all_reduce(calibration max)",
+                    &mut slowest,
+                    NcclOp::Max,
+                )?;
+                Ok(f64::from(
+                    stream.clone_dtoh(&slowest).ctx("cuMemcpyDtoH")?[0],
+                ))
+            },
+        )
+    }
+
+    /// The weights `exp(lse - max)` and weighted outputs of this rank's states into `packed`.
+    fn weights(
+        &mut self,
+        backend: &CudaBackend,
+        o: &CudaSlice<f32>,
+        lse: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let f = backend.function(Kernel::Combine("combine_weights"))?;
+        let grid = self.grid(backend);
+        let mut b = backend.stream().launch_builder(&f);
+        b.arg(o)
+            .arg(lse)
+            .arg(&self.max)
+            .arg(&mut self.packed)
+            .arg(&self.cells)
+            .arg(&self.d);
+        // SAFETY: reads cells × (d + 1) floats and writes as many into `packed`.
+        unsafe { b.launch(grid) }.ctx("launching combine_weights")?;
+        Ok(())
+    }
+
+    /// Normalised (o, lse) from the summed `packed` and `max`.
+    fn finish(
+        &self,
+        backend: &CudaBackend,
+        o: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let f = backend.function(Kernel::Combine("combine_finish"))?;
+        let mut b = backend.stream().launch_builder(&f);
+        b.arg(&self.packed)
+            .arg(&self.max)
+            .arg(o)
+            .arg(lse)
+            .arg(&self.cells)
+            .arg(&self.d);
+        // SAFETY: reads `packed` and `max`, writes cells × d outputs and cells lse.
+        unsafe { b.launch(self.grid(backend)) }.ctx("launching combine_finish")?;
+        Ok(())
+    }
+
+    /// This rank's lse into `max`, then MAX over `comm`.
+    fn max_over(
+        &mut self,
+        backend: &CudaBackend,
+        comm: &NcclComm,
+        lse: &CudaSlice<f32>,
+    ) -> Result<()> {
+        backend
+            .stream()
+            .memcpy_dtod(&lse.slice(0..self.cells as usize), &mut self.max)
+            .ctx("cuMemcpyDtoD")?;
+        comm.all_reduce_in_place("all_reduce(max)", &mut self.max, NcclOp::Max)
+    }
+
+    /// The paper's all-reduce merge over `comm`: MAX, then the numerator and denominator
+    /// summed in two calls (`fused = false`) or one.
+    fn all_reduce_merge(
+        &mut self,
+        backend: &CudaBackend,
+        comm: &NcclComm,
+        fused: bool,
+        o: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (cells, n) = (self.cells as usize, (self.cells * self.d) as usize);
+        self.max_over(backend, comm, lse)?;
+        self.weights(backend, o, lse)?;
+        if fused {
+            comm.all_reduce_in_place("all_reduce(packed)", &mut self.packed, NcclOp::Sum)?;
+        } else {
+            comm.all_reduce_in_place(
+                "all_reduce(numerator)",
+                &mut self.packed.slice_mut(0..n),
+                NcclOp::Sum,
+            )?;
+            comm.all_reduce_in_place(
+                "all_reduce(denominator)",
+                &mut self.packed.slice_mut(n..n + cells),
+                NcclOp::Sum,
+            )?;
+        }
+        self.finish(backend, o, lse)
+    }
+
     /// Replaces this rank's (o, lse) with the merge over all ranks.
     fn run(
         &mut self,
         backend: &CudaBackend,
-        comm: &Comm,
+        comms: &RankComms,
         how: MergeCollective,
         o: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
@@ -530,48 +843,13 @@ impl DeviceMerge {
             return Ok(());
         }
         let stream = backend.stream();
-        let (cells, d) = (self.cells, self.d);
-        let n = cells as usize * d as usize;
+        let (cells, n) = (self.cells as usize, (self.cells * self.d) as usize);
         match how {
-            MergeCollective::Allreduce3 | MergeCollective::Allreduce2 => {
-                stream
-                    .memcpy_dtod(&lse.slice(0..cells as usize), &mut self.max)
-                    .ctx("cuMemcpyDtoD")?;
-                comm.all_reduce_in_place(&mut self.max, &ReduceOp::Max)
-                    .map_err(nccl("all_reduce(max)"))?;
-                let grid = self.grid(backend);
-                let f = backend.function(Kernel::Combine("combine_weights"))?;
-                let mut b = stream.launch_builder(&f);
-                b.arg(&*o)
-                    .arg(&*lse)
-                    .arg(&self.max)
-                    .arg(&mut self.packed)
-                    .arg(&cells)
-                    .arg(&d);
-                // SAFETY: reads cells × (d + 1) floats and writes as many into `packed`.
-                unsafe { b.launch(grid) }.ctx("launching combine_weights")?;
-                if how == MergeCollective::Allreduce3 {
-                    comm.all_reduce_in_place(&mut self.packed.slice_mut(0..n), &ReduceOp::Sum)
-                        .map_err(nccl("all_reduce(numerator)"))?;
-                    comm.all_reduce_in_place(
-                        &mut self.packed.slice_mut(n..n + cells as usize),
-                        &ReduceOp::Sum,
-                    )
-                    .map_err(nccl("all_reduce(denominator)"))?;
-                } else {
-                    comm.all_reduce_in_place(&mut self.packed, &ReduceOp::Sum)
-                        .map_err(nccl("all_reduce(packed)"))?;
-                }
-                let f = backend.function(Kernel::Combine("combine_finish"))?;
-                let mut b = stream.launch_builder(&f);
-                b.arg(&self.packed)
-                    .arg(&self.max)
-                    .arg(&mut *o)
-                    .arg(&mut *lse)
-                    .arg(&cells)
-                    .arg(&d);
-                // SAFETY: reads `packed` and `max`, writes cells × d outputs and cells lse.
-                unsafe { b.launch(grid) }.ctx("launching combine_finish")?;
+            MergeCollective::Allreduce3 => {
+                self.all_reduce_merge(backend, &comms.world, false, o, lse)
+            }
+            MergeCollective::Allreduce2 => {
+                self.all_reduce_merge(backend, &comms.world, true, o, lse)
             }
             MergeCollective::Allgather => {
                 stream
@@ -579,12 +857,13 @@ impl DeviceMerge {
                     .ctx("cuMemcpyDtoD")?;
                 stream
                     .memcpy_dtod(
-                        &lse.slice(0..cells as usize),
-                        &mut self.packed.slice_mut(n..n + cells as usize),
+                        &lse.slice(0..cells),
+                        &mut self.packed.slice_mut(n..n + cells),
                     )
                     .ctx("cuMemcpyDtoD")?;
-                comm.all_gather(&self.packed, &mut self.gathered)
-                    .map_err(nccl("all_gather"))?;
+                comms
+                    .world
+                    .all_gather("all_gather", &self.packed, &mut self.gathered)?;
                 let ranks = self.ranks as u32;
                 let f = backend.function(Kernel::Combine("combine_gathered"))?;
                 let mut b = stream.launch_builder(&f);
@@ -592,12 +871,44 @@ impl DeviceMerge {
                     .arg(&ranks)
                     .arg(&mut *o)
                     .arg(&mut *lse)
-                    .arg(&cells)
-                    .arg(&d);
-                // SAFETY: reads ranks × cells × (d + 1) gathered floats, writes one state per cell.
+                    .arg(&self.cells)
+                    .arg(&self.d);
+                // SAFETY: reads ranks × cells × (d + 1) gathered floats, writes one state per
+                // cell.
                 unsafe { b.launch(self.grid(backend)) }.ctx("launching combine_gathered")?;
+                Ok(())
             }
+            MergeCollective::Hierarchical => {
+                let node = comms.node.as_ref().ok_or_else(|| {
+                    CudaError::Unsupported("hierarchical merge without a node communicator".into())
+                })?;
+                if node.size() > 1 {
+                    // Inside the node: MAX, then the weighted sums reduced onto the leader.
+                    self.max_over(backend, node, lse)?;
+                    self.weights(backend, o, lse)?;
+                    node.reduce_in_place("reduce(packed, node)", &mut self.packed, NcclOp::Sum, 0)?;
+                    if node.rank() == 0 {
+                        self.finish(backend, o, lse)?;
+                    }
+                }
+                if let Some(leaders) = comms.leaders.as_ref().filter(|l| l.size() > 1) {
+                    self.all_reduce_merge(backend, leaders, true, o, lse)?;
+                }
+                if node.size() > 1 {
+                    group(node.rank(), || {
+                        node.broadcast_in_place("broadcast(o, node)", &mut o.slice_mut(0..n), 0)?;
+                        node.broadcast_in_place(
+                            "broadcast(lse, node)",
+                            &mut lse.slice_mut(0..cells),
+                            0,
+                        )
+                    })?;
+                }
+                Ok(())
+            }
+            MergeCollective::Auto => Err(CudaError::Unsupported(
+                "the auto collective must be resolved before the timed steps".into(),
+            )),
         }
-        Ok(())
     }
 }

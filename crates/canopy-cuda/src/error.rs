@@ -26,6 +26,18 @@ pub enum CudaError {
     },
     #[error("{0}")]
     Unsupported(String),
+    #[error("rank {rank}: NCCL {call} failed: {detail}; check NCCL_DEBUG=WARN output, the GPUs' links, and that every rank was launched")]
+    Nccl {
+        rank: usize,
+        call: &'static str,
+        detail: String,
+    },
+    #[error("rank {rank}: watchdog: the step did not finish within {secs:.1} s, last in NCCL {call}; a peer rank probably died or stalled. The communicators were aborted (raise --timeout if the work is just slow)")]
+    Watchdog {
+        rank: usize,
+        call: &'static str,
+        secs: f64,
+    },
     /// An engine call (through the `Backend` trait) failed inside a CUDA-only routine.
     #[error(transparent)]
     Engine(Box<canopy_engine::EngineError>),

@@ -15,6 +15,7 @@ pub mod bench;
 pub mod compile;
 pub mod distributed;
 mod error;
+pub mod nccl;
 pub mod probe;
 
 pub use backend::{CudaBackend, CudaKv, CudaPlan, CudaQueries, CudaStates, KernelResources};

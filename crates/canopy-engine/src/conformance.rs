@@ -6,7 +6,7 @@
 
 use crate::backend::Backend;
 use crate::strategy::{run_threads, Problem, RunConfig, Strategy};
-use crate::{MergeCollective, Result};
+use crate::Result;
 use canopy_core::{
     random_tree, relative_error, AttnShape, DType, KvTree, Method, PlannerConfig, WorkloadSpec,
 };
@@ -80,12 +80,6 @@ where
         AttnShape::new(8, 2, 128)?,
         AttnShape::new(4, 1, 256)?,
     ];
-    let strategies = [
-        Strategy::Tree(MergeCollective::Allreduce3),
-        Strategy::Tree(MergeCollective::Allreduce2),
-        Strategy::Tree(MergeCollective::Allgather),
-        Strategy::Ring,
-    ];
     let mut out = Vec::new();
     for (t, (tree_name, tree)) in suite_trees(seed, random_cases).into_iter().enumerate() {
         let shape = shapes[t % shapes.len()];
@@ -94,7 +88,7 @@ where
         let oracle = problem.oracle();
         for &p in ranks {
             for method in Method::ALL {
-                for strategy in strategies {
+                for strategy in Strategy::every() {
                     let cfg = RunConfig {
                         ranks: p,
                         strategy,
@@ -104,6 +98,8 @@ where
                         iters: 1,
                         timeout: Duration::from_secs(60),
                         poison: true,
+                        // Two virtual nodes wherever they divide the world evenly.
+                        virtual_nodes: (p % 2 == 0).then_some(2),
                     };
                     let report = run_threads(&problem, &cfg, Some(&oracle), &make)?;
                     let err = report

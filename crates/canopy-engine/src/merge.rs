@@ -6,8 +6,12 @@
 //!   `o · exp(lse - max)` and SUM of the denominator `exp(lse - max)`.
 //! - `allreduce2`: MAX, then one SUM of numerator and denominator packed together.
 //! - `allgather`: one all-gather of `(o, lse)` and a local fold in rank order.
+//! - `hierarchical`: fold inside each node, exchange among node leaders only, then hand the
+//!   result back inside each node (see [`crate::topology`]).
+//! - `auto`: one of the above, chosen per run by the calibrated [`crate::cost::CostModel`].
 
-use crate::Result;
+use crate::topology::NodeLayout;
+use crate::{EngineError, Result};
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::{merge_state, AttnStates, EMPTY_LSE};
 use serde::Serialize;
@@ -18,13 +22,26 @@ pub enum MergeCollective {
     Allreduce3,
     Allreduce2,
     Allgather,
+    Hierarchical,
+    Auto,
 }
 
 impl MergeCollective {
-    pub const ALL: [MergeCollective; 3] = [
+    /// Every choice a user can name.
+    pub const ALL: [MergeCollective; 5] = [
         MergeCollective::Allreduce3,
         MergeCollective::Allreduce2,
         MergeCollective::Allgather,
+        MergeCollective::Hierarchical,
+        MergeCollective::Auto,
+    ];
+
+    /// The forms that actually move data (`auto` picks one of them).
+    pub const CONCRETE: [MergeCollective; 4] = [
+        MergeCollective::Allreduce2,
+        MergeCollective::Allreduce3,
+        MergeCollective::Allgather,
+        MergeCollective::Hierarchical,
     ];
 
     pub fn name(self) -> &'static str {
@@ -32,15 +49,8 @@ impl MergeCollective {
             MergeCollective::Allreduce3 => "allreduce3",
             MergeCollective::Allreduce2 => "allreduce2",
             MergeCollective::Allgather => "allgather",
-        }
-    }
-
-    /// Collective calls one merge issues.
-    pub fn calls(self) -> usize {
-        match self {
-            MergeCollective::Allreduce3 => 3,
-            MergeCollective::Allreduce2 => 2,
-            MergeCollective::Allgather => 1,
+            MergeCollective::Hierarchical => "hierarchical",
+            MergeCollective::Auto => "auto",
         }
     }
 }
@@ -52,7 +62,7 @@ impl std::str::FromStr for MergeCollective {
             .into_iter()
             .find(|c| c.name() == s)
             .ok_or_else(|| {
-                format!("unknown collective `{s}`; use allreduce3, allreduce2 or allgather")
+                format!("unknown collective `{s}`; use allreduce3, allreduce2, allgather, hierarchical or auto")
             })
     }
 }
@@ -83,11 +93,14 @@ fn finish(s: &mut AttnStates, max: &[f32], num: &[f32], den: &[f32]) {
     }
 }
 
-/// Replaces this rank's `states` with the merge of every rank's.
+/// Replaces this rank's `states` with the merge of every rank's. `how` must be concrete
+/// (`auto` is resolved first, by [`crate::cost::CostModel::choose`]); `layout` places ranks on
+/// nodes for the hierarchical form.
 pub fn merge_across<C: Collective>(
     states: &mut AttnStates,
     comm: &C,
     how: MergeCollective,
+    layout: &NodeLayout,
 ) -> Result<()> {
     if comm.size() == 1 {
         return Ok(());
@@ -137,6 +150,77 @@ pub fn merge_across<C: Collective>(
             }
             *states = acc;
         }
+        MergeCollective::Hierarchical => {
+            layout.check(comm.size())?;
+            merge_hierarchical(states, comm, layout)?;
+        }
+        MergeCollective::Auto => {
+            return Err(EngineError::Config(
+                "the auto collective must be resolved to a concrete one before merging".into(),
+            ))
+        }
     }
+    Ok(())
+}
+
+/// `o` then `lse`, as one message.
+fn pack(s: &AttnStates) -> Vec<f32> {
+    let mut v = s.o.clone();
+    v.extend_from_slice(&s.lse);
+    v
+}
+
+/// Receives a packed state from `peer` into the shape of `like`.
+fn recv_states<C: Collective>(comm: &C, like: &AttnStates, peer: usize) -> Result<AttnStates> {
+    let mut buf = vec![0.0f32; like.o.len() + like.lse.len()];
+    comm.recv(&mut buf, peer)?;
+    let mut s = like.clone();
+    let (o, lse) = buf.split_at(like.o.len());
+    s.o.copy_from_slice(o);
+    s.lse.copy_from_slice(lse);
+    Ok(s)
+}
+
+/// Members send to their node's leader, which folds them in rank order; leaders exchange
+/// node states and fold them in node order (so every leader gets the same bits); leaders send
+/// the result back to their members.
+fn merge_hierarchical<C: Collective>(
+    states: &mut AttnStates,
+    comm: &C,
+    layout: &NodeLayout,
+) -> Result<()> {
+    let me = comm.rank();
+    let members = layout.members(layout.node_of(me));
+    let leader = members[0];
+    if me != leader {
+        comm.send(&pack(states), leader)?;
+        *states = recv_states(comm, states, leader)?;
+        return Ok(());
+    }
+    let mut node = states.clone();
+    for &m in &members[1..] {
+        node.merge_from(&recv_states(comm, states, m)?);
+    }
+    let leaders = layout.leaders();
+    let mut total = node.clone();
+    if leaders.len() > 1 {
+        let mine = pack(&node);
+        for &l in leaders.iter().filter(|&&l| l != me) {
+            comm.send(&mine, l)?;
+        }
+        total = AttnStates::empty(states.rows, states.heads, states.head_dim);
+        for &l in &leaders {
+            if l == me {
+                total.merge_from(&node);
+            } else {
+                total.merge_from(&recv_states(comm, states, l)?);
+            }
+        }
+    }
+    let out = pack(&total);
+    for &m in &members[1..] {
+        comm.send(&out, m)?;
+    }
+    *states = total;
     Ok(())
 }

@@ -4,9 +4,11 @@
 //! the same code runs on threads of one process and, later, under `mpirun`.
 
 use crate::backend::Backend;
+use crate::cost::{CallKind, CostModel};
 use crate::merge::{merge_across, MergeCollective};
+use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
-use canopy_comm::{Collective, ThreadWorld};
+use canopy_comm::{Collective, ReduceOp, ThreadWorld};
 use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, AttnStates, DType, KvTree,
     Method, Plan, PlannerConfig, ProblemData, Shard, SliceKv, TreeView, TypedVec,
@@ -22,6 +24,15 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    /// Every tree merge, then the ring.
+    pub fn every() -> Vec<Strategy> {
+        MergeCollective::ALL
+            .into_iter()
+            .map(Strategy::Tree)
+            .chain([Strategy::Ring])
+            .collect()
+    }
+
     pub fn name(&self) -> String {
         match self {
             Strategy::Tree(c) => format!("tree/{}", c.name()),
@@ -101,6 +112,9 @@ pub struct RunConfig {
     pub timeout: Duration,
     /// Poison every output buffer before each step (tests), so unwritten rows show as NaN.
     pub poison: bool,
+    /// Cut the world into this many equal virtual nodes for the hierarchical merge (testing the
+    /// two-level path on one host); `None`: nodes are the ranks' hosts.
+    pub virtual_nodes: Option<usize>,
 }
 
 /// What one rank measured and produced.
@@ -112,6 +126,8 @@ pub struct RankResult {
     pub kv_bytes: u64,
     /// Bytes this rank communicated per step.
     pub comm_bytes_per_step: u64,
+    /// The merge `auto` chose, if the strategy was `tree/auto`.
+    pub chosen: Option<MergeCollective>,
 }
 
 /// The outcome of a distributed run, gathered from all ranks.
@@ -128,6 +144,48 @@ pub struct RunReport {
     pub rank_spread: f64,
     #[serde(skip)]
     pub output: AttnStates,
+}
+
+/// Where this world's ranks live: `virtual_nodes` equal blocks if given, else grouped by the
+/// ranks' host names (gathered over `comm`).
+pub fn node_layout<C: Collective>(comm: &C, virtual_nodes: Option<usize>) -> Result<NodeLayout> {
+    if let Some(k) = virtual_nodes {
+        return NodeLayout::virtual_nodes(comm.size(), k);
+    }
+    const WIDTH: usize = 256;
+    let mut mine = comm.host_name()?.into_bytes();
+    mine.resize(WIDTH, 0);
+    let mut all = vec![0u8; WIDTH * comm.size()];
+    comm.all_gather(&mine, &mut all)?;
+    let names: Vec<&[u8]> = all.chunks(WIDTH).collect();
+    Ok(NodeLayout::from_host_names(
+        &names
+            .iter()
+            .map(|n| String::from_utf8_lossy(n).into_owned())
+            .collect::<Vec<_>>(),
+    ))
+}
+
+/// Calibrates the merge cost model on `comm` by timing its collectives on host buffers; every
+/// rank takes the slowest rank's timings, so all build the same model and make the same choice.
+pub fn calibrate<C: Collective>(comm: &C, cells: u64, d: u64) -> Result<CostModel> {
+    const REPS: u32 = 5;
+    CostModel::calibrate(comm.size(), cells, d, |kind, bytes| {
+        let n = (bytes / 4) as usize;
+        let mut buf = vec![1.0f32; n];
+        let mut gathered = vec![0.0f32; n * comm.size()];
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..REPS {
+            match kind {
+                CallKind::AllGather => comm.all_gather(&buf, &mut gathered)?,
+                _ => comm.all_reduce(&mut buf, ReduceOp::Sum)?,
+            }
+        }
+        let mut us = [(t0.elapsed().as_secs_f64() * 1e6 / REPS as f64) as f32];
+        comm.all_reduce(&mut us[..], ReduceOp::Max)?;
+        Ok::<f64, EngineError>(f64::from(us[0]))
+    })
 }
 
 /// Plans `shard` and rewrites it to the rank's compact addresses.
@@ -181,14 +239,25 @@ where
             backend.merge(partials, plan, out)
         };
     let mut local = backend.alloc_states(shape, nq)?;
+    let mut chosen = None;
     let mut step: Box<dyn FnMut() -> Result<AttnStates> + '_> = match cfg.strategy {
         Strategy::Tree(how) => {
+            let layout = node_layout(comm, cfg.virtual_nodes)?;
+            let how = match how {
+                MergeCollective::Auto => {
+                    let (cells, d) = ((nq * shape.q_heads) as u64, shape.head_dim as u64);
+                    let pick = calibrate(comm, cells, d)?.choose(&layout, cells, d);
+                    chosen = Some(pick);
+                    pick
+                }
+                how => how,
+            };
             let plan = backend.upload_plan(shape, &local_plan(problem, &shards[rank], cfg)?)?;
             let mut partials = backend.alloc_partials(shape, &plan)?;
             Box::new(move || {
                 run(&own, &plan, &mut partials, &mut local)?;
                 let mut states = backend.download(&local)?;
-                merge_across(&mut states, comm, how)?;
+                merge_across(&mut states, comm, how, &layout)?;
                 Ok(states)
             })
         }
@@ -247,6 +316,7 @@ where
         output: output.expect("at least one iteration"),
         kv_bytes: shards[rank].tokens() as u64 * problem.kv_token_bytes(),
         comm_bytes_per_step: barrier_free / cfg.iters.max(1) as u64,
+        chosen,
     })
 }
 
@@ -286,7 +356,10 @@ pub fn report(cfg: &RunConfig, results: Vec<RankResult>, oracle: Option<&[f64]>)
             .fold(0.0, f64::max)
     });
     RunReport {
-        strategy: cfg.strategy.name(),
+        strategy: match results[0].chosen {
+            Some(c) => format!("{} ({})", cfg.strategy.name(), c.name()),
+            None => cfg.strategy.name(),
+        },
         ranks: cfg.ranks,
         latencies_s: results[0].latencies.clone(),
         kv_bytes_per_rank: results.iter().map(|r| r.kv_bytes).max().unwrap_or(0),

@@ -1,0 +1,321 @@
+//! NCCL communicators that can be watched and aborted.
+//!
+//! cudarc's safe `Comm` hides its raw handle, and without it there is no
+//! `ncclCommGetAsyncError` and no `ncclCommAbort`: a peer that dies leaves the others spinning
+//! inside an NCCL kernel for ever. [`NcclComm`] keeps the handle, names the last call it
+//! enqueued, and counts the bytes it sends with the ring-algorithm formulas of
+//! [`canopy_engine::cost`]. [`Watchdog::wait`] is how a rank waits for its stream: it polls the
+//! stream's event and every communicator's asynchronous error, and on an error or a timeout
+//! aborts the communicators (which unblocks their kernels) and returns an error naming the
+//! rank and the call.
+
+use crate::error::{CudaError, DriverContext, Result};
+use canopy_engine::cost::{Call, CallKind};
+use cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{result, sys, Id, NcclType};
+use std::cell::Cell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The reductions the merges use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclOp {
+    Sum,
+    Max,
+}
+
+impl NcclOp {
+    fn raw(self) -> sys::ncclRedOp_t {
+        match self {
+            NcclOp::Sum => sys::ncclRedOp_t::ncclSum,
+            NcclOp::Max => sys::ncclRedOp_t::ncclMax,
+        }
+    }
+}
+
+/// One rank's NCCL communicator, with its calls enqueued on `stream`.
+pub struct NcclComm {
+    raw: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    size: usize,
+    /// The last call enqueued: what a stalled rank was waiting in.
+    last: Cell<&'static str>,
+    wire_bytes: Cell<u64>,
+    aborted: Cell<bool>,
+}
+
+impl NcclComm {
+    /// Joins communicator `id` as `rank` of `size`; blocks until every rank has joined.
+    pub fn new(stream: Arc<CudaStream>, rank: usize, size: usize, id: &Id) -> Result<NcclComm> {
+        let mut raw = std::ptr::null_mut();
+        let unique = sys::ncclUniqueId {
+            internal: *id.internal(),
+        };
+        // SAFETY: `raw` is a valid out-pointer; rank < size is NCCL's to check.
+        unsafe { result::comm_init_rank(&mut raw, size as i32, unique, rank as i32) }
+            .map_err(|e| nccl_error(rank, "ncclCommInitRank", e))?;
+        Ok(NcclComm {
+            raw,
+            stream,
+            rank,
+            size,
+            last: Cell::new("ncclCommInitRank"),
+            wire_bytes: Cell::new(0),
+            aborted: Cell::new(false),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Bytes sent so far, by the ring-algorithm formulas.
+    pub fn wire_bytes(&self) -> u64 {
+        self.wire_bytes.get()
+    }
+
+    fn enqueue(
+        &self,
+        name: &'static str,
+        call: Option<Call>,
+        f: impl FnOnce(sys::cudaStream_t) -> Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<()> {
+        self.last.set(name);
+        f(self.stream.cu_stream() as sys::cudaStream_t)
+            .map_err(|e| nccl_error(self.rank, name, e))?;
+        let bytes = call.map_or(0, |c| c.wire_bytes());
+        self.wire_bytes.set(self.wire_bytes.get() + bytes);
+        Ok(())
+    }
+
+    fn call(&self, kind: CallKind, elems: usize, elem_bytes: usize) -> Option<Call> {
+        Some(Call {
+            kind,
+            group: self.size,
+            payload_bytes: (elems * elem_bytes) as u64,
+        })
+    }
+
+    pub fn all_reduce_in_place<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        name: &'static str,
+        buf: &mut B,
+        op: NcclOp,
+    ) -> Result<()> {
+        let n = buf.len();
+        let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+        let call = self.call(CallKind::AllReduce, n, std::mem::size_of::<T>());
+        // SAFETY: `ptr` holds `n` elements of T on this communicator's device.
+        self.enqueue(name, call, |s| unsafe {
+            result::all_reduce(
+                ptr as _,
+                ptr as _,
+                n,
+                T::as_nccl_type(),
+                op.raw(),
+                self.raw,
+                s,
+            )
+        })
+    }
+
+    /// Sums into rank `root`'s `buf` (others' buffers are left as they were).
+    pub fn reduce_in_place<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        name: &'static str,
+        buf: &mut B,
+        op: NcclOp,
+        root: usize,
+    ) -> Result<()> {
+        let n = buf.len();
+        let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+        let call = self.call(CallKind::Reduce, n, std::mem::size_of::<T>());
+        // SAFETY: as in `all_reduce_in_place`.
+        self.enqueue(name, call, |s| unsafe {
+            result::reduce(
+                ptr as _,
+                ptr as _,
+                n,
+                T::as_nccl_type(),
+                op.raw(),
+                root as i32,
+                self.raw,
+                s,
+            )
+        })
+    }
+
+    pub fn broadcast_in_place<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        name: &'static str,
+        buf: &mut B,
+        root: usize,
+    ) -> Result<()> {
+        let n = buf.len();
+        let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+        let call = self.call(CallKind::Broadcast, n, std::mem::size_of::<T>());
+        // SAFETY: as in `all_reduce_in_place`.
+        self.enqueue(name, call, |s| unsafe {
+            result::broadcast(
+                ptr as _,
+                ptr as _,
+                n,
+                T::as_nccl_type(),
+                root as i32,
+                self.raw,
+                s,
+            )
+        })
+    }
+
+    /// `recv` holds `size()` copies of `send`, in rank order.
+    pub fn all_gather<T: NcclType, S: DevicePtr<T>, R: DevicePtrMut<T>>(
+        &self,
+        name: &'static str,
+        send: &S,
+        recv: &mut R,
+    ) -> Result<()> {
+        let n = send.len();
+        if recv.len() != n * self.size {
+            return Err(CudaError::Unsupported(format!(
+                "rank {}: {name} needs a receive buffer of {} elements, got {}",
+                self.rank,
+                n * self.size,
+                recv.len()
+            )));
+        }
+        let (src, _s) = send.device_ptr(&self.stream);
+        let (dst, _r) = recv.device_ptr_mut(&self.stream);
+        let call = self.call(CallKind::AllGather, n, std::mem::size_of::<T>());
+        // SAFETY: `src` holds n elements and `dst` n × size, both on this device.
+        self.enqueue(name, call, |s| unsafe {
+            result::all_gather(src as _, dst as _, n, T::as_nccl_type(), self.raw, s)
+        })
+    }
+
+    pub fn send<T: NcclType, S: DevicePtr<T>>(
+        &self,
+        name: &'static str,
+        buf: &S,
+        peer: usize,
+    ) -> Result<()> {
+        let n = buf.len();
+        let (ptr, _sync) = buf.device_ptr(&self.stream);
+        self.enqueue(name, None, |s| unsafe {
+            // SAFETY: `ptr` holds n elements on this device.
+            result::send(ptr as _, n, T::as_nccl_type(), peer as i32, self.raw, s)
+        })?;
+        self.wire_bytes
+            .set(self.wire_bytes.get() + (n * std::mem::size_of::<T>()) as u64);
+        Ok(())
+    }
+
+    pub fn recv<T: NcclType, R: DevicePtrMut<T>>(
+        &self,
+        name: &'static str,
+        buf: &mut R,
+        peer: usize,
+    ) -> Result<()> {
+        let n = buf.len();
+        let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+        self.enqueue(name, None, |s| unsafe {
+            // SAFETY: `ptr` has room for n elements on this device.
+            result::recv(ptr as _, n, T::as_nccl_type(), peer as i32, self.raw, s)
+        })
+    }
+
+    /// An error NCCL raised asynchronously (a failed peer or network), if any.
+    pub fn check_async(&self) -> Result<()> {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `raw` is a live communicator and `state` a valid out-pointer.
+        unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) }
+            .result()
+            .map_err(|e| nccl_error(self.rank, "ncclCommGetAsyncError", e))?;
+        match state {
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+            other => Err(nccl_error(
+                self.rank,
+                self.last.get(),
+                result::NcclError(other),
+            )),
+        }
+    }
+
+    /// Aborts every operation in flight and frees the communicator.
+    pub fn abort(&self) {
+        if !self.aborted.replace(true) {
+            // SAFETY: `raw` is live and not used again after this.
+            let _ = unsafe { result::comm_abort(self.raw) };
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // Abort rather than destroy: it never waits on peers that may be gone.
+        self.abort();
+    }
+}
+
+/// Runs `f` between `ncclGroupStart` and `ncclGroupEnd`, so its calls proceed together.
+pub fn group(rank: usize, f: impl FnOnce() -> Result<()>) -> Result<()> {
+    result::group_start().map_err(|e| nccl_error(rank, "ncclGroupStart", e))?;
+    let inner = f();
+    let end = result::group_end().map_err(|e| nccl_error(rank, "ncclGroupEnd", e));
+    inner.and(end.map(|_| ()))
+}
+
+fn nccl_error(rank: usize, call: &'static str, e: result::NcclError) -> CudaError {
+    CudaError::Nccl {
+        rank,
+        call,
+        detail: format!("{:?}", e.0),
+    }
+}
+
+/// Bounded waits on a rank's stream.
+#[derive(Debug, Clone, Copy)]
+pub struct Watchdog {
+    pub timeout: Duration,
+}
+
+impl Watchdog {
+    /// Waits until `event` completes. On an asynchronous NCCL error, or once `timeout` has
+    /// passed, aborts every communicator in `comms` and fails, naming the rank and the last call
+    /// it enqueued.
+    pub fn wait(&self, event: &CudaEvent, comms: &[&NcclComm]) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(1);
+        loop {
+            if event.is_complete() {
+                return event.synchronize().ctx("cuEventSynchronize");
+            }
+            if let Err(e) = comms.iter().try_for_each(|c| c.check_async()) {
+                comms.iter().for_each(|c| c.abort());
+                return Err(e);
+            }
+            if start.elapsed() > self.timeout {
+                comms.iter().for_each(|c| c.abort());
+                let (rank, call) = comms
+                    .first()
+                    .map_or((0, "a kernel"), |c| (c.rank, c.last.get()));
+                return Err(CudaError::Watchdog {
+                    rank,
+                    call,
+                    secs: self.timeout.as_secs_f64(),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+}
