@@ -171,6 +171,8 @@ where
                 .configure_mesh()
                 .x_desc(x_label)
                 .y_desc(y_label)
+                .x_labels(8)
+                .x_label_formatter(&|x: &f64| axis_label(*x, log_x))
                 .label_style(("sans-serif", 14))
                 .draw()
                 .map_err(e)?;
@@ -204,4 +206,16 @@ where
             .map_err(e)?);
     }
     Ok(())
+}
+
+/// Context lengths as 128K / 1M, rank counts as integers.
+fn axis_label(x: f64, tokens: bool) -> String {
+    match tokens {
+        true if x >= 1048576.0 => format!("{:.3}M", x / 1048576.0)
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string(),
+        true => format!("{:.0}K", x / 1024.0),
+        false => format!("{x:.0}"),
+    }
 }

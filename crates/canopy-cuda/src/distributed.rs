@@ -29,7 +29,7 @@
 
 use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel, WARMUP_STEPS};
 use crate::error::{CudaError, DriverContext, Result};
-use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
+use crate::nccl::{connect_at_init, group, NcclComm, NcclOp, Watchdog};
 use canopy_core::data::{hashed_queries, HashedKv};
 use canopy_core::stats::{median, quantile};
 use canopy_core::{
@@ -247,6 +247,7 @@ fn rank_body(
         node,
         leaders,
     };
+    let watchdog = Watchdog::start(rank, cfg.timeout);
     if cfg.stall_rank == Some(rank) {
         return Err(CudaError::Unsupported(format!(
             "rank {rank}: stopped before its first step (fault injected with --stall-rank)"
@@ -254,8 +255,17 @@ fn rank_body(
         .into());
     }
     match cfg.strategy {
-        Strategy::Tree(how) => rank_steps(&backend, &comms, cfg, how, layout, tree, &shards[rank]),
-        Strategy::Ring => ring_steps(&backend, &comms.world, cfg, tree, shards),
+        Strategy::Tree(how) => rank_steps(
+            &backend,
+            &comms,
+            &watchdog,
+            cfg,
+            how,
+            layout,
+            tree,
+            &shards[rank],
+        ),
+        Strategy::Ring => ring_steps(&backend, &comms.world, &watchdog, cfg, tree, shards),
     }
 }
 
@@ -270,6 +280,7 @@ fn local_layout(cfg: &DistributedConfig) -> canopy_engine::Result<NodeLayout> {
 /// Runs `cfg` on GPUs `0..cfg.ranks`, one thread each, and reports rank 0's timings.
 pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> {
     check_machine(cfg, cfg.ranks)?;
+    connect_at_init();
     let (tree, shards) = problem(cfg)?;
     let layout = local_layout(cfg)?;
     let ids = CommIds::new(layout.nodes())?;
@@ -277,7 +288,13 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
         let handles: Vec<_> = (0..cfg.ranks)
             .map(|rank| {
                 let (tree, shards, ids, layout) = (&tree, &shards, &ids, &layout);
-                scope.spawn(move || rank_body(cfg, rank, rank, ids, layout, tree, shards))
+                scope.spawn(move || {
+                    let out = rank_body(cfg, rank, rank, ids, layout, tree, shards);
+                    if let Err(e) = &out {
+                        crate::nccl::note_failure(format!("rank {rank} failed: {e}"));
+                    }
+                    out
+                })
             })
             .collect();
         handles
@@ -310,6 +327,7 @@ pub fn run_mpi(
     use canopy_comm::{Collective, ReduceOp};
     let local = comm.local_rank();
     check_machine(cfg, local + 1)?;
+    connect_at_init();
     let (tree, shards) = problem(cfg)?;
     let layout = canopy_engine::strategy::node_layout(comm, cfg.virtual_nodes)?;
     let bytes = if comm.rank() == 0 {
@@ -432,9 +450,11 @@ fn per_step(before: u64, after: u64, iters: usize) -> u64 {
 }
 
 /// One tree rank: load its shard, then time `cfg.iters` decode steps.
+#[allow(clippy::too_many_arguments)]
 fn rank_steps(
     backend: &CudaBackend,
     comms: &RankComms,
+    watchdog: &Watchdog,
     cfg: &DistributedConfig,
     how: MergeCollective,
     layout: &NodeLayout,
@@ -452,12 +472,9 @@ fn rank_steps(
     let mut out = backend.alloc_states(shape, tree.num_queries())?;
     let cells = tree.num_queries() * shape.q_heads;
     let mut merge = DeviceMerge::new(backend, cells, shape.head_dim, cfg.ranks)?;
-    let watchdog = Watchdog {
-        timeout: cfg.timeout,
-    };
     let (how, chosen) = match how {
         MergeCollective::Auto => {
-            let model = merge.calibrate(backend, &comms.world, &watchdog)?;
+            let model = merge.calibrate(backend, &comms.world, watchdog)?;
             let pick = model.choose(layout, cells as u64, shape.head_dim as u64);
             (pick, Some(pick))
         }
@@ -516,6 +533,7 @@ fn record(stream: &CudaStream) -> Result<cudarc::driver::CudaEvent> {
 fn ring_steps(
     backend: &CudaBackend,
     comm: &NcclComm,
+    watchdog: &Watchdog,
     cfg: &DistributedConfig,
     tree: &KvTree,
     shards: &[Shard],
@@ -526,9 +544,11 @@ fn ring_steps(
     let tokens: Vec<usize> = shards.iter().map(|s| s.tokens() as usize).collect();
     let max_tokens = tokens.iter().copied().max().unwrap_or(0);
     let own = load_shard(backend, cfg, &shards[rank], tokens[rank])?;
+    // One rank receives nothing: token-sized placeholders instead of receive buffers.
+    let room = if p > 1 { max_tokens } else { 1 };
     let mut bufs = [
-        backend.alloc_kv(shape, cfg.dtype, max_tokens)?,
-        backend.alloc_kv(shape, cfg.dtype, max_tokens)?,
+        backend.alloc_kv(shape, cfg.dtype, room)?,
+        backend.alloc_kv(shape, cfg.dtype, room)?,
     ];
     let q = backend.upload_queries(
         shape,
@@ -550,9 +570,6 @@ fn ring_steps(
     let d = shape.head_dim as u32;
     let pair = backend.function(Kernel::Combine("combine_pair"))?;
     let (compute, transfer) = (backend.stream(), comm.stream());
-    let watchdog = Watchdog {
-        timeout: cfg.timeout,
-    };
     let before = comm.wire_bytes();
     let times = backend.time_ms_until(
         cfg.iters,

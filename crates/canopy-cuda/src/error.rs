@@ -32,7 +32,7 @@ pub enum CudaError {
         call: &'static str,
         detail: String,
     },
-    #[error("rank {rank}: watchdog: the step did not finish within {secs:.1} s, last in NCCL {call}; a peer rank probably died or stalled. The communicators were aborted (raise --timeout if the work is just slow)")]
+    #[error("rank {rank}: watchdog: no progress for {secs:.1} s while waiting on {call}; a peer rank probably died or stalled, so this process ends (raise --timeout if the work is just slow)")]
     Watchdog {
         rank: usize,
         call: &'static str,

@@ -4,17 +4,18 @@
 //! `ncclCommGetAsyncError` and no `ncclCommAbort`: a peer that dies leaves the others spinning
 //! inside an NCCL kernel for ever. [`NcclComm`] keeps the handle, names the last call it
 //! enqueued, and counts the bytes it sends with the ring-algorithm formulas of
-//! [`canopy_engine::cost`]. [`Watchdog::wait`] is how a rank waits for its stream: it polls the
-//! stream's event and every communicator's asynchronous error, and on an error or a timeout
-//! aborts the communicators (which unblocks their kernels) and returns an error naming the
-//! rank and the call.
+//! [`canopy_engine::cost`]. [`Watchdog`] is how a rank waits for its stream: it polls the
+//! stream's event and every communicator's asynchronous error (aborting the communicators on
+//! an error), and a monitor thread ends the process, naming the rank and the call, when the
+//! rank makes no progress for the configured timeout.
 
 use crate::error::{CudaError, DriverContext, Result};
 use canopy_engine::cost::{Call, CallKind};
 use cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result, sys, Id, NcclType};
 use std::cell::Cell;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The reductions the merges use.
@@ -30,6 +31,17 @@ impl NcclOp {
             NcclOp::Sum => sys::ncclRedOp_t::ncclSum,
             NcclOp::Max => sys::ncclRedOp_t::ncclMax,
         }
+    }
+}
+
+/// Makes NCCL connect peers while the communicator is created (`NCCL_RUNTIME_CONNECT=0`)
+/// instead of inside the first collective call. Lazily connecting calls block the host until
+/// every peer answers, so a dead peer would hang the rank before its watchdog could run; at
+/// creation every rank is known to be present. A value the user set is kept. Call before any
+/// thread creates a communicator.
+pub fn connect_at_init() {
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
     }
 }
 
@@ -282,40 +294,115 @@ fn nccl_error(rank: usize, call: &'static str, e: result::NcclError) -> CudaErro
     }
 }
 
-/// Bounded waits on a rank's stream.
-#[derive(Debug, Clone, Copy)]
+/// A failure one rank of this process reported, for the other ranks' watchdog messages.
+static FAILURE: Mutex<Option<String>> = Mutex::new(None);
+
+/// Records that a rank of this process failed with `message`.
+pub fn note_failure(message: String) {
+    let mut f = FAILURE.lock().unwrap_or_else(|p| p.into_inner());
+    f.get_or_insert(message);
+}
+
+/// What a rank last did: when and in which NCCL call.
+struct Progress {
+    at: Instant,
+    call: &'static str,
+}
+
+/// A rank's stall detector. [`wait`](Self::wait) polls the stream and the communicators'
+/// asynchronous errors; a monitor thread ends the process when no wait has completed for
+/// `timeout` (a peer that died leaves NCCL kernels, and sometimes NCCL host calls, waiting for
+/// ever, so the rank itself cannot be relied on to notice). Ending the process is what frees a
+/// GPU held by a spinning kernel; under mpirun it also ends the job.
 pub struct Watchdog {
-    pub timeout: Duration,
+    rank: usize,
+    timeout: Duration,
+    progress: Arc<Mutex<Progress>>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Watchdog {
-    /// Waits until `event` completes. On an asynchronous NCCL error, or once `timeout` has
-    /// passed, aborts every communicator in `comms` and fails, naming the rank and the last call
-    /// it enqueued.
+    pub fn start(rank: usize, timeout: Duration) -> Watchdog {
+        let progress = Arc::new(Mutex::new(Progress {
+            at: Instant::now(),
+            call: "its first step (not yet enqueued)",
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, s) = (progress.clone(), stop.clone());
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(20));
+            if s.load(Ordering::Relaxed) {
+                return;
+            }
+            let (idle, call) = {
+                let g = p.lock().unwrap_or_else(|e| e.into_inner());
+                (g.at.elapsed(), g.call)
+            };
+            if idle > timeout {
+                let cause = FAILURE
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone()
+                    .map_or(String::new(), |f| format!("; {f}"));
+                eprintln!(
+                    "error: {}{cause}",
+                    CudaError::Watchdog {
+                        rank,
+                        call,
+                        secs: timeout.as_secs_f64()
+                    }
+                );
+                // Not `process::exit`: its exit handlers (the CUDA driver's, NCCL's) wait for
+                // the very kernels that are stuck.
+                // SAFETY: `_exit` ends the process at once; nothing after it runs.
+                unsafe { libc::_exit(1) };
+            }
+        });
+        Watchdog {
+            rank,
+            timeout,
+            progress,
+            stop,
+        }
+    }
+
+    fn mark(&self, call: &'static str, done: bool) {
+        let mut g = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        g.call = call;
+        if done {
+            g.at = Instant::now();
+        }
+    }
+
+    /// Waits until `event` completes; fails, aborting every communicator in `comms`, on an
+    /// asynchronous NCCL error. Each completed wait counts as progress.
     pub fn wait(&self, event: &CudaEvent, comms: &[&NcclComm]) -> Result<()> {
-        let start = Instant::now();
+        self.mark(comms.first().map_or("a kernel", |c| c.last.get()), false);
         let mut pause = Duration::from_micros(1);
         loop {
             if event.is_complete() {
-                return event.synchronize().ctx("cuEventSynchronize");
+                event.synchronize().ctx("cuEventSynchronize")?;
+                self.mark("the next step (not yet enqueued)", true);
+                return Ok(());
             }
             if let Err(e) = comms.iter().try_for_each(|c| c.check_async()) {
                 comms.iter().for_each(|c| c.abort());
                 return Err(e);
             }
-            if start.elapsed() > self.timeout {
-                comms.iter().for_each(|c| c.abort());
-                let (rank, call) = comms
-                    .first()
-                    .map_or((0, "a kernel"), |c| (c.rank, c.last.get()));
-                return Err(CudaError::Watchdog {
-                    rank,
-                    call,
-                    secs: self.timeout.as_secs_f64(),
-                });
-            }
             std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            pause = (pause * 2)
+                .min(self.timeout / 100)
+                .max(Duration::from_micros(1));
         }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
