@@ -388,6 +388,11 @@ impl CudaBackend {
             .collect()
     }
 
+    /// Free device memory on this GPU now.
+    pub fn free_bytes(&self) -> Result<u64> {
+        Ok(self.ctx.mem_get_info().ctx("cuMemGetInfo")?.0 as u64)
+    }
+
     /// Device memory in use on this GPU beyond what was in use when the backend was created
     /// (buffers, NCCL's, and the kernels'): this rank's footprint while its buffers live.
     pub fn device_bytes_in_use(&self) -> Result<u64> {

@@ -217,6 +217,9 @@ fn rank_body(
     shards: &[Shard],
 ) -> RankOutcome {
     let backend = CudaBackend::new(gpu)?;
+    // From here a rank that waits for its peers (NCCL's set-up included) is watched.
+    let watchdog = Watchdog::start(rank, cfg.timeout);
+    check_fits(&backend, cfg, shards)?;
     // The tree's collectives run in order on the compute stream; the ring's transfers run on
     // their own stream, to overlap the kernels.
     let comm_stream = match cfg.strategy {
@@ -247,7 +250,6 @@ fn rank_body(
         node,
         leaders,
     };
-    let watchdog = Watchdog::start(rank, cfg.timeout);
     if cfg.stall_rank == Some(rank) {
         return Err(CudaError::Unsupported(format!(
             "rank {rank}: stopped before its first step (fault injected with --stall-rank)"
@@ -267,6 +269,29 @@ fn rank_body(
         ),
         Strategy::Ring => ring_steps(&backend, &comms.world, &watchdog, cfg, tree, shards),
     }
+}
+
+/// Refuses shards whose KV buffers (the shard; the ring also two receive buffers) do not fit
+/// in this GPU's free memory, before anything is allocated.
+fn check_fits(backend: &CudaBackend, cfg: &DistributedConfig, shards: &[Shard]) -> Result<()> {
+    let token_bytes = 2 * cfg.shape.kv_token_bytes(cfg.dtype) as u64;
+    let shard = shards.iter().map(|s| s.tokens() as u64).max().unwrap_or(0) * token_bytes;
+    let buffers = match cfg.strategy {
+        Strategy::Ring if cfg.ranks > 1 => 3,
+        _ => 1,
+    };
+    let need = shard * buffers;
+    let free = backend.free_bytes()?;
+    if need > free {
+        return Err(CudaError::Unsupported(format!(
+            "{} needs {:.1} GiB of KV buffers per rank but GPU {} has {:.1} GiB free; use more ranks or a shorter context",
+            cfg.strategy.name(),
+            need as f64 / (1u64 << 30) as f64,
+            backend.gpu().ordinal,
+            free as f64 / (1u64 << 30) as f64
+        )));
+    }
+    Ok(())
 }
 
 /// The node layout of a single-process run: one host, or the requested virtual nodes.
