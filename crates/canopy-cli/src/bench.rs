@@ -289,12 +289,13 @@ impl Row {
         let ms: Vec<f64> = r.latencies_s.iter().map(|s| s * 1e3).collect();
         let p = r.ranks as u64;
         let cells = (run.batch as usize * spec.shape.q_heads) as u64;
-        let paper = match strategy {
-            Strategy::Tree(_) => {
-                PaperModel::tree(p, cells, spec.shape.head_dim as u64, r.kv_bytes_per_rank)
-            }
-            Strategy::Ring => PaperModel::ring(p, r.kv_bytes_per_rank),
-        };
+        let paper = PaperModel::of(
+            strategy,
+            p,
+            cells,
+            spec.shape.head_dim as u64,
+            r.kv_bytes_per_rank,
+        );
         Row {
             strategy: r.strategy,
             ranks: r.ranks,

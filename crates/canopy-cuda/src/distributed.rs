@@ -404,12 +404,13 @@ fn finish(
     let kv_bytes_per_rank =
         shards.iter().map(|s| s.tokens() as u64).max().unwrap_or(0) * token_bytes;
     let p = cfg.ranks as u64;
-    let paper = match cfg.strategy {
-        Strategy::Tree(_) => {
-            PaperModel::tree(p, cells, cfg.shape.head_dim as u64, kv_bytes_per_rank)
-        }
-        Strategy::Ring => PaperModel::ring(p, kv_bytes_per_rank),
-    };
+    let paper = PaperModel::of(
+        cfg.strategy,
+        p,
+        cells,
+        cfg.shape.head_dim as u64,
+        kv_bytes_per_rank,
+    );
     DistributedReport {
         strategy: match rank0.chosen {
             Some(c) => format!("{} ({})", cfg.strategy.name(), c.name()),

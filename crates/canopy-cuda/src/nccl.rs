@@ -315,7 +315,6 @@ struct Progress {
 /// ever, so the rank itself cannot be relied on to notice). Ending the process is what frees a
 /// GPU held by a spinning kernel; under mpirun it also ends the job.
 pub struct Watchdog {
-    rank: usize,
     timeout: Duration,
     progress: Arc<Mutex<Progress>>,
     stop: Arc<AtomicBool>,
@@ -359,7 +358,6 @@ impl Watchdog {
             }
         });
         Watchdog {
-            rank,
             timeout,
             progress,
             stop,
@@ -394,10 +392,6 @@ impl Watchdog {
                 .min(self.timeout / 100)
                 .max(Duration::from_micros(1));
         }
-    }
-
-    pub fn rank(&self) -> usize {
-        self.rank
     }
 }
 

@@ -208,6 +208,14 @@ pub struct PaperModel {
 }
 
 impl PaperModel {
+    /// The model of `strategy` on `p` ranks merging `cells` states of dimension `d`.
+    pub fn of(strategy: crate::Strategy, p: u64, cells: u64, d: u64, shard_kv_bytes: u64) -> Self {
+        match strategy {
+            crate::Strategy::Tree(_) => PaperModel::tree(p, cells, d, shard_kv_bytes),
+            crate::Strategy::Ring => PaperModel::ring(p, shard_kv_bytes),
+        }
+    }
+
     /// Tree decoding (the paper's Algorithm 3): three ring all-reduces of the max, the numerator
     /// and the denominator, `cells × (d + 2)` fp32 values at `2 (p-1)/p` each; memory is the KV
     /// shard. `shard_kv_bytes` is the largest shard's K and V.
