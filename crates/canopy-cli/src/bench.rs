@@ -22,6 +22,8 @@ pub enum BenchCommand {
     Scaling(crate::scaling::ScalingArgs),
     /// The CUDA decode kernels on one GPU, swept over context length, against the memory floor.
     Kernel(crate::kernel_bench::KernelArgs),
+    /// Tree-structured KV (shared prefixes): every planning method, timed and checked.
+    Tree(crate::tree_cmd::TreeArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -148,6 +150,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Attention(a) => attention(a),
         BenchCommand::Scaling(a) => crate::scaling::run(a),
         BenchCommand::Kernel(a) => crate::kernel_bench::run(a),
+        BenchCommand::Tree(a) => crate::tree_cmd::run(a),
     }
 }
 
@@ -451,6 +454,8 @@ impl RunArgs {
             dtype: spec.dtype,
             seq_len,
             batch: self.batch,
+            tree: None,
+            kernel: canopy_cuda::KernelChoice::Auto,
             iters: self.iters,
             check: seq_len as u64 * self.batch as u64 <= self.check_max_tokens,
             seed: self.seed,
@@ -571,6 +576,9 @@ pub struct SelftestArgs {
     /// CUDA: also run every case with KV in pages of this many tokens (0: contiguous only).
     #[arg(long, default_value_t = 16)]
     page_size: u32,
+    /// CUDA stage-1 kernel: auto, simt (CUDA cores) or mma (tensor cores wherever possible).
+    #[arg(long, default_value = "auto")]
+    kernel: canopy_cuda::KernelChoice,
 }
 
 pub fn selftest(a: SelftestArgs) -> Result<()> {
@@ -580,14 +588,18 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
             // Ranks share the visible GPUs round-robin, so one GPU tests every rank count.
             let gpus = canopy_cuda::probe::device_count()?;
             let mut r = run_suite(
-                |rank| Ok(canopy_cuda::CudaBackend::new(rank % gpus)?),
+                |rank| Ok(canopy_cuda::CudaBackend::new(rank % gpus)?.with_kernel(a.kernel)),
                 &a.ranks,
                 a.seed,
                 a.cases,
             )?;
             if a.page_size > 0 {
                 let paged = run_suite(
-                    |rank| Ok(canopy_cuda::CudaBackend::new(rank % gpus)?.with_paging(a.page_size)?),
+                    |rank| {
+                        Ok(canopy_cuda::CudaBackend::new(rank % gpus)?
+                            .with_paging(a.page_size)?
+                            .with_kernel(a.kernel))
+                    },
                     &a.ranks,
                     a.seed ^ 1,
                     a.cases,

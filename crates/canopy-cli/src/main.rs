@@ -3,6 +3,7 @@
 //! - `canopy info`: what this machine has (CPU, GPUs, driver, NVRTC, NCCL, MPI).
 //! - `canopy bench attention`: sequence-sharded decode attention, tree vs ring, on p ranks.
 //! - `canopy bench scaling`: the same over a sweep of p and N, with CSV, JSON and plots.
+//! - `canopy bench tree`: tree-structured KV (shared prefixes) with every planning method.
 //! - `canopy plan`: how each planner groups a workload's tree, and what it reads.
 //! - `canopy selftest`: the backend conformance suite against the f64 oracle.
 //!
@@ -16,6 +17,7 @@ mod plan_cmd;
 mod plot;
 mod scaling;
 mod table;
+mod tree_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

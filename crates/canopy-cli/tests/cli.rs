@@ -32,6 +32,61 @@ fn info_never_fails_and_has_json() {
 }
 
 #[test]
+fn bench_tree_checks_every_method_against_the_oracle_on_the_cpu() {
+    let v = json(&[
+        "bench",
+        "tree",
+        "--workload",
+        "fasttree-0",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--backend",
+        "cpu",
+        "--iterations",
+        "2",
+        "--json",
+    ]);
+    let methods = v["methods"].as_array().unwrap();
+    assert_eq!(methods.len(), 6);
+    for m in methods {
+        assert!(m["rel_error"].as_f64().unwrap() < 2e-3, "{m}");
+        assert!(m["median_us"].as_f64().unwrap() > 0.0, "{m}");
+        assert!(m["speedup_vs_q_guided"].as_f64().is_some(), "{m}");
+    }
+    assert!(methods[5]["chosen"].is_string(), "auto names its choice");
+    let v = json(&[
+        "bench",
+        "tree",
+        "--workload",
+        "spec-t32",
+        "--prompt-len",
+        "200",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--backend",
+        "cpu",
+        "--ranks",
+        "3",
+        "--method",
+        "q-guided,deft-flatten",
+        "--iterations",
+        "1",
+        "--json",
+    ]);
+    for m in v["methods"].as_array().unwrap() {
+        assert!(m["rel_error"].as_f64().unwrap() < 2e-3, "{m}");
+    }
+}
+
+#[test]
 fn plan_shows_tree_methods_reading_far_less_than_q_guided() {
     let v = json(&[
         "plan",
@@ -42,14 +97,20 @@ fn plan_shows_tree_methods_reading_far_less_than_q_guided() {
         "--json",
     ]);
     let methods = v["methods"].as_array().unwrap();
-    assert_eq!(methods.len(), 5);
+    assert_eq!(methods.len(), 6);
     let kv = |name: &str| {
         methods.iter().find(|m| m["method"] == name).unwrap()["kv_bytes"]
             .as_u64()
             .unwrap()
     };
     let q_guided = kv("q-guided");
-    for m in ["deft-node", "deft-node-chunk", "deft-flatten", "fasttree"] {
+    for m in [
+        "deft-node",
+        "deft-node-chunk",
+        "deft-flatten",
+        "fasttree",
+        "auto",
+    ] {
         assert!(
             kv(m) * 10 < q_guided,
             "{m} reads {} vs q-guided {q_guided}",

@@ -25,7 +25,9 @@ pub use dtype::{DType, KvElement, TypedVec};
 pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
 pub use plan::{Group, IoReport, Plan};
-pub use planner::{plan, FastTreeParams, Method, PlannerConfig};
+pub use planner::{
+    auto_candidates, choose, plan, AutoChoice, DeviceModel, FastTreeParams, Method, PlannerConfig,
+};
 pub use shape::AttnShape;
 pub use shard::{shard_tree, Shard, TreeView};
 pub use tree::{KvTree, NamedNode, NodeId, TreeBuilder};

@@ -192,6 +192,59 @@ impl Plan {
         Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")
     }
 
+    /// Splits every group with more than `max_queries` queries into groups of at most that
+    /// many (each keeps all the group's KV and its own columns of the mask). A tensor-core
+    /// kernel holds a group's rows in registers, so the backend bounds them this way; the
+    /// pieces read the same KV, mostly from L2. Pieces whose queries see none of the tokens
+    /// are dropped (those queries get no partial row from that group).
+    pub fn split_queries(&self, max_queries: usize) -> Plan {
+        let max_queries = max_queries.max(1);
+        if self.groups.iter().all(|g| g.queries.len() <= max_queries) {
+            return self.clone();
+        }
+        let mut groups = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            if g.queries.len() <= max_queries {
+                groups.push(g.clone());
+                continue;
+            }
+            let tokens = g.tokens() as usize;
+            for (c, queries) in g.queries.chunks(max_queries).enumerate() {
+                let first = c * max_queries;
+                let mask = g.mask.as_ref().map(|_| {
+                    let words = queries.len().div_ceil(64);
+                    let mut m = vec![0u64; tokens * words];
+                    for t in 0..tokens {
+                        for j in 0..queries.len() {
+                            if g.visible(t, first + j) {
+                                m[t * words + j / 64] |= 1 << (j % 64);
+                            }
+                        }
+                    }
+                    m
+                });
+                let piece = Group {
+                    kv: g.kv.clone(),
+                    queries: queries.to_vec(),
+                    mask,
+                };
+                match &piece.mask {
+                    Some(m) if m.iter().all(|&w| w == 0) => {}
+                    Some(_)
+                        if (0..tokens).all(|t| (0..queries.len()).all(|j| piece.visible(t, j))) =>
+                    {
+                        groups.push(Group {
+                            mask: None,
+                            ..piece
+                        })
+                    }
+                    _ => groups.push(piece),
+                }
+            }
+        }
+        Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")
+    }
+
     /// Moves every KV address by `-offset`, for a rank that stores only its own shard.
     pub fn relocated(&self, map: impl Fn(Range<u32>) -> Range<u32>) -> Plan {
         let mut plan = self.clone();
@@ -370,6 +423,27 @@ mod tests {
         assert_eq!(plan.rows_of(0), &[0, 3]);
         assert_eq!(plan.rows_of(1), &[1, 2]);
         assert!(plan.rows_of(2).is_empty());
+    }
+
+    #[test]
+    fn split_queries_keeps_coverage_and_mask_columns() {
+        let mask: Vec<u64> = (0..4u64)
+            .map(|t| if t < 2 { 0b111 } else { 0b100 })
+            .collect();
+        let g = Group {
+            kv: vec![0..4],
+            queries: vec![0, 1, 2],
+            mask: Some(mask),
+        };
+        let plan = Plan::new(3, vec![g]).unwrap();
+        let split = plan.split_queries(2);
+        assert_eq!(split.groups().len(), 2);
+        // Queries 0 and 1 see tokens 0..2 (mask kept); query 2 sees all four (mask dropped).
+        assert!(split.groups()[0].mask.is_some());
+        assert!(split.groups()[1].mask.is_none());
+        split
+            .check_coverage(|q| if q < 2 { vec![0..2] } else { vec![0..4] })
+            .unwrap();
     }
 
     #[test]

@@ -14,6 +14,11 @@
 //!   queries below it (one more intermediate partial per query) or pushed down into its
 //!   children's groups (KV re-read, fewer partials, fuller tensor-core tiles), by a cost model;
 //!   then long-context splitting when too few groups remain to fill the GPU.
+//! - **Auto**: plans the tree with each method and a few block sizes, predicts each plan's
+//!   time with a [`DeviceModel`] (KV and partial bytes over bandwidth, tensor-core work over
+//!   throughput, a cost per CTA wave), and keeps the fastest. Planning is cheap beside a decode
+//!   step (milliseconds for the largest benchmark trees), so trying every candidate is
+//!   affordable; the candidates are listed in [`auto_candidates`].
 
 use crate::error::{CoreError, Result};
 use crate::plan::{split_ranges, Group, Plan};
@@ -32,6 +37,8 @@ pub enum Method {
     DeftFlatten,
     #[serde(rename = "fasttree")]
     FastTree,
+    /// The method and block sizes the device model predicts fastest for this tree.
+    Auto,
 }
 
 impl Method {
@@ -45,6 +52,7 @@ impl Method {
 
     pub fn name(self) -> &'static str {
         match self {
+            Method::Auto => "auto",
             Method::QGuided => "q-guided",
             Method::DeftNode => "deft-node",
             Method::DeftNodeChunk => "deft-node-chunk",
@@ -53,10 +61,10 @@ impl Method {
         }
     }
 
-    /// Parses a method name, or `all` into every method.
+    /// Parses a method name, a comma list, or `all` (every concrete method, then `auto`).
     pub fn parse_list(s: &str) -> Result<Vec<Method>> {
         if s == "all" {
-            return Ok(Method::ALL.to_vec());
+            return Ok(Method::ALL.into_iter().chain([Method::Auto]).collect());
         }
         s.split(',').map(|m| m.trim().parse()).collect()
     }
@@ -67,6 +75,7 @@ impl std::str::FromStr for Method {
     fn from_str(s: &str) -> Result<Self> {
         Method::ALL
             .into_iter()
+            .chain([Method::Auto])
             .find(|m| m.name() == s)
             .ok_or_else(|| CoreError::UnknownMethod(s.to_string()))
     }
@@ -148,7 +157,11 @@ pub fn plan(
     shape: &AttnShape,
     cfg: &PlannerConfig,
 ) -> Result<Plan> {
+    if method == Method::Auto {
+        return Ok(choose(view, shape, cfg, &DeviceModel::default())?.plan);
+    }
     let groups = match method {
+        Method::Auto => unreachable!("resolved above"),
         Method::QGuided => q_guided(view, cfg.q_guided_chunk),
         Method::DeftNode => deft_node(view, None),
         Method::DeftNodeChunk => deft_node(view, Some(cfg.node_chunk)),
@@ -167,6 +180,136 @@ pub fn plan(
         }
         _ => plan,
     })
+}
+
+/// What `auto` predicts a plan costs on a GPU. Defaults are an H100 SXM's, as canopy's kernels
+/// reach them (docs/BENCHMARKS.md): read bandwidth, `mma.sync` throughput, the cost of each
+/// wave of CTAs, and how many CTAs of the tensor-core kernel an SM holds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DeviceModel {
+    /// Bytes per microsecond the decode kernels stream from HBM.
+    pub bytes_per_us: f64,
+    /// Tensor-core multiply-adds ×2 per microsecond the decode kernel sustains.
+    pub flops_per_us: f64,
+    /// Microseconds each wave of CTAs costs beyond its bytes (launch, prologue, epilogue).
+    pub us_per_wave: f64,
+    /// Fixed microseconds of a step (two launches).
+    pub us_per_step: f64,
+    pub multiprocessors: usize,
+    pub ctas_per_sm: usize,
+    /// Query rows per CTA (the backend splits larger groups), and per tensor-core tile.
+    pub rows_per_cta: usize,
+    pub rows_per_tile: usize,
+}
+
+impl Default for DeviceModel {
+    fn default() -> Self {
+        DeviceModel {
+            bytes_per_us: 3.0e6,
+            flops_per_us: 3.0e8,
+            us_per_wave: 2.0,
+            us_per_step: 6.0,
+            multiprocessors: 132,
+            ctas_per_sm: 3,
+            rows_per_cta: 64,
+            rows_per_tile: 16,
+        }
+    }
+}
+
+impl DeviceModel {
+    /// Predicted microseconds of one decode step of `plan`.
+    pub fn predict_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
+        let io = plan.io(shape, crate::DType::F16);
+        let gqa = shape.group_size();
+        let mut ctas = 0usize;
+        let mut flops = 0.0;
+        for g in plan.groups() {
+            let rows = g.queries.len() * gqa;
+            let pieces = rows.div_ceil(self.rows_per_cta);
+            ctas += pieces * shape.kv_heads;
+            let padded = rows.div_ceil(self.rows_per_tile) * self.rows_per_tile;
+            flops += (padded.max(self.rows_per_tile * pieces) * g.tokens() as usize) as f64
+                * shape.head_dim as f64
+                * 4.0
+                * shape.kv_heads as f64;
+        }
+        let bytes = (io.kv_bytes + io.partial_bytes + io.q_bytes) as f64;
+        let waves = ctas
+            .div_ceil(self.multiprocessors * self.ctas_per_sm)
+            .max(1);
+        (bytes / self.bytes_per_us).max(flops / self.flops_per_us)
+            + waves as f64 * self.us_per_wave
+            + self.us_per_step
+    }
+}
+
+/// The candidates `auto` compares: every method, with a few block and chunk sizes.
+pub fn auto_candidates(base: &PlannerConfig) -> Vec<(Method, PlannerConfig)> {
+    let mut out = vec![
+        (
+            Method::QGuided,
+            PlannerConfig {
+                q_guided_chunk: u32::MAX,
+                ..*base
+            },
+        ),
+        (Method::DeftNode, *base),
+        (Method::FastTree, *base),
+    ];
+    for chunk in [128, 512] {
+        out.push((
+            Method::DeftNodeChunk,
+            PlannerConfig {
+                node_chunk: chunk,
+                ..*base
+            },
+        ));
+    }
+    for block in [64, 128, 256, 512] {
+        out.push((
+            Method::DeftFlatten,
+            PlannerConfig {
+                flatten_block: block,
+                flatten_query_chunk: None,
+                ..*base
+            },
+        ));
+    }
+    out
+}
+
+/// What `auto` chose for a tree, and the prediction it chose by.
+#[derive(Debug, Clone)]
+pub struct AutoChoice {
+    pub method: Method,
+    pub config: PlannerConfig,
+    pub predicted_us: f64,
+    pub plan: Plan,
+}
+
+/// Plans `view` with every candidate and keeps the one `model` predicts fastest.
+pub fn choose(
+    view: &TreeView,
+    shape: &AttnShape,
+    base: &PlannerConfig,
+    model: &DeviceModel,
+) -> Result<AutoChoice> {
+    let mut best: Option<AutoChoice> = None;
+    for (method, config) in auto_candidates(base) {
+        let plan = plan(view, method, shape, &config)?;
+        let predicted_us = model.predict_us(&plan, shape);
+        if best.as_ref().is_none_or(|b| predicted_us < b.predicted_us) {
+            best = Some(AutoChoice {
+                method,
+                config,
+                predicted_us,
+                plan,
+            });
+        }
+    }
+    Ok(best.expect("auto has candidates"))
 }
 
 fn q_guided(view: &TreeView, chunk: u32) -> Vec<Group> {
@@ -384,7 +527,7 @@ mod tests {
         for ranks in 1..=3 {
             for shard in shard_tree(&t, ranks).unwrap() {
                 let view = TreeView::new(&t, &shard);
-                for m in Method::ALL {
+                for m in Method::ALL.into_iter().chain([Method::Auto]) {
                     let plan = plan(&view, m, &shape, &PlannerConfig::default()).unwrap();
                     plan.check_coverage(|q| view.query_context(q))
                         .unwrap_or_else(|e| panic!("{m} p={ranks}: {e}"));
@@ -444,11 +587,32 @@ mod tests {
     }
 
     #[test]
+    fn auto_shares_a_long_prefix_and_keeps_a_lone_sequence_whole() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let model = DeviceModel::default();
+        let mut b = TreeBuilder::new();
+        let root = b.add_root(4000);
+        for _ in 0..50 {
+            let c = b.add_child(root, 10).unwrap();
+            b.add_query(c).unwrap();
+        }
+        let t = b.build().unwrap();
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let pick = choose(&view, &shape, &PlannerConfig::default(), &model).unwrap();
+        assert_ne!(pick.method, Method::QGuided, "{pick:?}");
+        let q = plan(&view, Method::QGuided, &shape, &PlannerConfig::default()).unwrap();
+        assert!(pick.predicted_us < model.predict_us(&q, &shape));
+        assert!(pick.plan.io(&shape, crate::DType::F16).kv_tokens_read < 2 * 4500);
+    }
+
+    #[test]
     fn method_names_round_trip() {
         for m in Method::ALL {
             assert_eq!(m.name().parse::<Method>().unwrap(), m);
         }
-        assert_eq!(Method::parse_list("all").unwrap().len(), 5);
+        assert_eq!(Method::parse_list("all").unwrap().len(), 6);
+        assert_eq!("auto".parse::<Method>().unwrap(), Method::Auto);
         assert!("radix".parse::<Method>().is_err());
     }
 }

@@ -5,8 +5,13 @@
 //! kernel that ignores the table). Plans are uploaded once as flat arrays (group descriptors,
 //! KV ranges, query lists, masks, CSR map), after re-splitting their groups so that the decode
 //! kernel fills every SM in one balanced wave. Each decode step is two launches on one stream:
-//! `decode_partial` (one CTA per group × KV head) and `merge_partials` (one CTA per query ×
-//! head), with no host synchronisation in between.
+//! stage 1 (one CTA per group × KV head) and `merge_partials` (one warp per query × head), with
+//! no host synchronisation in between.
+//!
+//! Stage 1 has two kernels over the same plan. `decode_partial` (CUDA cores) streams KV at the
+//! copy bandwidth for groups of one or a few query rows; `decode_partial_mma` (tensor cores,
+//! mma.sync) serves groups whose queries × GQA rows share their KV — the tree methods' groups —
+//! where the CUDA-core kernel would be compute-bound. [`KernelChoice`] picks one per plan.
 
 use crate::compile::{arch_for, cubin, Source};
 use crate::error::{CudaError, DriverContext, Result};
@@ -33,8 +38,56 @@ const GROUP_WORDS: usize = 7;
 /// 1M: 1.967 vs 2.017; twice each, docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of
 /// shared memory each).
 const DEFAULT_CTAS_PER_SM: u32 = 4;
+/// `auto` runs plans on tensor cores when some group has at least this many query rows.
+const AUTO_MMA_MIN_ROWS: usize = 4;
 /// Shortest KV chunk a group is split into: below this, partials and launch costs dominate.
 const MIN_SPLIT_TOKENS: u32 = 256;
+
+/// Warps per CTA of `merge_partials`, one per (query, head).
+const MERGE_WARPS: usize = 8;
+/// Query rows (queries × GQA rows) of one tensor-core CTA: four warps of one m16 tile each.
+const MMA_MAX_ROWS: usize = 64;
+/// Threads per tensor-core CTA.
+const MMA_THREADS: u32 = 128;
+/// Tokens per shared-memory KV tile of the tensor-core kernel (see `kernels/decode_mma.cu`).
+pub const MMA_TILES: [usize; 2] = [64, 32];
+
+/// Which stage-1 kernel runs a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KernelChoice {
+    /// Tensor cores where a plan's groups have several query rows, CUDA cores otherwise.
+    #[default]
+    Auto,
+    /// The CUDA-core kernel (`decode_partial`) for every plan.
+    Simt,
+    /// The tensor-core kernel (`decode_partial_mma`) wherever the dtype and head dim allow.
+    Mma,
+}
+
+impl KernelChoice {
+    pub const ALL: [KernelChoice; 3] = [KernelChoice::Auto, KernelChoice::Simt, KernelChoice::Mma];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelChoice::Auto => "auto",
+            KernelChoice::Simt => "simt",
+            KernelChoice::Mma => "mma",
+        }
+    }
+}
+
+impl std::str::FromStr for KernelChoice {
+    type Err = CudaError;
+    fn from_str(s: &str) -> Result<Self> {
+        KernelChoice::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                CudaError::Unsupported(format!("unknown kernel `{s}`: use auto, simt or mma"))
+            })
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Kernel {
@@ -42,6 +95,11 @@ pub(crate) enum Kernel {
         dtype: DType,
         head_dim: usize,
         rows: usize,
+    },
+    DecodeMma {
+        dtype: DType,
+        head_dim: usize,
+        tile: usize,
     },
     Merge,
     Fill(DType),
@@ -76,12 +134,14 @@ pub struct CudaBackend {
     page_size: Option<u32>,
     waves: u32,
     max_ctas_per_sm: Option<u32>,
+    kernel: KernelChoice,
+    mma_tile: usize,
     /// Free device memory when the backend was created.
     free_at_start: usize,
 }
 
 /// Warm-up steps [`CudaBackend::time_ms`] runs before it times.
-pub const WARMUP_STEPS: usize = 3;
+pub const WARMUP_STEPS: usize = canopy_engine::backend::WARMUP_RUNS;
 
 /// Device KV: K and V bytes and, when paged, the page table.
 pub struct CudaKv {
@@ -116,6 +176,9 @@ pub struct CudaQueries {
 pub struct CudaPlan {
     plan: Plan,
     rows: usize,
+    /// Run on tensor cores when the KV's dtype allows (16-bit).
+    tensor_cores: bool,
+
     groups: CudaSlice<u32>,
     ranges: CudaSlice<u32>,
     queries: CudaSlice<u32>,
@@ -128,6 +191,11 @@ impl CudaPlan {
     /// The plan as executed (after splitting for parallelism).
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// Whether stage 1 runs on tensor cores for KV of `dtype`.
+    pub fn uses_tensor_cores(&self, dtype: DType) -> bool {
+        self.tensor_cores && dtype != DType::F32
     }
 }
 
@@ -177,6 +245,8 @@ impl CudaBackend {
             functions: Mutex::new(HashMap::new()),
             waves: 1,
             max_ctas_per_sm: Some(DEFAULT_CTAS_PER_SM),
+            kernel: KernelChoice::Auto,
+            mma_tile: MMA_TILES[0],
             page_size: None,
         })
     }
@@ -203,6 +273,24 @@ impl CudaBackend {
     pub fn with_ctas_per_sm(mut self, n: Option<u32>) -> CudaBackend {
         self.max_ctas_per_sm = n;
         self
+    }
+
+    /// Which stage-1 kernel runs plans (default: auto).
+    pub fn with_kernel(mut self, kernel: KernelChoice) -> CudaBackend {
+        self.kernel = kernel;
+        self
+    }
+
+    /// KV tokens per shared-memory tile of the tensor-core kernel: 64 (default) or 32 (half
+    /// the shared memory, a fourth CTA per SM).
+    pub fn with_mma_tile(mut self, tile: usize) -> Result<CudaBackend> {
+        if !MMA_TILES.contains(&tile) {
+            return Err(CudaError::Unsupported(format!(
+                "tensor-core tile of {tile} tokens: use 64 or 32"
+            )));
+        }
+        self.mma_tile = tile;
+        Ok(self)
     }
 
     pub fn gpu(&self) -> &GpuInfo {
@@ -232,6 +320,19 @@ impl CudaBackend {
                     ("ROWS", rows.to_string()),
                 ],
             ),
+            Kernel::DecodeMma {
+                dtype,
+                head_dim,
+                tile,
+            } => (
+                Source::DecodeMma,
+                "decode_partial_mma",
+                vec![
+                    ("CANOPY_DTYPE", dtype_code(dtype)),
+                    ("HEAD_DIM", head_dim.to_string()),
+                    ("TILE", tile.to_string()),
+                ],
+            ),
             Kernel::Merge => (
                 Source::Merge,
                 "merge_partials",
@@ -251,6 +352,20 @@ impl CudaBackend {
         let f = module
             .load_function(name)
             .ctx(format!("cuModuleGetFunction({name})"))?;
+        if let Kernel::DecodeMma { head_dim, tile, .. } = kernel {
+            use cudarc::driver::sys::CUfunction_attribute as Attr;
+            f.set_attribute(
+                Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                mma_shared_bytes(head_dim, tile) as i32,
+            )
+            .ctx("cuFuncSetAttribute(max dynamic shared memory)")?;
+            // All of L1 as shared memory, so three CTAs fit on every SM.
+            f.set_attribute(
+                Attr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+            .ctx("cuFuncSetAttribute(shared memory carveout)")?;
+        }
         fns.insert(kernel, f.clone());
         Ok(f)
     }
@@ -275,6 +390,36 @@ impl CudaBackend {
                 .occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None)
                 .ctx("cuOccupancy")?,
         })
+    }
+
+    /// Registers, spills, shared memory and occupancy of the tensor-core kernel.
+    pub fn mma_resources(&self, dtype: DType, head_dim: usize) -> Result<KernelResources> {
+        let tile = self.mma_tile;
+        let f = self.function(Kernel::DecodeMma {
+            dtype,
+            head_dim,
+            tile,
+        })?;
+        let shared = mma_shared_bytes(head_dim, tile);
+        Ok(KernelResources {
+            registers: f.num_regs().ctx("cuFuncGetAttribute")?,
+            local_bytes: f.local_size_bytes().ctx("cuFuncGetAttribute")?,
+            shared_bytes: shared as i32,
+            ctas_per_sm: f
+                .occupancy_max_active_blocks_per_multiprocessor(MMA_THREADS, shared, None)
+                .ctx("cuOccupancy")?,
+        })
+    }
+
+    /// Whether plans of `shape` run on tensor cores (given 16-bit KV).
+    fn tensor_cores_for(&self, shape: &AttnShape, max_rows: usize) -> bool {
+        let supported = crate::compile::MMA_HEAD_DIMS.contains(&shape.head_dim)
+            && shape.group_size() <= MMA_MAX_ROWS;
+        match self.kernel {
+            KernelChoice::Simt => false,
+            KernelChoice::Mma => supported,
+            KernelChoice::Auto => supported && max_rows >= AUTO_MMA_MIN_ROWS,
+        }
     }
 
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
@@ -351,22 +496,26 @@ impl CudaBackend {
 
     /// Runs `f` `iters` times after three warm-ups, timing each run with CUDA events. All runs
     /// are enqueued before any is waited for, so the GPU never idles on the host's launches.
-    pub fn time_ms(&self, iters: usize, f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    pub fn time_ms<E: From<CudaError>>(
+        &self,
+        iters: usize,
+        f: impl FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<Vec<f64>, E> {
         self.time_ms_until(iters, |e| e.synchronize().ctx("cuEventSynchronize"), f)
     }
 
     /// [`time_ms`](Self::time_ms), waiting for the last event with `wait` (a watchdog).
-    pub fn time_ms_until(
+    pub fn time_ms_until<E: From<CudaError>>(
         &self,
         iters: usize,
         wait: impl Fn(&CudaEvent) -> Result<()>,
-        mut f: impl FnMut() -> Result<()>,
-    ) -> Result<Vec<f64>> {
+        mut f: impl FnMut() -> std::result::Result<(), E>,
+    ) -> std::result::Result<Vec<f64>, E> {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
         for _ in 0..WARMUP_STEPS {
             f()?;
         }
-        let mut events = Vec::with_capacity(iters);
+        let mut events: Vec<(CudaEvent, CudaEvent)> = Vec::with_capacity(iters);
         for _ in 0..iters {
             let start = self
                 .stream
@@ -540,19 +689,29 @@ impl Backend for CudaBackend {
     }
 
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> EResult<CudaPlan> {
+        let gqa = shape.group_size();
         let max_rows = plan
             .groups()
             .iter()
             .map(|g| g.queries.len())
             .max()
             .unwrap_or(1)
-            * shape.group_size();
+            * gqa;
+        let tensor_cores = self.tensor_cores_for(shape, max_rows);
+        // A CTA holds at most 64 rows (either kernel: the CUDA-core one would otherwise loop over
+        // the KV once per 8 rows); larger groups become CTAs that read the same KV from L2.
+        let plan = plan.split_queries((MMA_MAX_ROWS / gqa).max(1));
+        let max_rows = max_rows.min(MMA_MAX_ROWS.max(gqa));
         let rows = rows_config(max_rows);
         // One balanced wave: as many CTAs as fit on the GPU at once. The plan is uploaded before
         // it meets its KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32
         // variants use the same shared memory and no more registers (compiler resource report),
         // so their true occupancy is never lower and the wave never spills into a second.
-        let res = self.decode_resources(DType::Bf16, shape.head_dim, rows)?;
+        let res = if tensor_cores {
+            self.mma_resources(DType::Bf16, shape.head_dim)?
+        } else {
+            self.decode_resources(DType::Bf16, shape.head_dim, rows)?
+        };
         let per_sm = res
             .ctas_per_sm
             .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
@@ -586,6 +745,8 @@ impl Backend for CudaBackend {
         let (ptr, rows_csr) = plan.csr();
         Ok(CudaPlan {
             rows,
+            tensor_cores,
+
             groups: self.upload(&groups)?,
             ranges: self.upload(&ranges)?,
             queries: self.upload(&queries)?,
@@ -640,11 +801,32 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return Ok(());
         }
-        let f = self.function(Kernel::Decode {
-            dtype: kv.dtype,
-            head_dim: shape.head_dim,
-            rows: plan.rows,
-        })?;
+        let tensor_cores = plan.uses_tensor_cores(kv.dtype);
+        let (f, cfg) = if tensor_cores {
+            let f = self.function(Kernel::DecodeMma {
+                dtype: kv.dtype,
+                head_dim: shape.head_dim,
+                tile: self.mma_tile,
+            })?;
+            let cfg = LaunchConfig {
+                grid_dim: (groups, shape.kv_heads as u32, 1),
+                block_dim: (MMA_THREADS, 1, 1),
+                shared_mem_bytes: mma_shared_bytes(shape.head_dim, self.mma_tile) as u32,
+            };
+            (f, cfg)
+        } else {
+            let f = self.function(Kernel::Decode {
+                dtype: kv.dtype,
+                head_dim: shape.head_dim,
+                rows: plan.rows,
+            })?;
+            let cfg = LaunchConfig {
+                grid_dim: (groups, shape.kv_heads as u32, 1),
+                block_dim: (DECODE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (f, cfg)
+        };
         let null = 0u64;
         let (q_heads, kv_heads) = (shape.q_heads as i32, shape.kv_heads as i32);
         let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
@@ -667,14 +849,14 @@ impl Backend for CudaBackend {
             .arg(&q_heads)
             .arg(&kv_heads)
             .arg(&scale_log2);
-        let cfg = LaunchConfig {
-            grid_dim: (groups, shape.kv_heads as u32, 1),
-            block_dim: (DECODE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: arguments match decode_partial's signature; every index the kernel forms comes
-        // from the validated plan, within the buffers allocated for it.
-        unsafe { b.launch(cfg) }.ctx("launching decode_partial")?;
+        // SAFETY: arguments match the signature both stage-1 kernels share; every index the
+        // kernel forms comes from the validated plan (groups of at most 64 rows for the
+        // tensor-core kernel), within the buffers allocated for it.
+        unsafe { b.launch(cfg) }.ctx(if tensor_cores {
+            "launching decode_partial_mma"
+        } else {
+            "launching decode_partial"
+        })?;
         Ok(())
     }
 
@@ -699,11 +881,13 @@ impl Backend for CudaBackend {
             .arg(&plan.query_rows)
             .arg(&mut out.o)
             .arg(&mut out.lse)
+            .arg(&nq)
             .arg(&heads)
             .arg(&d);
+        let cells = nq as usize * partials.heads;
         let cfg = LaunchConfig {
-            grid_dim: (nq, heads as u32, 1),
-            block_dim: ((d as u32).min(128), 1, 1),
+            grid_dim: (cells.div_ceil(MERGE_WARPS) as u32, 1, 1),
+            block_dim: (MERGE_WARPS as u32 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: arguments match merge_partials; CSR rows index the partial buffers.
@@ -724,6 +908,10 @@ impl Backend for CudaBackend {
             o,
             lse,
         })
+    }
+
+    fn time_steps(&self, iters: usize, step: &mut dyn FnMut() -> EResult<()>) -> EResult<Vec<f64>> {
+        self.time_ms(iters, step)
     }
 
     /// Stages through host memory; the NCCL transport replaces this with device send/recv.
@@ -753,6 +941,14 @@ impl Backend for CudaBackend {
         comm.recv(&mut v, peer)?;
         Ok(self.write_bytes(kv, 0, &k, &v)?)
     }
+}
+
+/// Dynamic shared memory of the tensor-core kernel: two stages of K and V tiles, rows padded
+/// by 8 elements, or the merge scratch that reuses them if that is larger.
+fn mma_shared_bytes(head_dim: usize, tile: usize) -> usize {
+    let stages = 2 * 2 * tile * (head_dim + 8) * 2;
+    let scratch = 4 * (16 * (head_dim + 2) + 64) * 4;
+    stages.max(scratch)
 }
 
 fn gcd(a: usize, b: usize) -> usize {

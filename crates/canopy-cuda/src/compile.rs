@@ -15,6 +15,7 @@ const COMMON: &str = include_str!("../../../kernels/common.cuh");
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Source {
     Decode,
+    DecodeMma,
     Merge,
     Fill,
     Combine,
@@ -24,6 +25,7 @@ impl Source {
     fn name(self) -> &'static str {
         match self {
             Source::Decode => "decode.cu",
+            Source::DecodeMma => "decode_mma.cu",
             Source::Merge => "merge.cu",
             Source::Fill => "fill.cu",
             Source::Combine => "combine.cu",
@@ -33,12 +35,17 @@ impl Source {
     fn text(self) -> &'static str {
         match self {
             Source::Decode => include_str!("../../../kernels/decode.cu"),
+            Source::DecodeMma => include_str!("../../../kernels/decode_mma.cu"),
             Source::Merge => include_str!("../../../kernels/merge.cu"),
             Source::Fill => include_str!("../../../kernels/fill.cu"),
             Source::Combine => include_str!("../../../kernels/combine.cu"),
         }
     }
 }
+
+/// Head dimensions the tensor-core kernel is built for (its accumulators for 256 would not fit
+/// in registers beside the score tile).
+pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// The architecture NVRTC targets for compute capability `cc`.
 pub fn arch_for(cc: (i32, i32)) -> String {
@@ -136,6 +143,18 @@ pub fn all_variants() -> Vec<(Source, Vec<(&'static str, String)>)> {
     for (code, _) in codes {
         out.push((Source::Fill, vec![("CANOPY_DTYPE", code.to_string())]));
         for head_dim in canopy_core::shape::SUPPORTED_HEAD_DIMS {
+            if code != "0" && MMA_HEAD_DIMS.contains(&head_dim) {
+                for tile in crate::backend::MMA_TILES {
+                    out.push((
+                        Source::DecodeMma,
+                        vec![
+                            ("CANOPY_DTYPE", code.to_string()),
+                            ("HEAD_DIM", head_dim.to_string()),
+                            ("TILE", tile.to_string()),
+                        ],
+                    ));
+                }
+            }
             for rows in [1, 2, 4, 8] {
                 out.push((
                     Source::Decode,

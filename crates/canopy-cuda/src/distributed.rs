@@ -27,14 +27,15 @@
 //! through a [`Watchdog`]: a dead or stalled peer ends each rank within `timeout` with an error
 //! naming the rank and the NCCL call, never a hang.
 
-use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel, WARMUP_STEPS};
+use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel, KernelChoice, WARMUP_STEPS};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::nccl::{connect_at_init, group, NcclComm, NcclOp, Watchdog};
 use canopy_core::data::{hashed_queries, HashedKv};
 use canopy_core::stats::{median, quantile};
+use canopy_core::workload::build_tree;
 use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, DType, KvTree, Method,
-    Overrides, PlannerConfig, Shard, TreeView, WorkloadSpec,
+    Overrides, PlannerConfig, Shard, TreeSpec, TreeView, WorkloadSpec,
 };
 use canopy_engine::cost::{CallKind, CostModel, PaperModel};
 use canopy_engine::{ring_buffers, Backend, MergeCollective, NodeLayout, Strategy};
@@ -91,6 +92,11 @@ pub struct DistributedConfig {
     pub dtype: DType,
     pub seq_len: u32,
     pub batch: u32,
+    /// A tree workload and the method each rank plans its part with, instead of `batch`
+    /// sequences of `seq_len` tokens.
+    pub tree: Option<(TreeSpec, Method)>,
+    /// The stage-1 kernel each rank runs.
+    pub kernel: KernelChoice,
     pub iters: usize,
     pub check: bool,
     pub seed: u64,
@@ -105,14 +111,27 @@ pub struct DistributedConfig {
 
 /// The problem every rank derives from `cfg`: the tree and its shards.
 fn problem(cfg: &DistributedConfig) -> canopy_engine::Result<(KvTree, Vec<Shard>)> {
-    let spec = WorkloadSpec::load("long")?.with_overrides(Overrides {
-        seq_len: Some(cfg.seq_len),
-        batch: Some(cfg.batch),
-        prompt_len: None,
-    })?;
-    let tree = spec.build_tree()?;
+    let tree = match &cfg.tree {
+        Some((spec, _)) => build_tree(spec)?,
+        None => WorkloadSpec::load("long")?
+            .with_overrides(Overrides {
+                seq_len: Some(cfg.seq_len),
+                batch: Some(cfg.batch),
+                prompt_len: None,
+            })?
+            .build_tree()?,
+    };
     let shards = shard_tree(&tree, cfg.ranks)?;
     Ok((tree, shards))
+}
+
+/// The planner configuration of every rank: Q-guided keeps each path whole (the backend splits
+/// long groups to fill the GPU); the tree methods keep their defaults.
+pub fn tree_planner() -> PlannerConfig {
+    PlannerConfig {
+        q_guided_chunk: u32::MAX,
+        ..PlannerConfig::default()
+    }
 }
 
 /// Refuses configurations this machine cannot run, before anything is allocated.
@@ -216,7 +235,7 @@ fn rank_body(
     tree: &KvTree,
     shards: &[Shard],
 ) -> RankOutcome {
-    let backend = CudaBackend::new(gpu)?;
+    let backend = CudaBackend::new(gpu)?.with_kernel(cfg.kernel);
     // From here a rank that waits for its peers (NCCL's set-up included) is watched.
     let watchdog = Watchdog::start(rank, cfg.timeout);
     check_fits(&backend, cfg, shards)?;
@@ -417,8 +436,12 @@ fn finish(
             None => cfg.strategy.name(),
         },
         ranks: cfg.ranks,
-        seq_len: cfg.seq_len,
-        batch: cfg.batch,
+        seq_len: if cfg.tree.is_some() {
+            tree.total_tokens()
+        } else {
+            cfg.seq_len
+        },
+        batch: tree.num_queries() as u32,
         median_ms: median(&times),
         p10_ms: quantile(&times, 0.1),
         p90_ms: quantile(&times, 0.9),
@@ -457,15 +480,12 @@ fn shard_plan(
     tree: &KvTree,
     shard: &Shard,
 ) -> canopy_engine::Result<CudaPlan> {
-    let single = PlannerConfig {
-        q_guided_chunk: u32::MAX,
-        ..PlannerConfig::default()
-    };
+    let method = cfg.tree.as_ref().map_or(Method::QGuided, |(_, m)| *m);
     let local = shard.localize(&plan(
         &TreeView::new(tree, shard),
-        Method::QGuided,
+        method,
         &cfg.shape,
-        &single,
+        &tree_planner(),
     )?);
     backend.upload_plan(&cfg.shape, &local)
 }
@@ -646,7 +666,7 @@ fn ring_steps(
                     compute.wait(&ev).ctx("cuStreamWaitEvent")?;
                 }
             }
-            Ok(())
+            Ok::<(), CudaError>(())
         },
     )?;
     let wire_bytes_per_step = per_step(before, comm.wire_bytes(), cfg.iters);

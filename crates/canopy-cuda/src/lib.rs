@@ -18,6 +18,8 @@ mod error;
 pub mod nccl;
 pub mod probe;
 
-pub use backend::{CudaBackend, CudaKv, CudaPlan, CudaQueries, CudaStates, KernelResources};
+pub use backend::{
+    CudaBackend, CudaKv, CudaPlan, CudaQueries, CudaStates, KernelChoice, KernelResources,
+};
 pub use error::{CudaError, Result};
 pub use probe::{probe, CudaInfo, GpuInfo};

@@ -11,6 +11,9 @@ use crate::Result;
 use canopy_comm::Collective;
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
 
+/// Untimed runs before [`Backend::time_steps`] starts timing (caches, clocks, lazy set-up).
+pub const WARMUP_RUNS: usize = 3;
+
 pub trait Backend: Send + Sync {
     type Kv: Send;
     type Queries: Send;
@@ -47,6 +50,21 @@ pub trait Backend: Send + Sync {
         out: &mut Self::States,
     ) -> Result<()>;
     fn download(&self, states: &Self::States) -> Result<AttnStates>;
+    /// Milliseconds of each of `iters` runs of `step`, after [`WARMUP_RUNS`] untimed ones. The
+    /// default reads the host clock around each run; a device backend times with its own
+    /// events, without waiting for the device between runs.
+    fn time_steps(&self, iters: usize, step: &mut dyn FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        for _ in 0..WARMUP_RUNS {
+            step()?;
+        }
+        (0..iters)
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                step()?;
+                Ok(t0.elapsed().as_secs_f64() * 1e3)
+            })
+            .collect()
+    }
     /// Sends the first `tokens` tokens of `kv` (K then V) to `peer`: the ring's KV hand-off.
     fn send_kv<C: Collective>(
         &self,

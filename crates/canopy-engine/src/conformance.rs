@@ -8,7 +8,8 @@ use crate::backend::Backend;
 use crate::strategy::{run_threads, Problem, RunConfig, Strategy};
 use crate::Result;
 use canopy_core::{
-    random_tree, relative_error, AttnShape, DType, KvTree, Method, PlannerConfig, WorkloadSpec,
+    random_tree, relative_error, AttnShape, DType, KvTree, Method, PlannerConfig, TreeBuilder,
+    WorkloadSpec,
 };
 use std::time::Duration;
 
@@ -42,6 +43,19 @@ pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree)> {
             )
         })
         .collect();
+    // The shapes the issue names beside the random ones: one node, and a fan of 1,100 leaves of
+    // 1-3 tokens (more queries than a mask word or a CTA's rows hold).
+    let mut single = TreeBuilder::new();
+    let root = single.add_root(37);
+    single.add_query(root).expect("node exists");
+    trees.push(("single-node".into(), single.build().expect("valid")));
+    let mut wide = TreeBuilder::new();
+    let root = wide.add_root(40);
+    for i in 0..1100u32 {
+        let leaf = wide.add_child(root, i % 3 + 1).expect("parent exists");
+        wide.add_query(leaf).expect("node exists");
+    }
+    trees.push(("fan-1100".into(), wide.build().expect("valid")));
     // Small versions of the named workloads: FastTree's smallest tree as is, the DeFT ones with
     // a 300-token prompt.
     let named = [
@@ -87,7 +101,7 @@ where
         let problem = Problem::random(tree, shape, dtype, seed.wrapping_add(t as u64));
         let oracle = problem.oracle();
         for &p in ranks {
-            for method in Method::ALL {
+            for method in Method::ALL.into_iter().chain([Method::Auto]) {
                 for strategy in Strategy::every() {
                     let cfg = RunConfig {
                         ranks: p,

@@ -9,6 +9,7 @@
 //!   collective calls, for `auto` and for scaling predictions.
 //! - [`strategy`]: the per-rank decode loop for the tree and ring strategies, generic over the
 //!   transport ([`canopy_comm::Collective`]), and the thread-per-rank driver.
+//! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend.
 
 pub mod backend;
 pub mod conformance;
@@ -18,6 +19,7 @@ mod error;
 pub mod merge;
 pub mod strategy;
 pub mod topology;
+pub mod tree_bench;
 
 pub use backend::Backend;
 pub use cost::CostModel;

@@ -1,0 +1,372 @@
+// Stage 1 of decoding on tensor cores: the same plans as decode.cu, for groups with many query
+// rows (shared prefixes: FastTree's and DeFT's groups, GQA).
+//
+// One CTA per (plan group, KV head), four warps. A group's rows are its queries x the GQA rows of
+// the KV head, at most 64 (the host splits larger groups by query, so each CTA holds all its
+// rows in registers). KV streams through shared memory in tiles of TILE tokens, double-buffered
+// with cp.async (the next tile is in flight while the warps compute on this one).
+//
+// (A persistent variant, one CTA per bin of consecutive groups with the tile stream running
+// across group boundaries, measured slower on every FastTree tree on H100: docs/BENCHMARKS.md.)
+//
+// Warps share the work of a tile two ways, chosen per CTA at run time from the group's rows:
+// WR row blocks of 16 rows (one m16 tile each) x WK token slices of the tile (WR * WK = 4). A
+// group of 4 GQA rows (one query) runs WK = 4: every warp applies its own quarter of the tokens
+// to the same 16-row tile; a 64-row group runs WR = 4: every warp sees every token for its own
+// 16 rows. Each warp keeps an online-softmax state for its rows; slices are merged at the end.
+//
+// At the end the warps' states are merged through shared memory (reusing the tile stages) and
+// written as normalised partials (o, natural-log lse).
+//
+// Per warp and tile: S = Q K^T by mma.sync.m16n8k16 (Q fragments stay in registers for the
+// whole group; K fragments come from shared memory by ldmatrix), masking and the online softmax
+// on the accumulators (log2 domain: S is scaled by scale * log2(e)), then O += P V with P
+// converted in registers from the S accumulators to A fragments and V by ldmatrix.trans.
+// Shared-memory rows are padded by 16 bytes so ldmatrix's eight row addresses hit distinct banks.
+//
+// Compile-time parameters: CANOPY_DTYPE (1 = f16, 2 = bf16), HEAD_DIM (64 or 128).
+
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#ifndef TILE
+#define TILE 64  // KV tokens per shared-memory tile: 64 or 32
+#endif
+#define WK_MAX (TILE / 16)  // token slices per tile (P V needs 16 tokens per slice)
+#if TILE == 32
+#define MIN_CTAS 4
+#else
+#define MIN_CTAS 3
+#endif
+#define MAX_ROWS 64
+#define STRIDE (HEAD_DIM + 8)  // elements per shared-memory row
+#define KCH (HEAD_DIM / 16)    // k-chunks of Q K^T
+#define DTILES (HEAD_DIM / 8)  // n-tiles of P V
+#define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per token row
+#define GROUP_WORDS 7
+
+#if CANOPY_DTYPE == 1
+#define MMA_AB "f16"
+#else
+#define MMA_AB "bf16"
+#endif
+
+// One pipeline stage: a tile of K and V, contiguous so the epilogue can reuse it whole.
+struct Stage {
+    u16 k[TILE][STRIDE];
+    u16 v[TILE][STRIDE];
+};
+
+struct Scratch {
+    float m[WARPS][16];
+    float l[WARPS][16];
+    float weight[WARPS][MAX_ROWS];  // per (slice, row): exp2(m - M) / L
+    __align__(16) float o[WARPS][16][HEAD_DIM];
+};
+
+static_assert(sizeof(Scratch) <= 2 * sizeof(Stage), "the scratch fits the two stages");
+
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats to one register of two 16-bit elements, `lo` in the low half (the lower column).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if CANOPY_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, u32 bytes) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes) : "memory");
+}
+
+// A group's descriptor fields (see the host's upload_plan).
+struct GroupDesc {
+    u32 range_begin, query_begin, query_count, partial_base, mask_plus1, tokens;
+};
+
+__device__ __forceinline__ GroupDesc read_group(const u32* groups, u32 g) {
+    const u32* gd = groups + (u64)g * GROUP_WORDS;
+    return GroupDesc{gd[0], gd[2], gd[3], gd[4], gd[5], gd[6]};
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
+decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+                   const float* __restrict__ q, const u32* __restrict__ groups,
+                   const u32* __restrict__ ranges, const u32* __restrict__ group_queries,
+                   const u64* __restrict__ masks, const u32* __restrict__ page_table, u32 page_shift,
+                   float* __restrict__ out_o, float* __restrict__ out_lse, int q_heads, int kv_heads,
+                   float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // two stages
+
+    const GroupDesc cd = read_group(groups, blockIdx.x);
+    const int kvh = blockIdx.y;
+    const int gsz = q_heads / kv_heads;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, tig = lane % 4;
+    const u32 page_mask = (1u << page_shift) - 1u;
+    const u64 tok_stride = (u64)kv_heads * HEAD_DIM * 2;
+
+    // Loader: thread t copies 16-byte piece t % CHUNKS of tile rows t / CHUNKS + i * (THREADS /
+    // CHUNKS). It walks the bin's groups one tile ahead of the compute; within a group its
+    // tokens only move forward, so one range cursor serves the group.
+    const int piece = threadIdx.x % CHUNKS, row_first = threadIdx.x / CHUNKS;
+    const int rows_per_pass = THREADS / CHUNKS;
+    u32 ri = 0, seg_local = 0;
+    u32 seg_addr = ranges[2 * cd.range_begin];
+    u32 seg_end = ranges[2 * cd.range_begin + 1] - seg_addr;
+    auto issue = [&](u32 tile) {
+        const u32 stage = tile & 1;
+#pragma unroll
+        for (int i = 0; i < TILE / rows_per_pass; ++i) {
+            const int r = row_first + i * rows_per_pass;
+            const u32 local = tile * TILE + r;
+            u64 off = 0;
+            const bool valid = local < cd.tokens;
+            if (valid) {
+                while (local >= seg_end) {
+                    ++ri;
+                    const u32 rs = ranges[2 * (cd.range_begin + ri)], re = ranges[2 * (cd.range_begin + ri) + 1];
+                    seg_local = seg_end;
+                    seg_end += re - rs;
+                    seg_addr = rs;
+                }
+                const u32 t = seg_addr + (local - seg_local);
+                const u32 addr = page_table ? (page_table[t >> page_shift] << page_shift) | (t & page_mask) : t;
+                off = (u64)addr * tok_stride + ((u64)kvh * HEAD_DIM + piece * 8) * 2;
+            }
+            cp_async16_zfill(&stage_mem[stage].k[r][piece * 8], kc + off, valid ? 16 : 0);
+            cp_async16_zfill(&stage_mem[stage].v[r][piece * 8], vc + off, valid ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+
+    const u32 tiles = (cd.tokens + TILE - 1) / TILE;
+    const int rows = min((int)cd.query_count * gsz, MAX_ROWS);
+    const int wr = max(rows <= 16 ? 1 : (rows <= 32 ? 2 : 4), WARPS / WK_MAX);
+    const int wk = WARPS / wr;
+    const int rb = warp % wr, ks = warp / wr;
+    const int ntl = TILE / wk / 8;  // this warp's n-tiles of 8 tokens per tile
+    const u32 words = (cd.query_count + 63) / 64;
+
+    // Q fragments of this warp's 16 rows: rows g and g + 8, all of HEAD_DIM, as 16-bit pairs.
+    u32 qa[KCH][4];
+    {
+        const float* qrow0 = nullptr;
+        const float* qrow1 = nullptr;
+        const int r0 = rb * 16 + g, r1 = r0 + 8;
+        if (r0 < rows)
+            qrow0 = q + ((u64)group_queries[cd.query_begin + r0 / gsz] * q_heads + kvh * gsz + r0 % gsz) * HEAD_DIM;
+        if (r1 < rows)
+            qrow1 = q + ((u64)group_queries[cd.query_begin + r1 / gsz] * q_heads + kvh * gsz + r1 % gsz) * HEAD_DIM;
+#pragma unroll
+        for (int c = 0; c < KCH; ++c) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float* p = (i & 1) ? qrow1 : qrow0;
+                const int d = c * 16 + (i >> 1) * 8 + 2 * tig;
+                qa[c][i] = p ? pack2(p[d], p[d + 1]) : 0u;
+            }
+        }
+    }
+    float o[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    if (tiles > 0) issue(0);
+    for (u32 tile = 0; tile < tiles; ++tile) {
+        if (tile + 1 < tiles) issue(tile + 1);
+        else asm volatile("cp.async.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        __syncthreads();
+        const int st = tile & 1;
+        const int t0 = ks * (TILE / wk);  // first token of this warp's slice within the tile
+
+        float s[TILE / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < TILE / 8; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#pragma unroll
+        for (int c = 0; c < KCH; c += 2) {
+#pragma unroll
+            for (int nt = 0; nt < TILE / 8; ++nt) {
+                if (nt < ntl) {
+                    u32 b[4];
+                    ldsm_x4(b, &stage_mem[st].k[t0 + nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
+                    mma16816(s[nt], qa[c], b[0], b[1]);
+                    mma16816(s[nt], qa[c + 1], b[2], b[3]);
+                }
+            }
+        }
+        // Scale, mask, and the online softmax for rows g (h = 0) and g + 8 (h = 1).
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < TILE / 8; ++nt) {
+            if (nt < ntl) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const u32 local = tile * TILE + t0 + nt * 8 + 2 * tig + (i & 1);
+                    const int row = rb * 16 + g + 8 * (i >> 1);
+                    bool keep = local < cd.tokens && row < rows;
+                    if (keep && cd.mask_plus1) {
+                        const u32 j = (u32)row / gsz;
+                        keep = (masks[cd.mask_plus1 - 1 + (u64)local * words + j / 64] >> (j % 64)) & 1ull;
+                    }
+                    s[nt][i] = keep ? s[nt][i] * scale_log2 : NEG_INF;
+                    mx[i >> 1] = fmaxf(mx[i >> 1], s[nt][i]);
+                }
+            }
+        }
+        float alpha[2], mnew[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            mnew[h] = fmaxf(m[h], mx[h]);
+            alpha[h] = mnew[h] == NEG_INF ? 1.f : fast_exp2(m[h] - mnew[h]);
+            m[h] = mnew[h];
+            l[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int nt = 0; nt < TILE / 8; ++nt) {
+            if (nt < ntl) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int h = i >> 1;
+                    const float p = mnew[h] == NEG_INF ? 0.f : fast_exp2(s[nt][i] - mnew[h]);
+                    s[nt][i] = p;
+                    l[h] += p;
+                }
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) {
+            o[d][0] *= alpha[0];
+            o[d][1] *= alpha[0];
+            o[d][2] *= alpha[1];
+            o[d][3] *= alpha[1];
+        }
+        // O += P V, 16 tokens (two S n-tiles) per k-chunk.
+#pragma unroll
+        for (int c = 0; c < TILE / 16; ++c) {
+            if (2 * c < ntl) {
+                u32 a[4];
+                a[0] = pack2(s[2 * c][0], s[2 * c][1]);
+                a[1] = pack2(s[2 * c][2], s[2 * c][3]);
+                a[2] = pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
+                a[3] = pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
+                const int vt = t0 + c * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+                for (int d = 0; d < DTILES; d += 2) {
+                    u32 b[4];
+                    ldsm_x4_trans(b, &stage_mem[st].v[vt][(d + (lane >> 4)) * 8]);
+                    mma16816(o[d], a, b[0], b[1]);
+                    mma16816(o[d + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+
+    // Quad totals of l (each thread summed only its own columns).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    if (wk == 1) {
+        // Each warp holds whole rows: normalise and write straight from the accumulators.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = rb * 16 + g + 8 * h;
+            if (row < rows) {
+                const u64 prow = (u64)cd.partial_base + row / gsz;
+                const int head = kvh * gsz + row % gsz;
+                const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+                float* dst = out_o + (prow * q_heads + head) * HEAD_DIM + 2 * tig;
+#pragma unroll
+                for (int d = 0; d < DTILES; ++d)
+                    *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+                if (tig == 0)
+                    out_lse[prow * q_heads + head] = l[h] > 0.f ? (m[h] + __log2f(l[h])) * LN2 : NEG_INF;
+            }
+        }
+        return;
+    }
+    // Several warps share each row: states through shared memory (reusing the tile stages),
+    // one weight per (slice, row), then a vectorised weighted sum per element.
+    Scratch& sc = *reinterpret_cast<Scratch*>(stage_mem);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (tig == 0) {
+            sc.m[warp][g + 8 * h] = m[h];
+            sc.l[warp][g + 8 * h] = l[h];
+        }
+    }
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d) {
+        *reinterpret_cast<float2*>(&sc.o[warp][g][d * 8 + 2 * tig]) = make_float2(o[d][0], o[d][1]);
+        *reinterpret_cast<float2*>(&sc.o[warp][g + 8][d * 8 + 2 * tig]) = make_float2(o[d][2], o[d][3]);
+    }
+    __syncthreads();
+    if (threadIdx.x < rows) {
+        const int row = threadIdx.x, b = row / 16, r = row % 16;
+        float M = NEG_INF;
+        for (int k = 0; k < wk; ++k) M = fmaxf(M, sc.m[b + k * wr][r]);
+        float L = 0.f;
+        if (M != NEG_INF)
+            for (int k = 0; k < wk; ++k) L = fmaf(sc.l[b + k * wr][r], fast_exp2(sc.m[b + k * wr][r] - M), L);
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        for (int k = 0; k < wk; ++k)
+            sc.weight[k][row] = L > 0.f ? fast_exp2(sc.m[b + k * wr][r] - M) * inv : 0.f;
+        const u64 prow = (u64)cd.partial_base + row / gsz;
+        out_lse[prow * q_heads + kvh * gsz + row % gsz] = L > 0.f ? (M + __log2f(L)) * LN2 : NEG_INF;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < rows * (HEAD_DIM / 4); idx += THREADS) {
+        const int row = idx / (HEAD_DIM / 4), d = (idx % (HEAD_DIM / 4)) * 4;
+        const int b = row / 16, r = row % 16;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k = 0; k < wk; ++k) {
+            const float w = sc.weight[k][row];
+            const float4 x = *reinterpret_cast<const float4*>(&sc.o[b + k * wr][r][d]);
+            acc.x = fmaf(x.x, w, acc.x);
+            acc.y = fmaf(x.y, w, acc.y);
+            acc.z = fmaf(x.z, w, acc.z);
+            acc.w = fmaf(x.w, w, acc.w);
+        }
+        const u64 prow = (u64)cd.partial_base + row / gsz;
+        const int head = kvh * gsz + row % gsz;
+        *reinterpret_cast<float4*>(out_o + (prow * q_heads + head) * HEAD_DIM + d) = acc;
+    }
+}

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 5 on one H100: tree-structured KV. The CUDA conformance suite with the tensor-core
+# kernel forced on, then `bench tree` on FastTree's ten trees at 32/8 and 32/32 heads (fp16,
+# head dim 128) and on DeFT's workloads, every method, with the CUDA-core kernel beside the
+# default for comparison. SASS of the tensor-core kernel is checked for HMMA.
+#
+# Run from the repository root on the device machine with the release binary in .device/.
+# STAGE=check runs only the conformance suite; STAGE=bench only the benchmarks.
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+log() { echo "== $*"; }
+STAGE=${STAGE:-all}
+ITER=${ITER:-30}
+
+{
+  log "machine"; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  if [ "$STAGE" != bench ]; then
+    log "selftest, tensor-core kernel wherever possible (contiguous and paged KV, 1 and 2 ranks)"
+    time $BIN selftest --backend cuda --ranks 1,2 --cases 6 --kernel mma
+    log "selftest, default kernel choice"
+    time $BIN selftest --backend cuda --ranks 1 --cases 6 --page-size 0
+  fi
+  if [ "$STAGE" != check ]; then
+    for heads in 8 32; do
+      for t in 0 1 2 3 4 5 6 7 8 9; do
+        log "fasttree-$t 32/$heads"
+        $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
+          --dtype f16 --method all --iterations $ITER --json > "$OUT/ft${t}_32_${heads}.json" \
+          && $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
+          --dtype f16 --method all --iterations $ITER --check false --kernel simt --json \
+          > "$OUT/ft${t}_32_${heads}_simt.json"
+        python3 - "$OUT/ft${t}_32_${heads}.json" <<'PY' || cat "$OUT/ft${t}_32_${heads}.json"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"floor {d['kv_floor_us']:.1f} us", " | ".join(f"{m['method']}{'('+m['chosen']+')' if m['chosen'] else ''} {m['median_us']:.1f} err {m['rel_error']:.1e}" for m in d['methods']))
+PY
+      done
+    done
+    for w in few-shot-b20 few-shot-b50 spec-t64 spec-t256 tot-sorting tot-document; do
+      log "$w 32/8"
+      $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
+        --method all --iterations $ITER --json > "$OUT/$w.json"
+      $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
+        --method all --iterations $ITER --check false | tail -n +1
+    done
+    log "SASS of the tensor-core kernel"
+    for f in "$CANOPY_KERNEL_CACHE"/decode_mma-*.cubin; do
+      cuobjdump -sass "$f" > /tmp/sass.txt 2>&1 || continue
+      printf '%s: HMMA=%s HGMMA=%s LDSM=%s LDGSTS=%s LDL=%s\n' "$(basename "$f")" \
+        "$(grep -c 'HMMA' /tmp/sass.txt)" "$(grep -c 'HGMMA' /tmp/sass.txt)" \
+        "$(grep -c 'LDSM' /tmp/sass.txt)" "$(grep -c 'LDGSTS' /tmp/sass.txt)" "$(grep -c 'LDL' /tmp/sass.txt)"
+    done
+  fi
+} 2>&1 | tee "$OUT/log.txt"
