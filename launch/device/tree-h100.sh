@@ -15,10 +15,8 @@ ITER=${ITER:-30}
 {
   log "machine"; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
   if [ "$STAGE" != bench ]; then
-    log "selftest, tensor-core kernel wherever possible (contiguous and paged KV, 1 and 2 ranks)"
-    time $BIN selftest --backend cuda --ranks 1,2 --cases 6 --kernel mma
-    log "selftest, default kernel choice"
-    time $BIN selftest --backend cuda --ranks 1 --cases 6 --page-size 0
+    log "selftest, tensor-core kernel wherever possible (contiguous and paged KV, 1 rank)"
+    time $BIN selftest --backend cuda --ranks 1 --cases 6 --kernel mma
   fi
   if [ "$STAGE" != check ]; then
     for heads in 8 32; do
@@ -29,12 +27,15 @@ ITER=${ITER:-30}
           && $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
           --dtype f16 --method all --iterations $ITER --check false --kernel simt --json \
           > "$OUT/ft${t}_32_${heads}_simt.json"
-        python3 - "$OUT/ft${t}_32_${heads}.json" <<'PY' || cat "$OUT/ft${t}_32_${heads}.json"
-import json, sys
-d = json.load(open(sys.argv[1]))
-print(f"floor {d['kv_floor_us']:.1f} us", " | ".join(f"{m['method']}{'('+m['chosen']+')' if m['chosen'] else ''} {m['median_us']:.1f} err {m['rel_error']:.1e}" for m in d['methods']))
-PY
+        grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*' "$OUT/ft${t}_32_${heads}.json" | paste -sd' '
       done
+    done
+    for w in few-shot-b50 few-shot-b20; do
+      log "$w growing over 400 decode iterations, 32/8"
+      $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
+        --method q-guided,deft-node,deft-flatten,fasttree,auto --grow 400 --json > "$OUT/${w}_grow.json"
+      $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
+        --method q-guided,deft-flatten --grow 20 --check true
     done
     for w in few-shot-b20 few-shot-b50 spec-t64 spec-t256 tot-sorting tot-document; do
       log "$w 32/8"
@@ -52,3 +53,5 @@ PY
     done
   fi
 } 2>&1 | tee "$OUT/log.txt"
+# Many small JSON files: one archive comes back.
+(cd "$OUT" && tar czf tree-results.tgz ./*.json && rm -f ./*.json)

@@ -35,6 +35,15 @@ pub struct TreeArgs {
     shape: ShapeArgs,
     #[command(flatten)]
     sizes: SizeArgs,
+    /// Decode iterations of a growing tree (CUDA, one rank): every live leaf appends one token
+    /// per iteration in a paged KV pool, and each iteration is re-planned and run; reports
+    /// kernel and planning time at the first, middle and last iteration and summed. 0: the
+    /// workload's tree as is.
+    #[arg(long, default_value_t = 0)]
+    grow: usize,
+    /// KV page size of the growing tree's pool.
+    #[arg(long, default_value_t = 64)]
+    page_size: u32,
     /// Ranks the flattened tree is split over (one GPU each on CUDA).
     #[arg(long, default_value_t = 1)]
     ranks: usize,
@@ -90,6 +99,12 @@ pub fn run(a: TreeArgs) -> Result<()> {
     let mut spec = WorkloadSpec::load(&a.workload)?.with_overrides(a.sizes.overrides())?;
     a.shape.apply(&mut spec)?;
     let methods = Method::parse_list(&a.method)?;
+    if a.grow > 0 {
+        // A growing few-shot run starts at the first generated token (DeFT's iteration 1).
+        if let canopy_core::TreeSpec::FewShot { generated, .. } = &mut spec.tree {
+            *generated = 1;
+        }
+    }
     let tree = spec.build_tree()?;
     let backend = resolve_backend(a.backend)?;
     let planner = PlannerConfig {
@@ -97,6 +112,12 @@ pub fn run(a: TreeArgs) -> Result<()> {
         q_guided_chunk: u32::MAX,
         ..PlannerConfig::default()
     };
+    if a.grow > 0 {
+        if backend != "cuda" || a.ranks != 1 {
+            bail!("--grow runs on one GPU: use --backend cuda and --ranks 1");
+        }
+        return grow(&a, &spec, &tree, &methods, planner);
+    }
     let (device, copy, runs) = match (backend, a.ranks) {
         ("cuda", 1) => cuda_one(&a, &spec, &tree, &methods, planner)?,
         ("cuda", p) => ("cuda".into(), None, cuda_ranks(&a, &spec, p, &methods)?),
@@ -382,4 +403,191 @@ fn cuda_ranks(
     }
     relate_to_q_guided(&mut runs);
     Ok(runs)
+}
+
+/// One method over a growing tree.
+#[derive(Serialize)]
+struct GrowRun {
+    method: Method,
+    /// (iteration, median kernel microseconds, planning milliseconds) at the first, middle and
+    /// last iteration.
+    points: Vec<(usize, f64, f64)>,
+    /// Median step time summed over every iteration, and planning time summed.
+    total_kernel_ms: f64,
+    total_plan_ms: f64,
+    /// KV tokens read by the last iteration's plan.
+    last_kv_tokens_read: u64,
+    /// Against the f64 oracle at the last iteration.
+    rel_error: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct GrowOutput {
+    workload: String,
+    device: String,
+    iterations: usize,
+    page_size: u32,
+    /// Pool pages in use at the end (shared prefixes counted once).
+    pages_in_use: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    dtype: DType,
+    methods: Vec<GrowRun>,
+}
+
+/// The workload's tree in a paged pool, its queries' nodes marked live.
+fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_core::PagedTree> {
+    let mut p = canopy_core::PagedTree::new(page, pool_pages)?;
+    let mut ids = vec![0; tree.nodes().len()];
+    for &n in tree.dfs_order() {
+        let node = tree.node(n);
+        ids[n as usize] = match node.parent {
+            None => p.add_root(node.len())?,
+            Some(parent) => p.fork(ids[parent as usize], node.len())?,
+        };
+    }
+    for q in 0..tree.num_queries() as u32 {
+        p.set_live(ids[tree.query_node(q) as usize], true)?;
+    }
+    Ok(p)
+}
+
+fn grow(
+    a: &TreeArgs,
+    spec: &WorkloadSpec,
+    tree: &KvTree,
+    methods: &[Method],
+    planner: PlannerConfig,
+) -> Result<()> {
+    let backend = CudaBackend::new(0)?
+        .with_kernel(a.kernel)
+        .with_mma_tile(a.mma_tile)?
+        .with_paging(a.page_size)?;
+    let (shape, dtype, page) = (spec.shape, spec.dtype, a.page_size);
+    let live = tree.num_queries() as u32;
+    // Room for the tree, every leaf's growth, and a partial page per node.
+    let pool_pages = (tree.total_tokens() + live * a.grow as u32).div_ceil(page)
+        + tree.nodes().len() as u32
+        + live;
+    let mut kv = backend.alloc_kv(&shape, dtype, (pool_pages * page) as usize)?;
+    backend.fill_random(&mut kv, 0, (pool_pages * page) as usize, a.seed, 0)?;
+    let marks = [1, a.grow.div_ceil(2), a.grow];
+    let mut runs = Vec::new();
+    let mut pages_in_use = 0;
+    for &method in methods {
+        let mut paged = paged_tree(tree, page, pool_pages)?;
+        let (mut total_kernel_ms, mut total_plan_ms) = (0.0, 0.0);
+        let mut points = Vec::new();
+        let mut last = None;
+        for it in 1..=a.grow {
+            for n in paged.live() {
+                // Token-tree queries sit on inner nodes; only leaves grow.
+                let _ = paged.append(n, 1);
+            }
+            let t0 = std::time::Instant::now();
+            let (now, table) = paged.snapshot()?;
+            let shard = Shard::whole(&now);
+            let view = TreeView::new(&now, &shard);
+            let bench = TreeBench {
+                view: &view,
+                shape,
+                dtype,
+                planner,
+                iters: 3,
+            };
+            let host = bench.plan(method)?;
+            let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
+            backend.set_page_table(&mut kv, &table)?;
+            let q_host = hashed_queries(&shape, dtype, now.num_queries(), a.seed ^ it as u64);
+            let q = backend.upload_queries(&shape, &q_host)?;
+            let dplan = backend.upload_plan(&shape, &host.plan)?;
+            let mut partials = backend.alloc_partials(&shape, &dplan)?;
+            let mut out = backend.alloc_states(&shape, now.num_queries())?;
+            let times = backend.time_steps(3, &mut || {
+                backend.run_plan(&kv, &q, &dplan, &mut partials)?;
+                backend.merge(&partials, &dplan, &mut out)
+            })?;
+            let kernel_us = canopy_core::stats::median(&times) * 1e3;
+            total_kernel_ms += kernel_us / 1e3;
+            total_plan_ms += plan_ms;
+            if marks.contains(&it) {
+                points.push((it, kernel_us, plan_ms));
+            }
+            if it == a.grow {
+                let rel_error = if a.check {
+                    let got = backend.download(&out)?;
+                    let pool = HashedKv {
+                        seed: a.seed,
+                        dtype,
+                        kv_heads: shape.kv_heads,
+                    };
+                    let kv_src = canopy_core::PagedKv {
+                        pool: &pool,
+                        page_size: page,
+                        table: &table,
+                    };
+                    let want = reference_attention(&now, &shape, &q_host, &kv_src).0;
+                    Some(canopy_core::relative_error(&got.o, &want))
+                } else {
+                    None
+                };
+                last = Some((host.plan.io(&shape, dtype).kv_tokens_read, rel_error));
+            }
+        }
+        pages_in_use = paged.pages_in_use();
+        let (last_kv_tokens_read, rel_error) = last.expect("at least one iteration");
+        runs.push(GrowRun {
+            method,
+            points,
+            total_kernel_ms,
+            total_plan_ms,
+            last_kv_tokens_read,
+            rel_error,
+        });
+    }
+    let out = GrowOutput {
+        workload: spec.name.clone(),
+        device: backend.gpu().name.clone(),
+        iterations: a.grow,
+        page_size: page,
+        pages_in_use,
+        q_heads: shape.q_heads,
+        kv_heads: shape.kv_heads,
+        dtype,
+        methods: runs,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "{} growing for {} iterations on {}: pages of {} tokens, {} in use at the end; {}/{} heads, {}",
+        out.workload, out.iterations, out.device, page, out.pages_in_use, shape.q_heads, shape.kv_heads, dtype
+    );
+    let mut t = Table::new(&[
+        "method",
+        "iteration: kernel us / plan ms",
+        "total kernel ms",
+        "total plan ms",
+        "plan / kernel",
+        "KV tokens (last)",
+        "rel err (last)",
+    ]);
+    for r in &out.methods {
+        t.row(vec![
+            r.method.to_string(),
+            r.points
+                .iter()
+                .map(|(i, k, p)| format!("{i}: {k:.1} / {p:.2}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            format!("{:.2}", r.total_kernel_ms),
+            format!("{:.2}", r.total_plan_ms),
+            format!("{:.0}%", 100.0 * r.total_plan_ms / r.total_kernel_ms),
+            r.last_kv_tokens_read.to_string(),
+            r.rel_error.map_or("-".into(), |e| format!("{e:.2e}")),
+        ]);
+    }
+    println!("{}", t.render());
+    Ok(())
 }

@@ -120,6 +120,22 @@ impl KvSource for HashedKv {
     }
 }
 
+/// Paged KV as the kernels see it: logical token `t` lives in physical slot
+/// `table[t / page_size] * page_size + t % page_size` of `pool`.
+pub struct PagedKv<'a, S: KvSource> {
+    pub pool: &'a S,
+    pub page_size: u32,
+    pub table: &'a [u32],
+}
+
+impl<S: KvSource> KvSource for PagedKv<'_, S> {
+    fn rows(&self, token: usize, kv_head: usize, k: &mut [f32], v: &mut [f32]) {
+        let page = self.page_size as usize;
+        let slot = self.table[token / page] as usize * page + token % page;
+        self.pool.rows(slot, kv_head, k, v);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

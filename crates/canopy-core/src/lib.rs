@@ -12,6 +12,7 @@ pub mod data;
 pub mod dtype;
 pub mod error;
 pub mod math;
+pub mod paged;
 pub mod plan;
 pub mod planner;
 pub mod shape;
@@ -20,10 +21,11 @@ pub mod stats;
 pub mod tree;
 pub mod workload;
 
-pub use data::{HashedKv, KvSource, ProblemData, SliceKv};
+pub use data::{HashedKv, KvSource, PagedKv, ProblemData, SliceKv};
 pub use dtype::{DType, KvElement, TypedVec};
 pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
+pub use paged::{PagedNode, PagedTree};
 pub use plan::{Group, IoReport, Plan};
 pub use planner::{
     auto_candidates, choose, plan, AutoChoice, DeviceModel, FastTreeParams, Method, PlannerConfig,

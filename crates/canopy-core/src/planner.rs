@@ -196,6 +196,11 @@ pub struct DeviceModel {
     pub us_per_wave: f64,
     /// Fixed microseconds of a step (two launches).
     pub us_per_step: f64,
+    /// Microseconds one CTA spends on a 64-token tile: `tile_us_base` plus `tile_us_rows` at 64
+    /// query rows (scaled by its rows). The longest group sets a floor: CTAs run in parallel
+    /// but a group's tiles run in order.
+    pub tile_us_base: f64,
+    pub tile_us_rows: f64,
     pub multiprocessors: usize,
     pub ctas_per_sm: usize,
     /// Query rows per CTA (the backend splits larger groups), and per tensor-core tile.
@@ -210,6 +215,8 @@ impl Default for DeviceModel {
             flops_per_us: 3.0e8,
             us_per_wave: 2.0,
             us_per_step: 6.0,
+            tile_us_base: 0.5,
+            tile_us_rows: 3.5,
             multiprocessors: 132,
             ctas_per_sm: 3,
             rows_per_cta: 64,
@@ -225,8 +232,12 @@ impl DeviceModel {
         let gqa = shape.group_size();
         let mut ctas = 0usize;
         let mut flops = 0.0;
+        let mut critical: f64 = 0.0;
         for g in plan.groups() {
             let rows = g.queries.len() * gqa;
+            let tile_us =
+                self.tile_us_base + self.tile_us_rows * rows.min(self.rows_per_cta) as f64 / 64.0;
+            critical = critical.max(g.tokens().div_ceil(64) as f64 * tile_us);
             let pieces = rows.div_ceil(self.rows_per_cta);
             ctas += pieces * shape.kv_heads;
             let padded = rows.div_ceil(self.rows_per_tile) * self.rows_per_tile;
@@ -239,7 +250,9 @@ impl DeviceModel {
         let waves = ctas
             .div_ceil(self.multiprocessors * self.ctas_per_sm)
             .max(1);
-        (bytes / self.bytes_per_us).max(flops / self.flops_per_us)
+        (bytes / self.bytes_per_us)
+            .max(flops / self.flops_per_us)
+            .max(critical)
             + waves as f64 * self.us_per_wave
             + self.us_per_step
     }

@@ -57,11 +57,21 @@ pub struct TreeBuilder {
     parents: Vec<Option<NodeId>>,
     lens: Vec<u32>,
     queries: Vec<NodeId>,
+    /// Every node starts at a multiple of this many addresses (1: packed).
+    align: u32,
 }
 
 impl TreeBuilder {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Starts every node's addresses at a multiple of `align` (a KV page), so that each node
+    /// owns whole logical pages and a page table can map them to shared physical pages. The
+    /// gaps hold no tokens; [`KvTree::total_tokens`] then counts the address space.
+    pub fn with_alignment(mut self, align: u32) -> Self {
+        self.align = align.max(1);
+        self
     }
 
     pub fn add_root(&mut self, tokens: u32) -> NodeId {
@@ -138,6 +148,7 @@ impl TreeBuilder {
                 .parent
                 .map_or(0, |p| nodes[p as usize].depth + 1);
             let len = self.lens[id as usize];
+            next = next.next_multiple_of(self.align.max(1));
             let node = &mut nodes[id as usize];
             node.depth = depth;
             node.kv = next..next + len;
@@ -275,6 +286,7 @@ impl KvTree {
         &self.dfs
     }
 
+    /// Tokens in the address space: every node's tokens, plus alignment gaps if any.
     pub fn total_tokens(&self) -> u32 {
         self.total_tokens
     }

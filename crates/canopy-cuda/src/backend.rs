@@ -449,10 +449,13 @@ impl CudaBackend {
         seed: u64,
         first_token: u64,
     ) -> Result<()> {
-        if kv.paging.is_some() || dst + count > kv.tokens {
-            return Err(CudaError::Unsupported(
-                "random fill writes whole tokens of contiguous KV".into(),
-            ));
+        // Paged KV is filled by physical slot (the pool), whatever the page table says.
+        let slots = kv.k.len() / kv.bytes_of(1);
+        if dst + count > slots {
+            return Err(CudaError::Unsupported(format!(
+                "random fill of slots {dst}..{} past the {slots} allocated",
+                dst + count
+            )));
         }
         let f = self.function(Kernel::Fill(kv.dtype))?;
         let per = kv.shape.kv_token_elems();
@@ -480,6 +483,30 @@ impl CudaBackend {
             // SAFETY: the kernel writes n elements of the dtype into a view of that size.
             unsafe { b.launch(cfg) }.ctx("launching fill_random")?;
         }
+        Ok(())
+    }
+
+    /// Installs a page table (logical page → physical page) on paged KV: a growing tree's
+    /// snapshot maps its logical pages onto the pool's shared physical pages this way.
+    pub fn set_page_table(&self, kv: &mut CudaKv, table: &[u32]) -> Result<()> {
+        let Some(p) = kv.paging.as_mut() else {
+            return Err(CudaError::Unsupported(
+                "page tables need paged KV (with_paging)".into(),
+            ));
+        };
+        let pages = p.device.len() as u32;
+        if table.len() > p.device.len() || table.iter().any(|&x| x >= pages) {
+            return Err(CudaError::Unsupported(format!(
+                "a page table of {} entries over a pool of {pages} pages",
+                table.len()
+            )));
+        }
+        if !table.is_empty() {
+            self.stream
+                .memcpy_htod(table, &mut p.device.slice_mut(..table.len()))
+                .ctx("cuMemcpyHtoD")?;
+        }
+        p.host[..table.len()].copy_from_slice(table);
         Ok(())
     }
 

@@ -1,0 +1,301 @@
+//! A paged KV cache for trees that grow while they decode.
+//!
+//! Physical KV lives in fixed-size pages drawn from one pool. A node owns the pages holding its
+//! own tokens; its context's other tokens are its ancestors' pages, which every descendant
+//! shares: forking a branch allocates pages for the branch's new tokens only, and no shared
+//! prefix is ever copied. Appending fills a leaf's last page before taking a new one; pruning a
+//! subtree returns its pages to the pool.
+//!
+//! [`PagedTree::snapshot`] gives the planners an ordinary [`KvTree`] whose nodes start on page
+//! boundaries (a logical address space), plus the page table from logical to physical pages
+//! that the kernels read through. Re-snapshotting after each step is cheap (linear in nodes and
+//! pages), so plans are rebuilt from scratch every iteration.
+
+use crate::error::{CoreError, Result};
+use crate::tree::{KvTree, TreeBuilder};
+
+/// A handle to a node of a [`PagedTree`]; stable while the node lives.
+pub type PagedNode = u32;
+
+#[derive(Debug, Clone)]
+struct Slot {
+    parent: Option<PagedNode>,
+    children: Vec<PagedNode>,
+    len: u32,
+    pages: Vec<u32>,
+    /// Whether a decode query sits on this node.
+    live: bool,
+}
+
+/// A tree of token runs in a pool of KV pages.
+#[derive(Debug, Clone)]
+pub struct PagedTree {
+    page_size: u32,
+    pool_pages: u32,
+    free: Vec<u32>,
+    slots: Vec<Option<Slot>>,
+    roots: Vec<PagedNode>,
+}
+
+impl PagedTree {
+    /// An empty tree over a pool of `pool_pages` pages of `page_size` tokens.
+    pub fn new(page_size: u32, pool_pages: u32) -> Result<PagedTree> {
+        if page_size == 0 {
+            return Err(CoreError::Tree("the page size must be at least 1".into()));
+        }
+        Ok(PagedTree {
+            page_size,
+            pool_pages,
+            free: (0..pool_pages).rev().collect(),
+            slots: Vec::new(),
+            roots: Vec::new(),
+        })
+    }
+
+    pub fn page_size(&self) -> u32 {
+        self.page_size
+    }
+
+    pub fn pages_in_use(&self) -> usize {
+        (self.pool_pages as usize) - self.free.len()
+    }
+
+    fn slot(&self, n: PagedNode) -> Result<&Slot> {
+        self.slots
+            .get(n as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| CoreError::Tree(format!("node {n} does not exist (or was pruned)")))
+    }
+
+    fn slot_mut(&mut self, n: PagedNode) -> Result<&mut Slot> {
+        self.slots
+            .get_mut(n as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| CoreError::Tree(format!("node {n} does not exist (or was pruned)")))
+    }
+
+    fn insert(&mut self, parent: Option<PagedNode>, tokens: u32) -> Result<PagedNode> {
+        if tokens == 0 {
+            return Err(CoreError::Tree(
+                "a new node needs at least one token".into(),
+            ));
+        }
+        let id = self.slots.len() as PagedNode;
+        self.slots.push(Some(Slot {
+            parent,
+            children: Vec::new(),
+            len: 0,
+            pages: Vec::new(),
+            live: false,
+        }));
+        if let Err(e) = self.append_unchecked(id, tokens) {
+            self.slots.pop();
+            return Err(e);
+        }
+        match parent {
+            Some(p) => self.slot_mut(p)?.children.push(id),
+            None => self.roots.push(id),
+        }
+        Ok(id)
+    }
+
+    /// A new sequence (prompt) of `tokens` tokens.
+    pub fn add_root(&mut self, tokens: u32) -> Result<PagedNode> {
+        self.insert(None, tokens)
+    }
+
+    /// A new branch of `tokens` tokens under `parent`, sharing all of `parent`'s pages.
+    pub fn fork(&mut self, parent: PagedNode, tokens: u32) -> Result<PagedNode> {
+        self.slot(parent)?;
+        self.insert(Some(parent), tokens)
+    }
+
+    /// Appends `tokens` tokens to leaf `node` (a decode step's new KV).
+    pub fn append(&mut self, node: PagedNode, tokens: u32) -> Result<()> {
+        if !self.slot(node)?.children.is_empty() {
+            return Err(CoreError::Tree(format!(
+                "node {node} has children; only leaves grow (fork a branch instead)"
+            )));
+        }
+        self.append_unchecked(node, tokens)
+    }
+
+    fn append_unchecked(&mut self, node: PagedNode, tokens: u32) -> Result<()> {
+        let page = self.page_size;
+        let (len, have) = {
+            let s = self.slot(node)?;
+            (s.len, s.pages.len() as u32)
+        };
+        let need = (len + tokens).div_ceil(page).saturating_sub(have) as usize;
+        if need > self.free.len() {
+            return Err(CoreError::Tree(format!(
+                "the KV pool is full: {need} more pages needed, {} free of {}; prune branches or \
+                 give the cache more pages",
+                self.free.len(),
+                self.pool_pages
+            )));
+        }
+        let fresh: Vec<u32> = (0..need).filter_map(|_| self.free.pop()).collect();
+        let s = self.slot_mut(node)?;
+        s.pages.extend(fresh);
+        s.len += tokens;
+        Ok(())
+    }
+
+    /// Marks whether a decode query sits on `node`.
+    pub fn set_live(&mut self, node: PagedNode, live: bool) -> Result<()> {
+        self.slot_mut(node)?.live = live;
+        Ok(())
+    }
+
+    /// Removes `node` and its subtree, returning their pages to the pool; returns the number
+    /// of pages freed. Ancestors' (shared) pages are untouched.
+    pub fn prune(&mut self, node: PagedNode) -> Result<usize> {
+        let parent = self.slot(node)?.parent;
+        match parent {
+            Some(p) => self.slot_mut(p)?.children.retain(|&c| c != node),
+            None => self.roots.retain(|&r| r != node),
+        }
+        let mut freed = 0;
+        let mut stack = vec![node];
+        while let Some(n) = stack.pop() {
+            let s = self.slots[n as usize].take().expect("live subtree node");
+            freed += s.pages.len();
+            self.free.extend(s.pages);
+            stack.extend(s.children);
+        }
+        Ok(freed)
+    }
+
+    /// Live leaves and other nodes with a query, in node order.
+    pub fn live(&self) -> Vec<PagedNode> {
+        (0..self.slots.len() as PagedNode)
+            .filter(|&n| self.slots[n as usize].as_ref().is_some_and(|s| s.live))
+            .collect()
+    }
+
+    /// The tree as the planners see it, nodes starting on page boundaries, with one query per
+    /// live node (in the order of [`live`](Self::live)), and the page table: logical page →
+    /// physical page.
+    pub fn snapshot(&self) -> Result<(KvTree, Vec<u32>)> {
+        let mut b = TreeBuilder::new().with_alignment(self.page_size);
+        let mut ids = vec![None; self.slots.len()];
+        // Parents before children: walk from the roots.
+        let mut stack: Vec<PagedNode> = self.roots.iter().rev().copied().collect();
+        let mut order = Vec::new();
+        while let Some(n) = stack.pop() {
+            let s = self.slot(n)?;
+            ids[n as usize] = Some(match s.parent {
+                None => b.add_root(s.len),
+                Some(p) => b.add_child(ids[p as usize].expect("parent first"), s.len)?,
+            });
+            order.push(n);
+            stack.extend(s.children.iter().rev());
+        }
+        for n in self.live() {
+            b.add_query(ids[n as usize].expect("live nodes are in the tree"))?;
+        }
+        let tree = b.build()?;
+        let mut table = vec![0u32; tree.total_tokens().div_ceil(self.page_size) as usize];
+        for n in order {
+            let node = tree.node(ids[n as usize].expect("placed"));
+            let first = (node.kv.start / self.page_size) as usize;
+            for (i, &page) in self.slot(n)?.pages.iter().enumerate() {
+                table[first + i] = page;
+            }
+        }
+        Ok((tree, table))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn forks_share_the_prefix_pages_and_prunes_free_their_own() {
+        let mut t = PagedTree::new(16, 64).unwrap();
+        let root = t.add_root(40).unwrap(); // 3 pages
+        let a = t.fork(root, 5).unwrap(); // 1 page
+        let b = t.fork(root, 20).unwrap(); // 2 pages
+        t.set_live(a, true).unwrap();
+        t.set_live(b, true).unwrap();
+        assert_eq!(t.pages_in_use(), 6);
+        t.append(a, 11).unwrap(); // fills a's page exactly
+        assert_eq!(t.pages_in_use(), 6);
+        t.append(a, 1).unwrap();
+        assert_eq!(t.pages_in_use(), 7);
+        assert!(t.append(root, 1).is_err(), "internal nodes do not grow");
+        let (tree, table) = t.snapshot().unwrap();
+        assert_eq!(tree.num_queries(), 2);
+        // Both queries' contexts start with the root's three pages: the same physical pages.
+        let root_pages: Vec<u32> = table[..3].to_vec();
+        let ctx = |q: u32| {
+            let mut pages = Vec::new();
+            let mut n = Some(tree.query_node(q));
+            while let Some(id) = n {
+                let node = tree.node(id);
+                pages.extend(
+                    node.kv
+                        .clone()
+                        .step_by(16)
+                        .map(|a| table[(a / 16) as usize]),
+                );
+                n = node.parent;
+            }
+            pages
+        };
+        for q in 0..2 {
+            let pages = ctx(q);
+            assert!(root_pages.iter().all(|p| pages.contains(p)), "{pages:?}");
+        }
+        assert_eq!(t.prune(b).unwrap(), 2);
+        assert_eq!(t.pages_in_use(), 5);
+        assert!(t.fork(b, 1).is_err(), "pruned nodes are gone");
+    }
+
+    #[test]
+    fn a_full_pool_is_an_error_not_a_panic() {
+        let mut t = PagedTree::new(8, 2).unwrap();
+        let r = t.add_root(16).unwrap();
+        let e = t.fork(r, 1).unwrap_err().to_string();
+        assert!(e.contains("pool is full"), "{e}");
+        assert_eq!(t.pages_in_use(), 2);
+    }
+
+    proptest! {
+        /// Random forks, appends and prunes: no physical page is ever owned twice, the table
+        /// covers exactly the pages in use, and every node's logical range fits its pages.
+        #[test]
+        fn pages_are_never_shared_between_owners(ops in proptest::collection::vec((0u8..3, 0u32..50, 1u32..40), 1..60)) {
+            let mut t = PagedTree::new(16, 4096).unwrap();
+            let mut nodes = vec![t.add_root(33).unwrap()];
+            for (op, pick, n) in ops {
+                let target = nodes[pick as usize % nodes.len()];
+                match op {
+                    0 => nodes.push(t.fork(target, n).unwrap()),
+                    1 => { let _ = t.append(target, n); }
+                    _ if nodes.len() > 1 && target != nodes[0] => {
+                        t.prune(target).unwrap();
+                        nodes.retain(|&x| t.slot(x).is_ok());
+                    }
+                    _ => {}
+                }
+            }
+            for &n in &nodes { t.set_live(n, true).unwrap(); }
+            let (tree, table) = t.snapshot().unwrap();
+            let mut used: Vec<u32> = Vec::new();
+            for node in tree.nodes() {
+                let first = (node.kv.start / 16) as usize;
+                let pages = node.len().div_ceil(16) as usize;
+                used.extend(&table[first..first + pages]);
+            }
+            used.sort_unstable();
+            let before = used.len();
+            used.dedup();
+            prop_assert_eq!(before, used.len());
+            prop_assert_eq!(used.len(), t.pages_in_use());
+        }
+    }
+}
