@@ -72,3 +72,12 @@ __device__ __forceinline__ void widen8(const Raw8& r, float out[8]) {
     }
 #endif
 }
+
+// A 16-byte cp.async global -> shared copy of `bytes` (0 or 16) source bytes, the rest zero
+// filled, with the 256-byte L2 prefetch hint (KV rows are read whole).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

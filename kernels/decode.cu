@@ -108,13 +108,6 @@ __device__ __forceinline__ void reduce_scatter_step(float* x, int lane) {
     }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
-    const u32 dst = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
 __device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1)); }
 
 // A 16-byte load that bypasses L1 (KV is read once per CTA).

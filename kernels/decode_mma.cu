@@ -82,25 +82,17 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// Four 8x8 matrices of 16-bit elements from shared memory (transposed with Trans), one
+// register each; lane i gives the address of row i % 8 of matrix i / 8.
+template <bool Trans>
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* p) {
     const u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const u16* p) {
-    const u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, u32 bytes) {
-    const u32 dst = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes) : "memory");
+    if constexpr (Trans)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 
 // A group's descriptor fields (see the host's upload_plan).
@@ -159,10 +151,10 @@ decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __
                 const u32 addr = page_table ? (page_table[t >> page_shift] << page_shift) | (t & page_mask) : t;
                 off = (u64)addr * tok_stride + ((u64)kvh * HEAD_DIM + piece * 8) * 2;
             }
-            cp_async16_zfill(&stage_mem[stage].k[r][piece * 8], kc + off, valid ? 16 : 0);
-            cp_async16_zfill(&stage_mem[stage].v[r][piece * 8], vc + off, valid ? 16 : 0);
+            cp_async16(&stage_mem[stage].k[r][piece * 8], kc + off, valid ? 16 : 0);
+            cp_async16(&stage_mem[stage].v[r][piece * 8], vc + off, valid ? 16 : 0);
         }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        cp_async_commit();
     };
 
     const u32 tiles = (cd.tokens + TILE - 1) / TILE;
@@ -203,7 +195,7 @@ decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __
     if (tiles > 0) issue(0);
     for (u32 tile = 0; tile < tiles; ++tile) {
         if (tile + 1 < tiles) issue(tile + 1);
-        else asm volatile("cp.async.commit_group;\n" ::: "memory");
+        else cp_async_commit();  // an empty group keeps the wait count uniform
         asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         __syncthreads();
         const int st = tile & 1;
@@ -220,7 +212,7 @@ decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __
             for (int nt = 0; nt < TILE / 8; ++nt) {
                 if (nt < ntl) {
                     u32 b[4];
-                    ldsm_x4(b, &stage_mem[st].k[t0 + nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
+                    ldsm_x4<false>(b, &stage_mem[st].k[t0 + nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
                     mma16816(s[nt], qa[c], b[0], b[1]);
                     mma16816(s[nt], qa[c + 1], b[2], b[3]);
                 }
@@ -287,7 +279,7 @@ decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __
 #pragma unroll
                 for (int d = 0; d < DTILES; d += 2) {
                     u32 b[4];
-                    ldsm_x4_trans(b, &stage_mem[st].v[vt][(d + (lane >> 4)) * 8]);
+                    ldsm_x4<true>(b, &stage_mem[st].v[vt][(d + (lane >> 4)) * 8]);
                     mma16816(o[d], a, b[0], b[1]);
                     mma16816(o[d + 1], a, b[2], b[3]);
                 }

@@ -3,8 +3,8 @@
 use crate::table::{bytes, Table};
 use anyhow::Result;
 use canopy_core::{
-    plan, shard_tree, AttnShape, DType, IoReport, Method, Overrides, PlannerConfig, TreeView,
-    WorkloadSpec,
+    plan, shard_tree, AttnShape, DType, IoReport, KvTree, Method, Overrides, PlannerConfig,
+    TreeView, WorkloadSpec,
 };
 use clap::Args;
 use serde::Serialize;
@@ -96,16 +96,77 @@ struct MethodRow {
     plan_ms: f64,
 }
 
+/// A workload's tree and attention shape: the head of every tree command's output.
+#[derive(Serialize)]
+pub struct TreeSummary {
+    pub workload: String,
+    pub nodes: usize,
+    pub tree_tokens: u32,
+    pub queries: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: DType,
+}
+
+impl TreeSummary {
+    pub fn new(spec: &WorkloadSpec, tree: &KvTree) -> TreeSummary {
+        TreeSummary {
+            workload: spec.name.clone(),
+            nodes: tree.nodes().len(),
+            tree_tokens: tree.total_tokens(),
+            queries: tree.num_queries(),
+            q_heads: spec.shape.q_heads,
+            kv_heads: spec.shape.kv_heads,
+            head_dim: spec.shape.head_dim,
+            dtype: spec.dtype,
+        }
+    }
+}
+
+impl std::fmt::Display for TreeSummary {
+    /// Everything but the workload's name, which each command places itself.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} nodes, {} tokens, {} queries; {}/{} heads x {}, {}",
+            self.nodes,
+            self.tree_tokens,
+            self.queries,
+            self.q_heads,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype
+        )
+    }
+}
+
+/// Header cells of a plan's analytic IO, as [`io_cells`] fills them.
+pub const IO_HEADER: [&str; 6] = [
+    "groups",
+    "partials",
+    "KV read",
+    "KV vs q-guided",
+    "Q read",
+    "partials r+w",
+];
+
+/// A plan's analytic IO as table cells, with its KV bytes over Q-guided's when known.
+pub fn io_cells(io: &IoReport, kv_vs_q_guided: Option<f64>) -> [String; 6] {
+    [
+        io.groups.to_string(),
+        io.partial_rows.to_string(),
+        bytes(io.kv_bytes),
+        kv_vs_q_guided.map_or("-".into(), |x| format!("{x:.3}x")),
+        bytes(io.q_bytes),
+        bytes(io.partial_bytes),
+    ]
+}
+
 #[derive(Serialize)]
 struct PlanOutput {
-    workload: String,
-    nodes: usize,
-    tree_tokens: u32,
-    queries: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    dtype: DType,
+    #[serde(flatten)]
+    tree: TreeSummary,
     ranks: usize,
     methods: Vec<MethodRow>,
 }
@@ -140,14 +201,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
     }
     let out = PlanOutput {
-        workload: spec.name.clone(),
-        nodes: tree.nodes().len(),
-        tree_tokens: tree.total_tokens(),
-        queries: tree.num_queries(),
-        q_heads: spec.shape.q_heads,
-        kv_heads: spec.shape.kv_heads,
-        head_dim: spec.shape.head_dim,
-        dtype: spec.dtype,
+        tree: TreeSummary::new(&spec, &tree),
         ranks: a.ranks,
         methods: rows,
     };
@@ -156,46 +210,32 @@ pub fn run(a: PlanArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "workload {}: {} nodes, {} tokens, {} queries; {}/{} heads x {}, {}{}",
-        out.workload,
-        out.nodes,
-        out.tree_tokens,
-        out.queries,
-        out.q_heads,
-        out.kv_heads,
-        out.head_dim,
-        out.dtype,
+        "workload {}: {}{}",
+        out.tree.workload,
+        out.tree,
         if a.ranks > 1 {
             format!("; rank 0 of {}", a.ranks)
         } else {
             String::new()
         }
     );
-    let mut t = Table::new(&[
-        "method",
-        "groups",
-        "partials",
-        "KV read",
-        "KV vs q-guided",
-        "Q read",
-        "partials r+w",
-        "masks",
-        "balance",
-        "plan ms",
-    ]);
+    let mut t = Table::new(
+        &[
+            &["method"][..],
+            &IO_HEADER,
+            &["masks", "balance", "plan ms"],
+        ]
+        .concat(),
+    );
     for r in &out.methods {
-        t.row(vec![
-            r.method.to_string(),
-            r.io.groups.to_string(),
-            r.io.partial_rows.to_string(),
-            bytes(r.io.kv_bytes),
-            r.kv_vs_q_guided.map_or("-".into(), |x| format!("{x:.3}x")),
-            bytes(r.io.q_bytes),
-            bytes(r.io.partial_bytes),
+        let mut cells = vec![r.method.to_string()];
+        cells.extend(io_cells(&r.io, r.kv_vs_q_guided));
+        cells.extend([
             bytes(r.io.mask_bytes),
             format!("{:.2}", r.io.balance),
             format!("{:.2}", r.plan_ms),
         ]);
+        t.row(cells);
     }
     println!("{}", t.render());
     Ok(())

@@ -7,13 +7,12 @@
 //! across ranks (NCCL on CUDA, the engine's collectives on the CPU).
 
 use crate::bench::{resolve_backend, BackendChoice};
-use crate::plan_cmd::{ShapeArgs, SizeArgs};
-use crate::table::{bytes, Table};
+use crate::plan_cmd::{io_cells, ShapeArgs, SizeArgs, TreeSummary, IO_HEADER};
+use crate::table::Table;
 use anyhow::{bail, Result};
-use canopy_core::data::{hashed_queries, HashedKv};
+use canopy_core::data::{hashed_oracle, hashed_queries, HashedKv};
 use canopy_core::{
-    reference_attention, AttnShape, DType, KvTree, Method, PlannerConfig, Shard, TreeView,
-    WorkloadSpec,
+    reference_attention, IoReport, KvTree, Method, PlannerConfig, Shard, TreeView, WorkloadSpec,
 };
 use canopy_cuda::{CudaBackend, KernelChoice};
 use canopy_engine::tree_bench::{relate_to_q_guided, MethodRun, TreeBench};
@@ -73,18 +72,12 @@ pub struct TreeArgs {
 
 #[derive(Serialize)]
 struct TreeOutput {
-    workload: String,
+    #[serde(flatten)]
+    tree: TreeSummary,
     backend: &'static str,
     device: String,
     kernel: KernelChoice,
     ranks: usize,
-    nodes: usize,
-    tree_tokens: u32,
-    queries: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    dtype: DType,
     /// Device-to-device copy bandwidth (bytes read + written per second), CUDA only.
     copy_gbps: Option<f64>,
     /// The tree's K and V read once at the copy bandwidth, in microseconds.
@@ -107,11 +100,8 @@ pub fn run(a: TreeArgs) -> Result<()> {
     }
     let tree = spec.build_tree()?;
     let backend = resolve_backend(a.backend)?;
-    let planner = PlannerConfig {
-        // The backends split long groups to fill the device; Q-guided keeps each path whole.
-        q_guided_chunk: u32::MAX,
-        ..PlannerConfig::default()
-    };
+    // The backends split long groups to fill the device; Q-guided keeps each path whole.
+    let planner = PlannerConfig::whole_paths();
     if a.grow > 0 {
         if backend != "cuda" || a.ranks != 1 {
             bail!("--grow runs on one GPU: use --backend cuda and --ranks 1");
@@ -120,7 +110,11 @@ pub fn run(a: TreeArgs) -> Result<()> {
     }
     let (device, copy, runs) = match (backend, a.ranks) {
         ("cuda", 1) => cuda_one(&a, &spec, &tree, &methods, planner)?,
-        ("cuda", p) => ("cuda".into(), None, cuda_ranks(&a, &spec, p, &methods)?),
+        ("cuda", p) => (
+            "cuda".into(),
+            None,
+            cuda_ranks(&a, &spec, &tree, p, &methods, planner)?,
+        ),
         (_, 1) => (
             "cpu".into(),
             None,
@@ -134,18 +128,11 @@ pub fn run(a: TreeArgs) -> Result<()> {
     };
     let kv_bytes = tree.total_tokens() as u64 * 2 * spec.shape.kv_token_bytes(spec.dtype) as u64;
     let out = TreeOutput {
-        workload: spec.name.clone(),
+        tree: TreeSummary::new(&spec, &tree),
         backend,
         device,
         kernel: a.kernel,
         ranks: a.ranks,
-        nodes: tree.nodes().len(),
-        tree_tokens: tree.total_tokens(),
-        queries: tree.num_queries(),
-        q_heads: spec.shape.q_heads,
-        kv_heads: spec.shape.kv_heads,
-        head_dim: spec.shape.head_dim,
-        dtype: spec.dtype,
         copy_gbps: copy.map(|c| c / 1e9),
         kv_floor_us: copy.map(|c| kv_bytes as f64 / c * 1e6),
         methods: runs,
@@ -155,18 +142,12 @@ pub fn run(a: TreeArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} on {} ({} rank{}): {} nodes, {} tokens, {} queries; {}/{} heads x {}, {}{}",
-        out.workload,
+        "{} on {} ({} rank{}): {}{}",
+        out.tree.workload,
         out.device,
         out.ranks,
         if out.ranks == 1 { "" } else { "s" },
-        out.nodes,
-        out.tree_tokens,
-        out.queries,
-        out.q_heads,
-        out.kv_heads,
-        out.head_dim,
-        out.dtype,
+        out.tree,
         match (out.copy_gbps, out.kv_floor_us) {
             (Some(c), Some(f)) => format!("; copy {c:.0} GB/s, KV floor {f:.1} us"),
             _ => String::new(),
@@ -177,14 +158,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
 }
 
 fn method_table(runs: &[MethodRun]) -> Table {
-    let mut t = Table::new(&[
-        "method",
-        "groups",
-        "partials",
-        "KV read",
-        "KV vs q-g",
-        "Q read",
-        "partials r+w",
+    let timing = [
         "plan ms",
         "median us",
         "p10 us",
@@ -192,41 +166,52 @@ fn method_table(runs: &[MethodRun]) -> Table {
         "stage 1 us",
         "speedup",
         "rel err",
-    ]);
+    ];
+    let mut t = Table::new(&[&["method"][..], &IO_HEADER, &timing].concat());
     for r in runs {
-        t.row(vec![
-            match (r.chosen, r.predicted_us) {
-                (Some(m), Some(p)) => format!("{} ({m}, {p:.0} us pred.)", r.method),
-                _ => r.method.to_string(),
-            },
-            r.io.groups.to_string(),
-            r.io.partial_rows.to_string(),
-            bytes(r.io.kv_bytes),
-            r.kv_vs_q_guided.map_or("-".into(), |x| format!("{x:.3}")),
-            bytes(r.io.q_bytes),
-            bytes(r.io.partial_bytes),
+        let mut cells = vec![match (r.chosen, r.predicted_us) {
+            (Some(m), Some(p)) => format!("{} ({m}, {p:.0} us pred.)", r.method),
+            _ => r.method.to_string(),
+        }];
+        cells.extend(io_cells(&r.io, r.kv_vs_q_guided));
+        cells.extend([
             format!("{:.2}", r.plan_ms),
             format!("{:.1}", r.median_us),
             format!("{:.1}", r.p10_us),
             format!("{:.1}", r.p90_us),
-            format!("{:.1}", r.stage1_us),
+            r.stage1_us.map_or("-".into(), |x| format!("{x:.1}")),
             r.speedup_vs_q_guided
                 .map_or("-".into(), |x| format!("{x:.2}x")),
             r.rel_error.map_or("-".into(), |e| format!("{e:.2e}")),
         ]);
+        t.row(cells);
     }
     t
 }
 
-/// The f64 oracle over hashed data (the same values every backend generates).
-fn oracle(tree: &KvTree, shape: &AttnShape, dtype: DType, seed: u64) -> Vec<f64> {
-    let q = hashed_queries(shape, dtype, tree.num_queries(), seed);
-    let kv = HashedKv {
-        seed,
-        dtype,
-        kv_heads: shape.kv_heads,
+/// Every method on one rank's backend, over KV and queries already there.
+#[allow(clippy::too_many_arguments)]
+fn bench_on<B: Backend>(
+    backend: &B,
+    kv: &B::Kv,
+    q: &B::Queries,
+    spec: &WorkloadSpec,
+    tree: &KvTree,
+    methods: &[Method],
+    planner: PlannerConfig,
+    iters: usize,
+    oracle: Option<&[f64]>,
+) -> Result<Vec<MethodRun>> {
+    let shard = Shard::whole(tree);
+    let view = TreeView::new(tree, &shard);
+    let bench = TreeBench {
+        view: &view,
+        shape: spec.shape,
+        dtype: spec.dtype,
+        planner,
+        iters,
     };
-    reference_attention(tree, shape, &q, &kv).0
+    Ok(bench.run(backend, kv, q, methods, oracle)?)
 }
 
 fn cuda_one(
@@ -249,17 +234,18 @@ fn cuda_one(
         &shape,
         &hashed_queries(&shape, dtype, tree.num_queries(), a.seed),
     )?;
-    let want = a.check.then(|| oracle(tree, &shape, dtype, a.seed));
-    let shard = Shard::whole(tree);
-    let view = TreeView::new(tree, &shard);
-    let bench = TreeBench {
-        view: &view,
-        shape,
-        dtype,
+    let want = a.check.then(|| hashed_oracle(tree, &shape, dtype, a.seed));
+    let runs = bench_on(
+        &backend,
+        &kv,
+        &q,
+        spec,
+        tree,
+        methods,
         planner,
-        iters: a.iterations,
-    };
-    let runs = bench.run(&backend, &kv, &q, methods, want.as_deref())?;
+        a.iterations,
+        want.as_deref(),
+    )?;
     Ok((backend.gpu().name.clone(), Some(copy), runs))
 }
 
@@ -276,16 +262,17 @@ fn cpu_one(
     backend.write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)?;
     let q = backend.upload_queries(&spec.shape, &problem.data.q)?;
     let want = a.check.then(|| problem.oracle());
-    let shard = Shard::whole(tree);
-    let view = TreeView::new(tree, &shard);
-    let bench = TreeBench {
-        view: &view,
-        shape: spec.shape,
-        dtype: spec.dtype,
+    bench_on(
+        &backend,
+        &kv,
+        &q,
+        spec,
+        tree,
+        methods,
         planner,
-        iters: a.iterations,
-    };
-    Ok(bench.run(&backend, &kv, &q, methods, want.as_deref())?)
+        a.iterations,
+        want.as_deref(),
+    )
 }
 
 /// A distributed run's result as a method row (its IO is rank 0's plan's).
@@ -295,7 +282,7 @@ fn distributed_row(
     p10_us: f64,
     p90_us: f64,
     rel_error: Option<f64>,
-    io: canopy_core::IoReport,
+    io: IoReport,
 ) -> MethodRun {
     MethodRun {
         method,
@@ -306,7 +293,7 @@ fn distributed_row(
         median_us,
         p10_us,
         p90_us,
-        stage1_us: f64::NAN,
+        stage1_us: None,
         speedup_vs_q_guided: None,
         kv_vs_q_guided: None,
         rel_error,
@@ -320,7 +307,7 @@ fn rank0_io(
     ranks: usize,
     method: Method,
     planner: &PlannerConfig,
-) -> Result<canopy_core::IoReport> {
+) -> Result<IoReport> {
     let shards = canopy_core::shard_tree(tree, ranks)?;
     let view = TreeView::new(tree, &shards[0]);
     Ok(canopy_core::plan(&view, method, &spec.shape, planner)?.io(&spec.shape, spec.dtype))
@@ -368,10 +355,11 @@ fn cpu_ranks(
 fn cuda_ranks(
     a: &TreeArgs,
     spec: &WorkloadSpec,
+    tree: &KvTree,
     ranks: usize,
     methods: &[Method],
+    planner: PlannerConfig,
 ) -> Result<Vec<MethodRun>> {
-    let tree = spec.build_tree()?;
     let mut runs = Vec::new();
     for &method in methods {
         let cfg = canopy_cuda::distributed::DistributedConfig {
@@ -391,14 +379,13 @@ fn cuda_ranks(
             stall_rank: None,
         };
         let r = canopy_cuda::distributed::run(&cfg)?;
-        let planner = canopy_cuda::distributed::tree_planner();
         runs.push(distributed_row(
             method,
             r.median_ms * 1e3,
             r.p10_ms * 1e3,
             r.p90_ms * 1e3,
             r.rel_error,
-            rank0_io(&tree, spec, ranks, method, &planner)?,
+            rank0_io(tree, spec, ranks, method, &planner)?,
         ));
     }
     relate_to_q_guided(&mut runs);
@@ -423,15 +410,14 @@ struct GrowRun {
 
 #[derive(Serialize)]
 struct GrowOutput {
-    workload: String,
+    /// The tree the run starts from.
+    #[serde(flatten)]
+    tree: TreeSummary,
     device: String,
     iterations: usize,
     page_size: u32,
     /// Pool pages in use at the end (shared prefixes counted once).
     pages_in_use: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    dtype: DType,
     methods: Vec<GrowRun>,
 }
 
@@ -546,14 +532,11 @@ fn grow(
         });
     }
     let out = GrowOutput {
-        workload: spec.name.clone(),
+        tree: TreeSummary::new(spec, tree),
         device: backend.gpu().name.clone(),
         iterations: a.grow,
         page_size: page,
         pages_in_use,
-        q_heads: shape.q_heads,
-        kv_heads: shape.kv_heads,
-        dtype,
         methods: runs,
     };
     if a.json {
@@ -562,7 +545,7 @@ fn grow(
     }
     println!(
         "{} growing for {} iterations on {}: pages of {} tokens, {} in use at the end; {}/{} heads, {}",
-        out.workload, out.iterations, out.device, page, out.pages_in_use, shape.q_heads, shape.kv_heads, dtype
+        out.tree.workload, out.iterations, out.device, page, out.pages_in_use, shape.q_heads, shape.kv_heads, dtype
     );
     let mut t = Table::new(&[
         "method",

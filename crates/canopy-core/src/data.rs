@@ -136,6 +136,18 @@ impl<S: KvSource> KvSource for PagedKv<'_, S> {
     }
 }
 
+/// The f64 oracle's outputs for `tree` over hashed data: the queries and KV every backend
+/// generates from `seed` ([`hashed_queries`], [`HashedKv`]), so no tensor is copied back.
+pub fn hashed_oracle(tree: &crate::KvTree, shape: &AttnShape, dtype: DType, seed: u64) -> Vec<f64> {
+    let q = hashed_queries(shape, dtype, tree.num_queries(), seed);
+    let kv = HashedKv {
+        seed,
+        dtype,
+        kv_heads: shape.kv_heads,
+    };
+    crate::reference_attention(tree, shape, &q, &kv).0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -211,35 +211,26 @@ impl Plan {
             let tokens = g.tokens() as usize;
             for (c, queries) in g.queries.chunks(max_queries).enumerate() {
                 let first = c * max_queries;
-                let mask = g.mask.as_ref().map(|_| {
-                    let words = queries.len().div_ceil(64);
+                let mut piece = Group::unmasked(g.kv.clone(), queries.to_vec());
+                if g.mask.is_some() {
+                    let words = piece.mask_words();
                     let mut m = vec![0u64; tokens * words];
+                    let mut seen = 0usize;
                     for t in 0..tokens {
                         for j in 0..queries.len() {
                             if g.visible(t, first + j) {
                                 m[t * words + j / 64] |= 1 << (j % 64);
+                                seen += 1;
                             }
                         }
                     }
-                    m
-                });
-                let piece = Group {
-                    kv: g.kv.clone(),
-                    queries: queries.to_vec(),
-                    mask,
-                };
-                match &piece.mask {
-                    Some(m) if m.iter().all(|&w| w == 0) => {}
-                    Some(_)
-                        if (0..tokens).all(|t| (0..queries.len()).all(|j| piece.visible(t, j))) =>
-                    {
-                        groups.push(Group {
-                            mask: None,
-                            ..piece
-                        })
+                    match seen {
+                        0 => continue,
+                        n if n == tokens * queries.len() => {}
+                        _ => piece.mask = Some(m),
                     }
-                    _ => groups.push(piece),
                 }
+                groups.push(piece);
             }
         }
         Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")

@@ -150,6 +150,17 @@ impl Default for PlannerConfig {
     }
 }
 
+impl PlannerConfig {
+    /// The defaults, with Q-guided keeping each query's path in one group: for backends that
+    /// split long groups themselves to fill the device (the CUDA backend does).
+    pub fn whole_paths() -> PlannerConfig {
+        PlannerConfig {
+            q_guided_chunk: u32::MAX,
+            ..PlannerConfig::default()
+        }
+    }
+}
+
 /// Plans `view` with `method`.
 pub fn plan(
     view: &TreeView,
@@ -264,7 +275,7 @@ pub fn auto_candidates(base: &PlannerConfig) -> Vec<(Method, PlannerConfig)> {
         (
             Method::QGuided,
             PlannerConfig {
-                q_guided_chunk: u32::MAX,
+                q_guided_chunk: PlannerConfig::whole_paths().q_guided_chunk,
                 ..*base
             },
         ),

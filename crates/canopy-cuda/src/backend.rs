@@ -717,6 +717,9 @@ impl Backend for CudaBackend {
 
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> EResult<CudaPlan> {
         let gqa = shape.group_size();
+        // A CTA holds at most 64 rows (either kernel: the CUDA-core one would otherwise loop over
+        // the KV once per 8 rows); larger groups become CTAs that read the same KV from L2.
+        let plan = plan.split_queries((MMA_MAX_ROWS / gqa).max(1));
         let max_rows = plan
             .groups()
             .iter()
@@ -725,10 +728,6 @@ impl Backend for CudaBackend {
             .unwrap_or(1)
             * gqa;
         let tensor_cores = self.tensor_cores_for(shape, max_rows);
-        // A CTA holds at most 64 rows (either kernel: the CUDA-core one would otherwise loop over
-        // the KV once per 8 rows); larger groups become CTAs that read the same KV from L2.
-        let plan = plan.split_queries((MMA_MAX_ROWS / gqa).max(1));
-        let max_rows = max_rows.min(MMA_MAX_ROWS.max(gqa));
         let rows = rows_config(max_rows);
         // One balanced wave: as many CTAs as fit on the GPU at once. The plan is uploaded before
         // it meets its KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32

@@ -8,11 +8,11 @@
 
 use crate::backend::CudaBackend;
 use crate::error::Result;
-use canopy_core::data::{hashed_queries, HashedKv};
+use canopy_core::data::{hashed_oracle, hashed_queries};
 use canopy_core::stats::{median, quantile};
 use canopy_core::{
-    plan, reference_attention, relative_error, AttnShape, DType, Method, Overrides, PlannerConfig,
-    Shard, TreeView, WorkloadSpec,
+    plan, relative_error, AttnShape, DType, Method, Overrides, PlannerConfig, Shard, TreeView,
+    WorkloadSpec,
 };
 use canopy_engine::Backend;
 use serde::Serialize;
@@ -61,10 +61,7 @@ pub fn bench_point(
     let tree = spec.build_tree()?;
     let shard = Shard::whole(&tree);
     // One group per request; the backend splits it to fill the GPU in one wave.
-    let cfg = PlannerConfig {
-        q_guided_chunk: u32::MAX,
-        ..PlannerConfig::default()
-    };
+    let cfg = PlannerConfig::whole_paths();
     let host_plan = plan(&TreeView::new(&tree, &shard), Method::QGuided, shape, &cfg)?;
     let tokens = tree.total_tokens() as usize;
     let mut kv = backend.alloc_kv(shape, dtype, tokens)?;
@@ -86,17 +83,8 @@ pub fn bench_point(
     let med = median(&times);
     let rel_error = if check {
         let got = backend.download(&out)?;
-        let oracle = reference_attention(
-            &tree,
-            shape,
-            &q_host,
-            &HashedKv {
-                seed,
-                dtype,
-                kv_heads: shape.kv_heads,
-            },
-        );
-        Some(relative_error(&got.o, &oracle.0))
+        let oracle = hashed_oracle(&tree, shape, dtype, seed);
+        Some(relative_error(&got.o, &oracle))
     } else {
         None
     };

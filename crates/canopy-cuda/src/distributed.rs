@@ -30,12 +30,12 @@
 use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel, KernelChoice, WARMUP_STEPS};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::nccl::{connect_at_init, group, NcclComm, NcclOp, Watchdog};
-use canopy_core::data::{hashed_queries, HashedKv};
+use canopy_core::data::{hashed_oracle, hashed_queries};
 use canopy_core::stats::{median, quantile};
 use canopy_core::workload::build_tree;
 use canopy_core::{
-    plan, reference_attention, relative_error, shard_tree, AttnShape, DType, KvTree, Method,
-    Overrides, PlannerConfig, Shard, TreeSpec, TreeView, WorkloadSpec,
+    plan, relative_error, shard_tree, AttnShape, DType, KvTree, Method, Overrides, PlannerConfig,
+    Shard, TreeSpec, TreeView, WorkloadSpec,
 };
 use canopy_engine::cost::{CallKind, CostModel, PaperModel};
 use canopy_engine::{ring_buffers, Backend, MergeCollective, NodeLayout, Strategy};
@@ -123,15 +123,6 @@ fn problem(cfg: &DistributedConfig) -> canopy_engine::Result<(KvTree, Vec<Shard>
     };
     let shards = shard_tree(&tree, cfg.ranks)?;
     Ok((tree, shards))
-}
-
-/// The planner configuration of every rank: Q-guided keeps each path whole (the backend splits
-/// long groups to fill the GPU); the tree methods keep their defaults.
-pub fn tree_planner() -> PlannerConfig {
-    PlannerConfig {
-        q_guided_chunk: u32::MAX,
-        ..PlannerConfig::default()
-    }
 }
 
 /// Refuses configurations this machine cannot run, before anything is allocated.
@@ -409,15 +400,9 @@ fn finish(
     comm_bytes_per_rank: u64,
 ) -> DistributedReport {
     let (times, out, link) = rank0.rank0.expect("rank 0 reports its timings");
-    let rel_error = cfg.check.then(|| {
-        let q = hashed_queries(&cfg.shape, cfg.dtype, tree.num_queries(), cfg.seed);
-        let kv = HashedKv {
-            seed: cfg.seed,
-            dtype: cfg.dtype,
-            kv_heads: cfg.shape.kv_heads,
-        };
-        relative_error(&out, &reference_attention(tree, &cfg.shape, &q, &kv).0)
-    });
+    let rel_error = cfg
+        .check
+        .then(|| relative_error(&out, &hashed_oracle(tree, &cfg.shape, cfg.dtype, cfg.seed)));
     let cells = (tree.num_queries() * cfg.shape.q_heads) as u64;
     let token_bytes = 2 * cfg.shape.kv_token_bytes(cfg.dtype) as u64;
     let kv_bytes_per_rank =
@@ -485,7 +470,7 @@ fn shard_plan(
         &TreeView::new(tree, shard),
         method,
         &cfg.shape,
-        &tree_planner(),
+        &PlannerConfig::whole_paths(),
     )?);
     backend.upload_plan(&cfg.shape, &local)
 }

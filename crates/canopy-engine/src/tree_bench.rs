@@ -29,8 +29,9 @@ pub struct MethodRun {
     pub median_us: f64,
     pub p10_us: f64,
     pub p90_us: f64,
-    /// Median of stage 1 alone (the partials), timed separately; the rest is stage 2.
-    pub stage1_us: f64,
+    /// Median of stage 1 alone (the partials), timed separately; the rest is stage 2. Not
+    /// measured across ranks.
+    pub stage1_us: Option<f64>,
     /// Q-guided's median over this method's (when Q-guided ran too).
     pub speedup_vs_q_guided: Option<f64>,
     /// This method's KV bytes over Q-guided's.
@@ -121,7 +122,7 @@ impl TreeBench<'_> {
                 median_us: median(&times) * 1e3,
                 p10_us: quantile(&times, 0.1) * 1e3,
                 p90_us: quantile(&times, 0.9) * 1e3,
-                stage1_us: median(&stage1) * 1e3,
+                stage1_us: Some(median(&stage1) * 1e3),
                 speedup_vs_q_guided: None,
                 kv_vs_q_guided: None,
                 rel_error,
