@@ -105,6 +105,244 @@ __device__ __forceinline__ GroupDesc read_group(const u32* groups, u32 g) {
     return GroupDesc{gd[0], gd[2], gd[3], gd[4], gd[5], gd[6]};
 }
 
+// Streams a group's KV tokens into shared-memory tiles with cp.async. A token's row is PIECES
+// 16-byte pieces (CHUNKS per KV head, consecutive heads); thread t copies piece t % PIECES of
+// tile rows t / PIECES + i * (THREADS / PIECES), into element ((c / CHUNKS) * TOKENS + r) *
+// STRIDE + (c % CHUNKS) * 8 of a stage (one [TOKENS][STRIDE] block per head).
+//
+// A tile whose tokens are contiguous in memory (inside one KV range and, when paged, one page:
+// every tile of a node-sized group on contiguous KV) costs one address computation per thread;
+// only tiles that cross a range or page boundary map every row on its own. The range cursor
+// only moves forward, as the tiles do.
+template <int PIECES>
+struct KvStream {
+    static constexpr int ROWS_PER_PASS = THREADS / PIECES;
+    const unsigned char* k;  // this thread's piece of token 0
+    const unsigned char* v;
+    const u32* ranges;
+    const u32* page_table;  // null: contiguous KV
+    u32 page_shift;
+    u64 stride;  // bytes from one token to the next
+    u32 range_begin, tokens;
+    u32 ri, seg_local, seg_end, seg_addr;  // cursor: the range holding local tokens [seg_local, seg_end)
+    int dst, row_first;                    // this thread's element offset in a block, first row
+
+    __device__ __forceinline__ void start(const unsigned char* kc, const unsigned char* vc, const u32* rs,
+                                          const u32* pt, u32 shift, int kv_heads, int kvh0, u32 rb, u32 n,
+                                          int tokens_per_tile) {
+        const int piece = threadIdx.x % PIECES;
+        stride = (u64)kv_heads * HEAD_DIM * 2;
+        row_first = threadIdx.x / PIECES;
+        dst = ((piece / CHUNKS) * tokens_per_tile + row_first) * STRIDE + (piece % CHUNKS) * 8;
+        const u64 head = ((u64)kvh0 * HEAD_DIM + piece * 8) * 2;
+        k = kc + head;
+        v = vc + head;
+        ranges = rs;
+        page_table = pt;
+        page_shift = shift;
+        range_begin = rb;
+        tokens = n;
+        ri = 0;
+        seg_local = 0;
+        seg_addr = rs[2 * rb];
+        seg_end = rs[2 * rb + 1] - seg_addr;
+    }
+
+    // Logical KV index of group-local token `local` (not before the cursor).
+    __device__ __forceinline__ u32 seek(u32 local) {
+        while (local >= seg_end) {
+            ++ri;
+            const u32 b = ranges[2 * (range_begin + ri)], e = ranges[2 * (range_begin + ri) + 1];
+            seg_local = seg_end;
+            seg_end += e - b;
+            seg_addr = b;
+        }
+        return seg_addr + (local - seg_local);
+    }
+
+    __device__ __forceinline__ u64 physical(u32 t) const {
+        return page_table ? (u64)((page_table[t >> page_shift] << page_shift) | (t & ((1u << page_shift) - 1u))) : t;
+    }
+
+    // Tile `tile` (TOKENS tokens) into the stage whose K and V blocks start at ks and vs.
+    template <int TOKENS>
+    __device__ __forceinline__ void issue(u16* ks, u16* vs, u32 tile) {
+        const u32 lo = tile * TOKENS;
+        const u32 n = min((u32)TOKENS, tokens - lo);
+        const u32 t_lo = seek(lo);
+        const bool contiguous = lo + n <= seg_end && (!page_table || (t_lo >> page_shift) == ((t_lo + n - 1) >> page_shift));
+        if (contiguous) {
+            const u64 base = (physical(t_lo) + row_first) * stride;
+#pragma unroll
+            for (int i = 0; i < TOKENS / ROWS_PER_PASS; ++i) {
+                const int r = row_first + i * ROWS_PER_PASS;
+                const bool valid = (u32)r < n;
+                const u64 off = valid ? base + (u64)(i * ROWS_PER_PASS) * stride : 0;
+                cp_async16(ks + dst + i * ROWS_PER_PASS * STRIDE, k + off, valid ? 16 : 0);
+                cp_async16(vs + dst + i * ROWS_PER_PASS * STRIDE, v + off, valid ? 16 : 0);
+            }
+        } else {
+#pragma unroll 1
+            for (int i = 0; i < TOKENS / ROWS_PER_PASS; ++i) {
+                const int r = row_first + i * ROWS_PER_PASS;
+                const bool valid = (u32)r < n;
+                const u64 off = valid ? physical(seek(lo + r)) * stride : 0;
+                cp_async16(ks + dst + i * ROWS_PER_PASS * STRIDE, k + off, valid ? 16 : 0);
+                cp_async16(vs + dst + i * ROWS_PER_PASS * STRIDE, v + off, valid ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    }
+};
+
+// Q fragments of one warp's 16 rows (rows g and g + 8 of the block starting at row0, all of
+// HEAD_DIM) as 16-bit pairs, scaled into the log2 domain. Rows past the group's are zero:
+// finite scores, never written.
+__device__ __forceinline__ void load_q(u32 (&qa)[KCH][4], const float* q, const u32* group_queries,
+                                       const GroupDesc& cd, int rows, int row0, int kvh, int gsz, int q_heads,
+                                       float scale_log2) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+    const int r0 = row0 + g, r1 = r0 + 8;
+    const float* qrow0 = r0 < rows
+        ? q + ((u64)group_queries[cd.query_begin + r0 / gsz] * q_heads + kvh * gsz + r0 % gsz) * HEAD_DIM
+        : nullptr;
+    const float* qrow1 = r1 < rows
+        ? q + ((u64)group_queries[cd.query_begin + r1 / gsz] * q_heads + kvh * gsz + r1 % gsz) * HEAD_DIM
+        : nullptr;
+#pragma unroll
+    for (int c = 0; c < KCH; ++c)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float* p = (i & 1) ? qrow1 : qrow0;
+            const int d = c * 16 + (i >> 1) * 8 + 2 * tig;
+            const float2 x = p ? *reinterpret_cast<const float2*>(p + d) : make_float2(0.f, 0.f);
+            qa[c][i] = pack2(x.x * scale_log2, x.y * scale_log2);
+        }
+}
+
+// One warp's slice of one tile: SLICE tokens (rows of k and v) for its 16 rows. S = Q K^T, the
+// online softmax (S is already in the log2 domain), O += P V. `first` is the group-local index
+// of the slice's first token; `edge`: the tile runs past the group's tokens or the group is
+// masked, so scores are tested one by one (interior tiles of unmasked groups skip the tests).
+template <int SLICE>
+__device__ __forceinline__ void attend(const u16 (*k)[STRIDE], const u16 (*v)[STRIDE], const u32 (&qa)[KCH][4],
+                                       float (&o)[DTILES][4], float (&m)[2], float (&l)[2], u32 first, bool edge,
+                                       u32 tokens, const u64* mask, u32 words, int row0, int gsz) {
+    constexpr int NT = SLICE / 8;  // n-tiles of 8 tokens
+    const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < KCH; c += 2) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            u32 b[4];
+            ldsm_x4<false>(b, &k[nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
+            mma16816(s[nt], qa[c], b[0], b[1]);
+            mma16816(s[nt], qa[c + 1], b[2], b[3]);
+        }
+    }
+    if (edge) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 local = first + nt * 8 + 2 * tig + (i & 1);
+                bool keep = local < tokens;
+                if (keep && mask) {
+                    const u32 j = (u32)(row0 + g + 8 * (i >> 1)) / gsz;
+                    keep = (mask[(u64)local * words + j / 64] >> (j % 64)) & 1ull;
+                }
+                if (!keep) s[nt][i] = NEG_INF;
+            }
+    }
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mx[i >> 1] = fmaxf(mx[i >> 1], s[nt][i]);
+    float alpha[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        const float mnew = fmaxf(m[h], mx[h]);
+        // A row with nothing seen yet subtracts 0 instead of -inf (exp2(-inf) = 0 follows).
+        base[h] = mnew == NEG_INF ? 0.f : mnew;
+        alpha[h] = fast_exp2(m[h] - base[h]);
+        m[h] = mnew;
+        l[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float p = fast_exp2(s[nt][i] - base[i >> 1]);
+            s[nt][i] = p;
+            l[i >> 1] += p;
+        }
+    // The running max rarely moves after the first tiles: rescale only when some row's did.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) {
+            o[d][0] *= alpha[0];
+            o[d][1] *= alpha[0];
+            o[d][2] *= alpha[1];
+            o[d][3] *= alpha[1];
+        }
+    }
+    // O += P V, 16 tokens (two S n-tiles) per k-chunk.
+#pragma unroll
+    for (int c = 0; c < NT / 2; ++c) {
+        u32 a[4];
+        a[0] = pack2(s[2 * c][0], s[2 * c][1]);
+        a[1] = pack2(s[2 * c][2], s[2 * c][3]);
+        a[2] = pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
+        a[3] = pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
+        const int vt = c * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+        for (int d = 0; d < DTILES; d += 2) {
+            u32 b[4];
+            ldsm_x4<true>(b, &v[vt][(d + (lane >> 4)) * 8]);
+            mma16816(o[d], a, b[0], b[1]);
+            mma16816(o[d + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Quad totals of l (each thread summed only its own columns of the scores).
+__device__ __forceinline__ void finish_l(float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+}
+
+// A warp that holds whole rows normalises and writes them straight from its accumulators.
+__device__ __forceinline__ void write_rows(const float (&o)[DTILES][4], const float (&m)[2], const float (&l)[2],
+                                           float* out_o, float* out_lse, u32 partial_base, int rows, int row0,
+                                           int kvh, int gsz, int q_heads) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + g + 8 * h;
+        if (row < rows) {
+            const u64 prow = (u64)partial_base + row / gsz;
+            const int head = kvh * gsz + row % gsz;
+            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+            float* dst = out_o + (prow * q_heads + head) * HEAD_DIM + 2 * tig;
+#pragma unroll
+            for (int d = 0; d < DTILES; ++d)
+                *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+            if (tig == 0) out_lse[prow * q_heads + head] = l[h] > 0.f ? (m[h] + __log2f(l[h])) * LN2 : NEG_INF;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
                    const float* __restrict__ q, const u32* __restrict__ groups,
@@ -120,71 +358,22 @@ decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __
     const int gsz = q_heads / kv_heads;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
-    const u32 page_mask = (1u << page_shift) - 1u;
-    const u64 tok_stride = (u64)kv_heads * HEAD_DIM * 2;
 
-    // Loader: thread t copies 16-byte piece t % CHUNKS of tile rows t / CHUNKS + i * (THREADS /
-    // CHUNKS). It walks the bin's groups one tile ahead of the compute; within a group its
-    // tokens only move forward, so one range cursor serves the group.
-    const int piece = threadIdx.x % CHUNKS, row_first = threadIdx.x / CHUNKS;
-    const int rows_per_pass = THREADS / CHUNKS;
-    u32 ri = 0, seg_local = 0;
-    u32 seg_addr = ranges[2 * cd.range_begin];
-    u32 seg_end = ranges[2 * cd.range_begin + 1] - seg_addr;
-    auto issue = [&](u32 tile) {
-        const u32 stage = tile & 1;
-#pragma unroll
-        for (int i = 0; i < TILE / rows_per_pass; ++i) {
-            const int r = row_first + i * rows_per_pass;
-            const u32 local = tile * TILE + r;
-            u64 off = 0;
-            const bool valid = local < cd.tokens;
-            if (valid) {
-                while (local >= seg_end) {
-                    ++ri;
-                    const u32 rs = ranges[2 * (cd.range_begin + ri)], re = ranges[2 * (cd.range_begin + ri) + 1];
-                    seg_local = seg_end;
-                    seg_end += re - rs;
-                    seg_addr = rs;
-                }
-                const u32 t = seg_addr + (local - seg_local);
-                const u32 addr = page_table ? (page_table[t >> page_shift] << page_shift) | (t & page_mask) : t;
-                off = (u64)addr * tok_stride + ((u64)kvh * HEAD_DIM + piece * 8) * 2;
-            }
-            cp_async16(&stage_mem[stage].k[r][piece * 8], kc + off, valid ? 16 : 0);
-            cp_async16(&stage_mem[stage].v[r][piece * 8], vc + off, valid ? 16 : 0);
-        }
-        cp_async_commit();
-    };
-
+    KvStream<CHUNKS> kv;
+    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd.range_begin, cd.tokens, TILE);
     const u32 tiles = (cd.tokens + TILE - 1) / TILE;
+    if (tiles > 0) kv.issue<TILE>(&stage_mem[0].k[0][0], &stage_mem[0].v[0][0], 0);
+
     const int rows = min((int)cd.query_count * gsz, MAX_ROWS);
     const int wr = max(rows <= 16 ? 1 : (rows <= 32 ? 2 : 4), WARPS / WK_MAX);
     const int wk = WARPS / wr;
     const int rb = warp % wr, ks = warp / wr;
-    const int ntl = TILE / wk / 8;  // this warp's n-tiles of 8 tokens per tile
+    const int t0 = ks * (TILE / wk);  // first token of this warp's slice within a tile
+    const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
     const u32 words = (cd.query_count + 63) / 64;
 
-    // Q fragments of this warp's 16 rows: rows g and g + 8, all of HEAD_DIM, as 16-bit pairs.
     u32 qa[KCH][4];
-    {
-        const float* qrow0 = nullptr;
-        const float* qrow1 = nullptr;
-        const int r0 = rb * 16 + g, r1 = r0 + 8;
-        if (r0 < rows)
-            qrow0 = q + ((u64)group_queries[cd.query_begin + r0 / gsz] * q_heads + kvh * gsz + r0 % gsz) * HEAD_DIM;
-        if (r1 < rows)
-            qrow1 = q + ((u64)group_queries[cd.query_begin + r1 / gsz] * q_heads + kvh * gsz + r1 % gsz) * HEAD_DIM;
-#pragma unroll
-        for (int c = 0; c < KCH; ++c) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float* p = (i & 1) ? qrow1 : qrow0;
-                const int d = c * 16 + (i >> 1) * 8 + 2 * tig;
-                qa[c][i] = p ? pack2(p[d], p[d + 1]) : 0u;
-            }
-        }
-    }
+    load_q(qa, q, group_queries, cd, rows, rb * 16, kvh, gsz, q_heads, scale_log2);
     float o[DTILES][4];
 #pragma unroll
     for (int d = 0; d < DTILES; ++d)
@@ -192,127 +381,36 @@ decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __
         for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
-    if (tiles > 0) issue(0);
     for (u32 tile = 0; tile < tiles; ++tile) {
-        if (tile + 1 < tiles) issue(tile + 1);
-        else cp_async_commit();  // an empty group keeps the wait count uniform
+        if (tile + 1 < tiles) {
+            Stage& next = stage_mem[(tile + 1) & 1];
+            kv.issue<TILE>(&next.k[0][0], &next.v[0][0], tile + 1);
+        } else {
+            cp_async_commit();  // an empty group keeps the wait count uniform
+        }
         asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         __syncthreads();
-        const int st = tile & 1;
-        const int t0 = ks * (TILE / wk);  // first token of this warp's slice within the tile
-
-        float s[TILE / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < TILE / 8; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
-#pragma unroll
-        for (int c = 0; c < KCH; c += 2) {
-#pragma unroll
-            for (int nt = 0; nt < TILE / 8; ++nt) {
-                if (nt < ntl) {
-                    u32 b[4];
-                    ldsm_x4<false>(b, &stage_mem[st].k[t0 + nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
-                    mma16816(s[nt], qa[c], b[0], b[1]);
-                    mma16816(s[nt], qa[c + 1], b[2], b[3]);
-                }
-            }
-        }
-        // Scale, mask, and the online softmax for rows g (h = 0) and g + 8 (h = 1).
-        float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int nt = 0; nt < TILE / 8; ++nt) {
-            if (nt < ntl) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const u32 local = tile * TILE + t0 + nt * 8 + 2 * tig + (i & 1);
-                    const int row = rb * 16 + g + 8 * (i >> 1);
-                    bool keep = local < cd.tokens && row < rows;
-                    if (keep && cd.mask_plus1) {
-                        const u32 j = (u32)row / gsz;
-                        keep = (masks[cd.mask_plus1 - 1 + (u64)local * words + j / 64] >> (j % 64)) & 1ull;
-                    }
-                    s[nt][i] = keep ? s[nt][i] * scale_log2 : NEG_INF;
-                    mx[i >> 1] = fmaxf(mx[i >> 1], s[nt][i]);
-                }
-            }
-        }
-        float alpha[2], mnew[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            mnew[h] = fmaxf(m[h], mx[h]);
-            alpha[h] = mnew[h] == NEG_INF ? 1.f : fast_exp2(m[h] - mnew[h]);
-            m[h] = mnew[h];
-            l[h] *= alpha[h];
-        }
-#pragma unroll
-        for (int nt = 0; nt < TILE / 8; ++nt) {
-            if (nt < ntl) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int h = i >> 1;
-                    const float p = mnew[h] == NEG_INF ? 0.f : fast_exp2(s[nt][i] - mnew[h]);
-                    s[nt][i] = p;
-                    l[h] += p;
-                }
-            }
-        }
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d) {
-            o[d][0] *= alpha[0];
-            o[d][1] *= alpha[0];
-            o[d][2] *= alpha[1];
-            o[d][3] *= alpha[1];
-        }
-        // O += P V, 16 tokens (two S n-tiles) per k-chunk.
-#pragma unroll
-        for (int c = 0; c < TILE / 16; ++c) {
-            if (2 * c < ntl) {
-                u32 a[4];
-                a[0] = pack2(s[2 * c][0], s[2 * c][1]);
-                a[1] = pack2(s[2 * c][2], s[2 * c][3]);
-                a[2] = pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
-                a[3] = pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
-                const int vt = t0 + c * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-#pragma unroll
-                for (int d = 0; d < DTILES; d += 2) {
-                    u32 b[4];
-                    ldsm_x4<true>(b, &stage_mem[st].v[vt][(d + (lane >> 4)) * 8]);
-                    mma16816(o[d], a, b[0], b[1]);
-                    mma16816(o[d + 1], a, b[2], b[3]);
-                }
-            }
+        const u32 first = tile * TILE + t0;
+        // A warp whose slice lies wholly past the group's tokens has nothing to add.
+        if (first < cd.tokens) {
+            const bool edge = mask || tile * TILE + TILE > cd.tokens;
+            const Stage& st = stage_mem[tile & 1];
+            if (wk == 1) attend<TILE>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
+#if WK_MAX >= 2
+            else if (wk == 2) attend<TILE / 2>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
+#endif
+#if WK_MAX >= 4
+            else attend<TILE / 4>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
+#endif
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
 
-    // Quad totals of l (each thread summed only its own columns).
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
+    finish_l(l);
     if (wk == 1) {
-        // Each warp holds whole rows: normalise and write straight from the accumulators.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = rb * 16 + g + 8 * h;
-            if (row < rows) {
-                const u64 prow = (u64)cd.partial_base + row / gsz;
-                const int head = kvh * gsz + row % gsz;
-                const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-                float* dst = out_o + (prow * q_heads + head) * HEAD_DIM + 2 * tig;
-#pragma unroll
-                for (int d = 0; d < DTILES; ++d)
-                    *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
-                if (tig == 0)
-                    out_lse[prow * q_heads + head] = l[h] > 0.f ? (m[h] + __log2f(l[h])) * LN2 : NEG_INF;
-            }
-        }
+        write_rows(o, m, l, out_o, out_lse, cd.partial_base, rows, rb * 16, kvh, gsz, q_heads);
         return;
     }
     // Several warps share each row: states through shared memory (reusing the tile stages),
@@ -361,4 +459,69 @@ decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __
         const int head = kvh * gsz + row % gsz;
         *reinterpret_cast<float4*>(out_o + (prow * q_heads + head) * HEAD_DIM + d) = acc;
     }
+}
+
+// Groups of at most 16 rows (a leaf's query x its GQA rows; any one query under MHA) would
+// leave three of four warps splitting a few tokens and merging through shared memory. Here a
+// CTA takes HEADS_PER_CTA consecutive KV heads of one group instead, one warp per head: each
+// warp streams all of the group's tokens for its own head and writes its rows from registers.
+// A token's HEADS_PER_CTA head rows are contiguous, so every tile row is one coalesced copy.
+#define HEADS_PER_CTA WARPS
+#define HEAD_TILE 16  // tokens per tile: one k-chunk of P V
+
+struct HeadStage {
+    u16 k[HEADS_PER_CTA][HEAD_TILE][STRIDE];
+    u16 v[HEADS_PER_CTA][HEAD_TILE][STRIDE];
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
+decode_partial_mma_heads(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
+                         const float* __restrict__ q, const u32* __restrict__ groups,
+                         const u32* __restrict__ ranges, const u32* __restrict__ group_queries,
+                         const u64* __restrict__ masks, const u32* __restrict__ page_table, u32 page_shift,
+                         float* __restrict__ out_o, float* __restrict__ out_lse, int q_heads, int kv_heads,
+                         float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // two stages
+
+    const GroupDesc cd = read_group(groups, blockIdx.x);
+    const int warp = threadIdx.x / 32;
+    const int kvh = blockIdx.y * HEADS_PER_CTA + warp;
+    const int gsz = q_heads / kv_heads;
+
+    KvStream<CHUNKS * HEADS_PER_CTA> kv;
+    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, blockIdx.y * HEADS_PER_CTA, cd.range_begin,
+             cd.tokens, HEAD_TILE);
+    const u32 tiles = (cd.tokens + HEAD_TILE - 1) / HEAD_TILE;
+    if (tiles > 0) kv.issue<HEAD_TILE>(&stage_mem[0].k[0][0][0], &stage_mem[0].v[0][0][0], 0);
+
+    const int rows = min((int)cd.query_count * gsz, 16);
+    const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
+    const u32 words = (cd.query_count + 63) / 64;
+    u32 qa[KCH][4];
+    load_q(qa, q, group_queries, cd, rows, 0, kvh, gsz, q_heads, scale_log2);
+    float o[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    for (u32 tile = 0; tile < tiles; ++tile) {
+        if (tile + 1 < tiles) {
+            HeadStage& next = stage_mem[(tile + 1) & 1];
+            kv.issue<HEAD_TILE>(&next.k[0][0][0], &next.v[0][0][0], tile + 1);
+        } else {
+            cp_async_commit();
+        }
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        __syncthreads();
+        const HeadStage& st = stage_mem[tile & 1];
+        const u32 first = tile * HEAD_TILE;
+        const bool edge = mask || first + HEAD_TILE > cd.tokens;
+        attend<HEAD_TILE>(st.k[warp], st.v[warp], qa, o, m, l, first, edge, cd.tokens, mask, words, 0, gsz);
+        __syncthreads();
+    }
+    finish_l(l);
+    write_rows(o, m, l, out_o, out_lse, cd.partial_base, rows, 0, kvh, gsz, q_heads);
 }

@@ -49,6 +49,12 @@ const MERGE_WARPS: usize = 8;
 const MMA_MAX_ROWS: usize = 64;
 /// Threads per tensor-core CTA.
 const MMA_THREADS: u32 = 128;
+/// Query rows up to which a group runs on `decode_partial_mma_heads` (one m16 tile per warp).
+const HEADS_MAX_ROWS: usize = 16;
+/// KV heads per CTA of `decode_partial_mma_heads` (one per warp).
+const HEADS_PER_CTA: usize = 4;
+/// Tokens per KV tile of `decode_partial_mma_heads`.
+const HEADS_TILE: usize = 16;
 /// Tokens per shared-memory KV tile of the tensor-core kernel (see `kernels/decode_mma.cu`).
 pub const MMA_TILES: [usize; 2] = [64, 32];
 
@@ -101,6 +107,11 @@ pub(crate) enum Kernel {
         head_dim: usize,
         tile: usize,
     },
+    /// `decode_partial_mma_heads`: groups of at most 16 rows, one warp per KV head.
+    DecodeMmaHeads {
+        dtype: DType,
+        head_dim: usize,
+    },
     Merge,
     Fill(DType),
     Combine(&'static str),
@@ -128,6 +139,7 @@ fn rows_config(max_rows: usize) -> usize {
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    side: SideStream,
     gpu: GpuInfo,
     arch: String,
     functions: Mutex<HashMap<Kernel, CudaFunction>>,
@@ -138,6 +150,14 @@ pub struct CudaBackend {
     mma_tile: usize,
     /// Free device memory when the backend was created.
     free_at_start: usize,
+}
+
+/// A second stream for a kernel that runs beside the main stream's: `fork` orders it after the
+/// main stream's earlier work, `join` orders the main stream's later work after it.
+struct SideStream {
+    stream: Arc<CudaStream>,
+    fork: CudaEvent,
+    join: CudaEvent,
 }
 
 /// Warm-up steps [`CudaBackend::time_ms`] runs before it times.
@@ -178,6 +198,9 @@ pub struct CudaPlan {
     rows: usize,
     /// Run on tensor cores when the KV's dtype allows (16-bit).
     tensor_cores: bool,
+    /// On tensor cores, the first `mma_groups` descriptors run on `decode_partial_mma`; the
+    /// rest (groups of at most 16 rows) on `decode_partial_mma_heads`.
+    mma_groups: usize,
 
     groups: CudaSlice<u32>,
     ranges: CudaSlice<u32>,
@@ -228,11 +251,16 @@ impl CudaBackend {
             return Err(CudaError::NoNvrtc);
         }
         let ctx = CudaContext::new(ordinal).ctx(format!("creating a context on GPU {ordinal}"))?;
-        // One stream per backend orders everything; per-buffer event tracking would only add
-        // event records and waits to every launch.
+        // One stream per backend orders everything (the side stream only ever runs between a
+        // fork and a join event on it); per-buffer event tracking would only add event records
+        // and waits to every launch.
         // SAFETY: no buffers exist yet on this context.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().ctx("cuStreamCreate")?;
+        let side = ctx.new_stream().ctx("cuStreamCreate")?;
+        let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let fork = ctx.new_event(no_timing).ctx("cuEventCreate")?;
+        let join = ctx.new_event(no_timing).ctx("cuEventCreate")?;
         let gpu = GpuInfo::read(&ctx)?;
         let arch = arch_for(gpu.compute_capability);
         let (free_at_start, _) = ctx.mem_get_info().ctx("cuMemGetInfo")?;
@@ -240,6 +268,7 @@ impl CudaBackend {
             free_at_start,
             ctx,
             stream,
+            side: SideStream { stream: side, fork, join },
             gpu,
             arch,
             functions: Mutex::new(HashMap::new()),
@@ -333,6 +362,16 @@ impl CudaBackend {
                     ("TILE", tile.to_string()),
                 ],
             ),
+            Kernel::DecodeMmaHeads { dtype, head_dim } => (
+                Source::DecodeMma,
+                "decode_partial_mma_heads",
+                // The same module as the default tile's `decode_partial_mma` (one compile).
+                vec![
+                    ("CANOPY_DTYPE", dtype_code(dtype)),
+                    ("HEAD_DIM", head_dim.to_string()),
+                    ("TILE", MMA_TILES[0].to_string()),
+                ],
+            ),
             Kernel::Merge => (
                 Source::Merge,
                 "merge_partials",
@@ -352,11 +391,16 @@ impl CudaBackend {
         let f = module
             .load_function(name)
             .ctx(format!("cuModuleGetFunction({name})"))?;
-        if let Kernel::DecodeMma { head_dim, tile, .. } = kernel {
+        let shared = match kernel {
+            Kernel::DecodeMma { head_dim, tile, .. } => Some(mma_shared_bytes(head_dim, tile)),
+            Kernel::DecodeMmaHeads { head_dim, .. } => Some(heads_shared_bytes(head_dim)),
+            _ => None,
+        };
+        if let Some(shared) = shared {
             use cudarc::driver::sys::CUfunction_attribute as Attr;
             f.set_attribute(
                 Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                mma_shared_bytes(head_dim, tile) as i32,
+                shared as i32,
             )
             .ctx("cuFuncSetAttribute(max dynamic shared memory)")?;
             // All of L1 as shared memory, so three CTAs fit on every SM.
@@ -565,6 +609,53 @@ impl CudaBackend {
     }
 
     /// Free device memory on this GPU now.
+    /// Launches a stage-1 kernel (all three share one signature) on `stream`, over the plan's
+    /// group descriptors from `first_group` on.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_stage1(
+        &self,
+        stream: &CudaStream,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        first_group: usize,
+        kv: &CudaKv,
+        q: &CudaQueries,
+        plan: &CudaPlan,
+        partials: &mut CudaStates,
+        name: &str,
+    ) -> EResult<()> {
+        let shape = &kv.shape;
+        let null = 0u64;
+        let (q_heads, kv_heads) = (shape.q_heads as i32, shape.kv_heads as i32);
+        let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
+        let shift = kv.paging.as_ref().map_or(0u32, |p| p.shift);
+        let groups = plan.groups.slice(first_group * GROUP_WORDS..);
+        let mut b = stream.launch_builder(f);
+        b.arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&q.q)
+            .arg(&groups)
+            .arg(&plan.ranges)
+            .arg(&plan.queries)
+            .arg(&plan.masks);
+        match &kv.paging {
+            Some(p) => b.arg(&p.device),
+            None => b.arg(&null),
+        };
+        b.arg(&shift)
+            .arg(&mut partials.o)
+            .arg(&mut partials.lse)
+            .arg(&q_heads)
+            .arg(&kv_heads)
+            .arg(&scale_log2);
+        // SAFETY: arguments match the signature the stage-1 kernels share; every index the
+        // kernel forms comes from the validated plan (groups of at most 64 rows for the
+        // tensor-core kernels, 16 for the one-warp-per-head kernel), within the buffers
+        // allocated for it.
+        unsafe { b.launch(cfg) }.ctx(format!("launching {name}"))?;
+        Ok(())
+    }
+
     pub fn free_bytes(&self) -> Result<u64> {
         Ok(self.ctx.mem_get_info().ctx("cuMemGetInfo")?.0 as u64)
     }
@@ -747,7 +838,14 @@ impl Backend for CudaBackend {
         let plan = plan.split_for_parallelism((capacity / shape.kv_heads).max(1), MIN_SPLIT_TOKENS);
         let (mut groups, mut ranges, mut queries, mut masks) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (g, &base) in plan.groups().iter().zip(plan.partial_base()) {
+        // Descriptors of the groups for `decode_partial_mma` first, then those for the
+        // one-warp-per-head kernel (either order is valid for the CUDA-core kernel).
+        let heads_kernel = tensor_cores && shape.kv_heads.is_multiple_of(HEADS_PER_CTA);
+        let small = |g: &canopy_core::Group| heads_kernel && g.queries.len() * gqa <= HEADS_MAX_ROWS;
+        let order = plan.groups().iter().zip(plan.partial_base());
+        let (big, little): (Vec<_>, Vec<_>) = order.partition(|(g, _)| !small(g));
+        let mma_groups = big.len();
+        for (g, &base) in big.into_iter().chain(little) {
             let mask = match &g.mask {
                 Some(m) => {
                     masks.extend_from_slice(m);
@@ -772,6 +870,7 @@ impl Backend for CudaBackend {
         Ok(CudaPlan {
             rows,
             tensor_cores,
+            mma_groups,
 
             groups: self.upload(&groups)?,
             ranges: self.upload(&ranges)?,
@@ -828,61 +927,61 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let tensor_cores = plan.uses_tensor_cores(kv.dtype);
-        let (f, cfg) = if tensor_cores {
-            let f = self.function(Kernel::DecodeMma {
-                dtype: kv.dtype,
-                head_dim: shape.head_dim,
-                tile: self.mma_tile,
-            })?;
-            let cfg = LaunchConfig {
-                grid_dim: (groups, shape.kv_heads as u32, 1),
-                block_dim: (MMA_THREADS, 1, 1),
-                shared_mem_bytes: mma_shared_bytes(shape.head_dim, self.mma_tile) as u32,
-            };
-            (f, cfg)
-        } else {
+        let (dtype, head_dim, kv_heads) = (kv.dtype, shape.head_dim, shape.kv_heads as u32);
+        if !tensor_cores {
             let f = self.function(Kernel::Decode {
-                dtype: kv.dtype,
-                head_dim: shape.head_dim,
+                dtype,
+                head_dim,
                 rows: plan.rows,
             })?;
             let cfg = LaunchConfig {
-                grid_dim: (groups, shape.kv_heads as u32, 1),
+                grid_dim: (groups, kv_heads, 1),
                 block_dim: (DECODE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            (f, cfg)
-        };
-        let null = 0u64;
-        let (q_heads, kv_heads) = (shape.q_heads as i32, shape.kv_heads as i32);
-        let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
-        let shift = kv.paging.as_ref().map_or(0u32, |p| p.shift);
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&kv.k)
-            .arg(&kv.v)
-            .arg(&q.q)
-            .arg(&plan.groups)
-            .arg(&plan.ranges)
-            .arg(&plan.queries)
-            .arg(&plan.masks);
-        match &kv.paging {
-            Some(p) => b.arg(&p.device),
-            None => b.arg(&null),
-        };
-        b.arg(&shift)
-            .arg(&mut partials.o)
-            .arg(&mut partials.lse)
-            .arg(&q_heads)
-            .arg(&kv_heads)
-            .arg(&scale_log2);
-        // SAFETY: arguments match the signature both stage-1 kernels share; every index the
-        // kernel forms comes from the validated plan (groups of at most 64 rows for the
-        // tensor-core kernel), within the buffers allocated for it.
-        unsafe { b.launch(cfg) }.ctx(if tensor_cores {
-            "launching decode_partial_mma"
-        } else {
-            "launching decode_partial"
-        })?;
+            let name = "decode_partial";
+            return self.launch_stage1(&self.stream, &f, cfg, 0, kv, q, plan, partials, name);
+        }
+        // Groups of up to 16 rows run on the one-warp-per-head kernel. When both kernels have
+        // groups, that one runs on the side stream, beside the other: neither waits for the
+        // other's tail wave.
+        let mma = plan.mma_groups as u32;
+        let both = mma > 0 && groups > mma;
+        if groups > mma {
+            let f = self.function(Kernel::DecodeMmaHeads { dtype, head_dim })?;
+            let cfg = LaunchConfig {
+                grid_dim: (groups - mma, kv_heads / HEADS_PER_CTA as u32, 1),
+                block_dim: (MMA_THREADS, 1, 1),
+                shared_mem_bytes: heads_shared_bytes(head_dim) as u32,
+            };
+            let stream = if both {
+                self.side.fork.record(&self.stream).ctx("cuEventRecord")?;
+                self.side.stream.wait(&self.side.fork).ctx("cuStreamWaitEvent")?;
+                &self.side.stream
+            } else {
+                &self.stream
+            };
+            let (first, name) = (mma as usize, "decode_partial_mma_heads");
+            self.launch_stage1(stream, &f, cfg, first, kv, q, plan, partials, name)?;
+        }
+        if mma > 0 {
+            let f = self.function(Kernel::DecodeMma {
+                dtype,
+                head_dim,
+                tile: self.mma_tile,
+            })?;
+            let cfg = LaunchConfig {
+                grid_dim: (mma, kv_heads, 1),
+                block_dim: (MMA_THREADS, 1, 1),
+                shared_mem_bytes: mma_shared_bytes(head_dim, self.mma_tile) as u32,
+            };
+            let name = "decode_partial_mma";
+            self.launch_stage1(&self.stream, &f, cfg, 0, kv, q, plan, partials, name)?;
+        }
+        if both {
+            self.side.join.record(&self.side.stream).ctx("cuEventRecord")?;
+            self.stream.wait(&self.side.join).ctx("cuStreamWaitEvent")?;
+        }
         Ok(())
     }
 
@@ -975,6 +1074,12 @@ fn mma_shared_bytes(head_dim: usize, tile: usize) -> usize {
     let stages = 2 * 2 * tile * (head_dim + 8) * 2;
     let scratch = 4 * (16 * (head_dim + 2) + 64) * 4;
     stages.max(scratch)
+}
+
+/// Dynamic shared memory of `decode_partial_mma_heads`: two stages of K and V tiles of four
+/// heads, rows padded by 8 elements.
+fn heads_shared_bytes(head_dim: usize) -> usize {
+    2 * 2 * HEADS_PER_CTA * HEADS_TILE * (head_dim + 8) * 2
 }
 
 fn gcd(a: usize, b: usize) -> usize {
