@@ -1,5 +1,7 @@
-// Stage 1 of decoding on tensor cores: the same plans as decode.cu, for groups with many query
-// rows (shared prefixes: FastTree's and DeFT's groups, GQA).
+// Stage 1 of decoding on tensor cores: the same plans as decode.cu, for groups whose queries
+// share KV (shared prefixes: FastTree's and DeFT's groups, GQA). Two kernels: decode_partial_mma
+// below for groups of more than 16 rows, and decode_partial_mma_heads (at the end of the file)
+// for groups of up to 16, one warp per KV head. The host runs them side by side.
 //
 // One CTA per (plan group, KV head), four warps. A group's rows are its queries x the GQA rows of
 // the KV head, at most 64 (the host splits larger groups by query, so each CTA holds all its
@@ -11,16 +13,17 @@
 //
 // Warps share the work of a tile two ways, chosen per CTA at run time from the group's rows:
 // WR row blocks of 16 rows (one m16 tile each) x WK token slices of the tile (WR * WK = 4). A
-// group of 4 GQA rows (one query) runs WK = 4: every warp applies its own quarter of the tokens
-// to the same 16-row tile; a 64-row group runs WR = 4: every warp sees every token for its own
-// 16 rows. Each warp keeps an online-softmax state for its rows; slices are merged at the end.
+// group of 16 rows or fewer runs WK = 4 (every warp applies its own quarter of the tokens to the
+// same 16-row tile; the host sends such groups to the heads kernel when it can); a 64-row group
+// runs WR = 4: every warp sees every token for its own 16 rows. Each warp keeps an
+// online-softmax state for its rows; slices are merged at the end.
 //
 // At the end the warps' states are merged through shared memory (reusing the tile stages) and
 // written as normalised partials (o, natural-log lse).
 //
 // Per warp and tile: S = Q K^T by mma.sync.m16n8k16 (Q fragments stay in registers for the
 // whole group; K fragments come from shared memory by ldmatrix), masking and the online softmax
-// on the accumulators (log2 domain: S is scaled by scale * log2(e)), then O += P V with P
+// on the accumulators (log2 domain: Q is pre-scaled by scale * log2(e)), then O += P V with P
 // converted in registers from the S accumulators to A fragments and V by ldmatrix.trans.
 // Shared-memory rows are padded by 16 bytes so ldmatrix's eight row addresses hit distinct banks.
 //

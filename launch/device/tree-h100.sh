@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 5 on one H100: tree-structured KV. The CUDA conformance suite with the tensor-core
 # kernel forced on, then `bench tree` on FastTree's ten trees at 32/8 and 32/32 heads (fp16,
-# head dim 128) and on DeFT's workloads, every method, with the CUDA-core kernel beside the
-# default for comparison. SASS of the tensor-core kernel is checked for HMMA.
+# head dim 128) and on DeFT's workloads (static and growing), every method. SASS of the
+# tensor-core kernels is checked for HMMA. METHODS, HEADS, TREES, GROW=false and STATIC=false narrow the
+# run to fit one device call.
 #
 # Run from the repository root on the device machine with the release binary in .device/.
-# STAGE=check runs only the conformance suite; STAGE=bench only the benchmarks.
+# STAGE=check runs only the conformance suite; STAGE=bench only the benchmarks. SIMT=true adds
+# the CUDA-core kernel's run of every tree beside the default.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 log() { echo "== $*"; }
@@ -16,31 +18,31 @@ ITER=${ITER:-30}
   log "machine"; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
   if [ "$STAGE" != bench ]; then
     log "selftest, tensor-core kernel wherever possible (contiguous and paged KV, 1 rank)"
-    time $BIN selftest --backend cuda --ranks 1 --cases 6 --kernel mma
+    time $BIN selftest --backend cuda --ranks 1 --cases ${CASES:-2} --kernel mma
   fi
   if [ "$STAGE" != check ]; then
-    for heads in 8 32; do
-      for t in 0 1 2 3 4 5 6 7 8 9; do
+    for heads in ${HEADS:-8 32}; do
+      for t in ${TREES:-0 1 2 3 4 5 6 7 8 9}; do
         log "fasttree-$t 32/$heads"
         $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
-          --dtype f16 --method all --iterations $ITER --json > "$OUT/ft${t}_32_${heads}.json" \
-          && $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
-          --dtype f16 --method all --iterations $ITER --check false --kernel simt --json \
-          > "$OUT/ft${t}_32_${heads}_simt.json"
+          --dtype f16 --method ${METHODS:-all} --iterations $ITER --json > "$OUT/ft${t}_32_${heads}.json"
+        [ "${SIMT:-false}" = true ] && $BIN bench tree --workload fasttree-$t --heads 32 \
+          --kv-heads $heads --head-dim 128 --dtype f16 --method all --iterations $ITER \
+          --check false --kernel simt --json > "$OUT/ft${t}_32_${heads}_simt.json"
         grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*' "$OUT/ft${t}_32_${heads}.json" | paste -sd' '
       done
     done
-    for w in few-shot-b50 few-shot-b20; do
+    for w in $([ "${GROW:-true}" = true ] && echo few-shot-b50 few-shot-b20); do
       log "$w growing over 400 decode iterations, 32/8"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
         --method q-guided,deft-node,deft-flatten,fasttree,auto --grow 400 --json > "$OUT/${w}_grow.json"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
         --method q-guided,deft-flatten --grow 20 --check true
     done
-    for w in few-shot-b20 few-shot-b50 spec-t64 spec-t256 tot-sorting tot-document; do
+    for w in $([ "${STATIC:-true}" = true ] && echo few-shot-b20 few-shot-b50 spec-t64 spec-t256 tot-sorting tot-document); do
       log "$w 32/8"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
-        --method all --iterations $ITER --json > "$OUT/$w.json"
+        --method ${METHODS:-all} --iterations $ITER --json > "$OUT/$w.json"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
         --method all --iterations $ITER --check false | tail -n +1
     done

@@ -3,8 +3,8 @@
 use crate::table::{bytes, Table};
 use anyhow::Result;
 use canopy_core::{
-    plan, shard_tree, AttnShape, DType, IoReport, KvTree, Method, Overrides, PlannerConfig,
-    TreeView, WorkloadSpec,
+    plan, shard_tree, AttnShape, DType, DeviceModel, IoReport, KvTree, Method, Overrides, PlanCost,
+    PlannerConfig, TreeView, WorkloadSpec,
 };
 use clap::Args;
 use serde::Serialize;
@@ -94,6 +94,8 @@ struct MethodRow {
     /// KV bytes relative to Q-guided's (when Q-guided was planned too).
     kv_vs_q_guided: Option<f64>,
     plan_ms: f64,
+    /// What `auto`'s device model counts and predicts for this plan.
+    cost: PlanCost,
 }
 
 /// A workload's tree and attention shape: the head of every tree command's output.
@@ -189,6 +191,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             io: p.io(&spec.shape, spec.dtype),
             kv_vs_q_guided: None,
             plan_ms,
+            cost: DeviceModel::default().cost(&p, &spec.shape),
         });
     }
     if let Some(base) = rows
@@ -223,7 +226,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         &[
             &["method"][..],
             &IO_HEADER,
-            &["masks", "balance", "plan ms"],
+            &["masks", "balance", "plan ms", "model µs"],
         ]
         .concat(),
     );
@@ -234,6 +237,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
             bytes(r.io.mask_bytes),
             format!("{:.2}", r.io.balance),
             format!("{:.2}", r.plan_ms),
+            format!("{:.1}", r.cost.predicted_us),
         ]);
         t.row(cells);
     }

@@ -12,7 +12,8 @@ use crate::table::Table;
 use anyhow::{bail, Result};
 use canopy_core::data::{hashed_oracle, hashed_queries, HashedKv};
 use canopy_core::{
-    reference_attention, IoReport, KvTree, Method, PlannerConfig, Shard, TreeView, WorkloadSpec,
+    reference_attention, DeviceModel, IoReport, KvTree, Method, PlannerConfig, Shard, StickyAuto,
+    TreeView, WorkloadSpec,
 };
 use canopy_cuda::{CudaBackend, KernelChoice};
 use canopy_engine::tree_bench::{relate_to_q_guided, MethodRun, TreeBench};
@@ -438,6 +439,9 @@ fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_core::
     Ok(p)
 }
 
+/// Decode steps a growing tree's `auto` keeps its choice for (see [`StickyAuto`]).
+const AUTO_REPLAN_EVERY: usize = 32;
+
 fn grow(
     a: &TreeArgs,
     spec: &WorkloadSpec,
@@ -465,6 +469,7 @@ fn grow(
         let (mut total_kernel_ms, mut total_plan_ms) = (0.0, 0.0);
         let mut points = Vec::new();
         let mut last = None;
+        let mut auto = StickyAuto::new(AUTO_REPLAN_EVERY);
         for it in 1..=a.grow {
             for n in paged.live() {
                 // Token-tree queries sit on inner nodes; only leaves grow.
@@ -474,19 +479,17 @@ fn grow(
             let (now, table) = paged.snapshot()?;
             let shard = Shard::whole(&now);
             let view = TreeView::new(&now, &shard);
-            let bench = TreeBench {
-                view: &view,
-                shape,
-                dtype,
-                planner,
-                iters: 3,
+            let host = if method == Method::Auto {
+                auto.plan(&view, &shape, &planner, &DeviceModel::default())?
+                    .0
+            } else {
+                canopy_core::plan(&view, method, &shape, &planner)?
             };
-            let host = bench.plan(method)?;
             let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
             backend.set_page_table(&mut kv, &table)?;
             let q_host = hashed_queries(&shape, dtype, now.num_queries(), a.seed ^ it as u64);
             let q = backend.upload_queries(&shape, &q_host)?;
-            let dplan = backend.upload_plan(&shape, &host.plan)?;
+            let dplan = backend.upload_plan(&shape, &host)?;
             let mut partials = backend.alloc_partials(&shape, &dplan)?;
             let mut out = backend.alloc_states(&shape, now.num_queries())?;
             let times = backend.time_steps(3, &mut || {
@@ -517,7 +520,7 @@ fn grow(
                 } else {
                     None
                 };
-                last = Some((host.plan.io(&shape, dtype).kv_tokens_read, rel_error));
+                last = Some((host.io(&shape, dtype).kv_tokens_read, rel_error));
             }
         }
         pages_in_use = paged.pages_in_use();

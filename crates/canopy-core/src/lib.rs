@@ -28,7 +28,8 @@ pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMP
 pub use paged::{PagedNode, PagedTree};
 pub use plan::{Group, IoReport, Plan};
 pub use planner::{
-    auto_candidates, choose, plan, AutoChoice, DeviceModel, FastTreeParams, Method, PlannerConfig,
+    auto_candidates, choose, plan, AutoChoice, DeviceModel, FastTreeParams, Method, PlanCost,
+    PlannerConfig, StickyAuto,
 };
 pub use shape::AttnShape;
 pub use shard::{shard_tree, Shard, TreeView};

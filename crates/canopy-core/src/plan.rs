@@ -262,10 +262,21 @@ impl Plan {
         } else {
             kv_tokens as f64 / tokens.len() as f64
         };
+        let mut ranges: Vec<Range<u32>> = self.groups.iter().flat_map(|g| g.kv.clone()).collect();
+        ranges.sort_unstable_by_key(|r| r.start);
+        let (mut unique, mut covered_to) = (0u64, 0u32);
+        for r in &ranges {
+            let start = r.start.max(covered_to);
+            if r.end > start {
+                unique += (r.end - start) as u64;
+                covered_to = r.end;
+            }
+        }
         IoReport {
             groups: self.groups.len(),
             partial_rows: self.num_partial_rows(),
             kv_tokens_read: kv_tokens,
+            kv_unique_tokens: unique,
             kv_bytes: kv_tokens * kv_token_bytes,
             q_bytes: self.num_partial_rows() as u64 * q_row_bytes,
             partial_bytes: 2 * self.num_partial_rows() as u64 * partial_row_bytes,
@@ -388,6 +399,9 @@ pub struct IoReport {
     pub kv_tokens_read: u64,
     /// K and V bytes loaded over all KV heads.
     pub kv_bytes: u64,
+    /// Distinct KV tokens loaded (per KV head): what must come from HBM at least once; the
+    /// rest of `kv_tokens_read` are re-reads that a GPU's L2 can serve.
+    pub kv_unique_tokens: u64,
     /// Query bytes loaded (a query is reloaded by every group it is in).
     pub q_bytes: u64,
     /// Partial (o, lse) bytes written by stage 1 and read back by stage 2.

@@ -193,79 +193,127 @@ pub fn plan(
     })
 }
 
-/// What `auto` predicts a plan costs on a GPU. Defaults are an H100 SXM's, as canopy's kernels
-/// reach them (docs/BENCHMARKS.md): read bandwidth, `mma.sync` throughput, the cost of each
-/// wave of CTAs, and how many CTAs of the tensor-core kernel an SM holds.
+/// What `auto` predicts a plan costs on a GPU, in the shape of canopy's CUDA kernels: groups
+/// of up to 16 query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger
+/// groups run four warps per KV head on 64-token tiles in pieces of at most 64 rows, and both
+/// kernels share the GPU's CTA slots. A step costs its bytes over bandwidth or its CTA work over
+/// the slots, whichever is larger (or its longest CTA, since a group's tiles run in order),
+/// plus a fixed cost for the launches and the merge. Defaults were fitted to an H100 SXM's
+/// measured steps on FastTree's trees (docs/BENCHMARKS.md).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DeviceModel {
-    /// Bytes per microsecond the decode kernels stream from HBM.
+    /// Bytes per microsecond the kernels stream from HBM (distinct KV, queries, partials
+    /// written and merged) and from L2 (KV re-read by several groups).
     pub bytes_per_us: f64,
-    /// Tensor-core multiply-adds ×2 per microsecond the decode kernel sustains.
-    pub flops_per_us: f64,
-    /// Microseconds each wave of CTAs costs beyond its bytes (launch, prologue, epilogue).
-    pub us_per_wave: f64,
-    /// Fixed microseconds of a step (two launches).
+    pub l2_bytes_per_us: f64,
+    /// Fixed microseconds of a step (launches, the merge's latency).
     pub us_per_step: f64,
-    /// Microseconds one CTA spends on a 64-token tile: `tile_us_base` plus `tile_us_rows` at 64
-    /// query rows (scaled by its rows). The longest group sets a floor: CTAs run in parallel
-    /// but a group's tiles run in order.
-    pub tile_us_base: f64,
-    pub tile_us_rows: f64,
+    /// Microseconds of CTA slot time: per CTA and per 64-token tile of the many-row kernel,
+    /// per CTA of the one-warp-per-head kernel (its tiles cost their bytes).
+    pub main_cta_us: f64,
+    pub main_tile_us: f64,
+    pub heads_cta_us: f64,
+    /// Microseconds of one 64-token tile on a CTA's own (latency, not throughput): the
+    /// floor a long group sets, however idle the rest of the GPU is (few-shot b = 50 planned
+    /// per node: 63 tiles of 64 rows in 217 µs beyond the step).
+    pub serial_tile_us: f64,
     pub multiprocessors: usize,
     pub ctas_per_sm: usize,
-    /// Query rows per CTA (the backend splits larger groups), and per tensor-core tile.
-    pub rows_per_cta: usize,
-    pub rows_per_tile: usize,
 }
 
 impl Default for DeviceModel {
     fn default() -> Self {
         DeviceModel {
-            bytes_per_us: 3.0e6,
-            flops_per_us: 3.0e8,
-            us_per_wave: 2.0,
-            us_per_step: 6.0,
-            tile_us_base: 0.5,
-            tile_us_rows: 3.5,
+            bytes_per_us: 2.6e6,
+            l2_bytes_per_us: 6.8e6,
+            us_per_step: 17.0,
+            main_cta_us: 14.7,
+            main_tile_us: 4.9,
+            heads_cta_us: 2.9,
+            serial_tile_us: 2.5,
             multiprocessors: 132,
             ctas_per_sm: 3,
-            rows_per_cta: 64,
-            rows_per_tile: 16,
         }
     }
 }
 
+/// Rows per CTA of the many-row kernel (larger groups are split by query), and the most rows
+/// the one-warp-per-head kernel takes.
+const MAIN_ROWS: usize = 64;
+const HEADS_ROWS: usize = 16;
+const HEADS_PER_CTA: usize = 4;
+/// The CUDA backend's shortest split of a long group (`MIN_SPLIT_TOKENS` there).
+const SPLIT_TOKENS: u32 = 256;
+
+/// The quantities [`DeviceModel`] prices a plan by.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PlanCost {
+    /// Distinct KV, query and partial bytes; KV bytes re-read.
+    pub bytes: u64,
+    pub reread_bytes: u64,
+    /// Many-row kernel: CTAs and CTA × tiles; CTAs of the one-warp-per-head kernel.
+    pub main_ctas: u64,
+    pub main_tiles: u64,
+    pub heads_ctas: u64,
+    /// Tiles of the longest CTA of each kernel: a group's tiles run in order.
+    pub longest_main_tiles: u64,
+    pub longest_heads_tiles: u64,
+    pub predicted_us: f64,
+}
+
 impl DeviceModel {
-    /// Predicted microseconds of one decode step of `plan`.
-    pub fn predict_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
-        let io = plan.io(shape, crate::DType::F16);
+    /// The quantities of one decode step of `plan`, and its predicted microseconds.
+    pub fn cost(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
         let gqa = shape.group_size();
-        let mut ctas = 0usize;
-        let mut flops = 0.0;
-        let mut critical: f64 = 0.0;
+        let slots = (self.multiprocessors * self.ctas_per_sm) as f64;
+        // The groups as the CUDA backend runs them: split by query to CTA rows, then long
+        // groups split until the GPU's CTA slots are full.
+        let plan = plan
+            .split_queries((MAIN_ROWS / gqa).max(1))
+            .split_for_parallelism((slots as usize / shape.kv_heads).max(1), SPLIT_TOKENS);
+        let io = plan.io(shape, crate::DType::F16);
+        // The one-warp-per-head kernel takes its CTAs' four heads from a multiple of four.
+        let heads_kernel = shape.kv_heads.is_multiple_of(HEADS_PER_CTA);
+        let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
+        let mut c = PlanCost {
+            bytes: unique_kv + io.partial_bytes + io.q_bytes,
+            reread_bytes: io.kv_bytes - unique_kv,
+            ..PlanCost::default()
+        };
         for g in plan.groups() {
             let rows = g.queries.len() * gqa;
-            let tile_us =
-                self.tile_us_base + self.tile_us_rows * rows.min(self.rows_per_cta) as f64 / 64.0;
-            critical = critical.max(g.tokens().div_ceil(64) as f64 * tile_us);
-            let pieces = rows.div_ceil(self.rows_per_cta);
-            ctas += pieces * shape.kv_heads;
-            let padded = rows.div_ceil(self.rows_per_tile) * self.rows_per_tile;
-            flops += (padded.max(self.rows_per_tile * pieces) * g.tokens() as usize) as f64
-                * shape.head_dim as f64
-                * 4.0
-                * shape.kv_heads as f64;
+            let tokens = g.tokens() as u64;
+            if heads_kernel && rows <= HEADS_ROWS {
+                let tiles = tokens.div_ceil(16);
+                c.heads_ctas += (shape.kv_heads / HEADS_PER_CTA) as u64;
+                c.longest_heads_tiles = c.longest_heads_tiles.max(tiles);
+            } else {
+                let tiles = tokens.div_ceil(64);
+                let ctas = shape.kv_heads as u64;
+                c.main_ctas += ctas;
+                c.main_tiles += ctas * tiles;
+                c.longest_main_tiles = c.longest_main_tiles.max(tiles);
+            }
         }
-        let bytes = (io.kv_bytes + io.partial_bytes + io.q_bytes) as f64;
-        let waves = ctas
-            .div_ceil(self.multiprocessors * self.ctas_per_sm)
-            .max(1);
-        (bytes / self.bytes_per_us)
-            .max(flops / self.flops_per_us)
-            .max(critical)
-            + waves as f64 * self.us_per_wave
-            + self.us_per_step
+        let work = self.main_cta_us * c.main_ctas as f64
+            + self.main_tile_us * c.main_tiles as f64
+            + self.heads_cta_us * c.heads_ctas as f64;
+        c.predicted_us = (c.bytes as f64 / self.bytes_per_us
+            + c.reread_bytes as f64 / self.l2_bytes_per_us)
+            .max(work / slots)
+            // A 16-token tile is a quarter of a 64-token one.
+            .max(
+                self.serial_tile_us
+                    * c.longest_main_tiles.max(c.longest_heads_tiles.div_ceil(4)) as f64,
+            )
+            + self.us_per_step;
+        c
+    }
+
+    /// Predicted microseconds of one decode step of `plan`.
+    pub fn predict_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
+        self.cost(plan, shape).predicted_us
     }
 }
 
@@ -334,6 +382,47 @@ pub fn choose(
         }
     }
     Ok(best.expect("auto has candidates"))
+}
+
+/// `auto` over a tree that changes every decode step: the choice (method and sizes) is kept
+/// for `every` steps and only the chosen method re-plans in between, so a step pays one
+/// planner, not every candidate. Trees grow by a token per leaf per step; a method that won
+/// at one step stays within the model's noise of the best for many more.
+#[derive(Debug, Clone)]
+pub struct StickyAuto {
+    every: usize,
+    steps: usize,
+    pick: Option<(Method, PlannerConfig)>,
+}
+
+impl StickyAuto {
+    pub fn new(every: usize) -> StickyAuto {
+        StickyAuto {
+            every: every.max(1),
+            steps: 0,
+            pick: None,
+        }
+    }
+
+    /// This step's plan, and the method it was planned with.
+    pub fn plan(
+        &mut self,
+        view: &TreeView,
+        shape: &AttnShape,
+        base: &PlannerConfig,
+        model: &DeviceModel,
+    ) -> Result<(Plan, Method)> {
+        let due = self.steps.is_multiple_of(self.every);
+        self.steps += 1;
+        match self.pick {
+            Some((method, config)) if !due => Ok((plan(view, method, shape, &config)?, method)),
+            _ => {
+                let c = choose(view, shape, base, model)?;
+                self.pick = Some((c.method, c.config));
+                Ok((c.plan, c.method))
+            }
+        }
+    }
 }
 
 fn q_guided(view: &TreeView, chunk: u32) -> Vec<Group> {
@@ -610,17 +699,22 @@ mod tests {
         p.check_coverage(|q| view.query_context(q)).unwrap();
     }
 
+    /// A root of `root` tokens with `leaves` children of `leaf` tokens, one query each.
+    fn fan(root: u32, leaves: usize, leaf: u32) -> crate::KvTree {
+        let mut b = TreeBuilder::new();
+        let r = b.add_root(root);
+        for _ in 0..leaves {
+            let c = b.add_child(r, leaf).unwrap();
+            b.add_query(c).unwrap();
+        }
+        b.build().unwrap()
+    }
+
     #[test]
     fn auto_shares_a_long_prefix_and_keeps_a_lone_sequence_whole() {
         let shape = AttnShape::new(32, 8, 128).unwrap();
         let model = DeviceModel::default();
-        let mut b = TreeBuilder::new();
-        let root = b.add_root(4000);
-        for _ in 0..50 {
-            let c = b.add_child(root, 10).unwrap();
-            b.add_query(c).unwrap();
-        }
-        let t = b.build().unwrap();
+        let t = fan(4000, 50, 10);
         let shard = Shard::whole(&t);
         let view = TreeView::new(&t, &shard);
         let pick = choose(&view, &shape, &PlannerConfig::default(), &model).unwrap();
@@ -628,6 +722,66 @@ mod tests {
         let q = plan(&view, Method::QGuided, &shape, &PlannerConfig::default()).unwrap();
         assert!(pick.predicted_us < model.predict_us(&q, &shape));
         assert!(pick.plan.io(&shape, crate::DType::F16).kv_tokens_read < 2 * 4500);
+    }
+
+    #[test]
+    fn q_guided_rereads_are_counted_once_as_unique_kv() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let t = fan(1000, 4, 10);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let cfg = PlannerConfig::whole_paths();
+        let io = plan(&view, Method::QGuided, &shape, &cfg)
+            .unwrap()
+            .io(&shape, crate::DType::F16);
+        assert_eq!(io.kv_tokens_read, 4 * 1010);
+        assert_eq!(io.kv_unique_tokens, 1040);
+        let cost = DeviceModel::default()
+            .cost(&plan(&view, Method::QGuided, &shape, &cfg).unwrap(), &shape);
+        assert!(cost.reread_bytes > 0 && cost.reread_bytes < cost.bytes * 4);
+    }
+
+    #[test]
+    fn sticky_auto_rechooses_only_every_n_steps() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let model = DeviceModel::default();
+        let cfg = PlannerConfig::default();
+        let mut sticky = StickyAuto::new(3);
+        for step in 0..7u32 {
+            let t = fan(4000, 50, 10 + step);
+            let shard = Shard::whole(&t);
+            let view = TreeView::new(&t, &shard);
+            let (p, method) = sticky.plan(&view, &shape, &cfg, &model).unwrap();
+            p.check_coverage(|q| view.query_context(q)).unwrap();
+            if step % 3 == 0 {
+                assert_eq!(method, choose(&view, &shape, &cfg, &model).unwrap().method);
+            }
+        }
+    }
+
+    #[test]
+    fn the_model_splits_a_long_shared_root_rather_than_run_it_serially() {
+        // Few-shot b = 50: one CTA row block per 64 rows walking all 4000 root tokens in order
+        // is slower than chunking the root (measured on H100: 234 against 84 µs).
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let model = DeviceModel::default();
+        let t = fan(4000, 50, 200);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let cfg = PlannerConfig::default();
+        let node = model.predict_us(
+            &plan(&view, Method::DeftNode, &shape, &cfg).unwrap(),
+            &shape,
+        );
+        let chunked = model.predict_us(
+            &plan(&view, Method::DeftNodeChunk, &shape, &cfg).unwrap(),
+            &shape,
+        );
+        assert!(chunked < node, "{chunked} vs {node}");
+        assert_ne!(
+            choose(&view, &shape, &cfg, &model).unwrap().method,
+            Method::DeftNode
+        );
     }
 
     #[test]

@@ -4,14 +4,16 @@
 //! table, the layout the radix cache uses; pages are deliberately shuffled so tests catch any
 //! kernel that ignores the table). Plans are uploaded once as flat arrays (group descriptors,
 //! KV ranges, query lists, masks, CSR map), after re-splitting their groups so that the decode
-//! kernel fills every SM in one balanced wave. Each decode step is two launches on one stream:
-//! stage 1 (one CTA per group × KV head) and `merge_partials` (one warp per query × head), with
-//! no host synchronisation in between.
+//! kernel fills every SM in one balanced wave. Each decode step is stage 1 then
+//! `merge_partials` (one warp per query × head), with no host synchronisation in between.
 //!
-//! Stage 1 has two kernels over the same plan. `decode_partial` (CUDA cores) streams KV at the
-//! copy bandwidth for groups of one or a few query rows; `decode_partial_mma` (tensor cores,
-//! mma.sync) serves groups whose queries × GQA rows share their KV — the tree methods' groups —
-//! where the CUDA-core kernel would be compute-bound. [`KernelChoice`] picks one per plan.
+//! Stage 1 runs on CUDA cores or tensor cores; [`KernelChoice`] picks per plan. `decode_partial`
+//! (CUDA cores) streams KV at the copy bandwidth for groups of one or a few query rows. On
+//! tensor cores (mma.sync), groups whose queries × GQA rows share their KV — the tree methods'
+//! groups — run on `decode_partial_mma` (one CTA per group × KV head, up to 64 rows), and
+//! groups of up to 16 rows (a leaf's one query) on `decode_partial_mma_heads` (one warp per KV
+//! head, four heads per CTA). When a plan has both, the second runs on a side stream beside the
+//! first, joined by events before the merge.
 
 use crate::compile::{arch_for, cubin, Source};
 use crate::error::{CudaError, DriverContext, Result};
@@ -268,7 +270,11 @@ impl CudaBackend {
             free_at_start,
             ctx,
             stream,
-            side: SideStream { stream: side, fork, join },
+            side: SideStream {
+                stream: side,
+                fork,
+                join,
+            },
             gpu,
             arch,
             functions: Mutex::new(HashMap::new()),
@@ -841,7 +847,8 @@ impl Backend for CudaBackend {
         // Descriptors of the groups for `decode_partial_mma` first, then those for the
         // one-warp-per-head kernel (either order is valid for the CUDA-core kernel).
         let heads_kernel = tensor_cores && shape.kv_heads.is_multiple_of(HEADS_PER_CTA);
-        let small = |g: &canopy_core::Group| heads_kernel && g.queries.len() * gqa <= HEADS_MAX_ROWS;
+        let small =
+            |g: &canopy_core::Group| heads_kernel && g.queries.len() * gqa <= HEADS_MAX_ROWS;
         let order = plan.groups().iter().zip(plan.partial_base());
         let (big, little): (Vec<_>, Vec<_>) = order.partition(|(g, _)| !small(g));
         let mma_groups = big.len();
@@ -956,7 +963,10 @@ impl Backend for CudaBackend {
             };
             let stream = if both {
                 self.side.fork.record(&self.stream).ctx("cuEventRecord")?;
-                self.side.stream.wait(&self.side.fork).ctx("cuStreamWaitEvent")?;
+                self.side
+                    .stream
+                    .wait(&self.side.fork)
+                    .ctx("cuStreamWaitEvent")?;
                 &self.side.stream
             } else {
                 &self.stream
@@ -979,7 +989,10 @@ impl Backend for CudaBackend {
             self.launch_stage1(&self.stream, &f, cfg, 0, kv, q, plan, partials, name)?;
         }
         if both {
-            self.side.join.record(&self.side.stream).ctx("cuEventRecord")?;
+            self.side
+                .join
+                .record(&self.side.stream)
+                .ctx("cuEventRecord")?;
             self.stream.wait(&self.side.join).ctx("cuStreamWaitEvent")?;
         }
         Ok(())
