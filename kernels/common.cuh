@@ -81,3 +81,15 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 byt
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// The parameters every stage-1 kernel takes (the host launches all three with one argument
+// list): K and V bytes, queries, the plan's group descriptors, KV ranges, group query lists and
+// masks, the page table (null: contiguous KV) and its page shift, the partial outputs, the
+// head counts and the softmax scale times log2(e).
+#define STAGE1_PARAMS                                                                            \
+    const unsigned char *__restrict__ kc, const unsigned char *__restrict__ vc,                 \
+        const float *__restrict__ q, const u32 *__restrict__ groups,                            \
+        const u32 *__restrict__ ranges, const u32 *__restrict__ group_queries,                  \
+        const u64 *__restrict__ masks, const u32 *__restrict__ page_table, u32 page_shift,      \
+        float *__restrict__ out_o, float *__restrict__ out_lse, int q_heads, int kv_heads,      \
+        float scale_log2

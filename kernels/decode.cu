@@ -120,12 +120,7 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
-decode_partial(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
-               const float* __restrict__ q, const u32* __restrict__ groups,
-               const u32* __restrict__ ranges, const u32* __restrict__ group_queries,
-               const u64* __restrict__ masks, const u32* __restrict__ page_table, u32 page_shift,
-               float* __restrict__ out_o, float* __restrict__ out_lse, int q_heads, int kv_heads,
-               float scale_log2) {
+decode_partial(STAGE1_PARAMS) {
     const u32* gd = groups + (u64)blockIdx.x * GROUP_WORDS;
     const u32 range_begin = gd[0], query_begin = gd[2];
     const u32 query_count = gd[3], partial_base = gd[4], mask_plus1 = gd[5], tokens = gd[6];

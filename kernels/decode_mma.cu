@@ -347,12 +347,7 @@ __device__ __forceinline__ void write_rows(const float (&o)[DTILES][4], const fl
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
-decode_partial_mma(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
-                   const float* __restrict__ q, const u32* __restrict__ groups,
-                   const u32* __restrict__ ranges, const u32* __restrict__ group_queries,
-                   const u64* __restrict__ masks, const u32* __restrict__ page_table, u32 page_shift,
-                   float* __restrict__ out_o, float* __restrict__ out_lse, int q_heads, int kv_heads,
-                   float scale_log2) {
+decode_partial_mma(STAGE1_PARAMS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // two stages
 
@@ -478,12 +473,7 @@ struct HeadStage {
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS, 3)
-decode_partial_mma_heads(const unsigned char* __restrict__ kc, const unsigned char* __restrict__ vc,
-                         const float* __restrict__ q, const u32* __restrict__ groups,
-                         const u32* __restrict__ ranges, const u32* __restrict__ group_queries,
-                         const u64* __restrict__ masks, const u32* __restrict__ page_table, u32 page_shift,
-                         float* __restrict__ out_o, float* __restrict__ out_lse, int q_heads, int kv_heads,
-                         float scale_log2) {
+decode_partial_mma_heads(STAGE1_PARAMS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // two stages
 
