@@ -117,7 +117,7 @@ __device__ __forceinline__ GroupDesc read_group(const u32* groups, u32 g) {
 // every tile of a node-sized group on contiguous KV) costs one address computation per thread;
 // only tiles that cross a range or page boundary map every row on its own. The range cursor
 // only moves forward, as the tiles do.
-template <int PIECES>
+template <int PIECES, int TOKENS>
 struct KvStream {
     static constexpr int ROWS_PER_PASS = THREADS / PIECES;
     const unsigned char* k;  // this thread's piece of token 0
@@ -131,12 +131,11 @@ struct KvStream {
     int dst, row_first;                    // this thread's element offset in a block, first row
 
     __device__ __forceinline__ void start(const unsigned char* kc, const unsigned char* vc, const u32* rs,
-                                          const u32* pt, u32 shift, int kv_heads, int kvh0, u32 rb, u32 n,
-                                          int tokens_per_tile) {
+                                          const u32* pt, u32 shift, int kv_heads, int kvh0, u32 rb, u32 n) {
         const int piece = threadIdx.x % PIECES;
         stride = (u64)kv_heads * HEAD_DIM * 2;
         row_first = threadIdx.x / PIECES;
-        dst = ((piece / CHUNKS) * tokens_per_tile + row_first) * STRIDE + (piece % CHUNKS) * 8;
+        dst = ((piece / CHUNKS) * TOKENS + row_first) * STRIDE + (piece % CHUNKS) * 8;
         const u64 head = ((u64)kvh0 * HEAD_DIM + piece * 8) * 2;
         k = kc + head;
         v = vc + head;
@@ -167,8 +166,7 @@ struct KvStream {
         return page_table ? (u64)((page_table[t >> page_shift] << page_shift) | (t & ((1u << page_shift) - 1u))) : t;
     }
 
-    // Tile `tile` (TOKENS tokens) into the stage whose K and V blocks start at ks and vs.
-    template <int TOKENS>
+    // Tile `tile` into the stage whose K and V blocks start at ks and vs.
     __device__ __forceinline__ void issue(u16* ks, u16* vs, u32 tile) {
         const u32 lo = tile * TOKENS;
         const u32 n = min((u32)TOKENS, tokens - lo);
@@ -196,7 +194,29 @@ struct KvStream {
         }
         cp_async_commit();
     }
+
+    // The top of tile `tile`'s step: tile + 1 goes in flight into the other stage (or an empty
+    // group keeps the wait count uniform), then the CTA waits until tile `tile` has landed.
+    __device__ __forceinline__ void next(u16* ks, u16* vs, u32 tile, u32 tiles) {
+        if (tile + 1 < tiles) issue(ks, vs, tile + 1);
+        else cp_async_commit();
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        __syncthreads();
+    }
 };
+
+// A warp's online-softmax state for its 16 rows, empty.
+__device__ __forceinline__ void clear_state(float (&o)[DTILES][4], float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        m[h] = NEG_INF;
+        l[h] = 0.f;
+    }
+}
 
 // Q fragments of one warp's 16 rows (rows g and g + 8 of the block starting at row0, all of
 // HEAD_DIM) as 16-bit pairs, scaled into the log2 domain. Rows past the group's are zero:
@@ -357,10 +377,10 @@ decode_partial_mma(STAGE1_PARAMS) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
 
-    KvStream<CHUNKS> kv;
-    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd.range_begin, cd.tokens, TILE);
+    KvStream<CHUNKS, TILE> kv;
+    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd.range_begin, cd.tokens);
     const u32 tiles = (cd.tokens + TILE - 1) / TILE;
-    if (tiles > 0) kv.issue<TILE>(&stage_mem[0].k[0][0], &stage_mem[0].v[0][0], 0);
+    if (tiles > 0) kv.issue(&stage_mem[0].k[0][0], &stage_mem[0].v[0][0], 0);
 
     const int rows = min((int)cd.query_count * gsz, MAX_ROWS);
     const int wr = max(rows <= 16 ? 1 : (rows <= 32 ? 2 : 4), WARPS / WK_MAX);
@@ -372,22 +392,12 @@ decode_partial_mma(STAGE1_PARAMS) {
 
     u32 qa[KCH][4];
     load_q(qa, q, group_queries, cd, rows, rb * 16, kvh, gsz, q_heads, scale_log2);
-    float o[DTILES][4];
-#pragma unroll
-    for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[DTILES][4], m[2], l[2];
+    clear_state(o, m, l);
 
     for (u32 tile = 0; tile < tiles; ++tile) {
-        if (tile + 1 < tiles) {
-            Stage& next = stage_mem[(tile + 1) & 1];
-            kv.issue<TILE>(&next.k[0][0], &next.v[0][0], tile + 1);
-        } else {
-            cp_async_commit();  // an empty group keeps the wait count uniform
-        }
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        __syncthreads();
+        Stage& next = stage_mem[(tile + 1) & 1];
+        kv.next(&next.k[0][0], &next.v[0][0], tile, tiles);
         const u32 first = tile * TILE + t0;
         // A warp whose slice lies wholly past the group's tokens has nothing to add.
         if (first < cd.tokens) {
@@ -482,33 +492,23 @@ decode_partial_mma_heads(STAGE1_PARAMS) {
     const int kvh = blockIdx.y * HEADS_PER_CTA + warp;
     const int gsz = q_heads / kv_heads;
 
-    KvStream<CHUNKS * HEADS_PER_CTA> kv;
+    KvStream<CHUNKS * HEADS_PER_CTA, HEAD_TILE> kv;
     kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, blockIdx.y * HEADS_PER_CTA, cd.range_begin,
-             cd.tokens, HEAD_TILE);
+             cd.tokens);
     const u32 tiles = (cd.tokens + HEAD_TILE - 1) / HEAD_TILE;
-    if (tiles > 0) kv.issue<HEAD_TILE>(&stage_mem[0].k[0][0][0], &stage_mem[0].v[0][0][0], 0);
+    if (tiles > 0) kv.issue(&stage_mem[0].k[0][0][0], &stage_mem[0].v[0][0][0], 0);
 
     const int rows = min((int)cd.query_count * gsz, 16);
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
     const u32 words = (cd.query_count + 63) / 64;
     u32 qa[KCH][4];
     load_q(qa, q, group_queries, cd, rows, 0, kvh, gsz, q_heads, scale_log2);
-    float o[DTILES][4];
-#pragma unroll
-    for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    float o[DTILES][4], m[2], l[2];
+    clear_state(o, m, l);
 
     for (u32 tile = 0; tile < tiles; ++tile) {
-        if (tile + 1 < tiles) {
-            HeadStage& next = stage_mem[(tile + 1) & 1];
-            kv.issue<HEAD_TILE>(&next.k[0][0][0], &next.v[0][0][0], tile + 1);
-        } else {
-            cp_async_commit();
-        }
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        __syncthreads();
+        HeadStage& next = stage_mem[(tile + 1) & 1];
+        kv.next(&next.k[0][0][0], &next.v[0][0][0], tile, tiles);
         const HeadStage& st = stage_mem[tile & 1];
         const u32 first = tile * HEAD_TILE;
         const bool edge = mask || first + HEAD_TILE > cd.tokens;

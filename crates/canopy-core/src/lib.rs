@@ -11,6 +11,7 @@
 pub mod data;
 pub mod dtype;
 pub mod error;
+pub mod geometry;
 pub mod math;
 pub mod paged;
 pub mod plan;

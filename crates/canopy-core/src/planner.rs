@@ -21,6 +21,7 @@
 //!   affordable; the candidates are listed in [`auto_candidates`].
 
 use crate::error::{CoreError, Result};
+use crate::geometry::{runs_per_head, CTA_ROWS, HEADS_PER_CTA, MIN_SPLIT_TOKENS};
 use crate::plan::{split_ranges, Group, Plan};
 use crate::shape::AttnShape;
 use crate::shard::TreeView;
@@ -238,14 +239,6 @@ impl Default for DeviceModel {
     }
 }
 
-/// Rows per CTA of the many-row kernel (larger groups are split by query), and the most rows
-/// the one-warp-per-head kernel takes.
-const MAIN_ROWS: usize = 64;
-const HEADS_ROWS: usize = 16;
-const HEADS_PER_CTA: usize = 4;
-/// The CUDA backend's shortest split of a long group (`MIN_SPLIT_TOKENS` there).
-const SPLIT_TOKENS: u32 = 256;
-
 /// The quantities [`DeviceModel`] prices a plan by.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct PlanCost {
@@ -270,11 +263,9 @@ impl DeviceModel {
         // The groups as the CUDA backend runs them: split by query to CTA rows, then long
         // groups split until the GPU's CTA slots are full.
         let plan = plan
-            .split_queries((MAIN_ROWS / gqa).max(1))
-            .split_for_parallelism((slots as usize / shape.kv_heads).max(1), SPLIT_TOKENS);
+            .split_queries((CTA_ROWS / gqa).max(1))
+            .split_for_parallelism((slots as usize / shape.kv_heads).max(1), MIN_SPLIT_TOKENS);
         let io = plan.io(shape, crate::DType::F16);
-        // The one-warp-per-head kernel takes its CTAs' four heads from a multiple of four.
-        let heads_kernel = shape.kv_heads.is_multiple_of(HEADS_PER_CTA);
         let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
         let mut c = PlanCost {
             bytes: unique_kv + io.partial_bytes + io.q_bytes,
@@ -284,7 +275,7 @@ impl DeviceModel {
         for g in plan.groups() {
             let rows = g.queries.len() * gqa;
             let tokens = g.tokens() as u64;
-            if heads_kernel && rows <= HEADS_ROWS {
+            if runs_per_head(rows, shape.kv_heads) {
                 let tiles = tokens.div_ceil(16);
                 c.heads_ctas += (shape.kv_heads / HEADS_PER_CTA) as u64;
                 c.longest_heads_tiles = c.longest_heads_tiles.max(tiles);

@@ -19,6 +19,7 @@ use crate::compile::{arch_for, cubin, Source};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
+use canopy_core::geometry::{runs_per_head, CTA_ROWS, HEADS_PER_CTA, MIN_SPLIT_TOKENS};
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
 use canopy_engine::Backend;
 use cudarc::driver::{
@@ -42,19 +43,11 @@ const GROUP_WORDS: usize = 7;
 const DEFAULT_CTAS_PER_SM: u32 = 4;
 /// `auto` runs plans on tensor cores when some group has at least this many query rows.
 const AUTO_MMA_MIN_ROWS: usize = 4;
-/// Shortest KV chunk a group is split into: below this, partials and launch costs dominate.
-const MIN_SPLIT_TOKENS: u32 = 256;
 
 /// Warps per CTA of `merge_partials`, one per (query, head).
 const MERGE_WARPS: usize = 8;
-/// Query rows (queries × GQA rows) of one tensor-core CTA: four warps of one m16 tile each.
-const MMA_MAX_ROWS: usize = 64;
 /// Threads per tensor-core CTA.
 const MMA_THREADS: u32 = 128;
-/// Query rows up to which a group runs on `decode_partial_mma_heads` (one m16 tile per warp).
-const HEADS_MAX_ROWS: usize = 16;
-/// KV heads per CTA of `decode_partial_mma_heads` (one per warp).
-const HEADS_PER_CTA: usize = 4;
 /// Tokens per KV tile of `decode_partial_mma_heads`.
 const HEADS_TILE: usize = 16;
 /// Tokens per shared-memory KV tile of the tensor-core kernel (see `kernels/decode_mma.cu`).
@@ -117,6 +110,20 @@ pub(crate) enum Kernel {
     Merge,
     Fill(DType),
     Combine(&'static str),
+}
+
+impl Kernel {
+    /// The kernel's entry point in its source.
+    fn entry(self) -> &'static str {
+        match self {
+            Kernel::Decode { .. } => "decode_partial",
+            Kernel::DecodeMma { .. } => "decode_partial_mma",
+            Kernel::DecodeMmaHeads { .. } => "decode_partial_mma_heads",
+            Kernel::Merge => "merge_partials",
+            Kernel::Combine(name) => name,
+            Kernel::Fill(_) => "fill_random",
+        }
+    }
 }
 
 fn dtype_code(d: DType) -> String {
@@ -341,14 +348,14 @@ impl CudaBackend {
         if let Some(f) = fns.get(&kernel) {
             return Ok(f.clone());
         }
-        let (source, name, defines) = match kernel {
+        let name = kernel.entry();
+        let (source, defines) = match kernel {
             Kernel::Decode {
                 dtype,
                 head_dim,
                 rows,
             } => (
                 Source::Decode,
-                "decode_partial",
                 vec![
                     ("CANOPY_DTYPE", dtype_code(dtype)),
                     ("HEAD_DIM", head_dim.to_string()),
@@ -361,7 +368,6 @@ impl CudaBackend {
                 tile,
             } => (
                 Source::DecodeMma,
-                "decode_partial_mma",
                 vec![
                     ("CANOPY_DTYPE", dtype_code(dtype)),
                     ("HEAD_DIM", head_dim.to_string()),
@@ -370,7 +376,6 @@ impl CudaBackend {
             ),
             Kernel::DecodeMmaHeads { dtype, head_dim } => (
                 Source::DecodeMma,
-                "decode_partial_mma_heads",
                 // The same module as the default tile's `decode_partial_mma` (one compile).
                 vec![
                     ("CANOPY_DTYPE", dtype_code(dtype)),
@@ -378,17 +383,9 @@ impl CudaBackend {
                     ("TILE", MMA_TILES[0].to_string()),
                 ],
             ),
-            Kernel::Merge => (
-                Source::Merge,
-                "merge_partials",
-                vec![("CANOPY_DTYPE", "0".into())],
-            ),
-            Kernel::Combine(name) => (Source::Combine, name, vec![("CANOPY_DTYPE", "0".into())]),
-            Kernel::Fill(dtype) => (
-                Source::Fill,
-                "fill_random",
-                vec![("CANOPY_DTYPE", dtype_code(dtype))],
-            ),
+            Kernel::Merge => (Source::Merge, vec![("CANOPY_DTYPE", "0".into())]),
+            Kernel::Combine(_) => (Source::Combine, vec![("CANOPY_DTYPE", "0".into())]),
+            Kernel::Fill(dtype) => (Source::Fill, vec![("CANOPY_DTYPE", dtype_code(dtype))]),
         };
         let module = self
             .ctx
@@ -464,7 +461,7 @@ impl CudaBackend {
     /// Whether plans of `shape` run on tensor cores (given 16-bit KV).
     fn tensor_cores_for(&self, shape: &AttnShape, max_rows: usize) -> bool {
         let supported = crate::compile::MMA_HEAD_DIMS.contains(&shape.head_dim)
-            && shape.group_size() <= MMA_MAX_ROWS;
+            && shape.group_size() <= CTA_ROWS;
         match self.kernel {
             KernelChoice::Simt => false,
             KernelChoice::Mma => supported,
@@ -621,22 +618,22 @@ impl CudaBackend {
     fn launch_stage1(
         &self,
         stream: &CudaStream,
-        f: &CudaFunction,
+        kernel: Kernel,
         cfg: LaunchConfig,
         first_group: usize,
         kv: &CudaKv,
         q: &CudaQueries,
         plan: &CudaPlan,
         partials: &mut CudaStates,
-        name: &str,
     ) -> EResult<()> {
+        let f = self.function(kernel)?;
         let shape = &kv.shape;
         let null = 0u64;
         let (q_heads, kv_heads) = (shape.q_heads as i32, shape.kv_heads as i32);
         let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
         let shift = kv.paging.as_ref().map_or(0u32, |p| p.shift);
         let groups = plan.groups.slice(first_group * GROUP_WORDS..);
-        let mut b = stream.launch_builder(f);
+        let mut b = stream.launch_builder(&f);
         b.arg(&kv.k)
             .arg(&kv.v)
             .arg(&q.q)
@@ -658,7 +655,7 @@ impl CudaBackend {
         // kernel forms comes from the validated plan (groups of at most 64 rows for the
         // tensor-core kernels, 16 for the one-warp-per-head kernel), within the buffers
         // allocated for it.
-        unsafe { b.launch(cfg) }.ctx(format!("launching {name}"))?;
+        unsafe { b.launch(cfg) }.ctx(format!("launching {}", kernel.entry()))?;
         Ok(())
     }
 
@@ -816,7 +813,7 @@ impl Backend for CudaBackend {
         let gqa = shape.group_size();
         // A CTA holds at most 64 rows (either kernel: the CUDA-core one would otherwise loop over
         // the KV once per 8 rows); larger groups become CTAs that read the same KV from L2.
-        let plan = plan.split_queries((MMA_MAX_ROWS / gqa).max(1));
+        let plan = plan.split_queries((CTA_ROWS / gqa).max(1));
         let max_rows = plan
             .groups()
             .iter()
@@ -846,9 +843,9 @@ impl Backend for CudaBackend {
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Descriptors of the groups for `decode_partial_mma` first, then those for the
         // one-warp-per-head kernel (either order is valid for the CUDA-core kernel).
-        let heads_kernel = tensor_cores && shape.kv_heads.is_multiple_of(HEADS_PER_CTA);
-        let small =
-            |g: &canopy_core::Group| heads_kernel && g.queries.len() * gqa <= HEADS_MAX_ROWS;
+        let small = |g: &canopy_core::Group| {
+            tensor_cores && runs_per_head(g.queries.len() * gqa, shape.kv_heads)
+        };
         let order = plan.groups().iter().zip(plan.partial_base());
         let (big, little): (Vec<_>, Vec<_>) = order.partition(|(g, _)| !small(g));
         let mma_groups = big.len();
@@ -936,18 +933,17 @@ impl Backend for CudaBackend {
         let tensor_cores = plan.uses_tensor_cores(kv.dtype);
         let (dtype, head_dim, kv_heads) = (kv.dtype, shape.head_dim, shape.kv_heads as u32);
         if !tensor_cores {
-            let f = self.function(Kernel::Decode {
+            let kernel = Kernel::Decode {
                 dtype,
                 head_dim,
                 rows: plan.rows,
-            })?;
+            };
             let cfg = LaunchConfig {
                 grid_dim: (groups, kv_heads, 1),
                 block_dim: (DECODE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let name = "decode_partial";
-            return self.launch_stage1(&self.stream, &f, cfg, 0, kv, q, plan, partials, name);
+            return self.launch_stage1(&self.stream, kernel, cfg, 0, kv, q, plan, partials);
         }
         // Groups of up to 16 rows run on the one-warp-per-head kernel. When both kernels have
         // groups, that one runs on the side stream, beside the other: neither waits for the
@@ -955,7 +951,7 @@ impl Backend for CudaBackend {
         let mma = plan.mma_groups as u32;
         let both = mma > 0 && groups > mma;
         if groups > mma {
-            let f = self.function(Kernel::DecodeMmaHeads { dtype, head_dim })?;
+            let kernel = Kernel::DecodeMmaHeads { dtype, head_dim };
             let cfg = LaunchConfig {
                 grid_dim: (groups - mma, kv_heads / HEADS_PER_CTA as u32, 1),
                 block_dim: (MMA_THREADS, 1, 1),
@@ -971,22 +967,20 @@ impl Backend for CudaBackend {
             } else {
                 &self.stream
             };
-            let (first, name) = (mma as usize, "decode_partial_mma_heads");
-            self.launch_stage1(stream, &f, cfg, first, kv, q, plan, partials, name)?;
+            self.launch_stage1(stream, kernel, cfg, mma as usize, kv, q, plan, partials)?;
         }
         if mma > 0 {
-            let f = self.function(Kernel::DecodeMma {
+            let kernel = Kernel::DecodeMma {
                 dtype,
                 head_dim,
                 tile: self.mma_tile,
-            })?;
+            };
             let cfg = LaunchConfig {
                 grid_dim: (mma, kv_heads, 1),
                 block_dim: (MMA_THREADS, 1, 1),
                 shared_mem_bytes: mma_shared_bytes(head_dim, self.mma_tile) as u32,
             };
-            let name = "decode_partial_mma";
-            self.launch_stage1(&self.stream, &f, cfg, 0, kv, q, plan, partials, name)?;
+            self.launch_stage1(&self.stream, kernel, cfg, 0, kv, q, plan, partials)?;
         }
         if both {
             self.side
