@@ -82,6 +82,22 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 byt
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// Programmatic dependent launch (sm_90 and later; no-ops before). A stage-1 kernel lets the
+// merge that follows it on the stream be scheduled as soon as all its own CTAs are running, so
+// the merge's launch overlaps stage 1's last wave instead of following its drain; the merge
+// then waits in `wait_for_previous_grid` until stage 1 has finished and its writes are visible.
+__device__ __forceinline__ void let_next_grid_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // The parameters every stage-1 kernel takes (the host launches all three with one argument
 // list): K and V bytes, queries, the plan's group descriptors, KV ranges, group query lists and
 // masks, the page table (null: contiguous KV) and its page shift, the partial outputs, the
@@ -93,3 +109,4 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
         const u64 *__restrict__ masks, const u32 *__restrict__ page_table, u32 page_shift,      \
         float *__restrict__ out_o, float *__restrict__ out_lse, int q_heads, int kv_heads,      \
         float scale_log2
+

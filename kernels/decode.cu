@@ -121,6 +121,7 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 decode_partial(STAGE1_PARAMS) {
+    let_next_grid_launch();
     const u32* gd = groups + (u64)blockIdx.x * GROUP_WORDS;
     const u32 range_begin = gd[0], query_begin = gd[2];
     const u32 query_count = gd[3], partial_base = gd[4], mask_plus1 = gd[5], tokens = gd[6];

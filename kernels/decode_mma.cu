@@ -368,6 +368,7 @@ __device__ __forceinline__ void write_rows(const float (&o)[DTILES][4], const fl
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 decode_partial_mma(STAGE1_PARAMS) {
+    let_next_grid_launch();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // two stages
 
@@ -484,6 +485,7 @@ struct HeadStage {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 3)
 decode_partial_mma_heads(STAGE1_PARAMS) {
+    let_next_grid_launch();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // two stages
 

@@ -1,9 +1,14 @@
 // Stage 2 of decoding: partial states to one state per query, following the plan's CSR map.
 //
-// One warp per (query, head), eight per CTA: the lanes find the max and the sum of the query's
-// partial lse values together, then each lane folds its own head_dim / 32 output elements over
-// the rows, in CSR order (no atomics, so the result is bit-for-bit reproducible). A query with
-// no rows gets the empty partial (o = 0, lse = -inf); a query with one row is a copy.
+// One warp per (query, head), eight per CTA. Lane i holds the query's i-th partial row (its
+// index and lse) so that the max and the sum of weights are two warp reductions; then every
+// lane folds its own head_dim / 32 output elements over the rows in CSR order (no atomics, so
+// the result is bit-for-bit reproducible). The row indices and weights come from the lanes
+// that hold them by shuffle, so the loads of the rows' outputs do not depend on one another.
+// A query with no rows gets the empty partial (o = 0, lse = -inf).
+//
+// It is launched as a programmatic dependent of stage 1: it reads the CSR map, which stage 1
+// does not write, before `wait_for_previous_grid`.
 
 #define MERGE_WARPS 8
 
@@ -18,32 +23,56 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
     const u32 qi = (u32)(cell / q_heads);
     const int h = (int)(cell % q_heads);
     const u32 b = query_ptr[qi], e = query_ptr[qi + 1];
-    float M = NEG_INF;
-    for (u32 i = b + lane; i < e; i += 32) M = fmaxf(M, plse[(u64)query_rows[i] * q_heads + h]);
+    u32 my_row = 0;
+    if (b + lane < e) my_row = query_rows[b + lane];
+    wait_for_previous_grid();
+
+    float my_lse = NEG_INF;
+    if (b + lane < e) my_lse = plse[(u64)my_row * q_heads + h];
+    float M = my_lse;
+    for (u32 i = b + 32 + lane; i < e; i += 32) M = fmaxf(M, plse[(u64)query_rows[i] * q_heads + h]);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    float L = 0.f;
-    if (M != NEG_INF)
-        for (u32 i = b + lane; i < e; i += 32) L += __expf(plse[(u64)query_rows[i] * q_heads + h] - M);
+    const float my_w = M == NEG_INF ? 0.f : __expf(my_lse - M);
+    float L = my_w;
+    for (u32 i = b + 32 + lane; i < e; i += 32) L += __expf(plse[(u64)query_rows[i] * q_heads + h] - M);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) L += __shfl_xor_sync(0xffffffffu, L, o);
+
     const u64 out = cell * head_dim;
-    for (int d0 = lane * 4; d0 < head_dim; d0 += 128) {
+    // Every lane runs every pass (the shuffles need the whole warp); 64-wide heads leave half
+    // the lanes without elements.
+    for (int pass = 0; pass * 128 < head_dim; ++pass) {
+        const int d0 = pass * 128 + lane * 4;
+        const bool mine = d0 < head_dim;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (L > 0.f) {
-            for (u32 i = b; i < e; ++i) {
-                const u64 row = (u64)query_rows[i] * q_heads + h;
-                const float w = __expf(plse[row] - M);
-                const float4 x = *reinterpret_cast<const float4*>(po + row * head_dim + d0);
-                acc.x = fmaf(x.x, w, acc.x);
-                acc.y = fmaf(x.y, w, acc.y);
-                acc.z = fmaf(x.z, w, acc.z);
-                acc.w = fmaf(x.w, w, acc.w);
+        for (u32 c = b; c < e; c += 32) {
+            // Rows c .. c + 31: lane j holds row c + j and its weight.
+            u32 row = my_row;
+            float w = my_w;
+            if (c != b) {
+                row = c + lane < e ? query_rows[c + lane] : 0u;
+                w = c + lane < e ? __expf(plse[(u64)row * q_heads + h] - M) : 0.f;
             }
-            const float inv = 1.f / L;
-            acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+            const u32 n = min(32u, e - c);
+#pragma unroll 4
+            for (u32 j = 0; j < n; ++j) {
+                const u64 r = (u64)__shfl_sync(0xffffffffu, row, j) * q_heads + h;
+                const float wj = __shfl_sync(0xffffffffu, w, j);
+                if (mine) {
+                    const float4 x = *reinterpret_cast<const float4*>(po + r * head_dim + d0);
+                    acc.x = fmaf(x.x, wj, acc.x);
+                    acc.y = fmaf(x.y, wj, acc.y);
+                    acc.z = fmaf(x.z, wj, acc.z);
+                    acc.w = fmaf(x.w, wj, acc.w);
+                }
+            }
         }
-        *reinterpret_cast<float4*>(out_o + out + d0) = acc;
+        if (mine) {
+            const float inv = L > 0.f ? 1.f / L : 0.f;
+            acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+            *reinterpret_cast<float4*>(out_o + out + d0) = acc;
+        }
     }
     if (lane == 0) out_lse[cell] = L > 0.f ? M + __logf(L) : NEG_INF;
 }

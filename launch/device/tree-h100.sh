@@ -7,12 +7,16 @@
 #
 # Run from the repository root on the device machine with the release binary in .device/.
 # STAGE=check runs only the conformance suite; STAGE=bench only the benchmarks. SIMT=true adds
-# the CUDA-core kernel's run of every tree beside the default.
+# the CUDA-core kernel's run of every tree beside the default. CACHE=warm times steps with the
+# previous step's KV left in L2 (default cold: L2 evicted before each timed step, as the peers'
+# do_bench timings were taken).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 log() { echo "== $*"; }
 STAGE=${STAGE:-all}
 ITER=${ITER:-30}
+CACHE=${CACHE:-cold}
+SUFFIX=$([ "$CACHE" = cold ] || echo "_$CACHE")
 
 {
   log "machine"; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
@@ -25,24 +29,26 @@ ITER=${ITER:-30}
       for t in ${TREES:-0 1 2 3 4 5 6 7 8 9}; do
         log "fasttree-$t 32/$heads"
         $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
-          --dtype f16 --method ${METHODS:-all} --iterations $ITER --json > "$OUT/ft${t}_32_${heads}.json"
+          --dtype f16 --method ${METHODS:-all} --iterations $ITER --cache $CACHE --check ${CHECK:-true} \
+          --json > "$OUT/ft${t}_32_${heads}${SUFFIX}.json"
         [ "${SIMT:-false}" = true ] && $BIN bench tree --workload fasttree-$t --heads 32 \
           --kv-heads $heads --head-dim 128 --dtype f16 --method all --iterations $ITER \
           --check false --kernel simt --json > "$OUT/ft${t}_32_${heads}_simt.json"
-        grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*' "$OUT/ft${t}_32_${heads}.json" | paste -sd' '
+        grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*' "$OUT/ft${t}_32_${heads}${SUFFIX}.json" | paste -sd' '
       done
     done
     for w in $([ "${GROW:-true}" = true ] && echo few-shot-b50 few-shot-b20); do
       log "$w growing over 400 decode iterations, 32/8"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
-        --method q-guided,deft-node,deft-flatten,fasttree,auto --grow 400 --json > "$OUT/${w}_grow.json"
+        --method q-guided,deft-node,deft-flatten,fasttree,auto --grow 400 --cache $CACHE --json \
+        > "$OUT/${w}_grow${SUFFIX}.json"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
         --method q-guided,deft-flatten --grow 20 --check true
     done
     for w in $([ "${STATIC:-true}" = true ] && echo few-shot-b20 few-shot-b50 spec-t64 spec-t256 tot-sorting tot-document); do
       log "$w 32/8"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
-        --method ${METHODS:-all} --iterations $ITER --json > "$OUT/$w.json"
+        --method ${METHODS:-all} --iterations $ITER --cache $CACHE --json > "$OUT/$w${SUFFIX}.json"
       $BIN bench tree --workload $w --heads 32 --kv-heads 8 --head-dim 128 --dtype f16 \
         --method all --iterations $ITER --check false | tail -n +1
     done
@@ -54,6 +60,6 @@ ITER=${ITER:-30}
         "$(grep -c 'LDSM' /tmp/sass.txt)" "$(grep -c 'LDGSTS' /tmp/sass.txt)" "$(grep -c 'LDL' /tmp/sass.txt)"
     done
   fi
-} 2>&1 | tee "$OUT/log.txt"
+} 2>&1 | tee "$OUT/log${SUFFIX}.txt"
 # Many small JSON files: one archive comes back.
-(cd "$OUT" && tar czf tree-results.tgz ./*.json && rm -f ./*.json)
+(cd "$OUT" && tar czf tree-results${SUFFIX}.tgz ./*.json && rm -f ./*.json)

@@ -457,6 +457,8 @@ impl RunArgs {
             tree: None,
             kernel: canopy_cuda::KernelChoice::Auto,
             iters: self.iters,
+            // Each rank's shard of a long context is far larger than L2.
+            cache: canopy_engine::Cache::Warm,
             check: seq_len as u64 * self.batch as u64 <= self.check_max_tokens,
             seed: self.seed,
             virtual_nodes: self.virtual_nodes,

@@ -17,7 +17,7 @@ use canopy_core::{
 };
 use canopy_cuda::{CudaBackend, KernelChoice};
 use canopy_engine::tree_bench::{relate_to_q_guided, MethodRun, TreeBench};
-use canopy_engine::{Backend, CpuBackend, MergeCollective, Problem, RunConfig, Strategy};
+use canopy_engine::{Backend, Cache, CpuBackend, MergeCollective, Problem, RunConfig, Strategy};
 use clap::Args;
 use serde::Serialize;
 use std::time::Duration;
@@ -50,6 +50,11 @@ pub struct TreeArgs {
     /// Timed runs per method (after three warm-ups); the median is reported.
     #[arg(long, default_value_t = 20)]
     iterations: usize,
+    /// What each timed step finds in L2: cold (evicted before each step, outside the timed
+    /// region, as in a model's decode loop and in Triton's do_bench) or warm (the previous
+    /// step's KV still there).
+    #[arg(long, default_value = "cold")]
+    cache: Cache,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
     /// CUDA stage-1 kernel: auto (tensor cores for groups with several query rows), simt, mma.
@@ -79,6 +84,7 @@ struct TreeOutput {
     device: String,
     kernel: KernelChoice,
     ranks: usize,
+    cache: Cache,
     /// Device-to-device copy bandwidth (bytes read + written per second), CUDA only.
     copy_gbps: Option<f64>,
     /// The tree's K and V read once at the copy bandwidth, in microseconds.
@@ -134,6 +140,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
         device,
         kernel: a.kernel,
         ranks: a.ranks,
+        cache: a.cache,
         copy_gbps: copy.map(|c| c / 1e9),
         kv_floor_us: copy.map(|c| kv_bytes as f64 / c * 1e6),
         methods: runs,
@@ -143,11 +150,15 @@ pub fn run(a: TreeArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} on {} ({} rank{}): {}{}",
+        "{} on {} ({} rank{}, {} L2): {}{}",
         out.tree.workload,
         out.device,
         out.ranks,
         if out.ranks == 1 { "" } else { "s" },
+        match out.cache {
+            Cache::Cold => "cold",
+            Cache::Warm => "warm",
+        },
         out.tree,
         match (out.copy_gbps, out.kv_floor_us) {
             (Some(c), Some(f)) => format!("; copy {c:.0} GB/s, KV floor {f:.1} us"),
@@ -200,7 +211,7 @@ fn bench_on<B: Backend>(
     tree: &KvTree,
     methods: &[Method],
     planner: PlannerConfig,
-    iters: usize,
+    (iters, cache): (usize, Cache),
     oracle: Option<&[f64]>,
 ) -> Result<Vec<MethodRun>> {
     let shard = Shard::whole(tree);
@@ -211,6 +222,7 @@ fn bench_on<B: Backend>(
         dtype: spec.dtype,
         planner,
         iters,
+        cache,
     };
     Ok(bench.run(backend, kv, q, methods, oracle)?)
 }
@@ -244,7 +256,7 @@ fn cuda_one(
         tree,
         methods,
         planner,
-        a.iterations,
+        (a.iterations, a.cache),
         want.as_deref(),
     )?;
     Ok((backend.gpu().name.clone(), Some(copy), runs))
@@ -271,7 +283,7 @@ fn cpu_one(
         tree,
         methods,
         planner,
-        a.iterations,
+        (a.iterations, a.cache),
         want.as_deref(),
     )
 }
@@ -373,6 +385,7 @@ fn cuda_ranks(
             tree: Some((spec.tree.clone(), method)),
             kernel: a.kernel,
             iters: a.iterations,
+            cache: a.cache,
             check: a.check,
             seed: a.seed,
             virtual_nodes: None,
@@ -492,9 +505,8 @@ fn grow(
             let dplan = backend.upload_plan(&shape, &host)?;
             let mut partials = backend.alloc_partials(&shape, &dplan)?;
             let mut out = backend.alloc_states(&shape, now.num_queries())?;
-            let times = backend.time_steps(3, &mut || {
-                backend.run_plan(&kv, &q, &dplan, &mut partials)?;
-                backend.merge(&partials, &dplan, &mut out)
+            let times = backend.time_steps(3, a.cache, &mut || {
+                backend.step(&kv, &q, &dplan, &mut partials, &mut out)
             })?;
             let kernel_us = canopy_core::stats::median(&times) * 1e3;
             total_kernel_ms += kernel_us / 1e3;

@@ -21,13 +21,14 @@ use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
 use canopy_core::geometry::{runs_per_head, CTA_ROWS, HEADS_PER_CTA, MIN_SPLIT_TOKENS};
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
-use canopy_engine::Backend;
+use canopy_engine::{Backend, Cache};
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 type EResult<T> = canopy_engine::Result<T>;
@@ -159,6 +160,9 @@ pub struct CudaBackend {
     mma_tile: usize,
     /// Free device memory when the backend was created.
     free_at_start: usize,
+    /// Written over before each timed step that must find the caches cold; allocated on first
+    /// use.
+    flush: Mutex<Option<CudaSlice<u8>>>,
 }
 
 /// A second stream for a kernel that runs beside the main stream's: `fork` orders it after the
@@ -290,6 +294,7 @@ impl CudaBackend {
             kernel: KernelChoice::Auto,
             mma_tile: MMA_TILES[0],
             page_size: None,
+            flush: Mutex::new(None),
         })
     }
 
@@ -562,7 +567,7 @@ impl CudaBackend {
     pub fn copy_bandwidth(&self, bytes: usize, iters: usize) -> Result<f64> {
         let src = self.alloc::<u8>(bytes)?;
         let mut dst = self.alloc::<u8>(bytes)?;
-        let times = self.time_ms(iters, || {
+        let times = self.time_ms(iters, Cache::Warm, || {
             self.stream.memcpy_dtod(&src, &mut dst).ctx("cuMemcpyDtoD")
         })?;
         Ok(2.0 * bytes as f64 / (canopy_core::stats::median(&times) * 1e-3))
@@ -573,15 +578,22 @@ impl CudaBackend {
     pub fn time_ms<E: From<CudaError>>(
         &self,
         iters: usize,
+        cache: Cache,
         f: impl FnMut() -> std::result::Result<(), E>,
     ) -> std::result::Result<Vec<f64>, E> {
-        self.time_ms_until(iters, |e| e.synchronize().ctx("cuEventSynchronize"), f)
+        self.time_ms_until(
+            iters,
+            cache,
+            |e| e.synchronize().ctx("cuEventSynchronize"),
+            f,
+        )
     }
 
     /// [`time_ms`](Self::time_ms), waiting for the last event with `wait` (a watchdog).
     pub fn time_ms_until<E: From<CudaError>>(
         &self,
         iters: usize,
+        cache: Cache,
         wait: impl Fn(&CudaEvent) -> Result<()>,
         mut f: impl FnMut() -> std::result::Result<(), E>,
     ) -> std::result::Result<Vec<f64>, E> {
@@ -591,6 +603,9 @@ impl CudaBackend {
         }
         let mut events: Vec<(CudaEvent, CudaEvent)> = Vec::with_capacity(iters);
         for _ in 0..iters {
+            if cache == Cache::Cold {
+                self.evict_l2()?;
+            }
             let start = self
                 .stream
                 .record_event(Some(CU_EVENT_DEFAULT))
@@ -611,7 +626,64 @@ impl CudaBackend {
             .collect()
     }
 
-    /// Free device memory on this GPU now.
+    /// Writes over a buffer of four times the L2's size (at least 64 MiB) on the stream, so
+    /// that the next kernel finds none of its data in L2.
+    fn evict_l2(&self) -> Result<()> {
+        let mut flush = self.flush.lock().expect("flush buffer lock");
+        if flush.is_none() {
+            let bytes = (4 * self.gpu.l2_bytes as usize).max(64 << 20);
+            *flush = Some(self.alloc::<u8>(bytes)?);
+        }
+        let buf = flush.as_mut().expect("allocated above");
+        self.stream.memset_zeros(buf).ctx("cuMemsetD8Async")
+    }
+
+    /// Launches `f` on the main stream as a programmatic dependent of the kernel before it
+    /// (sm_90 and later; an ordinary launch before): its CTAs may be scheduled while that
+    /// kernel's last wave runs, and must wait in `wait_for_previous_grid` before reading its
+    /// output.
+    ///
+    /// # Safety
+    /// `args` must point at values of `f`'s parameters, in order, alive until this returns.
+    unsafe fn launch_dependent(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut c_void],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            // SAFETY: an all-zero attribute value is valid (every member is plain data).
+            value: unsafe { std::mem::zeroed() },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.gpu.compute_capability.0 >= 9),
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `config` and `attr` outlive the call; the caller vouches for `args`.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+    }
+
     /// Launches a stage-1 kernel (all three share one signature) on `stream`, over the plan's
     /// group descriptors from `first_group` on.
     #[allow(clippy::too_many_arguments)]
@@ -659,6 +731,7 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Free device memory on this GPU now.
     pub fn free_bytes(&self) -> Result<u64> {
         Ok(self.ctx.mem_get_info().ctx("cuMemGetInfo")?.0 as u64)
     }
@@ -1006,24 +1079,33 @@ impl Backend for CudaBackend {
         }
         let f = self.function(Kernel::Merge)?;
         let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&partials.o)
-            .arg(&partials.lse)
-            .arg(&plan.query_ptr)
-            .arg(&plan.query_rows)
-            .arg(&mut out.o)
-            .arg(&mut out.lse)
-            .arg(&nq)
-            .arg(&heads)
-            .arg(&d);
+        let s = &self.stream;
+        let (po, _) = partials.o.device_ptr(s);
+        let (plse, _) = partials.lse.device_ptr(s);
+        let (query_ptr, _) = plan.query_ptr.device_ptr(s);
+        let (query_rows, _) = plan.query_rows.device_ptr(s);
+        let (out_o, _) = out.o.device_ptr_mut(s);
+        let (out_lse, _) = out.lse.device_ptr_mut(s);
         let cells = nq as usize * partials.heads;
         let cfg = LaunchConfig {
             grid_dim: (cells.div_ceil(MERGE_WARPS) as u32, 1, 1),
             block_dim: (MERGE_WARPS as u32 * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: arguments match merge_partials; CSR rows index the partial buffers.
-        unsafe { b.launch(cfg) }.ctx("launching merge_partials")?;
+        let mut args = [
+            &po as *const _ as *mut c_void,
+            &plse as *const _ as *mut c_void,
+            &query_ptr as *const _ as *mut c_void,
+            &query_rows as *const _ as *mut c_void,
+            &out_o as *const _ as *mut c_void,
+            &out_lse as *const _ as *mut c_void,
+            &nq as *const _ as *mut c_void,
+            &heads as *const _ as *mut c_void,
+            &d as *const _ as *mut c_void,
+        ];
+        // SAFETY: the arguments are merge_partials' parameters, in order, and live through the
+        // call; the CSR rows index the partial buffers.
+        unsafe { self.launch_dependent(&f, cfg, &mut args) }.ctx("launching merge_partials")?;
         Ok(())
     }
 
@@ -1042,8 +1124,13 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn time_steps(&self, iters: usize, step: &mut dyn FnMut() -> EResult<()>) -> EResult<Vec<f64>> {
-        self.time_ms(iters, step)
+    fn time_steps(
+        &self,
+        iters: usize,
+        cache: Cache,
+        step: &mut dyn FnMut() -> EResult<()>,
+    ) -> EResult<Vec<f64>> {
+        self.time_ms(iters, cache, step)
     }
 
     /// Stages through host memory; the NCCL transport replaces this with device send/recv.

@@ -38,7 +38,7 @@ use canopy_core::{
     Shard, TreeSpec, TreeView, WorkloadSpec,
 };
 use canopy_engine::cost::{CallKind, CostModel, PaperModel};
-use canopy_engine::{ring_buffers, Backend, MergeCollective, NodeLayout, Strategy};
+use canopy_engine::{ring_buffers, Backend, Cache, MergeCollective, NodeLayout, Strategy};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nccl::Id;
 use serde::Serialize;
@@ -98,6 +98,8 @@ pub struct DistributedConfig {
     /// The stage-1 kernel each rank runs.
     pub kernel: KernelChoice,
     pub iters: usize,
+    /// What each timed step finds in L2.
+    pub cache: Cache,
     pub check: bool,
     pub seed: u64,
     /// Cut the ranks into this many virtual nodes for `hierarchical` (default: hosts).
@@ -514,10 +516,10 @@ fn rank_steps(
     let before = comms.wire_bytes();
     let times = backend.time_ms_until(
         cfg.iters,
+        cfg.cache,
         |e| watchdog.wait(e, &comms.all()),
         || {
-            backend.run_plan(&kv, &q, &dplan, &mut partials)?;
-            backend.merge(&partials, &dplan, &mut out)?;
+            backend.step(&kv, &q, &dplan, &mut partials, &mut out)?;
             merge.run(backend, comms, how, &mut out.o, &mut out.lse)
         },
     )?;
@@ -604,6 +606,7 @@ fn ring_steps(
     let before = comm.wire_bytes();
     let times = backend.time_ms_until(
         cfg.iters,
+        cfg.cache,
         |e| watchdog.wait(e, &[comm]),
         || {
             // `ready`: everything the compute stream has read so far; a buffer is received into
@@ -628,8 +631,7 @@ fn ring_steps(
                     None
                 };
                 let out = if s == 0 { &mut acc } else { &mut tmp };
-                backend.run_plan(cur, &q, &plans[src], &mut partials[src])?;
-                backend.merge(&partials[src], &plans[src], out)?;
+                backend.step(cur, &q, &plans[src], &mut partials[src], out)?;
                 if s > 0 {
                     let mut b = compute.launch_builder(&pair);
                     b.arg(&mut acc.o)

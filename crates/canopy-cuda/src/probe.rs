@@ -13,6 +13,7 @@ pub struct GpuInfo {
     pub name: String,
     pub memory_bytes: u64,
     pub multiprocessors: u32,
+    pub l2_bytes: u64,
     pub compute_capability: (i32, i32),
 }
 
@@ -26,6 +27,9 @@ impl GpuInfo {
             multiprocessors: ctx
                 .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .ctx("cuDeviceGetAttribute")? as u32,
+            l2_bytes: ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+                .ctx("cuDeviceGetAttribute")? as u64,
             compute_capability: ctx.compute_capability().ctx("cuDeviceGetAttribute")?,
         })
     }

@@ -14,6 +14,31 @@ use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
 /// Untimed runs before [`Backend::time_steps`] starts timing (caches, clocks, lazy set-up).
 pub const WARMUP_RUNS: usize = 3;
 
+/// What a timed step finds in the device's caches.
+///
+/// Back-to-back steps over a small tree find its KV still in L2 (H100: 50 MB), which no decode
+/// loop sees: between two steps of one layer run every other layer. `Cold` evicts the caches
+/// before each timed step, outside the timed region, as Triton's `do_bench` (with which the
+/// peers' numbers were taken) does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Cache {
+    #[default]
+    Cold,
+    Warm,
+}
+
+impl std::str::FromStr for Cache {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Cache, String> {
+        match s {
+            "cold" => Ok(Cache::Cold),
+            "warm" => Ok(Cache::Warm),
+            other => Err(format!("cache state {other:?}: use cold or warm")),
+        }
+    }
+}
+
 pub trait Backend: Send + Sync {
     type Kv: Send;
     type Queries: Send;
@@ -49,11 +74,31 @@ pub trait Backend: Send + Sync {
         plan: &Self::Plan,
         out: &mut Self::States,
     ) -> Result<()>;
+    /// One decode step: stage 1 into `partials`, then the merge into `out`. A backend may fuse
+    /// the two (`out` is then all that is guaranteed; `partials` hold stage 1's rows either
+    /// way).
+    fn step(
+        &self,
+        kv: &Self::Kv,
+        q: &Self::Queries,
+        plan: &Self::Plan,
+        partials: &mut Self::States,
+        out: &mut Self::States,
+    ) -> Result<()> {
+        self.run_plan(kv, q, plan, partials)?;
+        self.merge(partials, plan, out)
+    }
     fn download(&self, states: &Self::States) -> Result<AttnStates>;
     /// Milliseconds of each of `iters` runs of `step`, after [`WARMUP_RUNS`] untimed ones. The
-    /// default reads the host clock around each run; a device backend times with its own
-    /// events, without waiting for the device between runs.
-    fn time_steps(&self, iters: usize, step: &mut dyn FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    /// default reads the host clock around each run and leaves the CPU's caches as they are; a
+    /// device backend times with its own events, without waiting for the device between runs,
+    /// and honours `cache`.
+    fn time_steps(
+        &self,
+        iters: usize,
+        _cache: Cache,
+        step: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
         for _ in 0..WARMUP_RUNS {
             step()?;
         }
@@ -81,4 +126,17 @@ pub trait Backend: Send + Sync {
         comm: &C,
         peer: usize,
     ) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cache;
+
+    #[test]
+    fn cache_states_parse_and_reject_others() {
+        assert_eq!("cold".parse::<Cache>(), Ok(Cache::Cold));
+        assert_eq!("warm".parse::<Cache>(), Ok(Cache::Warm));
+        assert!("hot".parse::<Cache>().unwrap_err().contains("cold or warm"));
+        assert_eq!(Cache::default(), Cache::Cold);
+    }
 }

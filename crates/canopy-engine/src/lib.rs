@@ -21,7 +21,7 @@ pub mod strategy;
 pub mod topology;
 pub mod tree_bench;
 
-pub use backend::Backend;
+pub use backend::{Backend, Cache};
 pub use cost::CostModel;
 pub use cpu::CpuBackend;
 pub use error::{EngineError, Result};

@@ -235,8 +235,7 @@ where
                 backend.poison(partials)?;
                 backend.poison(out)?;
             }
-            backend.run_plan(kv, &q, plan, partials)?;
-            backend.merge(partials, plan, out)
+            backend.step(kv, &q, plan, partials, out)
         };
     let mut local = backend.alloc_states(shape, nq)?;
     let mut chosen = None;

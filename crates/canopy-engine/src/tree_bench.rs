@@ -5,7 +5,7 @@
 //! then timed with the backend's own clock ([`Backend::time_steps`]: CUDA events on a GPU). The
 //! analytic IO of the host plan is reported beside the time, and speedups are over Q-guided.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Cache};
 use crate::Result;
 use canopy_core::stats::{median, quantile};
 use canopy_core::{
@@ -46,6 +46,7 @@ pub struct TreeBench<'a> {
     pub dtype: DType,
     pub planner: PlannerConfig,
     pub iters: usize,
+    pub cache: Cache,
 }
 
 /// A plan with the host time it took and, for `auto`, the method chosen and its prediction.
@@ -100,17 +101,15 @@ impl TreeBench<'_> {
             let mut states = backend.alloc_states(&self.shape, nq)?;
             backend.poison(&mut partials)?;
             backend.poison(&mut states)?;
-            backend.run_plan(kv, q, &dplan, &mut partials)?;
-            backend.merge(&partials, &dplan, &mut states)?;
+            backend.step(kv, q, &dplan, &mut partials, &mut states)?;
             let rel_error = match oracle {
                 Some(want) => Some(relative_error(&backend.download(&states)?.o, want)),
                 None => None,
             };
-            let times = backend.time_steps(self.iters, &mut || {
-                backend.run_plan(kv, q, &dplan, &mut partials)?;
-                backend.merge(&partials, &dplan, &mut states)
+            let times = backend.time_steps(self.iters, self.cache, &mut || {
+                backend.step(kv, q, &dplan, &mut partials, &mut states)
             })?;
-            let stage1 = backend.time_steps(self.iters, &mut || {
+            let stage1 = backend.time_steps(self.iters, self.cache, &mut || {
                 backend.run_plan(kv, q, &dplan, &mut partials)
             })?;
             out.push(MethodRun {
@@ -176,6 +175,7 @@ mod tests {
             dtype: DType::F32,
             planner: PlannerConfig::default(),
             iters: 2,
+            cache: Cache::Cold,
         };
         let methods = Method::parse_list("all").unwrap();
         let runs = bench
