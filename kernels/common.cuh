@@ -109,4 +109,3 @@ __device__ __forceinline__ void wait_for_previous_grid() {
         const u64 *__restrict__ masks, const u32 *__restrict__ page_table, u32 page_shift,      \
         float *__restrict__ out_o, float *__restrict__ out_lse, int q_heads, int kv_heads,      \
         float scale_log2
-

@@ -155,10 +155,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
         out.device,
         out.ranks,
         if out.ranks == 1 { "" } else { "s" },
-        match out.cache {
-            Cache::Cold => "cold",
-            Cache::Warm => "warm",
-        },
+        out.cache.name(),
         out.tree,
         match (out.copy_gbps, out.kv_floor_us) {
             (Some(c), Some(f)) => format!("; copy {c:.0} GB/s, KV floor {f:.1} us"),
@@ -211,7 +208,7 @@ fn bench_on<B: Backend>(
     tree: &KvTree,
     methods: &[Method],
     planner: PlannerConfig,
-    (iters, cache): (usize, Cache),
+    a: &TreeArgs,
     oracle: Option<&[f64]>,
 ) -> Result<Vec<MethodRun>> {
     let shard = Shard::whole(tree);
@@ -221,8 +218,8 @@ fn bench_on<B: Backend>(
         shape: spec.shape,
         dtype: spec.dtype,
         planner,
-        iters,
-        cache,
+        iters: a.iterations,
+        cache: a.cache,
     };
     Ok(bench.run(backend, kv, q, methods, oracle)?)
 }
@@ -256,7 +253,7 @@ fn cuda_one(
         tree,
         methods,
         planner,
-        (a.iterations, a.cache),
+        a,
         want.as_deref(),
     )?;
     Ok((backend.gpu().name.clone(), Some(copy), runs))
@@ -283,7 +280,7 @@ fn cpu_one(
         tree,
         methods,
         planner,
-        (a.iterations, a.cache),
+        a,
         want.as_deref(),
     )
 }

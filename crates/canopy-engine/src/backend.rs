@@ -28,14 +28,23 @@ pub enum Cache {
     Warm,
 }
 
+impl Cache {
+    /// The name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Cache::Cold => "cold",
+            Cache::Warm => "warm",
+        }
+    }
+}
+
 impl std::str::FromStr for Cache {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Cache, String> {
-        match s {
-            "cold" => Ok(Cache::Cold),
-            "warm" => Ok(Cache::Warm),
-            other => Err(format!("cache state {other:?}: use cold or warm")),
-        }
+        [Cache::Cold, Cache::Warm]
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| format!("cache state {s:?}: use cold or warm"))
     }
 }
 
@@ -74,9 +83,7 @@ pub trait Backend: Send + Sync {
         plan: &Self::Plan,
         out: &mut Self::States,
     ) -> Result<()>;
-    /// One decode step: stage 1 into `partials`, then the merge into `out`. A backend may fuse
-    /// the two (`out` is then all that is guaranteed; `partials` hold stage 1's rows either
-    /// way).
+    /// One decode step: stage 1 into `partials`, then the merge into `out`.
     fn step(
         &self,
         kv: &Self::Kv,
