@@ -4,8 +4,9 @@
 # bf16, every tree collective (hierarchical over 2 virtual nodes of 4) and the ring: first one
 # process with one thread per GPU, then the same under `mpirun -np 8` (one process per GPU).
 # Errors against the f64 oracle up to N = 1M. JSON and CSV per shape and launcher; plots are
-# drawn off the device (`canopy bench scaling --from F.json --plot F.png`). Not yet run: the
-# x8 kind has not been lent (docs/BENCHMARKS.md).
+# drawn off the device (`canopy bench scaling --from F.json --plot F.png`). Each threads run is
+# followed by the model fitted on its p <= 4 rows beside its p = 8 rows (`--predict 8`). Not yet
+# run: the x8 kind has not been lent (docs/BENCHMARKS.md).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 SEQ=${SEQ:-131072,524288,1048576,4194304,5242880}
@@ -23,7 +24,8 @@ run() {  # name, extra arguments
       llama) heads="--heads 32 --kv-heads 8 --head-dim 128" ;;
     esac
     [ "${LAUNCHERS:-threads mpi}" != mpi ] && run "scaling_${shape}_threads" \
-      $BIN bench scaling --backend cuda --ranks 1,2,4,8 $heads --dtype bf16
+      $BIN bench scaling --backend cuda --ranks 1,2,4,8 $heads --dtype bf16 &&
+      $BIN bench scaling --from "$OUT/scaling_${shape}_threads.json" --predict 8 --virtual-nodes 2
     [ "${LAUNCHERS:-threads mpi}" != threads ] && run "scaling_${shape}_mpi" \
       mpirun --allow-run-as-root -np 8 -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE \
       $BIN bench scaling --backend cuda --launcher mpi --ranks 8 $heads --dtype bf16

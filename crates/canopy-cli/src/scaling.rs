@@ -9,6 +9,8 @@
 
 use crate::bench::{resolve_backend, row_table, rows, Row, RunArgs, World};
 use anyhow::{bail, Context, Result};
+use canopy_engine::predict::{StepKind, StepModel, StepSample};
+use canopy_engine::{MergeCollective, NodeLayout};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -33,6 +35,11 @@ pub struct ScalingArgs {
     /// Re-draw and re-tabulate a saved `--json` output instead of running.
     #[arg(long)]
     from: Option<PathBuf>,
+    /// Predict every strategy at this rank count (hierarchical over `--virtual-nodes`) from
+    /// the rows at fewer ranks, with the model of `canopy_engine::predict`, at the rows' context
+    /// lengths and `--seq-lens`; rows measured at this count are set beside the prediction.
+    #[arg(long)]
+    predict: Option<usize>,
 }
 
 /// What `--json` prints and `--from` reads.
@@ -69,6 +76,9 @@ pub fn run(a: ScalingArgs) -> Result<()> {
     }
     if let Some(path) = &a.plot {
         crate::plot::scaling(&out, path)?;
+    }
+    if let Some(p) = a.predict {
+        return predict(&a, &out, p);
     }
     if a.run.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -130,6 +140,163 @@ fn measure(a: &ScalingArgs) -> Result<Option<ScalingOutput>> {
         iters: a.run.iters,
         rows: all,
     }))
+}
+
+/// What `--predict --json` prints.
+#[derive(Serialize)]
+struct PredictionOutput {
+    ranks: usize,
+    virtual_nodes: usize,
+    model: StepModel,
+    rows: Vec<Prediction>,
+}
+
+#[derive(Serialize)]
+struct Prediction {
+    strategy: String,
+    seq_len: u32,
+    batch: u32,
+    predicted_ms: f64,
+    measured_ms: Option<f64>,
+    /// (predicted - measured) / measured.
+    error: Option<f64>,
+}
+
+/// A prediction further than this from the measurement is flagged.
+const MISS: f64 = 0.15;
+
+fn step_kind(strategy: &str) -> Option<StepKind> {
+    if strategy == "ring" {
+        return Some(StepKind::Ring);
+    }
+    // "tree/allgather", or "tree/auto (allgather)" for auto with its choice.
+    let name = strategy.strip_prefix("tree/")?.split(' ').next()?;
+    name.parse().ok().map(StepKind::Tree)
+}
+
+fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
+    let samples: Vec<StepSample> = out
+        .rows
+        .iter()
+        .filter(|r| r.ranks < p)
+        .filter_map(|r| {
+            Some(StepSample {
+                kind: step_kind(&r.strategy)?,
+                ranks: r.ranks,
+                kv_bytes_per_rank: r.kv_bytes_per_rank,
+                us: r.median_ms * 1e3,
+            })
+        })
+        .collect();
+    let model = StepModel::fit(&samples)?;
+    let nodes = a
+        .run
+        .virtual_nodes
+        .filter(|&k| p.is_multiple_of(k))
+        .unwrap_or(1);
+    let layout = NodeLayout::virtual_nodes(p, nodes)?;
+    let Some(first) = out.rows.first() else {
+        bail!("the scaling run has no rows to fit");
+    };
+    // KV bytes per token of one request, from any row.
+    let per_token =
+        first.kv_bytes_per_rank * first.ranks as u64 / (first.seq_len as u64 * first.batch as u64);
+    let mut points: Vec<(u32, u32)> = out.rows.iter().map(|r| (r.seq_len, r.batch)).collect();
+    for &n in a.seq_lens.iter().flatten() {
+        points.push((n, first.batch));
+    }
+    points.sort_unstable();
+    points.dedup();
+    let kinds = [
+        MergeCollective::Allreduce3,
+        MergeCollective::Allreduce2,
+        MergeCollective::Allgather,
+        MergeCollective::Hierarchical,
+        MergeCollective::Auto,
+    ]
+    .map(|c| (format!("tree/{}", c.name()), StepKind::Tree(c)));
+    let kinds = kinds
+        .into_iter()
+        .chain([("ring".to_string(), StepKind::Ring)]);
+    let mut rows = Vec::new();
+    for (name, kind) in kinds {
+        for &(n, batch) in &points {
+            let kv = (n as u64 * batch as u64 * per_token).div_ceil(p as u64);
+            let cells = batch as u64 * out.q_heads as u64;
+            let predicted_ms = model.predict(kind, &layout, cells, out.head_dim as u64, kv) / 1e3;
+            let measured_ms = out
+                .rows
+                .iter()
+                .find(|r| {
+                    r.ranks == p
+                        && r.seq_len == n
+                        && r.batch == batch
+                        && step_kind(&r.strategy) == Some(kind)
+                })
+                .map(|r| r.median_ms);
+            rows.push(Prediction {
+                strategy: name.clone(),
+                seq_len: n,
+                batch,
+                predicted_ms,
+                measured_ms,
+                error: measured_ms.map(|m| (predicted_ms - m) / m),
+            });
+        }
+    }
+    if a.run.json {
+        let o = PredictionOutput {
+            ranks: p,
+            virtual_nodes: nodes,
+            model,
+            rows,
+        };
+        println!("{}", serde_json::to_string_pretty(&o)?);
+        return Ok(());
+    }
+    println!(
+        "prediction for {p} ranks ({nodes} node(s)), fitted to {} rows at fewer ranks: {}/{} heads x {}, {}",
+        samples.len(),
+        out.q_heads,
+        out.kv_heads,
+        out.head_dim,
+        out.dtype
+    );
+    println!(
+        "model (us): local {:.1} + {:.3} per MB of KV; merge fixed {:.1}; all-reduce {:.1} + {:.2} per peer; all-gather {:.1} + {:.2} per peer; ring hop {:.1} + {:.1} per MB",
+        model.local.intercept,
+        model.local.slope * 1e6,
+        model.merge_fixed_us,
+        model.all_reduce.intercept,
+        model.all_reduce.slope,
+        model.all_gather.intercept,
+        model.all_gather.slope,
+        model.ring_hop.intercept,
+        model.ring_hop.slope * 1e6,
+    );
+    let mut t = crate::table::Table::new(&[
+        "strategy",
+        "N",
+        "batch",
+        "predicted ms",
+        "measured ms",
+        "error",
+    ]);
+    for r in &rows {
+        t.row(vec![
+            r.strategy.clone(),
+            r.seq_len.to_string(),
+            r.batch.to_string(),
+            format!("{:.4}", r.predicted_ms),
+            r.measured_ms.map_or("-".into(), |m| format!("{m:.4}")),
+            r.error.map_or("-".into(), |e| {
+                let flag = if e.abs() > MISS { " (miss)" } else { "" };
+                format!("{:+.1}%{flag}", e * 100.0)
+            }),
+        ]);
+    }
+    println!("{}", t.render());
+    Ok(())
 }
 
 /// The ring's median at the same (p, N) over this row's: how many times faster the tree is.

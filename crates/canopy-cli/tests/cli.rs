@@ -226,6 +226,59 @@ fn bench_scaling_writes_csv_json_and_a_plot_and_redraws_from_json() {
     }
 }
 
+/// The whole-step model fitted on the recorded 4-GPU run's p <= 2 rows predicts its p = 4 tree
+/// steps within 15% (the back-test in docs/BENCHMARKS.md), and a p = 8 prediction grows with N.
+#[test]
+fn scaling_prediction_back_tests_on_the_recorded_four_gpu_run() {
+    let run = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/device-runs/2026-11-21-s2/scaling.json"
+    );
+    let four = json(&[
+        "bench",
+        "scaling",
+        "--from",
+        run,
+        "--predict",
+        "4",
+        "--virtual-nodes",
+        "2",
+        "--json",
+    ]);
+    let rows = four["rows"].as_array().unwrap();
+    let tree: Vec<_> = rows
+        .iter()
+        .filter(|r| r["strategy"].as_str().unwrap().starts_with("tree/"))
+        .collect();
+    assert_eq!(tree.len(), 5 * 4, "five tree forms at four context lengths");
+    for r in tree {
+        let e = r["error"].as_f64().expect("every p = 4 point was measured");
+        assert!(e.abs() < 0.15, "{r}");
+    }
+    let eight = json(&[
+        "bench",
+        "scaling",
+        "--from",
+        run,
+        "--predict",
+        "8",
+        "--virtual-nodes",
+        "2",
+        "--json",
+    ]);
+    let auto: Vec<f64> = eight["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["strategy"] == "tree/auto")
+        .map(|r| {
+            assert!(r["measured_ms"].is_null(), "no p = 8 rows were recorded");
+            r["predicted_ms"].as_f64().unwrap()
+        })
+        .collect();
+    assert!(auto.windows(2).all(|w| w[0] < w[1]), "{auto:?}");
+}
+
 #[test]
 fn bad_input_gets_a_clear_message_and_non_zero_exit() {
     canopy()

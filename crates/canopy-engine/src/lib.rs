@@ -17,6 +17,7 @@ pub mod cost;
 pub mod cpu;
 mod error;
 pub mod merge;
+pub mod predict;
 pub mod strategy;
 pub mod topology;
 pub mod tree_bench;

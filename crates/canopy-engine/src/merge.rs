@@ -16,7 +16,7 @@ use canopy_comm::{Collective, ReduceOp};
 use canopy_core::{merge_state, AttnStates, EMPTY_LSE};
 use serde::Serialize;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MergeCollective {
     Allreduce3,
