@@ -5,8 +5,8 @@
 //
 // One CTA per (plan group, KV head), four warps. A group's rows are its queries x the GQA rows of
 // the KV head, at most 64 (the host splits larger groups by query, so each CTA holds all its
-// rows in registers). KV streams through shared memory in tiles of TILE tokens, double-buffered
-// with cp.async (the next tile is in flight while the warps compute on this one).
+// rows in registers). KV streams through shared memory in tiles of TILE tokens, STAGES stages
+// deep with cp.async (the next STAGES - 1 tiles are in flight while the warps compute on one).
 //
 // (A persistent variant, one CTA per bin of consecutive groups with the tile stream running
 // across group boundaries, measured slower on every FastTree tree on H100: docs/BENCHMARKS.md.)
@@ -34,11 +34,20 @@
 #ifndef TILE
 #define TILE 64  // KV tokens per shared-memory tile: 64 or 32
 #endif
+#ifndef STAGES
+#define STAGES 2  // shared-memory stages: STAGES - 1 tiles are in flight while one is computed
+#endif
 #define WK_MAX (TILE / 16)  // token slices per tile (P V needs 16 tokens per slice)
-#if TILE == 32
+// Resident CTAs per SM the registers are budgeted for, as many as the stages' shared memory
+// lets fit (the host computes the true occupancy).
+#if TILE == 32 && STAGES == 2
 #define MIN_CTAS 4
-#else
+#elif STAGES * TILE <= 128
 #define MIN_CTAS 3
+#elif STAGES * TILE <= 192
+#define MIN_CTAS 2
+#else
+#define MIN_CTAS 1
 #endif
 #define MAX_ROWS 64
 #define STRIDE (HEAD_DIM + 8)  // elements per shared-memory row
@@ -66,7 +75,7 @@ struct Scratch {
     __align__(16) float o[WARPS][16][HEAD_DIM];
 };
 
-static_assert(sizeof(Scratch) <= 2 * sizeof(Stage), "the scratch fits the two stages");
+static_assert(sizeof(Scratch) <= STAGES * sizeof(Stage), "the scratch fits the stages");
 
 __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
@@ -108,7 +117,8 @@ __device__ __forceinline__ GroupDesc read_group(const u32* groups, u32 g) {
     return GroupDesc{gd[0], gd[2], gd[3], gd[4], gd[5], gd[6]};
 }
 
-// Streams a group's KV tokens into shared-memory tiles with cp.async. A token's row is PIECES
+// Streams a group's KV tokens into shared-memory tiles with cp.async, DEPTH stages deep: while
+// the warps compute on one tile, the next DEPTH - 1 are in flight. A token's row is PIECES
 // 16-byte pieces (CHUNKS per KV head, consecutive heads); thread t copies piece t % PIECES of
 // tile rows t / PIECES + i * (THREADS / PIECES), into element ((c / CHUNKS) * TOKENS + r) *
 // STRIDE + (c % CHUNKS) * 8 of a stage (one [TOKENS][STRIDE] block per head).
@@ -117,7 +127,7 @@ __device__ __forceinline__ GroupDesc read_group(const u32* groups, u32 g) {
 // every tile of a node-sized group on contiguous KV) costs one address computation per thread;
 // only tiles that cross a range or page boundary map every row on its own. The range cursor
 // only moves forward, as the tiles do.
-template <int PIECES, int TOKENS>
+template <int PIECES, int TOKENS, int DEPTH>
 struct KvStream {
     static constexpr int ROWS_PER_PASS = THREADS / PIECES;
     const unsigned char* k;  // this thread's piece of token 0
@@ -195,12 +205,18 @@ struct KvStream {
         cp_async_commit();
     }
 
-    // The top of tile `tile`'s step: tile + 1 goes in flight into the other stage (or an empty
-    // group keeps the wait count uniform), then the CTA waits until tile `tile` has landed.
-    __device__ __forceinline__ void next(u16* ks, u16* vs, u32 tile, u32 tiles) {
-        if (tile + 1 < tiles) issue(ks, vs, tile + 1);
+    // Tile `tile` into the stage at ks and vs if the group has it, else an empty commit group,
+    // so that every step waits for the same number of groups.
+    __device__ __forceinline__ void issue_or_skip(u16* ks, u16* vs, u32 tile, u32 tiles) {
+        if (tile < tiles) issue(ks, vs, tile);
         else cp_async_commit();
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    }
+
+    // The top of tile `tile`'s step: tile + DEPTH - 1 goes in flight into the stage at ks and
+    // vs (the one tile - 1 used), then the CTA waits until tile `tile` has landed.
+    __device__ __forceinline__ void next(u16* ks, u16* vs, u32 tile, u32 tiles) {
+        issue_or_skip(ks, vs, tile + DEPTH - 1, tiles);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(DEPTH - 1) : "memory");
         __syncthreads();
     }
 };
@@ -370,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 decode_partial_mma(STAGE1_PARAMS) {
     let_next_grid_launch();
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // two stages
+    Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // STAGES stages
 
     const GroupDesc cd = read_group(groups, blockIdx.x);
     const int kvh = blockIdx.y;
@@ -378,10 +394,11 @@ decode_partial_mma(STAGE1_PARAMS) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
 
-    KvStream<CHUNKS, TILE> kv;
+    KvStream<CHUNKS, TILE, STAGES> kv;
     kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd.range_begin, cd.tokens);
     const u32 tiles = (cd.tokens + TILE - 1) / TILE;
-    if (tiles > 0) kv.issue(&stage_mem[0].k[0][0], &stage_mem[0].v[0][0], 0);
+#pragma unroll
+    for (int s = 0; s + 1 < STAGES; ++s) kv.issue_or_skip(&stage_mem[s].k[0][0], &stage_mem[s].v[0][0], s, tiles);
 
     const int rows = min((int)cd.query_count * gsz, MAX_ROWS);
     const int wr = max(rows <= 16 ? 1 : (rows <= 32 ? 2 : 4), WARPS / WK_MAX);
@@ -397,13 +414,13 @@ decode_partial_mma(STAGE1_PARAMS) {
     clear_state(o, m, l);
 
     for (u32 tile = 0; tile < tiles; ++tile) {
-        Stage& next = stage_mem[(tile + 1) & 1];
+        Stage& next = stage_mem[(tile + STAGES - 1) % STAGES];
         kv.next(&next.k[0][0], &next.v[0][0], tile, tiles);
         const u32 first = tile * TILE + t0;
         // A warp whose slice lies wholly past the group's tokens has nothing to add.
         if (first < cd.tokens) {
             const bool edge = mask || tile * TILE + TILE > cd.tokens;
-            const Stage& st = stage_mem[tile & 1];
+            const Stage& st = stage_mem[tile % STAGES];
             if (wk == 1) attend<TILE>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
 #if WK_MAX >= 2
             else if (wk == 2) attend<TILE / 2>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
@@ -477,6 +494,10 @@ decode_partial_mma(STAGE1_PARAMS) {
 // A token's HEADS_PER_CTA head rows are contiguous, so every tile row is one coalesced copy.
 #define HEADS_PER_CTA WARPS
 #define HEAD_TILE 16  // tokens per tile: one k-chunk of P V
+// Two stages: three or four (one or two more tiles in flight) measured slower on FastTree's
+// trees (docs/BENCHMARKS.md, session 6): their shared memory leaves fewer of these CTAs beside
+// the many-row kernel's.
+#define HEAD_STAGES 2
 
 struct HeadStage {
     u16 k[HEADS_PER_CTA][HEAD_TILE][STRIDE];
@@ -487,18 +508,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 3)
 decode_partial_mma_heads(STAGE1_PARAMS) {
     let_next_grid_launch();
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // two stages
+    HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // HEAD_STAGES stages
 
     const GroupDesc cd = read_group(groups, blockIdx.x);
     const int warp = threadIdx.x / 32;
     const int kvh = blockIdx.y * HEADS_PER_CTA + warp;
     const int gsz = q_heads / kv_heads;
 
-    KvStream<CHUNKS * HEADS_PER_CTA, HEAD_TILE> kv;
+    KvStream<CHUNKS * HEADS_PER_CTA, HEAD_TILE, HEAD_STAGES> kv;
     kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, blockIdx.y * HEADS_PER_CTA, cd.range_begin,
              cd.tokens);
     const u32 tiles = (cd.tokens + HEAD_TILE - 1) / HEAD_TILE;
-    if (tiles > 0) kv.issue(&stage_mem[0].k[0][0][0], &stage_mem[0].v[0][0][0], 0);
+#pragma unroll
+    for (int s = 0; s + 1 < HEAD_STAGES; ++s)
+        kv.issue_or_skip(&stage_mem[s].k[0][0][0], &stage_mem[s].v[0][0][0], s, tiles);
 
     const int rows = min((int)cd.query_count * gsz, 16);
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
@@ -509,9 +532,9 @@ decode_partial_mma_heads(STAGE1_PARAMS) {
     clear_state(o, m, l);
 
     for (u32 tile = 0; tile < tiles; ++tile) {
-        HeadStage& next = stage_mem[(tile + 1) & 1];
+        HeadStage& next = stage_mem[(tile + HEAD_STAGES - 1) % HEAD_STAGES];
         kv.next(&next.k[0][0][0], &next.v[0][0][0], tile, tiles);
-        const HeadStage& st = stage_mem[tile & 1];
+        const HeadStage& st = stage_mem[tile % HEAD_STAGES];
         const u32 first = tile * HEAD_TILE;
         const bool edge = mask || first + HEAD_TILE > cd.tokens;
         attend<HEAD_TILE>(st.k[warp], st.v[warp], qa, o, m, l, first, edge, cd.tokens, mask, words, 0, gsz);

@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
-# Quick look at a few FastTree trees (no oracle check unless CHECK=true): WAVES and KERNEL pass
-# through to `bench tree`. Used while tuning; the full run is tree-h100.sh.
+# A sweep of the tensor-core kernel's pipeline over FastTree's trees, cold L2, one line per
+# (variant, tree, heads) with each method's median µs. VARIANTS lists TILE:STAGES pairs; TREES,
+# HEADS, METHODS narrow the run; CHECK=true checks every method against the f64 oracle.
+# JSON per run comes back in one archive. Used while tuning; the full run is tree-h100.sh.
+set -uo pipefail
 source "$(dirname "$0")/env.sh"
-for tile in ${TILES:-64}; do TILE=$tile; for w in ${WAVES:-1}; do for heads in ${HEADS:-8 32}; do for t in ${TREES:-0 1 4 7 9}; do
-  echo "== ft$t 32/$heads waves $w tile $tile"
-  $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 --dtype f16 \
-    --method ${METHODS:-q-guided,deft-node,deft-flatten,fasttree} --iterations 20 --waves $w \
-    --kernel ${KERNEL:-auto} --mma-tile ${TILE:-64} --check ${CHECK:-false} | tail -n +4 | awk '{print $1, $(NF-5), $(NF-2), $(NF-1), $NF}'
-done; done; done; done
+{
+  for v in ${VARIANTS:-32:4 64:2}; do
+    IFS=: read -r tile stages <<< "$v"
+    for heads in ${HEADS:-8 32}; do
+      for t in ${TREES:-0 1 2 3 4 5 6 7 8 9}; do
+        f="$OUT/t${tile}s${stages}_ft${t}_${heads}.json"
+        $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
+          --dtype f16 --method ${METHODS:-deft-node,deft-node-chunk,fasttree} --iterations 20 \
+          --mma-tile $tile --mma-stages $stages --check ${CHECK:-false} --json > "$f" \
+          || echo "FAILED: $v ft$t 32/$heads"
+        echo "tile $tile stages $stages ft$t 32/$heads $(grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*\|"rel_error": [0-9.e-]*' "$f" | sed 's/"method": //;s/"median_us": //;s/"rel_error": /err /' | paste -sd' ')"
+      done
+    done
+  done
+} 2>&1 | tee "$OUT/quick-log.txt"
+(cd "$OUT" && tar czf quick.tgz ./*.json && rm -f ./*.json)

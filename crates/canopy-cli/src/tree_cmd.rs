@@ -15,7 +15,7 @@ use canopy_core::{
     reference_attention, DeviceModel, IoReport, KvTree, Method, PlannerConfig, Shard, StickyAuto,
     TreeView, WorkloadSpec,
 };
-use canopy_cuda::{CudaBackend, KernelChoice};
+use canopy_cuda::{CudaBackend, KernelChoice, MmaPipeline};
 use canopy_engine::tree_bench::{relate_to_q_guided, MethodRun, TreeBench};
 use canopy_engine::{Backend, Cache, CpuBackend, MergeCollective, Problem, RunConfig, Strategy};
 use clap::Args;
@@ -64,9 +64,12 @@ pub struct TreeArgs {
     /// consecutive groups per CTA; more waves, fewer groups per bin).
     #[arg(long, default_value_t = 1)]
     waves: u32,
-    /// CUDA: KV tokens per shared-memory tile of the tensor-core kernel (64 or 32).
-    #[arg(long, default_value_t = 64)]
+    /// CUDA: KV tokens per shared-memory tile of the many-row tensor-core kernel (32 or 64).
+    #[arg(long, default_value_t = MmaPipeline::default().tile)]
     mma_tile: usize,
+    /// CUDA: its shared-memory stages (2, 3 or 4): stages - 1 tiles are in flight per CTA.
+    #[arg(long, default_value_t = MmaPipeline::default().stages)]
+    mma_stages: usize,
     /// Check every method against the f64 oracle.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     check: bool,
@@ -90,6 +93,15 @@ struct TreeOutput {
     /// The tree's K and V read once at the copy bandwidth, in microseconds.
     kv_floor_us: Option<f64>,
     methods: Vec<MethodRun>,
+}
+
+impl TreeArgs {
+    fn pipeline(&self) -> MmaPipeline {
+        MmaPipeline {
+            tile: self.mma_tile,
+            stages: self.mma_stages,
+        }
+    }
 }
 
 pub fn run(a: TreeArgs) -> Result<()> {
@@ -234,7 +246,7 @@ fn cuda_one(
     let backend = CudaBackend::new(0)?
         .with_kernel(a.kernel)
         .with_waves(a.waves)
-        .with_mma_tile(a.mma_tile)?;
+        .with_mma_pipeline(a.pipeline())?;
     let copy = canopy_cuda::bench::measure_copy_bandwidth(&backend)?;
     let (shape, dtype) = (spec.shape, spec.dtype);
     let tokens = tree.total_tokens() as usize;
@@ -461,7 +473,7 @@ fn grow(
 ) -> Result<()> {
     let backend = CudaBackend::new(0)?
         .with_kernel(a.kernel)
-        .with_mma_tile(a.mma_tile)?
+        .with_mma_pipeline(a.pipeline())?
         .with_paging(a.page_size)?;
     let (shape, dtype, page) = (spec.shape, spec.dtype, a.page_size);
     let live = tree.num_queries() as u32;

@@ -52,7 +52,52 @@ const MMA_THREADS: u32 = 128;
 /// Tokens per KV tile of `decode_partial_mma_heads`.
 const HEADS_TILE: usize = 16;
 /// Tokens per shared-memory KV tile of the tensor-core kernel (see `kernels/decode_mma.cu`).
-pub const MMA_TILES: [usize; 2] = [64, 32];
+pub const MMA_TILES: [usize; 2] = [32, 64];
+/// Shared-memory stages of the tensor-core kernel's KV pipeline.
+pub const MMA_STAGES: [usize; 3] = [2, 3, 4];
+
+/// How the many-row tensor-core kernel streams KV through shared memory. The one-warp-per-head
+/// kernel is compiled into the same module (its own pipeline is fixed), so the fields are that
+/// module's defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MmaPipeline {
+    /// Tokens per tile of `decode_partial_mma`.
+    pub tile: usize,
+    /// Its stages: `stages - 1` tiles are in flight while one is computed.
+    pub stages: usize,
+}
+
+impl Default for MmaPipeline {
+    /// Measured on FastTree's trees on H100 (docs/BENCHMARKS.md, session 6): 32-token tiles
+    /// four deep beat 64-token tiles two deep (the same shared memory) on 17 of 20
+    /// configurations.
+    fn default() -> Self {
+        MmaPipeline {
+            tile: 32,
+            stages: 4,
+        }
+    }
+}
+
+impl MmaPipeline {
+    /// The NVRTC defines of the module beside the element type and head dimension.
+    pub fn defines(&self) -> [(&'static str, String); 2] {
+        [
+            ("TILE", self.tile.to_string()),
+            ("STAGES", self.stages.to_string()),
+        ]
+    }
+
+    fn check(self) -> Result<MmaPipeline> {
+        if !MMA_TILES.contains(&self.tile) || !MMA_STAGES.contains(&self.stages) {
+            return Err(CudaError::Unsupported(format!(
+                "tensor-core pipeline of {}-token tiles in {} stages: tiles are 32 or 64 tokens, stages 2, 3 or 4",
+                self.tile, self.stages
+            )));
+        }
+        Ok(self)
+    }
+}
 
 /// Which stage-1 kernel runs a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
@@ -101,12 +146,13 @@ pub(crate) enum Kernel {
     DecodeMma {
         dtype: DType,
         head_dim: usize,
-        tile: usize,
+        pipeline: MmaPipeline,
     },
     /// `decode_partial_mma_heads`: groups of at most 16 rows, one warp per KV head.
     DecodeMmaHeads {
         dtype: DType,
         head_dim: usize,
+        pipeline: MmaPipeline,
     },
     Merge,
     Fill(DType),
@@ -157,7 +203,7 @@ pub struct CudaBackend {
     waves: u32,
     max_ctas_per_sm: Option<u32>,
     kernel: KernelChoice,
-    mma_tile: usize,
+    pipeline: MmaPipeline,
     /// Free device memory when the backend was created.
     free_at_start: usize,
     /// Written over before each timed step that must find the caches cold; allocated on first
@@ -292,7 +338,7 @@ impl CudaBackend {
             waves: 1,
             max_ctas_per_sm: Some(DEFAULT_CTAS_PER_SM),
             kernel: KernelChoice::Auto,
-            mma_tile: MMA_TILES[0],
+            pipeline: MmaPipeline::default(),
             page_size: None,
             flush: Mutex::new(None),
         })
@@ -328,15 +374,9 @@ impl CudaBackend {
         self
     }
 
-    /// KV tokens per shared-memory tile of the tensor-core kernel: 64 (default) or 32 (half
-    /// the shared memory, a fourth CTA per SM).
-    pub fn with_mma_tile(mut self, tile: usize) -> Result<CudaBackend> {
-        if !MMA_TILES.contains(&tile) {
-            return Err(CudaError::Unsupported(format!(
-                "tensor-core tile of {tile} tokens: use 64 or 32"
-            )));
-        }
-        self.mma_tile = tile;
+    /// How the tensor-core kernels stream KV (default: [`MmaPipeline::default`]).
+    pub fn with_mma_pipeline(mut self, pipeline: MmaPipeline) -> Result<CudaBackend> {
+        self.pipeline = pipeline.check()?;
         Ok(self)
     }
 
@@ -370,23 +410,21 @@ impl CudaBackend {
             Kernel::DecodeMma {
                 dtype,
                 head_dim,
-                tile,
+                pipeline,
+            }
+            | Kernel::DecodeMmaHeads {
+                dtype,
+                head_dim,
+                pipeline,
             } => (
                 Source::DecodeMma,
-                vec![
+                [
                     ("CANOPY_DTYPE", dtype_code(dtype)),
                     ("HEAD_DIM", head_dim.to_string()),
-                    ("TILE", tile.to_string()),
-                ],
-            ),
-            Kernel::DecodeMmaHeads { dtype, head_dim } => (
-                Source::DecodeMma,
-                // The same module as the default tile's `decode_partial_mma` (one compile).
-                vec![
-                    ("CANOPY_DTYPE", dtype_code(dtype)),
-                    ("HEAD_DIM", head_dim.to_string()),
-                    ("TILE", MMA_TILES[0].to_string()),
-                ],
+                ]
+                .into_iter()
+                .chain(pipeline.defines())
+                .collect(),
             ),
             Kernel::Merge => (Source::Merge, vec![("CANOPY_DTYPE", "0".into())]),
             Kernel::Combine(_) => (Source::Combine, vec![("CANOPY_DTYPE", "0".into())]),
@@ -400,7 +438,9 @@ impl CudaBackend {
             .load_function(name)
             .ctx(format!("cuModuleGetFunction({name})"))?;
         let shared = match kernel {
-            Kernel::DecodeMma { head_dim, tile, .. } => Some(mma_shared_bytes(head_dim, tile)),
+            Kernel::DecodeMma {
+                head_dim, pipeline, ..
+            } => Some(mma_shared_bytes(head_dim, pipeline)),
             Kernel::DecodeMmaHeads { head_dim, .. } => Some(heads_shared_bytes(head_dim)),
             _ => None,
         };
@@ -446,13 +486,13 @@ impl CudaBackend {
 
     /// Registers, spills, shared memory and occupancy of the tensor-core kernel.
     pub fn mma_resources(&self, dtype: DType, head_dim: usize) -> Result<KernelResources> {
-        let tile = self.mma_tile;
+        let pipeline = self.pipeline;
         let f = self.function(Kernel::DecodeMma {
             dtype,
             head_dim,
-            tile,
+            pipeline,
         })?;
-        let shared = mma_shared_bytes(head_dim, tile);
+        let shared = mma_shared_bytes(head_dim, pipeline);
         Ok(KernelResources {
             registers: f.num_regs().ctx("cuFuncGetAttribute")?,
             local_bytes: f.local_size_bytes().ctx("cuFuncGetAttribute")?,
@@ -1024,7 +1064,12 @@ impl Backend for CudaBackend {
         let mma = plan.mma_groups as u32;
         let both = mma > 0 && groups > mma;
         if groups > mma {
-            let kernel = Kernel::DecodeMmaHeads { dtype, head_dim };
+            let pipeline = self.pipeline;
+            let kernel = Kernel::DecodeMmaHeads {
+                dtype,
+                head_dim,
+                pipeline,
+            };
             let cfg = LaunchConfig {
                 grid_dim: (groups - mma, kv_heads / HEADS_PER_CTA as u32, 1),
                 block_dim: (MMA_THREADS, 1, 1),
@@ -1043,15 +1088,16 @@ impl Backend for CudaBackend {
             self.launch_stage1(stream, kernel, cfg, mma as usize, kv, q, plan, partials)?;
         }
         if mma > 0 {
+            let pipeline = self.pipeline;
             let kernel = Kernel::DecodeMma {
                 dtype,
                 head_dim,
-                tile: self.mma_tile,
+                pipeline,
             };
             let cfg = LaunchConfig {
                 grid_dim: (mma, kv_heads, 1),
                 block_dim: (MMA_THREADS, 1, 1),
-                shared_mem_bytes: mma_shared_bytes(head_dim, self.mma_tile) as u32,
+                shared_mem_bytes: mma_shared_bytes(head_dim, pipeline) as u32,
             };
             self.launch_stage1(&self.stream, kernel, cfg, 0, kv, q, plan, partials)?;
         }
@@ -1162,10 +1208,10 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Dynamic shared memory of the tensor-core kernel: two stages of K and V tiles, rows padded
-/// by 8 elements, or the merge scratch that reuses them if that is larger.
-fn mma_shared_bytes(head_dim: usize, tile: usize) -> usize {
-    let stages = 2 * 2 * tile * (head_dim + 8) * 2;
+/// Dynamic shared memory of the tensor-core kernel: its stages of K and V tiles, rows padded by
+/// 8 elements, or the merge scratch that reuses them if that is larger.
+fn mma_shared_bytes(head_dim: usize, pipeline: MmaPipeline) -> usize {
+    let stages = pipeline.stages * 2 * pipeline.tile * (head_dim + 8) * 2;
     let scratch = 4 * (16 * (head_dim + 2) + 64) * 4;
     stages.max(scratch)
 }

@@ -144,16 +144,18 @@ pub fn all_variants() -> Vec<(Source, Vec<(&'static str, String)>)> {
         out.push((Source::Fill, vec![("CANOPY_DTYPE", code.to_string())]));
         for head_dim in canopy_core::shape::SUPPORTED_HEAD_DIMS {
             if code != "0" && MMA_HEAD_DIMS.contains(&head_dim) {
-                for tile in crate::backend::MMA_TILES {
-                    out.push((
-                        Source::DecodeMma,
-                        vec![
-                            ("CANOPY_DTYPE", code.to_string()),
-                            ("HEAD_DIM", head_dim.to_string()),
-                            ("TILE", tile.to_string()),
-                        ],
-                    ));
-                }
+                // The default pipeline; others compile on first use.
+                let pipeline = crate::backend::MmaPipeline::default();
+                out.push((
+                    Source::DecodeMma,
+                    [
+                        ("CANOPY_DTYPE", code.to_string()),
+                        ("HEAD_DIM", head_dim.to_string()),
+                    ]
+                    .into_iter()
+                    .chain(pipeline.defines())
+                    .collect(),
+                ));
             }
             for rows in [1, 2, 4, 8] {
                 out.push((

@@ -20,6 +20,7 @@ pub mod probe;
 
 pub use backend::{
     CudaBackend, CudaKv, CudaPlan, CudaQueries, CudaStates, KernelChoice, KernelResources,
+    MmaPipeline,
 };
 pub use error::{CudaError, Result};
 pub use probe::{probe, CudaInfo, GpuInfo};
