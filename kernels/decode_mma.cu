@@ -32,10 +32,10 @@
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #ifndef TILE
-#define TILE 64  // KV tokens per shared-memory tile: 64 or 32
+#define TILE 32  // KV tokens per shared-memory tile: 32 or 64 (the host always sets it)
 #endif
 #ifndef STAGES
-#define STAGES 2  // shared-memory stages: STAGES - 1 tiles are in flight while one is computed
+#define STAGES 4  // shared-memory stages: STAGES - 1 tiles are in flight while one is computed
 #endif
 #define WK_MAX (TILE / 16)  // token slices per tile (P V needs 16 tokens per slice)
 // Resident CTAs per SM the registers are budgeted for, as many as the stages' shared memory
