@@ -9,8 +9,8 @@
 
 use crate::bench::{resolve_backend, row_table, rows, Row, RunArgs, World};
 use anyhow::{bail, Context, Result};
-use canopy_engine::predict::{StepKind, StepModel, StepSample};
-use canopy_engine::{MergeCollective, NodeLayout};
+use canopy_engine::predict::{StepModel, StepSample};
+use canopy_engine::{NodeLayout, Strategy};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -165,13 +165,11 @@ struct Prediction {
 /// A prediction further than this from the measurement is flagged.
 const MISS: f64 = 0.15;
 
-fn step_kind(strategy: &str) -> Option<StepKind> {
-    if strategy == "ring" {
-        return Some(StepKind::Ring);
-    }
-    // "tree/allgather", or "tree/auto (allgather)" for auto with its choice.
-    let name = strategy.strip_prefix("tree/")?.split(' ').next()?;
-    name.parse().ok().map(StepKind::Tree)
+/// The strategy of a row: "tree/allgather", "ring", or "tree/auto (allgather)" for auto with
+/// its choice.
+fn strategy_of(row: &str) -> Option<Strategy> {
+    let name = row.split(' ').next()?;
+    Strategy::every().into_iter().find(|s| s.name() == name)
 }
 
 fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
@@ -181,7 +179,7 @@ fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
         .filter(|r| r.ranks < p)
         .filter_map(|r| {
             Some(StepSample {
-                kind: step_kind(&r.strategy)?,
+                strategy: strategy_of(&r.strategy)?,
                 ranks: r.ranks,
                 kv_bytes_per_rank: r.kv_bytes_per_rank,
                 us: r.median_ms * 1e3,
@@ -207,23 +205,13 @@ fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
     }
     points.sort_unstable();
     points.dedup();
-    let kinds = [
-        MergeCollective::Allreduce3,
-        MergeCollective::Allreduce2,
-        MergeCollective::Allgather,
-        MergeCollective::Hierarchical,
-        MergeCollective::Auto,
-    ]
-    .map(|c| (format!("tree/{}", c.name()), StepKind::Tree(c)));
-    let kinds = kinds
-        .into_iter()
-        .chain([("ring".to_string(), StepKind::Ring)]);
     let mut rows = Vec::new();
-    for (name, kind) in kinds {
+    for strategy in Strategy::every() {
         for &(n, batch) in &points {
             let kv = (n as u64 * batch as u64 * per_token).div_ceil(p as u64);
             let cells = batch as u64 * out.q_heads as u64;
-            let predicted_ms = model.predict(kind, &layout, cells, out.head_dim as u64, kv) / 1e3;
+            let predicted_ms =
+                model.predict(strategy, &layout, cells, out.head_dim as u64, kv) / 1e3;
             let measured_ms = out
                 .rows
                 .iter()
@@ -231,11 +219,11 @@ fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
                     r.ranks == p
                         && r.seq_len == n
                         && r.batch == batch
-                        && step_kind(&r.strategy) == Some(kind)
+                        && strategy_of(&r.strategy) == Some(strategy)
                 })
                 .map(|r| r.median_ms);
             rows.push(Prediction {
-                strategy: name.clone(),
+                strategy: strategy.name(),
                 seq_len: n,
                 batch,
                 predicted_ms,

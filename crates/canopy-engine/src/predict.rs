@@ -21,7 +21,7 @@
 //! - A ring hop is a line in the shard's bytes (latency + bytes / link bandwidth).
 
 use crate::cost::{merge_calls, CallKind};
-use crate::{EngineError, MergeCollective, NodeLayout, Result};
+use crate::{EngineError, MergeCollective, NodeLayout, Result, Strategy};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -56,17 +56,10 @@ impl Line {
     }
 }
 
-/// What a step distributes: the tree with one merge form, or the ring.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum StepKind {
-    Tree(MergeCollective),
-    Ring,
-}
-
 /// One measured step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepSample {
-    pub kind: StepKind,
+    pub strategy: Strategy,
     pub ranks: usize,
     pub kv_bytes_per_rank: u64,
     pub us: f64,
@@ -109,14 +102,14 @@ impl StepModel {
         let local = Line::fit(&one_rank).ok_or_else(|| missing("one-rank steps"))?;
         let beyond = |s: &StepSample| s.us - local.at(s.kv_bytes_per_rank as f64);
         // Time beyond local attention per (kind, ranks): the weighted mean over contexts.
-        let mut sums: BTreeMap<(StepKind, usize), (f64, f64)> = BTreeMap::new();
+        let mut sums: BTreeMap<(Strategy, usize), (f64, f64)> = BTreeMap::new();
         for s in samples.iter().filter(|s| s.ranks > 1) {
-            let e = sums.entry((s.kind, s.ranks)).or_default();
+            let e = sums.entry((s.strategy, s.ranks)).or_default();
             e.0 += weight(s) * beyond(s);
             e.1 += weight(s);
         }
         let mean = |kind: MergeCollective, p: usize| {
-            sums.get(&(StepKind::Tree(kind), p)).map(|(sum, w)| sum / w)
+            sums.get(&(Strategy::Tree(kind), p)).map(|(sum, w)| sum / w)
         };
         let ranks: BTreeSet<usize> = sums.keys().map(|k| k.1).collect();
         let both = |p: &usize| {
@@ -146,7 +139,7 @@ impl StepModel {
         let all_gather = Line::fit(&ag_points).ok_or_else(|| missing("allgather steps"))?;
         let hops: Vec<_> = samples
             .iter()
-            .filter(|s| s.kind == StepKind::Ring && s.ranks > 1)
+            .filter(|s| s.strategy == Strategy::Ring && s.ranks > 1)
             .map(|s| {
                 let hop = beyond(s) / (s.ranks - 1) as f64;
                 (s.kv_bytes_per_rank as f64, hop, weight(s))
@@ -162,12 +155,12 @@ impl StepModel {
         })
     }
 
-    /// Predicted microseconds of one step of `kind` on `layout`, merging `cells` states of
+    /// Predicted microseconds of one step of `strategy` on `layout`, merging `cells` states of
     /// dimension `d`, with `kv_bytes_per_rank` of KV on each rank. `Auto` is the cheapest form
     /// the layout allows, as the `auto` collective would pick with this model.
     pub fn predict(
         &self,
-        kind: StepKind,
+        strategy: Strategy,
         layout: &NodeLayout,
         cells: u64,
         d: u64,
@@ -178,14 +171,14 @@ impl StepModel {
         if p <= 1 {
             return local;
         }
-        match kind {
-            StepKind::Ring => local + (p - 1) as f64 * self.ring_hop.at(kv_bytes_per_rank as f64),
-            StepKind::Tree(MergeCollective::Auto) => MergeCollective::CONCRETE
+        match strategy {
+            Strategy::Ring => local + (p - 1) as f64 * self.ring_hop.at(kv_bytes_per_rank as f64),
+            Strategy::Tree(MergeCollective::Auto) => MergeCollective::CONCRETE
                 .into_iter()
                 .filter(|&c| c != MergeCollective::Hierarchical || layout.nodes() > 1)
-                .map(|c| self.predict(StepKind::Tree(c), layout, cells, d, kv_bytes_per_rank))
+                .map(|c| self.predict(Strategy::Tree(c), layout, cells, d, kv_bytes_per_rank))
                 .fold(f64::INFINITY, f64::min),
-            StepKind::Tree(how) => {
+            Strategy::Tree(how) => {
                 let calls: f64 = merge_calls(how, layout, cells, d)
                     .iter()
                     .map(|c| {
@@ -245,15 +238,15 @@ mod tests {
             for p in [1usize, 2, 4] {
                 let layout = NodeLayout::single(p);
                 let kinds = [
-                    StepKind::Tree(MergeCollective::Allreduce3),
-                    StepKind::Tree(MergeCollective::Allreduce2),
-                    StepKind::Tree(MergeCollective::Allgather),
-                    StepKind::Ring,
+                    Strategy::Tree(MergeCollective::Allreduce3),
+                    Strategy::Tree(MergeCollective::Allreduce2),
+                    Strategy::Tree(MergeCollective::Allgather),
+                    Strategy::Ring,
                 ];
                 for kind in kinds {
                     let kv = n / p as u64;
                     samples.push(StepSample {
-                        kind,
+                        strategy: kind,
                         ranks: p,
                         kv_bytes_per_rank: kv,
                         us: truth.predict(kind, &layout, cells, d, kv),
@@ -264,9 +257,9 @@ mod tests {
         let fit = StepModel::fit(&samples).unwrap();
         let eight = NodeLayout::virtual_nodes(8, 2).unwrap();
         for kind in [
-            StepKind::Tree(MergeCollective::Hierarchical),
-            StepKind::Tree(MergeCollective::Auto),
-            StepKind::Ring,
+            Strategy::Tree(MergeCollective::Hierarchical),
+            Strategy::Tree(MergeCollective::Auto),
+            Strategy::Ring,
         ] {
             let (want, got) = (
                 truth.predict(kind, &eight, cells, d, 1 << 29),
@@ -282,7 +275,7 @@ mod tests {
     #[test]
     fn fit_names_what_is_missing() {
         let only_one_rank = [StepSample {
-            kind: StepKind::Ring,
+            strategy: Strategy::Ring,
             ranks: 1,
             kv_bytes_per_rank: 1 << 20,
             us: 10.0,

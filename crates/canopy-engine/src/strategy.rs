@@ -17,7 +17,7 @@ use serde::Serialize;
 use std::time::{Duration, Instant};
 
 /// How ranks combine their shards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub enum Strategy {
     Tree(MergeCollective),
     Ring,
