@@ -1,11 +1,12 @@
 // Stage 1 of decoding on tensor cores: the same plans as decode.cu, for groups whose queries
-// share KV (shared prefixes: FastTree's and DeFT's groups, GQA). Two kernels: decode_partial_mma
-// below for groups of more than 16 rows, and decode_partial_mma_heads (at the end of the file)
-// for groups of up to 16, one warp per KV head. The host runs them side by side.
+// share KV (shared prefixes: FastTree's and DeFT's groups, GQA). One kernel, decode_partial_mma
+// (at the end of the file), runs a list of CTA descriptors, each CTA one of two kinds: many rows
+// of one KV head (`attend_rows`, groups of more than 16 rows) or one warp per KV head (`attend_heads`,
+// groups of up to 16 rows).
 //
-// One CTA per (plan group, KV head), four warps. A group's rows are its queries x the GQA rows of
-// the KV head, at most 64 (the host splits larger groups by query, so each CTA holds all its
-// rows in registers). KV streams through shared memory in tiles of TILE tokens, STAGES stages
+// `attend_rows`: one CTA per (plan group, KV head), four warps. A group's rows are its queries
+// x the GQA rows of the KV head, at most 64 (the host splits larger groups by query, so each
+// CTA holds all its rows in registers). KV streams through shared memory in tiles of TILE tokens, STAGES stages
 // deep with cp.async (the next STAGES - 1 tiles are in flight while the warps compute on one).
 //
 // (A persistent variant, one CTA per bin of consecutive groups with the tile stream running
@@ -14,7 +15,7 @@
 // Warps share the work of a tile two ways, chosen per CTA at run time from the group's rows:
 // WR row blocks of 16 rows (one m16 tile each) x WK token slices of the tile (WR * WK = 4). A
 // group of 16 rows or fewer runs WK = 4 (every warp applies its own quarter of the tokens to the
-// same 16-row tile; the host sends such groups to the heads kernel when it can); a 64-row group
+// same 16-row tile; the host sends such groups to `attend_heads` when it can); a 64-row group
 // runs WR = 4: every warp sees every token for its own 16 rows. Each warp keeps an
 // online-softmax state for its rows; slices are merged at the end.
 //
@@ -54,7 +55,7 @@
 #define KCH (HEAD_DIM / 16)    // k-chunks of Q K^T
 #define DTILES (HEAD_DIM / 8)  // n-tiles of P V
 #define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per token row
-#define GROUP_WORDS 7
+#define CTA_WORDS 12  // u32 words of a CTA's descriptor (see read_cta)
 
 #if CANOPY_DTYPE == 1
 #define MMA_AB "f16"
@@ -107,14 +108,17 @@ __device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* p) {
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 
-// A group's descriptor fields (see the host's upload_plan).
+// A CTA's descriptor (see the host's upload_plan): its group's fields, its first KV head (bit
+// 16: the one-warp-per-head path) and the group's first KV range, so that a CTA's first KV
+// address needs no load beyond its own descriptor (three 16-byte loads from one line).
 struct GroupDesc {
-    u32 range_begin, query_begin, query_count, partial_base, mask_plus1, tokens;
+    u32 range_begin, query_begin, query_count, partial_base, mask_plus1, tokens, head, first_start, first_end;
 };
 
-__device__ __forceinline__ GroupDesc read_group(const u32* groups, u32 g) {
-    const u32* gd = groups + (u64)g * GROUP_WORDS;
-    return GroupDesc{gd[0], gd[2], gd[3], gd[4], gd[5], gd[6]};
+__device__ __forceinline__ GroupDesc read_cta(const u32* ctas, u32 i) {
+    const uint4* d = reinterpret_cast<const uint4*>(ctas + (u64)i * CTA_WORDS);
+    const uint4 a = d[0], b = d[1], c = d[2];
+    return GroupDesc{a.x, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y};
 }
 
 // Streams a group's KV tokens into shared-memory tiles with cp.async, DEPTH stages deep: while
@@ -141,7 +145,7 @@ struct KvStream {
     int dst, row_first;                    // this thread's element offset in a block, first row
 
     __device__ __forceinline__ void start(const unsigned char* kc, const unsigned char* vc, const u32* rs,
-                                          const u32* pt, u32 shift, int kv_heads, int kvh0, u32 rb, u32 n) {
+                                          const u32* pt, u32 shift, int kv_heads, int kvh0, const GroupDesc& cd) {
         const int piece = threadIdx.x % PIECES;
         stride = (u64)kv_heads * HEAD_DIM * 2;
         row_first = threadIdx.x / PIECES;
@@ -152,12 +156,12 @@ struct KvStream {
         ranges = rs;
         page_table = pt;
         page_shift = shift;
-        range_begin = rb;
-        tokens = n;
+        range_begin = cd.range_begin;
+        tokens = cd.tokens;
         ri = 0;
         seg_local = 0;
-        seg_addr = rs[2 * rb];
-        seg_end = rs[2 * rb + 1] - seg_addr;
+        seg_addr = cd.first_start;
+        seg_end = cd.first_end - cd.first_start;
     }
 
     // Logical KV index of group-local token `local` (not before the cursor).
@@ -382,20 +386,15 @@ __device__ __forceinline__ void write_rows(const float (&o)[DTILES][4], const fl
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
-decode_partial_mma(STAGE1_PARAMS) {
-    let_next_grid_launch();
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+// A CTA of many rows: one (group, KV head), four warps; see the top of the file.
+__device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, int kvh, unsigned char* smem_raw) {
     Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // STAGES stages
-
-    const GroupDesc cd = read_group(groups, blockIdx.x);
-    const int kvh = blockIdx.y;
     const int gsz = q_heads / kv_heads;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
 
     KvStream<CHUNKS, TILE, STAGES> kv;
-    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd.range_begin, cd.tokens);
+    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd);
     const u32 tiles = (cd.tokens + TILE - 1) / TILE;
 #pragma unroll
     for (int s = 0; s + 1 < STAGES; ++s) kv.issue_or_skip(&stage_mem[s].k[0][0], &stage_mem[s].v[0][0], s, tiles);
@@ -504,20 +503,14 @@ struct HeadStage {
     u16 v[HEADS_PER_CTA][HEAD_TILE][STRIDE];
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS, 3)
-decode_partial_mma_heads(STAGE1_PARAMS) {
-    let_next_grid_launch();
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+__device__ __forceinline__ void attend_heads(STAGE1_PARAMS, const GroupDesc& cd, int kvh0, unsigned char* smem_raw) {
     HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // HEAD_STAGES stages
-
-    const GroupDesc cd = read_group(groups, blockIdx.x);
     const int warp = threadIdx.x / 32;
-    const int kvh = blockIdx.y * HEADS_PER_CTA + warp;
+    const int kvh = kvh0 + warp;
     const int gsz = q_heads / kv_heads;
 
     KvStream<CHUNKS * HEADS_PER_CTA, HEAD_TILE, HEAD_STAGES> kv;
-    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, blockIdx.y * HEADS_PER_CTA, cd.range_begin,
-             cd.tokens);
+    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh0, cd);
     const u32 tiles = (cd.tokens + HEAD_TILE - 1) / HEAD_TILE;
 #pragma unroll
     for (int s = 0; s + 1 < HEAD_STAGES; ++s)
@@ -542,4 +535,28 @@ decode_partial_mma_heads(STAGE1_PARAMS) {
     }
     finish_l(l);
     write_rows(o, m, l, out_o, out_lse, cd.partial_base, rows, 0, kvh, gsz, q_heads);
+}
+
+// Stage 1 on tensor cores for a whole plan in one launch. CTA i runs descriptor i of `groups`
+// (CTA_WORDS each): a group and its first KV head, and whether it runs many rows on one head
+// (`attend_rows`) or one warp per head (`attend_heads`, HEADS_PER_CTA heads). The host orders the items longest first, so that
+// the long CTAs start in the first wave and the short ones fill in behind them.
+//
+// (Merging in the CTA that writes a query's last partial row, instead of in merge_partials,
+// measured slower on every FastTree tree on H100: those CTAs are the short ones at the end, and
+// their merges' dependent loads stretch the tail. docs/BENCHMARKS.md, session 7.)
+#define CTA_PER_HEAD 0x10000u  // descriptor head-word flag: the one-warp-per-head path
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
+decode_partial_mma(STAGE1_PARAMS) {
+    let_next_grid_launch();
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const GroupDesc cd = read_cta(groups, blockIdx.x);
+    const int kvh0 = (int)(cd.head & 0xffffu);
+    const bool per_head = cd.head & CTA_PER_HEAD;
+    if (per_head)
+        attend_heads(kc, vc, q, groups, ranges, group_queries, masks, page_table, page_shift, out_o, out_lse,
+                     q_heads, kv_heads, scale_log2, cd, kvh0, smem_raw);
+    else
+        attend_rows(kc, vc, q, groups, ranges, group_queries, masks, page_table, page_shift, out_o, out_lse,
+                    q_heads, kv_heads, scale_log2, cd, kvh0, smem_raw);
 }

@@ -60,8 +60,8 @@ pub struct TreeArgs {
     /// CUDA stage-1 kernel: auto (tensor cores for groups with several query rows), simt, mma.
     #[arg(long, default_value = "auto")]
     kernel: KernelChoice,
-    /// CUDA: waves of resident CTAs a step is cut into (the tensor-core kernel runs a bin of
-    /// consecutive groups per CTA; more waves, fewer groups per bin).
+    /// CUDA: waves of resident CTAs a step's work is cut for (more waves: long groups are cut
+    /// into more, shorter CTAs).
     #[arg(long, default_value_t = 1)]
     waves: u32,
     /// CUDA: KV tokens per shared-memory tile of the many-row tensor-core kernel (32 or 64).

@@ -1,5 +1,15 @@
 //! How canopy's tensor-core kernels cut a plan into CTAs. The CUDA backend launches by these
 //! numbers and `auto`'s [`crate::DeviceModel`] prices plans by them, so they live here, once.
+//!
+//! A plan runs as one launch of CTAs of two kinds: many rows of one KV head (groups of more
+//! than [`HEADS_ROWS`] rows, at most [`CTA_ROWS`]) or one warp per KV head
+//! ([`HEADS_PER_CTA`] heads, groups of up to [`HEADS_ROWS`] rows). [`cut_for_gpu`] splits long
+//! groups until no CTA holds more than an even share of the GPU's work, and lists the CTAs
+//! longest first: the hardware starts CTAs in launch order, so the long ones run in the first
+//! wave and the short ones fill in behind them instead of leaving a tail.
+
+use crate::plan::{Group, Plan};
+use crate::shape::AttnShape;
 
 /// Query rows (queries × GQA rows) one CTA of the many-row kernel holds; larger groups are
 /// split by query.
@@ -8,11 +18,152 @@ pub const CTA_ROWS: usize = 64;
 pub const HEADS_ROWS: usize = 16;
 /// KV heads per CTA of the one-warp-per-head kernel (one per warp).
 pub const HEADS_PER_CTA: usize = 4;
-/// Shortest piece a long group is split into to fill the GPU: below this, partials and
-/// launch costs dominate.
-pub const MIN_SPLIT_TOKENS: u32 = 256;
+/// Shortest piece a long group is cut into: one 32-token tile of the many-row kernel.
+pub const MIN_PIECE_TOKENS: u32 = 32;
+/// Tokens a piece must have per query row it holds. Each piece costs its queries a partial
+/// row (written and merged, fp32) and their Q (read again): at 12 bytes per query-row element
+/// against 4 per KV-head element of a 16-bit token, a piece of 3 tokens per row moves as many
+/// partial and query bytes as KV bytes.
+pub const PIECE_TOKENS_PER_ROW: u32 = 3;
+/// A CTA's fixed cost in work units (KV head-tokens): its descriptor, range and query loads
+/// before the first tile, and its partial writes after the last.
+const CTA_FIXED_WORK: u64 = 32;
 
 /// Whether a group of `rows` query rows runs on the one-warp-per-head kernel.
 pub fn runs_per_head(rows: usize, kv_heads: usize) -> bool {
     kv_heads.is_multiple_of(HEADS_PER_CTA) && rows <= HEADS_ROWS
+}
+
+/// One CTA of a cut plan: a group of it and the first of the KV heads the CTA takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CtaItem {
+    pub group: u32,
+    pub kv_head: u32,
+    /// One warp per KV head, [`HEADS_PER_CTA`] heads; else many rows of one head.
+    pub per_head: bool,
+    /// Estimated work, in KV head-tokens (the order key).
+    pub work: u64,
+}
+
+/// A group's CTAs: whether they run one warp per head, how many there are, and each one's
+/// work per token. A many-row CTA streams one head but does its rows' tensor-core work on
+/// every token: a token of 64 rows is counted as two head-tokens.
+fn cta_shape(g: &Group, shape: &AttnShape) -> (bool, u64, u64) {
+    let rows = g.queries.len() * shape.group_size();
+    if runs_per_head(rows, shape.kv_heads) {
+        let ctas = (shape.kv_heads / HEADS_PER_CTA) as u64;
+        (true, ctas, 64 * HEADS_PER_CTA as u64)
+    } else {
+        (false, shape.kv_heads as u64, 64 + rows.min(CTA_ROWS) as u64)
+    }
+}
+
+fn cta_work(tokens: u64, per_token_64ths: u64) -> u64 {
+    CTA_FIXED_WORK + tokens * per_token_64ths / 64
+}
+
+/// `plan` as the tensor-core kernels run it on a GPU with `slots` resident CTAs: groups split
+/// by query to [`CTA_ROWS`] rows, then each group whose CTAs hold at least two of a slot's
+/// even shares of the whole step's work cut into pieces of at least one share (rounding down
+/// keeps the CTAs within one wave of `slots`: rounding up measured slower, e.g. FastTree's tree
+/// 8 at 32/32 ran 440 CTAs on 396 slots, 78 µs against 72), none shorter than
+/// [`MIN_PIECE_TOKENS`] or [`PIECE_TOKENS_PER_ROW`] per row. A caller that counts `slots` as
+/// several waves of resident CTAs gets shorter pieces. Returns the cut
+/// plan and its CTAs in launch order: longest first, ties in group order.
+pub fn cut_for_gpu(plan: &Plan, shape: &AttnShape, slots: usize) -> (Plan, Vec<CtaItem>) {
+    let plan = plan.split_queries((CTA_ROWS / shape.group_size()).max(1));
+    let total: u64 = plan
+        .groups()
+        .iter()
+        .map(|g| {
+            let (_, ctas, per_token) = cta_shape(g, shape);
+            ctas * cta_work(g.tokens() as u64, per_token)
+        })
+        .sum();
+    let piece = (total / slots.max(1) as u64).max(1);
+    let plan = plan.split_groups(|g| {
+        let (_, _, per_token) = cta_shape(g, shape);
+        let tokens = g.tokens() as u64;
+        let rows = (g.queries.len() * shape.group_size()) as u64;
+        let shortest = (PIECE_TOKENS_PER_ROW as u64 * rows).max(MIN_PIECE_TOKENS as u64);
+        let want = cta_work(tokens, per_token) / piece;
+        want.min(tokens / shortest) as u32
+    });
+    let mut items = Vec::new();
+    for (i, g) in plan.groups().iter().enumerate() {
+        let (per_head, ctas, per_token) = cta_shape(g, shape);
+        let step = shape.kv_heads as u64 / ctas;
+        let work = cta_work(g.tokens() as u64, per_token);
+        items.extend((0..ctas).map(|c| CtaItem {
+            group: i as u32,
+            kv_head: (c * step) as u32,
+            per_head,
+            work,
+        }));
+    }
+    // Longest first. (Interleaving the two kinds in proportion to their work, so that
+    // tensor-core-bound and DRAM-bound CTAs share SMs, measured slower overall on FastTree's
+    // trees: geomean 1.22-1.25 against 1.27 over FastTree's kernel. docs/BENCHMARKS.md,
+    // session 7.)
+    items.sort_by_key(|c| std::cmp::Reverse(c.work));
+    (plan, items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Group;
+
+    fn shape(q: usize, kv: usize) -> AttnShape {
+        AttnShape::new(q, kv, 128).unwrap()
+    }
+
+    /// One long shared group and many one-query leaves: the long group is cut, its pieces are
+    /// listed before the leaves, the list is longest first, and every (group, head) is covered
+    /// exactly once.
+    #[test]
+    fn long_groups_are_cut_and_run_first() {
+        let mut groups = vec![Group::unmasked(vec![0..4096], (0..8).collect())];
+        groups.extend(
+            (0..256u32).map(|i| Group::unmasked(vec![4096 + 32 * i..4128 + 32 * i], vec![i % 8])),
+        );
+        let plan = Plan::new(8, groups).unwrap();
+        let (cut, items) = cut_for_gpu(&plan, &shape(32, 8), 132 * 3);
+        let rows_of = |c: &CtaItem| cut.groups()[c.group as usize].queries.len();
+        let long = cut.groups().iter().filter(|g| g.queries.len() == 8).count();
+        assert!(long > 1, "the 4096-token group is cut ({long} pieces)");
+        assert!(cut
+            .groups()
+            .iter()
+            .all(|g| g.queries.len() != 8 || g.tokens() >= 96));
+        // Leaves (4 rows at GQA 4) run one warp per head; the long group (32 rows) does not.
+        assert!(items.iter().all(|c| c.per_head == (rows_of(c) == 1)));
+        let first_leaf = items.iter().position(|c| c.per_head).unwrap();
+        assert!(items[first_leaf..].iter().all(|c| c.per_head));
+        assert!(items.windows(2).all(|w| w[0].work >= w[1].work));
+        let mut seen = std::collections::HashSet::new();
+        for c in &items {
+            let heads = if c.per_head { HEADS_PER_CTA } else { 1 } as u32;
+            for h in c.kv_head..c.kv_head + heads {
+                assert!(
+                    seen.insert((c.group, h)),
+                    "(group {}, head {h}) twice",
+                    c.group
+                );
+            }
+        }
+        assert_eq!(seen.len(), cut.groups().len() * 8);
+    }
+
+    /// A plan that already fills the GPU evenly is not cut.
+    #[test]
+    fn even_plans_stay_whole() {
+        let groups: Vec<Group> = (0..1024u32)
+            .map(|i| Group::unmasked(vec![64 * i..64 * i + 64], vec![i]))
+            .collect();
+        let plan = Plan::new(1024, groups).unwrap();
+        let (cut, items) = cut_for_gpu(&plan, &shape(32, 32), 132 * 3);
+        assert_eq!(cut, plan);
+        assert_eq!(items.len(), 1024 * 8);
+    }
 }

@@ -157,19 +157,32 @@ impl Plan {
 
     /// Splits groups into equal pieces so that there are about `target` groups, each group
     /// getting its share of `target` by token count (pieces keep their group's queries and
-    /// their slice of its mask; none is shorter than `min_chunk` tokens). Backends use this to
-    /// fill every processor in one balanced wave whatever the context length; FastTree uses it
-    /// for long-context splitting. A plan with `target` groups or more is returned as is.
+    /// their slice of its mask; none is shorter than `min_chunk` tokens). FastTree uses this for
+    /// long-context splitting. A plan with `target` groups or more is returned as is.
     pub fn split_for_parallelism(&self, target: usize, min_chunk: u32) -> Plan {
         if self.groups.len() >= target || self.groups.is_empty() {
             return self.clone();
         }
         let total: u64 = self.groups.iter().map(|g| g.tokens() as u64).sum();
-        let mut groups = Vec::new();
-        for g in &self.groups {
+        self.split_groups(|g| {
             let tokens = g.tokens() as u64;
             let share = (tokens * target as u64 + total / 2) / total.max(1);
-            let pieces = share.min(tokens / min_chunk.max(1) as u64).max(1);
+            share.min(tokens / min_chunk.max(1) as u64) as u32
+        })
+    }
+
+    /// Splits each group into `pieces(group)` pieces of (nearly) equal token counts, in token
+    /// order; 0 or 1 keeps the group whole, and no piece is left empty. Pieces keep their
+    /// group's queries and their slice of its mask.
+    pub fn split_groups(&self, pieces: impl Fn(&Group) -> u32) -> Plan {
+        let mut groups = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            let tokens = g.tokens() as u64;
+            let pieces = (pieces(g) as u64).clamp(1, tokens.max(1));
+            if pieces == 1 {
+                groups.push(g.clone());
+                continue;
+            }
             let sizes: Vec<u32> = (0..pieces)
                 .map(|i| ((i + 1) * tokens / pieces - i * tokens / pieces) as u32)
                 .collect();

@@ -21,7 +21,7 @@
 //!   affordable; the candidates are listed in [`auto_candidates`].
 
 use crate::error::{CoreError, Result};
-use crate::geometry::{runs_per_head, CTA_ROWS, HEADS_PER_CTA, MIN_SPLIT_TOKENS};
+use crate::geometry::{cut_for_gpu, runs_per_head, HEADS_PER_CTA};
 use crate::plan::{split_ranges, Group, Plan};
 use crate::shape::AttnShape;
 use crate::shard::TreeView;
@@ -260,11 +260,8 @@ impl DeviceModel {
     pub fn cost(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
         let gqa = shape.group_size();
         let slots = (self.multiprocessors * self.ctas_per_sm) as f64;
-        // The groups as the CUDA backend runs them: split by query to CTA rows, then long
-        // groups split until the GPU's CTA slots are full.
-        let plan = plan
-            .split_queries((CTA_ROWS / gqa).max(1))
-            .split_for_parallelism((slots as usize / shape.kv_heads).max(1), MIN_SPLIT_TOKENS);
+        // The groups as the CUDA backend runs them.
+        let (plan, _) = cut_for_gpu(plan, shape, slots as usize);
         let io = plan.io(shape, crate::DType::F16);
         let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
         let mut c = PlanCost {
@@ -751,27 +748,22 @@ mod tests {
     }
 
     #[test]
-    fn the_model_splits_a_long_shared_root_rather_than_run_it_serially() {
-        // Few-shot b = 50: one CTA row block per 64 rows walking all 4000 root tokens in order
-        // is slower than chunking the root (measured on H100: 234 against 84 µs).
+    fn the_model_prices_a_long_shared_root_as_the_backend_cuts_it() {
+        // Few-shot b = 50 planned per node: one group of 50 queries over a 4000-token root.
+        // Run whole, each of its CTAs would walk all 4000 tokens in order (measured on H100
+        // before the backend cut long groups: 234 µs, against 84 µs chunked); the backend now
+        // cuts it (`geometry::cut_for_gpu`), and the model must price the pieces.
         let shape = AttnShape::new(32, 8, 128).unwrap();
         let model = DeviceModel::default();
         let t = fan(4000, 50, 200);
         let shard = Shard::whole(&t);
         let view = TreeView::new(&t, &shard);
-        let cfg = PlannerConfig::default();
-        let node = model.predict_us(
-            &plan(&view, Method::DeftNode, &shape, &cfg).unwrap(),
-            &shape,
-        );
-        let chunked = model.predict_us(
-            &plan(&view, Method::DeftNodeChunk, &shape, &cfg).unwrap(),
-            &shape,
-        );
-        assert!(chunked < node, "{chunked} vs {node}");
-        assert_ne!(
-            choose(&view, &shape, &cfg, &model).unwrap().method,
-            Method::DeftNode
+        let node = plan(&view, Method::DeftNode, &shape, &PlannerConfig::default()).unwrap();
+        let cost = model.cost(&node, &shape);
+        assert!(
+            cost.longest_main_tiles * 64 <= 1000,
+            "the longest many-row CTA walks {} tiles",
+            cost.longest_main_tiles
         );
     }
 

@@ -4,22 +4,21 @@
 //! table, the layout the radix cache uses; pages are deliberately shuffled so tests catch any
 //! kernel that ignores the table). Plans are uploaded once as flat arrays (group descriptors,
 //! KV ranges, query lists, masks, CSR map), after re-splitting their groups so that the decode
-//! kernel fills every SM in one balanced wave. Each decode step is stage 1 then
-//! `merge_partials` (one warp per query × head), with no host synchronisation in between.
+//! kernel keeps every SM busy.
 //!
 //! Stage 1 runs on CUDA cores or tensor cores; [`KernelChoice`] picks per plan. `decode_partial`
-//! (CUDA cores) streams KV at the copy bandwidth for groups of one or a few query rows. On
-//! tensor cores (mma.sync), groups whose queries × GQA rows share their KV — the tree methods'
-//! groups — run on `decode_partial_mma` (one CTA per group × KV head, up to 64 rows), and
-//! groups of up to 16 rows (a leaf's one query) on `decode_partial_mma_heads` (one warp per KV
-//! head, four heads per CTA). When a plan has both, the second runs on a side stream beside the
-//! first, joined by events before the merge.
+//! (CUDA cores) streams KV at the copy bandwidth for groups of one or a few query rows; a step
+//! is that kernel then `merge_partials` (one warp per query × head). On tensor cores
+//! (mma.sync), groups whose queries × GQA rows share their KV — the tree methods' groups — run
+//! on `decode_partial_mma`: one launch of CTAs cut and ordered by
+//! [`canopy_core::geometry::cut_for_gpu`], many rows of one KV head (up to 64) or one warp per
+//! KV head (groups of up to 16 rows, four heads per CTA), then the merge.
 
 use crate::compile::{arch_for, cubin, Source};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
-use canopy_core::geometry::{runs_per_head, CTA_ROWS, HEADS_PER_CTA, MIN_SPLIT_TOKENS};
+use canopy_core::geometry::{cut_for_gpu, CtaItem, CTA_ROWS, HEADS_PER_CTA};
 use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
 use canopy_engine::{Backend, Cache};
 use cudarc::driver::{
@@ -37,11 +36,19 @@ type EResult<T> = canopy_engine::Result<T>;
 const DECODE_THREADS: u32 = 128;
 /// u32 words per group descriptor (see `kernels/decode.cu`).
 const GROUP_WORDS: usize = 7;
+/// u32 words per CTA descriptor of the tensor-core kernel: a group descriptor, the CTA's head
+/// word and the group's first KV range, padded to 16-byte loads (see `kernels/decode_mma.cu`).
+const CTA_WORDS: usize = 12;
+/// Head-word flag of a CTA on the one-warp-per-head path.
+const CTA_PER_HEAD: u32 = 1 << 16;
 /// Resident decode CTAs per SM the planner aims for. The one-row kernel fits 5 at 96 registers,
 /// but 4 was faster at every length on H200 (128K: 0.263 vs 0.277 ms; 512K: 0.992 vs 1.023;
 /// 1M: 1.967 vs 2.017; twice each, docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of
 /// shared memory each).
 const DEFAULT_CTAS_PER_SM: u32 = 4;
+/// Shortest piece the CUDA-core kernel's plans are split into to fill the GPU: below this,
+/// partials and launch costs dominate.
+const SIMT_MIN_SPLIT_TOKENS: u32 = 256;
 /// `auto` runs plans on tensor cores when some group has at least this many query rows.
 const AUTO_MMA_MIN_ROWS: usize = 4;
 
@@ -49,7 +56,7 @@ const AUTO_MMA_MIN_ROWS: usize = 4;
 const MERGE_WARPS: usize = 8;
 /// Threads per tensor-core CTA.
 const MMA_THREADS: u32 = 128;
-/// Tokens per KV tile of `decode_partial_mma_heads`.
+/// Tokens per KV tile of `decode_partial_mma`'s one-warp-per-head path.
 const HEADS_TILE: usize = 16;
 /// Tokens per shared-memory KV tile of the tensor-core kernel (see `kernels/decode_mma.cu`).
 pub const MMA_TILES: [usize; 2] = [32, 64];
@@ -148,12 +155,6 @@ pub(crate) enum Kernel {
         head_dim: usize,
         pipeline: MmaPipeline,
     },
-    /// `decode_partial_mma_heads`: groups of at most 16 rows, one warp per KV head.
-    DecodeMmaHeads {
-        dtype: DType,
-        head_dim: usize,
-        pipeline: MmaPipeline,
-    },
     Merge,
     Fill(DType),
     Combine(&'static str),
@@ -165,7 +166,6 @@ impl Kernel {
         match self {
             Kernel::Decode { .. } => "decode_partial",
             Kernel::DecodeMma { .. } => "decode_partial_mma",
-            Kernel::DecodeMmaHeads { .. } => "decode_partial_mma_heads",
             Kernel::Merge => "merge_partials",
             Kernel::Combine(name) => name,
             Kernel::Fill(_) => "fill_random",
@@ -195,7 +195,6 @@ fn rows_config(max_rows: usize) -> usize {
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    side: SideStream,
     gpu: GpuInfo,
     arch: String,
     functions: Mutex<HashMap<Kernel, CudaFunction>>,
@@ -209,14 +208,6 @@ pub struct CudaBackend {
     /// Written over before each timed step that must find the caches cold; allocated on first
     /// use.
     flush: Mutex<Option<CudaSlice<u8>>>,
-}
-
-/// A second stream for a kernel that runs beside the main stream's: `fork` orders it after the
-/// main stream's earlier work, `join` orders the main stream's later work after it.
-struct SideStream {
-    stream: Arc<CudaStream>,
-    fork: CudaEvent,
-    join: CudaEvent,
 }
 
 /// Warm-up steps [`CudaBackend::time_ms`] runs before it times.
@@ -257,10 +248,10 @@ pub struct CudaPlan {
     rows: usize,
     /// Run on tensor cores when the KV's dtype allows (16-bit).
     tensor_cores: bool,
-    /// On tensor cores, the first `mma_groups` descriptors run on `decode_partial_mma`; the
-    /// rest (groups of at most 16 rows) on `decode_partial_mma_heads`.
-    mma_groups: usize,
-
+    /// `decode_partial_mma`'s CTA descriptors, longest first, and their count.
+    ctas: CudaSlice<u32>,
+    cta_count: u32,
+    /// Group descriptors, for `decode_partial`.
     groups: CudaSlice<u32>,
     ranges: CudaSlice<u32>,
     queries: CudaSlice<u32>,
@@ -310,16 +301,11 @@ impl CudaBackend {
             return Err(CudaError::NoNvrtc);
         }
         let ctx = CudaContext::new(ordinal).ctx(format!("creating a context on GPU {ordinal}"))?;
-        // One stream per backend orders everything (the side stream only ever runs between a
-        // fork and a join event on it); per-buffer event tracking would only add event records
-        // and waits to every launch.
+        // One stream per backend orders everything; per-buffer event tracking would only add
+        // event records and waits to every launch.
         // SAFETY: no buffers exist yet on this context.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().ctx("cuStreamCreate")?;
-        let side = ctx.new_stream().ctx("cuStreamCreate")?;
-        let no_timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let fork = ctx.new_event(no_timing).ctx("cuEventCreate")?;
-        let join = ctx.new_event(no_timing).ctx("cuEventCreate")?;
         let gpu = GpuInfo::read(&ctx)?;
         let arch = arch_for(gpu.compute_capability);
         let (free_at_start, _) = ctx.mem_get_info().ctx("cuMemGetInfo")?;
@@ -327,11 +313,6 @@ impl CudaBackend {
             free_at_start,
             ctx,
             stream,
-            side: SideStream {
-                stream: side,
-                fork,
-                join,
-            },
             gpu,
             arch,
             functions: Mutex::new(HashMap::new()),
@@ -411,11 +392,6 @@ impl CudaBackend {
                 dtype,
                 head_dim,
                 pipeline,
-            }
-            | Kernel::DecodeMmaHeads {
-                dtype,
-                head_dim,
-                pipeline,
             } => (
                 Source::DecodeMma,
                 [
@@ -441,7 +417,6 @@ impl CudaBackend {
             Kernel::DecodeMma {
                 head_dim, pipeline, ..
             } => Some(mma_shared_bytes(head_dim, pipeline)),
-            Kernel::DecodeMmaHeads { head_dim, .. } => Some(heads_shared_bytes(head_dim)),
             _ => None,
         };
         if let Some(shared) = shared {
@@ -724,15 +699,51 @@ impl CudaBackend {
         .result()
     }
 
-    /// Launches a stage-1 kernel (all three share one signature) on `stream`, over the plan's
-    /// group descriptors from `first_group` on.
-    #[allow(clippy::too_many_arguments)]
+    /// Partials and queries must be the plan's.
+    fn check_step_buffers(
+        &self,
+        q: &CudaQueries,
+        plan: &CudaPlan,
+        partials: &CudaStates,
+    ) -> Result<()> {
+        if partials.rows != plan.plan.num_partial_rows() || q.rows < plan.plan.num_queries() {
+            return Err(CudaError::Unsupported(
+                "partials or queries do not match the plan".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Stage 1 on tensor cores: `decode_partial_mma` over the plan's CTA list.
+    fn launch_mma(
+        &self,
+        kv: &CudaKv,
+        q: &CudaQueries,
+        plan: &CudaPlan,
+        partials: &mut CudaStates,
+    ) -> EResult<()> {
+        if plan.cta_count == 0 {
+            return Ok(());
+        }
+        let head_dim = kv.shape.head_dim;
+        let kernel = Kernel::DecodeMma {
+            dtype: kv.dtype,
+            head_dim,
+            pipeline: self.pipeline,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (plan.cta_count, 1, 1),
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: mma_shared_bytes(head_dim, self.pipeline) as u32,
+        };
+        self.launch_stage1(kernel, cfg, kv, q, plan, partials)
+    }
+
+    /// Launches a stage-1 kernel (both share one signature) on the stream.
     fn launch_stage1(
         &self,
-        stream: &CudaStream,
         kernel: Kernel,
         cfg: LaunchConfig,
-        first_group: usize,
         kv: &CudaKv,
         q: &CudaQueries,
         plan: &CudaPlan,
@@ -744,12 +755,15 @@ impl CudaBackend {
         let (q_heads, kv_heads) = (shape.q_heads as i32, shape.kv_heads as i32);
         let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
         let shift = kv.paging.as_ref().map_or(0u32, |p| p.shift);
-        let groups = plan.groups.slice(first_group * GROUP_WORDS..);
-        let mut b = stream.launch_builder(&f);
+        let descriptors = match kernel {
+            Kernel::DecodeMma { .. } => &plan.ctas,
+            _ => &plan.groups,
+        };
+        let mut b = self.stream.launch_builder(&f);
         b.arg(&kv.k)
             .arg(&kv.v)
             .arg(&q.q)
-            .arg(&groups)
+            .arg(descriptors)
             .arg(&plan.ranges)
             .arg(&plan.queries)
             .arg(&plan.masks);
@@ -763,10 +777,10 @@ impl CudaBackend {
             .arg(&q_heads)
             .arg(&kv_heads)
             .arg(&scale_log2);
-        // SAFETY: arguments match the signature the stage-1 kernels share; every index the
-        // kernel forms comes from the validated plan (groups of at most 64 rows for the
-        // tensor-core kernels, 16 for the one-warp-per-head kernel), within the buffers
-        // allocated for it.
+        // SAFETY: arguments match the kernel's signature; every index the kernel forms comes
+        // from the validated plan (groups of at most 64 rows for the tensor-core kernel, 16 on
+        // its one-warp-per-head path, CTAs naming groups and heads that exist), within the
+        // buffers allocated for it.
         unsafe { b.launch(cfg) }.ctx(format!("launching {}", kernel.entry()))?;
         Ok(())
     }
@@ -950,19 +964,17 @@ impl Backend for CudaBackend {
             .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
             .max(1);
         let capacity = (self.gpu.multiprocessors * per_sm * self.waves) as usize;
-        // Round down: one CTA past the resident capacity costs a whole second wave.
-        let plan = plan.split_for_parallelism((capacity / shape.kv_heads).max(1), MIN_SPLIT_TOKENS);
-        let (mut groups, mut ranges, mut queries, mut masks) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        // Descriptors of the groups for `decode_partial_mma` first, then those for the
-        // one-warp-per-head kernel (either order is valid for the CUDA-core kernel).
-        let small = |g: &canopy_core::Group| {
-            tensor_cores && runs_per_head(g.queries.len() * gqa, shape.kv_heads)
+        let (plan, items) = if tensor_cores {
+            cut_for_gpu(&plan, shape, capacity)
+        } else {
+            // Round down: one CTA past the resident capacity costs a whole second wave.
+            let target = (capacity / shape.kv_heads).max(1);
+            let plan = plan.split_for_parallelism(target, SIMT_MIN_SPLIT_TOKENS);
+            (plan, Vec::new())
         };
-        let order = plan.groups().iter().zip(plan.partial_base());
-        let (big, little): (Vec<_>, Vec<_>) = order.partition(|(g, _)| !small(g));
-        let mma_groups = big.len();
-        for (g, &base) in big.into_iter().chain(little) {
+        let mut descriptors: Vec<[u32; GROUP_WORDS]> = Vec::new();
+        let (mut ranges, mut queries, mut masks) = (Vec::new(), Vec::new(), Vec::new());
+        for (g, &base) in plan.groups().iter().zip(plan.partial_base()) {
             let mask = match &g.mask {
                 Some(m) => {
                     masks.extend_from_slice(m);
@@ -970,7 +982,7 @@ impl Backend for CudaBackend {
                 }
                 None => 0,
             };
-            groups.extend_from_slice(&[
+            descriptors.push([
                 (ranges.len() / 2) as u32,
                 g.kv.len() as u32,
                 queries.len() as u32,
@@ -982,14 +994,32 @@ impl Backend for CudaBackend {
             ranges.extend(g.kv.iter().flat_map(|r| [r.start, r.end]));
             queries.extend_from_slice(&g.queries);
         }
-        debug_assert_eq!(groups.len(), plan.groups().len() * GROUP_WORDS);
+        // The CUDA-core kernel runs one CTA per group × KV head (its grid's y; it also runs
+        // tensor-core plans when their KV is f32); the tensor-core kernel one per CTA
+        // descriptor, in the cut's order.
+        let ctas: Vec<u32> = items
+            .iter()
+            .flat_map(|c: &CtaItem| {
+                let head = c.kv_head | if c.per_head { CTA_PER_HEAD } else { 0 };
+                let first = &plan.groups()[c.group as usize].kv[0];
+                descriptors[c.group as usize].into_iter().chain([
+                    head,
+                    first.start,
+                    first.end,
+                    0,
+                    0,
+                ])
+            })
+            .collect();
+        debug_assert_eq!(ctas.len(), items.len() * CTA_WORDS);
         let (ptr, rows_csr) = plan.csr();
         Ok(CudaPlan {
             rows,
             tensor_cores,
-            mma_groups,
+            ctas: self.upload(&ctas)?,
+            cta_count: items.len() as u32,
+            groups: self.upload(&descriptors.concat())?,
 
-            groups: self.upload(&groups)?,
             ranges: self.upload(&ranges)?,
             queries: self.upload(&queries)?,
             masks: self.upload(&masks)?,
@@ -1034,11 +1064,7 @@ impl Backend for CudaBackend {
         partials: &mut CudaStates,
     ) -> EResult<()> {
         let shape = &kv.shape;
-        if partials.rows != plan.plan.num_partial_rows() || q.rows < plan.plan.num_queries() {
-            return Err(
-                CudaError::Unsupported("partials or queries do not match the plan".into()).into(),
-            );
-        }
+        self.check_step_buffers(q, plan, partials)?;
         let groups = plan.plan.groups().len() as u32;
         if groups == 0 {
             return Ok(());
@@ -1056,59 +1082,9 @@ impl Backend for CudaBackend {
                 block_dim: (DECODE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            return self.launch_stage1(&self.stream, kernel, cfg, 0, kv, q, plan, partials);
+            return self.launch_stage1(kernel, cfg, kv, q, plan, partials);
         }
-        // Groups of up to 16 rows run on the one-warp-per-head kernel. When both kernels have
-        // groups, that one runs on the side stream, beside the other: neither waits for the
-        // other's tail wave.
-        let mma = plan.mma_groups as u32;
-        let both = mma > 0 && groups > mma;
-        if groups > mma {
-            let pipeline = self.pipeline;
-            let kernel = Kernel::DecodeMmaHeads {
-                dtype,
-                head_dim,
-                pipeline,
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (groups - mma, kv_heads / HEADS_PER_CTA as u32, 1),
-                block_dim: (MMA_THREADS, 1, 1),
-                shared_mem_bytes: heads_shared_bytes(head_dim) as u32,
-            };
-            let stream = if both {
-                self.side.fork.record(&self.stream).ctx("cuEventRecord")?;
-                self.side
-                    .stream
-                    .wait(&self.side.fork)
-                    .ctx("cuStreamWaitEvent")?;
-                &self.side.stream
-            } else {
-                &self.stream
-            };
-            self.launch_stage1(stream, kernel, cfg, mma as usize, kv, q, plan, partials)?;
-        }
-        if mma > 0 {
-            let pipeline = self.pipeline;
-            let kernel = Kernel::DecodeMma {
-                dtype,
-                head_dim,
-                pipeline,
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (mma, kv_heads, 1),
-                block_dim: (MMA_THREADS, 1, 1),
-                shared_mem_bytes: mma_shared_bytes(head_dim, pipeline) as u32,
-            };
-            self.launch_stage1(&self.stream, kernel, cfg, 0, kv, q, plan, partials)?;
-        }
-        if both {
-            self.side
-                .join
-                .record(&self.side.stream)
-                .ctx("cuEventRecord")?;
-            self.stream.wait(&self.side.join).ctx("cuStreamWaitEvent")?;
-        }
-        Ok(())
+        self.launch_mma(kv, q, plan, partials)
     }
 
     fn merge(&self, partials: &CudaStates, plan: &CudaPlan, out: &mut CudaStates) -> EResult<()> {
@@ -1208,18 +1184,15 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Dynamic shared memory of the tensor-core kernel: its stages of K and V tiles, rows padded by
-/// 8 elements, or the merge scratch that reuses them if that is larger.
+/// Dynamic shared memory of the tensor-core kernel: the larger of its two paths' tiles (rows
+/// padded by 8 elements) — the many-row path's stages of K and V tiles, or the merge scratch
+/// that reuses them if that is larger; the one-warp-per-head path's two stages of four heads'
+/// 16-token tiles.
 fn mma_shared_bytes(head_dim: usize, pipeline: MmaPipeline) -> usize {
     let stages = pipeline.stages * 2 * pipeline.tile * (head_dim + 8) * 2;
     let scratch = 4 * (16 * (head_dim + 2) + 64) * 4;
-    stages.max(scratch)
-}
-
-/// Dynamic shared memory of `decode_partial_mma_heads`: two stages of K and V tiles of four
-/// heads, rows padded by 8 elements.
-fn heads_shared_bytes(head_dim: usize) -> usize {
-    2 * 2 * HEADS_PER_CTA * HEADS_TILE * (head_dim + 8) * 2
+    let heads = 2 * 2 * HEADS_PER_CTA * HEADS_TILE * (head_dim + 8) * 2;
+    stages.max(scratch).max(heads)
 }
 
 fn gcd(a: usize, b: usize) -> usize {
