@@ -16,7 +16,7 @@ use crate::shape::AttnShape;
 pub const CTA_ROWS: usize = 64;
 /// Groups of at most this many rows run one warp per KV head (one m16 tile per warp).
 pub const HEADS_ROWS: usize = 16;
-/// KV heads per CTA of the one-warp-per-head kernel (one per warp).
+/// KV heads per CTA on the one-warp-per-head path (one per warp).
 pub const HEADS_PER_CTA: usize = 4;
 /// Shortest piece a long group is cut into: one 32-token tile of the many-row kernel.
 pub const MIN_PIECE_TOKENS: u32 = 32;
@@ -29,7 +29,7 @@ pub const PIECE_TOKENS_PER_ROW: u32 = 3;
 /// before the first tile, and its partial writes after the last.
 const CTA_FIXED_WORK: u64 = 32;
 
-/// Whether a group of `rows` query rows runs on the one-warp-per-head kernel.
+/// Whether a group of `rows` query rows runs on the one-warp-per-head path.
 pub fn runs_per_head(rows: usize, kv_heads: usize) -> bool {
     kv_heads.is_multiple_of(HEADS_PER_CTA) && rows <= HEADS_ROWS
 }

@@ -194,13 +194,14 @@ pub fn plan(
     })
 }
 
-/// What `auto` predicts a plan costs on a GPU, in the shape of canopy's CUDA kernels: groups
-/// of up to 16 query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger
-/// groups run four warps per KV head on 64-token tiles in pieces of at most 64 rows, and both
-/// kernels share the GPU's CTA slots. A step costs its bytes over bandwidth or its CTA work over
-/// the slots, whichever is larger (or its longest CTA, since a group's tiles run in order),
-/// plus a fixed cost for the launches and the merge. Defaults were fitted to an H100 SXM's
-/// measured steps on FastTree's trees (docs/BENCHMARKS.md).
+/// What `auto` predicts a plan costs on a GPU, in the shape of canopy's CUDA kernels: the plan
+/// cut into CTAs as the backend cuts it ([`cut_for_gpu`]); groups of up to 16 query rows run
+/// one warp per KV head (CTAs of four heads, 16-token tiles), larger groups four warps per KV
+/// head in pieces of at most 64 rows, all sharing the GPU's CTA slots. A step costs its bytes
+/// over bandwidth or its CTA work over the slots, whichever is larger (or its longest CTA,
+/// since a CTA's tiles run in order), plus a fixed cost for the launches and the merge.
+/// Defaults were fitted to an H100 SXM's warm steps on FastTree's trees with session 4's
+/// kernels (docs/BENCHMARKS.md); they count the many-row path in 64-token tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DeviceModel {
@@ -211,7 +212,7 @@ pub struct DeviceModel {
     /// Fixed microseconds of a step (launches, the merge's latency).
     pub us_per_step: f64,
     /// Microseconds of CTA slot time: per CTA and per 64-token tile of the many-row kernel,
-    /// per CTA of the one-warp-per-head kernel (its tiles cost their bytes).
+    /// per CTA on the one-warp-per-head path (its tiles cost their bytes).
     pub main_cta_us: f64,
     pub main_tile_us: f64,
     pub heads_cta_us: f64,
@@ -245,7 +246,7 @@ pub struct PlanCost {
     /// Distinct KV, query and partial bytes; KV bytes re-read.
     pub bytes: u64,
     pub reread_bytes: u64,
-    /// Many-row kernel: CTAs and CTA × tiles; CTAs of the one-warp-per-head kernel.
+    /// Many-row CTAs and CTA × tiles; CTAs on the one-warp-per-head path.
     pub main_ctas: u64,
     pub main_tiles: u64,
     pub heads_ctas: u64,

@@ -699,46 +699,6 @@ impl CudaBackend {
         .result()
     }
 
-    /// Partials and queries must be the plan's.
-    fn check_step_buffers(
-        &self,
-        q: &CudaQueries,
-        plan: &CudaPlan,
-        partials: &CudaStates,
-    ) -> Result<()> {
-        if partials.rows != plan.plan.num_partial_rows() || q.rows < plan.plan.num_queries() {
-            return Err(CudaError::Unsupported(
-                "partials or queries do not match the plan".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Stage 1 on tensor cores: `decode_partial_mma` over the plan's CTA list.
-    fn launch_mma(
-        &self,
-        kv: &CudaKv,
-        q: &CudaQueries,
-        plan: &CudaPlan,
-        partials: &mut CudaStates,
-    ) -> EResult<()> {
-        if plan.cta_count == 0 {
-            return Ok(());
-        }
-        let head_dim = kv.shape.head_dim;
-        let kernel = Kernel::DecodeMma {
-            dtype: kv.dtype,
-            head_dim,
-            pipeline: self.pipeline,
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (plan.cta_count, 1, 1),
-            block_dim: (MMA_THREADS, 1, 1),
-            shared_mem_bytes: mma_shared_bytes(head_dim, self.pipeline) as u32,
-        };
-        self.launch_stage1(kernel, cfg, kv, q, plan, partials)
-    }
-
     /// Launches a stage-1 kernel (both share one signature) on the stream.
     fn launch_stage1(
         &self,
@@ -1064,7 +1024,11 @@ impl Backend for CudaBackend {
         partials: &mut CudaStates,
     ) -> EResult<()> {
         let shape = &kv.shape;
-        self.check_step_buffers(q, plan, partials)?;
+        if partials.rows != plan.plan.num_partial_rows() || q.rows < plan.plan.num_queries() {
+            return Err(
+                CudaError::Unsupported("partials or queries do not match the plan".into()).into(),
+            );
+        }
         let groups = plan.plan.groups().len() as u32;
         if groups == 0 {
             return Ok(());
@@ -1084,7 +1048,18 @@ impl Backend for CudaBackend {
             };
             return self.launch_stage1(kernel, cfg, kv, q, plan, partials);
         }
-        self.launch_mma(kv, q, plan, partials)
+        // Tensor cores: one CTA per descriptor of the cut plan.
+        let kernel = Kernel::DecodeMma {
+            dtype,
+            head_dim,
+            pipeline: self.pipeline,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (plan.cta_count, 1, 1),
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: mma_shared_bytes(head_dim, self.pipeline) as u32,
+        };
+        self.launch_stage1(kernel, cfg, kv, q, plan, partials)
     }
 
     fn merge(&self, partials: &CudaStates, plan: &CudaPlan, out: &mut CudaStates) -> EResult<()> {
