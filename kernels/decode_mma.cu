@@ -494,8 +494,7 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
 #define HEADS_PER_CTA WARPS
 #define HEAD_TILE 16  // tokens per tile: one k-chunk of P V
 // Two stages: three or four (one or two more tiles in flight) measured slower on FastTree's
-// trees (docs/BENCHMARKS.md, session 6): their shared memory leaves fewer of these CTAs beside
-// the many-row kernel's.
+// trees (docs/BENCHMARKS.md, session 6): their shared memory leaves fewer CTAs resident per SM.
 #define HEAD_STAGES 2
 
 struct HeadStage {
