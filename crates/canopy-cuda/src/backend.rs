@@ -248,9 +248,8 @@ pub struct CudaPlan {
     rows: usize,
     /// Run on tensor cores when the KV's dtype allows (16-bit).
     tensor_cores: bool,
-    /// `decode_partial_mma`'s CTA descriptors, longest first, and their count.
+    /// `decode_partial_mma`'s CTA descriptors, [`CTA_WORDS`] each, longest first.
     ctas: CudaSlice<u32>,
-    cta_count: u32,
     /// Group descriptors, for `decode_partial`.
     groups: CudaSlice<u32>,
     ranges: CudaSlice<u32>,
@@ -977,7 +976,6 @@ impl Backend for CudaBackend {
             rows,
             tensor_cores,
             ctas: self.upload(&ctas)?,
-            cta_count: items.len() as u32,
             groups: self.upload(&descriptors.concat())?,
 
             ranges: self.upload(&ranges)?,
@@ -1055,7 +1053,8 @@ impl Backend for CudaBackend {
             pipeline: self.pipeline,
         };
         let cfg = LaunchConfig {
-            grid_dim: (plan.cta_count, 1, 1),
+            // A plan with groups has CTAs (an empty list is a one-word allocation: 0 here).
+            grid_dim: ((plan.ctas.len() / CTA_WORDS) as u32, 1, 1),
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: mma_shared_bytes(head_dim, self.pipeline) as u32,
         };
