@@ -5,12 +5,14 @@
 //! - `canopy bench scaling`: the same over a sweep of p and N, with CSV, JSON and plots.
 //! - `canopy bench tree`: tree-structured KV (shared prefixes) with every planning method.
 //! - `canopy plan`: how each planner groups a workload's tree, and what it reads.
+//! - `canopy fit-model`: fits `auto`'s device model to `bench tree` measurements.
 //! - `canopy selftest`: the backend conformance suite against the f64 oracle.
 //!
 //! Errors go to stderr with a non-zero exit; `--json` prints one JSON document instead of the
 //! table, with the same fields.
 
 mod bench;
+mod fit_cmd;
 mod info;
 mod kernel_bench;
 mod plan_cmd;
@@ -42,6 +44,8 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Plan a workload with one or all methods and report groups, IO and balance.
     Plan(plan_cmd::PlanArgs),
+    /// Fit `auto`'s device model to `bench tree --json` measurements.
+    FitModel(fit_cmd::FitArgs),
     /// Run the backend conformance suite against the f64 oracle.
     Selftest(bench::SelftestArgs),
     /// Compile every CUDA kernel variant with NVRTC into the kernel cache (no GPU needed).
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
         Command::Info(a) => info::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Plan(a) => plan_cmd::run(a),
+        Command::FitModel(a) => fit_cmd::run(a),
         Command::Selftest(a) => bench::selftest(a),
         Command::CompileKernels { arch } => canopy_cuda::compile::compile_all(&arch)
             .map(|done| println!("compiled {} kernel variants for {arch}", done.len()))

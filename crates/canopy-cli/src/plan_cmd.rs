@@ -3,8 +3,8 @@
 use crate::table::{bytes, Table};
 use anyhow::Result;
 use canopy_core::{
-    plan, shard_tree, AttnShape, DType, DeviceModel, IoReport, KvTree, Method, Overrides, PlanCost,
-    PlannerConfig, TreeView, WorkloadSpec,
+    choose, plan, shard_tree, AttnShape, DType, DeviceModel, IoReport, KvTree, Method, Overrides,
+    PlanCost, PlannerConfig, TreeView, WorkloadSpec,
 };
 use clap::Args;
 use serde::Serialize;
@@ -26,6 +26,10 @@ pub struct PlanArgs {
     ranks: usize,
     #[command(flatten)]
     sizes: SizeArgs,
+    /// The device model (TOML, as `canopy fit-model --out` writes) that prices each plan and
+    /// that `auto` chooses by, instead of the built-in H100 fit.
+    #[arg(long)]
+    device_model: Option<std::path::PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -181,17 +185,22 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let shards = shard_tree(&tree, a.ranks)?;
     let view = TreeView::new(&tree, &shards[0]);
     let cfg = PlannerConfig::default();
+    let model = DeviceModel::load_or_default(a.device_model.as_deref())?;
     let mut rows = Vec::new();
     for m in methods {
         let t0 = Instant::now();
-        let p = plan(&view, m, &spec.shape, &cfg)?;
+        let p = if m == Method::Auto {
+            choose(&view, &spec.shape, &cfg, &model)?.plan
+        } else {
+            plan(&view, m, &spec.shape, &cfg)?
+        };
         let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
         rows.push(MethodRow {
             method: m,
             io: p.io(&spec.shape, spec.dtype),
             kv_vs_q_guided: None,
             plan_ms,
-            cost: DeviceModel::default().cost(&p, &spec.shape),
+            cost: model.cost(&p, &spec.shape),
         });
     }
     if let Some(base) = rows

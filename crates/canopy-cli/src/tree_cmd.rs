@@ -70,6 +70,10 @@ pub struct TreeArgs {
     /// CUDA: its shared-memory stages (2, 3 or 4): stages - 1 tiles are in flight per CTA.
     #[arg(long, default_value_t = MmaPipeline::default().stages)]
     mma_stages: usize,
+    /// `auto`'s device model (TOML, as `canopy fit-model --out` writes) instead of the
+    /// built-in H100 fit; one rank.
+    #[arg(long)]
+    device_model: Option<std::path::PathBuf>,
     /// Check every method against the f64 oracle.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     check: bool,
@@ -230,6 +234,7 @@ fn bench_on<B: Backend>(
         shape: spec.shape,
         dtype: spec.dtype,
         planner,
+        model: DeviceModel::load_or_default(a.device_model.as_deref())?,
         iters: a.iterations,
         cache: a.cache,
     };
@@ -484,6 +489,7 @@ fn grow(
     let mut kv = backend.alloc_kv(&shape, dtype, (pool_pages * page) as usize)?;
     backend.fill_random(&mut kv, 0, (pool_pages * page) as usize, a.seed, 0)?;
     let marks = [1, a.grow.div_ceil(2), a.grow];
+    let model = DeviceModel::load_or_default(a.device_model.as_deref())?;
     let mut runs = Vec::new();
     let mut pages_in_use = 0;
     for &method in methods {
@@ -502,8 +508,7 @@ fn grow(
             let shard = Shard::whole(&now);
             let view = TreeView::new(&now, &shard);
             let host = if method == Method::Auto {
-                auto.plan(&view, &shape, &planner, &DeviceModel::default())?
-                    .0
+                auto.plan(&view, &shape, &planner, &model)?.0
             } else {
                 canopy_core::plan(&view, method, &shape, &planner)?
             };

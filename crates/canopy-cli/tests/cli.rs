@@ -421,3 +421,55 @@ fn cuda_without_a_driver_is_a_clear_error_not_a_panic() {
         .success()
         .stdout(contains("none usable"));
 }
+
+/// `fit-model` on session 7's recorded H100 run: the fit does not end worse than the
+/// built-in model it starts from, the built-in model is that fit (it ranks the measured
+/// methods of every tree within 2% of the best, geometric mean), and the written model loads.
+#[test]
+fn fit_model_refits_the_recorded_h100_run() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/device-runs/2026-11-21-s7/tree"
+    );
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 26);
+    let out = std::env::temp_dir().join(format!("canopy-fit-{}.toml", std::process::id()));
+    let mut args = vec!["fit-model", "--json", "--out", out.to_str().unwrap()];
+    args.extend(files.iter().map(String::as_str));
+    let v = json(&args);
+    assert_eq!(v["samples"], 130);
+    let (start, fitted) = (
+        v["start_log_error"].as_f64().unwrap(),
+        v["fitted_log_error"].as_f64().unwrap(),
+    );
+    assert!(
+        fitted <= start + 1e-9 && fitted < 0.2,
+        "{start} -> {fitted}"
+    );
+    assert!(v["start_regret"].as_f64().unwrap() < 1.02, "{v}");
+    let plan = json(&[
+        "plan",
+        "--workload",
+        "fasttree-8",
+        "--device-model",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(plan["methods"].as_array().unwrap().len() >= 5);
+    std::fs::remove_file(&out).unwrap();
+    canopy()
+        .args([
+            "plan",
+            "--workload",
+            "fasttree-8",
+            "--device-model",
+            "/no/such.toml",
+        ])
+        .assert()
+        .failure()
+        .stderr(contains("canopy fit-model --out"));
+}

@@ -22,6 +22,10 @@ pub enum CoreError {
     Workload(String),
     #[error("invalid plan: {0}")]
     Plan(String),
+    #[error(
+        "could not read device model {path}: {reason}. `canopy fit-model --out FILE` writes one"
+    )]
+    DeviceModelFile { path: String, reason: String },
     #[error("invalid sharding: {0}")]
     Shard(String),
 }

@@ -9,6 +9,7 @@
 //! conventions (fp32 `o` normalised, natural-log `lse`, empty partial `o = 0, lse = -inf`).
 
 pub mod data;
+pub mod device_model;
 pub mod dtype;
 pub mod error;
 pub mod geometry;
@@ -23,14 +24,14 @@ pub mod tree;
 pub mod workload;
 
 pub use data::{HashedKv, KvSource, PagedKv, ProblemData, SliceKv};
+pub use device_model::{DeviceModel, PlanCost, Sample};
 pub use dtype::{DType, KvElement, TypedVec};
 pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
 pub use paged::{PagedNode, PagedTree};
 pub use plan::{Group, IoReport, Plan};
 pub use planner::{
-    auto_candidates, choose, plan, AutoChoice, DeviceModel, FastTreeParams, Method, PlanCost,
-    PlannerConfig, StickyAuto,
+    auto_candidates, choose, plan, AutoChoice, FastTreeParams, Method, PlannerConfig, StickyAuto,
 };
 pub use shape::AttnShape;
 pub use shard::{shard_tree, Shard, TreeView};

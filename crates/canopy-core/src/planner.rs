@@ -14,14 +14,14 @@
 //!   queries below it (one more intermediate partial per query) or pushed down into its
 //!   children's groups (KV re-read, fewer partials, fuller tensor-core tiles), by a cost model;
 //!   then long-context splitting when too few groups remain to fill the GPU.
-//! - **Auto**: plans the tree with each method and a few block sizes, predicts each plan's
-//!   time with a [`DeviceModel`] (KV and partial bytes over bandwidth, tensor-core work over
-//!   throughput, a cost per CTA wave), and keeps the fastest. Planning is cheap beside a decode
+//! - **Auto**: plans the tree with each method, predicts each plan's time with a
+//!   [`DeviceModel`] (KV and partial bytes over bandwidth, tensor-core work over throughput,
+//!   the longest CTA), and keeps the fastest. Planning is cheap beside a decode
 //!   step (milliseconds for the largest benchmark trees), so trying every candidate is
 //!   affordable; the candidates are listed in [`auto_candidates`].
 
+use crate::device_model::DeviceModel;
 use crate::error::{CoreError, Result};
-use crate::geometry::{cut_for_gpu, runs_per_head, HEADS_PER_CTA};
 use crate::plan::{split_ranges, Group, Plan};
 use crate::shape::AttnShape;
 use crate::shard::TreeView;
@@ -194,151 +194,25 @@ pub fn plan(
     })
 }
 
-/// What `auto` predicts a plan costs on a GPU, in the shape of canopy's CUDA kernels: the plan
-/// cut into CTAs as the backend cuts it ([`cut_for_gpu`]); groups of up to 16 query rows run
-/// one warp per KV head (CTAs of four heads, 16-token tiles), larger groups four warps per KV
-/// head in pieces of at most 64 rows, all sharing the GPU's CTA slots. A step costs its bytes
-/// over bandwidth or its CTA work over the slots, whichever is larger (or its longest CTA,
-/// since a CTA's tiles run in order), plus a fixed cost for the launches and the merge.
-/// Defaults were fitted to an H100 SXM's warm steps on FastTree's trees with session 4's
-/// kernels (docs/BENCHMARKS.md); they count the many-row path in 64-token tiles.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DeviceModel {
-    /// Bytes per microsecond the kernels stream from HBM (distinct KV, queries, partials
-    /// written and merged) and from L2 (KV re-read by several groups).
-    pub bytes_per_us: f64,
-    pub l2_bytes_per_us: f64,
-    /// Fixed microseconds of a step (launches, the merge's latency).
-    pub us_per_step: f64,
-    /// Microseconds of CTA slot time: per CTA and per 64-token tile of the many-row kernel,
-    /// per CTA on the one-warp-per-head path (its tiles cost their bytes).
-    pub main_cta_us: f64,
-    pub main_tile_us: f64,
-    pub heads_cta_us: f64,
-    /// Microseconds of one 64-token tile on a CTA's own (latency, not throughput): the
-    /// floor a long group sets, however idle the rest of the GPU is (few-shot b = 50 planned
-    /// per node: 63 tiles of 64 rows in 217 µs beyond the step).
-    pub serial_tile_us: f64,
-    pub multiprocessors: usize,
-    pub ctas_per_sm: usize,
-}
-
-impl Default for DeviceModel {
-    fn default() -> Self {
-        DeviceModel {
-            bytes_per_us: 2.6e6,
-            l2_bytes_per_us: 6.8e6,
-            us_per_step: 17.0,
-            main_cta_us: 14.7,
-            main_tile_us: 4.9,
-            heads_cta_us: 2.9,
-            serial_tile_us: 2.5,
-            multiprocessors: 132,
-            ctas_per_sm: 3,
-        }
-    }
-}
-
-/// The quantities [`DeviceModel`] prices a plan by.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct PlanCost {
-    /// Distinct KV, query and partial bytes; KV bytes re-read.
-    pub bytes: u64,
-    pub reread_bytes: u64,
-    /// Many-row CTAs and CTA × tiles; CTAs on the one-warp-per-head path.
-    pub main_ctas: u64,
-    pub main_tiles: u64,
-    pub heads_ctas: u64,
-    /// Tiles of the longest CTA of each kernel: a group's tiles run in order.
-    pub longest_main_tiles: u64,
-    pub longest_heads_tiles: u64,
-    pub predicted_us: f64,
-}
-
-impl DeviceModel {
-    /// The quantities of one decode step of `plan`, and its predicted microseconds.
-    pub fn cost(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
-        let gqa = shape.group_size();
-        let slots = (self.multiprocessors * self.ctas_per_sm) as f64;
-        // The groups as the CUDA backend runs them.
-        let (plan, _) = cut_for_gpu(plan, shape, slots as usize);
-        let io = plan.io(shape, crate::DType::F16);
-        let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
-        let mut c = PlanCost {
-            bytes: unique_kv + io.partial_bytes + io.q_bytes,
-            reread_bytes: io.kv_bytes - unique_kv,
-            ..PlanCost::default()
-        };
-        for g in plan.groups() {
-            let rows = g.queries.len() * gqa;
-            let tokens = g.tokens() as u64;
-            if runs_per_head(rows, shape.kv_heads) {
-                let tiles = tokens.div_ceil(16);
-                c.heads_ctas += (shape.kv_heads / HEADS_PER_CTA) as u64;
-                c.longest_heads_tiles = c.longest_heads_tiles.max(tiles);
-            } else {
-                let tiles = tokens.div_ceil(64);
-                let ctas = shape.kv_heads as u64;
-                c.main_ctas += ctas;
-                c.main_tiles += ctas * tiles;
-                c.longest_main_tiles = c.longest_main_tiles.max(tiles);
-            }
-        }
-        let work = self.main_cta_us * c.main_ctas as f64
-            + self.main_tile_us * c.main_tiles as f64
-            + self.heads_cta_us * c.heads_ctas as f64;
-        c.predicted_us = (c.bytes as f64 / self.bytes_per_us
-            + c.reread_bytes as f64 / self.l2_bytes_per_us)
-            .max(work / slots)
-            // A 16-token tile is a quarter of a 64-token one.
-            .max(
-                self.serial_tile_us
-                    * c.longest_main_tiles.max(c.longest_heads_tiles.div_ceil(4)) as f64,
-            )
-            + self.us_per_step;
-        c
-    }
-
-    /// Predicted microseconds of one decode step of `plan`.
-    pub fn predict_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
-        self.cost(plan, shape).predicted_us
-    }
-}
-
-/// The candidates `auto` compares: every method, with a few block and chunk sizes.
+/// The candidates `auto` compares: every method at `base`'s sizes (Q-guided with whole paths,
+/// as the backends split long groups themselves). Block and chunk sizes are not searched: the
+/// backend's cut ([`crate::geometry::cut_for_gpu`]) already balances long groups, and sizes the
+/// benchmark never measured are where the model was wrong. Session 7 chose DeFT-Flatten with
+/// 256-token blocks on FastTree's tree 8, 61 µs against 40 for the best measured method.
 pub fn auto_candidates(base: &PlannerConfig) -> Vec<(Method, PlannerConfig)> {
-    let mut out = vec![
-        (
-            Method::QGuided,
-            PlannerConfig {
-                q_guided_chunk: PlannerConfig::whole_paths().q_guided_chunk,
-                ..*base
-            },
-        ),
-        (Method::DeftNode, *base),
-        (Method::FastTree, *base),
-    ];
-    for chunk in [128, 512] {
-        out.push((
-            Method::DeftNodeChunk,
-            PlannerConfig {
-                node_chunk: chunk,
-                ..*base
-            },
-        ));
-    }
-    for block in [64, 128, 256, 512] {
-        out.push((
-            Method::DeftFlatten,
-            PlannerConfig {
-                flatten_block: block,
-                flatten_query_chunk: None,
-                ..*base
-            },
-        ));
-    }
-    out
+    Method::ALL
+        .into_iter()
+        .map(|m| match m {
+            Method::QGuided => (
+                m,
+                PlannerConfig {
+                    q_guided_chunk: PlannerConfig::whole_paths().q_guided_chunk,
+                    ..*base
+                },
+            ),
+            _ => (m, *base),
+        })
+        .collect()
 }
 
 /// What `auto` chose for a tree, and the prediction it chose by.
@@ -714,23 +588,6 @@ mod tests {
     }
 
     #[test]
-    fn q_guided_rereads_are_counted_once_as_unique_kv() {
-        let shape = AttnShape::new(32, 8, 128).unwrap();
-        let t = fan(1000, 4, 10);
-        let shard = Shard::whole(&t);
-        let view = TreeView::new(&t, &shard);
-        let cfg = PlannerConfig::whole_paths();
-        let io = plan(&view, Method::QGuided, &shape, &cfg)
-            .unwrap()
-            .io(&shape, crate::DType::F16);
-        assert_eq!(io.kv_tokens_read, 4 * 1010);
-        assert_eq!(io.kv_unique_tokens, 1040);
-        let cost = DeviceModel::default()
-            .cost(&plan(&view, Method::QGuided, &shape, &cfg).unwrap(), &shape);
-        assert!(cost.reread_bytes > 0 && cost.reread_bytes < cost.bytes * 4);
-    }
-
-    #[test]
     fn sticky_auto_rechooses_only_every_n_steps() {
         let shape = AttnShape::new(32, 8, 128).unwrap();
         let model = DeviceModel::default();
@@ -746,26 +603,6 @@ mod tests {
                 assert_eq!(method, choose(&view, &shape, &cfg, &model).unwrap().method);
             }
         }
-    }
-
-    #[test]
-    fn the_model_prices_a_long_shared_root_as_the_backend_cuts_it() {
-        // Few-shot b = 50 planned per node: one group of 50 queries over a 4000-token root.
-        // Run whole, each of its CTAs would walk all 4000 tokens in order (measured on H100
-        // before the backend cut long groups: 234 µs, against 84 µs chunked); the backend now
-        // cuts it (`geometry::cut_for_gpu`), and the model must price the pieces.
-        let shape = AttnShape::new(32, 8, 128).unwrap();
-        let model = DeviceModel::default();
-        let t = fan(4000, 50, 200);
-        let shard = Shard::whole(&t);
-        let view = TreeView::new(&t, &shard);
-        let node = plan(&view, Method::DeftNode, &shape, &PlannerConfig::default()).unwrap();
-        let cost = model.cost(&node, &shape);
-        assert!(
-            cost.longest_main_tiles * 64 <= 1000,
-            "the longest many-row CTA walks {} tiles",
-            cost.longest_main_tiles
-        );
     }
 
     #[test]

@@ -45,6 +45,8 @@ pub struct TreeBench<'a> {
     pub shape: AttnShape,
     pub dtype: DType,
     pub planner: PlannerConfig,
+    /// What `auto` prices its candidates with.
+    pub model: DeviceModel,
     pub iters: usize,
     pub cache: Cache,
 }
@@ -61,12 +63,7 @@ impl TreeBench<'_> {
     pub fn plan(&self, method: Method) -> Result<TimedPlan> {
         let t0 = Instant::now();
         let (plan, chosen) = if method == Method::Auto {
-            let c = choose(
-                self.view,
-                &self.shape,
-                &self.planner,
-                &DeviceModel::default(),
-            )?;
+            let c = choose(self.view, &self.shape, &self.planner, &self.model)?;
             (c.plan, Some((c.method, c.predicted_us)))
         } else {
             (plan(self.view, method, &self.shape, &self.planner)?, None)
@@ -174,6 +171,7 @@ mod tests {
             shape,
             dtype: DType::F32,
             planner: PlannerConfig::default(),
+            model: DeviceModel::default(),
             iters: 2,
             cache: Cache::Cold,
         };

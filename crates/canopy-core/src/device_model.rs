@@ -1,0 +1,327 @@
+//! `auto`'s device model: what a plan costs on a GPU, in the shape of canopy's CUDA kernels,
+//! and how its constants are fitted to measured steps.
+//!
+//! A plan is priced as the backend runs it: cut into CTAs by [`cut_for_gpu`]; groups of up to
+//! 16 query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger groups
+//! four warps per KV head in pieces of at most 64 rows, all sharing the GPU's CTA slots. A step
+//! costs its bytes over bandwidth, or its CTA work over the slots, or its longest CTA (a CTA's
+//! tiles run in order), whichever is largest, plus a fixed cost for the launch and the merge.
+//!
+//! The model is split in two so that it can be fitted: [`DeviceModel::measure`] counts a
+//! plan's quantities once ([`PlanCost`]), and [`DeviceModel::price`] turns them into
+//! microseconds. [`DeviceModel::fit`] adjusts the constants to measured `(quantities, time)`
+//! samples without re-planning anything; `canopy fit-model` feeds it `canopy bench tree`'s
+//! JSON.
+
+use crate::error::{CoreError, Result};
+use crate::geometry::{cut_for_gpu, runs_per_head, HEADS_PER_CTA};
+use crate::plan::Plan;
+use crate::shape::AttnShape;
+use serde::{Deserialize, Serialize};
+
+/// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to
+/// session 7's cold steps on an H100 SXM (docs/BENCHMARKS.md, "session 8"); they count the
+/// many-row path in 64-token tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DeviceModel {
+    /// Bytes per microsecond the kernels stream from HBM (distinct KV, queries, partials
+    /// written and merged) and from L2 (KV re-read by several groups).
+    pub bytes_per_us: f64,
+    pub l2_bytes_per_us: f64,
+    /// Fixed microseconds of a step (launches, the merge's latency).
+    pub us_per_step: f64,
+    /// Microseconds of CTA slot time: per CTA and per 64-token tile of the many-row kernel,
+    /// per CTA on the one-warp-per-head path (its tiles cost their bytes).
+    pub main_cta_us: f64,
+    pub main_tile_us: f64,
+    pub heads_cta_us: f64,
+    /// Microseconds of one 64-token tile on a CTA's own (latency, not throughput): the
+    /// floor a long group sets, however idle the rest of the GPU is.
+    pub serial_tile_us: f64,
+    /// Extra microseconds of CTA slot time per 64 tokens × CTA of a masked group (DeFT-Flatten's
+    /// blocks across nodes): the per-token mask words loaded and applied.
+    #[serde(default)]
+    pub masked_tile_us: f64,
+    pub multiprocessors: usize,
+    pub ctas_per_sm: usize,
+}
+
+impl Default for DeviceModel {
+    fn default() -> Self {
+        DeviceModel {
+            bytes_per_us: 2.63e6,
+            l2_bytes_per_us: 5.91e6,
+            us_per_step: 18.05,
+            main_cta_us: 14.7,
+            main_tile_us: 2.48,
+            // The fit drove it to zero: a leaf CTA's fixed cost hides under the step's bytes.
+            heads_cta_us: 0.01,
+            serial_tile_us: 0.92,
+            masked_tile_us: 7.03,
+            multiprocessors: 132,
+            ctas_per_sm: 3,
+        }
+    }
+}
+
+/// The quantities [`DeviceModel`] prices a plan by.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanCost {
+    /// Distinct KV, query and partial bytes; KV bytes re-read.
+    pub bytes: u64,
+    pub reread_bytes: u64,
+    /// Many-row CTAs and CTA × tiles; CTAs on the one-warp-per-head path.
+    pub main_ctas: u64,
+    pub main_tiles: u64,
+    pub heads_ctas: u64,
+    /// Tiles of the longest CTA of each kernel: a group's tiles run in order.
+    pub longest_main_tiles: u64,
+    pub longest_heads_tiles: u64,
+    /// CTA × 64-token tiles of masked groups, on either path.
+    #[serde(default)]
+    pub masked_tiles: u64,
+    pub predicted_us: f64,
+}
+
+/// The time constants [`DeviceModel::fit`] adjusts.
+const CONSTANTS: usize = 8;
+
+/// One measured step: a plan's quantities and the time it took.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub cost: PlanCost,
+    pub measured_us: f64,
+}
+
+impl DeviceModel {
+    /// The model in `path` (TOML, as `canopy fit-model --out` writes; missing constants keep
+    /// their defaults), or the built-in one.
+    pub fn load_or_default(path: Option<&std::path::Path>) -> Result<DeviceModel> {
+        path.map_or(Ok(DeviceModel::default()), DeviceModel::load)
+    }
+
+    /// A model from a TOML file; missing constants keep their defaults.
+    pub fn load(path: &std::path::Path) -> Result<DeviceModel> {
+        let fail = |reason: String| CoreError::DeviceModelFile {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+        toml::from_str(&text).map_err(|e| fail(e.to_string()))
+    }
+
+    fn slots(&self) -> u64 {
+        (self.multiprocessors * self.ctas_per_sm) as u64
+    }
+
+    /// The quantities of one decode step of `plan`, and its predicted microseconds.
+    pub fn cost(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
+        let mut c = self.measure(plan, shape);
+        c.predicted_us = self.price(&c);
+        c
+    }
+
+    /// Predicted microseconds of one decode step of `plan`.
+    pub fn predict_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
+        self.cost(plan, shape).predicted_us
+    }
+
+    /// The quantities of one decode step of `plan` as the CUDA backend cuts it for this
+    /// model's CTA slots (`predicted_us` left at 0).
+    pub fn measure(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
+        let gqa = shape.group_size();
+        let (plan, _) = cut_for_gpu(plan, shape, self.slots() as usize);
+        let io = plan.io(shape, crate::DType::F16);
+        let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
+        let mut c = PlanCost {
+            bytes: unique_kv + io.partial_bytes + io.q_bytes,
+            reread_bytes: io.kv_bytes - unique_kv,
+            ..PlanCost::default()
+        };
+        for g in plan.groups() {
+            let rows = g.queries.len() * gqa;
+            let tokens = g.tokens() as u64;
+            let per_head = runs_per_head(rows, shape.kv_heads);
+            if g.mask.is_some() {
+                let ctas = if per_head {
+                    shape.kv_heads / HEADS_PER_CTA
+                } else {
+                    shape.kv_heads
+                };
+                c.masked_tiles += ctas as u64 * tokens.div_ceil(64);
+            }
+            if per_head {
+                let tiles = tokens.div_ceil(16);
+                c.heads_ctas += (shape.kv_heads / HEADS_PER_CTA) as u64;
+                c.longest_heads_tiles = c.longest_heads_tiles.max(tiles);
+            } else {
+                let tiles = tokens.div_ceil(64);
+                let ctas = shape.kv_heads as u64;
+                c.main_ctas += ctas;
+                c.main_tiles += ctas * tiles;
+                c.longest_main_tiles = c.longest_main_tiles.max(tiles);
+            }
+        }
+        c
+    }
+
+    /// Microseconds of a step with quantities `c`.
+    pub fn price(&self, c: &PlanCost) -> f64 {
+        let work = self.main_cta_us * c.main_ctas as f64
+            + self.main_tile_us * c.main_tiles as f64
+            + self.heads_cta_us * c.heads_ctas as f64
+            + self.masked_tile_us * c.masked_tiles as f64;
+        (c.bytes as f64 / self.bytes_per_us + c.reread_bytes as f64 / self.l2_bytes_per_us)
+            .max(work / self.slots() as f64)
+            // A 16-token tile is a quarter of a 64-token one.
+            .max(
+                self.serial_tile_us
+                    * c.longest_main_tiles.max(c.longest_heads_tiles.div_ceil(4)) as f64,
+            )
+            + self.us_per_step
+    }
+
+    /// Root-mean-square of ln(predicted / measured) over `samples`: 0.1 is about 10% off.
+    pub fn log_error(&self, samples: &[Sample]) -> f64 {
+        let sum: f64 = samples
+            .iter()
+            .map(|s| (self.price(&s.cost) / s.measured_us).ln().powi(2))
+            .sum();
+        (sum / samples.len().max(1) as f64).sqrt()
+    }
+
+    /// The time constants (bandwidths, per-step, per-CTA and per-tile costs) that minimise
+    /// [`log_error`](Self::log_error) over `samples`, starting from `self`; the GPU's size
+    /// stays as it is. Relative error, not absolute: `auto` compares plans of one tree, so a
+    /// 20 µs tree deserves the same weight as a 2 ms one. The price is a maximum of terms, so
+    /// the error is not smooth; coordinate descent on the logarithms of the constants, with
+    /// shrinking steps, finds a good minimum without derivatives.
+    pub fn fit(&self, samples: &[Sample]) -> DeviceModel {
+        let mut best = *self;
+        let mut err = best.log_error(samples);
+        for step in [0.5f64, 0.2, 0.05, 0.01] {
+            loop {
+                let mut improved = false;
+                for i in 0..CONSTANTS {
+                    for dir in [1.0, -1.0] {
+                        let mut m = best;
+                        *m.constant_mut(i) *= (dir * step).exp();
+                        let e = m.log_error(samples);
+                        if e < err - 1e-12 {
+                            (best, err, improved) = (m, e, true);
+                        }
+                    }
+                }
+                if !improved {
+                    break;
+                }
+            }
+        }
+        best
+    }
+
+    fn constant_mut(&mut self, i: usize) -> &mut f64 {
+        match i {
+            7 => &mut self.masked_tile_us,
+            0 => &mut self.bytes_per_us,
+            1 => &mut self.l2_bytes_per_us,
+            2 => &mut self.us_per_step,
+            3 => &mut self.main_cta_us,
+            4 => &mut self.main_tile_us,
+            5 => &mut self.heads_cta_us,
+            _ => &mut self.serial_tile_us,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::{plan, Method, PlannerConfig};
+    use crate::shard::{Shard, TreeView};
+    use crate::tree::{KvTree, TreeBuilder};
+
+    /// A root of `root` tokens with `leaves` children of `leaf` tokens, one query each.
+    fn fan(root: u32, leaves: usize, leaf: u32) -> KvTree {
+        let mut b = TreeBuilder::new();
+        let r = b.add_root(root);
+        for _ in 0..leaves {
+            let c = b.add_child(r, leaf).unwrap();
+            b.add_query(c).unwrap();
+        }
+        b.build().unwrap()
+    }
+
+    #[test]
+    fn q_guided_rereads_are_counted_once_as_unique_kv() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let t = fan(1000, 4, 10);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let cfg = PlannerConfig::whole_paths();
+        let q = plan(&view, Method::QGuided, &shape, &cfg).unwrap();
+        let io = q.io(&shape, crate::DType::F16);
+        assert_eq!(io.kv_tokens_read, 4 * 1010);
+        assert_eq!(io.kv_unique_tokens, 1040);
+        let cost = DeviceModel::default().cost(&q, &shape);
+        assert!(cost.reread_bytes > 0 && cost.reread_bytes < cost.bytes * 4);
+    }
+
+    #[test]
+    fn the_model_prices_a_long_shared_root_as_the_backend_cuts_it() {
+        // Few-shot b = 50 planned per node: one group of 50 queries over a 4000-token root.
+        // Run whole, each of its CTAs would walk all 4000 tokens in order (measured on H100
+        // before the backend cut long groups: 234 µs, against 84 µs chunked); the backend now
+        // cuts it (`geometry::cut_for_gpu`), and the model must price the pieces.
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let model = DeviceModel::default();
+        let t = fan(4000, 50, 200);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let node = plan(&view, Method::DeftNode, &shape, &PlannerConfig::default()).unwrap();
+        let cost = model.cost(&node, &shape);
+        assert!(
+            cost.longest_main_tiles * 64 <= 1000,
+            "the longest many-row CTA walks {} tiles",
+            cost.longest_main_tiles
+        );
+    }
+
+    /// Samples priced by a known model are fitted back to (nearly) no error from a start
+    /// that is off by 2x in every constant, and the fit never ends worse than it started.
+    #[test]
+    fn fitting_recovers_the_model_that_priced_the_samples() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let truth = DeviceModel::default();
+        let mut samples = Vec::new();
+        for (root, leaves, leaf) in [
+            (4000, 50, 200),
+            (256, 256, 32),
+            (2048, 1024, 32),
+            (1, 1, 60000),
+            (16, 400, 16),
+        ] {
+            let t = fan(root, leaves, leaf);
+            let shard = Shard::whole(&t);
+            let view = TreeView::new(&t, &shard);
+            for m in Method::ALL {
+                let p = plan(&view, m, &shape, &PlannerConfig::whole_paths()).unwrap();
+                let cost = truth.measure(&p, &shape);
+                samples.push(Sample {
+                    cost,
+                    measured_us: truth.price(&cost),
+                });
+            }
+        }
+        let mut start = truth;
+        for i in 0..CONSTANTS {
+            *start.constant_mut(i) *= if i % 2 == 0 { 2.0 } else { 0.5 };
+        }
+        let before = start.log_error(&samples);
+        let fitted = start.fit(&samples);
+        let after = fitted.log_error(&samples);
+        assert!(before > 0.2, "the start is off ({before})");
+        assert!(after < 0.02, "fitted error {after} (from {before})");
+    }
+}
