@@ -12,8 +12,8 @@ use crate::table::Table;
 use anyhow::{bail, Result};
 use canopy_core::data::{hashed_oracle, hashed_queries, HashedKv};
 use canopy_core::{
-    reference_attention, DeviceModel, IoReport, KvTree, Method, PlannerConfig, Shard, StickyAuto,
-    TreeView, WorkloadSpec,
+    reference_attention, DeviceModel, IoReport, KvTree, Method, PlannerConfig, Shard, TreeView,
+    WorkloadSpec,
 };
 use canopy_cuda::{CudaBackend, KernelChoice, MmaPipeline};
 use canopy_engine::tree_bench::{relate_to_q_guided, MethodRun, TreeBench};
@@ -36,9 +36,9 @@ pub struct TreeArgs {
     #[command(flatten)]
     sizes: SizeArgs,
     /// Decode iterations of a growing tree (CUDA, one rank): every live leaf appends one token
-    /// per iteration in a paged KV pool, and each iteration is re-planned and run; reports
-    /// kernel and planning time at the first, middle and last iteration and summed. 0: the
-    /// workload's tree as is.
+    /// per iteration in a paged KV pool; an iteration that takes a new page is planned afresh,
+    /// the others update the plan in place. Reports kernel and planning time at the first,
+    /// middle and last iteration and summed. 0: the workload's tree as is.
     #[arg(long, default_value_t = 0)]
     grow: usize,
     /// KV page size of the growing tree's pool.
@@ -427,9 +427,15 @@ struct GrowRun {
     /// (iteration, median kernel microseconds, planning milliseconds) at the first, middle and
     /// last iteration.
     points: Vec<(usize, f64, f64)>,
-    /// Median step time summed over every iteration, and planning time summed.
+    /// Median step time summed over every iteration, and planning time summed: the host's
+    /// work before a step can launch (snapshot, plan, cut, upload of the plan and page table
+    /// on a new layout; catch-up and the plan's in-place update otherwise).
     total_kernel_ms: f64,
     total_plan_ms: f64,
+    /// Iterations that needed a new layout (a page taken, a fork, a prune) and were planned
+    /// afresh, and the planning time they took; the rest updated the plan in place.
+    replans: usize,
+    replan_ms: f64,
     /// KV tokens read by the last iteration's plan.
     last_kv_tokens_read: u64,
     /// Against the f64 oracle at the last iteration.
@@ -466,8 +472,15 @@ fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_core::
     Ok(p)
 }
 
-/// Decode steps a growing tree's `auto` keeps its choice for (see [`StickyAuto`]).
-const AUTO_REPLAN_EVERY: usize = 32;
+/// A growing tree's current layout and everything made for it: the host plan (for its IO),
+/// the device plan and the buffers sized by it.
+struct Planned {
+    snap: canopy_core::Snapshot,
+    host: canopy_core::Plan,
+    dplan: canopy_cuda::CudaPlan,
+    partials: canopy_cuda::CudaStates,
+    out: canopy_cuda::CudaStates,
+}
 
 fn grow(
     a: &TreeArgs,
@@ -495,42 +508,75 @@ fn grow(
     for &method in methods {
         let mut paged = paged_tree(tree, page, pool_pages)?;
         let (mut total_kernel_ms, mut total_plan_ms) = (0.0, 0.0);
+        let (mut replans, mut replan_ms) = (0, 0.0);
         let mut points = Vec::new();
         let mut last = None;
-        let mut auto = StickyAuto::new(AUTO_REPLAN_EVERY);
+        let mut current: Option<Planned> = None;
         for it in 1..=a.grow {
             for n in paged.live() {
                 // Token-tree queries sit on inner nodes; only leaves grow.
                 let _ = paged.append(n, 1);
             }
             let t0 = std::time::Instant::now();
-            let (now, table) = paged.snapshot()?;
-            let shard = Shard::whole(&now);
-            let view = TreeView::new(&now, &shard);
-            let host = if method == Method::Auto {
-                auto.plan(&view, &shape, &planner, &model)?.0
+            let mut grown = None;
+            if let Some(c) = &mut current {
+                if let Some(tails) = paged.catch_up(&mut c.snap) {
+                    backend.extend_plan(&mut c.dplan, &tails)?;
+                    grown = Some(tails);
+                }
+            }
+            let plan_ms = if grown.is_none() {
+                let snap = paged.snapshot()?;
+                let shard = Shard::whole(&snap.tree);
+                let view = TreeView::new(&snap.tree, &shard);
+                let host = if method == Method::Auto {
+                    canopy_core::choose(&view, &shape, &planner, &model)?.plan
+                } else {
+                    canopy_core::plan(&view, method, &shape, &planner)?
+                };
+                backend.set_page_table(&mut kv, &snap.table)?;
+                let dplan = backend.upload_plan(&shape, &host)?;
+                let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
+                let partials = backend.alloc_partials(&shape, &dplan)?;
+                let out = backend.alloc_states(&shape, snap.tree.num_queries())?;
+                current = Some(Planned {
+                    snap,
+                    host,
+                    dplan,
+                    partials,
+                    out,
+                });
+                replans += 1;
+                replan_ms += plan_ms;
+                plan_ms
             } else {
-                canopy_core::plan(&view, method, &shape, &planner)?
+                t0.elapsed().as_secs_f64() * 1e3
             };
-            let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
-            backend.set_page_table(&mut kv, &table)?;
-            let q_host = hashed_queries(&shape, dtype, now.num_queries(), a.seed ^ it as u64);
+            total_plan_ms += plan_ms;
+            let Planned {
+                snap,
+                host,
+                dplan,
+                partials,
+                out,
+            } = current.as_mut().expect("planned above");
+            if let Some(tails) = &grown {
+                host.extend_tails(tails);
+            }
+            let nq = snap.tree.num_queries();
+            let q_host = hashed_queries(&shape, dtype, nq, a.seed ^ it as u64);
             let q = backend.upload_queries(&shape, &q_host)?;
-            let dplan = backend.upload_plan(&shape, &host)?;
-            let mut partials = backend.alloc_partials(&shape, &dplan)?;
-            let mut out = backend.alloc_states(&shape, now.num_queries())?;
             let times = backend.time_steps(3, a.cache, &mut || {
-                backend.step(&kv, &q, &dplan, &mut partials, &mut out)
+                backend.step(&kv, &q, dplan, partials, out)
             })?;
             let kernel_us = canopy_core::stats::median(&times) * 1e3;
             total_kernel_ms += kernel_us / 1e3;
-            total_plan_ms += plan_ms;
             if marks.contains(&it) {
                 points.push((it, kernel_us, plan_ms));
             }
             if it == a.grow {
                 let rel_error = if a.check {
-                    let got = backend.download(&out)?;
+                    let got = backend.download(out)?;
                     let pool = HashedKv {
                         seed: a.seed,
                         dtype,
@@ -539,9 +585,9 @@ fn grow(
                     let kv_src = canopy_core::PagedKv {
                         pool: &pool,
                         page_size: page,
-                        table: &table,
+                        table: &snap.table,
                     };
-                    let want = reference_attention(&now, &shape, &q_host, &kv_src).0;
+                    let want = reference_attention(&snap.tree, &shape, &q_host, &kv_src).0;
                     Some(canopy_core::relative_error(&got.o, &want))
                 } else {
                     None
@@ -556,6 +602,8 @@ fn grow(
             points,
             total_kernel_ms,
             total_plan_ms,
+            replans,
+            replan_ms,
             last_kv_tokens_read,
             rel_error,
         });
@@ -582,6 +630,8 @@ fn grow(
         "total kernel ms",
         "total plan ms",
         "plan / kernel",
+        "replans: mean ms",
+        "updates: mean ms",
         "KV tokens (last)",
         "rel err (last)",
     ]);
@@ -596,6 +646,16 @@ fn grow(
             format!("{:.2}", r.total_kernel_ms),
             format!("{:.2}", r.total_plan_ms),
             format!("{:.0}%", 100.0 * r.total_plan_ms / r.total_kernel_ms),
+            format!(
+                "{}: {:.3}",
+                r.replans,
+                r.replan_ms / r.replans.max(1) as f64
+            ),
+            {
+                let updates = out.iterations - r.replans;
+                let ms = (r.total_plan_ms - r.replan_ms) / updates.max(1) as f64;
+                format!("{updates}: {ms:.4}")
+            },
             r.last_kv_tokens_read.to_string(),
             r.rel_error.map_or("-".into(), |e| format!("{e:.2e}")),
         ]);

@@ -28,10 +28,10 @@ pub use device_model::{DeviceModel, PlanCost, Sample};
 pub use dtype::{DType, KvElement, TypedVec};
 pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
-pub use paged::{PagedNode, PagedTree};
-pub use plan::{Group, IoReport, Plan};
+pub use paged::{PagedNode, PagedTree, Snapshot};
+pub use plan::{Group, IoReport, Plan, Tail};
 pub use planner::{
-    auto_candidates, choose, plan, AutoChoice, FastTreeParams, Method, PlannerConfig, StickyAuto,
+    auto_candidates, choose, plan, AutoChoice, FastTreeParams, Method, PlannerConfig,
 };
 pub use shape::AttnShape;
 pub use shard::{shard_tree, Shard, TreeView};

@@ -8,11 +8,18 @@
 //!
 //! [`PagedTree::snapshot`] gives the planners an ordinary [`KvTree`] whose nodes start on page
 //! boundaries (a logical address space), plus the page table from logical to physical pages
-//! that the kernels read through. Re-snapshotting after each step is cheap (linear in nodes and
-//! pages), so plans are rebuilt from scratch every iteration.
+//! that the kernels read through.
+//!
+//! Most decode steps change no layout: every live leaf appends a token inside its last page,
+//! so no node moves and no page is taken. [`PagedTree::catch_up`] recognises such steps and
+//! brings a snapshot up to date in place, returning each grown node as a [`Tail`] (old end,
+//! new end); a plan follows with [`crate::Plan::extend_tails`] instead of being rebuilt. Any
+//! other change (a fork, a prune, a query set, a new page) moves the layout's version, and
+//! `catch_up` says a new snapshot is due.
 
 use crate::error::{CoreError, Result};
-use crate::tree::{KvTree, TreeBuilder};
+use crate::plan::Tail;
+use crate::tree::{KvTree, NodeId, TreeBuilder};
 
 /// A handle to a node of a [`PagedTree`]; stable while the node lives.
 pub type PagedNode = u32;
@@ -35,6 +42,21 @@ pub struct PagedTree {
     free: Vec<u32>,
     slots: Vec<Option<Slot>>,
     roots: Vec<PagedNode>,
+    /// Moves whenever a snapshot's layout would change: nodes added, pruned or marked live,
+    /// or a page taken. Appends inside a node's last page leave it.
+    layout_version: u64,
+}
+
+/// A [`PagedTree`] as the planners and kernels see it at one moment.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Nodes on page boundaries, one query per live node.
+    pub tree: KvTree,
+    /// Logical page → physical page.
+    pub table: Vec<u32>,
+    layout_version: u64,
+    /// For each paged node: its node in `tree` and the length `tree` has for it.
+    nodes: Vec<Option<(NodeId, u32)>>,
 }
 
 impl PagedTree {
@@ -49,6 +71,7 @@ impl PagedTree {
             free: (0..pool_pages).rev().collect(),
             slots: Vec::new(),
             roots: Vec::new(),
+            layout_version: 0,
         })
     }
 
@@ -96,6 +119,7 @@ impl PagedTree {
             Some(p) => self.slot_mut(p)?.children.push(id),
             None => self.roots.push(id),
         }
+        self.layout_version += 1;
         Ok(id)
     }
 
@@ -135,6 +159,9 @@ impl PagedTree {
                 self.pool_pages
             )));
         }
+        if need > 0 {
+            self.layout_version += 1;
+        }
         let fresh: Vec<u32> = (0..need).filter_map(|_| self.free.pop()).collect();
         let s = self.slot_mut(node)?;
         s.pages.extend(fresh);
@@ -144,7 +171,11 @@ impl PagedTree {
 
     /// Marks whether a decode query sits on `node`.
     pub fn set_live(&mut self, node: PagedNode, live: bool) -> Result<()> {
-        self.slot_mut(node)?.live = live;
+        let slot = self.slot_mut(node)?;
+        if slot.live != live {
+            slot.live = live;
+            self.layout_version += 1;
+        }
         Ok(())
     }
 
@@ -152,6 +183,7 @@ impl PagedTree {
     /// of pages freed. Ancestors' (shared) pages are untouched.
     pub fn prune(&mut self, node: PagedNode) -> Result<usize> {
         let parent = self.slot(node)?.parent;
+        self.layout_version += 1;
         match parent {
             Some(p) => self.slot_mut(p)?.children.retain(|&c| c != node),
             None => self.roots.retain(|&r| r != node),
@@ -175,9 +207,8 @@ impl PagedTree {
     }
 
     /// The tree as the planners see it, nodes starting on page boundaries, with one query per
-    /// live node (in the order of [`live`](Self::live)), and the page table: logical page →
-    /// physical page.
-    pub fn snapshot(&self) -> Result<(KvTree, Vec<u32>)> {
+    /// live node (in the order of [`live`](Self::live)), and the page table.
+    pub fn snapshot(&self) -> Result<Snapshot> {
         let mut b = TreeBuilder::new().with_alignment(self.page_size);
         let mut ids = vec![None; self.slots.len()];
         // Parents before children: walk from the roots.
@@ -197,14 +228,48 @@ impl PagedTree {
         }
         let tree = b.build()?;
         let mut table = vec![0u32; tree.total_tokens().div_ceil(self.page_size) as usize];
+        let mut nodes = vec![None; self.slots.len()];
         for n in order {
-            let node = tree.node(ids[n as usize].expect("placed"));
+            let id = ids[n as usize].expect("placed");
+            let node = tree.node(id);
             let first = (node.kv.start / self.page_size) as usize;
             for (i, &page) in self.slot(n)?.pages.iter().enumerate() {
                 table[first + i] = page;
             }
+            nodes[n as usize] = Some((id, node.len()));
         }
-        Ok((tree, table))
+        Ok(Snapshot {
+            tree,
+            table,
+            layout_version: self.layout_version,
+            nodes,
+        })
+    }
+
+    /// Brings `snap` up to date when nothing but appends inside nodes' last pages happened
+    /// since it was taken (or last caught up), and returns the nodes that grew, in logical
+    /// addresses. `None`: the layout moved; take a new [`snapshot`](Self::snapshot).
+    pub fn catch_up(&self, snap: &mut Snapshot) -> Option<Vec<Tail>> {
+        if snap.layout_version != self.layout_version {
+            return None;
+        }
+        let mut tails = Vec::new();
+        for (slot, node) in self.slots.iter().zip(&mut snap.nodes) {
+            let (Some(slot), Some((id, len))) = (slot, node.as_mut()) else {
+                continue;
+            };
+            if slot.len != *len {
+                let start = snap.tree.node(*id).kv.start;
+                let tail = Tail {
+                    end: start + *len,
+                    new_end: start + slot.len,
+                };
+                snap.tree.extend_node(*id, tail.new_end);
+                *len = slot.len;
+                tails.push(tail);
+            }
+        }
+        Some(tails)
     }
 }
 
@@ -227,7 +292,7 @@ mod tests {
         t.append(a, 1).unwrap();
         assert_eq!(t.pages_in_use(), 7);
         assert!(t.append(root, 1).is_err(), "internal nodes do not grow");
-        let (tree, table) = t.snapshot().unwrap();
+        let Snapshot { tree, table, .. } = t.snapshot().unwrap();
         assert_eq!(tree.num_queries(), 2);
         // Both queries' contexts start with the root's three pages: the same physical pages.
         let root_pages: Vec<u32> = table[..3].to_vec();
@@ -264,7 +329,93 @@ mod tests {
         assert_eq!(t.pages_in_use(), 2);
     }
 
+    /// Appends inside the last page keep the layout: `catch_up` extends the snapshot in place
+    /// and reports the tails; a page taken, a fork or a prune needs a new snapshot.
+    #[test]
+    fn appends_inside_a_page_are_caught_up_and_new_pages_are_not() {
+        let mut t = PagedTree::new(16, 64).unwrap();
+        let root = t.add_root(40).unwrap();
+        let a = t.fork(root, 5).unwrap();
+        t.set_live(a, true).unwrap();
+        let mut snap = t.snapshot().unwrap();
+        let a_kv = snap.tree.node(1).kv.clone();
+        assert_eq!(t.catch_up(&mut snap), Some(vec![]));
+        t.append(a, 3).unwrap();
+        let tails = t.catch_up(&mut snap).unwrap();
+        assert_eq!(
+            tails,
+            vec![Tail {
+                end: a_kv.end,
+                new_end: a_kv.end + 3
+            }]
+        );
+        assert_eq!(snap.tree.node(1).kv, a_kv.start..a_kv.end + 3);
+        assert_eq!(snap.tree.total_tokens(), a_kv.end + 3);
+        t.append(a, 8).unwrap(); // 16 tokens: the page is full, not exceeded
+        assert_eq!(t.catch_up(&mut snap).unwrap().len(), 1);
+        t.append(a, 1).unwrap(); // a second page
+        assert_eq!(t.catch_up(&mut snap), None);
+        let mut snap = t.snapshot().unwrap();
+        t.fork(root, 1).unwrap();
+        assert_eq!(t.catch_up(&mut snap), None);
+    }
+
     proptest! {
+        /// A tree grown for many decode steps, forking now and then: plans made once per layout
+        /// and extended in place (`catch_up` + `Plan::extend_tails`) cover every query's
+        /// context exactly, for every method, and DeFT-Node's extended plan is the plan a fresh
+        /// snapshot gives.
+        #[test]
+        fn plans_extended_in_place_match_the_grown_tree(
+            page in 1u32..20,
+            leaves in 1usize..6,
+            steps in proptest::collection::vec(0u8..12, 1..40),
+        ) {
+            use crate::planner::{plan, Method, PlannerConfig};
+            use crate::shard::{Shard, TreeView};
+            let shape = crate::AttnShape::new(8, 2, 64).unwrap();
+            let cfg = PlannerConfig { node_chunk: 7, flatten_block: 5, ..PlannerConfig::default() };
+            let mut t = PagedTree::new(page, 1 << 14).unwrap();
+            let root = t.add_root(9).unwrap();
+            for i in 0..leaves {
+                let leaf = t.fork(root, 1 + i as u32).unwrap();
+                t.set_live(leaf, true).unwrap();
+            }
+            for method in Method::ALL {
+                let mut t = t.clone();
+                let mut snap = t.snapshot().unwrap();
+                let shard = Shard::whole(&snap.tree);
+                let mut p = plan(&TreeView::new(&snap.tree, &shard), method, &shape, &cfg).unwrap();
+                for &step in &steps {
+                    if step == 0 {
+                        // Fork a new live leaf under the first live one's parent.
+                        let first = t.live()[0];
+                        let parent = t.slot(first).unwrap().parent.unwrap_or(first);
+                        let leaf = t.fork(parent, 2).unwrap();
+                        t.set_live(leaf, true).unwrap();
+                    }
+                    for n in t.live() {
+                        t.append(n, 1).unwrap();
+                    }
+                    match t.catch_up(&mut snap) {
+                        Some(tails) => p.extend_tails(&tails),
+                        None => {
+                            snap = t.snapshot().unwrap();
+                            let shard = Shard::whole(&snap.tree);
+                            p = plan(&TreeView::new(&snap.tree, &shard), method, &shape, &cfg).unwrap();
+                        }
+                    }
+                    let shard = Shard::whole(&snap.tree);
+                    let view = TreeView::new(&snap.tree, &shard);
+                    p.check_coverage(|q| view.query_context(q))
+                        .map_err(|e| TestCaseError::fail(format!("{method}: {e}")))?;
+                    if method == Method::DeftNode {
+                        prop_assert_eq!(&p, &plan(&view, method, &shape, &cfg).unwrap());
+                    }
+                }
+            }
+        }
+
         /// Random forks, appends and prunes: no physical page is ever owned twice, the table
         /// covers exactly the pages in use, and every node's logical range fits its pages.
         #[test]
@@ -284,7 +435,7 @@ mod tests {
                 }
             }
             for &n in &nodes { t.set_live(n, true).unwrap(); }
-            let (tree, table) = t.snapshot().unwrap();
+            let Snapshot { tree, table, .. } = t.snapshot().unwrap();
             let mut used: Vec<u32> = Vec::new();
             for node in tree.nodes() {
                 let first = (node.kv.start / 16) as usize;

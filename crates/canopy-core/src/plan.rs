@@ -58,6 +58,15 @@ impl Group {
     }
 }
 
+/// A node's tokens that grew at their end in place, in KV addresses: the node's tokens ended at
+/// `end` and now end at `new_end`, and no other node holds addresses in between
+/// ([`crate::PagedTree::catch_up`] reports these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tail {
+    pub end: u32,
+    pub new_end: u32,
+}
+
 /// A validated plan for one rank's share of a tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -247,6 +256,39 @@ impl Plan {
             }
         }
         Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")
+    }
+
+    /// Follows nodes that grew in place: every KV range ending at a tail's old end now ends at
+    /// its new end, and a masked group's new tokens get the mask of the token before them (the
+    /// same node's, so the same queries see them). The range holding a node's last token is in
+    /// the one group per query that covers it, so each query sees the new tokens exactly once:
+    /// the plan covers the grown tree as a fresh plan would, with the same groups, partial rows
+    /// and merge. The cut into pieces is kept, so balance drifts slowly; a caller replans when
+    /// the layout moves anyway. O(ranges × log tails).
+    pub fn extend_tails(&mut self, tails: &[Tail]) {
+        if tails.is_empty() {
+            return;
+        }
+        let mut by_end: Vec<Tail> = tails.to_vec();
+        by_end.sort_unstable_by_key(|t| t.end);
+        for g in &mut self.groups {
+            let words = g.mask_words();
+            let mut token = 0usize; // tokens of the group before this range
+            for r in &mut g.kv {
+                token += (r.end - r.start) as usize;
+                let Ok(i) = by_end.binary_search_by_key(&r.end, |t| t.end) else {
+                    continue;
+                };
+                let grown = (by_end[i].new_end - r.end) as usize;
+                r.end = by_end[i].new_end;
+                if let Some(mask) = &mut g.mask {
+                    let last = mask[(token - 1) * words..token * words].to_vec();
+                    let at = token * words;
+                    mask.splice(at..at, last.iter().copied().cycle().take(grown * words));
+                }
+                token += grown;
+            }
+        }
     }
 
     /// Moves every KV address by `-offset`, for a rank that stores only its own shard.

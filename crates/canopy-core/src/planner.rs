@@ -16,9 +16,9 @@
 //!   then long-context splitting when too few groups remain to fill the GPU.
 //! - **Auto**: plans the tree with each method, predicts each plan's time with a
 //!   [`DeviceModel`] (KV and partial bytes over bandwidth, tensor-core work over throughput,
-//!   the longest CTA), and keeps the fastest. Planning is cheap beside a decode
-//!   step (milliseconds for the largest benchmark trees), so trying every candidate is
-//!   affordable; the candidates are listed in [`auto_candidates`].
+//!   the longest CTA), and keeps the fastest ([`auto_candidates`]). A growing tree is planned
+//!   afresh only when its layout moves (about once per page of growth: [`crate::PagedTree`]),
+//!   so trying every candidate then is affordable.
 
 use crate::device_model::DeviceModel;
 use crate::error::{CoreError, Result};
@@ -245,47 +245,6 @@ pub fn choose(
         }
     }
     Ok(best.expect("auto has candidates"))
-}
-
-/// `auto` over a tree that changes every decode step: the choice (method and sizes) is kept
-/// for `every` steps and only the chosen method re-plans in between, so a step pays one
-/// planner, not every candidate. Trees grow by a token per leaf per step; a method that won
-/// at one step stays within the model's noise of the best for many more.
-#[derive(Debug, Clone)]
-pub struct StickyAuto {
-    every: usize,
-    steps: usize,
-    pick: Option<(Method, PlannerConfig)>,
-}
-
-impl StickyAuto {
-    pub fn new(every: usize) -> StickyAuto {
-        StickyAuto {
-            every: every.max(1),
-            steps: 0,
-            pick: None,
-        }
-    }
-
-    /// This step's plan, and the method it was planned with.
-    pub fn plan(
-        &mut self,
-        view: &TreeView,
-        shape: &AttnShape,
-        base: &PlannerConfig,
-        model: &DeviceModel,
-    ) -> Result<(Plan, Method)> {
-        let due = self.steps.is_multiple_of(self.every);
-        self.steps += 1;
-        match self.pick {
-            Some((method, config)) if !due => Ok((plan(view, method, shape, &config)?, method)),
-            _ => {
-                let c = choose(view, shape, base, model)?;
-                self.pick = Some((c.method, c.config));
-                Ok((c.plan, c.method))
-            }
-        }
-    }
 }
 
 fn q_guided(view: &TreeView, chunk: u32) -> Vec<Group> {
@@ -585,24 +544,6 @@ mod tests {
         let q = plan(&view, Method::QGuided, &shape, &PlannerConfig::default()).unwrap();
         assert!(pick.predicted_us < model.predict_us(&q, &shape));
         assert!(pick.plan.io(&shape, crate::DType::F16).kv_tokens_read < 2 * 4500);
-    }
-
-    #[test]
-    fn sticky_auto_rechooses_only_every_n_steps() {
-        let shape = AttnShape::new(32, 8, 128).unwrap();
-        let model = DeviceModel::default();
-        let cfg = PlannerConfig::default();
-        let mut sticky = StickyAuto::new(3);
-        for step in 0..7u32 {
-            let t = fan(4000, 50, 10 + step);
-            let shard = Shard::whole(&t);
-            let view = TreeView::new(&t, &shard);
-            let (p, method) = sticky.plan(&view, &shape, &cfg, &model).unwrap();
-            p.check_coverage(|q| view.query_context(q)).unwrap();
-            if step % 3 == 0 {
-                assert_eq!(method, choose(&view, &shape, &cfg, &model).unwrap().method);
-            }
-        }
     }
 
     #[test]

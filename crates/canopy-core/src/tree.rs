@@ -256,6 +256,15 @@ impl KvTree {
         b.build()
     }
 
+    /// Moves the end of `id`'s tokens to `new_end`, for a node that grew into addresses no
+    /// other node holds (its own page's free room: [`crate::PagedTree::catch_up`]).
+    pub(crate) fn extend_node(&mut self, id: NodeId, new_end: u32) {
+        let node = &mut self.nodes[id as usize];
+        debug_assert!(new_end >= node.kv.end);
+        node.kv.end = new_end;
+        self.total_tokens = self.total_tokens.max(new_end);
+    }
+
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
     }

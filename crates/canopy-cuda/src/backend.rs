@@ -19,7 +19,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
 use canopy_core::geometry::{cut_for_gpu, CtaItem, CTA_ROWS, HEADS_PER_CTA};
-use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
+use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
@@ -248,7 +248,8 @@ pub struct CudaPlan {
     rows: usize,
     /// Run on tensor cores when the KV's dtype allows (16-bit).
     tensor_cores: bool,
-    /// `decode_partial_mma`'s CTA descriptors, [`CTA_WORDS`] each, longest first.
+    /// The cut's CTAs, longest first, and their descriptors ([`CTA_WORDS`] each).
+    items: Vec<CtaItem>,
     ctas: CudaSlice<u32>,
     /// Group descriptors, for `decode_partial`.
     groups: CudaSlice<u32>,
@@ -268,6 +269,69 @@ impl CudaPlan {
     /// Whether stage 1 runs on tensor cores for KV of `dtype`.
     pub fn uses_tensor_cores(&self, dtype: DType) -> bool {
         self.tensor_cores && dtype != DType::F32
+    }
+}
+
+/// A cut plan's arrays as the kernels read them, on the host.
+struct HostPlan {
+    /// `decode_partial_mma`'s descriptors, [`CTA_WORDS`] per CTA.
+    ctas: Vec<u32>,
+    /// [`GROUP_WORDS`] per group, for `decode_partial`.
+    groups: Vec<u32>,
+    ranges: Vec<u32>,
+    queries: Vec<u32>,
+    masks: Vec<u64>,
+}
+
+impl HostPlan {
+    fn lay_out(plan: &Plan, items: &[CtaItem]) -> HostPlan {
+        let mut descriptors: Vec<[u32; GROUP_WORDS]> = Vec::new();
+        let (mut ranges, mut queries, mut masks) = (Vec::new(), Vec::new(), Vec::new());
+        for (g, &base) in plan.groups().iter().zip(plan.partial_base()) {
+            let mask = match &g.mask {
+                Some(m) => {
+                    masks.extend_from_slice(m);
+                    (masks.len() - m.len() + 1) as u32
+                }
+                None => 0,
+            };
+            descriptors.push([
+                (ranges.len() / 2) as u32,
+                g.kv.len() as u32,
+                queries.len() as u32,
+                g.queries.len() as u32,
+                base,
+                mask,
+                g.tokens(),
+            ]);
+            ranges.extend(g.kv.iter().flat_map(|r| [r.start, r.end]));
+            queries.extend_from_slice(&g.queries);
+        }
+        // The CUDA-core kernel runs one CTA per group × KV head (its grid's y; it also runs
+        // tensor-core plans when their KV is f32); the tensor-core kernel one per CTA
+        // descriptor, in the cut's order.
+        let ctas: Vec<u32> = items
+            .iter()
+            .flat_map(|c: &CtaItem| {
+                let head = c.kv_head | if c.per_head { CTA_PER_HEAD } else { 0 };
+                let first = &plan.groups()[c.group as usize].kv[0];
+                descriptors[c.group as usize].into_iter().chain([
+                    head,
+                    first.start,
+                    first.end,
+                    0,
+                    0,
+                ])
+            })
+            .collect();
+        debug_assert_eq!(ctas.len(), items.len() * CTA_WORDS);
+        HostPlan {
+            ctas,
+            groups: descriptors.concat(),
+            ranges,
+            queries,
+            masks,
+        }
     }
 }
 
@@ -931,60 +995,42 @@ impl Backend for CudaBackend {
             let plan = plan.split_for_parallelism(target, SIMT_MIN_SPLIT_TOKENS);
             (plan, Vec::new())
         };
-        let mut descriptors: Vec<[u32; GROUP_WORDS]> = Vec::new();
-        let (mut ranges, mut queries, mut masks) = (Vec::new(), Vec::new(), Vec::new());
-        for (g, &base) in plan.groups().iter().zip(plan.partial_base()) {
-            let mask = match &g.mask {
-                Some(m) => {
-                    masks.extend_from_slice(m);
-                    (masks.len() - m.len() + 1) as u32
-                }
-                None => 0,
-            };
-            descriptors.push([
-                (ranges.len() / 2) as u32,
-                g.kv.len() as u32,
-                queries.len() as u32,
-                g.queries.len() as u32,
-                base,
-                mask,
-                g.tokens(),
-            ]);
-            ranges.extend(g.kv.iter().flat_map(|r| [r.start, r.end]));
-            queries.extend_from_slice(&g.queries);
-        }
-        // The CUDA-core kernel runs one CTA per group × KV head (its grid's y; it also runs
-        // tensor-core plans when their KV is f32); the tensor-core kernel one per CTA
-        // descriptor, in the cut's order.
-        let ctas: Vec<u32> = items
-            .iter()
-            .flat_map(|c: &CtaItem| {
-                let head = c.kv_head | if c.per_head { CTA_PER_HEAD } else { 0 };
-                let first = &plan.groups()[c.group as usize].kv[0];
-                descriptors[c.group as usize].into_iter().chain([
-                    head,
-                    first.start,
-                    first.end,
-                    0,
-                    0,
-                ])
-            })
-            .collect();
-        debug_assert_eq!(ctas.len(), items.len() * CTA_WORDS);
+        let host = HostPlan::lay_out(&plan, &items);
         let (ptr, rows_csr) = plan.csr();
         Ok(CudaPlan {
             rows,
             tensor_cores,
-            ctas: self.upload(&ctas)?,
-            groups: self.upload(&descriptors.concat())?,
-
-            ranges: self.upload(&ranges)?,
-            queries: self.upload(&queries)?,
-            masks: self.upload(&masks)?,
+            ctas: self.upload(&host.ctas)?,
+            groups: self.upload(&host.groups)?,
+            ranges: self.upload(&host.ranges)?,
+            queries: self.upload(&host.queries)?,
+            masks: self.upload(&host.masks)?,
             query_ptr: self.upload(ptr)?,
             query_rows: self.upload(rows_csr)?,
             plan,
+            items,
         })
+    }
+
+    fn extend_plan(&self, p: &mut CudaPlan, tails: &[Tail]) -> EResult<()> {
+        if tails.is_empty() {
+            return Ok(());
+        }
+        p.plan.extend_tails(tails);
+        // Same groups and CTAs: only token counts, range ends and masks change. The arrays
+        // keep their lengths (masks grow), so they are copied over the old ones.
+        let host = HostPlan::lay_out(&p.plan, &p.items);
+        for (dev, host) in [
+            (&mut p.ctas, &host.ctas),
+            (&mut p.groups, &host.groups),
+            (&mut p.ranges, &host.ranges),
+        ] {
+            self.stream.memcpy_htod(host, dev).ctx("cuMemcpyHtoD")?;
+        }
+        if host.masks.len() != p.masks.len() {
+            p.masks = self.upload(&host.masks)?;
+        }
+        Ok(())
     }
 
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> EResult<CudaStates> {

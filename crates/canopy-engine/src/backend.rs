@@ -9,7 +9,7 @@
 
 use crate::Result;
 use canopy_comm::Collective;
-use canopy_core::{AttnShape, AttnStates, DType, Plan, TypedVec};
+use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 
 /// Untimed runs before [`Backend::time_steps`] starts timing (caches, clocks, lazy set-up).
 pub const WARMUP_RUNS: usize = 3;
@@ -62,6 +62,10 @@ pub trait Backend: Send + Sync {
     /// Query rows, `rows × q_heads × head_dim` fp32 (kernels may read them in the KV dtype).
     fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> Result<Self::Queries>;
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> Result<Self::Plan>;
+    /// Follows nodes that grew in place ([`Plan::extend_tails`]) in an uploaded plan. Its
+    /// groups, partial rows and merge stay as they were, so buffers allocated for it stay
+    /// valid: a decode step that changed no layout costs this instead of a new plan.
+    fn extend_plan(&self, plan: &mut Self::Plan, tails: &[Tail]) -> Result<()>;
     /// Buffers for `rows` states of `shape`.
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> Result<Self::States>;
     /// Buffers for the uploaded plan's partial rows.

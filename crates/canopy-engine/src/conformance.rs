@@ -8,8 +8,8 @@ use crate::backend::Backend;
 use crate::strategy::{run_threads, Problem, RunConfig, Strategy};
 use crate::Result;
 use canopy_core::{
-    random_tree, relative_error, AttnShape, DType, KvTree, Method, PlannerConfig, TreeBuilder,
-    WorkloadSpec,
+    plan, random_tree, relative_error, AttnShape, DType, KvTree, Method, PlannerConfig, Shard,
+    Tail, TreeBuilder, TreeView, WorkloadSpec,
 };
 use std::time::Duration;
 
@@ -134,6 +134,77 @@ where
                         passed: err < tol && report.output.lse.iter().all(|x| !x.is_nan()),
                     });
                 }
+            }
+        }
+    }
+    out.extend(growth_cases(&make(0)?, seed)?);
+    Ok(out)
+}
+
+/// Plans extended in place ([`Backend::extend_plan`]): a tree laid out on 16-token pages is
+/// planned and uploaded, its leaves then grow inside their pages, and the uploaded plan is
+/// extended instead of replanned; the step must match the oracle on the grown tree. Every
+/// method (DeFT-Flatten's masks grow too) and dtype, on a small fork and on a fan wide enough
+/// for the many-row tensor-core path.
+pub fn growth_cases<B: Backend>(backend: &B, seed: u64) -> Result<Vec<CaseResult>> {
+    let build = |leaves: &[u32]| {
+        let mut b = TreeBuilder::new().with_alignment(16);
+        let root = b.add_root(40);
+        for &len in leaves {
+            let leaf = b.add_child(root, len).expect("parent exists");
+            b.add_query(leaf).expect("node exists");
+        }
+        b.build().expect("valid")
+    };
+    let fork: Vec<u32> = vec![3, 9, 1, 12, 5];
+    let fan: Vec<u32> = (0..40).map(|i| 1 + i % 7).collect();
+    let shapes = [AttnShape::new(8, 2, 128)?, AttnShape::new(4, 4, 64)?];
+    let mut out = Vec::new();
+    for (c, (name, leaves)) in [("fork", fork), ("fan-40", fan)].into_iter().enumerate() {
+        let before = build(&leaves);
+        let grown: Vec<u32> = leaves.iter().map(|&l| l + 1 + l % 3).collect();
+        let after = build(&grown);
+        let tails: Vec<Tail> = before
+            .nodes()
+            .iter()
+            .zip(after.nodes())
+            .filter(|(b, a)| b.kv.end != a.kv.end)
+            .map(|(b, a)| Tail {
+                end: b.kv.end,
+                new_end: a.kv.end,
+            })
+            .collect();
+        for (d, dtype) in DType::ALL.into_iter().enumerate() {
+            let shape = shapes[(c + d) % shapes.len()];
+            let case_seed = seed ^ (0x6A09 + (c * 3 + d) as u64);
+            let problem = Problem::random(after.clone(), shape, dtype, case_seed);
+            let oracle = problem.oracle();
+            let mut kv = backend.alloc_kv(&shape, dtype, after.total_tokens() as usize)?;
+            backend.write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)?;
+            let q = backend.upload_queries(&shape, &problem.data.q)?;
+            let shard = Shard::whole(&before);
+            let view = TreeView::new(&before, &shard);
+            for method in Method::ALL.into_iter().chain([Method::Auto]) {
+                let planned = plan(&view, method, &shape, &PlannerConfig::default())?;
+                let mut dplan = backend.upload_plan(&shape, &planned)?;
+                backend.extend_plan(&mut dplan, &tails)?;
+                let mut partials = backend.alloc_partials(&shape, &dplan)?;
+                let mut states = backend.alloc_states(&shape, after.num_queries())?;
+                backend.poison(&mut partials)?;
+                backend.poison(&mut states)?;
+                backend.step(&kv, &q, &dplan, &mut partials, &mut states)?;
+                let got = backend.download(&states)?;
+                let err = relative_error(&got.o, &oracle);
+                let tol = tolerance(dtype);
+                out.push(CaseResult {
+                    name: format!(
+                        "grown-{name} {dtype} h{}/{}x{} {method} extended in place",
+                        shape.q_heads, shape.kv_heads, shape.head_dim
+                    ),
+                    rel_error: err,
+                    tolerance: tol,
+                    passed: err < tol && got.lse.iter().all(|x| !x.is_nan()),
+                });
             }
         }
     }

@@ -6,7 +6,7 @@ use crate::backend::Backend;
 use crate::{EngineError, Result};
 use canopy_comm::Collective;
 use canopy_core::math::group_partial;
-use canopy_core::{AttnShape, AttnStates, DType, KvElement, Plan, TypedVec};
+use canopy_core::{AttnShape, AttnStates, DType, KvElement, Plan, Tail, TypedVec};
 use rayon::prelude::*;
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -112,6 +112,11 @@ impl Backend for CpuBackend {
 
     fn upload_plan(&self, _shape: &AttnShape, plan: &Plan) -> Result<Plan> {
         Ok(plan.clone())
+    }
+
+    fn extend_plan(&self, plan: &mut Plan, tails: &[Tail]) -> Result<()> {
+        plan.extend_tails(tails);
+        Ok(())
     }
 
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> Result<AttnStates> {
