@@ -23,11 +23,12 @@ use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 type EResult<T> = canopy_engine::Result<T>;
@@ -248,16 +249,30 @@ pub struct CudaPlan {
     rows: usize,
     /// Run on tensor cores when the KV's dtype allows (16-bit).
     tensor_cores: bool,
-    /// The cut's CTAs, longest first, and their descriptors ([`CTA_WORDS`] each).
+    /// The cut's CTAs, longest first.
     items: Vec<CtaItem>,
-    ctas: CudaSlice<u32>,
-    /// Group descriptors, for `decode_partial`.
-    groups: CudaSlice<u32>,
-    ranges: CudaSlice<u32>,
-    queries: CudaSlice<u32>,
+    /// Every u32 array of the plan in one buffer (one allocation and one copy per upload, and
+    /// one copy per in-place update), at `layout`'s offsets.
+    words: CudaSlice<u32>,
+    /// Page-locked host copy of `words` that an in-place update writes and copies from, so
+    /// the copy is asynchronous (a pageable copy waits on the host).
+    staging: PinnedHostSlice<u32>,
+    layout: WordLayout,
     masks: CudaSlice<u64>,
-    query_ptr: CudaSlice<u32>,
-    query_rows: CudaSlice<u32>,
+}
+
+/// Where each array of a plan lies in [`CudaPlan`]'s word buffer. The arrays an in-place
+/// update rewrites come first, so it copies one prefix.
+#[derive(Debug, Clone)]
+struct WordLayout {
+    /// `decode_partial_mma`'s descriptors, [`CTA_WORDS`] per CTA.
+    ctas: Range<usize>,
+    /// [`GROUP_WORDS`] per group, for `decode_partial`.
+    groups: Range<usize>,
+    ranges: Range<usize>,
+    queries: Range<usize>,
+    query_ptr: Range<usize>,
+    query_rows: Range<usize>,
 }
 
 impl CudaPlan {
@@ -274,12 +289,8 @@ impl CudaPlan {
 
 /// A cut plan's arrays as the kernels read them, on the host.
 struct HostPlan {
-    /// `decode_partial_mma`'s descriptors, [`CTA_WORDS`] per CTA.
-    ctas: Vec<u32>,
-    /// [`GROUP_WORDS`] per group, for `decode_partial`.
-    groups: Vec<u32>,
-    ranges: Vec<u32>,
-    queries: Vec<u32>,
+    words: Vec<u32>,
+    layout: WordLayout,
     masks: Vec<u64>,
 }
 
@@ -325,11 +336,23 @@ impl HostPlan {
             })
             .collect();
         debug_assert_eq!(ctas.len(), items.len() * CTA_WORDS);
+        let (query_ptr, query_rows) = plan.csr();
+        let mut words = Vec::new();
+        let mut push = |a: &[u32]| {
+            words.extend_from_slice(a);
+            words.len() - a.len()..words.len()
+        };
+        let layout = WordLayout {
+            ctas: push(&ctas),
+            groups: push(&descriptors.concat()),
+            ranges: push(&ranges),
+            queries: push(&queries),
+            query_ptr: push(query_ptr),
+            query_rows: push(query_rows),
+        };
         HostPlan {
-            ctas,
-            groups: descriptors.concat(),
-            ranges,
-            queries,
+            words,
+            layout,
             masks,
         }
     }
@@ -778,17 +801,22 @@ impl CudaBackend {
         let (q_heads, kv_heads) = (shape.q_heads as i32, shape.kv_heads as i32);
         let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
         let shift = kv.paging.as_ref().map_or(0u32, |p| p.shift);
-        let descriptors = match kernel {
-            Kernel::DecodeMma { .. } => &plan.ctas,
-            _ => &plan.groups,
-        };
+        let l = &plan.layout;
+        let descriptors = plan.words.slice(match kernel {
+            Kernel::DecodeMma { .. } => l.ctas.clone(),
+            _ => l.groups.clone(),
+        });
+        let (ranges, queries) = (
+            plan.words.slice(l.ranges.clone()),
+            plan.words.slice(l.queries.clone()),
+        );
         let mut b = self.stream.launch_builder(&f);
         b.arg(&kv.k)
             .arg(&kv.v)
             .arg(&q.q)
-            .arg(descriptors)
-            .arg(&plan.ranges)
-            .arg(&plan.queries)
+            .arg(&descriptors)
+            .arg(&ranges)
+            .arg(&queries)
             .arg(&plan.masks);
         match &kv.paging {
             Some(p) => b.arg(&p.device),
@@ -996,17 +1024,22 @@ impl Backend for CudaBackend {
             (plan, Vec::new())
         };
         let host = HostPlan::lay_out(&plan, &items);
-        let (ptr, rows_csr) = plan.csr();
+        // SAFETY: every element is written before the buffer is read.
+        let mut staging = unsafe { self.ctx.alloc_pinned::<u32>(host.words.len().max(1)) }
+            .ctx("cuMemHostAlloc")?;
+        staging.as_mut_slice().ctx("cuEventSynchronize")?[..host.words.len()]
+            .copy_from_slice(&host.words);
+        let mut words = self.alloc::<u32>(host.words.len())?;
+        self.stream
+            .memcpy_htod(&staging, &mut words)
+            .ctx("cuMemcpyHtoD")?;
         Ok(CudaPlan {
             rows,
             tensor_cores,
-            ctas: self.upload(&host.ctas)?,
-            groups: self.upload(&host.groups)?,
-            ranges: self.upload(&host.ranges)?,
-            queries: self.upload(&host.queries)?,
+            words,
+            staging,
+            layout: host.layout,
             masks: self.upload(&host.masks)?,
-            query_ptr: self.upload(ptr)?,
-            query_rows: self.upload(rows_csr)?,
             plan,
             items,
         })
@@ -1018,16 +1051,17 @@ impl Backend for CudaBackend {
         }
         p.plan.extend_tails(tails);
         // Same groups and CTAs: only token counts, range ends and masks change. The arrays
-        // keep their lengths (masks grow), so they are copied over the old ones.
+        // keep their lengths and places (masks grow), so the descriptors and ranges are
+        // rewritten in the staging buffer and one asynchronous copy takes it over.
         let host = HostPlan::lay_out(&p.plan, &p.items);
-        for (dev, host) in [
-            (&mut p.ctas, &host.ctas),
-            (&mut p.groups, &host.groups),
-            (&mut p.ranges, &host.ranges),
-        ] {
-            self.stream.memcpy_htod(host, dev).ctx("cuMemcpyHtoD")?;
-        }
-        if host.masks.len() != p.masks.len() {
+        let changed = ..host.layout.ranges.end;
+        // Waits for the staging buffer's last copy, long done by now.
+        p.staging.as_mut_slice().ctx("cuEventSynchronize")?[changed]
+            .copy_from_slice(&host.words[changed]);
+        self.stream
+            .memcpy_htod(&p.staging, &mut p.words)
+            .ctx("cuMemcpyHtoD")?;
+        if !host.masks.is_empty() {
             p.masks = self.upload(&host.masks)?;
         }
         Ok(())
@@ -1100,7 +1134,7 @@ impl Backend for CudaBackend {
         };
         let cfg = LaunchConfig {
             // A plan with groups has CTAs (an empty list is a one-word allocation: 0 here).
-            grid_dim: ((plan.ctas.len() / CTA_WORDS) as u32, 1, 1),
+            grid_dim: ((plan.layout.ctas.len() / CTA_WORDS) as u32, 1, 1),
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: mma_shared_bytes(head_dim, self.pipeline) as u32,
         };
@@ -1124,8 +1158,10 @@ impl Backend for CudaBackend {
         let s = &self.stream;
         let (po, _) = partials.o.device_ptr(s);
         let (plse, _) = partials.lse.device_ptr(s);
-        let (query_ptr, _) = plan.query_ptr.device_ptr(s);
-        let (query_rows, _) = plan.query_rows.device_ptr(s);
+        let query_ptr = plan.words.slice(plan.layout.query_ptr.clone());
+        let query_rows = plan.words.slice(plan.layout.query_rows.clone());
+        let (query_ptr, _) = query_ptr.device_ptr(s);
+        let (query_rows, _) = query_rows.device_ptr(s);
         let (out_o, _) = out.o.device_ptr_mut(s);
         let (out_lse, _) = out.lse.device_ptr_mut(s);
         let cells = nq as usize * partials.heads;
