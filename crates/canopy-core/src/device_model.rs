@@ -240,18 +240,7 @@ mod tests {
     use super::*;
     use crate::planner::{plan, Method, PlannerConfig};
     use crate::shard::{Shard, TreeView};
-    use crate::tree::{KvTree, TreeBuilder};
-
-    /// A root of `root` tokens with `leaves` children of `leaf` tokens, one query each.
-    fn fan(root: u32, leaves: usize, leaf: u32) -> KvTree {
-        let mut b = TreeBuilder::new();
-        let r = b.add_root(root);
-        for _ in 0..leaves {
-            let c = b.add_child(r, leaf).unwrap();
-            b.add_query(c).unwrap();
-        }
-        b.build().unwrap()
-    }
+    use crate::tree::fan;
 
     #[test]
     fn q_guided_rereads_are_counted_once_as_unique_kv() {

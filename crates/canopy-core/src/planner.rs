@@ -443,7 +443,7 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
 mod tests {
     use super::*;
     use crate::shard::{shard_tree, Shard};
-    use crate::tree::TreeBuilder;
+    use crate::tree::{fan, TreeBuilder};
 
     fn fork() -> crate::tree::KvTree {
         let mut b = TreeBuilder::new();
@@ -519,17 +519,6 @@ mod tests {
         let p = plan(&view, Method::FastTree, &shape, &PlannerConfig::default()).unwrap();
         assert!(p.groups().len() * 16 >= 264, "{} groups", p.groups().len());
         p.check_coverage(|q| view.query_context(q)).unwrap();
-    }
-
-    /// A root of `root` tokens with `leaves` children of `leaf` tokens, one query each.
-    fn fan(root: u32, leaves: usize, leaf: u32) -> crate::KvTree {
-        let mut b = TreeBuilder::new();
-        let r = b.add_root(root);
-        for _ in 0..leaves {
-            let c = b.add_child(r, leaf).unwrap();
-            b.add_query(c).unwrap();
-        }
-        b.build().unwrap()
     }
 
     #[test]

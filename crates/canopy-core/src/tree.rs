@@ -184,6 +184,19 @@ impl TreeBuilder {
     }
 }
 
+/// A root of `root` tokens with `leaves` children of `leaf` tokens, one query each: the
+/// shared-prefix shape the planner and model tests use.
+#[cfg(test)]
+pub(crate) fn fan(root: u32, leaves: usize, leaf: u32) -> KvTree {
+    let mut b = TreeBuilder::new();
+    let r = b.add_root(root);
+    for _ in 0..leaves {
+        let c = b.add_child(r, leaf).unwrap();
+        b.add_query(c).unwrap();
+    }
+    b.build().unwrap()
+}
+
 /// A node of a user-written tree: named, with its parent by name.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 pub struct NamedNode {

@@ -262,7 +262,7 @@ pub struct CudaPlan {
 }
 
 /// Where each array of a plan lies in [`CudaPlan`]'s word buffer. The arrays an in-place
-/// update rewrites come first, so it copies one prefix.
+/// update rewrites come first, so it rewrites one prefix of the staging buffer.
 #[derive(Debug, Clone)]
 struct WordLayout {
     /// `decode_partial_mma`'s descriptors, [`CTA_WORDS`] per CTA.
