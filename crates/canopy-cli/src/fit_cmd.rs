@@ -82,11 +82,6 @@ fn pick(model: &DeviceModel, tree: &[(Method, Sample)]) -> (Method, f64) {
         .expect("a tree with measured methods")
 }
 
-fn geomean(xs: impl Iterator<Item = f64>) -> f64 {
-    let (sum, n) = xs.fold((0.0, 0), |(s, n), x| (s + x.ln(), n + 1));
-    (sum / n.max(1) as f64).exp()
-}
-
 /// A measured tree, re-planned as the benchmark planned it.
 struct Measured {
     run: TreeRun,
@@ -168,8 +163,8 @@ pub fn run(a: FitArgs) -> Result<()> {
         samples: all.len(),
         start_log_error: start.log_error(&all),
         fitted_log_error: fitted.log_error(&all),
-        start_regret: geomean(fits.iter().map(|t| t.start_pick.1 / t.best.1)),
-        fitted_regret: geomean(fits.iter().map(|t| t.fitted_pick.1 / t.best.1)),
+        start_regret: canopy_core::stats::geomean(fits.iter().map(|t| t.start_pick.1 / t.best.1)),
+        fitted_regret: canopy_core::stats::geomean(fits.iter().map(|t| t.fitted_pick.1 / t.best.1)),
         fitted,
         trees: fits,
     };

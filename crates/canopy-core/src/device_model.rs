@@ -98,11 +98,9 @@ impl DeviceModel {
     /// The model in `path` (TOML, as `canopy fit-model --out` writes; missing constants keep
     /// their defaults), or the built-in one.
     pub fn load_or_default(path: Option<&std::path::Path>) -> Result<DeviceModel> {
-        path.map_or(Ok(DeviceModel::default()), DeviceModel::load)
-    }
-
-    /// A model from a TOML file; missing constants keep their defaults.
-    pub fn load(path: &std::path::Path) -> Result<DeviceModel> {
+        let Some(path) = path else {
+            return Ok(DeviceModel::default());
+        };
         let fail = |reason: String| CoreError::DeviceModelFile {
             path: path.display().to_string(),
             reason,

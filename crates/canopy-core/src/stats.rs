@@ -15,6 +15,14 @@ pub fn median(xs: &[f64]) -> f64 {
     quantile(xs, 0.5)
 }
 
+/// The geometric mean of `xs` (all positive); 1 when empty.
+pub fn geomean(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let (sum, n) = xs
+        .into_iter()
+        .fold((0.0, 0), |(s, n), x| (s + x.ln(), n + 1));
+    (sum / n.max(1) as f64).exp()
+}
+
 /// FNV-1a over `parts` (with a separator between them): a hash that stays the same across
 /// builds and machines, for on-disk cache keys and for ranks comparing their configurations.
 pub fn fnv1a(parts: &[&[u8]]) -> u64 {

@@ -1061,7 +1061,8 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_htod(&p.staging, &mut p.words)
             .ctx("cuMemcpyHtoD")?;
-        if !host.masks.is_empty() {
+        // Masks change only by growing (new tokens of a masked group); unchanged ones stay.
+        if host.masks.len() > p.masks.len() {
             p.masks = self.upload(&host.masks)?;
         }
         Ok(())
