@@ -1,10 +1,12 @@
 // Stage 1 of decoding on tensor cores: the same plans as decode.cu, for groups whose queries
 // share KV (shared prefixes: FastTree's and DeFT's groups, GQA). One kernel, decode_partial_mma
 // (at the end of the file), runs a list of CTA descriptors, each CTA one of two kinds: many rows
-// of one KV head (`attend_rows`, groups of more than 16 rows) or one warp per KV head (`attend_heads`,
-// groups of up to 16 rows).
+// of one KV head (groups of more than 16 rows) or one warp per KV head (`attend_heads`, groups
+// of up to 16 rows). On Hopper (sm_90a) the many-row CTAs run on the warpgroup MMA
+// (`attend_rows_wg`, wgmma with K and V read from swizzled shared memory); elsewhere, and where
+// the warpgroup path does not apply, on mma.sync (`attend_rows`).
 //
-// `attend_rows`: one CTA per (plan group, KV head), four warps. A group's rows are its queries
+// `attend_rows` (mma.sync): one CTA per (plan group, KV head), four warps. A group's rows are its queries
 // x the GQA rows of the KV head, at most 64 (the host splits larger groups by query, so each
 // CTA holds all its rows in registers). KV streams through shared memory in tiles of TILE tokens, STAGES stages
 // deep with cp.async (the next STAGES - 1 tiles are in flight while the warps compute on one).
@@ -131,9 +133,18 @@ __device__ __forceinline__ GroupDesc read_cta(const u32* ctas, u32 i) {
 // every tile of a node-sized group on contiguous KV) costs one address computation per thread;
 // only tiles that cross a range or page boundary map every row on its own. The range cursor
 // only moves forward, as the tiles do.
-template <int PIECES, int TOKENS, int DEPTH>
+//
+// SWIZZLED (one head of 128 elements) lays a tile out as the warpgroup MMA reads it with the
+// 128-byte swizzle: two blocks of 64 elements (one per half of HEAD_DIM), each TOKENS rows of
+// 128 bytes, the 16-byte piece p of token t at position p ^ (t % 8) of its row. Eight
+// consecutive threads copy one row of a block: one 128-byte line of global memory, written to
+// eight different bank groups.
+template <int PIECES, int TOKENS, int DEPTH, bool SWIZZLED = false>
 struct KvStream {
+    static_assert(!SWIZZLED || (PIECES == CHUNKS && CHUNKS == 16), "swizzled tiles hold one head of 128");
     static constexpr int ROWS_PER_PASS = THREADS / PIECES;
+    // Elements from one pass's rows to the next pass's in a block.
+    static constexpr int PASS_STEP = SWIZZLED ? ROWS_PER_PASS * 64 : ROWS_PER_PASS * STRIDE;
     const unsigned char* k;  // this thread's piece of token 0
     const unsigned char* v;
     const u32* ranges;
@@ -149,7 +160,8 @@ struct KvStream {
         const int piece = threadIdx.x % PIECES;
         stride = (u64)kv_heads * HEAD_DIM * 2;
         row_first = threadIdx.x / PIECES;
-        dst = ((piece / CHUNKS) * TOKENS + row_first) * STRIDE + (piece % CHUNKS) * 8;
+        dst = SWIZZLED ? (piece / 8) * (TOKENS * 64) + row_first * 64 + ((piece % 8) ^ (row_first % 8)) * 8
+                       : ((piece / CHUNKS) * TOKENS + row_first) * STRIDE + (piece % CHUNKS) * 8;
         const u64 head = ((u64)kvh0 * HEAD_DIM + piece * 8) * 2;
         k = kc + head;
         v = vc + head;
@@ -193,8 +205,8 @@ struct KvStream {
                 const int r = row_first + i * ROWS_PER_PASS;
                 const bool valid = (u32)r < n;
                 const u64 off = valid ? base + (u64)(i * ROWS_PER_PASS) * stride : 0;
-                cp_async16(ks + dst + i * ROWS_PER_PASS * STRIDE, k + off, valid ? 16 : 0);
-                cp_async16(vs + dst + i * ROWS_PER_PASS * STRIDE, v + off, valid ? 16 : 0);
+                cp_async16(ks + dst + i * PASS_STEP, k + off, valid ? 16 : 0);
+                cp_async16(vs + dst + i * PASS_STEP, v + off, valid ? 16 : 0);
             }
         } else {
 #pragma unroll 1
@@ -202,8 +214,8 @@ struct KvStream {
                 const int r = row_first + i * ROWS_PER_PASS;
                 const bool valid = (u32)r < n;
                 const u64 off = valid ? physical(seek(lo + r)) * stride : 0;
-                cp_async16(ks + dst + i * ROWS_PER_PASS * STRIDE, k + off, valid ? 16 : 0);
-                cp_async16(vs + dst + i * ROWS_PER_PASS * STRIDE, v + off, valid ? 16 : 0);
+                cp_async16(ks + dst + i * PASS_STEP, k + off, valid ? 16 : 0);
+                cp_async16(vs + dst + i * PASS_STEP, v + off, valid ? 16 : 0);
             }
         }
         cp_async_commit();
@@ -221,6 +233,9 @@ struct KvStream {
     __device__ __forceinline__ void next(u16* ks, u16* vs, u32 tile, u32 tiles) {
         issue_or_skip(ks, vs, tile + DEPTH - 1, tiles);
         asm volatile("cp.async.wait_group %0;\n" ::"n"(DEPTH - 1) : "memory");
+        // The warpgroup MMA reads shared memory through the async proxy: make this thread's
+        // copies visible to it before the barrier.
+        if constexpr (SWIZZLED) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
     }
 };
@@ -263,45 +278,30 @@ __device__ __forceinline__ void load_q(u32 (&qa)[KCH][4], const float* q, const 
         }
 }
 
-// One warp's slice of one tile: SLICE tokens (rows of k and v) for its 16 rows. S = Q K^T, the
-// online softmax (S is already in the log2 domain), O += P V. `first` is the group-local index
-// of the slice's first token; `edge`: the tile runs past the group's tokens or the group is
-// masked, so scores are tested one by one (interior tiles of unmasked groups skip the tests).
-template <int SLICE>
-__device__ __forceinline__ void attend(const u16 (*k)[STRIDE], const u16 (*v)[STRIDE], const u32 (&qa)[KCH][4],
-                                       float (&o)[DTILES][4], float (&m)[2], float (&l)[2], u32 first, bool edge,
-                                       u32 tokens, const u64* mask, u32 words, int row0, int gsz) {
-    constexpr int NT = SLICE / 8;  // n-tiles of 8 tokens
+// Scores past the group's tokens, or masked from a row's query, to -inf. `first` is the
+// group-local index of the scores' first token (column 0 of n-tile 0).
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], u32 first, u32 tokens, const u64* mask, u32 words,
+                                            int row0, int gsz) {
     const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
-    float s[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
-#pragma unroll
-    for (int c = 0; c < KCH; c += 2) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            u32 b[4];
-            ldsm_x4<false>(b, &k[nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
-            mma16816(s[nt], qa[c], b[0], b[1]);
-            mma16816(s[nt], qa[c + 1], b[2], b[3]);
-        }
-    }
-    if (edge) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 local = first + nt * 8 + 2 * tig + (i & 1);
-                bool keep = local < tokens;
-                if (keep && mask) {
-                    const u32 j = (u32)(row0 + g + 8 * (i >> 1)) / gsz;
-                    keep = (mask[(u64)local * words + j / 64] >> (j % 64)) & 1ull;
-                }
-                if (!keep) s[nt][i] = NEG_INF;
+        for (int i = 0; i < 4; ++i) {
+            const u32 local = first + nt * 8 + 2 * tig + (i & 1);
+            bool keep = local < tokens;
+            if (keep && mask) {
+                const u32 j = (u32)(row0 + g + 8 * (i >> 1)) / gsz;
+                keep = (mask[(u64)local * words + j / 64] >> (j % 64)) & 1ull;
             }
-    }
+            if (!keep) s[nt][i] = NEG_INF;
+        }
+}
+
+// The online softmax over one slice of scores (already in the log2 domain): the running max
+// and sum move, O is rescaled if some row's max did, and the scores become P.
+template <int NT>
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2]) {
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -337,14 +337,49 @@ __device__ __forceinline__ void attend(const u16 (*k)[STRIDE], const u16 (*v)[ST
             o[d][3] *= alpha[1];
         }
     }
+}
+
+// P of 16 tokens (S n-tiles 2c and 2c + 1) as an A fragment of P V.
+template <int NT>
+__device__ __forceinline__ void p_fragment(u32 (&a)[4], const float (&s)[NT][4], int c) {
+    a[0] = pack2(s[2 * c][0], s[2 * c][1]);
+    a[1] = pack2(s[2 * c][2], s[2 * c][3]);
+    a[2] = pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
+    a[3] = pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
+}
+
+// One warp's slice of one tile: SLICE tokens (rows of k and v) for its 16 rows. S = Q K^T, the
+// online softmax (S is already in the log2 domain), O += P V. `first` is the group-local index
+// of the slice's first token; `edge`: the tile runs past the group's tokens or the group is
+// masked, so scores are tested one by one (interior tiles of unmasked groups skip the tests).
+template <int SLICE>
+__device__ __forceinline__ void attend(const u16 (*k)[STRIDE], const u16 (*v)[STRIDE], const u32 (&qa)[KCH][4],
+                                       float (&o)[DTILES][4], float (&m)[2], float (&l)[2], u32 first, bool edge,
+                                       u32 tokens, const u64* mask, u32 words, int row0, int gsz) {
+    constexpr int NT = SLICE / 8;  // n-tiles of 8 tokens
+    const int lane = threadIdx.x % 32;
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < KCH; c += 2) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            u32 b[4];
+            ldsm_x4<false>(b, &k[nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
+            mma16816(s[nt], qa[c], b[0], b[1]);
+            mma16816(s[nt], qa[c + 1], b[2], b[3]);
+        }
+    }
+    if (edge) mask_scores(s, first, tokens, mask, words, row0, gsz);
+    softmax_step(s, o, m, l);
     // O += P V, 16 tokens (two S n-tiles) per k-chunk.
 #pragma unroll
     for (int c = 0; c < NT / 2; ++c) {
         u32 a[4];
-        a[0] = pack2(s[2 * c][0], s[2 * c][1]);
-        a[1] = pack2(s[2 * c][2], s[2 * c][3]);
-        a[2] = pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
-        a[3] = pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
+        p_fragment(a, s, c);
         const int vt = c * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
 #pragma unroll
         for (int d = 0; d < DTILES; d += 2) {
@@ -486,6 +521,156 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
     }
 }
 
+// (Four CTAs per SM, TILE 32 in two stages, leave too few registers for its accumulators.)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && HEAD_DIM == 128 && TILE == 32 && MIN_CTAS <= 3
+#define WGMMA 1
+#else
+#define WGMMA 0
+#endif
+
+#if WGMMA
+// Warpgroup MMA (Hopper's wgmma): the CTA's four warps are one warpgroup and multiply 64 rows
+// at a time. A (Q, or P) comes from registers in the same per-warp fragments as mma.sync's
+// m16n8k16 (warp w holds rows 16w..16w+15), and so do the f32 accumulators, per 8 columns; B
+// (K, or V) is read by the tensor cores straight from the shared-memory tile, described by a
+// 64-bit matrix descriptor, with no ldmatrix through registers.
+
+// Descriptor of a 128-byte-swizzled tile (KvStream<..., true>): start address, then the byte
+// offsets between 64-element blocks (leading) and between 8-row groups (stride), all in
+// 16-byte units, and the swizzle mode. The swizzle XORs address bits 4-6 with bits 7-9, so a
+// tile must start on 1024 bytes.
+__device__ __forceinline__ u64 smem_desc(const u16* p, u32 leading, u32 stride) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    return (u64)((a & 0x3ffffu) >> 4) | (u64)(leading >> 4) << 16 | (u64)(stride >> 4) << 32 | 1ull << 62;
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit_and_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Keeps the compiler from moving an accumulator's reads or writes across an asynchronous MMA.
+__device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// S (64 rows x 32 tokens) (+)= Q (k16 chunk) K^T: B is K-major (HEAD_DIM contiguous per token).
+__device__ __forceinline__ void wg_qk(float (&s)[4][4], const u32 (&a)[4], u64 desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." MMA_AB "." MMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]),
+          "+f"(s[1][2]), "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]),
+          "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+// O (64 rows x 128) += P (k16 chunk of tokens) V: B is MN-major (HEAD_DIM contiguous per
+// token, transposed by the instruction).
+__device__ __forceinline__ void wg_pv(float (&o)[DTILES][4], const u32 (&a)[4], u64 desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_AB "." MMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+        : "+f"(o[0][0]), "+f"(o[0][1]), "+f"(o[0][2]), "+f"(o[0][3]), "+f"(o[1][0]), "+f"(o[1][1]),
+          "+f"(o[1][2]), "+f"(o[1][3]), "+f"(o[2][0]), "+f"(o[2][1]), "+f"(o[2][2]), "+f"(o[2][3]),
+          "+f"(o[3][0]), "+f"(o[3][1]), "+f"(o[3][2]), "+f"(o[3][3]), "+f"(o[4][0]), "+f"(o[4][1]),
+          "+f"(o[4][2]), "+f"(o[4][3]), "+f"(o[5][0]), "+f"(o[5][1]), "+f"(o[5][2]), "+f"(o[5][3]),
+          "+f"(o[6][0]), "+f"(o[6][1]), "+f"(o[6][2]), "+f"(o[6][3]), "+f"(o[7][0]), "+f"(o[7][1]),
+          "+f"(o[7][2]), "+f"(o[7][3]), "+f"(o[8][0]), "+f"(o[8][1]), "+f"(o[8][2]), "+f"(o[8][3]),
+          "+f"(o[9][0]), "+f"(o[9][1]), "+f"(o[9][2]), "+f"(o[9][3]), "+f"(o[10][0]), "+f"(o[10][1]),
+          "+f"(o[10][2]), "+f"(o[10][3]), "+f"(o[11][0]), "+f"(o[11][1]), "+f"(o[11][2]), "+f"(o[11][3]),
+          "+f"(o[12][0]), "+f"(o[12][1]), "+f"(o[12][2]), "+f"(o[12][3]), "+f"(o[13][0]), "+f"(o[13][1]),
+          "+f"(o[13][2]), "+f"(o[13][3]), "+f"(o[14][0]), "+f"(o[14][1]), "+f"(o[14][2]), "+f"(o[14][3]),
+          "+f"(o[15][0]), "+f"(o[15][1]), "+f"(o[15][2]), "+f"(o[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+// Groups of more rows than the one-warp-per-head path takes run on the warpgroup MMA, even
+// those of 17-32 rows that leave half of its 64 rows empty: faster than mma.sync's split of
+// the tokens on every FastTree tree (docs/BENCHMARKS.md, session 9).
+#define WG_MIN_ROWS 17
+
+static_assert(sizeof(Stage) % 1024 == 0 && 2 * 2 * TILE * 64 * 2 <= sizeof(Stage),
+              "a stage holds swizzled K and V tiles and keeps the next stage on 1024 bytes");
+
+// A CTA of 17 to 64 rows of one KV head on the warpgroup MMA: each warp holds 16 rows and the
+// four multiply every tile together, 32 tokens a tile (the many-row path's pipeline, K and V
+// each 8 KB of a stage, swizzled). Per tile: S = Q K^T in 8 MMAs of k16, the same masking and
+// online softmax as `attend` on the accumulators, then O += P V in two MMAs of 16 tokens.
+__device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& cd, int kvh, unsigned char* smem_raw) {
+    Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // each stage starts on 1024 bytes
+    const int gsz = q_heads / kv_heads;
+    const int warp = threadIdx.x / 32;
+    constexpr int HALF = TILE * 64;  // elements of one 64-element block of a tile
+    // K and V of a stage: two swizzled tiles of 2 * HALF elements each.
+    auto k_of = [&](Stage& st) { return &st.k[0][0]; };
+    auto v_of = [&](Stage& st) { return &st.k[0][0] + 2 * HALF; };
+
+    KvStream<CHUNKS, TILE, STAGES, true> kv;
+    kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd);
+    const u32 tiles = (cd.tokens + TILE - 1) / TILE;
+#pragma unroll
+    for (int s = 0; s + 1 < STAGES; ++s) kv.issue_or_skip(k_of(stage_mem[s]), v_of(stage_mem[s]), s, tiles);
+
+    const int rows = min((int)cd.query_count * gsz, 64);
+    const int row0 = warp * 16;
+    const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
+    const u32 words = (cd.query_count + 63) / 64;
+    u32 qa[KCH][4];
+    load_q(qa, q, group_queries, cd, rows, row0, kvh, gsz, q_heads, scale_log2);
+    float o[DTILES][4], m[2], l[2];
+    clear_state(o, m, l);
+
+    for (u32 tile = 0; tile < tiles; ++tile) {
+        Stage& next = stage_mem[(tile + STAGES - 1) % STAGES];
+        kv.next(k_of(next), v_of(next), tile, tiles);
+        Stage& st = stage_mem[tile % STAGES];
+        float s[4][4] = {};
+        wg_fence();
+        // k16 step c: 32 bytes into block c / 4 (the swizzle is applied to the address).
+#pragma unroll
+        for (int c = 0; c < KCH; ++c)
+            wg_qk(s, qa[c], smem_desc(k_of(st) + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
+        wg_commit_and_wait();
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wg_pin(s[nt][i]);
+        if (mask || tile * TILE + TILE > cd.tokens) mask_scores(s, tile * TILE, cd.tokens, mask, words, row0, gsz);
+        softmax_step(s, o, m, l);
+        u32 a[2][4];
+        p_fragment(a[0], s, 0);
+        p_fragment(a[1], s, 1);
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            // Tokens 16j..16j + 15, two 1024-byte groups of 8 rows in; the leading offset steps
+            // between the two 64-element blocks of HEAD_DIM (N), the stride between groups of
+            // 8 tokens (K). (Swapped, the device's results were wrong: BENCHMARKS, session 9.)
+            const u16* vj = v_of(st) + j * 16 * 64;
+            wg_pv(o, a[j], smem_desc(vj, 2 * HALF, 1024));
+        }
+        wg_commit_and_wait();
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+        __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    finish_l(l);
+    write_rows(o, m, l, out_o, out_lse, cd.partial_base, rows, row0, kvh, gsz, q_heads);
+}
+#endif
+
 // Groups of at most 16 rows (a leaf's query x its GQA rows; any one query under MHA) would
 // leave three of four warps splitting a few tokens and merging through shared memory. Here a
 // CTA takes HEADS_PER_CTA consecutive KV heads of one group instead, one warp per head: each
@@ -555,6 +740,12 @@ decode_partial_mma(STAGE1_PARAMS) {
     if (per_head)
         attend_heads(kc, vc, q, groups, ranges, group_queries, masks, page_table, page_shift, out_o, out_lse,
                      q_heads, kv_heads, scale_log2, cd, kvh0, smem_raw);
+#if WGMMA
+    // (The swizzled tiles need the stages on 1024 bytes, as dynamic shared memory starts.)
+    else if ((int)cd.query_count * (q_heads / kv_heads) >= WG_MIN_ROWS && !((u32)__cvta_generic_to_shared(smem_raw) & 1023u))
+        attend_rows_wg(kc, vc, q, groups, ranges, group_queries, masks, page_table, page_shift, out_o, out_lse,
+                       q_heads, kv_heads, scale_log2, cd, kvh0, smem_raw);
+#endif
     else
         attend_rows(kc, vc, q, groups, ranges, group_queries, masks, page_table, page_shift, out_o, out_lse,
                     q_heads, kv_heads, scale_log2, cd, kvh0, smem_raw);
