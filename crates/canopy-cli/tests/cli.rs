@@ -429,7 +429,7 @@ fn cuda_without_a_driver_is_a_clear_error_not_a_panic() {
 fn fit_model_refits_the_recorded_h100_run() {
     let dir = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../docs/device-runs/2026-11-21-s7/tree"
+        "/../../docs/device-runs/2026-11-22-s9/tree"
     );
     let mut files: Vec<String> = std::fs::read_dir(dir)
         .unwrap()

@@ -20,8 +20,8 @@ use crate::shape::AttnShape;
 use serde::{Deserialize, Serialize};
 
 /// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to
-/// session 7's cold steps on an H100 SXM (docs/BENCHMARKS.md, "session 8"); they count the
-/// many-row path in 64-token tiles.
+/// session 9's cold steps on an H100 SXM, with the many-row path on the warpgroup MMA
+/// (docs/BENCHMARKS.md, "session 9"); they count that path in 64-token tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DeviceModel {
@@ -50,15 +50,14 @@ pub struct DeviceModel {
 impl Default for DeviceModel {
     fn default() -> Self {
         DeviceModel {
-            bytes_per_us: 2.63e6,
-            l2_bytes_per_us: 5.91e6,
-            us_per_step: 18.05,
-            main_cta_us: 14.7,
-            main_tile_us: 2.48,
-            // The fit drove it to zero: a leaf CTA's fixed cost hides under the step's bytes.
-            heads_cta_us: 0.01,
+            bytes_per_us: 2.79e6,
+            l2_bytes_per_us: 6.09e6,
+            us_per_step: 17.9,
+            main_cta_us: 11.1,
+            main_tile_us: 1.45,
+            heads_cta_us: 7.13,
             serial_tile_us: 0.92,
-            masked_tile_us: 7.03,
+            masked_tile_us: 10.6,
             multiprocessors: 132,
             ctas_per_sm: 3,
         }
