@@ -302,11 +302,22 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], u32 first, u32 to
 // and sum move, O is rescaled if some row's max did, and the scores become P.
 template <int NT>
 __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2]) {
-    float mx[2] = {NEG_INF, NEG_INF};
+    // Maxima and sums in pairwise trees: chains of dependent instructions as short as they go
+    // (the "wait" stall led the tensor-core kernels' profile, BENCHMARKS session 9).
+    float part[2][NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt) {
+        part[0][nt] = fmaxf(s[nt][0], s[nt][1]);
+        part[1][nt] = fmaxf(s[nt][2], s[nt][3]);
+    }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) mx[i >> 1] = fmaxf(mx[i >> 1], s[nt][i]);
+    for (int w = NT / 2; w >= 1; w /= 2)
+#pragma unroll
+        for (int j = 0; j < w; ++j) {
+            part[0][j] = fmaxf(part[0][j], part[0][j + w]);
+            part[1][j] = fmaxf(part[1][j], part[1][j + w]);
+        }
+    float mx[2] = {part[0][0], part[1][0]};
     float alpha[2], base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -320,13 +331,21 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILE
         l[h] *= alpha[h];
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float p = fast_exp2(s[nt][i] - base[i >> 1]);
-            s[nt][i] = p;
-            l[i >> 1] += p;
+        for (int i = 0; i < 4; ++i) s[nt][i] = fast_exp2(s[nt][i] - base[i >> 1]);
+        part[0][nt] = s[nt][0] + s[nt][1];
+        part[1][nt] = s[nt][2] + s[nt][3];
+    }
+#pragma unroll
+    for (int w = NT / 2; w >= 1; w /= 2)
+#pragma unroll
+        for (int j = 0; j < w; ++j) {
+            part[0][j] += part[0][j + w];
+            part[1][j] += part[1][j + w];
         }
+    l[0] += part[0][0];
+    l[1] += part[1][0];
     // The running max rarely moves after the first tiles: rescale only when some row's did.
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -594,7 +613,7 @@ __device__ __forceinline__ void wg_pv(float (&o)[DTILES][4], const u32 (&a)[4], 
 // the tokens on every FastTree tree (docs/BENCHMARKS.md, session 9).
 #define WG_MIN_ROWS 17
 
-static_assert(sizeof(Stage) % 1024 == 0 && 2 * 2 * TILE * 64 * 2 <= sizeof(Stage),
+static_assert(STAGES >= 3 && sizeof(Stage) % 1024 == 0 && 2 * 2 * TILE * 64 * 2 <= sizeof(Stage),
               "a stage holds swizzled K and V tiles and keeps the next stage on 1024 bytes");
 
 // A CTA of 17 to 64 rows of one KV head on the warpgroup MMA: each warp holds 16 rows and the
@@ -610,11 +629,14 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
     auto k_of = [&](Stage& st) { return &st.k[0][0]; };
     auto v_of = [&](Stage& st) { return &st.k[0][0] + 2 * HALF; };
 
+    // The pipeline runs STAGES - 2 tiles ahead, not STAGES - 1: a tile's P V is still running
+    // when the next tile starts, and its stage is refilled only once every warp has passed the
+    // next tile's barrier, which each passes after waiting for that P V. So one barrier a tile.
     KvStream<CHUNKS, TILE, STAGES, true> kv;
     kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd);
     const u32 tiles = (cd.tokens + TILE - 1) / TILE;
 #pragma unroll
-    for (int s = 0; s + 1 < STAGES; ++s) kv.issue_or_skip(k_of(stage_mem[s]), v_of(stage_mem[s]), s, tiles);
+    for (int s = 0; s + 2 < STAGES; ++s) kv.issue_or_skip(k_of(stage_mem[s]), v_of(stage_mem[s]), s, tiles);
 
     const int rows = min((int)cd.query_count * gsz, 64);
     const int row0 = warp * 16;
@@ -626,8 +648,11 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
     clear_state(o, m, l);
 
     for (u32 tile = 0; tile < tiles; ++tile) {
-        Stage& next = stage_mem[(tile + STAGES - 1) % STAGES];
-        kv.next(k_of(next), v_of(next), tile, tiles);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();  // tile `tile` has landed; tile - 2's P V is done in every warp
+        Stage& freed = stage_mem[(tile + STAGES - 2) % STAGES];
+        kv.issue_or_skip(k_of(freed), v_of(freed), tile + STAGES - 2, tiles);
         Stage& st = stage_mem[tile % STAGES];
         float s[4][4] = {};
         wg_fence();
@@ -635,11 +660,15 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
 #pragma unroll
         for (int c = 0; c < KCH; ++c)
             wg_qk(s, qa[c], smem_desc(k_of(st) + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
-        wg_commit_and_wait();
+        wg_commit_and_wait();  // S, and the previous tile's P V
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) wg_pin(s[nt][i]);
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
         if (mask || tile * TILE + TILE > cd.tokens) mask_scores(s, tile * TILE, cd.tokens, mask, words, row0, gsz);
         softmax_step(s, o, m, l);
         u32 a[2][4];
@@ -658,13 +687,13 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
             const u16* vj = v_of(st) + j * 16 * 64;
             wg_pv(o, a[j], smem_desc(vj, 2 * HALF, 1024));
         }
-        wg_commit_and_wait();
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
-        __syncthreads();  // every warp is done with this stage before it is refilled
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     finish_l(l);
     write_rows(o, m, l, out_o, out_lse, cd.partial_base, rows, row0, kvh, gsz, q_heads);
