@@ -6,3 +6,19 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export CANOPY_KERNEL_CACHE=/tmp/canopy-kernels
 BIN=${CANOPY_BIN:-.device/canopy}
+# A FastTree-shaped workload at 32/8 heads x 128, fp16, as /tmp/NAME.toml (for ncu runs on
+# trees of one part: a root alone, leaves alone): tree_toml NAME NODES_PER_LEVEL TOKENS_PER_LEVEL.
+tree_toml() {
+  cat > "/tmp/$1.toml" <<T
+description = "$1"
+[shape]
+q_heads = 32
+kv_heads = 8
+head_dim = 128
+dtype = "f16"
+[tree]
+kind = "fasttree"
+nodes_per_level = [$2]
+tokens_per_level = [$3]
+T
+}

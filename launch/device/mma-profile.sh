@@ -6,20 +6,8 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
-ROOT=/tmp/root-2048.toml
-cat > $ROOT <<'TOML'
-description = "FastTree tree 4's root alone: 2048 tokens shared by 1024 one-token leaves"
-[shape]
-q_heads = 32
-kv_heads = 8
-head_dim = 128
-dtype = "f16"
-[tree]
-kind = "fasttree"
-nodes_per_level = [1, 1024]
-tokens_per_level = [2048, 1]
-TOML
-SPECS=${SPECS:-"$ROOT 8 fasttree|fasttree-4 8 fasttree|fasttree-7 8 fasttree|fasttree-9 8 fasttree"}
+tree_toml root-2048 "1, 1024" "2048, 1"
+SPECS=${SPECS:-"/tmp/root-2048.toml 8 fasttree|fasttree-4 8 fasttree|fasttree-7 8 fasttree|fasttree-9 8 fasttree"}
 SECTIONS=${SECTIONS:---section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats}
 IFS='|' read -ra specs <<< "$SPECS"
 {

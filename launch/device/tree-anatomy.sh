@@ -6,23 +6,9 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
-tree() { # name nodes_per_level tokens_per_level
-  cat > "/tmp/$1.toml" <<T
-description = "anatomy: $1"
-[shape]
-q_heads = 32
-kv_heads = 8
-head_dim = 128
-dtype = "f16"
-[tree]
-kind = "fasttree"
-nodes_per_level = [$2]
-tokens_per_level = [$3]
-T
-}
-tree root-heavy "1, 1024" "2048, 1"
-tree leaf-heavy "1, 1024" "1, 32"
-tree leaf-long "1, 1024" "1, 256"
+tree_toml root-heavy "1, 1024" "2048, 1"
+tree_toml leaf-heavy "1, 1024" "1, 32"
+tree_toml leaf-long "1, 1024" "1, 256"
 run() { $BIN bench tree --heads 32 --head-dim 128 --dtype f16 --iterations ${ITER:-20} --check false "$@" | tail -n +4 | awk '{print $1, $(NF-5), $(NF-2), $(NF-1), $NF}'; }
 for kv in ${HEADS:-8 32}; do
   for w in ${WORKLOADS:-fasttree-4 /tmp/root-heavy.toml /tmp/leaf-heavy.toml /tmp/leaf-long.toml}; do
