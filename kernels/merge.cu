@@ -11,8 +11,20 @@
 // does not write, before `wait_for_previous_grid`.
 
 #define MERGE_WARPS 8
+// Rows' output loads a lane keeps in flight. The host builds a deeper variant for merges of few
+// cells (a few queries over a long prefix cut into many pieces), where each warp's walk over
+// its rows is a chain of memory latencies; it needs 64 registers, so half as many warps fit,
+// which slowed the merges of thousands of queries (BENCHMARKS, session 9).
+#ifndef MERGE_DEPTH
+#define MERGE_DEPTH 4
+#endif
+#if MERGE_DEPTH > 4
+#define MERGE_MIN_CTAS 4
+#else
+#define MERGE_MIN_CTAS 1
+#endif
 
-extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32, MERGE_MIN_CTAS)
 merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
                const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
                float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
@@ -55,7 +67,7 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
                 w = c + lane < e ? __expf(plse[(u64)row * q_heads + h] - M) : 0.f;
             }
             const u32 n = min(32u, e - c);
-#pragma unroll 4
+#pragma unroll MERGE_DEPTH
             for (u32 j = 0; j < n; ++j) {
                 const u64 r = (u64)__shfl_sync(0xffffffffu, row, j) * q_heads + h;
                 const float wj = __shfl_sync(0xffffffffu, w, j);

@@ -137,7 +137,8 @@ fn compile(name: &str, text: &str, options: &[String]) -> Result<Vec<u8>> {
 pub fn all_variants() -> Vec<(Source, Vec<(&'static str, String)>)> {
     let codes = [("0", "f32"), ("1", "f16"), ("2", "bf16")];
     let mut out = vec![
-        (Source::Merge, vec![("CANOPY_DTYPE", "0".to_string())]),
+        (Source::Merge, crate::backend::merge_defines(false)),
+        (Source::Merge, crate::backend::merge_defines(true)),
         (Source::Combine, vec![("CANOPY_DTYPE", "0".to_string())]),
     ];
     for (code, _) in codes {
