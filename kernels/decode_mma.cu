@@ -541,6 +541,7 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
 }
 
 // (Four CTAs per SM, TILE 32 in two stages, leave too few registers for its accumulators.)
+// (With 64-token tiles for the mma.sync path its registers spill the more.)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && HEAD_DIM == 128 && TILE == 32 && MIN_CTAS <= 3
 #define WGMMA 1
 #else
@@ -571,16 +572,20 @@ __device__ __forceinline__ void wg_commit_and_wait() {
 // Keeps the compiler from moving an accumulator's reads or writes across an asynchronous MMA.
 __device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// S (64 rows x 32 tokens) (+)= Q (k16 chunk) K^T: B is K-major (HEAD_DIM contiguous per token).
-__device__ __forceinline__ void wg_qk(float (&s)[4][4], const u32 (&a)[4], u64 desc, int accumulate) {
+// S (64 rows x 64 tokens) (+)= Q (k16 chunk) K^T: B is K-major (HEAD_DIM contiguous per token).
+__device__ __forceinline__ void wg_qk(float (&s)[8][4], const u32 (&a)[4], u64 desc, int accumulate) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." MMA_AB "." MMA_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_AB "." MMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
         : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]),
           "+f"(s[1][2]), "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]),
-          "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3])
+          "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]),
+          "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]), "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]),
+          "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]), "+f"(s[7][0]), "+f"(s[7][1]),
+          "+f"(s[7][2]), "+f"(s[7][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 }
 
@@ -613,31 +618,23 @@ __device__ __forceinline__ void wg_pv(float (&o)[DTILES][4], const u32 (&a)[4], 
 // the tokens on every FastTree tree (docs/BENCHMARKS.md, session 9).
 #define WG_MIN_ROWS 17
 
-static_assert(STAGES >= 3 && sizeof(Stage) % 1024 == 0 && 2 * 2 * TILE * 64 * 2 <= sizeof(Stage),
-              "a stage holds swizzled K and V tiles and keeps the next stage on 1024 bytes");
-
 // A CTA of 17 to 64 rows of one KV head on the warpgroup MMA: each warp holds 16 rows and the
-// four multiply every tile together, 32 tokens a tile (the many-row path's pipeline, K and V
-// each 8 KB of a stage, swizzled). Per tile: S = Q K^T in 8 MMAs of k16, the same masking and
-// online softmax as `attend` on the accumulators, then O += P V in two MMAs of 16 tokens.
+// four multiply every tile together. Tiles are 64 tokens, two stages of 32 KB (K and V, each
+// swizzled) in the CTA's shared memory: one tile in flight while the other is multiplied. Per
+// tile: S = Q K^T in 8 MMAs of k16 (n64), the same masking and online softmax as `attend` on
+// the accumulators, then O += P V in four MMAs of 16 tokens. (32-token tiles, four stages, took
+// 3-5% longer on FastTree's trees 4 and 6: BENCHMARKS, session 9.)
 __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& cd, int kvh, unsigned char* smem_raw) {
-    Stage* stage_mem = reinterpret_cast<Stage*>(smem_raw);  // each stage starts on 1024 bytes
+    constexpr int WT = 64, HALF = WT * 64;
+    u16* base = reinterpret_cast<u16*>(smem_raw);
+    auto k_of = [&](int st) { return base + st * 4 * HALF; };
+    auto v_of = [&](int st) { return base + st * 4 * HALF + 2 * HALF; };
     const int gsz = q_heads / kv_heads;
     const int warp = threadIdx.x / 32;
-    constexpr int HALF = TILE * 64;  // elements of one 64-element block of a tile
-    // K and V of a stage: two swizzled tiles of 2 * HALF elements each.
-    auto k_of = [&](Stage& st) { return &st.k[0][0]; };
-    auto v_of = [&](Stage& st) { return &st.k[0][0] + 2 * HALF; };
-
-    // The pipeline runs STAGES - 2 tiles ahead, not STAGES - 1: a tile's P V is still running
-    // when the next tile starts, and its stage is refilled only once every warp has passed the
-    // next tile's barrier, which each passes after waiting for that P V. So one barrier a tile.
-    KvStream<CHUNKS, TILE, STAGES, true> kv;
+    KvStream<CHUNKS, WT, 2, true> kv;
     kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd);
-    const u32 tiles = (cd.tokens + TILE - 1) / TILE;
-#pragma unroll
-    for (int s = 0; s + 2 < STAGES; ++s) kv.issue_or_skip(k_of(stage_mem[s]), v_of(stage_mem[s]), s, tiles);
-
+    const u32 tiles = (cd.tokens + WT - 1) / WT;
+    kv.issue_or_skip(k_of(0), v_of(0), 0, tiles);
     const int rows = min((int)cd.query_count * gsz, 64);
     const int row0 = warp * 16;
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
@@ -646,54 +643,45 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
     load_q(qa, q, group_queries, cd, rows, row0, kvh, gsz, q_heads, scale_log2);
     float o[DTILES][4], m[2], l[2];
     clear_state(o, m, l);
-
     for (u32 tile = 0; tile < tiles; ++tile) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 3) : "memory");
+        // The next tile goes into the other stage, which every warp finished with before the
+        // barrier that ended the previous tile; then this tile is waited for.
+        const int st = tile % 2;
+        kv.issue_or_skip(k_of(st ^ 1), v_of(st ^ 1), tile + 1, tiles);
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // tile `tile` has landed; tile - 2's P V is done in every warp
-        Stage& freed = stage_mem[(tile + STAGES - 2) % STAGES];
-        kv.issue_or_skip(k_of(freed), v_of(freed), tile + STAGES - 2, tiles);
-        Stage& st = stage_mem[tile % STAGES];
-        float s[4][4] = {};
+        __syncthreads();
+        float s[8][4] = {};
         wg_fence();
-        // k16 step c: 32 bytes into block c / 4 (the swizzle is applied to the address).
 #pragma unroll
         for (int c = 0; c < KCH; ++c)
             wg_qk(s, qa[c], smem_desc(k_of(st) + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
-        wg_commit_and_wait();  // S, and the previous tile's P V
+        wg_commit_and_wait();
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) wg_pin(s[nt][i]);
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
-        if (mask || tile * TILE + TILE > cd.tokens) mask_scores(s, tile * TILE, cd.tokens, mask, words, row0, gsz);
+        if (mask || tile * WT + WT > cd.tokens) mask_scores(s, tile * WT, cd.tokens, mask, words, row0, gsz);
         softmax_step(s, o, m, l);
-        u32 a[2][4];
-        p_fragment(a[0], s, 0);
-        p_fragment(a[1], s, 1);
 #pragma unroll
         for (int d = 0; d < DTILES; ++d)
 #pragma unroll
             for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+        // P's fragments before the fence: registers written between two of a batch's MMAs
+        // make the compiler insert waits.
+        u32 a[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p_fragment(a[j], s, j);
         wg_fence();
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            // Tokens 16j..16j + 15, two 1024-byte groups of 8 rows in; the leading offset steps
-            // between the two 64-element blocks of HEAD_DIM (N), the stride between groups of
-            // 8 tokens (K). (Swapped, the device's results were wrong: BENCHMARKS, session 9.)
-            const u16* vj = v_of(st) + j * 16 * 64;
-            wg_pv(o, a[j], smem_desc(vj, 2 * HALF, 1024));
-        }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        for (int j = 0; j < 4; ++j) wg_pv(o, a[j], smem_desc(v_of(st) + j * 16 * 64, 2 * HALF, 1024));
+        wg_commit_and_wait();
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+        __syncthreads();
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-    for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     finish_l(l);
     write_rows(o, m, l, out_o, out_lse, cd.partial_base, rows, row0, kvh, gsz, q_heads);
@@ -752,13 +740,16 @@ __device__ __forceinline__ void attend_heads(STAGE1_PARAMS, const GroupDesc& cd,
 
 // Stage 1 on tensor cores for a whole plan in one launch. CTA i runs descriptor i of `groups`
 // (CTA_WORDS each): a group and its first KV head, and whether it runs many rows on one head
-// (`attend_rows`) or one warp per head (`attend_heads`, HEADS_PER_CTA heads). The host orders the items longest first, so that
+// (`attend_rows_wg` or `attend_rows`) or one warp per head (`attend_heads`, HEADS_PER_CTA heads). The host orders the items longest first, so that
 // the long CTAs start in the first wave and the short ones fill in behind them.
 //
 // (Merging in the CTA that writes a query's last partial row, instead of in merge_partials,
 // measured slower on every FastTree tree on H100: those CTAs are the short ones at the end, and
 // their merges' dependent loads stretch the tail. docs/BENCHMARKS.md, session 7.)
 #define CTA_PER_HEAD 0x10000u  // descriptor head-word flag: the one-warp-per-head path
+// The host gives every CTA at least the one-warp-per-head path's stages of shared memory.
+static_assert(!WGMMA || HEAD_STAGES * sizeof(HeadStage) >= 2 * 2 * 64 * HEAD_DIM * 2,
+              "the warpgroup path's two 64-token stages fit in a CTA's shared memory");
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 decode_partial_mma(STAGE1_PARAMS) {
     let_next_grid_launch();
