@@ -233,9 +233,6 @@ struct KvStream {
     __device__ __forceinline__ void next(u16* ks, u16* vs, u32 tile, u32 tiles) {
         issue_or_skip(ks, vs, tile + DEPTH - 1, tiles);
         asm volatile("cp.async.wait_group %0;\n" ::"n"(DEPTH - 1) : "memory");
-        // The warpgroup MMA reads shared memory through the async proxy: make this thread's
-        // copies visible to it before the barrier.
-        if constexpr (SWIZZLED) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
     }
 };
@@ -540,8 +537,9 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
     }
 }
 
-// (Four CTAs per SM, TILE 32 in two stages, leave too few registers for its accumulators.)
-// (With 64-token tiles for the mma.sync path its registers spill the more.)
+// The warpgroup path is built where its accumulators fit the registers: not in modules of four
+// CTAs per SM (32-token tiles in two stages), nor beside the mma.sync path's 64-token tiles,
+// which already spill.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && HEAD_DIM == 128 && TILE == 32 && MIN_CTAS <= 3
 #define WGMMA 1
 #else
@@ -649,6 +647,8 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
         const int st = tile % 2;
         kv.issue_or_skip(k_of(st ^ 1), v_of(st ^ 1), tile + 1, tiles);
         asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        // The MMA reads shared memory through the async proxy: this thread's copies must be
+        // visible to it before the barrier.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         float s[8][4] = {};

@@ -3,7 +3,7 @@
 # (variant, tree, heads) with each method's median µs. VARIANTS lists TILE:STAGES[:WAVES]
 # (WAVES: resident-CTA waves the plan is cut for, default 1); TREES,
 # HEADS, METHODS narrow the run; CHECK=true checks every method against the f64 oracle; EXTRA
-# adds `bench tree` options (e.g. EXTRA="--co-schedule true").
+# adds `bench tree` options (e.g. EXTRA="--kernel mma").
 # JSON per run comes back in one archive. Used while tuning; the full run is tree-h100.sh.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
