@@ -130,7 +130,6 @@ decode_partial(STAGE1_PARAMS) {
     const int total_rows = (int)query_count * gsz;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LANES, dim0 = (lane % LANES) * 8;
-    const u32 words = (query_count + 63) / 64;
     const u64 tok_stride = (u64)kv_heads * HEAD_DIM;
     const u32 page_mask = (1u << page_shift) - 1u;
     const u32 steps = (tokens + CTA_STEP - 1) / CTA_STEP;
@@ -254,7 +253,7 @@ decode_partial(STAGE1_PARAMS) {
                 const u32 local = local0 + u_me * TPW;
                 bool keep = local < tokens && r_me < nrows;
                 const u32 j = (u32)(row0 + r_me) / gsz;
-                if (keep && mask_plus1) keep = (masks[mask_plus1 - 1 + (u64)local * words + j / 64] >> (j % 64)) & 1ull;
+                if (keep && mask_plus1) keep = (mask_word(masks + mask_plus1 - 1, local, query_count, j) >> (local % 64)) & 1ull;
                 if (!keep) score = NEG_INF;
             }
             float row_max = score;
@@ -295,7 +294,7 @@ decode_partial(STAGE1_PARAMS) {
                 for (int u = 0; u < UNROLL; ++u) {
                     const u32 local = local0 + u * TPW;
                     bool keep = local < tokens;
-                    if (keep && mask_plus1) keep = (masks[mask_plus1 - 1 + (u64)local * words + j / 64] >> (j % 64)) & 1ull;
+                    if (keep && mask_plus1) keep = (mask_word(masks + mask_plus1 - 1, local, query_count, j) >> (local % 64)) & 1ull;
                     if (!keep) s[r][u] = NEG_INF;
                     mx = fmaxf(mx, s[r][u]);
                 }

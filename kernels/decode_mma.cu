@@ -275,23 +275,44 @@ __device__ __forceinline__ void load_q(u32 (&qa)[KCH][4], const float* q, const 
         }
 }
 
-// Scores past the group's tokens, or masked from a row's query, to -inf. `first` is the
-// group-local index of the scores' first token (column 0 of n-tile 0).
+// The mask bits of a thread's two rows (g and g + 8 of the 16 from row0) over NT n-tiles of
+// scores from group-local token `first`, which lie in one 64-token block of the mask
+// (`mask_word`), and for NT <= 4 in one aligned half of it: so two loads a tile, of 32 bits
+// where 32 tokens are all the tile has. All ones when the group is unmasked. (Tested token by
+// token, the mask's loads ran one after another, and masked tiles took several times as long
+// as plain ones: BENCHMARKS, session 10.)
+template <bool Wide> struct MaskBits { using type = u64; };
+template <> struct MaskBits<false> { using type = u32; };
+
 template <int NT>
-__device__ __forceinline__ void mask_scores(float (&s)[NT][4], u32 first, u32 tokens, const u64* mask, u32 words,
-                                            int row0, int gsz) {
-    const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+__device__ __forceinline__ void row_mask_bits(typename MaskBits<(NT > 4)>::type (&w)[2], const u64* mask, u32 first,
+                                              u32 queries, int row0, int gsz) {
+    const int g = (threadIdx.x % 32) / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        // (Rows past the group's read its last query's word: they are never written.)
+        const u32 j = min((u32)(row0 + g + 8 * h) / gsz, queries - 1);
+        if constexpr (NT > 4)
+            w[h] = mask ? mask_word(mask, first, queries, j) : ~0ull;
+        else
+            w[h] = mask ? reinterpret_cast<const u32*>(mask + (u64)(first / 64) * queries + j)[first % 64 / 32] : ~0u;
+    }
+}
+
+// Scores past the group's tokens, or hidden from a row's query by its mask bits `w`
+// (`row_mask_bits`), to -inf. `first` is the group-local index of the scores' first token
+// (column 0 of n-tile 0).
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], u32 first, u32 tokens,
+                                            const typename MaskBits<(NT > 4)>::type (&w)[2]) {
+    constexpr u32 BITS = NT > 4 ? 64 : 32;
+    const int tig = threadIdx.x % 4;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const u32 local = first + nt * 8 + 2 * tig + (i & 1);
-            bool keep = local < tokens;
-            if (keep && mask) {
-                const u32 j = (u32)(row0 + g + 8 * (i >> 1)) / gsz;
-                keep = (mask[(u64)local * words + j / 64] >> (j % 64)) & 1ull;
-            }
-            if (!keep) s[nt][i] = NEG_INF;
+            if (local >= tokens || !((w[i >> 1] >> (local % BITS)) & 1u)) s[nt][i] = NEG_INF;
         }
 }
 
@@ -371,7 +392,7 @@ __device__ __forceinline__ void p_fragment(u32 (&a)[4], const float (&s)[NT][4],
 template <int SLICE>
 __device__ __forceinline__ void attend(const u16 (*k)[STRIDE], const u16 (*v)[STRIDE], const u32 (&qa)[KCH][4],
                                        float (&o)[DTILES][4], float (&m)[2], float (&l)[2], u32 first, bool edge,
-                                       u32 tokens, const u64* mask, u32 words, int row0, int gsz) {
+                                       u32 tokens, const u64* mask, u32 queries, int row0, int gsz) {
     constexpr int NT = SLICE / 8;  // n-tiles of 8 tokens
     const int lane = threadIdx.x % 32;
     float s[NT][4];
@@ -389,7 +410,11 @@ __device__ __forceinline__ void attend(const u16 (*k)[STRIDE], const u16 (*v)[ST
             mma16816(s[nt], qa[c + 1], b[2], b[3]);
         }
     }
-    if (edge) mask_scores(s, first, tokens, mask, words, row0, gsz);
+    if (edge) {
+        typename MaskBits<(NT > 4)>::type w[2];
+        row_mask_bits<NT>(w, mask, first, queries, row0, gsz);
+        mask_scores(s, first, tokens, w);
+    }
     softmax_step(s, o, m, l);
     // O += P V, 16 tokens (two S n-tiles) per k-chunk.
 #pragma unroll
@@ -456,7 +481,6 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
     const int rb = warp % wr, ks = warp / wr;
     const int t0 = ks * (TILE / wk);  // first token of this warp's slice within a tile
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
-    const u32 words = (cd.query_count + 63) / 64;
 
     u32 qa[KCH][4];
     load_q(qa, q, group_queries, cd, rows, rb * 16, kvh, gsz, q_heads, scale_log2);
@@ -471,12 +495,12 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
         if (first < cd.tokens) {
             const bool edge = mask || tile * TILE + TILE > cd.tokens;
             const Stage& st = stage_mem[tile % STAGES];
-            if (wk == 1) attend<TILE>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
+            if (wk == 1) attend<TILE>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, cd.query_count, rb * 16, gsz);
 #if WK_MAX >= 2
-            else if (wk == 2) attend<TILE / 2>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
+            else if (wk == 2) attend<TILE / 2>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, cd.query_count, rb * 16, gsz);
 #endif
 #if WK_MAX >= 4
-            else attend<TILE / 4>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, words, rb * 16, gsz);
+            else attend<TILE / 4>(&st.k[t0], &st.v[t0], qa, o, m, l, first, edge, cd.tokens, mask, cd.query_count, rb * 16, gsz);
 #endif
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
@@ -636,7 +660,6 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
     const int rows = min((int)cd.query_count * gsz, 64);
     const int row0 = warp * 16;
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
-    const u32 words = (cd.query_count + 63) / 64;
     u32 qa[KCH][4];
     load_q(qa, q, group_queries, cd, rows, row0, kvh, gsz, q_heads, scale_log2);
     float o[DTILES][4], m[2], l[2];
@@ -661,7 +684,11 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) wg_pin(s[nt][i]);
-        if (mask || tile * WT + WT > cd.tokens) mask_scores(s, tile * WT, cd.tokens, mask, words, row0, gsz);
+        if (mask || tile * WT + WT > cd.tokens) {
+            u64 w[2];
+            row_mask_bits<8>(w, mask, tile * WT, cd.query_count, row0, gsz);
+            mask_scores(s, tile * WT, cd.tokens, w);
+        }
         softmax_step(s, o, m, l);
 #pragma unroll
         for (int d = 0; d < DTILES; ++d)
@@ -719,7 +746,6 @@ __device__ __forceinline__ void attend_heads(STAGE1_PARAMS, const GroupDesc& cd,
 
     const int rows = min((int)cd.query_count * gsz, 16);
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
-    const u32 words = (cd.query_count + 63) / 64;
     u32 qa[KCH][4];
     load_q(qa, q, group_queries, cd, rows, 0, kvh, gsz, q_heads, scale_log2);
     float o[DTILES][4], m[2], l[2];
@@ -731,7 +757,7 @@ __device__ __forceinline__ void attend_heads(STAGE1_PARAMS, const GroupDesc& cd,
         const HeadStage& st = stage_mem[tile % HEAD_STAGES];
         const u32 first = tile * HEAD_TILE;
         const bool edge = mask || first + HEAD_TILE > cd.tokens;
-        attend<HEAD_TILE>(st.k[warp], st.v[warp], qa, o, m, l, first, edge, cd.tokens, mask, words, 0, gsz);
+        attend<HEAD_TILE>(st.k[warp], st.v[warp], qa, o, m, l, first, edge, cd.tokens, mask, cd.query_count, 0, gsz);
         __syncthreads();
     }
     finish_l(l);

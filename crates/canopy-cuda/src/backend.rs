@@ -19,7 +19,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
 use canopy_core::geometry::{cut_for_gpu, CtaItem, CTA_ROWS, HEADS_PER_CTA};
-use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
+use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
@@ -368,9 +368,10 @@ fn write_extents(
     let (mut range_at, mut query_at) = (0, 0);
     for (i, (g, &base)) in plan.groups().iter().zip(plan.partial_base()).enumerate() {
         let mask = match &g.mask {
-            Some(m) => {
-                masks.extend_from_slice(m);
-                (masks.len() - m.len() + 1) as u32
+            Some(_) => {
+                let at = masks.len();
+                masks.extend(block_mask(g));
+                (at + 1) as u32
             }
             None => 0,
         };
@@ -411,6 +412,24 @@ fn write_extents(
         ]);
     }
     masks
+}
+
+/// A masked group's mask as the kernels read it (`mask_word` in `kernels/common.cuh`): per
+/// 64-token block of its tokens, one word per query, bit `t` for the block's token `t`. A
+/// thread that tests one query's scores over a tile then loads one word, where the plan's
+/// token-major mask would need one per token.
+fn block_mask(g: &Group) -> Vec<u64> {
+    let queries = g.queries.len();
+    let tokens = g.tokens() as usize;
+    let mut words = vec![0u64; tokens.div_ceil(64) * queries];
+    for t in 0..tokens {
+        for j in 0..queries {
+            if g.visible(t, j) {
+                words[t / 64 * queries + j] |= 1 << (t % 64);
+            }
+        }
+    }
+    words
 }
 
 /// Device states: `rows × heads × head_dim` outputs and `rows × heads` lse.
@@ -1115,8 +1134,9 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_htod(&p.staging, &mut p.words)
             .ctx("cuMemcpyHtoD")?;
-        // Masks change only by growing (new tokens of a masked group); unchanged ones stay.
-        if masks.len() > p.masks.len() {
+        // A masked group's new tokens set bits in its last block or add blocks: masks that
+        // exist are uploaded again.
+        if !masks.is_empty() {
             p.masks = self.upload(&masks)?;
         }
         Ok(())
@@ -1323,7 +1343,6 @@ mod tests {
     /// included.
     #[test]
     fn extents_written_in_place_match_a_fresh_lay_out() {
-        use canopy_core::plan::Group;
         let mask = [vec![0b11u64; 8], vec![0b01; 4]].concat();
         let groups = vec![
             Group::unmasked(vec![0..8], vec![0, 1, 2]),
@@ -1354,7 +1373,30 @@ mod tests {
         let masks = write_extents(&plan, &items, &before.layout, &mut words);
         assert_eq!(words, fresh.words);
         assert_eq!(masks, fresh.masks);
-        assert!(masks.len() > before.masks.len(), "the masked group grew");
+        assert_ne!(masks, before.masks, "the masked group grew");
+    }
+
+    /// The kernels' block layout says what the plan's mask says, token by token, across
+    /// block boundaries.
+    #[test]
+    fn block_masks_agree_with_the_plan() {
+        let (tokens, queries) = (150usize, 5usize);
+        let mask: Vec<u64> = (0..tokens)
+            .map(|t| (t as u64 * 2654435761) >> 7 & 0b11111)
+            .collect();
+        let g = Group {
+            kv: vec![0..100, 300..350],
+            queries: (0..queries as u32).collect(),
+            mask: Some(mask),
+        };
+        let words = block_mask(&g);
+        assert_eq!(words.len(), 3 * queries);
+        for t in 0..tokens {
+            for j in 0..queries {
+                let bit = words[t / 64 * queries + j] >> (t % 64) & 1 == 1;
+                assert_eq!(bit, g.visible(t, j), "token {t} query {j}");
+            }
+        }
     }
 
     #[test]
