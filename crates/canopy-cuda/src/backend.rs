@@ -277,6 +277,8 @@ pub struct CudaPlan {
     staging: PinnedHostSlice<u32>,
     layout: WordLayout,
     masks: CudaSlice<u64>,
+    /// Query `i`'s one partial row is row `i`: stage 1 writes the output and no merge runs.
+    direct: bool,
 }
 
 /// Where each array of a plan lies in [`CudaPlan`]'s word buffer. The arrays an in-place
@@ -1107,9 +1109,14 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_htod(&staging, &mut words)
             .ctx("cuMemcpyHtoD")?;
+        let (query_ptr, query_rows) = plan.csr();
+        let direct = query_rows.len() == plan.num_queries()
+            && query_rows.iter().enumerate().all(|(i, &r)| r as usize == i)
+            && query_ptr.iter().enumerate().all(|(i, &p)| p as usize == i);
         Ok(CudaPlan {
             rows,
             tensor_cores,
+            direct,
             words,
             staging,
             layout: host.layout,
@@ -1214,6 +1221,24 @@ impl Backend for CudaBackend {
             shared_mem_bytes: mma_shared_bytes(head_dim, self.pipeline) as u32,
         };
         self.launch_stage1(kernel, cfg, kv, q, plan, partials)
+    }
+
+    /// A plan whose partial rows are its queries in order (each query's whole context in one
+    /// group: FastTree's folded plans of one group per query) skips the merge, a copy here:
+    /// stage 1 writes the output.
+    fn step(
+        &self,
+        kv: &CudaKv,
+        q: &CudaQueries,
+        plan: &CudaPlan,
+        partials: &mut CudaStates,
+        out: &mut CudaStates,
+    ) -> EResult<()> {
+        if plan.direct {
+            return self.run_plan(kv, q, plan, out);
+        }
+        self.run_plan(kv, q, plan, partials)?;
+        self.merge(partials, plan, out)
     }
 
     fn merge(&self, partials: &CudaStates, plan: &CudaPlan, out: &mut CudaStates) -> EResult<()> {
