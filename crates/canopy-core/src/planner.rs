@@ -97,7 +97,9 @@ pub struct FastTreeParams {
     pub alpha: f64,
     /// Cost per KV token loaded.
     pub beta: f64,
-    /// Cost per intermediate partial row written by stage 1 and read by stage 2.
+    /// Cost per query row (query × GQA head) of an intermediate partial written by stage 1
+    /// and read by stage 2: per KV head, a partial row of a query is `gqa` rows of f32
+    /// outputs, written and read again, where a KV token is one row of K and V in 16 bits.
     pub gamma: f64,
     /// Query rows (queries × GQA group) per tensor-core tile; rows are padded to it.
     pub tile_q: usize,
@@ -114,7 +116,11 @@ impl Default for FastTreeParams {
         FastTreeParams {
             alpha: 0.01,
             beta: 1.0,
-            gamma: 4.0,
+            // Per GQA row: 4 per query at 32/8 (FastTree's own setting, as it was) pushed
+            // too little down on H100. 16 took FastTree's trees 6, 7 and 9 at 32/8 from
+            // 96.5, 496.9 and 114.7 µs to 77.6, 469.2 and 97.8 (docs/BENCHMARKS.md, session
+            // 10).
+            gamma: 16.0,
             tile_q: 16,
             tile_kv: 32,
             min_parallelism: 264,
@@ -377,7 +383,7 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
             return 0.0;
         }
         let t = padded_tokens(t) as f64;
-        p.alpha * padded_rows(q) as f64 * t + p.beta * t + p.gamma * q as f64
+        p.alpha * padded_rows(q) as f64 * t + p.beta * t + p.gamma * (q * gqa) as f64
     };
 
     // Top-down (BFS order = parents first): each node receives the ranges its ancestors pushed
@@ -410,7 +416,7 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
                 let qc = tree.queries_through(c).len();
                 let push = p.alpha * padded_rows(qc) as f64 * padded_tokens(t) as f64
                     + p.beta * padded_tokens(t) as f64;
-                (push - p.gamma * qc as f64, c)
+                (push - p.gamma * (qc * gqa) as f64, c)
             })
             .filter(|(_, c)| !tree.queries_through(*c).is_empty())
             .collect();
@@ -426,7 +432,7 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
             let after = group_cost(t, remaining.len())
                 + p.alpha * padded_rows(qc.len()) as f64 * padded_tokens(t) as f64
                 + p.beta * padded_tokens(t) as f64
-                - p.gamma * qc.len() as f64;
+                - p.gamma * (qc.len() * gqa) as f64;
             if after < before {
                 inherited[c as usize] = total.clone();
                 stay = remaining;
