@@ -80,6 +80,69 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 byt
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
 }
 
+// Partials' L2 priorities (sm_80 and later; plain accesses before). Stage 1 stores its
+// partials to be kept in L2 (evict_last) until the merge reads them: with the default priority,
+// the KV streaming through stage 1 pushed them out to DRAM and the merge read them back. The
+// merge loads them as first to go (evict_first), so they do not outlive the step.
+__device__ __forceinline__ u64 l2_policy(bool keep) {
+    u64 p = 0;
+#if __CUDA_ARCH__ >= 800
+    // (volatile: made where it is used, not hoisted to hold two registers across a loop.)
+    if (keep) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+    return p;
+}
+
+__device__ __forceinline__ void store_kept(float* a, float x, u64 policy) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(a), "f"(x), "l"(policy) : "memory");
+#else
+    *a = x;
+#endif
+}
+
+__device__ __forceinline__ void store_kept(float2* a, float2 x, u64 policy) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;" ::"l"(a), "f"(x.x), "f"(x.y), "l"(policy)
+                 : "memory");
+#else
+    *a = x;
+#endif
+}
+
+__device__ __forceinline__ void store_kept(float4* a, float4 x, u64 policy) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(a), "f"(x.x), "f"(x.y),
+                 "f"(x.z), "f"(x.w), "l"(policy)
+                 : "memory");
+#else
+    *a = x;
+#endif
+}
+
+__device__ __forceinline__ float load_dropped(const float* a, u64 policy) {
+#if __CUDA_ARCH__ >= 800
+    float x;
+    asm("ld.global.L2::cache_hint.f32 %0, [%1], %2;" : "=f"(x) : "l"(a), "l"(policy));
+    return x;
+#else
+    return *a;
+#endif
+}
+
+__device__ __forceinline__ float4 load_dropped(const float4* a, u64 policy) {
+#if __CUDA_ARCH__ >= 800
+    float4 x;
+    asm("ld.global.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                 : "l"(a), "l"(policy));
+    return x;
+#else
+    return *a;
+#endif
+}
+
 // A masked group's mask as the kernels read it (the host lays it out from the plan's
 // token-major one; a CTA's group has at most 64 queries): per 64-token block of the group's
 // tokens, one word per query, bit t for the block's token t. So a thread that tests one

@@ -454,10 +454,13 @@ __device__ __forceinline__ void write_rows(const float (&o)[DTILES][4], const fl
             const int head = kvh * gsz + row % gsz;
             const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
             float* dst = out_o + (prow * q_heads + head) * HEAD_DIM + 2 * tig;
+            const u64 keep = l2_policy(true);
 #pragma unroll
             for (int d = 0; d < DTILES; ++d)
-                *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
-            if (tig == 0) out_lse[prow * q_heads + head] = l[h] > 0.f ? (m[h] + __log2f(l[h])) * LN2 : NEG_INF;
+                store_kept(reinterpret_cast<float2*>(dst + d * 8), make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv),
+                           keep);
+            if (tig == 0)
+                store_kept(out_lse + prow * q_heads + head, l[h] > 0.f ? (m[h] + __log2f(l[h])) * LN2 : NEG_INF, keep);
         }
     }
 }
@@ -540,7 +543,8 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
         for (int k = 0; k < wk; ++k)
             sc.weight[k][row] = L > 0.f ? fast_exp2(sc.m[b + k * wr][r] - M) * inv : 0.f;
         const u64 prow = (u64)cd.partial_base + row / gsz;
-        out_lse[prow * q_heads + kvh * gsz + row % gsz] = L > 0.f ? (M + __log2f(L)) * LN2 : NEG_INF;
+        store_kept(out_lse + prow * q_heads + kvh * gsz + row % gsz, L > 0.f ? (M + __log2f(L)) * LN2 : NEG_INF,
+                   l2_policy(true));
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < rows * (HEAD_DIM / 4); idx += THREADS) {
@@ -557,7 +561,7 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
         }
         const u64 prow = (u64)cd.partial_base + row / gsz;
         const int head = kvh * gsz + row % gsz;
-        *reinterpret_cast<float4*>(out_o + (prow * q_heads + head) * HEAD_DIM + d) = acc;
+        store_kept(reinterpret_cast<float4*>(out_o + (prow * q_heads + head) * HEAD_DIM + d), acc, l2_policy(true));
     }
 }
 

@@ -39,8 +39,9 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
     if (b + lane < e) my_row = query_rows[b + lane];
     wait_for_previous_grid();
 
+    // Partials are read once: they leave L2 first (see `l2_policy`).
     float my_lse = NEG_INF;
-    if (b + lane < e) my_lse = plse[(u64)my_row * q_heads + h];
+    if (b + lane < e) my_lse = load_dropped(plse + (u64)my_row * q_heads + h, l2_policy(false));
     float M = my_lse;
     for (u32 i = b + 32 + lane; i < e; i += 32) M = fmaxf(M, plse[(u64)query_rows[i] * q_heads + h]);
 #pragma unroll
@@ -72,7 +73,7 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
                 const u64 r = (u64)__shfl_sync(0xffffffffu, row, j) * q_heads + h;
                 const float wj = __shfl_sync(0xffffffffu, w, j);
                 if (mine) {
-                    const float4 x = *reinterpret_cast<const float4*>(po + r * head_dim + d0);
+                    const float4 x = load_dropped(reinterpret_cast<const float4*>(po + r * head_dim + d0), l2_policy(false));
                     acc.x = fmaf(x.x, wj, acc.x);
                     acc.y = fmaf(x.y, wj, acc.y);
                     acc.z = fmaf(x.z, wj, acc.z);
