@@ -53,7 +53,7 @@
 #endif
 
 // Per group: range_begin, range_count, query_begin, query_count, partial_base,
-// mask_begin + 1 (0: unmasked), tokens.
+// mask_begin + 1 (0: unmasked; the mask in `mask_word`'s layout), tokens.
 #define GROUP_WORDS 7
 
 struct MergeScratch {

@@ -40,7 +40,7 @@ pub struct DeviceModel {
     /// floor a long group sets, however idle the rest of the GPU is.
     pub serial_tile_us: f64,
     /// Extra microseconds of CTA slot time per 64 tokens × CTA of a masked group (DeFT-Flatten's
-    /// blocks across nodes): the per-token mask words loaded and applied.
+    /// blocks across nodes): the mask words loaded and applied.
     #[serde(default)]
     pub masked_tile_us: f64,
     pub multiprocessors: usize,
