@@ -83,11 +83,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 byt
 // Partials' L2 priorities (sm_80 and later; plain accesses before). Stage 1 stores its
 // partials to be kept in L2 (evict_last) until the merge reads them: with the default priority,
 // the KV streaming through stage 1 pushed them out to DRAM and the merge read them back. The
-// merge loads them as first to go (evict_first), so they do not outlive the step.
+// merge loads them as first to go (evict_first), so they do not outlive the step. (A plan that
+// skips the merge leaves its outputs kept: the next layer reads them.)
 __device__ __forceinline__ u64 l2_policy(bool keep) {
     u64 p = 0;
 #if __CUDA_ARCH__ >= 800
-    // (volatile: made where it is used, not hoisted to hold two registers across a loop.)
     if (keep) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
     else asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
 #endif

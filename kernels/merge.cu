@@ -43,12 +43,14 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
     float my_lse = NEG_INF;
     if (b + lane < e) my_lse = load_dropped(plse + (u64)my_row * q_heads + h, l2_policy(false));
     float M = my_lse;
-    for (u32 i = b + 32 + lane; i < e; i += 32) M = fmaxf(M, plse[(u64)query_rows[i] * q_heads + h]);
+    for (u32 i = b + 32 + lane; i < e; i += 32)
+        M = fmaxf(M, load_dropped(plse + (u64)query_rows[i] * q_heads + h, l2_policy(false)));
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     const float my_w = M == NEG_INF ? 0.f : __expf(my_lse - M);
     float L = my_w;
-    for (u32 i = b + 32 + lane; i < e; i += 32) L += __expf(plse[(u64)query_rows[i] * q_heads + h] - M);
+    for (u32 i = b + 32 + lane; i < e; i += 32)
+        L += __expf(load_dropped(plse + (u64)query_rows[i] * q_heads + h, l2_policy(false)) - M);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) L += __shfl_xor_sync(0xffffffffu, L, o);
 
@@ -65,7 +67,7 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
             float w = my_w;
             if (c != b) {
                 row = c + lane < e ? query_rows[c + lane] : 0u;
-                w = c + lane < e ? __expf(plse[(u64)row * q_heads + h] - M) : 0.f;
+                w = c + lane < e ? __expf(load_dropped(plse + (u64)row * q_heads + h, l2_policy(false)) - M) : 0.f;
             }
             const u32 n = min(32u, e - c);
 #pragma unroll MERGE_DEPTH

@@ -1224,8 +1224,8 @@ impl Backend for CudaBackend {
     }
 
     /// A plan whose partial rows are its queries in order (each query's whole context in one
-    /// group: FastTree's folded plans of one group per query) skips the merge, a copy here:
-    /// stage 1 writes the output.
+    /// group: Q-guided's whole paths) skips the merge, which would only copy them: stage 1
+    /// writes the output.
     fn step(
         &self,
         kv: &CudaKv,
