@@ -146,9 +146,10 @@ __device__ __forceinline__ float4 load_dropped(const float4* a, u64 policy) {
 // A masked group's mask as the kernels read it (the host lays it out from the plan's
 // token-major one; a CTA's group has at most 64 queries): per 64-token block of the group's
 // tokens, one word per query, bit t for the block's token t. So a thread that tests one
-// query's tokens of a tile loads one word, not one per token.
-__device__ __forceinline__ u64 mask_word(const u64* mask, u32 local, u32 queries, u32 j) {
-    return mask[(u64)(local / 64) * queries + j];
+// query's tokens of a tile loads one word, not one per token. This is the address of query
+// j's word for the block holding group-local token `local`.
+__device__ __forceinline__ const u64* mask_word(const u64* mask, u32 local, u32 queries, u32 j) {
+    return mask + (u64)(local / 64) * queries + j;
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -253,7 +253,7 @@ decode_partial(STAGE1_PARAMS) {
                 const u32 local = local0 + u_me * TPW;
                 bool keep = local < tokens && r_me < nrows;
                 const u32 j = (u32)(row0 + r_me) / gsz;
-                if (keep && mask_plus1) keep = (mask_word(masks + mask_plus1 - 1, local, query_count, j) >> (local % 64)) & 1ull;
+                if (keep && mask_plus1) keep = (*mask_word(masks + mask_plus1 - 1, local, query_count, j) >> (local % 64)) & 1ull;
                 if (!keep) score = NEG_INF;
             }
             float row_max = score;
@@ -294,7 +294,7 @@ decode_partial(STAGE1_PARAMS) {
                 for (int u = 0; u < UNROLL; ++u) {
                     const u32 local = local0 + u * TPW;
                     bool keep = local < tokens;
-                    if (keep && mask_plus1) keep = (mask_word(masks + mask_plus1 - 1, local, query_count, j) >> (local % 64)) & 1ull;
+                    if (keep && mask_plus1) keep = (*mask_word(masks + mask_plus1 - 1, local, query_count, j) >> (local % 64)) & 1ull;
                     if (!keep) s[r][u] = NEG_INF;
                     mx = fmaxf(mx, s[r][u]);
                 }

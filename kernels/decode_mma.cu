@@ -293,9 +293,9 @@ __device__ __forceinline__ void row_mask_bits(typename MaskBits<(NT > 4)>::type 
         // (Rows past the group's read its last query's word: they are never written.)
         const u32 j = min((u32)(row0 + g + 8 * h) / gsz, queries - 1);
         if constexpr (NT > 4)
-            w[h] = mask ? mask_word(mask, first, queries, j) : ~0ull;
+            w[h] = mask ? *mask_word(mask, first, queries, j) : ~0ull;
         else
-            w[h] = mask ? reinterpret_cast<const u32*>(mask + (u64)(first / 64) * queries + j)[first % 64 / 32] : ~0u;
+            w[h] = mask ? reinterpret_cast<const u32*>(mask_word(mask, first, queries, j))[first % 64 / 32] : ~0u;
     }
 }
 

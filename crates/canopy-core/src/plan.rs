@@ -159,6 +159,13 @@ impl Plan {
         &self.query_rows[self.query_ptr[q] as usize..self.query_ptr[q + 1] as usize]
     }
 
+    /// Whether query `q`'s one partial row is row `q`, for every query: the partials are then
+    /// the merged states already (each query's whole context lies in one group).
+    pub fn rows_are_queries(&self) -> bool {
+        self.query_rows.len() == self.num_queries()
+            && (0..self.num_queries()).all(|q| self.rows_of(q) == [q as u32])
+    }
+
     /// CSR offsets and rows, as a device upload wants them.
     pub fn csr(&self) -> (&[u32], &[u32]) {
         (&self.query_ptr, &self.query_rows)
@@ -470,6 +477,17 @@ pub struct IoReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One group per query, in query order, makes the partials the merged states; any other
+    /// order or a second group does not.
+    #[test]
+    fn rows_are_queries_only_for_one_group_per_query_in_order() {
+        let one = |q: u32| Group::unmasked(vec![q * 10..q * 10 + 5], vec![q]);
+        let plan = |groups| Plan::new(3, groups).unwrap();
+        assert!(plan(vec![one(0), one(1), one(2)]).rows_are_queries());
+        assert!(!plan(vec![one(1), one(0), one(2)]).rows_are_queries());
+        assert!(!plan(vec![one(0), one(1), one(2), one(2)]).rows_are_queries());
+    }
 
     #[test]
     fn csr_lists_rows_in_group_order() {

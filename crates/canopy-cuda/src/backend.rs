@@ -419,15 +419,21 @@ fn write_extents(
 /// A masked group's mask as the kernels read it (`mask_word` in `kernels/common.cuh`): per
 /// 64-token block of its tokens, one word per query, bit `t` for the block's token `t`. A
 /// thread that tests one query's scores over a tile then loads one word, where the plan's
-/// token-major mask would need one per token.
+/// token-major mask would need one per token. The plan's set bits are visited, not every
+/// (token, query) pair: a growing masked plan is laid out again on every update.
 fn block_mask(g: &Group) -> Vec<u64> {
+    let Some(mask) = &g.mask else {
+        return Vec::new();
+    };
     let queries = g.queries.len();
-    let tokens = g.tokens() as usize;
-    let mut words = vec![0u64; tokens.div_ceil(64) * queries];
-    for t in 0..tokens {
-        for j in 0..queries {
-            if g.visible(t, j) {
+    let mut words = vec![0u64; (g.tokens() as usize).div_ceil(64) * queries];
+    for (t, token_words) in mask.chunks(g.mask_words()).enumerate() {
+        for (w, &bits) in token_words.iter().enumerate() {
+            let mut rest = bits;
+            while rest != 0 {
+                let j = 64 * w + rest.trailing_zeros() as usize;
                 words[t / 64 * queries + j] |= 1 << (t % 64);
+                rest &= rest - 1;
             }
         }
     }
@@ -1109,14 +1115,10 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_htod(&staging, &mut words)
             .ctx("cuMemcpyHtoD")?;
-        let (query_ptr, query_rows) = plan.csr();
-        let direct = query_rows.len() == plan.num_queries()
-            && query_rows.iter().enumerate().all(|(i, &r)| r as usize == i)
-            && query_ptr.iter().enumerate().all(|(i, &p)| p as usize == i);
         Ok(CudaPlan {
             rows,
             tensor_cores,
-            direct,
+            direct: plan.rows_are_queries(),
             words,
             staging,
             layout: host.layout,
