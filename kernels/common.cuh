@@ -73,11 +73,28 @@ __device__ __forceinline__ void widen8(const Raw8& r, float out[8]) {
 #endif
 }
 
+// Group descriptor flag (host: `Plan::kv_read_alone`): the step reads this group's KV once, no
+// other group reads it. Its loads then go first out of L2 (evict_first): streaming it through
+// L2 pushes out KV the step has already used, not lines that outlive it (the partials kept for
+// the merge, other kernels' data, dirty lines whose write-back the step would otherwise pay
+// for). KV that other groups read too is loaded without a hint, so that they find it in L2:
+// evict_first on a root that 64 CTAs read (FastTree's tree 4) made the step 2-4% longer, and an
+// explicit evict_normal policy made Q-guided plans up to 38% longer (BENCHMARKS, session 11).
+#define GROUP_KV_ALONE 1u
+
 // A 16-byte cp.async global -> shared copy of `bytes` (0 or 16) source bytes, the rest zero
-// filled, with the 256-byte L2 prefetch hint (KV rows are read whole).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes) {
+// filled, with the 256-byte L2 prefetch hint (KV rows are read whole), as first to leave L2
+// when `evict_first` (GROUP_KV_ALONE).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes, bool evict_first) {
     const u32 dst = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+    if (evict_first) {
+        u64 p;
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                     "l"(gmem), "r"(bytes), "l"(p));
+    } else {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+    }
 }
 
 // Partials' L2 priorities (sm_80 and later; plain accesses before). Stage 1 stores its

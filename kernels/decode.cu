@@ -53,8 +53,11 @@
 #endif
 
 // Per group: range_begin, range_count, query_begin, query_count, partial_base,
-// mask_begin + 1 (0: unmasked; the mask in `mask_word`'s layout), tokens.
-#define GROUP_WORDS 7
+// mask_begin + 1 (0: unmasked; the mask in `mask_word`'s layout), tokens, flags. This kernel
+// loads every group's KV without an L2 hint: GROUP_KV_ALONE is for the tensor-core kernel (the
+// one-row path's loads, behind a branch on it, made Q-guided plans at 32/32 up to 23% slower:
+// BENCHMARKS, session 11).
+#define GROUP_WORDS 8
 
 struct MergeScratch {
     float m[SLOTS][ROWS];
@@ -178,8 +181,8 @@ decode_partial(STAGE1_PARAMS) {
 #pragma unroll
                     for (int w = 0; w < RAWV; ++w) {
                         const u64 at = valid ? off + 16 * w : 0;
-                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 0) * RAWV + w][threadIdx.x], kc + at, valid ? 16 : 0);
-                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 1) * RAWV + w][threadIdx.x], vc + at, valid ? 16 : 0);
+                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 0) * RAWV + w][threadIdx.x], kc + at, valid ? 16 : 0, false);
+                        cp_async16(&sh.pipe[((stage * UNROLL + u) * 2 + 1) * RAWV + w][threadIdx.x], vc + at, valid ? 16 : 0, false);
                     }
                 }
             }

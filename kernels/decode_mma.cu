@@ -114,13 +114,13 @@ __device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* p) {
 // 16: the one-warp-per-head path) and the group's first KV range, so that a CTA's first KV
 // address needs no load beyond its own descriptor (three 16-byte loads from one line).
 struct GroupDesc {
-    u32 range_begin, query_begin, query_count, partial_base, mask_plus1, tokens, head, first_start, first_end;
+    u32 range_begin, query_begin, query_count, partial_base, mask_plus1, tokens, flags, head, first_start, first_end;
 };
 
 __device__ __forceinline__ GroupDesc read_cta(const u32* ctas, u32 i) {
     const uint4* d = reinterpret_cast<const uint4*>(ctas + (u64)i * CTA_WORDS);
     const uint4 a = d[0], b = d[1], c = d[2];
-    return GroupDesc{a.x, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y};
+    return GroupDesc{a.x, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z};
 }
 
 // Streams a group's KV tokens into shared-memory tiles with cp.async, DEPTH stages deep: while
@@ -151,6 +151,7 @@ struct KvStream {
     const u32* page_table;  // null: contiguous KV
     u32 page_shift;
     u64 stride;  // bytes from one token to the next
+    bool evict_first;  // the group alone reads its KV (GROUP_KV_ALONE)
     u32 range_begin, tokens;
     u32 ri, seg_local, seg_end, seg_addr;  // cursor: the range holding local tokens [seg_local, seg_end)
     int dst, row_first;                    // this thread's element offset in a block, first row
@@ -159,6 +160,7 @@ struct KvStream {
                                           const u32* pt, u32 shift, int kv_heads, int kvh0, const GroupDesc& cd) {
         const int piece = threadIdx.x % PIECES;
         stride = (u64)kv_heads * HEAD_DIM * 2;
+        evict_first = cd.flags & GROUP_KV_ALONE;
         row_first = threadIdx.x / PIECES;
         dst = SWIZZLED ? (piece / 8) * (TOKENS * 64) + row_first * 64 + ((piece % 8) ^ (row_first % 8)) * 8
                        : ((piece / CHUNKS) * TOKENS + row_first) * STRIDE + (piece % CHUNKS) * 8;
@@ -205,8 +207,8 @@ struct KvStream {
                 const int r = row_first + i * ROWS_PER_PASS;
                 const bool valid = (u32)r < n;
                 const u64 off = valid ? base + (u64)(i * ROWS_PER_PASS) * stride : 0;
-                cp_async16(ks + dst + i * PASS_STEP, k + off, valid ? 16 : 0);
-                cp_async16(vs + dst + i * PASS_STEP, v + off, valid ? 16 : 0);
+                cp_async16(ks + dst + i * PASS_STEP, k + off, valid ? 16 : 0, evict_first);
+                cp_async16(vs + dst + i * PASS_STEP, v + off, valid ? 16 : 0, evict_first);
             }
         } else {
 #pragma unroll 1
@@ -214,8 +216,8 @@ struct KvStream {
                 const int r = row_first + i * ROWS_PER_PASS;
                 const bool valid = (u32)r < n;
                 const u64 off = valid ? physical(seek(lo + r)) * stride : 0;
-                cp_async16(ks + dst + i * PASS_STEP, k + off, valid ? 16 : 0);
-                cp_async16(vs + dst + i * PASS_STEP, v + off, valid ? 16 : 0);
+                cp_async16(ks + dst + i * PASS_STEP, k + off, valid ? 16 : 0, evict_first);
+                cp_async16(vs + dst + i * PASS_STEP, v + off, valid ? 16 : 0, evict_first);
             }
         }
         cp_async_commit();

@@ -1,6 +1,6 @@
 // Device-side random data, bit-identical to canopy_core::data::hash_uniform on the host, so a
 // multi-gigabyte KV cache is made on the GPU and the f64 oracle regenerates it on the CPU
-// instead of copying it back. Also a poison fill and a copy kernel for the bandwidth ceiling.
+// instead of copying it back. Also a read-only sweep for evicting L2 with clean lines.
 
 __device__ __forceinline__ u64 splitmix64(u64 x) {
     x += 0x9E3779B97F4A7C15ull;
@@ -29,8 +29,14 @@ extern "C" __global__ void fill_random(void* out, u64 n, u64 first, u64 seed, u3
     }
 }
 
-// Device-to-device copy with 16-byte accesses: the bandwidth ceiling the benchmarks divide by.
-extern "C" __global__ void copy16(const uint4* __restrict__ src, uint4* __restrict__ dst, u64 n) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-        dst[i] = src[i];
+// Reads n 16-byte words and writes `sink` only if one is nonzero (never, over a zeroed
+// buffer): `--cache cold-clean` evicts L2 with it, leaving clean lines where a write leaves
+// dirty ones.
+extern "C" __global__ void read16(const uint4* __restrict__ src, u64 n, u32* __restrict__ sink) {
+    u32 x = 0;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const uint4 v = src[i];
+        x |= v.x | v.y | v.z | v.w;
+    }
+    if (x) *sink = x;
 }

@@ -51,8 +51,9 @@ pub struct TreeArgs {
     #[arg(long, default_value_t = 20)]
     iterations: usize,
     /// What each timed step finds in L2: cold (evicted before each step, outside the timed
-    /// region, as in a model's decode loop and in Triton's do_bench) or warm (the previous
-    /// step's KV still there).
+    /// region, by writing a buffer, as in Triton's do_bench: L2 holds dirty lines), cold-clean
+    /// (evicted by reading a buffer: L2 holds clean lines) or warm (the previous step's KV
+    /// still there).
     #[arg(long, default_value = "cold")]
     cache: Cache,
     #[arg(long, value_enum, default_value = "auto")]

@@ -298,6 +298,41 @@ impl Plan {
         }
     }
 
+    /// For each group, whether the step reads each of its KV tokens once: no other group (and
+    /// no other of its own ranges) reads them. A backend streams such KV past its cache; KV
+    /// that several groups read (a shared prefix under Q-guided plans, a root split over many
+    /// query tiles) is worth keeping.
+    pub fn kv_read_alone(&self) -> Vec<bool> {
+        // Every range's ends; at one position an end sorts before a start, so ranges that only
+        // touch do not overlap. Between two consecutive positions, `depth` ranges read.
+        let mut ends: Vec<(u32, i32)> = self
+            .groups
+            .iter()
+            .flat_map(|g| g.kv.iter().flat_map(|r| [(r.start, 1), (r.end, -1)]))
+            .collect();
+        ends.sort_unstable();
+        let mut shared: Vec<Range<u32>> = Vec::new();
+        let mut depth = 0;
+        for (i, &(at, step)) in ends.iter().enumerate() {
+            depth += step;
+            let next = ends.get(i + 1).map_or(at, |e| e.0);
+            if depth >= 2 && next > at {
+                match shared.last_mut() {
+                    Some(last) if last.end == at => last.end = next,
+                    _ => shared.push(at..next),
+                }
+            }
+        }
+        let overlaps_shared = |r: &Range<u32>| {
+            let first = shared.partition_point(|s| s.end <= r.start);
+            shared.get(first).is_some_and(|s| s.start < r.end)
+        };
+        self.groups
+            .iter()
+            .map(|g| !g.kv.iter().any(overlaps_shared))
+            .collect()
+    }
+
     /// Moves every KV address by `-offset`, for a rank that stores only its own shard.
     pub fn relocated(&self, map: impl Fn(Range<u32>) -> Range<u32>) -> Plan {
         let mut plan = self.clone();
@@ -487,6 +522,44 @@ mod tests {
         assert!(plan(vec![one(0), one(1), one(2)]).rows_are_queries());
         assert!(!plan(vec![one(1), one(0), one(2)]).rows_are_queries());
         assert!(!plan(vec![one(0), one(1), one(2), one(2)]).rows_are_queries());
+    }
+
+    /// A group reads its KV alone unless another range overlaps one of its own; ranges that
+    /// only touch do not overlap.
+    #[test]
+    fn kv_read_alone_marks_groups_whose_tokens_no_other_group_reads() {
+        let groups = vec![
+            Group::unmasked(vec![0..4, 10..12], vec![0]),
+            Group::unmasked(vec![4..8], vec![1]),
+            Group::unmasked(vec![11..20], vec![2]),
+            Group::unmasked(vec![20..30], vec![0]),
+            Group::unmasked(vec![30..31, 40..41], vec![1]),
+        ];
+        let plan = Plan::new(3, groups).unwrap();
+        assert_eq!(plan.kv_read_alone(), [false, true, false, true, true]);
+    }
+
+    proptest::proptest! {
+        /// Against a count of reads per token.
+        #[test]
+        fn kv_read_alone_matches_a_count_per_token(
+            ranges in proptest::collection::vec(
+                proptest::collection::vec((0u32..60, 1u32..12), 1..4), 1..8)
+        ) {
+            let groups: Vec<Group> = ranges
+                .iter()
+                .map(|rs| Group::unmasked(rs.iter().map(|&(s, n)| s..s + n).collect(), vec![0]))
+                .collect();
+            let mut reads = [0u32; 72];
+            for g in &groups {
+                g.kv.iter().flat_map(|r| r.clone()).for_each(|t| reads[t as usize] += 1);
+            }
+            let expected: Vec<bool> = groups
+                .iter()
+                .map(|g| g.kv.iter().flat_map(|r| r.clone()).all(|t| reads[t as usize] == 1))
+                .collect();
+            proptest::prop_assert_eq!(Plan::new(1, groups).unwrap().kv_read_alone(), expected);
+        }
     }
 
     #[test]

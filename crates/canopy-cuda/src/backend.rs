@@ -36,12 +36,15 @@ type EResult<T> = canopy_engine::Result<T>;
 /// Threads per decode CTA (four warps; see `kernels/decode.cu`).
 const DECODE_THREADS: u32 = 128;
 /// u32 words per group descriptor (see `kernels/decode.cu`).
-const GROUP_WORDS: usize = 7;
+const GROUP_WORDS: usize = 8;
 /// u32 words per CTA descriptor of the tensor-core kernel: a group descriptor, the CTA's head
 /// word and the group's first KV range, padded to 16-byte loads (see `kernels/decode_mma.cu`).
 const CTA_WORDS: usize = 12;
 /// Head-word flag of a CTA on the one-warp-per-head path.
 const CTA_PER_HEAD: u32 = 1 << 16;
+/// Group-descriptor flag: no other group reads the group's KV ([`Plan::kv_read_alone`]), so
+/// the kernels load it as first to leave L2 (`kv_policy` in `kernels/common.cuh`).
+const GROUP_KV_ALONE: u32 = 1;
 /// Resident decode CTAs per SM the planner aims for. The one-row kernel fits 5 at 96 registers,
 /// but 4 was faster at every length on H200 (128K: 0.263 vs 0.277 ms; 512K: 0.992 vs 1.023;
 /// 1M: 1.967 vs 2.017; twice each, docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of
@@ -176,6 +179,8 @@ pub(crate) enum Kernel {
         deep: bool,
     },
     Fill(DType),
+    /// `read16`, the clean eviction's sweep (in the fill source).
+    Read,
     Combine(&'static str),
 }
 
@@ -188,6 +193,7 @@ impl Kernel {
             Kernel::Merge { .. } => "merge_partials",
             Kernel::Combine(name) => name,
             Kernel::Fill(_) => "fill_random",
+            Kernel::Read => "read16",
         }
     }
 }
@@ -224,9 +230,9 @@ pub struct CudaBackend {
     pipeline: MmaPipeline,
     /// Free device memory when the backend was created.
     free_at_start: usize,
-    /// Written over before each timed step that must find the caches cold; allocated on first
-    /// use.
-    flush: Mutex<Option<CudaSlice<u8>>>,
+    /// Written over (or read) before each timed step that must find the caches cold, and the
+    /// clean sweep's sink; allocated on first use.
+    flush: Mutex<Option<(CudaSlice<u8>, CudaSlice<u32>)>>,
 }
 
 /// Warm-up steps [`CudaBackend::time_ms`] runs before it times.
@@ -368,6 +374,7 @@ fn write_extents(
 ) -> Vec<u64> {
     let mut masks = Vec::new();
     let (mut range_at, mut query_at) = (0, 0);
+    let alone = plan.kv_read_alone();
     for (i, (g, &base)) in plan.groups().iter().zip(plan.partial_base()).enumerate() {
         let mask = match &g.mask {
             Some(_) => {
@@ -386,6 +393,7 @@ fn write_extents(
             base,
             mask,
             g.tokens(),
+            if alone[i] { GROUP_KV_ALONE } else { 0 },
         ]);
         let r = layout.ranges.start + 2 * range_at;
         for (j, kv) in g.kv.iter().enumerate() {
@@ -405,13 +413,7 @@ fn write_extents(
         words.copy_within(d..d + GROUP_WORDS, at);
         let first = &plan.groups()[g].kv[0];
         let head = c.kv_head | if c.per_head { CTA_PER_HEAD } else { 0 };
-        words[at + GROUP_WORDS..at + CTA_WORDS].copy_from_slice(&[
-            head,
-            first.start,
-            first.end,
-            0,
-            0,
-        ]);
+        words[at + GROUP_WORDS..at + CTA_WORDS].copy_from_slice(&[head, first.start, first.end, 0]);
     }
     masks
 }
@@ -573,6 +575,7 @@ impl CudaBackend {
             Kernel::Merge { deep } => (Source::Merge, merge_defines(deep)),
             Kernel::Combine(_) => (Source::Combine, vec![("CANOPY_DTYPE", "0".into())]),
             Kernel::Fill(dtype) => (Source::Fill, vec![("CANOPY_DTYPE", dtype_code(dtype))]),
+            Kernel::Read => (Source::Fill, vec![("CANOPY_DTYPE", "0".into())]),
         };
         let module = self
             .ctx
@@ -786,8 +789,8 @@ impl CudaBackend {
         }
         let mut events: Vec<(CudaEvent, CudaEvent)> = Vec::with_capacity(iters);
         for _ in 0..iters {
-            if cache == Cache::Cold {
-                self.evict_l2()?;
+            if cache != Cache::Warm {
+                self.evict_l2(cache == Cache::ColdClean)?;
             }
             let start = self
                 .stream
@@ -810,15 +813,38 @@ impl CudaBackend {
     }
 
     /// Writes over a buffer of four times the L2's size (at least 64 MiB) on the stream, so
-    /// that the next kernel finds none of its data in L2.
-    fn evict_l2(&self) -> Result<()> {
+    /// that the next kernel finds none of its data in L2, only dirty lines; `clean` reads the
+    /// (zeroed) buffer instead, so that the lines left are clean.
+    fn evict_l2(&self, clean: bool) -> Result<()> {
         let mut flush = self.flush.lock().expect("flush buffer lock");
         if flush.is_none() {
             let bytes = (4 * self.gpu.l2_bytes as usize).max(64 << 20);
-            *flush = Some(self.alloc::<u8>(bytes)?);
+            let buf = self
+                .stream
+                .alloc_zeros::<u8>(bytes)
+                .ctx(format!("allocating {bytes} bytes to evict L2"))?;
+            let sink = self
+                .stream
+                .alloc_zeros::<u32>(1)
+                .ctx("allocating 4 bytes")?;
+            *flush = Some((buf, sink));
         }
-        let buf = flush.as_mut().expect("allocated above");
-        self.stream.memset_zeros(buf).ctx("cuMemsetD8Async")
+        let (buf, sink) = flush.as_mut().expect("allocated above");
+        if !clean {
+            return self.stream.memset_zeros(buf).ctx("cuMemsetD8Async");
+        }
+        let f = self.function(Kernel::Read)?;
+        let n = (buf.len() / 16) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (self.gpu.multiprocessors * 8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&*buf).arg(&n).arg(sink);
+        // SAFETY: the kernel reads n 16-byte words of `buf` and may write one u32 of `sink`.
+        unsafe { b.launch(cfg) }.ctx("launching read16")?;
+        Ok(())
     }
 
     /// Launches `f` on the main stream as a programmatic dependent of the kernel before it
@@ -1401,6 +1427,28 @@ mod tests {
         assert_eq!(words, fresh.words);
         assert_eq!(masks, fresh.masks);
         assert_ne!(masks, before.masks, "the masked group grew");
+    }
+
+    /// Every CTA's descriptor carries its group's flag: set where no other group reads the
+    /// group's KV, clear where two groups overlap.
+    #[test]
+    fn descriptors_flag_kv_that_one_group_reads() {
+        let groups = vec![
+            Group::unmasked(vec![0..64], (0..20).collect()),
+            Group::unmasked(vec![32..96], vec![20]),
+            Group::unmasked(vec![96..160], vec![21]),
+        ];
+        let plan = Plan::new(22, groups).unwrap();
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let (plan, items) = cut_for_gpu(&plan, &shape, 4);
+        let host = HostPlan::lay_out(&plan, &items);
+        let alone = plan.kv_read_alone();
+        assert!(alone.contains(&true) && alone.contains(&false));
+        for (i, item) in items.iter().enumerate() {
+            let flags = host.words[host.layout.ctas.start + i * CTA_WORDS + GROUP_WORDS - 1];
+            let expected = if alone[item.group as usize] { GROUP_KV_ALONE } else { 0 };
+            assert_eq!(flags, expected, "CTA {i} of group {}", item.group);
+        }
     }
 
     /// The kernels' block layout says what the plan's mask says, token by token, across

@@ -18,21 +18,28 @@ pub const WARMUP_RUNS: usize = 3;
 ///
 /// Back-to-back steps over a small tree find its KV still in L2 (H100: 50 MB), which no decode
 /// loop sees: between two steps of one layer run every other layer. `Cold` evicts the caches
-/// before each timed step, outside the timed region, as Triton's `do_bench` (with which the
-/// peers' numbers were taken) does.
+/// before each timed step, outside the timed region, by writing over a buffer larger than L2,
+/// as Triton's `do_bench` (with which the peers' numbers were taken) does: the step finds L2
+/// full of dirty lines, and writes back those it evicts. `ColdClean` evicts by reading such a
+/// buffer instead, so that the lines the step finds are clean: the difference between the two
+/// is what a step pays (or avoids) for the write-back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Cache {
     #[default]
     Cold,
+    ColdClean,
     Warm,
 }
 
 impl Cache {
+    const ALL: [Cache; 3] = [Cache::Cold, Cache::ColdClean, Cache::Warm];
+
     /// The name on the command line and in reports.
     pub fn name(self) -> &'static str {
         match self {
             Cache::Cold => "cold",
+            Cache::ColdClean => "cold-clean",
             Cache::Warm => "warm",
         }
     }
@@ -41,10 +48,10 @@ impl Cache {
 impl std::str::FromStr for Cache {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Cache, String> {
-        [Cache::Cold, Cache::Warm]
+        Cache::ALL
             .into_iter()
             .find(|c| c.name() == s)
-            .ok_or_else(|| format!("cache state {s:?}: use cold or warm"))
+            .ok_or_else(|| format!("cache state {s:?}: use cold, cold-clean or warm"))
     }
 }
 
@@ -147,7 +154,11 @@ mod tests {
     fn cache_states_parse_and_reject_others() {
         assert_eq!("cold".parse::<Cache>(), Ok(Cache::Cold));
         assert_eq!("warm".parse::<Cache>(), Ok(Cache::Warm));
-        assert!("hot".parse::<Cache>().unwrap_err().contains("cold or warm"));
+        assert_eq!("cold-clean".parse::<Cache>(), Ok(Cache::ColdClean));
+        assert!("hot"
+            .parse::<Cache>()
+            .unwrap_err()
+            .contains("cold, cold-clean or warm"));
         assert_eq!(Cache::default(), Cache::Cold);
     }
 }
