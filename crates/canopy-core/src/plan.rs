@@ -298,11 +298,11 @@ impl Plan {
         }
     }
 
-    /// For each group, whether the step reads each of its KV tokens once: no other group (and
-    /// no other of its own ranges) reads them. A backend streams such KV past its cache; KV
-    /// that several groups read (a shared prefix under Q-guided plans, a root split over many
-    /// query tiles) is worth keeping.
-    pub fn kv_read_alone(&self) -> Vec<bool> {
+    /// For each group, how many of its KV tokens the step reads more than once (another group,
+    /// or another of its own ranges, reads them too). A backend streams KV that is read once
+    /// past its cache; KV that several groups read (a shared prefix under Q-guided plans, a
+    /// root split over many query tiles) is worth keeping.
+    pub fn kv_shared_tokens(&self) -> Vec<u32> {
         // Every range's ends; at one position an end sorts before a start, so ranges that only
         // touch do not overlap. Between two consecutive positions, `depth` ranges read.
         let mut ends: Vec<(u32, i32)> = self
@@ -323,13 +323,17 @@ impl Plan {
                 }
             }
         }
-        let overlaps_shared = |r: &Range<u32>| {
+        let shared_in = |r: &Range<u32>| -> u32 {
             let first = shared.partition_point(|s| s.end <= r.start);
-            shared.get(first).is_some_and(|s| s.start < r.end)
+            shared[first..]
+                .iter()
+                .take_while(|s| s.start < r.end)
+                .map(|s| s.end.min(r.end) - s.start.max(r.start))
+                .sum()
         };
         self.groups
             .iter()
-            .map(|g| !g.kv.iter().any(overlaps_shared))
+            .map(|g| g.kv.iter().map(shared_in).sum())
             .collect()
     }
 
@@ -524,25 +528,25 @@ mod tests {
         assert!(!plan(vec![one(0), one(1), one(2), one(2)]).rows_are_queries());
     }
 
-    /// A group reads its KV alone unless another range overlaps one of its own; ranges that
-    /// only touch do not overlap.
+    /// A group's shared tokens are those another range overlaps; ranges that only touch do not
+    /// overlap.
     #[test]
-    fn kv_read_alone_marks_groups_whose_tokens_no_other_group_reads() {
+    fn kv_shared_tokens_counts_the_overlaps() {
         let groups = vec![
             Group::unmasked(vec![0..4, 10..12], vec![0]),
             Group::unmasked(vec![4..8], vec![1]),
             Group::unmasked(vec![11..20], vec![2]),
-            Group::unmasked(vec![20..30], vec![0]),
+            Group::unmasked(vec![18..30], vec![0]),
             Group::unmasked(vec![30..31, 40..41], vec![1]),
         ];
         let plan = Plan::new(3, groups).unwrap();
-        assert_eq!(plan.kv_read_alone(), [false, true, false, true, true]);
+        assert_eq!(plan.kv_shared_tokens(), [1, 0, 3, 2, 0]);
     }
 
     proptest::proptest! {
         /// Against a count of reads per token.
         #[test]
-        fn kv_read_alone_matches_a_count_per_token(
+        fn kv_shared_tokens_match_a_count_per_token(
             ranges in proptest::collection::vec(
                 proptest::collection::vec((0u32..60, 1u32..12), 1..4), 1..8)
         ) {
@@ -554,11 +558,11 @@ mod tests {
             for g in &groups {
                 g.kv.iter().flat_map(|r| r.clone()).for_each(|t| reads[t as usize] += 1);
             }
-            let expected: Vec<bool> = groups
+            let expected: Vec<u32> = groups
                 .iter()
-                .map(|g| g.kv.iter().flat_map(|r| r.clone()).all(|t| reads[t as usize] == 1))
+                .map(|g| g.kv.iter().flat_map(|r| r.clone()).filter(|&t| reads[t as usize] > 1).count() as u32)
                 .collect();
-            proptest::prop_assert_eq!(Plan::new(1, groups).unwrap().kv_read_alone(), expected);
+            proptest::prop_assert_eq!(Plan::new(1, groups).unwrap().kv_shared_tokens(), expected);
         }
     }
 
