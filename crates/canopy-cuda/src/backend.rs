@@ -1444,7 +1444,7 @@ mod tests {
     /// Every CTA's descriptor carries its group's flag: set where other groups read at most
     /// 1 / SHARED_TOKENS_STREAMED of the group's tokens, clear where they read more.
     #[test]
-    fn descriptors_flag_kv_that_one_group_reads() {
+    fn descriptors_carry_the_streaming_flag() {
         let groups = vec![
             Group::unmasked(vec![0..64], (0..20).collect()),
             Group::unmasked(vec![32..96], vec![20]),
