@@ -73,19 +73,19 @@ __device__ __forceinline__ void widen8(const Raw8& r, float out[8]) {
 #endif
 }
 
-// Group descriptor flag (host: `GROUP_KV_ALONE` in backend.rs): other groups read none of this
-// group's KV, or few of its tokens. Its loads then go first out of L2 (evict_first): streaming
+// Group descriptor flag (host: `GROUP_KV_STREAMED` in backend.rs): other groups read none of
+// this group's KV, or few of its tokens. Its loads then go first out of L2 (evict_first): streaming
 // it through L2 pushes out KV the step has already used, not lines that outlive it (the
 // partials kept for the merge, other kernels' data, dirty lines whose write-back the step would
 // otherwise pay for). KV that other groups read too is loaded without a hint, so that they find
-// it in L2: evict_first on a root that 64 CTAs read (FastTree's tree 4) made the step 2-4%
+// it in L2: evict_first on a root that 64 CTAs read (FastTree's tree 4) made the step 1-4%
 // longer, and an explicit evict_normal policy made Q-guided plans up to 38% longer
 // (BENCHMARKS, session 11).
-#define GROUP_KV_ALONE 1u
+#define GROUP_KV_STREAMED 1u
 
 // A 16-byte cp.async global -> shared copy of `bytes` (0 or 16) source bytes, the rest zero
 // filled, with the 256-byte L2 prefetch hint (KV rows are read whole), as first to leave L2
-// when `evict_first` (GROUP_KV_ALONE).
+// when `evict_first` (GROUP_KV_STREAMED).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, u32 bytes, bool evict_first) {
     const u32 dst = (u32)__cvta_generic_to_shared(smem);
     if (evict_first) {

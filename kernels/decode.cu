@@ -54,8 +54,8 @@
 
 // Per group: range_begin, range_count, query_begin, query_count, partial_base,
 // mask_begin + 1 (0: unmasked; the mask in `mask_word`'s layout), tokens, flags. This kernel
-// loads every group's KV without an L2 hint: GROUP_KV_ALONE is for the tensor-core kernel (the
-// one-row path's loads, behind a branch on it, made Q-guided plans at 32/32 up to 23% slower:
+// loads every group's KV without an L2 hint: GROUP_KV_STREAMED is for the tensor-core kernel
+// (the one-row path's loads, behind a branch on it, made Q-guided plans at 32/32 7-53% slower:
 // BENCHMARKS, session 11).
 #define GROUP_WORDS 8
 

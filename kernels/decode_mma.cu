@@ -151,7 +151,7 @@ struct KvStream {
     const u32* page_table;  // null: contiguous KV
     u32 page_shift;
     u64 stride;  // bytes from one token to the next
-    bool evict_first;  // the group alone reads its KV (GROUP_KV_ALONE)
+    bool evict_first;  // the group streams its KV (GROUP_KV_STREAMED)
     u32 range_begin, tokens;
     u32 ri, seg_local, seg_end, seg_addr;  // cursor: the range holding local tokens [seg_local, seg_end)
     int dst, row_first;                    // this thread's element offset in a block, first row
@@ -160,7 +160,7 @@ struct KvStream {
                                           const u32* pt, u32 shift, int kv_heads, int kvh0, const GroupDesc& cd) {
         const int piece = threadIdx.x % PIECES;
         stride = (u64)kv_heads * HEAD_DIM * 2;
-        evict_first = cd.flags & GROUP_KV_ALONE;
+        evict_first = cd.flags & GROUP_KV_STREAMED;
         row_first = threadIdx.x / PIECES;
         dst = SWIZZLED ? (piece / 8) * (TOKENS * 64) + row_first * 64 + ((piece % 8) ^ (row_first % 8)) * 8
                        : ((piece / CHUNKS) * TOKENS + row_first) * STRIDE + (piece % CHUNKS) * 8;
@@ -600,6 +600,9 @@ __device__ __forceinline__ void wg_commit_and_wait() {
 // Keeps the compiler from moving an accumulator's reads or writes across an asynchronous MMA.
 __device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
+// The four accumulator registers of n-tile `i` of `acc`, as read-write asm operands.
+#define WG_ACC4(acc, i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3])
+
 // S (64 rows x 64 tokens) (+)= Q (k16 chunk) K^T: B is K-major (HEAD_DIM contiguous per token).
 __device__ __forceinline__ void wg_qk(float (&s)[8][4], const u32 (&a)[4], u64 desc, int accumulate) {
     asm volatile(
@@ -608,12 +611,8 @@ __device__ __forceinline__ void wg_qk(float (&s)[8][4], const u32 (&a)[4], u64 d
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
         "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]),
-          "+f"(s[1][2]), "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]),
-          "+f"(s[3][0]), "+f"(s[3][1]), "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]),
-          "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]), "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]),
-          "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]), "+f"(s[7][0]), "+f"(s[7][1]),
-          "+f"(s[7][2]), "+f"(s[7][3])
+        : WG_ACC4(s, 0), WG_ACC4(s, 1), WG_ACC4(s, 2), WG_ACC4(s, 3), WG_ACC4(s, 4), WG_ACC4(s, 5),
+          WG_ACC4(s, 6), WG_ACC4(s, 7)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 }
 
@@ -627,17 +626,9 @@ __device__ __forceinline__ void wg_pv(float (&o)[DTILES][4], const u32 (&a)[4], 
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
         "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
-        : "+f"(o[0][0]), "+f"(o[0][1]), "+f"(o[0][2]), "+f"(o[0][3]), "+f"(o[1][0]), "+f"(o[1][1]),
-          "+f"(o[1][2]), "+f"(o[1][3]), "+f"(o[2][0]), "+f"(o[2][1]), "+f"(o[2][2]), "+f"(o[2][3]),
-          "+f"(o[3][0]), "+f"(o[3][1]), "+f"(o[3][2]), "+f"(o[3][3]), "+f"(o[4][0]), "+f"(o[4][1]),
-          "+f"(o[4][2]), "+f"(o[4][3]), "+f"(o[5][0]), "+f"(o[5][1]), "+f"(o[5][2]), "+f"(o[5][3]),
-          "+f"(o[6][0]), "+f"(o[6][1]), "+f"(o[6][2]), "+f"(o[6][3]), "+f"(o[7][0]), "+f"(o[7][1]),
-          "+f"(o[7][2]), "+f"(o[7][3]), "+f"(o[8][0]), "+f"(o[8][1]), "+f"(o[8][2]), "+f"(o[8][3]),
-          "+f"(o[9][0]), "+f"(o[9][1]), "+f"(o[9][2]), "+f"(o[9][3]), "+f"(o[10][0]), "+f"(o[10][1]),
-          "+f"(o[10][2]), "+f"(o[10][3]), "+f"(o[11][0]), "+f"(o[11][1]), "+f"(o[11][2]), "+f"(o[11][3]),
-          "+f"(o[12][0]), "+f"(o[12][1]), "+f"(o[12][2]), "+f"(o[12][3]), "+f"(o[13][0]), "+f"(o[13][1]),
-          "+f"(o[13][2]), "+f"(o[13][3]), "+f"(o[14][0]), "+f"(o[14][1]), "+f"(o[14][2]), "+f"(o[14][3]),
-          "+f"(o[15][0]), "+f"(o[15][1]), "+f"(o[15][2]), "+f"(o[15][3])
+        : WG_ACC4(o, 0), WG_ACC4(o, 1), WG_ACC4(o, 2), WG_ACC4(o, 3), WG_ACC4(o, 4), WG_ACC4(o, 5),
+          WG_ACC4(o, 6), WG_ACC4(o, 7), WG_ACC4(o, 8), WG_ACC4(o, 9), WG_ACC4(o, 10), WG_ACC4(o, 11),
+          WG_ACC4(o, 12), WG_ACC4(o, 13), WG_ACC4(o, 14), WG_ACC4(o, 15)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 

@@ -43,9 +43,9 @@ const CTA_WORDS: usize = 12;
 /// Head-word flag of a CTA on the one-warp-per-head path.
 const CTA_PER_HEAD: u32 = 1 << 16;
 /// Group-descriptor flag: the tensor-core kernel loads the group's KV as first to leave L2
-/// (`GROUP_KV_ALONE` in `kernels/common.cuh`). Set when other groups read at most
+/// (`GROUP_KV_STREAMED` in `kernels/common.cuh`). Set when other groups read at most
 /// 1 / [`SHARED_TOKENS_STREAMED`] of its tokens ([`Plan::kv_shared_tokens`]).
-const GROUP_KV_ALONE: u32 = 1;
+const GROUP_KV_STREAMED: u32 = 1;
 /// A group whose tokens other groups read too streams its KV all the same when they are at most
 /// this fraction (1 / n) of its tokens; the few shared tokens are then read again from DRAM.
 /// FastTree joins tree 1's 8-token root to each of its four 256-token nodes (3%), and keeping
@@ -402,7 +402,7 @@ fn write_extents(
             mask,
             g.tokens(),
             if shared[i] * SHARED_TOKENS_STREAMED <= g.tokens() {
-                GROUP_KV_ALONE
+                GROUP_KV_STREAMED
             } else {
                 0
             },
@@ -1461,7 +1461,7 @@ mod tests {
             .map(|(g, shared)| match g.kv[0].start {
                 92 => {
                     assert_eq!(shared, 4, "the last group shares 4 of 68 tokens");
-                    GROUP_KV_ALONE
+                    GROUP_KV_STREAMED
                 }
                 _ => {
                     assert!(shared * SHARED_TOKENS_STREAMED > g.tokens());
