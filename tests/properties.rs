@@ -2,8 +2,8 @@
 //! simulated ranks against the f64 oracle; planner coverage and IO; merge algebra.
 
 use canopy_core::{
-    merge_state, plan, random_tree, relative_error, shard_tree, AttnShape, DType, Method,
-    PlannerConfig, Shard, TreeView, EMPTY_LSE,
+    geometry::cut_for_gpu, merge_state, plan, random_tree, relative_error, shard_tree, AttnShape,
+    DType, Method, PlannerConfig, Shard, TreeView, EMPTY_LSE,
 };
 use canopy_engine::{run_threads, CpuBackend, Problem, RunConfig, Strategy as Decode};
 use proptest::prelude::*;
@@ -52,6 +52,7 @@ proptest! {
     #[test]
     fn every_planner_covers_each_context_exactly_once(
         seed in any::<u64>(), ranks in 1usize..=8, block in 1u32..200, chunk in 1u32..300,
+        slots in 1usize..500,
     ) {
         let tree = random_tree(seed, 40, 64);
         let shape = AttnShape::new(8, 2, 128).unwrap();
@@ -63,6 +64,11 @@ proptest! {
                 let p = plan(&view, method, &shape, &cfg).unwrap();
                 if let Err(e) = p.check_coverage(|q| view.query_context(q)) {
                     return Err(TestCaseError::fail(format!("{method} rank {}: {e}", shard.rank)));
+                }
+                // As the CUDA backend runs it: cut into CTAs (masked pieces trimmed).
+                let (cut, _) = cut_for_gpu(&p, &shape, slots);
+                if let Err(e) = cut.check_coverage(|q| view.query_context(q)) {
+                    return Err(TestCaseError::fail(format!("{method} cut for {slots} slots, rank {}: {e}", shard.rank)));
                 }
             }
         }

@@ -20,8 +20,10 @@ use crate::shape::AttnShape;
 use serde::{Deserialize, Serialize};
 
 /// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to
-/// session 9's cold steps on an H100 SXM, with the many-row path on the warpgroup MMA
-/// (docs/BENCHMARKS.md, "session 9"); they count that path in 64-token tiles.
+/// session 12's cold steps on an H100 SXM (FastTree's trees and DeFT's workloads, every
+/// method; docs/BENCHMARKS.md, "session 12"), after session 10 made masked tiles cheaper and
+/// FastTree's planner began folding short leaves under masks; they count the many-row path in
+/// 64-token tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DeviceModel {
@@ -50,14 +52,14 @@ pub struct DeviceModel {
 impl Default for DeviceModel {
     fn default() -> Self {
         DeviceModel {
-            bytes_per_us: 2.79e6,
-            l2_bytes_per_us: 6.09e6,
-            us_per_step: 17.9,
-            main_cta_us: 11.1,
-            main_tile_us: 1.45,
+            bytes_per_us: 2.93e6,
+            l2_bytes_per_us: 6.03e6,
+            us_per_step: 13.1,
+            main_cta_us: 2.63,
+            main_tile_us: 0.853,
             heads_cta_us: 7.13,
-            serial_tile_us: 0.92,
-            masked_tile_us: 10.6,
+            serial_tile_us: 1.33,
+            masked_tile_us: 3.90,
             multiprocessors: 132,
             ctas_per_sm: 3,
         }

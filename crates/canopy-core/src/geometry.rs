@@ -27,7 +27,7 @@ pub const MIN_PIECE_TOKENS: u32 = 32;
 pub const PIECE_TOKENS_PER_ROW: u32 = 3;
 /// A CTA's fixed cost in work units (KV head-tokens): its descriptor, range and query loads
 /// before the first tile, and its partial writes after the last.
-const CTA_FIXED_WORK: u64 = 32;
+pub const CTA_FIXED_WORK: u64 = 32;
 
 /// Whether a group of `rows` query rows runs on the one-warp-per-head path.
 pub fn runs_per_head(rows: usize, kv_heads: usize) -> bool {

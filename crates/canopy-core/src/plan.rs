@@ -46,6 +46,66 @@ impl Group {
         self.queries.len().div_ceil(64)
     }
 
+    /// The group of the same tokens seen by its queries `columns` only (local indices).
+    fn columns(&self, columns: Range<usize>) -> Group {
+        let queries = self.queries[columns.clone()].to_vec();
+        let mask = self.mask.as_ref().map(|_| {
+            let words = queries.len().div_ceil(64);
+            let mut m = vec![0u64; self.tokens() as usize * words];
+            for t in 0..self.tokens() as usize {
+                for (j, c) in columns.clone().enumerate() {
+                    if self.visible(t, c) {
+                        m[t * words + j / 64] |= 1 << (j % 64);
+                    }
+                }
+            }
+            m
+        });
+        Group {
+            kv: self.kv.clone(),
+            queries,
+            mask,
+        }
+    }
+
+    /// The group without the queries that see none of its tokens, and without its mask if
+    /// the rest see them all; `None` if no query sees any token. A piece of a masked group
+    /// often lies in one node: it keeps that node's queries and the unmasked kernel path.
+    pub fn trimmed(self) -> Option<Group> {
+        if self.mask.is_none() {
+            return Some(self);
+        }
+        let tokens = self.tokens() as usize;
+        let seen: Vec<usize> = (0..self.queries.len())
+            .map(|j| (0..tokens).filter(|&t| self.visible(t, j)).count())
+            .collect();
+        let keep: Vec<usize> = (0..seen.len()).filter(|&j| seen[j] > 0).collect();
+        if keep.is_empty() {
+            return None;
+        }
+        if keep.iter().all(|&j| seen[j] == tokens) {
+            let queries = keep.iter().map(|&j| self.queries[j]).collect();
+            return Some(Group::unmasked(self.kv, queries));
+        }
+        if keep.len() == self.queries.len() {
+            return Some(self);
+        }
+        let words = keep.len().div_ceil(64);
+        let mut mask = vec![0u64; tokens * words];
+        for t in 0..tokens {
+            for (i, &j) in keep.iter().enumerate() {
+                if self.visible(t, j) {
+                    mask[t * words + i / 64] |= 1 << (i % 64);
+                }
+            }
+        }
+        Some(Group {
+            queries: keep.iter().map(|&j| self.queries[j]).collect(),
+            kv: self.kv,
+            mask: Some(mask),
+        })
+    }
+
     /// Whether the group's `local_query` may see its `token`-th token.
     #[inline]
     pub fn visible(&self, token: usize, local_query: usize) -> bool {
@@ -206,16 +266,16 @@ impl Plan {
             let mut token = 0usize;
             for kv in split_ranges_into(&g.kv, &sizes) {
                 let n: usize = kv.iter().map(|r| (r.end - r.start) as usize).sum();
-                let mask = g
-                    .mask
-                    .as_ref()
-                    .map(|m| m[token * words..(token + n) * words].to_vec());
-                token += n;
-                groups.push(Group {
+                let piece = Group {
                     kv,
                     queries: g.queries.clone(),
-                    mask,
-                });
+                    mask: g
+                        .mask
+                        .as_ref()
+                        .map(|m| m[token * words..(token + n) * words].to_vec()),
+                };
+                token += n;
+                groups.extend(piece.trimmed());
             }
         }
         Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")
@@ -237,29 +297,9 @@ impl Plan {
                 groups.push(g.clone());
                 continue;
             }
-            let tokens = g.tokens() as usize;
             for (c, queries) in g.queries.chunks(max_queries).enumerate() {
-                let first = c * max_queries;
-                let mut piece = Group::unmasked(g.kv.clone(), queries.to_vec());
-                if g.mask.is_some() {
-                    let words = piece.mask_words();
-                    let mut m = vec![0u64; tokens * words];
-                    let mut seen = 0usize;
-                    for t in 0..tokens {
-                        for j in 0..queries.len() {
-                            if g.visible(t, first + j) {
-                                m[t * words + j / 64] |= 1 << (j % 64);
-                                seen += 1;
-                            }
-                        }
-                    }
-                    match seen {
-                        0 => continue,
-                        n if n == tokens * queries.len() => {}
-                        _ => piece.mask = Some(m),
-                    }
-                }
-                groups.push(piece);
+                let columns = c * max_queries..c * max_queries + queries.len();
+                groups.extend(g.columns(columns).trimmed());
             }
         }
         Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")
@@ -598,6 +638,29 @@ mod tests {
         assert!(split.groups()[1].mask.is_none());
         split
             .check_coverage(|q| if q < 2 { vec![0..2] } else { vec![0..4] })
+            .unwrap();
+    }
+
+    /// Pieces of a masked group keep only the queries that see some token, and no mask when
+    /// those see every token; a piece no query sees is dropped.
+    #[test]
+    fn pieces_of_a_masked_group_are_trimmed() {
+        // Tokens 0..2 seen by queries 0 and 1 (a shared part), 2..4 by query 1 alone (a leaf),
+        // 4..6 by nobody.
+        let mask: Vec<u64> = [0b11u64, 0b11, 0b10, 0b10, 0, 0].to_vec();
+        let g = Group {
+            kv: vec![0..6],
+            queries: vec![0, 1],
+            mask: Some(mask),
+        };
+        let plan = Plan::new(2, vec![g]).unwrap();
+        let split = plan.split_groups(|_| 3);
+        let groups = split.groups();
+        assert_eq!(groups.len(), 2, "{groups:?}");
+        assert_eq!(groups[0], Group::unmasked(vec![0..2], vec![0, 1]));
+        assert_eq!(groups[1], Group::unmasked(vec![2..4], vec![1]));
+        split
+            .check_coverage(|q| if q == 0 { vec![0..2] } else { vec![0..4] })
             .unwrap();
     }
 

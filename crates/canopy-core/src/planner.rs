@@ -13,7 +13,8 @@
 //! - **FastTree**: a greedy, per-edge choice of whether a node's KV is computed once for all
 //!   queries below it (one more intermediate partial per query) or pushed down into its
 //!   children's groups (KV re-read, fewer partials, fuller tensor-core tiles), by a cost model;
-//!   then long-context splitting when too few groups remain to fill the GPU.
+//!   leaves shorter than a CTA's fixed cost join their parent's group under a mask; then
+//!   long-context splitting when too few groups remain to fill the GPU.
 //! - **Auto**: plans the tree with each method, predicts each plan's time with a
 //!   [`DeviceModel`] (KV and partial bytes over bandwidth, tensor-core work over throughput,
 //!   the longest CTA), and keeps the fastest ([`auto_candidates`]). A growing tree is planned
@@ -22,6 +23,7 @@
 
 use crate::device_model::DeviceModel;
 use crate::error::{CoreError, Result};
+use crate::geometry::{CTA_FIXED_WORK, CTA_ROWS};
 use crate::plan::{split_ranges, Group, Plan};
 use crate::shape::AttnShape;
 use crate::shard::TreeView;
@@ -389,12 +391,16 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
     // Top-down (BFS order = parents first): each node receives the ranges its ancestors pushed
     // down, adds its own, and decides per child edge whether to push the total into the child.
     let mut inherited: Vec<Vec<Range<u32>>> = vec![Vec::new(); tree.nodes().len()];
+    let mut is_folded = vec![false; tree.nodes().len()];
     let mut order: Vec<u32> = tree.roots().to_vec();
     let mut groups = Vec::new();
     let mut i = 0;
     while i < order.len() {
         let n = order[i];
         i += 1;
+        if is_folded[n as usize] {
+            continue;
+        }
         let node = tree.node(n);
         order.extend(&node.children);
         let mut total = std::mem::take(&mut inherited[n as usize]);
@@ -438,11 +444,76 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
                 stay = remaining;
             }
         }
+        // Short leaves kept here (not pushed) join this group, their tokens under a mask:
+        // a leaf shorter than a CTA's fixed work costs less as this group's tokens than as
+        // CTAs of its own, and its queries need no partial row of their own (where every
+        // query then has one, the merge is skipped). Only while the group stays one CTA's
+        // rows (a group split by query would read the leaves in every piece), and to no more
+        // tokens than the group's own, so that its CTAs' chain at most doubles. FastTree's
+        // tree 9 (16-token leaves) went from 90.7 to 69.3 µs at 32/8 and from 211.5 to
+        // 174.1 at 32/32; folding 32-token leaves made trees 0, 2 and 5 slower by 5-19%
+        // (docs/BENCHMARKS.md, session 12).
+        let mut folded = Vec::new();
+        let mut room = t;
+        if stay.len() * gqa <= CTA_ROWS {
+            for &c in &node.children {
+                let leaf = view.node_kv(c).len() as u64;
+                if tree.node(c).children.is_empty()
+                    && inherited[c as usize].is_empty()
+                    && leaf > 0
+                    && leaf < CTA_FIXED_WORK
+                    && leaf <= room
+                    && !tree.queries_through(c).is_empty()
+                {
+                    is_folded[c as usize] = true;
+                    folded.push(c);
+                    room -= leaf;
+                }
+            }
+        }
         if !stay.is_empty() {
-            groups.push(Group::unmasked(total, stay));
+            groups.push(fold_leaves(view, total, stay, &folded));
         }
     }
     groups
+}
+
+/// The group of `shared` ranges seen by all of `queries`, followed by the `leaves`' tokens,
+/// each seen only by its own queries (a subset of `queries`). Unmasked when every query sees
+/// every token.
+fn fold_leaves(
+    view: &TreeView,
+    shared: Vec<Range<u32>>,
+    queries: Vec<u32>,
+    leaves: &[u32],
+) -> Group {
+    let words = queries.len().div_ceil(64);
+    let bits_of = |qs: &[u32]| {
+        let mut bits = vec![0u64; words];
+        for q in qs {
+            let j = queries
+                .binary_search(q)
+                .expect("a folded leaf's queries are the group's");
+            bits[j / 64] |= 1 << (j % 64);
+        }
+        bits
+    };
+    let shared_tokens: u32 = shared.iter().map(|r| r.end - r.start).sum();
+    let mut mask: Vec<u64> = bits_of(&queries).repeat(shared_tokens as usize);
+    let mut all_visible = true;
+    let mut kv = shared;
+    for &c in leaves {
+        let range = view.node_kv(c);
+        let qc = view.tree.queries_through(c);
+        all_visible &= qc.len() == queries.len();
+        mask.extend(bits_of(qc).repeat(range.len()));
+        kv.push(range);
+    }
+    Group {
+        kv,
+        queries,
+        mask: (!all_visible).then_some(mask),
+    }
 }
 
 #[cfg(test)]
@@ -511,6 +582,27 @@ mod tests {
         assert!(p.groups()[0].mask.is_none());
         assert!(p.groups()[2].mask.is_some());
         assert_eq!(p.groups().len(), 3);
+    }
+
+    /// FastTree's tree 9 in small: 16-token leaves under a 128-token node join its group
+    /// under a mask, so every query has one partial row (no merge); 32-token leaves do not.
+    #[test]
+    fn fasttree_folds_short_leaves_into_their_parent() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        for (leaf, folded) in [(16, true), (32, false)] {
+            let t = fan(128, 8, leaf);
+            let shard = Shard::whole(&t);
+            let view = TreeView::new(&t, &shard);
+            let p = plan(&view, Method::FastTree, &shape, &PlannerConfig::default()).unwrap();
+            p.check_coverage(|q| view.query_context(q)).unwrap();
+            assert_eq!(p.groups().len() == 1, folded, "{leaf}-token leaves: {p:?}");
+            assert_eq!(p.rows_are_queries(), folded);
+            if folded {
+                let g = &p.groups()[0];
+                assert!(g.mask.is_some());
+                assert_eq!(g.tokens(), 128 + 8 * leaf);
+            }
+        }
     }
 
     #[test]
