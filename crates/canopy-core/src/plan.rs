@@ -72,37 +72,50 @@ impl Group {
     /// the rest see them all; `None` if no query sees any token. A piece of a masked group
     /// often lies in one node: it keeps that node's queries and the unmasked kernel path.
     pub fn trimmed(self) -> Option<Group> {
-        if self.mask.is_none() {
+        let Some(mask) = &self.mask else {
             return Some(self);
+        };
+        // Word by word: which queries see some token, and which see every one.
+        let words = self.mask_words();
+        let mut any = vec![0u64; words];
+        let mut all = vec![!0u64; words];
+        for token in mask.chunks(words) {
+            for w in 0..words {
+                any[w] |= token[w];
+                all[w] &= token[w];
+            }
         }
-        let tokens = self.tokens() as usize;
-        let seen: Vec<usize> = (0..self.queries.len())
-            .map(|j| (0..tokens).filter(|&t| self.visible(t, j)).count())
+        let keep: Vec<usize> = (0..self.queries.len())
+            .filter(|j| any[j / 64] >> (j % 64) & 1 == 1)
             .collect();
-        let keep: Vec<usize> = (0..seen.len()).filter(|&j| seen[j] > 0).collect();
         if keep.is_empty() {
             return None;
         }
-        if keep.iter().all(|&j| seen[j] == tokens) {
-            let queries = keep.iter().map(|&j| self.queries[j]).collect();
+        let queries = keep.iter().map(|&j| self.queries[j]).collect();
+        if any == all {
             return Some(Group::unmasked(self.kv, queries));
         }
         if keep.len() == self.queries.len() {
             return Some(self);
         }
-        let words = keep.len().div_ceil(64);
-        let mut mask = vec![0u64; tokens * words];
+        let kept = Group {
+            kv: self.kv.clone(),
+            queries,
+            mask: None,
+        };
+        let kept_words = kept.mask_words();
+        let tokens = self.tokens() as usize;
+        let mut trimmed = vec![0u64; tokens * kept_words];
         for t in 0..tokens {
             for (i, &j) in keep.iter().enumerate() {
                 if self.visible(t, j) {
-                    mask[t * words + i / 64] |= 1 << (i % 64);
+                    trimmed[t * kept_words + i / 64] |= 1 << (i % 64);
                 }
             }
         }
         Some(Group {
-            queries: keep.iter().map(|&j| self.queries[j]).collect(),
-            kv: self.kv,
-            mask: Some(mask),
+            mask: Some(trimmed),
+            ..kept
         })
     }
 
