@@ -46,14 +46,14 @@ impl Group {
         self.queries.len().div_ceil(64)
     }
 
-    /// The group of the same tokens seen by its queries `columns` only (local indices).
-    fn columns(&self, columns: Range<usize>) -> Group {
-        let queries = self.queries[columns.clone()].to_vec();
+    /// The group of the same tokens seen by its queries at local indices `columns` only.
+    fn columns(&self, columns: &[usize]) -> Group {
+        let queries = columns.iter().map(|&c| self.queries[c]).collect::<Vec<_>>();
         let mask = self.mask.as_ref().map(|_| {
             let words = queries.len().div_ceil(64);
             let mut m = vec![0u64; self.tokens() as usize * words];
             for t in 0..self.tokens() as usize {
-                for (j, c) in columns.clone().enumerate() {
+                for (j, &c) in columns.iter().enumerate() {
                     if self.visible(t, c) {
                         m[t * words + j / 64] |= 1 << (j % 64);
                     }
@@ -91,32 +91,14 @@ impl Group {
         if keep.is_empty() {
             return None;
         }
-        let queries = keep.iter().map(|&j| self.queries[j]).collect();
         if any == all {
+            let queries = keep.iter().map(|&j| self.queries[j]).collect();
             return Some(Group::unmasked(self.kv, queries));
         }
         if keep.len() == self.queries.len() {
             return Some(self);
         }
-        let kept = Group {
-            kv: self.kv.clone(),
-            queries,
-            mask: None,
-        };
-        let kept_words = kept.mask_words();
-        let tokens = self.tokens() as usize;
-        let mut trimmed = vec![0u64; tokens * kept_words];
-        for t in 0..tokens {
-            for (i, &j) in keep.iter().enumerate() {
-                if self.visible(t, j) {
-                    trimmed[t * kept_words + i / 64] |= 1 << (i % 64);
-                }
-            }
-        }
-        Some(Group {
-            mask: Some(trimmed),
-            ..kept
-        })
+        Some(self.columns(&keep))
     }
 
     /// Whether the group's `local_query` may see its `token`-th token.
@@ -311,8 +293,9 @@ impl Plan {
                 continue;
             }
             for (c, queries) in g.queries.chunks(max_queries).enumerate() {
-                let columns = c * max_queries..c * max_queries + queries.len();
-                groups.extend(g.columns(columns).trimmed());
+                let columns: Vec<usize> =
+                    (c * max_queries..c * max_queries + queries.len()).collect();
+                groups.extend(g.columns(&columns).trimmed());
             }
         }
         Plan::new(self.num_queries(), groups).expect("splitting a valid plan keeps it valid")
