@@ -472,48 +472,27 @@ fn fasttree(view: &TreeView, shape: &AttnShape, p: &FastTreeParams) -> Vec<Group
             }
         }
         if !stay.is_empty() {
-            groups.push(fold_leaves(view, total, stay, &folded));
+            // The group's own ranges, seen by all of its queries, then each folded leaf's.
+            let mut segments: Vec<Segment> = total
+                .iter()
+                .map(|r| Segment {
+                    kv: r.clone(),
+                    queries: &stay,
+                })
+                .collect();
+            segments.extend(folded.iter().map(|&c| Segment {
+                kv: view.node_kv(c),
+                queries: tree.queries_through(c),
+            }));
+            let whole: Vec<(usize, Range<u32>)> = segments
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (i, s.kv.clone()))
+                .collect();
+            groups.extend(masked_group(&segments, &whole, &stay));
         }
     }
     groups
-}
-
-/// The group of `shared` ranges seen by all of `queries`, followed by the `leaves`' tokens,
-/// each seen only by its own queries (a subset of `queries`). Unmasked when every query sees
-/// every token.
-fn fold_leaves(
-    view: &TreeView,
-    shared: Vec<Range<u32>>,
-    queries: Vec<u32>,
-    leaves: &[u32],
-) -> Group {
-    let words = queries.len().div_ceil(64);
-    let bits_of = |qs: &[u32]| {
-        let mut bits = vec![0u64; words];
-        for q in qs {
-            let j = queries
-                .binary_search(q)
-                .expect("a folded leaf's queries are the group's");
-            bits[j / 64] |= 1 << (j % 64);
-        }
-        bits
-    };
-    let shared_tokens: u32 = shared.iter().map(|r| r.end - r.start).sum();
-    let mut mask: Vec<u64> = bits_of(&queries).repeat(shared_tokens as usize);
-    let mut all_visible = true;
-    let mut kv = shared;
-    for &c in leaves {
-        let range = view.node_kv(c);
-        let qc = view.tree.queries_through(c);
-        all_visible &= qc.len() == queries.len();
-        mask.extend(bits_of(qc).repeat(range.len()));
-        kv.push(range);
-    }
-    Group {
-        kv,
-        queries,
-        mask: (!all_visible).then_some(mask),
-    }
 }
 
 #[cfg(test)]
