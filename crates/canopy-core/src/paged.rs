@@ -386,6 +386,7 @@ mod tests {
                 let mut snap = t.snapshot().unwrap();
                 let shard = Shard::whole(&snap.tree);
                 let mut p = plan(&TreeView::new(&snap.tree, &shard), method, &shape, &cfg).unwrap();
+                let mut shared = p.kv_shared_tokens();
                 for &step in &steps {
                     if step == 0 {
                         // Fork a new live leaf under the first live one's parent.
@@ -398,13 +399,18 @@ mod tests {
                         t.append(n, 1).unwrap();
                     }
                     match t.catch_up(&mut snap) {
-                        Some(tails) => p.extend_tails(&tails),
+                        Some(tails) => {
+                            p.extend_tails(&tails);
+                            p.grow_shared_tokens(&mut shared, &tails);
+                        }
                         None => {
                             snap = t.snapshot().unwrap();
                             let shard = Shard::whole(&snap.tree);
                             p = plan(&TreeView::new(&snap.tree, &shard), method, &shape, &cfg).unwrap();
+                            shared = p.kv_shared_tokens();
                         }
                     }
+                    prop_assert_eq!(&shared, &p.kv_shared_tokens(), "{}: shared tokens grown in place", method);
                     let shard = Shard::whole(&snap.tree);
                     let view = TreeView::new(&snap.tree, &shard);
                     p.check_coverage(|q| view.query_context(q))

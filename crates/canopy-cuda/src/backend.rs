@@ -291,6 +291,9 @@ pub struct CudaPlan {
     staging: PinnedHostSlice<u32>,
     layout: WordLayout,
     masks: CudaSlice<u64>,
+    /// Each group's tokens that others read too ([`Plan::kv_shared_tokens`]), kept up to date
+    /// through in-place updates for the descriptors' flags.
+    shared: Vec<u32>,
     /// Query `i`'s one partial row is row `i`: stage 1 writes the output and no merge runs.
     direct: bool,
 }
@@ -326,13 +329,15 @@ struct HostPlan {
     words: Vec<u32>,
     layout: WordLayout,
     masks: Vec<u64>,
+    shared: Vec<u32>,
 }
 
 impl HostPlan {
     fn lay_out(plan: &Plan, items: &[CtaItem]) -> HostPlan {
         let layout = WordLayout::of(plan, items);
         let mut words = vec![0; layout.query_rows.end];
-        let masks = write_extents(plan, items, &layout, &mut words);
+        let shared = plan.kv_shared_tokens();
+        let masks = write_extents(plan, &shared, items, &layout, &mut words);
         let mut at = layout.queries.start;
         for g in plan.groups() {
             words[at..at + g.queries.len()].copy_from_slice(&g.queries);
@@ -345,6 +350,7 @@ impl HostPlan {
             words,
             layout,
             masks,
+            shared,
         }
     }
 }
@@ -371,18 +377,18 @@ impl WordLayout {
 
 /// Writes the arrays that an in-place update changes (CTA descriptors, group descriptors and
 /// KV ranges) at `layout`'s places in `words`, and returns the masks that the descriptors point
-/// into. An update calls it on the staging buffer directly. On the build host, for few-shot
-/// b = 50's 380 CTAs, it takes 2 µs; the previous lay-out, which built every array again and
-/// copied them into place, took 31 µs.
+/// into; `shared` is the plan's [`Plan::kv_shared_tokens`]. An update calls it on the staging
+/// buffer directly. On the build host, for few-shot b = 50's 380 CTAs, it takes 2 µs; the
+/// previous lay-out, which built every array again and copied them into place, took 31 µs.
 fn write_extents(
     plan: &Plan,
+    shared: &[u32],
     items: &[CtaItem],
     layout: &WordLayout,
     words: &mut [u32],
 ) -> Vec<u64> {
     let mut masks = Vec::new();
     let (mut range_at, mut query_at) = (0, 0);
-    let shared = plan.kv_shared_tokens();
     for (i, (g, &base)) in plan.groups().iter().zip(plan.partial_base()).enumerate() {
         let mask = match &g.mask {
             Some(_) => {
@@ -1161,6 +1167,7 @@ impl Backend for CudaBackend {
             staging,
             layout: host.layout,
             masks: self.upload(&host.masks)?,
+            shared: host.shared,
             plan,
             items,
         })
@@ -1171,13 +1178,14 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         p.plan.extend_tails(tails);
+        p.plan.grow_shared_tokens(&mut p.shared, tails);
         // Same groups and CTAs: only token counts, range ends and masks change. The arrays
         // keep their lengths and places (masks grow), so the descriptors and ranges are
         // rewritten in the staging buffer, whose queries and CSR stay as uploaded, and one
         // asynchronous copy takes it over. The wait is for the staging buffer's last copy,
         // long done by now.
         let staging = p.staging.as_mut_slice().ctx("cuEventSynchronize")?;
-        let masks = write_extents(&p.plan, &p.items, &p.layout, staging);
+        let masks = write_extents(&p.plan, &p.shared, &p.items, &p.layout, staging);
         self.stream
             .memcpy_htod(&p.staging, &mut p.words)
             .ctx("cuMemcpyHtoD")?;
@@ -1422,7 +1430,7 @@ mod tests {
         let shape = AttnShape::new(32, 8, 128).unwrap();
         let (mut plan, items) = cut_for_gpu(&plan, &shape, 8);
         let before = HostPlan::lay_out(&plan, &items);
-        plan.extend_tails(&[
+        let tails = [
             Tail {
                 end: 24,
                 new_end: 26,
@@ -1431,11 +1439,14 @@ mod tests {
                 end: 16,
                 new_end: 19,
             },
-        ]);
+        ];
+        plan.extend_tails(&tails);
         let fresh = HostPlan::lay_out(&plan, &items);
         assert_ne!(before.words, fresh.words, "the tails change the words");
         let mut words = before.words.clone();
-        let masks = write_extents(&plan, &items, &before.layout, &mut words);
+        let mut shared = before.shared.clone();
+        plan.grow_shared_tokens(&mut shared, &tails);
+        let masks = write_extents(&plan, &shared, &items, &before.layout, &mut words);
         assert_eq!(words, fresh.words);
         assert_eq!(masks, fresh.masks);
         assert_ne!(masks, before.masks, "the masked group grew");
