@@ -13,6 +13,12 @@ pub enum EngineError {
     },
     #[error("{0}")]
     Config(String),
+    #[error("{what} needs {need_gib:.1} GiB of host memory but {available_gib:.1} GiB are available; use a shorter context, fewer ranks or a smaller batch")]
+    OutOfMemory {
+        what: String,
+        need_gib: f64,
+        available_gib: f64,
+    },
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -10,12 +10,15 @@
 //! - [`strategy`]: the per-rank decode loop for the tree and ring strategies, generic over the
 //!   transport ([`canopy_comm::Collective`]), and the thread-per-rank driver.
 //! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend.
+//! - [`memory`]: what a run will allocate on the host, priced before it starts, and what this
+//!   process may still allocate.
 
 pub mod backend;
 pub mod conformance;
 pub mod cost;
 pub mod cpu;
 mod error;
+pub mod memory;
 pub mod merge;
 pub mod predict;
 pub mod strategy;
