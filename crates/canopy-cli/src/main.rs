@@ -15,6 +15,7 @@ mod bench;
 mod fit_cmd;
 mod info;
 mod kernel_bench;
+mod launcher;
 mod plan_cmd;
 mod plot;
 mod scaling;
@@ -56,13 +57,37 @@ enum Command {
     },
 }
 
+impl Command {
+    /// The command's name if it has no MPI path: it runs whole in every process it is started
+    /// in, so under mpirun or srun each process would print its own copy. `info` runs
+    /// anywhere: it describes the machine each process is on.
+    fn without_mpi(&self) -> Option<&'static str> {
+        match self {
+            Command::Info(_)
+            | Command::Bench(bench::BenchCommand::Attention(_) | bench::BenchCommand::Scaling(_)) => {
+                None
+            }
+            Command::Bench(bench::BenchCommand::Kernel(_)) => Some("bench kernel"),
+            Command::Bench(bench::BenchCommand::Tree(_)) => Some("bench tree"),
+            Command::Plan(_) => Some("plan"),
+            Command::FitModel(_) => Some("fit-model"),
+            Command::Selftest(_) => Some("selftest"),
+            Command::CompileKernels { .. } => Some("compile-kernels"),
+        }
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let result = match cli.command {
+    let allowed = match cli.command.without_mpi() {
+        Some(name) => launcher::refuse_copies(name, launcher::from_env()),
+        None => Ok(()),
+    };
+    let result = allowed.and_then(|()| match cli.command {
         Command::Info(a) => info::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Plan(a) => plan_cmd::run(a),
@@ -71,7 +96,7 @@ fn main() -> ExitCode {
         Command::CompileKernels { arch } => canopy_cuda::compile::compile_all(&arch)
             .map(|done| println!("compiled {} kernel variants for {arch}", done.len()))
             .map_err(Into::into),
-    };
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
