@@ -4,17 +4,45 @@
 #  1. a 4-rank `mpirun` of the CPU backend, every tree collective and the ring, against the
 #     f64 oracle;
 #  2. ranks started with different configurations fail with a clear message;
-#  3. killing one rank of a running job ends every rank, non-zero, within the timeout.
-# Prints "N passed, N failed" last.
+#  3. killing one rank of a running job ends every rank, non-zero, within the timeout;
+#  4. without --launcher, the binary sees mpirun and runs as its ranks: one document.
+# Rank processes are found among this script's own mpirun's descendants, never by name, so
+# other jobs on a shared machine are left alone. Prints "N passed, N failed" last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${CANOPY_BIN:-target/release/canopy}
+# The binary's process name, as ps shows it (at most 15 characters).
+COMM=$(basename "$BIN" | cut -c1-15)
 ROOT=()
 [ "$(id -u)" = 0 ] && ROOT=(--allow-run-as-root)
 MPIRUN=(mpirun "${ROOT[@]}" --oversubscribe -np 4)
 passed=0; failed=0
 ok() { echo "PASS: $*"; passed=$((passed + 1)); }
 bad() { echo "FAIL: $*"; failed=$((failed + 1)); }
+# Every process below pid $1 (below a job's timeout: its mpirun, and the ranks below that).
+descendants() {
+  local child
+  for child in $(pgrep -P "$1"); do
+    echo "$child"
+    descendants "$child"
+  done
+}
+# The rank processes (of $BIN) below pid $1.
+ranks_of() {
+  local pid
+  for pid in $(descendants "$1"); do
+    if [ "$(ps -o comm= -p "$pid")" = "$COMM" ]; then echo "$pid"; fi
+  done
+}
+# Those of pids $@ that still run $BIN. A rank that has exited but is not reaped yet (a
+# zombie, state Z, left to init once mpirun is gone) does not count.
+alive() {
+  local pid stat comm
+  for pid in "$@"; do
+    read -r stat comm < <(ps -o stat=,comm= -p "$pid") || continue
+    if [ "${stat:0:1}" != Z ] && [ "$comm" = "$COMM" ]; then echo "$pid"; fi
+  done
+}
 
 # 1. Four ranks, every strategy (hierarchical over 2 virtual nodes of 2), exact against the
 #    oracle.
@@ -39,23 +67,37 @@ if [ $rc -ne 0 ] && grep -q "different configuration" <<<"$err"; then ok "mismat
 start=$(date +%s)
 timeout 120 "${MPIRUN[@]}" "$BIN" bench attention --launcher mpi --backend cpu --seq-len 65536 --iters 1000 --strategy ring >/dev/null 2>&1 &
 job=$!
-victim=""
+ranks=()
 for _ in $(seq 1 100); do
-  victim=$(pgrep -f "canopy bench attention --launcher mpi" | grep -v "^$job$" | sed -n 3p)
-  [ -n "$victim" ] && break
+  mapfile -t ranks < <(ranks_of "$job")
+  [ ${#ranks[@]} -ge 4 ] && break
   sleep 0.1
 done
+victim=${ranks[2]:-}
 sleep 2
 [ -n "$victim" ] && kill -9 "$victim"
 wait $job
 rc=$?
 elapsed=$(( $(date +%s) - start ))
-left=$(pgrep -f "canopy bench attention --launcher mpi" | wc -l)
-if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$left" = 0 ] && [ $elapsed -lt 60 ]; then
+# Ranks that outlived mpirun are no longer below it: look them up by the pids seen above.
+mapfile -t left < <(alive "${ranks[@]}")
+[ ${#left[@]} -gt 0 ] && kill -9 "${left[@]}"
+if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ ${#left[@]} = 0 ] && [ $elapsed -lt 60 ]; then
   ok "killing rank process $victim ended the job (exit $rc) in ${elapsed}s"
 else
-  bad "kill test: victim='$victim' rc=$rc elapsed=${elapsed}s ranks left=$left"
+  bad "kill test: victim='$victim' of ranks '${ranks[*]}' rc=$rc elapsed=${elapsed}s ranks left='${left[*]}'"
 fi
+
+# 4. No --launcher: the MPI build sees mpirun, runs as its two ranks and prints one document.
+if out=$(timeout 60 mpirun "${ROOT[@]}" --oversubscribe -np 2 "$BIN" bench attention --backend cpu --seq-len 4096 --iters 1 --json) &&
+   python3 -c "
+import json, sys
+text = sys.argv[1]
+d, end = json.JSONDecoder().raw_decode(text.lstrip())
+assert text.lstrip()[end:].strip() == '', 'more than one document: ' + text
+assert d['rows'] and all(r['ranks'] == 2 for r in d['rows']), d['rows']
+print('detected mpirun:', len(d['rows']), 'rows on 2 ranks, one document')
+" "$out"; then ok "mpirun without --launcher runs one 2-rank job"; else bad "mpirun without --launcher: $out"; fi
 
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]
