@@ -53,9 +53,10 @@ pub enum Launcher {
 pub struct RunArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BackendChoice,
-    /// How ranks are started: threads of this process, or one process per rank under mpirun/srun.
-    #[arg(long, value_enum, default_value = "threads")]
-    pub launcher: Launcher,
+    /// How ranks are started: threads of this process, or one process per rank under
+    /// mpirun/srun. Default: mpi when mpirun or srun started several processes, else threads.
+    #[arg(long, value_enum)]
+    pub launcher: Option<Launcher>,
     /// Independent requests, each sharded over all ranks.
     #[arg(long, default_value_t = 1)]
     pub batch: u32,
@@ -73,13 +74,16 @@ pub struct RunArgs {
     /// Planner for each rank's local partials.
     #[arg(long, default_value = "q-guided")]
     pub method: Method,
-    #[arg(long, default_value_t = 5)]
+    /// Timed decode steps per strategy; the median and p10/p90 are reported.
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     pub iters: usize,
+    /// Untimed steps before the timed ones.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
     /// Seconds a rank waits for its peers (CUDA: for a step, by its watchdog) before failing.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// Seed of the random queries, K and V.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// CUDA: check against the f64 oracle (recomputed on the CPU) only up to this many context
@@ -89,6 +93,7 @@ pub struct RunArgs {
     /// Fault injection for tests: this rank stops before its first step, as if it had died.
     #[arg(long, hide = true)]
     pub stall_rank: Option<usize>,
+    /// Print one JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
 }
@@ -97,12 +102,12 @@ pub struct RunArgs {
 pub struct AttentionArgs {
     #[command(flatten)]
     run: RunArgs,
-    /// Ranks: threads of this process (one per GPU on CUDA), 4 by default; under
-    /// `--launcher mpi` the MPI world size (if given, it must match).
+    /// Ranks: threads of this process (one per GPU on CUDA), 4 by default; under mpirun or
+    /// srun the world size (if given, it must match).
     #[arg(long)]
     ranks: Option<usize>,
     /// Context length of each request.
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, default_value_t = 32768, value_parser = clap::value_parser!(u32).range(1..))]
     seq_len: u32,
 }
 
@@ -145,6 +150,11 @@ struct AttentionOutput {
 /// Largest problem (elements of K) for which the f64 oracle is computed.
 const ORACLE_MAX_ELEMS: u64 = 1 << 27;
 
+/// Whether the f64 oracle is computed for `tree`: up to [`ORACLE_MAX_ELEMS`].
+fn oracle_fits(spec: &WorkloadSpec, tree: &canopy_core::KvTree) -> bool {
+    u64::from(tree.total_tokens()) * spec.shape.kv_token_elems() as u64 <= ORACLE_MAX_ELEMS
+}
+
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Attention(a) => attention(a),
@@ -167,7 +177,9 @@ pub fn resolve_backend(choice: BackendChoice) -> Result<&'static str> {
     };
     match choice {
         BackendChoice::Cpu => Ok("cpu"),
-        BackendChoice::Cuda => Ok(cuda().map(|_| "cuda")?),
+        BackendChoice::Cuda => cuda()
+            .map(|_| "cuda")
+            .map_err(|e| anyhow::anyhow!("{e}; or run on the CPU with --backend cpu")),
         BackendChoice::Auto => match cuda() {
             Ok(_) => Ok("cuda"),
             Err(e) => {
@@ -186,7 +198,11 @@ pub enum World {
 }
 
 impl World {
-    pub fn new(launcher: Launcher) -> Result<World> {
+    /// `launcher` is `--launcher`; without it, MPI when mpirun or srun started several
+    /// processes, and threads otherwise.
+    pub fn new(launcher: Option<Launcher>) -> Result<World> {
+        let launcher =
+            crate::launcher::choose(launcher, crate::launcher::from_env(), cfg!(feature = "mpi"))?;
         match launcher {
             Launcher::Threads => Ok(World::Threads),
             #[cfg(feature = "mpi")]
@@ -203,6 +219,15 @@ impl World {
             #[cfg(feature = "mpi")]
             World::Mpi(c) => Some(canopy_comm::Collective::size(c)),
         }
+    }
+}
+
+/// Parses a count that must be at least 1 (timed iterations: zero runs have no timing).
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -226,6 +251,7 @@ pub fn rows(
     seq_len: u32,
 ) -> Result<Option<Vec<Row>>> {
     let spec = long_spec(run, seq_len)?;
+    crate::plan_cmd::check_ranks(ranks, &spec.build_tree()?)?;
     let strategies = strategies(run.strategy, &run.collective)?;
     match world {
         World::Threads if backend == "cuda" => strategies
@@ -250,9 +276,11 @@ fn cpu_rows(
     seq_len: u32,
     strategies: &[Strategy],
 ) -> Result<Vec<Row>> {
-    let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, run.seed);
-    let elems = problem.tree.total_tokens() as u64 * spec.shape.kv_token_elems() as u64;
-    let oracle = (elems <= ORACLE_MAX_ELEMS).then(|| problem.oracle());
+    let tree = spec.build_tree()?;
+    let oracle = oracle_fits(spec, &tree);
+    check_cpu_memory(spec, &tree, ranks, 1, strategies, oracle)?;
+    let problem = Problem::random(tree, spec.shape, spec.dtype, run.seed);
+    let oracle = oracle.then(|| problem.oracle());
     let mut rows = Vec::new();
     for &strategy in strategies {
         let cfg = run.run_config(ranks, strategy);
@@ -260,6 +288,39 @@ fn cpu_rows(
         rows.push(Row::from_report(run, spec, seq_len, strategy, r));
     }
     Ok(rows)
+}
+
+/// Refuses a CPU run whose problem and ranks' buffers do not fit in this host's memory, before
+/// anything large is allocated. `processes` share the ranks (1: threads of this process; the
+/// world size under MPI, where each process holds the problem and its own rank's buffers).
+pub fn check_cpu_memory(
+    spec: &WorkloadSpec,
+    tree: &canopy_core::KvTree,
+    ranks: usize,
+    processes: usize,
+    strategies: &[Strategy],
+    oracle: bool,
+) -> Result<()> {
+    use canopy_engine::memory::{cpu_ranks_bytes, ensure_host_fits, problem_bytes};
+    let tokens = u64::from(tree.total_tokens());
+    let problem = problem_bytes(&spec.shape, spec.dtype, tokens, oracle);
+    let ranks_bytes = strategies
+        .iter()
+        .map(|&s| {
+            cpu_ranks_bytes(
+                &spec.shape,
+                spec.dtype,
+                tokens,
+                tree.num_queries() as u64,
+                ranks as u64,
+                s,
+            )
+        })
+        .max()
+        .unwrap_or(0);
+    let need = problem.saturating_add(ranks_bytes / processes as u64);
+    let what = format!("{ranks} CPU ranks over {tokens} context tokens");
+    Ok(ensure_host_fits(need, &what)?)
 }
 
 impl Row {
@@ -365,9 +426,11 @@ fn mpi_rows(
         }
         return Ok((comm.rank() == 0).then_some(rows));
     }
-    let problem = Problem::random(spec.build_tree()?, spec.shape, spec.dtype, run.seed);
-    let elems = problem.tree.total_tokens() as u64 * spec.shape.kv_token_elems() as u64;
-    let oracle = (comm.rank() == 0 && elems <= ORACLE_MAX_ELEMS).then(|| problem.oracle());
+    let tree = spec.build_tree()?;
+    let oracle = comm.rank() == 0 && oracle_fits(spec, &tree);
+    check_cpu_memory(spec, &tree, p, p, strategies, oracle)?;
+    let problem = Problem::random(tree, spec.shape, spec.dtype, run.seed);
+    let oracle = oracle.then(|| problem.oracle());
     let mut rows = Vec::new();
     for &strategy in strategies {
         let cfg = run.run_config(p, strategy);

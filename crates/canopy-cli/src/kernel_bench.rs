@@ -18,7 +18,8 @@ pub struct KernelArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "131072,524288,1048576,2097152,4194304"
+        default_value = "131072,524288,1048576,2097152,4194304",
+        value_parser = clap::value_parser!(u32).range(1..)
     )]
     seq_lens: Vec<u32>,
     /// Requests per step, each of the full context length.
@@ -26,11 +27,13 @@ pub struct KernelArgs {
     batch: u32,
     #[command(flatten)]
     shape: ShapeArgs,
-    #[arg(long, default_value_t = 50)]
+    /// Timed runs per context length; the median and p10/p90 are reported.
+    #[arg(long, default_value_t = 50, value_parser = crate::bench::at_least_one)]
     iters: usize,
     /// Check each point against the f64 oracle (regenerated on the CPU).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     check: bool,
+    /// Seed of the random queries, K and V.
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Waves of resident CTAs each step is split into.
@@ -39,6 +42,7 @@ pub struct KernelArgs {
     /// Plan for at most this many resident CTAs per SM.
     #[arg(long, default_value_t = 4)]
     ctas_per_sm: u32,
+    /// Print one JSON document instead of the table.
     #[arg(long)]
     json: bool,
     /// Also write the JSON document to this file.

@@ -78,6 +78,13 @@ impl Command {
 }
 
 fn main() -> ExitCode {
+    // A reader that stops early (`canopy plan | head`) ends the output quietly, as with other
+    // Unix tools, instead of a panic in `println!` on the broken pipe.
+    #[cfg(unix)]
+    // SAFETY: restoring the default action of one signal, before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

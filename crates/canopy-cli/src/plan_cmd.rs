@@ -1,7 +1,7 @@
 //! `canopy plan`: planners side by side on one workload.
 
 use crate::table::{bytes, Table};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use canopy_core::{
     choose, plan, shard_tree, AttnShape, DType, DeviceModel, IoReport, KvTree, Method, Overrides,
     PlanCost, PlannerConfig, TreeView, WorkloadSpec,
@@ -37,16 +37,17 @@ pub struct PlanArgs {
 /// Attention shape flags shared by the commands; unset flags keep the workload's defaults.
 #[derive(Args, Clone, Copy)]
 pub struct ShapeArgs {
-    /// Query heads.
+    /// Query heads [default: the workload's; `long`, which `bench attention` and `bench
+    /// scaling` run: 16].
     #[arg(long)]
     pub heads: Option<usize>,
-    /// KV heads (query heads must be a multiple).
+    /// KV heads; the query heads must be a multiple [default: the workload's; `long`: 16].
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// Head dimension (64, 128 or 256).
+    /// Head dimension: 64, 128 or 256 [default: the workload's; `long`: 128].
     #[arg(long)]
     pub head_dim: Option<usize>,
-    /// KV storage type: bf16, f16 or f32.
+    /// KV storage type: bf16, f16 or f32 [default: the workload's; `long`: bf16].
     #[arg(long)]
     pub dtype: Option<DType>,
 }
@@ -93,6 +94,8 @@ impl SizeArgs {
 #[derive(Serialize)]
 struct MethodRow {
     method: Method,
+    /// The method `auto` picked (its row only).
+    chosen: Option<Method>,
     #[serde(flatten)]
     io: IoReport,
     /// KV bytes relative to Q-guided's (when Q-guided was planned too).
@@ -147,6 +150,25 @@ impl std::fmt::Display for TreeSummary {
     }
 }
 
+/// Refuses rank counts that leave a rank without tokens of `tree` to plan: a shard is an even
+/// split of each root's span, so every rank holds some KV while the longest span has at least
+/// one token per rank.
+pub fn check_ranks(ranks: usize, tree: &KvTree) -> Result<()> {
+    let longest = tree
+        .root_spans()
+        .iter()
+        .map(|s| s.end - s.start)
+        .max()
+        .unwrap_or(0);
+    if ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    if ranks as u64 > u64::from(longest) {
+        bail!("--ranks {ranks} leaves ranks with no KV: the longest sequence in this tree has {longest} tokens, so use at most {longest} ranks");
+    }
+    Ok(())
+}
+
 /// Header cells of a plan's analytic IO, as [`io_cells`] fills them.
 pub const IO_HEADER: [&str; 6] = [
     "groups",
@@ -182,6 +204,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     a.shape.apply(&mut spec)?;
     let methods = Method::parse_list(&a.method)?;
     let tree = spec.build_tree()?;
+    check_ranks(a.ranks, &tree)?;
     let shards = shard_tree(&tree, a.ranks)?;
     let view = TreeView::new(&tree, &shards[0]);
     let cfg = PlannerConfig::default();
@@ -189,14 +212,16 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let mut rows = Vec::new();
     for m in methods {
         let t0 = Instant::now();
-        let p = if m == Method::Auto {
-            choose(&view, &spec.shape, &cfg, &model)?.plan
+        let (p, chosen) = if m == Method::Auto {
+            let c = choose(&view, &spec.shape, &cfg, &model)?;
+            (c.plan, Some(c.method))
         } else {
-            plan(&view, m, &spec.shape, &cfg)?
+            (plan(&view, m, &spec.shape, &cfg)?, None)
         };
         let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
         rows.push(MethodRow {
             method: m,
+            chosen,
             io: p.io(&spec.shape, spec.dtype),
             kv_vs_q_guided: None,
             plan_ms,
@@ -240,7 +265,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         .concat(),
     );
     for r in &out.methods {
-        let mut cells = vec![r.method.to_string()];
+        let mut cells = vec![match r.chosen {
+            Some(c) => format!("{} ({c})", r.method),
+            None => r.method.to_string(),
+        }];
         cells.extend(io_cells(&r.io, r.kv_vs_q_guided));
         cells.extend([
             bytes(r.io.mask_bytes),

@@ -23,8 +23,8 @@ impl Table {
             .map(|c| {
                 self.rows
                     .iter()
-                    .map(|r| r[c].len())
-                    .chain([self.header[c].len()])
+                    .map(|r| r[c].chars().count())
+                    .chain([self.header[c].chars().count()])
                     .max()
                     .unwrap_or(0)
             })
@@ -90,6 +90,14 @@ mod tests {
             t.render(),
             "name         n\n---------  ---\na          100\nlong-name    1"
         );
+    }
+
+    #[test]
+    fn columns_align_by_characters_not_bytes() {
+        let mut t = Table::new(&["method", "median µs"]);
+        t.row(vec!["auto".into(), "1.0".into()]);
+        let lines: Vec<usize> = t.render().lines().map(|l| l.chars().count()).collect();
+        assert!(lines.iter().all(|&n| n == lines[0]), "{lines:?}");
     }
 
     #[test]

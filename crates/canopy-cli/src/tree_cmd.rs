@@ -48,7 +48,7 @@ pub struct TreeArgs {
     #[arg(long, default_value_t = 1)]
     ranks: usize,
     /// Timed runs per method (after three warm-ups); the median is reported.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = crate::bench::at_least_one)]
     iterations: usize,
     /// What each timed step finds in L2: cold (evicted before each step, outside the timed
     /// region, by writing a buffer, as in Triton's do_bench: L2 holds dirty lines), cold-clean
@@ -92,7 +92,8 @@ struct TreeOutput {
     device: String,
     kernel: KernelChoice,
     ranks: usize,
-    cache: Cache,
+    /// What each timed step found in L2 (GPU only; the CPU's caches are left as they are).
+    cache: Option<Cache>,
     /// Device-to-device copy bandwidth (bytes read + written per second), CUDA only.
     copy_gbps: Option<f64>,
     /// The tree's K and V read once at the copy bandwidth, in microseconds.
@@ -110,9 +111,6 @@ impl TreeArgs {
 }
 
 pub fn run(a: TreeArgs) -> Result<()> {
-    if a.ranks == 0 {
-        bail!("--ranks must be at least 1");
-    }
     let mut spec = WorkloadSpec::load(&a.workload)?.with_overrides(a.sizes.overrides())?;
     a.shape.apply(&mut spec)?;
     let methods = Method::parse_list(&a.method)?;
@@ -123,6 +121,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
         }
     }
     let tree = spec.build_tree()?;
+    crate::plan_cmd::check_ranks(a.ranks, &tree)?;
     let backend = resolve_backend(a.backend)?;
     // The backends split long groups to fill the device; Q-guided keeps each path whole.
     let planner = PlannerConfig::whole_paths();
@@ -132,7 +131,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
         }
         return grow(&a, &spec, &tree, &methods, planner);
     }
-    let (device, copy, runs) = match (backend, a.ranks) {
+    let (device, copy, mut runs) = match (backend, a.ranks) {
         ("cuda", 1) => cuda_one(&a, &spec, &tree, &methods, planner)?,
         ("cuda", p) => (
             "cuda".into(),
@@ -150,6 +149,13 @@ pub fn run(a: TreeArgs) -> Result<()> {
             cpu_ranks(&a, &spec, &tree, p, &methods, planner)?,
         ),
     };
+    let on_gpu = backend == "cuda";
+    if !on_gpu {
+        // `auto`'s device model prices plans on a GPU: its prediction says nothing of CPU time.
+        for r in &mut runs {
+            r.predicted_us = None;
+        }
+    }
     let kv_bytes = tree.total_tokens() as u64 * 2 * spec.shape.kv_token_bytes(spec.dtype) as u64;
     let out = TreeOutput {
         tree: TreeSummary::new(&spec, &tree),
@@ -157,7 +163,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
         device,
         kernel: a.kernel,
         ranks: a.ranks,
-        cache: a.cache,
+        cache: on_gpu.then_some(a.cache),
         copy_gbps: copy.map(|c| c / 1e9),
         kv_floor_us: copy.map(|c| kv_bytes as f64 / c * 1e6),
         methods: runs,
@@ -167,15 +173,16 @@ pub fn run(a: TreeArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{} on {} ({} rank{}, {} L2): {}{}",
+        "{} on {} ({} rank{}{}): {}{}",
         out.tree.workload,
         out.device,
         out.ranks,
         if out.ranks == 1 { "" } else { "s" },
-        out.cache.name(),
+        out.cache
+            .map_or(String::new(), |c| format!(", {} L2", c.name())),
         out.tree,
         match (out.copy_gbps, out.kv_floor_us) {
-            (Some(c), Some(f)) => format!("; copy {c:.0} GB/s, KV floor {f:.1} us"),
+            (Some(c), Some(f)) => format!("; copy {c:.0} GB/s, KV floor {f:.1} µs"),
             _ => String::new(),
         }
     );
@@ -186,17 +193,18 @@ pub fn run(a: TreeArgs) -> Result<()> {
 fn method_table(runs: &[MethodRun]) -> Table {
     let timing = [
         "plan ms",
-        "median us",
-        "p10 us",
-        "p90 us",
-        "stage 1 us",
+        "median µs",
+        "p10 µs",
+        "p90 µs",
+        "stage 1 µs",
         "speedup",
         "rel err",
     ];
     let mut t = Table::new(&[&["method"][..], &IO_HEADER, &timing].concat());
     for r in runs {
         let mut cells = vec![match (r.chosen, r.predicted_us) {
-            (Some(m), Some(p)) => format!("{} ({m}, {p:.0} us pred.)", r.method),
+            (Some(m), Some(p)) => format!("{} ({m}; model {p:.0} µs)", r.method),
+            (Some(m), None) => format!("{} ({m})", r.method),
             _ => r.method.to_string(),
         }];
         cells.extend(io_cells(&r.io, r.kv_vs_q_guided));
@@ -284,6 +292,7 @@ fn cpu_one(
     methods: &[Method],
     planner: PlannerConfig,
 ) -> Result<Vec<MethodRun>> {
+    crate::bench::check_cpu_memory(spec, tree, 1, 1, &[], a.check)?;
     let problem = Problem::random(tree.clone(), spec.shape, spec.dtype, a.seed);
     let backend = CpuBackend;
     let mut kv = backend.alloc_kv(&spec.shape, spec.dtype, tree.total_tokens() as usize)?;
@@ -349,13 +358,15 @@ fn cpu_ranks(
     methods: &[Method],
     planner: PlannerConfig,
 ) -> Result<Vec<MethodRun>> {
+    let strategy = Strategy::Tree(MergeCollective::Allreduce2);
+    crate::bench::check_cpu_memory(spec, tree, ranks, 1, &[strategy], a.check)?;
     let problem = Problem::random(tree.clone(), spec.shape, spec.dtype, a.seed);
     let want = a.check.then(|| problem.oracle());
     let mut runs = Vec::new();
     for &method in methods {
         let cfg = RunConfig {
             ranks,
-            strategy: Strategy::Tree(MergeCollective::Allreduce2),
+            strategy,
             method,
             planner,
             warmup: 1,
@@ -627,7 +638,7 @@ fn grow(
     );
     let mut t = Table::new(&[
         "method",
-        "iteration: kernel us / plan ms",
+        "iteration: kernel µs / plan ms",
         "total kernel ms",
         "total plan ms",
         "plan / kernel",

@@ -403,16 +403,24 @@ fn cuda_without_a_driver_is_a_clear_error_not_a_panic() {
     if std::path::Path::new("/dev/nvidiactl").exists() {
         return; // a GPU machine: the device scripts test the CUDA path there
     }
+    // Commands that take --backend suggest the CPU; the CUDA-only ones cannot.
     for args in [
         &["bench", "attention", "--backend", "cuda"][..],
-        &["bench", "kernel"],
         &["selftest", "--backend", "cuda"],
     ] {
         canopy()
             .args(args)
             .assert()
             .failure()
-            .stderr(contains("use --backend cpu"))
+            .stderr(contains("--backend cpu"))
+            .stderr(contains("panicked").not());
+    }
+    for args in [&["bench", "kernel"][..], &["compile-kernels"]] {
+        canopy()
+            .args(args)
+            .assert()
+            .failure()
+            .stderr(contains("--backend").not())
             .stderr(contains("panicked").not());
     }
     canopy()

@@ -3,11 +3,11 @@ use thiserror::Error;
 /// Everything the CUDA backend can fail at, each saying what the user can do.
 #[derive(Debug, Error)]
 pub enum CudaError {
-    #[error("no CUDA driver found (libcuda.so could not be loaded); install the NVIDIA driver or use --backend cpu")]
+    #[error("no CUDA driver found (libcuda.so could not be loaded); install the NVIDIA driver on a machine with an NVIDIA GPU")]
     NoDriver,
-    #[error("NVRTC (libnvrtc.so) could not be loaded; add the CUDA toolkit's lib folder (e.g. /usr/local/cuda/lib64) to LD_LIBRARY_PATH, or use --backend cpu")]
+    #[error("NVRTC (libnvrtc.so) could not be loaded; add the CUDA toolkit's lib folder (e.g. /usr/local/cuda/lib64) to LD_LIBRARY_PATH")]
     NoNvrtc,
-    #[error("no CUDA GPU is visible (the driver reports {0} devices); check CUDA_VISIBLE_DEVICES, or use --backend cpu")]
+    #[error("no CUDA GPU is visible (the driver reports {0} devices); check CUDA_VISIBLE_DEVICES")]
     NoDevice(i32),
     #[error(
         "GPU {ordinal} was requested but only {count} are visible; lower --ranks or use more GPUs"

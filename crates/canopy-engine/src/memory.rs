@@ -111,7 +111,7 @@ fn address_space_remaining() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
     let mapped = line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024;
-    Some((limit.rlim_cur as u64).saturating_sub(mapped))
+    Some(limit.rlim_cur.saturating_sub(mapped))
 }
 
 #[cfg(test)]

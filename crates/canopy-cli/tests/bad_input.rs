@@ -1,0 +1,236 @@
+//! Inputs a new user types that once crashed canopy or did something silently wrong: each
+//! ends in a clear error and a non-zero exit, or in what the user meant.
+//!
+//! The cases that used to exhaust memory run under an address-space limit (`ulimit -v`), so a
+//! regression fails the test instead of the machine.
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use predicates::str::contains;
+use std::time::{Duration, Instant};
+
+/// The address space the memory cases may use: far below what they would have allocated.
+const LIMIT_KIB: u64 = 4 << 20;
+
+/// `canopy ARGS` under `ulimit -v LIMIT_KIB`.
+fn limited(args: &str) -> Command {
+    let bin = assert_cmd::cargo::cargo_bin("canopy");
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(format!(
+        "ulimit -v {LIMIT_KIB} && exec '{}' {args}",
+        bin.display()
+    ));
+    cmd.timeout(Duration::from_secs(60));
+    cmd
+}
+
+fn canopy() -> Command {
+    Command::cargo_bin("canopy").expect("the canopy binary is built")
+}
+
+#[test]
+fn a_hundred_thousand_ranks_are_refused_before_anything_runs() {
+    limited("bench attention --backend cpu --ranks 100000")
+        .assert()
+        .failure()
+        .stderr(contains("--ranks 100000"))
+        .stderr(contains("at most 32768 ranks"));
+    // Enough tokens for every rank: the ranks' buffers are what cannot fit.
+    limited("bench attention --backend cpu --ranks 100000 --seq-len 1000000 --strategy tree")
+        .assert()
+        .failure()
+        .stderr(contains("GiB of host memory"));
+}
+
+#[test]
+fn a_context_beyond_host_memory_is_refused_with_both_sizes() {
+    let t0 = Instant::now();
+    limited("bench attention --backend cpu --seq-len 100000000")
+        .assert()
+        .failure()
+        .stderr(contains("GiB of host memory but"))
+        .stderr(contains("GiB are available"))
+        .stderr(contains("memory allocation").not());
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "refused before work"
+    );
+}
+
+#[test]
+fn the_address_space_limit_counts_as_unavailable_memory() {
+    // About 9 GiB in all: within this machine's memory, beyond the 4 GiB the limit allows.
+    limited("bench attention --backend cpu --seq-len 262144 --ranks 2 --strategy ring")
+        .assert()
+        .failure()
+        .stderr(contains("GiB of host memory"));
+}
+
+#[test]
+fn a_tree_bench_beyond_host_memory_is_refused() {
+    limited("bench tree --workload long --seq-len 400000000 --backend cpu --method q-guided")
+        .assert()
+        .failure()
+        .stderr(contains("GiB of host memory"));
+}
+
+#[test]
+fn planning_more_ranks_than_tokens_is_refused_not_an_empty_table() {
+    canopy()
+        .args(["plan", "--workload", "fasttree-4", "--ranks", "100000"])
+        .assert()
+        .failure()
+        .stderr(contains("at most 34816 ranks"));
+    canopy()
+        .args([
+            "bench",
+            "tree",
+            "--workload",
+            "fasttree-0",
+            "--ranks",
+            "5000",
+        ])
+        .args(["--backend", "cpu"])
+        .assert()
+        .failure()
+        .stderr(contains("at most"));
+}
+
+#[test]
+fn zero_iterations_and_zero_lengths_are_refused_by_the_parser() {
+    for args in [
+        &["bench", "attention", "--backend", "cpu", "--iters", "0"][..],
+        &[
+            "bench",
+            "tree",
+            "--workload",
+            "fasttree-0",
+            "--iterations",
+            "0",
+        ],
+        &["bench", "kernel", "--iters", "0"],
+        &["bench", "attention", "--backend", "cpu", "--seq-len", "0"],
+        &[
+            "bench",
+            "scaling",
+            "--backend",
+            "cpu",
+            "--seq-lens",
+            "4096,0",
+        ],
+    ] {
+        canopy()
+            .args(args)
+            .assert()
+            .failure()
+            .stderr(contains("invalid value '0'"));
+    }
+    // The range in the message starts at 1.
+    canopy()
+        .args(["bench", "attention", "--seq-len", "0"])
+        .assert()
+        .failure()
+        .stderr(contains("0..=").not());
+}
+
+#[test]
+fn bench_attention_help_gives_every_option_a_description_and_its_default() {
+    let out = canopy()
+        .args(["bench", "attention", "--help"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let help = String::from_utf8(out).unwrap();
+    for flag in ["--heads", "--kv-heads", "--head-dim", "--dtype"] {
+        let line = help
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with(flag))
+            .take(3)
+            .collect::<String>();
+        assert!(line.contains("default"), "{flag}: {line}");
+    }
+    for flag in ["--iters", "--warmup", "--seed", "--json"] {
+        let line = help
+            .lines()
+            .find(|l| l.trim_start().starts_with(flag))
+            .unwrap_or_else(|| panic!("{flag} is listed"));
+        let described = line.split_whitespace().count() > 2;
+        let next = help
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with(flag))
+            .nth(1)
+            .unwrap_or("");
+        assert!(
+            described || !next.trim_start().starts_with("--"),
+            "{flag} has no description: {line}"
+        );
+    }
+}
+
+#[test]
+fn bench_tree_on_the_cpu_shows_no_gpu_prediction_or_cache_state() {
+    let out = canopy()
+        .args([
+            "bench",
+            "tree",
+            "--workload",
+            "fasttree-0",
+            "--backend",
+            "cpu",
+        ])
+        .args(["--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
+        .args(["--method", "q-guided,auto", "--iterations", "1"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let text = String::from_utf8(out).unwrap();
+    assert!(!text.contains("L2"), "{text}");
+    assert!(!text.contains("model"), "{text}");
+    assert!(text.contains("µs") && !text.contains(" us"), "{text}");
+    assert!(text.contains("auto ("), "auto names its choice: {text}");
+}
+
+#[test]
+fn plan_names_autos_choice_in_the_table_and_the_json() {
+    canopy()
+        .args(["plan", "--workload", "fasttree-8"])
+        .assert()
+        .success()
+        .stdout(predicate::str::is_match(r"auto \((q-guided|deft-[a-z-]+|fasttree)\)").unwrap())
+        .stdout(contains("model µs"));
+    let out = canopy()
+        .args([
+            "plan",
+            "--workload",
+            "fasttree-8",
+            "--method",
+            "auto",
+            "--json",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert!(v["methods"][0]["chosen"].is_string(), "{v}");
+}
+
+#[test]
+fn a_reader_that_stops_early_ends_the_output_without_a_panic() {
+    // The reader closes its end before canopy has planned, so every write meets a closed pipe.
+    let bin = assert_cmd::cargo::cargo_bin("canopy");
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "'{}' plan --workload fasttree-8 | {{ exec 0<&-; sleep 1; }}",
+            bin.display()
+        ))
+        .assert()
+        .success()
+        .stderr(contains("panicked").not());
+}
