@@ -468,8 +468,8 @@ struct GrowOutput {
 }
 
 /// The workload's tree in a paged pool, its queries' nodes marked live.
-fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_core::PagedTree> {
-    let mut p = canopy_core::PagedTree::new(page, pool_pages)?;
+fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_kv::PagedTree> {
+    let mut p = canopy_kv::PagedTree::new(page, pool_pages)?;
     let mut ids = vec![0; tree.nodes().len()];
     for &n in tree.dfs_order() {
         let node = tree.node(n);
@@ -487,7 +487,7 @@ fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_core::
 /// A growing tree's current layout and everything made for it: the host plan (for its IO),
 /// the device plan and the buffers sized by it.
 struct Planned {
-    snap: canopy_core::Snapshot,
+    snap: canopy_kv::Snapshot,
     host: canopy_core::Plan,
     dplan: canopy_cuda::CudaPlan,
     partials: canopy_cuda::CudaStates,

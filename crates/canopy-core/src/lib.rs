@@ -14,7 +14,6 @@ pub mod dtype;
 pub mod error;
 pub mod geometry;
 pub mod math;
-pub mod paged;
 pub mod plan;
 pub mod planner;
 pub mod shape;
@@ -28,7 +27,6 @@ pub use device_model::{DeviceModel, PlanCost, Sample};
 pub use dtype::{DType, KvElement, TypedVec};
 pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
-pub use paged::{PagedNode, PagedTree, Snapshot};
 pub use plan::{Group, IoReport, Plan, Tail};
 pub use planner::{
     auto_candidates, choose, plan, AutoChoice, FastTreeParams, Method, PlannerConfig,

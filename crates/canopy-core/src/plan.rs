@@ -115,7 +115,7 @@ impl Group {
 
 /// A node's tokens that grew at their end in place, in KV addresses: the node's tokens ended at
 /// `end` and now end at `new_end`, and no other node holds addresses in between
-/// ([`crate::PagedTree::catch_up`] reports these).
+/// (`canopy_kv`'s catch-up reports these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tail {
     pub end: u32,

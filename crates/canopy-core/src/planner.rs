@@ -18,8 +18,8 @@
 //! - **Auto**: plans the tree with each method, predicts each plan's time with a
 //!   [`DeviceModel`] (KV and partial bytes over bandwidth, tensor-core work over throughput,
 //!   the longest CTA), and keeps the fastest ([`auto_candidates`]). A growing tree is planned
-//!   afresh only when its layout moves (about once per page of growth: [`crate::PagedTree`]),
-//!   so trying every candidate then is affordable.
+//!   afresh only when its layout moves (about once per page of growth: the `canopy_kv`
+//!   cache), so trying every candidate then is affordable.
 
 use crate::device_model::DeviceModel;
 use crate::error::{CoreError, Result};

@@ -270,8 +270,9 @@ impl KvTree {
     }
 
     /// Moves the end of `id`'s tokens to `new_end`, for a node that grew into addresses no
-    /// other node holds (its own page's free room: [`crate::PagedTree::catch_up`]).
-    pub(crate) fn extend_node(&mut self, id: NodeId, new_end: u32) {
+    /// other node holds (its own page's free room): a paged cache's catch-up (`canopy_kv`)
+    /// grows a snapshot's tree in place this way instead of building it again.
+    pub fn extend_node(&mut self, id: NodeId, new_end: u32) {
         let node = &mut self.nodes[id as usize];
         debug_assert!(new_end >= node.kv.end);
         node.kv.end = new_end;

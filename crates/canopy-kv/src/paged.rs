@@ -13,13 +13,11 @@
 //! Most decode steps change no layout: every live leaf appends a token inside its last page,
 //! so no node moves and no page is taken. [`PagedTree::catch_up`] recognises such steps and
 //! brings a snapshot up to date in place, returning each grown node as a [`Tail`] (old end,
-//! new end); a plan follows with [`crate::Plan::extend_tails`] instead of being rebuilt. Any
+//! new end); a plan follows with [`canopy_core::Plan::extend_tails`] instead of being rebuilt. Any
 //! other change (a fork, a prune, a query set, a new page) moves the layout's version, and
 //! `catch_up` says a new snapshot is due.
 
-use crate::error::{CoreError, Result};
-use crate::plan::Tail;
-use crate::tree::{KvTree, NodeId, TreeBuilder};
+use canopy_core::{CoreError, KvTree, NodeId, Result, Tail, TreeBuilder};
 
 /// A handle to a node of a [`PagedTree`]; stable while the node lives.
 pub type PagedNode = u32;
@@ -371,9 +369,8 @@ mod tests {
             leaves in 1usize..6,
             steps in proptest::collection::vec(0u8..12, 1..40),
         ) {
-            use crate::planner::{plan, Method, PlannerConfig};
-            use crate::shard::{Shard, TreeView};
-            let shape = crate::AttnShape::new(8, 2, 64).unwrap();
+            use canopy_core::{plan, Method, PlannerConfig, Shard, TreeView};
+            let shape = canopy_core::AttnShape::new(8, 2, 64).unwrap();
             let cfg = PlannerConfig { node_chunk: 7, flatten_block: 5, ..PlannerConfig::default() };
             let mut t = PagedTree::new(page, 1 << 14).unwrap();
             let root = t.add_root(9).unwrap();
