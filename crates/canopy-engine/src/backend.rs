@@ -66,6 +66,16 @@ pub trait Backend: Send + Sync {
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv>;
     /// Writes `k` and `v` (whole tokens, same dtype) starting at token `start`.
     fn write_kv(&self, kv: &mut Self::Kv, start: usize, k: &TypedVec, v: &TypedVec) -> Result<()>;
+    /// Installs a page table on `kv`: plans then address its tokens in logical pages of
+    /// `page_size` tokens, and logical page `i` is physical page `table[i]` of the storage
+    /// (`write_kv` addresses physical tokens). A growing tree's snapshot maps its logical
+    /// pages onto a pool's shared pages this way, so forks never copy a prefix.
+    fn set_page_table(&self, _kv: &mut Self::Kv, _page_size: u32, _table: &[u32]) -> Result<()> {
+        Err(crate::EngineError::Backend {
+            backend: self.name(),
+            message: "this backend does not read KV through page tables".into(),
+        })
+    }
     /// Query rows, `rows × q_heads × head_dim` fp32 (kernels may read them in the KV dtype).
     fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> Result<Self::Queries>;
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> Result<Self::Plan>;

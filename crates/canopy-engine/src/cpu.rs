@@ -17,6 +17,8 @@ pub struct CpuKv {
     tokens: usize,
     pub k: TypedVec,
     pub v: TypedVec,
+    /// Page size and logical → physical page table, when plans address logical pages.
+    paging: Option<(u32, Vec<u32>)>,
 }
 
 pub struct CpuQueries {
@@ -38,6 +40,24 @@ impl CpuKv {
         let n = tokens * self.shape.kv_token_bytes(self.k.dtype());
         (&self.k.as_bytes()[..n], &self.v.as_bytes()[..n])
     }
+}
+
+/// The physical token ranges behind logical range `r`, split where its pages do.
+fn physical_ranges(
+    r: std::ops::Range<u32>,
+    page: u32,
+    table: &[u32],
+) -> impl Iterator<Item = std::ops::Range<u32>> + '_ {
+    let mut at = r.start;
+    std::iter::from_fn(move || {
+        (at < r.end).then(|| {
+            let (logical, offset) = (at / page, at % page);
+            let len = (page - offset).min(r.end - at);
+            at += len;
+            let start = table[logical as usize] * page + offset;
+            start..start + len
+        })
+    })
 }
 
 fn err(message: String) -> EngineError {
@@ -64,7 +84,19 @@ impl Backend for CpuBackend {
             tokens,
             k: TypedVec::zeros(dtype, n),
             v: TypedVec::zeros(dtype, n),
+            paging: None,
         })
+    }
+
+    fn set_page_table(&self, kv: &mut CpuKv, page_size: u32, table: &[u32]) -> Result<()> {
+        let pages = kv.tokens / page_size.max(1) as usize;
+        if page_size == 0 || table.iter().any(|&p| p as usize >= pages) {
+            return Err(err(format!(
+                "a page table over {pages} pages of {page_size} tokens names a page outside them"
+            )));
+        }
+        kv.paging = Some((page_size, table.to_vec()));
+        Ok(())
     }
 
     fn write_kv(&self, kv: &mut CpuKv, start: usize, k: &TypedVec, v: &TypedVec) -> Result<()> {
@@ -148,16 +180,36 @@ impl Backend for CpuBackend {
                 q.q.len() / shape.q_row_elems()
             )));
         }
+        let addressable = match &kv.paging {
+            Some((page, table)) => table.len() * *page as usize,
+            None => kv.tokens,
+        };
         if let Some(g) = plan
             .groups()
             .iter()
-            .find(|g| g.kv.iter().any(|r| r.end as usize > kv.tokens))
+            .find(|g| g.kv.iter().any(|r| r.end as usize > addressable))
         {
             return Err(err(format!(
-                "a group reads {:?}, beyond the {} stored tokens",
-                g.kv, kv.tokens
+                "a group reads {:?}, beyond the {addressable} addressable tokens",
+                g.kv
             )));
         }
+        // Through a page table, each group reads its pages' physical ranges, in order.
+        let physical: Option<Vec<canopy_core::Group>> = kv.paging.as_ref().map(|(page, table)| {
+            plan.groups()
+                .iter()
+                .map(|g| canopy_core::Group {
+                    kv: g
+                        .kv
+                        .iter()
+                        .flat_map(|r| physical_ranges(r.clone(), *page, table))
+                        .collect(),
+                    queries: g.queries.clone(),
+                    mask: g.mask.clone(),
+                })
+                .collect()
+        });
+        let groups = physical.as_deref().unwrap_or(plan.groups());
         let (h, d) = (shape.q_heads, shape.head_dim);
         if (out.rows, out.heads, out.head_dim) != (plan.num_partial_rows(), h, d) {
             return Err(err(format!(
@@ -169,9 +221,9 @@ impl Backend for CpuBackend {
             )));
         }
         // Carve the output into each group's rows so groups run in parallel without locks.
-        let mut work = Vec::with_capacity(plan.groups().len());
+        let mut work = Vec::with_capacity(groups.len());
         let (mut o_rest, mut lse_rest) = (out.o.as_mut_slice(), out.lse.as_mut_slice());
-        for g in plan.groups() {
+        for g in groups {
             let rows = g.queries.len();
             let (o, o_tail) = std::mem::take(&mut o_rest).split_at_mut(rows * h * d);
             let (lse, lse_tail) = std::mem::take(&mut lse_rest).split_at_mut(rows * h);
@@ -257,5 +309,71 @@ impl Backend for CpuBackend {
         comm.recv(k, peer)?;
         comm.recv(v, peer)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use canopy_core::{plan, random_tree, Method, PlannerConfig, ProblemData, Shard, TreeView};
+
+    /// A plan read through a shuffled page table equals the same plan over contiguous KV.
+    #[test]
+    fn paged_kv_reads_what_contiguous_kv_holds() {
+        let shape = AttnShape {
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            scale: None,
+        };
+        let dtype = DType::F32;
+        let page = 4u32;
+        for seed in 0..8 {
+            let tree = random_tree(seed, 12, 23);
+            let tokens = tree.total_tokens() as usize;
+            let pages = tokens.div_ceil(page as usize);
+            let data = ProblemData::random(&shape, dtype, tree.num_queries(), tokens, seed);
+            // Logical page i lives at physical page table[i]: a reversed pool.
+            let table: Vec<u32> = (0..pages as u32).rev().collect();
+            let per = shape.kv_token_elems();
+            let b = CpuBackend;
+            let mut flat = b.alloc_kv(&shape, dtype, tokens).unwrap();
+            b.write_kv(&mut flat, 0, &data.k, &data.v).unwrap();
+            let mut paged = b.alloc_kv(&shape, dtype, pages * page as usize).unwrap();
+            for (logical, &physical) in table.iter().enumerate() {
+                let start = logical * page as usize;
+                let end = (start + page as usize).min(tokens);
+                let (k, v) = (
+                    data.k.slice(start * per..end * per),
+                    data.v.slice(start * per..end * per),
+                );
+                b.write_kv(&mut paged, physical as usize * page as usize, &k, &v)
+                    .unwrap();
+            }
+            b.set_page_table(&mut paged, page, &table).unwrap();
+            let shard = Shard::whole(&tree);
+            let p = plan(
+                &TreeView::new(&tree, &shard),
+                Method::DeftFlatten,
+                &shape,
+                &PlannerConfig::default(),
+            )
+            .unwrap();
+            let q = b.upload_queries(&shape, &data.q).unwrap();
+            let run = |kv: &CpuKv| {
+                let mut partials = b.alloc_partials(&shape, &p).unwrap();
+                let mut out = b.alloc_states(&shape, tree.num_queries()).unwrap();
+                b.step(kv, &q, &p, &mut partials, &mut out).unwrap();
+                out
+            };
+            let (want, got) = (run(&flat), run(&paged));
+            assert_eq!(want.o, got.o, "seed {seed}");
+            assert_eq!(want.lse, got.lse, "seed {seed}");
+        }
+        let mut kv = CpuBackend.alloc_kv(&shape, dtype, 8).unwrap();
+        assert!(
+            CpuBackend.set_page_table(&mut kv, 4, &[0, 2]).is_err(),
+            "page 2 of 2"
+        );
     }
 }

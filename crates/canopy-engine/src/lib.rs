@@ -7,8 +7,10 @@
 //! - [`merge`]: the cross-rank Tree Attention merges (`allreduce3`, `allreduce2`, `allgather`,
 //!   `hierarchical`, `auto`); [`topology`] places ranks on nodes; [`cost`] models each merge's
 //!   collective calls, for `auto` and for scaling predictions.
-//! - [`strategy`]: the per-rank decode loop for the tree and ring strategies, generic over the
-//!   transport ([`canopy_comm::Collective`]), and the thread-per-rank driver.
+//! - [`step`]: one rank's attention for one decode step, tree or ring, over any backend and
+//!   transport ([`canopy_comm::Collective`]): what a benchmark's ranks and a model's layers run.
+//! - [`strategy`]: the attention benchmark's per-rank run on top of it, and the thread-per-rank
+//!   driver.
 //! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend.
 //! - [`memory`]: what a run will allocate on the host, priced before it starts, and what this
 //!   process may still allocate.
@@ -21,6 +23,7 @@ mod error;
 pub mod memory;
 pub mod merge;
 pub mod predict;
+pub mod step;
 pub mod strategy;
 pub mod topology;
 pub mod tree_bench;
@@ -30,7 +33,6 @@ pub use cost::CostModel;
 pub use cpu::CpuBackend;
 pub use error::{EngineError, Result};
 pub use merge::{merge_across, MergeCollective};
-pub use strategy::{
-    rank_main, ring_buffers, run_threads, Problem, RankResult, RunConfig, RunReport, Strategy,
-};
+pub use step::{ring_buffers, RankAttention, RingShard};
+pub use strategy::{rank_main, run_threads, Problem, RankResult, RunConfig, RunReport, Strategy};
 pub use topology::NodeLayout;

@@ -5,7 +5,8 @@
 
 use crate::backend::Backend;
 use crate::cost::{CallKind, CostModel};
-use crate::merge::{merge_across, MergeCollective};
+use crate::merge::MergeCollective;
+use crate::step::{RankAttention, RingShard};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
 use canopy_comm::{Collective, ReduceOp, ThreadWorld};
@@ -194,17 +195,6 @@ fn local_plan(problem: &Problem, shard: &Shard, cfg: &RunConfig) -> Result<Plan>
     Ok(shard.localize(&plan(&view, cfg.method, &problem.shape, &cfg.planner)?))
 }
 
-/// The ring's double buffering at step `s`: the shard computed on (`own` at step 0, then the
-/// buffer received into at the previous step) and the buffer the next shard is received into.
-pub fn ring_buffers<'a, K>(s: usize, own: &'a K, bufs: &'a mut [K; 2]) -> (&'a K, &'a mut K) {
-    let [a, b] = bufs;
-    match s {
-        0 => (own, a),
-        _ if s % 2 == 1 => (&*a, b),
-        _ => (&*b, a),
-    }
-}
-
 /// One rank's whole run: load its shard, plan, warm up, then time `iters` decode steps.
 pub fn rank_main<B, C>(
     problem: &Problem,
@@ -220,26 +210,14 @@ where
     let shards = shard_tree(&problem.tree, p)?;
     let shape = &problem.shape;
     let q = backend.upload_queries(shape, &problem.data.q)?;
-    let max_tokens = shards.iter().map(|s| s.tokens()).max().unwrap_or(0) as usize;
     let mut own = backend.alloc_kv(shape, problem.dtype, shards[rank].tokens() as usize)?;
     let (k, v) = problem.shard_kv(&shards[rank]);
     backend.write_kv(&mut own, 0, &k, &v)?;
     drop((k, v));
 
     let nq = problem.tree.num_queries();
-    let poison = cfg.poison;
-    // Stage 1 + stage 2 of one plan over one KV buffer, into `out`.
-    let run =
-        |kv: &B::Kv, plan: &B::Plan, partials: &mut B::States, out: &mut B::States| -> Result<()> {
-            if poison {
-                backend.poison(partials)?;
-                backend.poison(out)?;
-            }
-            backend.step(kv, &q, plan, partials, out)
-        };
-    let mut local = backend.alloc_states(shape, nq)?;
     let mut chosen = None;
-    let mut step: Box<dyn FnMut() -> Result<AttnStates> + '_> = match cfg.strategy {
+    let mut attention = match cfg.strategy {
         Strategy::Tree(how) => {
             let layout = node_layout(comm, cfg.virtual_nodes)?;
             let how = match how {
@@ -251,52 +229,27 @@ where
                 }
                 how => how,
             };
-            let plan = backend.upload_plan(shape, &local_plan(problem, &shards[rank], cfg)?)?;
-            let mut partials = backend.alloc_partials(shape, &plan)?;
-            Box::new(move || {
-                run(&own, &plan, &mut partials, &mut local)?;
-                let mut states = backend.download(&local)?;
-                merge_across(&mut states, comm, how, &layout)?;
-                Ok(states)
-            })
+            let plan = local_plan(problem, &shards[rank], cfg)?;
+            RankAttention::tree(backend, comm, *shape, &plan, how, layout)?
         }
         Strategy::Ring => {
-            let plans = shards
+            let ring = shards
                 .iter()
-                .map(|s| backend.upload_plan(shape, &local_plan(problem, s, cfg)?))
+                .map(|s| {
+                    Ok(RingShard {
+                        plan: local_plan(problem, s, cfg)?,
+                        tokens: s.tokens() as usize,
+                        page_table: None,
+                    })
+                })
                 .collect::<Result<Vec<_>>>()?;
-            let mut partials = plans
-                .iter()
-                .map(|p| backend.alloc_partials(shape, p))
-                .collect::<Result<Vec<_>>>()?;
-            let tokens: Vec<usize> = shards.iter().map(|s| s.tokens() as usize).collect();
-            let mut bufs = [
-                backend.alloc_kv(shape, problem.dtype, max_tokens)?,
-                backend.alloc_kv(shape, problem.dtype, max_tokens)?,
-            ];
-            let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
-            Box::new(move || {
-                let mut acc = AttnStates::empty(nq, shape.q_heads, shape.head_dim);
-                for s in 0..p {
-                    let src = (rank + p - s) % p; // whose shard this rank holds at step s
-                    let (cur, spare) = ring_buffers(s, &own, &mut bufs);
-                    // Post the send first so the transfer overlaps this step's compute.
-                    if s + 1 < p {
-                        backend.send_kv(cur, tokens[src], comm, next)?;
-                    }
-                    run(cur, &plans[src], &mut partials[src], &mut local)?;
-                    acc.merge_from(&backend.download(&local)?);
-                    if s + 1 < p {
-                        backend.recv_kv(spare, tokens[(src + p - 1) % p], comm, prev)?;
-                    }
-                }
-                Ok(acc)
-            })
+            RankAttention::ring(backend, comm, *shape, problem.dtype, ring)?
         }
-    };
+    }
+    .with_poison(cfg.poison);
 
     for _ in 0..cfg.warmup {
-        step()?;
+        attention.attend(&own, &q)?;
     }
     let traffic_before = comm.traffic().bytes;
     let mut latencies = Vec::with_capacity(cfg.iters);
@@ -304,7 +257,7 @@ where
     for _ in 0..cfg.iters.max(1) {
         comm.barrier()?;
         let t0 = Instant::now();
-        let out = step()?;
+        let out = attention.attend(&own, &q)?;
         comm.barrier()?;
         latencies.push(t0.elapsed().as_secs_f64());
         output = Some(out);

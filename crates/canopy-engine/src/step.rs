@@ -1,0 +1,232 @@
+//! One rank's attention for one decode step, tree or ring: the piece every caller of the
+//! engine runs (the attention benchmark's ranks, and a model's layers).
+//!
+//! A [`RankAttention`] is built once per layout: it uploads the rank's plans and allocates
+//! every buffer a step needs, so [`RankAttention::attend`] allocates nothing on the backend.
+//! The plans address KV by layout, not by contents, so one `RankAttention` serves every KV of
+//! that layout — each layer of a model reads its own KV through the same plans. Every rank
+//! ends a step with the same merged states:
+//! - **tree**: stage 1 and the local merge over the rank's own KV, then the cross-rank merge
+//!   ([`crate::merge::merge_across`]);
+//! - **ring**: each rank's KV travels around the ring; each rank folds every shard, planned
+//!   with that shard's plan, into its own states, the send of the shard it holds posted
+//!   before the compute on it so the transfer overlaps.
+
+use crate::backend::Backend;
+use crate::merge::{merge_across, MergeCollective};
+use crate::topology::NodeLayout;
+use crate::{EngineError, Result};
+use canopy_comm::Collective;
+use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail};
+
+/// What one rank holds of a ring's shard: its plan (over the shard's own addresses) and, for
+/// paged KV, the page table that maps them.
+pub struct RingShard {
+    pub plan: Plan,
+    /// K and V tokens the shard's storage holds (what travels).
+    pub tokens: usize,
+    pub page_table: Option<(u32, Vec<u32>)>,
+}
+
+/// The uploaded plans and step buffers of one rank.
+pub struct RankAttention<'a, B: Backend, C: Collective> {
+    backend: &'a B,
+    comm: &'a C,
+    shape: AttnShape,
+    queries: usize,
+    poison: bool,
+    kind: Kind<B>,
+}
+
+enum Kind<B: Backend> {
+    Tree {
+        how: MergeCollective,
+        layout: NodeLayout,
+        plan: B::Plan,
+        partials: B::States,
+        local: B::States,
+    },
+    Ring {
+        shards: Vec<RingShard>,
+        plans: Vec<B::Plan>,
+        partials: Vec<B::States>,
+        local: B::States,
+        /// Double buffering: the shard computed on and the one received into.
+        bufs: [B::Kv; 2],
+    },
+}
+
+impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
+    /// Tree attention over `plan` (this rank's KV, its own addresses), merged by `how`
+    /// (concrete: `auto` is resolved by the caller) over ranks placed by `layout`.
+    pub fn tree(
+        backend: &'a B,
+        comm: &'a C,
+        shape: AttnShape,
+        plan: &Plan,
+        how: MergeCollective,
+        layout: NodeLayout,
+    ) -> Result<Self> {
+        if how == MergeCollective::Auto {
+            return Err(EngineError::Config(
+                "the auto collective must be resolved to a concrete one before a step".into(),
+            ));
+        }
+        let queries = plan.num_queries();
+        let plan = backend.upload_plan(&shape, plan)?;
+        let partials = backend.alloc_partials(&shape, &plan)?;
+        let local = backend.alloc_states(&shape, queries)?;
+        Ok(RankAttention {
+            backend,
+            comm,
+            shape,
+            queries,
+            poison: false,
+            kind: Kind::Tree {
+                how,
+                layout,
+                plan,
+                partials,
+                local,
+            },
+        })
+    }
+
+    /// Ring attention: `shards[r]` is rank `r`'s plan and storage size; every rank plans
+    /// every shard, since each shard passes through every rank. `dtype` is the KV's.
+    pub fn ring(
+        backend: &'a B,
+        comm: &'a C,
+        shape: AttnShape,
+        dtype: DType,
+        shards: Vec<RingShard>,
+    ) -> Result<Self> {
+        if shards.len() != comm.size() {
+            return Err(EngineError::Config(format!(
+                "a ring of {} ranks got {} shards",
+                comm.size(),
+                shards.len()
+            )));
+        }
+        let queries = shards[0].plan.num_queries();
+        let plans = shards
+            .iter()
+            .map(|s| backend.upload_plan(&shape, &s.plan))
+            .collect::<Result<Vec<_>>>()?;
+        let partials = plans
+            .iter()
+            .map(|p| backend.alloc_partials(&shape, p))
+            .collect::<Result<Vec<_>>>()?;
+        let room = shards.iter().map(|s| s.tokens).max().unwrap_or(0);
+        let bufs = [
+            backend.alloc_kv(&shape, dtype, room)?,
+            backend.alloc_kv(&shape, dtype, room)?,
+        ];
+        Ok(RankAttention {
+            backend,
+            comm,
+            shape,
+            queries,
+            poison: false,
+            kind: Kind::Ring {
+                shards,
+                plans,
+                partials,
+                local: backend.alloc_states(&shape, queries)?,
+                bufs,
+            },
+        })
+    }
+
+    /// Poisons every output buffer before each use (tests), so that a row a kernel fails to
+    /// write shows as NaN.
+    pub fn with_poison(mut self, poison: bool) -> Self {
+        self.poison = poison;
+        self
+    }
+
+    /// The merge the tree strategy runs (`None` for the ring).
+    pub fn merge(&self) -> Option<MergeCollective> {
+        match &self.kind {
+            Kind::Tree { how, .. } => Some(*how),
+            Kind::Ring { .. } => None,
+        }
+    }
+
+    /// Follows nodes that grew in place: the plan's groups, rows and buffers stay valid.
+    /// Only the tree strategy plans in place; a ring is built afresh per layout.
+    pub fn extend(&mut self, tails: &[Tail]) -> Result<()> {
+        match &mut self.kind {
+            Kind::Tree { plan, .. } => self.backend.extend_plan(plan, tails),
+            Kind::Ring { .. } => Err(EngineError::Config(
+                "a ring step is planned afresh for every layout".into(),
+            )),
+        }
+    }
+
+    /// Attention of `q` over `kv` (this rank's storage, laid out as the plans say), merged
+    /// over every rank: each rank returns the same states.
+    pub fn attend(&mut self, kv: &B::Kv, q: &B::Queries) -> Result<AttnStates> {
+        let (backend, comm, shape, poison) = (self.backend, self.comm, self.shape, self.poison);
+        let run = |kv: &B::Kv, plan: &B::Plan, partials: &mut B::States, out: &mut B::States| {
+            if poison {
+                backend.poison(partials)?;
+                backend.poison(out)?;
+            }
+            backend.step(kv, q, plan, partials, out)
+        };
+        match &mut self.kind {
+            Kind::Tree {
+                how,
+                layout,
+                plan,
+                partials,
+                local,
+            } => {
+                run(kv, plan, partials, local)?;
+                let mut states = backend.download(local)?;
+                merge_across(&mut states, comm, *how, layout)?;
+                Ok(states)
+            }
+            Kind::Ring {
+                shards,
+                plans,
+                partials,
+                local,
+                bufs,
+            } => {
+                let (rank, p) = (comm.rank(), comm.size());
+                let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+                let mut acc = AttnStates::empty(self.queries, shape.q_heads, shape.head_dim);
+                for s in 0..p {
+                    let src = (rank + p - s) % p; // whose shard this rank holds at step s
+                    let (cur, spare) = ring_buffers(s, kv, bufs);
+                    if s + 1 < p {
+                        backend.send_kv(cur, shards[src].tokens, comm, next)?;
+                    }
+                    run(cur, &plans[src], &mut partials[src], local)?;
+                    acc.merge_from(&backend.download(local)?);
+                    if s + 1 < p {
+                        let from = &shards[(src + p - 1) % p];
+                        backend.recv_kv(spare, from.tokens, comm, prev)?;
+                        if let Some((page, table)) = &from.page_table {
+                            backend.set_page_table(spare, *page, table)?;
+                        }
+                    }
+                }
+                Ok(acc)
+            }
+        }
+    }
+}
+
+/// The ring's double buffering at step `s`: the shard computed on (`own` at step 0, then the
+/// buffer received into at the previous step) and the buffer the next shard is received into.
+pub fn ring_buffers<'a, K>(s: usize, own: &'a K, bufs: &'a mut [K; 2]) -> (&'a K, &'a mut K) {
+    let [a, b] = bufs;
+    match s {
+        0 => (own, a),
+        _ if s % 2 == 1 => (&*a, b),
+        _ => (&*b, a),
+    }
+}
