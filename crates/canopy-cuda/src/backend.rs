@@ -14,13 +14,14 @@
 //! [`canopy_core::geometry::cut_for_gpu`], many rows of one KV head (up to 64) or one warp per
 //! KV head (groups of up to 16 rows, four heads per CTA), then the merge.
 
-use crate::compile::{arch_for, cubin, Source};
+use crate::compile::{arch_for, cubin};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
 use canopy_core::geometry::{cut_for_gpu, CtaItem, CTA_ROWS, HEADS_PER_CTA};
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
+use canopy_kernels::{rows_config, Kernel, MmaPipeline, MMA_HEAD_DIMS};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PinnedHostSlice, PushKernelArg,
@@ -73,64 +74,19 @@ const MERGE_WARPS: usize = 8;
 /// queries, where half the resident warps hide less latency, it cost up to 9 µs.
 const DEEP_MERGE_CELLS_PER_SM: usize = 4 * MERGE_WARPS;
 
-/// `merge_partials`' defines: f32 states, and 8 rows' loads in flight per lane if `deep`, else 4.
-pub(crate) fn merge_defines(deep: bool) -> Vec<(&'static str, String)> {
-    let depth = if deep { 8 } else { 4 };
-    vec![
-        ("CANOPY_DTYPE", "0".into()),
-        ("MERGE_DEPTH", depth.to_string()),
-    ]
-}
 /// Threads per tensor-core CTA.
 const MMA_THREADS: u32 = 128;
 /// Tokens per KV tile of `decode_partial_mma`'s one-warp-per-head path.
 const HEADS_TILE: usize = 16;
-/// Tokens per shared-memory KV tile of the tensor-core kernel (see `kernels/decode_mma.cu`).
-pub const MMA_TILES: [usize; 2] = [32, 64];
-/// Shared-memory stages of the tensor-core kernel's KV pipeline.
-pub const MMA_STAGES: [usize; 3] = [2, 3, 4];
-
-/// How the many-row tensor-core kernel streams KV through shared memory. The one-warp-per-head
-/// kernel is compiled into the same module (its own pipeline is fixed), so the fields are that
-/// module's defines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct MmaPipeline {
-    /// Tokens per tile of `decode_partial_mma`.
-    pub tile: usize,
-    /// Its stages: `stages - 1` tiles are in flight while one is computed.
-    pub stages: usize,
-}
-
-impl Default for MmaPipeline {
-    /// Measured on FastTree's trees on H100 (docs/BENCHMARKS.md, session 6): 32-token tiles
-    /// four deep beat 64-token tiles two deep (the same shared memory) on 17 of 20
-    /// configurations.
-    fn default() -> Self {
-        MmaPipeline {
-            tile: 32,
-            stages: 4,
-        }
+/// A pipeline the tensor-core kernel is written for, or why not.
+fn check_pipeline(pipeline: MmaPipeline) -> Result<MmaPipeline> {
+    if !pipeline.is_supported() {
+        return Err(CudaError::Unsupported(format!(
+            "tensor-core pipeline of {}-token tiles in {} stages: tiles are 32 or 64 tokens, stages 2, 3 or 4",
+            pipeline.tile, pipeline.stages
+        )));
     }
-}
-
-impl MmaPipeline {
-    /// The NVRTC defines of the module beside the element type and head dimension.
-    pub fn defines(&self) -> [(&'static str, String); 2] {
-        [
-            ("TILE", self.tile.to_string()),
-            ("STAGES", self.stages.to_string()),
-        ]
-    }
-
-    fn check(self) -> Result<MmaPipeline> {
-        if !MMA_TILES.contains(&self.tile) || !MMA_STAGES.contains(&self.stages) {
-            return Err(CudaError::Unsupported(format!(
-                "tensor-core pipeline of {}-token tiles in {} stages: tiles are 32 or 64 tokens, stages 2, 3 or 4",
-                self.tile, self.stages
-            )));
-        }
-        Ok(self)
-    }
+    Ok(pipeline)
 }
 
 /// Which stage-1 kernel runs a plan.
@@ -168,60 +124,6 @@ impl std::str::FromStr for KernelChoice {
                 CudaError::Unsupported(format!("unknown kernel `{s}`: use auto, simt or mma"))
             })
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Kernel {
-    Decode {
-        dtype: DType,
-        head_dim: usize,
-        rows: usize,
-    },
-    DecodeMma {
-        dtype: DType,
-        head_dim: usize,
-        pipeline: MmaPipeline,
-    },
-    /// `deep`: the variant that keeps more rows' loads in flight per lane.
-    Merge {
-        deep: bool,
-    },
-    Fill(DType),
-    /// `read16`, the clean eviction's sweep (in the fill source).
-    Read,
-    Combine(&'static str),
-}
-
-impl Kernel {
-    /// The kernel's entry point in its source.
-    fn entry(self) -> &'static str {
-        match self {
-            Kernel::Decode { .. } => "decode_partial",
-            Kernel::DecodeMma { .. } => "decode_partial_mma",
-            Kernel::Merge { .. } => "merge_partials",
-            Kernel::Combine(name) => name,
-            Kernel::Fill(_) => "fill_random",
-            Kernel::Read => "read16",
-        }
-    }
-}
-
-fn dtype_code(d: DType) -> String {
-    match d {
-        DType::F32 => "0",
-        DType::F16 => "1",
-        DType::Bf16 => "2",
-    }
-    .into()
-}
-
-/// The compile-time row count a plan needs: the smallest of 1, 2, 4, 8 covering the largest
-/// group's GQA rows (larger groups loop over rows in passes of 8).
-fn rows_config(max_rows: usize) -> usize {
-    [1, 2, 4, 8]
-        .into_iter()
-        .find(|&r| r >= max_rows)
-        .unwrap_or(8)
 }
 
 /// The engine's backend on one GPU.
@@ -545,7 +447,7 @@ impl CudaBackend {
 
     /// How the tensor-core kernels stream KV (default: [`MmaPipeline::default`]).
     pub fn with_mma_pipeline(mut self, pipeline: MmaPipeline) -> Result<CudaBackend> {
-        self.pipeline = pipeline.check()?;
+        self.pipeline = check_pipeline(pipeline)?;
         Ok(self)
     }
 
@@ -563,41 +465,9 @@ impl CudaBackend {
             return Ok(f.clone());
         }
         let name = kernel.entry();
-        let (source, defines) = match kernel {
-            Kernel::Decode {
-                dtype,
-                head_dim,
-                rows,
-            } => (
-                Source::Decode,
-                vec![
-                    ("CANOPY_DTYPE", dtype_code(dtype)),
-                    ("HEAD_DIM", head_dim.to_string()),
-                    ("ROWS", rows.to_string()),
-                ],
-            ),
-            Kernel::DecodeMma {
-                dtype,
-                head_dim,
-                pipeline,
-            } => (
-                Source::DecodeMma,
-                [
-                    ("CANOPY_DTYPE", dtype_code(dtype)),
-                    ("HEAD_DIM", head_dim.to_string()),
-                ]
-                .into_iter()
-                .chain(pipeline.defines())
-                .collect(),
-            ),
-            Kernel::Merge { deep } => (Source::Merge, merge_defines(deep)),
-            Kernel::Combine(_) => (Source::Combine, vec![("CANOPY_DTYPE", "0".into())]),
-            Kernel::Fill(dtype) => (Source::Fill, vec![("CANOPY_DTYPE", dtype_code(dtype))]),
-            Kernel::Read => (Source::Fill, vec![("CANOPY_DTYPE", "0".into())]),
-        };
         let module = self
             .ctx
-            .load_module(Ptx::from_binary(cubin(source, &self.arch, &defines)?))
+            .load_module(Ptx::from_binary(cubin(&kernel.variant(), &self.arch)?))
             .ctx("cuModuleLoadData")?;
         let f = module
             .load_function(name)
@@ -669,8 +539,7 @@ impl CudaBackend {
 
     /// Whether plans of `shape` run on tensor cores (given 16-bit KV).
     fn tensor_cores_for(&self, shape: &AttnShape, max_rows: usize) -> bool {
-        let supported = crate::compile::MMA_HEAD_DIMS.contains(&shape.head_dim)
-            && shape.group_size() <= CTA_ROWS;
+        let supported = MMA_HEAD_DIMS.contains(&shape.head_dim) && shape.group_size() <= CTA_ROWS;
         match self.kernel {
             KernelChoice::Simt => false,
             KernelChoice::Mma => supported,
@@ -1511,13 +1380,5 @@ mod tests {
                 assert_eq!(bit, g.visible(t, j), "token {t} query {j}");
             }
         }
-    }
-
-    #[test]
-    fn rows_config_covers_gqa_rows() {
-        assert_eq!(rows_config(1), 1);
-        assert_eq!(rows_config(3), 4);
-        assert_eq!(rows_config(8), 8);
-        assert_eq!(rows_config(4096), 8);
     }
 }

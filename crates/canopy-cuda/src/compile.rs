@@ -1,51 +1,14 @@
-//! Run-time compilation of `kernels/*.cu` with NVRTC, straight to a cubin for the device's
-//! architecture (`sm_90a` on Hopper, so Hopper-only instructions are available), cached on
-//! disk under a key of source hash + architecture + options. A compile error carries NVRTC's
-//! log.
+//! Run-time compilation of the registry's kernel variants ([`canopy_kernels`]) with NVRTC,
+//! straight to a cubin for the device's architecture (`sm_90a` on Hopper, so Hopper-only
+//! instructions are available), cached on disk under the name the registry gives (source,
+//! architecture, hash of text and options). A compile error carries NVRTC's log.
 
 use crate::error::{CudaError, Result};
 use crate::probe::nvrtc_present;
+use canopy_kernels::{variants, Variant};
 use cudarc::nvrtc::{result as nvrtc, sys};
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
-
-const COMMON: &str = include_str!("../../../kernels/common.cuh");
-
-/// A kernel source file under `kernels/`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Source {
-    Decode,
-    DecodeMma,
-    Merge,
-    Fill,
-    Combine,
-}
-
-impl Source {
-    fn name(self) -> &'static str {
-        match self {
-            Source::Decode => "decode.cu",
-            Source::DecodeMma => "decode_mma.cu",
-            Source::Merge => "merge.cu",
-            Source::Fill => "fill.cu",
-            Source::Combine => "combine.cu",
-        }
-    }
-
-    fn text(self) -> &'static str {
-        match self {
-            Source::Decode => include_str!("../../../kernels/decode.cu"),
-            Source::DecodeMma => include_str!("../../../kernels/decode_mma.cu"),
-            Source::Merge => include_str!("../../../kernels/merge.cu"),
-            Source::Fill => include_str!("../../../kernels/fill.cu"),
-            Source::Combine => include_str!("../../../kernels/combine.cu"),
-        }
-    }
-}
-
-/// Head dimensions the tensor-core kernel is built for (its accumulators for 256 would not fit
-/// in registers beside the score tile).
-pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// The architecture NVRTC targets for compute capability `cc`.
 pub fn arch_for(cc: (i32, i32)) -> String {
@@ -65,28 +28,21 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base.join("canopy").join("kernels"))
 }
 
-/// Compiles `source` with `defines` for `arch`, or loads the cached cubin.
-pub fn cubin(source: Source, arch: &str, defines: &[(&str, String)]) -> Result<Vec<u8>> {
-    let text = format!("{COMMON}\n{}", source.text());
-    let mut options: Vec<String> = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
-    options.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
-    let key = canopy_core::stats::fnv1a(&[text.as_bytes(), options.join(" ").as_bytes()]);
-    let path = cache_dir().map(|d| {
-        d.join(format!(
-            "{}-{arch}-{key:016x}.cubin",
-            source.name().trim_end_matches(".cu")
-        ))
-    });
+/// Compiles `variant` for `arch`, or loads the cached cubin.
+pub fn cubin(variant: &Variant, arch: &str) -> Result<Vec<u8>> {
+    let build = variant.build(arch);
+    let kernel = build.name;
+    let path = cache_dir().map(|d| d.join(&build.cache_name));
     if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
-        tracing::debug!(kernel = source.name(), "kernel cache hit");
+        tracing::debug!(kernel, "kernel cache hit");
         return Ok(bytes);
     }
     if !nvrtc_present() {
         return Err(CudaError::NoNvrtc);
     }
     let t0 = std::time::Instant::now();
-    let bytes = compile(source.name(), &text, &options)?;
-    tracing::info!(kernel = source.name(), ms = t0.elapsed().as_millis() as u64, ?options, cache = ?path, "compiled with NVRTC");
+    let bytes = compile(kernel, &build.text, &build.options)?;
+    tracing::info!(kernel, ms = t0.elapsed().as_millis() as u64, options = ?build.options, cache = ?path, "compiled with NVRTC");
     if let Some(p) = &path {
         // The cache is an optimisation: failing to write it is not an error.
         let _ = p.parent().map(std::fs::create_dir_all);
@@ -133,55 +89,19 @@ fn compile(name: &str, text: &str, options: &[String]) -> Result<Vec<u8>> {
     result
 }
 
-/// Every kernel variant the backend can load, as (source, defines).
-pub fn all_variants() -> Vec<(Source, Vec<(&'static str, String)>)> {
-    let codes = [("0", "f32"), ("1", "f16"), ("2", "bf16")];
-    let mut out = vec![
-        (Source::Merge, crate::backend::merge_defines(false)),
-        (Source::Merge, crate::backend::merge_defines(true)),
-        (Source::Combine, vec![("CANOPY_DTYPE", "0".to_string())]),
-    ];
-    for (code, _) in codes {
-        out.push((Source::Fill, vec![("CANOPY_DTYPE", code.to_string())]));
-        for head_dim in canopy_core::shape::SUPPORTED_HEAD_DIMS {
-            if code != "0" && MMA_HEAD_DIMS.contains(&head_dim) {
-                // The default pipeline; others compile on first use.
-                let pipeline = crate::backend::MmaPipeline::default();
-                out.push((
-                    Source::DecodeMma,
-                    [
-                        ("CANOPY_DTYPE", code.to_string()),
-                        ("HEAD_DIM", head_dim.to_string()),
-                    ]
-                    .into_iter()
-                    .chain(pipeline.defines())
-                    .collect(),
-                ));
-            }
-            for rows in [1, 2, 4, 8] {
-                out.push((
-                    Source::Decode,
-                    vec![
-                        ("CANOPY_DTYPE", code.to_string()),
-                        ("HEAD_DIM", head_dim.to_string()),
-                        ("ROWS", rows.to_string()),
-                    ],
-                ));
-            }
-        }
-    }
-    out
-}
-
-/// Compiles every variant for `arch` into the cache (or `CANOPY_KERNEL_CACHE`): a check that
-/// needs NVRTC but no GPU, and a way to inspect the SASS off the device.
+/// Compiles every variant of the registry ([`canopy_kernels::variants`]) for `arch` into the
+/// cache (or `CANOPY_KERNEL_CACHE`): a check that needs NVRTC but no GPU, and a way to inspect
+/// the SASS off the device.
 pub fn compile_all(arch: &str) -> Result<Vec<String>> {
-    all_variants()
-        .into_iter()
-        .map(|(src, defines)| {
-            cubin(src, arch, &defines)?;
-            let d: Vec<String> = defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            Ok(format!("{} {}", src.name(), d.join(" ")))
+    variants()
+        .map(|variant| {
+            cubin(&variant, arch)?;
+            let d: Vec<String> = variant
+                .defines()
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            Ok(format!("{} {}", variant.id().file_name(), d.join(" ")))
         })
         .collect()
 }

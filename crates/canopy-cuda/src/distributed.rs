@@ -27,7 +27,7 @@
 //! through a [`Watchdog`]: a dead or stalled peer ends each rank within `timeout` with an error
 //! naming the rank and the NCCL call, never a hang.
 
-use crate::backend::{CudaBackend, CudaKv, CudaPlan, Kernel, KernelChoice, WARMUP_STEPS};
+use crate::backend::{CudaBackend, CudaKv, CudaPlan, KernelChoice, WARMUP_STEPS};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::nccl::{connect_at_init, group, NcclComm, NcclOp, Watchdog};
 use canopy_core::data::{hashed_oracle, hashed_queries};
@@ -39,6 +39,7 @@ use canopy_core::{
 };
 use canopy_engine::cost::{CallKind, CostModel, PaperModel};
 use canopy_engine::{ring_buffers, Backend, Cache, MergeCollective, NodeLayout, Strategy};
+use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nccl::Id;
 use serde::Serialize;

@@ -4,9 +4,9 @@
 //! and runs on machines without CUDA, and every entry point checks that the driver and NVRTC can
 //! be loaded (cudarc panics on first use otherwise) and returns [`CudaError`] with what to do.
 //!
-//! Kernels live in `kernels/*.cu` at the repository root, are embedded in the binary, compiled
-//! at run time by NVRTC for the device's architecture (`sm_90a` on Hopper) and cached on disk
-//! ([`compile`]). [`CudaBackend`] implements the engine's `Backend` trait: KV storage
+//! Kernels live in the `canopy-kernels` crate, whose registry says which variants exist and
+//! with which defines; they are embedded in the binary, compiled at run time by NVRTC for the
+//! device's architecture (`sm_90a` on Hopper) and cached on disk ([`compile`]). [`CudaBackend`] implements the engine's `Backend` trait: KV storage
 //! (contiguous or paged), plan upload (re-split so one balanced wave of CTAs fills the GPU),
 //! the split-KV flash-decoding partial kernel and the deterministic CSR merge.
 
@@ -20,7 +20,7 @@ pub mod probe;
 
 pub use backend::{
     CudaBackend, CudaKv, CudaPlan, CudaQueries, CudaStates, KernelChoice, KernelResources,
-    MmaPipeline,
 };
+pub use canopy_kernels::MmaPipeline;
 pub use error::{CudaError, Result};
 pub use probe::{probe, CudaInfo, GpuInfo};

@@ -1,0 +1,377 @@
+//! # canopy-kernels
+//!
+//! canopy's CUDA kernel sources and the one registry of what is built from them. The sources
+//! live in this crate (`cuda/*.cu`, with `cuda/common.cuh` prepended to each) and are embedded
+//! in the binary; the CUDA backend compiles them at run time with NVRTC.
+//!
+//! A [`Variant`] is one compiled module: a source ([`Id`]) and the parameters it is built for
+//! (element type, head dimension, rows, pipeline, merge depth). [`Variant::build`] gives
+//! everything NVRTC needs for it (program name, text, options with the defines) and the name
+//! its cubin is cached under; [`Kernel`] names one entry point of a variant, as the backend
+//! loads and launches it; [`variants`] lists every variant that is compiled ahead of use. The
+//! backend and `compile_all` both go through these, so the table of variants and defines
+//! exists once.
+//!
+//! The crate has no CUDA dependency: it is text and tables, tested on any machine.
+
+mod pipeline;
+
+pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
+
+use canopy_core::shape::SUPPORTED_HEAD_DIMS;
+use canopy_core::DType;
+
+/// The helpers every source is compiled with, prepended to it (NVRTC gets no include paths).
+pub const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// A kernel source file under `cuda/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Id {
+    Decode,
+    DecodeMma,
+    Merge,
+    Fill,
+    Combine,
+}
+
+/// Every source file.
+pub const ALL_IDS: [Id; 5] = [Id::Decode, Id::DecodeMma, Id::Merge, Id::Fill, Id::Combine];
+
+impl Id {
+    /// The file's name, which is also NVRTC's program name.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Id::Decode => "decode.cu",
+            Id::DecodeMma => "decode_mma.cu",
+            Id::Merge => "merge.cu",
+            Id::Fill => "fill.cu",
+            Id::Combine => "combine.cu",
+        }
+    }
+
+    /// The file's text (without [`COMMON`]).
+    pub fn source(self) -> &'static str {
+        match self {
+            Id::Decode => include_str!("../cuda/decode.cu"),
+            Id::DecodeMma => include_str!("../cuda/decode_mma.cu"),
+            Id::Merge => include_str!("../cuda/merge.cu"),
+            Id::Fill => include_str!("../cuda/fill.cu"),
+            Id::Combine => include_str!("../cuda/combine.cu"),
+        }
+    }
+
+    /// The entry points (`extern "C" __global__`) the file defines.
+    pub fn entries(self) -> &'static [&'static str] {
+        match self {
+            Id::Decode => &["decode_partial"],
+            Id::DecodeMma => &["decode_partial_mma"],
+            Id::Merge => &["merge_partials"],
+            Id::Fill => &["fill_random", "read16"],
+            Id::Combine => &[
+                "combine_weights",
+                "combine_finish",
+                "combine_gathered",
+                "combine_pair",
+            ],
+        }
+    }
+}
+
+/// Compile-time row counts of the CUDA-core decode kernel (`ROWS` in `decode.cu`).
+pub const DECODE_ROWS: [usize; 4] = [1, 2, 4, 8];
+
+/// The compile-time row count a plan needs: the smallest of [`DECODE_ROWS`] covering the
+/// largest group's GQA rows (larger groups loop over rows in passes of 8).
+pub fn rows_config(max_rows: usize) -> usize {
+    DECODE_ROWS
+        .into_iter()
+        .find(|&r| r >= max_rows)
+        .unwrap_or(DECODE_ROWS[DECODE_ROWS.len() - 1])
+}
+
+/// One compiled module: a source and the parameters it is built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// `decode_partial` on CUDA cores, for groups of up to `rows` GQA rows per pass.
+    Decode {
+        dtype: DType,
+        head_dim: usize,
+        rows: usize,
+    },
+    /// `decode_partial_mma` on tensor cores.
+    DecodeMma {
+        dtype: DType,
+        head_dim: usize,
+        pipeline: MmaPipeline,
+    },
+    /// `merge_partials`; `deep` keeps 8 rows' loads in flight per lane instead of 4.
+    Merge { deep: bool },
+    /// `fill_random` for KV of `dtype`, and `read16`.
+    Fill(DType),
+    /// The cross-rank combine kernels (f32 states).
+    Combine,
+}
+
+/// `CANOPY_DTYPE`'s value for an element type (`common.cuh`).
+fn dtype_code(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "0",
+        DType::F16 => "1",
+        DType::Bf16 => "2",
+    }
+}
+
+/// What NVRTC compiles for one variant, and the name its cubin is cached under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Build {
+    /// NVRTC's program name: the source file's.
+    pub name: &'static str,
+    /// [`COMMON`], then the source.
+    pub text: String,
+    /// The architecture, the language standard, then `-DNAME=value` per define.
+    pub options: Vec<String>,
+    /// `<source>-<arch>-<hash of text and options>.cubin`.
+    pub cache_name: String,
+}
+
+impl Variant {
+    pub fn id(&self) -> Id {
+        match self {
+            Variant::Decode { .. } => Id::Decode,
+            Variant::DecodeMma { .. } => Id::DecodeMma,
+            Variant::Merge { .. } => Id::Merge,
+            Variant::Fill(_) => Id::Fill,
+            Variant::Combine => Id::Combine,
+        }
+    }
+
+    /// The entry points the module holds.
+    pub fn entries(&self) -> &'static [&'static str] {
+        self.id().entries()
+    }
+
+    /// The defines that select this variant, in NVRTC's order.
+    pub fn defines(&self) -> Vec<(&'static str, String)> {
+        match *self {
+            Variant::Decode {
+                dtype,
+                head_dim,
+                rows,
+            } => vec![
+                ("CANOPY_DTYPE", dtype_code(dtype).into()),
+                ("HEAD_DIM", head_dim.to_string()),
+                ("ROWS", rows.to_string()),
+            ],
+            Variant::DecodeMma {
+                dtype,
+                head_dim,
+                pipeline,
+            } => [
+                ("CANOPY_DTYPE", dtype_code(dtype).into()),
+                ("HEAD_DIM", head_dim.to_string()),
+            ]
+            .into_iter()
+            .chain(pipeline.defines())
+            .collect(),
+            Variant::Merge { deep } => vec![
+                ("CANOPY_DTYPE", "0".into()),
+                ("MERGE_DEPTH", if deep { "8" } else { "4" }.into()),
+            ],
+            Variant::Fill(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
+            Variant::Combine => vec![("CANOPY_DTYPE", "0".into())],
+        }
+    }
+
+    /// The source, options and cache name of this variant for architecture `arch`
+    /// (e.g. `sm_90a`).
+    pub fn build(&self, arch: &str) -> Build {
+        let id = self.id();
+        let text = format!("{COMMON}\n{}", id.source());
+        let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+        options.extend(self.defines().iter().map(|(k, v)| format!("-D{k}={v}")));
+        let key = canopy_core::stats::fnv1a(&[text.as_bytes(), options.join(" ").as_bytes()]);
+        let stem = id.file_name().trim_end_matches(".cu");
+        Build {
+            name: id.file_name(),
+            text,
+            options,
+            cache_name: format!("{stem}-{arch}-{key:016x}.cubin"),
+        }
+    }
+}
+
+/// One entry point of a [`Variant`]: what the backend loads and launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    Decode {
+        dtype: DType,
+        head_dim: usize,
+        rows: usize,
+    },
+    DecodeMma {
+        dtype: DType,
+        head_dim: usize,
+        pipeline: MmaPipeline,
+    },
+    /// `deep`: the variant that keeps more rows' loads in flight per lane.
+    Merge {
+        deep: bool,
+    },
+    Fill(DType),
+    /// `read16`, the clean eviction's sweep (in the fill source).
+    Read,
+    /// One of [`Id::Combine`]'s entries, by name.
+    Combine(&'static str),
+}
+
+impl Kernel {
+    /// The module the entry point is compiled in.
+    pub fn variant(self) -> Variant {
+        match self {
+            Kernel::Decode {
+                dtype,
+                head_dim,
+                rows,
+            } => Variant::Decode {
+                dtype,
+                head_dim,
+                rows,
+            },
+            Kernel::DecodeMma {
+                dtype,
+                head_dim,
+                pipeline,
+            } => Variant::DecodeMma {
+                dtype,
+                head_dim,
+                pipeline,
+            },
+            Kernel::Merge { deep } => Variant::Merge { deep },
+            Kernel::Fill(dtype) => Variant::Fill(dtype),
+            Kernel::Read => Variant::Fill(DType::F32),
+            Kernel::Combine(_) => Variant::Combine,
+        }
+    }
+
+    /// The kernel's entry point in its source.
+    pub fn entry(self) -> &'static str {
+        match self {
+            Kernel::Decode { .. } => "decode_partial",
+            Kernel::DecodeMma { .. } => "decode_partial_mma",
+            Kernel::Merge { .. } => "merge_partials",
+            Kernel::Combine(name) => name,
+            Kernel::Fill(_) => "fill_random",
+            Kernel::Read => "read16",
+        }
+    }
+}
+
+/// Every variant the backend can load, for every element type and supported head dimension;
+/// the tensor-core kernel in its default pipeline only (others compile on first use).
+pub fn variants() -> impl Iterator<Item = Variant> {
+    let fixed = [
+        Variant::Merge { deep: false },
+        Variant::Merge { deep: true },
+        Variant::Combine,
+    ];
+    let per_dtype = DType::ALL.into_iter().flat_map(|dtype| {
+        let per_head_dim = SUPPORTED_HEAD_DIMS.into_iter().flat_map(move |head_dim| {
+            let mma = (dtype != DType::F32 && MMA_HEAD_DIMS.contains(&head_dim)).then_some(
+                Variant::DecodeMma {
+                    dtype,
+                    head_dim,
+                    pipeline: MmaPipeline::default(),
+                },
+            );
+            let decode = DECODE_ROWS.into_iter().map(move |rows| Variant::Decode {
+                dtype,
+                head_dim,
+                rows,
+            });
+            mma.into_iter().chain(decode)
+        });
+        std::iter::once(Variant::Fill(dtype)).chain(per_head_dim)
+    });
+    fixed.into_iter().chain(per_dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    /// Every kernel a variant holds is an `extern "C" __global__` function of its source.
+    #[test]
+    fn every_entry_is_defined_in_its_source() {
+        for id in ALL_IDS {
+            let text = id.source();
+            for entry in id.entries() {
+                let at = text
+                    .find(&format!("{entry}("))
+                    .unwrap_or_else(|| panic!("{entry} is not in {}", id.file_name()));
+                let head = &text[..at];
+                let decl = &head[head.rfind("extern \"C\"").expect("extern \"C\" before it")..];
+                assert!(decl.contains("__global__"), "{entry} is not a kernel");
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_names_an_entry_of_its_variant() {
+        let kernels = [
+            Kernel::Decode {
+                dtype: DType::Bf16,
+                head_dim: 128,
+                rows: 4,
+            },
+            Kernel::DecodeMma {
+                dtype: DType::F16,
+                head_dim: 64,
+                pipeline: MmaPipeline::default(),
+            },
+            Kernel::Merge { deep: true },
+            Kernel::Fill(DType::F16),
+            Kernel::Read,
+        ]
+        .into_iter()
+        .chain(Id::Combine.entries().iter().map(|&e| Kernel::Combine(e)));
+        for k in kernels {
+            assert!(k.variant().entries().contains(&k.entry()), "{k:?}");
+        }
+    }
+
+    /// Each variant compiles to its own cache file.
+    #[test]
+    fn no_two_variants_share_a_cache_name() {
+        let names: Vec<String> = variants().map(|v| v.build("sm_90a").cache_name).collect();
+        let unique: HashSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len());
+        // 3 element types x (fill + 3 head dims x 4 row counts) + 2 x 2 tensor-core modules
+        // + 2 merges + combine.
+        assert_eq!(names.len(), 46);
+    }
+
+    #[test]
+    fn every_source_file_is_a_variant_s() {
+        let ids: HashSet<Id> = variants().map(|v| v.id()).collect();
+        assert_eq!(ids, ALL_IDS.into_iter().collect());
+    }
+
+    #[test]
+    fn rows_config_covers_gqa_rows() {
+        assert_eq!(rows_config(1), 1);
+        assert_eq!(rows_config(3), 4);
+        assert_eq!(rows_config(8), 8);
+        assert_eq!(rows_config(4096), 8);
+    }
+
+    #[test]
+    fn default_pipeline_is_supported() {
+        assert!(MmaPipeline::default().is_supported());
+        assert!(!MmaPipeline {
+            tile: 48,
+            stages: 4
+        }
+        .is_supported());
+    }
+}
