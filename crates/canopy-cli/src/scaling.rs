@@ -55,6 +55,10 @@ pub struct ScalingOutput {
 }
 
 pub fn run(a: ScalingArgs) -> Result<()> {
+    // A plot that cannot be written is refused here, not after minutes of benchmarking.
+    if let Some(path) = &a.plot {
+        crate::plot::check(path)?;
+    }
     let out = match &a.from {
         Some(path) => serde_json::from_str(
             &std::fs::read_to_string(path)
