@@ -1,0 +1,283 @@
+//! Text to token ids and back, with the `tokenizers` crate.
+//!
+//! A Hugging Face directory ships its tokenizer whole (`tokenizer.json`). A GGUF file ships
+//! only the parts — vocabulary, merges, token types, the name of its pre-tokenizer — and the
+//! tokenizer is assembled here the way transformers' GGUF converter and llama.cpp do for
+//! byte-level BPE (`tokenizer.ggml.model = "gpt2"`): a BPE model over GPT-2's byte-to-unicode
+//! alphabet, the pre-tokenizer split its vocabulary was trained with, and every control token
+//! (`token_type` 3) registered as a special token so that it is matched whole in text.
+
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel;
+use tokenizers::models::bpe::{Merges, Vocab, BPE};
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+
+/// llama.cpp's `LLAMA_TOKEN_TYPE_CONTROL`: tokens like `<|im_start|>` that text never spells
+/// by accident.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+
+/// Llama 3's split (also written by llama.cpp for models that reuse its tokenizer): letters
+/// with one leading non-letter, numbers in runs of at most three digits.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen 2's split: Llama 3's with every digit on its own.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A tokenizer, from `tokenizer.json` or a GGUF file's metadata.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+impl Tokenizer {
+    /// Loads a `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner =
+            tokenizers::Tokenizer::from_file(path).map_err(|source| ModelError::Tokenizer {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(Tokenizer { inner })
+    }
+
+    /// Builds the tokenizer a GGUF file describes (`tokenizer.ggml.*`).
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let model = gguf.require_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(ModelError::UnsupportedTokenizer {
+                path: gguf.path().to_path_buf(),
+                model: model.to_string(),
+            });
+        }
+        let corrupt = |reason: String| gguf.corrupt(format!("tokenizer: {reason}"));
+        let tokens = gguf.get_strings("tokenizer.ggml.tokens")?.ok_or_else(|| {
+            ModelError::MissingMetadata {
+                path: gguf.path().to_path_buf(),
+                key: "tokenizer.ggml.tokens".into(),
+            }
+        })?;
+        let merges: Merges = gguf
+            .get_strings("tokenizer.ggml.merges")?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|merge| {
+                merge
+                    .split_once(' ')
+                    .map(|(left, right)| (left.to_string(), right.to_string()))
+                    .ok_or_else(|| {
+                        corrupt(format!(
+                            "merge {merge:?} is not two tokens separated by a space"
+                        ))
+                    })
+            })
+            .collect::<Result<_>>()?;
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, token)| (token.to_string(), id as u32))
+            .collect();
+        let pre = gguf.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
+        let is_llama3_family = matches!(
+            pre,
+            "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3" | "dbrx"
+        );
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            // Llama 3's tokenizer.json (and llama.cpp for it) takes a whole pre-token that is
+            // itself in the vocabulary before trying any merge.
+            .ignore_merges(is_llama3_family)
+            .build()
+            .map_err(|e| corrupt(e.to_string()))?;
+
+        let add_prefix_space = gguf
+            .get_bool("tokenizer.ggml.add_space_prefix")?
+            .unwrap_or(false);
+        let pre_tokenizer =
+            gpt2_pre_tokenizer(pre, is_llama3_family, add_prefix_space).map_err(|source| {
+                ModelError::Tokenizer {
+                    path: gguf.path().to_path_buf(),
+                    source,
+                }
+            })?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevel::default()));
+
+        if let Some(token_types) = gguf.get_ints("tokenizer.ggml.token_type")? {
+            let control: Vec<AddedToken> = tokens
+                .iter()
+                .zip(&token_types)
+                .filter(|&(_, &kind)| kind == TOKEN_TYPE_CONTROL)
+                .map(|(token, _)| AddedToken::from(token.to_string(), true).normalized(false))
+                .collect();
+            inner.add_special_tokens(&control);
+        }
+
+        if gguf
+            .get_bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(false)
+        {
+            let bos_id = gguf
+                .get_u64("tokenizer.ggml.bos_token_id")?
+                .ok_or_else(|| ModelError::MissingMetadata {
+                    path: gguf.path().to_path_buf(),
+                    key: "tokenizer.ggml.bos_token_id".into(),
+                })? as u32;
+            let bos = tokens
+                .get(bos_id as usize)
+                .ok_or_else(|| corrupt(format!("bos id {bos_id} is outside the vocabulary")))?;
+            let template = TemplateProcessing::builder()
+                .try_single(format!("{bos}:0 $A:0"))
+                .and_then(|b| b.try_pair(format!("{bos}:0 $A:0 {bos}:1 $B:1")))
+                .map_err(|e| corrupt(e.to_string()))?
+                .special_tokens(vec![(bos.to_string(), bos_id)])
+                .build()
+                .map_err(|e| corrupt(e.to_string()))?;
+            inner.with_post_processor(Some(template));
+        }
+        Ok(Tokenizer { inner })
+    }
+
+    /// The ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a
+    /// leading BOS). Special tokens spelled in `text` (`<|im_start|>`) are always matched.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(ModelError::Encoding)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(ModelError::Encoding)
+    }
+
+    /// The number of ids, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// A decoder for ids arriving one at a time, e.g. while sampling.
+    pub fn incremental_decoder(&self, skip_special_tokens: bool) -> IncrementalDecoder<'_> {
+        IncrementalDecoder {
+            tokenizer: self,
+            skip_special_tokens,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// The pre-tokenizer of a byte-level BPE vocabulary named `pre` by llama.cpp: the regex split
+/// its merges were learned on, then GPT-2's byte-to-unicode mapping. Names without a split of
+/// their own here use GPT-2's, as transformers' converter does.
+fn gpt2_pre_tokenizer(
+    pre: &str,
+    is_llama3_family: bool,
+    add_prefix_space: bool,
+) -> tokenizers::Result<PreTokenizerWrapper> {
+    let byte_level = |use_regex: bool| {
+        PreTokenizerWrapper::from(ByteLevel::new(add_prefix_space, true, use_regex))
+    };
+    let split_then_bytes = |pattern: &str| -> tokenizers::Result<PreTokenizerWrapper> {
+        let split = Split::new(
+            SplitPattern::Regex(pattern.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )?;
+        Ok(Sequence::new(vec![split.into(), byte_level(false)]).into())
+    };
+    if is_llama3_family {
+        return split_then_bytes(LLAMA3_SPLIT);
+    }
+    match pre {
+        "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT),
+        // SmolLM's (and StarCoder's) tokenizer.json: every digit alone, then GPT-2's split.
+        "smollm" | "starcoder" => {
+            Ok(Sequence::new(vec![Digits::new(true).into(), byte_level(true)]).into())
+        }
+        _ => Ok(byte_level(true)),
+    }
+}
+
+/// Turns ids into text as they arrive, emitting only whole characters.
+///
+/// Byte-level tokens can end inside a UTF-8 character, and some decoders change a token's
+/// text depending on its neighbours, so each step decodes a short window of recent ids and
+/// emits what the newest id added once it no longer ends in a partial character (U+FFFD).
+pub struct IncrementalDecoder<'a> {
+    tokenizer: &'a Tokenizer,
+    skip_special_tokens: bool,
+    /// Ids from the start of the window; earlier ones have been dropped.
+    ids: Vec<u32>,
+    /// Start of the window decoded for context.
+    prefix_offset: usize,
+    /// Ids before this have been emitted.
+    read_offset: usize,
+}
+
+impl IncrementalDecoder<'_> {
+    /// Adds one id; returns the text it completes (empty while a character is unfinished).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let window = &self.ids[self.prefix_offset..];
+        let emitted = self.tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
+        let text = self.tokenizer.decode(window, self.skip_special_tokens)?;
+        if text.len() <= emitted.len() || text.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let new_text = match text.strip_prefix(&emitted) {
+            Some(rest) => rest.to_string(),
+            None => text.get(emitted.len()..).unwrap_or_default().to_string(),
+        };
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        // Only the last step's ids are needed as context.
+        self.ids.drain(..self.prefix_offset);
+        self.read_offset -= self.prefix_offset;
+        self.prefix_offset = 0;
+        Ok(new_text)
+    }
+
+    /// The text of ids not yet emitted (an unfinished character decodes as U+FFFD).
+    pub fn finish(mut self) -> Result<String> {
+        let emitted = self.tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
+        let text = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        self.ids.clear();
+        Ok(match text.strip_prefix(&emitted) {
+            Some(rest) => rest.to_string(),
+            None => text.get(emitted.len()..).unwrap_or_default().to_string(),
+        })
+    }
+}
