@@ -59,6 +59,8 @@ pub struct TreeBuilder {
     queries: Vec<NodeId>,
     /// Every node starts at a multiple of this many addresses (1: packed).
     align: u32,
+    /// Whether nodes of zero tokens are accepted.
+    empty_nodes: bool,
 }
 
 impl TreeBuilder {
@@ -71,6 +73,15 @@ impl TreeBuilder {
     /// gaps hold no tokens; [`KvTree::total_tokens`] then counts the address space.
     pub fn with_alignment(mut self, align: u32) -> Self {
         self.align = align.max(1);
+        self
+    }
+
+    /// Accepts nodes of zero tokens. One rank's part of a sequence-sharded tree keeps every
+    /// node, so that all ranks' trees have one topology and one query order, and a node of
+    /// which the rank holds no token is empty there. Planners skip empty nodes, as they skip
+    /// the nodes outside a shard's windows.
+    pub fn with_empty_nodes(mut self) -> Self {
+        self.empty_nodes = true;
         self
     }
 
@@ -112,7 +123,7 @@ impl TreeBuilder {
         if n == 0 {
             return Err(CoreError::Tree("the tree has no nodes".into()));
         }
-        if let Some(i) = self.lens.iter().position(|&l| l == 0) {
+        if let Some(i) = self.lens.iter().position(|&l| l == 0 && !self.empty_nodes) {
             return Err(CoreError::Tree(format!(
                 "node {i} has zero tokens; every node needs at least one"
             )));
