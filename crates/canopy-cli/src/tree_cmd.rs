@@ -18,6 +18,7 @@ use canopy_core::{
 use canopy_cuda::{CudaBackend, KernelChoice, MmaPipeline};
 use canopy_engine::tree_bench::{relate_to_q_guided, MethodRun, TreeBench};
 use canopy_engine::{Backend, Cache, CpuBackend, MergeCollective, Problem, RunConfig, Strategy};
+use canopy_kv::{KvManager, Placement, RankUpdate, StepLayout};
 use clap::Args;
 use serde::Serialize;
 use std::time::Duration;
@@ -467,15 +468,15 @@ struct GrowOutput {
     methods: Vec<GrowRun>,
 }
 
-/// The workload's tree in a paged pool, its queries' nodes marked live.
-fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_kv::PagedTree> {
-    let mut p = canopy_kv::PagedTree::new(page, pool_pages)?;
+/// The workload's tree in a one-rank paged pool, its queries' nodes marked live.
+fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<KvManager> {
+    let mut p = KvManager::new(1, page, pool_pages)?;
     let mut ids = vec![0; tree.nodes().len()];
     for &n in tree.dfs_order() {
         let node = tree.node(n);
         ids[n as usize] = match node.parent {
-            None => p.add_root(node.len())?,
-            Some(parent) => p.fork(ids[parent as usize], node.len())?,
+            None => p.add_root(node.len(), Placement::Balanced)?,
+            Some(parent) => p.fork(ids[parent as usize], node.len(), Placement::Balanced)?,
         };
     }
     for q in 0..tree.num_queries() as u32 {
@@ -484,10 +485,9 @@ fn paged_tree(tree: &KvTree, page: u32, pool_pages: u32) -> Result<canopy_kv::Pa
     Ok(p)
 }
 
-/// A growing tree's current layout and everything made for it: the host plan (for its IO),
-/// the device plan and the buffers sized by it.
+/// Everything made for a growing tree's current layout: the host plan (for its IO), the
+/// device plan and the buffers sized by it.
 struct Planned {
-    snap: canopy_kv::Snapshot,
     host: canopy_core::Plan,
     dplan: canopy_cuda::CudaPlan,
     partials: canopy_cuda::CudaStates,
@@ -523,58 +523,54 @@ fn grow(
         let (mut replans, mut replan_ms) = (0, 0.0);
         let mut points = Vec::new();
         let mut last = None;
+        let mut layout = StepLayout::new();
         let mut current: Option<Planned> = None;
         for it in 1..=a.grow {
             for n in paged.live() {
                 // Token-tree queries sit on inner nodes; only leaves grow.
-                let _ = paged.append(n, 1);
+                let _ = paged.append(n, 1, Placement::Balanced);
             }
             let t0 = std::time::Instant::now();
-            let mut grown = None;
-            if let Some(c) = &mut current {
-                if let Some(tails) = paged.catch_up(&mut c.snap) {
+            let plan_ms = match layout.update(&paged)?.pop().expect("one rank") {
+                RankUpdate::Grown(tails) => {
+                    let c = current.as_mut().expect("the first update is fresh");
                     backend.extend_plan(&mut c.dplan, &tails)?;
-                    grown = Some(tails);
+                    let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
+                    c.host.extend_tails(&tails);
+                    plan_ms
                 }
-            }
-            let plan_ms = if grown.is_none() {
-                let snap = paged.snapshot()?;
-                let shard = Shard::whole(&snap.tree);
-                let view = TreeView::new(&snap.tree, &shard);
-                let host = if method == Method::Auto {
-                    canopy_core::choose(&view, &shape, &planner, &model)?.plan
-                } else {
-                    canopy_core::plan(&view, method, &shape, &planner)?
-                };
-                backend.set_page_table(&mut kv, &snap.table)?;
-                let dplan = backend.upload_plan(&shape, &host)?;
-                let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
-                let partials = backend.alloc_partials(&shape, &dplan)?;
-                let out = backend.alloc_states(&shape, snap.tree.num_queries())?;
-                current = Some(Planned {
-                    snap,
-                    host,
-                    dplan,
-                    partials,
-                    out,
-                });
-                replans += 1;
-                replan_ms += plan_ms;
-                plan_ms
-            } else {
-                t0.elapsed().as_secs_f64() * 1e3
+                RankUpdate::Fresh(snap) => {
+                    let shard = Shard::whole(&snap.tree);
+                    let view = TreeView::new(&snap.tree, &shard);
+                    let host = if method == Method::Auto {
+                        canopy_core::choose(&view, &shape, &planner, &model)?.plan
+                    } else {
+                        canopy_core::plan(&view, method, &shape, &planner)?
+                    };
+                    backend.set_page_table(&mut kv, &snap.table)?;
+                    let dplan = backend.upload_plan(&shape, &host)?;
+                    let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
+                    let partials = backend.alloc_partials(&shape, &dplan)?;
+                    let out = backend.alloc_states(&shape, snap.tree.num_queries())?;
+                    current = Some(Planned {
+                        host,
+                        dplan,
+                        partials,
+                        out,
+                    });
+                    replans += 1;
+                    replan_ms += plan_ms;
+                    plan_ms
+                }
             };
             total_plan_ms += plan_ms;
             let Planned {
-                snap,
                 host,
                 dplan,
                 partials,
                 out,
             } = current.as_mut().expect("planned above");
-            if let Some(tails) = &grown {
-                host.extend_tails(tails);
-            }
+            let snap = layout.rank(0).expect("updated above");
             let nq = snap.tree.num_queries();
             let q_host = hashed_queries(&shape, dtype, nq, a.seed ^ it as u64);
             let q = backend.upload_queries(&shape, &q_host)?;
