@@ -843,3 +843,27 @@ fn gguf_chat_template_uses_the_files_special_tokens() {
         .unwrap();
     assert_eq!(text, "<|im_start|>user:hi<|im_end|>");
 }
+
+#[test]
+fn no_truncation_or_corrupted_byte_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fuzz.gguf");
+    let bytes = llama_gguf(false).to_bytes();
+    for len in (0..bytes.len()).step_by(97) {
+        std::fs::write(&path, &bytes[..len]).unwrap();
+        assert!(
+            Model::load(&path, DType::F32).is_err(),
+            "{len} bytes loaded"
+        );
+    }
+    // Bytes of the header, metadata and tensor infos (the first 4 KiB), set to values that
+    // make lengths, counts, types and offsets absurd.
+    for at in (0..4096).step_by(7) {
+        for value in [0x00, 0xff] {
+            let mut corrupt = bytes.clone();
+            corrupt[at] = value;
+            std::fs::write(&path, &corrupt).unwrap();
+            let _ = Model::load(&path, DType::F32);
+        }
+    }
+}
