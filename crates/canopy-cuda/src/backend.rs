@@ -18,10 +18,13 @@ use crate::compile::{arch_for, cubin};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
-use canopy_core::geometry::{cut_for_gpu, CtaItem, CTA_ROWS, HEADS_PER_CTA};
+use canopy_core::geometry::{cut_for_gpu, CtaItem, CTA_ROWS};
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
-use canopy_kernels::{rows_config, Kernel, MmaPipeline, MMA_HEAD_DIMS};
+use canopy_kernels::{
+    rows_config, Kernel, MmaPipeline, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS,
+    GROUP_KV_STREAMED, GROUP_WORDS, MERGE_WARPS, MMA_HEAD_DIMS, MMA_THREADS,
+};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PinnedHostSlice, PushKernelArg,
@@ -34,22 +37,9 @@ use std::sync::{Arc, Mutex};
 
 type EResult<T> = canopy_engine::Result<T>;
 
-/// Threads per decode CTA (four warps; see `kernels/decode.cu`).
-const DECODE_THREADS: u32 = 128;
-/// u32 words per group descriptor (see `kernels/decode.cu`).
-const GROUP_WORDS: usize = 8;
-/// u32 words per CTA descriptor of the tensor-core kernel: a group descriptor, the CTA's head
-/// word and the group's first KV range, padded to 16-byte loads (see `kernels/decode_mma.cu`).
-const CTA_WORDS: usize = 12;
-/// Head-word flag of a CTA on the one-warp-per-head path.
-const CTA_PER_HEAD: u32 = 1 << 16;
-/// Group-descriptor flag: the tensor-core kernel loads the group's KV as first to leave L2
-/// (`GROUP_KV_STREAMED` in `kernels/common.cuh`). Set when other groups read at most
-/// 1 / [`SHARED_TOKENS_STREAMED`] of its tokens ([`Plan::kv_shared_tokens`]).
-const GROUP_KV_STREAMED: u32 = 1;
-/// A group whose tokens other groups read too streams its KV all the same when they are at most
-/// this fraction (1 / n) of its tokens; the few shared tokens are then read again from DRAM.
-/// FastTree joins tree 1's 8-token root to each of its four 256-token nodes (3%), and keeping
+/// A group's descriptor carries [`GROUP_KV_STREAMED`] (the tensor-core kernel loads its KV as
+/// first to leave L2) when other groups read at most 1 / this of its tokens
+/// ([`Plan::kv_shared_tokens`]); those few shared tokens are then read again from DRAM. FastTree joins tree 1's 8-token root to each of its four 256-token nodes (3%), and keeping
 /// those groups in L2 for the root's sake cost 4% at 32/32. At 1/8, tree 7's 32-token parents,
 /// joined to each of their four 256-token leaves (11%), were read again by the other three and
 /// the step took 1.3% longer (BENCHMARKS, session 11).
@@ -65,19 +55,14 @@ const SIMT_MIN_SPLIT_TOKENS: u32 = 256;
 /// `auto` runs plans on tensor cores when some group has at least this many query rows.
 const AUTO_MMA_MIN_ROWS: usize = 4;
 
-/// Warps per CTA of `merge_partials`, one per (query, head).
-const MERGE_WARPS: usize = 8;
-/// Resident merge warps per SM at the deep variant's occupancy (4 CTAs of [`MERGE_WARPS`]).
+/// Resident merge warps per SM at the deep variant's occupancy ([`DEEP_MERGE_CTAS`] CTAs of
+/// [`MERGE_WARPS`]).
 /// A merge of at most this many cells per SM runs deep: all its warps are resident either way,
 /// and each keeps 8 rows' loads in flight instead of 4. On H100 that took FastTree's tree 8 at
 /// 32/8 (10 queries, dozens of rows each) from 37.7 to 32.6 µs; on plans of thousands of
 /// queries, where half the resident warps hide less latency, it cost up to 9 µs.
-const DEEP_MERGE_CELLS_PER_SM: usize = 4 * MERGE_WARPS;
+const DEEP_MERGE_CELLS_PER_SM: usize = DEEP_MERGE_CTAS * MERGE_WARPS;
 
-/// Threads per tensor-core CTA.
-const MMA_THREADS: u32 = 128;
-/// Tokens per KV tile of `decode_partial_mma`'s one-warp-per-head path.
-const HEADS_TILE: usize = 16;
 /// A pipeline the tensor-core kernel is written for, or why not.
 fn check_pipeline(pipeline: MmaPipeline) -> Result<MmaPipeline> {
     if !pipeline.is_supported() {
@@ -338,7 +323,7 @@ fn write_extents(
     masks
 }
 
-/// A masked group's mask as the kernels read it (`mask_word` in `kernels/common.cuh`): per
+/// A masked group's mask as the kernels read it (`mask_word` in `common.cuh`): per
 /// 64-token block of its tokens, one word per query, bit `t` for the block's token `t`. A
 /// thread that tests one query's scores over a tile then loads one word, where the plan's
 /// token-major mask would need one per token. The plan's set bits are visited, not every
@@ -475,7 +460,7 @@ impl CudaBackend {
         let shared = match kernel {
             Kernel::DecodeMma {
                 head_dim, pipeline, ..
-            } => Some(mma_shared_bytes(head_dim, pipeline)),
+            } => Some(pipeline.shared_bytes(head_dim)),
             _ => None,
         };
         if let Some(shared) = shared {
@@ -526,7 +511,7 @@ impl CudaBackend {
             head_dim,
             pipeline,
         })?;
-        let shared = mma_shared_bytes(head_dim, pipeline);
+        let shared = pipeline.shared_bytes(head_dim);
         Ok(KernelResources {
             registers: f.num_regs().ctx("cuFuncGetAttribute")?,
             local_bytes: f.local_size_bytes().ctx("cuFuncGetAttribute")?,
@@ -1135,7 +1120,7 @@ impl Backend for CudaBackend {
             // A plan with groups has CTAs (an empty list is a one-word allocation: 0 here).
             grid_dim: ((plan.layout.ctas.len() / CTA_WORDS) as u32, 1, 1),
             block_dim: (MMA_THREADS, 1, 1),
-            shared_mem_bytes: mma_shared_bytes(head_dim, self.pipeline) as u32,
+            shared_mem_bytes: self.pipeline.shared_bytes(head_dim) as u32,
         };
         self.launch_stage1(kernel, cfg, kv, q, plan, partials)
     }
@@ -1256,17 +1241,6 @@ impl Backend for CudaBackend {
         comm.recv(&mut v, peer)?;
         Ok(self.write_bytes(kv, 0, &k, &v)?)
     }
-}
-
-/// Dynamic shared memory of the tensor-core kernel: the larger of its two paths' tiles (rows
-/// padded by 8 elements) — the many-row path's stages of K and V tiles, or the merge scratch
-/// that reuses them if that is larger; the one-warp-per-head path's two stages of four heads'
-/// 16-token tiles.
-fn mma_shared_bytes(head_dim: usize, pipeline: MmaPipeline) -> usize {
-    let stages = pipeline.stages * 2 * pipeline.tile * (head_dim + 8) * 2;
-    let scratch = 4 * (16 * (head_dim + 2) + 64) * 4;
-    let heads = 2 * 2 * HEADS_PER_CTA * HEADS_TILE * (head_dim + 8) * 2;
-    stages.max(scratch).max(heads)
 }
 
 fn gcd(a: usize, b: usize) -> usize {

@@ -97,7 +97,7 @@ pub fn compile_all(arch: &str) -> Result<Vec<String>> {
         .map(|variant| {
             cubin(&variant, arch)?;
             let d: Vec<String> = variant
-                .defines()
+                .parameters()
                 .iter()
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect();

@@ -3,6 +3,14 @@
 //
 // Element types are selected with -DCANOPY_DTYPE: 0 = f32, 1 = f16, 2 = bf16. Conversions are
 // written in PTX / integer ops so the kernels need neither cuda_fp16.h nor cuda_bf16.h.
+//
+// Numbers the host shares with the kernels (descriptor layouts, flags, thread counts, tiles)
+// are defined once in Rust and given to every compile as defines by the kernel registry
+// (canopy-kernels); the files only check for them, so none is written twice.
+
+#ifndef CANOPY_DTYPE
+#error "CANOPY_DTYPE must be defined by the kernel registry"
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -73,7 +81,7 @@ __device__ __forceinline__ void widen8(const Raw8& r, float out[8]) {
 #endif
 }
 
-// Group descriptor flag (host: `GROUP_KV_STREAMED` in backend.rs): other groups read none of
+// Group descriptor flag (GROUP_KV_STREAMED in canopy-kernels): other groups read none of
 // this group's KV, or few of its tokens. Its loads then go first out of L2 (evict_first): streaming
 // it through L2 pushes out KV the step has already used, not lines that outlive it (the
 // partials kept for the merge, other kernels' data, dirty lines whose write-back the step would
@@ -81,7 +89,9 @@ __device__ __forceinline__ void widen8(const Raw8& r, float out[8]) {
 // it in L2: evict_first on a root that 64 CTAs read (FastTree's tree 4) made the step 1-4%
 // longer, and an explicit evict_normal policy made Q-guided plans up to 38% longer
 // (BENCHMARKS, session 11).
-#define GROUP_KV_STREAMED 1u
+#ifndef GROUP_KV_STREAMED
+#error "GROUP_KV_STREAMED must be defined by the kernel registry"
+#endif
 
 // A 16-byte cp.async global -> shared copy of `bytes` (0 or 16) source bytes, the rest zero
 // filled, with the 256-byte L2 prefetch hint (KV rows are read whole), as first to leave L2

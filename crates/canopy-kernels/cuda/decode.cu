@@ -23,8 +23,18 @@
 //
 // Compile-time parameters: CANOPY_DTYPE, HEAD_DIM, ROWS (rows per pass; more rows loop).
 
-#define NWARPS 4
-#define THREADS (NWARPS * 32)
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined by the kernel registry"
+#endif
+#ifndef ROWS
+#error "ROWS must be defined by the kernel registry"
+#endif
+
+#ifndef DECODE_THREADS
+#error "DECODE_THREADS must be defined by the kernel registry"
+#endif
+#define THREADS DECODE_THREADS
+#define NWARPS (THREADS / 32)
 #define LANES (HEAD_DIM / 8)
 #define TPW (32 / LANES)
 #define SLOTS (NWARPS * TPW)
@@ -57,7 +67,9 @@
 // loads every group's KV without an L2 hint: GROUP_KV_STREAMED is for the tensor-core kernel
 // (the one-row path's loads, behind a branch on it, made Q-guided plans at 32/32 7-53% slower:
 // BENCHMARKS, session 11).
-#define GROUP_WORDS 8
+#ifndef GROUP_WORDS
+#error "GROUP_WORDS must be defined by the kernel registry"
+#endif
 
 struct MergeScratch {
     float m[SLOTS][ROWS];

@@ -30,15 +30,25 @@
 // converted in registers from the S accumulators to A fragments and V by ldmatrix.trans.
 // Shared-memory rows are padded by 16 bytes so ldmatrix's eight row addresses hit distinct banks.
 //
-// Compile-time parameters: CANOPY_DTYPE (1 = f16, 2 = bf16), HEAD_DIM (64 or 128).
+// Compile-time parameters: CANOPY_DTYPE (1 = f16, 2 = bf16), HEAD_DIM (64 or 128), TILE and
+// STAGES (the many-row path's pipeline).
 
-#define WARPS 4
-#define THREADS (WARPS * 32)
-#ifndef TILE
-#define TILE 32  // KV tokens per shared-memory tile: 32 or 64 (the host always sets it)
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined by the kernel registry"
 #endif
+
+#ifndef MMA_THREADS
+#error "MMA_THREADS must be defined by the kernel registry"
+#endif
+#define THREADS MMA_THREADS
+#define WARPS (THREADS / 32)
+// KV tokens per shared-memory tile: 32 or 64.
+#ifndef TILE
+#error "TILE must be defined by the kernel registry"
+#endif
+// Shared-memory stages: STAGES - 1 tiles are in flight while one is computed.
 #ifndef STAGES
-#define STAGES 4  // shared-memory stages: STAGES - 1 tiles are in flight while one is computed
+#error "STAGES must be defined by the kernel registry"
 #endif
 #define WK_MAX (TILE / 16)  // token slices per tile (P V needs 16 tokens per slice)
 // Resident CTAs per SM the registers are budgeted for, as many as the stages' shared memory
@@ -52,12 +62,22 @@
 #else
 #define MIN_CTAS 1
 #endif
-#define MAX_ROWS 64
-#define STRIDE (HEAD_DIM + 8)  // elements per shared-memory row
+// At most CTA_ROWS rows per CTA (the host splits larger groups by query).
+#ifndef CTA_ROWS
+#error "CTA_ROWS must be defined by the kernel registry"
+#endif
+// Shared-memory rows are padded by MMA_ROW_PAD elements (16 bytes).
+#ifndef MMA_ROW_PAD
+#error "MMA_ROW_PAD must be defined by the kernel registry"
+#endif
+#define STRIDE (HEAD_DIM + MMA_ROW_PAD)  // elements per shared-memory row
 #define KCH (HEAD_DIM / 16)    // k-chunks of Q K^T
 #define DTILES (HEAD_DIM / 8)  // n-tiles of P V
 #define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per token row
-#define CTA_WORDS 12  // u32 words of a CTA's descriptor (see read_cta)
+// u32 words of a CTA's descriptor (see read_cta).
+#ifndef CTA_WORDS
+#error "CTA_WORDS must be defined by the kernel registry"
+#endif
 
 #if CANOPY_DTYPE == 1
 #define MMA_AB "f16"
@@ -74,7 +94,7 @@ struct Stage {
 struct Scratch {
     float m[WARPS][16];
     float l[WARPS][16];
-    float weight[WARPS][MAX_ROWS];  // per (slice, row): exp2(m - M) / L
+    float weight[WARPS][CTA_ROWS];  // per (slice, row): exp2(m - M) / L
     __align__(16) float o[WARPS][16][HEAD_DIM];
 };
 
@@ -480,7 +500,7 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
 #pragma unroll
     for (int s = 0; s + 1 < STAGES; ++s) kv.issue_or_skip(&stage_mem[s].k[0][0], &stage_mem[s].v[0][0], s, tiles);
 
-    const int rows = min((int)cd.query_count * gsz, MAX_ROWS);
+    const int rows = min((int)cd.query_count * gsz, CTA_ROWS);
     const int wr = max(rows <= 16 ? 1 : (rows <= 32 ? 2 : 4), WARPS / WK_MAX);
     const int wk = WARPS / wr;
     const int rb = warp % wr, ks = warp / wr;
@@ -635,7 +655,10 @@ __device__ __forceinline__ void wg_pv(float (&o)[DTILES][4], const u32 (&a)[4], 
 // Groups of more rows than the one-warp-per-head path takes run on the warpgroup MMA, even
 // those of 17-32 rows that leave half of its 64 rows empty: faster than mma.sync's split of
 // the tokens on every FastTree tree (docs/BENCHMARKS.md, session 9).
-#define WG_MIN_ROWS 17
+#ifndef HEADS_ROWS
+#error "HEADS_ROWS must be defined by the kernel registry"
+#endif
+#define WG_MIN_ROWS (HEADS_ROWS + 1)
 
 // A CTA of 17 to 64 rows of one KV head on the warpgroup MMA: each warp holds 16 rows and the
 // four multiply every tile together. Tiles are 64 tokens, two stages of 32 KB (K and V, each
@@ -654,7 +677,7 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
     kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh, cd);
     const u32 tiles = (cd.tokens + WT - 1) / WT;
     kv.issue_or_skip(k_of(0), v_of(0), 0, tiles);
-    const int rows = min((int)cd.query_count * gsz, 64);
+    const int rows = min((int)cd.query_count * gsz, CTA_ROWS);
     const int row0 = warp * 16;
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
     u32 qa[KCH][4];
@@ -717,31 +740,39 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
 // CTA takes HEADS_PER_CTA consecutive KV heads of one group instead, one warp per head: each
 // warp streams all of the group's tokens for its own head and writes its rows from registers.
 // A token's HEADS_PER_CTA head rows are contiguous, so every tile row is one coalesced copy.
-#define HEADS_PER_CTA WARPS
-#define HEAD_TILE 16  // tokens per tile: one k-chunk of P V
+#ifndef HEADS_PER_CTA
+#error "HEADS_PER_CTA must be defined by the kernel registry"
+#endif
+static_assert(HEADS_PER_CTA == WARPS, "one warp per head");
+// Tokens per tile: one k-chunk of P V.
+#ifndef HEADS_TILE
+#error "HEADS_TILE must be defined by the kernel registry"
+#endif
 // Two stages: three or four (one or two more tiles in flight) measured slower on FastTree's
 // trees (docs/BENCHMARKS.md, session 6): their shared memory leaves fewer CTAs resident per SM.
-#define HEAD_STAGES 2
+#ifndef HEADS_STAGES
+#error "HEADS_STAGES must be defined by the kernel registry"
+#endif
 
 struct HeadStage {
-    u16 k[HEADS_PER_CTA][HEAD_TILE][STRIDE];
-    u16 v[HEADS_PER_CTA][HEAD_TILE][STRIDE];
+    u16 k[HEADS_PER_CTA][HEADS_TILE][STRIDE];
+    u16 v[HEADS_PER_CTA][HEADS_TILE][STRIDE];
 };
 
 __device__ __forceinline__ void attend_heads(STAGE1_PARAMS, const GroupDesc& cd, int kvh0, unsigned char* smem_raw) {
-    HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // HEAD_STAGES stages
+    HeadStage* stage_mem = reinterpret_cast<HeadStage*>(smem_raw);  // HEADS_STAGES stages
     const int warp = threadIdx.x / 32;
     const int kvh = kvh0 + warp;
     const int gsz = q_heads / kv_heads;
 
-    KvStream<CHUNKS * HEADS_PER_CTA, HEAD_TILE, HEAD_STAGES> kv;
+    KvStream<CHUNKS * HEADS_PER_CTA, HEADS_TILE, HEADS_STAGES> kv;
     kv.start(kc, vc, ranges, page_table, page_shift, kv_heads, kvh0, cd);
-    const u32 tiles = (cd.tokens + HEAD_TILE - 1) / HEAD_TILE;
+    const u32 tiles = (cd.tokens + HEADS_TILE - 1) / HEADS_TILE;
 #pragma unroll
-    for (int s = 0; s + 1 < HEAD_STAGES; ++s)
+    for (int s = 0; s + 1 < HEADS_STAGES; ++s)
         kv.issue_or_skip(&stage_mem[s].k[0][0][0], &stage_mem[s].v[0][0][0], s, tiles);
 
-    const int rows = min((int)cd.query_count * gsz, 16);
+    const int rows = min((int)cd.query_count * gsz, HEADS_ROWS);
     const u64* mask = cd.mask_plus1 ? masks + cd.mask_plus1 - 1 : nullptr;
     u32 qa[KCH][4];
     load_q(qa, q, group_queries, cd, rows, 0, kvh, gsz, q_heads, scale_log2);
@@ -749,12 +780,12 @@ __device__ __forceinline__ void attend_heads(STAGE1_PARAMS, const GroupDesc& cd,
     clear_state(o, m, l);
 
     for (u32 tile = 0; tile < tiles; ++tile) {
-        HeadStage& next = stage_mem[(tile + HEAD_STAGES - 1) % HEAD_STAGES];
+        HeadStage& next = stage_mem[(tile + HEADS_STAGES - 1) % HEADS_STAGES];
         kv.next(&next.k[0][0][0], &next.v[0][0][0], tile, tiles);
-        const HeadStage& st = stage_mem[tile % HEAD_STAGES];
-        const u32 first = tile * HEAD_TILE;
-        const bool edge = mask || first + HEAD_TILE > cd.tokens;
-        attend<HEAD_TILE>(st.k[warp], st.v[warp], qa, o, m, l, first, edge, cd.tokens, mask, cd.query_count, 0, gsz);
+        const HeadStage& st = stage_mem[tile % HEADS_STAGES];
+        const u32 first = tile * HEADS_TILE;
+        const bool edge = mask || first + HEADS_TILE > cd.tokens;
+        attend<HEADS_TILE>(st.k[warp], st.v[warp], qa, o, m, l, first, edge, cd.tokens, mask, cd.query_count, 0, gsz);
         __syncthreads();
     }
     finish_l(l);
@@ -769,16 +800,19 @@ __device__ __forceinline__ void attend_heads(STAGE1_PARAMS, const GroupDesc& cd,
 // (Merging in the CTA that writes a query's last partial row, instead of in merge_partials,
 // measured slower on every FastTree tree on H100: those CTAs are the short ones at the end, and
 // their merges' dependent loads stretch the tail. docs/BENCHMARKS.md, session 7.)
-#define CTA_PER_HEAD 0x10000u  // descriptor head-word flag: the one-warp-per-head path
+// Descriptor head-word flag: the one-warp-per-head path (the bits below it: the first KV head).
+#ifndef CTA_PER_HEAD
+#error "CTA_PER_HEAD must be defined by the kernel registry"
+#endif
 // The host gives every CTA at least the one-warp-per-head path's stages of shared memory.
-static_assert(!WGMMA || HEAD_STAGES * sizeof(HeadStage) >= 2 * 2 * 64 * HEAD_DIM * 2,
+static_assert(!WGMMA || HEADS_STAGES * sizeof(HeadStage) >= 2 * 2 * 64 * HEAD_DIM * 2,
               "the warpgroup path's two 64-token stages fit in a CTA's shared memory");
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 decode_partial_mma(STAGE1_PARAMS) {
     let_next_grid_launch();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const GroupDesc cd = read_cta(groups, blockIdx.x);
-    const int kvh0 = (int)(cd.head & 0xffffu);
+    const int kvh0 = (int)(cd.head & (CTA_PER_HEAD - 1u));
     const bool per_head = cd.head & CTA_PER_HEAD;
     if (per_head)
         attend_heads(kc, vc, q, groups, ranges, group_queries, masks, page_table, page_shift, out_o, out_lse,

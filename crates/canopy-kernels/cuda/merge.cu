@@ -1,25 +1,30 @@
 // Stage 2 of decoding: partial states to one state per query, following the plan's CSR map.
 //
-// One warp per (query, head), eight per CTA. Lane i holds the query's i-th partial row (its
-// index and lse) so that the max and the sum of weights are two warp reductions; then every
-// lane folds its own head_dim / 32 output elements over the rows in CSR order (no atomics, so
-// the result is bit-for-bit reproducible). The row indices and weights come from the lanes
+// One warp per (query, head), MERGE_WARPS per CTA. Lane i holds the query's i-th partial row
+// (its index and lse) so that the max and the sum of weights are two warp reductions; then
+// every lane folds its own head_dim / 32 output elements over the rows in CSR order (no
+// atomics, so the result is bit-for-bit reproducible). The row indices and weights come from the lanes
 // that hold them by shuffle, so the loads of the rows' outputs do not depend on one another.
 // A query with no rows gets the empty partial (o = 0, lse = -inf).
 //
 // It is launched as a programmatic dependent of stage 1: it reads the CSR map, which stage 1
 // does not write, before `wait_for_previous_grid`.
 
-#define MERGE_WARPS 8
+#ifndef MERGE_WARPS
+#error "MERGE_WARPS must be defined by the kernel registry"
+#endif
 // Rows' output loads a lane keeps in flight. The host builds a deeper variant for merges of few
 // cells (a few queries over a long prefix cut into many pieces), where each warp's walk over
 // its rows is a chain of memory latencies; it needs 64 registers, so half as many warps fit,
 // which slowed the merges of thousands of queries (BENCHMARKS, session 9).
 #ifndef MERGE_DEPTH
-#define MERGE_DEPTH 4
+#error "MERGE_DEPTH must be defined by the kernel registry"
+#endif
+#ifndef DEEP_MERGE_CTAS
+#error "DEEP_MERGE_CTAS must be defined by the kernel registry"
 #endif
 #if MERGE_DEPTH > 4
-#define MERGE_MIN_CTAS 4
+#define MERGE_MIN_CTAS DEEP_MERGE_CTAS
 #else
 #define MERGE_MIN_CTAS 1
 #endif

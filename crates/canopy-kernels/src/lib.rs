@@ -12,10 +12,19 @@
 //! backend and `compile_all` both go through these, so the table of variants and defines
 //! exists once.
 //!
+//! Every number the host and the kernels share (descriptor layouts, flags, thread counts,
+//! tiles) is a Rust constant, here or in `canopy_core::geometry`, and reaches every compile as
+//! a define ([`shared_defines`]); the sources only check that they were given one.
+//!
 //! The crate has no CUDA dependency: it is text and tables, tested on any machine.
 
+mod constants;
 mod pipeline;
 
+pub use constants::{
+    shared_defines, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, GROUP_KV_STREAMED,
+    GROUP_WORDS, HEADS_STAGES, HEADS_TILE, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS,
+};
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
@@ -150,8 +159,16 @@ impl Variant {
         self.id().entries()
     }
 
-    /// The defines that select this variant, in NVRTC's order.
+    /// Every define NVRTC gets for this variant: its [`parameters`](Self::parameters), then
+    /// the [`shared_defines`].
     pub fn defines(&self) -> Vec<(&'static str, String)> {
+        let mut defines = self.parameters();
+        defines.extend(shared_defines());
+        defines
+    }
+
+    /// The defines that select this variant among its source's.
+    pub fn parameters(&self) -> Vec<(&'static str, String)> {
         match *self {
             Variant::Decode {
                 dtype,
@@ -313,6 +330,46 @@ mod tests {
                 let decl = &head[head.rfind("extern \"C\"").expect("extern \"C\" before it")..];
                 assert!(decl.contains("__global__"), "{entry} is not a kernel");
             }
+        }
+    }
+
+    /// The names a text requires through `#ifndef NAME` / `#error` guards.
+    fn guarded(text: &str) -> Vec<&str> {
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        lines
+            .windows(2)
+            .filter(|w| w[1].starts_with("#error"))
+            .filter_map(|w| w[0].strip_prefix("#ifndef "))
+            .map(str::trim)
+            .collect()
+    }
+
+    /// Every variant's defines give every shared constant and every name its text guards.
+    #[test]
+    fn every_variant_defines_what_its_source_requires() {
+        let shared: Vec<&str> = shared_defines().iter().map(|(k, _)| *k).collect();
+        for v in variants() {
+            let defines = v.defines();
+            let names: HashSet<&str> = defines.iter().map(|(k, _)| *k).collect();
+            assert_eq!(names.len(), defines.len(), "{v:?} defines a name twice");
+            for name in &shared {
+                assert!(names.contains(name), "{v:?} lacks {name}");
+            }
+            for name in guarded(&v.build("sm_90a").text) {
+                assert!(names.contains(name), "{v:?} lacks {name}");
+            }
+        }
+    }
+
+    /// Every shared constant is required by some source: none is defined for nothing.
+    #[test]
+    fn every_shared_constant_is_guarded_in_a_source() {
+        let all: HashSet<&str> = std::iter::once(COMMON)
+            .chain(ALL_IDS.map(Id::source))
+            .flat_map(guarded)
+            .collect();
+        for (name, _) in shared_defines() {
+            assert!(all.contains(name), "no source requires {name}");
         }
     }
 

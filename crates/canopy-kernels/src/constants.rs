@@ -1,0 +1,59 @@
+//! Numbers the host and the kernels must agree on: descriptor layouts, flags, thread counts and
+//! shared-memory tiles. Each is defined once, here or (where the planner needs it too) in
+//! [`canopy_core::geometry`], and reaches every compile as an NVRTC define
+//! ([`shared_defines`]); the kernel sources only check that it was given
+//! (`#ifndef NAME` / `#error`), so a source compiled without the registry does not build.
+
+use canopy_core::geometry::{CTA_ROWS, HEADS_PER_CTA, HEADS_ROWS};
+
+/// u32 words per group descriptor: range_begin, range_count, query_begin, query_count,
+/// partial_base, mask_begin + 1 (0: unmasked), tokens, flags (`decode.cu`).
+pub const GROUP_WORDS: usize = 8;
+/// u32 words per CTA descriptor of the tensor-core kernel: a group descriptor, the CTA's head
+/// word and the group's first KV range, padded to 16-byte loads (`read_cta` in
+/// `decode_mma.cu`).
+pub const CTA_WORDS: usize = 12;
+/// Head-word flag of a CTA on the one-warp-per-head path; the bits below it are the CTA's
+/// first KV head.
+pub const CTA_PER_HEAD: u32 = 1 << 16;
+/// Group-descriptor flag: the tensor-core kernel loads the group's KV as first to leave L2
+/// (`cp_async16` in `common.cuh`). The backend sets it where other groups read few of the
+/// group's tokens.
+pub const GROUP_KV_STREAMED: u32 = 1;
+
+/// Threads per CTA of `decode_partial` (four warps).
+pub const DECODE_THREADS: u32 = 128;
+/// Threads per CTA of `decode_partial_mma`: four warps, one warpgroup.
+pub const MMA_THREADS: u32 = 128;
+/// Warps per CTA of `merge_partials`, one per (query, head).
+pub const MERGE_WARPS: usize = 8;
+/// Resident CTAs per SM the deep merge's registers are budgeted for (its launch bounds).
+pub const DEEP_MERGE_CTAS: usize = 4;
+
+/// Tokens per KV tile of `decode_partial_mma`'s one-warp-per-head path: one k-chunk of P V.
+pub const HEADS_TILE: usize = 16;
+/// Shared-memory stages of the one-warp-per-head path's KV pipeline.
+pub const HEADS_STAGES: usize = 2;
+/// Elements each shared-memory row of the tensor-core kernel's tiles is padded by (16 bytes),
+/// so that ldmatrix's eight row addresses hit distinct banks.
+pub const MMA_ROW_PAD: usize = 8;
+
+/// The shared constants as NVRTC defines, added to every variant's compile.
+pub fn shared_defines() -> Vec<(&'static str, String)> {
+    vec![
+        ("GROUP_WORDS", GROUP_WORDS.to_string()),
+        ("CTA_WORDS", CTA_WORDS.to_string()),
+        ("CTA_PER_HEAD", format!("{CTA_PER_HEAD:#x}u")),
+        ("GROUP_KV_STREAMED", format!("{GROUP_KV_STREAMED}u")),
+        ("DECODE_THREADS", DECODE_THREADS.to_string()),
+        ("MMA_THREADS", MMA_THREADS.to_string()),
+        ("MERGE_WARPS", MERGE_WARPS.to_string()),
+        ("DEEP_MERGE_CTAS", DEEP_MERGE_CTAS.to_string()),
+        ("HEADS_TILE", HEADS_TILE.to_string()),
+        ("HEADS_STAGES", HEADS_STAGES.to_string()),
+        ("MMA_ROW_PAD", MMA_ROW_PAD.to_string()),
+        ("CTA_ROWS", CTA_ROWS.to_string()),
+        ("HEADS_ROWS", HEADS_ROWS.to_string()),
+        ("HEADS_PER_CTA", HEADS_PER_CTA.to_string()),
+    ]
+}
