@@ -626,6 +626,18 @@ fn gguf_tokenizer_matches_control_tokens_and_digits_split() {
 }
 
 #[test]
+fn gguf_add_bos_token_prepends_bos_with_special_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bos.gguf");
+    let mut w = llama_gguf(false);
+    w.meta("tokenizer.ggml.add_bos_token", Meta::Bool(true));
+    w.write(&path);
+    let tokenizer = Model::load(&path, DType::F32).unwrap().tokenizer;
+    assert_eq!(tokenizer.encode("ab", true).unwrap(), [1, 9]);
+    assert_eq!(tokenizer.encode("ab", false).unwrap(), [9]);
+}
+
+#[test]
 fn incremental_decoding_never_splits_characters() {
     // A tokenizer whose tokens are single bytes of multi-byte characters: "é" is 0xC3 0xA9,
     // spelled "Ã" and "©" in GPT-2's byte-to-unicode alphabet.
