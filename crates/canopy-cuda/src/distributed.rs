@@ -27,9 +27,10 @@
 //! through a [`Watchdog`]: a dead or stalled peer ends each rank within `timeout` with an error
 //! naming the rank and the NCCL call, never a hang.
 
-use crate::backend::{CudaBackend, CudaKv, CudaPlan, KernelChoice, WARMUP_STEPS};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::nccl::{connect_at_init, group, NcclComm, NcclOp, Watchdog};
+use crate::timing::WARMUP_STEPS;
+use crate::{CudaBackend, CudaKv, CudaPlan, KernelChoice};
 use canopy_core::data::{hashed_oracle, hashed_queries};
 use canopy_core::stats::{median, quantile};
 use canopy_core::workload::build_tree;

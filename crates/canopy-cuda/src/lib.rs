@@ -6,21 +6,30 @@
 //!
 //! Kernels live in the `canopy-kernels` crate, whose registry says which variants exist and
 //! with which defines; they are embedded in the binary, compiled at run time by NVRTC for the
-//! device's architecture (`sm_90a` on Hopper) and cached on disk ([`compile`]). [`CudaBackend`] implements the engine's `Backend` trait: KV storage
-//! (contiguous or paged), plan upload (re-split so one balanced wave of CTAs fills the GPU),
-//! the split-KV flash-decoding partial kernel and the deterministic CSR merge.
+//! device's architecture (`sm_90a` on Hopper) and cached on disk ([`compile`]).
+//!
+//! [`CudaBackend`] implements the engine's `Backend` trait (`backend`): KV storage, contiguous
+//! or paged (`kv`), plan upload, re-split so one balanced wave of CTAs fills the GPU and laid
+//! out as the kernels' descriptors (`descriptors`), the split-KV flash-decoding partial kernel
+//! and the deterministic CSR merge, loaded and launched by `launch`; `timing` holds the CUDA
+//! event timings, L2 eviction and copy bandwidth.
 
 mod backend;
 pub mod bench;
 pub mod compile;
+mod descriptors;
 pub mod distributed;
 mod error;
+mod kv;
+mod launch;
 pub mod nccl;
 pub mod probe;
+mod timing;
 
-pub use backend::{
-    CudaBackend, CudaKv, CudaPlan, CudaQueries, CudaStates, KernelChoice, KernelResources,
-};
+pub use backend::{CudaBackend, CudaQueries, CudaStates, KernelChoice};
 pub use canopy_kernels::MmaPipeline;
+pub use descriptors::CudaPlan;
 pub use error::{CudaError, Result};
+pub use kv::CudaKv;
+pub use launch::KernelResources;
 pub use probe::{probe, CudaInfo, GpuInfo};

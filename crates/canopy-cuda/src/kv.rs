@@ -1,0 +1,168 @@
+//! KV in device memory: [`CudaKv`] holds K and V, contiguous or paged (a pool of fixed-size
+//! pages behind a page table), and the backend's copies in and out of it map logical tokens
+//! to physical byte ranges ([`CudaBackend::segments`]). Also the on-device random fill.
+
+use crate::backend::CudaBackend;
+use crate::error::{CudaError, DriverContext, Result};
+use canopy_core::{AttnShape, DType};
+use canopy_kernels::Kernel;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Device KV: K and V bytes and, when paged, the page table.
+pub struct CudaKv {
+    pub(crate) shape: AttnShape,
+    pub(crate) dtype: DType,
+    pub(crate) tokens: usize,
+    pub(crate) k: CudaSlice<u8>,
+    pub(crate) v: CudaSlice<u8>,
+    pub(crate) paging: Option<Paging>,
+}
+
+impl CudaKv {
+    /// Bytes of K (or V) of the first `tokens` tokens of contiguous storage.
+    pub(crate) fn bytes_of(&self, tokens: usize) -> usize {
+        tokens * self.shape.kv_token_bytes(self.dtype)
+    }
+}
+
+pub(crate) struct Paging {
+    pub(crate) shift: u32,
+    /// Logical page → physical page, on the host (for copies) and on the device (for kernels).
+    pub(crate) host: Vec<u32>,
+    pub(crate) device: CudaSlice<u32>,
+}
+
+impl CudaBackend {
+    /// Fills tokens `dst..dst + count` of `kv` with the hashed random values of global tokens
+    /// `first_token..` (see `canopy_core::data`), on the device: a rank fills its shard of a
+    /// tensor that the f64 oracle regenerates whole on the CPU.
+    pub fn fill_random(
+        &self,
+        kv: &mut CudaKv,
+        dst: usize,
+        count: usize,
+        seed: u64,
+        first_token: u64,
+    ) -> Result<()> {
+        // Paged KV is filled by physical slot (the pool), whatever the page table says.
+        let slots = kv.k.len() / kv.bytes_of(1);
+        if dst + count > slots {
+            return Err(CudaError::Unsupported(format!(
+                "random fill of slots {dst}..{} past the {slots} allocated",
+                dst + count
+            )));
+        }
+        let f = self.function(Kernel::Fill(kv.dtype))?;
+        let per = kv.shape.kv_token_elems();
+        let bytes = kv.bytes_of(1);
+        let n = (count * per) as u64;
+        let first = first_token * per as u64;
+        let amp = canopy_core::data::KV_AMPLITUDE;
+        let cfg = LaunchConfig {
+            grid_dim: (self.gpu.multiprocessors * 8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for (buf, stream_id) in [
+            (&mut kv.k, canopy_core::data::STREAM_K),
+            (&mut kv.v, canopy_core::data::STREAM_V),
+        ] {
+            let mut view = buf.slice_mut(dst * bytes..(dst + count) * bytes);
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&mut view)
+                .arg(&n)
+                .arg(&first)
+                .arg(&seed)
+                .arg(&stream_id)
+                .arg(&amp);
+            // SAFETY: the kernel writes n elements of the dtype into a view of that size.
+            unsafe { b.launch(cfg) }.ctx("launching fill_random")?;
+        }
+        Ok(())
+    }
+
+    /// Installs a page table (logical page → physical page) on paged KV: a growing tree's
+    /// snapshot maps its logical pages onto the pool's shared physical pages this way.
+    pub fn set_page_table(&self, kv: &mut CudaKv, table: &[u32]) -> Result<()> {
+        let Some(p) = kv.paging.as_mut() else {
+            return Err(CudaError::Unsupported(
+                "page tables need paged KV (with_paging)".into(),
+            ));
+        };
+        let pages = p.device.len() as u32;
+        if table.len() > p.device.len() || table.iter().any(|&x| x >= pages) {
+            return Err(CudaError::Unsupported(format!(
+                "a page table of {} entries over a pool of {pages} pages",
+                table.len()
+            )));
+        }
+        if !table.is_empty() {
+            self.stream
+                .memcpy_htod(table, &mut p.device.slice_mut(..table.len()))
+                .ctx("cuMemcpyHtoD")?;
+        }
+        p.host[..table.len()].copy_from_slice(table);
+        Ok(())
+    }
+
+    /// Physical byte ranges holding logical tokens `start..start + n`, in logical order.
+    pub(crate) fn segments(
+        kv: &CudaKv,
+        start: usize,
+        n: usize,
+    ) -> Vec<(usize, std::ops::Range<usize>)> {
+        let tb = kv.bytes_of(1);
+        match &kv.paging {
+            None => vec![(0, start * tb..(start + n) * tb)],
+            Some(p) => {
+                let size = 1usize << p.shift;
+                let mut out = Vec::new();
+                let (mut t, end) = (start, start + n);
+                while t < end {
+                    let (page, within) = (t >> p.shift, t & (size - 1));
+                    let take = (size - within).min(end - t);
+                    let phys = p.host[page] as usize * size + within;
+                    out.push(((t - start) * tb, phys * tb..(phys + take) * tb));
+                    t += take;
+                }
+                out
+            }
+        }
+    }
+
+    pub(crate) fn write_bytes(
+        &self,
+        kv: &mut CudaKv,
+        start: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<()> {
+        let n = k.len() / kv.bytes_of(1);
+        for (host_at, dev) in Self::segments(kv, start, n) {
+            let len = dev.len();
+            self.stream
+                .memcpy_htod(&k[host_at..host_at + len], &mut kv.k.slice_mut(dev.clone()))
+                .ctx("cuMemcpyHtoD")?;
+            self.stream
+                .memcpy_htod(&v[host_at..host_at + len], &mut kv.v.slice_mut(dev))
+                .ctx("cuMemcpyHtoD")?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read_bytes(&self, kv: &CudaKv, n: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        let bytes = kv.bytes_of(n);
+        let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
+        for (host_at, dev) in Self::segments(kv, 0, n) {
+            let len = dev.len();
+            self.stream
+                .memcpy_dtoh(&kv.k.slice(dev.clone()), &mut k[host_at..host_at + len])
+                .ctx("cuMemcpyDtoH")?;
+            self.stream
+                .memcpy_dtoh(&kv.v.slice(dev), &mut v[host_at..host_at + len])
+                .ctx("cuMemcpyDtoH")?;
+        }
+        self.stream.synchronize().ctx("cuStreamSynchronize")?;
+        Ok((k, v))
+    }
+}
