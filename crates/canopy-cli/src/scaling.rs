@@ -24,7 +24,7 @@ pub struct ScalingArgs {
     ranks: Vec<usize>,
     /// Context lengths; default 131072,524288,1048576,4194304 on CUDA and 4096,16384,65536 on
     /// the CPU.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
     seq_lens: Option<Vec<u32>>,
     /// Write every row as CSV.
     #[arg(long)]
@@ -255,7 +255,7 @@ fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
         out.dtype
     );
     println!(
-        "model (us): local {:.1} + {:.3} per MB of KV; merge fixed {:.1}; all-reduce {:.1} + {:.2} per peer; all-gather {:.1} + {:.2} per peer; ring hop {:.1} + {:.1} per MB",
+        "model (µs): local {:.1} + {:.3} per MB of KV; merge fixed {:.1}; all-reduce {:.1} + {:.2} per peer; all-gather {:.1} + {:.2} per peer; ring hop {:.1} + {:.1} per MB",
         model.local.intercept,
         model.local.slope * 1e6,
         model.merge_fixed_us,
