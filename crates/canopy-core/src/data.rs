@@ -1,7 +1,7 @@
 //! Problem data: random inputs that every backend and the oracle see identically.
 //!
 //! Values come from a counter-based hash, so any element can be regenerated independently: the
-//! GPU fills multi-gigabyte KV caches in place (`kernels/fill.cu` mirrors [`hash_uniform`] bit
+//! GPU fills multi-gigabyte KV caches in place (`crates/canopy-kernels/cuda/fill.cu` mirrors [`hash_uniform`] bit
 //! for bit), and the f64 oracle regenerates rows on the CPU instead of copying them back.
 
 use crate::dtype::{DType, TypedVec};
@@ -159,7 +159,7 @@ mod tests {
             assert!((-1.0..1.0).contains(&x));
             assert_eq!((x + 1.0) * 8_388_608.0, ((x + 1.0) * 8_388_608.0).round());
         }
-        // A pinned value guards the bit-for-bit contract with kernels/fill.cu.
+        // A pinned value guards the bit-for-bit contract with crates/canopy-kernels/cuda/fill.cu.
         assert_eq!(splitmix64(0), 0xE220_A839_7B1D_CDAF);
     }
 

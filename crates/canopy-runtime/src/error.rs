@@ -1,0 +1,30 @@
+use canopy_core::DType;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Model(#[from] canopy_model::ModelError),
+    #[error(transparent)]
+    Engine(#[from] canopy_engine::EngineError),
+    #[error(transparent)]
+    Kv(#[from] canopy_kv::KvError),
+    #[error(transparent)]
+    Comm(#[from] canopy_comm::CommError),
+    #[error(transparent)]
+    Core(#[from] canopy_core::CoreError),
+    #[error("the CPU backend computes in f32 but the weights were loaded as {0}; load the model with DType::F32")]
+    Dtype(DType),
+    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("the prompt is empty; give at least one token of text")]
+    EmptyPrompt,
+    #[error("a prompt of {prompt} tokens plus {max_tokens} new tokens exceeds the model's capacity of {capacity} tokens; shorten the prompt or lower --max-tokens")]
+    TooLong {
+        prompt: usize,
+        max_tokens: usize,
+        capacity: usize,
+    },
+}
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

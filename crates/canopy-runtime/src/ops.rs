@@ -1,0 +1,242 @@
+//! The model's arithmetic on the host, in f32: the CPU backend's layers.
+//!
+//! Matrices are row-major, a linear layer's weight `[out, in]` as transformers stores it, so
+//! `y = x · Wᵀ`. Every op follows transformers' Llama in f32: RMSNorm scales by
+//! `1 / sqrt(mean(x²) + eps)` before the weight, RoPE rotates the two halves of each head
+//! (`rotate_half`), angles `position · inv_freq` in f32.
+
+use canopy_core::{merge_state, EMPTY_LSE};
+use rayon::prelude::*;
+
+/// `out[rows × n] = x[rows × k] · w[n × k]ᵀ`, multi-threaded.
+pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32]) {
+    let k = w.len() / n.max(1);
+    debug_assert_eq!(x.len(), rows * k);
+    debug_assert_eq!(out.len(), rows * n);
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    // SAFETY: the pointers and strides describe the three slices exactly (dst rows × n
+    // row-major, lhs rows × k row-major, rhs k × n read from w's n × k rows), none overlap,
+    // and the lengths are checked above.
+    unsafe {
+        gemm::gemm(
+            rows,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            if threads > 1 {
+                gemm::Parallelism::Rayon(threads)
+            } else {
+                gemm::Parallelism::None
+            },
+        );
+    }
+}
+
+/// RMSNorm of each row of `x` into `out`: `x / sqrt(mean(x²) + eps) * weight`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    out.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(o, x)| {
+            let mean = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let inv = 1.0 / (mean + eps).sqrt();
+            o.iter_mut()
+                .zip(x)
+                .zip(weight)
+                .for_each(|((o, &x), &w)| *o = w * (x * inv));
+        });
+}
+
+/// `acc += x`, elementwise: the residual connections.
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    acc.iter_mut().zip(x).for_each(|(a, &b)| *a += b);
+}
+
+/// `gate = silu(gate) * up`: the SwiGLU MLP's activation, in place.
+pub fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
+    gate.par_iter_mut().zip(up).for_each(|(g, &u)| {
+        let silu = *g / (1.0 + (-*g).exp());
+        *g = silu * u;
+    });
+}
+
+/// Rotates every head of each row in place: row `r` sits at `positions[r]`; a row is `heads`
+/// heads of `inv_freq.len() * 2` values.
+pub fn rope_in_place(x: &mut [f32], positions: &[u32], inv_freq: &[f32]) {
+    if positions.is_empty() {
+        return;
+    }
+    let half = inv_freq.len();
+    let d = 2 * half;
+    let row = x.len() / positions.len();
+    x.par_chunks_mut(row)
+        .zip(positions)
+        .for_each(|(row, &pos)| {
+            let (sin, cos): (Vec<f32>, Vec<f32>) =
+                inv_freq.iter().map(|&f| (pos as f32 * f).sin_cos()).unzip();
+            for head in row.chunks_mut(d) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * cos[i] - x2 * sin[i];
+                    b[i] = x2 * cos[i] + x1 * sin[i];
+                }
+            }
+        });
+}
+
+/// Attention of query rows over one block of keys, as partial states (normalised `o`,
+/// natural-log `lse`) that merge exactly with the states of other blocks. `q` is `rows ×
+/// q_heads × d` at positions `q_pos`, `k`/`v` are `tokens × kv_heads × d` at `k_pos`; a query
+/// sees the keys at or before its own position. Written into `o` (`rows × q_heads × d`) and
+/// `lse` (`rows × q_heads`), which start empty or hold earlier blocks' states to merge with.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
+    q: &[f32],
+    q_pos: &[u32],
+    k: &[f32],
+    v: &[f32],
+    k_pos: &[u32],
+    (q_heads, kv_heads, d): (usize, usize, usize),
+    o: &mut [f32],
+    lse: &mut [f32],
+) {
+    let group = q_heads / kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    o.par_chunks_mut(d)
+        .zip(lse.par_iter_mut())
+        .enumerate()
+        .for_each(|(cell, (o, lse))| {
+            let (row, head) = (cell / q_heads, cell % q_heads);
+            let kvh = head / group;
+            let qv = &q[cell * d..(cell + 1) * d];
+            let seen: Vec<usize> = (0..k_pos.len())
+                .filter(|&t| k_pos[t] <= q_pos[row])
+                .collect();
+            if seen.is_empty() {
+                return;
+            }
+            let key = |t: usize| &k[(t * kv_heads + kvh) * d..(t * kv_heads + kvh + 1) * d];
+            let scores: Vec<f32> = seen
+                .iter()
+                .map(|&t| scale * qv.iter().zip(key(t)).map(|(a, b)| a * b).sum::<f32>())
+                .collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut block = vec![0.0f32; d];
+            let mut sum = 0.0f32;
+            for (&t, &s) in seen.iter().zip(&scores) {
+                let w = (s - max).exp();
+                sum += w;
+                let val = &v[(t * kv_heads + kvh) * d..(t * kv_heads + kvh + 1) * d];
+                block.iter_mut().zip(val).for_each(|(b, &x)| *b += w * x);
+            }
+            block.iter_mut().for_each(|b| *b /= sum);
+            let block_lse = if sum > 0.0 { max + sum.ln() } else { EMPTY_LSE };
+            merge_state(o, lse, &block, block_lse);
+        });
+}
+
+/// The index of the largest value (the first of equals), as greedy decoding picks.
+pub fn argmax(x: &[f32]) -> usize {
+    x.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matmul_is_x_times_w_transposed() {
+        // x: 2 × 3, w: 4 × 3.
+        let x = [1.0, 2.0, 3.0, -1.0, 0.5, 2.0];
+        let w: Vec<f32> = (0..12).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let mut out = vec![0.0; 8];
+        matmul(&x, 2, &w, 4, &mut out);
+        for r in 0..2 {
+            for n in 0..4 {
+                let want: f32 = (0..3).map(|k| x[r * 3 + k] * w[n * 3 + k]).sum();
+                assert!((out[r * 4 + n] - want).abs() < 1e-5, "{r} {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn rope_rotates_halves_and_keeps_norms() {
+        let inv = [1.0f32, 0.1];
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        rope_in_place(&mut x, &[3], &inv);
+        let (s0, c0) = 3.0f32.sin_cos();
+        assert!((x[0] - (1.0 * c0 - 3.0 * s0)).abs() < 1e-6);
+        assert!((x[2] - (3.0 * c0 + 1.0 * s0)).abs() < 1e-6);
+        let norm: f32 = x.iter().map(|v| v * v).sum();
+        assert!((norm - 30.0).abs() < 1e-4);
+    }
+
+    #[test]
+    fn causal_attention_in_blocks_equals_one_block() {
+        let (h, hk, d) = (4, 2, 8);
+        let tokens = 9;
+        let val = |i: usize| ((i * 7919 % 97) as f32 / 97.0) - 0.5;
+        let q: Vec<f32> = (0..3 * h * d).map(|i| val(i + 5)).collect();
+        let k: Vec<f32> = (0..tokens * hk * d).map(|i| val(i * 3 + 1)).collect();
+        let v: Vec<f32> = (0..tokens * hk * d).map(|i| val(i * 5 + 2)).collect();
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ([2, 6, 8].to_vec(), (0..9).collect());
+        let empty = || (vec![0.0; 3 * h * d], vec![EMPTY_LSE; 3 * h]);
+        let (mut o1, mut l1) = empty();
+        causal_attention(&q, &q_pos, &k, &v, &k_pos, (h, hk, d), &mut o1, &mut l1);
+        let (mut o2, mut l2) = empty();
+        let split = 4 * hk * d;
+        causal_attention(
+            &q,
+            &q_pos,
+            &k[split..],
+            &v[split..],
+            &k_pos[4..],
+            (h, hk, d),
+            &mut o2,
+            &mut l2,
+        );
+        causal_attention(
+            &q,
+            &q_pos,
+            &k[..split],
+            &v[..split],
+            &k_pos[..4],
+            (h, hk, d),
+            &mut o2,
+            &mut l2,
+        );
+        for (a, b) in o1.iter().zip(&o2) {
+            assert!((a - b).abs() < 1e-5);
+        }
+        for (a, b) in l1.iter().zip(&l2) {
+            assert!((a - b).abs() < 1e-5);
+        }
+    }
+}

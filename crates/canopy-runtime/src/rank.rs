@@ -1,0 +1,367 @@
+//! One rank of a generation: every rank holds the whole model and runs every layer; the KV
+//! cache is sharded along the sequence, and attention is where the ranks meet.
+//!
+//! **Prefill, sequence-parallel.** The prompt is cut into `p` contiguous chunks; rank `r`
+//! runs the layers on chunk `r` and keeps that chunk's keys and values. At each layer a rank
+//! attends its chunk's queries to its own chunk (causally), then the ranks pass their chunks'
+//! keys and values around the ring, `p - 1` hops, and each rank attends its queries to every
+//! chunk that passes (a chunk later in the prompt is invisible to them, by position). The
+//! partial states of the blocks merge exactly. The last chunk's last row gives the first
+//! token's logits, which reach every rank by an all-reduce.
+//!
+//! **Decode.** Every rank computes every live sample's new token through all layers (the
+//! weights are replicated), and each new key and value is stored on one rank, the one with
+//! the fewest tokens ([`KvLayout`]). At each layer the query attends to the rank's shard with
+//! the engine's [`RankAttention`] — plans built from the rank's view of the KV tree, shared
+//! prompt pages read once for every sample — and the states are merged across ranks by the
+//! tree collectives or gathered by the ring. Every rank ends each step with the same logits,
+//! and so draws the same tokens.
+
+use crate::kv::KvLayout;
+use crate::layers::Layers;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::{Result, RuntimeError};
+use canopy_comm::{Collective, ReduceOp};
+use canopy_core::{plan, AttnStates, DType, Method, PlannerConfig, Shard, TreeView, TypedVec};
+use canopy_engine::cpu::CpuKv;
+use canopy_engine::{Backend, CpuBackend, MergeCollective, NodeLayout, RankAttention, RingShard};
+use std::time::Instant;
+
+/// How decode attention combines the ranks' shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeStrategy {
+    /// Partial attention on each rank, merged by this collective (`auto`: chosen by the cost
+    /// model calibrated on this world).
+    Tree(MergeCollective),
+    /// The ring baseline: every shard's KV passes every rank.
+    Ring,
+}
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    /// Parallel samples of the same prompt, decoded as one tree.
+    pub samples: usize,
+    pub sampling: SamplingParams,
+    pub seed: u64,
+    /// Tokens that end a sample (the model's end-of-sequence ids).
+    pub stop_tokens: Vec<u32>,
+    pub strategy: DecodeStrategy,
+    /// How each rank plans its shard.
+    pub method: Method,
+    /// KV page size (tokens).
+    pub page_size: u32,
+}
+
+/// One rank's outcome: the samples' tokens (every rank has them all) and its timings.
+#[derive(Debug, Clone)]
+pub struct Generated {
+    pub samples: Vec<Vec<u32>>,
+    /// Whether each sample ended on a stop token (else on the token limit).
+    pub stopped: Vec<bool>,
+    pub prefill_s: f64,
+    /// Seconds of each decode step after the first token.
+    pub step_s: Vec<f64>,
+    /// The first token's logits (every rank has the same), for checks against a reference.
+    pub first_logits: Vec<f32>,
+}
+
+/// Runs `req` on this rank of `comm`. Every rank of the world calls it with the same request;
+/// `on_token(sample, token)` sees each new token as it is drawn, in order.
+pub fn generate<C: Collective>(
+    layers: &Layers,
+    req: &GenerateRequest,
+    comm: &C,
+    on_token: &mut dyn FnMut(usize, u32),
+) -> Result<Generated> {
+    let (rank, ranks) = (comm.rank(), comm.size());
+    if req.prompt.is_empty() {
+        return Err(RuntimeError::EmptyPrompt);
+    }
+    let capacity = layers.config.max_position_embeddings;
+    let longest = req.prompt.len() + req.max_tokens;
+    if longest > capacity {
+        return Err(RuntimeError::TooLong {
+            prompt: req.prompt.len(),
+            max_tokens: req.max_tokens,
+            capacity,
+        });
+    }
+    let shape = layers.attn_shape();
+    let backend = CpuBackend;
+    let mut kv = KvLayout::new(
+        ranks,
+        req.page_size,
+        req.prompt.len(),
+        req.samples,
+        req.max_tokens,
+    )?;
+    let pool_tokens = kv.pool_tokens();
+    let mut caches: Vec<CpuKv> = (0..layers.num_layers())
+        .map(|_| backend.alloc_kv(&shape, DType::F32, pool_tokens))
+        .collect::<canopy_engine::Result<_>>()?;
+
+    // Prefill: this rank's chunk through every layer.
+    let t0 = Instant::now();
+    let chunk = kv.prompt_chunk(rank);
+    let positions: Vec<u32> = chunk.clone().map(|p| p as u32).collect();
+    let mut x = layers.embed(&req.prompt[chunk.clone()])?;
+    let slots = kv.prompt_slots(rank);
+    for (l, cache) in caches.iter_mut().enumerate() {
+        let qkv = layers.qkv(l, &x, &positions);
+        store(
+            &backend,
+            cache,
+            &slots,
+            &qkv.k,
+            &qkv.v,
+            shape.kv_token_elems(),
+        )?;
+        let attn = prefill_attention(layers, comm, &qkv, &positions)?;
+        layers.finish(l, &mut x, &attn.o);
+    }
+    // The prompt's last token is the last row of the last non-empty chunk.
+    let last_rank = (0..ranks)
+        .rev()
+        .find(|&r| !kv.prompt_chunk(r).is_empty())
+        .expect("a non-empty prompt has a chunk");
+    let vocab = layers.config.vocab_size;
+    let mut logits = if rank == last_rank {
+        let h = layers.config.hidden_size;
+        layers.logits(&x[x.len() - h..])
+    } else {
+        vec![0.0; vocab]
+    };
+    comm.all_reduce(&mut logits, ReduceOp::Sum)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let first_logits = logits.clone();
+
+    let mut samplers: Vec<Sampler> = (0..req.samples)
+        .map(|i| Sampler::new(req.sampling, req.seed.wrapping_add(i as u64)))
+        .collect();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); req.samples];
+    let mut stopped = vec![false; req.samples];
+    let mut step_logits: Vec<Vec<f32>> = vec![logits; req.samples];
+    let mut step_s = Vec::new();
+    let merge = resolve_merge(
+        req.strategy,
+        comm,
+        req.samples * shape.q_heads,
+        shape.head_dim,
+    )?;
+    loop {
+        // Draw each live sample's token from its logits.
+        let mut live = Vec::new();
+        for s in 0..req.samples {
+            if stopped[s] || out[s].len() >= req.max_tokens {
+                continue;
+            }
+            let token = samplers[s].sample(&step_logits[s]);
+            out[s].push(token);
+            on_token(s, token);
+            if req.stop_tokens.contains(&token) {
+                stopped[s] = true;
+            } else if out[s].len() < req.max_tokens {
+                live.push(s);
+            }
+        }
+        if live.is_empty() {
+            break;
+        }
+        // One decode step for the live samples: their last tokens through every layer.
+        let t = Instant::now();
+        let ids: Vec<u32> = live
+            .iter()
+            .map(|&s| *out[s].last().expect("drawn"))
+            .collect();
+        let positions: Vec<u32> = live
+            .iter()
+            .map(|&s| (req.prompt.len() + out[s].len() - 1) as u32)
+            .collect();
+        let placed = kv.append(&live)?;
+        let mine: Vec<(usize, u32)> = placed
+            .iter()
+            .enumerate()
+            .filter(|(_, (r, _))| *r == rank)
+            .map(|(row, (_, slot))| (row, *slot))
+            .collect();
+        let views = kv.views()?;
+        let mut attention = decode_attention(&backend, comm, layers, req, &views, merge.clone())?;
+        let (page, table) = (req.page_size, &views[rank].table);
+        let mut x = layers.embed(&ids)?;
+        for (l, cache) in caches.iter_mut().enumerate() {
+            let qkv = layers.qkv(l, &x, &positions);
+            let per = shape.kv_token_elems();
+            store_rows(&backend, cache, &mine, &qkv.k, &qkv.v, per)?;
+            backend.set_page_table(cache, page, table)?;
+            let q = backend.upload_queries(&shape, &qkv.q)?;
+            let states = attention.attend(cache, &q)?;
+            layers.finish(l, &mut x, &states.o);
+        }
+        let logits = layers.logits(&x);
+        for (row, &s) in live.iter().enumerate() {
+            step_logits[s] = logits[row * vocab..(row + 1) * vocab].to_vec();
+        }
+        step_s.push(t.elapsed().as_secs_f64());
+    }
+    Ok(Generated {
+        samples: out,
+        stopped,
+        prefill_s,
+        step_s,
+        first_logits,
+    })
+}
+
+/// Writes keys and values of consecutive rows into `slots` of `cache`.
+fn store(
+    backend: &CpuBackend,
+    cache: &mut CpuKv,
+    slots: &[u32],
+    k: &[f32],
+    v: &[f32],
+    per: usize,
+) -> Result<()> {
+    let rows: Vec<(usize, u32)> = slots.iter().copied().enumerate().collect();
+    store_rows(backend, cache, &rows, k, v, per)
+}
+
+/// Writes row `row` of `k` and `v` into token `slot` of `cache`, for each `(row, slot)`.
+fn store_rows(
+    backend: &CpuBackend,
+    cache: &mut CpuKv,
+    rows: &[(usize, u32)],
+    k: &[f32],
+    v: &[f32],
+    per: usize,
+) -> Result<()> {
+    for &(row, slot) in rows {
+        let (kr, vr) = (
+            &k[row * per..(row + 1) * per],
+            &v[row * per..(row + 1) * per],
+        );
+        backend.write_kv(
+            cache,
+            slot as usize,
+            &TypedVec::F32(kr.to_vec()),
+            &TypedVec::F32(vr.to_vec()),
+        )?;
+    }
+    Ok(())
+}
+
+/// The tree's concrete merge, resolved once for the run: `auto` times this world's
+/// collectives at the decode step's sizes and every rank takes the same choice.
+fn resolve_merge<C: Collective>(
+    strategy: DecodeStrategy,
+    comm: &C,
+    cells: usize,
+    head_dim: usize,
+) -> Result<Option<(MergeCollective, NodeLayout)>> {
+    let DecodeStrategy::Tree(how) = strategy else {
+        return Ok(None);
+    };
+    let layout = canopy_engine::strategy::node_layout(comm, None)?;
+    let how = match how {
+        MergeCollective::Auto => {
+            let (cells, d) = (cells as u64, head_dim as u64);
+            canopy_engine::strategy::calibrate(comm, cells, d)?.choose(&layout, cells, d)
+        }
+        how => how,
+    };
+    Ok(Some((how, layout)))
+}
+
+/// This step's attention: each rank's view planned (for the ring, every rank's view, since
+/// every shard passes every rank).
+fn decode_attention<'a, C: Collective>(
+    backend: &'a CpuBackend,
+    comm: &'a C,
+    layers: &Layers,
+    req: &GenerateRequest,
+    views: &[crate::kv::RankView],
+    merge: Option<(MergeCollective, NodeLayout)>,
+) -> Result<RankAttention<'a, CpuBackend, C>> {
+    let shape = layers.attn_shape();
+    let cfg = PlannerConfig::default();
+    let plan_of = |v: &crate::kv::RankView| {
+        let shard = Shard::whole(&v.tree);
+        plan(&TreeView::new(&v.tree, &shard), req.method, &shape, &cfg)
+    };
+    Ok(match merge {
+        Some((how, layout)) => {
+            let p = plan_of(&views[comm.rank()])?;
+            RankAttention::tree(backend, comm, shape, &p, how, layout)?
+        }
+        None => {
+            let shards = views
+                .iter()
+                .map(|v| {
+                    Ok(RingShard {
+                        plan: plan_of(v)?,
+                        tokens: v.stored_tokens,
+                        page_table: Some((req.page_size, v.table.clone())),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            RankAttention::ring(backend, comm, shape, DType::F32, shards)?
+        }
+    })
+}
+
+/// Causal attention of this rank's chunk over the whole prompt so far: its own chunk, then
+/// every other chunk passed around the ring.
+fn prefill_attention<C: Collective>(
+    layers: &Layers,
+    comm: &C,
+    qkv: &crate::layers::Qkv,
+    positions: &[u32],
+) -> Result<AttnStates> {
+    let shape = layers.attn_shape();
+    let dims = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let mut states = AttnStates::empty(positions.len(), shape.q_heads, shape.head_dim);
+    crate::ops::causal_attention(
+        &qkv.q,
+        positions,
+        &qkv.k,
+        &qkv.v,
+        positions,
+        dims,
+        &mut states.o,
+        &mut states.lse,
+    );
+    let (rank, p) = (comm.rank(), comm.size());
+    let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+    let per = shape.kv_token_elems();
+    let (mut k, mut v, mut pos) = (qkv.k.clone(), qkv.v.clone(), positions.to_vec());
+    for _ in 1..p {
+        // The block's length first, so the receiver can size its buffers.
+        let len = (pos.len() as u32).to_le_bytes();
+        let mut theirs = [0u8; 4];
+        comm.send(&len, next)?;
+        comm.recv(&mut theirs, prev)?;
+        let n = u32::from_le_bytes(theirs) as usize;
+        let (mut k2, mut v2, mut pos2) =
+            (vec![0.0f32; n * per], vec![0.0f32; n * per], vec![0u32; n]);
+        comm.send(&k, next)?;
+        comm.recv(&mut k2, prev)?;
+        comm.send(&v, next)?;
+        comm.recv(&mut v2, prev)?;
+        comm.send(bytemuck::cast_slice::<u32, u8>(&pos), next)?;
+        comm.recv(bytemuck::cast_slice_mut::<u32, u8>(&mut pos2), prev)?;
+        (k, v, pos) = (k2, v2, pos2);
+        crate::ops::causal_attention(
+            &qkv.q,
+            positions,
+            &k,
+            &v,
+            &pos,
+            dims,
+            &mut states.o,
+            &mut states.lse,
+        );
+    }
+    Ok(states)
+}

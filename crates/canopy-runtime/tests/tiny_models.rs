@@ -1,0 +1,190 @@
+//! The runtime against transformers on the tiny random Llamas of `tests/fixtures/tiny`
+//! (GQA with head dim 64, llama3-scaled RoPE with head dim 128 and tied embeddings, MHA):
+//! the prompt's last logits within 1e-4 relative and 32 greedy tokens identical — on one
+//! rank, on 2 to 4 ranks (threads) with the tree merges and the ring, with uneven chunks and
+//! ranks that hold no prompt tokens — and `n` parallel samples at temperature 0 all equal to
+//! the greedy text.
+
+use canopy_comm::ThreadWorld;
+use canopy_core::{DType, Method};
+use canopy_engine::MergeCollective;
+use canopy_model::Model;
+use canopy_runtime::{
+    generate, DecodeStrategy, GenerateRequest, Generated, Layers, SamplingParams,
+};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const VARIANTS: [&str; 3] = ["gqa-hd64", "llama3-hd128", "tied-mha-hd64"];
+
+fn fixture(variant: &str) -> (Model, Value) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny")
+        .join(variant);
+    let model = Model::load(&dir, DType::F32).expect("the fixture loads");
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("its reference");
+    (model, serde_json::from_str(&text).expect("JSON"))
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens: 32,
+        samples,
+        sampling: SamplingParams::default(),
+        seed: 0,
+        stop_tokens: Vec::new(),
+        strategy,
+        method: Method::Auto,
+        page_size: 16,
+    }
+}
+
+/// `req` on `ranks` threads; every rank must end with the same tokens.
+fn run(layers: &Layers, req: &GenerateRequest, ranks: usize) -> Generated {
+    let outs = ThreadWorld::run(ranks, Duration::from_secs(120), |comm| {
+        generate(layers, req, &comm, &mut |_, _| {})
+    });
+    let outs: Vec<Generated> = outs.into_iter().map(|r| r.expect("the rank ran")).collect();
+    for o in &outs[1..] {
+        assert_eq!(o.samples, outs[0].samples, "ranks agree");
+    }
+    outs.into_iter().next().unwrap()
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+            "{what}: logit {i}: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn one_rank_matches_transformers() {
+    for variant in VARIANTS {
+        let (model, reference) = fixture(variant);
+        let layers = Layers::new(&model).unwrap();
+        for p in reference["prompts"].as_array().unwrap() {
+            let req = request(
+                ids(&p["token_ids"]),
+                1,
+                DecodeStrategy::Tree(MergeCollective::Allreduce2),
+            );
+            let out = run(&layers, &req, 1);
+            let what = format!("{variant}, prompt of {}", p["length"]);
+            assert_close(&out.first_logits, &floats(&p["logits_last"]), &what);
+            assert_eq!(out.samples[0], ids(&p["greedy_tokens"]), "{what}");
+        }
+    }
+}
+
+#[test]
+fn sharded_equals_unsharded_for_every_strategy() {
+    let (model, reference) = fixture("llama3-hd128");
+    let layers = Layers::new(&model).unwrap();
+    let prompts = reference["prompts"].as_array().unwrap();
+    let strategies = [
+        DecodeStrategy::Tree(MergeCollective::Allreduce3),
+        DecodeStrategy::Tree(MergeCollective::Allreduce2),
+        DecodeStrategy::Tree(MergeCollective::Allgather),
+        DecodeStrategy::Tree(MergeCollective::Hierarchical),
+        DecodeStrategy::Tree(MergeCollective::Auto),
+        DecodeStrategy::Ring,
+    ];
+    // 100 tokens in pages of 16 split unevenly over 3 ranks; 7 and 1 token leave ranks with
+    // no prompt at all, whose shards are empty when decoding starts.
+    for p in prompts
+        .iter()
+        .filter(|p| [1, 7, 100].contains(&p["length"].as_u64().unwrap()))
+    {
+        let want = ids(&p["greedy_tokens"]);
+        for ranks in 2..=4 {
+            for strategy in strategies {
+                let out = run(&layers, &request(ids(&p["token_ids"]), 1, strategy), ranks);
+                let what = format!("prompt of {}, {ranks} ranks, {strategy:?}", p["length"]);
+                assert_close(&out.first_logits, &floats(&p["logits_last"]), &what);
+                assert_eq!(out.samples[0], want, "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn parallel_samples_at_temperature_zero_are_the_greedy_text() {
+    let (model, reference) = fixture("gqa-hd64");
+    let layers = Layers::new(&model).unwrap();
+    let p = &reference["prompts"].as_array().unwrap()[2];
+    let want = ids(&p["greedy_tokens"]);
+    for ranks in [1, 2] {
+        let out = run(
+            &layers,
+            &request(
+                ids(&p["token_ids"]),
+                4,
+                DecodeStrategy::Tree(MergeCollective::Allreduce2),
+            ),
+            ranks,
+        );
+        for s in &out.samples {
+            assert_eq!(s, &want, "{ranks} ranks");
+        }
+    }
+}
+
+#[test]
+fn each_seeded_sample_equals_its_seed_decoded_alone() {
+    let (model, reference) = fixture("tied-mha-hd64");
+    let layers = Layers::new(&model).unwrap();
+    let prompt = ids(&reference["prompts"].as_array().unwrap()[1]["token_ids"]);
+    let sampling = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+    };
+    let strategy = DecodeStrategy::Tree(MergeCollective::Allreduce2);
+    let together = run(
+        &layers,
+        &GenerateRequest {
+            sampling,
+            seed: 11,
+            ..request(prompt.clone(), 4, strategy)
+        },
+        2,
+    );
+    for (i, s) in together.samples.iter().enumerate() {
+        let alone = run(
+            &layers,
+            &GenerateRequest {
+                sampling,
+                seed: 11 + i as u64,
+                ..request(prompt.clone(), 1, strategy)
+            },
+            1,
+        );
+        assert_eq!(s, &alone.samples[0], "sample {i}");
+    }
+    assert!(
+        together.samples.windows(2).any(|w| w[0] != w[1]),
+        "seeds differ"
+    );
+}
