@@ -1,5 +1,6 @@
 //! `canopy`: the command-line front of canopy.
 //!
+//! - `canopy generate`: text from a Llama-family model, the KV sharded over ranks.
 //! - `canopy info`: what this machine has (CPU, GPUs, driver, NVRTC, NCCL, MPI).
 //! - `canopy bench attention`: sequence-sharded decode attention, tree vs ring, on p ranks.
 //! - `canopy bench scaling`: the same over a sweep of p and N, with CSV, JSON and plots.
@@ -13,6 +14,7 @@
 
 mod bench;
 mod fit_cmd;
+mod generate_cmd;
 mod info;
 mod kernel_bench;
 mod launcher;
@@ -38,6 +40,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text with a Llama-family model (SmolLM2-135M-Instruct by default).
+    Generate(generate_cmd::GenerateArgs),
     /// Show the CPU, GPUs, driver, NVRTC, NCCL and MPI this machine has.
     Info(info::InfoArgs),
     /// Run benchmarks.
@@ -64,6 +68,7 @@ impl Command {
     fn without_mpi(&self) -> Option<&'static str> {
         match self {
             Command::Info(_)
+            | Command::Generate(_)
             | Command::Bench(bench::BenchCommand::Attention(_) | bench::BenchCommand::Scaling(_)) => {
                 None
             }
@@ -95,6 +100,7 @@ fn main() -> ExitCode {
         None => Ok(()),
     };
     let result = allowed.and_then(|()| match cli.command {
+        Command::Generate(a) => generate_cmd::run(a),
         Command::Info(a) => info::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Plan(a) => plan_cmd::run(a),

@@ -59,7 +59,7 @@ pub struct GenerateRequest {
 #[derive(Debug, Clone)]
 pub struct Generated {
     pub samples: Vec<Vec<u32>>,
-    /// Whether each sample ended on a stop token (else on the token limit).
+    /// Whether each sample ended on a stop token or by `on_token` (else on the token limit).
     pub stopped: Vec<bool>,
     pub prefill_s: f64,
     /// Seconds of each decode step after the first token.
@@ -69,12 +69,14 @@ pub struct Generated {
 }
 
 /// Runs `req` on this rank of `comm`. Every rank of the world calls it with the same request;
-/// `on_token(sample, token)` sees each new token as it is drawn, in order.
+/// `on_token(sample, token)` sees each new token as it is drawn, in order, and ends that
+/// sample by returning `false` (a stop string in its text). Every rank must answer alike: the
+/// ranks hold the same tokens, so a decision made from them is.
 pub fn generate<C: Collective>(
     layers: &Layers,
     req: &GenerateRequest,
     comm: &C,
-    on_token: &mut dyn FnMut(usize, u32),
+    on_token: &mut dyn FnMut(usize, u32) -> bool,
 ) -> Result<Generated> {
     let (rank, ranks) = (comm.rank(), comm.size());
     if req.prompt.is_empty() {
@@ -160,8 +162,8 @@ pub fn generate<C: Collective>(
             }
             let token = samplers[s].sample(&step_logits[s]);
             out[s].push(token);
-            on_token(s, token);
-            if req.stop_tokens.contains(&token) {
+            let go_on = on_token(s, token);
+            if !go_on || req.stop_tokens.contains(&token) {
                 stopped[s] = true;
             } else if out[s].len() < req.max_tokens {
                 live.push(s);

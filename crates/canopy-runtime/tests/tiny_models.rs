@@ -60,7 +60,7 @@ fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> Genera
 /// `req` on `ranks` threads; every rank must end with the same tokens.
 fn run(layers: &Layers, req: &GenerateRequest, ranks: usize) -> Generated {
     let outs = ThreadWorld::run(ranks, Duration::from_secs(120), |comm| {
-        generate(layers, req, &comm, &mut |_, _| {})
+        generate(layers, req, &comm, &mut |_, _| true)
     });
     let outs: Vec<Generated> = outs.into_iter().map(|r| r.expect("the rank ran")).collect();
     for o in &outs[1..] {

@@ -1,0 +1,326 @@
+//! `canopy generate`: text from a Llama-family model, streamed as it is decoded.
+//!
+//! Without `--model` it runs SmolLM2-135M-Instruct, fetched once into the model cache. The
+//! ranks are threads of this process, or MPI processes under mpirun/srun; every rank decodes
+//! the same tokens and rank 0 prints them.
+
+use crate::bench::{BackendChoice, Launcher, World};
+use anyhow::{bail, Context, Result};
+use canopy_comm::{Collective, ThreadWorld};
+use canopy_core::{DType, Method};
+use canopy_engine::MergeCollective;
+use canopy_model::{ChatMessage, Model};
+use canopy_runtime::{
+    generate, DecodeStrategy, GenerateRequest, Generated, Layers, SamplingParams,
+};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DecodeChoice {
+    /// Tree Attention: partial attention on every rank, merged by collectives.
+    Tree,
+    /// The ring baseline: every rank's KV passes every rank.
+    Ring,
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// A Hugging Face model directory or a `.gguf` file [default: SmolLM2-135M-Instruct,
+    /// fetched into $CANOPY_MODEL_CACHE or ~/.cache/canopy/models on first use].
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system message before the prompt (with --chat).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Tokens to generate at most, per sample.
+    #[arg(long, default_value_t = 128, value_parser = crate::bench::at_least_one)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 decodes greedily.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample from the K most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Sample from the most likely tokens whose probability reaches P.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampler; sample i of --n draws from seed + i.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Parallel samples of the prompt, decoded as one tree: the prompt's KV is stored once
+    /// and read once per step for all of them.
+    #[arg(long, default_value_t = 1, value_parser = crate::bench::at_least_one)]
+    n: usize,
+    /// End a sample when its text contains this (repeatable); the text stops before it.
+    #[arg(long)]
+    stop: Vec<String>,
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendChoice,
+    /// Ranks the KV cache is sharded over: threads of this process [default: 1]; under mpirun
+    /// or srun, the world size.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// How ranks combine their attention at decode.
+    #[arg(long, value_enum, default_value = "tree")]
+    strategy: DecodeChoice,
+    /// The tree's merge: allreduce3, allreduce2, allgather, hierarchical or auto.
+    #[arg(long, default_value = "auto")]
+    collective: MergeCollective,
+    /// Planner of each rank's part of the KV tree.
+    #[arg(long, default_value = "auto")]
+    method: Method,
+    /// How ranks are started: threads of this process, or one process per rank (detected
+    /// under mpirun/srun).
+    #[arg(long, value_enum)]
+    launcher: Option<Launcher>,
+    /// Print one JSON document at the end instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Report {
+    model: String,
+    backend: &'static str,
+    ranks: usize,
+    strategy: String,
+    prompt_tokens: usize,
+    samples: Vec<SampleText>,
+    prefill_s: f64,
+    prefill_tokens_per_s: f64,
+    ttft_s: f64,
+    decode_ms_per_token: Option<f64>,
+    decode_tokens_per_s: Option<f64>,
+}
+
+#[derive(Serialize, Clone, Default)]
+struct SampleText {
+    text: String,
+    tokens: Vec<u32>,
+    /// `stop` (a stop token or string) or `length` (the token limit).
+    finish_reason: &'static str,
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    if a.backend == BackendChoice::Cuda {
+        bail!("the model runtime runs on the CPU backend for now; use --backend cpu (or auto)");
+    }
+    if a.backend == BackendChoice::Auto && canopy_cuda::probe::device_count().is_ok() {
+        eprintln!("note: the model runtime runs on the CPU backend for now");
+    }
+    let world = World::new(a.launcher)?;
+    let ranks = match (world.mpi_size(), a.ranks) {
+        (Some(p), Some(r)) if r != p => {
+            bail!("--ranks {r} but mpirun started {p} ranks; drop --ranks or make them agree")
+        }
+        (Some(p), _) => p,
+        (None, r) => r.unwrap_or(1),
+    };
+    if ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    let path = match &a.model {
+        Some(p) => p.clone(),
+        None => canopy_model::default_model().context("fetching the default model")?,
+    };
+    let model = Model::load(&path, DType::F32)
+        .with_context(|| format!("loading the model at {}", path.display()))?;
+    let text = if a.chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(ChatMessage::new("system", s.as_str()));
+        }
+        messages.push(ChatMessage::new("user", a.prompt.as_str()));
+        model.chat_template()?.render(&messages, true)?
+    } else {
+        a.prompt.clone()
+    };
+    // A chat rendering carries its own special tokens.
+    let prompt = model.tokenizer.encode(&text, !a.chat)?;
+    let req = GenerateRequest {
+        prompt,
+        max_tokens: a.max_tokens,
+        samples: a.n,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+        },
+        seed: a.seed,
+        stop_tokens: model.config.eos_token_ids.clone(),
+        strategy: match a.strategy {
+            DecodeChoice::Tree => DecodeStrategy::Tree(a.collective),
+            DecodeChoice::Ring => DecodeStrategy::Ring,
+        },
+        method: a.method,
+        page_size: 16,
+    };
+    let layers = Layers::new(&model)?;
+    let started = Instant::now();
+    let (out, texts, first_token_s) = match &world {
+        World::Threads => {
+            let results = ThreadWorld::run(ranks, Duration::from_secs(600), |comm| {
+                rank_run(&model, &layers, &req, &a, &comm, started)
+            });
+            let mut results = results.into_iter();
+            let first = results.next().expect("one rank at least")?;
+            for r in results {
+                r?;
+            }
+            first
+        }
+        #[cfg(feature = "mpi")]
+        World::Mpi(comm) => {
+            let r = rank_run(&model, &layers, &req, &a, comm, started)?;
+            if comm.rank() != 0 {
+                return Ok(());
+            }
+            r
+        }
+    };
+    let steps: f64 = out.step_s.iter().sum();
+    let report = Report {
+        model: path.display().to_string(),
+        backend: "cpu",
+        ranks,
+        strategy: match req.strategy {
+            DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
+            DecodeStrategy::Ring => "ring".into(),
+        },
+        prompt_tokens: req.prompt.len(),
+        samples: texts,
+        prefill_s: out.prefill_s,
+        prefill_tokens_per_s: req.prompt.len() as f64 / out.prefill_s,
+        ttft_s: first_token_s,
+        decode_ms_per_token: (!out.step_s.is_empty())
+            .then(|| steps * 1e3 / out.step_s.len() as f64),
+        decode_tokens_per_s: (!out.step_s.is_empty())
+            .then(|| out.step_s.len() as f64 * a.n as f64 / steps),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    if a.n > 1 {
+        for (i, s) in report.samples.iter().enumerate() {
+            println!("--- sample {i} ({}) ---\n{}", s.finish_reason, s.text);
+        }
+    } else {
+        println!();
+    }
+    eprintln!(
+        "{} prompt tokens; prefill {:.3} s ({:.1} tokens/s); first token after {:.3} s; decode {} on {} rank{} ({}, cpu)",
+        report.prompt_tokens,
+        report.prefill_s,
+        report.prefill_tokens_per_s,
+        report.ttft_s,
+        match (report.decode_ms_per_token, report.decode_tokens_per_s) {
+            (Some(ms), Some(tps)) => format!("{ms:.1} ms/token ({tps:.1} tokens/s)"),
+            _ => "no steps".into(),
+        },
+        ranks,
+        if ranks == 1 { "" } else { "s" },
+        report.strategy,
+    );
+    Ok(())
+}
+
+/// One rank's generation. Every rank decodes the text (to find stop strings alike); rank 0
+/// streams it when there is one sample and not `--json`. Returns the run, each sample's text
+/// and the seconds from `started` to the first token.
+fn rank_run<C: Collective>(
+    model: &Model,
+    layers: &Layers,
+    req: &GenerateRequest,
+    a: &GenerateArgs,
+    comm: &C,
+    started: Instant,
+) -> Result<(Generated, Vec<SampleText>, f64)> {
+    let stream = comm.rank() == 0 && req.samples == 1 && !a.json;
+    let mut decoders: Vec<_> = (0..req.samples)
+        .map(|_| model.tokenizer.incremental_decoder(true))
+        .collect();
+    let mut texts = vec![String::new(); req.samples];
+    let mut printed = vec![0usize; req.samples];
+    let mut first_token = None;
+    let mut failure = None;
+    let out = generate(layers, req, comm, &mut |s, token| {
+        first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
+        match decoders[s].push(token) {
+            Ok(piece) => texts[s].push_str(&piece),
+            Err(e) => failure = Some(e),
+        }
+        let stop_at = a
+            .stop
+            .iter()
+            .filter_map(|x| texts[s].find(x.as_str()))
+            .min();
+        if let Some(at) = stop_at {
+            texts[s].truncate(at);
+        }
+        if stream {
+            // Hold back what could still become a stop string.
+            let safe = stop_at.unwrap_or_else(|| held_back(&texts[s], &a.stop));
+            if safe > printed[s] {
+                print!("{}", &texts[s][printed[s]..safe]);
+                let _ = std::io::stdout().flush();
+                printed[s] = safe;
+            }
+        }
+        stop_at.is_none()
+    })?;
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    let samples = out
+        .samples
+        .iter()
+        .zip(&out.stopped)
+        .zip(texts)
+        .map(|((tokens, &stopped), text)| SampleText {
+            text,
+            tokens: tokens.clone(),
+            finish_reason: if stopped { "stop" } else { "length" },
+        })
+        .collect::<Vec<_>>();
+    if stream && printed[0] < samples[0].text.len() {
+        print!("{}", &samples[0].text[printed[0]..]);
+    }
+    Ok((out, samples, first_token.unwrap_or(0.0)))
+}
+
+/// How much of `text` can be printed: all but a tail that is a prefix of a stop string.
+fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut safe = text.len();
+    for stop in stops {
+        for (i, _) in text.char_indices().rev().take(stop.chars().count()) {
+            if stop.starts_with(&text[i..]) {
+                safe = safe.min(i);
+            }
+        }
+    }
+    safe
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_back;
+
+    #[test]
+    fn a_possible_stop_string_is_held_back() {
+        let stops = vec!["\nUser:".to_string()];
+        assert_eq!(held_back("Hello\nUs", &stops), 5);
+        assert_eq!(held_back("Hello", &stops), 5);
+        assert_eq!(held_back("Hello there", &[]), 11);
+    }
+}

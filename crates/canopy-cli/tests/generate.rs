@@ -1,0 +1,140 @@
+//! `canopy generate` end to end on the tiny fixture models (tests/fixtures/tiny): JSON and
+//! streamed output, the same tokens on every rank count and strategy, and bad input refused
+//! with a clear message.
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use predicates::str::contains;
+use serde_json::Value;
+
+fn tiny(variant: &str) -> String {
+    format!(
+        "{}/../../tests/fixtures/tiny/{variant}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+fn canopy() -> Command {
+    Command::cargo_bin("canopy").expect("the canopy binary is built")
+}
+
+fn tokens(args: &[&str]) -> Vec<Value> {
+    let out = canopy()
+        .args(args)
+        .arg("--json")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v: Value = serde_json::from_slice(&out).expect("JSON");
+    v["samples"].as_array().unwrap().clone()
+}
+
+#[test]
+fn every_rank_count_and_strategy_generates_the_same_tokens() {
+    let model = tiny("gqa-hd64");
+    let base = [
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        "the quick brown fox",
+        "--max-tokens",
+        "12",
+    ];
+    let one = tokens(&base);
+    assert_eq!(one[0]["tokens"].as_array().unwrap().len(), 12);
+    assert_eq!(one[0]["finish_reason"], "length");
+    for extra in [
+        &["--ranks", "2"][..],
+        &["--ranks", "3", "--strategy", "ring"],
+        &["--ranks", "4", "--collective", "allgather"],
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        assert_eq!(tokens(&args)[0]["tokens"], one[0]["tokens"], "{extra:?}");
+    }
+    let mut args = base.to_vec();
+    args.extend_from_slice(&["--n", "3"]);
+    for s in tokens(&args) {
+        assert_eq!(
+            s["tokens"], one[0]["tokens"],
+            "greedy samples are the greedy text"
+        );
+    }
+}
+
+#[test]
+fn text_streams_and_a_timing_line_follows() {
+    canopy()
+        .args([
+            "generate",
+            "--model",
+            &tiny("gqa-hd64"),
+            "--chat",
+            "--system",
+            "Be brief.",
+        ])
+        .args(["--prompt", "hello", "--max-tokens", "6"])
+        .assert()
+        .success()
+        .stdout(predicate::str::is_empty().not())
+        .stderr(contains("prompt tokens; prefill"))
+        .stderr(contains("ms/token"));
+}
+
+#[test]
+fn bad_models_and_requests_are_refused_with_what_to_do() {
+    canopy()
+        .args(["generate", "--model", "/no/such/model", "--prompt", "hi"])
+        .assert()
+        .failure()
+        .stderr(contains("/no/such/model"))
+        .stderr(contains("panicked").not());
+    canopy()
+        .args([
+            "generate",
+            "--model",
+            &tiny("tied-mha-hd64"),
+            "--chat",
+            "--prompt",
+            "hi",
+        ])
+        .assert()
+        .failure()
+        .stderr(contains("--chat"));
+    // The tiny models hold 256 or 512 positions.
+    canopy()
+        .args([
+            "generate",
+            "--model",
+            &tiny("gqa-hd64"),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "5000",
+        ])
+        .assert()
+        .failure()
+        .stderr(contains("capacity of 256 tokens"));
+    let dir = std::env::temp_dir().join(format!("canopy-partial-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        format!("{}/config.json", tiny("gqa-hd64")),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    canopy()
+        .args([
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ])
+        .assert()
+        .failure()
+        .stderr(contains("tokenizer.json").or(contains("safetensors")));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
