@@ -6,6 +6,8 @@
 #  2. ranks started with different configurations fail with a clear message;
 #  3. killing one rank of a running job ends every rank, non-zero, within the timeout;
 #  4. without --launcher, the binary sees mpirun and runs as its ranks: one document.
+#  5. the model runtime under mpirun: a tiny Llama on 3 processes, tree and ring, decodes the
+#     tokens one process decodes.
 # Rank processes are found among this script's own mpirun's descendants, never by name, so
 # other jobs on a shared machine are left alone. Prints "N passed, N failed" last.
 set -uo pipefail
@@ -98,6 +100,21 @@ assert text.lstrip()[end:].strip() == '', 'more than one document: ' + text
 assert d['rows'] and all(r['ranks'] == 2 for r in d['rows']), d['rows']
 print('detected mpirun:', len(d['rows']), 'rows on 2 ranks, one document')
 " "$out"; then ok "mpirun without --launcher runs one 2-rank job"; else bad "mpirun without --launcher: $out"; fi
+
+# 5. The model runtime under mpirun: a tiny Llama sharded over 3 processes, tree and ring,
+#    gives the tokens one process gives.
+MODEL=tests/fixtures/tiny/llama3-hd128
+gen() { "$@" generate --model "$MODEL" --prompt "the quick brown fox jumps" --max-tokens 16 --json; }
+if one=$(gen timeout 120 "$BIN") &&
+   tree=$(gen timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np 3 "$BIN") &&
+   ring=$(timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np 3 "$BIN" generate --model "$MODEL" --prompt "the quick brown fox jumps" --max-tokens 16 --strategy ring --json) &&
+   python3 -c "
+import json, sys
+docs = [json.loads(a) for a in sys.argv[1:]]
+toks = [d['samples'][0]['tokens'] for d in docs]
+assert len(toks[0]) == 16 and toks[1] == toks[0] and toks[2] == toks[0], toks
+assert docs[1]['ranks'] == 3 and docs[2]['strategy'] == 'ring', docs
+" "$one" "$tree" "$ring"; then ok "generate on 3 MPI ranks (tree and ring) equals one process"; else bad "generate under mpirun"; fi
 
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]
