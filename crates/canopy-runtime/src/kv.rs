@@ -5,8 +5,8 @@
 //! all agree where each token lives without talking.
 
 use crate::Result;
-use canopy_core::KvTree;
-use canopy_kv::{KvManager, KvNode, Placement};
+use canopy_core::{KvTree, Tail};
+use canopy_kv::{KvManager, KvNode, Placement, RankSnapshot, RankUpdate, StepLayout};
 use std::ops::Range;
 
 /// One rank's part of a step, as its planner and its storage see it.
@@ -19,9 +19,34 @@ pub struct RankView {
     pub stored_tokens: usize,
 }
 
+/// What changed for one rank in a step.
+pub enum RankChange {
+    /// The rank's layout moved: plan this view afresh.
+    Fresh(RankView),
+    /// Only appends inside its pages: extend the plan by these tails.
+    Grown(Vec<Tail>),
+}
+
+impl RankView {
+    fn of(snap: &RankSnapshot, page_size: u32) -> RankView {
+        let ps = page_size as usize;
+        RankView {
+            stored_tokens: snap
+                .table
+                .iter()
+                .map(|&p| (p as usize + 1) * ps)
+                .max()
+                .unwrap_or(0),
+            tree: snap.tree.clone(),
+            table: snap.table.clone(),
+        }
+    }
+}
+
 /// Where every token of one generation's KV lives.
 pub struct KvLayout {
     manager: KvManager,
+    steps: StepLayout,
     root: KvNode,
     samples: Vec<Option<KvNode>>,
     pages_per_rank: u32,
@@ -46,6 +71,7 @@ impl KvLayout {
         let root = manager.add_root(prompt as u32, Placement::Contiguous)?;
         Ok(KvLayout {
             manager,
+            steps: StepLayout::new(),
             root,
             samples: vec![None; samples],
             pages_per_rank,
@@ -108,24 +134,26 @@ impl KvLayout {
             .collect()
     }
 
-    /// Every rank's view of the cache after this step's appends: queries in sample order,
-    /// which is `live`'s.
-    pub fn views(&self) -> Result<Vec<RankView>> {
-        let ps = self.manager.page_size() as usize;
+    /// What changed for each rank with this step's appends (the first step is fresh on
+    /// every rank): queries in sample order, which is `live`'s.
+    pub fn update(&mut self) -> Result<Vec<RankChange>> {
+        let ps = self.manager.page_size();
         Ok(self
-            .manager
-            .snapshots()?
+            .steps
+            .update(&self.manager)?
             .into_iter()
-            .map(|s| RankView {
-                stored_tokens: s
-                    .table
-                    .iter()
-                    .map(|&p| (p as usize + 1) * ps)
-                    .max()
-                    .unwrap_or(0),
-                tree: s.tree,
-                table: s.table,
+            .map(|u| match u {
+                RankUpdate::Fresh(snap) => RankChange::Fresh(RankView::of(snap, ps)),
+                RankUpdate::Grown(tails) => RankChange::Grown(tails),
             })
             .collect())
+    }
+
+    /// Every rank's view as of the last [`update`](Self::update).
+    pub fn views(&self) -> Vec<RankView> {
+        let ps = self.manager.page_size();
+        (0..self.manager.ranks())
+            .filter_map(|r| self.steps.rank(r).map(|s| RankView::of(s, ps)))
+            .collect()
     }
 }

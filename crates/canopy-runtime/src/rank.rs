@@ -17,12 +17,14 @@
 //! tree collectives or gathered by the ring. Every rank ends each step with the same logits,
 //! and so draws the same tokens.
 
-use crate::kv::KvLayout;
+use crate::kv::{KvLayout, RankChange, RankView};
 use crate::layers::Layers;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::{Result, RuntimeError};
 use canopy_comm::{Collective, ReduceOp};
-use canopy_core::{plan, AttnStates, DType, Method, PlannerConfig, Shard, TreeView, TypedVec};
+use canopy_core::{
+    plan, AttnShape, AttnStates, DType, Method, Plan, PlannerConfig, Shard, TreeView, TypedVec,
+};
 use canopy_engine::cpu::CpuKv;
 use canopy_engine::{Backend, CpuBackend, MergeCollective, NodeLayout, RankAttention, RingShard};
 use std::time::Instant;
@@ -153,6 +155,8 @@ pub fn generate<C: Collective>(
         req.samples * shape.q_heads,
         shape.head_dim,
     )?;
+    let mut attention: Option<RankAttention<CpuBackend, C>> = None;
+    let mut table = Vec::new();
     loop {
         // Draw each live sample's token from its logits.
         let mut live = Vec::new();
@@ -189,9 +193,32 @@ pub fn generate<C: Collective>(
             .filter(|(_, (r, _))| *r == rank)
             .map(|(row, (_, slot))| (row, *slot))
             .collect();
-        let views = kv.views()?;
-        let mut attention = decode_attention(&backend, comm, layers, req, &views, merge.clone())?;
-        let (page, table) = (req.page_size, &views[rank].table);
+        // The tree plans its own rank only and follows growth in place; the ring's shards all
+        // pass every rank, so it plans them all each step.
+        let mut changes = kv.update()?;
+        match (&merge, changes.swap_remove(rank), attention.as_mut()) {
+            (Some(_), RankChange::Grown(tails), Some(a)) => a.extend(&tails)?,
+            (Some((how, nodes)), RankChange::Fresh(view), _) => {
+                table = view.table.clone();
+                let p = plan_view(&view, req, &shape)?;
+                attention = Some(RankAttention::tree(
+                    &backend,
+                    comm,
+                    shape,
+                    &p,
+                    *how,
+                    nodes.clone(),
+                )?);
+            }
+            _ => {
+                let views = kv.views();
+                table = views[rank].table.clone();
+                attention = Some(ring_attention(&backend, comm, req, &shape, &views)?);
+            }
+        }
+        let attention = attention.as_mut().expect("planned above");
+        let page = req.page_size;
+        let table = &table;
         let mut x = layers.embed(&ids)?;
         for (l, cache) in caches.iter_mut().enumerate() {
             let qkv = layers.qkv(l, &x, &positions);
@@ -276,41 +303,43 @@ fn resolve_merge<C: Collective>(
     Ok(Some((how, layout)))
 }
 
-/// This step's attention: each rank's view planned (for the ring, every rank's view, since
-/// every shard passes every rank).
-fn decode_attention<'a, C: Collective>(
+/// A rank's view planned by `req.method`.
+fn plan_view(view: &RankView, req: &GenerateRequest, shape: &AttnShape) -> Result<Plan> {
+    let shard = Shard::whole(&view.tree);
+    let cfg = PlannerConfig::default();
+    Ok(plan(
+        &TreeView::new(&view.tree, &shard),
+        req.method,
+        shape,
+        &cfg,
+    )?)
+}
+
+/// The ring's step: every rank's view planned, since every shard passes every rank.
+fn ring_attention<'a, C: Collective>(
     backend: &'a CpuBackend,
     comm: &'a C,
-    layers: &Layers,
     req: &GenerateRequest,
-    views: &[crate::kv::RankView],
-    merge: Option<(MergeCollective, NodeLayout)>,
+    shape: &AttnShape,
+    views: &[RankView],
 ) -> Result<RankAttention<'a, CpuBackend, C>> {
-    let shape = layers.attn_shape();
-    let cfg = PlannerConfig::default();
-    let plan_of = |v: &crate::kv::RankView| {
-        let shard = Shard::whole(&v.tree);
-        plan(&TreeView::new(&v.tree, &shard), req.method, &shape, &cfg)
-    };
-    Ok(match merge {
-        Some((how, layout)) => {
-            let p = plan_of(&views[comm.rank()])?;
-            RankAttention::tree(backend, comm, shape, &p, how, layout)?
-        }
-        None => {
-            let shards = views
-                .iter()
-                .map(|v| {
-                    Ok(RingShard {
-                        plan: plan_of(v)?,
-                        tokens: v.stored_tokens,
-                        page_table: Some((req.page_size, v.table.clone())),
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            RankAttention::ring(backend, comm, shape, DType::F32, shards)?
-        }
-    })
+    let shards = views
+        .iter()
+        .map(|v| {
+            Ok(RingShard {
+                plan: plan_view(v, req, shape)?,
+                tokens: v.stored_tokens,
+                page_table: Some((req.page_size, v.table.clone())),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RankAttention::ring(
+        backend,
+        comm,
+        *shape,
+        DType::F32,
+        shards,
+    )?)
 }
 
 /// Causal attention of this rank's chunk over the whole prompt so far: its own chunk, then
