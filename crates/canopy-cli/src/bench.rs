@@ -3,15 +3,13 @@
 use crate::plan_cmd::ShapeArgs;
 use crate::table::{bytes, Table};
 use anyhow::{bail, Result};
-use canopy_core::stats::quantile;
 use canopy_core::{Method, Overrides, PlannerConfig, WorkloadSpec};
 use canopy_engine::conformance::run_suite;
-use canopy_engine::cost::PaperModel;
 use canopy_engine::{
     run_threads, CpuBackend, MergeCollective, Problem, RunConfig, RunReport, Strategy,
 };
 use clap::{Args, Subcommand, ValueEnum};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::time::Duration;
 
 #[derive(Subcommand)]
@@ -111,30 +109,6 @@ pub struct AttentionArgs {
     seq_len: u32,
 }
 
-/// One measured (strategy, ranks, context) point.
-#[derive(Serialize, Deserialize, Clone)]
-pub struct Row {
-    pub strategy: String,
-    pub ranks: usize,
-    pub seq_len: u32,
-    pub batch: u32,
-    pub median_ms: f64,
-    pub p10_ms: f64,
-    pub p90_ms: f64,
-    pub kv_bytes_per_rank: u64,
-    /// Bytes the busiest rank sent per step, counted at each call.
-    pub comm_bytes_per_rank: u64,
-    /// The paper's analytic bytes per rank and step.
-    pub paper_comm_bytes: u64,
-    /// CUDA: device memory the busiest rank used; CPU: none measured.
-    pub peak_mem_bytes: Option<u64>,
-    /// The paper's analytic per-rank memory.
-    pub paper_mem_bytes: u64,
-    /// Ring on CUDA: NCCL send/recv bandwidth measured alone (GB/s sent per rank).
-    pub link_gbps: Option<f64>,
-    pub rel_error: Option<f64>,
-}
-
 #[derive(Serialize)]
 struct AttentionOutput {
     backend: &'static str,
@@ -144,7 +118,7 @@ struct AttentionOutput {
     dtype: canopy_core::DType,
     method: Method,
     iters: usize,
-    rows: Vec<Row>,
+    rows: Vec<RunReport>,
 }
 
 /// Largest problem (elements of K) for which the f64 oracle is computed.
@@ -249,7 +223,7 @@ pub fn rows(
     backend: &str,
     ranks: usize,
     seq_len: u32,
-) -> Result<Option<Vec<Row>>> {
+) -> Result<Option<Vec<RunReport>>> {
     let spec = long_spec(run, seq_len)?;
     crate::plan_cmd::check_ranks(ranks, &spec.build_tree()?)?;
     let strategies = strategies(run.strategy, &run.collective)?;
@@ -258,11 +232,11 @@ pub fn rows(
             .into_iter()
             .map(|s| {
                 let cfg = run.distributed_config(ranks, s, &spec, seq_len);
-                Ok(Row::from_distributed(canopy_cuda::distributed::run(&cfg)?))
+                Ok(canopy_cuda::distributed::run(&cfg)?)
             })
             .collect::<Result<Vec<_>>>()
             .map(Some),
-        World::Threads => cpu_rows(run, &spec, ranks, seq_len, &strategies).map(Some),
+        World::Threads => cpu_rows(run, &spec, ranks, &strategies).map(Some),
         #[cfg(feature = "mpi")]
         World::Mpi(comm) => mpi_rows(run, comm, &spec, backend, seq_len, &strategies),
     }
@@ -273,9 +247,8 @@ fn cpu_rows(
     run: &RunArgs,
     spec: &WorkloadSpec,
     ranks: usize,
-    seq_len: u32,
     strategies: &[Strategy],
-) -> Result<Vec<Row>> {
+) -> Result<Vec<RunReport>> {
     let tree = spec.build_tree()?;
     let oracle = oracle_fits(spec, &tree);
     check_cpu_memory(spec, &tree, ranks, 1, strategies, oracle)?;
@@ -284,8 +257,9 @@ fn cpu_rows(
     let mut rows = Vec::new();
     for &strategy in strategies {
         let cfg = run.run_config(ranks, strategy);
-        let r: RunReport = run_threads(&problem, &cfg, oracle.as_deref(), |_| Ok(CpuBackend))?;
-        rows.push(Row::from_report(run, spec, seq_len, strategy, r));
+        rows.push(run_threads(&problem, &cfg, oracle.as_deref(), |_| {
+            Ok(CpuBackend)
+        })?);
     }
     Ok(rows)
 }
@@ -323,62 +297,6 @@ pub fn check_cpu_memory(
     Ok(ensure_host_fits(need, &what)?)
 }
 
-impl Row {
-    fn from_distributed(r: canopy_cuda::distributed::DistributedReport) -> Row {
-        Row {
-            strategy: r.strategy,
-            ranks: r.ranks,
-            seq_len: r.seq_len,
-            batch: r.batch,
-            median_ms: r.median_ms,
-            p10_ms: r.p10_ms,
-            p90_ms: r.p90_ms,
-            kv_bytes_per_rank: r.kv_bytes_per_rank,
-            comm_bytes_per_rank: r.comm_bytes_per_rank,
-            paper_comm_bytes: r.paper_comm_bytes,
-            peak_mem_bytes: Some(r.peak_mem_bytes),
-            paper_mem_bytes: r.paper_mem_bytes,
-            link_gbps: r.link_gbps,
-            rel_error: r.rel_error,
-        }
-    }
-
-    fn from_report(
-        run: &RunArgs,
-        spec: &WorkloadSpec,
-        seq_len: u32,
-        strategy: Strategy,
-        r: RunReport,
-    ) -> Row {
-        let ms: Vec<f64> = r.latencies_s.iter().map(|s| s * 1e3).collect();
-        let p = r.ranks as u64;
-        let cells = (run.batch as usize * spec.shape.q_heads) as u64;
-        let paper = PaperModel::of(
-            strategy,
-            p,
-            cells,
-            spec.shape.head_dim as u64,
-            r.kv_bytes_per_rank,
-        );
-        Row {
-            strategy: r.strategy,
-            ranks: r.ranks,
-            seq_len,
-            batch: run.batch,
-            median_ms: quantile(&ms, 0.5),
-            p10_ms: quantile(&ms, 0.1),
-            p90_ms: quantile(&ms, 0.9),
-            kv_bytes_per_rank: r.kv_bytes_per_rank,
-            comm_bytes_per_rank: r.comm_bytes_per_rank,
-            paper_comm_bytes: paper.comm_bytes,
-            peak_mem_bytes: None,
-            paper_mem_bytes: paper.memory_bytes,
-            link_gbps: None,
-            rel_error: r.rel_error,
-        }
-    }
-}
-
 /// One process per rank under mpirun/srun, collectives over MPI (CPU backend) or NCCL (CUDA).
 /// Every rank checks that all ranks were started with the same configuration; rank 0 returns
 /// the rows.
@@ -390,7 +308,7 @@ fn mpi_rows(
     backend: &str,
     seq_len: u32,
     strategies: &[Strategy],
-) -> Result<Option<Vec<Row>>> {
+) -> Result<Option<Vec<RunReport>>> {
     use canopy_comm::Collective;
     use canopy_engine::{rank_main, strategy::report, RankResult};
     let p = comm.size();
@@ -421,7 +339,7 @@ fn mpi_rows(
         for &strategy in strategies {
             let cfg = run.distributed_config(p, strategy, spec, seq_len);
             if let Some(r) = canopy_cuda::distributed::run_mpi(&cfg, comm)? {
-                rows.push(Row::from_distributed(r));
+                rows.push(r);
             }
         }
         return Ok((comm.rank() == 0).then_some(rows));
@@ -472,13 +390,7 @@ fn mpi_rows(
                 }
             })
             .collect();
-        rows.push(Row::from_report(
-            run,
-            spec,
-            seq_len,
-            strategy,
-            report(&cfg, results, oracle.as_deref()),
-        ));
+        rows.push(report(&problem, &cfg, results, oracle.as_deref()));
     }
     Ok((comm.rank() == 0).then_some(rows))
 }
@@ -587,7 +499,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
 }
 
 /// The rows as a terminal table.
-pub fn row_table(rows: &[Row]) -> Table {
+pub fn row_table(rows: &[RunReport]) -> Table {
     let mut t = Table::new(&[
         "strategy",
         "ranks",

@@ -11,9 +11,9 @@
 //! Text needs a TrueType font, loaded at run time (`CANOPY_FONT`, or DejaVu/Liberation Sans
 //! where distributions install them), so the binary carries no font and needs no fontconfig.
 
-use crate::bench::Row;
 use crate::scaling::{ring_over_tree, ScalingOutput};
 use anyhow::{anyhow, bail, Context, Result};
+use canopy_engine::RunReport;
 use canopy_engine::Strategy;
 use plotters::coord::{CoordTranslate, Shift};
 use plotters::element::DashedPathElement;
@@ -165,13 +165,13 @@ const STYLES: [LineStyle; 5] = [
 
 /// The strategy a row's line belongs to: `tree/auto (allgather)` is `tree/auto`, one line for
 /// `auto` whatever it chose at each point.
-fn strategy(row: &Row) -> &str {
+fn strategy(row: &RunReport) -> &str {
     row.strategy.split(" (").next().unwrap_or("")
 }
 
 /// The strategies of `rows` in `Strategy::every()` order, then any others as they come, each
 /// with its colour.
-fn colours(rows: &[Row]) -> Vec<(String, RGBColor)> {
+fn colours(rows: &[RunReport]) -> Vec<(String, RGBColor)> {
     let known: Vec<String> = Strategy::every().iter().map(Strategy::name).collect();
     let mut unknown: Vec<&str> = Vec::new();
     for r in rows {
@@ -192,7 +192,7 @@ fn colours(rows: &[Row]) -> Vec<(String, RGBColor)> {
 }
 
 /// The distinct values of `key` over `rows`, ascending: a line's style is its value's index.
-fn levels(rows: &[Row], key: impl Fn(&Row) -> f64) -> Vec<f64> {
+fn levels(rows: &[RunReport], key: impl Fn(&RunReport) -> f64) -> Vec<f64> {
     let mut v: Vec<f64> = rows.iter().map(key).collect();
     v.sort_by(f64::total_cmp);
     v.dedup();
@@ -228,11 +228,11 @@ struct Line {
 
 /// The lines of one panel: one per strategy and value of `group`, with `y` where it has one.
 fn lines(
-    rows: &[Row],
+    rows: &[RunReport],
     colours: &[(String, RGBColor)],
-    x: impl Fn(&Row) -> f64,
-    y: impl Fn(&Row) -> Option<f64>,
-    group: impl Fn(&Row) -> f64,
+    x: impl Fn(&RunReport) -> f64,
+    y: impl Fn(&RunReport) -> Option<f64>,
+    group: impl Fn(&RunReport) -> f64,
 ) -> Vec<Line> {
     let groups = levels(rows, &group);
     let mut out = Vec::new();
@@ -276,10 +276,10 @@ where
 
     let rows = &out.rows;
     let colours = colours(rows);
-    let by_n = |r: &Row| r.seq_len as f64;
-    let by_p = |r: &Row| r.ranks as f64;
-    let latency = |r: &Row| Some(r.median_ms);
-    let ratio = |r: &Row| {
+    let by_n = |r: &RunReport| r.seq_len as f64;
+    let by_p = |r: &RunReport| r.ranks as f64;
+    let latency = |r: &RunReport| Some(r.median_ms);
+    let ratio = |r: &RunReport| {
         (r.strategy != "ring")
             .then(|| ring_over_tree(rows, r))
             .flatten()
@@ -612,8 +612,8 @@ fn label_at(ticks: &[f64], labels: &[String], v: f64) -> String {
 mod tests {
     use super::*;
 
-    fn row(strategy: &str, ranks: usize, seq_len: u32, median_ms: f64) -> Row {
-        Row {
+    fn row(strategy: &str, ranks: usize, seq_len: u32, median_ms: f64) -> RunReport {
+        RunReport {
             strategy: strategy.into(),
             ranks,
             seq_len,
@@ -628,6 +628,8 @@ mod tests {
             paper_mem_bytes: 0,
             link_gbps: None,
             rel_error: None,
+            rank_spread: None,
+            output: None,
         }
     }
 
@@ -706,8 +708,8 @@ mod tests {
         rgb.dedup();
         assert_eq!(rgb.len(), 4, "one colour per strategy");
 
-        let by_n = |r: &Row| r.seq_len as f64;
-        let by_p = |r: &Row| r.ranks as f64;
+        let by_n = |r: &RunReport| r.seq_len as f64;
+        let by_p = |r: &RunReport| r.ranks as f64;
         let l = lines(&rows, &c, by_n, |r| Some(r.median_ms), by_p);
         assert_eq!(l.len(), 4 * 2, "one line per strategy and p");
         assert!(l.iter().all(|l| l.points.len() == 2));

@@ -7,9 +7,10 @@
 //! by the file's extension). `--from` re-draws a saved `--json` without running anything, for
 //! plots made away from the GPU machine.
 
-use crate::bench::{resolve_backend, row_table, rows, Row, RunArgs, World};
+use crate::bench::{resolve_backend, row_table, rows, RunArgs, World};
 use anyhow::{bail, Context, Result};
 use canopy_engine::predict::{StepModel, StepSample};
+use canopy_engine::RunReport;
 use canopy_engine::{NodeLayout, Strategy};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -51,7 +52,7 @@ pub struct ScalingOutput {
     pub head_dim: usize,
     pub dtype: String,
     pub iters: usize,
-    pub rows: Vec<Row>,
+    pub rows: Vec<RunReport>,
 }
 
 pub fn run(a: ScalingArgs) -> Result<()> {
@@ -292,13 +293,13 @@ fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
 }
 
 /// The ring's median at the same (p, N) over this row's: how many times faster the tree is.
-pub fn ring_over_tree(rows: &[Row], r: &Row) -> Option<f64> {
+pub fn ring_over_tree(rows: &[RunReport], r: &RunReport) -> Option<f64> {
     rows.iter()
         .find(|x| x.strategy == "ring" && x.ranks == r.ranks && x.seq_len == r.seq_len)
         .map(|ring| ring.median_ms / r.median_ms)
 }
 
-fn ratio_table(rows: &[Row]) -> crate::table::Table {
+fn ratio_table(rows: &[RunReport]) -> crate::table::Table {
     let mut t =
         crate::table::Table::new(&["tree strategy", "ranks", "N", "median ms", "ring / tree"]);
     for r in rows.iter().filter(|r| r.strategy != "ring") {

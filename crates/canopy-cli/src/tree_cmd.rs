@@ -314,27 +314,20 @@ fn cpu_one(
 }
 
 /// A distributed run's result as a method row (its IO is rank 0's plan's).
-fn distributed_row(
-    method: Method,
-    median_us: f64,
-    p10_us: f64,
-    p90_us: f64,
-    rel_error: Option<f64>,
-    io: IoReport,
-) -> MethodRun {
+fn distributed_row(method: Method, r: &canopy_engine::RunReport, io: IoReport) -> MethodRun {
     MethodRun {
         method,
         chosen: None,
         predicted_us: None,
         plan_ms: 0.0,
         io,
-        median_us,
-        p10_us,
-        p90_us,
+        median_us: r.median_ms * 1e3,
+        p10_us: r.p10_ms * 1e3,
+        p90_us: r.p90_ms * 1e3,
         stage1_us: None,
         speedup_vs_q_guided: None,
         kv_vs_q_guided: None,
-        rel_error,
+        rel_error: r.rel_error,
     }
 }
 
@@ -378,13 +371,9 @@ fn cpu_ranks(
         };
         let report =
             canopy_engine::run_threads(&problem, &cfg, want.as_deref(), |_| Ok(CpuBackend))?;
-        let us: Vec<f64> = report.latencies_s.iter().map(|s| s * 1e6).collect();
         runs.push(distributed_row(
             method,
-            canopy_core::stats::median(&us),
-            canopy_core::stats::quantile(&us, 0.1),
-            canopy_core::stats::quantile(&us, 0.9),
-            report.rel_error,
+            &report,
             rank0_io(tree, spec, ranks, method, &planner)?,
         ));
     }
@@ -422,10 +411,7 @@ fn cuda_ranks(
         let r = canopy_cuda::distributed::run(&cfg)?;
         runs.push(distributed_row(
             method,
-            r.median_ms * 1e3,
-            r.p10_ms * 1e3,
-            r.p90_ms * 1e3,
-            r.rel_error,
+            &r,
             rank0_io(tree, spec, ranks, method, &planner)?,
         ));
     }

@@ -32,18 +32,18 @@ use crate::nccl::{connect_at_init, group, NcclComm, NcclOp, Watchdog};
 use crate::timing::WARMUP_STEPS;
 use crate::{CudaBackend, CudaKv, CudaPlan, KernelChoice};
 use canopy_core::data::{hashed_oracle, hashed_queries};
-use canopy_core::stats::{median, quantile};
 use canopy_core::workload::build_tree;
 use canopy_core::{
     plan, relative_error, shard_tree, AttnShape, DType, KvTree, Method, Overrides, PlannerConfig,
     Shard, TreeSpec, TreeView, WorkloadSpec,
 };
-use canopy_engine::cost::{CallKind, CostModel, PaperModel};
-use canopy_engine::{ring_buffers, Backend, Cache, MergeCollective, NodeLayout, Strategy};
+use canopy_engine::cost::{CallKind, CostModel};
+use canopy_engine::{
+    ring_buffers, Backend, Cache, Measured, MergeCollective, NodeLayout, RunReport, Strategy,
+};
 use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nccl::Id;
-use serde::Serialize;
 use std::time::Duration;
 
 /// What one rank reports: rank 0 also its step timings (ms), outputs and (ring) the link
@@ -56,34 +56,6 @@ struct RankOutput {
 }
 
 type RankOutcome = canopy_engine::Result<RankOutput>;
-
-/// One measured configuration of distributed decoding.
-#[derive(Debug, Clone, Serialize)]
-pub struct DistributedReport {
-    /// `tree/<collective>` or `ring`; `tree/auto (<chosen>)` when the cost model chose.
-    pub strategy: String,
-    pub ranks: usize,
-    pub seq_len: u32,
-    pub batch: u32,
-    pub median_ms: f64,
-    pub p10_ms: f64,
-    pub p90_ms: f64,
-    /// Largest shard's K and V bytes.
-    pub kv_bytes_per_rank: u64,
-    /// Bytes the busiest rank sent per step, counted at each NCCL call (ring-algorithm volumes
-    /// for collectives, the buffer for send).
-    pub comm_bytes_per_rank: u64,
-    /// The paper's analytic bytes per rank and step, for comparison.
-    pub paper_comm_bytes: u64,
-    /// Device memory the busiest rank used (cuMemGetInfo, everything canopy and NCCL allocated).
-    pub peak_mem_bytes: u64,
-    /// The paper's analytic per-rank memory.
-    pub paper_mem_bytes: u64,
-    /// Ring: the NCCL send/recv bandwidth per rank measured alone on the same buffers
-    /// (bytes sent per second), the ring's floor is `comm_bytes_per_rank / link`.
-    pub link_gbps: Option<f64>,
-    pub rel_error: Option<f64>,
-}
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -317,7 +289,7 @@ fn local_layout(cfg: &DistributedConfig) -> canopy_engine::Result<NodeLayout> {
 }
 
 /// Runs `cfg` on GPUs `0..cfg.ranks`, one thread each, and reports rank 0's timings.
-pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> {
+pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<RunReport> {
     check_machine(cfg, cfg.ranks)?;
     connect_at_init();
     let (tree, shards) = problem(cfg)?;
@@ -362,7 +334,7 @@ pub fn run(cfg: &DistributedConfig) -> canopy_engine::Result<DistributedReport> 
 pub fn run_mpi(
     cfg: &DistributedConfig,
     comm: &canopy_comm::MpiComm,
-) -> canopy_engine::Result<Option<DistributedReport>> {
+) -> canopy_engine::Result<Option<RunReport>> {
     use canopy_comm::{Collective, ReduceOp};
     let local = comm.local_rank();
     check_machine(cfg, local + 1)?;
@@ -402,46 +374,28 @@ fn finish(
     rank0: RankOutput,
     peak_mem_bytes: u64,
     comm_bytes_per_rank: u64,
-) -> DistributedReport {
+) -> RunReport {
     let (times, out, link) = rank0.rank0.expect("rank 0 reports its timings");
     let rel_error = cfg
         .check
         .then(|| relative_error(&out, &hashed_oracle(tree, &cfg.shape, cfg.dtype, cfg.seed)));
-    let cells = (tree.num_queries() * cfg.shape.q_heads) as u64;
     let token_bytes = 2 * cfg.shape.kv_token_bytes(cfg.dtype) as u64;
     let kv_bytes_per_rank =
         shards.iter().map(|s| s.tokens() as u64).max().unwrap_or(0) * token_bytes;
-    let p = cfg.ranks as u64;
-    let paper = PaperModel::of(
-        cfg.strategy,
-        p,
-        cells,
-        cfg.shape.head_dim as u64,
-        kv_bytes_per_rank,
-    );
-    DistributedReport {
-        strategy: match rank0.chosen {
-            Some(c) => format!("{} ({})", cfg.strategy.name(), c.name()),
-            None => cfg.strategy.name(),
-        },
+    let measured = Measured {
+        strategy: cfg.strategy,
+        chosen: rank0.chosen,
         ranks: cfg.ranks,
-        seq_len: if cfg.tree.is_some() {
-            tree.total_tokens()
-        } else {
-            cfg.seq_len
-        },
-        batch: tree.num_queries() as u32,
-        median_ms: median(&times),
-        p10_ms: quantile(&times, 0.1),
-        p90_ms: quantile(&times, 0.9),
+        times_ms: times,
         kv_bytes_per_rank,
         comm_bytes_per_rank,
-        paper_comm_bytes: paper.comm_bytes,
-        peak_mem_bytes,
-        paper_mem_bytes: paper.memory_bytes,
+        peak_mem_bytes: Some(peak_mem_bytes),
         link_gbps: link.map(|bps| bps / 1e9),
         rel_error,
-    }
+        rank_spread: None,
+        output: None,
+    };
+    RunReport::new(measured, tree, &cfg.shape)
 }
 
 /// KV of `shard`, generated in place on this rank's GPU (windows back to back).

@@ -12,6 +12,8 @@
 //! - [`strategy`]: the attention benchmark's per-rank run on top of it, and the thread-per-rank
 //!   driver.
 //! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend.
+//! - [`report`]: the one description of a distributed run, whatever backend and transport ran
+//!   it.
 //! - [`memory`]: what a run will allocate on the host, priced before it starts, and what this
 //!   process may still allocate.
 
@@ -23,6 +25,7 @@ mod error;
 pub mod memory;
 pub mod merge;
 pub mod predict;
+pub mod report;
 pub mod step;
 pub mod strategy;
 pub mod topology;
@@ -33,6 +36,7 @@ pub use cost::CostModel;
 pub use cpu::CpuBackend;
 pub use error::{EngineError, Result};
 pub use merge::{merge_across, MergeCollective};
+pub use report::{Measured, RunReport};
 pub use step::{ring_buffers, RankAttention, RingShard};
-pub use strategy::{rank_main, run_threads, Problem, RankResult, RunConfig, RunReport, Strategy};
+pub use strategy::{rank_main, run_threads, Problem, RankResult, RunConfig, Strategy};
 pub use topology::NodeLayout;

@@ -6,6 +6,7 @@
 use crate::backend::Backend;
 use crate::cost::{CallKind, CostModel};
 use crate::merge::MergeCollective;
+use crate::report::{Measured, RunReport};
 use crate::step::{RankAttention, RingShard};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
@@ -129,22 +130,6 @@ pub struct RankResult {
     pub comm_bytes_per_step: u64,
     /// The merge `auto` chose, if the strategy was `tree/auto`.
     pub chosen: Option<MergeCollective>,
-}
-
-/// The outcome of a distributed run, gathered from all ranks.
-#[derive(Debug, Clone, Serialize)]
-pub struct RunReport {
-    pub strategy: String,
-    pub ranks: usize,
-    pub latencies_s: Vec<f64>,
-    pub kv_bytes_per_rank: u64,
-    pub comm_bytes_per_rank: u64,
-    /// Largest relative error of any rank's output against the f64 oracle, when computed.
-    pub rel_error: Option<f64>,
-    /// Largest relative difference between any rank's output and rank 0's.
-    pub rank_spread: f64,
-    #[serde(skip)]
-    pub output: AttnStates,
 }
 
 /// Where this world's ranks live: `virtual_nodes` equal blocks if given, else grouped by the
@@ -291,11 +276,16 @@ where
         rank_main(problem, cfg, &backend, &comm)
     });
     let results = results.into_iter().collect::<Result<Vec<_>>>()?;
-    Ok(report(cfg, results, oracle))
+    Ok(report(problem, cfg, results, oracle))
 }
 
-/// Gathers the ranks' results into one report.
-pub fn report(cfg: &RunConfig, results: Vec<RankResult>, oracle: Option<&[f64]>) -> RunReport {
+/// Gathers the ranks' results into one report of a run over `problem`.
+pub fn report(
+    problem: &Problem,
+    cfg: &RunConfig,
+    results: Vec<RankResult>,
+    oracle: Option<&[f64]>,
+) -> RunReport {
     let base: Vec<f64> = results[0].output.o.iter().map(|&x| x as f64).collect();
     let rank_spread = results
         .iter()
@@ -307,25 +297,22 @@ pub fn report(cfg: &RunConfig, results: Vec<RankResult>, oracle: Option<&[f64]>)
             .map(|r| relative_error(&r.output.o, want))
             .fold(0.0, f64::max)
     });
-    RunReport {
-        strategy: match results[0].chosen {
-            Some(c) => format!("{} ({})", cfg.strategy.name(), c.name()),
-            None => cfg.strategy.name(),
-        },
+    let measured = Measured {
+        strategy: cfg.strategy,
+        chosen: results[0].chosen,
         ranks: cfg.ranks,
-        latencies_s: results[0].latencies.clone(),
+        times_ms: results[0].latencies.iter().map(|s| s * 1e3).collect(),
         kv_bytes_per_rank: results.iter().map(|r| r.kv_bytes).max().unwrap_or(0),
         comm_bytes_per_rank: results
             .iter()
             .map(|r| r.comm_bytes_per_step)
             .max()
             .unwrap_or(0),
+        peak_mem_bytes: None,
+        link_gbps: None,
         rel_error,
-        rank_spread,
-        output: results
-            .into_iter()
-            .next()
-            .expect("one rank at least")
-            .output,
-    }
+        rank_spread: Some(rank_spread),
+        output: results.into_iter().next().map(|r| r.output),
+    };
+    RunReport::new(measured, &problem.tree, &problem.shape)
 }
