@@ -111,7 +111,7 @@ pub struct AttentionArgs {
 
 #[derive(Serialize)]
 struct AttentionOutput {
-    backend: &'static str,
+    backend: BackendKind,
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -138,9 +138,26 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     }
 }
 
+/// The backend a command runs on, `auto` resolved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
 /// Resolves `auto` (CUDA when a GPU and NVRTC are usable, else the CPU with a note) and
 /// refuses `cuda` with the reason when it cannot run here.
-pub fn resolve_backend(choice: BackendChoice) -> Result<&'static str> {
+pub fn resolve_backend(choice: BackendChoice) -> Result<BackendKind> {
     let cuda = || {
         let n = canopy_cuda::probe::device_count()?;
         if canopy_cuda::probe::nvrtc_present() {
@@ -150,15 +167,15 @@ pub fn resolve_backend(choice: BackendChoice) -> Result<&'static str> {
         }
     };
     match choice {
-        BackendChoice::Cpu => Ok("cpu"),
+        BackendChoice::Cpu => Ok(BackendKind::Cpu),
         BackendChoice::Cuda => cuda()
-            .map(|_| "cuda")
+            .map(|_| BackendKind::Cuda)
             .map_err(|e| anyhow::anyhow!("{e}; or run on the CPU with --backend cpu")),
         BackendChoice::Auto => match cuda() {
-            Ok(_) => Ok("cuda"),
+            Ok(_) => Ok(BackendKind::Cuda),
             Err(e) => {
                 eprintln!("note: running on the CPU backend ({e})");
-                Ok("cpu")
+                Ok(BackendKind::Cpu)
             }
         },
     }
@@ -220,7 +237,7 @@ pub fn long_spec(run: &RunArgs, seq_len: u32) -> Result<WorkloadSpec> {
 pub fn rows(
     run: &RunArgs,
     world: &World,
-    backend: &str,
+    backend: BackendKind,
     ranks: usize,
     seq_len: u32,
 ) -> Result<Option<Vec<RunReport>>> {
@@ -228,7 +245,7 @@ pub fn rows(
     crate::plan_cmd::check_ranks(ranks, &spec.build_tree()?)?;
     let strategies = strategies(run.strategy, &run.collective)?;
     match world {
-        World::Threads if backend == "cuda" => strategies
+        World::Threads if backend == BackendKind::Cuda => strategies
             .into_iter()
             .map(|s| {
                 let cfg = run.distributed_config(ranks, s, &spec, seq_len);
@@ -305,7 +322,7 @@ fn mpi_rows(
     run: &RunArgs,
     comm: &canopy_comm::MpiComm,
     spec: &WorkloadSpec,
-    backend: &str,
+    backend: BackendKind,
     seq_len: u32,
     strategies: &[Strategy],
 ) -> Result<Option<Vec<RunReport>>> {
@@ -332,7 +349,7 @@ fn mpi_rows(
     if let Some(r) = hashes.chunks(8).position(|h| h != hash.to_le_bytes()) {
         bail!("rank {r} was started with a different configuration than rank {}: launch every rank with the same arguments", comm.rank());
     }
-    if backend == "cuda" {
+    if backend == BackendKind::Cuda {
         // One process per GPU: the same per-rank code as the threads launcher, NCCL between
         // processes.
         let mut rows = Vec::new();
@@ -561,7 +578,7 @@ pub struct SelftestArgs {
 pub fn selftest(a: SelftestArgs) -> Result<()> {
     let backend = resolve_backend(a.backend)?;
     let results = match backend {
-        "cuda" => {
+        BackendKind::Cuda => {
             // Ranks share the visible GPUs round-robin, so one GPU tests every rank count.
             let gpus = canopy_cuda::probe::device_count()?;
             let mut r = run_suite(

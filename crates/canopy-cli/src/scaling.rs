@@ -7,7 +7,7 @@
 //! by the file's extension). `--from` re-draws a saved `--json` without running anything, for
 //! plots made away from the GPU machine.
 
-use crate::bench::{resolve_backend, row_table, rows, RunArgs, World};
+use crate::bench::{resolve_backend, row_table, rows, BackendKind, RunArgs, World};
 use anyhow::{bail, Context, Result};
 use canopy_engine::predict::{StepModel, StepSample};
 use canopy_engine::RunReport;
@@ -113,7 +113,7 @@ fn measure(a: &ScalingArgs) -> Result<Option<ScalingOutput>> {
         None => a.ranks.clone(),
     };
     let seq_lens = a.seq_lens.clone().unwrap_or_else(|| match backend {
-        "cuda" => vec![131072, 524288, 1048576, 4194304],
+        BackendKind::Cuda => vec![131072, 524288, 1048576, 4194304],
         _ => vec![4096, 16384, 65536],
     });
     let mut all = Vec::new();
@@ -137,7 +137,7 @@ fn measure(a: &ScalingArgs) -> Result<Option<ScalingOutput>> {
     }
     let spec = crate::bench::long_spec(&a.run, seq_lens[0])?;
     Ok(Some(ScalingOutput {
-        backend: backend.into(),
+        backend: backend.to_string(),
         q_heads: spec.shape.q_heads,
         kv_heads: spec.shape.kv_heads,
         head_dim: spec.shape.head_dim,

@@ -6,7 +6,7 @@
 //! More ranks: the flattened tree split evenly over them, each rank planning its part, merged
 //! across ranks (NCCL on CUDA, the engine's collectives on the CPU).
 
-use crate::bench::{resolve_backend, BackendChoice};
+use crate::bench::{resolve_backend, BackendChoice, BackendKind};
 use crate::plan_cmd::{io_cells, ShapeArgs, SizeArgs, TreeSummary, IO_HEADER};
 use crate::table::Table;
 use anyhow::{bail, Result};
@@ -89,7 +89,7 @@ pub struct TreeArgs {
 struct TreeOutput {
     #[serde(flatten)]
     tree: TreeSummary,
-    backend: &'static str,
+    backend: BackendKind,
     device: String,
     kernel: KernelChoice,
     ranks: usize,
@@ -127,14 +127,14 @@ pub fn run(a: TreeArgs) -> Result<()> {
     // The backends split long groups to fill the device; Q-guided keeps each path whole.
     let planner = PlannerConfig::whole_paths();
     if a.grow > 0 {
-        if backend != "cuda" || a.ranks != 1 {
+        if backend != BackendKind::Cuda || a.ranks != 1 {
             bail!("--grow runs on one GPU: use --backend cuda and --ranks 1");
         }
         return grow(&a, &spec, &tree, &methods, planner);
     }
     let (device, copy, mut runs) = match (backend, a.ranks) {
-        ("cuda", 1) => cuda_one(&a, &spec, &tree, &methods, planner)?,
-        ("cuda", p) => (
+        (BackendKind::Cuda, 1) => cuda_one(&a, &spec, &tree, &methods, planner)?,
+        (BackendKind::Cuda, p) => (
             "cuda".into(),
             None,
             cuda_ranks(&a, &spec, &tree, p, &methods, planner)?,
@@ -150,7 +150,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
             cpu_ranks(&a, &spec, &tree, p, &methods, planner)?,
         ),
     };
-    let on_gpu = backend == "cuda";
+    let on_gpu = backend == BackendKind::Cuda;
     if !on_gpu {
         // `auto`'s device model prices plans on a GPU: its prediction says nothing of CPU time.
         for r in &mut runs {
