@@ -82,7 +82,13 @@ wait $job
 rc=$?
 elapsed=$(( $(date +%s) - start ))
 # Ranks that outlived mpirun are no longer below it: look them up by the pids seen above.
-mapfile -t left < <(alive "${ranks[@]}")
+# Open MPI signals the rest of the job as mpirun ends; give them a few seconds to exit.
+for _ in $(seq 1 50); do
+  mapfile -t left < <(alive "${ranks[@]}")
+  [ ${#left[@]} = 0 ] && break
+  sleep 0.2
+done
+elapsed=$(( $(date +%s) - start ))
 [ ${#left[@]} -gt 0 ] && kill -9 "${left[@]}"
 if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ ${#left[@]} = 0 ] && [ $elapsed -lt 60 ]; then
   ok "killing rank process $victim ended the job (exit $rc) in ${elapsed}s"
