@@ -118,6 +118,18 @@ fn bad_models_and_requests_are_refused_with_what_to_do() {
         .assert()
         .failure()
         .stderr(contains("capacity of 256 tokens"));
+    // Within the capacity but beyond the memory `ulimit -v` leaves: refused, not killed.
+    let bin = assert_cmd::cargo::cargo_bin("canopy");
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 1000000 && exec '{}' generate --model '{}' --prompt hi --max-tokens 500 --n 2000",
+            bin.display(),
+            tiny("llama3-hd128")
+        ))
+        .assert()
+        .failure()
+        .stderr(contains("GiB of host memory"));
     let dir = std::env::temp_dir().join(format!("canopy-partial-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(

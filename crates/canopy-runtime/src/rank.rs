@@ -103,6 +103,13 @@ pub fn generate<C: Collective>(
         req.max_tokens,
     )?;
     let pool_tokens = kv.pool_tokens();
+    // Every rank's KV pools, priced before they are allocated: ranks of one node share its
+    // memory, whether they are threads of this process or processes.
+    let pool_bytes = (pool_tokens * shape.kv_token_elems() * 2 * 4 * layers.num_layers()) as u64;
+    canopy_engine::memory::ensure_host_fits(
+        pool_bytes.saturating_mul(ranks as u64),
+        &format!("the KV cache of {ranks} rank(s) for {longest} tokens"),
+    )?;
     let mut caches: Vec<CpuKv> = (0..layers.num_layers())
         .map(|_| backend.alloc_kv(&shape, DType::F32, pool_tokens))
         .collect::<canopy_engine::Result<_>>()?;
