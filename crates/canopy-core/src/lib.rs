@@ -16,6 +16,7 @@ pub mod geometry;
 pub mod math;
 pub mod plan;
 pub mod planner;
+pub mod random_trees;
 pub mod shape;
 pub mod shard;
 pub mod stats;
