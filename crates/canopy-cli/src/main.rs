@@ -21,6 +21,7 @@ mod launcher;
 mod plan_cmd;
 mod plot;
 mod scaling;
+mod sweep;
 mod table;
 mod tree_cmd;
 

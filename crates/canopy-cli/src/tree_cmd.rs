@@ -27,13 +27,15 @@ use std::time::Duration;
 pub struct TreeArgs {
     /// A built-in workload (fasttree-0 … fasttree-9, few-shot-b20/-b30/-b50, tot-*, spec-t32 …
     /// spec-t256) or a TOML file.
-    #[arg(long)]
-    workload: String,
+    #[arg(long, required_unless_present = "sweep")]
+    workload: Option<String>,
     /// q-guided, deft-node, deft-node-chunk, deft-flatten, fasttree, auto, a comma list, or all.
     #[arg(long, default_value = "all")]
-    method: String,
+    pub(crate) method: String,
     #[command(flatten)]
-    shape: ShapeArgs,
+    pub(crate) shape: ShapeArgs,
+    #[command(flatten)]
+    pub(crate) sweep: crate::sweep::SweepArgs,
     #[command(flatten)]
     sizes: SizeArgs,
     /// Decode iterations of a growing tree (CUDA, one rank): every live leaf appends one token
@@ -47,10 +49,10 @@ pub struct TreeArgs {
     page_size: u32,
     /// Ranks the flattened tree is split over (one GPU each on CUDA).
     #[arg(long, default_value_t = 1)]
-    ranks: usize,
+    pub(crate) ranks: usize,
     /// Timed runs per method (after three warm-ups); the median is reported.
     #[arg(long, default_value_t = 20, value_parser = crate::bench::at_least_one)]
-    iterations: usize,
+    pub(crate) iterations: usize,
     /// What each timed step finds in L2: cold (evicted before each step, outside the timed
     /// region, by writing a buffer, as in Triton's do_bench: L2 holds dirty lines), cold-clean
     /// (evicted by reading a buffer: L2 holds clean lines) or warm (the previous step's KV
@@ -58,7 +60,7 @@ pub struct TreeArgs {
     #[arg(long, default_value = "cold")]
     cache: Cache,
     #[arg(long, value_enum, default_value = "auto")]
-    backend: BackendChoice,
+    pub(crate) backend: BackendChoice,
     /// CUDA stage-1 kernel: auto (tensor cores for groups with several query rows), simt, mma.
     #[arg(long, default_value = "auto")]
     kernel: KernelChoice,
@@ -79,10 +81,11 @@ pub struct TreeArgs {
     /// Check every method against the f64 oracle.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     check: bool,
+    /// Seed of the random KV and queries (and, with --sweep, of the random trees).
     #[arg(long, default_value_t = 7)]
-    seed: u64,
+    pub(crate) seed: u64,
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 #[derive(Serialize)]
@@ -112,7 +115,10 @@ impl TreeArgs {
 }
 
 pub fn run(a: TreeArgs) -> Result<()> {
-    let mut spec = WorkloadSpec::load(&a.workload)?.with_overrides(a.sizes.overrides())?;
+    let Some(workload) = &a.workload else {
+        return crate::sweep::run(&a);
+    };
+    let mut spec = WorkloadSpec::load(workload)?.with_overrides(a.sizes.overrides())?;
     a.shape.apply(&mut spec)?;
     let methods = Method::parse_list(&a.method)?;
     if a.grow > 0 {
@@ -133,16 +139,16 @@ pub fn run(a: TreeArgs) -> Result<()> {
         return grow(&a, &spec, &tree, &methods, planner);
     }
     let (device, copy, mut runs) = match (backend, a.ranks) {
-        (BackendKind::Cuda, 1) => cuda_one(&a, &spec, &tree, &methods, planner)?,
+        (_, 1) => {
+            let one = OneRank::new(&a, backend)?;
+            let copy = one.copy_bandwidth()?;
+            let runs = one.bench(&a, &spec, &tree, &methods, planner)?;
+            (one.device(), copy, runs)
+        }
         (BackendKind::Cuda, p) => (
             "cuda".into(),
             None,
             cuda_ranks(&a, &spec, &tree, p, &methods, planner)?,
-        ),
-        (_, 1) => (
-            "cpu".into(),
-            None,
-            cpu_one(&a, &spec, &tree, &methods, planner)?,
         ),
         (_, p) => (
             "cpu".into(),
@@ -152,10 +158,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
     };
     let on_gpu = backend == BackendKind::Cuda;
     if !on_gpu {
-        // `auto`'s device model prices plans on a GPU: its prediction says nothing of CPU time.
-        for r in &mut runs {
-            r.predicted_us = None;
-        }
+        drop_cpu_predictions(&mut runs);
     }
     let kv_bytes = tree.total_tokens() as u64 * 2 * spec.shape.kv_token_bytes(spec.dtype) as u64;
     let out = TreeOutput {
@@ -251,66 +254,102 @@ fn bench_on<B: Backend>(
     Ok(bench.run(backend, kv, q, methods, oracle)?)
 }
 
-fn cuda_one(
-    a: &TreeArgs,
-    spec: &WorkloadSpec,
-    tree: &KvTree,
-    methods: &[Method],
-    planner: PlannerConfig,
-) -> Result<(String, Option<f64>, Vec<MethodRun>)> {
-    let backend = CudaBackend::new(0)?
-        .with_kernel(a.kernel)
-        .with_waves(a.waves)
-        .with_mma_pipeline(a.pipeline())?;
-    let copy = canopy_cuda::bench::measure_copy_bandwidth(&backend)?;
-    let (shape, dtype) = (spec.shape, spec.dtype);
-    let tokens = tree.total_tokens() as usize;
-    let mut kv = backend.alloc_kv(&shape, dtype, tokens)?;
-    backend.fill_random(&mut kv, 0, tokens, a.seed, 0)?;
-    let q = backend.upload_queries(
-        &shape,
-        &hashed_queries(&shape, dtype, tree.num_queries(), a.seed),
-    )?;
-    let want = a.check.then(|| hashed_oracle(tree, &shape, dtype, a.seed));
-    let runs = bench_on(
-        &backend,
-        &kv,
-        &q,
-        spec,
-        tree,
-        methods,
-        planner,
-        a,
-        want.as_deref(),
-    )?;
-    Ok((backend.gpu().name.clone(), Some(copy), runs))
+/// `auto`'s device model prices plans on a GPU: its prediction says nothing of CPU time.
+pub(crate) fn drop_cpu_predictions(runs: &mut [MethodRun]) {
+    for r in runs {
+        r.predicted_us = None;
+    }
 }
 
-fn cpu_one(
-    a: &TreeArgs,
-    spec: &WorkloadSpec,
-    tree: &KvTree,
-    methods: &[Method],
-    planner: PlannerConfig,
-) -> Result<Vec<MethodRun>> {
-    crate::bench::check_cpu_memory(spec, tree, 1, 1, &[], a.check)?;
-    let problem = Problem::random(tree.clone(), spec.shape, spec.dtype, a.seed);
-    let backend = CpuBackend;
-    let mut kv = backend.alloc_kv(&spec.shape, spec.dtype, tree.total_tokens() as usize)?;
-    backend.write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)?;
-    let q = backend.upload_queries(&spec.shape, &problem.data.q)?;
-    let want = a.check.then(|| problem.oracle());
-    bench_on(
-        &backend,
-        &kv,
-        &q,
-        spec,
-        tree,
-        methods,
-        planner,
-        a,
-        want.as_deref(),
-    )
+/// The one-rank backend trees are benchmarked on, made once for any number of trees.
+pub(crate) enum OneRank {
+    Cpu,
+    Cuda(Box<CudaBackend>),
+}
+
+impl OneRank {
+    pub(crate) fn new(a: &TreeArgs, kind: BackendKind) -> Result<OneRank> {
+        Ok(match kind {
+            BackendKind::Cpu => OneRank::Cpu,
+            BackendKind::Cuda => OneRank::Cuda(Box::new(
+                CudaBackend::new(0)?
+                    .with_kernel(a.kernel)
+                    .with_waves(a.waves)
+                    .with_mma_pipeline(a.pipeline())?,
+            )),
+        })
+    }
+
+    pub(crate) fn device(&self) -> String {
+        match self {
+            OneRank::Cpu => "cpu".into(),
+            OneRank::Cuda(b) => b.gpu().name.clone(),
+        }
+    }
+
+    /// Device-to-device copy bandwidth (bytes read + written per second), CUDA only.
+    pub(crate) fn copy_bandwidth(&self) -> Result<Option<f64>> {
+        Ok(match self {
+            OneRank::Cpu => None,
+            OneRank::Cuda(b) => Some(canopy_cuda::bench::measure_copy_bandwidth(b)?),
+        })
+    }
+
+    /// Every method over `tree`, its KV and queries seeded by `--seed`.
+    pub(crate) fn bench(
+        &self,
+        a: &TreeArgs,
+        spec: &WorkloadSpec,
+        tree: &KvTree,
+        methods: &[Method],
+        planner: PlannerConfig,
+    ) -> Result<Vec<MethodRun>> {
+        let (shape, dtype) = (spec.shape, spec.dtype);
+        let tokens = tree.total_tokens() as usize;
+        match self {
+            OneRank::Cuda(backend) => {
+                let backend = backend.as_ref();
+                let mut kv = backend.alloc_kv(&shape, dtype, tokens)?;
+                backend.fill_random(&mut kv, 0, tokens, a.seed, 0)?;
+                let q = backend.upload_queries(
+                    &shape,
+                    &hashed_queries(&shape, dtype, tree.num_queries(), a.seed),
+                )?;
+                let want = a.check.then(|| hashed_oracle(tree, &shape, dtype, a.seed));
+                bench_on(
+                    backend,
+                    &kv,
+                    &q,
+                    spec,
+                    tree,
+                    methods,
+                    planner,
+                    a,
+                    want.as_deref(),
+                )
+            }
+            OneRank::Cpu => {
+                crate::bench::check_cpu_memory(spec, tree, 1, 1, &[], a.check)?;
+                let problem = Problem::random(tree.clone(), shape, dtype, a.seed);
+                let backend = CpuBackend;
+                let mut kv = backend.alloc_kv(&shape, dtype, tokens)?;
+                backend.write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)?;
+                let q = backend.upload_queries(&shape, &problem.data.q)?;
+                let want = a.check.then(|| problem.oracle());
+                bench_on(
+                    &backend,
+                    &kv,
+                    &q,
+                    spec,
+                    tree,
+                    methods,
+                    planner,
+                    a,
+                    want.as_deref(),
+                )
+            }
+        }
+    }
 }
 
 /// A distributed run's result as a method row (its IO is rank 0's plan's).

@@ -1,0 +1,90 @@
+//! `canopy bench tree --sweep`: random trees, every method checked, `auto`'s regret summarized.
+
+use assert_cmd::Command;
+use predicates::str::contains;
+use serde_json::Value;
+
+fn canopy() -> Command {
+    Command::cargo_bin("canopy").expect("the canopy binary is built")
+}
+
+#[test]
+fn a_tiny_cpu_sweep_checks_every_method_and_summarizes_auto() {
+    let out = canopy()
+        .args([
+            "bench",
+            "tree",
+            "--sweep",
+            "3",
+            "--seed",
+            "7",
+            "--heads-configs",
+            "4/2x64",
+            "--backend",
+            "cpu",
+            "--iterations",
+            "1",
+            "--json",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v: Value = serde_json::from_slice(&out).expect("valid JSON");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    for r in rows {
+        let name = r["workload"].as_str().unwrap();
+        assert!(name.contains("-s7-i"), "{name}");
+        assert_eq!(
+            (r["q_heads"].as_u64(), r["kv_heads"].as_u64()),
+            (Some(4), Some(2))
+        );
+        let methods = r["methods"].as_array().unwrap();
+        assert_eq!(methods.len(), 6, "{name}");
+        for m in methods {
+            assert!(m["rel_error"].as_f64().unwrap() < 2e-3, "{name}: {m}");
+        }
+        assert!(r["auto_choice"].is_string(), "{name}");
+        assert!(r["auto_vs_best"].as_f64().unwrap() > 0.0, "{name}");
+    }
+    let s = &v["summary"];
+    assert_eq!(s["rows"].as_u64(), Some(3));
+    let share = s["within_1_05_of_best"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&share), "{s}");
+    assert!(s["worst_auto_vs_best"].as_f64().unwrap() > 0.0, "{s}");
+    assert!(s["worst_auto_vs_q_guided"].as_f64().unwrap() > 0.0, "{s}");
+    assert!(
+        s["geomean_speedup_vs_q_guided"].as_f64().unwrap() > 0.0,
+        "{s}"
+    );
+    assert!(s["max_rel_error"].as_f64().unwrap() < 2e-3, "{s}");
+}
+
+#[test]
+fn sweep_arguments_are_checked() {
+    canopy()
+        .args([
+            "bench",
+            "tree",
+            "--sweep",
+            "2",
+            "--heads-configs",
+            "30/8x128",
+        ])
+        .args(["--backend", "cpu"])
+        .assert()
+        .failure()
+        .stderr(contains("30/8x128"));
+    canopy()
+        .args(["bench", "tree", "--sweep", "2", "--workload", "fasttree-0"])
+        .assert()
+        .failure()
+        .stderr(contains("cannot be used with"));
+    canopy()
+        .args(["bench", "tree"])
+        .assert()
+        .failure()
+        .stderr(contains("--workload"));
+}
