@@ -1,18 +1,23 @@
 //! `canopy fit-model`: fits `auto`'s device model to measured steps.
 //!
-//! The input is `canopy bench tree --json` output from one GPU: per tree and method, the
-//! median step. Each (tree, method) is planned again here exactly as the benchmark planned it,
-//! its quantities counted by [`DeviceModel::measure`], and the model's time constants fitted
-//! to the measured medians ([`DeviceModel::fit`]). The report says how well the starting and
+//! The input is `canopy bench tree --json` output from one GPU, single trees or `--sweep`
+//! runs: per tree and method, the median step. Each (tree, method) is planned again here
+//! exactly as the benchmark planned it (a sweep's trees from their draw names), its
+//! quantities counted by [`DeviceModel::measure`], and the model's time constants fitted to
+//! the measured medians ([`DeviceModel::fit`]). The report says how well the starting and
 //! the fitted model rank the measured methods of each tree, which is what `auto` needs from
 //! it (its candidates are these methods at these sizes): the regret is the measured time of
-//! the model's pick over the best measured time.
+//! the model's pick over the best measured time. `--holdout` runs are not fitted to: the
+//! fitted model's error and regret on them say how it does on trees it was not tuned on.
 
 use crate::plan_cmd::ShapeArgs;
 use crate::table::Table;
 use anyhow::{bail, Context, Result};
+use canopy_core::random_trees;
+use canopy_core::stats::geomean;
 use canopy_core::{
-    plan, DType, DeviceModel, Method, PlannerConfig, Sample, Shard, TreeView, WorkloadSpec,
+    plan, AttnShape, DType, DeviceModel, Method, PlannerConfig, Sample, Shard, TreeView,
+    WorkloadSpec,
 };
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -20,9 +25,13 @@ use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 pub struct FitArgs {
-    /// `canopy bench tree --json` outputs (one rank, one GPU kind).
+    /// `canopy bench tree --json` outputs, single trees or sweeps (one rank, one GPU kind).
     #[arg(required = true)]
     files: Vec<PathBuf>,
+    /// Runs to judge the fitted model on, not fitted to (e.g. a sweep of another seed); a
+    /// tree and head configuration in both sets is an error.
+    #[arg(long, num_args = 1.., value_name = "FILES")]
+    holdout: Vec<PathBuf>,
     /// A model (TOML) to start from instead of the built-in defaults.
     #[arg(long)]
     device_model: Option<PathBuf>,
@@ -41,8 +50,20 @@ struct TreeRun {
     kv_heads: usize,
     head_dim: usize,
     dtype: DType,
+    /// Absent in a sweep's rows, which are one rank.
+    #[serde(default = "one_rank")]
     ranks: usize,
     methods: Vec<MethodTime>,
+}
+
+fn one_rank() -> usize {
+    1
+}
+
+/// `bench tree --sweep --json`: the fields the fit reads.
+#[derive(Deserialize)]
+struct SweepRun {
+    rows: Vec<TreeRun>,
 }
 
 #[derive(Deserialize)]
@@ -62,14 +83,26 @@ struct TreeFit {
     fitted_pick: (Method, f64),
 }
 
+/// How the starting and the fitted model do on one set of trees.
 #[derive(Serialize)]
-struct FitOutput {
+struct Score {
     samples: usize,
     start_log_error: f64,
     fitted_log_error: f64,
     /// Geometric mean over trees of the measured time of the model's pick over the best.
     start_regret: f64,
     fitted_regret: f64,
+    /// The largest pick / best of the fitted model, and the share of trees within 1.05x.
+    fitted_worst_regret: f64,
+    fitted_within_1_05: f64,
+}
+
+#[derive(Serialize)]
+struct FitOutput {
+    #[serde(flatten)]
+    fit: Score,
+    /// The same on the `--holdout` runs.
+    holdout: Option<Score>,
     fitted: DeviceModel,
     trees: Vec<TreeFit>,
 }
@@ -89,22 +122,44 @@ struct Measured {
 }
 
 impl Measured {
-    fn load(path: &Path, model: &DeviceModel, planner: &PlannerConfig) -> Result<Measured> {
+    /// Every tree of a `bench tree --json` file, one or a sweep's rows.
+    fn load_file(path: &Path, model: &DeviceModel, planner: &PlannerConfig) -> Result<Vec<Self>> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let run: TreeRun = serde_json::from_str(&text).with_context(|| {
+        let not_ours = || {
             format!(
                 "{} is not `canopy bench tree --json` output",
                 path.display()
             )
-        })?;
+        };
+        let value: serde_json::Value = serde_json::from_str(&text).with_context(not_ours)?;
+        let runs = if value.get("rows").is_some() {
+            serde_json::from_value::<SweepRun>(value)
+                .with_context(not_ours)?
+                .rows
+        } else {
+            vec![serde_json::from_value::<TreeRun>(value).with_context(not_ours)?]
+        };
+        runs.into_iter()
+            .map(|run| Self::new(run, model, planner).with_context(|| path.display().to_string()))
+            .collect()
+    }
+
+    fn new(run: TreeRun, model: &DeviceModel, planner: &PlannerConfig) -> Result<Measured> {
         if run.ranks != 1 {
-            bail!(
-                "{}: the model prices one GPU's step; fit it to --ranks 1 runs",
-                path.display()
-            );
+            bail!("the model prices one GPU's step; fit it to --ranks 1 runs");
         }
-        let mut spec = WorkloadSpec::load(&run.workload)?;
+        // A sweep's trees are named by their draw; the others are workloads.
+        let mut spec = match random_trees::from_name(&run.workload) {
+            Some(d) => WorkloadSpec {
+                name: d.name,
+                description: String::new(),
+                shape: AttnShape::new(run.q_heads, run.kv_heads, run.head_dim)?,
+                dtype: run.dtype,
+                tree: d.spec,
+            },
+            None => WorkloadSpec::load(&run.workload)?,
+        };
         ShapeArgs {
             heads: Some(run.q_heads),
             kv_heads: Some(run.kv_heads),
@@ -124,28 +179,36 @@ impl Measured {
         }
         Ok(Measured { run, samples })
     }
+
+    /// The tree and head configuration, which a holdout must not share with the fit.
+    fn key(&self) -> (String, usize, usize, usize) {
+        let r = &self.run;
+        (r.workload.clone(), r.q_heads, r.kv_heads, r.head_dim)
+    }
 }
 
-pub fn run(a: FitArgs) -> Result<()> {
-    let start = DeviceModel::load_or_default(a.device_model.as_deref())?;
-    // The benchmark's planning: backends split long groups themselves.
-    let planner = PlannerConfig::whole_paths();
-    let trees = a
-        .files
-        .iter()
-        .map(|p| Measured::load(p, &start, &planner))
-        .collect::<Result<Vec<_>>>()?;
+fn load_all(
+    files: &[PathBuf],
+    model: &DeviceModel,
+    planner: &PlannerConfig,
+) -> Result<Vec<Measured>> {
+    let mut trees = Vec::new();
+    for p in files {
+        trees.extend(Measured::load_file(p, model, planner)?);
+    }
+    Ok(trees)
+}
+
+/// Each tree's best measured method and both models' picks, and the scores over them.
+fn score(start: &DeviceModel, fitted: &DeviceModel, trees: &[Measured]) -> (Score, Vec<TreeFit>) {
     let all: Vec<Sample> = trees
         .iter()
         .flat_map(|t| t.samples.iter().map(|x| x.1))
         .collect();
-    if all.is_empty() {
-        bail!("no measured methods in the given files");
-    }
-    let fitted = start.fit(&all);
-    let mut fits = Vec::new();
-    for t in trees.iter().filter(|t| !t.samples.is_empty()) {
-        fits.push(TreeFit {
+    let fits: Vec<TreeFit> = trees
+        .iter()
+        .filter(|t| !t.samples.is_empty())
+        .map(|t| TreeFit {
             workload: t.run.workload.clone(),
             q_heads: t.run.q_heads,
             kv_heads: t.run.kv_heads,
@@ -155,16 +218,53 @@ pub fn run(a: FitArgs) -> Result<()> {
                 .map(|(m, x)| (*m, x.measured_us))
                 .min_by(|a, b| a.1.total_cmp(&b.1))
                 .expect("non-empty"),
-            start_pick: pick(&start, &t.samples),
-            fitted_pick: pick(&fitted, &t.samples),
-        });
-    }
-    let out = FitOutput {
+            start_pick: pick(start, &t.samples),
+            fitted_pick: pick(fitted, &t.samples),
+        })
+        .collect();
+    let fitted_ratios: Vec<f64> = fits.iter().map(|t| t.fitted_pick.1 / t.best.1).collect();
+    let score = Score {
         samples: all.len(),
         start_log_error: start.log_error(&all),
         fitted_log_error: fitted.log_error(&all),
-        start_regret: canopy_core::stats::geomean(fits.iter().map(|t| t.start_pick.1 / t.best.1)),
-        fitted_regret: canopy_core::stats::geomean(fits.iter().map(|t| t.fitted_pick.1 / t.best.1)),
+        start_regret: geomean(fits.iter().map(|t| t.start_pick.1 / t.best.1)),
+        fitted_regret: geomean(fitted_ratios.iter().copied()),
+        fitted_worst_regret: fitted_ratios.iter().copied().fold(1.0, f64::max),
+        fitted_within_1_05: fitted_ratios.iter().filter(|&&r| r <= 1.05).count() as f64
+            / fitted_ratios.len().max(1) as f64,
+    };
+    (score, fits)
+}
+
+pub fn run(a: FitArgs) -> Result<()> {
+    let start = DeviceModel::load_or_default(a.device_model.as_deref())?;
+    // The benchmark's planning: backends split long groups themselves.
+    let planner = PlannerConfig::whole_paths();
+    let trees = load_all(&a.files, &start, &planner)?;
+    let all: Vec<Sample> = trees
+        .iter()
+        .flat_map(|t| t.samples.iter().map(|x| x.1))
+        .collect();
+    if all.is_empty() {
+        bail!("no measured methods in the given files");
+    }
+    let held = load_all(&a.holdout, &start, &planner)?;
+    let fitted_keys: std::collections::HashSet<_> = trees.iter().map(Measured::key).collect();
+    if let Some(t) = held.iter().find(|t| fitted_keys.contains(&t.key())) {
+        bail!(
+            "--holdout: {} at {}/{}x{} is in the fitted runs too; a holdout must be disjoint",
+            t.run.workload,
+            t.run.q_heads,
+            t.run.kv_heads,
+            t.run.head_dim
+        );
+    }
+    let fitted = start.fit(&all);
+    let (fit, fits) = score(&start, &fitted, &trees);
+    let holdout = (!held.is_empty()).then(|| score(&start, &fitted, &held).0);
+    let out = FitOutput {
+        fit,
+        holdout,
         fitted,
         trees: fits,
     };
@@ -188,10 +288,22 @@ pub fn run(a: FitArgs) -> Result<()> {
         ]);
     }
     println!("{}", t.render());
-    println!(
-        "{} samples; rms log error {:.3} -> {:.3}; regret (geomean of pick / best) {:.3} -> {:.3}",
-        out.samples, out.start_log_error, out.fitted_log_error, out.start_regret, out.fitted_regret
-    );
+    let line = |what: &str, s: &Score| {
+        println!(
+            "{what}: {} samples; rms log error {:.3} -> {:.3}; regret (geomean of pick / best) {:.3} -> {:.3}; fitted: worst {:.2}x, {:.0}% within 1.05x",
+            s.samples,
+            s.start_log_error,
+            s.fitted_log_error,
+            s.start_regret,
+            s.fitted_regret,
+            s.fitted_worst_regret,
+            100.0 * s.fitted_within_1_05
+        )
+    };
+    line("fit", &out.fit);
+    if let Some(h) = &out.holdout {
+        line("holdout", h);
+    }
     println!("fitted model:\n{model_toml}");
     Ok(())
 }

@@ -88,3 +88,55 @@ fn sweep_arguments_are_checked() {
         .failure()
         .stderr(contains("--workload"));
 }
+
+/// A tiny CPU sweep's JSON, saved under the system's temporary folder.
+fn sweep_file(seed: &str) -> std::path::PathBuf {
+    let out = canopy()
+        .args(["bench", "tree", "--sweep", "2", "--seed", seed])
+        .args(["--heads-configs", "4/2x64", "--backend", "cpu"])
+        .args(["--iterations", "1", "--check", "false", "--json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let path =
+        std::env::temp_dir().join(format!("canopy-sweep-{}-s{seed}.json", std::process::id()));
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+#[test]
+fn fit_model_reads_sweeps_and_judges_a_disjoint_holdout() {
+    let (fit, held) = (sweep_file("21"), sweep_file("22"));
+    let out = canopy()
+        .arg("fit-model")
+        .arg(&fit)
+        .arg("--holdout")
+        .arg(&held)
+        .arg("--json")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v: Value = serde_json::from_slice(&out).expect("valid JSON");
+    assert_eq!(v["trees"].as_array().unwrap().len(), 2);
+    assert_eq!(v["samples"].as_u64(), Some(10), "five methods on two trees");
+    let h = &v["holdout"];
+    assert_eq!(h["samples"].as_u64(), Some(10), "{h}");
+    for k in ["fitted_log_error", "fitted_regret", "fitted_worst_regret"] {
+        assert!(h[k].as_f64().unwrap() >= 0.0, "{k}: {h}");
+    }
+    canopy()
+        .arg("fit-model")
+        .arg(&fit)
+        .arg("--holdout")
+        .arg(&fit)
+        .assert()
+        .failure()
+        .stderr(contains("disjoint"));
+    for p in [fit, held] {
+        let _ = std::fs::remove_file(p);
+    }
+}

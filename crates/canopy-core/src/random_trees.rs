@@ -48,6 +48,16 @@ pub fn draw(seed: u64, i: u64) -> Draw {
     }
 }
 
+/// The draw a name stands for (`ft-s7-i12:…` is draw 12 of seed 7), if the name is one
+/// [`draw`] gives: results saved with the name alone can be re-planned.
+pub fn from_name(name: &str) -> Option<Draw> {
+    let head = name.split(':').next()?;
+    let mut parts = head.rsplitn(3, '-');
+    let i = parts.next()?.strip_prefix('i')?.parse().ok()?;
+    let seed = parts.next()?.strip_prefix('s')?.parse().ok()?;
+    Some(draw(seed, i)).filter(|d| d.name == name)
+}
+
 /// Draws `0..n` of `seed`.
 pub fn draws(seed: u64, n: usize) -> Vec<Draw> {
     (0..n as u64).map(|i| draw(seed, i)).collect()
@@ -213,6 +223,18 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
+    }
+
+    #[test]
+    fn names_give_their_draws_back() {
+        for d in draws(5, 50) {
+            assert_eq!(from_name(&d.name).as_ref(), Some(&d));
+        }
+        let name = draw(5, 3).name;
+        let other_seed = name.replacen("-s5-", "-s6-", 1);
+        for bad in ["", "ft", "fasttree-4", "ft-s5-ix:levels=1", &other_seed] {
+            assert!(from_name(bad).is_none(), "{bad}");
+        }
     }
 
     #[test]
