@@ -111,7 +111,7 @@ struct SweepOutput {
 fn row(tree: TreeSummary, methods: Vec<MethodRun>) -> Result<SweepRow> {
     let find = |m: Method| methods.iter().find(|r| r.method == m);
     let (Some(auto), Some(q)) = (find(Method::Auto), find(Method::QGuided)) else {
-        bail!("--sweep compares auto with q-guided: --method must include both");
+        bail!("a sweep's row lacks auto or q-guided");
     };
     let best = methods
         .iter()
@@ -154,6 +154,9 @@ pub fn run(a: &TreeArgs) -> Result<()> {
     };
     let heads = parse_heads(a.sweep.heads_configs.as_deref().unwrap_or(DEFAULT_HEADS))?;
     let methods = Method::parse_list(&a.method)?;
+    if !(methods.contains(&Method::Auto) && methods.contains(&Method::QGuided)) {
+        bail!("--sweep compares auto with q-guided: --method must include both");
+    }
     let kind = resolve_backend(a.backend)?;
     let one = OneRank::new(a, kind)?;
     // The backends split long groups to fill the device; Q-guided keeps each path whole.

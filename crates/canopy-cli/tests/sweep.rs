@@ -83,6 +83,12 @@ fn sweep_arguments_are_checked() {
         .failure()
         .stderr(contains("cannot be used with"));
     canopy()
+        .args(["bench", "tree", "--sweep", "2", "--method", "fasttree,auto"])
+        .args(["--backend", "cpu"])
+        .assert()
+        .failure()
+        .stderr(contains("must include both"));
+    canopy()
         .args(["bench", "tree"])
         .assert()
         .failure()
