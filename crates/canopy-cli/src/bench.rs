@@ -203,6 +203,22 @@ impl World {
         }
     }
 
+    /// The rank count of a run: the MPI world size under mpirun/srun (`--ranks`, if given,
+    /// must agree), else `--ranks` or `threads` threads.
+    pub fn ranks(&self, requested: Option<usize>, threads: usize) -> Result<usize> {
+        let ranks = match (self.mpi_size(), requested) {
+            (Some(p), Some(r)) if r != p => {
+                bail!("--ranks {r} but mpirun started {p} ranks; drop --ranks or make them agree")
+            }
+            (Some(p), _) => p,
+            (None, r) => r.unwrap_or(threads),
+        };
+        if ranks == 0 {
+            bail!("--ranks must be at least 1");
+        }
+        Ok(ranks)
+    }
+
     /// The MPI world size, if this is an MPI rank.
     pub fn mpi_size(&self) -> Option<usize> {
         match self {
@@ -476,19 +492,10 @@ impl RunArgs {
 }
 
 fn attention(a: AttentionArgs) -> Result<()> {
-    if a.ranks == Some(0) {
-        bail!("--ranks must be at least 1");
-    }
     let run = &a.run;
     let backend = resolve_backend(run.backend)?;
     let world = World::new(run.launcher)?;
-    let ranks = match (world.mpi_size(), a.ranks) {
-        (Some(p), Some(r)) if r != p => {
-            bail!("--ranks {r} but mpirun started {p} ranks; drop --ranks or make them agree")
-        }
-        (Some(p), _) => p,
-        (None, r) => r.unwrap_or(4),
-    };
+    let ranks = world.ranks(a.ranks, 4)?;
     let spec = long_spec(run, a.seq_len)?;
     let Some(rows) = rows(run, &world, backend, ranks, a.seq_len)? else {
         return Ok(()); // only rank 0 reports

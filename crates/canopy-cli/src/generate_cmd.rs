@@ -119,16 +119,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         eprintln!("note: the model runtime runs on the CPU backend for now");
     }
     let world = World::new(a.launcher)?;
-    let ranks = match (world.mpi_size(), a.ranks) {
-        (Some(p), Some(r)) if r != p => {
-            bail!("--ranks {r} but mpirun started {p} ranks; drop --ranks or make them agree")
-        }
-        (Some(p), _) => p,
-        (None, r) => r.unwrap_or(1),
-    };
-    if ranks == 0 {
-        bail!("--ranks must be at least 1");
-    }
+    let ranks = world.ranks(a.ranks, 1)?;
     let path = match &a.model {
         Some(p) => p.clone(),
         None => canopy_model::default_model().context("fetching the default model")?,

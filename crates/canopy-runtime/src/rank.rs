@@ -163,7 +163,6 @@ pub fn generate<C: Collective>(
         shape.head_dim,
     )?;
     let mut attention: Option<RankAttention<CpuBackend, C>> = None;
-    let mut table = Vec::new();
     loop {
         // Draw each live sample's token from its logits.
         let mut live = Vec::new();
@@ -202,11 +201,14 @@ pub fn generate<C: Collective>(
             .collect();
         // The tree plans its own rank only and follows growth in place; the ring's shards all
         // pass every rank, so it plans them all each step.
+        // A layout planned afresh brings this rank's page table; growth in place keeps it.
         let mut changes = kv.update()?;
-        match (&merge, changes.swap_remove(rank), attention.as_mut()) {
-            (Some(_), RankChange::Grown(tails), Some(a)) => a.extend(&tails)?,
+        let table = match (&merge, changes.swap_remove(rank), attention.as_mut()) {
+            (Some(_), RankChange::Grown(tails), Some(a)) => {
+                a.extend(&tails)?;
+                None
+            }
             (Some((how, nodes)), RankChange::Fresh(view), _) => {
-                table = view.table.clone();
                 let p = plan_view(&view, req, &shape)?;
                 attention = Some(RankAttention::tree(
                     &backend,
@@ -216,22 +218,25 @@ pub fn generate<C: Collective>(
                     *how,
                     nodes.clone(),
                 )?);
+                Some(view.table)
             }
             _ => {
-                let views = kv.views();
-                table = views[rank].table.clone();
+                let mut views = kv.views();
                 attention = Some(ring_attention(&backend, comm, req, &shape, &views)?);
+                Some(views.swap_remove(rank).table)
+            }
+        };
+        if let Some(table) = table {
+            for cache in &mut caches {
+                backend.set_page_table(cache, req.page_size, &table)?;
             }
         }
         let attention = attention.as_mut().expect("planned above");
-        let page = req.page_size;
-        let table = &table;
         let mut x = layers.embed(&ids)?;
         for (l, cache) in caches.iter_mut().enumerate() {
             let qkv = layers.qkv(l, &x, &positions);
             let per = shape.kv_token_elems();
             store_rows(&backend, cache, &mine, &qkv.k, &qkv.v, per)?;
-            backend.set_page_table(cache, page, table)?;
             let q = backend.upload_queries(&shape, &qkv.q)?;
             let states = attention.attend(cache, &q)?;
             layers.finish(l, &mut x, &states.o);
