@@ -121,18 +121,20 @@ pub struct CudaBackend {
     /// Written over (or read) before each timed step that must find the caches cold, and the
     /// clean sweep's sink; allocated on first use.
     pub(crate) flush: Mutex<Option<(CudaSlice<u8>, CudaSlice<u32>)>>,
+    /// The dense layers' cuBLAS handle and scratch, made on first use.
+    pub(crate) layers: crate::layers::LayerState,
 }
 
 pub struct CudaQueries {
     pub(crate) q: CudaSlice<f32>,
-    rows: usize,
+    pub(crate) rows: usize,
 }
 
 /// Device states: `rows × heads × head_dim` outputs and `rows × heads` lse.
 pub struct CudaStates {
-    rows: usize,
-    heads: usize,
-    head_dim: usize,
+    pub(crate) rows: usize,
+    pub(crate) heads: usize,
+    pub(crate) head_dim: usize,
     pub(crate) o: CudaSlice<f32>,
     pub(crate) lse: CudaSlice<f32>,
 }
@@ -169,6 +171,7 @@ impl CudaBackend {
             pipeline: MmaPipeline::default(),
             page_size: None,
             flush: Mutex::new(None),
+            layers: Default::default(),
         })
     }
 
@@ -234,7 +237,7 @@ impl CudaBackend {
         ))
     }
 
-    fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+    pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         let mut d = self.alloc::<T>(host.len())?;
         if !host.is_empty() {
             self.stream.memcpy_htod(host, &mut d).ctx("cuMemcpyHtoD")?;
@@ -333,6 +336,22 @@ impl Backend for CudaBackend {
             .into());
         }
         Ok(self.write_bytes(kv, start, k.as_bytes(), v.as_bytes())?)
+    }
+
+    /// Installs `table` through [`CudaBackend::set_page_table`], on KV paged in `page_size`
+    /// tokens as this backend's ([`CudaBackend::with_paging`]).
+    fn set_page_table(&self, kv: &mut CudaKv, page_size: u32, table: &[u32]) -> EResult<()> {
+        match self.page_size {
+            None => Err(CudaError::Unsupported(format!(
+                "this CUDA backend stores KV contiguously; create it with with_paging({page_size}) to read KV through page tables"
+            ))
+            .into()),
+            Some(size) if size != page_size => Err(CudaError::Unsupported(format!(
+                "a page table of {page_size}-token pages for KV paged in {size}-token pages; create the backend with with_paging({page_size})"
+            ))
+            .into()),
+            Some(_) => Ok(CudaBackend::set_page_table(self, kv, table)?),
+        }
     }
 
     fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> EResult<CudaQueries> {

@@ -12,7 +12,9 @@
 //! or paged (`kv`), plan upload, re-split so one balanced wave of CTAs fills the GPU and laid
 //! out as the kernels' descriptors (`descriptors`), the split-KV flash-decoding partial kernel
 //! and the deterministic CSR merge, loaded and launched by `launch`; `timing` holds the CUDA
-//! event timings, L2 eviction and copy bandwidth.
+//! event timings, L2 eviction and copy bandwidth. It also implements the engine's `LayerOps`
+//! (`layers`): a model's dense layers on fp32 activations and bf16, f16 or f32 weights, the
+//! GEMMs on cuBLAS.
 
 mod backend;
 pub mod bench;
@@ -22,6 +24,7 @@ pub mod distributed;
 mod error;
 mod kv;
 mod launch;
+mod layers;
 pub mod nccl;
 pub mod probe;
 mod timing;
@@ -32,4 +35,5 @@ pub use descriptors::CudaPlan;
 pub use error::{CudaError, Result};
 pub use kv::CudaKv;
 pub use launch::KernelResources;
+pub use layers::{CudaTensor, CudaWeight};
 pub use probe::{probe, CudaInfo, GpuInfo};

@@ -63,12 +63,18 @@ pub trait Backend: Send + Sync {
 
     fn name(&self) -> &'static str;
     /// Storage for `tokens` tokens of K and V (`tokens × kv_heads × head_dim` each).
+    ///
+    /// KV is addressed logically, as plans address it: through the storage's page table when
+    /// it has one ([`Backend::set_page_table`]; a paged GPU backend installs a shuffled one at
+    /// allocation, to exercise paging), else token `i` is slot `i`. [`Backend::write_kv`] and
+    /// the ring's [`Backend::send_kv`] / [`Backend::recv_kv`] move logical tokens, so a shard
+    /// travels in logical order and lands in whatever pages the receiver's table names; only
+    /// `LayerOps::store_kv` addresses physical slots, where the KV manager places tokens.
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv>;
-    /// Writes `k` and `v` (whole tokens, same dtype) starting at token `start`.
+    /// Writes `k` and `v` (whole tokens, same dtype) at logical tokens `start..`.
     fn write_kv(&self, kv: &mut Self::Kv, start: usize, k: &TypedVec, v: &TypedVec) -> Result<()>;
-    /// Installs a page table on `kv`: plans then address its tokens in logical pages of
-    /// `page_size` tokens, and logical page `i` is physical page `table[i]` of the storage
-    /// (`write_kv` addresses physical tokens). A growing tree's snapshot maps its logical
+    /// Installs a page table on `kv`: logical page `i` is then physical page `table[i]` of the
+    /// storage, in pages of `page_size` tokens. A growing tree's snapshot maps its logical
     /// pages onto a pool's shared pages this way, so forks never copy a prefix.
     fn set_page_table(&self, _kv: &mut Self::Kv, _page_size: u32, _table: &[u32]) -> Result<()> {
         Err(crate::EngineError::Backend {
@@ -138,7 +144,7 @@ pub trait Backend: Send + Sync {
             })
             .collect()
     }
-    /// Sends the first `tokens` tokens of `kv` (K then V) to `peer`: the ring's KV hand-off.
+    /// Sends logical tokens `0..tokens` of `kv` (K then V) to `peer`: the ring's KV hand-off.
     fn send_kv<C: Collective>(
         &self,
         kv: &Self::Kv,
@@ -146,7 +152,7 @@ pub trait Backend: Send + Sync {
         comm: &C,
         peer: usize,
     ) -> Result<()>;
-    /// Receives `tokens` tokens from `peer` into the start of `kv`.
+    /// Receives `tokens` tokens from `peer` into logical tokens `0..tokens` of `kv`.
     fn recv_kv<C: Collective>(
         &self,
         kv: &mut Self::Kv,

@@ -27,18 +27,74 @@ pub struct CpuQueries {
 }
 
 impl CpuKv {
-    /// K and V bytes of the first `tokens` tokens.
-    fn bytes_mut(&mut self, tokens: usize) -> (&mut [u8], &mut [u8]) {
-        let n = tokens * self.shape.kv_token_bytes(self.k.dtype());
-        (
-            &mut self.k.as_bytes_mut()[..n],
-            &mut self.v.as_bytes_mut()[..n],
-        )
+    /// Tokens addressable logically: the page table's extent, or the whole storage.
+    fn logical_tokens(&self) -> usize {
+        match &self.paging {
+            None => self.tokens,
+            Some((page, table)) => table.len() * *page as usize,
+        }
     }
 
-    fn bytes(&self, tokens: usize) -> (&[u8], &[u8]) {
-        let n = tokens * self.shape.kv_token_bytes(self.k.dtype());
-        (&self.k.as_bytes()[..n], &self.v.as_bytes()[..n])
+    /// Refuses logical tokens `0..tokens` beyond what the page table maps.
+    fn check_extent(&self, tokens: usize, op: &str) -> Result<()> {
+        if tokens > self.logical_tokens() {
+            return Err(err(format!(
+                "{op} of {tokens} tokens past the {} this KV addresses",
+                self.logical_tokens()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The physical token ranges behind logical tokens `start..start + n`, in logical order:
+    /// through the page table when one is installed, else the same range.
+    fn physical(&self, start: usize, n: usize) -> Vec<std::ops::Range<usize>> {
+        let logical = start as u32..(start + n) as u32;
+        match &self.paging {
+            None => vec![start..start + n],
+            Some((page, table)) => physical_ranges(logical, *page, table)
+                .map(|r| r.start as usize..r.end as usize)
+                .collect(),
+        }
+    }
+
+    /// K and V bytes of logical tokens `0..tokens`, gathered in logical order.
+    fn gather(&self, tokens: usize) -> (Vec<u8>, Vec<u8>) {
+        let tb = self.shape.kv_token_bytes(self.k.dtype());
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for r in self.physical(0, tokens) {
+            k.extend_from_slice(&self.k.as_bytes()[r.start * tb..r.end * tb]);
+            v.extend_from_slice(&self.v.as_bytes()[r.start * tb..r.end * tb]);
+        }
+        (k, v)
+    }
+
+    /// Writes one token's `k` and `v` (in the KV's dtype) into physical slot `slot`, whatever
+    /// the page table says: where the KV manager placed that token.
+    pub(crate) fn write_slot(&mut self, slot: usize, k: &TypedVec, v: &TypedVec) -> Result<()> {
+        let per = self.shape.kv_token_elems();
+        if slot >= self.tokens || k.len() != per || v.len() != per {
+            return Err(err(format!(
+                "a write of one token ({} values) into slot {slot} of {} slots of {per}",
+                k.len(),
+                self.tokens
+            )));
+        }
+        self.k.copy_from(slot * per, k);
+        self.v.copy_from(slot * per, v);
+        Ok(())
+    }
+
+    /// Writes `k` and `v` (whole tokens' bytes) at logical tokens `start..`.
+    fn scatter(&mut self, start: usize, k: &[u8], v: &[u8]) {
+        let tb = self.shape.kv_token_bytes(self.k.dtype());
+        let mut at = 0;
+        for r in self.physical(start, k.len() / tb) {
+            let len = r.len() * tb;
+            self.k.as_bytes_mut()[r.start * tb..r.end * tb].copy_from_slice(&k[at..at + len]);
+            self.v.as_bytes_mut()[r.start * tb..r.end * tb].copy_from_slice(&v[at..at + len]);
+            at += len;
+        }
     }
 }
 
@@ -115,16 +171,8 @@ impl Backend for CpuBackend {
                 v.dtype()
             )));
         }
-        if start + k.len() / per > kv.tokens {
-            return Err(err(format!(
-                "write_kv past the end: {} + {} > {} tokens",
-                start,
-                k.len() / per,
-                kv.tokens
-            )));
-        }
-        kv.k.copy_from(start * per, k);
-        kv.v.copy_from(start * per, v);
+        kv.check_extent(start + k.len() / per, "write_kv")?;
+        kv.scatter(start, k.as_bytes(), v.as_bytes());
         Ok(())
     }
 
@@ -292,9 +340,10 @@ impl Backend for CpuBackend {
         comm: &C,
         peer: usize,
     ) -> Result<()> {
-        let (k, v) = kv.bytes(tokens);
-        comm.send(k, peer)?;
-        comm.send(v, peer)?;
+        kv.check_extent(tokens, "send_kv")?;
+        let (k, v) = kv.gather(tokens);
+        comm.send(&k, peer)?;
+        comm.send(&v, peer)?;
         Ok(())
     }
 
@@ -305,9 +354,12 @@ impl Backend for CpuBackend {
         comm: &C,
         peer: usize,
     ) -> Result<()> {
-        let (k, v) = kv.bytes_mut(tokens);
-        comm.recv(k, peer)?;
-        comm.recv(v, peer)?;
+        kv.check_extent(tokens, "recv_kv")?;
+        let n = tokens * kv.shape.kv_token_bytes(kv.k.dtype());
+        let (mut k, mut v) = (vec![0u8; n], vec![0u8; n]);
+        comm.recv(&mut k, peer)?;
+        comm.recv(&mut v, peer)?;
+        kv.scatter(0, &k, &v);
         Ok(())
     }
 }

@@ -12,6 +12,8 @@
 //! - [`strategy`]: the attention benchmark's per-rank run on top of it, and the thread-per-rank
 //!   driver.
 //! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend.
+//! - [`layer_ops`]: the dense half of a transformer layer on a backend's own tensors, which a
+//!   model drives around [`step`]'s attention.
 //! - [`report`]: the one description of a distributed run, whatever backend and transport ran
 //!   it.
 //! - [`memory`]: what a run will allocate on the host, priced before it starts, and what this
@@ -21,7 +23,10 @@ pub mod backend;
 pub mod conformance;
 pub mod cost;
 pub mod cpu;
+pub mod cpu_layers;
 mod error;
+pub mod host_ops;
+pub mod layer_ops;
 pub mod memory;
 pub mod merge;
 pub mod predict;
@@ -34,7 +39,9 @@ pub mod tree_bench;
 pub use backend::{Backend, Cache};
 pub use cost::CostModel;
 pub use cpu::CpuBackend;
+pub use cpu_layers::HostMatrix;
 pub use error::{EngineError, Result};
+pub use layer_ops::{LayerOps, ModelNeeds};
 pub use merge::{merge_across, MergeCollective};
 pub use report::{Measured, RunReport};
 pub use step::{ring_buffers, RankAttention, RingShard};

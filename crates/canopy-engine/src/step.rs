@@ -19,13 +19,13 @@ use crate::{EngineError, Result};
 use canopy_comm::Collective;
 use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail};
 
-/// What one rank holds of a ring's shard: its plan (over the shard's own addresses) and, for
-/// paged KV, the page table that maps them.
+/// What one rank knows of a ring's shard: its plan (over the shard's logical addresses) and
+/// how many logical tokens travel. A shard travels in logical order
+/// ([`Backend::send_kv`]), so its plan reads it wherever the receiver's pages put it.
 pub struct RingShard {
     pub plan: Plan,
-    /// K and V tokens the shard's storage holds (what travels).
+    /// Logical K and V tokens of the shard (what travels).
     pub tokens: usize,
-    pub page_table: Option<(u32, Vec<u32>)>,
 }
 
 /// The uploaded plans and step buffers of one rank.
@@ -209,9 +209,6 @@ impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
                     if s + 1 < p {
                         let from = &shards[(src + p - 1) % p];
                         backend.recv_kv(spare, from.tokens, comm, prev)?;
-                        if let Some((page, table)) = &from.page_table {
-                            backend.set_page_table(spare, *page, table)?;
-                        }
                     }
                 }
                 Ok(acc)

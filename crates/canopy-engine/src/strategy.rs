@@ -224,7 +224,6 @@ where
                     Ok(RingShard {
                         plan: local_plan(problem, s, cfg)?,
                         tokens: s.tokens() as usize,
-                        page_table: None,
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;

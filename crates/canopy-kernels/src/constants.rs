@@ -30,6 +30,14 @@ pub const MERGE_WARPS: usize = 8;
 /// Resident CTAs per SM the deep merge's registers are budgeted for (its launch bounds).
 pub const DEEP_MERGE_CTAS: usize = 4;
 
+/// Threads per CTA of the dense layers' kernels (`layers.cu`): the row reductions of
+/// `rms_norm` and the grid-stride element-wise kernels; `causal_attention` runs one warp per
+/// (query row, head), so this many over 32 per CTA.
+pub const LAYER_THREADS: u32 = 256;
+/// Largest head dim `causal_attention` holds (each lane keeps `head_dim / 32` elements of its
+/// query and output in registers); head dims are multiples of 32 up to this.
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+
 /// Tokens per KV tile of `decode_partial_mma`'s one-warp-per-head path: one k-chunk of P V.
 pub const HEADS_TILE: usize = 16;
 /// Shared-memory stages of the one-warp-per-head path's KV pipeline.
@@ -55,5 +63,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("CTA_ROWS", CTA_ROWS.to_string()),
         ("HEADS_ROWS", HEADS_ROWS.to_string()),
         ("HEADS_PER_CTA", HEADS_PER_CTA.to_string()),
+        ("LAYER_THREADS", LAYER_THREADS.to_string()),
+        ("ATTENTION_MAX_HEAD_DIM", ATTENTION_MAX_HEAD_DIM.to_string()),
     ]
 }

@@ -22,8 +22,9 @@ mod constants;
 mod pipeline;
 
 pub use constants::{
-    shared_defines, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, GROUP_KV_STREAMED,
-    GROUP_WORDS, HEADS_STAGES, HEADS_TILE, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS,
+    shared_defines, ATTENTION_MAX_HEAD_DIM, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS,
+    DEEP_MERGE_CTAS, GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS,
+    MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -41,10 +42,18 @@ pub enum Id {
     Merge,
     Fill,
     Combine,
+    Layers,
 }
 
 /// Every source file.
-pub const ALL_IDS: [Id; 5] = [Id::Decode, Id::DecodeMma, Id::Merge, Id::Fill, Id::Combine];
+pub const ALL_IDS: [Id; 6] = [
+    Id::Decode,
+    Id::DecodeMma,
+    Id::Merge,
+    Id::Fill,
+    Id::Combine,
+    Id::Layers,
+];
 
 impl Id {
     /// The file's name, which is also NVRTC's program name.
@@ -55,6 +64,7 @@ impl Id {
             Id::Merge => "merge.cu",
             Id::Fill => "fill.cu",
             Id::Combine => "combine.cu",
+            Id::Layers => "layers.cu",
         }
     }
 
@@ -66,6 +76,7 @@ impl Id {
             Id::Merge => include_str!("../cuda/merge.cu"),
             Id::Fill => include_str!("../cuda/fill.cu"),
             Id::Combine => include_str!("../cuda/combine.cu"),
+            Id::Layers => include_str!("../cuda/layers.cu"),
         }
     }
 
@@ -81,6 +92,16 @@ impl Id {
                 "combine_finish",
                 "combine_gathered",
                 "combine_pair",
+            ],
+            Id::Layers => &[
+                "round_to_elem",
+                "embed_rows",
+                "rms_norm",
+                "rope",
+                "swiglu",
+                "add_into",
+                "store_kv",
+                "causal_attention",
             ],
         }
     }
@@ -119,6 +140,8 @@ pub enum Variant {
     Fill(DType),
     /// The cross-rank combine kernels (f32 states).
     Combine,
+    /// The dense layers' kernels (fp32 activations) for weights and KV of `dtype`.
+    Layers(DType),
 }
 
 /// `CANOPY_DTYPE`'s value for an element type (`common.cuh`).
@@ -151,6 +174,7 @@ impl Variant {
             Variant::Merge { .. } => Id::Merge,
             Variant::Fill(_) => Id::Fill,
             Variant::Combine => Id::Combine,
+            Variant::Layers(_) => Id::Layers,
         }
     }
 
@@ -196,6 +220,7 @@ impl Variant {
             ],
             Variant::Fill(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
             Variant::Combine => vec![("CANOPY_DTYPE", "0".into())],
+            Variant::Layers(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
         }
     }
 
@@ -239,6 +264,9 @@ pub enum Kernel {
     Read,
     /// One of [`Id::Combine`]'s entries, by name.
     Combine(&'static str),
+    /// One of [`Id::Layers`]' entries, by name, for weights or KV of the dtype (the kernels
+    /// that touch neither are in every dtype's module).
+    Layers(DType, &'static str),
 }
 
 impl Kernel {
@@ -267,6 +295,7 @@ impl Kernel {
             Kernel::Fill(dtype) => Variant::Fill(dtype),
             Kernel::Read => Variant::Fill(DType::F32),
             Kernel::Combine(_) => Variant::Combine,
+            Kernel::Layers(dtype, _) => Variant::Layers(dtype),
         }
     }
 
@@ -276,7 +305,7 @@ impl Kernel {
             Kernel::Decode { .. } => "decode_partial",
             Kernel::DecodeMma { .. } => "decode_partial_mma",
             Kernel::Merge { .. } => "merge_partials",
-            Kernel::Combine(name) => name,
+            Kernel::Combine(name) | Kernel::Layers(_, name) => name,
             Kernel::Fill(_) => "fill_random",
             Kernel::Read => "read16",
         }
@@ -307,7 +336,9 @@ pub fn variants() -> impl Iterator<Item = Variant> {
             });
             mma.into_iter().chain(decode)
         });
-        std::iter::once(Variant::Fill(dtype)).chain(per_head_dim)
+        [Variant::Fill(dtype), Variant::Layers(dtype)]
+            .into_iter()
+            .chain(per_head_dim)
     });
     fixed.into_iter().chain(per_dtype)
 }
@@ -391,7 +422,13 @@ mod tests {
             Kernel::Read,
         ]
         .into_iter()
-        .chain(Id::Combine.entries().iter().map(|&e| Kernel::Combine(e)));
+        .chain(Id::Combine.entries().iter().map(|&e| Kernel::Combine(e)))
+        .chain(
+            Id::Layers
+                .entries()
+                .iter()
+                .map(|&e| Kernel::Layers(DType::Bf16, e)),
+        );
         for k in kernels {
             assert!(k.variant().entries().contains(&k.entry()), "{k:?}");
         }
@@ -403,9 +440,9 @@ mod tests {
         let names: Vec<String> = variants().map(|v| v.build("sm_90a").cache_name).collect();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len());
-        // 3 element types x (fill + 3 head dims x 4 row counts) + 2 x 2 tensor-core modules
-        // + 2 merges + combine.
-        assert_eq!(names.len(), 46);
+        // 3 element types x (fill + layers + 3 head dims x 4 row counts) + 2 x 2 tensor-core
+        // modules + 2 merges + combine.
+        assert_eq!(names.len(), 49);
     }
 
     #[test]

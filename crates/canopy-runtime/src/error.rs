@@ -1,4 +1,3 @@
-use canopy_core::DType;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -13,10 +12,12 @@ pub enum RuntimeError {
     Comm(#[from] canopy_comm::CommError),
     #[error(transparent)]
     Core(#[from] canopy_core::CoreError),
-    #[error("the CPU backend computes in f32 but the weights were loaded as {0}; load the model with DType::F32")]
-    Dtype(DType),
-    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
-    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("weight {name} has shape {shape:?} but the config implies {expected:?}; the model's files disagree with its config.json")]
+    WeightShape {
+        name: String,
+        shape: Vec<usize>,
+        expected: Vec<usize>,
+    },
     #[error("the prompt is empty; give at least one token of text")]
     EmptyPrompt,
     #[error("a prompt of {prompt} tokens plus {max_tokens} new tokens exceeds the model's capacity of {capacity} tokens; shorten the prompt or lower --max-tokens")]

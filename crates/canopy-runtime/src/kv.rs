@@ -15,8 +15,8 @@ pub struct RankView {
     pub tree: KvTree,
     /// Logical page → physical page of this rank's pool.
     pub table: Vec<u32>,
-    /// Tokens of the pool's storage that hold this rank's pages (what a ring hop sends).
-    pub stored_tokens: usize,
+    /// Logical tokens the page table maps (what a ring hop sends).
+    pub tokens: usize,
 }
 
 /// What changed for one rank in a step.
@@ -31,12 +31,7 @@ impl RankView {
     fn of(snap: &RankSnapshot, page_size: u32) -> RankView {
         let ps = page_size as usize;
         RankView {
-            stored_tokens: snap
-                .table
-                .iter()
-                .map(|&p| (p as usize + 1) * ps)
-                .max()
-                .unwrap_or(0),
+            tokens: snap.table.len() * ps,
             tree: snap.tree.clone(),
             table: snap.table.clone(),
         }
@@ -92,10 +87,12 @@ impl KvLayout {
             .map_or(0..0, |(_, t)| t.start as usize..t.end as usize)
     }
 
-    /// The physical slots of rank `rank`'s prompt chunk, in token order.
-    pub fn prompt_slots(&self, rank: usize) -> Vec<u32> {
+    /// Where rank `rank`'s prompt chunk is stored: `(row of the chunk, physical slot)`, in
+    /// token order.
+    pub fn prompt_slots(&self, rank: usize) -> Vec<(u32, u32)> {
         self.prompt_chunk(rank)
-            .map(|i| self.slot(self.root, i as u32).1)
+            .enumerate()
+            .map(|(row, i)| (row as u32, self.slot(self.root, i as u32).1))
             .collect()
     }
 

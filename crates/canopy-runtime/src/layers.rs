@@ -1,80 +1,118 @@
-//! A Llama decoder's layers on the host, around attention: everything a token's hidden state
-//! goes through except the attention itself, which depends on where the KV lives (the
-//! engine's business, see [`crate::rank`]).
+//! A Llama decoder's layers around attention, on any backend that implements
+//! [`LayerOps`]: everything a token's hidden state goes through except the attention itself,
+//! which depends on where the KV lives (the engine's business, see [`crate::rank`]).
+//!
+//! The weights are uploaded once per device ([`ModelLayers::upload`]) and shared by every
+//! rank on it; each call takes the calling rank's backend, whose stream orders its work.
 
-use crate::ops::{add_in_place, matmul, rms_norm, rope_in_place, swiglu_in_place};
 use crate::{Result, RuntimeError};
-use canopy_core::{AttnShape, TypedVec};
-use canopy_model::{HostTensor, LlamaConfig, Model};
+use canopy_core::AttnShape;
+use canopy_engine::LayerOps;
+use canopy_model::{HostTensor, LlamaConfig, Weights};
 
-/// A model's weights as f32 slices, checked once, and its RoPE frequencies.
-pub struct Layers<'m> {
-    pub config: &'m LlamaConfig,
-    embed: &'m [f32],
-    lm_head: &'m [f32],
-    norm: &'m [f32],
-    layers: Vec<LayerRefs<'m>>,
+/// A model's weights on a backend, checked once against its config, and its RoPE
+/// frequencies.
+pub struct ModelLayers<B: LayerOps> {
+    pub config: LlamaConfig,
+    embed: B::Weight,
+    /// `None` when the output projection is tied to the embedding.
+    lm_head: Option<B::Weight>,
+    norm: B::Weight,
+    layers: Vec<LayerWeights<B>>,
     inv_freq: Vec<f32>,
 }
 
-struct LayerRefs<'m> {
-    input_norm: &'m [f32],
-    q: &'m [f32],
-    k: &'m [f32],
-    v: &'m [f32],
-    o: &'m [f32],
-    post_norm: &'m [f32],
-    gate: &'m [f32],
-    up: &'m [f32],
-    down: &'m [f32],
+struct LayerWeights<B: LayerOps> {
+    input_norm: B::Weight,
+    q: B::Weight,
+    k: B::Weight,
+    v: B::Weight,
+    o: B::Weight,
+    post_norm: B::Weight,
+    gate: B::Weight,
+    up: B::Weight,
+    down: B::Weight,
 }
 
 /// The query, key and value rows of one layer for a batch of tokens, rotated.
-pub struct Qkv {
-    /// `rows × q_heads × head_dim`.
-    pub q: Vec<f32>,
-    /// `rows × kv_heads × head_dim`.
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+pub struct Qkv<B: LayerOps> {
+    /// `rows × q_heads · head_dim`.
+    pub q: B::Tensor,
+    /// `rows × kv_heads · head_dim`.
+    pub k: B::Tensor,
+    pub v: B::Tensor,
 }
 
-fn f32s(t: &HostTensor) -> Result<&[f32]> {
-    match &t.data {
-        TypedVec::F32(v) => Ok(v),
-        other => Err(RuntimeError::Dtype(other.dtype())),
+/// Uploads `t` as a `rows × cols` matrix (a vector is `1 × len`), refusing another shape.
+fn upload<B: LayerOps>(
+    backend: &B,
+    name: &str,
+    t: HostTensor,
+    rows: usize,
+    cols: usize,
+) -> Result<B::Weight> {
+    if t.len() != rows * cols {
+        return Err(RuntimeError::WeightShape {
+            name: name.to_string(),
+            shape: t.shape,
+            expected: vec![rows, cols],
+        });
     }
+    Ok(backend.upload_weight(t.data, rows, cols)?)
 }
 
-impl<'m> Layers<'m> {
-    /// The layers of `model`, whose weights must have been loaded as f32.
-    pub fn new(model: &'m Model) -> Result<Layers<'m>> {
-        let w = &model.weights;
-        let embed = f32s(&w.embed_tokens)?;
-        let layers = w
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(LayerRefs {
-                    input_norm: f32s(&l.input_norm)?,
-                    q: f32s(&l.q_proj)?,
-                    k: f32s(&l.k_proj)?,
-                    v: f32s(&l.v_proj)?,
-                    o: f32s(&l.o_proj)?,
-                    post_norm: f32s(&l.post_attention_norm)?,
-                    gate: f32s(&l.gate_proj)?,
-                    up: f32s(&l.up_proj)?,
-                    down: f32s(&l.down_proj)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Layers {
-            config: &model.config,
-            embed,
-            lm_head: f32s(w.output_projection())?,
-            norm: f32s(&w.norm)?,
+impl<B: LayerOps> ModelLayers<B> {
+    /// Uploads `weights` (shaped as `config` says) through `backend`. `on_layer` is called
+    /// after each layer, for progress.
+    pub fn upload(
+        backend: &B,
+        config: &LlamaConfig,
+        weights: Weights,
+        on_layer: &mut dyn FnMut(usize),
+    ) -> Result<ModelLayers<B>> {
+        let c = config;
+        let (h, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (qn, kvn) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let Weights {
+            embed_tokens,
             layers,
-            inv_freq: model
-                .config
+            norm,
+            lm_head,
+        } = weights;
+        let mut uploaded = Vec::with_capacity(layers.len());
+        for (i, l) in layers.into_iter().enumerate() {
+            let name = |what: &str| format!("layer {i} {what}");
+            uploaded.push(LayerWeights {
+                input_norm: upload(backend, &name("input norm"), l.input_norm, 1, h)?,
+                q: upload(backend, &name("q_proj"), l.q_proj, qn, h)?,
+                k: upload(backend, &name("k_proj"), l.k_proj, kvn, h)?,
+                v: upload(backend, &name("v_proj"), l.v_proj, kvn, h)?,
+                o: upload(backend, &name("o_proj"), l.o_proj, h, qn)?,
+                post_norm: upload(
+                    backend,
+                    &name("post-attention norm"),
+                    l.post_attention_norm,
+                    1,
+                    h,
+                )?,
+                gate: upload(backend, &name("gate_proj"), l.gate_proj, f, h)?,
+                up: upload(backend, &name("up_proj"), l.up_proj, f, h)?,
+                down: upload(backend, &name("down_proj"), l.down_proj, h, f)?,
+            });
+            on_layer(i);
+        }
+        Ok(ModelLayers {
+            config: config.clone(),
+            embed: upload(backend, "embed_tokens", embed_tokens, v, h)?,
+            lm_head: lm_head
+                .map(|t| upload(backend, "lm_head", t, v, h))
+                .transpose()?,
+            norm: upload(backend, "norm", norm, 1, h)?,
+            layers: uploaded,
+            inv_freq: config
                 .rope_inv_freq()
                 .into_iter()
                 .map(|f| f as f32)
@@ -97,72 +135,69 @@ impl<'m> Layers<'m> {
     }
 
     /// The embedding rows of `ids`: the hidden states entering layer 0.
-    pub fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        let h = self.config.hidden_size;
-        let mut x = Vec::with_capacity(ids.len() * h);
-        for &id in ids {
-            let row = self
-                .embed
-                .get(id as usize * h..(id as usize + 1) * h)
-                .ok_or(RuntimeError::TokenOutOfRange {
-                    id,
-                    vocab: self.config.vocab_size,
-                })?;
-            x.extend_from_slice(row);
-        }
+    pub fn embed(&self, b: &B, ids: &[u32]) -> Result<B::Tensor> {
+        let mut x = b.tensor(ids.len(), self.config.hidden_size)?;
+        b.embed(&self.embed, ids, &mut x)?;
         Ok(x)
     }
 
     /// Layer `l`'s rotated queries, keys and values of the hidden rows `x` at `positions`.
-    pub fn qkv(&self, l: usize, x: &[f32], positions: &[u32]) -> Qkv {
-        let c = self.config;
-        let (rows, layer) = (positions.len(), &self.layers[l]);
-        let mut normed = vec![0.0; x.len()];
-        rms_norm(x, layer.input_norm, c.rms_norm_eps as f32, &mut normed);
+    pub fn qkv(&self, b: &B, l: usize, x: &B::Tensor, positions: &[u32]) -> Result<Qkv<B>> {
+        let (c, layer) = (&self.config, &self.layers[l]);
+        let (rows, h) = b.dims(x);
+        let mut normed = b.tensor(rows, h)?;
+        b.rms_norm(x, &layer.input_norm, c.rms_norm_eps as f32, &mut normed)?;
         let (qn, kvn) = (
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
-        let mut q = vec![0.0; rows * qn];
-        let mut k = vec![0.0; rows * kvn];
-        let mut v = vec![0.0; rows * kvn];
-        matmul(&normed, rows, layer.q, qn, &mut q);
-        matmul(&normed, rows, layer.k, kvn, &mut k);
-        matmul(&normed, rows, layer.v, kvn, &mut v);
-        rope_in_place(&mut q, positions, &self.inv_freq);
-        rope_in_place(&mut k, positions, &self.inv_freq);
-        Qkv { q, k, v }
+        let mut q = b.tensor(rows, qn)?;
+        let mut k = b.tensor(rows, kvn)?;
+        let mut v = b.tensor(rows, kvn)?;
+        b.matmul(&normed, &layer.q, &mut q)?;
+        b.matmul(&normed, &layer.k, &mut k)?;
+        b.matmul(&normed, &layer.v, &mut v)?;
+        b.rope(&mut q, positions, &self.inv_freq)?;
+        b.rope(&mut k, positions, &self.inv_freq)?;
+        Ok(Qkv { q, k, v })
     }
 
     /// The rest of layer `l` in place on the hidden rows `x`, given its attention output
-    /// (`rows × q_heads × head_dim`): the output projection and residual, then the MLP and
+    /// (`rows × q_heads · head_dim`): the output projection and residual, then the MLP and
     /// its residual.
-    pub fn finish(&self, l: usize, x: &mut [f32], attn: &[f32]) {
-        let c = self.config;
-        let (h, f, layer) = (c.hidden_size, c.intermediate_size, &self.layers[l]);
-        let rows = x.len() / h;
-        let mut y = vec![0.0; rows * h];
-        matmul(attn, rows, layer.o, h, &mut y);
-        add_in_place(x, &y);
-        let mut normed = vec![0.0; rows * h];
-        rms_norm(x, layer.post_norm, c.rms_norm_eps as f32, &mut normed);
-        let mut gate = vec![0.0; rows * f];
-        let mut up = vec![0.0; rows * f];
-        matmul(&normed, rows, layer.gate, f, &mut gate);
-        matmul(&normed, rows, layer.up, f, &mut up);
-        swiglu_in_place(&mut gate, &up);
-        matmul(&gate, rows, layer.down, h, &mut y);
-        add_in_place(x, &y);
+    pub fn finish(&self, b: &B, l: usize, x: &mut B::Tensor, attn: &B::Tensor) -> Result<()> {
+        let (c, layer) = (&self.config, &self.layers[l]);
+        let (rows, h) = b.dims(x);
+        let f = c.intermediate_size;
+        let mut y = b.tensor(rows, h)?;
+        b.matmul(attn, &layer.o, &mut y)?;
+        b.add(x, &y)?;
+        let mut normed = b.tensor(rows, h)?;
+        b.rms_norm(x, &layer.post_norm, c.rms_norm_eps as f32, &mut normed)?;
+        let mut gate = b.tensor(rows, f)?;
+        let mut up = b.tensor(rows, f)?;
+        b.matmul(&normed, &layer.gate, &mut gate)?;
+        b.matmul(&normed, &layer.up, &mut up)?;
+        b.swiglu(&mut gate, &up)?;
+        b.matmul(&gate, &layer.down, &mut y)?;
+        b.add(x, &y)?;
+        Ok(())
     }
 
-    /// Next-token logits (`rows × vocab`) of the last layer's hidden rows.
-    pub fn logits(&self, x: &[f32]) -> Vec<f32> {
-        let c = self.config;
-        let rows = x.len() / c.hidden_size;
-        let mut normed = vec![0.0; x.len()];
-        rms_norm(x, self.norm, c.rms_norm_eps as f32, &mut normed);
-        let mut out = vec![0.0; rows * c.vocab_size];
-        matmul(&normed, rows, self.lm_head, c.vocab_size, &mut out);
-        out
+    /// Next-token logits (`rows × vocab`, on the host) of the last layer's hidden rows
+    /// `first..first + rows` of `x`.
+    pub fn logits(&self, b: &B, x: &B::Tensor, first: usize, rows: usize) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let mut picked = b.tensor(rows, c.hidden_size)?;
+        b.copy_rows(x, first, &mut picked)?;
+        let mut normed = b.tensor(rows, c.hidden_size)?;
+        b.rms_norm(&picked, &self.norm, c.rms_norm_eps as f32, &mut normed)?;
+        let mut out = b.tensor(rows, c.vocab_size)?;
+        b.matmul(
+            &normed,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            &mut out,
+        )?;
+        Ok(b.download_tensor(&out)?)
     }
 }

@@ -5,23 +5,23 @@
 //! layer's attention merged across ranks by the tree collectives (or the ring baseline).
 //!
 //! - [`layers`]: a decoder's layers around attention (embedding, RMSNorm, the projections,
-//!   RoPE, SwiGLU, the LM head), from a [`canopy_model::Model`]'s weights.
+//!   RoPE, SwiGLU, the LM head), from a [`canopy_model::Model`]'s weights, uploaded once to
+//!   any backend that implements [`canopy_engine::LayerOps`] (the CPU's f32 arithmetic, or a
+//!   GPU's) and shared by every rank on that device.
 //! - [`kv`]: where each token's KV lives, on the KV-cache manager ([`canopy_kv`]): the prompt
 //!   in contiguous chunks, one per rank; samples as branches that share the prompt's pages.
 //! - [`rank`]: one rank's generation: prefill, then decode steps whose attention is the
 //!   engine's [`canopy_engine::RankAttention`], over a plan of the rank's part of the tree —
 //!   so `n` parallel samples read their shared prompt once per step.
 //! - [`sampling`]: greedy, temperature, top-k and top-p, seeded per sample.
-//! - [`ops`]: the host arithmetic (f32, multi-threaded; matrix products on `gemm`).
 
 mod error;
 pub mod kv;
 pub mod layers;
-pub mod ops;
 pub mod rank;
 pub mod sampling;
 
 pub use error::{Result, RuntimeError};
-pub use layers::Layers;
+pub use layers::ModelLayers;
 pub use rank::{generate, DecodeStrategy, GenerateRequest, Generated};
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{Sampler, SamplingParams, TopTwo};

@@ -18,15 +18,14 @@
 //! and so draws the same tokens.
 
 use crate::kv::{KvLayout, RankChange, RankView};
-use crate::layers::Layers;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::layers::{ModelLayers, Qkv};
+use crate::sampling::{Sampler, SamplingParams, TopTwo};
 use crate::{Result, RuntimeError};
 use canopy_comm::{Collective, ReduceOp};
-use canopy_core::{
-    plan, AttnShape, AttnStates, DType, Method, Plan, PlannerConfig, Shard, TreeView, TypedVec,
+use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, TreeView};
+use canopy_engine::{
+    Backend, LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard,
 };
-use canopy_engine::cpu::CpuKv;
-use canopy_engine::{Backend, CpuBackend, MergeCollective, NodeLayout, RankAttention, RingShard};
 use std::time::Instant;
 
 /// How decode attention combines the ranks' shards.
@@ -55,6 +54,47 @@ pub struct GenerateRequest {
     pub method: Method,
     /// KV page size (tokens).
     pub page_size: u32,
+    /// The KV caches' dtype.
+    pub kv_dtype: DType,
+}
+
+impl GenerateRequest {
+    /// What this request asks of a backend running `ranks_here` of the world's `ranks` ranks
+    /// with `layers`' model: checked by [`LayerOps::check_model`] before the weights are
+    /// uploaded. `weight_bytes` is the size of the weights in the dtype they will have.
+    pub fn needs(
+        &self,
+        config: &canopy_model::LlamaConfig,
+        weight_dtype: DType,
+        weight_bytes: u64,
+        ranks: usize,
+        ranks_here: usize,
+    ) -> Result<ModelNeeds> {
+        let layout = KvLayout::new(
+            ranks,
+            self.page_size,
+            self.prompt.len(),
+            self.samples,
+            self.max_tokens,
+        )?;
+        Ok(ModelNeeds {
+            shape: AttnShape {
+                q_heads: config.num_attention_heads,
+                kv_heads: config.num_key_value_heads,
+                head_dim: config.head_dim,
+                scale: None,
+            },
+            hidden: config.hidden_size,
+            intermediate: config.intermediate_size,
+            vocab: config.vocab_size,
+            layers: config.num_hidden_layers,
+            weight_dtype,
+            weight_bytes,
+            kv_dtype: self.kv_dtype,
+            kv_tokens: layout.pool_tokens() * ranks_here,
+            max_rows: self.prompt.len().div_ceil(ranks).max(self.samples),
+        })
+    }
 }
 
 /// One rank's outcome: the samples' tokens (every rank has them all) and its timings.
@@ -68,14 +108,19 @@ pub struct Generated {
     pub step_s: Vec<f64>,
     /// The first token's logits (every rank has the same), for checks against a reference.
     pub first_logits: Vec<f32>,
+    /// The two most likely tokens of each step of sample 0, for checks of greedy agreement
+    /// against a reference: where its top two are close, another backend's rounding may
+    /// rightly pick the other.
+    pub top_two: Vec<TopTwo>,
 }
 
 /// Runs `req` on this rank of `comm`. Every rank of the world calls it with the same request;
 /// `on_token(sample, token)` sees each new token as it is drawn, in order, and ends that
 /// sample by returning `false` (a stop string in its text). Every rank must answer alike: the
 /// ranks hold the same tokens, so a decision made from them is.
-pub fn generate<C: Collective>(
-    layers: &Layers,
+pub fn generate<B: LayerOps, C: Collective>(
+    backend: &B,
+    layers: &ModelLayers<B>,
     req: &GenerateRequest,
     comm: &C,
     on_token: &mut dyn FnMut(usize, u32) -> bool,
@@ -94,7 +139,6 @@ pub fn generate<C: Collective>(
         });
     }
     let shape = layers.attn_shape();
-    let backend = CpuBackend;
     let mut kv = KvLayout::new(
         ranks,
         req.page_size,
@@ -102,36 +146,24 @@ pub fn generate<C: Collective>(
         req.samples,
         req.max_tokens,
     )?;
-    let pool_tokens = kv.pool_tokens();
-    // Every rank's KV pools, priced before they are allocated: ranks of one node share its
-    // memory, whether they are threads of this process or processes.
-    let pool_bytes = (pool_tokens * shape.kv_token_elems() * 2 * 4 * layers.num_layers()) as u64;
-    canopy_engine::memory::ensure_host_fits(
-        pool_bytes.saturating_mul(ranks as u64),
-        &format!("the KV cache of {ranks} rank(s) for {longest} tokens"),
-    )?;
-    let mut caches: Vec<CpuKv> = (0..layers.num_layers())
-        .map(|_| backend.alloc_kv(&shape, DType::F32, pool_tokens))
+    // The pools were priced by `LayerOps::check_model` before the weights were uploaded.
+    let mut caches: Vec<B::Kv> = (0..layers.num_layers())
+        .map(|_| backend.alloc_kv(&shape, req.kv_dtype, kv.pool_tokens()))
         .collect::<canopy_engine::Result<_>>()?;
 
     // Prefill: this rank's chunk through every layer.
     let t0 = Instant::now();
     let chunk = kv.prompt_chunk(rank);
     let positions: Vec<u32> = chunk.clone().map(|p| p as u32).collect();
-    let mut x = layers.embed(&req.prompt[chunk.clone()])?;
+    let mut x = layers.embed(backend, &req.prompt[chunk.clone()])?;
     let slots = kv.prompt_slots(rank);
+    let mut attn = backend.tensor(chunk.len(), shape.q_row_elems())?;
     for (l, cache) in caches.iter_mut().enumerate() {
-        let qkv = layers.qkv(l, &x, &positions);
-        store(
-            &backend,
-            cache,
-            &slots,
-            &qkv.k,
-            &qkv.v,
-            shape.kv_token_elems(),
-        )?;
-        let attn = prefill_attention(layers, comm, &qkv, &positions)?;
-        layers.finish(l, &mut x, &attn.o);
+        let qkv = layers.qkv(backend, l, &x, &positions)?;
+        backend.store_kv(cache, &qkv.k, &qkv.v, &slots)?;
+        let states = prefill_attention(backend, &shape, comm, &qkv, &positions)?;
+        backend.states_output(&states, &mut attn)?;
+        layers.finish(backend, l, &mut x, &attn)?;
     }
     // The prompt's last token is the last row of the last non-empty chunk.
     let last_rank = (0..ranks)
@@ -140,8 +172,7 @@ pub fn generate<C: Collective>(
         .expect("a non-empty prompt has a chunk");
     let vocab = layers.config.vocab_size;
     let mut logits = if rank == last_rank {
-        let h = layers.config.hidden_size;
-        layers.logits(&x[x.len() - h..])
+        layers.logits(backend, &x, chunk.len() - 1, 1)?
     } else {
         vec![0.0; vocab]
     };
@@ -156,19 +187,23 @@ pub fn generate<C: Collective>(
     let mut stopped = vec![false; req.samples];
     let mut step_logits: Vec<Vec<f32>> = vec![logits; req.samples];
     let mut step_s = Vec::new();
+    let mut top_two = Vec::new();
     let merge = resolve_merge(
         req.strategy,
         comm,
         req.samples * shape.q_heads,
         shape.head_dim,
     )?;
-    let mut attention: Option<RankAttention<CpuBackend, C>> = None;
+    let mut attention: Option<RankAttention<B, C>> = None;
     loop {
         // Draw each live sample's token from its logits.
         let mut live = Vec::new();
         for s in 0..req.samples {
             if stopped[s] || out[s].len() >= req.max_tokens {
                 continue;
+            }
+            if s == 0 {
+                top_two.push(TopTwo::of(&step_logits[s]));
             }
             let token = samplers[s].sample(&step_logits[s]);
             out[s].push(token);
@@ -193,11 +228,11 @@ pub fn generate<C: Collective>(
             .map(|&s| (req.prompt.len() + out[s].len() - 1) as u32)
             .collect();
         let placed = kv.append(&live)?;
-        let mine: Vec<(usize, u32)> = placed
+        let mine: Vec<(u32, u32)> = placed
             .iter()
             .enumerate()
             .filter(|(_, (r, _))| *r == rank)
-            .map(|(row, (_, slot))| (row, *slot))
+            .map(|(row, (_, slot))| (row as u32, *slot))
             .collect();
         // The tree plans its own rank only and follows growth in place; the ring's shards all
         // pass every rank, so it plans them all each step.
@@ -211,7 +246,7 @@ pub fn generate<C: Collective>(
             (Some((how, nodes)), RankChange::Fresh(view), _) => {
                 let p = plan_view(&view, req, &shape)?;
                 attention = Some(RankAttention::tree(
-                    &backend,
+                    backend,
                     comm,
                     shape,
                     &p,
@@ -222,7 +257,7 @@ pub fn generate<C: Collective>(
             }
             _ => {
                 let mut views = kv.views();
-                attention = Some(ring_attention(&backend, comm, req, &shape, &views)?);
+                attention = Some(ring_attention(backend, comm, req, &shape, &views)?);
                 Some(views.swap_remove(rank).table)
             }
         };
@@ -232,16 +267,16 @@ pub fn generate<C: Collective>(
             }
         }
         let attention = attention.as_mut().expect("planned above");
-        let mut x = layers.embed(&ids)?;
+        let mut x = layers.embed(backend, &ids)?;
         for (l, cache) in caches.iter_mut().enumerate() {
-            let qkv = layers.qkv(l, &x, &positions);
-            let per = shape.kv_token_elems();
-            store_rows(&backend, cache, &mine, &qkv.k, &qkv.v, per)?;
-            let q = backend.upload_queries(&shape, &qkv.q)?;
+            let qkv = layers.qkv(backend, l, &x, &positions)?;
+            backend.store_kv(cache, &qkv.k, &qkv.v, &mine)?;
+            let q = backend.tensor_queries(&shape, &qkv.q)?;
             let states = attention.attend(cache, &q)?;
-            layers.finish(l, &mut x, &states.o);
+            let attn = backend.upload_tensor(&states.o, ids.len(), shape.q_row_elems())?;
+            layers.finish(backend, l, &mut x, &attn)?;
         }
-        let logits = layers.logits(&x);
+        let logits = layers.logits(backend, &x, 0, ids.len())?;
         for (row, &s) in live.iter().enumerate() {
             step_logits[s] = logits[row * vocab..(row + 1) * vocab].to_vec();
         }
@@ -253,44 +288,8 @@ pub fn generate<C: Collective>(
         prefill_s,
         step_s,
         first_logits,
+        top_two,
     })
-}
-
-/// Writes keys and values of consecutive rows into `slots` of `cache`.
-fn store(
-    backend: &CpuBackend,
-    cache: &mut CpuKv,
-    slots: &[u32],
-    k: &[f32],
-    v: &[f32],
-    per: usize,
-) -> Result<()> {
-    let rows: Vec<(usize, u32)> = slots.iter().copied().enumerate().collect();
-    store_rows(backend, cache, &rows, k, v, per)
-}
-
-/// Writes row `row` of `k` and `v` into token `slot` of `cache`, for each `(row, slot)`.
-fn store_rows(
-    backend: &CpuBackend,
-    cache: &mut CpuKv,
-    rows: &[(usize, u32)],
-    k: &[f32],
-    v: &[f32],
-    per: usize,
-) -> Result<()> {
-    for &(row, slot) in rows {
-        let (kr, vr) = (
-            &k[row * per..(row + 1) * per],
-            &v[row * per..(row + 1) * per],
-        );
-        backend.write_kv(
-            cache,
-            slot as usize,
-            &TypedVec::F32(kr.to_vec()),
-            &TypedVec::F32(vr.to_vec()),
-        )?;
-    }
-    Ok(())
 }
 
 /// The tree's concrete merge, resolved once for the run: `auto` times this world's
@@ -328,20 +327,19 @@ fn plan_view(view: &RankView, req: &GenerateRequest, shape: &AttnShape) -> Resul
 }
 
 /// The ring's step: every rank's view planned, since every shard passes every rank.
-fn ring_attention<'a, C: Collective>(
-    backend: &'a CpuBackend,
+fn ring_attention<'a, B: Backend, C: Collective>(
+    backend: &'a B,
     comm: &'a C,
     req: &GenerateRequest,
     shape: &AttnShape,
     views: &[RankView],
-) -> Result<RankAttention<'a, CpuBackend, C>> {
+) -> Result<RankAttention<'a, B, C>> {
     let shards = views
         .iter()
         .map(|v| {
             Ok(RingShard {
                 plan: plan_view(v, req, shape)?,
-                tokens: v.stored_tokens,
-                page_table: Some((req.page_size, v.table.clone())),
+                tokens: v.tokens,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -349,36 +347,42 @@ fn ring_attention<'a, C: Collective>(
         backend,
         comm,
         *shape,
-        DType::F32,
+        req.kv_dtype,
         shards,
     )?)
 }
 
 /// Causal attention of this rank's chunk over the whole prompt so far: its own chunk, then
-/// every other chunk passed around the ring.
-fn prefill_attention<C: Collective>(
-    layers: &Layers,
+/// every other chunk passed around the ring (through the host: a chunk's keys, values and
+/// positions).
+fn prefill_attention<B: LayerOps, C: Collective>(
+    backend: &B,
+    shape: &AttnShape,
     comm: &C,
-    qkv: &crate::layers::Qkv,
+    qkv: &Qkv<B>,
     positions: &[u32],
-) -> Result<AttnStates> {
-    let shape = layers.attn_shape();
-    let dims = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let mut states = AttnStates::empty(positions.len(), shape.q_heads, shape.head_dim);
-    crate::ops::causal_attention(
+) -> Result<B::States> {
+    let mut states = backend.empty_states(shape, positions.len())?;
+    backend.causal_attention(
+        shape,
         &qkv.q,
         positions,
         &qkv.k,
         &qkv.v,
         positions,
-        dims,
-        &mut states.o,
-        &mut states.lse,
-    );
+        &mut states,
+    )?;
     let (rank, p) = (comm.rank(), comm.size());
+    if p == 1 {
+        return Ok(states);
+    }
     let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
     let per = shape.kv_token_elems();
-    let (mut k, mut v, mut pos) = (qkv.k.clone(), qkv.v.clone(), positions.to_vec());
+    let (mut k, mut v, mut pos) = (
+        backend.download_tensor(&qkv.k)?,
+        backend.download_tensor(&qkv.v)?,
+        positions.to_vec(),
+    );
     for _ in 1..p {
         // The block's length first, so the receiver can size its buffers.
         let len = (pos.len() as u32).to_le_bytes();
@@ -395,16 +399,11 @@ fn prefill_attention<C: Collective>(
         comm.send(bytemuck::cast_slice::<u32, u8>(&pos), next)?;
         comm.recv(bytemuck::cast_slice_mut::<u32, u8>(&mut pos2), prev)?;
         (k, v, pos) = (k2, v2, pos2);
-        crate::ops::causal_attention(
-            &qkv.q,
-            positions,
-            &k,
-            &v,
-            &pos,
-            dims,
-            &mut states.o,
-            &mut states.lse,
-        );
+        if n > 0 {
+            let kt = backend.upload_tensor(&k, n, per)?;
+            let vt = backend.upload_tensor(&v, n, per)?;
+            backend.causal_attention(shape, &qkv.q, positions, &kt, &vt, &pos, &mut states)?;
+        }
     }
     Ok(states)
 }

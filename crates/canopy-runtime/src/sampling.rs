@@ -46,7 +46,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;
         if p.temperature <= 0.0 {
-            return crate::ops::argmax(logits) as u32;
+            return argmax(logits) as u32;
         }
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -84,9 +84,64 @@ impl Sampler {
     }
 }
 
+/// The two most likely tokens of one step's logits.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct TopTwo {
+    pub token: u32,
+    pub logit: f32,
+    pub second_token: u32,
+    pub second_logit: f32,
+}
+
+impl TopTwo {
+    /// The largest logit and the largest of the rest (the first of equals, as [`argmax`]).
+    pub fn of(logits: &[f32]) -> TopTwo {
+        let first = argmax(logits);
+        let second = logits.iter().enumerate().filter(|&(i, _)| i != first).fold(
+            (first, f32::NEG_INFINITY),
+            |(bi, bv), (i, &v)| {
+                if v > bv {
+                    (i, v)
+                } else {
+                    (bi, bv)
+                }
+            },
+        );
+        TopTwo {
+            token: first as u32,
+            logit: logits.get(first).copied().unwrap_or(f32::NEG_INFINITY),
+            second_token: second.0 as u32,
+            second_logit: second.1,
+        }
+    }
+}
+
+/// The index of the largest value (the first of equals), as greedy decoding picks.
+pub fn argmax(x: &[f32]) -> usize {
+    x.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_two_names_the_two_largest() {
+        let t = TopTwo::of(&[0.5, 3.0, -1.0, 2.5, 3.0]);
+        assert_eq!((t.token, t.logit), (1, 3.0));
+        assert_eq!((t.second_token, t.second_logit), (4, 3.0));
+        let t = TopTwo::of(&[1.0, 0.0]);
+        assert_eq!((t.second_token, t.second_logit), (1, 0.0));
+    }
 
     #[test]
     fn temperature_zero_is_argmax() {
@@ -97,7 +152,7 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_seeds_repeat() {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let greedy = crate::ops::argmax(&logits) as u32;
+        let greedy = argmax(&logits) as u32;
         let params = SamplingParams {
             temperature: 0.8,
             top_k: 1,

@@ -8,9 +8,9 @@
 
 use canopy_comm::ThreadWorld;
 use canopy_core::{DType, Method};
-use canopy_engine::MergeCollective;
+use canopy_engine::{CpuBackend, MergeCollective};
 use canopy_model::{cache_dir, default_model, Model, DEFAULT_MODEL_FILE};
-use canopy_runtime::{generate, DecodeStrategy, GenerateRequest, Layers, SamplingParams};
+use canopy_runtime::{generate, DecodeStrategy, GenerateRequest, ModelLayers, SamplingParams};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -40,7 +40,10 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
     let Some(model) = model() else { return };
     let text = include_str!("../../../tests/fixtures/smollm2/reference.json");
     let reference: Value = serde_json::from_str(text).unwrap();
-    let layers = Layers::new(&model).unwrap();
+    let Model {
+        config, weights, ..
+    } = model;
+    let layers = ModelLayers::upload(&CpuBackend, &config, weights, &mut |_| {}).unwrap();
     let prompts = reference["prompts"].as_array().unwrap();
     assert!(prompts.len() >= 8);
     for (i, p) in prompts.iter().enumerate() {
@@ -50,15 +53,16 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
             samples: 1,
             sampling: SamplingParams::default(),
             seed: 0,
-            stop_tokens: model.config.eos_token_ids.clone(),
+            stop_tokens: config.eos_token_ids.clone(),
             strategy: DecodeStrategy::Tree(MergeCollective::Allreduce2),
             method: Method::Auto,
             page_size: 16,
+            kv_dtype: DType::F32,
         };
         // Every other prompt sharded over two ranks.
         let ranks = 1 + i % 2;
         let outs = ThreadWorld::run(ranks, Duration::from_secs(300), |comm| {
-            generate(&layers, &req, &comm, &mut |_, _| true)
+            generate(&CpuBackend, &layers, &req, &comm, &mut |_, _| true)
         });
         let out = outs.into_iter().next().unwrap().expect("generation runs");
         let want = ids(&p["greedy_tokens"]);
@@ -69,7 +73,7 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
         );
         let last = &p["last_logits"];
         assert_eq!(
-            canopy_runtime::ops::argmax(&out.first_logits) as u64,
+            canopy_runtime::sampling::argmax(&out.first_logits) as u64,
             last["argmax"].as_u64().unwrap()
         );
         for (j, w) in last["first_64"].as_array().unwrap().iter().enumerate() {

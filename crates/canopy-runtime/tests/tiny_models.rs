@@ -7,10 +7,10 @@
 
 use canopy_comm::ThreadWorld;
 use canopy_core::{DType, Method};
-use canopy_engine::MergeCollective;
+use canopy_engine::{CpuBackend, MergeCollective};
 use canopy_model::Model;
 use canopy_runtime::{
-    generate, DecodeStrategy, GenerateRequest, Generated, Layers, SamplingParams,
+    generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams,
 };
 use serde_json::Value;
 use std::path::PathBuf;
@@ -54,13 +54,24 @@ fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> Genera
         strategy,
         method: Method::Auto,
         page_size: 16,
+        kv_dtype: DType::F32,
     }
 }
 
+fn layers(model: &Model) -> ModelLayers<CpuBackend> {
+    ModelLayers::upload(
+        &CpuBackend,
+        &model.config,
+        model.weights.clone(),
+        &mut |_| {},
+    )
+    .expect("the weights upload")
+}
+
 /// `req` on `ranks` threads; every rank must end with the same tokens.
-fn run(layers: &Layers, req: &GenerateRequest, ranks: usize) -> Generated {
+fn run(layers: &ModelLayers<CpuBackend>, req: &GenerateRequest, ranks: usize) -> Generated {
     let outs = ThreadWorld::run(ranks, Duration::from_secs(120), |comm| {
-        generate(layers, req, &comm, &mut |_, _| true)
+        generate(&CpuBackend, layers, req, &comm, &mut |_, _| true)
     });
     let outs: Vec<Generated> = outs.into_iter().map(|r| r.expect("the rank ran")).collect();
     for o in &outs[1..] {
@@ -83,7 +94,7 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
 fn one_rank_matches_transformers() {
     for variant in VARIANTS {
         let (model, reference) = fixture(variant);
-        let layers = Layers::new(&model).unwrap();
+        let layers = layers(&model);
         for p in reference["prompts"].as_array().unwrap() {
             let req = request(
                 ids(&p["token_ids"]),
@@ -101,7 +112,7 @@ fn one_rank_matches_transformers() {
 #[test]
 fn sharded_equals_unsharded_for_every_strategy() {
     let (model, reference) = fixture("llama3-hd128");
-    let layers = Layers::new(&model).unwrap();
+    let layers = layers(&model);
     let prompts = reference["prompts"].as_array().unwrap();
     let strategies = [
         DecodeStrategy::Tree(MergeCollective::Allreduce3),
@@ -132,7 +143,7 @@ fn sharded_equals_unsharded_for_every_strategy() {
 #[test]
 fn parallel_samples_at_temperature_zero_are_the_greedy_text() {
     let (model, reference) = fixture("gqa-hd64");
-    let layers = Layers::new(&model).unwrap();
+    let layers = layers(&model);
     let p = &reference["prompts"].as_array().unwrap()[2];
     let want = ids(&p["greedy_tokens"]);
     for ranks in [1, 2] {
@@ -154,7 +165,7 @@ fn parallel_samples_at_temperature_zero_are_the_greedy_text() {
 #[test]
 fn each_seeded_sample_equals_its_seed_decoded_alone() {
     let (model, reference) = fixture("tied-mha-hd64");
-    let layers = Layers::new(&model).unwrap();
+    let layers = layers(&model);
     let prompt = ids(&reference["prompts"].as_array().unwrap()[1]["token_ids"]);
     let sampling = SamplingParams {
         temperature: 0.9,

@@ -1,4 +1,4 @@
-//! The model's arithmetic on the host, in f32: the CPU backend's layers.
+//! The model's arithmetic on the host, in f32: what the CPU backend's [`crate::LayerOps`] run.
 //!
 //! Matrices are row-major, a linear layer's weight `[out, in]` as transformers stores it, so
 //! `y = x · Wᵀ`. Every op follows transformers' Llama in f32: RMSNorm scales by
@@ -151,20 +151,6 @@ pub fn causal_attention(
             let block_lse = if sum > 0.0 { max + sum.ln() } else { EMPTY_LSE };
             merge_state(o, lse, &block, block_lse);
         });
-}
-
-/// The index of the largest value (the first of equals), as greedy decoding picks.
-pub fn argmax(x: &[f32]) -> usize {
-    x.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-            if v > bv {
-                (i, v)
-            } else {
-                (bi, bv)
-            }
-        })
-        .0
 }
 
 #[cfg(test)]

@@ -1,0 +1,508 @@
+//! The engine's [`LayerOps`] on the CUDA backend: a Llama model's dense layers on the GPU.
+//!
+//! Activations ([`CudaTensor`]) are fp32 device matrices; weights ([`CudaWeight`]) keep the
+//! dtype they were uploaded in (bf16 by default, f16 or f32), as does the KV cache. The GEMMs
+//! run on cuBLAS ([`gemm`]); every other op is a kernel of `layers.cu` (the kernel registry's
+//! [`Kernel::Layers`]) in fp32, its weight or KV operand widened on load or narrowed on store.
+//! Only token ids, positions, RoPE frequencies and KV slots come from the host, one small copy
+//! per call; the attention of a block of query rows merges into states that the decode path's
+//! kernels share ([`CudaStates`]).
+//!
+//! Every op checks its operands' shapes before it launches anything and returns an error on a
+//! mismatch: a caller's bug is reported, never a kernel reading past a buffer.
+
+mod attention;
+mod gemm;
+
+pub(crate) use gemm::LayerState;
+
+use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
+use crate::error::{CudaError, DriverContext, Result};
+use crate::kv::CudaKv;
+use canopy_core::shape::SUPPORTED_HEAD_DIMS;
+use canopy_core::{AttnShape, DType, TypedVec};
+use canopy_engine::{LayerOps, ModelNeeds};
+use canopy_kernels::{Kernel, LAYER_THREADS};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Grid-stride CTAs per SM of the element-wise kernels: enough resident warps to hide memory
+/// latency, few enough that each thread loops over several elements of a large tensor.
+const ELEMENTWISE_CTAS_PER_SM: usize = 8;
+/// Device memory [`LayerOps::check_model`] keeps free beyond its estimate: cuBLAS's workspace,
+/// the kernel modules, the decode plans and the driver's own allocations.
+const RESERVE_BYTES: u64 = 512 << 20;
+
+/// Activations: a row-major `rows × cols` fp32 matrix in device memory.
+pub struct CudaTensor {
+    pub(crate) data: CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+/// A weight: a row-major `rows × cols` matrix in device memory, in the dtype it was uploaded in.
+pub struct CudaWeight {
+    pub(crate) data: CudaSlice<u8>,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaWeight {
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `(rows, cols)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+}
+
+/// Refuses an op on operands whose sizes disagree.
+fn same(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(CudaError::Unsupported(format!(
+            "{op}: {what} is {got}, expected {want}"
+        )))
+    }
+}
+
+/// Refuses a tensor whose `(rows, cols)` differ from `want`'s.
+fn same_dims(op: &str, what: &str, t: &CudaTensor, want: (usize, usize)) -> Result<()> {
+    if (t.rows, t.cols) == want {
+        Ok(())
+    } else {
+        Err(CudaError::Unsupported(format!(
+            "{op}: {what} is {} × {}, expected {} × {}",
+            t.rows, t.cols, want.0, want.1
+        )))
+    }
+}
+
+/// A kernel size argument as the kernels' `u32`.
+fn narrow(op: &str, n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| {
+        CudaError::Unsupported(format!(
+            "{op}: a size of {n} is past the kernels' 32-bit indices; use smaller chunks"
+        ))
+    })
+}
+
+/// Device bytes of one forward pass's activations at `needs.max_rows` rows, the buffers a
+/// layer holds at once.
+fn activation_bytes(needs: &ModelNeeds) -> u64 {
+    let s = &needs.shape;
+    let floats = 3 * needs.hidden // the residual stream, its norm, a projection's output
+        + 3 * s.q_row_elems() // q, the states' o, the attention output
+        + s.q_heads // the states' lse
+        + 4 * s.kv_token_elems() // k and v, and another rank's block in flight
+        + 2 * needs.intermediate // the MLP's gate and up
+        + needs.vocab; // the logits
+    let rounded = 2 * needs.hidden.max(needs.intermediate); // a 16-bit GEMM's input
+    (needs.max_rows * (4 * floats + rounded)) as u64
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+impl CudaBackend {
+    /// A grid-stride launch over `n` elements.
+    fn elementwise(&self, n: usize) -> LaunchConfig {
+        let most = self.gpu.multiprocessors as usize * ELEMENTWISE_CTAS_PER_SM;
+        LaunchConfig {
+            grid_dim: (
+                n.div_ceil(LAYER_THREADS as usize).clamp(1, most) as u32,
+                1,
+                1,
+            ),
+            block_dim: (LAYER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn check_model_needs(&self, needs: &ModelNeeds) -> Result<()> {
+        let s = &needs.shape;
+        if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
+            return Err(CudaError::Unsupported(format!(
+                "the model's {} query heads cannot share its {} KV heads evenly; it is not a grouped-query Llama this backend runs",
+                s.q_heads, s.kv_heads
+            )));
+        }
+        // The decode kernels are built for these head dims; the prefill attention and RoPE
+        // (pairs of columns) hold every one of them.
+        if !SUPPORTED_HEAD_DIMS.contains(&s.head_dim) || !attention::holds(s.head_dim) {
+            return Err(CudaError::Unsupported(format!(
+                "the model's head dim {} is not one the CUDA kernels are built for ({SUPPORTED_HEAD_DIMS:?}); run it with --backend cpu",
+                s.head_dim
+            )));
+        }
+        // Every DType (f32, f16, bf16) is one the kernels and cuBLAS take; bf16 GEMMs need
+        // Ampere or later.
+        if needs.weight_dtype == DType::Bf16 && self.gpu.compute_capability.0 < 8 {
+            return Err(CudaError::Unsupported(format!(
+                "GPU {} ({}) has no bf16 GEMMs (compute capability {}.{}); load the weights in f16 or f32",
+                self.gpu.ordinal,
+                self.gpu.name,
+                self.gpu.compute_capability.0,
+                self.gpu.compute_capability.1
+            )));
+        }
+        if !gemm::cublas_present() {
+            return Err(gemm::no_cublas());
+        }
+        let (weights, kv, activations) = (
+            needs.weight_bytes,
+            needs.kv_bytes(),
+            activation_bytes(needs),
+        );
+        let total = weights + kv + activations + RESERVE_BYTES;
+        let free = self.free_bytes()?;
+        if total > free {
+            return Err(CudaError::Unsupported(format!(
+                "the model needs {:.2} GiB on GPU {} (weights {:.2}, KV cache {:.2}, activations {:.2}, reserve {:.2}) but {:.2} GiB are free; use 16-bit weights, fewer tokens (a shorter prompt or --max-tokens), fewer samples (--n), or more ranks to share the KV cache",
+                gib(total),
+                self.gpu.ordinal,
+                gib(weights),
+                gib(kv),
+                gib(activations),
+                gib(RESERVE_BYTES),
+                gib(free)
+            )));
+        }
+        Ok(())
+    }
+
+    fn embed_rows(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> Result<()> {
+        same_dims("embed", "the output", out, (ids.len(), table.cols))?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(CudaError::Unsupported(format!(
+                "embed: token id {id} is outside the embedding table of {} rows; the tokenizer and the model disagree",
+                table.rows
+            )));
+        }
+        let n = ids.len() * table.cols;
+        if n == 0 {
+            return Ok(());
+        }
+        let (rows, cols) = (narrow("embed", ids.len())?, narrow("embed", table.cols)?);
+        let ids = self.upload(ids)?;
+        let f = self.function(Kernel::Layers(table.dtype, "embed_rows"))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&table.data)
+            .arg(&ids)
+            .arg(&mut out.data)
+            .arg(&rows)
+            .arg(&cols);
+        // SAFETY: every id is below the table's rows (checked), and out holds rows × cols.
+        unsafe { b.launch(self.elementwise(n)) }.ctx("launching embed_rows")?;
+        Ok(())
+    }
+
+    fn rms_norm_rows(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        same(
+            "rms_norm",
+            "the weight's length",
+            weight.rows * weight.cols,
+            x.cols,
+        )?;
+        same_dims("rms_norm", "the output", out, (x.rows, x.cols))?;
+        if x.rows == 0 || x.cols == 0 {
+            return Ok(());
+        }
+        let (rows, cols) = (narrow("rms_norm", x.rows)?, narrow("rms_norm", x.cols)?);
+        let f = self.function(Kernel::Layers(weight.dtype, "rms_norm"))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&x.data)
+            .arg(&weight.data)
+            .arg(&mut out.data)
+            .arg(&cols)
+            .arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows, 1, 1),
+            block_dim: (LAYER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one CTA per row of x and out (rows × cols each); the weight has cols elements.
+        unsafe { b.launch(cfg) }.ctx("launching rms_norm")?;
+        Ok(())
+    }
+
+    fn rope_rows(&self, x: &mut CudaTensor, positions: &[u32], inv_freq: &[f32]) -> Result<()> {
+        same("rope", "the number of positions", positions.len(), x.rows)?;
+        let half = inv_freq.len();
+        if half == 0 || !x.cols.is_multiple_of(2 * half) {
+            return Err(CudaError::Unsupported(format!(
+                "rope: rows of {} values are not whole heads of {}",
+                x.cols,
+                2 * half
+            )));
+        }
+        if x.rows == 0 {
+            return Ok(());
+        }
+        let (rows, cols, half_) = (
+            narrow("rope", x.rows)?,
+            narrow("rope", x.cols)?,
+            narrow("rope", half)?,
+        );
+        let positions = self.upload(positions)?;
+        let inv_freq = self.upload(inv_freq)?;
+        let f = self.function(Kernel::Layers(DType::F32, "rope"))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut x.data)
+            .arg(&positions)
+            .arg(&inv_freq)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&half_);
+        // SAFETY: rows × cols / 2 pairs of x, each within its row; one position per row and
+        // `half` frequencies.
+        unsafe { b.launch(self.elementwise(x.rows * x.cols / 2)) }.ctx("launching rope")?;
+        Ok(())
+    }
+
+    /// `a = f(a, b)` element by element, for the kernels of that signature.
+    fn binary(
+        &self,
+        op: &str,
+        entry: &'static str,
+        a: &mut CudaTensor,
+        b: &CudaTensor,
+    ) -> Result<()> {
+        same_dims(op, "the second operand", b, (a.rows, a.cols))?;
+        let n = a.rows * a.cols;
+        if n == 0 {
+            return Ok(());
+        }
+        let len = n as u64;
+        let f = self.function(Kernel::Layers(DType::F32, entry))?;
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&mut a.data).arg(&b.data).arg(&len);
+        // SAFETY: both operands hold n floats.
+        unsafe { l.launch(self.elementwise(n)) }.ctx(format!("launching {entry}"))?;
+        Ok(())
+    }
+
+    fn store_rows(
+        &self,
+        kv: &mut CudaKv,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        rows: &[(u32, u32)],
+    ) -> Result<()> {
+        let width = kv.shape.kv_token_elems();
+        same("store_kv", "the width of k", k.cols, width)?;
+        same_dims("store_kv", "v", v, (k.rows, k.cols))?;
+        // Physical slots of the pool (a paged pool's pages, whatever its page table says).
+        let pool = kv.k.len() / kv.bytes_of(1).max(1);
+        if let Some(&(row, slot)) = rows
+            .iter()
+            .find(|&&(row, slot)| row as usize >= k.rows || slot as usize >= pool)
+        {
+            return Err(CudaError::Unsupported(format!(
+                "store_kv: row {row} to slot {slot} is outside k's {} rows or the KV pool of {pool} tokens",
+                k.rows
+            )));
+        }
+        if rows.is_empty() || width == 0 {
+            return Ok(());
+        }
+        let (count, width_) = (narrow("store_kv", rows.len())?, narrow("store_kv", width)?);
+        let pairs: Vec<u32> = rows.iter().flat_map(|&(row, slot)| [row, slot]).collect();
+        let pairs = self.upload(&pairs)?;
+        let f = self.function(Kernel::Layers(kv.dtype, "store_kv"))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&k.data)
+            .arg(&v.data)
+            .arg(&pairs)
+            .arg(&mut kv.k)
+            .arg(&mut kv.v)
+            .arg(&count)
+            .arg(&width_);
+        // SAFETY: every row is one of k's and v's (rows × width floats each) and every slot
+        // one of the pool's, whose K and V hold `pool` tokens of `width` elements of the KV's
+        // dtype (both checked).
+        unsafe { b.launch(self.elementwise(rows.len() * width)) }.ctx("launching store_kv")?;
+        Ok(())
+    }
+}
+
+impl LayerOps for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+
+    fn preferred_dtype(&self) -> DType {
+        DType::Bf16
+    }
+
+    /// Refuses head dims the kernels are not built for (every supported one is even, as RoPE
+    /// needs), uneven GQA, bf16 weights on a GPU without bf16 GEMMs, a missing cuBLAS, and a
+    /// model whose weights, KV cache and activations do not fit the GPU's free memory.
+    fn check_model(&self, needs: &ModelNeeds) -> EResult<()> {
+        Ok(self.check_model_needs(needs)?)
+    }
+
+    /// Waits for the copy, so that backends on other streams of the device (ranks sharing
+    /// the GPU) may read the weight as soon as this returns.
+    fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> EResult<CudaWeight> {
+        same(
+            "upload_weight",
+            "the element count",
+            data.len(),
+            rows * cols,
+        )?;
+        let weight = CudaWeight {
+            data: self.upload(data.as_bytes())?,
+            dtype: data.dtype(),
+            rows,
+            cols,
+        };
+        self.stream.synchronize().ctx("cuStreamSynchronize")?;
+        Ok(weight)
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> EResult<CudaTensor> {
+        let data = self
+            .stream
+            .alloc_zeros::<f32>((rows * cols).max(1))
+            .ctx(format!("allocating {} bytes", rows * cols * 4))?;
+        Ok(CudaTensor { data, rows, cols })
+    }
+
+    fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> EResult<CudaTensor> {
+        same(
+            "upload_tensor",
+            "the element count",
+            data.len(),
+            rows * cols,
+        )?;
+        Ok(CudaTensor {
+            data: self.upload(data)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn download_tensor(&self, t: &CudaTensor) -> EResult<Vec<f32>> {
+        let mut host = self.stream.clone_dtoh(&t.data).ctx("cuMemcpyDtoH")?;
+        self.stream.synchronize().ctx("cuStreamSynchronize")?;
+        host.truncate(t.rows * t.cols);
+        Ok(host)
+    }
+
+    fn dims(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn copy_rows(&self, src: &CudaTensor, first: usize, out: &mut CudaTensor) -> EResult<()> {
+        same("copy_rows", "the output's columns", out.cols, src.cols)?;
+        if first + out.rows > src.rows {
+            return Err(CudaError::Unsupported(format!(
+                "copy_rows: rows {first}..{} of a tensor of {} rows",
+                first + out.rows,
+                src.rows
+            ))
+            .into());
+        }
+        let (at, n) = (first * src.cols, out.rows * out.cols);
+        if n > 0 {
+            self.stream
+                .memcpy_dtod(&src.data.slice(at..at + n), &mut out.data.slice_mut(..n))
+                .ctx("cuMemcpyDtoDAsync")?;
+        }
+        Ok(())
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> EResult<()> {
+        Ok(self.embed_rows(table, ids, out)?)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        weight: &CudaWeight,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> EResult<()> {
+        Ok(self.rms_norm_rows(x, weight, eps, out)?)
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
+        same("matmul", "the weight's columns", w.cols, x.cols)?;
+        same_dims("matmul", "the output", out, (x.rows, w.rows))?;
+        Ok(self.gemm(x, w, out)?)
+    }
+
+    fn rope(&self, x: &mut CudaTensor, positions: &[u32], inv_freq: &[f32]) -> EResult<()> {
+        Ok(self.rope_rows(x, positions, inv_freq)?)
+    }
+
+    fn swiglu(&self, gate: &mut CudaTensor, up: &CudaTensor) -> EResult<()> {
+        Ok(self.binary("swiglu", "swiglu", gate, up)?)
+    }
+
+    fn add(&self, acc: &mut CudaTensor, x: &CudaTensor) -> EResult<()> {
+        Ok(self.binary("add", "add_into", acc, x)?)
+    }
+
+    fn store_kv(
+        &self,
+        kv: &mut CudaKv,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        rows: &[(u32, u32)],
+    ) -> EResult<()> {
+        Ok(self.store_rows(kv, k, v, rows)?)
+    }
+
+    fn tensor_queries(&self, shape: &AttnShape, q: &CudaTensor) -> EResult<CudaQueries> {
+        same(
+            "tensor_queries",
+            "the query width",
+            q.cols,
+            shape.q_row_elems(),
+        )?;
+        Ok(CudaQueries {
+            q: self.stream.clone_dtod(&q.data).ctx("cuMemcpyDtoDAsync")?,
+            rows: q.rows,
+        })
+    }
+
+    fn empty_states(&self, shape: &AttnShape, rows: usize) -> EResult<CudaStates> {
+        Ok(self.empty(shape, rows)?)
+    }
+
+    fn causal_attention(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &[u32],
+        k: &CudaTensor,
+        v: &CudaTensor,
+        k_pos: &[u32],
+        states: &mut CudaStates,
+    ) -> EResult<()> {
+        Ok(self.attend_block(shape, q, q_pos, k, v, k_pos, states)?)
+    }
+
+    fn states_output(&self, states: &CudaStates, out: &mut CudaTensor) -> EResult<()> {
+        let cols = states.heads * states.head_dim;
+        same_dims("states_output", "the output", out, (states.rows, cols))?;
+        let n = states.rows * cols;
+        if n > 0 {
+            self.stream
+                .memcpy_dtod(&states.o.slice(..n), &mut out.data.slice_mut(..n))
+                .ctx("cuMemcpyDtoDAsync")?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,175 @@
+//! The dense layers' GEMMs on cuBLAS: `out = x · wᵀ` with fp32 activations and weights in
+//! their stored dtype.
+//!
+//! A 16-bit weight multiplies its activation rounded to the same dtype (a small kernel writes
+//! the rounded copy into a scratch buffer kept between calls) and accumulates in fp32 into an
+//! fp32 output, as a model's bf16 GEMMs do. An f32 weight runs in pedantic fp32: neither TF32
+//! nor cuBLAS's bf16 emulation of fp32 may round its operands.
+//!
+//! cuBLAS is column-major. A row-major `[r × c]` matrix is the column-major `[c × r]` one, so
+//! the row-major `out[rows × n] = x[rows × k] · w[n × k]ᵀ` is, column-major,
+//! `outᶜ[n × rows] = op_T(wᶜ[k × n]) · xᶜ[k × rows]`: A is `w` transposed (lda = k), B is `x`
+//! as it is (ldb = k), C is `out` (ldc = n).
+
+use super::{CudaTensor, CudaWeight};
+use crate::backend::CudaBackend;
+use crate::error::{CudaError, DriverContext, Result};
+use canopy_core::DType;
+use canopy_kernels::Kernel;
+use cudarc::cublas::result::CublasError;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// The backend's dense-layer state: one cuBLAS handle on the backend's stream and the
+/// rounded-activation scratch, both made on first use (a backend that never runs a model
+/// never loads cuBLAS). One lock covers both, so a GEMM's scratch is not rewritten by another
+/// thread's before cuBLAS has read it (one stream orders the device side).
+#[derive(Default)]
+pub(crate) struct LayerState {
+    gemm: Mutex<Option<Gemm>>,
+}
+
+struct Gemm {
+    blas: CudaBlas,
+    scratch: Option<CudaSlice<u16>>,
+}
+
+/// Whether libcublas can be loaded (never panics: cudarc panics on first use otherwise).
+pub(crate) fn cublas_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+pub(super) fn no_cublas() -> CudaError {
+    CudaError::Unsupported(
+        "cuBLAS (libcublas.so and libcublasLt.so) could not be loaded; add the CUDA toolkit's lib folder (e.g. /usr/local/cuda/lib64) to LD_LIBRARY_PATH".into(),
+    )
+}
+
+fn cublas_failed(call: &str, e: CublasError) -> CudaError {
+    CudaError::Unsupported(format!(
+        "cuBLAS {call} failed ({e}); check that the GPU supports the weights' dtype (bf16 needs compute capability 8.0 or later) and that the CUDA toolkit matches the driver"
+    ))
+}
+
+fn cuda_type(dtype: DType) -> cudaDataType {
+    match dtype {
+        DType::F32 => cudaDataType::CUDA_R_32F,
+        DType::F16 => cudaDataType::CUDA_R_16F,
+        DType::Bf16 => cudaDataType::CUDA_R_16BF,
+    }
+}
+
+/// A GEMM dimension as cuBLAS's `int`.
+fn dim(what: &str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| {
+        CudaError::Unsupported(format!(
+            "matmul: {what} of {n} is past cuBLAS's 32-bit dimensions; split the matrix"
+        ))
+    })
+}
+
+impl CudaBackend {
+    /// `out = x · wᵀ` (shapes checked by the caller): see the module notes.
+    pub(crate) fn gemm(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> Result<()> {
+        let (rows, k, n) = (x.rows, x.cols, w.rows);
+        if rows == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            // An empty sum (cuBLAS refuses a leading dimension of 0).
+            return self
+                .stream
+                .memset_zeros(&mut out.data)
+                .ctx("cuMemsetD8Async");
+        }
+        let (m_, n_, k_) = (
+            dim("a weight's rows", n)?,
+            dim("rows", rows)?,
+            dim("width", k)?,
+        );
+        let mut guard = self.layers.gemm.lock().unwrap_or_else(|p| p.into_inner());
+        let gemm = match guard.as_mut() {
+            Some(g) => g,
+            None => {
+                if !cublas_present() {
+                    return Err(no_cublas());
+                }
+                let blas = CudaBlas::new(self.stream.clone())
+                    .map_err(|e| cublas_failed("cublasCreate", e))?;
+                guard.insert(Gemm {
+                    blas,
+                    scratch: None,
+                })
+            }
+        };
+        let s = &self.stream;
+        // The activation operand: x itself for f32 weights, else x rounded into the scratch.
+        let (b_ptr, compute) = match w.dtype {
+            DType::F32 => (
+                x.data.device_ptr(s).0,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+            ),
+            DType::F16 | DType::Bf16 => {
+                let len = rows * k;
+                let scratch = match gemm.scratch.take() {
+                    Some(kept) if kept.len() >= len => kept,
+                    // Freed (stream-ordered) before its larger replacement is allocated.
+                    small => {
+                        drop(small);
+                        self.alloc::<u16>(len)?
+                    }
+                };
+                let scratch = gemm.scratch.insert(scratch);
+                let f = self.function(Kernel::Layers(w.dtype, "round_to_elem"))?;
+                let len = len as u64;
+                let mut b = s.launch_builder(&f);
+                b.arg(&x.data).arg(&mut *scratch).arg(&len);
+                // SAFETY: reads `len` floats of x and writes `len` elements of the scratch,
+                // which holds at least that many.
+                unsafe { b.launch(self.elementwise(len as usize)) }
+                    .ctx("launching round_to_elem")?;
+                (
+                    scratch.device_ptr(s).0,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                )
+            }
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (a_ptr, _) = w.data.device_ptr(s);
+        let (c_ptr, _) = out.data.device_ptr_mut(s);
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: A is w's n × k elements of its dtype, B is rows × k elements of the same
+        // dtype (x or its rounded copy), C is out's rows × n floats: the leading dimensions
+        // and sizes of the module notes, within the buffers (the caller checked the shapes).
+        // alpha and beta are host floats, cuBLAS's default pointer mode and the scale type of
+        // a 32F compute type.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *gemm.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m_,
+                n_,
+                k_,
+                &alpha as *const f32 as *const c_void,
+                a_ptr as *const c_void,
+                cuda_type(w.dtype),
+                k_,
+                b_ptr as *const c_void,
+                cuda_type(w.dtype),
+                k_,
+                &beta as *const f32 as *const c_void,
+                c_ptr as *mut c_void,
+                cudaDataType::CUDA_R_32F,
+                m_,
+                compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| cublas_failed("cublasGemmEx", e))
+    }
+}

@@ -1,0 +1,472 @@
+//! The CUDA backend's `LayerOps` against the CPU backend's, op by op, on fresh random inputs.
+//!
+//! Each check runs one generic routine on both backends and compares what comes back: the
+//! same host inputs (random, never zero), outputs poisoned with NaN before every op, so that
+//! an element a kernel fails to write shows. GEMMs are also held to an f64 reference that
+//! rounds the activation to the weight's dtype, as the GPU's 16-bit GEMMs do (the CPU
+//! multiplies the f32 activation, so its distance to the GPU is that rounding). The KV store
+//! goes through a paged pool and the decode kernels read it back, so `store_kv`,
+//! `tensor_queries` and the page tables are checked together.
+//!
+//! Without a GPU (no driver, no device, no NVRTC) every test prints why and passes. The seed
+//! is printed; `CANOPY_TEST_SEED` repeats a run.
+
+use canopy_comm::{Collective, ThreadWorld};
+use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
+use canopy_cuda::{CudaBackend, CudaError};
+use canopy_engine::{Backend, CpuBackend, LayerOps, ModelNeeds, Result};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::Duration;
+
+/// A backend on GPU 0, or `None` (with a note) on a machine that cannot run one.
+fn gpu(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e @ (CudaError::NoDriver | CudaError::NoDevice(_) | CudaError::NoNvrtc)) => {
+            eprintln!("{test}: skipped, no GPU to run on ({e})");
+            None
+        }
+        Err(e) => panic!("{test}: creating the CUDA backend: {e}"),
+    }
+}
+
+fn rng(test: &str) -> ChaCha8Rng {
+    let seed = std::env::var("CANOPY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+    eprintln!("{test}: CANOPY_TEST_SEED={seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// `n` values of magnitude in `[scale / 20, scale)`, of either sign: never zero.
+fn values(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let x = rng.gen_range(0.05f32..1.0) * scale;
+            if rng.gen() {
+                x
+            } else {
+                -x
+            }
+        })
+        .collect()
+}
+
+fn poisoned<B: LayerOps>(b: &B, rows: usize, cols: usize) -> Result<B::Tensor> {
+    b.upload_tensor(&vec![f32::NAN; rows * cols], rows, cols)
+}
+
+/// The largest difference between `got` and `want` over the largest finite magnitude of
+/// `want`: 0 when equal, and infinite where one is NaN or infinite and the other differs (a NaN
+/// is an element never written) or when the lengths differ.
+fn error(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let scale = want
+        .iter()
+        .filter(|w| w.is_finite())
+        .fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let mut worst = 0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        if g == w || (g.is_nan() && w.is_nan()) {
+            continue;
+        }
+        if !(g.is_finite() && w.is_finite()) {
+            return f64::INFINITY;
+        }
+        worst = worst.max((f64::from(g) - f64::from(w)).abs());
+    }
+    worst / scale.max(f64::MIN_POSITIVE)
+}
+
+/// Prints one comparison and fails above `tolerance`.
+fn check(op: &str, got: &[f32], want: &[f32], tolerance: f64) {
+    let e = error(got, want);
+    eprintln!("  {op:<44} max error {e:.3e} (tolerance {tolerance:.0e})");
+    assert!(e <= tolerance, "{op}: error {e:e} above {tolerance:e}");
+}
+
+struct DenseInputs {
+    dtype: DType,
+    rows: usize,
+    hidden: usize,
+    intermediate: usize,
+    vocab: usize,
+    ids: Vec<u32>,
+    table: Vec<f32>,
+    x: Vec<f32>,
+    norm: Vec<f32>,
+    w: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    heads: Vec<f32>,
+    positions: Vec<u32>,
+    inv_freq: Vec<f32>,
+}
+
+impl DenseInputs {
+    fn new(rng: &mut ChaCha8Rng, dtype: DType, rows: usize) -> DenseInputs {
+        let (hidden, intermediate, vocab, head_dim, heads) = (160, 232, 37, 64, 3);
+        let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| dtype.round(x)).collect() };
+        let mut ids: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..vocab as u32)).collect();
+        ids[0] = vocab as u32 - 1;
+        DenseInputs {
+            dtype,
+            rows,
+            hidden,
+            intermediate,
+            vocab,
+            ids,
+            table: round(values(rng, vocab * hidden, 1.0)),
+            x: values(rng, rows * hidden, 2.0),
+            norm: round(values(rng, hidden, 1.5)),
+            w: round(values(rng, intermediate * hidden, 0.2)),
+            gate: values(rng, rows * intermediate, 8.0),
+            up: values(rng, rows * intermediate, 1.0),
+            heads: values(rng, rows * heads * head_dim, 1.0),
+            // Long contexts' positions: the angles are large, their reduction must be exact.
+            positions: (0..rows).map(|_| rng.gen_range(0..131_072)).collect(),
+            inv_freq: (0..head_dim / 2)
+                .map(|i| 500_000f32.powf(-2.0 * i as f32 / head_dim as f32))
+                .collect(),
+        }
+    }
+}
+
+/// What the dense ops give, in order: embed, rms_norm, matmul, rope, swiglu, add, copy_rows.
+fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec<f32>)>> {
+    let (rows, h, i) = (inp.rows, inp.hidden, inp.intermediate);
+    let typed = |v: &[f32]| TypedVec::from_f32(inp.dtype, v);
+    let table = b.upload_weight(typed(&inp.table), inp.vocab, h)?;
+    let norm = b.upload_weight(typed(&inp.norm), 1, h)?;
+    let w = b.upload_weight(typed(&inp.w), i, h)?;
+    let x = b.upload_tensor(&inp.x, rows, h)?;
+    let mut out = Vec::new();
+
+    let mut embedded = poisoned(b, rows, h)?;
+    b.embed(&table, &inp.ids, &mut embedded)?;
+    out.push(("embed", b.download_tensor(&embedded)?));
+
+    let mut normed = poisoned(b, rows, h)?;
+    b.rms_norm(&x, &norm, 1e-5, &mut normed)?;
+    out.push(("rms_norm", b.download_tensor(&normed)?));
+
+    let mut product = poisoned(b, rows, i)?;
+    b.matmul(&x, &w, &mut product)?;
+    out.push(("matmul", b.download_tensor(&product)?));
+
+    let cols = inp.heads.len() / rows;
+    let mut rotated = b.upload_tensor(&inp.heads, rows, cols)?;
+    b.rope(&mut rotated, &inp.positions, &inp.inv_freq)?;
+    out.push(("rope", b.download_tensor(&rotated)?));
+
+    let mut gate = b.upload_tensor(&inp.gate, rows, i)?;
+    let up = b.upload_tensor(&inp.up, rows, i)?;
+    b.swiglu(&mut gate, &up)?;
+    out.push(("swiglu", b.download_tensor(&gate)?));
+
+    let mut acc = b.upload_tensor(&inp.x, rows, h)?;
+    b.add(&mut acc, &normed)?;
+    out.push(("add", b.download_tensor(&acc)?));
+
+    let (first, take) = (rows / 3, rows - rows / 3);
+    let mut tail = poisoned(b, take, h)?;
+    b.copy_rows(&x, first, &mut tail)?;
+    out.push(("copy_rows", b.download_tensor(&tail)?));
+    Ok(out)
+}
+
+/// `x · wᵀ` in f64 with `x` rounded to `dtype`, as the GPU's GEMM takes it.
+fn matmul_reference(inp: &DenseInputs) -> Vec<f32> {
+    let (h, n) = (inp.hidden, inp.intermediate);
+    let mut out = Vec::with_capacity(inp.rows * n);
+    for r in 0..inp.rows {
+        let x = &inp.x[r * h..(r + 1) * h];
+        for j in 0..n {
+            let w = &inp.w[j * h..(j + 1) * h];
+            let dot: f64 = x
+                .iter()
+                .zip(w)
+                .map(|(&a, &b)| f64::from(inp.dtype.round(a)) * f64::from(b))
+                .sum();
+            out.push(dot as f32);
+        }
+    }
+    out
+}
+
+#[test]
+fn dense_ops_match_the_cpu() {
+    let Some(gpu) = gpu("dense_ops_match_the_cpu") else {
+        return;
+    };
+    let mut rng = rng("dense_ops_match_the_cpu");
+    for dtype in DType::ALL {
+        for rows in [1, 5, 67] {
+            eprintln!("{dtype} weights, {rows} rows:");
+            let inp = DenseInputs::new(&mut rng, dtype, rows);
+            let got = dense(&gpu, &inp).unwrap();
+            let want = dense(&CpuBackend, &inp).unwrap();
+            for ((op, g), (_, w)) in got.iter().zip(&want) {
+                // The CPU's GEMM multiplies the unrounded activation: 16-bit weights are
+                // held to the f64 reference of what the GPU computes instead.
+                let tolerance = match (*op, dtype) {
+                    ("embed" | "copy_rows", _) => 0.0,
+                    ("matmul", DType::F32) => 1e-5,
+                    ("matmul", DType::F16) => 2e-3,
+                    ("matmul", DType::Bf16) => 1e-2,
+                    _ => 1e-5,
+                };
+                check(&format!("{op} vs cpu"), g, w, tolerance);
+            }
+            let product = &got.iter().find(|(op, _)| *op == "matmul").unwrap().1;
+            check("matmul vs f64", product, &matmul_reference(&inp), 1e-5);
+        }
+    }
+}
+
+/// Attention of 7 query rows over two blocks of keys, the later block first (as a prompt's
+/// chunks arrive from other ranks): one row sees no key of either block, one sees only the
+/// earlier block's first key.
+fn attention<B: LayerOps>(
+    b: &B,
+    shape: &AttnShape,
+    q: &[f32],
+    kv: &[(Vec<f32>, Vec<f32>)],
+) -> Result<(AttnStates, Vec<f32>)> {
+    let q_pos = [1, 2, 9, 17, 30, 45, 57];
+    let blocks: [Vec<u32>; 2] = [(20..58).collect(), (2..20).collect()];
+    let rows = q_pos.len();
+    let q = b.upload_tensor(q, rows, shape.q_row_elems())?;
+    let mut states = b.empty_states(shape, rows)?;
+    for ((k, v), k_pos) in kv.iter().zip(&blocks) {
+        let k = b.upload_tensor(k, k_pos.len(), shape.kv_token_elems())?;
+        let v = b.upload_tensor(v, k_pos.len(), shape.kv_token_elems())?;
+        b.causal_attention(shape, &q, &q_pos, &k, &v, k_pos, &mut states)?;
+    }
+    let mut out = poisoned(b, rows, shape.q_row_elems())?;
+    b.states_output(&states, &mut out)?;
+    Ok((b.download(&states)?, b.download_tensor(&out)?))
+}
+
+#[test]
+fn attention_blocks_merge_like_the_cpu() {
+    let Some(gpu) = gpu("attention_blocks_merge_like_the_cpu") else {
+        return;
+    };
+    let mut rng = rng("attention_blocks_merge_like_the_cpu");
+    for (q_heads, kv_heads, head_dim) in [(8, 2, 64), (8, 2, 128), (4, 4, 128), (6, 1, 256)] {
+        let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
+        eprintln!("{q_heads}/{kv_heads} heads × {head_dim}:");
+        let q = values(&mut rng, 7 * shape.q_row_elems(), 1.0);
+        let kv: Vec<(Vec<f32>, Vec<f32>)> = [38, 18]
+            .into_iter()
+            .map(|t| {
+                let n = t * shape.kv_token_elems();
+                (values(&mut rng, n, 1.0), values(&mut rng, n, 1.0))
+            })
+            .collect();
+        let (got, got_out) = attention(&gpu, &shape, &q, &kv).unwrap();
+        let (want, want_out) = attention(&CpuBackend, &shape, &q, &kv).unwrap();
+        check("causal_attention o vs cpu", &got.o, &want.o, 1e-5);
+        check("causal_attention lse vs cpu", &got.lse, &want.lse, 1e-5);
+        check("states_output", &got_out, &got.o, 0.0);
+        check("states_output vs cpu", &got_out, &want_out, 1e-5);
+        // Row 0 (position 1) sees no key: the empty state, exactly.
+        let empty = &got.lse[..q_heads];
+        assert!(empty.iter().all(|&l| l == f32::NEG_INFINITY), "{empty:?}");
+        assert!(got.o[..shape.q_row_elems()].iter().all(|&o| o == 0.0));
+        assert!(got.lse[q_heads..].iter().all(|l| l.is_finite()));
+    }
+}
+
+const PAGE: u32 = 16;
+const POOL: usize = 64;
+const STORED: usize = 40;
+
+/// Stores rows of k and v into a paged pool (a shuffled page table, some rows not stored,
+/// the rest in scrambled order), reads them back with the decode kernels through queries made
+/// from a tensor, and returns the decode's states and the pool's K and V bytes (physical).
+fn kv_path<B: LayerOps>(
+    b: &B,
+    shape: &AttnShape,
+    dtype: DType,
+    (k, v, q): (&[f32], &[f32], &[f32]),
+) -> Result<(AttnStates, Vec<u8>, Vec<u8>)>
+where
+    B::Kv: Sync,
+{
+    let width = shape.kv_token_elems();
+    let table = [2u32, 0, 3, 1];
+    let mut kv = b.alloc_kv(shape, dtype, POOL)?;
+    let nan = TypedVec::from_f32(dtype, &vec![f32::NAN; POOL * width]);
+    b.write_kv(&mut kv, 0, &nan, &nan)?;
+    b.set_page_table(&mut kv, PAGE, &table)?;
+    // Row i holds logical token 7i mod 40; rows 40.. are not stored.
+    let physical = |t: usize| table[t / PAGE as usize] * PAGE + (t % PAGE as usize) as u32;
+    let rows: Vec<(u32, u32)> = (0..STORED)
+        .map(|i| (i as u32, physical(i * 7 % STORED)))
+        .collect();
+    let rows_k = k.len() / width;
+    let (k, v) = (
+        b.upload_tensor(k, rows_k, width)?,
+        b.upload_tensor(v, rows_k, width)?,
+    );
+    b.store_kv(&mut kv, &k, &v, &rows)?;
+
+    let nq = q.len() / shape.q_row_elems();
+    let q = b.upload_tensor(q, nq, shape.q_row_elems())?;
+    let queries = b.tensor_queries(shape, &q)?;
+    let plan = Plan::new(
+        nq,
+        vec![Group::unmasked(
+            vec![0..STORED as u32],
+            (0..nq as u32).collect(),
+        )],
+    )
+    .unwrap();
+    let plan = b.upload_plan(shape, &plan)?;
+    let mut partials = b.alloc_partials(shape, &plan)?;
+    let mut out = b.alloc_states(shape, nq)?;
+    b.poison(&mut partials)?;
+    b.poison(&mut out)?;
+    b.step(&kv, &queries, &plan, &mut partials, &mut out)?;
+    let states = b.download(&out)?;
+
+    // The pool as stored: identity pages, read by a one-rank world's send to itself.
+    b.set_page_table(&mut kv, PAGE, &[0, 1, 2, 3])?;
+    let bytes = POOL * shape.kv_token_bytes(dtype);
+    let read = ThreadWorld::run(1, Duration::from_secs(60), |comm| -> Result<_> {
+        b.send_kv(&kv, POOL, &comm, 0)?;
+        let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
+        comm.recv(&mut k, 0)?;
+        comm.recv(&mut v, 0)?;
+        Ok((k, v))
+    });
+    let (k, v) = read.into_iter().next().expect("one rank")?;
+    Ok((states, k, v))
+}
+
+#[test]
+fn stored_kv_feeds_the_decode_kernels() {
+    let Some(gpu) = gpu("stored_kv_feeds_the_decode_kernels") else {
+        return;
+    };
+    let gpu = gpu.with_paging(PAGE).unwrap();
+    let mut rng = rng("stored_kv_feeds_the_decode_kernels");
+    let shape = AttnShape::new(8, 2, 128).unwrap();
+    let width = shape.kv_token_elems();
+    for dtype in DType::ALL {
+        eprintln!("{dtype} KV:");
+        let k = values(&mut rng, (STORED + 5) * width, 1.0);
+        let v = values(&mut rng, (STORED + 5) * width, 1.0);
+        let q = values(&mut rng, 3 * shape.q_row_elems(), 1.0);
+        let (got, got_k, got_v) = kv_path(&gpu, &shape, dtype, (&k, &v, &q)).unwrap();
+        let (want, want_k, want_v) = kv_path(&CpuBackend, &shape, dtype, (&k, &v, &q)).unwrap();
+        // Narrowing is round-to-nearest-even on both: the pools agree bit for bit, NaN
+        // poison included where no row was stored.
+        assert!(got_k == want_k && got_v == want_v, "{dtype}: pools differ");
+        eprintln!("  store_kv                                     pools equal bit for bit");
+        // The GPU's decode kernels may read queries in the KV's dtype.
+        let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        check(
+            "store_kv + tensor_queries + decode o",
+            &got.o,
+            &want.o,
+            tolerance,
+        );
+        check(
+            "store_kv + tensor_queries + decode lse",
+            &got.lse,
+            &want.lse,
+            tolerance,
+        );
+    }
+}
+
+fn needs(shape: AttnShape) -> ModelNeeds {
+    ModelNeeds {
+        shape,
+        hidden: 2048,
+        intermediate: 8192,
+        vocab: 128_256,
+        layers: 16,
+        weight_dtype: DType::Bf16,
+        weight_bytes: 2_500_000_000,
+        kv_dtype: DType::Bf16,
+        kv_tokens: 8192,
+        max_rows: 512,
+    }
+}
+
+/// Every bad operand is an error naming the problem, never a panic or a kernel past a buffer.
+#[test]
+fn bad_operands_are_errors() {
+    let Some(gpu) = gpu("bad_operands_are_errors") else {
+        return;
+    };
+    let message = |r: Result<()>| r.expect_err("refused").to_string();
+    let shape = AttnShape::new(8, 2, 64).unwrap();
+    assert!(gpu.check_model(&needs(shape)).is_ok());
+    let odd = AttnShape {
+        head_dim: 96,
+        ..shape
+    };
+    assert!(message(gpu.check_model(&needs(odd))).contains("head dim 96"));
+    let uneven = AttnShape {
+        q_heads: 6,
+        kv_heads: 4,
+        ..shape
+    };
+    assert!(message(gpu.check_model(&needs(uneven))).contains("evenly"));
+    let huge = ModelNeeds {
+        weight_bytes: 1 << 50,
+        ..needs(shape)
+    };
+    assert!(message(gpu.check_model(&huge)).contains("free"));
+
+    let w = gpu
+        .upload_weight(TypedVec::from_f32(DType::Bf16, &[0.5; 12]), 3, 4)
+        .unwrap();
+    let x = gpu.upload_tensor(&[1.0; 10], 2, 5).unwrap();
+    let mut out = gpu.tensor(2, 3).unwrap();
+    assert!(message(gpu.matmul(&x, &w, &mut out)).contains("columns"));
+    // Empty operands launch nothing; an empty sum is zero.
+    let mut none = gpu.tensor(0, 3).unwrap();
+    gpu.matmul(&gpu.tensor(0, 4).unwrap(), &w, &mut none)
+        .unwrap();
+    let w0 = gpu.upload_weight(TypedVec::F32(Vec::new()), 3, 0).unwrap();
+    let mut zeros = gpu.upload_tensor(&[f32::NAN; 6], 2, 3).unwrap();
+    gpu.matmul(&gpu.tensor(2, 0).unwrap(), &w0, &mut zeros)
+        .unwrap();
+    assert_eq!(gpu.download_tensor(&zeros).unwrap(), [0.0; 6]);
+    assert!(message(gpu.embed(&w, &[3], &mut out)).contains("output"));
+    let mut row = gpu.tensor(1, 4).unwrap();
+    assert!(message(gpu.embed(&w, &[3], &mut row)).contains("token id 3"));
+    assert!(message(gpu.rope(&mut row, &[0, 1], &[1.0])).contains("positions"));
+    assert!(message(gpu.rope(&mut row, &[0], &[1.0; 3])).contains("whole heads"));
+    assert!(message(gpu.copy_rows(&x, 1, &mut gpu.tensor(2, 5).unwrap())).contains("rows 1..3"));
+    let mut kv = gpu.alloc_kv(&shape, DType::Bf16, 4).unwrap();
+    let k = gpu.tensor(1, shape.kv_token_elems()).unwrap();
+    assert!(message(gpu.store_kv(&mut kv, &k, &k, &[(0, 4)])).contains("slot 4"));
+    assert!(message(gpu.store_kv(&mut kv, &k, &k, &[(1, 0)])).contains("row 1"));
+    let mut states = gpu.empty_states(&shape, 2).unwrap();
+    let q = gpu.tensor(1, shape.q_row_elems()).unwrap();
+    assert!(
+        message(gpu.causal_attention(&shape, &q, &[0], &k, &k, &[0], &mut states))
+            .contains("states' rows")
+    );
+    // The engine's page tables (the backend's own takes no page size).
+    assert!(message(Backend::set_page_table(&gpu, &mut kv, PAGE, &[0])).contains("with_paging"));
+    let paged = CudaBackend::new(0).unwrap().with_paging(PAGE).unwrap();
+    let mut kv = paged.alloc_kv(&shape, DType::Bf16, 32).unwrap();
+    assert!(message(Backend::set_page_table(&paged, &mut kv, 32, &[0])).contains("16-token pages"));
+    assert!(Backend::set_page_table(&paged, &mut kv, PAGE, &[1, 0]).is_ok());
+}

@@ -1,0 +1,347 @@
+//! The CPU backend's [`LayerOps`]: host f32 matrices and the ops of [`crate::host_ops`]
+//! (GEMMs on the `gemm` crate, the rest on rayon). Weights of any dtype are widened to f32 at
+//! upload, so the CPU computes what a GPU computes from the same rounded weights.
+
+use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
+use crate::host_ops::{
+    add_in_place, causal_attention, matmul, rms_norm, rope_in_place, swiglu_in_place,
+};
+use crate::layer_ops::{LayerOps, ModelNeeds};
+use crate::{Backend, EngineError, Result};
+use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
+
+/// A row-major `rows × cols` f32 matrix on the host: the CPU's activations and weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+fn err(message: String) -> EngineError {
+    EngineError::Backend {
+        backend: "cpu",
+        message,
+    }
+}
+
+/// Refuses an op on operands whose shapes disagree: a caller's bug, reported, not a panic.
+fn same(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(err(format!("{op}: {what} is {got}, expected {want}")))
+    }
+}
+
+impl LayerOps for CpuBackend {
+    type Tensor = HostMatrix;
+    type Weight = HostMatrix;
+
+    fn preferred_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn check_model(&self, needs: &ModelNeeds) -> Result<()> {
+        let s = &needs.shape;
+        if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
+            return Err(err(format!(
+                "{} query heads cannot share {} KV heads evenly",
+                s.q_heads, s.kv_heads
+            )));
+        }
+        if !s.head_dim.is_multiple_of(2) {
+            return Err(err(format!(
+                "head dim {} is odd; RoPE rotates pairs of dimensions",
+                s.head_dim
+            )));
+        }
+        crate::memory::ensure_host_fits(
+            needs.kv_bytes(),
+            &format!(
+                "the KV cache ({} layers × {} tokens)",
+                needs.layers, needs.kv_tokens
+            ),
+        )
+    }
+
+    fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> Result<HostMatrix> {
+        same(
+            "upload_weight",
+            "the element count",
+            data.len(),
+            rows * cols,
+        )?;
+        let data = match data {
+            TypedVec::F32(v) => v,
+            other => other.to_f32_vec(),
+        };
+        Ok(HostMatrix { rows, cols, data })
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<HostMatrix> {
+        Ok(HostMatrix {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        })
+    }
+
+    fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<HostMatrix> {
+        same(
+            "upload_tensor",
+            "the element count",
+            data.len(),
+            rows * cols,
+        )?;
+        Ok(HostMatrix {
+            rows,
+            cols,
+            data: data.to_vec(),
+        })
+    }
+
+    fn download_tensor(&self, t: &HostMatrix) -> Result<Vec<f32>> {
+        Ok(t.data.clone())
+    }
+
+    fn dims(&self, t: &HostMatrix) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn copy_rows(&self, src: &HostMatrix, first: usize, out: &mut HostMatrix) -> Result<()> {
+        same("copy_rows", "the output's columns", out.cols, src.cols)?;
+        if first + out.rows > src.rows {
+            return Err(err(format!(
+                "copy_rows: rows {first}..{} of a matrix of {} rows",
+                first + out.rows,
+                src.rows
+            )));
+        }
+        let c = src.cols;
+        out.data
+            .copy_from_slice(&src.data[first * c..(first + out.rows) * c]);
+        Ok(())
+    }
+
+    fn embed(&self, table: &HostMatrix, ids: &[u32], out: &mut HostMatrix) -> Result<()> {
+        same("embed", "the output's rows", out.rows, ids.len())?;
+        same("embed", "the output's columns", out.cols, table.cols)?;
+        let h = table.cols;
+        for (row, &id) in out.data.chunks_mut(h).zip(ids) {
+            if id as usize >= table.rows {
+                return Err(err(format!(
+                    "token id {id} is outside the embedding table of {} rows",
+                    table.rows
+                )));
+            }
+            row.copy_from_slice(&table.data[id as usize * h..(id as usize + 1) * h]);
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &HostMatrix,
+        weight: &HostMatrix,
+        eps: f32,
+        out: &mut HostMatrix,
+    ) -> Result<()> {
+        same("rms_norm", "the weight's length", weight.data.len(), x.cols)?;
+        same(
+            "rms_norm",
+            "the output's size",
+            out.data.len(),
+            x.data.len(),
+        )?;
+        rms_norm(&x.data, &weight.data, eps, &mut out.data);
+        Ok(())
+    }
+
+    fn matmul(&self, x: &HostMatrix, w: &HostMatrix, out: &mut HostMatrix) -> Result<()> {
+        same("matmul", "the weight's columns", w.cols, x.cols)?;
+        same("matmul", "the output's rows", out.rows, x.rows)?;
+        same("matmul", "the output's columns", out.cols, w.rows)?;
+        matmul(&x.data, x.rows, &w.data, w.rows, &mut out.data);
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut HostMatrix, positions: &[u32], inv_freq: &[f32]) -> Result<()> {
+        same("rope", "the number of positions", positions.len(), x.rows)?;
+        if inv_freq.is_empty() || !x.cols.is_multiple_of(2 * inv_freq.len()) {
+            return Err(err(format!(
+                "rope: rows of {} values are not whole heads of {}",
+                x.cols,
+                2 * inv_freq.len()
+            )));
+        }
+        rope_in_place(&mut x.data, positions, inv_freq);
+        Ok(())
+    }
+
+    fn swiglu(&self, gate: &mut HostMatrix, up: &HostMatrix) -> Result<()> {
+        same("swiglu", "the size of up", up.data.len(), gate.data.len())?;
+        swiglu_in_place(&mut gate.data, &up.data);
+        Ok(())
+    }
+
+    fn add(&self, acc: &mut HostMatrix, x: &HostMatrix) -> Result<()> {
+        same("add", "the size of x", x.data.len(), acc.data.len())?;
+        add_in_place(&mut acc.data, &x.data);
+        Ok(())
+    }
+
+    fn store_kv(
+        &self,
+        kv: &mut CpuKv,
+        k: &HostMatrix,
+        v: &HostMatrix,
+        rows: &[(u32, u32)],
+    ) -> Result<()> {
+        same("store_kv", "the size of v", v.data.len(), k.data.len())?;
+        let dtype = kv.k.dtype();
+        let per = k.cols;
+        for &(row, slot) in rows {
+            if row as usize >= k.rows {
+                return Err(err(format!(
+                    "store_kv: row {row} of a matrix of {} rows",
+                    k.rows
+                )));
+            }
+            let at = row as usize * per..(row as usize + 1) * per;
+            kv.write_slot(
+                slot as usize,
+                &TypedVec::from_f32(dtype, &k.data[at.clone()]),
+                &TypedVec::from_f32(dtype, &v.data[at]),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn tensor_queries(&self, shape: &AttnShape, q: &HostMatrix) -> Result<CpuQueries> {
+        self.upload_queries(shape, &q.data)
+    }
+
+    fn empty_states(&self, shape: &AttnShape, rows: usize) -> Result<AttnStates> {
+        Ok(AttnStates::empty(rows, shape.q_heads, shape.head_dim))
+    }
+
+    fn causal_attention(
+        &self,
+        shape: &AttnShape,
+        q: &HostMatrix,
+        q_pos: &[u32],
+        k: &HostMatrix,
+        v: &HostMatrix,
+        k_pos: &[u32],
+        states: &mut AttnStates,
+    ) -> Result<()> {
+        same(
+            "causal_attention",
+            "the query positions",
+            q_pos.len(),
+            q.rows,
+        )?;
+        same("causal_attention", "the key positions", k_pos.len(), k.rows)?;
+        same(
+            "causal_attention",
+            "the size of v",
+            v.data.len(),
+            k.data.len(),
+        )?;
+        same("causal_attention", "the states' rows", states.rows, q.rows)?;
+        same(
+            "causal_attention",
+            "the query width",
+            q.cols,
+            shape.q_row_elems(),
+        )?;
+        same(
+            "causal_attention",
+            "the key width",
+            k.cols,
+            shape.kv_token_elems(),
+        )?;
+        causal_attention(
+            &q.data,
+            q_pos,
+            &k.data,
+            &v.data,
+            k_pos,
+            (shape.q_heads, shape.kv_heads, shape.head_dim),
+            &mut states.o,
+            &mut states.lse,
+        );
+        Ok(())
+    }
+
+    fn states_output(&self, states: &AttnStates, out: &mut HostMatrix) -> Result<()> {
+        same(
+            "states_output",
+            "the output's size",
+            out.data.len(),
+            states.o.len(),
+        )?;
+        out.data.copy_from_slice(&states.o);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matrix(rows: usize, cols: usize, seed: u32) -> HostMatrix {
+        let data = (0..rows * cols)
+            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        HostMatrix { rows, cols, data }
+    }
+
+    #[test]
+    fn shapes_that_disagree_are_errors_not_panics() {
+        let b = CpuBackend;
+        let (x, w) = (matrix(2, 8, 1), matrix(3, 6, 2));
+        let mut out = b.tensor(2, 3).unwrap();
+        assert!(b
+            .matmul(&x, &w, &mut out)
+            .unwrap_err()
+            .to_string()
+            .contains("the weight's columns is 6, expected 8"));
+        let table = matrix(4, 8, 3);
+        let mut rows = b.tensor(2, 8).unwrap();
+        assert!(b
+            .embed(&table, &[1, 4], &mut rows)
+            .unwrap_err()
+            .to_string()
+            .contains("token id 4"));
+        assert!(b.copy_rows(&x, 1, &mut b.tensor(2, 8).unwrap()).is_err());
+        assert!(b.upload_weight(TypedVec::F32(vec![0.0; 5]), 2, 3).is_err());
+    }
+
+    #[test]
+    fn weights_widen_to_f32_and_rows_copy() {
+        let b = CpuBackend;
+        let w = b
+            .upload_weight(TypedVec::from_f32(DType::Bf16, &[1.5, -2.0]), 1, 2)
+            .unwrap();
+        assert_eq!(w.data, vec![1.5, -2.0]);
+        let x = matrix(3, 4, 7);
+        let mut last = b.tensor(1, 4).unwrap();
+        b.copy_rows(&x, 2, &mut last).unwrap();
+        assert_eq!(last.data, x.data[8..12]);
+    }
+
+    #[test]
+    fn store_kv_writes_the_named_rows_only() {
+        let b = CpuBackend;
+        let shape = AttnShape::new(2, 1, 64).unwrap();
+        let mut kv = b.alloc_kv(&shape, DType::F32, 4).unwrap();
+        let (k, v) = (matrix(2, 64, 5), matrix(2, 64, 6));
+        b.store_kv(&mut kv, &k, &v, &[(1, 3)]).unwrap();
+        assert_eq!(kv.k.to_f32_vec()[192..256], k.data[64..128]);
+        assert_eq!(kv.v.to_f32_vec()[192..256], v.data[64..128]);
+        assert!(kv.k.to_f32_vec()[..192].iter().all(|&x| x == 0.0));
+        assert!(b.store_kv(&mut kv, &k, &v, &[(2, 0)]).is_err());
+    }
+}

@@ -1,0 +1,130 @@
+//! The dense half of a transformer layer on a backend's own memory: what a model drives
+//! around the attention that [`crate::RankAttention`] runs.
+//!
+//! A model's hidden states never leave the backend between layers: activations are fp32
+//! matrices in backend memory ([`LayerOps::Tensor`]), weights keep the dtype they were uploaded
+//! in ([`LayerOps::Weight`]: f32 on the CPU, bf16/f16/f32 on a GPU, where a GEMM reads its
+//! activation rounded to the weight's dtype and accumulates in fp32). Only token ids and
+//! positions come from the host, and only logits (and the attention states a cross-rank merge
+//! exchanges) go back.
+//!
+//! Every matrix is row-major. A linear layer's weight is `[out, in]`, as transformers stores
+//! it, so `y = x · Wᵀ`. Every op follows transformers' Llama: RMSNorm scales by
+//! `1 / sqrt(mean(x²) + eps)` before the weight; RoPE rotates the two halves of each head
+//! (`rotate_half`) by angles `position · inv_freq` computed in fp32.
+
+use crate::backend::Backend;
+use crate::Result;
+use canopy_core::{AttnShape, DType, TypedVec};
+
+/// What a model asks of a backend, checked once before anything is uploaded
+/// ([`LayerOps::check_model`]), so that a configuration is refused with its reason rather
+/// than failing half-way through loading.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelNeeds {
+    pub shape: AttnShape,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub layers: usize,
+    /// The dtype the weights will be uploaded in.
+    pub weight_dtype: DType,
+    /// Bytes of every weight in `weight_dtype`, once.
+    pub weight_bytes: u64,
+    /// The KV caches' dtype and tokens per layer (each layer holds one pool of this size).
+    pub kv_dtype: DType,
+    pub kv_tokens: usize,
+    /// The most token rows one forward pass carries (a prefill chunk, or the live samples).
+    pub max_rows: usize,
+}
+
+impl ModelNeeds {
+    /// Bytes of every layer's KV pool, K and V.
+    pub fn kv_bytes(&self) -> u64 {
+        (self.kv_tokens * self.shape.kv_token_bytes(self.kv_dtype) * 2 * self.layers) as u64
+    }
+}
+
+/// Dense layer operations over a backend's own tensors. Every shape mismatch is an error,
+/// never a panic.
+pub trait LayerOps: Backend {
+    /// Activations: a row-major `rows × cols` fp32 matrix in backend memory.
+    type Tensor: Send;
+    /// A weight: a row-major `rows × cols` matrix in backend memory, in its upload dtype.
+    type Weight: Send + Sync;
+
+    /// The dtype weights and KV should be loaded in, when the user does not choose.
+    fn preferred_dtype(&self) -> DType;
+
+    /// Refuses, with the reason, a model this backend cannot run: head dims, dtypes, GQA
+    /// ratios and memory, all checked here and nowhere else.
+    fn check_model(&self, needs: &ModelNeeds) -> Result<()>;
+
+    /// Uploads a `rows × cols` weight, keeping its dtype. It takes the host copy, so a backend
+    /// whose memory is the host's keeps it without a copy. Weights uploaded through one
+    /// backend serve every backend on the same device (ranks sharing a GPU share them), once
+    /// the upload has finished.
+    fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> Result<Self::Weight>;
+    /// A zeroed `rows × cols` activation.
+    fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
+    fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
+    fn download_tensor(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// `(rows, cols)` of `t`.
+    fn dims(&self, t: &Self::Tensor) -> (usize, usize);
+    /// Rows `first..first + out.rows` of `src` into `out` (same columns): the rows a step
+    /// needs logits of, without the rest.
+    fn copy_rows(&self, src: &Self::Tensor, first: usize, out: &mut Self::Tensor) -> Result<()>;
+
+    /// `out[i] = table[ids[i]]`; an id past the table is an error naming it.
+    fn embed(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor) -> Result<()>;
+    /// `out = rmsnorm(x) * weight` row by row (`weight` is `1 × cols`).
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// `out[rows × n] = x[rows × k] · w[n × k]ᵀ`.
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor) -> Result<()>;
+    /// Rotates each head (`2 · inv_freq.len()` columns) of row `i` by `positions[i]`.
+    fn rope(&self, x: &mut Self::Tensor, positions: &[u32], inv_freq: &[f32]) -> Result<()>;
+    /// `gate = silu(gate) * up`.
+    fn swiglu(&self, gate: &mut Self::Tensor, up: &Self::Tensor) -> Result<()>;
+    /// `acc += x`.
+    fn add(&self, acc: &mut Self::Tensor, x: &Self::Tensor) -> Result<()>;
+
+    /// For each `(row, slot)` of `rows`, writes that row of `k` and `v` (`rows × kv_heads ·
+    /// head_dim`) into physical token `slot` of `kv`, converted to the KV's dtype. Rows not
+    /// named are not stored here: a decode step's new tokens each go to one rank.
+    fn store_kv(
+        &self,
+        kv: &mut Self::Kv,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        rows: &[(u32, u32)],
+    ) -> Result<()>;
+    /// The attention queries held in `q` (`rows × q_heads · head_dim`).
+    fn tensor_queries(&self, shape: &AttnShape, q: &Self::Tensor) -> Result<Self::Queries>;
+
+    /// `rows` empty states (`o = 0`, `lse = -inf`), for [`LayerOps::causal_attention`] to
+    /// merge blocks into.
+    fn empty_states(&self, shape: &AttnShape, rows: usize) -> Result<Self::States>;
+    /// Attention of the query rows `q` at positions `q_pos` over one block of keys and values
+    /// (`k`, `v`: `tokens × kv_heads · head_dim` at `k_pos`), merged into `states`: a query
+    /// sees the keys at or before its own position. Blocks merge exactly, in any number, so a
+    /// prompt's chunks can arrive one at a time from other ranks.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_attention(
+        &self,
+        shape: &AttnShape,
+        q: &Self::Tensor,
+        q_pos: &[u32],
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        k_pos: &[u32],
+        states: &mut Self::States,
+    ) -> Result<()>;
+    /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
+    fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
+}
