@@ -4,14 +4,15 @@
 //! ranks are threads of this process, or MPI processes under mpirun/srun; every rank decodes
 //! the same tokens and rank 0 prints them.
 
-use crate::bench::{BackendChoice, Launcher, World};
+use crate::bench::{resolve_backend, BackendChoice, BackendKind, Launcher, World};
 use anyhow::{bail, Context, Result};
 use canopy_comm::{Collective, ThreadWorld};
 use canopy_core::{DType, Method};
-use canopy_engine::MergeCollective;
-use canopy_model::{ChatMessage, Model};
+use canopy_cuda::CudaBackend;
+use canopy_engine::{CpuBackend, LayerOps, MergeCollective};
+use canopy_model::{ChatMessage, LlamaConfig, Model, Tokenizer, Weights};
 use canopy_runtime::{
-    generate, DecodeStrategy, GenerateRequest, Generated, Layers, SamplingParams,
+    generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo,
 };
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -34,8 +35,16 @@ pub struct GenerateArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// The prompt text.
-    #[arg(long)]
-    prompt: String,
+    #[arg(
+        long,
+        required_unless_present = "prompt_ids",
+        conflicts_with = "prompt_ids"
+    )]
+    prompt: Option<String>,
+    /// The prompt as token ids (comma-separated), fed as they are: for checks against a
+    /// reference that lists its prompts' ids.
+    #[arg(long, value_delimiter = ',', conflicts_with = "chat")]
+    prompt_ids: Option<Vec<u32>>,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -66,6 +75,10 @@ pub struct GenerateArgs {
     stop: Vec<String>,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
+    /// The dtype of the weights and the KV cache (arithmetic is fp32) [default: f32 on the
+    /// CPU, bf16 on a GPU].
+    #[arg(long)]
+    dtype: Option<DType>,
     /// Ranks the KV cache is sharded over: threads of this process [default: 1]; under mpirun
     /// or srun, the world size.
     #[arg(long)]
@@ -86,12 +99,17 @@ pub struct GenerateArgs {
     /// Print one JSON document at the end instead of streaming text.
     #[arg(long)]
     json: bool,
+    /// With --json: add the logits that chose the first token, and the two most likely
+    /// tokens of each step of sample 0.
+    #[arg(long, requires = "json")]
+    logits: bool,
 }
 
 #[derive(Serialize)]
 struct Report {
     model: String,
-    backend: &'static str,
+    backend: String,
+    dtype: String,
     ranks: usize,
     strategy: String,
     prompt_tokens: usize,
@@ -101,6 +119,15 @@ struct Report {
     ttft_s: f64,
     decode_ms_per_token: Option<f64>,
     decode_tokens_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logits: Option<Logits>,
+}
+
+/// What `--logits` adds to the report.
+#[derive(Serialize)]
+struct Logits {
+    first: Vec<f32>,
+    steps: Vec<TopTwo>,
 }
 
 #[derive(Serialize, Clone, Default)]
@@ -112,32 +139,34 @@ struct SampleText {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
-    if a.backend == BackendChoice::Cuda {
-        bail!("the model runtime runs on the CPU backend for now; use --backend cpu (or auto)");
-    }
-    if a.backend == BackendChoice::Auto && canopy_cuda::probe::device_count().is_ok() {
-        eprintln!("note: the model runtime runs on the CPU backend for now");
-    }
     let world = World::new(a.launcher)?;
     let ranks = world.ranks(a.ranks, 1)?;
+    let kind = resolve_backend(a.backend)?;
+    let dtype = a.dtype.unwrap_or(match kind {
+        BackendKind::Cpu => CpuBackend.preferred_dtype(),
+        BackendKind::Cuda => DType::Bf16,
+    });
     let path = match &a.model {
         Some(p) => p.clone(),
         None => canopy_model::default_model().context("fetching the default model")?,
     };
-    let model = Model::load(&path, DType::F32)
+    let model = Model::load(&path, dtype)
         .with_context(|| format!("loading the model at {}", path.display()))?;
-    let text = if a.chat {
-        let mut messages = Vec::new();
-        if let Some(s) = &a.system {
-            messages.push(ChatMessage::new("system", s.as_str()));
+    let prompt = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(prompt)) if a.chat => {
+            let mut messages = Vec::new();
+            if let Some(s) = &a.system {
+                messages.push(ChatMessage::new("system", s.as_str()));
+            }
+            messages.push(ChatMessage::new("user", prompt.as_str()));
+            let text = model.chat_template()?.render(&messages, true)?;
+            // A chat rendering carries its own special tokens.
+            model.tokenizer.encode(&text, false)?
         }
-        messages.push(ChatMessage::new("user", a.prompt.as_str()));
-        model.chat_template()?.render(&messages, true)?
-    } else {
-        a.prompt.clone()
+        (None, Some(prompt)) => model.tokenizer.encode(prompt, true)?,
+        (None, None) => bail!("give --prompt or --prompt-ids"),
     };
-    // A chat rendering carries its own special tokens.
-    let prompt = model.tokenizer.encode(&text, !a.chat)?;
     let req = GenerateRequest {
         prompt,
         max_tokens: a.max_tokens,
@@ -154,35 +183,41 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             DecodeChoice::Ring => DecodeStrategy::Ring,
         },
         method: a.method,
-        page_size: 16,
+        page_size: PAGE_SIZE,
+        kv_dtype: dtype,
     };
-    let layers = Layers::new(&model)?;
-    let started = Instant::now();
-    let (out, texts, first_token_s) = match &world {
-        World::Threads => {
-            let results = ThreadWorld::run(ranks, Duration::from_secs(600), |comm| {
-                rank_run(&model, &layers, &req, &a, &comm, started)
-            });
-            let mut results = results.into_iter();
-            let first = results.next().expect("one rank at least")?;
-            for r in results {
-                r?;
-            }
-            first
+    let run = Run {
+        args: &a,
+        world: &world,
+        ranks,
+        req: &req,
+        dtype,
+        started: Instant::now(),
+    };
+    let Model {
+        config,
+        weights,
+        tokenizer,
+        ..
+    } = model;
+    let done = match kind {
+        BackendKind::Cpu => run.on(&config, weights, &tokenizer, &|_| Ok(CpuBackend), 1)?,
+        BackendKind::Cuda => {
+            let gpus = canopy_cuda::probe::device_count()?;
+            let backend = |ordinal: usize| -> Result<CudaBackend> {
+                Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
+            };
+            run.on(&config, weights, &tokenizer, &backend, gpus)?
         }
-        #[cfg(feature = "mpi")]
-        World::Mpi(comm) => {
-            let r = rank_run(&model, &layers, &req, &a, comm, started)?;
-            if comm.rank() != 0 {
-                return Ok(());
-            }
-            r
-        }
+    };
+    let Some((out, texts, first_token_s)) = done else {
+        return Ok(()); // an MPI rank other than 0
     };
     let steps: f64 = out.step_s.iter().sum();
     let report = Report {
         model: path.display().to_string(),
-        backend: "cpu",
+        backend: kind.to_string(),
+        dtype: dtype.to_string(),
         ranks,
         strategy: match req.strategy {
             DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
@@ -197,6 +232,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             .then(|| steps * 1e3 / out.step_s.len() as f64),
         decode_tokens_per_s: (!out.step_s.is_empty())
             .then(|| out.step_s.len() as f64 * a.n as f64 / steps),
+        logits: a.logits.then(|| Logits {
+            first: out.first_logits.clone(),
+            steps: out.top_two.clone(),
+        }),
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -210,7 +249,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         println!();
     }
     eprintln!(
-        "{} prompt tokens; prefill {:.3} s ({:.1} tokens/s); first token after {:.3} s; decode {} on {} rank{} ({}, cpu)",
+        "{} prompt tokens; prefill {:.3} s ({:.1} tokens/s); first token after {:.3} s; decode {} on {} rank{} ({}, {} {})",
         report.prompt_tokens,
         report.prefill_s,
         report.prefill_tokens_per_s,
@@ -222,72 +261,188 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         ranks,
         if ranks == 1 { "" } else { "s" },
         report.strategy,
+        report.backend,
+        report.dtype,
     );
     Ok(())
 }
 
-/// One rank's generation. Every rank decodes the text (to find stop strings alike); rank 0
-/// streams it when there is one sample and not `--json`. Returns the run, each sample's text
-/// and the seconds from `started` to the first token.
-fn rank_run<C: Collective>(
-    model: &Model,
-    layers: &Layers,
-    req: &GenerateRequest,
-    a: &GenerateArgs,
-    comm: &C,
+/// KV page size, in tokens.
+const PAGE_SIZE: u32 = 16;
+
+/// One rank's outcome as rank 0 reports it: the run, each sample's text and the seconds to
+/// the first token.
+type RankOutcome = (Generated, Vec<SampleText>, f64);
+
+/// What every rank of this process shares.
+struct Run<'a> {
+    args: &'a GenerateArgs,
+    world: &'a World,
+    ranks: usize,
+    req: &'a GenerateRequest,
+    dtype: DType,
     started: Instant,
-) -> Result<(Generated, Vec<SampleText>, f64)> {
-    let stream = comm.rank() == 0 && req.samples == 1 && !a.json;
-    let mut decoders: Vec<_> = (0..req.samples)
-        .map(|_| model.tokenizer.incremental_decoder(true))
-        .collect();
-    let mut texts = vec![String::new(); req.samples];
-    let mut printed = vec![0usize; req.samples];
-    let mut first_token = None;
-    let mut failure = None;
-    let out = generate(layers, req, comm, &mut |s, token| {
-        first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
-        match decoders[s].push(token) {
-            Ok(piece) => texts[s].push_str(&piece),
-            Err(e) => failure = Some(e),
-        }
-        let stop_at = a
-            .stop
+}
+
+impl Run<'_> {
+    /// Runs this process's ranks on backends made by `backend(device)`, the ranks spread over
+    /// `devices` devices (rank `r` on device `r % devices`), the weights uploaded once per
+    /// device and shared by its ranks. Returns rank 0's outcome (`None` on other MPI ranks).
+    fn on<B: LayerOps>(
+        &self,
+        config: &LlamaConfig,
+        weights: Weights,
+        tokenizer: &Tokenizer,
+        backend: &(dyn Fn(usize) -> Result<B> + Sync),
+        devices: usize,
+    ) -> Result<Option<RankOutcome>> {
+        let local: Vec<usize> = match self.world {
+            World::Threads => (0..self.ranks).collect(),
+            #[cfg(feature = "mpi")]
+            World::Mpi(comm) => vec![comm.rank()],
+        };
+        let device_of = |rank: usize| rank % devices.max(1);
+        let mut used: Vec<usize> = local.iter().map(|&r| device_of(r)).collect();
+        used.sort_unstable();
+        used.dedup();
+        let backends = local
             .iter()
-            .filter_map(|x| texts[s].find(x.as_str()))
-            .min();
-        if let Some(at) = stop_at {
-            texts[s].truncate(at);
+            .map(|&r| backend(device_of(r)))
+            .collect::<Result<Vec<B>>>()?;
+        // Each device is checked for everything its ranks will hold, then gets one copy of
+        // the weights.
+        let weight_bytes = weights.size_bytes() as u64;
+        let mut layers: Vec<(usize, ModelLayers<B>)> = Vec::new();
+        let mut weights = Some(weights);
+        for (i, &device) in used.iter().enumerate() {
+            let here = local.iter().filter(|&&r| device_of(r) == device).count();
+            let first = local
+                .iter()
+                .position(|&r| device_of(r) == device)
+                .expect("a used device has a rank");
+            let b = &backends[first];
+            b.check_model(
+                &self
+                    .req
+                    .needs(config, self.dtype, weight_bytes, self.ranks, here)?,
+            )?;
+            let w = if i + 1 == used.len() {
+                weights.take().expect("moved once, last")
+            } else {
+                weights.clone().expect("still held")
+            };
+            let bar = upload_bar(config.num_hidden_layers, b.name(), device);
+            let uploaded = ModelLayers::upload(b, config, w, &mut |_| bar.inc(1))?;
+            bar.finish_and_clear();
+            layers.push((device, uploaded));
         }
-        if stream {
-            // Hold back what could still become a stop string.
-            let safe = stop_at.unwrap_or_else(|| held_back(&texts[s], &a.stop));
-            if safe > printed[s] {
-                print!("{}", &texts[s][printed[s]..safe]);
-                let _ = std::io::stdout().flush();
-                printed[s] = safe;
+        let layers_of = |rank: usize| {
+            &layers
+                .iter()
+                .find(|(d, _)| *d == device_of(rank))
+                .expect("every device uploaded")
+                .1
+        };
+        match self.world {
+            World::Threads => {
+                let results = ThreadWorld::run(self.ranks, Duration::from_secs(600), |comm| {
+                    let r = comm.rank();
+                    self.rank(&backends[r], layers_of(r), tokenizer, &comm)
+                });
+                let mut results = results.into_iter();
+                let first = results.next().expect("one rank at least")?;
+                for r in results {
+                    r?;
+                }
+                Ok(Some(first))
+            }
+            #[cfg(feature = "mpi")]
+            World::Mpi(comm) => {
+                let out = self.rank(&backends[0], layers_of(comm.rank()), tokenizer, comm)?;
+                Ok((comm.rank() == 0).then_some(out))
             }
         }
-        stop_at.is_none()
-    })?;
-    if let Some(e) = failure {
-        return Err(e.into());
     }
-    let samples = out
-        .samples
-        .iter()
-        .zip(&out.stopped)
-        .zip(texts)
-        .map(|((tokens, &stopped), text)| SampleText {
-            text,
-            tokens: tokens.clone(),
-            finish_reason: if stopped { "stop" } else { "length" },
-        })
-        .collect::<Vec<_>>();
-    if stream && printed[0] < samples[0].text.len() {
-        print!("{}", &samples[0].text[printed[0]..]);
+
+    /// One rank's generation. Every rank decodes the text (to find stop strings alike); rank 0
+    /// streams it when there is one sample and not `--json`. Returns the run, each sample's text
+    /// and the seconds from `started` to the first token.
+    fn rank<B: LayerOps, C: Collective>(
+        &self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        tokenizer: &Tokenizer,
+        comm: &C,
+    ) -> Result<RankOutcome> {
+        let (a, req, started) = (self.args, self.req, self.started);
+        let stream = comm.rank() == 0 && req.samples == 1 && !a.json;
+        let mut decoders: Vec<_> = (0..req.samples)
+            .map(|_| tokenizer.incremental_decoder(true))
+            .collect();
+        let mut texts = vec![String::new(); req.samples];
+        let mut printed = vec![0usize; req.samples];
+        let mut first_token = None;
+        let mut failure = None;
+        let out = generate(backend, layers, req, comm, &mut |s, token| {
+            first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
+            match decoders[s].push(token) {
+                Ok(piece) => texts[s].push_str(&piece),
+                Err(e) => failure = Some(e),
+            }
+            let stop_at = a
+                .stop
+                .iter()
+                .filter_map(|x| texts[s].find(x.as_str()))
+                .min();
+            if let Some(at) = stop_at {
+                texts[s].truncate(at);
+            }
+            if stream {
+                // Hold back what could still become a stop string.
+                let safe = stop_at.unwrap_or_else(|| held_back(&texts[s], &a.stop));
+                if safe > printed[s] {
+                    print!("{}", &texts[s][printed[s]..safe]);
+                    let _ = std::io::stdout().flush();
+                    printed[s] = safe;
+                }
+            }
+            stop_at.is_none()
+        })?;
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        let samples = out
+            .samples
+            .iter()
+            .zip(&out.stopped)
+            .zip(texts)
+            .map(|((tokens, &stopped), text)| SampleText {
+                text,
+                tokens: tokens.clone(),
+                finish_reason: if stopped { "stop" } else { "length" },
+            })
+            .collect::<Vec<_>>();
+        if stream && printed[0] < samples[0].text.len() {
+            print!("{}", &samples[0].text[printed[0]..]);
+        }
+        Ok((out, samples, first_token.unwrap_or(0.0)))
     }
-    Ok((out, samples, first_token.unwrap_or(0.0)))
+}
+
+/// Progress of a weight upload (hidden when stderr is not a terminal).
+fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(layers as u64);
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} layers")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(format!("uploading to {backend} {device}"));
+    bar
 }
 
 /// How much of `text` can be printed: all but a tail that is a prefix of a stop string.

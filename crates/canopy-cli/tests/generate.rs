@@ -150,3 +150,82 @@ fn bad_models_and_requests_are_refused_with_what_to_do() {
         .stderr(contains("tokenizer.json").or(contains("safetensors")));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--prompt-ids` feeds a reference's ids as they are, and `--logits` reports what chose each
+/// token: the first logits equal transformers' (f32), every step's top token is the token
+/// drawn, and bf16 weights and KV stay close to the f32 logits.
+#[test]
+fn prompt_ids_and_logits_reproduce_the_reference() {
+    let model = tiny("gqa-hd64");
+    let text = std::fs::read_to_string(format!("{model}/reference.json")).unwrap();
+    let reference: Value = serde_json::from_str(&text).unwrap();
+    let prompt = &reference["prompts"][1];
+    let ids: Vec<String> = prompt["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let run = |dtype: &str| -> Value {
+        let out = canopy()
+            .args([
+                "generate",
+                "--model",
+                &model,
+                "--backend",
+                "cpu",
+                "--dtype",
+                dtype,
+            ])
+            .args([
+                "--prompt-ids",
+                &ids.join(","),
+                "--max-tokens",
+                "8",
+                "--ranks",
+                "2",
+            ])
+            .args(["--json", "--logits"])
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        serde_json::from_slice(&out).expect("JSON")
+    };
+    let floats = |v: &Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let want = floats(&prompt["logits_last"]);
+    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    let worst = |got: &[f64]| {
+        got.iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0, f64::max)
+            / scale
+    };
+    let f32_run = run("f32");
+    assert_eq!(f32_run["dtype"], "f32");
+    assert!(worst(&floats(&f32_run["logits"]["first"])) < 1e-4);
+    let drawn = f32_run["samples"][0]["tokens"].as_array().unwrap();
+    let steps = f32_run["logits"]["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), drawn.len());
+    for (step, token) in steps.iter().zip(drawn) {
+        assert_eq!(&step["token"], token);
+        assert!(step["logit"].as_f64() >= step["second_logit"].as_f64());
+    }
+    assert_eq!(
+        drawn[..],
+        prompt["greedy_tokens"].as_array().unwrap()[..8],
+        "greedy tokens"
+    );
+    let bf16_run = run("bf16");
+    assert_eq!(bf16_run["dtype"], "bf16");
+    let err = worst(&floats(&bf16_run["logits"]["first"]));
+    assert!(err > 0.0 && err < 5e-2, "bf16 error {err}");
+}
