@@ -188,7 +188,6 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     };
     let run = Run {
         args: &a,
-        world: &world,
         ranks,
         req: &req,
         dtype,
@@ -201,13 +200,13 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         ..
     } = model;
     let done = match kind {
-        BackendKind::Cpu => run.on(&config, weights, &tokenizer, &|_| Ok(CpuBackend), 1)?,
+        BackendKind::Cpu => run.on(&world, &config, weights, &tokenizer, &|_| Ok(CpuBackend), 1)?,
         BackendKind::Cuda => {
             let gpus = canopy_cuda::probe::device_count()?;
             let backend = |ordinal: usize| -> Result<CudaBackend> {
                 Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
             };
-            run.on(&config, weights, &tokenizer, &backend, gpus)?
+            run.on(&world, &config, weights, &tokenizer, &backend, gpus)?
         }
     };
     let Some((out, texts, first_token_s)) = done else {
@@ -277,7 +276,6 @@ type RankOutcome = (Generated, Vec<SampleText>, f64);
 /// What every rank of this process shares.
 struct Run<'a> {
     args: &'a GenerateArgs,
-    world: &'a World,
     ranks: usize,
     req: &'a GenerateRequest,
     dtype: DType,
@@ -290,13 +288,14 @@ impl Run<'_> {
     /// device and shared by its ranks. Returns rank 0's outcome (`None` on other MPI ranks).
     fn on<B: LayerOps>(
         &self,
+        world: &World,
         config: &LlamaConfig,
         weights: Weights,
         tokenizer: &Tokenizer,
         backend: &(dyn Fn(usize) -> Result<B> + Sync),
         devices: usize,
     ) -> Result<Option<RankOutcome>> {
-        let local: Vec<usize> = match self.world {
+        let local: Vec<usize> = match world {
             World::Threads => (0..self.ranks).collect(),
             #[cfg(feature = "mpi")]
             World::Mpi(comm) => vec![comm.rank()],
@@ -343,7 +342,7 @@ impl Run<'_> {
                 .expect("every device uploaded")
                 .1
         };
-        match self.world {
+        match world {
             World::Threads => {
                 let results = ThreadWorld::run(self.ranks, Duration::from_secs(600), |comm| {
                     let r = comm.rank();
