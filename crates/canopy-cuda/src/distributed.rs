@@ -40,10 +40,10 @@ use canopy_core::{
     Shard, TreeSpec, TreeView, WorkloadSpec,
 };
 use canopy_engine::{
-    ring_buffers, Backend, Cache, Measured, MergeCollective, NodeLayout, RunReport, Strategy,
+    ring_buffers, Backend, Cache, Measured, MergeCollective, MergeOps, NodeLayout, RunReport,
+    Strategy,
 };
-use canopy_kernels::Kernel;
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaStream;
 use cudarc::nccl::Id;
 use merge::DeviceMerge;
 use std::time::Duration;
@@ -478,7 +478,7 @@ fn rank_steps(
         |e| watchdog.wait(e, &comms.all()),
         || {
             backend.step(&kv, &q, &dplan, &mut partials, &mut out)?;
-            merge.run(backend, comms, how, &mut out.o, &mut out.lse)
+            merge.run(backend, comms, how, &mut out)
         },
     )?;
     let wire_bytes_per_step = per_step(before, comms.wire_bytes(), cfg.iters);
@@ -557,9 +557,6 @@ fn ring_steps(
         backend.alloc_states(shape, tree.num_queries())?,
         backend.alloc_states(shape, tree.num_queries())?,
     );
-    let cells = (tree.num_queries() * shape.q_heads) as u32;
-    let d = shape.head_dim as u32;
-    let pair = backend.function(Kernel::Combine("combine_pair"))?;
     let (compute, transfer) = (backend.stream(), comm.stream());
     let before = comm.wire_bytes();
     let times = backend.time_ms_until(
@@ -591,20 +588,7 @@ fn ring_steps(
                 let out = if s == 0 { &mut acc } else { &mut tmp };
                 backend.step(cur, &q, &plans[src], &mut partials[src], out)?;
                 if s > 0 {
-                    let mut b = compute.launch_builder(&pair);
-                    b.arg(&mut acc.o)
-                        .arg(&mut acc.lse)
-                        .arg(&tmp.o)
-                        .arg(&tmp.lse)
-                        .arg(&d);
-                    let grid = LaunchConfig {
-                        grid_dim: (cells.max(1), 1, 1),
-                        block_dim: (d.min(128), 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    // SAFETY: one block per cell; reads and writes cells × d outputs and cells
-                    // lse.
-                    unsafe { b.launch(grid) }.ctx("launching combine_pair")?;
+                    backend.merge_into(&mut acc, &tmp)?;
                 }
                 ready = record(compute)?;
                 if let Some(ev) = arrived {

@@ -25,6 +25,7 @@ mod error;
 mod kv;
 mod launch;
 mod layers;
+mod merge_ops;
 pub mod nccl;
 pub mod probe;
 mod timing;

@@ -86,7 +86,7 @@ pub fn run_suite<B, F>(
     random_cases: usize,
 ) -> Result<Vec<CaseResult>>
 where
-    B: Backend,
+    B: crate::merge::MergeOps,
     F: Fn(usize) -> Result<B> + Sync,
 {
     let shapes = [

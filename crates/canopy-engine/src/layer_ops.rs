@@ -13,7 +13,7 @@
 //! `1 / sqrt(mean(x²) + eps)` before the weight; RoPE rotates the two halves of each head
 //! (`rotate_half`) by angles `position · inv_freq` computed in fp32.
 
-use crate::backend::Backend;
+use crate::merge::MergeOps;
 use crate::Result;
 use canopy_core::{AttnShape, DType, TypedVec};
 
@@ -47,7 +47,7 @@ impl ModelNeeds {
 
 /// Dense layer operations over a backend's own tensors. Every shape mismatch is an error,
 /// never a panic.
-pub trait LayerOps: Backend {
+pub trait LayerOps: MergeOps {
     /// Activations: a row-major `rows × cols` fp32 matrix in backend memory.
     type Tensor: Send;
     /// A weight: a row-major `rows × cols` matrix in backend memory, in its upload dtype.

@@ -9,12 +9,19 @@
 //! - `hierarchical`: fold inside each node, exchange among node leaders only, then hand the
 //!   result back inside each node (see [`crate::topology`]).
 //! - `auto`: one of the above, chosen per run by the calibrated [`crate::cost::CostModel`].
+//!
+//! The algorithm is written once, in [`StatesMerge`], over two interfaces: the backend's
+//! elementwise steps between collectives ([`MergeOps`]: the combine kernels on a GPU, plain
+//! loops on the CPU) and a [`Transport`] that moves the backend's own buffers. Every host
+//! [`Collective`] (threads, MPI) is a transport for every backend, staging device buffers
+//! through the host; a device transport (NCCL) moves them where they are.
 
+use crate::backend::Backend;
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
 use canopy_comm::{Collective, ReduceOp};
-use canopy_core::{merge_state, AttnStates, EMPTY_LSE};
 use serde::Serialize;
+use std::ops::Range;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -67,160 +74,236 @@ impl std::str::FromStr for MergeCollective {
     }
 }
 
-/// `exp(lse - max)`, with empty partials (and all-empty columns) weighing zero.
-fn weight(lse: f32, max: f32) -> f32 {
-    if lse == EMPTY_LSE {
-        0.0
-    } else {
-        (lse - max).exp()
+/// A backend's side of the cross-rank merge: flat fp32 buffers in its memory, and the
+/// elementwise steps between collectives. States are `cells = rows × heads` pairs of a
+/// `head_dim` output and an lse; a packed state is `[o (cells × d) | lse (cells)]`.
+pub trait MergeOps: Backend {
+    /// A flat fp32 buffer in the backend's memory: what a transport moves.
+    type Buf: Send;
+
+    fn alloc_buf(&self, len: usize) -> Result<Self::Buf>;
+    /// Elements `range` of `buf`, on the host.
+    fn buf_to_host(&self, buf: &Self::Buf, range: Range<usize>) -> Result<Vec<f32>>;
+    /// Writes `host` into `buf` from element `at`.
+    fn buf_from_host(&self, host: &[f32], buf: &mut Self::Buf, at: usize) -> Result<()>;
+    /// `max[..cells]` = the states' lse.
+    fn copy_lse(&self, states: &Self::States, max: &mut Self::Buf) -> Result<()>;
+    /// `packed = [o · w | w]`, `w = exp(lse - max)` (0 for an empty state).
+    fn combine_weights(
+        &self,
+        states: &Self::States,
+        max: &Self::Buf,
+        packed: &mut Self::Buf,
+    ) -> Result<()>;
+    /// The normalised states of summed `packed` and `max` (empty where the sum is 0).
+    fn combine_finish(
+        &self,
+        packed: &Self::Buf,
+        max: &Self::Buf,
+        states: &mut Self::States,
+    ) -> Result<()>;
+    /// The packed state of `states` into `buf` from element `at`.
+    fn pack_states(&self, states: &Self::States, buf: &mut Self::Buf, at: usize) -> Result<()>;
+    /// `states` = the fold, in order, of the first `count` packed states of `gathered`.
+    fn combine_gathered(
+        &self,
+        gathered: &Self::Buf,
+        count: usize,
+        states: &mut Self::States,
+    ) -> Result<()>;
+    /// `acc = merge(acc, x)`, state by state.
+    fn merge_into(&self, acc: &mut Self::States, x: &Self::States) -> Result<()>;
+    /// Every state empty: `o = 0`, `lse = -inf`.
+    fn clear_states(&self, states: &mut Self::States) -> Result<()>;
+}
+
+/// Collectives over a backend's own buffers, and the ring's KV hand-off. The calls mirror
+/// NCCL's; ranges are in elements.
+pub trait Transport<B: MergeOps> {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    fn all_reduce(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, op: ReduceOp) -> Result<()>;
+    /// Every rank's `src[..len]` into `dst`, in rank order.
+    fn all_gather(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()>;
+    fn send(&self, b: &B, buf: &B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
+    fn recv(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
+    /// Logical tokens `0..tokens` of `kv` to `peer`.
+    fn send_kv(&self, b: &B, kv: &B::Kv, tokens: usize, peer: usize) -> Result<()>;
+    /// `tokens` tokens from `peer` into logical tokens `0..tokens` of `kv`.
+    fn recv_kv(&self, b: &B, kv: &mut B::Kv, tokens: usize, peer: usize) -> Result<()>;
+}
+
+/// A host collective moves any backend's buffers by staging them through the host.
+impl<B: MergeOps, C: Collective> Transport<B> for C {
+    fn rank(&self) -> usize {
+        Collective::rank(self)
+    }
+
+    fn size(&self) -> usize {
+        Collective::size(self)
+    }
+
+    fn all_reduce(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, op: ReduceOp) -> Result<()> {
+        let mut host = b.buf_to_host(buf, range.clone())?;
+        Collective::all_reduce(self, &mut host, op)?;
+        b.buf_from_host(&host, buf, range.start)
+    }
+
+    fn all_gather(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()> {
+        let mine = b.buf_to_host(src, 0..len)?;
+        let mut all = vec![0.0f32; len * Collective::size(self)];
+        Collective::all_gather(self, &mine, &mut all)?;
+        b.buf_from_host(&all, dst, 0)
+    }
+
+    fn send(&self, b: &B, buf: &B::Buf, range: Range<usize>, peer: usize) -> Result<()> {
+        Ok(Collective::send(self, &b.buf_to_host(buf, range)?, peer)?)
+    }
+
+    fn recv(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, peer: usize) -> Result<()> {
+        let mut host = vec![0.0f32; range.len()];
+        Collective::recv(self, &mut host, peer)?;
+        b.buf_from_host(&host, buf, range.start)
+    }
+
+    fn send_kv(&self, b: &B, kv: &B::Kv, tokens: usize, peer: usize) -> Result<()> {
+        b.send_kv(kv, tokens, self, peer)
+    }
+
+    fn recv_kv(&self, b: &B, kv: &mut B::Kv, tokens: usize, peer: usize) -> Result<()> {
+        b.recv_kv(kv, tokens, self, peer)
     }
 }
 
-/// Turns summed numerator and denominator back into a normalised state.
-fn finish(s: &mut AttnStates, max: &[f32], num: &[f32], den: &[f32]) {
-    let d = s.head_dim;
-    for (i, (&m, &w)) in max.iter().zip(den).enumerate() {
-        let o = &mut s.o[i * d..(i + 1) * d];
-        if w > 0.0 {
-            o.iter_mut()
-                .zip(&num[i * d..(i + 1) * d])
-                .for_each(|(o, &n)| *o = n / w);
-            s.lse[i] = m + w.ln();
+/// The buffers of the cross-rank merge for one shape of states, allocated once.
+pub struct StatesMerge<B: MergeOps> {
+    cells: usize,
+    d: usize,
+    max: B::Buf,
+    packed: B::Buf,
+    gathered: B::Buf,
+}
+
+impl<B: MergeOps> StatesMerge<B> {
+    /// Buffers for merging `cells` states of `d` over `ranks` ranks.
+    pub fn new(backend: &B, cells: usize, d: usize, ranks: usize) -> Result<StatesMerge<B>> {
+        let packed = cells * (d + 1);
+        Ok(StatesMerge {
+            cells,
+            d,
+            max: backend.alloc_buf(cells)?,
+            packed: backend.alloc_buf(packed)?,
+            gathered: backend.alloc_buf(packed * ranks.max(1))?,
+        })
+    }
+
+    /// Elements of one packed state.
+    fn stride(&self) -> usize {
+        self.cells * (self.d + 1)
+    }
+
+    /// Replaces this rank's `states` with the merge of every rank's: the same bits on every
+    /// rank. `how` must be concrete (`auto` is resolved first, by
+    /// [`crate::cost::CostModel::choose`]); `layout` places ranks on nodes for the
+    /// hierarchical form.
+    pub fn run<T: Transport<B>>(
+        &mut self,
+        b: &B,
+        comm: &T,
+        states: &mut B::States,
+        how: MergeCollective,
+        layout: &NodeLayout,
+    ) -> Result<()> {
+        if comm.size() == 1 {
+            return Ok(());
+        }
+        match how {
+            MergeCollective::Allreduce3 | MergeCollective::Allreduce2 => {
+                self.all_reduce_merge(b, comm, how == MergeCollective::Allreduce2, states)
+            }
+            MergeCollective::Allgather => {
+                b.pack_states(states, &mut self.packed, 0)?;
+                comm.all_gather(b, &self.packed, self.stride(), &mut self.gathered)?;
+                b.combine_gathered(&self.gathered, comm.size(), states)
+            }
+            MergeCollective::Hierarchical => {
+                layout.check(comm.size())?;
+                self.hierarchical(b, comm, states, layout)
+            }
+            MergeCollective::Auto => Err(EngineError::Config(
+                "the auto collective must be resolved to a concrete one before merging".into(),
+            )),
+        }
+    }
+
+    /// The paper's all-reduce merge: MAX of lse, then the numerator and denominator summed
+    /// in one call (`fused`) or two.
+    fn all_reduce_merge<T: Transport<B>>(
+        &mut self,
+        b: &B,
+        comm: &T,
+        fused: bool,
+        states: &mut B::States,
+    ) -> Result<()> {
+        let (cells, n) = (self.cells, self.cells * self.d);
+        b.copy_lse(states, &mut self.max)?;
+        comm.all_reduce(b, &mut self.max, 0..cells, ReduceOp::Max)?;
+        b.combine_weights(states, &self.max, &mut self.packed)?;
+        if fused {
+            comm.all_reduce(b, &mut self.packed, 0..n + cells, ReduceOp::Sum)?;
         } else {
-            o.fill(0.0);
-            s.lse[i] = EMPTY_LSE;
+            comm.all_reduce(b, &mut self.packed, 0..n, ReduceOp::Sum)?;
+            comm.all_reduce(b, &mut self.packed, n..n + cells, ReduceOp::Sum)?;
         }
+        b.combine_finish(&self.packed, &self.max, states)
     }
-}
 
-/// Replaces this rank's `states` with the merge of every rank's. `how` must be concrete
-/// (`auto` is resolved first, by [`crate::cost::CostModel::choose`]); `layout` places ranks on
-/// nodes for the hierarchical form.
-pub fn merge_across<C: Collective>(
-    states: &mut AttnStates,
-    comm: &C,
-    how: MergeCollective,
-    layout: &NodeLayout,
-) -> Result<()> {
-    if comm.size() == 1 {
-        return Ok(());
-    }
-    let d = states.head_dim;
-    let cells = states.lse.len();
-    match how {
-        MergeCollective::Allreduce3 | MergeCollective::Allreduce2 => {
-            let mut max = states.lse.clone();
-            comm.all_reduce(&mut max, ReduceOp::Max)?;
-            // Packed as [numerator (cells × d) | denominator (cells)].
-            let mut packed = vec![0.0f32; cells * (d + 1)];
-            let (num, den) = packed.split_at_mut(cells * d);
-            for i in 0..cells {
-                let w = weight(states.lse[i], max[i]);
-                den[i] = w;
-                num[i * d..(i + 1) * d]
-                    .iter_mut()
-                    .zip(&states.o[i * d..(i + 1) * d])
-                    .for_each(|(n, &o)| *n = o * w);
-            }
-            if how == MergeCollective::Allreduce3 {
-                comm.all_reduce(num, ReduceOp::Sum)?;
-                comm.all_reduce(den, ReduceOp::Sum)?;
-            } else {
-                comm.all_reduce(&mut packed, ReduceOp::Sum)?;
-            }
-            let (num, den) = packed.split_at(cells * d);
-            finish(states, &max, num, den);
+    /// Members send to their node's leader, which folds the node in rank order; leaders
+    /// exchange node states and fold them in node order; leaders send the result back. Every
+    /// rank, leaders included, takes the result from its packed form, so all hold the same
+    /// bits.
+    fn hierarchical<T: Transport<B>>(
+        &mut self,
+        b: &B,
+        comm: &T,
+        states: &mut B::States,
+        layout: &NodeLayout,
+    ) -> Result<()> {
+        let stride = self.stride();
+        let me = comm.rank();
+        let members = layout.members(layout.node_of(me));
+        let leader = members[0];
+        if me != leader {
+            b.pack_states(states, &mut self.packed, 0)?;
+            comm.send(b, &self.packed, 0..stride, leader)?;
+            comm.recv(b, &mut self.gathered, 0..stride, leader)?;
+            return b.combine_gathered(&self.gathered, 1, states);
         }
-        MergeCollective::Allgather => {
-            let mut mine = states.o.clone();
-            mine.extend_from_slice(&states.lse);
-            let mut all = vec![0.0f32; mine.len() * comm.size()];
-            comm.all_gather(&mine, &mut all)?;
-            let mut acc = AttnStates::empty(states.rows, states.heads, d);
-            for chunk in all.chunks(mine.len()) {
-                let (o, lse) = chunk.split_at(cells * d);
-                for i in 0..cells {
-                    merge_state(
-                        &mut acc.o[i * d..(i + 1) * d],
-                        &mut acc.lse[i],
-                        &o[i * d..(i + 1) * d],
-                        lse[i],
-                    );
+        b.pack_states(states, &mut self.gathered, 0)?;
+        for (i, &m) in members.iter().enumerate().skip(1) {
+            comm.recv(b, &mut self.gathered, i * stride..(i + 1) * stride, m)?;
+        }
+        b.combine_gathered(&self.gathered, members.len(), states)?;
+        let leaders = layout.leaders();
+        if leaders.len() > 1 {
+            b.pack_states(states, &mut self.packed, 0)?;
+            for &l in leaders.iter().filter(|&&l| l != me) {
+                comm.send(b, &self.packed, 0..stride, l)?;
+            }
+            for (i, &l) in leaders.iter().enumerate() {
+                let slot = i * stride..(i + 1) * stride;
+                if l == me {
+                    b.pack_states(states, &mut self.gathered, slot.start)?;
+                } else {
+                    comm.recv(b, &mut self.gathered, slot, l)?;
                 }
             }
-            *states = acc;
+            b.combine_gathered(&self.gathered, leaders.len(), states)?;
         }
-        MergeCollective::Hierarchical => {
-            layout.check(comm.size())?;
-            merge_hierarchical(states, comm, layout)?;
+        b.pack_states(states, &mut self.packed, 0)?;
+        for &m in &members[1..] {
+            comm.send(b, &self.packed, 0..stride, m)?;
         }
-        MergeCollective::Auto => {
-            return Err(EngineError::Config(
-                "the auto collective must be resolved to a concrete one before merging".into(),
-            ))
-        }
+        b.combine_gathered(&self.packed, 1, states)
     }
-    Ok(())
-}
-
-/// `o` then `lse`, as one message.
-fn pack(s: &AttnStates) -> Vec<f32> {
-    let mut v = s.o.clone();
-    v.extend_from_slice(&s.lse);
-    v
-}
-
-/// Receives a packed state from `peer` into the shape of `like`.
-fn recv_states<C: Collective>(comm: &C, like: &AttnStates, peer: usize) -> Result<AttnStates> {
-    let mut buf = vec![0.0f32; like.o.len() + like.lse.len()];
-    comm.recv(&mut buf, peer)?;
-    let mut s = like.clone();
-    let (o, lse) = buf.split_at(like.o.len());
-    s.o.copy_from_slice(o);
-    s.lse.copy_from_slice(lse);
-    Ok(s)
-}
-
-/// Members send to their node's leader, which folds them in rank order; leaders exchange
-/// node states and fold them in node order (so every leader gets the same bits); leaders send
-/// the result back to their members.
-fn merge_hierarchical<C: Collective>(
-    states: &mut AttnStates,
-    comm: &C,
-    layout: &NodeLayout,
-) -> Result<()> {
-    let me = comm.rank();
-    let members = layout.members(layout.node_of(me));
-    let leader = members[0];
-    if me != leader {
-        comm.send(&pack(states), leader)?;
-        *states = recv_states(comm, states, leader)?;
-        return Ok(());
-    }
-    let mut node = states.clone();
-    for &m in &members[1..] {
-        node.merge_from(&recv_states(comm, states, m)?);
-    }
-    let leaders = layout.leaders();
-    let mut total = node.clone();
-    if leaders.len() > 1 {
-        let mine = pack(&node);
-        for &l in leaders.iter().filter(|&&l| l != me) {
-            comm.send(&mine, l)?;
-        }
-        total = AttnStates::empty(states.rows, states.heads, states.head_dim);
-        for &l in &leaders {
-            if l == me {
-                total.merge_from(&node);
-            } else {
-                total.merge_from(&recv_states(comm, states, l)?);
-            }
-        }
-    }
-    let out = pack(&total);
-    for &m in &members[1..] {
-        comm.send(&out, m)?;
-    }
-    *states = total;
-    Ok(())
 }

@@ -5,19 +5,17 @@
 //! every buffer a step needs, so [`RankAttention::attend`] allocates nothing on the backend.
 //! The plans address KV by layout, not by contents, so one `RankAttention` serves every KV of
 //! that layout — each layer of a model reads its own KV through the same plans. Every rank
-//! ends a step with the same merged states:
+//! ends a step with the same merged states, in the backend's memory:
 //! - **tree**: stage 1 and the local merge over the rank's own KV, then the cross-rank merge
-//!   ([`crate::merge::merge_across`]);
+//!   ([`crate::merge::StatesMerge`]) over the transport;
 //! - **ring**: each rank's KV travels around the ring; each rank folds every shard, planned
 //!   with that shard's plan, into its own states, the send of the shard it holds posted
 //!   before the compute on it so the transfer overlaps.
 
-use crate::backend::Backend;
-use crate::merge::{merge_across, MergeCollective};
+use crate::merge::{MergeCollective, MergeOps, StatesMerge, Transport};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
-use canopy_comm::Collective;
-use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail};
+use canopy_core::{AttnShape, DType, Plan, Tail};
 
 /// What one rank knows of a ring's shard: its plan (over the shard's logical addresses) and
 /// how many logical tokens travel. A shard travels in logical order
@@ -29,34 +27,35 @@ pub struct RingShard {
 }
 
 /// The uploaded plans and step buffers of one rank.
-pub struct RankAttention<'a, B: Backend, C: Collective> {
+pub struct RankAttention<'a, B: MergeOps, C: Transport<B>> {
     backend: &'a B,
     comm: &'a C,
-    shape: AttnShape,
-    queries: usize,
     poison: bool,
     kind: Kind<B>,
 }
 
-enum Kind<B: Backend> {
+enum Kind<B: MergeOps> {
     Tree {
         how: MergeCollective,
         layout: NodeLayout,
         plan: B::Plan,
         partials: B::States,
         local: B::States,
+        merge: StatesMerge<B>,
     },
     Ring {
         shards: Vec<RingShard>,
         plans: Vec<B::Plan>,
         partials: Vec<B::States>,
         local: B::States,
+        /// The folded states of every shard so far.
+        acc: B::States,
         /// Double buffering: the shard computed on and the one received into.
         bufs: [B::Kv; 2],
     },
 }
 
-impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
+impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
     /// Tree attention over `plan` (this rank's KV, its own addresses), merged by `how`
     /// (concrete: `auto` is resolved by the caller) over ranks placed by `layout`.
     pub fn tree(
@@ -76,11 +75,15 @@ impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
         let plan = backend.upload_plan(&shape, plan)?;
         let partials = backend.alloc_partials(&shape, &plan)?;
         let local = backend.alloc_states(&shape, queries)?;
+        let merge = StatesMerge::new(
+            backend,
+            queries * shape.q_heads,
+            shape.head_dim,
+            comm.size(),
+        )?;
         Ok(RankAttention {
             backend,
             comm,
-            shape,
-            queries,
             poison: false,
             kind: Kind::Tree {
                 how,
@@ -88,6 +91,7 @@ impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
                 plan,
                 partials,
                 local,
+                merge,
             },
         })
     }
@@ -125,14 +129,13 @@ impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
         Ok(RankAttention {
             backend,
             comm,
-            shape,
-            queries,
             poison: false,
             kind: Kind::Ring {
                 shards,
                 plans,
                 partials,
                 local: backend.alloc_states(&shape, queries)?,
+                acc: backend.alloc_states(&shape, queries)?,
                 bufs,
             },
         })
@@ -165,9 +168,9 @@ impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
     }
 
     /// Attention of `q` over `kv` (this rank's storage, laid out as the plans say), merged
-    /// over every rank: each rank returns the same states.
-    pub fn attend(&mut self, kv: &B::Kv, q: &B::Queries) -> Result<AttnStates> {
-        let (backend, comm, shape, poison) = (self.backend, self.comm, self.shape, self.poison);
+    /// over every rank: each rank gets the same states, in the backend's memory.
+    pub fn attend(&mut self, kv: &B::Kv, q: &B::Queries) -> Result<&B::States> {
+        let (backend, comm, poison) = (self.backend, self.comm, self.poison);
         let run = |kv: &B::Kv, plan: &B::Plan, partials: &mut B::States, out: &mut B::States| {
             if poison {
                 backend.poison(partials)?;
@@ -182,33 +185,34 @@ impl<'a, B: Backend, C: Collective> RankAttention<'a, B, C> {
                 plan,
                 partials,
                 local,
+                merge,
             } => {
                 run(kv, plan, partials, local)?;
-                let mut states = backend.download(local)?;
-                merge_across(&mut states, comm, *how, layout)?;
-                Ok(states)
+                merge.run(backend, comm, local, *how, layout)?;
+                Ok(local)
             }
             Kind::Ring {
                 shards,
                 plans,
                 partials,
                 local,
+                acc,
                 bufs,
             } => {
                 let (rank, p) = (comm.rank(), comm.size());
                 let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
-                let mut acc = AttnStates::empty(self.queries, shape.q_heads, shape.head_dim);
+                backend.clear_states(acc)?;
                 for s in 0..p {
                     let src = (rank + p - s) % p; // whose shard this rank holds at step s
                     let (cur, spare) = ring_buffers(s, kv, bufs);
                     if s + 1 < p {
-                        backend.send_kv(cur, shards[src].tokens, comm, next)?;
+                        comm.send_kv(backend, cur, shards[src].tokens, next)?;
                     }
                     run(cur, &plans[src], &mut partials[src], local)?;
-                    acc.merge_from(&backend.download(local)?);
+                    backend.merge_into(acc, local)?;
                     if s + 1 < p {
                         let from = &shards[(src + p - 1) % p];
-                        backend.recv_kv(spare, from.tokens, comm, prev)?;
+                        comm.recv_kv(backend, spare, from.tokens, prev)?;
                     }
                 }
                 Ok(acc)

@@ -3,9 +3,8 @@
 //! queries' states). The per-rank logic ([`rank_main`]) is written against [`Collective`], so
 //! the same code runs on threads of one process and, later, under `mpirun`.
 
-use crate::backend::Backend;
 use crate::cost::{CallKind, CostModel};
-use crate::merge::MergeCollective;
+use crate::merge::{MergeCollective, MergeOps};
 use crate::report::{Measured, RunReport};
 use crate::step::{RankAttention, RingShard};
 use crate::topology::NodeLayout;
@@ -188,7 +187,7 @@ pub fn rank_main<B, C>(
     comm: &C,
 ) -> Result<RankResult>
 where
-    B: Backend,
+    B: MergeOps,
     C: Collective,
 {
     let (rank, p) = (comm.rank(), comm.size());
@@ -241,7 +240,7 @@ where
     for _ in 0..cfg.iters.max(1) {
         comm.barrier()?;
         let t0 = Instant::now();
-        let out = attention.attend(&own, &q)?;
+        let out = backend.download(attention.attend(&own, &q)?)?;
         comm.barrier()?;
         latencies.push(t0.elapsed().as_secs_f64());
         output = Some(out);
@@ -264,7 +263,7 @@ pub fn run_threads<B, F>(
     make: F,
 ) -> Result<RunReport>
 where
-    B: Backend,
+    B: MergeOps,
     F: Fn(usize) -> Result<B> + Sync,
 {
     if cfg.ranks == 0 {

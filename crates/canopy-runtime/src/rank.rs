@@ -23,9 +23,7 @@ use crate::sampling::{Sampler, SamplingParams, TopTwo};
 use crate::{Result, RuntimeError};
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, TreeView};
-use canopy_engine::{
-    Backend, LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard,
-};
+use canopy_engine::{LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard};
 use std::time::Instant;
 
 /// How decode attention combines the ranks' shards.
@@ -268,12 +266,12 @@ pub fn generate<B: LayerOps, C: Collective>(
         }
         let attention = attention.as_mut().expect("planned above");
         let mut x = layers.embed(backend, &ids)?;
+        let mut attn = backend.tensor(ids.len(), shape.q_row_elems())?;
         for (l, cache) in caches.iter_mut().enumerate() {
             let qkv = layers.qkv(backend, l, &x, &positions)?;
             backend.store_kv(cache, &qkv.k, &qkv.v, &mine)?;
             let q = backend.tensor_queries(&shape, &qkv.q)?;
-            let states = attention.attend(cache, &q)?;
-            let attn = backend.upload_tensor(&states.o, ids.len(), shape.q_row_elems())?;
+            backend.states_output(attention.attend(cache, &q)?, &mut attn)?;
             layers.finish(backend, l, &mut x, &attn)?;
         }
         let logits = layers.logits(backend, &x, 0, ids.len())?;
@@ -327,7 +325,7 @@ fn plan_view(view: &RankView, req: &GenerateRequest, shape: &AttnShape) -> Resul
 }
 
 /// The ring's step: every rank's view planned, since every shard passes every rank.
-fn ring_attention<'a, B: Backend, C: Collective>(
+fn ring_attention<'a, B: LayerOps, C: Collective>(
     backend: &'a B,
     comm: &'a C,
     req: &GenerateRequest,

@@ -2,13 +2,13 @@
 //! calibration of the merge's cost model on this world's communicators.
 
 use super::RankComms;
+use crate::backend::CudaStates;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
 use crate::CudaBackend;
 use canopy_engine::cost::{CallKind, CostModel};
-use canopy_engine::MergeCollective;
-use canopy_kernels::Kernel;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use canopy_engine::{MergeCollective, MergeOps};
+use cudarc::driver::CudaSlice;
 
 /// Device buffers and launches of the cross-rank merge.
 pub(super) struct DeviceMerge {
@@ -35,20 +35,6 @@ impl DeviceMerge {
             packed: backend.alloc(cells * (d + 1))?,
             gathered: backend.alloc(ranks * cells * (d + 1))?,
         })
-    }
-
-    /// A grid-stride launch over the cells × (d + 1) elements of a combine kernel.
-    fn grid(&self, backend: &CudaBackend) -> LaunchConfig {
-        let n = self.cells as u64 * (self.d as u64 + 1);
-        let blocks = n
-            .div_ceil(256)
-            .min(4 * backend.gpu().multiprocessors as u64)
-            .max(1) as u32;
-        LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
     }
 
     /// Times this world's all-reduce and all-gather at the merge's two payload sizes and fits
@@ -108,58 +94,14 @@ impl DeviceMerge {
         )
     }
 
-    /// The weights `exp(lse - max)` and weighted outputs of this rank's states into `packed`.
-    fn weights(
-        &mut self,
-        backend: &CudaBackend,
-        o: &CudaSlice<f32>,
-        lse: &CudaSlice<f32>,
-    ) -> Result<()> {
-        let f = backend.function(Kernel::Combine("combine_weights"))?;
-        let grid = self.grid(backend);
-        let mut b = backend.stream().launch_builder(&f);
-        b.arg(o)
-            .arg(lse)
-            .arg(&self.max)
-            .arg(&mut self.packed)
-            .arg(&self.cells)
-            .arg(&self.d);
-        // SAFETY: reads cells × (d + 1) floats and writes as many into `packed`.
-        unsafe { b.launch(grid) }.ctx("launching combine_weights")?;
-        Ok(())
-    }
-
-    /// Normalised (o, lse) from the summed `packed` and `max`.
-    fn finish(
-        &self,
-        backend: &CudaBackend,
-        o: &mut CudaSlice<f32>,
-        lse: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let f = backend.function(Kernel::Combine("combine_finish"))?;
-        let mut b = backend.stream().launch_builder(&f);
-        b.arg(&self.packed)
-            .arg(&self.max)
-            .arg(o)
-            .arg(lse)
-            .arg(&self.cells)
-            .arg(&self.d);
-        // SAFETY: reads `packed` and `max`, writes cells × d outputs and cells lse.
-        unsafe { b.launch(self.grid(backend)) }.ctx("launching combine_finish")?;
-        Ok(())
-    }
-
     /// This rank's lse into `max`, then MAX over `comm`.
     fn max_over(
         &mut self,
         backend: &CudaBackend,
         comm: &NcclComm,
-        lse: &CudaSlice<f32>,
+        states: &CudaStates,
     ) -> Result<()> {
-        backend
-            .stream()
-            .memcpy_dtod(&lse.slice(0..self.cells as usize), &mut self.max)
-            .ctx("cuMemcpyDtoD")?;
+        backend.copy_lse(states, &mut self.max).map_err(engine)?;
         comm.all_reduce_in_place("all_reduce(max)", &mut self.max, NcclOp::Max)
     }
 
@@ -170,12 +112,13 @@ impl DeviceMerge {
         backend: &CudaBackend,
         comm: &NcclComm,
         fused: bool,
-        o: &mut CudaSlice<f32>,
-        lse: &mut CudaSlice<f32>,
+        states: &mut CudaStates,
     ) -> Result<()> {
         let (cells, n) = (self.cells as usize, (self.cells * self.d) as usize);
-        self.max_over(backend, comm, lse)?;
-        self.weights(backend, o, lse)?;
+        self.max_over(backend, comm, states)?;
+        backend
+            .combine_weights(states, &self.max, &mut self.packed)
+            .map_err(engine)?;
         if fused {
             comm.all_reduce_in_place("all_reduce(packed)", &mut self.packed, NcclOp::Sum)?;
         } else {
@@ -190,56 +133,40 @@ impl DeviceMerge {
                 NcclOp::Sum,
             )?;
         }
-        self.finish(backend, o, lse)
+        backend
+            .combine_finish(&self.packed, &self.max, states)
+            .map_err(engine)
     }
 
-    /// Replaces this rank's (o, lse) with the merge over all ranks.
+    /// Replaces this rank's states with the merge over all ranks.
     pub(super) fn run(
         &mut self,
         backend: &CudaBackend,
         comms: &RankComms,
         how: MergeCollective,
-        o: &mut CudaSlice<f32>,
-        lse: &mut CudaSlice<f32>,
+        states: &mut CudaStates,
     ) -> Result<()> {
         if self.ranks == 1 {
             return Ok(());
         }
-        let stream = backend.stream();
         let (cells, n) = (self.cells as usize, (self.cells * self.d) as usize);
         match how {
             MergeCollective::Allreduce3 => {
-                self.all_reduce_merge(backend, &comms.world, false, o, lse)
+                self.all_reduce_merge(backend, &comms.world, false, states)
             }
             MergeCollective::Allreduce2 => {
-                self.all_reduce_merge(backend, &comms.world, true, o, lse)
+                self.all_reduce_merge(backend, &comms.world, true, states)
             }
             MergeCollective::Allgather => {
-                stream
-                    .memcpy_dtod(&o.slice(0..n), &mut self.packed.slice_mut(0..n))
-                    .ctx("cuMemcpyDtoD")?;
-                stream
-                    .memcpy_dtod(
-                        &lse.slice(0..cells),
-                        &mut self.packed.slice_mut(n..n + cells),
-                    )
-                    .ctx("cuMemcpyDtoD")?;
+                backend
+                    .pack_states(states, &mut self.packed, 0)
+                    .map_err(engine)?;
                 comms
                     .world
                     .all_gather("all_gather", &self.packed, &mut self.gathered)?;
-                let ranks = self.ranks as u32;
-                let f = backend.function(Kernel::Combine("combine_gathered"))?;
-                let mut b = stream.launch_builder(&f);
-                b.arg(&self.gathered)
-                    .arg(&ranks)
-                    .arg(&mut *o)
-                    .arg(&mut *lse)
-                    .arg(&self.cells)
-                    .arg(&self.d);
-                // SAFETY: reads ranks × cells × (d + 1) gathered floats, writes one state per
-                // cell.
-                unsafe { b.launch(self.grid(backend)) }.ctx("launching combine_gathered")?;
-                Ok(())
+                backend
+                    .combine_gathered(&self.gathered, self.ranks, states)
+                    .map_err(engine)
             }
             MergeCollective::Hierarchical => {
                 let node = comms.node.as_ref().ok_or_else(|| {
@@ -247,22 +174,30 @@ impl DeviceMerge {
                 })?;
                 if node.size() > 1 {
                     // Inside the node: MAX, then the weighted sums reduced onto the leader.
-                    self.max_over(backend, node, lse)?;
-                    self.weights(backend, o, lse)?;
+                    self.max_over(backend, node, states)?;
+                    backend
+                        .combine_weights(states, &self.max, &mut self.packed)
+                        .map_err(engine)?;
                     node.reduce_in_place("reduce(packed, node)", &mut self.packed, NcclOp::Sum, 0)?;
                     if node.rank() == 0 {
-                        self.finish(backend, o, lse)?;
+                        backend
+                            .combine_finish(&self.packed, &self.max, states)
+                            .map_err(engine)?;
                     }
                 }
                 if let Some(leaders) = comms.leaders.as_ref().filter(|l| l.size() > 1) {
-                    self.all_reduce_merge(backend, leaders, true, o, lse)?;
+                    self.all_reduce_merge(backend, leaders, true, states)?;
                 }
                 if node.size() > 1 {
                     group(node.rank(), || {
-                        node.broadcast_in_place("broadcast(o, node)", &mut o.slice_mut(0..n), 0)?;
+                        node.broadcast_in_place(
+                            "broadcast(o, node)",
+                            &mut states.o.slice_mut(0..n),
+                            0,
+                        )?;
                         node.broadcast_in_place(
                             "broadcast(lse, node)",
-                            &mut lse.slice_mut(0..cells),
+                            &mut states.lse.slice_mut(0..cells),
                             0,
                         )
                     })?;
@@ -274,4 +209,9 @@ impl DeviceMerge {
             )),
         }
     }
+}
+
+/// An engine error from a backend op, kept whole in this crate's error type.
+fn engine(e: canopy_engine::EngineError) -> CudaError {
+    CudaError::Engine(Box::new(e))
 }
