@@ -3,6 +3,8 @@
 use crate::plan_cmd::ShapeArgs;
 use crate::table::{bytes, Table};
 use anyhow::{bail, Result};
+#[cfg(feature = "mpi")]
+use canopy_comm::Group;
 use canopy_core::{Method, Overrides, PlannerConfig, WorkloadSpec};
 use canopy_engine::conformance::run_suite;
 use canopy_engine::{
@@ -224,7 +226,7 @@ impl World {
         match self {
             World::Threads => None,
             #[cfg(feature = "mpi")]
-            World::Mpi(c) => Some(canopy_comm::Collective::size(c)),
+            World::Mpi(c) => Some(canopy_comm::Group::size(c)),
         }
     }
 }

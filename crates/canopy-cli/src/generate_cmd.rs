@@ -6,10 +6,10 @@
 
 use crate::bench::{resolve_backend, BackendChoice, BackendKind, Launcher, World};
 use anyhow::{bail, Context, Result};
-use canopy_comm::{Collective, ThreadWorld};
+use canopy_comm::{Collective, Group, ThreadWorld};
 use canopy_core::{DType, Method};
 use canopy_cuda::CudaBackend;
-use canopy_engine::{CpuBackend, LayerOps, MergeCollective};
+use canopy_engine::{CpuBackend, LayerOps, MergeCollective, Transport};
 use canopy_model::{ChatMessage, LlamaConfig, Model, Tokenizer, Weights};
 use canopy_runtime::{
     generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo,
@@ -366,7 +366,7 @@ impl Run<'_> {
     /// One rank's generation. Every rank decodes the text (to find stop strings alike); rank 0
     /// streams it when there is one sample and not `--json`. Returns the run, each sample's text
     /// and the seconds from `started` to the first token.
-    fn rank<B: LayerOps, C: Collective>(
+    fn rank<B: LayerOps, C: Collective + Transport<B>>(
         &self,
         backend: &B,
         layers: &ModelLayers<B>,

@@ -144,9 +144,13 @@ pub struct Traffic {
 }
 
 /// Collectives over host buffers between the ranks of one world.
-pub trait Collective {
+/// A group of ranks this process takes part in: what every transport has, whatever it moves.
+pub trait Group {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
+}
+
+pub trait Collective: Group {
     /// In place; every rank ends with the same, rank-order-folded result.
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()>;
     /// `recv` is `size() * send.len()` long; rank `r`'s data lands at `r * send.len()`.

@@ -1,6 +1,6 @@
 //! Ranks as MPI processes (`mpirun -np P canopy … --launcher mpi`).
 
-use crate::{fold_rank_order, Collective, CommError, Element, ReduceOp, Result, Traffic};
+use crate::{fold_rank_order, Collective, CommError, Element, Group, ReduceOp, Result, Traffic};
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
 use mpi::request::{Request, StaticScope};
@@ -81,18 +81,20 @@ impl Drop for MpiComm {
     }
 }
 
-impl Collective for MpiComm {
-    fn host_name(&self) -> Result<String> {
-        mpi::environment::processor_name()
-            .map_err(|e| CommError::Mpi(format!("MPI_Get_processor_name failed: {e:?}")))
-    }
-
+impl Group for MpiComm {
     fn rank(&self) -> usize {
         self.world.rank() as usize
     }
 
     fn size(&self) -> usize {
         self.world.size() as usize
+    }
+}
+
+impl Collective for MpiComm {
+    fn host_name(&self) -> Result<String> {
+        mpi::environment::processor_name()
+            .map_err(|e| CommError::Mpi(format!("MPI_Get_processor_name failed: {e:?}")))
     }
 
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {

@@ -1,6 +1,6 @@
 //! Ranks as threads of one process.
 
-use crate::{Collective, CommError, Element, ReduceOp, Result, Traffic};
+use crate::{Collective, CommError, Element, Group, ReduceOp, Result, Traffic};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -211,7 +211,7 @@ impl ThreadComm {
     }
 }
 
-impl Collective for ThreadComm {
+impl Group for ThreadComm {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -219,7 +219,9 @@ impl Collective for ThreadComm {
     fn size(&self) -> usize {
         self.shared.size
     }
+}
 
+impl Collective for ThreadComm {
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let p = self.shared.size as u64;
         self.stage(buf);

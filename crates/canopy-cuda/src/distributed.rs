@@ -337,7 +337,7 @@ pub fn run_mpi(
     cfg: &DistributedConfig,
     comm: &canopy_comm::MpiComm,
 ) -> canopy_engine::Result<Option<RunReport>> {
-    use canopy_comm::{Collective, ReduceOp};
+    use canopy_comm::{Collective, Group, ReduceOp};
     let local = comm.local_rank();
     check_machine(cfg, local + 1)?;
     connect_at_init();

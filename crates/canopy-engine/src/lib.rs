@@ -43,7 +43,7 @@ pub use cpu::CpuBackend;
 pub use cpu_layers::HostMatrix;
 pub use error::{EngineError, Result};
 pub use layer_ops::{LayerOps, ModelNeeds};
-pub use merge::{MergeCollective, MergeOps, StatesMerge, Transport};
+pub use merge::{HostCollective, MergeCollective, MergeOps, StatesMerge, Transport};
 pub use report::{Measured, RunReport};
 pub use step::{ring_buffers, RankAttention, RingShard};
 pub use strategy::{rank_main, run_threads, Problem, RankResult, RunConfig, Strategy};

@@ -12,14 +12,14 @@
 //!
 //! The algorithm is written once, in [`StatesMerge`], over two interfaces: the backend's
 //! elementwise steps between collectives ([`MergeOps`]: the combine kernels on a GPU, plain
-//! loops on the CPU) and a [`Transport`] that moves the backend's own buffers. Every host
-//! [`Collective`] (threads, MPI) is a transport for every backend, staging device buffers
-//! through the host; a device transport (NCCL) moves them where they are.
+//! loops on the CPU) and a [`Transport`] that moves the backend's own buffers. Every
+//! [`HostCollective`] (threads, MPI) is a transport for every backend, staging device buffers
+//! through the host; a device transport (NCCL, streams of one GPU) moves them where they are.
 
 use crate::backend::Backend;
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
-use canopy_comm::{Collective, ReduceOp};
+use canopy_comm::{Collective, Group, ReduceOp};
 use serde::Serialize;
 use std::ops::Range;
 
@@ -119,50 +119,60 @@ pub trait MergeOps: Backend {
 
 /// Collectives over a backend's own buffers, and the ring's KV hand-off. The calls mirror
 /// NCCL's; ranges are in elements.
-pub trait Transport<B: MergeOps> {
-    fn rank(&self) -> usize;
-    fn size(&self) -> usize;
-    fn all_reduce(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, op: ReduceOp) -> Result<()>;
+pub trait Transport<B: MergeOps>: Group {
+    fn all_reduce_buf(
+        &self,
+        b: &B,
+        buf: &mut B::Buf,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()>;
     /// Every rank's `src[..len]` into `dst`, in rank order.
-    fn all_gather(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()>;
-    fn send(&self, b: &B, buf: &B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
-    fn recv(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
+    fn all_gather_buf(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()>;
+    fn send_buf(&self, b: &B, buf: &B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
+    fn recv_buf(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
     /// Logical tokens `0..tokens` of `kv` to `peer`.
     fn send_kv(&self, b: &B, kv: &B::Kv, tokens: usize, peer: usize) -> Result<()>;
     /// `tokens` tokens from `peer` into logical tokens `0..tokens` of `kv`.
     fn recv_kv(&self, b: &B, kv: &mut B::Kv, tokens: usize, peer: usize) -> Result<()>;
 }
 
-/// A host collective moves any backend's buffers by staging them through the host.
-impl<B: MergeOps, C: Collective> Transport<B> for C {
-    fn rank(&self) -> usize {
-        Collective::rank(self)
-    }
+/// A collective over host memory (threads of one process, MPI processes): it moves any
+/// backend's buffers by staging them through the host. A transport that moves device buffers
+/// where they are (NCCL, or streams of one GPU) implements [`Transport`] itself.
+pub trait HostCollective: Collective {}
 
-    fn size(&self) -> usize {
-        Collective::size(self)
-    }
+impl HostCollective for canopy_comm::ThreadComm {}
+#[cfg(feature = "mpi")]
+impl HostCollective for canopy_comm::MpiComm {}
 
-    fn all_reduce(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, op: ReduceOp) -> Result<()> {
+impl<B: MergeOps, C: HostCollective> Transport<B> for C {
+    fn all_reduce_buf(
+        &self,
+        b: &B,
+        buf: &mut B::Buf,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
         let mut host = b.buf_to_host(buf, range.clone())?;
-        Collective::all_reduce(self, &mut host, op)?;
+        self.all_reduce(&mut host, op)?;
         b.buf_from_host(&host, buf, range.start)
     }
 
-    fn all_gather(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()> {
+    fn all_gather_buf(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()> {
         let mine = b.buf_to_host(src, 0..len)?;
-        let mut all = vec![0.0f32; len * Collective::size(self)];
-        Collective::all_gather(self, &mine, &mut all)?;
+        let mut all = vec![0.0f32; len * self.size()];
+        self.all_gather(&mine, &mut all)?;
         b.buf_from_host(&all, dst, 0)
     }
 
-    fn send(&self, b: &B, buf: &B::Buf, range: Range<usize>, peer: usize) -> Result<()> {
-        Ok(Collective::send(self, &b.buf_to_host(buf, range)?, peer)?)
+    fn send_buf(&self, b: &B, buf: &B::Buf, range: Range<usize>, peer: usize) -> Result<()> {
+        Ok(self.send(&b.buf_to_host(buf, range)?, peer)?)
     }
 
-    fn recv(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, peer: usize) -> Result<()> {
+    fn recv_buf(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, peer: usize) -> Result<()> {
         let mut host = vec![0.0f32; range.len()];
-        Collective::recv(self, &mut host, peer)?;
+        self.recv(&mut host, peer)?;
         b.buf_from_host(&host, buf, range.start)
     }
 
@@ -223,7 +233,7 @@ impl<B: MergeOps> StatesMerge<B> {
             }
             MergeCollective::Allgather => {
                 b.pack_states(states, &mut self.packed, 0)?;
-                comm.all_gather(b, &self.packed, self.stride(), &mut self.gathered)?;
+                comm.all_gather_buf(b, &self.packed, self.stride(), &mut self.gathered)?;
                 b.combine_gathered(&self.gathered, comm.size(), states)
             }
             MergeCollective::Hierarchical => {
@@ -247,13 +257,13 @@ impl<B: MergeOps> StatesMerge<B> {
     ) -> Result<()> {
         let (cells, n) = (self.cells, self.cells * self.d);
         b.copy_lse(states, &mut self.max)?;
-        comm.all_reduce(b, &mut self.max, 0..cells, ReduceOp::Max)?;
+        comm.all_reduce_buf(b, &mut self.max, 0..cells, ReduceOp::Max)?;
         b.combine_weights(states, &self.max, &mut self.packed)?;
         if fused {
-            comm.all_reduce(b, &mut self.packed, 0..n + cells, ReduceOp::Sum)?;
+            comm.all_reduce_buf(b, &mut self.packed, 0..n + cells, ReduceOp::Sum)?;
         } else {
-            comm.all_reduce(b, &mut self.packed, 0..n, ReduceOp::Sum)?;
-            comm.all_reduce(b, &mut self.packed, n..n + cells, ReduceOp::Sum)?;
+            comm.all_reduce_buf(b, &mut self.packed, 0..n, ReduceOp::Sum)?;
+            comm.all_reduce_buf(b, &mut self.packed, n..n + cells, ReduceOp::Sum)?;
         }
         b.combine_finish(&self.packed, &self.max, states)
     }
@@ -275,34 +285,34 @@ impl<B: MergeOps> StatesMerge<B> {
         let leader = members[0];
         if me != leader {
             b.pack_states(states, &mut self.packed, 0)?;
-            comm.send(b, &self.packed, 0..stride, leader)?;
-            comm.recv(b, &mut self.gathered, 0..stride, leader)?;
+            comm.send_buf(b, &self.packed, 0..stride, leader)?;
+            comm.recv_buf(b, &mut self.gathered, 0..stride, leader)?;
             return b.combine_gathered(&self.gathered, 1, states);
         }
         b.pack_states(states, &mut self.gathered, 0)?;
         for (i, &m) in members.iter().enumerate().skip(1) {
-            comm.recv(b, &mut self.gathered, i * stride..(i + 1) * stride, m)?;
+            comm.recv_buf(b, &mut self.gathered, i * stride..(i + 1) * stride, m)?;
         }
         b.combine_gathered(&self.gathered, members.len(), states)?;
         let leaders = layout.leaders();
         if leaders.len() > 1 {
             b.pack_states(states, &mut self.packed, 0)?;
             for &l in leaders.iter().filter(|&&l| l != me) {
-                comm.send(b, &self.packed, 0..stride, l)?;
+                comm.send_buf(b, &self.packed, 0..stride, l)?;
             }
             for (i, &l) in leaders.iter().enumerate() {
                 let slot = i * stride..(i + 1) * stride;
                 if l == me {
                     b.pack_states(states, &mut self.gathered, slot.start)?;
                 } else {
-                    comm.recv(b, &mut self.gathered, slot, l)?;
+                    comm.recv_buf(b, &mut self.gathered, slot, l)?;
                 }
             }
             b.combine_gathered(&self.gathered, leaders.len(), states)?;
         }
         b.pack_states(states, &mut self.packed, 0)?;
         for &m in &members[1..] {
-            comm.send(b, &self.packed, 0..stride, m)?;
+            comm.send_buf(b, &self.packed, 0..stride, m)?;
         }
         b.combine_gathered(&self.packed, 1, states)
     }

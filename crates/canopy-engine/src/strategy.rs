@@ -4,12 +4,12 @@
 //! the same code runs on threads of one process and, later, under `mpirun`.
 
 use crate::cost::{CallKind, CostModel};
-use crate::merge::{MergeCollective, MergeOps};
+use crate::merge::{MergeCollective, MergeOps, Transport};
 use crate::report::{Measured, RunReport};
 use crate::step::{RankAttention, RingShard};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
-use canopy_comm::{Collective, ReduceOp, ThreadWorld};
+use canopy_comm::{Collective, Group, ReduceOp, ThreadWorld};
 use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, AttnStates, DType, KvTree,
     Method, Plan, PlannerConfig, ProblemData, Shard, SliceKv, TreeView, TypedVec,
@@ -188,7 +188,7 @@ pub fn rank_main<B, C>(
 ) -> Result<RankResult>
 where
     B: MergeOps,
-    C: Collective,
+    C: Collective + Transport<B>,
 {
     let (rank, p) = (comm.rank(), comm.size());
     let shards = shard_tree(&problem.tree, p)?;

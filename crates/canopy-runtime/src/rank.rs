@@ -23,7 +23,9 @@ use crate::sampling::{Sampler, SamplingParams, TopTwo};
 use crate::{Result, RuntimeError};
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, TreeView};
-use canopy_engine::{LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard};
+use canopy_engine::{
+    LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard, Transport,
+};
 use std::time::Instant;
 
 /// How decode attention combines the ranks' shards.
@@ -116,7 +118,7 @@ pub struct Generated {
 /// `on_token(sample, token)` sees each new token as it is drawn, in order, and ends that
 /// sample by returning `false` (a stop string in its text). Every rank must answer alike: the
 /// ranks hold the same tokens, so a decision made from them is.
-pub fn generate<B: LayerOps, C: Collective>(
+pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
     req: &GenerateRequest,
@@ -325,7 +327,7 @@ fn plan_view(view: &RankView, req: &GenerateRequest, shape: &AttnShape) -> Resul
 }
 
 /// The ring's step: every rank's view planned, since every shard passes every rank.
-fn ring_attention<'a, B: LayerOps, C: Collective>(
+fn ring_attention<'a, B: LayerOps, C: Collective + Transport<B>>(
     backend: &'a B,
     comm: &'a C,
     req: &GenerateRequest,
