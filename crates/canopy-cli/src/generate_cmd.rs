@@ -8,7 +8,7 @@ use crate::bench::{resolve_backend, BackendChoice, BackendKind, Launcher, World}
 use anyhow::{bail, Context, Result};
 use canopy_comm::{Collective, Group, ThreadWorld};
 use canopy_core::{DType, Method};
-use canopy_cuda::CudaBackend;
+use canopy_cuda::{CudaBackend, DeviceWorld};
 use canopy_engine::{CpuBackend, LayerOps, MergeCollective, Transport};
 use canopy_model::{ChatMessage, LlamaConfig, Model, Tokenizer, Weights};
 use canopy_runtime::{
@@ -286,7 +286,7 @@ impl Run<'_> {
     /// Runs this process's ranks on backends made by `backend(device)`, the ranks spread over
     /// `devices` devices (rank `r` on device `r % devices`), the weights uploaded once per
     /// device and shared by its ranks. Returns rank 0's outcome (`None` on other MPI ranks).
-    fn on<B: LayerOps>(
+    fn on<B: RankThreads>(
         &self,
         world: &World,
         config: &LlamaConfig,
@@ -344,9 +344,9 @@ impl Run<'_> {
         };
         match world {
             World::Threads => {
-                let results = ThreadWorld::run(self.ranks, Duration::from_secs(600), |comm| {
-                    let r = comm.rank();
-                    self.rank(&backends[r], layers_of(r), tokenizer, &comm)
+                let one_device = used.len() == 1;
+                let results = B::run_threads(self, one_device, &|r, comm| {
+                    comm.run(self, &backends[r], layers_of(r), tokenizer)
                 });
                 let mut results = results.into_iter();
                 let first = results.next().expect("one rank at least")?;
@@ -427,6 +427,60 @@ impl Run<'_> {
         Ok((out, samples, first_token.unwrap_or(0.0)))
     }
 }
+
+/// One rank thread's view of its world: runs that rank's generation with whichever
+/// transport the world gives it.
+trait RankComm<B: LayerOps> {
+    fn run(
+        &self,
+        run: &Run,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        tokenizer: &Tokenizer,
+    ) -> Result<RankOutcome>;
+}
+
+impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
+    fn run(
+        &self,
+        run: &Run,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        tokenizer: &Tokenizer,
+    ) -> Result<RankOutcome> {
+        run.rank(backend, layers, tokenizer, self)
+    }
+}
+
+/// A rank thread: its rank and its world's transport.
+type RankBody<'a, B> = dyn Fn(usize, &dyn RankComm<B>) -> Result<RankOutcome> + Sync + 'a;
+
+/// How the rank threads of one process exchange a backend's buffers.
+trait RankThreads: LayerOps + Sized {
+    /// Runs `run.ranks` threads, each calling `body` with its rank and transport.
+    fn run_threads(run: &Run, one_device: bool, body: &RankBody<Self>) -> Vec<Result<RankOutcome>>;
+}
+
+impl RankThreads for CpuBackend {
+    fn run_threads(run: &Run, _: bool, body: &RankBody<Self>) -> Vec<Result<RankOutcome>> {
+        ThreadWorld::run(run.ranks, RANK_TIMEOUT, |comm| body(comm.rank(), &comm))
+    }
+}
+
+/// Ranks that share one GPU exchange buffers on it (streams of one context); ranks on
+/// several GPUs stage them through the host.
+impl RankThreads for CudaBackend {
+    fn run_threads(run: &Run, one_device: bool, body: &RankBody<Self>) -> Vec<Result<RankOutcome>> {
+        if one_device && run.ranks > 1 {
+            DeviceWorld::run(run.ranks, RANK_TIMEOUT, |comm| body(comm.rank(), &comm))
+        } else {
+            ThreadWorld::run(run.ranks, RANK_TIMEOUT, |comm| body(comm.rank(), &comm))
+        }
+    }
+}
+
+/// How long a rank waits for its peers before giving up.
+const RANK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Progress of a weight upload (hidden when stderr is not a terminal).
 fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::ProgressBar {

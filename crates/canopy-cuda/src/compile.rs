@@ -46,7 +46,11 @@ pub fn cubin(variant: &Variant, arch: &str) -> Result<Vec<u8>> {
     if let Some(p) = &path {
         // The cache is an optimisation: failing to write it is not an error.
         let _ = p.parent().map(std::fs::create_dir_all);
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        // A name of its own per write: threads of one process (ranks sharing a GPU) may
+        // compile the same variant at once, and the rename then publishes whole files only.
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = p.with_extension(format!("tmp{}-{n}", std::process::id()));
         if std::fs::write(&tmp, &bytes).is_ok() {
             let _ = std::fs::rename(&tmp, p);
         }

@@ -166,3 +166,82 @@ impl CudaBackend {
         Ok((k, v))
     }
 }
+
+/// Device-to-device copies of logical tokens, for transports that move KV without the host
+/// (`crate::device_world`): the same page-table walk as [`CudaBackend::read_bytes`] and
+/// [`CudaBackend::write_bytes`], on this backend's stream. Neither waits for the stream.
+impl CudaBackend {
+    /// Refuses logical tokens `start..start + n` past what `kv` holds (a page table walk past
+    /// the pool would index out of it).
+    fn check_tokens(op: &str, kv: &CudaKv, start: usize, n: usize) -> Result<()> {
+        if start + n > kv.tokens {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: logical tokens {start}..{} of KV that holds {}; size the receiving KV for the largest shard",
+                start + n,
+                kv.tokens
+            )));
+        }
+        Ok(())
+    }
+
+    /// K and V of logical tokens `0..n` of `kv`, gathered into fresh contiguous device buffers
+    /// (in logical order) on this backend's stream.
+    pub(crate) fn gather_device(
+        &self,
+        kv: &CudaKv,
+        n: usize,
+    ) -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+        Self::check_tokens("gather_device", kv, 0, n)?;
+        let bytes = kv.bytes_of(n);
+        let (mut k, mut v) = (self.alloc::<u8>(bytes)?, self.alloc::<u8>(bytes)?);
+        for (at, dev) in Self::segments(kv, 0, n) {
+            let len = dev.len();
+            if len == 0 {
+                continue;
+            }
+            self.stream
+                .memcpy_dtod(&kv.k.slice(dev.clone()), &mut k.slice_mut(at..at + len))
+                .ctx("cuMemcpyDtoDAsync (gathering K)")?;
+            self.stream
+                .memcpy_dtod(&kv.v.slice(dev), &mut v.slice_mut(at..at + len))
+                .ctx("cuMemcpyDtoDAsync (gathering V)")?;
+        }
+        Ok((k, v))
+    }
+
+    /// Scatters `n` tokens of contiguous device K and V (logical order, as
+    /// [`CudaBackend::gather_device`] gives them) into logical tokens `start..start + n` of
+    /// `kv` through its page table, on this backend's stream.
+    pub(crate) fn scatter_device(
+        &self,
+        kv: &mut CudaKv,
+        start: usize,
+        n: usize,
+        k: &CudaSlice<u8>,
+        v: &CudaSlice<u8>,
+    ) -> Result<()> {
+        let bytes = kv.bytes_of(n);
+        if k.len() < bytes || v.len() < bytes {
+            return Err(CudaError::Unsupported(format!(
+                "scatter_device: K of {} bytes and V of {} bytes for {n} tokens of {} bytes each",
+                k.len(),
+                v.len(),
+                kv.bytes_of(1)
+            )));
+        }
+        Self::check_tokens("scatter_device", kv, start, n)?;
+        for (at, dev) in Self::segments(kv, start, n) {
+            let len = dev.len();
+            if len == 0 {
+                continue;
+            }
+            self.stream
+                .memcpy_dtod(&k.slice(at..at + len), &mut kv.k.slice_mut(dev.clone()))
+                .ctx("cuMemcpyDtoDAsync (scattering K)")?;
+            self.stream
+                .memcpy_dtod(&v.slice(at..at + len), &mut kv.v.slice_mut(dev))
+                .ctx("cuMemcpyDtoDAsync (scattering V)")?;
+        }
+        Ok(())
+    }
+}

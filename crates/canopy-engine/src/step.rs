@@ -47,8 +47,9 @@ enum Kind<B: MergeOps> {
         shards: Vec<RingShard>,
         plans: Vec<B::Plan>,
         partials: Vec<B::States>,
-        local: B::States,
-        /// The folded states of every shard so far.
+        /// Each shard's states, folded in shard order once all have passed, so that every
+        /// rank folds alike and ends with the same bits.
+        locals: Vec<B::States>,
         acc: B::States,
         /// Double buffering: the shard computed on and the one received into.
         bufs: [B::Kv; 2],
@@ -134,7 +135,9 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 shards,
                 plans,
                 partials,
-                local: backend.alloc_states(&shape, queries)?,
+                locals: (0..comm.size())
+                    .map(|_| backend.alloc_states(&shape, queries))
+                    .collect::<Result<Vec<_>>>()?,
                 acc: backend.alloc_states(&shape, queries)?,
                 bufs,
             },
@@ -195,7 +198,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 shards,
                 plans,
                 partials,
-                local,
+                locals,
                 acc,
                 bufs,
             } => {
@@ -208,12 +211,14 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                     if s + 1 < p {
                         comm.send_kv(backend, cur, shards[src].tokens, next)?;
                     }
-                    run(cur, &plans[src], &mut partials[src], local)?;
-                    backend.merge_into(acc, local)?;
+                    run(cur, &plans[src], &mut partials[src], &mut locals[src])?;
                     if s + 1 < p {
                         let from = &shards[(src + p - 1) % p];
                         comm.recv_kv(backend, spare, from.tokens, prev)?;
                     }
+                }
+                for local in locals.iter() {
+                    backend.merge_into(acc, local)?;
                 }
                 Ok(acc)
             }
@@ -229,5 +234,49 @@ pub fn ring_buffers<'a, K>(s: usize, own: &'a K, bufs: &'a mut [K; 2]) -> (&'a K
         0 => (own, a),
         _ if s % 2 == 1 => (&*a, b),
         _ => (&*b, a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::strategy::{rank_main, Problem, RunConfig, Strategy};
+    use crate::{CpuBackend, MergeCollective};
+    use canopy_comm::ThreadWorld;
+    use canopy_core::{random_tree, AttnShape, DType, Method, PlannerConfig};
+    use std::time::Duration;
+
+    /// Every rank ends a step with the same bits, whichever order the shards pass it in.
+    #[test]
+    fn every_rank_ends_with_the_same_bits() {
+        let shape = AttnShape::new(4, 2, 64).unwrap();
+        let problem = Problem::random(random_tree(3, 9, 40), shape, DType::F32, 3);
+        let ranks = 4;
+        for strategy in [
+            Strategy::Ring,
+            Strategy::Tree(MergeCollective::Allreduce3),
+            Strategy::Tree(MergeCollective::Hierarchical),
+        ] {
+            let cfg = RunConfig {
+                ranks,
+                strategy,
+                method: Method::Auto,
+                planner: PlannerConfig::default(),
+                warmup: 0,
+                iters: 1,
+                timeout: Duration::from_secs(60),
+                poison: true,
+                virtual_nodes: Some(2),
+            };
+            let outs: Vec<_> = ThreadWorld::run(ranks, cfg.timeout, |comm| {
+                rank_main(&problem, &cfg, &CpuBackend, &comm)
+            })
+            .into_iter()
+            .map(|r| r.expect("the rank ran").output)
+            .collect();
+            for out in &outs[1..] {
+                assert_eq!(out.o, outs[0].o, "{strategy:?}");
+                assert_eq!(out.lse, outs[0].lse, "{strategy:?}");
+            }
+        }
     }
 }

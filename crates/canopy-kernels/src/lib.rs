@@ -92,6 +92,7 @@ impl Id {
                 "combine_finish",
                 "combine_gathered",
                 "combine_pair",
+                "reduce_slots",
             ],
             Id::Layers => &[
                 "round_to_elem",
