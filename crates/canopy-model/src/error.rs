@@ -26,6 +26,8 @@ pub enum ModelError {
     },
     #[error("unsupported architecture {found}; canopy runs Llama-family models (LlamaForCausalLM, or GGUF with general.architecture = llama)")]
     UnsupportedArchitecture { found: String },
+    #[error("unknown architecture `{name}`; the presets are {}", crate::presets::PRESETS.join(", "))]
+    UnknownPreset { name: String },
     #[error("invalid model configuration: {0}")]
     InvalidConfig(String),
     #[error(

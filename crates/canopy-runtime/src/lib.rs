@@ -18,10 +18,11 @@
 mod error;
 pub mod kv;
 pub mod layers;
+mod prefill;
 pub mod rank;
 pub mod sampling;
 
 pub use error::{Result, RuntimeError};
 pub use layers::ModelLayers;
-pub use rank::{generate, DecodeStrategy, GenerateRequest, Generated};
+pub use rank::{generate, ContextFill, DecodeStrategy, GenerateRequest, Generated};
 pub use sampling::{Sampler, SamplingParams, TopTwo};

@@ -18,10 +18,11 @@
 //! and so draws the same tokens.
 
 use crate::kv::{KvLayout, RankChange, RankView};
-use crate::layers::{ModelLayers, Qkv};
+use crate::layers::ModelLayers;
+use crate::prefill::{fill_random, prefill};
 use crate::sampling::{Sampler, SamplingParams, TopTwo};
 use crate::{Result, RuntimeError};
-use canopy_comm::{Collective, ReduceOp};
+use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, TreeView};
 use canopy_engine::{
     LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard, Transport,
@@ -56,6 +57,20 @@ pub struct GenerateRequest {
     pub page_size: u32,
     /// The KV caches' dtype.
     pub kv_dtype: DType,
+    /// How the prompt's keys and values reach the cache.
+    pub context_fill: ContextFill,
+}
+
+/// How the prompt's keys and values reach the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContextFill {
+    /// The prompt runs through the model (the sequence-parallel prefill).
+    #[default]
+    Prefill,
+    /// Random keys and values stand in for the prompt's, drawn from `seed` by position, so
+    /// that decode can be timed at contexts whose prefill would not fit a run. The first
+    /// token is drawn from flat logits and the text means nothing.
+    Random { seed: u64 },
 }
 
 impl GenerateRequest {
@@ -151,32 +166,15 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         .map(|_| backend.alloc_kv(&shape, req.kv_dtype, kv.pool_tokens()))
         .collect::<canopy_engine::Result<_>>()?;
 
-    // Prefill: this rank's chunk through every layer.
     let t0 = Instant::now();
-    let chunk = kv.prompt_chunk(rank);
-    let positions: Vec<u32> = chunk.clone().map(|p| p as u32).collect();
-    let mut x = layers.embed(backend, &req.prompt[chunk.clone()])?;
-    let slots = kv.prompt_slots(rank);
-    let mut attn = backend.tensor(chunk.len(), shape.q_row_elems())?;
-    for (l, cache) in caches.iter_mut().enumerate() {
-        let qkv = layers.qkv(backend, l, &x, &positions)?;
-        backend.store_kv(cache, &qkv.k, &qkv.v, &slots)?;
-        let states = prefill_attention(backend, &shape, comm, &qkv, &positions)?;
-        backend.states_output(&states, &mut attn)?;
-        layers.finish(backend, l, &mut x, &attn)?;
-    }
-    // The prompt's last token is the last row of the last non-empty chunk.
-    let last_rank = (0..ranks)
-        .rev()
-        .find(|&r| !kv.prompt_chunk(r).is_empty())
-        .expect("a non-empty prompt has a chunk");
     let vocab = layers.config.vocab_size;
-    let mut logits = if rank == last_rank {
-        layers.logits(backend, &x, chunk.len() - 1, 1)?
-    } else {
-        vec![0.0; vocab]
+    let logits = match req.context_fill {
+        ContextFill::Prefill => prefill(backend, layers, req, comm, &kv, &mut caches)?,
+        ContextFill::Random { seed } => {
+            fill_random(backend, layers, &kv, rank, seed, &mut caches)?;
+            vec![0.0; vocab]
+        }
     };
-    comm.all_reduce(&mut logits, ReduceOp::Sum)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let first_logits = logits.clone();
 
@@ -350,60 +348,4 @@ fn ring_attention<'a, B: LayerOps, C: Collective + Transport<B>>(
         req.kv_dtype,
         shards,
     )?)
-}
-
-/// Causal attention of this rank's chunk over the whole prompt so far: its own chunk, then
-/// every other chunk passed around the ring (through the host: a chunk's keys, values and
-/// positions).
-fn prefill_attention<B: LayerOps, C: Collective>(
-    backend: &B,
-    shape: &AttnShape,
-    comm: &C,
-    qkv: &Qkv<B>,
-    positions: &[u32],
-) -> Result<B::States> {
-    let mut states = backend.empty_states(shape, positions.len())?;
-    backend.causal_attention(
-        shape,
-        &qkv.q,
-        positions,
-        &qkv.k,
-        &qkv.v,
-        positions,
-        &mut states,
-    )?;
-    let (rank, p) = (comm.rank(), comm.size());
-    if p == 1 {
-        return Ok(states);
-    }
-    let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
-    let per = shape.kv_token_elems();
-    let (mut k, mut v, mut pos) = (
-        backend.download_tensor(&qkv.k)?,
-        backend.download_tensor(&qkv.v)?,
-        positions.to_vec(),
-    );
-    for _ in 1..p {
-        // The block's length first, so the receiver can size its buffers.
-        let len = (pos.len() as u32).to_le_bytes();
-        let mut theirs = [0u8; 4];
-        comm.send(&len, next)?;
-        comm.recv(&mut theirs, prev)?;
-        let n = u32::from_le_bytes(theirs) as usize;
-        let (mut k2, mut v2, mut pos2) =
-            (vec![0.0f32; n * per], vec![0.0f32; n * per], vec![0u32; n]);
-        comm.send(&k, next)?;
-        comm.recv(&mut k2, prev)?;
-        comm.send(&v, next)?;
-        comm.recv(&mut v2, prev)?;
-        comm.send(bytemuck::cast_slice::<u32, u8>(&pos), next)?;
-        comm.recv(bytemuck::cast_slice_mut::<u32, u8>(&mut pos2), prev)?;
-        (k, v, pos) = (k2, v2, pos2);
-        if n > 0 {
-            let kt = backend.upload_tensor(&k, n, per)?;
-            let vt = backend.upload_tensor(&v, n, per)?;
-            backend.causal_attention(shape, &qkv.q, positions, &kt, &vt, &pos, &mut states)?;
-        }
-    }
-    Ok(states)
 }

@@ -58,6 +58,7 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
             method: Method::Auto,
             page_size: 16,
             kv_dtype: DType::F32,
+            context_fill: canopy_runtime::ContextFill::Prefill,
         };
         // Every other prompt sharded over two ranks.
         let ranks = 1 + i % 2;

@@ -55,6 +55,7 @@ fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> Genera
         method: Method::Auto,
         page_size: 16,
         kv_dtype: DType::F32,
+        context_fill: canopy_runtime::ContextFill::Prefill,
     }
 }
 

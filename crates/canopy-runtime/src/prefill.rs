@@ -1,0 +1,179 @@
+//! How the prompt's keys and values reach a rank's caches: the sequence-parallel prefill
+//! (the prompt through every layer, chunks passed around the ring for causal attention), or a
+//! random fill that stands in for it when only decode is timed.
+
+use crate::kv::KvLayout;
+use crate::layers::{ModelLayers, Qkv};
+use crate::rank::GenerateRequest;
+use crate::Result;
+use canopy_comm::{Collective, ReduceOp};
+use canopy_core::AttnShape;
+use canopy_engine::{LayerOps, Transport};
+use rayon::prelude::*;
+
+/// This rank's chunk of the prompt through every layer, its keys and values stored in
+/// `caches`; returns the first token's logits (the same on every rank).
+pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
+    backend: &B,
+    layers: &ModelLayers<B>,
+    req: &GenerateRequest,
+    comm: &C,
+    kv: &KvLayout,
+    caches: &mut [B::Kv],
+) -> Result<Vec<f32>> {
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let shape = layers.attn_shape();
+    let chunk = kv.prompt_chunk(rank);
+    let positions: Vec<u32> = chunk.clone().map(|p| p as u32).collect();
+    let mut x = layers.embed(backend, &req.prompt[chunk.clone()])?;
+    let slots = kv.prompt_slots(rank);
+    let mut attn = backend.tensor(chunk.len(), shape.q_row_elems())?;
+    for (l, cache) in caches.iter_mut().enumerate() {
+        let qkv = layers.qkv(backend, l, &x, &positions)?;
+        backend.store_kv(cache, &qkv.k, &qkv.v, &slots)?;
+        let states = prefill_attention(backend, &shape, comm, &qkv, &positions)?;
+        backend.states_output(&states, &mut attn)?;
+        layers.finish(backend, l, &mut x, &attn)?;
+    }
+    // The prompt's last token is the last row of the last non-empty chunk.
+    let last_rank = (0..ranks)
+        .rev()
+        .find(|&r| !kv.prompt_chunk(r).is_empty())
+        .expect("a non-empty prompt has a chunk");
+    let mut logits = if rank == last_rank {
+        layers.logits(backend, &x, chunk.len() - 1, 1)?
+    } else {
+        vec![0.0; layers.config.vocab_size]
+    };
+    comm.all_reduce(&mut logits, ReduceOp::Sum)?;
+    Ok(logits)
+}
+
+/// Causal attention of this rank's chunk over the whole prompt so far: its own chunk, then
+/// every other chunk passed around the ring (through the host: a chunk's keys, values and
+/// positions).
+fn prefill_attention<B: LayerOps, C: Collective + Transport<B>>(
+    backend: &B,
+    shape: &AttnShape,
+    comm: &C,
+    qkv: &Qkv<B>,
+    positions: &[u32],
+) -> Result<B::States> {
+    let mut states = backend.empty_states(shape, positions.len())?;
+    backend.causal_attention(
+        shape,
+        &qkv.q,
+        positions,
+        &qkv.k,
+        &qkv.v,
+        positions,
+        &mut states,
+    )?;
+    let (rank, p) = (comm.rank(), comm.size());
+    if p == 1 {
+        return Ok(states);
+    }
+    let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+    let per = shape.kv_token_elems();
+    let (mut k, mut v, mut pos) = (
+        backend.download_tensor(&qkv.k)?,
+        backend.download_tensor(&qkv.v)?,
+        positions.to_vec(),
+    );
+    for _ in 1..p {
+        // The block's length first, so the receiver can size its buffers.
+        let len = (pos.len() as u32).to_le_bytes();
+        let mut theirs = [0u8; 4];
+        comm.send(&len, next)?;
+        comm.recv(&mut theirs, prev)?;
+        let n = u32::from_le_bytes(theirs) as usize;
+        let (mut k2, mut v2, mut pos2) =
+            (vec![0.0f32; n * per], vec![0.0f32; n * per], vec![0u32; n]);
+        comm.send(&k, next)?;
+        comm.recv(&mut k2, prev)?;
+        comm.send(&v, next)?;
+        comm.recv(&mut v2, prev)?;
+        comm.send(bytemuck::cast_slice::<u32, u8>(&pos), next)?;
+        comm.recv(bytemuck::cast_slice_mut::<u32, u8>(&mut pos2), prev)?;
+        (k, v, pos) = (k2, v2, pos2);
+        if n > 0 {
+            let kt = backend.upload_tensor(&k, n, per)?;
+            let vt = backend.upload_tensor(&v, n, per)?;
+            backend.causal_attention(shape, &qkv.q, positions, &kt, &vt, &pos, &mut states)?;
+        }
+    }
+    Ok(states)
+}
+
+/// Rows of random keys and values stored per upload: bounds the host memory of a fill.
+const FILL_ROWS: usize = 8192;
+
+/// Random keys and values, uniform in ±1, in this rank's slots of the prompt, every layer.
+/// Each value depends only on `(seed, layer, K or V, position, element)`, so the context is
+/// the same whatever the rank count.
+pub(crate) fn fill_random<B: LayerOps>(
+    backend: &B,
+    layers: &ModelLayers<B>,
+    kv: &KvLayout,
+    rank: usize,
+    seed: u64,
+    caches: &mut [B::Kv],
+) -> Result<()> {
+    let width = layers.attn_shape().kv_token_elems();
+    let chunk = kv.prompt_chunk(rank);
+    let slots = kv.prompt_slots(rank);
+    for (l, cache) in caches.iter_mut().enumerate() {
+        for (piece, at) in slots.chunks(FILL_ROWS).zip((0..).step_by(FILL_ROWS)) {
+            let first = (chunk.start + at) as u64;
+            let draw = |which: u64| {
+                let stream = seed ^ ((l as u64) << 1 | which).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                random_values(stream, first * width as u64, piece.len() * width)
+            };
+            let k = backend.upload_tensor(&draw(0), piece.len(), width)?;
+            let v = backend.upload_tensor(&draw(1), piece.len(), width)?;
+            let rows: Vec<(u32, u32)> = piece
+                .iter()
+                .enumerate()
+                .map(|(i, &(_, slot))| (i as u32, slot))
+                .collect();
+            backend.store_kv(cache, &k, &v, &rows)?;
+        }
+    }
+    Ok(())
+}
+
+/// `n` values uniform in ±1, element `i` a hash of `(stream, first + i)`.
+fn random_values(stream: u64, first: u64, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; n];
+    out.par_chunks_mut(4096).enumerate().for_each(|(c, part)| {
+        for (i, x) in part.iter_mut().enumerate() {
+            let h = splitmix64(stream ^ splitmix64(first + (c * 4096 + i) as u64));
+            *x = (h >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+        }
+    });
+    out
+}
+
+/// One step of the splitmix64 generator: a well-mixed 64-bit hash of `x`.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::random_values;
+
+    #[test]
+    fn random_values_are_spread_and_depend_on_position_only() {
+        let a = random_values(7, 100, 5000);
+        assert!(a.iter().all(|x| (-1.0..1.0).contains(x)));
+        let mean = a.iter().sum::<f32>() / a.len() as f32;
+        assert!(mean.abs() < 0.05, "mean {mean}");
+        // The same positions drawn from another starting point give the same values.
+        assert_eq!(random_values(7, 1100, 10), a[1000..1010]);
+        assert_ne!(random_values(8, 100, 10), a[..10]);
+    }
+}
