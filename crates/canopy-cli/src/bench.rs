@@ -24,6 +24,8 @@ pub enum BenchCommand {
     Kernel(crate::kernel_bench::KernelArgs),
     /// Tree-structured KV (shared prefixes): every planning method, timed and checked.
     Tree(crate::tree_cmd::TreeArgs),
+    /// A model's decode step at long contexts, tree vs ring, beside the hardware's floor.
+    Decode(crate::decode_bench::DecodeArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -137,6 +139,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Scaling(a) => crate::scaling::run(a),
         BenchCommand::Kernel(a) => crate::kernel_bench::run(a),
         BenchCommand::Tree(a) => crate::tree_cmd::run(a),
+        BenchCommand::Decode(a) => crate::decode_bench::run(a),
     }
 }
 

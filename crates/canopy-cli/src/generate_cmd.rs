@@ -5,20 +5,20 @@
 //! the same tokens and rank 0 prints them.
 
 use crate::bench::{resolve_backend, BackendChoice, BackendKind, Launcher, World};
+use crate::ranks::{Placed, RankComm, WeightSource};
 use anyhow::{bail, Context, Result};
-use canopy_comm::{Collective, Group, ThreadWorld};
 use canopy_core::{DType, Method};
-use canopy_cuda::{CudaBackend, DeviceWorld};
-use canopy_engine::{CpuBackend, LayerOps, MergeCollective, Transport};
-use canopy_model::{ChatMessage, LlamaConfig, Model, Tokenizer, Weights};
+use canopy_cuda::CudaBackend;
+use canopy_engine::{CpuBackend, LayerOps, MergeCollective};
+use canopy_model::{ChatMessage, Model, Tokenizer};
 use canopy_runtime::{
-    generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo,
+    DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo,
 };
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DecodeChoice {
@@ -185,12 +185,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         method: a.method,
         page_size: PAGE_SIZE,
         kv_dtype: dtype,
+        context_fill: canopy_runtime::ContextFill::Prefill,
     };
     let run = Run {
         args: &a,
-        ranks,
         req: &req,
-        dtype,
         started: Instant::now(),
     };
     let Model {
@@ -199,14 +198,33 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         tokenizer,
         ..
     } = model;
+    let weights_bytes = weights.size_bytes() as u64;
+    let needs = |here: usize| Ok(req.needs(&config, dtype, weights_bytes, ranks, here)?);
+    let source = WeightSource::Loaded(weights);
     let done = match kind {
-        BackendKind::Cpu => run.on(&world, &config, weights, &tokenizer, &|_| Ok(CpuBackend), 1)?,
+        BackendKind::Cpu => {
+            let placed = Placed::new(
+                &world,
+                ranks,
+                1,
+                &|_| Ok(CpuBackend),
+                &config,
+                source,
+                &needs,
+            )?;
+            placed.run(&world, ranks, &|b, l, comm| {
+                run.rank(b, l, &tokenizer, comm)
+            })?
+        }
         BackendKind::Cuda => {
             let gpus = canopy_cuda::probe::device_count()?;
             let backend = |ordinal: usize| -> Result<CudaBackend> {
                 Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
             };
-            run.on(&world, &config, weights, &tokenizer, &backend, gpus)?
+            let placed = Placed::new(&world, ranks, gpus, &backend, &config, source, &needs)?;
+            placed.run(&world, ranks, &|b, l, comm| {
+                run.rank(b, l, &tokenizer, comm)
+            })?
         }
     };
     let Some((out, texts, first_token_s)) = done else {
@@ -267,7 +285,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 }
 
 /// KV page size, in tokens.
-const PAGE_SIZE: u32 = 16;
+pub const PAGE_SIZE: u32 = 16;
 
 /// One rank's outcome as rank 0 reports it: the run, each sample's text and the seconds to
 /// the first token.
@@ -276,102 +294,20 @@ type RankOutcome = (Generated, Vec<SampleText>, f64);
 /// What every rank of this process shares.
 struct Run<'a> {
     args: &'a GenerateArgs,
-    ranks: usize,
     req: &'a GenerateRequest,
-    dtype: DType,
     started: Instant,
 }
 
 impl Run<'_> {
-    /// Runs this process's ranks on backends made by `backend(device)`, the ranks spread over
-    /// `devices` devices (rank `r` on device `r % devices`), the weights uploaded once per
-    /// device and shared by its ranks. Returns rank 0's outcome (`None` on other MPI ranks).
-    fn on<B: RankThreads>(
-        &self,
-        world: &World,
-        config: &LlamaConfig,
-        weights: Weights,
-        tokenizer: &Tokenizer,
-        backend: &(dyn Fn(usize) -> Result<B> + Sync),
-        devices: usize,
-    ) -> Result<Option<RankOutcome>> {
-        let local: Vec<usize> = match world {
-            World::Threads => (0..self.ranks).collect(),
-            #[cfg(feature = "mpi")]
-            World::Mpi(comm) => vec![comm.rank()],
-        };
-        let device_of = |rank: usize| rank % devices.max(1);
-        let mut used: Vec<usize> = local.iter().map(|&r| device_of(r)).collect();
-        used.sort_unstable();
-        used.dedup();
-        let backends = local
-            .iter()
-            .map(|&r| backend(device_of(r)))
-            .collect::<Result<Vec<B>>>()?;
-        // Each device is checked for everything its ranks will hold, then gets one copy of
-        // the weights.
-        let weight_bytes = weights.size_bytes() as u64;
-        let mut layers: Vec<(usize, ModelLayers<B>)> = Vec::new();
-        let mut weights = Some(weights);
-        for (i, &device) in used.iter().enumerate() {
-            let here = local.iter().filter(|&&r| device_of(r) == device).count();
-            let first = local
-                .iter()
-                .position(|&r| device_of(r) == device)
-                .expect("a used device has a rank");
-            let b = &backends[first];
-            b.check_model(
-                &self
-                    .req
-                    .needs(config, self.dtype, weight_bytes, self.ranks, here)?,
-            )?;
-            let w = if i + 1 == used.len() {
-                weights.take().expect("moved once, last")
-            } else {
-                weights.clone().expect("still held")
-            };
-            let bar = upload_bar(config.num_hidden_layers, b.name(), device);
-            let uploaded = ModelLayers::upload(b, config, w, &mut |_| bar.inc(1))?;
-            bar.finish_and_clear();
-            layers.push((device, uploaded));
-        }
-        let layers_of = |rank: usize| {
-            &layers
-                .iter()
-                .find(|(d, _)| *d == device_of(rank))
-                .expect("every device uploaded")
-                .1
-        };
-        match world {
-            World::Threads => {
-                let one_device = used.len() == 1;
-                let results = B::run_threads(self, one_device, &|r, comm| {
-                    comm.run(self, &backends[r], layers_of(r), tokenizer)
-                });
-                let mut results = results.into_iter();
-                let first = results.next().expect("one rank at least")?;
-                for r in results {
-                    r?;
-                }
-                Ok(Some(first))
-            }
-            #[cfg(feature = "mpi")]
-            World::Mpi(comm) => {
-                let out = self.rank(&backends[0], layers_of(comm.rank()), tokenizer, comm)?;
-                Ok((comm.rank() == 0).then_some(out))
-            }
-        }
-    }
-
     /// One rank's generation. Every rank decodes the text (to find stop strings alike); rank 0
     /// streams it when there is one sample and not `--json`. Returns the run, each sample's text
     /// and the seconds from `started` to the first token.
-    fn rank<B: LayerOps, C: Collective + Transport<B>>(
+    fn rank<B: LayerOps>(
         &self,
         backend: &B,
         layers: &ModelLayers<B>,
         tokenizer: &Tokenizer,
-        comm: &C,
+        comm: &dyn RankComm<B>,
     ) -> Result<RankOutcome> {
         let (a, req, started) = (self.args, self.req, self.started);
         let stream = comm.rank() == 0 && req.samples == 1 && !a.json;
@@ -382,7 +318,7 @@ impl Run<'_> {
         let mut printed = vec![0usize; req.samples];
         let mut first_token = None;
         let mut failure = None;
-        let out = generate(backend, layers, req, comm, &mut |s, token| {
+        let out = comm.generate(backend, layers, req, &mut |s, token| {
             first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
             match decoders[s].push(token) {
                 Ok(piece) => texts[s].push_str(&piece),
@@ -426,76 +362,6 @@ impl Run<'_> {
         }
         Ok((out, samples, first_token.unwrap_or(0.0)))
     }
-}
-
-/// One rank thread's view of its world: runs that rank's generation with whichever
-/// transport the world gives it.
-trait RankComm<B: LayerOps> {
-    fn run(
-        &self,
-        run: &Run,
-        backend: &B,
-        layers: &ModelLayers<B>,
-        tokenizer: &Tokenizer,
-    ) -> Result<RankOutcome>;
-}
-
-impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
-    fn run(
-        &self,
-        run: &Run,
-        backend: &B,
-        layers: &ModelLayers<B>,
-        tokenizer: &Tokenizer,
-    ) -> Result<RankOutcome> {
-        run.rank(backend, layers, tokenizer, self)
-    }
-}
-
-/// A rank thread: its rank and its world's transport.
-type RankBody<'a, B> = dyn Fn(usize, &dyn RankComm<B>) -> Result<RankOutcome> + Sync + 'a;
-
-/// How the rank threads of one process exchange a backend's buffers.
-trait RankThreads: LayerOps + Sized {
-    /// Runs `run.ranks` threads, each calling `body` with its rank and transport.
-    fn run_threads(run: &Run, one_device: bool, body: &RankBody<Self>) -> Vec<Result<RankOutcome>>;
-}
-
-impl RankThreads for CpuBackend {
-    fn run_threads(run: &Run, _: bool, body: &RankBody<Self>) -> Vec<Result<RankOutcome>> {
-        ThreadWorld::run(run.ranks, RANK_TIMEOUT, |comm| body(comm.rank(), &comm))
-    }
-}
-
-/// Ranks that share one GPU exchange buffers on it (streams of one context); ranks on
-/// several GPUs stage them through the host.
-impl RankThreads for CudaBackend {
-    fn run_threads(run: &Run, one_device: bool, body: &RankBody<Self>) -> Vec<Result<RankOutcome>> {
-        if one_device && run.ranks > 1 {
-            DeviceWorld::run(run.ranks, RANK_TIMEOUT, |comm| body(comm.rank(), &comm))
-        } else {
-            ThreadWorld::run(run.ranks, RANK_TIMEOUT, |comm| body(comm.rank(), &comm))
-        }
-    }
-}
-
-/// How long a rank waits for its peers before giving up.
-const RANK_TIMEOUT: Duration = Duration::from_secs(600);
-
-/// Progress of a weight upload (hidden when stderr is not a terminal).
-fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::ProgressBar {
-    use std::io::IsTerminal;
-    if !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(layers as u64);
-    if let Ok(style) =
-        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} layers")
-    {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar.set_prefix(format!("uploading to {backend} {device}"));
-    bar
 }
 
 /// How much of `text` can be printed: all but a tail that is a prefix of a stop string.

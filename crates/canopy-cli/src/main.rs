@@ -4,6 +4,7 @@
 //! - `canopy info`: what this machine has (CPU, GPUs, driver, NVRTC, NCCL, MPI).
 //! - `canopy bench attention`: sequence-sharded decode attention, tree vs ring, on p ranks.
 //! - `canopy bench scaling`: the same over a sweep of p and N, with CSV, JSON and plots.
+//! - `canopy bench decode`: a model's decode step at long contexts, tree vs ring, beside its floor.
 //! - `canopy bench tree`: tree-structured KV (shared prefixes) with every planning method.
 //! - `canopy plan`: how each planner groups a workload's tree, and what it reads.
 //! - `canopy fit-model`: fits `auto`'s device model to `bench tree` measurements.
@@ -13,6 +14,7 @@
 //! table, with the same fields.
 
 mod bench;
+mod decode_bench;
 mod fit_cmd;
 mod generate_cmd;
 mod info;
@@ -20,6 +22,7 @@ mod kernel_bench;
 mod launcher;
 mod plan_cmd;
 mod plot;
+mod ranks;
 mod scaling;
 mod sweep;
 mod table;
@@ -75,6 +78,7 @@ impl Command {
             }
             Command::Bench(bench::BenchCommand::Kernel(_)) => Some("bench kernel"),
             Command::Bench(bench::BenchCommand::Tree(_)) => Some("bench tree"),
+            Command::Bench(bench::BenchCommand::Decode(_)) => Some("bench decode"),
             Command::Plan(_) => Some("plan"),
             Command::FitModel(_) => Some("fit-model"),
             Command::Selftest(_) => Some("selftest"),

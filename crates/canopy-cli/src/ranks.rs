@@ -1,0 +1,231 @@
+//! The ranks of a model run in this process: one backend per rank, the weights uploaded once
+//! per device and shared by the ranks on it, and the world the ranks exchange through —
+//! threads (staging buffers through the host, or on the device when they share one GPU) or
+//! one MPI process per rank. `generate` and `bench decode` both run their ranks here.
+
+use crate::bench::World;
+use anyhow::Result;
+use canopy_comm::{Collective, ThreadWorld};
+use canopy_cuda::{CudaBackend, DeviceWorld};
+use canopy_engine::{CpuBackend, LayerOps, ModelNeeds, Transport};
+use canopy_model::{LlamaConfig, Weights};
+use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers};
+use std::time::Duration;
+
+/// How long a rank waits for its peers before giving up.
+const RANK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Where a model's weights come from.
+#[derive(Clone)]
+pub enum WeightSource {
+    /// Read from disk (moved to the last device, copied to the others).
+    Loaded(Weights),
+    /// Drawn at random on the host per matrix, for timing a shape without its weights.
+    Random {
+        dtype: canopy_core::DType,
+        seed: u64,
+    },
+}
+
+/// One rank thread's view of its world: the calls a rank makes with whichever transport
+/// the world gives it.
+pub trait RankComm<B: LayerOps> {
+    fn rank(&self) -> usize;
+    fn generate(
+        &self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Generated>;
+}
+
+impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
+    fn rank(&self) -> usize {
+        canopy_comm::Group::rank(self)
+    }
+
+    fn generate(
+        &self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Generated> {
+        Ok(generate(backend, layers, req, self, on_token)?)
+    }
+}
+
+/// A rank's work: given its backend, the layers on its device and its transport.
+pub type RankBody<'a, B, T> =
+    dyn Fn(&B, &ModelLayers<B>, &dyn RankComm<B>) -> Result<T> + Sync + 'a;
+
+/// How the rank threads of one process exchange a backend's buffers.
+pub trait RankThreads: LayerOps + Sized {
+    /// Runs `ranks` threads; `body(rank, comm)` is each one's work.
+    fn run_threads<T: Send>(
+        ranks: usize,
+        one_device: bool,
+        body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
+    ) -> Vec<Result<T>>;
+}
+
+impl RankThreads for CpuBackend {
+    fn run_threads<T: Send>(
+        ranks: usize,
+        _: bool,
+        body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
+    ) -> Vec<Result<T>> {
+        ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
+            body(canopy_comm::Group::rank(&comm), &comm)
+        })
+    }
+}
+
+/// Ranks that share one GPU exchange buffers on it (streams of one context); ranks on
+/// several GPUs stage them through the host.
+impl RankThreads for CudaBackend {
+    fn run_threads<T: Send>(
+        ranks: usize,
+        one_device: bool,
+        body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
+    ) -> Vec<Result<T>> {
+        if one_device && ranks > 1 {
+            DeviceWorld::run(ranks, RANK_TIMEOUT, |comm| {
+                body(canopy_comm::Group::rank(&comm), &comm)
+            })
+        } else {
+            ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
+                body(canopy_comm::Group::rank(&comm), &comm)
+            })
+        }
+    }
+}
+
+/// This process's ranks: a backend each, and one copy of the weights per device.
+pub struct Placed<B: LayerOps> {
+    backends: Vec<B>,
+    devices: usize,
+    layers: Vec<(usize, ModelLayers<B>)>,
+}
+
+impl<B: RankThreads> Placed<B> {
+    /// Backends for this process's ranks of a world of `ranks` (rank `r` on device
+    /// `r % devices`, made by `backend(device)`); each device used is checked against
+    /// `needs(ranks on it)`, then gets the weights.
+    pub fn new(
+        world: &World,
+        ranks: usize,
+        devices: usize,
+        backend: &dyn Fn(usize) -> Result<B>,
+        config: &LlamaConfig,
+        weights: WeightSource,
+        needs: &dyn Fn(usize) -> Result<ModelNeeds>,
+    ) -> Result<Placed<B>> {
+        let devices = devices.max(1);
+        let local: Vec<usize> = match world {
+            World::Threads => (0..ranks).collect(),
+            #[cfg(feature = "mpi")]
+            World::Mpi(comm) => vec![canopy_comm::Group::rank(comm)],
+        };
+        let mut used: Vec<usize> = local.iter().map(|&r| r % devices).collect();
+        used.sort_unstable();
+        used.dedup();
+        let backends = local
+            .iter()
+            .map(|&r| backend(r % devices))
+            .collect::<Result<Vec<B>>>()?;
+        // One source per device: the loaded weights move to the last, copies go to the others.
+        let sources = match weights {
+            WeightSource::Loaded(w) => {
+                let mut v: Vec<_> = (1..used.len())
+                    .map(|_| WeightSource::Loaded(w.clone()))
+                    .collect();
+                v.push(WeightSource::Loaded(w));
+                v
+            }
+            random => vec![random; used.len()],
+        };
+        let mut layers = Vec::new();
+        for (&device, source) in used.iter().zip(sources) {
+            let here = local.iter().filter(|&&r| r % devices == device).count();
+            let first = local
+                .iter()
+                .position(|&r| r % devices == device)
+                .expect("a used device has a rank");
+            let b = &backends[first];
+            b.check_model(&needs(here)?)?;
+            let bar = upload_bar(config.num_hidden_layers, b.name(), device);
+            let mut tick = |_| bar.inc(1);
+            let uploaded = match source {
+                WeightSource::Loaded(w) => ModelLayers::upload(b, config, w, &mut tick)?,
+                WeightSource::Random { dtype, seed } => {
+                    ModelLayers::random(b, config, dtype, seed, &mut tick)?
+                }
+            };
+            bar.finish_and_clear();
+            layers.push((device, uploaded));
+        }
+        Ok(Placed {
+            backends,
+            devices,
+            layers,
+        })
+    }
+
+    /// The layers on rank `rank`'s device.
+    fn layers_of(&self, rank: usize) -> &ModelLayers<B> {
+        &self
+            .layers
+            .iter()
+            .find(|(d, _)| *d == rank % self.devices)
+            .expect("every device used has its layers")
+            .1
+    }
+
+    /// Runs `body` on the first `ranks` ranks (threads), or on this MPI rank; returns rank
+    /// 0's result (`None` on other MPI ranks). Every rank's error is reported.
+    pub fn run<T: Send>(
+        &self,
+        world: &World,
+        ranks: usize,
+        body: &RankBody<B, T>,
+    ) -> Result<Option<T>> {
+        match world {
+            World::Threads => {
+                let one_device = self.devices == 1 || ranks == 1;
+                let results = B::run_threads(ranks, one_device, &|r, comm| {
+                    body(&self.backends[r], self.layers_of(r), comm)
+                });
+                let mut results = results.into_iter();
+                let first = results.next().expect("one rank at least")?;
+                for r in results {
+                    r?;
+                }
+                Ok(Some(first))
+            }
+            #[cfg(feature = "mpi")]
+            World::Mpi(comm) => {
+                let me = canopy_comm::Group::rank(comm);
+                let out = body(&self.backends[0], self.layers_of(me), comm)?;
+                Ok((me == 0).then_some(out))
+            }
+        }
+    }
+}
+
+/// Progress of a weight upload (hidden when stderr is not a terminal).
+fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(layers as u64);
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} layers")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(format!("uploading to {backend} {device}"));
+    bar
+}
