@@ -27,7 +27,7 @@ PY
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   run llama-3.1-8b "${LIMIT:-300}" --arch llama-3.1-8b --context "${CONTEXTS:-8K,32K}" \
     --ranks 1,2 --strategy tree,ring
-  run llama-3.1-8b-long "${LIMIT:-300}" --arch llama-3.1-8b --context "${LONG:-128K}" \
-    --ranks 1 --strategy tree
+  run llama-3.1-8b-long "${LIMIT:-300}" --arch llama-3.1-8b --context "${LONG:-64K,120K}" \
+    --ranks 1 --strategy tree,ring
   run llama-3.2-1b 120 --arch llama-3.2-1b --context 8K,32K --ranks 1,2 --strategy tree,ring
 } 2>&1 | tee "$OUT/decode-log.txt"

@@ -105,7 +105,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Physical byte ranges holding logical tokens `start..start + n`, in logical order.
+    /// Physical byte ranges holding logical tokens `start..start + n`, in logical order, each
+    /// with its byte offset among them; consecutive pages merge into one range.
     pub(crate) fn segments(
         kv: &CudaKv,
         start: usize,
@@ -116,13 +117,18 @@ impl CudaBackend {
             None => vec![(0, start * tb..(start + n) * tb)],
             Some(p) => {
                 let size = 1usize << p.shift;
-                let mut out = Vec::new();
+                let mut out: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
                 let (mut t, end) = (start, start + n);
                 while t < end {
                     let (page, within) = (t >> p.shift, t & (size - 1));
                     let take = (size - within).min(end - t);
                     let phys = p.host[page] as usize * size + within;
-                    out.push(((t - start) * tb, phys * tb..(phys + take) * tb));
+                    let bytes = phys * tb..(phys + take) * tb;
+                    // Pages that follow each other in the pool travel as one copy.
+                    match out.last_mut() {
+                        Some((_, last)) if last.end == bytes.start => last.end = bytes.end,
+                        _ => out.push(((t - start) * tb, bytes)),
+                    }
                     t += take;
                 }
                 out

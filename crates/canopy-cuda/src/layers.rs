@@ -98,10 +98,10 @@ fn activation_bytes(needs: &ModelNeeds) -> u64 {
         + 3 * s.q_row_elems() // q, the states' o, the attention output
         + s.q_heads // the states' lse
         + 4 * s.kv_token_elems() // k and v, and another rank's block in flight
-        + 2 * needs.intermediate // the MLP's gate and up
-        + needs.vocab; // the logits
+        + 2 * needs.intermediate; // the MLP's gate and up
     let rounded = 2 * needs.hidden.max(needs.intermediate); // a 16-bit GEMM's input
-    (needs.max_rows * (4 * floats + rounded)) as u64
+    let logits = needs.logit_rows * needs.vocab * (4 + 2);
+    (needs.max_rows * (4 * floats + rounded) + logits) as u64
 }
 
 fn gib(bytes: u64) -> f64 {

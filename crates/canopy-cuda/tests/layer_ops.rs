@@ -403,6 +403,7 @@ fn needs(shape: AttnShape) -> ModelNeeds {
         kv_dtype: DType::Bf16,
         kv_tokens: 8192,
         max_rows: 512,
+        logit_rows: 1,
     }
 }
 

@@ -36,6 +36,9 @@ pub struct ModelNeeds {
     pub kv_tokens: usize,
     /// The most token rows one forward pass carries (a prefill chunk, or the live samples).
     pub max_rows: usize,
+    /// The most rows whose logits one pass computes (the live samples; a prefill computes
+    /// only its last row's).
+    pub logit_rows: usize,
 }
 
 impl ModelNeeds {

@@ -107,7 +107,11 @@ impl GenerateRequest {
             weight_bytes,
             kv_dtype: self.kv_dtype,
             kv_tokens: layout.pool_tokens() * ranks_here,
-            max_rows: self.prompt.len().div_ceil(ranks).max(self.samples),
+            max_rows: match self.context_fill {
+                ContextFill::Prefill => self.prompt.len().div_ceil(ranks).max(self.samples),
+                ContextFill::Random { .. } => self.samples,
+            },
+            logit_rows: self.samples,
         })
     }
 }
