@@ -9,16 +9,19 @@
 //! Without a GPU (no driver, no device, no NVRTC) every test prints why and passes. The seed
 //! is printed; `CANOPY_TEST_SEED` repeats a run.
 
+mod common;
+use common::rng;
+
 use canopy_comm::{Collective, Group, ThreadWorld};
 use canopy_core::{random_tree, AttnShape, AttnStates, DType, Method, PlannerConfig, TypedVec};
 use canopy_cuda::compile::{arch_for, cubin};
-use canopy_cuda::{CudaBackend, CudaError, DeviceComm, DeviceWorld};
+use canopy_cuda::{CudaBackend, DeviceComm, DeviceWorld};
 use canopy_engine::{
     rank_main, Backend, MergeCollective, MergeOps, NodeLayout, Problem, Result, RunConfig,
     StatesMerge, Strategy, Transport,
 };
 use canopy_kernels::{MmaPipeline, Variant, DECODE_ROWS};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -34,14 +37,7 @@ const PAGE: u32 = 16;
 /// again for each.
 fn gpu(test: &str) -> Option<CudaBackend> {
     static WARM: Mutex<bool> = Mutex::new(false);
-    let b = match CudaBackend::new(0) {
-        Ok(b) => b,
-        Err(e @ (CudaError::NoDriver | CudaError::NoDevice(_) | CudaError::NoNvrtc)) => {
-            eprintln!("{test}: skipped, no GPU to run on ({e})");
-            return None;
-        }
-        Err(e) => panic!("{test}: creating the CUDA backend: {e}"),
-    };
+    let b = common::gpu(test)?;
     let mut warm = WARM.lock().unwrap_or_else(|p| p.into_inner());
     if !*warm {
         let arch = arch_for(b.gpu().compute_capability);
@@ -67,19 +63,6 @@ fn gpu(test: &str) -> Option<CudaBackend> {
         *warm = true;
     }
     Some(b)
-}
-
-fn rng(test: &str) -> ChaCha8Rng {
-    let seed = std::env::var("CANOPY_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-        });
-    eprintln!("{test}: CANOPY_TEST_SEED={seed}");
-    ChaCha8Rng::seed_from_u64(seed)
 }
 
 /// The largest difference between `got` and `want` over the largest finite magnitude of

@@ -11,38 +11,16 @@
 //! Without a GPU (no driver, no device, no NVRTC) every test prints why and passes. The seed
 //! is printed; `CANOPY_TEST_SEED` repeats a run.
 
+mod common;
+use common::{gpu, rng};
+
 use canopy_comm::{Collective, ThreadWorld};
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
-use canopy_cuda::{CudaBackend, CudaError};
+use canopy_cuda::CudaBackend;
 use canopy_engine::{Backend, CpuBackend, LayerOps, ModelNeeds, Result};
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
-
-/// A backend on GPU 0, or `None` (with a note) on a machine that cannot run one.
-fn gpu(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e @ (CudaError::NoDriver | CudaError::NoDevice(_) | CudaError::NoNvrtc)) => {
-            eprintln!("{test}: skipped, no GPU to run on ({e})");
-            None
-        }
-        Err(e) => panic!("{test}: creating the CUDA backend: {e}"),
-    }
-}
-
-fn rng(test: &str) -> ChaCha8Rng {
-    let seed = std::env::var("CANOPY_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-        });
-    eprintln!("{test}: CANOPY_TEST_SEED={seed}");
-    ChaCha8Rng::seed_from_u64(seed)
-}
 
 /// `n` values of magnitude in `[scale / 20, scale)`, of either sign: never zero.
 fn values(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
