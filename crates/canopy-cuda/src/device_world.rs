@@ -43,7 +43,7 @@ use canopy_comm::{
     Traffic,
 };
 use canopy_engine::{EngineError, Result as EResult, Transport};
-use canopy_kernels::Kernel;
+use canopy_kernels::{Kernel, REDUCE_MAX, REDUCE_SUM};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::collections::VecDeque;
 use std::fmt::Display;
@@ -51,11 +51,6 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-/// `reduce_slots`' `op` argument for a sum (`combine.cu`).
-const REDUCE_SUM: u32 = 0;
-/// `reduce_slots`' `op` argument for a max (`combine.cu`).
-const REDUCE_MAX: u32 = 1;
 
 /// A world of ranks that are threads of this process sharing one GPU's context, each driving
 /// its own [`CudaBackend`], with a device transport between them.

@@ -76,17 +76,23 @@ extern "C" __global__ void combine_pair(float* __restrict__ acc_o, float* __rest
 
 // The in-device transport's all-reduce (canopy-cuda's `device_world`): `slots` holds `count`
 // ranks' copies of `n` values, rank by rank; out[i] = the fold of slot 0, 1, ... at i, in rank
-// order, with `op` 0 = sum, 1 = max (`REDUCE_SUM` / `REDUCE_MAX` in device_world.rs). Every
+// order, with `op` REDUCE_SUM or REDUCE_MAX (defined by the kernel registry). Every
 // rank folds the same bytes in the same order with one add or fmaxf per step (nothing to
 // contract into an FMA), so all ranks get the same bits, and the same bits as the host
 // transports' rank-order fold.
+#ifndef REDUCE_SUM
+#error "REDUCE_SUM must be defined by the kernel registry"
+#endif
+#ifndef REDUCE_MAX
+#error "REDUCE_MAX must be defined by the kernel registry"
+#endif
 extern "C" __global__ void reduce_slots(const float* __restrict__ slots, u32 count, u64 n, u32 op,
                                         float* __restrict__ out) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         float acc = slots[i];
         for (u32 r = 1; r < count; ++r) {
             const float x = slots[(u64)r * n + i];
-            acc = op == 1u ? fmaxf(acc, x) : acc + x;
+            acc = op == REDUCE_MAX ? fmaxf(acc, x) : acc + x;
         }
         out[i] = acc;
     }

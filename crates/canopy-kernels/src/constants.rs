@@ -30,6 +30,10 @@ pub const MERGE_WARPS: usize = 8;
 /// Resident CTAs per SM the deep merge's registers are budgeted for (its launch bounds).
 pub const DEEP_MERGE_CTAS: usize = 4;
 
+/// `reduce_slots`' `op` argument (`combine.cu`): fold by sum, or by max.
+pub const REDUCE_SUM: u32 = 0;
+pub const REDUCE_MAX: u32 = 1;
+
 /// Threads per CTA of the dense layers' kernels (`layers.cu`): the row reductions of
 /// `rms_norm` and the grid-stride element-wise kernels; `causal_attention` runs one warp per
 /// (query row, head), so this many over 32 per CTA.
@@ -65,5 +69,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("HEADS_PER_CTA", HEADS_PER_CTA.to_string()),
         ("LAYER_THREADS", LAYER_THREADS.to_string()),
         ("ATTENTION_MAX_HEAD_DIM", ATTENTION_MAX_HEAD_DIM.to_string()),
+        ("REDUCE_SUM", REDUCE_SUM.to_string()),
+        ("REDUCE_MAX", REDUCE_MAX.to_string()),
     ]
 }
