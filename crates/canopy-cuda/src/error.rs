@@ -66,10 +66,14 @@ impl<T> DriverContext<T> for std::result::Result<T, cudarc::driver::DriverError>
 }
 
 impl From<CudaError> for canopy_engine::EngineError {
+    /// An engine error that passed through this crate comes back as it was.
     fn from(e: CudaError) -> Self {
-        canopy_engine::EngineError::Backend {
-            backend: "cuda",
-            message: e.to_string(),
+        match e {
+            CudaError::Engine(e) => *e,
+            e => canopy_engine::EngineError::Backend {
+                backend: "cuda",
+                message: e.to_string(),
+            },
         }
     }
 }

@@ -21,6 +21,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
+use canopy_engine::layer_ops::expect_size;
 use canopy_engine::{LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -55,17 +56,6 @@ impl CudaWeight {
     /// `(rows, cols)`.
     pub fn dims(&self) -> (usize, usize) {
         (self.rows, self.cols)
-    }
-}
-
-/// Refuses an op on operands whose sizes disagree.
-fn same(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(CudaError::Unsupported(format!(
-            "{op}: {what} is {got}, expected {want}"
-        )))
     }
 }
 
@@ -208,7 +198,8 @@ impl CudaBackend {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        same(
+        expect_size(
+            "cuda",
             "rms_norm",
             "the weight's length",
             weight.rows * weight.cols,
@@ -237,7 +228,13 @@ impl CudaBackend {
     }
 
     fn rope_rows(&self, x: &mut CudaTensor, positions: &[u32], inv_freq: &[f32]) -> Result<()> {
-        same("rope", "the number of positions", positions.len(), x.rows)?;
+        expect_size(
+            "cuda",
+            "rope",
+            "the number of positions",
+            positions.len(),
+            x.rows,
+        )?;
         let half = inv_freq.len();
         if half == 0 || !x.cols.is_multiple_of(2 * half) {
             return Err(CudaError::Unsupported(format!(
@@ -300,7 +297,7 @@ impl CudaBackend {
         rows: &[(u32, u32)],
     ) -> Result<()> {
         let width = kv.shape.kv_token_elems();
-        same("store_kv", "the width of k", k.cols, width)?;
+        expect_size("cuda", "store_kv", "the width of k", k.cols, width)?;
         same_dims("store_kv", "v", v, (k.rows, k.cols))?;
         // Physical slots of the pool (a paged pool's pages, whatever its page table says).
         let pool = kv.k.len() / kv.bytes_of(1).max(1);
@@ -354,7 +351,8 @@ impl LayerOps for CudaBackend {
     /// Waits for the copy, so that backends on other streams of the device (ranks sharing
     /// the GPU) may read the weight as soon as this returns.
     fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> EResult<CudaWeight> {
-        same(
+        expect_size(
+            "cuda",
             "upload_weight",
             "the element count",
             data.len(),
@@ -379,7 +377,8 @@ impl LayerOps for CudaBackend {
     }
 
     fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> EResult<CudaTensor> {
-        same(
+        expect_size(
+            "cuda",
             "upload_tensor",
             "the element count",
             data.len(),
@@ -404,7 +403,13 @@ impl LayerOps for CudaBackend {
     }
 
     fn copy_rows(&self, src: &CudaTensor, first: usize, out: &mut CudaTensor) -> EResult<()> {
-        same("copy_rows", "the output's columns", out.cols, src.cols)?;
+        expect_size(
+            "cuda",
+            "copy_rows",
+            "the output's columns",
+            out.cols,
+            src.cols,
+        )?;
         if first + out.rows > src.rows {
             return Err(CudaError::Unsupported(format!(
                 "copy_rows: rows {first}..{} of a tensor of {} rows",
@@ -437,7 +442,7 @@ impl LayerOps for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
-        same("matmul", "the weight's columns", w.cols, x.cols)?;
+        expect_size("cuda", "matmul", "the weight's columns", w.cols, x.cols)?;
         same_dims("matmul", "the output", out, (x.rows, w.rows))?;
         Ok(self.gemm(x, w, out)?)
     }
@@ -465,7 +470,8 @@ impl LayerOps for CudaBackend {
     }
 
     fn tensor_queries(&self, shape: &AttnShape, q: &CudaTensor) -> EResult<CudaQueries> {
-        same(
+        expect_size(
+            "cuda",
             "tensor_queries",
             "the query width",
             q.cols,

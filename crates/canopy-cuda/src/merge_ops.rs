@@ -2,22 +2,12 @@
 //! that run between the cross-rank merge's collectives, on the backend's stream.
 
 use crate::backend::{CudaBackend, CudaStates};
-use crate::error::{CudaError, DriverContext, Result};
+use crate::error::{CudaError, DriverContext};
+use canopy_engine::layer_ops::expect_room;
 use canopy_engine::{MergeOps, Result as EResult};
 use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use std::ops::Range;
-
-/// Refuses a buffer too short for what an op reads or writes.
-fn fits(op: &str, len: usize, need: usize) -> Result<()> {
-    if need <= len {
-        Ok(())
-    } else {
-        Err(CudaError::Unsupported(format!(
-            "{op}: a buffer of {len} values where {need} are needed"
-        )))
-    }
-}
 
 /// `(cells, d)` of states, as the kernels take them.
 fn dims(s: &CudaStates) -> (u32, u32) {
@@ -48,7 +38,7 @@ impl MergeOps for CudaBackend {
     }
 
     fn buf_to_host(&self, buf: &CudaSlice<f32>, range: Range<usize>) -> EResult<Vec<f32>> {
-        fits("buf_to_host", buf.len(), range.end)?;
+        expect_room("cuda", "buf_to_host", buf.len(), range.end)?;
         let host = self
             .stream()
             .clone_dtoh(&buf.slice(range))
@@ -57,7 +47,7 @@ impl MergeOps for CudaBackend {
     }
 
     fn buf_from_host(&self, host: &[f32], buf: &mut CudaSlice<f32>, at: usize) -> EResult<()> {
-        fits("buf_from_host", buf.len(), at + host.len())?;
+        expect_room("cuda", "buf_from_host", buf.len(), at + host.len())?;
         if !host.is_empty() {
             self.stream()
                 .memcpy_htod(host, &mut buf.slice_mut(at..at + host.len()))
@@ -68,7 +58,7 @@ impl MergeOps for CudaBackend {
 
     fn copy_lse(&self, s: &CudaStates, max: &mut CudaSlice<f32>) -> EResult<()> {
         let cells = s.rows * s.heads;
-        fits("copy_lse", max.len(), cells)?;
+        expect_room("cuda", "copy_lse", max.len(), cells)?;
         self.stream()
             .memcpy_dtod(&s.lse.slice(0..cells), &mut max.slice_mut(0..cells))
             .ctx("cuMemcpyDtoD")?;
@@ -82,8 +72,13 @@ impl MergeOps for CudaBackend {
         packed: &mut CudaSlice<f32>,
     ) -> EResult<()> {
         let (cells, d) = dims(s);
-        fits("combine_weights", max.len(), cells as usize)?;
-        fits("combine_weights", packed.len(), (cells * (d + 1)) as usize)?;
+        expect_room("cuda", "combine_weights", max.len(), cells as usize)?;
+        expect_room(
+            "cuda",
+            "combine_weights",
+            packed.len(),
+            (cells * (d + 1)) as usize,
+        )?;
         let f = self.function(Kernel::Combine("combine_weights"))?;
         let mut b = self.stream().launch_builder(&f);
         b.arg(&s.o)
@@ -105,8 +100,13 @@ impl MergeOps for CudaBackend {
         s: &mut CudaStates,
     ) -> EResult<()> {
         let (cells, d) = dims(s);
-        fits("combine_finish", max.len(), cells as usize)?;
-        fits("combine_finish", packed.len(), (cells * (d + 1)) as usize)?;
+        expect_room("cuda", "combine_finish", max.len(), cells as usize)?;
+        expect_room(
+            "cuda",
+            "combine_finish",
+            packed.len(),
+            (cells * (d + 1)) as usize,
+        )?;
         let f = self.function(Kernel::Combine("combine_finish"))?;
         let mut b = self.stream().launch_builder(&f);
         b.arg(packed)
@@ -122,7 +122,7 @@ impl MergeOps for CudaBackend {
 
     fn pack_states(&self, s: &CudaStates, buf: &mut CudaSlice<f32>, at: usize) -> EResult<()> {
         let (cells, n) = (s.rows * s.heads, s.rows * s.heads * s.head_dim);
-        fits("pack_states", buf.len(), at + n + cells)?;
+        expect_room("cuda", "pack_states", buf.len(), at + n + cells)?;
         let stream = self.stream();
         stream
             .memcpy_dtod(&s.o.slice(0..n), &mut buf.slice_mut(at..at + n))
@@ -143,7 +143,8 @@ impl MergeOps for CudaBackend {
         s: &mut CudaStates,
     ) -> EResult<()> {
         let (cells, d) = dims(s);
-        fits(
+        expect_room(
+            "cuda",
             "combine_gathered",
             gathered.len(),
             count * (cells * (d + 1)) as usize,

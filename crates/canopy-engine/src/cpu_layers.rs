@@ -6,7 +6,7 @@ use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{
     add_in_place, causal_attention, matmul, rms_norm, rope_in_place, swiglu_in_place,
 };
-use crate::layer_ops::{LayerOps, ModelNeeds};
+use crate::layer_ops::{expect_size, LayerOps, ModelNeeds};
 use crate::{Backend, EngineError, Result};
 use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
 
@@ -22,15 +22,6 @@ fn err(message: String) -> EngineError {
     EngineError::Backend {
         backend: "cpu",
         message,
-    }
-}
-
-/// Refuses an op on operands whose shapes disagree: a caller's bug, reported, not a panic.
-fn same(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(err(format!("{op}: {what} is {got}, expected {want}")))
     }
 }
 
@@ -66,7 +57,8 @@ impl LayerOps for CpuBackend {
     }
 
     fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> Result<HostMatrix> {
-        same(
+        expect_size(
+            "cpu",
             "upload_weight",
             "the element count",
             data.len(),
@@ -88,7 +80,8 @@ impl LayerOps for CpuBackend {
     }
 
     fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<HostMatrix> {
-        same(
+        expect_size(
+            "cpu",
             "upload_tensor",
             "the element count",
             data.len(),
@@ -110,7 +103,13 @@ impl LayerOps for CpuBackend {
     }
 
     fn copy_rows(&self, src: &HostMatrix, first: usize, out: &mut HostMatrix) -> Result<()> {
-        same("copy_rows", "the output's columns", out.cols, src.cols)?;
+        expect_size(
+            "cpu",
+            "copy_rows",
+            "the output's columns",
+            out.cols,
+            src.cols,
+        )?;
         if first + out.rows > src.rows {
             return Err(err(format!(
                 "copy_rows: rows {first}..{} of a matrix of {} rows",
@@ -125,8 +124,8 @@ impl LayerOps for CpuBackend {
     }
 
     fn embed(&self, table: &HostMatrix, ids: &[u32], out: &mut HostMatrix) -> Result<()> {
-        same("embed", "the output's rows", out.rows, ids.len())?;
-        same("embed", "the output's columns", out.cols, table.cols)?;
+        expect_size("cpu", "embed", "the output's rows", out.rows, ids.len())?;
+        expect_size("cpu", "embed", "the output's columns", out.cols, table.cols)?;
         let h = table.cols;
         for (row, &id) in out.data.chunks_mut(h).zip(ids) {
             if id as usize >= table.rows {
@@ -147,8 +146,15 @@ impl LayerOps for CpuBackend {
         eps: f32,
         out: &mut HostMatrix,
     ) -> Result<()> {
-        same("rms_norm", "the weight's length", weight.data.len(), x.cols)?;
-        same(
+        expect_size(
+            "cpu",
+            "rms_norm",
+            "the weight's length",
+            weight.data.len(),
+            x.cols,
+        )?;
+        expect_size(
+            "cpu",
             "rms_norm",
             "the output's size",
             out.data.len(),
@@ -159,15 +165,21 @@ impl LayerOps for CpuBackend {
     }
 
     fn matmul(&self, x: &HostMatrix, w: &HostMatrix, out: &mut HostMatrix) -> Result<()> {
-        same("matmul", "the weight's columns", w.cols, x.cols)?;
-        same("matmul", "the output's rows", out.rows, x.rows)?;
-        same("matmul", "the output's columns", out.cols, w.rows)?;
+        expect_size("cpu", "matmul", "the weight's columns", w.cols, x.cols)?;
+        expect_size("cpu", "matmul", "the output's rows", out.rows, x.rows)?;
+        expect_size("cpu", "matmul", "the output's columns", out.cols, w.rows)?;
         matmul(&x.data, x.rows, &w.data, w.rows, &mut out.data);
         Ok(())
     }
 
     fn rope(&self, x: &mut HostMatrix, positions: &[u32], inv_freq: &[f32]) -> Result<()> {
-        same("rope", "the number of positions", positions.len(), x.rows)?;
+        expect_size(
+            "cpu",
+            "rope",
+            "the number of positions",
+            positions.len(),
+            x.rows,
+        )?;
         if inv_freq.is_empty() || !x.cols.is_multiple_of(2 * inv_freq.len()) {
             return Err(err(format!(
                 "rope: rows of {} values are not whole heads of {}",
@@ -180,13 +192,19 @@ impl LayerOps for CpuBackend {
     }
 
     fn swiglu(&self, gate: &mut HostMatrix, up: &HostMatrix) -> Result<()> {
-        same("swiglu", "the size of up", up.data.len(), gate.data.len())?;
+        expect_size(
+            "cpu",
+            "swiglu",
+            "the size of up",
+            up.data.len(),
+            gate.data.len(),
+        )?;
         swiglu_in_place(&mut gate.data, &up.data);
         Ok(())
     }
 
     fn add(&self, acc: &mut HostMatrix, x: &HostMatrix) -> Result<()> {
-        same("add", "the size of x", x.data.len(), acc.data.len())?;
+        expect_size("cpu", "add", "the size of x", x.data.len(), acc.data.len())?;
         add_in_place(&mut acc.data, &x.data);
         Ok(())
     }
@@ -198,7 +216,13 @@ impl LayerOps for CpuBackend {
         v: &HostMatrix,
         rows: &[(u32, u32)],
     ) -> Result<()> {
-        same("store_kv", "the size of v", v.data.len(), k.data.len())?;
+        expect_size(
+            "cpu",
+            "store_kv",
+            "the size of v",
+            v.data.len(),
+            k.data.len(),
+        )?;
         let dtype = kv.k.dtype();
         let per = k.cols;
         for &(row, slot) in rows {
@@ -236,27 +260,43 @@ impl LayerOps for CpuBackend {
         k_pos: &[u32],
         states: &mut AttnStates,
     ) -> Result<()> {
-        same(
+        expect_size(
+            "cpu",
             "causal_attention",
             "the query positions",
             q_pos.len(),
             q.rows,
         )?;
-        same("causal_attention", "the key positions", k_pos.len(), k.rows)?;
-        same(
+        expect_size(
+            "cpu",
+            "causal_attention",
+            "the key positions",
+            k_pos.len(),
+            k.rows,
+        )?;
+        expect_size(
+            "cpu",
             "causal_attention",
             "the size of v",
             v.data.len(),
             k.data.len(),
         )?;
-        same("causal_attention", "the states' rows", states.rows, q.rows)?;
-        same(
+        expect_size(
+            "cpu",
+            "causal_attention",
+            "the states' rows",
+            states.rows,
+            q.rows,
+        )?;
+        expect_size(
+            "cpu",
             "causal_attention",
             "the query width",
             q.cols,
             shape.q_row_elems(),
         )?;
-        same(
+        expect_size(
+            "cpu",
             "causal_attention",
             "the key width",
             k.cols,
@@ -276,7 +316,8 @@ impl LayerOps for CpuBackend {
     }
 
     fn states_output(&self, states: &AttnStates, out: &mut HostMatrix) -> Result<()> {
-        same(
+        expect_size(
+            "cpu",
             "states_output",
             "the output's size",
             out.data.len(),

@@ -2,6 +2,7 @@
 //! in the order the GPU's combine kernels take them.
 
 use crate::cpu::CpuBackend;
+use crate::layer_ops::expect_room;
 use crate::merge::MergeOps;
 use crate::{EngineError, Result};
 use canopy_core::{merge_state, AttnStates, EMPTY_LSE};
@@ -11,17 +12,6 @@ fn err(message: String) -> EngineError {
     EngineError::Backend {
         backend: "cpu",
         message,
-    }
-}
-
-/// Refuses a buffer too short for what an op reads or writes.
-fn fits(op: &str, len: usize, need: usize) -> Result<()> {
-    if need <= len {
-        Ok(())
-    } else {
-        Err(err(format!(
-            "{op}: a buffer of {len} values where {need} are needed"
-        )))
     }
 }
 
@@ -42,12 +32,12 @@ impl MergeOps for CpuBackend {
     }
 
     fn buf_to_host(&self, buf: &Vec<f32>, range: Range<usize>) -> Result<Vec<f32>> {
-        fits("buf_to_host", buf.len(), range.end)?;
+        expect_room("cpu", "buf_to_host", buf.len(), range.end)?;
         Ok(buf[range].to_vec())
     }
 
     fn buf_from_host(&self, host: &[f32], buf: &mut Vec<f32>, at: usize) -> Result<()> {
-        fits("buf_from_host", buf.len(), at + host.len())?;
+        expect_room("cpu", "buf_from_host", buf.len(), at + host.len())?;
         buf[at..at + host.len()].copy_from_slice(host);
         Ok(())
     }
@@ -58,8 +48,8 @@ impl MergeOps for CpuBackend {
 
     fn combine_weights(&self, s: &AttnStates, max: &Vec<f32>, packed: &mut Vec<f32>) -> Result<()> {
         let (cells, d) = (s.lse.len(), s.head_dim);
-        fits("combine_weights", max.len(), cells)?;
-        fits("combine_weights", packed.len(), cells * (d + 1))?;
+        expect_room("cpu", "combine_weights", max.len(), cells)?;
+        expect_room("cpu", "combine_weights", packed.len(), cells * (d + 1))?;
         let (num, den) = packed.split_at_mut(cells * d);
         for i in 0..cells {
             let w = weight(s.lse[i], max[i]);
@@ -74,8 +64,8 @@ impl MergeOps for CpuBackend {
 
     fn combine_finish(&self, packed: &Vec<f32>, max: &Vec<f32>, s: &mut AttnStates) -> Result<()> {
         let (cells, d) = (s.lse.len(), s.head_dim);
-        fits("combine_finish", max.len(), cells)?;
-        fits("combine_finish", packed.len(), cells * (d + 1))?;
+        expect_room("cpu", "combine_finish", max.len(), cells)?;
+        expect_room("cpu", "combine_finish", packed.len(), cells * (d + 1))?;
         let (num, den) = packed.split_at(cells * d);
         for i in 0..cells {
             let o = &mut s.o[i * d..(i + 1) * d];
@@ -104,7 +94,12 @@ impl MergeOps for CpuBackend {
         s: &mut AttnStates,
     ) -> Result<()> {
         let (n, cells, d) = (s.o.len(), s.lse.len(), s.head_dim);
-        fits("combine_gathered", gathered.len(), count * (n + cells))?;
+        expect_room(
+            "cpu",
+            "combine_gathered",
+            gathered.len(),
+            count * (n + cells),
+        )?;
         self.clear_states(s)?;
         for packed in gathered.chunks(n + cells).take(count) {
             let (o, lse) = packed.split_at(n);

@@ -14,7 +14,7 @@
 //! (`rotate_half`) by angles `position · inv_freq` computed in fp32.
 
 use crate::merge::MergeOps;
-use crate::Result;
+use crate::{EngineError, Result};
 use canopy_core::{AttnShape, DType, TypedVec};
 
 /// What a model asks of a backend, checked once before anything is uploaded
@@ -130,4 +130,35 @@ pub trait LayerOps: MergeOps {
     ) -> Result<()>;
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
+}
+
+/// Refuses operands whose sizes disagree: a caller's bug, reported with the op and the
+/// operand on `backend`, never a panic. Every backend's ops check their operands with this.
+pub fn expect_size(
+    backend: &'static str,
+    op: &str,
+    what: &str,
+    got: usize,
+    want: usize,
+) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(EngineError::Backend {
+            backend,
+            message: format!("{op}: {what} is {got}, expected {want}"),
+        })
+    }
+}
+
+/// Refuses a buffer of `len` values where an op reads or writes `need`.
+pub fn expect_room(backend: &'static str, op: &str, len: usize, need: usize) -> Result<()> {
+    if need <= len {
+        Ok(())
+    } else {
+        Err(EngineError::Backend {
+            backend,
+            message: format!("{op}: a buffer of {len} values where {need} are needed"),
+        })
+    }
 }

@@ -101,7 +101,9 @@ impl DeviceMerge {
         comm: &NcclComm,
         states: &CudaStates,
     ) -> Result<()> {
-        backend.copy_lse(states, &mut self.max).map_err(engine)?;
+        backend
+            .copy_lse(states, &mut self.max)
+            .map_err(CudaError::from)?;
         comm.all_reduce_in_place("all_reduce(max)", &mut self.max, NcclOp::Max)
     }
 
@@ -118,7 +120,7 @@ impl DeviceMerge {
         self.max_over(backend, comm, states)?;
         backend
             .combine_weights(states, &self.max, &mut self.packed)
-            .map_err(engine)?;
+            .map_err(CudaError::from)?;
         if fused {
             comm.all_reduce_in_place("all_reduce(packed)", &mut self.packed, NcclOp::Sum)?;
         } else {
@@ -135,7 +137,7 @@ impl DeviceMerge {
         }
         backend
             .combine_finish(&self.packed, &self.max, states)
-            .map_err(engine)
+            .map_err(CudaError::from)
     }
 
     /// Replaces this rank's states with the merge over all ranks.
@@ -160,13 +162,13 @@ impl DeviceMerge {
             MergeCollective::Allgather => {
                 backend
                     .pack_states(states, &mut self.packed, 0)
-                    .map_err(engine)?;
+                    .map_err(CudaError::from)?;
                 comms
                     .world
                     .all_gather("all_gather", &self.packed, &mut self.gathered)?;
                 backend
                     .combine_gathered(&self.gathered, self.ranks, states)
-                    .map_err(engine)
+                    .map_err(CudaError::from)
             }
             MergeCollective::Hierarchical => {
                 let node = comms.node.as_ref().ok_or_else(|| {
@@ -177,12 +179,12 @@ impl DeviceMerge {
                     self.max_over(backend, node, states)?;
                     backend
                         .combine_weights(states, &self.max, &mut self.packed)
-                        .map_err(engine)?;
+                        .map_err(CudaError::from)?;
                     node.reduce_in_place("reduce(packed, node)", &mut self.packed, NcclOp::Sum, 0)?;
                     if node.rank() == 0 {
                         backend
                             .combine_finish(&self.packed, &self.max, states)
-                            .map_err(engine)?;
+                            .map_err(CudaError::from)?;
                     }
                 }
                 if let Some(leaders) = comms.leaders.as_ref().filter(|l| l.size() > 1) {
@@ -209,9 +211,4 @@ impl DeviceMerge {
             )),
         }
     }
-}
-
-/// An engine error from a backend op, kept whole in this crate's error type.
-fn engine(e: canopy_engine::EngineError) -> CudaError {
-    CudaError::Engine(Box::new(e))
 }

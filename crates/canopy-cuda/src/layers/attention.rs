@@ -3,10 +3,11 @@
 //! rank's block and the blocks that arrive from other ranks, in any order. Also the empty
 //! states those blocks merge into.
 
-use super::{narrow, same, same_dims, CudaTensor};
+use super::{narrow, same_dims, CudaTensor};
 use crate::backend::{CudaBackend, CudaStates};
 use crate::error::{CudaError, DriverContext, Result};
 use canopy_core::{AttnShape, DType};
+use canopy_engine::layer_ops::expect_size;
 use canopy_engine::Backend;
 use canopy_kernels::{Kernel, ATTENTION_MAX_HEAD_DIM, LAYER_THREADS};
 use cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -74,9 +75,15 @@ impl CudaBackend {
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
         same_dims(op, "k", k, (k_pos.len(), shape.kv_token_elems()))?;
         same_dims(op, "v", v, (k_pos.len(), shape.kv_token_elems()))?;
-        same(op, "the states' rows", states.rows, q.rows)?;
-        same(op, "the states' heads", states.heads, shape.q_heads)?;
-        same(op, "the states' head dim", states.head_dim, shape.head_dim)?;
+        expect_size("cuda", op, "the states' rows", states.rows, q.rows)?;
+        expect_size("cuda", op, "the states' heads", states.heads, shape.q_heads)?;
+        expect_size(
+            "cuda",
+            op,
+            "the states' head dim",
+            states.head_dim,
+            shape.head_dim,
+        )?;
         if q.rows == 0 || k.rows == 0 {
             return Ok(());
         }
