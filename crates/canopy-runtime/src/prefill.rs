@@ -7,6 +7,7 @@ use crate::layers::{ModelLayers, Qkv};
 use crate::rank::GenerateRequest;
 use crate::Result;
 use canopy_comm::{Collective, ReduceOp};
+use canopy_core::data::{hash_uniform, splitmix64, KV_AMPLITUDE, STREAM_K, STREAM_V};
 use canopy_core::AttnShape;
 use canopy_engine::{LayerOps, Transport};
 use rayon::prelude::*;
@@ -125,12 +126,17 @@ pub(crate) fn fill_random<B: LayerOps>(
     for (l, cache) in caches.iter_mut().enumerate() {
         for (piece, at) in slots.chunks(FILL_ROWS).zip((0..).step_by(FILL_ROWS)) {
             let first = (chunk.start + at) as u64;
-            let draw = |which: u64| {
-                let stream = seed ^ ((l as u64) << 1 | which).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                random_values(stream, first * width as u64, piece.len() * width)
+            let layer_seed = seed ^ splitmix64(l as u64);
+            let draw = |stream| {
+                random_values(
+                    layer_seed,
+                    stream,
+                    first * width as u64,
+                    piece.len() * width,
+                )
             };
-            let k = backend.upload_tensor(&draw(0), piece.len(), width)?;
-            let v = backend.upload_tensor(&draw(1), piece.len(), width)?;
+            let k = backend.upload_tensor(&draw(STREAM_K), piece.len(), width)?;
+            let v = backend.upload_tensor(&draw(STREAM_V), piece.len(), width)?;
             let rows: Vec<(u32, u32)> = piece
                 .iter()
                 .enumerate()
@@ -142,38 +148,29 @@ pub(crate) fn fill_random<B: LayerOps>(
     Ok(())
 }
 
-/// `n` values uniform in ±1, element `i` a hash of `(stream, first + i)`.
-fn random_values(stream: u64, first: u64, n: usize) -> Vec<f32> {
+/// `n` values uniform in ±1: element `i` of `stream` is the hashed value at `first + i`
+/// (`canopy_core::data`, as the attention benchmarks draw their KV).
+fn random_values(seed: u64, stream: u32, first: u64, n: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; n];
-    out.par_chunks_mut(4096).enumerate().for_each(|(c, part)| {
-        for (i, x) in part.iter_mut().enumerate() {
-            let h = splitmix64(stream ^ splitmix64(first + (c * 4096 + i) as u64));
-            *x = (h >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-        }
+    out.par_iter_mut().enumerate().for_each(|(i, x)| {
+        *x = hash_uniform(seed, stream, first + i as u64, KV_AMPLITUDE);
     });
     out
-}
-
-/// One step of the splitmix64 generator: a well-mixed 64-bit hash of `x`.
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]
 mod tests {
     use super::random_values;
+    use canopy_core::data::STREAM_K;
 
     #[test]
     fn random_values_are_spread_and_depend_on_position_only() {
-        let a = random_values(7, 100, 5000);
+        let a = random_values(7, STREAM_K, 100, 5000);
         assert!(a.iter().all(|x| (-1.0..1.0).contains(x)));
         let mean = a.iter().sum::<f32>() / a.len() as f32;
         assert!(mean.abs() < 0.05, "mean {mean}");
         // The same positions drawn from another starting point give the same values.
-        assert_eq!(random_values(7, 1100, 10), a[1000..1010]);
-        assert_ne!(random_values(8, 100, 10), a[..10]);
+        assert_eq!(random_values(7, STREAM_K, 1100, 10), a[1000..1010]);
+        assert_ne!(random_values(8, STREAM_K, 100, 10), a[..10]);
     }
 }
