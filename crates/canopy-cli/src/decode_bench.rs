@@ -237,12 +237,12 @@ fn measure<B: RankThreads>(
                 let mut steps = out.step_s.clone();
                 steps.sort_by(f64::total_cmp);
                 let median_ms = steps.get(steps.len() / 2).copied().unwrap_or(f64::NAN) * 1e3;
+                // K and V of the rank's share of the context, every layer.
                 let kv_bytes = (context.div_ceil(ranks)
                     * config.num_hidden_layers
                     * 2
-                    * config.num_key_value_heads
-                    * config.head_dim
-                    * dtype.size_bytes()) as u64;
+                    * config.attn_shape().kv_token_bytes(dtype))
+                    as u64;
                 let floor_ms = bandwidth.map(|bw| (weight_bytes + kv_bytes) as f64 / bw * 1e3);
                 rows.push(Row {
                     context,

@@ -214,18 +214,9 @@ impl<B: RankThreads> Placed<B> {
     }
 }
 
-/// Progress of a weight upload (hidden when stderr is not a terminal).
+/// Progress of a weight upload, a layer per step.
 fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::ProgressBar {
-    use std::io::IsTerminal;
-    if !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(layers as u64);
-    if let Ok(style) =
-        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} layers")
-    {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar.set_prefix(format!("uploading to {backend} {device}"));
+    let bar = canopy_model::progress_bar(layers as u64, format!("uploading to {backend} {device}"));
+    bar.set_message("layers");
     bar
 }

@@ -437,6 +437,16 @@ impl LlamaConfig {
         Ok(())
     }
 
+    /// The attention shape every layer shares (the default softmax scale, `1/sqrt(head_dim)`).
+    pub fn attn_shape(&self) -> canopy_core::AttnShape {
+        canopy_core::AttnShape {
+            q_heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            scale: None,
+        }
+    }
+
     /// Query heads per key-value head.
     pub fn gqa_group_size(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads

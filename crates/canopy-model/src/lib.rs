@@ -48,7 +48,7 @@ pub use gguf::GgufFile;
 pub use presets::{preset, PRESETS};
 pub use quant::GgmlType;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
-pub use weights::{HostTensor, LayerWeights, Weights};
+pub use weights::{progress_bar, HostTensor, LayerWeights, Weights};
 
 /// A model read from disk, ready to be uploaded to a backend.
 pub struct Model {

@@ -200,7 +200,14 @@ pub(crate) fn load_weights(
         }
     }
 
-    let progress = progress_bar(wanted.len() as u64, source.path());
+    let file = source
+        .path()
+        .file_name()
+        .unwrap_or(source.path().as_os_str());
+    let progress = progress_bar(
+        wanted.len() as u64,
+        format!("loading {}", file.to_string_lossy()),
+    );
     let read = |role: Role, layer: usize| -> Result<HostTensor> {
         let name = (layout.name)(role, layer);
         progress.set_message(name.clone());
@@ -246,7 +253,9 @@ pub(crate) fn load_weights(
     })
 }
 
-fn progress_bar(len: u64, path: &Path) -> ProgressBar {
+/// A progress bar on stderr of `len` steps labelled `prefix` (hidden when stderr is not a
+/// terminal): loading and uploading weights.
+pub fn progress_bar(len: u64, prefix: String) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
@@ -254,8 +263,7 @@ fn progress_bar(len: u64, path: &Path) -> ProgressBar {
     if let Ok(style) = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {wide_msg}") {
         bar.set_style(style.progress_chars("=> "));
     }
-    let file = path.file_name().unwrap_or(path.as_os_str());
-    bar.set_prefix(format!("loading {}", file.to_string_lossy()));
+    bar.set_prefix(prefix);
     bar
 }
 

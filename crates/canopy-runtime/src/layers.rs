@@ -382,12 +382,7 @@ impl<B: LayerOps> ModelLayers<B> {
 
     /// The attention shape every layer shares.
     pub fn attn_shape(&self) -> AttnShape {
-        AttnShape {
-            q_heads: self.config.num_attention_heads,
-            kv_heads: self.config.num_key_value_heads,
-            head_dim: self.config.head_dim,
-            scale: None,
-        }
+        self.config.attn_shape()
     }
 
     pub fn num_layers(&self) -> usize {

@@ -93,12 +93,7 @@ impl GenerateRequest {
             self.max_tokens,
         )?;
         Ok(ModelNeeds {
-            shape: AttnShape {
-                q_heads: config.num_attention_heads,
-                kv_heads: config.num_key_value_heads,
-                head_dim: config.head_dim,
-                scale: None,
-            },
+            shape: config.attn_shape(),
             hidden: config.hidden_size,
             intermediate: config.intermediate_size,
             vocab: config.vocab_size,
