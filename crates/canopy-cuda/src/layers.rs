@@ -16,6 +16,8 @@ mod gemm;
 
 pub(crate) use gemm::LayerState;
 
+use gemm::Epilogue;
+
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
@@ -227,65 +229,112 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn rope_rows(&self, x: &mut CudaTensor, positions: &[u32], inv_freq: &[f32]) -> Result<()> {
+    /// An uninitialized `rows × cols` activation, for a result written in full before it is
+    /// read.
+    fn tensor_of(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        Ok(CudaTensor {
+            data: self.alloc::<f32>((rows * cols).max(1))?,
+            rows,
+            cols,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope_split_rows(
+        &self,
+        qkv: &CudaTensor,
+        positions: &[u32],
+        inv_freq: &CudaWeight,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &mut CudaTensor,
+    ) -> Result<()> {
+        let rows = qkv.rows;
+        same_dims("rope_split", "k", k, (rows, k.cols))?;
+        same_dims("rope_split", "q", q, (rows, q.cols))?;
+        same_dims("rope_split", "v", v, (rows, k.cols))?;
         expect_size(
             "cuda",
-            "rope",
+            "rope_split",
+            "the width of qkv",
+            qkv.cols,
+            q.cols + 2 * k.cols,
+        )?;
+        expect_size(
+            "cuda",
+            "rope_split",
             "the number of positions",
             positions.len(),
-            x.rows,
+            rows,
         )?;
-        let half = inv_freq.len();
-        if half == 0 || !x.cols.is_multiple_of(2 * half) {
+        let half = inv_freq.rows * inv_freq.cols;
+        if inv_freq.dtype != DType::F32
+            || half == 0
+            || !q.cols.is_multiple_of(2 * half)
+            || !k.cols.is_multiple_of(2 * half)
+        {
             return Err(CudaError::Unsupported(format!(
-                "rope: rows of {} values are not whole heads of {}",
-                x.cols,
+                "rope_split: rows of {} and {} values are not whole heads of {} (RoPE frequencies must be f32)",
+                q.cols,
+                k.cols,
                 2 * half
             )));
         }
-        if x.rows == 0 {
+        if rows == 0 {
             return Ok(());
         }
-        let (rows, cols, half_) = (
-            narrow("rope", x.rows)?,
-            narrow("rope", x.cols)?,
-            narrow("rope", half)?,
+        let (rows_, q_cols, kv_cols, half_) = (
+            narrow("rope_split", rows)?,
+            narrow("rope_split", q.cols)?,
+            narrow("rope_split", k.cols)?,
+            narrow("rope_split", half)?,
         );
         let positions = self.upload(positions)?;
-        let inv_freq = self.upload(inv_freq)?;
-        let f = self.function(Kernel::Layers(DType::F32, "rope"))?;
+        let f = self.function(Kernel::Layers(DType::F32, "rope_split"))?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut x.data)
+        b.arg(&qkv.data)
             .arg(&positions)
-            .arg(&inv_freq)
-            .arg(&rows)
-            .arg(&cols)
+            .arg(&inv_freq.data)
+            .arg(&mut q.data)
+            .arg(&mut k.data)
+            .arg(&mut v.data)
+            .arg(&rows_)
+            .arg(&q_cols)
+            .arg(&kv_cols)
             .arg(&half_);
-        // SAFETY: rows × cols / 2 pairs of x, each within its row; one position per row and
-        // `half` frequencies.
-        unsafe { b.launch(self.elementwise(x.rows * x.cols / 2)) }.ctx("launching rope")?;
+        // SAFETY: qkv holds rows × (q_cols + 2 kv_cols) floats, q rows × q_cols, k and v rows ×
+        // kv_cols (checked); one position per row and `half` f32 frequencies; every head
+        // lies within q's or k's columns.
+        let pairs = rows * (q.cols + k.cols) / 2;
+        unsafe { b.launch(self.elementwise(pairs.max(rows * k.cols))) }
+            .ctx("launching rope_split")?;
         Ok(())
     }
 
-    /// `a = f(a, b)` element by element, for the kernels of that signature.
-    fn binary(
-        &self,
-        op: &str,
-        entry: &'static str,
-        a: &mut CudaTensor,
-        b: &CudaTensor,
-    ) -> Result<()> {
-        same_dims(op, "the second operand", b, (a.rows, a.cols))?;
-        let n = a.rows * a.cols;
+    /// `out = silu(gate) * up` over the two halves of each row of `gate_up`.
+    fn swiglu_halves(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
+        same_dims(
+            "matmul_swiglu",
+            "the output",
+            out,
+            (gate_up.rows, gate_up.cols / 2),
+        )?;
+        let n = out.rows * out.cols;
         if n == 0 {
             return Ok(());
         }
-        let len = n as u64;
-        let f = self.function(Kernel::Layers(DType::F32, entry))?;
-        let mut l = self.stream.launch_builder(&f);
-        l.arg(&mut a.data).arg(&b.data).arg(&len);
-        // SAFETY: both operands hold n floats.
-        unsafe { l.launch(self.elementwise(n)) }.ctx(format!("launching {entry}"))?;
+        let (rows, cols) = (
+            narrow("matmul_swiglu", out.rows)?,
+            narrow("matmul_swiglu", out.cols)?,
+        );
+        let f = self.function(Kernel::Layers(DType::F32, "swiglu"))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&gate_up.data)
+            .arg(&mut out.data)
+            .arg(&rows)
+            .arg(&cols);
+        // SAFETY: gate_up holds rows × 2 cols floats and out rows × cols (checked).
+        unsafe { b.launch(self.elementwise(n)) }.ctx("launching swiglu")?;
         Ok(())
     }
 
@@ -444,19 +493,44 @@ impl LayerOps for CudaBackend {
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
         expect_size("cuda", "matmul", "the weight's columns", w.cols, x.cols)?;
         same_dims("matmul", "the output", out, (x.rows, w.rows))?;
-        Ok(self.gemm(x, w, out)?)
+        Ok(self.product(x, w, out, Epilogue::Store)?)
     }
 
-    fn rope(&self, x: &mut CudaTensor, positions: &[u32], inv_freq: &[f32]) -> EResult<()> {
-        Ok(self.rope_rows(x, positions, inv_freq)?)
+    fn matmul_add(&self, x: &CudaTensor, w: &CudaWeight, acc: &mut CudaTensor) -> EResult<()> {
+        expect_size("cuda", "matmul_add", "the weight's columns", w.cols, x.cols)?;
+        same_dims("matmul_add", "the output", acc, (x.rows, w.rows))?;
+        Ok(self.product(x, w, acc, Epilogue::Add)?)
     }
 
-    fn swiglu(&self, gate: &mut CudaTensor, up: &CudaTensor) -> EResult<()> {
-        Ok(self.binary("swiglu", "swiglu", gate, up)?)
+    fn matmul_swiglu(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
+        expect_size(
+            "cuda",
+            "matmul_swiglu",
+            "the weight's columns",
+            w.cols,
+            x.cols,
+        )?;
+        if !w.rows.is_multiple_of(2) {
+            return Err(CudaError::Unsupported(format!(
+                "matmul_swiglu: a fused gate|up weight has an even number of rows, not {}",
+                w.rows
+            ))
+            .into());
+        }
+        same_dims("matmul_swiglu", "the output", out, (x.rows, w.rows / 2))?;
+        Ok(self.product(x, w, out, Epilogue::Swiglu)?)
     }
 
-    fn add(&self, acc: &mut CudaTensor, x: &CudaTensor) -> EResult<()> {
-        Ok(self.binary("add", "add_into", acc, x)?)
+    fn rope_split(
+        &self,
+        qkv: &CudaTensor,
+        positions: &[u32],
+        inv_freq: &CudaWeight,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &mut CudaTensor,
+    ) -> EResult<()> {
+        Ok(self.rope_split_rows(qkv, positions, inv_freq, q, k, v)?)
     }
 
     fn store_kv(

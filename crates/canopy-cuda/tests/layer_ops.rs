@@ -83,7 +83,6 @@ struct DenseInputs {
     norm: Vec<f32>,
     w: Vec<f32>,
     gate: Vec<f32>,
-    up: Vec<f32>,
     heads: Vec<f32>,
     positions: Vec<u32>,
     inv_freq: Vec<f32>,
@@ -107,7 +106,6 @@ impl DenseInputs {
             norm: round(values(rng, hidden, 1.5)),
             w: round(values(rng, intermediate * hidden, 0.2)),
             gate: values(rng, rows * intermediate, 8.0),
-            up: values(rng, rows * intermediate, 1.0),
             heads: values(rng, rows * heads * head_dim, 1.0),
             // Long contexts' positions: the angles are large, their reduction must be exact.
             positions: (0..rows).map(|_| rng.gen_range(0..131_072)).collect(),
@@ -118,7 +116,8 @@ impl DenseInputs {
     }
 }
 
-/// What the dense ops give, in order: embed, rms_norm, matmul, rope, swiglu, add, copy_rows.
+/// What the dense ops give, in order: embed, rms_norm, matmul, matmul_add, matmul_swiglu,
+/// rope_split, copy_rows.
 fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec<f32>)>> {
     let (rows, h, i) = (inp.rows, inp.hidden, inp.intermediate);
     let typed = |v: &[f32]| TypedVec::from_f32(inp.dtype, v);
@@ -140,19 +139,29 @@ fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec
     b.matmul(&x, &w, &mut product)?;
     out.push(("matmul", b.download_tensor(&product)?));
 
-    let cols = inp.heads.len() / rows;
-    let mut rotated = b.upload_tensor(&inp.heads, rows, cols)?;
-    b.rope(&mut rotated, &inp.positions, &inp.inv_freq)?;
-    out.push(("rope", b.download_tensor(&rotated)?));
+    // A projection and the residual after it, onto values of the output's magnitude.
+    let mut acc = b.upload_tensor(&inp.gate, rows, i)?;
+    b.matmul_add(&x, &w, &mut acc)?;
+    out.push(("matmul_add", b.download_tensor(&acc)?));
 
-    let mut gate = b.upload_tensor(&inp.gate, rows, i)?;
-    let up = b.upload_tensor(&inp.up, rows, i)?;
-    b.swiglu(&mut gate, &up)?;
-    out.push(("swiglu", b.download_tensor(&gate)?));
+    // w's rows as a fused gate|up weight.
+    let mut act = poisoned(b, rows, i / 2)?;
+    b.matmul_swiglu(&x, &w, &mut act)?;
+    out.push(("matmul_swiglu", b.download_tensor(&act)?));
 
-    let mut acc = b.upload_tensor(&inp.x, rows, h)?;
-    b.add(&mut acc, &normed)?;
-    out.push(("add", b.download_tensor(&acc)?));
+    // A fused projection of one q head, one k head and one v head.
+    let d = 2 * inp.inv_freq.len();
+    let qkv = b.upload_tensor(&inp.heads, rows, 3 * d)?;
+    let inv_freq = b.upload_weight(TypedVec::F32(inp.inv_freq.clone()), 1, d / 2)?;
+    let (mut q, mut k, mut v) = (
+        poisoned(b, rows, d)?,
+        poisoned(b, rows, d)?,
+        poisoned(b, rows, d)?,
+    );
+    b.rope_split(&qkv, &inp.positions, &inv_freq, &mut q, &mut k, &mut v)?;
+    out.push(("rope_split q", b.download_tensor(&q)?));
+    out.push(("rope_split k", b.download_tensor(&k)?));
+    out.push(("rope_split v", b.download_tensor(&v)?));
 
     let (first, take) = (rows / 3, rows - rows / 3);
     let mut tail = poisoned(b, take, h)?;
@@ -187,7 +196,8 @@ fn dense_ops_match_the_cpu() {
     };
     let mut rng = rng("dense_ops_match_the_cpu");
     for dtype in DType::ALL {
-        for rows in [1, 5, 67] {
+        // Up to GEMV_MAX_ROWS rows take the GEMV kernels, more take cuBLAS.
+        for rows in [1, 5, 8, 67] {
             eprintln!("{dtype} weights, {rows} rows:");
             let inp = DenseInputs::new(&mut rng, dtype, rows);
             let got = dense(&gpu, &inp).unwrap();
@@ -195,17 +205,26 @@ fn dense_ops_match_the_cpu() {
             for ((op, g), (_, w)) in got.iter().zip(&want) {
                 // The CPU's GEMM multiplies the unrounded activation: 16-bit weights are
                 // held to the f64 reference of what the GPU computes instead.
+                let product = op.starts_with("matmul");
                 let tolerance = match (*op, dtype) {
-                    ("embed" | "copy_rows", _) => 0.0,
-                    ("matmul", DType::F32) => 1e-5,
-                    ("matmul", DType::F16) => 2e-3,
-                    ("matmul", DType::Bf16) => 1e-2,
+                    ("embed" | "copy_rows" | "rope_split v", _) => 0.0,
+                    (_, DType::F32) if product => 1e-5,
+                    (_, DType::F16) if product => 2e-3,
+                    (_, DType::Bf16) if product => 1e-2,
                     _ => 1e-5,
                 };
                 check(&format!("{op} vs cpu"), g, w, tolerance);
             }
             let product = &got.iter().find(|(op, _)| *op == "matmul").unwrap().1;
-            check("matmul vs f64", product, &matmul_reference(&inp), 1e-5);
+            let reference = matmul_reference(&inp);
+            check("matmul vs f64", product, &reference, 1e-5);
+            let summed: Vec<f32> = reference
+                .iter()
+                .zip(&inp.gate)
+                .map(|(p, g)| p + g)
+                .collect();
+            let added = &got.iter().find(|(op, _)| *op == "matmul_add").unwrap().1;
+            check("matmul_add vs f64", added, &summed, 1e-5);
         }
     }
 }
@@ -429,8 +448,24 @@ fn bad_operands_are_errors() {
     assert!(message(gpu.embed(&w, &[3], &mut out)).contains("output"));
     let mut row = gpu.tensor(1, 4).unwrap();
     assert!(message(gpu.embed(&w, &[3], &mut row)).contains("token id 3"));
-    assert!(message(gpu.rope(&mut row, &[0, 1], &[1.0])).contains("positions"));
-    assert!(message(gpu.rope(&mut row, &[0], &[1.0; 3])).contains("whole heads"));
+    let (one, three) = (
+        gpu.upload_weight(TypedVec::F32(vec![1.0]), 1, 1).unwrap(),
+        gpu.upload_weight(TypedVec::F32(vec![1.0; 3]), 1, 3)
+            .unwrap(),
+    );
+    let qkv = gpu.tensor(1, 12).unwrap();
+    let (mut q, mut k, mut v) = (
+        gpu.tensor(1, 4).unwrap(),
+        gpu.tensor(1, 4).unwrap(),
+        gpu.tensor(1, 4).unwrap(),
+    );
+    let mut split = |pos: &[u32], inv: &canopy_cuda::CudaWeight| {
+        message(gpu.rope_split(&qkv, pos, inv, &mut q, &mut k, &mut v))
+    };
+    assert!(split(&[0, 1], &one).contains("positions"));
+    assert!(split(&[0], &three).contains("whole heads"));
+    let x4 = gpu.upload_tensor(&[1.0; 8], 2, 4).unwrap();
+    assert!(message(gpu.matmul_swiglu(&x4, &w, &mut out)).contains("even number"));
     assert!(message(gpu.copy_rows(&x, 1, &mut gpu.tensor(2, 5).unwrap())).contains("rows 1..3"));
     let mut kv = gpu.alloc_kv(&shape, DType::Bf16, 4).unwrap();
     let k = gpu.tensor(1, shape.kv_token_elems()).unwrap();

@@ -3,9 +3,7 @@
 //! upload, so the CPU computes what a GPU computes from the same rounded weights.
 
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
-use crate::host_ops::{
-    add_in_place, causal_attention, matmul, rms_norm, rope_in_place, swiglu_in_place,
-};
+use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
 use crate::layer_ops::{expect_size, LayerOps, ModelNeeds};
 use crate::{Backend, EngineError, Result};
 use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
@@ -23,6 +21,20 @@ fn err(message: String) -> EngineError {
         backend: "cpu",
         message,
     }
+}
+
+/// Refuses a product `x · wᵀ` whose inner sizes disagree or whose output is not `x.rows ×
+/// out_cols`.
+fn check_matmul(
+    op: &str,
+    x: &HostMatrix,
+    w: &HostMatrix,
+    out: &HostMatrix,
+    out_cols: usize,
+) -> Result<()> {
+    expect_size("cpu", op, "the weight's columns", w.cols, x.cols)?;
+    expect_size("cpu", op, "the output's rows", out.rows, x.rows)?;
+    expect_size("cpu", op, "the output's columns", out.cols, out_cols)
 }
 
 impl LayerOps for CpuBackend {
@@ -165,47 +177,81 @@ impl LayerOps for CpuBackend {
     }
 
     fn matmul(&self, x: &HostMatrix, w: &HostMatrix, out: &mut HostMatrix) -> Result<()> {
-        expect_size("cpu", "matmul", "the weight's columns", w.cols, x.cols)?;
-        expect_size("cpu", "matmul", "the output's rows", out.rows, x.rows)?;
-        expect_size("cpu", "matmul", "the output's columns", out.cols, w.rows)?;
-        matmul(&x.data, x.rows, &w.data, w.rows, &mut out.data);
+        check_matmul("matmul", x, w, out, w.rows)?;
+        matmul(&x.data, x.rows, &w.data, w.rows, &mut out.data, false);
         Ok(())
     }
 
-    fn rope(&self, x: &mut HostMatrix, positions: &[u32], inv_freq: &[f32]) -> Result<()> {
-        expect_size(
-            "cpu",
-            "rope",
-            "the number of positions",
-            positions.len(),
-            x.rows,
-        )?;
-        if inv_freq.is_empty() || !x.cols.is_multiple_of(2 * inv_freq.len()) {
+    fn matmul_add(&self, x: &HostMatrix, w: &HostMatrix, acc: &mut HostMatrix) -> Result<()> {
+        check_matmul("matmul_add", x, w, acc, w.rows)?;
+        matmul(&x.data, x.rows, &w.data, w.rows, &mut acc.data, true);
+        Ok(())
+    }
+
+    fn matmul_swiglu(&self, x: &HostMatrix, w: &HostMatrix, out: &mut HostMatrix) -> Result<()> {
+        if !w.rows.is_multiple_of(2) {
             return Err(err(format!(
-                "rope: rows of {} values are not whole heads of {}",
-                x.cols,
-                2 * inv_freq.len()
+                "matmul_swiglu: a fused gate|up weight has an even number of rows, not {}",
+                w.rows
             )));
         }
-        rope_in_place(&mut x.data, positions, inv_freq);
+        check_matmul("matmul_swiglu", x, w, out, w.rows / 2)?;
+        let mut gate_up = vec![0.0; x.rows * w.rows];
+        matmul(&x.data, x.rows, &w.data, w.rows, &mut gate_up, false);
+        swiglu(&gate_up, out.cols, &mut out.data);
         Ok(())
     }
 
-    fn swiglu(&self, gate: &mut HostMatrix, up: &HostMatrix) -> Result<()> {
+    fn rope_split(
+        &self,
+        qkv: &HostMatrix,
+        positions: &[u32],
+        inv_freq: &HostMatrix,
+        q: &mut HostMatrix,
+        k: &mut HostMatrix,
+        v: &mut HostMatrix,
+    ) -> Result<()> {
+        let rows = qkv.rows;
+        for (what, t) in [("q", &*q), ("k", &*k), ("v", &*v)] {
+            expect_size(
+                "cpu",
+                "rope_split",
+                &format!("the rows of {what}"),
+                t.rows,
+                rows,
+            )?;
+        }
         expect_size(
             "cpu",
-            "swiglu",
-            "the size of up",
-            up.data.len(),
-            gate.data.len(),
+            "rope_split",
+            "the width of qkv",
+            qkv.cols,
+            q.cols + k.cols + v.cols,
         )?;
-        swiglu_in_place(&mut gate.data, &up.data);
-        Ok(())
-    }
-
-    fn add(&self, acc: &mut HostMatrix, x: &HostMatrix) -> Result<()> {
-        expect_size("cpu", "add", "the size of x", x.data.len(), acc.data.len())?;
-        add_in_place(&mut acc.data, &x.data);
+        expect_size("cpu", "rope_split", "the width of v", v.cols, k.cols)?;
+        expect_size(
+            "cpu",
+            "rope_split",
+            "the number of positions",
+            positions.len(),
+            rows,
+        )?;
+        let head = 2 * inv_freq.data.len();
+        if head == 0 || !q.cols.is_multiple_of(head) || !k.cols.is_multiple_of(head) {
+            return Err(err(format!(
+                "rope_split: rows of {} and {} values are not whole heads of {head}",
+                q.cols, k.cols
+            )));
+        }
+        for (r, row) in qkv.data.chunks(qkv.cols.max(1)).enumerate().take(rows) {
+            let (qr, rest) = row.split_at(q.cols);
+            let (kr, vr) = rest.split_at(k.cols);
+            q.data[r * q.cols..(r + 1) * q.cols].copy_from_slice(qr);
+            k.data[r * k.cols..(r + 1) * k.cols].copy_from_slice(kr);
+            v.data[r * v.cols..(r + 1) * v.cols].copy_from_slice(vr);
+        }
+        rope_in_place(&mut q.data, positions, &inv_freq.data);
+        rope_in_place(&mut k.data, positions, &inv_freq.data);
         Ok(())
     }
 
@@ -337,6 +383,54 @@ mod tests {
             .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
             .collect();
         HostMatrix { rows, cols, data }
+    }
+
+    #[test]
+    fn fused_ops_equal_their_parts() {
+        let b = CpuBackend;
+        // rope_split: q of two heads of 4, k and v of one head, over two rows.
+        let qkv = matrix(2, 16, 5);
+        let inv = HostMatrix {
+            rows: 1,
+            cols: 2,
+            data: vec![1.0, 0.01],
+        };
+        let (mut q, mut k, mut v) = (
+            b.tensor(2, 8).unwrap(),
+            b.tensor(2, 4).unwrap(),
+            b.tensor(2, 4).unwrap(),
+        );
+        b.rope_split(&qkv, &[3, 9], &inv, &mut q, &mut k, &mut v)
+            .unwrap();
+        let cols = |from: usize, n: usize| -> Vec<f32> {
+            (0..2)
+                .flat_map(|r| qkv.data[r * 16 + from..r * 16 + from + n].to_vec())
+                .collect()
+        };
+        let (mut q_want, mut k_want) = (cols(0, 8), cols(8, 4));
+        rope_in_place(&mut q_want, &[3, 9], &inv.data);
+        rope_in_place(&mut k_want, &[3, 9], &inv.data);
+        assert_eq!(q.data, q_want);
+        assert_eq!(k.data, k_want);
+        assert_eq!(v.data, cols(12, 4));
+        assert!(b
+            .rope_split(&qkv, &[3], &inv, &mut q, &mut k, &mut v)
+            .is_err());
+
+        // matmul_swiglu against matmul and the activation by hand.
+        let (x, w) = (matrix(3, 8, 6), matrix(10, 8, 7));
+        let mut fused = b.tensor(3, 5).unwrap();
+        b.matmul_swiglu(&x, &w, &mut fused).unwrap();
+        let mut gate_up = b.tensor(3, 10).unwrap();
+        b.matmul(&x, &w, &mut gate_up).unwrap();
+        for r in 0..3 {
+            for c in 0..5 {
+                let (g, u) = (gate_up.data[r * 10 + c], gate_up.data[r * 10 + 5 + c]);
+                let want = g / (1.0 + (-g).exp()) * u;
+                assert!((fused.data[r * 5 + c] - want).abs() < 1e-6);
+            }
+        }
+        assert!(b.matmul_swiglu(&x, &matrix(9, 8, 1), &mut fused).is_err());
     }
 
     #[test]

@@ -8,8 +8,9 @@
 use canopy_core::{merge_state, EMPTY_LSE};
 use rayon::prelude::*;
 
-/// `out[rows × n] = x[rows × k] · w[n × k]ᵀ`, multi-threaded.
-pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32]) {
+/// `out[rows × n] = x[rows × k] · w[n × k]ᵀ`, or `out += x · wᵀ` when `accumulate`;
+/// multi-threaded.
+pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
     let k = w.len() / n.max(1);
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(out.len(), rows * n);
@@ -28,14 +29,14 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32]) {
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            accumulate,
             x.as_ptr(),
             1,
             k as isize,
             w.as_ptr(),
             k as isize,
             1,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,
@@ -64,17 +65,20 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         });
 }
 
-/// `acc += x`, elementwise: the residual connections.
-pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
-    acc.iter_mut().zip(x).for_each(|(a, &b)| *a += b);
-}
-
-/// `gate = silu(gate) * up`: the SwiGLU MLP's activation, in place.
-pub fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
-    gate.par_iter_mut().zip(up).for_each(|(g, &u)| {
-        let silu = *g / (1.0 + (-*g).exp());
-        *g = silu * u;
-    });
+/// `out = silu(gate) * up` row by row, `gate` and `up` the two halves of each row of
+/// `gate_up` (`cols` values each): the SwiGLU MLP's activation.
+pub fn swiglu(gate_up: &[f32], cols: usize, out: &mut [f32]) {
+    if cols == 0 {
+        return;
+    }
+    out.par_chunks_mut(cols)
+        .zip(gate_up.par_chunks(2 * cols))
+        .for_each(|(o, gu)| {
+            let (gate, up) = gu.split_at(cols);
+            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        });
 }
 
 /// Rotates every head of each row in place: row `r` sits at `positions[r]`; a row is `heads`
@@ -163,13 +167,38 @@ mod tests {
         let x = [1.0, 2.0, 3.0, -1.0, 0.5, 2.0];
         let w: Vec<f32> = (0..12).map(|i| i as f32 * 0.25 - 1.0).collect();
         let mut out = vec![0.0; 8];
-        matmul(&x, 2, &w, 4, &mut out);
+        matmul(&x, 2, &w, 4, &mut out, false);
         for r in 0..2 {
             for n in 0..4 {
                 let want: f32 = (0..3).map(|k| x[r * 3 + k] * w[n * 3 + k]).sum();
                 assert!((out[r * 4 + n] - want).abs() < 1e-5, "{r} {n}");
             }
         }
+    }
+
+    #[test]
+    fn matmul_accumulates_into_what_out_holds() {
+        let x = [1.0, 2.0, -1.0, 0.5];
+        let w = [0.5, -1.0, 2.0, 0.25, 1.0, 1.0];
+        let mut fresh = vec![0.0; 6];
+        matmul(&x, 2, &w, 3, &mut fresh, false);
+        let mut acc = vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0];
+        let before = acc.clone();
+        matmul(&x, 2, &w, 3, &mut acc, true);
+        for i in 0..6 {
+            assert!((acc[i] - (before[i] + fresh[i])).abs() < 1e-5, "{i}");
+        }
+    }
+
+    #[test]
+    fn swiglu_gates_the_second_half_by_the_first() {
+        // One row of gate | up, two columns each.
+        let gate_up = [0.0, 2.0, 3.0, -1.0];
+        let mut out = vec![0.0; 2];
+        swiglu(&gate_up, 2, &mut out);
+        assert_eq!(out[0], 0.0);
+        let silu2 = 2.0 / (1.0 + (-2.0f32).exp());
+        assert!((out[1] + silu2).abs() < 1e-6);
     }
 
     #[test]

@@ -90,12 +90,31 @@ pub trait LayerOps: MergeOps {
     ) -> Result<()>;
     /// `out[rows × n] = x[rows × k] · w[n × k]ᵀ`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor) -> Result<()>;
-    /// Rotates each head (`2 · inv_freq.len()` columns) of row `i` by `positions[i]`.
-    fn rope(&self, x: &mut Self::Tensor, positions: &[u32], inv_freq: &[f32]) -> Result<()>;
-    /// `gate = silu(gate) * up`.
-    fn swiglu(&self, gate: &mut Self::Tensor, up: &Self::Tensor) -> Result<()>;
-    /// `acc += x`.
-    fn add(&self, acc: &mut Self::Tensor, x: &Self::Tensor) -> Result<()>;
+    /// `acc[rows × n] += x[rows × k] · w[n × k]ᵀ`: a projection and the residual connection
+    /// after it, in one pass over the weight.
+    fn matmul_add(&self, x: &Self::Tensor, w: &Self::Weight, acc: &mut Self::Tensor) -> Result<()>;
+    /// `out[rows × f] = silu(x · gateᵀ) * (x · upᵀ)`, where `w` (`2f × k`) holds the gate
+    /// projection's rows then the up projection's: the SwiGLU MLP's first half, in one pass
+    /// over both weights.
+    fn matmul_swiglu(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// Splits each row `i` of a fused projection `qkv` (`q | k | v`, as wide as the three
+    /// outputs) into `q`, `k` and `v`, rotating every head of `q` and `k` (`2 · half`
+    /// columns) by `positions[i]`; `inv_freq` is a `1 × half` f32 weight.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_split(
+        &self,
+        qkv: &Self::Tensor,
+        positions: &[u32],
+        inv_freq: &Self::Weight,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+    ) -> Result<()>;
 
     /// For each `(row, slot)` of `rows`, writes that row of `k` and `v` (`rows × kv_heads ·
     /// head_dim`) into physical token `slot` of `kv`, converted to the KV's dtype. Rows not

@@ -42,6 +42,16 @@ pub const LAYER_THREADS: u32 = 256;
 /// query and output in registers); head dims are multiples of 32 up to this.
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 
+/// Warps per CTA of `gemv` (`layers.cu`); the warps of one output column (1, 2, 4 or 8,
+/// chosen per launch) share a CTA.
+pub const GEMV_WARPS: u32 = 8;
+/// Most activation rows `gemv` multiplies at once (each lane keeps an fp32 sum per row and
+/// column); a projection of more rows is a cuBLAS GEMM.
+pub const GEMV_MAX_ROWS: usize = 8;
+/// float4s per thread `rms_norm` keeps in registers: rows of up to `4 · LAYER_THREADS ·
+/// RMS_NORM_CHUNKS` values are read once.
+pub const RMS_NORM_CHUNKS: usize = 8;
+
 /// Tokens per KV tile of `decode_partial_mma`'s one-warp-per-head path: one k-chunk of P V.
 pub const HEADS_TILE: usize = 16;
 /// Shared-memory stages of the one-warp-per-head path's KV pipeline.
@@ -69,6 +79,9 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("HEADS_PER_CTA", HEADS_PER_CTA.to_string()),
         ("LAYER_THREADS", LAYER_THREADS.to_string()),
         ("ATTENTION_MAX_HEAD_DIM", ATTENTION_MAX_HEAD_DIM.to_string()),
+        ("GEMV_WARPS", GEMV_WARPS.to_string()),
+        ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
+        ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("REDUCE_SUM", REDUCE_SUM.to_string()),
         ("REDUCE_MAX", REDUCE_MAX.to_string()),
     ]

@@ -23,8 +23,8 @@ mod pipeline;
 
 pub use constants::{
     shared_defines, ATTENTION_MAX_HEAD_DIM, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS,
-    DEEP_MERGE_CTAS, GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS,
-    MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS, REDUCE_MAX, REDUCE_SUM,
+    DEEP_MERGE_CTAS, GEMV_MAX_ROWS, GEMV_WARPS, GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES,
+    HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS, REDUCE_MAX, REDUCE_SUM,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -98,11 +98,13 @@ impl Id {
                 "round_to_elem",
                 "embed_rows",
                 "rms_norm",
-                "rope",
+                "rope_split",
                 "swiglu",
-                "add_into",
                 "store_kv",
                 "causal_attention",
+                "gemv",
+                "gemv_add",
+                "gemv_swiglu",
             ],
         }
     }

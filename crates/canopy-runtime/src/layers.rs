@@ -23,18 +23,19 @@ pub struct ModelLayers<B: LayerOps> {
     lm_head: Option<B::Weight>,
     norm: B::Weight,
     layers: Vec<LayerWeights<B>>,
-    inv_freq: Vec<f32>,
+    /// RoPE's frequencies, `1 × head_dim / 2` in f32.
+    inv_freq: B::Weight,
 }
 
+/// One layer's weights. The projections that read the same input are one matrix, their rows
+/// stacked, so a decode step streams them in one pass: q, k and v (`qkv`), and the MLP's gate
+/// and up (`gate_up`).
 struct LayerWeights<B: LayerOps> {
     input_norm: B::Weight,
-    q: B::Weight,
-    k: B::Weight,
-    v: B::Weight,
+    qkv: B::Weight,
     o: B::Weight,
     post_norm: B::Weight,
-    gate: B::Weight,
-    up: B::Weight,
+    gate_up: B::Weight,
     down: B::Weight,
 }
 
@@ -239,6 +240,27 @@ fn f16_bits(x: f32) -> u16 {
     sign | magnitude as u16
 }
 
+/// `parts` (matrices of the same columns) as one, their rows in order, in the first part's
+/// dtype.
+fn stack_rows(mut parts: Vec<TypedVec>) -> TypedVec {
+    if parts.len() == 1 {
+        return parts.pop().expect("one part");
+    }
+    let dtype = parts[0].dtype();
+    let mut out = TypedVec::zeros(dtype, parts.iter().map(TypedVec::len).sum());
+    let mut at = 0;
+    for part in parts {
+        let part = if part.dtype() == dtype {
+            part
+        } else {
+            TypedVec::from_f32(dtype, &part.to_f32_vec())
+        };
+        out.copy_from(at, &part);
+        at += part.len();
+    }
+    out
+}
+
 /// The random data of weight `id` (`len` elements) for `seed`.
 fn random_weight(dtype: DType, seed: u64, id: WeightId, len: usize) -> TypedVec {
     let key = splitmix64(splitmix64(seed) ^ id.ordinal());
@@ -345,38 +367,47 @@ impl<B: LayerOps> ModelLayers<B> {
         source: &mut HostSource,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<ModelLayers<B>> {
-        let mut upload = |id: WeightId| -> Result<B::Weight> {
-            let (rows, cols) = id.shape(config);
-            let data = source(id, rows, cols)?;
-            Ok(backend.upload_weight(data, rows, cols)?)
+        // Weights with the same columns, their rows stacked in the order given.
+        let mut upload = |ids: &[WeightId]| -> Result<B::Weight> {
+            let (mut rows, mut cols, mut parts) = (0, 0, Vec::with_capacity(ids.len()));
+            for &id in ids {
+                let (r, c) = id.shape(config);
+                parts.push(source(id, r, c)?);
+                (rows, cols) = (rows + r, c);
+            }
+            Ok(backend.upload_weight(stack_rows(parts), rows, cols)?)
         };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
-            let mut part = |p: Part| upload(WeightId::Layer(l, p));
+            let mut parts = |ps: &[Part]| {
+                let ids: Vec<WeightId> = ps.iter().map(|&p| WeightId::Layer(l, p)).collect();
+                upload(&ids)
+            };
             layers.push(LayerWeights {
-                input_norm: part(Part::InputNorm)?,
-                q: part(Part::Q)?,
-                k: part(Part::K)?,
-                v: part(Part::V)?,
-                o: part(Part::O)?,
-                post_norm: part(Part::PostNorm)?,
-                gate: part(Part::Gate)?,
-                up: part(Part::Up)?,
-                down: part(Part::Down)?,
+                input_norm: parts(&[Part::InputNorm])?,
+                qkv: parts(&[Part::Q, Part::K, Part::V])?,
+                o: parts(&[Part::O])?,
+                post_norm: parts(&[Part::PostNorm])?,
+                gate_up: parts(&[Part::Gate, Part::Up])?,
+                down: parts(&[Part::Down])?,
             });
             on_layer(l);
         }
+        let inv_freq: Vec<f32> = config
+            .rope_inv_freq()
+            .into_iter()
+            .map(|f| f as f32)
+            .collect();
+        let half = inv_freq.len();
         Ok(ModelLayers {
             config: config.clone(),
-            embed: upload(WeightId::Embed)?,
-            lm_head: with_lm_head.then(|| upload(WeightId::LmHead)).transpose()?,
-            norm: upload(WeightId::FinalNorm)?,
+            embed: upload(&[WeightId::Embed])?,
+            lm_head: with_lm_head
+                .then(|| upload(&[WeightId::LmHead]))
+                .transpose()?,
+            norm: upload(&[WeightId::FinalNorm])?,
             layers,
-            inv_freq: config
-                .rope_inv_freq()
-                .into_iter()
-                .map(|f| f as f32)
-                .collect(),
+            inv_freq: backend.upload_weight(TypedVec::F32(inv_freq), 1, half)?,
         })
     }
 
@@ -406,14 +437,12 @@ impl<B: LayerOps> ModelLayers<B> {
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
+        let mut fused = b.tensor(rows, qn + 2 * kvn)?;
+        b.matmul(&normed, &layer.qkv, &mut fused)?;
         let mut q = b.tensor(rows, qn)?;
         let mut k = b.tensor(rows, kvn)?;
         let mut v = b.tensor(rows, kvn)?;
-        b.matmul(&normed, &layer.q, &mut q)?;
-        b.matmul(&normed, &layer.k, &mut k)?;
-        b.matmul(&normed, &layer.v, &mut v)?;
-        b.rope(&mut q, positions, &self.inv_freq)?;
-        b.rope(&mut k, positions, &self.inv_freq)?;
+        b.rope_split(&fused, positions, &self.inv_freq, &mut q, &mut k, &mut v)?;
         Ok(Qkv { q, k, v })
     }
 
@@ -423,19 +452,12 @@ impl<B: LayerOps> ModelLayers<B> {
     pub fn finish(&self, b: &B, l: usize, x: &mut B::Tensor, attn: &B::Tensor) -> Result<()> {
         let (c, layer) = (&self.config, &self.layers[l]);
         let (rows, h) = b.dims(x);
-        let f = c.intermediate_size;
-        let mut y = b.tensor(rows, h)?;
-        b.matmul(attn, &layer.o, &mut y)?;
-        b.add(x, &y)?;
+        b.matmul_add(attn, &layer.o, x)?;
         let mut normed = b.tensor(rows, h)?;
         b.rms_norm(x, &layer.post_norm, c.rms_norm_eps as f32, &mut normed)?;
-        let mut gate = b.tensor(rows, f)?;
-        let mut up = b.tensor(rows, f)?;
-        b.matmul(&normed, &layer.gate, &mut gate)?;
-        b.matmul(&normed, &layer.up, &mut up)?;
-        b.swiglu(&mut gate, &up)?;
-        b.matmul(&gate, &layer.down, &mut y)?;
-        b.add(x, &y)?;
+        let mut act = b.tensor(rows, c.intermediate_size)?;
+        b.matmul_swiglu(&normed, &layer.gate_up, &mut act)?;
+        b.matmul_add(&act, &layer.down, x)?;
         Ok(())
     }
 

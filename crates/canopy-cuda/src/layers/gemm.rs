@@ -1,5 +1,7 @@
-//! The dense layers' GEMMs on cuBLAS: `out = x · wᵀ` with fp32 activations and weights in
-//! their stored dtype.
+//! The dense layers' GEMMs: `out = x · wᵀ` (or `out += x · wᵀ`) with fp32 activations and
+//! weights in their stored dtype. A product of at most [`GEMV_MAX_ROWS`] rows (a decode step)
+//! is `layers.cu`'s `gemv`, which streams the weight once at close to the memory's bandwidth
+//! and folds the residual add or SwiGLU into its output; more rows (a prefill) run on cuBLAS.
 //!
 //! A 16-bit weight multiplies its activation rounded to the same dtype (a small kernel writes
 //! the rounded copy into a scratch buffer kept between calls) and accumulates in fp32 into an
@@ -15,11 +17,11 @@ use super::{CudaTensor, CudaWeight};
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
 use canopy_core::DType;
-use canopy_kernels::Kernel;
+use canopy_kernels::{Kernel, GEMV_MAX_ROWS, GEMV_WARPS};
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 use std::sync::Mutex;
 
@@ -72,11 +74,115 @@ fn dim(what: &str, n: usize) -> Result<i32> {
     })
 }
 
+/// Warps per SM a GEMV should start (slicing its columns' sums until it does). Measured on an
+/// H100 (Llama-3.1-8B's projections, BENCHMARKS session 15): one warp per column streams the
+/// MLP's 14336 columns fastest, and slicing helps the 4096-column projections.
+const GEMV_WARPS_PER_SM: u32 = 32;
+
+/// What a product does with its output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// `out = x · wᵀ`.
+    Store,
+    /// `out += x · wᵀ`.
+    Add,
+    /// `out = silu(x · gateᵀ) * (x · upᵀ)`, `w` holding gate's rows then up's.
+    Swiglu,
+}
+
+impl Epilogue {
+    fn gemv_entry(self) -> &'static str {
+        match self {
+            Epilogue::Store => "gemv",
+            Epilogue::Add => "gemv_add",
+            Epilogue::Swiglu => "gemv_swiglu",
+        }
+    }
+}
+
+/// Whether `gemv` takes this product: few rows, and rows of the weight and of x that start on
+/// 16-byte boundaries (its loads are 16 bytes wide).
+fn gemv_fits(x: &CudaTensor, w: &CudaWeight) -> bool {
+    let chunk = 16 / w.dtype.size_bytes();
+    x.rows <= GEMV_MAX_ROWS && x.cols.is_multiple_of(chunk) && x.cols.is_multiple_of(4)
+}
+
 impl CudaBackend {
-    /// `out = x · wᵀ` (shapes checked by the caller): see the module notes.
-    pub(crate) fn gemm(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> Result<()> {
+    /// The product `x · wᵀ` into `out` by `epilogue` (shapes checked by the caller): see the
+    /// module notes.
+    pub(crate) fn product(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        epilogue: Epilogue,
+    ) -> Result<()> {
+        if x.rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if gemv_fits(x, w) && x.cols > 0 {
+            return self.gemv(x, w, out, epilogue);
+        }
+        match epilogue {
+            Epilogue::Store => self.gemm(x, w, out, false),
+            Epilogue::Add => self.gemm(x, w, out, true),
+            Epilogue::Swiglu => {
+                let mut gate_up = self.tensor_of(x.rows, w.rows)?;
+                self.gemm(x, w, &mut gate_up, false)?;
+                self.swiglu_halves(&gate_up, out)
+            }
+        }
+    }
+
+    fn gemv(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        epilogue: Epilogue,
+    ) -> Result<()> {
+        let (rows, cols, k) = (
+            super::narrow("matmul", x.rows)?,
+            super::narrow("matmul", out.cols)?,
+            super::narrow("matmul", x.cols)?,
+        );
+        // Warps per column: the fewest that give every SM GEMV_WARPS_PER_SM of them.
+        let wanted = self.gpu.multiprocessors * GEMV_WARPS_PER_SM;
+        let slices = [1, 2, 4, GEMV_WARPS]
+            .into_iter()
+            .find(|&s| cols.saturating_mul(s) >= wanted)
+            .unwrap_or(GEMV_WARPS);
+        let f = self.function(Kernel::Layers(w.dtype, epilogue.gemv_entry()))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&w.data)
+            .arg(&x.data)
+            .arg(&mut out.data)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&k)
+            .arg(&slices);
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(GEMV_WARPS / slices), 1, 1),
+            block_dim: (GEMV_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: w holds (cols, or 2 · cols for SwiGLU) × k elements of its dtype, x rows × k
+        // floats and out rows × cols (the caller checked the shapes); k is a whole number of
+        // 16-byte chunks of both (gemv_fits) and device allocations are 256-byte aligned.
+        unsafe { b.launch(cfg) }.ctx(format!("launching {}", epilogue.gemv_entry()))?;
+        Ok(())
+    }
+
+    /// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate`, on cuBLAS.
+    fn gemm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        accumulate: bool,
+    ) -> Result<()> {
         let (rows, k, n) = (x.rows, x.cols, w.rows);
-        if rows == 0 || n == 0 {
+        if k == 0 && accumulate {
             return Ok(());
         }
         if k == 0 {
@@ -138,7 +244,7 @@ impl CudaBackend {
                 )
             }
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let (a_ptr, _) = w.data.device_ptr(s);
         let (c_ptr, _) = out.data.device_ptr_mut(s);
         self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
