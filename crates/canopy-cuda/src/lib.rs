@@ -28,6 +28,7 @@ mod launch;
 mod layers;
 mod merge_ops;
 pub mod nccl;
+mod nccl_transport;
 pub mod probe;
 mod timing;
 
@@ -39,4 +40,5 @@ pub use error::{CudaError, Result};
 pub use kv::CudaKv;
 pub use launch::KernelResources;
 pub use layers::{CudaTensor, CudaWeight};
+pub use nccl_transport::{NcclIds, NcclTransport};
 pub use probe::{probe, CudaInfo, GpuInfo};
