@@ -353,7 +353,7 @@ fn mpi_rows(
     let p = comm.size();
     // Every rank must run the same problem: compare a hash of the configuration.
     let config = format!(
-        "{backend} {:?} {:?} {seq_len} {} {:?} {:?} {} {:?} {:?} {} {} {}",
+        "{backend} {:?} {:?} {seq_len} {} {:?} {} {:?} {:?} {} {} {}",
         spec.shape,
         spec.dtype,
         run.batch,

@@ -51,16 +51,8 @@ pub struct HashedProblem {
 }
 
 impl RankData<CudaBackend> for HashedProblem {
-    fn tree(&self) -> &KvTree {
-        &self.tree
-    }
-
-    fn shape(&self) -> AttnShape {
-        self.shape
-    }
-
-    fn dtype(&self) -> DType {
-        self.dtype
+    fn problem(&self) -> (&KvTree, AttnShape, DType) {
+        (&self.tree, self.shape, self.dtype)
     }
 
     fn queries(&self, b: &CudaBackend) -> canopy_engine::Result<CudaQueries> {

@@ -22,7 +22,7 @@ use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
-use canopy_comm::{Collective, Element, Group, ReduceOp, Result as CommResult, Traffic};
+use canopy_comm::{Collective, Group, HostPart, ReduceOp, Traffic};
 use canopy_engine::{Cache, MergeCollective, NodeLayout, Result as EResult, Strategy, Transport};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::Id;
@@ -314,37 +314,17 @@ impl<H: Collective> Group for NcclTransport<'_, H> {
 
 /// Host collectives, by the host collective the ranks were started with; traffic adds
 /// NCCL's.
-impl<H: Collective> Collective for NcclTransport<'_, H> {
-    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
-        self.host.all_reduce(buf, op)
+impl<H: Collective> HostPart for NcclTransport<'_, H> {
+    type Host = H;
+    fn host(&self) -> &H {
+        self.host
     }
 
-    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
-        self.host.all_gather(send, recv)
-    }
-
-    fn send<T: Element>(&self, buf: &[T], peer: usize) -> CommResult<()> {
-        self.host.send(buf, peer)
-    }
-
-    fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> CommResult<()> {
-        self.host.recv(buf, peer)
-    }
-
-    fn barrier(&self) -> CommResult<()> {
-        self.host.barrier()
-    }
-
-    fn traffic(&self) -> Traffic {
-        let host = self.host.traffic();
+    fn own_traffic(&self) -> Traffic {
         Traffic {
-            bytes: host.bytes + self.wire_bytes(),
-            calls: host.calls,
+            bytes: self.wire_bytes(),
+            calls: 0,
         }
-    }
-
-    fn host_name(&self) -> CommResult<String> {
-        self.host.host_name()
     }
 }
 

@@ -18,9 +18,7 @@ use crate::step::{RankAttention, RingShard};
 use crate::topology::NodeLayout;
 use crate::CpuBackend;
 use crate::{EngineError, Result};
-use canopy_comm::{
-    Collective, Element, Group, ReduceOp, Result as CommResult, ThreadWorld, Traffic,
-};
+use canopy_comm::{Collective, Group, HostPart, ReduceOp, ThreadWorld};
 use canopy_core::{
     plan, reference_attention, relative_error, shard_tree, AttnShape, AttnStates, DType, KvTree,
     Method, Plan, PlannerConfig, ProblemData, Shard, SliceKv, TreeView, TypedVec,
@@ -112,9 +110,8 @@ impl Problem {
 /// generate its shard in place instead (`canopy_cuda::distributed`, for contexts too large to
 /// hold on the host).
 pub trait RankData<B: Backend>: Sync {
-    fn tree(&self) -> &KvTree;
-    fn shape(&self) -> AttnShape;
-    fn dtype(&self) -> DType;
+    /// The tree, the attention shape and the KV dtype.
+    fn problem(&self) -> (&KvTree, AttnShape, DType);
     /// The step's queries, uploaded.
     fn queries(&self, b: &B) -> Result<B::Queries>;
     /// `shard`'s K and V, windows back to back, in fresh storage of `shard.tokens()` tokens.
@@ -122,16 +119,8 @@ pub trait RankData<B: Backend>: Sync {
 }
 
 impl<B: Backend> RankData<B> for Problem {
-    fn tree(&self) -> &KvTree {
-        &self.tree
-    }
-
-    fn shape(&self) -> AttnShape {
-        self.shape
-    }
-
-    fn dtype(&self) -> DType {
-        self.dtype
+    fn problem(&self) -> (&KvTree, AttnShape, DType) {
+        (&self.tree, self.shape, self.dtype)
     }
 
     fn queries(&self, b: &B) -> Result<B::Queries> {
@@ -226,29 +215,10 @@ impl<C: Collective> Group for HostCalls<'_, C> {
     }
 }
 
-impl<C: Collective> Collective for HostCalls<'_, C> {
-    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
-        self.0.all_reduce(buf, op)
-    }
-
-    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
-        self.0.all_gather(send, recv)
-    }
-
-    fn send<T: Element>(&self, buf: &[T], peer: usize) -> CommResult<()> {
-        self.0.send(buf, peer)
-    }
-
-    fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> CommResult<()> {
-        self.0.recv(buf, peer)
-    }
-
-    fn barrier(&self) -> CommResult<()> {
-        self.0.barrier()
-    }
-
-    fn traffic(&self) -> Traffic {
-        self.0.traffic()
+impl<C: Collective> HostPart for HostCalls<'_, C> {
+    type Host = C;
+    fn host(&self) -> &C {
+        self.0
     }
 }
 
@@ -305,7 +275,7 @@ where
     D: RankData<B> + ?Sized,
 {
     let (rank, p) = (comm.rank(), comm.size());
-    let (tree, shape) = (data.tree(), data.shape());
+    let (tree, shape, dtype) = data.problem();
     let shards = shard_tree(tree, p)?;
     let q = data.queries(backend)?;
     let own = data.shard_kv(backend, &shards[rank])?;
@@ -337,7 +307,7 @@ where
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
-            RankAttention::ring(backend, comm, shape, data.dtype(), ring)?
+            RankAttention::ring(backend, comm, shape, dtype, ring)?
         }
     }
     .with_poison(cfg.poison);
@@ -363,7 +333,7 @@ where
     Ok(RankResult {
         times_ms,
         output: backend.download(attention.states())?,
-        kv_bytes: shards[rank].tokens() as u64 * 2 * shape.kv_token_bytes(data.dtype()) as u64,
+        kv_bytes: shards[rank].tokens() as u64 * 2 * shape.kv_token_bytes(dtype) as u64,
         comm_bytes_per_step,
         chosen,
         peak_mem_bytes: backend.bytes_in_use()?,
