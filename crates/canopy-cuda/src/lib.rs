@@ -15,6 +15,10 @@
 //! event timings, L2 eviction and copy bandwidth. It also implements the engine's `LayerOps`
 //! (`layers`): a model's dense layers on fp32 activations and bf16, f16 or f32 weights, the
 //! GEMMs on cuBLAS.
+//!
+//! Between ranks it gives the engine two device transports: [`NcclTransport`] (one GPU per
+//! rank; [`nccl`] holds the watched communicators) and [`DeviceWorld`] (ranks sharing one GPU,
+//! for tests). [`distributed`] runs the engine's attention benchmark over NCCL.
 
 mod backend;
 pub mod bench;
