@@ -23,6 +23,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
 use canopy_comm::{Collective, Group, HostPart, ReduceOp, Traffic};
+use canopy_engine::layer_ops::expect_room;
 use canopy_engine::{Cache, MergeCollective, NodeLayout, Result as EResult, Strategy, Transport};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::Id;
@@ -292,16 +293,6 @@ fn contiguous_bytes(op: &str, kv: &CudaKv, tokens: usize) -> Result<usize> {
     Ok(kv.bytes_of(tokens))
 }
 
-/// Refuses a range past the end of a buffer.
-fn check_range(op: &str, len: usize, range: &Range<usize>) -> Result<()> {
-    if range.start > range.end || range.end > len {
-        return Err(CudaError::Unsupported(format!(
-            "{op} of elements {range:?} of a buffer of {len}"
-        )));
-    }
-    Ok(())
-}
-
 impl<H: Collective> Group for NcclTransport<'_, H> {
     fn rank(&self) -> usize {
         self.world.rank()
@@ -336,7 +327,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         range: Range<usize>,
         op: ReduceOp,
     ) -> EResult<()> {
-        check_range("all_reduce_buf", buf.len(), &range)?;
+        expect_room("cuda", "all_reduce_buf", buf.len(), range.end)?;
         let name = match op {
             ReduceOp::Sum => "all_reduce(sum)",
             ReduceOp::Max => "all_reduce(max)",
@@ -354,8 +345,8 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         dst: &mut CudaSlice<f32>,
     ) -> EResult<()> {
         let p = self.size();
-        check_range("all_gather_buf", src.len(), &(0..len))?;
-        check_range("all_gather_buf", dst.len(), &(0..len * p))?;
+        expect_room("cuda", "all_gather_buf", src.len(), len)?;
+        expect_room("cuda", "all_gather_buf", dst.len(), len * p)?;
         Ok(self.on_world(b, |w| {
             w.all_gather(
                 "all_gather",
@@ -372,7 +363,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         range: Range<usize>,
         peer: usize,
     ) -> EResult<()> {
-        check_range("send_buf", buf.len(), &range)?;
+        expect_room("cuda", "send_buf", buf.len(), range.end)?;
         Ok(self.on_world(b, |w| w.send("send", &buf.slice(range), peer))?)
     }
 
@@ -383,7 +374,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         range: Range<usize>,
         peer: usize,
     ) -> EResult<()> {
-        check_range("recv_buf", buf.len(), &range)?;
+        expect_room("cuda", "recv_buf", buf.len(), range.end)?;
         Ok(self.on_world(b, |w| w.recv("recv", &mut buf.slice_mut(range), peer))?)
     }
 
@@ -414,7 +405,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         self.check_layout(layout)?;
         let node = self.node()?;
         let n = node.size();
-        check_range("gather_in_node", buf.len(), &(0..n * len))?;
+        expect_room("cuda", "gather_in_node", buf.len(), n * len)?;
         if node.rank() != 0 {
             return Ok(node.send("send(node leader)", &buf.slice(0..len), 0)?);
         }
@@ -458,7 +449,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         if node.size() == 1 {
             return Ok(());
         }
-        check_range("broadcast_in_node", buf.len(), &(0..len))?;
+        expect_room("cuda", "broadcast_in_node", buf.len(), len)?;
         Ok(node.broadcast_in_place("broadcast(node)", &mut buf.slice_mut(0..len), 0)?)
     }
 
