@@ -37,8 +37,9 @@ proptest! {
             for strategy in Decode::every() {
                 let cfg = RunConfig {
                     ranks, strategy, method, planner: PlannerConfig::default(),
-                    warmup: 0, iters: 1, timeout: Duration::from_secs(60), poison: true,
+                    warmup: 0, iters: 1, cache: canopy_engine::Cache::Warm, timeout: Duration::from_secs(60), poison: true,
                     virtual_nodes: (ranks % 2 == 0).then_some(2),
+                    stall_rank: None,
                 };
                 let r = run_threads(&problem, &cfg, Some(&oracle), |_| Ok(CpuBackend)).unwrap();
                 let err = r.rel_error.unwrap();

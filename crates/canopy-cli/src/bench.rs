@@ -269,7 +269,7 @@ pub fn rows(
         World::Threads if backend == BackendKind::Cuda => strategies
             .into_iter()
             .map(|s| {
-                let cfg = run.distributed_config(ranks, s, &spec, seq_len);
+                let cfg = run.distributed_config(ranks, s, &spec, seq_len)?;
                 Ok(canopy_cuda::distributed::run(&cfg)?)
             })
             .collect::<Result<Vec<_>>>()
@@ -348,7 +348,8 @@ fn mpi_rows(
     strategies: &[Strategy],
 ) -> Result<Option<Vec<RunReport>>> {
     use canopy_comm::Collective;
-    use canopy_engine::{rank_main, strategy::report, RankResult};
+    use canopy_engine::rank_main;
+    use canopy_engine::strategy::{gather_results, report};
     let p = comm.size();
     // Every rank must run the same problem: compare a hash of the configuration.
     let config = format!(
@@ -370,15 +371,13 @@ fn mpi_rows(
     if let Some(r) = hashes.chunks(8).position(|h| h != hash.to_le_bytes()) {
         bail!("rank {r} was started with a different configuration than rank {}: launch every rank with the same arguments", comm.rank());
     }
+    let mut rows = Vec::new();
     if backend == BackendKind::Cuda {
-        // One process per GPU: the same per-rank code as the threads launcher, NCCL between
+        // One process per GPU: the same rank loop as the threads launcher, NCCL between
         // processes.
-        let mut rows = Vec::new();
         for &strategy in strategies {
-            let cfg = run.distributed_config(p, strategy, spec, seq_len);
-            if let Some(r) = canopy_cuda::distributed::run_mpi(&cfg, comm)? {
-                rows.push(r);
-            }
+            let cfg = run.distributed_config(p, strategy, spec, seq_len)?;
+            rows.extend(canopy_cuda::distributed::run_mpi(&cfg, comm)?);
         }
         return Ok((comm.rank() == 0).then_some(rows));
     }
@@ -387,48 +386,13 @@ fn mpi_rows(
     check_cpu_memory(spec, &tree, p, p, strategies, oracle)?;
     let problem = Problem::random(tree, spec.shape, spec.dtype, run.seed);
     let oracle = oracle.then(|| problem.oracle());
-    let mut rows = Vec::new();
     for &strategy in strategies {
         let cfg = run.run_config(p, strategy);
         let mine = rank_main(&problem, &cfg, &CpuBackend, comm)?;
-        // Rank 0 needs every rank's output (to check they agree) and byte counts.
-        let mut o = vec![0f32; mine.output.o.len() * p];
-        comm.all_gather(&mine.output.o, &mut o)?;
-        let mut lse = vec![0f32; mine.output.lse.len() * p];
-        comm.all_gather(&mine.output.lse, &mut lse)?;
-        let mut counts = vec![0u8; 16 * p];
-        let own: Vec<u8> = [
-            mine.kv_bytes.to_le_bytes(),
-            mine.comm_bytes_per_step.to_le_bytes(),
-        ]
-        .concat();
-        comm.all_gather(&own, &mut counts)?;
-        if comm.rank() != 0 {
-            continue;
+        if let Some(results) = gather_results(comm, mine)? {
+            let (tree, shape) = (&problem.tree, &problem.shape);
+            rows.push(report(tree, shape, &cfg, results, oracle.as_deref()));
         }
-        let results: Vec<RankResult> = (0..p)
-            .map(|r| {
-                let word = |i: usize| {
-                    u64::from_le_bytes(
-                        counts[16 * r + 8 * i..16 * r + 8 * i + 8]
-                            .try_into()
-                            .expect("8 bytes"),
-                    )
-                };
-                let (no, nl) = (mine.output.o.len(), mine.output.lse.len());
-                let mut output = mine.output.clone();
-                output.o.copy_from_slice(&o[r * no..(r + 1) * no]);
-                output.lse.copy_from_slice(&lse[r * nl..(r + 1) * nl]);
-                RankResult {
-                    latencies: mine.latencies.clone(),
-                    output,
-                    kv_bytes: word(0),
-                    comm_bytes_per_step: word(1),
-                    chosen: mine.chosen,
-                }
-            })
-            .collect();
-        rows.push(report(&problem, &cfg, results, oracle.as_deref()));
     }
     Ok((comm.rank() == 0).then_some(rows))
 }
@@ -452,35 +416,35 @@ pub fn strategies(s: StrategyChoice, collective: &str) -> Result<Vec<Strategy>> 
 }
 
 impl RunArgs {
-    /// The configuration for `ranks` GPUs running `strategy` with NCCL.
+    /// The configuration for `ranks` GPUs running `strategy` with NCCL, over the hashed
+    /// `long` workload (each rank generates its shard on its GPU).
     fn distributed_config(
         &self,
         ranks: usize,
         strategy: Strategy,
         spec: &WorkloadSpec,
         seq_len: u32,
-    ) -> canopy_cuda::distributed::DistributedConfig {
-        canopy_cuda::distributed::DistributedConfig {
-            ranks,
-            strategy,
-            shape: spec.shape,
-            dtype: spec.dtype,
-            seq_len,
-            batch: self.batch,
-            tree: None,
+    ) -> Result<canopy_cuda::distributed::DistributedConfig> {
+        Ok(canopy_cuda::distributed::DistributedConfig {
+            run: RunConfig {
+                // One group per request: the backend splits it to fill the GPU.
+                planner: PlannerConfig::whole_paths(),
+                // Each rank's shard of a long context is far larger than L2.
+                cache: canopy_engine::Cache::Warm,
+                ..self.run_config(ranks, strategy)
+            },
+            problem: canopy_cuda::distributed::HashedProblem {
+                tree: spec.build_tree()?,
+                shape: spec.shape,
+                dtype: spec.dtype,
+                seed: self.seed,
+            },
             kernel: canopy_cuda::KernelChoice::Auto,
-            iters: self.iters,
-            // Each rank's shard of a long context is far larger than L2.
-            cache: canopy_engine::Cache::Warm,
             check: seq_len as u64 * self.batch as u64 <= self.check_max_tokens,
-            seed: self.seed,
-            virtual_nodes: self.virtual_nodes,
-            timeout: Duration::from_secs_f64(self.timeout),
-            stall_rank: self.stall_rank,
-        }
+        })
     }
 
-    /// The engine's configuration for `ranks` CPU ranks running `strategy`.
+    /// The engine's configuration for `ranks` ranks running `strategy`.
     fn run_config(&self, ranks: usize, strategy: Strategy) -> RunConfig {
         RunConfig {
             ranks,
@@ -489,9 +453,11 @@ impl RunArgs {
             planner: PlannerConfig::default(),
             warmup: self.warmup,
             iters: self.iters,
+            cache: canopy_engine::Cache::Warm,
             timeout: Duration::from_secs_f64(self.timeout),
             poison: false,
             virtual_nodes: self.virtual_nodes,
+            stall_rank: self.stall_rank,
         }
     }
 }

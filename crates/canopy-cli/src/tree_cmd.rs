@@ -404,9 +404,11 @@ fn cpu_ranks(
             planner,
             warmup: 1,
             iters: a.iterations,
+            cache: a.cache,
             timeout: Duration::from_secs(120),
             poison: true,
             virtual_nodes: None,
+            stall_rank: None,
         };
         let report =
             canopy_engine::run_threads(&problem, &cfg, want.as_deref(), |_| Ok(CpuBackend))?;
@@ -431,21 +433,28 @@ fn cuda_ranks(
     let mut runs = Vec::new();
     for &method in methods {
         let cfg = canopy_cuda::distributed::DistributedConfig {
-            ranks,
-            strategy: Strategy::Tree(MergeCollective::Auto),
-            shape: spec.shape,
-            dtype: spec.dtype,
-            seq_len: 0,
-            batch: 0,
-            tree: Some((spec.tree.clone(), method)),
+            run: RunConfig {
+                ranks,
+                strategy: Strategy::Tree(MergeCollective::Auto),
+                method,
+                // One group per path: the backend splits it to fill the GPU.
+                planner: PlannerConfig::whole_paths(),
+                warmup: 0,
+                iters: a.iterations,
+                cache: a.cache,
+                timeout: Duration::from_secs(120),
+                poison: false,
+                virtual_nodes: None,
+                stall_rank: None,
+            },
+            problem: canopy_cuda::distributed::HashedProblem {
+                tree: tree.clone(),
+                shape: spec.shape,
+                dtype: spec.dtype,
+                seed: a.seed,
+            },
             kernel: a.kernel,
-            iters: a.iterations,
-            cache: a.cache,
             check: a.check,
-            seed: a.seed,
-            virtual_nodes: None,
-            timeout: Duration::from_secs(120),
-            stall_rank: None,
         };
         let r = canopy_cuda::distributed::run(&cfg)?;
         runs.push(distributed_row(

@@ -167,3 +167,102 @@ pub trait Collective: Group {
         Ok("localhost".into())
     }
 }
+
+/// A rank handle whose host-side collectives are another [`Collective`]'s: a device transport
+/// (streams of one GPU, NCCL) hands its host calls (host names, barriers, small host
+/// reductions) to the collective its ranks were started with. It is a [`Collective`] by
+/// forwarding, with its own traffic counted besides the host's.
+pub trait HostPart: Group {
+    type Host: Collective;
+    fn host(&self) -> &Self::Host;
+    /// Traffic of its own, besides the host's. Provided: none.
+    fn own_traffic(&self) -> Traffic {
+        Traffic::default()
+    }
+}
+
+impl<T: HostPart> Collective for T {
+    fn all_reduce<E: Element>(&self, buf: &mut [E], op: ReduceOp) -> Result<()> {
+        self.host().all_reduce(buf, op)
+    }
+
+    fn all_gather<E: Element>(&self, send: &[E], recv: &mut [E]) -> Result<()> {
+        self.host().all_gather(send, recv)
+    }
+
+    fn send<E: Element>(&self, buf: &[E], peer: usize) -> Result<()> {
+        self.host().send(buf, peer)
+    }
+
+    fn recv<E: Element>(&self, buf: &mut [E], peer: usize) -> Result<()> {
+        self.host().recv(buf, peer)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.host().barrier()
+    }
+
+    fn traffic(&self) -> Traffic {
+        let (host, own) = (self.host().traffic(), self.own_traffic());
+        Traffic {
+            bytes: host.bytes + own.bytes,
+            calls: host.calls + own.calls,
+        }
+    }
+
+    fn host_name(&self) -> Result<String> {
+        self.host().host_name()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A handle that counts 1,000 bytes of its own on top of its host's.
+    struct Counted(ThreadComm);
+
+    impl Group for Counted {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+
+        fn size(&self) -> usize {
+            self.0.size()
+        }
+    }
+
+    impl HostPart for Counted {
+        type Host = ThreadComm;
+        fn host(&self) -> &ThreadComm {
+            &self.0
+        }
+
+        fn own_traffic(&self) -> Traffic {
+            Traffic {
+                bytes: 1000,
+                calls: 1,
+            }
+        }
+    }
+
+    /// The host's collectives answer through the handle, and traffic adds the handle's own.
+    #[test]
+    fn a_host_part_forwards_and_adds_its_traffic() {
+        let out = ThreadWorld::run(3, Duration::from_secs(30), |comm| {
+            let c = Counted(comm);
+            let mut x = [c.rank() as f32 + 1.0];
+            c.all_reduce(&mut x[..], ReduceOp::Sum)?;
+            let host = c.host().traffic();
+            Ok::<_, CommError>((x[0], host, c.traffic()))
+        });
+        for r in out {
+            let (sum, host, all) = r.expect("the rank ran");
+            assert_eq!(sum, 6.0);
+            assert!(host.bytes > 0);
+            assert_eq!(all.bytes, host.bytes + 1000);
+            assert_eq!(all.calls, host.calls + 1);
+        }
+    }
+}

@@ -599,6 +599,10 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn bytes_in_use(&self) -> EResult<Option<u64>> {
+        Ok(Some(self.device_bytes_in_use()?))
+    }
+
     fn time_steps(
         &self,
         iters: usize,

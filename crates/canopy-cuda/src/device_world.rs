@@ -39,8 +39,7 @@ use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use canopy_comm::{
-    Collective, CommError, Element, Group, ReduceOp, Result as CommResult, ThreadComm, ThreadWorld,
-    Traffic,
+    Collective, CommError, Group, HostPart, ReduceOp, ThreadComm, ThreadWorld, Traffic,
 };
 use canopy_engine::{EngineError, Result as EResult, Transport};
 use canopy_kernels::{Kernel, REDUCE_MAX, REDUCE_SUM};
@@ -368,37 +367,17 @@ impl Group for DeviceComm {
 }
 
 /// Host collectives, by the inner [`ThreadComm`]; traffic adds the device transport's.
-impl Collective for DeviceComm {
-    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
-        self.inner.all_reduce(buf, op)
+impl HostPart for DeviceComm {
+    type Host = ThreadComm;
+    fn host(&self) -> &ThreadComm {
+        &self.inner
     }
 
-    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
-        self.inner.all_gather(send, recv)
-    }
-
-    fn send<T: Element>(&self, buf: &[T], peer: usize) -> CommResult<()> {
-        self.inner.send(buf, peer)
-    }
-
-    fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> CommResult<()> {
-        self.inner.recv(buf, peer)
-    }
-
-    fn barrier(&self) -> CommResult<()> {
-        self.inner.barrier()
-    }
-
-    fn traffic(&self) -> Traffic {
-        let host = self.inner.traffic();
+    fn own_traffic(&self) -> Traffic {
         Traffic {
-            bytes: host.bytes + self.bytes.load(Ordering::Relaxed),
-            calls: host.calls + self.calls.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            calls: self.calls.load(Ordering::Relaxed),
         }
-    }
-
-    fn host_name(&self) -> CommResult<String> {
-        self.inner.host_name()
     }
 }
 

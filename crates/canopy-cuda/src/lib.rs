@@ -15,6 +15,10 @@
 //! event timings, L2 eviction and copy bandwidth. It also implements the engine's `LayerOps`
 //! (`layers`): a model's dense layers on fp32 activations and bf16, f16 or f32 weights, the
 //! GEMMs on cuBLAS.
+//!
+//! Between ranks it gives the engine two device transports: [`NcclTransport`] (one GPU per
+//! rank; [`nccl`] holds the watched communicators) and [`DeviceWorld`] (ranks sharing one GPU,
+//! for tests). [`distributed`] runs the engine's attention benchmark over NCCL.
 
 mod backend;
 pub mod bench;
@@ -28,6 +32,7 @@ mod launch;
 mod layers;
 mod merge_ops;
 pub mod nccl;
+mod nccl_transport;
 pub mod probe;
 mod timing;
 
@@ -39,4 +44,5 @@ pub use error::{CudaError, Result};
 pub use kv::CudaKv;
 pub use launch::KernelResources;
 pub use layers::{CudaTensor, CudaWeight};
+pub use nccl_transport::{NcclIds, NcclTransport};
 pub use probe::{probe, CudaInfo, GpuInfo};

@@ -214,6 +214,32 @@ impl NcclComm {
         })
     }
 
+    /// In place: `buf` holds `size()` parts of `count` elements, this rank's at
+    /// `rank() * count`; every rank ends with every part.
+    pub fn all_gather_in_place<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        name: &'static str,
+        buf: &mut B,
+        count: usize,
+    ) -> Result<()> {
+        if buf.len() < count * self.size {
+            return Err(CudaError::Unsupported(format!(
+                "rank {}: {name} needs a buffer of {} elements, got {}",
+                self.rank,
+                count * self.size,
+                buf.len()
+            )));
+        }
+        let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+        let mine = ptr + (self.rank * count * std::mem::size_of::<T>()) as u64;
+        let call = self.call(CallKind::AllGather, count, std::mem::size_of::<T>());
+        // SAFETY: `buf` holds size × count elements on this device; this rank's part starts
+        // at `mine`, inside it (NCCL's in-place form).
+        self.enqueue(name, call, |s| unsafe {
+            result::all_gather(mine as _, ptr as _, count, T::as_nccl_type(), self.raw, s)
+        })
+    }
+
     pub fn send<T: NcclType, S: DevicePtr<T>>(
         &self,
         name: &'static str,

@@ -486,10 +486,12 @@ fn step<C: Transport<CudaBackend> + Collective>(
         planner: PlannerConfig::default(),
         warmup: 0,
         iters: 1,
+        cache: canopy_engine::Cache::Warm,
         timeout: TIMEOUT,
         poison: true,
         // Two virtual nodes where they divide the ranks (else one node).
         virtual_nodes: comm.size().is_multiple_of(2).then_some(2),
+        stall_rank: None,
     };
     Ok(rank_main(problem, &cfg, &b, comm)?.output)
 }

@@ -123,6 +123,11 @@ pub trait Backend: Send + Sync {
         self.merge(partials, plan, out)
     }
     fn download(&self, states: &Self::States) -> Result<AttnStates>;
+    /// Device memory this backend holds now, where it can tell (a benchmark reports the
+    /// busiest rank's while its step's buffers live). Provided: not measured.
+    fn bytes_in_use(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
     /// Milliseconds of each of `iters` runs of `step`, after [`WARMUP_RUNS`] untimed ones. The
     /// default reads the host clock around each run and leaves the CPU's caches as they are; a
     /// device backend times with its own events, without waiting for the device between runs,

@@ -110,10 +110,12 @@ where
                         planner: PlannerConfig::default(),
                         warmup: 0,
                         iters: 1,
+                        cache: crate::Cache::Warm,
                         timeout: Duration::from_secs(60),
                         poison: true,
                         // Two virtual nodes wherever they divide the world evenly.
                         virtual_nodes: (p % 2 == 0).then_some(2),
+                        stall_rank: None,
                     };
                     let report = run_threads(&problem, &cfg, Some(&oracle), &make)?;
                     let output = report

@@ -8,8 +8,9 @@
 //!   `hierarchical`, `auto`); [`topology`] places ranks on nodes; [`cost`] models each merge's
 //!   collective calls, for `auto` and for scaling predictions.
 //! - [`step`]: one rank's attention for one decode step, tree or ring, over any backend and
-//!   transport ([`canopy_comm::Collective`]): what a benchmark's ranks and a model's layers run.
-//! - [`strategy`]: the attention benchmark's per-rank run on top of it, and the thread-per-rank
+//!   transport ([`merge::Transport`]): what a benchmark's ranks and a model's layers run.
+//! - [`strategy`]: the attention benchmark's one rank loop on top of it (every backend and
+//!   transport: threads, MPI, NCCL), its calibration of `auto`, and the thread-per-rank
 //!   driver.
 //! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend.
 //! - [`layer_ops`]: the dense half of a transformer layer on a backend's own tensors, which a

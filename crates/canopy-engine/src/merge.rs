@@ -16,12 +16,13 @@
 //! [`HostCollective`] (threads, MPI) is a transport for every backend, staging device buffers
 //! through the host; a device transport (NCCL, streams of one GPU) moves them where they are.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Cache};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
 use canopy_comm::{Collective, Group, ReduceOp};
 use serde::Serialize;
 use std::ops::Range;
+use std::time::Instant;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -119,6 +120,13 @@ pub trait MergeOps: Backend {
 
 /// Collectives over a backend's own buffers, and the ring's KV hand-off. The calls mirror
 /// NCCL's; ranges are in elements.
+///
+/// A transport may only enqueue its calls (a device transport puts them on a stream, in order
+/// with the backend's own work): a buffer is then ready for the backend's next operation, not
+/// for the host, until [`Transport::wait`]. The provided methods are written with the required
+/// ones and complete each call before it returns, as the host transports do; a device
+/// transport overrides them to move data where it is and to overlap (NCCL's sub-communicators
+/// for the hierarchical merge's steps, its ring hand-off on a stream of its own).
 pub trait Transport<B: MergeOps>: Group {
     fn all_reduce_buf(
         &self,
@@ -135,6 +143,120 @@ pub trait Transport<B: MergeOps>: Group {
     fn send_kv(&self, b: &B, kv: &B::Kv, tokens: usize, peer: usize) -> Result<()>;
     /// `tokens` tokens from `peer` into logical tokens `0..tokens` of `kv`.
     fn recv_kv(&self, b: &B, kv: &mut B::Kv, tokens: usize, peer: usize) -> Result<()>;
+
+    /// The hierarchical merge's first step: each member of a node (`layout`) hands
+    /// `buf[..len]` to its leader, which receives member `i`'s into `buf[i * len..]` (its own
+    /// is slot 0, already in place).
+    fn gather_in_node(
+        &self,
+        b: &B,
+        layout: &NodeLayout,
+        buf: &mut B::Buf,
+        len: usize,
+    ) -> Result<()> {
+        let members = layout.members(layout.node_of(self.rank()));
+        let leader = members[0];
+        if self.rank() != leader {
+            return self.send_buf(b, buf, 0..len, leader);
+        }
+        for (i, &m) in members.iter().enumerate().skip(1) {
+            self.recv_buf(b, buf, i * len..(i + 1) * len, m)?;
+        }
+        Ok(())
+    }
+
+    /// Among the node leaders only: leader `i` (in [`NodeLayout::leaders`] order) holds its
+    /// part in `buf[i * len..(i + 1) * len]`, and every leader ends with every part.
+    fn all_gather_leaders(
+        &self,
+        b: &B,
+        layout: &NodeLayout,
+        buf: &mut B::Buf,
+        len: usize,
+    ) -> Result<()> {
+        let leaders = layout.leaders();
+        let me = self.rank();
+        let mine = leaders.iter().position(|&l| l == me).ok_or_else(|| {
+            EngineError::Config(format!(
+                "rank {me} is no node leader but joined the leaders' exchange"
+            ))
+        })?;
+        for &l in leaders.iter().filter(|&&l| l != me) {
+            self.send_buf(b, buf, mine * len..(mine + 1) * len, l)?;
+        }
+        for (i, &l) in leaders.iter().enumerate().filter(|&(_, &l)| l != me) {
+            self.recv_buf(b, buf, i * len..(i + 1) * len, l)?;
+        }
+        Ok(())
+    }
+
+    /// The hierarchical merge's last step: each leader's `buf[..len]` to its node's members.
+    fn broadcast_in_node(
+        &self,
+        b: &B,
+        layout: &NodeLayout,
+        buf: &mut B::Buf,
+        len: usize,
+    ) -> Result<()> {
+        let members = layout.members(layout.node_of(self.rank()));
+        let leader = members[0];
+        if self.rank() != leader {
+            return self.recv_buf(b, buf, 0..len, leader);
+        }
+        for &m in &members[1..] {
+            self.send_buf(b, buf, 0..len, m)?;
+        }
+        Ok(())
+    }
+
+    /// Starts one step of the ring's hand-off: logical tokens `0..send_tokens` of `send` to the
+    /// next rank, and `recv_tokens` tokens from the previous rank into `recv`, which
+    /// [`Transport::finish_kv_exchange`] completes. In between, the caller computes on `send`
+    /// and neither writes `send` nor touches `recv`, so that a transport can move both while
+    /// the backend computes. Provided: the send now, the receive at the finish.
+    fn start_kv_exchange(
+        &self,
+        b: &B,
+        send: &B::Kv,
+        send_tokens: usize,
+        recv: &mut B::Kv,
+        recv_tokens: usize,
+    ) -> Result<()> {
+        let _ = (recv, recv_tokens);
+        self.send_kv(b, send, send_tokens, (self.rank() + 1) % self.size())
+    }
+
+    /// Completes [`Transport::start_kv_exchange`]: `recv` holds the previous rank's tokens for
+    /// the backend's next operation.
+    fn finish_kv_exchange(&self, b: &B, recv: &mut B::Kv, recv_tokens: usize) -> Result<()> {
+        let prev = (self.rank() + self.size() - 1) % self.size();
+        self.recv_kv(b, recv, recv_tokens, prev)
+    }
+
+    /// Waits until every call this rank enqueued has completed. Provided: nothing to wait for.
+    fn wait(&self, b: &B) -> Result<()> {
+        let _ = b;
+        Ok(())
+    }
+
+    /// Milliseconds of each of `iters` runs of `step` (one decode step on this rank), after
+    /// `warmup` untimed ones, timed as this world keeps time. Provided: the backend's clock
+    /// ([`Backend::time_steps`]: CUDA events, every run enqueued before any is waited for;
+    /// its own warm-up runs come after `warmup`). Host collectives time each run between two
+    /// barriers instead.
+    fn time_steps(
+        &self,
+        b: &B,
+        warmup: usize,
+        iters: usize,
+        cache: Cache,
+        step: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        for _ in 0..warmup {
+            step()?;
+        }
+        b.time_steps(iters, cache, step)
+    }
 }
 
 /// A collective over host memory (threads of one process, MPI processes): it moves any
@@ -182,6 +304,30 @@ impl<B: MergeOps, C: HostCollective> Transport<B> for C {
 
     fn recv_kv(&self, b: &B, kv: &mut B::Kv, tokens: usize, peer: usize) -> Result<()> {
         b.recv_kv(kv, tokens, self, peer)
+    }
+
+    /// Every rank starts each run together and ends it together (a barrier on each side), on
+    /// the host clock: the slowest rank's step, as a user of the whole world sees it.
+    fn time_steps(
+        &self,
+        _b: &B,
+        warmup: usize,
+        iters: usize,
+        _cache: Cache,
+        step: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        for _ in 0..warmup {
+            step()?;
+        }
+        (0..iters)
+            .map(|_| {
+                self.barrier()?;
+                let t0 = Instant::now();
+                step()?;
+                self.barrier()?;
+                Ok(t0.elapsed().as_secs_f64() * 1e3)
+            })
+            .collect()
     }
 }
 
@@ -268,10 +414,10 @@ impl<B: MergeOps> StatesMerge<B> {
         b.combine_finish(&self.packed, &self.max, states)
     }
 
-    /// Members send to their node's leader, which folds the node in rank order; leaders
-    /// exchange node states and fold them in node order; leaders send the result back. Every
-    /// rank, leaders included, takes the result from its packed form, so all hold the same
-    /// bits.
+    /// Members hand their states to their node's leader, which folds the node in rank order;
+    /// leaders exchange node states and fold them in node order; each leader hands the result
+    /// back to its node. Every rank, leaders included, takes the result from its packed form,
+    /// so all hold the same bits.
     fn hierarchical<T: Transport<B>>(
         &mut self,
         b: &B,
@@ -282,38 +428,20 @@ impl<B: MergeOps> StatesMerge<B> {
         let stride = self.stride();
         let me = comm.rank();
         let members = layout.members(layout.node_of(me));
-        let leader = members[0];
-        if me != leader {
-            b.pack_states(states, &mut self.packed, 0)?;
-            comm.send_buf(b, &self.packed, 0..stride, leader)?;
-            comm.recv_buf(b, &mut self.gathered, 0..stride, leader)?;
-            return b.combine_gathered(&self.gathered, 1, states);
-        }
         b.pack_states(states, &mut self.gathered, 0)?;
-        for (i, &m) in members.iter().enumerate().skip(1) {
-            comm.recv_buf(b, &mut self.gathered, i * stride..(i + 1) * stride, m)?;
-        }
-        b.combine_gathered(&self.gathered, members.len(), states)?;
-        let leaders = layout.leaders();
-        if leaders.len() > 1 {
+        comm.gather_in_node(b, layout, &mut self.gathered, stride)?;
+        if me == members[0] {
+            b.combine_gathered(&self.gathered, members.len(), states)?;
+            let leaders = layout.leaders();
+            if leaders.len() > 1 {
+                let slot = leaders.iter().position(|&l| l == me).unwrap_or(0) * stride;
+                b.pack_states(states, &mut self.gathered, slot)?;
+                comm.all_gather_leaders(b, layout, &mut self.gathered, stride)?;
+                b.combine_gathered(&self.gathered, leaders.len(), states)?;
+            }
             b.pack_states(states, &mut self.packed, 0)?;
-            for &l in leaders.iter().filter(|&&l| l != me) {
-                comm.send_buf(b, &self.packed, 0..stride, l)?;
-            }
-            for (i, &l) in leaders.iter().enumerate() {
-                let slot = i * stride..(i + 1) * stride;
-                if l == me {
-                    b.pack_states(states, &mut self.gathered, slot.start)?;
-                } else {
-                    comm.recv_buf(b, &mut self.gathered, slot, l)?;
-                }
-            }
-            b.combine_gathered(&self.gathered, leaders.len(), states)?;
         }
-        b.pack_states(states, &mut self.packed, 0)?;
-        for &m in &members[1..] {
-            comm.send_buf(b, &self.packed, 0..stride, m)?;
-        }
+        comm.broadcast_in_node(b, layout, &mut self.packed, stride)?;
         b.combine_gathered(&self.packed, 1, states)
     }
 }

@@ -9,8 +9,9 @@
 //! - **tree**: stage 1 and the local merge over the rank's own KV, then the cross-rank merge
 //!   ([`crate::merge::StatesMerge`]) over the transport;
 //! - **ring**: each rank's KV travels around the ring; each rank folds every shard, planned
-//!   with that shard's plan, into its own states, the send of the shard it holds posted
-//!   before the compute on it so the transfer overlaps.
+//!   with that shard's plan, into its own states. The hand-off of the shard a rank holds is
+//!   started before the compute on it and finished after ([`Transport::start_kv_exchange`]),
+//!   so a transport that moves KV on a stream of its own (NCCL) overlaps the two.
 
 use crate::merge::{MergeCollective, MergeOps, StatesMerge, Transport};
 use crate::topology::NodeLayout;
@@ -47,8 +48,9 @@ enum Kind<B: MergeOps> {
         shards: Vec<RingShard>,
         plans: Vec<B::Plan>,
         partials: Vec<B::States>,
-        /// Each shard's states, folded in shard order once all have passed, so that every
-        /// rank folds alike and ends with the same bits.
+        /// The states of shards `1..p` (`locals[s - 1]`), folded into `acc` (shard 0's) in
+        /// shard order once all have passed, so that every rank folds alike and ends with the
+        /// same bits.
         locals: Vec<B::States>,
         acc: B::States,
         /// Double buffering: the shard computed on and the one received into.
@@ -122,7 +124,11 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             .iter()
             .map(|p| backend.alloc_partials(&shape, p))
             .collect::<Result<Vec<_>>>()?;
-        let room = shards.iter().map(|s| s.tokens).max().unwrap_or(0);
+        // One rank receives nothing: token-sized placeholders instead of receive buffers.
+        let room = match comm.size() {
+            1 => 1,
+            _ => shards.iter().map(|s| s.tokens).max().unwrap_or(0),
+        };
         let bufs = [
             backend.alloc_kv(&shape, dtype, room)?,
             backend.alloc_kv(&shape, dtype, room)?,
@@ -135,7 +141,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 shards,
                 plans,
                 partials,
-                locals: (0..comm.size())
+                locals: (1..comm.size())
                     .map(|_| backend.alloc_states(&shape, queries))
                     .collect::<Result<Vec<_>>>()?,
                 acc: backend.alloc_states(&shape, queries)?,
@@ -156,6 +162,14 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         match &self.kind {
             Kind::Tree { how, .. } => Some(*how),
             Kind::Ring { .. } => None,
+        }
+    }
+
+    /// The merged states of the last [`RankAttention::attend`].
+    pub fn states(&self) -> &B::States {
+        match &self.kind {
+            Kind::Tree { local, .. } => local,
+            Kind::Ring { acc, .. } => acc,
         }
     }
 
@@ -203,18 +217,22 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 bufs,
             } => {
                 let (rank, p) = (comm.rank(), comm.size());
-                let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
-                backend.clear_states(acc)?;
                 for s in 0..p {
                     let src = (rank + p - s) % p; // whose shard this rank holds at step s
+                    let from = (src + p - 1) % p; // and receives for the next
                     let (cur, spare) = ring_buffers(s, kv, bufs);
-                    if s + 1 < p {
-                        comm.send_kv(backend, cur, shards[src].tokens, next)?;
+                    let last = s + 1 == p;
+                    if !last {
+                        let (out_tokens, in_tokens) = (shards[src].tokens, shards[from].tokens);
+                        comm.start_kv_exchange(backend, cur, out_tokens, spare, in_tokens)?;
                     }
-                    run(cur, &plans[src], &mut partials[src], &mut locals[src])?;
-                    if s + 1 < p {
-                        let from = &shards[(src + p - 1) % p];
-                        comm.recv_kv(backend, spare, from.tokens, prev)?;
+                    let out = match src {
+                        0 => &mut *acc,
+                        _ => &mut locals[src - 1],
+                    };
+                    run(cur, &plans[src], &mut partials[src], out)?;
+                    if !last {
+                        comm.finish_kv_exchange(backend, spare, shards[from].tokens)?;
                     }
                 }
                 for local in locals.iter() {
@@ -263,9 +281,11 @@ mod tests {
                 planner: PlannerConfig::default(),
                 warmup: 0,
                 iters: 1,
+                cache: crate::Cache::Warm,
                 timeout: Duration::from_secs(60),
                 poison: true,
                 virtual_nodes: Some(2),
+                stall_rank: None,
             };
             let outs: Vec<_> = ThreadWorld::run(ranks, cfg.timeout, |comm| {
                 rank_main(&problem, &cfg, &CpuBackend, &comm)

@@ -1,0 +1,529 @@
+//! The engine's [`Transport`] over NCCL: one rank per GPU, device buffers straight into NCCL's
+//! calls, every wait through the rank's [`Watchdog`].
+//!
+//! - **Collectives** (the tree's merge) run on the backend's own stream, in order with its
+//!   kernels: no event between a kernel and the all-reduce that reads its output.
+//! - **The hierarchical merge** runs on sub-communicators: each node's (the members' states
+//!   to their leader as grouped receives, the result back as a broadcast) and the leaders'
+//!   (an in-place all-gather).
+//! - **The ring's hand-off** runs on a stream of its own, double-buffered: the send of the
+//!   shard being computed on and the receive of the next proceed as one NCCL group while the
+//!   backend computes. Events order the two streams: the hand-off starts once the compute
+//!   stream has finished with the buffer it receives into, and the compute stream reads that
+//!   buffer only after the hand-off's arrival event.
+//! - **Host-side calls** (host names, barriers) go to the host collective the ranks were
+//!   started with ([`canopy_comm::ThreadComm`], or MPI's); traffic counts both.
+//!
+//! Every wait polls the communicators' asynchronous errors and counts as progress for the
+//! watchdog, which ends the process, naming the rank and the NCCL call, when a peer died or
+//! stalled: a dead peer is an error, never a hang.
+
+use crate::backend::CudaBackend;
+use crate::error::{CudaError, DriverContext, Result};
+use crate::kv::CudaKv;
+use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
+use canopy_comm::{Collective, Group, HostPart, ReduceOp, Traffic};
+use canopy_engine::layer_ops::expect_room;
+use canopy_engine::{Cache, MergeCollective, NodeLayout, Result as EResult, Strategy, Transport};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::nccl::Id;
+use std::cell::RefCell;
+use std::ops::Range;
+use std::time::Duration;
+
+/// The NCCL unique ids of one run: the world's, each node's, and the node leaders'.
+#[derive(Clone)]
+pub struct NcclIds {
+    world: Id,
+    nodes: Vec<Id>,
+    leaders: Id,
+}
+
+/// Bytes of one NCCL unique id.
+const ID_BYTES: usize = 128;
+
+impl NcclIds {
+    /// Fresh ids for a world of `nodes` nodes (made by one rank, handed to the others).
+    pub fn new(nodes: usize) -> Result<NcclIds> {
+        let id = || Id::new().map_err(nccl_id_error);
+        Ok(NcclIds {
+            world: id()?,
+            nodes: (0..nodes).map(|_| id()).collect::<Result<_>>()?,
+            leaders: id()?,
+        })
+    }
+
+    /// Bytes of the ids of a world of `nodes` nodes, as [`NcclIds::to_bytes`] writes them.
+    pub fn byte_len(nodes: usize) -> usize {
+        ID_BYTES * (nodes + 2)
+    }
+
+    /// The ids as bytes, to travel to the other ranks.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        std::iter::once(&self.world)
+            .chain(&self.nodes)
+            .chain([&self.leaders])
+            .flat_map(|id| id.internal().iter().map(|&c| c as u8))
+            .collect()
+    }
+
+    /// The ids [`NcclIds::to_bytes`] wrote.
+    pub fn from_bytes(bytes: &[u8]) -> Result<NcclIds> {
+        if bytes.len() < 2 * ID_BYTES || !bytes.len().is_multiple_of(ID_BYTES) {
+            return Err(CudaError::Unsupported(format!(
+                "NCCL ids of {} bytes: expected a multiple of {ID_BYTES}, at least two ids",
+                bytes.len()
+            )));
+        }
+        let mut ids: Vec<Id> = bytes
+            .chunks(ID_BYTES)
+            .map(|c| Id::uninit(std::array::from_fn(|i| c[i] as std::ffi::c_char)))
+            .collect();
+        let leaders = ids.pop().expect("at least two ids");
+        let world = ids.remove(0);
+        Ok(NcclIds {
+            world,
+            nodes: ids,
+            leaders,
+        })
+    }
+}
+
+fn nccl_id_error(e: cudarc::nccl::result::NcclError) -> CudaError {
+    CudaError::Nccl {
+        rank: 0,
+        call: "ncclGetUniqueId",
+        detail: format!("{:?}", e.0),
+    }
+}
+
+/// One rank's NCCL transport: its communicators, its watchdog, and the host collective it
+/// was started with.
+pub struct NcclTransport<'h, H: Collective> {
+    host: &'h H,
+    world: NcclComm,
+    /// This rank's node and, on leaders, the leaders' (hierarchical merges only).
+    node: Option<NcclComm>,
+    leaders: Option<NcclComm>,
+    layout: NodeLayout,
+    watchdog: Watchdog,
+    /// The ring's arrival event, between [`Transport::start_kv_exchange`] and its finish.
+    arrived: RefCell<Option<CudaEvent>>,
+}
+
+impl<'h, H: Collective> NcclTransport<'h, H> {
+    /// Joins the communicators of `ids` as rank `host.rank()` of `host.size()`, on
+    /// `backend`'s GPU, for `strategy`: the ring's hand-off gets a stream of its own, and a
+    /// merge that is or may be hierarchical (`auto` over several nodes) the sub-communicators
+    /// of `layout`. Blocks until every rank has joined; the watchdog starts first, so a rank
+    /// that never joins ends this one within `timeout`.
+    pub fn new(
+        host: &'h H,
+        backend: &CudaBackend,
+        ids: &NcclIds,
+        layout: NodeLayout,
+        strategy: Strategy,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let (rank, size) = (host.rank(), host.size());
+        layout
+            .check(size)
+            .map_err(|e| CudaError::Unsupported(e.to_string()))?;
+        let watchdog = Watchdog::start(rank, timeout);
+        let compute = backend.stream().clone();
+        let world_stream = match strategy {
+            Strategy::Ring => compute.context().new_stream().ctx("cuStreamCreate")?,
+            Strategy::Tree(_) => compute.clone(),
+        };
+        let world = NcclComm::new(world_stream, rank, size, &ids.world)?;
+        let sub_comms = match strategy {
+            Strategy::Tree(MergeCollective::Hierarchical) => true,
+            Strategy::Tree(MergeCollective::Auto) => layout.nodes() > 1,
+            _ => false,
+        };
+        let (node, leaders) = if sub_comms {
+            let n = layout.node_of(rank);
+            let members = layout.members(n);
+            let local = members.iter().position(|&r| r == rank).unwrap_or(0);
+            let node = NcclComm::new(compute.clone(), local, members.len(), &ids.nodes[n])?;
+            let leaders = match layout.leaders().iter().position(|&l| l == rank) {
+                Some(i) => Some(NcclComm::new(compute, i, layout.nodes(), &ids.leaders)?),
+                None => None,
+            };
+            (Some(node), leaders)
+        } else {
+            (None, None)
+        };
+        Ok(NcclTransport {
+            host,
+            world,
+            node,
+            leaders,
+            layout,
+            watchdog,
+            arrived: RefCell::new(None),
+        })
+    }
+
+    fn comms(&self) -> Vec<&NcclComm> {
+        std::iter::once(&self.world)
+            .chain(&self.node)
+            .chain(&self.leaders)
+            .collect()
+    }
+
+    /// Bytes this rank's communicators have sent, by the ring-algorithm formulas.
+    fn wire_bytes(&self) -> u64 {
+        self.comms().iter().map(|c| c.wire_bytes()).sum()
+    }
+
+    /// Waits for `event` through the watchdog.
+    fn wait_event(&self, event: &CudaEvent) -> Result<()> {
+        self.watchdog.wait(event, &self.comms())
+    }
+
+    /// Runs `f` on the world communicator in order with `b`'s stream: directly when the world
+    /// enqueues on that stream (tree), else between two events (ring).
+    fn on_world<T>(&self, b: &CudaBackend, f: impl FnOnce(&NcclComm) -> Result<T>) -> Result<T> {
+        let (compute, comm) = (b.stream(), self.world.stream());
+        if compute.cu_stream() == comm.cu_stream() {
+            return f(&self.world);
+        }
+        comm.wait(&record(compute)?).ctx("cuStreamWaitEvent")?;
+        let out = f(&self.world)?;
+        compute.wait(&record(comm)?).ctx("cuStreamWaitEvent")?;
+        Ok(out)
+    }
+
+    /// The node communicator a hierarchical step needs.
+    fn node(&self) -> Result<&NcclComm> {
+        self.node.as_ref().ok_or_else(|| {
+            CudaError::Unsupported(
+                "the hierarchical merge over NCCL needs the node communicators: build the transport for a hierarchical (or auto) merge".into(),
+            )
+        })
+    }
+
+    /// Refuses a layout other than the one the sub-communicators were built for.
+    fn check_layout(&self, layout: &NodeLayout) -> Result<()> {
+        if *layout != self.layout {
+            return Err(CudaError::Unsupported(
+                "the hierarchical merge was given another node layout than the NCCL transport was built for".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sends tokens `0..send_tokens` of `send` to the next rank and receives `recv_tokens`
+    /// tokens from the previous one into `recv`, as one NCCL group on the world's stream.
+    fn exchange(
+        &self,
+        send: &CudaKv,
+        send_tokens: usize,
+        recv: &mut CudaKv,
+        recv_tokens: usize,
+    ) -> Result<()> {
+        let (rank, p) = (self.world.rank(), self.world.size());
+        let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+        let (sb, rb) = (
+            contiguous_bytes("send_kv", send, send_tokens)?,
+            contiguous_bytes("recv_kv", recv, recv_tokens)?,
+        );
+        let comm = &self.world;
+        group(rank, || {
+            comm.send("send(K)", &send.k.slice(0..sb), next)?;
+            comm.send("send(V)", &send.v.slice(0..sb), next)?;
+            comm.recv("recv(K)", &mut recv.k.slice_mut(0..rb), prev)?;
+            comm.recv("recv(V)", &mut recv.v.slice_mut(0..rb), prev)
+        })
+    }
+
+    /// The ring hand-off alone, `reps` times after one warm-up, between events on the
+    /// hand-off's stream: bytes sent per second, the link bandwidth a ring's floor divides by.
+    pub fn link_bandwidth(
+        &self,
+        b: &CudaBackend,
+        send: &CudaKv,
+        send_tokens: usize,
+        recv: &mut CudaKv,
+        recv_tokens: usize,
+        reps: usize,
+    ) -> Result<f64> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let stream = self.world.stream();
+        stream.wait(&record(b.stream())?).ctx("cuStreamWaitEvent")?;
+        self.exchange(send, send_tokens, recv, recv_tokens)?;
+        let timed = |s: &CudaStream| s.record_event(Some(CU_EVENT_DEFAULT)).ctx("cuEventRecord");
+        let start = timed(stream)?;
+        for _ in 0..reps.max(1) {
+            self.exchange(send, send_tokens, recv, recv_tokens)?;
+        }
+        let end = timed(stream)?;
+        self.wait_event(&end)?;
+        let ms = start.elapsed_ms(&end).ctx("cuEventElapsedTime")? as f64 / reps.max(1) as f64;
+        Ok(2.0 * send.bytes_of(send_tokens) as f64 / (ms * 1e-3))
+    }
+}
+
+fn record(stream: &CudaStream) -> Result<CudaEvent> {
+    stream.record_event(None).ctx("cuEventRecord")
+}
+
+fn nccl_op(op: ReduceOp) -> NcclOp {
+    match op {
+        ReduceOp::Sum => NcclOp::Sum,
+        ReduceOp::Max => NcclOp::Max,
+    }
+}
+
+/// Bytes of K (or V) of logical tokens `0..tokens` of `kv`, which NCCL moves in one piece:
+/// contiguous storage only (paged KV travels through a host transport or `DeviceWorld`).
+fn contiguous_bytes(op: &str, kv: &CudaKv, tokens: usize) -> Result<usize> {
+    if kv.paging.is_some() {
+        return Err(CudaError::Unsupported(format!(
+            "{op} over NCCL needs contiguous KV, not paged; run without paging"
+        )));
+    }
+    if tokens > kv.tokens {
+        return Err(CudaError::Unsupported(format!(
+            "{op}: {tokens} tokens of KV that holds {}; size the receiving KV for the largest shard",
+            kv.tokens
+        )));
+    }
+    Ok(kv.bytes_of(tokens))
+}
+
+impl<H: Collective> Group for NcclTransport<'_, H> {
+    fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.world.size()
+    }
+}
+
+/// Host collectives, by the host collective the ranks were started with; traffic adds
+/// NCCL's.
+impl<H: Collective> HostPart for NcclTransport<'_, H> {
+    type Host = H;
+    fn host(&self) -> &H {
+        self.host
+    }
+
+    fn own_traffic(&self) -> Traffic {
+        Traffic {
+            bytes: self.wire_bytes(),
+            calls: 0,
+        }
+    }
+}
+
+impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
+    fn all_reduce_buf(
+        &self,
+        b: &CudaBackend,
+        buf: &mut CudaSlice<f32>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> EResult<()> {
+        expect_room("cuda", "all_reduce_buf", buf.len(), range.end)?;
+        let name = match op {
+            ReduceOp::Sum => "all_reduce(sum)",
+            ReduceOp::Max => "all_reduce(max)",
+        };
+        Ok(self.on_world(b, |w| {
+            w.all_reduce_in_place(name, &mut buf.slice_mut(range), nccl_op(op))
+        })?)
+    }
+
+    fn all_gather_buf(
+        &self,
+        b: &CudaBackend,
+        src: &CudaSlice<f32>,
+        len: usize,
+        dst: &mut CudaSlice<f32>,
+    ) -> EResult<()> {
+        let p = self.size();
+        expect_room("cuda", "all_gather_buf", src.len(), len)?;
+        expect_room("cuda", "all_gather_buf", dst.len(), len * p)?;
+        Ok(self.on_world(b, |w| {
+            w.all_gather(
+                "all_gather",
+                &src.slice(0..len),
+                &mut dst.slice_mut(0..len * p),
+            )
+        })?)
+    }
+
+    fn send_buf(
+        &self,
+        b: &CudaBackend,
+        buf: &CudaSlice<f32>,
+        range: Range<usize>,
+        peer: usize,
+    ) -> EResult<()> {
+        expect_room("cuda", "send_buf", buf.len(), range.end)?;
+        Ok(self.on_world(b, |w| w.send("send", &buf.slice(range), peer))?)
+    }
+
+    fn recv_buf(
+        &self,
+        b: &CudaBackend,
+        buf: &mut CudaSlice<f32>,
+        range: Range<usize>,
+        peer: usize,
+    ) -> EResult<()> {
+        expect_room("cuda", "recv_buf", buf.len(), range.end)?;
+        Ok(self.on_world(b, |w| w.recv("recv", &mut buf.slice_mut(range), peer))?)
+    }
+
+    fn send_kv(&self, b: &CudaBackend, kv: &CudaKv, tokens: usize, peer: usize) -> EResult<()> {
+        let n = contiguous_bytes("send_kv", kv, tokens)?;
+        Ok(self.on_world(b, |w| {
+            w.send("send(K)", &kv.k.slice(0..n), peer)?;
+            w.send("send(V)", &kv.v.slice(0..n), peer)
+        })?)
+    }
+
+    fn recv_kv(&self, b: &CudaBackend, kv: &mut CudaKv, tokens: usize, peer: usize) -> EResult<()> {
+        let n = contiguous_bytes("recv_kv", kv, tokens)?;
+        Ok(self.on_world(b, |w| {
+            w.recv("recv(K)", &mut kv.k.slice_mut(0..n), peer)?;
+            w.recv("recv(V)", &mut kv.v.slice_mut(0..n), peer)
+        })?)
+    }
+
+    /// The leader receives every member's part as one group on the node communicator.
+    fn gather_in_node(
+        &self,
+        _b: &CudaBackend,
+        layout: &NodeLayout,
+        buf: &mut CudaSlice<f32>,
+        len: usize,
+    ) -> EResult<()> {
+        self.check_layout(layout)?;
+        let node = self.node()?;
+        let n = node.size();
+        expect_room("cuda", "gather_in_node", buf.len(), n * len)?;
+        if node.rank() != 0 {
+            return Ok(node.send("send(node leader)", &buf.slice(0..len), 0)?);
+        }
+        Ok(group(node.rank(), || {
+            (1..n).try_for_each(|i| {
+                node.recv(
+                    "recv(node member)",
+                    &mut buf.slice_mut(i * len..(i + 1) * len),
+                    i,
+                )
+            })
+        })?)
+    }
+
+    fn all_gather_leaders(
+        &self,
+        _b: &CudaBackend,
+        layout: &NodeLayout,
+        buf: &mut CudaSlice<f32>,
+        len: usize,
+    ) -> EResult<()> {
+        self.check_layout(layout)?;
+        let leaders = self.leaders.as_ref().ok_or_else(|| {
+            CudaError::Unsupported(format!(
+                "rank {} joined the leaders' exchange without the leaders' communicator",
+                self.rank()
+            ))
+        })?;
+        Ok(leaders.all_gather_in_place("all_gather(leaders)", buf, len)?)
+    }
+
+    fn broadcast_in_node(
+        &self,
+        _b: &CudaBackend,
+        layout: &NodeLayout,
+        buf: &mut CudaSlice<f32>,
+        len: usize,
+    ) -> EResult<()> {
+        self.check_layout(layout)?;
+        let node = self.node()?;
+        if node.size() == 1 {
+            return Ok(());
+        }
+        expect_room("cuda", "broadcast_in_node", buf.len(), len)?;
+        Ok(node.broadcast_in_place("broadcast(node)", &mut buf.slice_mut(0..len), 0)?)
+    }
+
+    /// Enqueues the hand-off on the world's stream once the compute stream is done with
+    /// `recv` (everything enqueued on it so far), and records its arrival.
+    fn start_kv_exchange(
+        &self,
+        b: &CudaBackend,
+        send: &CudaKv,
+        send_tokens: usize,
+        recv: &mut CudaKv,
+        recv_tokens: usize,
+    ) -> EResult<()> {
+        let stream = self.world.stream();
+        stream.wait(&record(b.stream())?).ctx("cuStreamWaitEvent")?;
+        self.exchange(send, send_tokens, recv, recv_tokens)?;
+        *self.arrived.borrow_mut() = Some(record(stream)?);
+        Ok(())
+    }
+
+    /// The compute stream waits for the hand-off's arrival; the host does not.
+    fn finish_kv_exchange(
+        &self,
+        b: &CudaBackend,
+        _recv: &mut CudaKv,
+        _recv_tokens: usize,
+    ) -> EResult<()> {
+        let arrived = self.arrived.borrow_mut().take().ok_or_else(|| {
+            CudaError::Unsupported("finish_kv_exchange without a hand-off started".into())
+        })?;
+        Ok(b.stream().wait(&arrived).ctx("cuStreamWaitEvent")?)
+    }
+
+    fn wait(&self, b: &CudaBackend) -> EResult<()> {
+        self.wait_event(&record(b.stream())?)?;
+        let world = self.world.stream();
+        if world.cu_stream() != b.stream().cu_stream() {
+            self.wait_event(&record(world)?)?;
+        }
+        Ok(())
+    }
+
+    /// CUDA events on the compute stream around each step, every step enqueued before any is
+    /// waited for; the wait for the last goes through the watchdog.
+    fn time_steps(
+        &self,
+        b: &CudaBackend,
+        warmup: usize,
+        iters: usize,
+        cache: Cache,
+        step: &mut dyn FnMut() -> EResult<()>,
+    ) -> EResult<Vec<f64>> {
+        for _ in 0..warmup {
+            step()?;
+        }
+        b.time_ms_until(iters, cache, |e| self.wait_event(e), step)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ids survive their trip through bytes, in their places; a truncated message is refused.
+    #[test]
+    fn ids_round_trip_through_bytes() {
+        let bytes: Vec<u8> = (0..NcclIds::byte_len(3))
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        let ids = NcclIds::from_bytes(&bytes).expect("five ids");
+        assert_eq!(ids.nodes.len(), 3);
+        assert_eq!(ids.to_bytes(), bytes);
+        assert_eq!(ids.leaders.internal()[0] as u8, bytes[4 * ID_BYTES]);
+        assert!(NcclIds::from_bytes(&bytes[..bytes.len() - 1]).is_err());
+        assert!(NcclIds::from_bytes(&bytes[..ID_BYTES]).is_err());
+    }
+}
