@@ -129,6 +129,36 @@ impl PrefixCache {
         self.entries.get(&node).map(|e| e.refs)
     }
 
+    /// How many leading tokens of `tokens` [`acquire`](Self::acquire) would find cached now,
+    /// without taking a lease: what a scheduler prices a request's pages by.
+    pub fn cached_len(&self, tokens: &[u32]) -> usize {
+        let ps = self.kv.page_size() as usize;
+        let mut at: Option<KvNode> = None;
+        let mut matched = 0;
+        while let Some(page) = tokens.get(matched..matched + ps) {
+            let Some(&child) = self.index.get(&(at, page.to_vec())) else {
+                break;
+            };
+            let cached = &self.entries[&child].tokens;
+            let same = Self::same_pages(cached, &tokens[matched..], ps);
+            matched += same * ps;
+            if same * ps < cached.len() {
+                break;
+            }
+            at = Some(child);
+        }
+        matched
+    }
+
+    /// Whole pages at the start of `cached` that `tokens` repeats.
+    fn same_pages(cached: &[u32], tokens: &[u32], ps: usize) -> usize {
+        cached
+            .chunks(ps)
+            .zip(tokens.chunks(ps))
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
     /// Finds the longest prefix of `tokens` cached in whole pages, splitting the node where
     /// the match ends inside one, and takes a lease on it. Pass the tokens whose KV may be
     /// reused: a prompt without its last token, whose logits its request needs.
@@ -141,11 +171,7 @@ impl PrefixCache {
                 break;
             };
             let cached = &self.entries[&child].tokens;
-            let same = cached
-                .chunks(ps)
-                .zip(tokens[matched..].chunks(ps))
-                .take_while(|(a, b)| a == b)
-                .count();
+            let same = Self::same_pages(cached, &tokens[matched..], ps);
             if same * ps < cached.len() {
                 at = Some(self.split(child, same)?);
                 matched += same * ps;

@@ -52,7 +52,9 @@ struct Request {
 /// Starts a request for `tokens`: the cached prefix (not the last token), then a node for the
 /// rest, written.
 fn start(c: &mut PrefixCache, pages: &mut Pages, tokens: &[u32]) -> Result<Request> {
+    let peek = c.cached_len(&tokens[..tokens.len() - 1]);
     let prefix = c.acquire(&tokens[..tokens.len() - 1])?;
+    assert_eq!(peek, prefix.tokens, "a peek finds what a lease takes");
     let rest = &tokens[prefix.tokens..];
     match c.fork(prefix.node, rest.len() as u32) {
         Ok(own) => {
