@@ -10,6 +10,7 @@
 //!   GPU's) and shared by every rank on that device.
 //! - [`kv`]: where each token's KV lives, on the KV-cache manager ([`canopy_kv`]): the prompt
 //!   in contiguous chunks, one per rank; samples as branches that share the prompt's pages.
+//! - [`forward`]: one decode step's pass through every layer, shared by every decode loop.
 //! - [`rank`]: one rank's generation: prefill, then decode steps whose attention is the
 //!   engine's [`canopy_engine::RankAttention`], over a plan of the rank's part of the tree —
 //!   so `n` parallel samples read their shared prompt once per step.
@@ -19,6 +20,7 @@
 //!   through a radix cache over the KV pages, read once per step by the tree planners.
 
 mod error;
+pub mod forward;
 pub mod kv;
 pub mod layers;
 mod prefill;
@@ -27,6 +29,7 @@ pub mod sampling;
 pub mod serving;
 
 pub use error::{Result, RuntimeError};
+pub use forward::{Forward, StepRows};
 pub use layers::ModelLayers;
 pub use rank::{generate, ContextFill, DecodeStrategy, GenerateRequest, Generated};
 pub use sampling::{Sampler, SamplingParams, TopTwo};

@@ -17,6 +17,7 @@
 //! tree collectives or gathered by the ring. Every rank ends each step with the same logits,
 //! and so draws the same tokens.
 
+use crate::forward::{Forward, StepRows};
 use crate::kv::{KvLayout, RankChange, RankView};
 use crate::layers::ModelLayers;
 use crate::prefill::{fill_random, prefill};
@@ -192,6 +193,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         shape.head_dim,
     )?;
     let mut attention: Option<RankAttention<B, C>> = None;
+    let mut forward = Forward::new();
     loop {
         // Draw each live sample's token from its logits.
         let mut live = Vec::new();
@@ -264,16 +266,12 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             }
         }
         let attention = attention.as_mut().expect("planned above");
-        let mut x = layers.embed(backend, &ids)?;
-        let mut attn = backend.tensor(ids.len(), shape.q_row_elems())?;
-        for (l, cache) in caches.iter_mut().enumerate() {
-            let qkv = layers.qkv(backend, l, &x, &positions)?;
-            backend.store_kv(cache, &qkv.k, &qkv.v, &mine)?;
-            let q = backend.tensor_queries(&shape, &qkv.q)?;
-            backend.states_output(attention.attend(cache, &q)?, &mut attn)?;
-            layers.finish(backend, l, &mut x, &attn)?;
-        }
-        let logits = layers.logits(backend, &x, 0, ids.len())?;
+        let rows = StepRows {
+            ids: &ids,
+            positions: &positions,
+            stores: &mine,
+        };
+        let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
         for (row, &s) in live.iter().enumerate() {
             step_logits[s] = logits[row * vocab..(row + 1) * vocab].to_vec();
         }
