@@ -32,6 +32,9 @@ pub enum Kind {
 const COMPLETION_MAX_TOKENS: usize = 16;
 /// `max_tokens` of a chat that gives none, at most (less where the context ends first).
 const CHAT_MAX_TOKENS: usize = 1024;
+/// How often a stream that has nothing to say sends a comment: a request waiting in the
+/// queue learns this soon that its client has gone.
+const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Stop strings of one request, at most.
 const MAX_STOPS: usize = 16;
 
@@ -178,7 +181,7 @@ impl Job {
     pub async fn respond(self) -> axum::response::Response {
         if self.stream {
             axum::response::Sse::new(self.sse())
-                .keep_alive(KeepAlive::default())
+                .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
                 .into_response()
         } else {
             self.whole().await
