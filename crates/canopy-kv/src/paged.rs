@@ -548,31 +548,6 @@ mod tests {
         assert!(t.fork(b, 1, BALANCED).is_err(), "pruned nodes are gone");
     }
 
-    /// A split puts a new node of the first pages in the node's place; the node keeps its
-    /// handle, its children and the rest of its tokens, on whichever ranks they were.
-    #[test]
-    fn a_split_shares_the_head_and_keeps_the_tail() {
-        let mut t = KvManager::new(2, 4, 16).unwrap();
-        let root = t.add_root(18, CONTIGUOUS).unwrap(); // pages on ranks 0, 0, 1, 1, 1
-        let leaf = t.fork(root, 3, BALANCED).unwrap();
-        t.set_live(leaf, true).unwrap();
-        let before = t.snapshot(0).unwrap().tree.query_context_len(0)
-            + t.snapshot(1).unwrap().tree.query_context_len(0);
-        let head = t.split(root, 3).unwrap();
-        assert_eq!((t.len(head).unwrap(), t.len(root).unwrap()), (12, 6));
-        assert_eq!(t.held(head).unwrap(), [8, 4]);
-        assert_eq!(t.held(root).unwrap(), [0, 6]);
-        assert_eq!(t.parent(root).unwrap(), Some(head));
-        assert_eq!(t.parent(leaf).unwrap(), Some(root));
-        let after = t.snapshot(0).unwrap().tree.query_context_len(0)
-            + t.snapshot(1).unwrap().tree.query_context_len(0);
-        assert_eq!(before, after, "the leaf sees the same tokens");
-        assert!(matches!(t.split(root, 2), Err(KvError::BadSplit { .. })));
-        assert!(matches!(t.split(head, 0), Err(KvError::BadSplit { .. })));
-        assert_eq!(t.prune(head).unwrap(), 6);
-        assert_eq!(t.pages_free(), t.pages_total());
-    }
-
     #[test]
     fn a_full_pool_is_an_error_not_a_panic() {
         let mut t = KvManager::new(1, 8, 2).unwrap();

@@ -101,6 +101,31 @@ fn path_len(kv: &KvManager, node: KvNode) -> usize {
     len
 }
 
+/// A split puts a new node of the first pages in the node's place; the node keeps its
+/// handle, its children and the rest of its tokens, on whichever ranks they were.
+#[test]
+fn a_split_shares_the_head_and_keeps_the_tail() {
+    let mut t = KvManager::new(2, 4, 16).unwrap();
+    let root = t.add_root(18, Placement::Contiguous).unwrap(); // pages on ranks 0, 0, 1, 1, 1
+    let leaf = t.fork(root, 3, Placement::Balanced).unwrap();
+    t.set_live(leaf, true).unwrap();
+    let before = t.snapshot(0).unwrap().tree.query_context_len(0)
+        + t.snapshot(1).unwrap().tree.query_context_len(0);
+    let head = t.split(root, 3).unwrap();
+    assert_eq!((t.len(head).unwrap(), t.len(root).unwrap()), (12, 6));
+    assert_eq!(t.held(head).unwrap(), [8, 4]);
+    assert_eq!(t.held(root).unwrap(), [0, 6]);
+    assert_eq!(t.parent(root).unwrap(), Some(head));
+    assert_eq!(t.parent(leaf).unwrap(), Some(root));
+    let after = t.snapshot(0).unwrap().tree.query_context_len(0)
+        + t.snapshot(1).unwrap().tree.query_context_len(0);
+    assert_eq!(before, after, "the leaf sees the same tokens");
+    assert!(matches!(t.split(root, 2), Err(KvError::BadSplit { .. })));
+    assert!(matches!(t.split(head, 0), Err(KvError::BadSplit { .. })));
+    assert_eq!(t.prune(head).unwrap(), 6);
+    assert_eq!(t.pages_free(), t.pages_total());
+}
+
 #[test]
 fn a_shared_prefix_is_matched_in_whole_pages_and_split_where_it_ends() {
     let mut c = cache(1, 64);

@@ -29,6 +29,13 @@ pub(crate) struct PrefillRows<'a> {
     pub stores: &'a [(u32, u32)],
 }
 
+/// How one layer's queries attend, given the layer's cache and its q, k and v.
+type Attend<'a, B> = dyn FnMut(
+        &<B as canopy_engine::Backend>::Kv,
+        &Qkv<B>,
+    ) -> Result<<B as canopy_engine::Backend>::States>
+    + 'a;
+
 /// `rows` through every layer, each row's key and value stored in `caches` (one per layer),
 /// each layer's queries attending by `attend(layer's cache, its q, k, v)`; returns the last
 /// layer's hidden rows.
@@ -37,7 +44,7 @@ fn through_layers<B: LayerOps>(
     layers: &ModelLayers<B>,
     caches: &mut [B::Kv],
     rows: PrefillRows,
-    attend: &mut dyn FnMut(&B::Kv, &Qkv<B>) -> Result<B::States>,
+    attend: &mut Attend<B>,
 ) -> Result<B::Tensor> {
     let shape = layers.attn_shape();
     let mut x = layers.embed(backend, rows.ids)?;

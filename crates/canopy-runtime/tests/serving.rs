@@ -20,7 +20,10 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-fn fixture() -> (Model, Vec<(Vec<u32>, Vec<u32>)>) {
+/// A prompt's token ids and transformers' greedy continuation of it.
+type Reference = (Vec<u32>, Vec<u32>);
+
+fn fixture() -> (Model, Vec<Reference>) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/gqa-hd64");
     let model = Model::load(&dir, DType::F32).expect("the fixture loads");
     let text = std::fs::read_to_string(dir.join("reference.json")).expect("its reference");

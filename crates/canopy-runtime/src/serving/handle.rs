@@ -7,7 +7,7 @@
 
 use crate::sampling::SamplingParams;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -314,10 +314,7 @@ impl EngineInbox {
     pub(crate) fn next(&self, wait: Option<Duration>) -> Option<Command> {
         match wait {
             None => self.rx.try_recv().ok(),
-            Some(t) => match self.rx.recv_timeout(t) {
-                Ok(c) => Some(c),
-                Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-            },
+            Some(t) => self.rx.recv_timeout(t).ok(),
         }
     }
 
