@@ -1,6 +1,7 @@
 //! `canopy`: the command-line front of canopy.
 //!
 //! - `canopy generate`: text from a Llama-family model, the KV sharded over ranks.
+//! - `canopy serve`: an OpenAI-compatible server, continuous batching over a prefix cache.
 //! - `canopy info`: what this machine has (CPU, GPUs, driver, NVRTC, NCCL, MPI).
 //! - `canopy bench attention`: sequence-sharded decode attention, tree vs ring, on p ranks.
 //! - `canopy bench scaling`: the same over a sweep of p and N, with CSV, JSON and plots.
@@ -24,6 +25,7 @@ mod plan_cmd;
 mod plot;
 mod ranks;
 mod scaling;
+mod serve_cmd;
 mod sweep;
 mod table;
 mod tree_cmd;
@@ -46,6 +48,8 @@ struct Cli {
 enum Command {
     /// Generate text with a Llama-family model (SmolLM2-135M-Instruct by default).
     Generate(generate_cmd::GenerateArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (SmolLM2-135M-Instruct by default).
+    Serve(serve_cmd::ServeArgs),
     /// Show the CPU, GPUs, driver, NVRTC, NCCL and MPI this machine has.
     Info(info::InfoArgs),
     /// Run benchmarks.
@@ -73,6 +77,7 @@ impl Command {
         match self {
             Command::Info(_)
             | Command::Generate(_)
+            | Command::Serve(_)
             | Command::Bench(bench::BenchCommand::Attention(_) | bench::BenchCommand::Scaling(_)) => {
                 None
             }
@@ -106,6 +111,7 @@ fn main() -> ExitCode {
     };
     let result = allowed.and_then(|()| match cli.command {
         Command::Generate(a) => generate_cmd::run(a),
+        Command::Serve(a) => serve_cmd::run(a),
         Command::Info(a) => info::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Plan(a) => plan_cmd::run(a),

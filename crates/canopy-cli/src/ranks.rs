@@ -1,7 +1,7 @@
 //! The ranks of a model run in this process: one backend per rank, the weights uploaded once
 //! per device and shared by the ranks on it, and the world the ranks exchange through —
 //! threads (staging buffers through the host, or on the device when they share one GPU) or
-//! one MPI process per rank. `generate` and `bench decode` both run their ranks here.
+//! one MPI process per rank. `generate`, `serve` and `bench decode` run their ranks here.
 
 use crate::bench::World;
 use anyhow::Result;
@@ -9,6 +9,7 @@ use canopy_comm::{Collective, ThreadWorld};
 use canopy_cuda::{CudaBackend, DeviceWorld};
 use canopy_engine::{CpuBackend, LayerOps, ModelNeeds, Transport};
 use canopy_model::{LlamaConfig, Weights};
+use canopy_runtime::serving::{Front, ServeConfig};
 use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers};
 use std::time::Duration;
 
@@ -38,6 +39,14 @@ pub trait RankComm<B: LayerOps> {
         req: &GenerateRequest,
         on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Generated>;
+    /// Serves requests until rank 0's engine stops (rank 0 gives the `front`).
+    fn serve(
+        &self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        config: &ServeConfig,
+        front: Option<Front<'_>>,
+    ) -> Result<()>;
 }
 
 impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
@@ -53,6 +62,18 @@ impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
         on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Generated> {
         Ok(generate(backend, layers, req, self, on_token)?)
+    }
+
+    fn serve(
+        &self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        config: &ServeConfig,
+        front: Option<Front<'_>>,
+    ) -> Result<()> {
+        Ok(canopy_runtime::serving::serve(
+            backend, layers, self, config, front,
+        )?)
     }
 }
 

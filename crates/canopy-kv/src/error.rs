@@ -18,6 +18,17 @@ pub enum KvError {
     NoNode(u32),
     #[error("node {0} has children; only leaves grow (fork a branch instead)")]
     NotALeaf(u32),
+    #[error(
+        "node {node} of {len} tokens cannot be split after {pages} pages: a split leaves \
+         tokens on both sides"
+    )]
+    BadSplit { node: u32, pages: u32, len: u32 },
+    #[error("node {0} is a cached prefix; only a request's own nodes are pruned by it")]
+    Indexed(u32),
+    #[error("node {node} holds {len} tokens but {tokens} were given for it")]
+    TokenCount { node: u32, len: u32, tokens: usize },
+    #[error("node {0} is not a child of a cached prefix; fork it from its request's lease")]
+    NotUnderLease(u32),
     #[error("a new node needs at least one token")]
     EmptyNode,
     #[error(

@@ -17,13 +17,18 @@
 //!   whether its layout moved (plan the new snapshot, install its page table) or only grew in
 //!   place (extend the plan by the [`canopy_core::Tail`]s). `canopy bench tree --grow` runs on
 //!   it, as a model runtime or a server would.
+//! - [`PrefixCache`] keeps finished prefixes in the same tree, a radix tree keyed by pages:
+//!   requests that share a prefix share its pages, referenced by leases, and unreferenced
+//!   prefixes are evicted least recently used first when the pools run out.
 
 pub mod error;
 pub mod paged;
 pub mod placement;
+pub mod radix;
 pub mod step;
 
 pub use error::{KvError, Result};
 pub use paged::{KvManager, KvNode, PageRef, RankSnapshot};
 pub use placement::Placement;
+pub use radix::{CacheStats, Prefix, PrefixCache};
 pub use step::{RankUpdate, StepLayout};

@@ -286,6 +286,78 @@ impl KvManager {
         Ok(freed)
     }
 
+    /// Splits `node` after its first `pages` pages: a new node takes those pages and
+    /// `node`'s place under its parent, and `node` becomes its only child with the rest, so
+    /// that a prefix of `node` can be shared by other branches (a prefix cache splits where
+    /// a new request's match ends). Handles to `node` and its subtree stay valid; returns the
+    /// new node.
+    pub fn split(&mut self, node: KvNode, pages: u32) -> Result<KvNode> {
+        let page = self.page_size;
+        let s = self.slot(node)?;
+        if pages == 0 || pages as usize >= s.pages.len() || pages * page >= s.len {
+            return Err(KvError::BadSplit {
+                node,
+                pages,
+                len: s.len,
+            });
+        }
+        let parent = s.parent;
+        let head_pages = s.pages[..pages as usize].to_vec();
+        let mut head_held = vec![0; self.pools.len()];
+        for p in &head_pages {
+            head_held[p.rank] += page;
+        }
+        let id = self.slots.len() as KvNode;
+        self.slots.push(Some(Slot {
+            parent,
+            children: vec![node],
+            len: pages * page,
+            pages: head_pages,
+            held: head_held.clone(),
+            live: false,
+        }));
+        let s = self.slot_mut(node)?;
+        s.parent = Some(id);
+        s.pages.drain(..pages as usize);
+        s.len -= pages * page;
+        for (held, head) in s.held.iter_mut().zip(&head_held) {
+            *held -= head;
+        }
+        let siblings = match parent {
+            Some(p) => &mut self.slot_mut(p)?.children,
+            None => &mut self.roots,
+        };
+        let at = siblings
+            .iter()
+            .position(|&c| c == node)
+            .expect("a node is among its parent's children");
+        siblings[at] = id;
+        self.topology += 1;
+        Ok(id)
+    }
+
+    /// Pages free on all ranks.
+    pub fn pages_free(&self) -> usize {
+        self.pools.iter().map(|p| p.free.len()).sum()
+    }
+
+    /// Pages of all ranks' pools.
+    pub fn pages_total(&self) -> usize {
+        self.pools.iter().map(|p| p.pages as usize).sum()
+    }
+
+    /// New pages that `tokens` more tokens on leaf `node` take (its last page fills first).
+    pub fn pages_to_append(&self, node: KvNode, tokens: u32) -> Result<usize> {
+        let s = self.slot(node)?;
+        let room = s.pages.len() as u32 * self.page_size - s.len;
+        Ok(tokens.saturating_sub(room).div_ceil(self.page_size) as usize)
+    }
+
+    /// Whether `node` has no children.
+    pub fn is_leaf(&self, node: KvNode) -> Result<bool> {
+        Ok(self.slot(node)?.children.is_empty())
+    }
+
     /// Live leaves and other nodes with a query, in node order: the query order of every
     /// rank's snapshot.
     pub fn live(&self) -> Vec<KvNode> {
@@ -339,7 +411,18 @@ impl KvManager {
     /// node (in the order of [`live`](Self::live)), each as long as the tokens `rank` holds of
     /// it and starting on a page boundary, and the rank's page table.
     pub fn snapshot(&self, rank: usize) -> Result<RankSnapshot> {
+        self.snapshot_with(rank, &self.live())
+    }
+
+    /// `rank`'s part of the tree with one query on each of `queries`, in that order (a node
+    /// may carry several: the rows of a prompt chunk, each seeing all of the node's tokens),
+    /// whatever is marked live. Such a snapshot is for one pass; [`catch_up`](Self::catch_up)
+    /// follows only snapshots of the live queries.
+    pub fn snapshot_with(&self, rank: usize, queries: &[KvNode]) -> Result<RankSnapshot> {
         let pool = self.pool(rank)?;
+        for &n in queries {
+            self.slot(n)?;
+        }
         let mut b = TreeBuilder::new()
             .with_alignment(self.page_size)
             .with_empty_nodes();
@@ -356,8 +439,8 @@ impl KvManager {
             order.push(n);
             stack.extend(s.children.iter().rev());
         }
-        for n in self.live() {
-            b.add_query(ids[n as usize].expect("live nodes are in the tree"))?;
+        for &n in queries {
+            b.add_query(ids[n as usize].expect("every node is in the tree"))?;
         }
         let tree = b.build()?;
         let mut table = vec![0u32; tree.total_tokens().div_ceil(self.page_size) as usize];

@@ -18,6 +18,8 @@ pub enum RuntimeError {
         shape: Vec<usize>,
         expected: Vec<usize>,
     },
+    #[error("{0}")]
+    Protocol(String),
     #[error("the prompt is empty; give at least one token of text")]
     EmptyPrompt,
     #[error("a prompt of {prompt} tokens plus {max_tokens} new tokens exceeds the model's capacity of {capacity} tokens; shorten the prompt or lower --max-tokens")]

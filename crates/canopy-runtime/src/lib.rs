@@ -15,6 +15,9 @@
 //!   engine's [`canopy_engine::RankAttention`], over a plan of the rank's part of the tree —
 //!   so `n` parallel samples read their shared prompt once per step.
 //! - [`sampling`]: greedy, temperature, top-k and top-p, seeded per sample.
+//! - [`serving`]: a continuous-batching engine for a server: requests join and leave between
+//!   steps, prompts are prefilled in chunks between decode steps, and prefixes are shared
+//!   through a radix cache over the KV pages, read once per step by the tree planners.
 
 mod error;
 pub mod forward;
@@ -23,6 +26,7 @@ pub mod layers;
 mod prefill;
 pub mod rank;
 pub mod sampling;
+pub mod serving;
 
 pub use error::{Result, RuntimeError};
 pub use forward::{Forward, StepRows};

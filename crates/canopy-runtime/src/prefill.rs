@@ -1,6 +1,14 @@
-//! How the prompt's keys and values reach a rank's caches: the sequence-parallel prefill
-//! (the prompt through every layer, chunks passed around the ring for causal attention), or a
-//! random fill that stands in for it when only decode is timed.
+//! How a prompt's keys and values reach a rank's caches:
+//! - the sequence-parallel prefill of `generate` (the prompt through every layer, chunks
+//!   passed around the ring for causal attention);
+//! - a chunk of a prompt whose earlier tokens are cached already (a shared prefix, earlier
+//!   chunks), as a server prefills: every rank runs the chunk's rows, which attend causally
+//!   to themselves and, through the engine's [`RankAttention`] over a plan of the cached
+//!   context, to the KV in the paged pools of every rank;
+//! - a random fill that stands in for a prefill when only decode is timed.
+//!
+//! Each runs its rows through the layers the same way ([`through_layers`]); only how a
+//! layer's queries attend differs.
 
 use crate::kv::KvLayout;
 use crate::layers::{ModelLayers, Qkv};
@@ -9,8 +17,79 @@ use crate::Result;
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::data::{hash_uniform, splitmix64, KV_AMPLITUDE, STREAM_K, STREAM_V};
 use canopy_core::AttnShape;
-use canopy_engine::{LayerOps, Transport};
+use canopy_engine::{LayerOps, RankAttention, Transport};
 use rayon::prelude::*;
+
+/// The rows of one prefill pass.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefillRows<'a> {
+    pub ids: &'a [u32],
+    pub positions: &'a [u32],
+    /// `(row, physical slot)` of the rows whose key and value this rank stores.
+    pub stores: &'a [(u32, u32)],
+}
+
+/// How one layer's queries attend, given the layer's cache and its q, k and v.
+type Attend<'a, B> = dyn FnMut(
+        &<B as canopy_engine::Backend>::Kv,
+        &Qkv<B>,
+    ) -> Result<<B as canopy_engine::Backend>::States>
+    + 'a;
+
+/// `rows` through every layer, each row's key and value stored in `caches` (one per layer),
+/// each layer's queries attending by `attend(layer's cache, its q, k, v)`; returns the last
+/// layer's hidden rows.
+fn through_layers<B: LayerOps>(
+    backend: &B,
+    layers: &ModelLayers<B>,
+    caches: &mut [B::Kv],
+    rows: PrefillRows,
+    attend: &mut Attend<B>,
+) -> Result<B::Tensor> {
+    let shape = layers.attn_shape();
+    let mut x = layers.embed(backend, rows.ids)?;
+    let mut attn = backend.tensor(rows.ids.len(), shape.q_row_elems())?;
+    for (l, cache) in caches.iter_mut().enumerate() {
+        let qkv = layers.qkv(backend, l, &x, rows.positions)?;
+        backend.store_kv(cache, &qkv.k, &qkv.v, rows.stores)?;
+        let states = attend(cache, &qkv)?;
+        backend.states_output(&states, &mut attn)?;
+        layers.finish(backend, l, &mut x, &attn)?;
+    }
+    Ok(x)
+}
+
+/// A chunk of a prompt whose earlier tokens are in the caches: `rows` attend causally to one
+/// another and, through `cached` (a plan whose queries are the chunk's rows on the node that
+/// ends the cached context; `None` when nothing is cached), to every earlier token on every
+/// rank. Every rank runs every row and gets the same result; returns the last row's logits.
+pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
+    backend: &B,
+    layers: &ModelLayers<B>,
+    caches: &mut [B::Kv],
+    mut cached: Option<&mut RankAttention<B, C>>,
+    rows: PrefillRows,
+) -> Result<Vec<f32>> {
+    let shape = layers.attn_shape();
+    let x = through_layers(backend, layers, caches, rows, &mut |cache, qkv| {
+        let mut states = backend.empty_states(&shape, rows.ids.len())?;
+        backend.causal_attention(
+            &shape,
+            &qkv.q,
+            rows.positions,
+            &qkv.k,
+            &qkv.v,
+            rows.positions,
+            &mut states,
+        )?;
+        if let Some(cached) = cached.as_deref_mut() {
+            let q = backend.tensor_queries(&shape, &qkv.q)?;
+            backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
+        }
+        Ok(states)
+    })?;
+    layers.logits(backend, &x, rows.ids.len() - 1, 1)
+}
 
 /// This rank's chunk of the prompt through every layer, its keys and values stored in
 /// `caches`; returns the first token's logits (the same on every rank).
@@ -26,16 +105,14 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     let shape = layers.attn_shape();
     let chunk = kv.prompt_chunk(rank);
     let positions: Vec<u32> = chunk.clone().map(|p| p as u32).collect();
-    let mut x = layers.embed(backend, &req.prompt[chunk.clone()])?;
-    let slots = kv.prompt_slots(rank);
-    let mut attn = backend.tensor(chunk.len(), shape.q_row_elems())?;
-    for (l, cache) in caches.iter_mut().enumerate() {
-        let qkv = layers.qkv(backend, l, &x, &positions)?;
-        backend.store_kv(cache, &qkv.k, &qkv.v, &slots)?;
-        let states = prefill_attention(backend, &shape, comm, &qkv, &positions)?;
-        backend.states_output(&states, &mut attn)?;
-        layers.finish(backend, l, &mut x, &attn)?;
-    }
+    let rows = PrefillRows {
+        ids: &req.prompt[chunk.clone()],
+        positions: &positions,
+        stores: &kv.prompt_slots(rank),
+    };
+    let x = through_layers(backend, layers, caches, rows, &mut |_, qkv| {
+        prefill_attention(backend, &shape, comm, qkv, &positions)
+    })?;
     // The prompt's last token is the last row of the last non-empty chunk.
     let last_rank = (0..ranks)
         .rev()

@@ -1,0 +1,436 @@
+//! `canopy serve` end to end on loopback: concurrent streams give what `canopy generate`
+//! gives each prompt alone (the tiny fixture model, and SmolLM2 when it is cached), every
+//! refusal gets its status and an OpenAI error body, a client that disconnects frees its
+//! request, `/metrics` parses as Prometheus text, and SIGTERM drains.
+
+use canopy_server::client::{Client, Reply};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `canopy serve` process, killed when dropped.
+struct Server {
+    child: Child,
+    client: Client,
+}
+
+impl Server {
+    fn start(model: &str, extra: &[&str]) -> Server {
+        let mut child = Command::new(assert_cmd::cargo::cargo_bin("canopy"))
+            .args(["serve", "--model", model, "--port", "0", "--backend", "cpu"])
+            .args(extra)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("canopy serve starts");
+        let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+        let addr: SocketAddr = loop {
+            let line = lines
+                .next()
+                .expect("the server says where it listens")
+                .expect("stderr reads");
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                break rest.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        };
+        // Keep draining stderr so that the server never blocks on it.
+        std::thread::spawn(move || lines.for_each(drop));
+        Server {
+            child,
+            client: Client {
+                timeout: Duration::from_secs(120),
+                ..Client::new(addr)
+            },
+        }
+    }
+
+    fn with_key(&self, key: Option<&str>) -> Client {
+        Client {
+            api_key: key.map(str::to_string),
+            ..self.client.clone()
+        }
+    }
+
+    /// The metrics, checked to parse as Prometheus text.
+    fn metrics(&self) -> Vec<(String, f64)> {
+        let reply = self.client.get("/metrics").expect("metrics");
+        assert_eq!(reply.status, 200);
+        parse_prometheus(&reply.body)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tiny() -> String {
+    format!(
+        "{}/../../tests/fixtures/tiny/gqa-hd64",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// Prompts (token ids) with their known greedy continuations' gaps: the fixture's.
+fn tiny_prompts() -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(format!("{}/reference.json", tiny())).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| serde_json::from_value(p["token_ids"].clone()).unwrap())
+        .collect()
+}
+
+/// `canopy generate` alone: the greedy text of `prompt`.
+fn generate_alone(model: &str, prompt: &[u32], max_tokens: usize) -> String {
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(assert_cmd::cargo::cargo_bin("canopy"))
+        .args(["generate", "--model", model, "--backend", "cpu", "--json"])
+        .args([
+            "--prompt-ids",
+            &ids.join(","),
+            "--max-tokens",
+            &max_tokens.to_string(),
+        ])
+        .output()
+        .expect("canopy generate runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["samples"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// A streamed completion: its text, finish reason, usage, and whether `[DONE]` ended it.
+fn stream_completion(client: &Client, body: Value) -> (String, String, Value) {
+    let mut s = client
+        .stream("/v1/completions", &body.to_string())
+        .expect("the request is sent");
+    assert_eq!(s.status, 200);
+    let (mut text, mut reason, mut usage) = (String::new(), String::new(), Value::Null);
+    loop {
+        let data = s
+            .next_event()
+            .unwrap()
+            .expect("the stream ends with [DONE]");
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        assert!(chunk.get("error").is_none(), "{chunk}");
+        if let Some(c) = chunk["choices"].get(0) {
+            text.push_str(c["text"].as_str().unwrap());
+            if let Some(r) = c["finish_reason"].as_str() {
+                reason = r.to_string();
+            }
+        }
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+    }
+    assert!(s.next_event().unwrap().is_none(), "nothing after [DONE]");
+    (text, reason, usage)
+}
+
+/// Thirty-two streams at once, more than the batch holds, over prompts that share prefixes:
+/// each greedy text equals `canopy generate` alone.
+fn concurrent_streams_equal_generate(model: &str, prompts: &[Vec<u32>], max_tokens: usize) {
+    let server = Server::start(model, &["--max-batch", "12", "--prefill-chunk", "64"]);
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| generate_alone(model, p, max_tokens))
+        .collect();
+    let results: Vec<(usize, (String, String, Value))> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..32)
+            .map(|i| {
+                let (client, prompt) = (&server.client, &prompts[i % prompts.len()]);
+                s.spawn(move || {
+                    let body = json!({
+                        "prompt": prompt,
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        "stream": true,
+                        "stream_options": {"include_usage": true},
+                    });
+                    (i, stream_completion(client, body))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut cached = 0;
+    for (i, (text, reason, usage)) in results {
+        let p = i % prompts.len();
+        assert_eq!(text, alone[p], "request {i} (prompt {p})");
+        assert!(reason == "length" || reason == "stop", "{reason}");
+        assert_eq!(usage["prompt_tokens"], prompts[p].len());
+        cached += usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+    }
+    assert!(cached > 0, "repeated prompts find their prefixes cached");
+    let m = server.metrics();
+    assert_eq!(
+        value(&m, "canopy_requests_total{outcome=\"completed\"}"),
+        32.0
+    );
+    assert!(value(&m, "canopy_prefix_cache_hit_rate") > 0.0);
+    assert_eq!(value(&m, "canopy_time_to_first_token_seconds_count"), 32.0);
+    assert_eq!(value(&m, "canopy_running_requests"), 0.0);
+}
+
+#[test]
+fn thirty_two_streams_on_the_tiny_model_equal_generate_alone() {
+    concurrent_streams_equal_generate(&tiny(), &tiny_prompts(), 16);
+}
+
+#[test]
+fn thirty_two_streams_on_smollm2_equal_generate_alone() {
+    let Ok(dir) = canopy_model::cache_dir() else {
+        return;
+    };
+    let path = dir.join(canopy_model::DEFAULT_MODEL_FILE);
+    if !path.is_file() {
+        eprintln!(
+            "note: {} is not cached; skipping (run `canopy generate` once)",
+            path.display()
+        );
+        return;
+    }
+    let text = include_str!("../../../tests/fixtures/smollm2/reference.json");
+    let v: Value = serde_json::from_str(text).unwrap();
+    // The reference's prompts, whose greedy steps all have clear top-two gaps.
+    let prompts: Vec<Vec<u32>> = v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| serde_json::from_value(p["token_ids"].clone()).unwrap())
+        .collect();
+    concurrent_streams_equal_generate(path.to_str().unwrap(), &prompts, 24);
+}
+
+fn value(metrics: &[(String, f64)], name: &str) -> f64 {
+    metrics
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("{name} is in /metrics"))
+        .1
+}
+
+/// Prometheus' text format, checked line by line: `# HELP` and `# TYPE` comments with known
+/// types, samples `name{labels} value`, each sample's family declared, histogram buckets
+/// cumulative up to `+Inf` equal to the count. Returns every sample.
+fn parse_prometheus(text: &str) -> Vec<(String, f64)> {
+    let mut types: Vec<(String, String)> = Vec::new();
+    let mut samples = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("# TYPE name kind");
+            assert!(
+                ["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind),
+                "{line}"
+            );
+            types.push((name.to_string(), kind.to_string()));
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            continue;
+        }
+        assert!(!line.starts_with('#'), "unknown comment {line}");
+        let (key, v) = line.rsplit_once(' ').expect("a sample has a value");
+        let v: f64 = v.parse().unwrap_or_else(|_| panic!("a number in {line}"));
+        let name = key.split('{').next().unwrap();
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "metric name {name}"
+        );
+        if let Some(labels) = key.strip_prefix(name) {
+            if !labels.is_empty() {
+                assert!(labels.starts_with('{') && labels.ends_with('}'), "{line}");
+                for pair in labels[1..labels.len() - 1].split(',') {
+                    let (k, v) = pair.split_once('=').expect("label=value");
+                    assert!(
+                        !k.is_empty() && v.starts_with('"') && v.ends_with('"'),
+                        "{line}"
+                    );
+                }
+            }
+        }
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .filter(|f| types.iter().any(|(n, k)| n == f && k == "histogram"))
+            .unwrap_or(name);
+        assert!(
+            types.iter().any(|(n, _)| n == family),
+            "{name} has no # TYPE"
+        );
+        samples.push((key.to_string(), v));
+    }
+    for (family, _) in types.iter().filter(|(_, k)| k == "histogram") {
+        let buckets: Vec<f64> = samples
+            .iter()
+            .filter(|(k, _)| k.starts_with(&format!("{family}_bucket{{")))
+            .map(|(_, v)| *v)
+            .collect();
+        assert!(
+            buckets.windows(2).all(|w| w[0] <= w[1]),
+            "{family} is cumulative"
+        );
+        let count = value(&samples, &format!("{family}_count"));
+        assert_eq!(
+            buckets.last().copied(),
+            Some(count),
+            "{family}: +Inf is the count"
+        );
+    }
+    samples
+}
+
+fn error_of(reply: &Reply) -> Value {
+    let v: Value = serde_json::from_str(&reply.body)
+        .unwrap_or_else(|_| panic!("a JSON error body: {:?}", reply.body));
+    assert!(v["error"]["message"].is_string(), "{v}");
+    assert!(v["error"]["type"].is_string(), "{v}");
+    v["error"].clone()
+}
+
+#[test]
+fn every_refusal_gets_its_answer_and_sigterm_drains() {
+    let mut server = Server::start(
+        &tiny(),
+        &[
+            "--api-key",
+            "sk-test",
+            "--max-batch",
+            "1",
+            "--max-queue",
+            "1",
+            "--max-body",
+            "4096",
+        ],
+    );
+    server.client.api_key = Some("sk-test".into());
+    let ok = server.with_key(Some("sk-test"));
+    // Keys: every route but /health needs one.
+    assert_eq!(server.with_key(None).get("/health").unwrap().status, 200);
+    for client in [server.with_key(None), server.with_key(Some("sk-wrong"))] {
+        let r = client
+            .post("/v1/completions", r#"{"prompt": "hi"}"#)
+            .unwrap();
+        assert_eq!(r.status, 401);
+        assert_eq!(error_of(&r)["code"], "invalid_api_key");
+        assert_eq!(client.get("/metrics").unwrap().status, 401);
+    }
+    assert_eq!(ok.get("/v1/models").unwrap().status, 200);
+    // Malformed JSON, wrong types, a prompt too long, an unknown model, a huge body.
+    for (body, status, needle) in [
+        (r#"{"prompt": "hi", "max_tokens": 4"#, 400, "not valid JSON"),
+        (
+            r#"{"prompt": "hi", "max_tokens": "four"}"#,
+            400,
+            "invalid type",
+        ),
+        (r#"{"prompt": 7}"#, 400, "does not match"),
+        (r#"{"messages": "hi"}"#, 400, "does not match"),
+        (
+            r#"{"prompt": "hi", "max_tokens": 300}"#,
+            400,
+            "maximum context length is 256 tokens",
+        ),
+        (r#"{"prompt": [999999]}"#, 400, "vocabulary"),
+        (r#"{"prompt": "hi", "temperature": -1}"#, 400, "temperature"),
+        (
+            r#"{"prompt": "hi", "model": "gpt-9"}"#,
+            404,
+            "does not exist",
+        ),
+    ] {
+        let path = if body.contains("messages") {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let r = ok.post(path, body).unwrap();
+        assert_eq!(r.status, status, "{body}: {}", r.body);
+        let e = error_of(&r);
+        assert!(
+            e["message"].as_str().unwrap().contains(needle),
+            "{body}: {e}"
+        );
+    }
+    let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(10_000));
+    assert_eq!(ok.post("/v1/completions", &huge).unwrap().status, 413);
+    // Unknown fields are ignored.
+    let r = ok
+        .post(
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 2, "logit_bias": {"1": 2}, "user": "u"}"#,
+        )
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // A full queue: one request runs (the batch is one row), one waits, the next is refused.
+    let long = json!({"prompt": "hi", "max_tokens": 200, "temperature": 0, "stream": true});
+    let mut running = ok.stream("/v1/completions", &long.to_string()).unwrap();
+    running
+        .next_event()
+        .unwrap()
+        .expect("the first request runs");
+    let waiting = ok.stream("/v1/completions", &long.to_string()).unwrap();
+    let refused = ok.post("/v1/completions", &long.to_string()).unwrap();
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(error_of(&refused)["code"], "queue_full");
+    // Both disconnect: their requests are cancelled and their pages freed.
+    drop(running);
+    drop(waiting);
+    let t0 = Instant::now();
+    loop {
+        let m = server.metrics();
+        let cancelled = value(&m, "canopy_requests_total{outcome=\"cancelled\"}");
+        if cancelled == 2.0 && value(&m, "canopy_running_requests") == 0.0 {
+            assert_eq!(
+                value(&m, "canopy_kv_pages_used"),
+                value(&m, "canopy_kv_pages_cached"),
+                "only cached prefixes hold pages"
+            );
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "disconnects cancel");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SIGTERM: the request in flight finishes, a new one gets 503, the server exits cleanly.
+    let body = json!({"prompt": "hi", "max_tokens": 100, "temperature": 0, "stream": true});
+    let mut in_flight = ok.stream("/v1/completions", &body.to_string()).unwrap();
+    in_flight.next_event().unwrap().expect("it runs");
+    // SAFETY: a signal to the child this test started.
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let t0 = Instant::now();
+    while ok.get("/health").unwrap().status != 503 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "SIGTERM starts a drain"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = ok.post("/v1/completions", r#"{"prompt": "hi"}"#).unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(error_of(&r)["code"], "shutting_down");
+    let mut last = String::new();
+    while let Some(data) = in_flight.next_event().unwrap() {
+        last = data;
+    }
+    assert_eq!(last, "[DONE]", "the request in flight ends whole");
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}

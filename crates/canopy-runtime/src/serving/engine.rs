@@ -1,0 +1,329 @@
+//! The step loop every rank runs. Rank 0's scheduler describes each step and sends it to the
+//! other ranks; every rank applies it to its books and runs the same passes:
+//!
+//! 1. **Decode.** The rows' tokens through every layer ([`Forward::decode`]), attention planned
+//!    over the whole live KV tree: each rank plans its part of the tree (`Method::Auto` by
+//!    default), so the pages of a prefix shared by many requests are read once per step, and
+//!    the ranks' states merge by the tree collectives (or pass around the ring). A step that
+//!    only grew branches inside their pages extends the plan in place.
+//! 2. **Prefill.** Each prompt chunk through every layer ([`prefill_chunk`]): causal attention
+//!    within the chunk, and a plan of the chunk's rows over its cached context (the shared
+//!    prefix found in the cache and its earlier chunks) on every rank.
+//!
+//! Rank 0 then draws the tokens. Every rank ends a step with the same logits, so every rank's
+//! books stay the same without more messages.
+
+use super::books::{Books, Layout};
+use super::handle::EngineInbox;
+use super::scheduler::Scheduler;
+use super::step::Step;
+use super::ServeConfig;
+use crate::forward::{Forward, StepRows};
+use crate::layers::ModelLayers;
+use crate::prefill::{prefill_chunk, PrefillRows};
+use crate::{DecodeStrategy, Result, RuntimeError};
+use canopy_comm::Collective;
+use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
+use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
+use canopy_kv::RankSnapshot;
+use canopy_model::Tokenizer;
+
+/// Rank 0's front: the handles' commands, and what turns tokens into text and ends samples.
+pub struct Front<'t> {
+    pub inbox: EngineInbox,
+    pub tokenizer: &'t Tokenizer,
+    /// Tokens that end a sample (the model's end-of-sequence ids).
+    pub stop_tokens: Vec<u32>,
+}
+
+/// Serves on this rank of `comm` until the front drains (rank 0 gives `front`; the other
+/// ranks follow its steps). An error stops every rank: rank 0's requests end with it.
+pub fn serve<B: LayerOps, C: Collective + Transport<B>>(
+    backend: &B,
+    layers: &ModelLayers<B>,
+    comm: &C,
+    config: &ServeConfig,
+    front: Option<Front<'_>>,
+) -> Result<()> {
+    let rank = comm.rank();
+    let mut scheduler = match (front, rank) {
+        (Some(f), 0) => Some(Scheduler::new(
+            f.inbox,
+            f.tokenizer,
+            f.stop_tokens,
+            config.limits(comm.size()),
+            config.prefill_chunk,
+        )),
+        (None, 0) => {
+            return Err(RuntimeError::Protocol(
+                "rank 0 of a server needs the requests' inbox".into(),
+            ))
+        }
+        _ => None,
+    };
+    let mut ranks = Ranks::new(backend, layers, comm, config)?;
+    let result = ranks.run(&mut scheduler);
+    if let Some(s) = scheduler.as_mut() {
+        match &result {
+            Ok(()) => s.close(&ranks.books),
+            Err(e) => s.fail_all(e),
+        }
+    }
+    result
+}
+
+/// One rank's state between steps.
+struct Ranks<'a, B: LayerOps, C: Collective + Transport<B>> {
+    backend: &'a B,
+    layers: &'a ModelLayers<B>,
+    comm: &'a C,
+    config: &'a ServeConfig,
+    shape: AttnShape,
+    /// The tree's merge (`None`: the ring).
+    merge: Option<(MergeCollective, NodeLayout)>,
+    caches: Vec<B::Kv>,
+    books: Books,
+    forward: Forward<B>,
+    decode: Option<RankAttention<'a, B, C>>,
+    /// Whether the caches read through the decode layout's page table (a chunk installs its
+    /// own).
+    decode_table: bool,
+}
+
+impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
+    fn new(
+        backend: &'a B,
+        layers: &'a ModelLayers<B>,
+        comm: &'a C,
+        config: &'a ServeConfig,
+    ) -> Result<Self> {
+        let shape = layers.attn_shape();
+        let pool = (config.pages_per_rank * config.page_size) as usize;
+        // The pools were priced by `LayerOps::check_model` before the weights were uploaded.
+        let caches = (0..layers.num_layers())
+            .map(|_| backend.alloc_kv(&shape, config.kv_dtype, pool))
+            .collect::<canopy_engine::Result<_>>()?;
+        let merge = resolve_merge(
+            config.strategy,
+            comm,
+            config.max_batch * shape.q_heads,
+            shape.head_dim,
+        )?;
+        Ok(Ranks {
+            backend,
+            layers,
+            comm,
+            config,
+            shape,
+            merge,
+            caches,
+            books: Books::new(comm.size(), config.page_size, config.pages_per_rank)?,
+            forward: Forward::new(),
+            decode: None,
+            decode_table: false,
+        })
+    }
+
+    fn run(&mut self, scheduler: &mut Option<Scheduler>) -> Result<()> {
+        loop {
+            let step = match scheduler.as_mut() {
+                Some(s) => {
+                    let step = s.next_step(&self.books);
+                    step.send(self.comm)?;
+                    step
+                }
+                None => Step::recv(self.comm)?,
+            };
+            let mut failed = self.books.begin(&step);
+            if step.stop {
+                return Ok(());
+            }
+            if step.is_idle() {
+                if let Some(s) = scheduler.as_mut() {
+                    s.observe(&self.books, None, &[], failed);
+                }
+                continue;
+            }
+            let (rows, f) = self.books.decode(&step.decode);
+            failed.extend(f);
+            let logits = if rows.rows.is_empty() {
+                None
+            } else {
+                Some(self.decode_pass(&rows)?)
+            };
+            let mut chunks = Vec::new();
+            for &chunk in &step.prefill {
+                if failed.iter().any(|(id, _)| *id == chunk.id) {
+                    continue;
+                }
+                match self.chunk_pass(chunk)? {
+                    Ok(logits) => chunks.push((chunk, logits)),
+                    Err(e) => {
+                        self.books.end(chunk.id);
+                        failed.push((chunk.id, e));
+                    }
+                }
+            }
+            if let Some(s) = scheduler.as_mut() {
+                let decoded = logits.as_deref().map(|l| (&rows, l));
+                s.observe(&self.books, decoded, &chunks, failed);
+            }
+        }
+    }
+
+    /// The decode rows through every layer; their logits, in the rows' order.
+    fn decode_pass(&mut self, rows: &super::books::DecodeRows) -> Result<Vec<f32>> {
+        let rank = self.comm.rank();
+        match self.books.layout(rank, self.merge.is_none())? {
+            Layout::Grown(tails) => self
+                .decode
+                .as_mut()
+                .ok_or_else(|| {
+                    RuntimeError::Protocol("a decode plan grew before it was made".into())
+                })?
+                .extend(&tails)?,
+            Layout::Fresh(views) => {
+                self.decode = Some(self.attention(&views)?);
+                self.decode_table = false;
+            }
+        }
+        if !self.decode_table {
+            let table = self.books.decode_table(rank).unwrap_or_default().to_vec();
+            self.install(&table)?;
+            self.decode_table = true;
+        }
+        let stores = mine(&rows.placed, rank);
+        let attention = self.decode.as_mut().expect("planned above");
+        self.forward.decode(
+            self.backend,
+            self.layers,
+            &mut self.caches,
+            attention,
+            StepRows {
+                ids: &rows.ids,
+                positions: &rows.positions,
+                stores: &stores,
+            },
+        )
+    }
+
+    /// One prompt chunk through every layer: its last row's logits, or the request's own
+    /// failure (its pages could not be placed).
+    fn chunk_pass(&mut self, chunk: super::step::Chunk) -> Result<Result<Vec<f32>>> {
+        let rank = self.comm.rank();
+        let viewers: Vec<usize> = match self.merge {
+            Some(_) => vec![rank],
+            None => (0..self.comm.size()).collect(),
+        };
+        let rows = match self.books.chunk(chunk, &viewers) {
+            Ok(rows) => rows,
+            Err(e) => return Ok(Err(e)),
+        };
+        let mut cached = match &rows.context {
+            Some(views) => {
+                let mine = views
+                    .iter()
+                    .find(|v| v.rank == rank)
+                    .expect("this rank's view");
+                self.install(&mine.table)?;
+                self.decode_table = false;
+                Some(self.attention(views)?)
+            }
+            None => None,
+        };
+        let stores = mine(&rows.placed, rank);
+        let logits = prefill_chunk(
+            self.backend,
+            self.layers,
+            &mut self.caches,
+            cached.as_mut(),
+            PrefillRows {
+                ids: &rows.ids,
+                positions: &rows.positions,
+                stores: &stores,
+            },
+        )?;
+        self.books.chunk_done(chunk)?;
+        Ok(Ok(logits))
+    }
+
+    /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring).
+    fn attention(&self, views: &[RankSnapshot]) -> Result<RankAttention<'a, B, C>> {
+        let plan_of = |v: &RankSnapshot| -> Result<canopy_core::Plan> {
+            let shard = Shard::whole(&v.tree);
+            let cfg = PlannerConfig::default();
+            Ok(plan(
+                &TreeView::new(&v.tree, &shard),
+                self.config.method,
+                &self.shape,
+                &cfg,
+            )?)
+        };
+        Ok(match &self.merge {
+            Some((how, layout)) => RankAttention::tree(
+                self.backend,
+                self.comm,
+                self.shape,
+                &plan_of(&views[0])?,
+                *how,
+                layout.clone(),
+            )?,
+            None => RankAttention::ring(
+                self.backend,
+                self.comm,
+                self.shape,
+                self.config.kv_dtype,
+                views
+                    .iter()
+                    .map(|v| {
+                        Ok(RingShard {
+                            plan: plan_of(v)?,
+                            tokens: v.table.len() * self.config.page_size as usize,
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+            )?,
+        })
+    }
+
+    /// Every layer's cache reads through `table` from now on.
+    fn install(&mut self, table: &[u32]) -> Result<()> {
+        for cache in &mut self.caches {
+            self.backend
+                .set_page_table(cache, self.config.page_size, table)?;
+        }
+        Ok(())
+    }
+}
+
+/// The rows whose KV this rank stores: `(row, physical slot)`.
+fn mine(placed: &[(usize, u32)], rank: usize) -> Vec<(u32, u32)> {
+    placed
+        .iter()
+        .enumerate()
+        .filter(|(_, (r, _))| *r == rank)
+        .map(|(row, (_, slot))| (row as u32, *slot))
+        .collect()
+}
+
+/// The tree's concrete merge, resolved once: `auto` times this world's collectives at the
+/// decode step's sizes and every rank takes the same choice.
+fn resolve_merge<C: Collective>(
+    strategy: DecodeStrategy,
+    comm: &C,
+    cells: usize,
+    head_dim: usize,
+) -> Result<Option<(MergeCollective, NodeLayout)>> {
+    let DecodeStrategy::Tree(how) = strategy else {
+        return Ok(None);
+    };
+    let layout = canopy_engine::strategy::node_layout(comm, None)?;
+    let how = match how {
+        MergeCollective::Auto => {
+            let (cells, d) = (cells as u64, head_dim as u64);
+            canopy_engine::strategy::calibrate(comm, cells, d)?.choose(&layout, cells, d)
+        }
+        how => how,
+    };
+    Ok(Some((how, layout)))
+}

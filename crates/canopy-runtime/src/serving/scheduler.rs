@@ -1,0 +1,386 @@
+//! Rank 0's scheduler: it owns the batch. Before each step it takes the handles' commands,
+//! drops requests whose clients have gone, admits waiting requests first come first served
+//! while the batch has rows and the KV cache has pages for them, and describes the step; after
+//! it, it draws each row's token and tells each request's client.
+//!
+//! **Pages.** A request is admitted only if every running request can still take all the
+//! pages it may need (its prompt's rest, each sample's `max_tokens`) from the free and
+//! evictable pages, so no request runs out of KV half-way; a request that fits the cache alone
+//! (checked at submission) is always admitted once the batch is empty.
+
+use super::books::{Books, DecodeRows};
+use super::handle::{Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, Submitted};
+use super::step::{Admit, Chunk, Row, Step};
+use super::stop::StopText;
+use crate::sampling::Sampler;
+use crate::RuntimeError;
+use canopy_model::{IncrementalDecoder, Tokenizer};
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+/// How long an idle engine waits for a command before a heartbeat step (which keeps the other
+/// ranks from timing out while the server has no requests).
+const HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// One sample of a running request.
+struct Sample<'t> {
+    sampler: Sampler,
+    decoder: IncrementalDecoder<'t>,
+    text: StopText,
+    drawn: usize,
+    /// The token it decodes at the next step (`None` before its first or after its last).
+    next: Option<u32>,
+    done: bool,
+}
+
+/// An admitted request, as rank 0 serves it.
+struct Running<'t> {
+    submitted: Submitted,
+    samples: Vec<Sample<'t>>,
+    /// Prompt tokens whose KV is stored (or found cached).
+    prefilled: usize,
+}
+
+impl Running<'_> {
+    fn prompt_len(&self) -> usize {
+        self.submitted.request.prompt.len()
+    }
+
+    fn send(&mut self, event: Event) -> bool {
+        self.submitted.request.sink.send(event)
+    }
+
+    /// Pages this request may still take.
+    fn pages_to_come(&self, limits: &Limits) -> usize {
+        let r = &self.submitted.request;
+        if self.prefilled < self.prompt_len() {
+            return limits.pages(self.prompt_len(), self.prefilled, r.max_tokens, r.samples);
+        }
+        let ps = limits.page_size;
+        self.samples
+            .iter()
+            .filter(|s| !s.done)
+            .map(|s| (r.max_tokens - s.drawn).div_ceil(ps) + 1)
+            .sum()
+    }
+}
+
+pub(crate) struct Scheduler<'t> {
+    inbox: EngineInbox,
+    tokenizer: &'t Tokenizer,
+    /// Tokens that end a sample (the model's end-of-sequence ids).
+    stop_tokens: Vec<u32>,
+    limits: Limits,
+    max_batch: usize,
+    prefill_chunk: usize,
+    waiting: VecDeque<Submitted>,
+    /// By id: the order of arrival.
+    running: BTreeMap<u64, Running<'t>>,
+    /// Requests to end at the next step (finished, cancelled, or their client gone).
+    ending: Vec<u64>,
+    /// Samples that ended while their request goes on, to end at the next step.
+    ended_samples: Vec<(u64, u32)>,
+    draining: bool,
+    status: EngineStatus,
+}
+
+impl<'t> Scheduler<'t> {
+    pub fn new(
+        inbox: EngineInbox,
+        tokenizer: &'t Tokenizer,
+        stop_tokens: Vec<u32>,
+        limits: Limits,
+        prefill_chunk: usize,
+    ) -> Scheduler<'t> {
+        Scheduler {
+            inbox,
+            tokenizer,
+            stop_tokens,
+            limits,
+            max_batch: limits.max_samples,
+            prefill_chunk: prefill_chunk.max(1),
+            waiting: VecDeque::new(),
+            running: BTreeMap::new(),
+            ending: Vec::new(),
+            ended_samples: Vec::new(),
+            draining: false,
+            status: EngineStatus::default(),
+        }
+    }
+
+    /// The next step: commands taken (waiting for one while there is nothing to do), gone
+    /// clients dropped, requests ended and admitted, rows and chunks chosen.
+    pub fn next_step(&mut self, books: &Books) -> Step {
+        let idle = self.running.is_empty() && self.waiting.is_empty() && self.ending.is_empty();
+        let mut wait = (idle && !self.draining).then_some(HEARTBEAT);
+        while let Some(command) = self.inbox.next(wait.take()) {
+            self.command(command);
+        }
+        let gone: Vec<u64> = self
+            .running
+            .iter()
+            .filter(|(_, r)| r.submitted.request.sink.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.cancel(id);
+        }
+        let before = self.waiting.len();
+        self.waiting.retain(|s| !s.request.sink.is_closed());
+        for _ in self.waiting.len()..before {
+            self.inbox.dequeued();
+        }
+
+        let mut step = Step {
+            end: std::mem::take(&mut self.ending),
+            end_samples: std::mem::take(&mut self.ended_samples),
+            ..Step::default()
+        };
+        self.admit(books, &mut step);
+        for (&id, r) in &self.running {
+            for (i, s) in r.samples.iter().enumerate() {
+                if let Some(token) = s.next {
+                    step.decode.push(Row {
+                        id,
+                        sample: i as u32,
+                        token,
+                    });
+                }
+            }
+        }
+        let mut budget = self.prefill_chunk;
+        for (&id, r) in &self.running {
+            if budget == 0 {
+                break;
+            }
+            if r.prefilled < r.prompt_len() {
+                let end = r.prompt_len().min(r.prefilled + budget);
+                budget -= end - r.prefilled;
+                step.prefill.push(Chunk {
+                    id,
+                    end: end as u32,
+                });
+            }
+        }
+        step.stop = self.draining && self.running.is_empty() && self.waiting.is_empty();
+        step
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Submit(s) => self.waiting.push_back(s),
+            Command::Cancel(id) => {
+                if let Some(at) = self.waiting.iter().position(|s| s.id == id) {
+                    self.waiting.remove(at);
+                    self.inbox.dequeued();
+                }
+                self.cancel(id);
+            }
+            Command::Drain => self.draining = true,
+        }
+    }
+
+    /// Ends a running request at the next step, without telling its client more.
+    fn cancel(&mut self, id: u64) {
+        if self.running.remove(&id).is_some() {
+            self.ending.push(id);
+        }
+    }
+
+    /// Admits waiting requests, first come first served, while rows and pages allow.
+    fn admit(&mut self, books: &Books, step: &mut Step) {
+        let cache = books.cache();
+        let available = cache.available_pages();
+        let mut rows: usize = self
+            .running
+            .values()
+            .map(|r| r.samples.iter().filter(|s| !s.done).count())
+            .sum();
+        let mut committed: usize = self
+            .running
+            .values()
+            .map(|r| r.pages_to_come(&self.limits))
+            .sum();
+        while let Some(front) = self.waiting.front() {
+            let r = &front.request;
+            let reusable = &r.prompt[..r.prompt.len() - 1];
+            let cached = cache.cached_len(reusable);
+            let pages = self
+                .limits
+                .pages(r.prompt.len(), cached, r.max_tokens, r.samples)
+                + cached.div_ceil(self.limits.page_size);
+            let first = self.running.is_empty() && step.admit.is_empty();
+            if !first && (rows + r.samples > self.max_batch || committed + pages > available) {
+                break;
+            }
+            rows += r.samples;
+            committed += pages;
+            let submitted = self.waiting.pop_front().expect("the front exists");
+            self.inbox.dequeued();
+            self.start(submitted, cached, step);
+        }
+    }
+
+    fn start(&mut self, submitted: Submitted, cached: usize, step: &mut Step) {
+        let r = &submitted.request;
+        step.admit.push(Admit {
+            id: submitted.id,
+            prompt: r.prompt.clone(),
+            samples: r.samples as u32,
+        });
+        let samples = (0..r.samples)
+            .map(|i| Sample {
+                sampler: Sampler::new(r.sampling, r.seed.wrapping_add(i as u64)),
+                decoder: self.tokenizer.incremental_decoder(true),
+                text: StopText::default(),
+                drawn: 0,
+                next: None,
+                done: false,
+            })
+            .collect();
+        let id = submitted.id;
+        let mut running = Running {
+            submitted,
+            samples,
+            prefilled: cached,
+        };
+        if running.send(Event::Started {
+            cached_tokens: cached,
+        }) {
+            self.running.insert(id, running);
+        } else {
+            self.ending.push(id);
+        }
+    }
+
+    /// What the step computed: each decode row's logits (`vocab` each, in the rows' order),
+    /// each chunk's last row's logits, and the requests that failed (already out of the books).
+    pub fn observe(
+        &mut self,
+        books: &Books,
+        decoded: Option<(&DecodeRows, &[f32])>,
+        chunks: &[(Chunk, Vec<f32>)],
+        failed: Vec<(u64, RuntimeError)>,
+    ) {
+        for (id, e) in failed {
+            if let Some(mut r) = self.running.remove(&id) {
+                r.send(Event::Failed(e.to_string()));
+            }
+        }
+        if let Some((rows, logits)) = decoded {
+            let vocab = logits.len() / rows.rows.len().max(1);
+            self.status.batch = rows.rows.len();
+            for (row, l) in rows.rows.iter().zip(logits.chunks(vocab)) {
+                self.draw(row.id, row.sample as usize, l);
+            }
+        } else {
+            self.status.batch = 0;
+        }
+        for (chunk, logits) in chunks {
+            let Some(r) = self.running.get_mut(&chunk.id) else {
+                continue;
+            };
+            let before = r.prefilled;
+            r.prefilled = books.seq(chunk.id).map_or(r.prefilled, |s| s.computed);
+            self.status.prefill_tokens += (r.prefilled - before) as u64;
+            if r.prefilled == r.prompt_len() {
+                for sample in 0..r.samples.len() {
+                    self.draw(chunk.id, sample, logits);
+                }
+            }
+        }
+        self.publish(books);
+    }
+
+    /// Draws sample `sample` of request `id`'s next token from `logits` and tells its client.
+    fn draw(&mut self, id: u64, sample: usize, logits: &[f32]) {
+        let Some(r) = self.running.get_mut(&id) else {
+            return;
+        };
+        let request = &r.submitted.request;
+        let (max_tokens, stops) = (request.max_tokens, request.stop.clone());
+        let s = &mut r.samples[sample];
+        let token = s.sampler.sample(logits);
+        s.drawn += 1;
+        self.status.generated_tokens += 1;
+        // A token the tokenizer cannot decode adds no text; the ids are still the output.
+        let piece = s.decoder.push(token).unwrap_or_default();
+        let (text, stop_string) = s.text.push(&piece, &stops);
+        let reason = if stop_string || self.stop_tokens.contains(&token) {
+            Some(FinishReason::Stop)
+        } else {
+            (s.drawn >= max_tokens).then_some(FinishReason::Length)
+        };
+        let mut alive = r.send(Event::Token {
+            sample,
+            token,
+            text,
+        });
+        let s = &mut r.samples[sample];
+        match reason {
+            None => s.next = Some(token),
+            Some(reason) => {
+                let text = s.text.finish();
+                s.next = None;
+                s.done = true;
+                alive &= r.send(Event::Finished {
+                    sample,
+                    reason,
+                    text,
+                });
+                if r.samples.iter().all(|s| s.done) {
+                    self.running.remove(&id);
+                    self.ending.push(id);
+                    return;
+                }
+                if r.samples[sample].drawn > 1 {
+                    self.ended_samples.push((id, sample as u32));
+                }
+            }
+        }
+        if !alive {
+            self.cancel(id);
+        }
+    }
+
+    fn publish(&mut self, books: &Books) {
+        let cache = books.cache();
+        let stats = cache.stats();
+        let st = &mut self.status;
+        st.waiting = self.waiting.len();
+        st.running = self.running.len();
+        st.pages_used = cache.kv().pages_in_use();
+        st.pages_free = cache.kv().pages_free();
+        st.pages_cached = cache.evictable_pages();
+        st.prefix_queried_tokens = stats.queried_tokens;
+        st.prefix_hit_tokens = stats.hit_tokens;
+        st.steps += 1;
+        self.inbox.publish(st.clone());
+    }
+
+    /// The engine stopped on `error`: every request ends with it and no new one is taken.
+    pub fn fail_all(&mut self, error: &RuntimeError) {
+        self.inbox.close();
+        let message = format!("the engine stopped: {error}");
+        for (_, mut r) in std::mem::take(&mut self.running) {
+            r.send(Event::Failed(message.clone()));
+        }
+        while let Some(mut s) = self.waiting.pop_front() {
+            s.request.sink.send(Event::Failed(message.clone()));
+        }
+        while let Some(command) = self.inbox.next(None) {
+            if let Command::Submit(mut s) = command {
+                s.request.sink.send(Event::Failed(message.clone()));
+            }
+        }
+        self.status.failure = Some(message);
+        self.inbox.publish(self.status.clone());
+    }
+
+    /// The engine stopped after draining: no new request is taken; the status shows the
+    /// books as the last step left them.
+    pub fn close(&mut self, books: &Books) {
+        self.inbox.close();
+        self.publish(books);
+    }
+}

@@ -1,0 +1,261 @@
+//! The serving engine on the tiny fixture model (CPU): requests that join while others
+//! decode, share prefixes through the radix cache, are prefilled in chunks and sampled `n`
+//! times each give exactly the greedy tokens transformers gives each prompt alone — on one
+//! rank, and on two ranks (threads) with the tree merge and with the ring; clients that go
+//! away free their pages.
+
+use canopy_comm::ThreadWorld;
+use canopy_core::{DType, Method};
+use canopy_engine::{CpuBackend, MergeCollective};
+use canopy_model::Model;
+use canopy_runtime::serving::{
+    channel, serve, EngineHandle, EngineInbox, Event, EventSink, FinishReason, Front, ServeConfig,
+    ServeRequest,
+};
+use canopy_runtime::{DecodeStrategy, ModelLayers, SamplingParams};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A prompt's token ids and transformers' greedy continuation of it.
+type Reference = (Vec<u32>, Vec<u32>);
+
+fn fixture() -> (Model, Vec<Reference>) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/gqa-hd64");
+    let model = Model::load(&dir, DType::F32).expect("the fixture loads");
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("its reference");
+    let reference: Value = serde_json::from_str(&text).expect("JSON");
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    // Prompts of 1, 7, 33 and 100 tokens, each a prefix of the next, and transformers'
+    // 32 greedy tokens after each.
+    let prompts = reference["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (ids(&p["token_ids"]), ids(&p["greedy_tokens"])))
+        .collect();
+    (model, prompts)
+}
+
+/// A client: its events, and a switch that makes it go away.
+struct Client {
+    tx: Sender<Event>,
+    gone: Arc<AtomicBool>,
+    /// Go away after this many tokens.
+    leave_after: Option<usize>,
+    tokens: usize,
+}
+
+impl EventSink for Client {
+    fn send(&mut self, event: Event) -> bool {
+        if let Event::Token { .. } = event {
+            self.tokens += 1;
+            if self.leave_after.is_some_and(|n| self.tokens >= n) {
+                self.gone.store(true, Ordering::SeqCst);
+            }
+        }
+        !self.gone.load(Ordering::SeqCst) && self.tx.send(event).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.gone.load(Ordering::SeqCst)
+    }
+}
+
+fn submit(
+    handle: &EngineHandle,
+    prompt: &[u32],
+    max_tokens: usize,
+    samples: usize,
+    leave_after: Option<usize>,
+) -> Receiver<Event> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sink = Client {
+        tx,
+        gone: Arc::new(AtomicBool::new(false)),
+        leave_after,
+        tokens: 0,
+    };
+    handle
+        .submit(ServeRequest {
+            prompt: prompt.to_vec(),
+            max_tokens,
+            samples,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            stop: Vec::new(),
+            sink: Box::new(sink),
+        })
+        .expect("the request is accepted");
+    rx
+}
+
+/// Each sample's tokens and finish reason, and the cached prompt tokens.
+fn collect(rx: &Receiver<Event>, samples: usize) -> (Vec<Vec<u32>>, Vec<FinishReason>, usize) {
+    let mut tokens = vec![Vec::new(); samples];
+    let mut reasons = Vec::new();
+    let mut cached = 0;
+    while reasons.len() < samples {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("an event") {
+            Event::Started { cached_tokens } => cached = cached_tokens,
+            Event::Token { sample, token, .. } => tokens[sample].push(token),
+            Event::Finished { reason, .. } => reasons.push(reason),
+            Event::Failed(e) => panic!("the request failed: {e}"),
+        }
+    }
+    (tokens, reasons, cached)
+}
+
+fn config(strategy: DecodeStrategy) -> ServeConfig {
+    ServeConfig {
+        strategy,
+        method: Method::Auto,
+        page_size: 16,
+        kv_dtype: DType::F32,
+        pages_per_rank: 48,
+        max_batch: 6,
+        max_context: 256,
+        prefill_chunk: 24,
+    }
+}
+
+/// Runs an engine on `ranks` threads while `client` talks to it, then drains it.
+fn with_engine(
+    model: &Model,
+    layers: &ModelLayers<CpuBackend>,
+    ranks: usize,
+    config: &ServeConfig,
+    client: impl FnOnce(&EngineHandle),
+) -> EngineHandle {
+    let (handle, inbox) = channel(config.limits(ranks), 64);
+    let inbox: Mutex<Option<EngineInbox>> = Mutex::new(Some(inbox));
+    std::thread::scope(|s| {
+        let engine = s.spawn(|| {
+            ThreadWorld::run(ranks, Duration::from_secs(120), |comm| {
+                let front = inbox.lock().unwrap().take().map(|inbox| Front {
+                    inbox,
+                    tokenizer: &model.tokenizer,
+                    stop_tokens: Vec::new(),
+                });
+                let front = front.filter(|_| canopy_comm::Group::rank(&comm) == 0);
+                serve(&CpuBackend, layers, &comm, config, front)
+            })
+        });
+        client(&handle);
+        handle.drain();
+        for r in engine.join().expect("the engine thread") {
+            r.expect("every rank served");
+        }
+    });
+    handle
+}
+
+#[test]
+fn concurrent_requests_get_what_each_prompt_gets_alone() {
+    let (model, prompts) = fixture();
+    let layers = ModelLayers::upload(
+        &CpuBackend,
+        &model.config,
+        model.weights.clone(),
+        &mut |_| {},
+    )
+    .expect("the weights upload");
+    for (ranks, strategy) in [
+        (1, DecodeStrategy::Tree(MergeCollective::Auto)),
+        (2, DecodeStrategy::Tree(MergeCollective::Allreduce2)),
+        (2, DecodeStrategy::Ring),
+    ] {
+        let cfg = config(strategy);
+        let handle = with_engine(&model, &layers, ranks, &cfg, |h| {
+            // The longest prompt first, so that the others find its prefix cached.
+            let (long, long_want) = &prompts[3];
+            let first = submit(h, long, 32, 1, None);
+            let (got, reasons, cached) = collect(&first, 1);
+            assert_eq!(cached, 0);
+            assert_eq!(&got[0], long_want, "{ranks} ranks {strategy:?}");
+            assert_eq!(reasons, [FinishReason::Length]);
+            // Then every prompt three times at once (more rows than the batch holds), with
+            // two samples each and different lengths; one client leaves early.
+            let mut pending = Vec::new();
+            for round in 0..3 {
+                for (i, (prompt, want)) in prompts.iter().enumerate() {
+                    let max_tokens = 8 + 8 * ((round + i) % 4);
+                    let samples = 1 + (round + i) % 2;
+                    let rx = submit(h, prompt, max_tokens, samples, None);
+                    pending.push((rx, want, max_tokens, samples, prompt.len()));
+                }
+            }
+            let leaver = submit(h, long, 32, 2, Some(3));
+            for (rx, want, max_tokens, samples, len) in pending {
+                let (got, reasons, cached) = collect(&rx, samples);
+                for g in &got {
+                    assert_eq!(
+                        g[..],
+                        want[..max_tokens],
+                        "{ranks} ranks {strategy:?}, {len} tokens"
+                    );
+                }
+                assert!(reasons.iter().all(|&r| r == FinishReason::Length));
+                // Whole pages of the prompt, short of its last token, were cached.
+                assert_eq!(cached, (len - 1) / 16 * 16, "{len} tokens");
+            }
+            // The leaver's events stop; it never finishes.
+            let mut seen = 0;
+            while let Ok(e) = leaver.recv_timeout(Duration::from_secs(5)) {
+                assert!(!matches!(e, Event::Finished { .. }));
+                seen += 1;
+            }
+            assert!(seen <= 4, "{seen} events after leaving");
+        });
+        let st = handle.status();
+        assert_eq!((st.running, st.waiting), (0, 0));
+        assert_eq!(
+            st.pages_used, st.pages_cached,
+            "only cached prefixes hold pages once every request has ended"
+        );
+        assert!(st.prefix_hit_tokens > 0 && st.prefix_hit_tokens <= st.prefix_queried_tokens);
+        assert!(st.failure.is_none());
+    }
+}
+
+#[test]
+fn a_small_cache_evicts_and_still_serves_everything() {
+    let (model, prompts) = fixture();
+    let layers = ModelLayers::upload(
+        &CpuBackend,
+        &model.config,
+        model.weights.clone(),
+        &mut |_| {},
+    )
+    .expect("the weights upload");
+    // 12 pages: the 100-token prompt and 32 tokens take 9, so requests wait for each other
+    // and cached prefixes are evicted.
+    let cfg = ServeConfig {
+        pages_per_rank: 12,
+        ..config(DecodeStrategy::Tree(MergeCollective::Auto))
+    };
+    let handle = with_engine(&model, &layers, 1, &cfg, |h| {
+        let rx: Vec<_> = prompts
+            .iter()
+            .rev()
+            .chain(prompts.iter())
+            .map(|(p, want)| (submit(h, p, 32, 1, None), want))
+            .collect();
+        for (rx, want) in rx {
+            let (got, _, _) = collect(&rx, 1);
+            assert_eq!(&got[0], want);
+        }
+    });
+    let st = handle.status();
+    assert!(st.pages_used <= 12);
+    assert_eq!(st.running, 0);
+}

@@ -1,0 +1,199 @@
+//! The OpenAI API's request and response bodies, as far as canopy serves them. Requests
+//! ignore fields they do not know (clients send many); a field of the wrong type is an error
+//! that names it.
+
+use serde::{Deserialize, Serialize};
+
+/// `prompt`: a text, or token ids; a list of one of either.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling fields both endpoints share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Sampling {
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    /// The chat API's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// 0 or -1: every token.
+    pub top_k: Option<i64>,
+    pub seed: Option<u64>,
+    pub stop: Option<Stop>,
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+/// A message's content: a text, or a list of parts of which the text ones count.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    #[serde(flatten)]
+    pub sampling: Sampling,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptDetails {
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptDetails,
+}
+
+/// One choice of a completion, whole or as a streamed piece.
+#[derive(Debug, Clone, Serialize)]
+pub struct TextChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: ChatMessage,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// What a streamed chat chunk adds to a choice's message.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DeltaChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// A response or a streamed chunk: `object` says which, `choices` holds its kind of choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct Response<C> {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<C>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_of_every_shape_and_unknown_fields_parse() {
+        let r: CompletionRequest = serde_json::from_str(
+            r#"{"prompt": [1, 2], "max_tokens": 3, "logit_bias": {}, "user": "x", "stop": "a"}"#,
+        )
+        .unwrap();
+        assert!(matches!(r.prompt, Prompt::Ids(ref v) if v == &[1, 2]));
+        assert_eq!(r.sampling.max_tokens, Some(3));
+        assert_eq!(r.sampling.stop.unwrap().into_vec(), ["a"]);
+        let r: CompletionRequest = serde_json::from_str(r#"{"prompt": [[5]]}"#).unwrap();
+        assert!(matches!(r.prompt, Prompt::IdLists(_)));
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "stream": true}"#,
+        )
+        .unwrap();
+        assert!(r.sampling.stream);
+        let e =
+            serde_json::from_str::<CompletionRequest>(r#"{"prompt": "a", "max_tokens": "many"}"#)
+                .unwrap_err();
+        assert!(e.to_string().contains("invalid type"), "{e}");
+    }
+}

@@ -1,0 +1,459 @@
+//! One generation request between its client and the engine: the request checked and
+//! submitted, then the engine's events turned into one response or a stream of server-sent
+//! events (`data: {chunk}` … `data: [DONE]`). A client that goes away drops the job, which
+//! cancels the request in the engine and frees its pages.
+
+use crate::api::{
+    ChatChoice, ChatMessage, Delta, DeltaChoice, PromptDetails, Response, Sampling, TextChoice,
+    Usage,
+};
+use crate::error::ApiError;
+use crate::metrics::Outcome;
+use crate::routes::AppState;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as Sse, KeepAlive};
+use axum::response::{IntoResponse, Json};
+use canopy_runtime::serving::{Event, EventSink, FinishReason, ServeRequest};
+use canopy_runtime::SamplingParams;
+use futures_util::stream::{self, Stream};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// Which endpoint a job answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Text,
+    Chat,
+}
+
+/// `max_tokens` of a completion that gives none (OpenAI's default).
+const COMPLETION_MAX_TOKENS: usize = 16;
+/// `max_tokens` of a chat that gives none, at most (less where the context ends first).
+const CHAT_MAX_TOKENS: usize = 1024;
+/// How often a stream that has nothing to say sends a comment: a request waiting in the
+/// queue learns this soon that its client has gone.
+const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Stop strings of one request, at most.
+const MAX_STOPS: usize = 16;
+
+/// The engine's events for one request go to its job through a channel; the job's end
+/// closes it, which the engine sees.
+struct Sink(UnboundedSender<Event>);
+
+impl EventSink for Sink {
+    fn send(&mut self, event: Event) -> bool {
+        self.0.send(event).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+/// A submitted request.
+pub struct Job {
+    st: Arc<AppState>,
+    kind: Kind,
+    id: u64,
+    samples: usize,
+    stream: bool,
+    include_usage: bool,
+    prompt_tokens: usize,
+    events: UnboundedReceiver<Event>,
+    state: Progress,
+}
+
+/// What the engine has said of a job so far.
+struct Progress {
+    arrived: Instant,
+    cached_tokens: usize,
+    texts: Vec<String>,
+    tokens: Vec<usize>,
+    finished: Vec<Option<FinishReason>>,
+    last_token: Vec<Option<Instant>>,
+    first_token: bool,
+    /// How it ended (`None`: still running, or its client left).
+    outcome: Option<Outcome>,
+}
+
+impl Job {
+    /// Checks `sampling` and submits `prompt` to the engine.
+    pub fn submit(
+        st: &Arc<AppState>,
+        kind: Kind,
+        prompt: Vec<u32>,
+        sampling: Sampling,
+    ) -> Result<Job, ApiError> {
+        if let Some(model) = sampling.model.as_deref().filter(|m| *m != st.model) {
+            return Err(ApiError {
+                param: Some("model"),
+                ..ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "the model `{model}` does not exist; this server serves `{}`",
+                        st.model
+                    ),
+                    "model_not_found",
+                )
+            });
+        }
+        let limits = st.engine.limits();
+        let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {
+            Some(n) => n as usize,
+            None if kind == Kind::Text => COMPLETION_MAX_TOKENS,
+            None => limits
+                .max_context
+                .saturating_sub(prompt.len())
+                .clamp(1, CHAT_MAX_TOKENS),
+        };
+        let temperature = sampling.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid(
+                "temperature must be between 0 and 2",
+                Some("temperature"),
+            ));
+        }
+        let top_p = sampling.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid("top_p must be in (0, 1]", Some("top_p")));
+        }
+        let top_k = match sampling.top_k.unwrap_or(0) {
+            k if k < -1 => {
+                return Err(ApiError::invalid(
+                    "top_k must be -1, 0 (every token) or more",
+                    Some("top_k"),
+                ))
+            }
+            k => k.max(0) as usize,
+        };
+        let stop = sampling.stop.map(|s| s.into_vec()).unwrap_or_default();
+        if stop.len() > MAX_STOPS || stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid(
+                format!("stop takes at most {MAX_STOPS} strings, none empty"),
+                Some("stop"),
+            ));
+        }
+        let samples = sampling.n.unwrap_or(1) as usize;
+        let seed = sampling.seed.unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+        let (tx, events) = unbounded_channel();
+        let prompt_tokens = prompt.len();
+        let id = st.engine.submit(ServeRequest {
+            prompt,
+            max_tokens,
+            samples,
+            sampling: SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+            },
+            seed,
+            stop,
+            sink: Box::new(Sink(tx)),
+        })?;
+        Ok(Job {
+            st: st.clone(),
+            kind,
+            id,
+            samples,
+            stream: sampling.stream,
+            include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
+            prompt_tokens,
+            events,
+            state: Progress {
+                arrived: Instant::now(),
+                cached_tokens: 0,
+                texts: vec![String::new(); samples],
+                tokens: vec![0; samples],
+                finished: vec![None; samples],
+                last_token: vec![None; samples],
+                first_token: false,
+                outcome: None,
+            },
+        })
+    }
+
+    pub async fn respond(self) -> axum::response::Response {
+        if self.stream {
+            axum::response::Sse::new(self.sse())
+                .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
+                .into_response()
+        } else {
+            self.whole().await
+        }
+    }
+
+    /// The next event that says something; an engine that stopped or failed the request is
+    /// an error.
+    async fn next(&mut self) -> Result<Event, ApiError> {
+        let event = match self.events.recv().await {
+            None => return Err(self.fail("the server stopped before the request finished")),
+            Some(Event::Failed(e)) => return Err(self.fail(&e)),
+            Some(event) => event,
+        };
+        self.state.see(&self.st, &event);
+        Ok(event)
+    }
+
+    /// Waits for every sample, then answers once.
+    async fn whole(mut self) -> axum::response::Response {
+        while !self.state.done() {
+            if let Err(e) = self.next().await {
+                return e.into_response();
+            }
+        }
+        self.end(Outcome::Completed);
+        let usage = Some(self.usage());
+        match self.kind {
+            Kind::Text => Json(self.response(
+                "text_completion",
+                self.texts_as(|index, text, reason| TextChoice {
+                    index,
+                    text,
+                    logprobs: None,
+                    finish_reason: reason,
+                }),
+                usage,
+            ))
+            .into_response(),
+            Kind::Chat => Json(self.response(
+                "chat.completion",
+                self.texts_as(|index, text, reason| ChatChoice {
+                    index,
+                    message: ChatMessage {
+                        role: "assistant",
+                        content: text,
+                    },
+                    logprobs: None,
+                    finish_reason: reason,
+                }),
+                usage,
+            ))
+            .into_response(),
+        }
+    }
+
+    /// Each event as a chunk, then the usage (if asked) and `[DONE]`.
+    fn sse(self) -> impl Stream<Item = Result<Sse, Infallible>> {
+        /// Where the stream is.
+        enum At {
+            Running(Box<Job>),
+            Usage(Box<Job>),
+            Done(Box<Job>),
+            Over,
+        }
+        stream::unfold(At::Running(Box::new(self)), |at| async move {
+            match at {
+                At::Running(mut job) => loop {
+                    let event = match job.next().await {
+                        Ok(event) => event,
+                        Err(e) => return Some((Ok(Sse::default().data(e.body())), At::Over)),
+                    };
+                    if let Some(chunk) = job.chunk(&event) {
+                        let next = if job.state.done() {
+                            job.end(Outcome::Completed);
+                            At::Usage(job)
+                        } else {
+                            At::Running(job)
+                        };
+                        return Some((Ok(Sse::default().data(chunk)), next));
+                    }
+                },
+                At::Usage(job) if job.include_usage => {
+                    let usage = job.response::<TextChoice>(
+                        job.chunk_object(),
+                        Vec::new(),
+                        Some(job.usage()),
+                    );
+                    Some((Ok(Sse::default().data(job.json(usage))), At::Done(job)))
+                }
+                At::Usage(job) | At::Done(job) => {
+                    drop(job);
+                    Some((Ok(Sse::default().data("[DONE]")), At::Over))
+                }
+                At::Over => None,
+            }
+        })
+    }
+
+    /// The chunk an event makes (`None`: nothing to send).
+    fn chunk(&self, event: &Event) -> Option<String> {
+        let (sample, text, reason) = match event {
+            Event::Started { .. } if self.kind == Kind::Chat => {
+                let choices = (0..self.samples)
+                    .map(|index| DeltaChoice {
+                        index,
+                        delta: Delta {
+                            role: Some("assistant"),
+                            content: Some(String::new()),
+                        },
+                        logprobs: None,
+                        finish_reason: None,
+                    })
+                    .collect();
+                return Some(self.json(self.response(self.chunk_object(), choices, None)));
+            }
+            Event::Token { sample, text, .. } if !text.is_empty() => (*sample, text.clone(), None),
+            Event::Finished {
+                sample,
+                reason,
+                text,
+            } => (*sample, text.clone(), Some(reason.name())),
+            _ => return None,
+        };
+        Some(match self.kind {
+            Kind::Text => self.json(self.response(
+                self.chunk_object(),
+                vec![TextChoice {
+                    index: sample,
+                    text,
+                    logprobs: None,
+                    finish_reason: reason,
+                }],
+                None,
+            )),
+            Kind::Chat => self.json(self.response(
+                self.chunk_object(),
+                vec![DeltaChoice {
+                    index: sample,
+                    delta: Delta {
+                        role: None,
+                        content: (!text.is_empty()).then_some(text),
+                    },
+                    logprobs: None,
+                    finish_reason: reason,
+                }],
+                None,
+            )),
+        })
+    }
+
+    fn json<C: serde::Serialize>(&self, r: Response<C>) -> String {
+        serde_json::to_string(&r).expect("a chunk serializes")
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        match self.kind {
+            Kind::Text => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        }
+    }
+
+    fn response<C>(
+        &self,
+        object: &'static str,
+        choices: Vec<C>,
+        usage: Option<Usage>,
+    ) -> Response<C> {
+        Response {
+            id: match self.kind {
+                Kind::Text => format!("cmpl-{}", self.id),
+                Kind::Chat => format!("chatcmpl-{}", self.id),
+            },
+            object,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: self.st.model.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    fn texts_as<C>(&self, f: impl Fn(usize, String, Option<&'static str>) -> C) -> Vec<C> {
+        self.state
+            .texts
+            .iter()
+            .zip(&self.state.finished)
+            .enumerate()
+            .map(|(i, (text, reason))| f(i, text.clone(), reason.map(FinishReason::name)))
+            .collect()
+    }
+
+    fn usage(&self) -> Usage {
+        let completion: usize = self.state.tokens.iter().sum();
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: completion,
+            total_tokens: self.prompt_tokens + completion,
+            prompt_tokens_details: PromptDetails {
+                cached_tokens: self.state.cached_tokens,
+            },
+        }
+    }
+}
+
+impl Progress {
+    /// Takes in an event; times the tokens.
+    fn see(&mut self, st: &AppState, event: &Event) {
+        match event {
+            Event::Started { cached_tokens } => self.cached_tokens = *cached_tokens,
+            Event::Token { sample, text, .. } => {
+                let now = Instant::now();
+                if !self.first_token {
+                    self.first_token = true;
+                    st.metrics
+                        .first_token(now.duration_since(self.arrived).as_secs_f64());
+                }
+                if let Some(last) = self.last_token[*sample] {
+                    st.metrics
+                        .between_tokens(now.duration_since(last).as_secs_f64());
+                }
+                self.last_token[*sample] = Some(now);
+                self.tokens[*sample] += 1;
+                self.texts[*sample].push_str(text);
+            }
+            Event::Finished {
+                sample,
+                reason,
+                text,
+            } => {
+                self.texts[*sample].push_str(text);
+                self.finished[*sample] = Some(*reason);
+            }
+            Event::Failed(_) => {}
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.finished.iter().all(Option::is_some)
+    }
+}
+
+impl Job {
+    /// Counts the job's end, once, however it ends.
+    fn end(&mut self, outcome: Outcome) {
+        if self.state.outcome.is_some() {
+            return;
+        }
+        self.state.outcome = Some(outcome);
+        let m = &self.st.metrics;
+        m.outcome(outcome);
+        m.finished(
+            self.prompt_tokens,
+            self.state.tokens.iter().sum(),
+            self.state.arrived.elapsed().as_secs_f64(),
+        );
+    }
+
+    fn fail(&mut self, message: &str) -> ApiError {
+        self.end(Outcome::Failed);
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, "engine_error")
+    }
+}
+
+/// A job dropped unfinished lost its client: the request is cancelled and its pages freed.
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.state.outcome.is_none() {
+            self.end(Outcome::Cancelled);
+            self.events.close();
+            self.st.engine.cancel(self.id);
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! # canopy-server
+//!
+//! An OpenAI-compatible HTTP server (tokio + axum) over canopy's continuous-batching engine
+//! ([`canopy_runtime::serving`]).
+//!
+//! - `POST /v1/completions` and `POST /v1/chat/completions`, whole or streamed as server-sent
+//!   events ending with `data: [DONE]`, with `usage` (and the prompt tokens found in the
+//!   prefix cache); `GET /v1/models`; `GET /health`; `GET /metrics` in Prometheus' text format.
+//! - Requests are parsed here (unknown fields ignored, a wrong type a 400 in OpenAI's error
+//!   body), tokenized (a chat through the model's template), checked against the engine's
+//!   limits (a prompt and `max_tokens` beyond the context a 400 that states it) and handed to
+//!   the engine, which runs on threads of its own; its events come back through a channel
+//!   per request. A full queue is a 429 with `Retry-After`; a request after a drain began, a
+//!   503. A client that disconnects drops its request's channel, which cancels the request.
+//! - With an API key, every route but `/health` needs `Authorization: Bearer KEY`.
+//!
+//! [`client`] is a small blocking client of this server, for `canopy bench serve` and tests.
+
+mod api;
+pub mod client;
+mod error;
+mod job;
+mod metrics;
+mod routes;
+
+pub use error::ApiError;
+pub use metrics::Metrics;
+pub use routes::{router, AppState};
+
+use std::future::Future;
+use std::sync::Arc;
+
+/// Serves `state` on `listener` until `shutdown` resolves, then waits for the requests in
+/// flight (their streams end when the engine has finished them).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    body_limit: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state, body_limit))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,265 @@
+//! The routes: the two generation endpoints, the model list, health and metrics, behind a
+//! bearer key (all but `/health`) and a body size limit.
+
+use crate::api::{ChatRequest, CompletionRequest, Content, ModelCard, ModelList, Prompt};
+use crate::error::ApiError;
+use crate::job::{Job, Kind};
+use crate::metrics::{Metrics, Outcome};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use canopy_model::{ChatMessage, ChatTemplate, Tokenizer};
+use canopy_runtime::serving::EngineHandle;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+
+/// What every route reads.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    /// `None`: the model has no chat template, and the chat endpoint says so.
+    pub template: Option<Arc<ChatTemplate>>,
+    /// The model's name in requests and responses.
+    pub model: String,
+    /// The model's vocabulary: token ids in a prompt must be below it.
+    pub vocab: usize,
+    /// Requests must carry `Authorization: Bearer` this.
+    pub api_key: Option<String>,
+    pub metrics: Metrics,
+    /// When the server started (Unix seconds).
+    pub created: u64,
+}
+
+/// The server's routes over `state`; bodies over `body_limit` bytes are refused.
+pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same_secret(g.trim().as_bytes(), key.as_bytes())) {
+            st.metrics.outcome(Outcome::Rejected);
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong API key: send `Authorization: Bearer KEY` with the server's --api-key",
+                "invalid_api_key",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares secrets in time that does not depend on where they differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let job = parse::<CompletionRequest>(&st, body).and_then(|r| {
+        let prompt = prompt_ids(&st, r.prompt)?;
+        Job::submit(&st, Kind::Text, prompt, r.sampling)
+    });
+    respond(st, job).await
+}
+
+async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let job = parse::<ChatRequest>(&st, body).and_then(|r| {
+        let prompt = chat_ids(&st, &r)?;
+        Job::submit(&st, Kind::Chat, prompt, r.sampling)
+    });
+    respond(st, job).await
+}
+
+async fn respond(st: Arc<AppState>, job: Result<Job, ApiError>) -> Response {
+    match job {
+        Ok(job) => job.respond().await,
+        Err(e) => {
+            st.metrics.outcome(Outcome::Rejected);
+            e.into_response()
+        }
+    }
+}
+
+/// The body as JSON of `T`: a 503 while draining, the body limit's refusal, or a 400 naming
+/// what is wrong with it.
+fn parse<T: DeserializeOwned>(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    if st.engine.is_draining() {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down; retry with another replica",
+            "shutting_down",
+        ));
+    }
+    let bytes = body.map_err(|r| ApiError {
+        status: r.status(),
+        message: r.body_text(),
+        param: None,
+        code: None,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() {
+            "the body is not valid JSON"
+        } else {
+            "the body does not match the API"
+        };
+        ApiError::invalid(format!("{what}: {e}"), None)
+    })
+}
+
+/// A completion's prompt as token ids: text is tokenized (with the model's special tokens);
+/// ids must be in the vocabulary.
+fn prompt_ids(st: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+    let one = |n: usize| {
+        (n == 1).then_some(()).ok_or_else(|| {
+            ApiError::invalid(
+                format!("give one prompt per request ({n} given); send several requests at once instead"),
+                Some("prompt"),
+            )
+        })
+    };
+    let ids = match prompt {
+        Prompt::Text(text) => encode(st, &text, true)?,
+        Prompt::Texts(mut texts) => {
+            one(texts.len())?;
+            encode(st, &texts.swap_remove(0), true)?
+        }
+        Prompt::Ids(ids) => ids,
+        Prompt::IdLists(mut lists) => {
+            one(lists.len())?;
+            lists.swap_remove(0)
+        }
+    };
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= st.vocab) {
+        return Err(ApiError::invalid(
+            format!(
+                "token id {bad} is not in the model's vocabulary of {} tokens",
+                st.vocab
+            ),
+            Some("prompt"),
+        ));
+    }
+    Ok(ids)
+}
+
+fn encode(st: &AppState, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
+    st.tokenizer.encode(text, special).map_err(|e| {
+        ApiError::invalid(
+            format!("the prompt could not be tokenized: {e}"),
+            Some("prompt"),
+        )
+    })
+}
+
+/// The messages rendered by the model's chat template, then tokenized.
+fn chat_ids(st: &AppState, r: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+    let template = st.template.as_ref().ok_or_else(|| {
+        ApiError::invalid(
+            "this model has no chat template; use /v1/completions with a prompt",
+            Some("messages"),
+        )
+    })?;
+    if r.messages.is_empty() {
+        return Err(ApiError::invalid("messages is empty", Some("messages")));
+    }
+    let messages: Vec<ChatMessage> = r
+        .messages
+        .iter()
+        .map(|m| {
+            let text = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => parts
+                    .iter()
+                    .filter(|p| p.kind == "text")
+                    .filter_map(|p| p.text.as_deref())
+                    .collect(),
+            };
+            ChatMessage::new(m.role.as_str(), text)
+        })
+        .collect();
+    let text = template.render(&messages, true).map_err(|e| {
+        ApiError::invalid(format!("the chat template failed: {e}"), Some("messages"))
+    })?;
+    // A chat rendering carries its own special tokens.
+    encode(st, &text, false)
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: st.model.clone(),
+            object: "model",
+            created: st.created,
+            owned_by: "canopy",
+            max_model_len: st.engine.limits().max_context,
+        }],
+    })
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let status = st.engine.status();
+    let (code, state) = match (&status.failure, st.engine.is_draining()) {
+        (Some(f), _) => (StatusCode::SERVICE_UNAVAILABLE, format!("failed: {f}")),
+        (None, true) => (StatusCode::SERVICE_UNAVAILABLE, "draining".to_string()),
+        (None, false) => (StatusCode::OK, "ok".to_string()),
+    };
+    (code, Json(serde_json::json!({ "status": state }))).into_response()
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        st.metrics.render(&st.engine.status()),
+    )
+        .into_response()
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no route {} {}", req.method(), req.uri().path()),
+        "not_found",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_secret;
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret(b"abc", b"abc"));
+        assert!(!same_secret(b"abc", b"abd"));
+        assert!(!same_secret(b"ab", b"abc"));
+    }
+}
