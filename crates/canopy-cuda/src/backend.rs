@@ -23,7 +23,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::{CudaKv, Paging};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
-use canopy_core::geometry::{cut_for_gpu, CTA_ROWS};
+use canopy_core::geometry::{cut_for_gpu, cut_slots, CTA_ROWS};
 use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use canopy_kernels::{
@@ -44,9 +44,16 @@ pub(crate) type EResult<T> = canopy_engine::Result<T>;
 /// 1M: 1.967 vs 2.017; twice each, docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of
 /// shared memory each).
 const DEFAULT_CTAS_PER_SM: u32 = 4;
+/// Resident CUDA-core CTAs per SM a plan of GQA groups (the pipelined kernel, more than one
+/// row) is split for. One bf16 query at 9 q / 3 kv heads x 64 took 157 µs at 512K on three per
+/// SM against 175 on four, 47.3 against 49.9 at 128K, and the same or less at 8K and 32K (H100,
+/// docs/BENCHMARKS.md, session 15).
+const SIMT_GQA_CTAS_PER_SM: u32 = 3;
 /// Shortest piece the CUDA-core kernel's plans are split into to fill the GPU: below this,
-/// partials and launch costs dominate.
-const SIMT_MIN_SPLIT_TOKENS: u32 = 256;
+/// partials and launch costs dominate. At 128 tokens, one query at 9 q / 3 kv heads x 64 and
+/// 8K took 11.8 µs (64 pieces) against 12.9 at 256 (32 pieces) and 12.2 at 64 (128 pieces);
+/// longer contexts fill the GPU before the pieces get this short (H100, session 15).
+const SIMT_MIN_SPLIT_TOKENS: u32 = 128;
 /// `auto` runs plans on tensor cores when some group has at least this many query rows.
 const AUTO_MMA_MIN_ROWS: usize = 4;
 
@@ -393,25 +400,30 @@ impl Backend for CudaBackend {
             * gqa;
         let tensor_cores = self.tensor_cores_for(shape, max_rows);
         let rows = rows_config(max_rows);
-        // One balanced wave: as many CTAs as fit on the GPU at once. The plan is uploaded before
-        // it meets its KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32
-        // variants use the same shared memory and no more registers (compiler resource report),
-        // so their true occupancy is never lower and the wave never spills into a second.
+        // One balanced wave: as many CTAs as fit on the GPU at once, or fewer where more measured
+        // slower (`cut_slots`, `SIMT_GQA_CTAS_PER_SM`). The plan is uploaded before it meets its
+        // KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32 variants use
+        // the same shared memory and no more registers (compiler resource report), so their true
+        // occupancy is never lower and the wave never spills into a second.
         let res = if tensor_cores {
             self.mma_resources(DType::Bf16, shape.head_dim)?
         } else {
             self.decode_resources(DType::Bf16, shape.head_dim, rows)?
         };
-        let per_sm = res
+        let mut per_sm = res
             .ctas_per_sm
             .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
-            .max(1);
-        let capacity = (self.gpu.multiprocessors * per_sm * self.waves) as usize;
+            .max(1) as usize;
+        if !tensor_cores && rows > 1 {
+            per_sm = per_sm.min(SIMT_GQA_CTAS_PER_SM as usize);
+        }
+        let sms = self.gpu.multiprocessors as usize;
+        let waves = self.waves as usize;
         let (plan, items) = if tensor_cores {
-            cut_for_gpu(&plan, shape, capacity)
+            cut_for_gpu(&plan, shape, cut_slots(&plan, shape, sms, per_sm) * waves)
         } else {
             // Round down: one CTA past the resident capacity costs a whole second wave.
-            let target = (capacity / shape.kv_heads).max(1);
+            let target = (sms * per_sm * waves / shape.kv_heads).max(1);
             let plan = plan.split_for_parallelism(target, SIMT_MIN_SPLIT_TOKENS);
             (plan, Vec::new())
         };
