@@ -33,7 +33,7 @@ pub const CTA_FIXED_WORK: u64 = 32;
 /// bandwidth from one per SM on; a third per SM only added pieces, each a partial row to write,
 /// Q to read again and a row to merge: one bf16 query at 32 q / 8 kv heads x 128 took 51.5 µs
 /// at 32K cut for two per SM against 55.9 for three, 18.8 against 20.7 at 8K and 187.1 against
-/// 189.8 at 128K; one per SM was within 0.6 µs of two (H100, docs/BENCHMARKS.md, session 15).
+/// 189.8 at 128K; one per SM was within 0.8 µs of two (H100, docs/BENCHMARKS.md, session 15).
 pub const HEADS_ONLY_CTAS_PER_SM: usize = 2;
 
 /// Whether a group of `rows` query rows runs on the one-warp-per-head path.
