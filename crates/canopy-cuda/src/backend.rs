@@ -76,6 +76,22 @@ fn check_pipeline(pipeline: MmaPipeline) -> Result<MmaPipeline> {
     Ok(pipeline)
 }
 
+/// The merge kernel for `cells` (query, head) cells of `head_dim` elements on a GPU of
+/// `multiprocessors` SMs: the wide one where its CTAs fit in one wave, so that each cell's rows
+/// are walked by a CTA at once (one bf16 query at 32 q / 8 kv heads x 128 and 32K: 55.9 µs
+/// against 80.5 with the deep warp merge; at 9 q / 3 kv heads x 64: 15.9 against 28.5, H100,
+/// session 15). Past one wave its fixed latency is paid per wave: FastTree's tree 0 at 32/8 (64
+/// queries of a few rows, 8192 CTAs) took 41.6 µs with a first form of it against 20.8 with the
+/// deep merge.
+fn merge_kernel(cells: usize, head_dim: usize, multiprocessors: usize) -> Kernel {
+    if cells * (head_dim / WIDE_MERGE_DIMS) <= multiprocessors * WIDE_MERGE_CTAS {
+        return Kernel::MergeWide;
+    }
+    Kernel::Merge {
+        deep: cells <= DEEP_MERGE_CELLS_PER_SM * multiprocessors,
+    }
+}
+
 /// Which stage-1 kernel runs a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -257,22 +273,6 @@ impl CudaBackend {
     /// Free device memory on this GPU now.
     pub fn free_bytes(&self) -> Result<u64> {
         Ok(self.ctx.mem_get_info().ctx("cuMemGetInfo")?.0 as u64)
-    }
-
-    /// The merge kernel for `cells` (query, head) cells of `head_dim` elements: the wide one
-    /// where its CTAs fit in one wave, so that each cell's rows are walked by a CTA at once (one
-    /// bf16 query at 32 q / 8 kv heads x 128 and 32K: 55.9 µs against 80.5 with the deep warp
-    /// merge; at 9 q / 3 kv heads x 64: 15.9 against 28.5, H100, session 15). Past one wave its
-    /// fixed latency is paid per wave: FastTree's tree 0 at 32/8 (64 queries of a few rows, 8192
-    /// CTAs) took 41.6 µs with a first form of it against 20.8 with the deep merge.
-    fn merge_kernel(&self, cells: usize, head_dim: usize) -> Kernel {
-        let sms = self.gpu.multiprocessors as usize;
-        if cells * (head_dim / WIDE_MERGE_DIMS) <= sms * WIDE_MERGE_CTAS {
-            return Kernel::MergeWide;
-        }
-        Kernel::Merge {
-            deep: cells <= DEEP_MERGE_CELLS_PER_SM * sms,
-        }
     }
 
     /// Device memory in use on this GPU beyond what was in use when the backend was created
@@ -580,7 +580,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let cells = nq as usize * partials.heads;
-        let kernel = self.merge_kernel(cells, partials.head_dim);
+        let kernel = merge_kernel(cells, partials.head_dim, self.gpu.multiprocessors as usize);
         let f = self.function(kernel)?;
         let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
         let s = &self.stream;
@@ -680,5 +680,33 @@ fn gcd(a: usize, b: usize) -> usize {
         a
     } else {
         gcd(b, a % b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A few queries over long contexts merge wide; FastTree's trees (320 cells or more at 32
+    /// heads) keep the warp merges, deep up to 32 cells per SM.
+    #[test]
+    fn merges_of_few_cells_run_wide() {
+        let h100 = 132;
+        assert_eq!(merge_kernel(32, 128, h100), Kernel::MergeWide);
+        assert_eq!(merge_kernel(9, 64, h100), Kernel::MergeWide);
+        assert_eq!(merge_kernel(4 * 32, 128, h100), Kernel::MergeWide);
+        assert_eq!(
+            merge_kernel(5 * 32, 128, h100),
+            Kernel::Merge { deep: true }
+        );
+        assert_eq!(
+            merge_kernel(10 * 32, 128, h100),
+            Kernel::Merge { deep: true }
+        );
+        assert_eq!(merge_kernel(8 * 32, 64, h100), Kernel::MergeWide);
+        assert_eq!(
+            merge_kernel(1024 * 32, 128, h100),
+            Kernel::Merge { deep: false }
+        );
     }
 }

@@ -37,6 +37,14 @@ pub const WIDE_MERGE_DIMS: usize = 32;
 /// Resident CTAs per SM `merge_partials_wide`'s registers are budgeted for (its launch
 /// bounds); the backend runs it where its grid fits in one wave of them.
 pub const WIDE_MERGE_CTAS: usize = 4;
+// `merge_partials_wide`'s threads are whole warps of whole float4 columns, and a wave of its
+// CTAs fits an SM's 2048 threads.
+const _: () = assert!(
+    WIDE_MERGE_DIMS.is_multiple_of(4)
+        && WIDE_MERGE_THREADS.is_multiple_of(32)
+        && WIDE_MERGE_THREADS.is_multiple_of(WIDE_MERGE_DIMS / 4)
+        && WIDE_MERGE_THREADS * WIDE_MERGE_CTAS <= 2048
+);
 
 /// `reduce_slots`' `op` argument (`combine.cu`): fold by sum, or by max.
 pub const REDUCE_SUM: u32 = 0;
