@@ -1,7 +1,8 @@
 //! `auto`'s device model: what a plan costs on a GPU, in the shape of canopy's CUDA kernels,
 //! and how its constants are fitted to measured steps.
 //!
-//! A plan is priced as the backend runs it: cut into CTAs by [`cut_for_gpu`]; groups of up to
+//! A plan is priced as the backend runs it: cut into CTAs by [`cut_for_gpu`] for the slots
+//! [`cut_slots`] gives (fewer for plans of one-warp-per-head CTAs alone); groups of up to
 //! 16 query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger groups
 //! four warps per KV head in pieces of at most 64 rows, all sharing the GPU's CTA slots. A step
 //! costs its bytes over bandwidth, or its CTA work over the slots, or its longest CTA (a CTA's
@@ -14,7 +15,7 @@
 //! JSON.
 
 use crate::error::{CoreError, Result};
-use crate::geometry::{cut_for_gpu, runs_per_head, HEADS_PER_CTA};
+use crate::geometry::{cut_for_gpu, cut_slots, runs_per_head, HEADS_PER_CTA};
 use crate::plan::Plan;
 use crate::shape::AttnShape;
 use serde::{Deserialize, Serialize};
@@ -127,10 +128,11 @@ impl DeviceModel {
     }
 
     /// The quantities of one decode step of `plan` as the CUDA backend cuts it for this
-    /// model's CTA slots (`predicted_us` left at 0).
+    /// model's GPU ([`cut_slots`]; `predicted_us` left at 0).
     pub fn measure(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
         let gqa = shape.group_size();
-        let (plan, _) = cut_for_gpu(plan, shape, self.slots() as usize);
+        let slots = cut_slots(plan, shape, self.multiprocessors, self.ctas_per_sm);
+        let (plan, _) = cut_for_gpu(plan, shape, slots);
         let io = plan.io(shape, crate::DType::F16);
         let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
         let mut c = PlanCost {

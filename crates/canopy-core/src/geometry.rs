@@ -28,10 +28,38 @@ pub const PIECE_TOKENS_PER_ROW: u32 = 3;
 /// A CTA's fixed cost in work units (KV head-tokens): its descriptor, range and query loads
 /// before the first tile, and its partial writes after the last.
 pub const CTA_FIXED_WORK: u64 = 32;
+/// Resident CTAs per SM a plan is cut for when every CTA runs one warp per KV head (one or a
+/// few queries per group: decoding independent sequences). Such CTAs stream KV at the copy
+/// bandwidth from one per SM on; a third per SM only added pieces, each a partial row to write,
+/// Q to read again and a row to merge: one bf16 query at 32 q / 8 kv heads x 128 took 51.5 µs
+/// at 32K cut for two per SM against 55.9 for three, 18.8 against 20.7 at 8K and 187.1 against
+/// 189.8 at 128K; one per SM was within 0.8 µs of two (H100, docs/BENCHMARKS.md, session 15).
+pub const HEADS_ONLY_CTAS_PER_SM: usize = 2;
 
 /// Whether a group of `rows` query rows runs on the one-warp-per-head path.
 pub fn runs_per_head(rows: usize, kv_heads: usize) -> bool {
     kv_heads.is_multiple_of(HEADS_PER_CTA) && rows <= HEADS_ROWS
+}
+
+/// The CTA slots [`cut_for_gpu`] fills with `plan` on a GPU of `multiprocessors` SMs that hold
+/// `ctas_per_sm` CTAs each: all of them, or [`HEADS_ONLY_CTAS_PER_SM`] per SM when every group
+/// runs one warp per KV head.
+pub fn cut_slots(
+    plan: &Plan,
+    shape: &AttnShape,
+    multiprocessors: usize,
+    ctas_per_sm: usize,
+) -> usize {
+    let heads_only = plan
+        .groups()
+        .iter()
+        .all(|g| runs_per_head(g.queries.len() * shape.group_size(), shape.kv_heads));
+    let per_sm = if heads_only {
+        ctas_per_sm.min(HEADS_ONLY_CTAS_PER_SM)
+    } else {
+        ctas_per_sm
+    };
+    multiprocessors * per_sm.max(1)
 }
 
 /// One CTA of a cut plan: a group of it and the first of the KV heads the CTA takes.
@@ -153,6 +181,31 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), cut.groups().len() * 8);
+    }
+
+    /// Plans of one-warp-per-head CTAs alone are cut for fewer slots; a plan with one group of
+    /// many rows, or a GQA shape whose KV heads do not make whole CTAs of heads, for all.
+    #[test]
+    fn heads_only_plans_are_cut_for_fewer_slots() {
+        let one_query = Plan::new(1, vec![Group::unmasked(vec![0..32768], vec![0])]).unwrap();
+        assert_eq!(cut_slots(&one_query, &shape(32, 8), 132, 3), 132 * 2);
+        assert_eq!(cut_slots(&one_query, &shape(32, 8), 132, 1), 132);
+        assert_eq!(cut_slots(&one_query, &shape(9, 3), 132, 3), 132 * 3);
+        let mut groups = vec![Group::unmasked(vec![0..4096], (0..8).collect())];
+        groups.push(Group::unmasked(vec![4096..4128], vec![0]));
+        let shared = Plan::new(8, groups).unwrap();
+        assert_eq!(cut_slots(&shared, &shape(32, 8), 132, 3), 132 * 3);
+        let (cut, items) = cut_for_gpu(
+            &one_query,
+            &shape(32, 8),
+            cut_slots(&one_query, &shape(32, 8), 132, 3),
+        );
+        assert_eq!(
+            cut.groups().len(),
+            132,
+            "two head CTAs per piece fill 264 slots"
+        );
+        assert_eq!(items.len(), 264);
     }
 
     /// A plan that already fills the GPU evenly is not cut.

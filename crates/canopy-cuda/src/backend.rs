@@ -8,7 +8,9 @@
 //!
 //! Stage 1 runs on CUDA cores or tensor cores; [`KernelChoice`] picks per plan. `decode_partial`
 //! (CUDA cores) streams KV at the copy bandwidth for groups of one or a few query rows; a step
-//! is that kernel then `merge_partials` (one warp per query × head). On tensor cores
+//! is that kernel then the merge: `merge_partials` (one warp per query × head), or
+//! `merge_partials_wide` (a CTA per query × head) where few cells have many rows each — a
+//! short batch over long contexts cut into many pieces. On tensor cores
 //! (mma.sync), groups whose queries × GQA rows share their KV — the tree methods' groups — run
 //! on `decode_partial_mma`: one launch of CTAs cut and ordered by
 //! [`canopy_core::geometry::cut_for_gpu`], many rows of one KV head (up to 64) or one warp per
@@ -21,12 +23,12 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::{CudaKv, Paging};
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
-use canopy_core::geometry::{cut_for_gpu, CTA_ROWS};
+use canopy_core::geometry::{cut_for_gpu, cut_slots, CTA_ROWS};
 use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use canopy_kernels::{
     rows_config, Kernel, MmaPipeline, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, MERGE_WARPS,
-    MMA_HEAD_DIMS, MMA_THREADS,
+    MMA_HEAD_DIMS, MMA_THREADS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
@@ -42,9 +44,16 @@ pub(crate) type EResult<T> = canopy_engine::Result<T>;
 /// 1M: 1.967 vs 2.017; twice each, docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of
 /// shared memory each).
 const DEFAULT_CTAS_PER_SM: u32 = 4;
+/// Resident CUDA-core CTAs per SM a plan of GQA groups (the pipelined kernel, more than one
+/// row) is split for. One bf16 query at 9 q / 3 kv heads x 64 took 157 µs at 512K on three per
+/// SM against 175 on four, 47.3 against 49.9 at 128K, and the same or less at 8K and 32K (H100,
+/// docs/BENCHMARKS.md, session 15).
+const SIMT_GQA_CTAS_PER_SM: u32 = 3;
 /// Shortest piece the CUDA-core kernel's plans are split into to fill the GPU: below this,
-/// partials and launch costs dominate.
-const SIMT_MIN_SPLIT_TOKENS: u32 = 256;
+/// partials and launch costs dominate. At 128 tokens, one query at 9 q / 3 kv heads x 64 and
+/// 8K took 11.8 µs (64 pieces) against 12.9 at 256 (32 pieces) and 12.2 at 64 (128 pieces);
+/// longer contexts fill the GPU before the pieces get this short (H100, session 15).
+const SIMT_MIN_SPLIT_TOKENS: u32 = 128;
 /// `auto` runs plans on tensor cores when some group has at least this many query rows.
 const AUTO_MMA_MIN_ROWS: usize = 4;
 
@@ -65,6 +74,22 @@ fn check_pipeline(pipeline: MmaPipeline) -> Result<MmaPipeline> {
         )));
     }
     Ok(pipeline)
+}
+
+/// The merge kernel for `cells` (query, head) cells of `head_dim` elements on a GPU of
+/// `multiprocessors` SMs: the wide one where its CTAs fit in one wave, so that each cell's rows
+/// are walked by a CTA at once (one bf16 query at 32 q / 8 kv heads x 128 and 32K: 55.9 µs
+/// against 80.5 with the deep warp merge; at 9 q / 3 kv heads x 64: 15.9 against 28.5, H100,
+/// session 15). Past one wave its fixed latency is paid per wave: FastTree's tree 0 at 32/8 (64
+/// queries of a few rows, 8192 CTAs) took 41.6 µs with a first form of it against 20.8 with the
+/// deep merge.
+fn merge_kernel(cells: usize, head_dim: usize, multiprocessors: usize) -> Kernel {
+    if cells * (head_dim / WIDE_MERGE_DIMS) <= multiprocessors * WIDE_MERGE_CTAS {
+        return Kernel::MergeWide;
+    }
+    Kernel::Merge {
+        deep: cells <= DEEP_MERGE_CELLS_PER_SM * multiprocessors,
+    }
 }
 
 /// Which stage-1 kernel runs a plan.
@@ -375,25 +400,30 @@ impl Backend for CudaBackend {
             * gqa;
         let tensor_cores = self.tensor_cores_for(shape, max_rows);
         let rows = rows_config(max_rows);
-        // One balanced wave: as many CTAs as fit on the GPU at once. The plan is uploaded before
-        // it meets its KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32
-        // variants use the same shared memory and no more registers (compiler resource report),
-        // so their true occupancy is never lower and the wave never spills into a second.
+        // One balanced wave: as many CTAs as fit on the GPU at once, or fewer where more measured
+        // slower (`cut_slots`, `SIMT_GQA_CTAS_PER_SM`). The plan is uploaded before it meets its
+        // KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32 variants use
+        // the same shared memory and no more registers (compiler resource report), so their true
+        // occupancy is never lower and the wave never spills into a second.
         let res = if tensor_cores {
             self.mma_resources(DType::Bf16, shape.head_dim)?
         } else {
             self.decode_resources(DType::Bf16, shape.head_dim, rows)?
         };
-        let per_sm = res
+        let mut per_sm = res
             .ctas_per_sm
             .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
-            .max(1);
-        let capacity = (self.gpu.multiprocessors * per_sm * self.waves) as usize;
+            .max(1) as usize;
+        if !tensor_cores && rows > 1 {
+            per_sm = per_sm.min(SIMT_GQA_CTAS_PER_SM as usize);
+        }
+        let sms = self.gpu.multiprocessors as usize;
+        let waves = self.waves as usize;
         let (plan, items) = if tensor_cores {
-            cut_for_gpu(&plan, shape, capacity)
+            cut_for_gpu(&plan, shape, cut_slots(&plan, shape, sms, per_sm) * waves)
         } else {
             // Round down: one CTA past the resident capacity costs a whole second wave.
-            let target = (capacity / shape.kv_heads).max(1);
+            let target = (sms * per_sm * waves / shape.kv_heads).max(1);
             let plan = plan.split_for_parallelism(target, SIMT_MIN_SPLIT_TOKENS);
             (plan, Vec::new())
         };
@@ -550,8 +580,8 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let cells = nq as usize * partials.heads;
-        let deep = cells <= DEEP_MERGE_CELLS_PER_SM * self.gpu.multiprocessors as usize;
-        let f = self.function(Kernel::Merge { deep })?;
+        let kernel = merge_kernel(cells, partials.head_dim, self.gpu.multiprocessors as usize);
+        let f = self.function(kernel)?;
         let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
         let s = &self.stream;
         let (po, _) = partials.o.device_ptr(s);
@@ -562,10 +592,17 @@ impl Backend for CudaBackend {
         let (query_rows, _) = query_rows.device_ptr(s);
         let (out_o, _) = out.o.device_ptr_mut(s);
         let (out_lse, _) = out.lse.device_ptr_mut(s);
-        let cfg = LaunchConfig {
-            grid_dim: (cells.div_ceil(MERGE_WARPS) as u32, 1, 1),
-            block_dim: (MERGE_WARPS as u32 * 32, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = match kernel {
+            Kernel::MergeWide => LaunchConfig {
+                grid_dim: ((cells * partials.head_dim / WIDE_MERGE_DIMS) as u32, 1, 1),
+                block_dim: (WIDE_MERGE_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            _ => LaunchConfig {
+                grid_dim: (cells.div_ceil(MERGE_WARPS) as u32, 1, 1),
+                block_dim: (MERGE_WARPS as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
         let mut args = [
             &po as *const _ as *mut c_void,
@@ -578,9 +615,10 @@ impl Backend for CudaBackend {
             &heads as *const _ as *mut c_void,
             &d as *const _ as *mut c_void,
         ];
-        // SAFETY: the arguments are merge_partials' parameters, in order, and live through the
-        // call; the CSR rows index the partial buffers.
-        unsafe { self.launch_dependent(&f, cfg, &mut args) }.ctx("launching merge_partials")?;
+        // SAFETY: the arguments are the merge kernels' parameters, in order, and live through
+        // the call; the CSR rows index the partial buffers.
+        unsafe { self.launch_dependent(&f, cfg, &mut args) }
+            .ctx(format!("launching {}", kernel.entry()))?;
         Ok(())
     }
 
@@ -646,5 +684,33 @@ fn gcd(a: usize, b: usize) -> usize {
         a
     } else {
         gcd(b, a % b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A few queries over long contexts merge wide; FastTree's trees (320 cells or more at 32
+    /// heads) keep the warp merges, deep up to 32 cells per SM.
+    #[test]
+    fn merges_of_few_cells_run_wide() {
+        let h100 = 132;
+        assert_eq!(merge_kernel(32, 128, h100), Kernel::MergeWide);
+        assert_eq!(merge_kernel(9, 64, h100), Kernel::MergeWide);
+        assert_eq!(merge_kernel(4 * 32, 128, h100), Kernel::MergeWide);
+        assert_eq!(
+            merge_kernel(5 * 32, 128, h100),
+            Kernel::Merge { deep: true }
+        );
+        assert_eq!(
+            merge_kernel(10 * 32, 128, h100),
+            Kernel::Merge { deep: true }
+        );
+        assert_eq!(merge_kernel(8 * 32, 64, h100), Kernel::MergeWide);
+        assert_eq!(
+            merge_kernel(1024 * 32, 128, h100),
+            Kernel::Merge { deep: false }
+        );
     }
 }

@@ -2,9 +2,9 @@
 //!
 //! KV is generated on the device (hash-based, never zeros) so gigabytes of cache cost no host
 //! traffic; the f64 oracle regenerates the same values on the CPU. Each point reports the
-//! median of CUDA-event timings of one decode step (stage 1 + stage 2), the bytes the step must
-//! move (KV + queries + partials written and read + outputs), the bandwidth that implies, and
-//! the floor `bytes / measured copy bandwidth`.
+//! median of CUDA-event timings of one decode step (stage 1 + stage 2) and of stage 1 alone,
+//! the bytes the step must move (KV + queries + partials written and read + outputs), the
+//! bandwidth that implies, and the floor `bytes / measured copy bandwidth`.
 
 use crate::backend::CudaBackend;
 use crate::error::Result;
@@ -24,6 +24,9 @@ pub struct KernelPoint {
     /// Groups after splitting for parallelism (CTAs = groups × KV heads).
     pub groups: usize,
     pub median_ms: f64,
+    /// Median of stage 1 alone, timed separately: the step's time beyond it is the merge's
+    /// share (its latency after stage 1, less what the dependent launch overlaps).
+    pub stage1_ms: f64,
     pub p10_ms: f64,
     pub p90_ms: f64,
     pub kv_bytes: u64,
@@ -76,6 +79,9 @@ pub fn bench_point(
     let times = backend.time_ms(iters, Cache::Warm, || {
         backend.step(&kv, &q, &dplan, &mut partials, &mut out)
     })?;
+    let stage1 = backend.time_ms(iters, Cache::Warm, || {
+        backend.run_plan(&kv, &q, &dplan, &mut partials)
+    })?;
     let io = dplan.plan().io(shape, dtype);
     let f32_q_bytes = io.partial_rows as u64 * shape.q_row_elems() as u64 * 4;
     let out_bytes =
@@ -94,6 +100,7 @@ pub fn bench_point(
         batch,
         groups: io.groups,
         median_ms: med,
+        stage1_ms: median(&stage1),
         p10_ms: quantile(&times, 0.1),
         p90_ms: quantile(&times, 0.9),
         kv_bytes: io.kv_bytes,

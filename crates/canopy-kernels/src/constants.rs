@@ -29,6 +29,22 @@ pub const MMA_THREADS: u32 = 128;
 pub const MERGE_WARPS: usize = 8;
 /// Resident CTAs per SM the deep merge's registers are budgeted for (its launch bounds).
 pub const DEEP_MERGE_CTAS: usize = 4;
+/// Threads per CTA of `merge_partials_wide`, which walks one cell's rows with all of them.
+pub const WIDE_MERGE_THREADS: usize = 256;
+/// Output elements per CTA of `merge_partials_wide` (a head's dims are split over
+/// `head_dim / WIDE_MERGE_DIMS` CTAs; every supported head dim is a multiple of it).
+pub const WIDE_MERGE_DIMS: usize = 32;
+/// Resident CTAs per SM `merge_partials_wide`'s registers are budgeted for (its launch
+/// bounds); the backend runs it where its grid fits in one wave of them.
+pub const WIDE_MERGE_CTAS: usize = 4;
+// `merge_partials_wide`'s threads are whole warps of whole float4 columns, and a wave of its
+// CTAs fits an SM's 2048 threads.
+const _: () = assert!(
+    WIDE_MERGE_DIMS.is_multiple_of(4)
+        && WIDE_MERGE_THREADS.is_multiple_of(32)
+        && WIDE_MERGE_THREADS.is_multiple_of(WIDE_MERGE_DIMS / 4)
+        && WIDE_MERGE_THREADS * WIDE_MERGE_CTAS <= 2048
+);
 
 /// `reduce_slots`' `op` argument (`combine.cu`): fold by sum, or by max.
 pub const REDUCE_SUM: u32 = 0;
@@ -71,6 +87,9 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("MMA_THREADS", MMA_THREADS.to_string()),
         ("MERGE_WARPS", MERGE_WARPS.to_string()),
         ("DEEP_MERGE_CTAS", DEEP_MERGE_CTAS.to_string()),
+        ("WIDE_MERGE_THREADS", WIDE_MERGE_THREADS.to_string()),
+        ("WIDE_MERGE_DIMS", WIDE_MERGE_DIMS.to_string()),
+        ("WIDE_MERGE_CTAS", WIDE_MERGE_CTAS.to_string()),
         ("HEADS_TILE", HEADS_TILE.to_string()),
         ("HEADS_STAGES", HEADS_STAGES.to_string()),
         ("MMA_ROW_PAD", MMA_ROW_PAD.to_string()),

@@ -25,6 +25,7 @@ pub use constants::{
     shared_defines, ATTENTION_MAX_HEAD_DIM, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS,
     DEEP_MERGE_CTAS, GEMV_MAX_ROWS, GEMV_WARPS, GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES,
     HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS, REDUCE_MAX, REDUCE_SUM,
+    WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -85,7 +86,7 @@ impl Id {
         match self {
             Id::Decode => &["decode_partial"],
             Id::DecodeMma => &["decode_partial_mma"],
-            Id::Merge => &["merge_partials"],
+            Id::Merge => &["merge_partials", "merge_partials_wide"],
             Id::Fill => &["fill_random", "read16"],
             Id::Combine => &[
                 "combine_weights",
@@ -137,7 +138,8 @@ pub enum Variant {
         head_dim: usize,
         pipeline: MmaPipeline,
     },
-    /// `merge_partials`; `deep` keeps 8 rows' loads in flight per lane instead of 4.
+    /// `merge_partials`; `deep` keeps 8 rows' loads in flight per lane instead of 4. Both
+    /// modules also hold `merge_partials_wide`, which no define changes.
     Merge { deep: bool },
     /// `fill_random` for KV of `dtype`, and `read16`.
     Fill(DType),
@@ -262,6 +264,9 @@ pub enum Kernel {
     Merge {
         deep: bool,
     },
+    /// `merge_partials_wide`: a CTA per cell and block of [`WIDE_MERGE_DIMS`] of its elements,
+    /// for few cells of many rows (in the module of `Merge { deep: false }`).
+    MergeWide,
     Fill(DType),
     /// `read16`, the clean eviction's sweep (in the fill source).
     Read,
@@ -295,6 +300,7 @@ impl Kernel {
                 pipeline,
             },
             Kernel::Merge { deep } => Variant::Merge { deep },
+            Kernel::MergeWide => Variant::Merge { deep: false },
             Kernel::Fill(dtype) => Variant::Fill(dtype),
             Kernel::Read => Variant::Fill(DType::F32),
             Kernel::Combine(_) => Variant::Combine,
@@ -308,6 +314,7 @@ impl Kernel {
             Kernel::Decode { .. } => "decode_partial",
             Kernel::DecodeMma { .. } => "decode_partial_mma",
             Kernel::Merge { .. } => "merge_partials",
+            Kernel::MergeWide => "merge_partials_wide",
             Kernel::Combine(name) | Kernel::Layers(_, name) => name,
             Kernel::Fill(_) => "fill_random",
             Kernel::Read => "read16",
@@ -421,6 +428,7 @@ mod tests {
                 pipeline: MmaPipeline::default(),
             },
             Kernel::Merge { deep: true },
+            Kernel::MergeWide,
             Kernel::Fill(DType::F16),
             Kernel::Read,
         ]
@@ -452,6 +460,14 @@ mod tests {
     fn every_source_file_is_a_variant_s() {
         let ids: HashSet<Id> = variants().map(|v| v.id()).collect();
         assert_eq!(ids, ALL_IDS.into_iter().collect());
+    }
+
+    /// `merge_partials_wide` splits every head into whole blocks of its dims.
+    #[test]
+    fn wide_merge_blocks_tile_every_head_dim() {
+        for head_dim in SUPPORTED_HEAD_DIMS {
+            assert_eq!(head_dim % WIDE_MERGE_DIMS, 0, "head dim {head_dim}");
+        }
     }
 
     #[test]
