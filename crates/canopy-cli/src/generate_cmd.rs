@@ -334,7 +334,8 @@ impl Run<'_> {
             }
             if stream {
                 // Hold back what could still become a stop string.
-                let safe = stop_at.unwrap_or_else(|| held_back(&texts[s], &a.stop));
+                let safe = stop_at
+                    .unwrap_or_else(|| canopy_runtime::serving::held_back(&texts[s], &a.stop));
                 if safe > printed[s] {
                     print!("{}", &texts[s][printed[s]..safe]);
                     let _ = std::io::stdout().flush();
@@ -361,31 +362,5 @@ impl Run<'_> {
             print!("{}", &samples[0].text[printed[0]..]);
         }
         Ok((out, samples, first_token.unwrap_or(0.0)))
-    }
-}
-
-/// How much of `text` can be printed: all but a tail that is a prefix of a stop string.
-fn held_back(text: &str, stops: &[String]) -> usize {
-    let mut safe = text.len();
-    for stop in stops {
-        for (i, _) in text.char_indices().rev().take(stop.chars().count()) {
-            if stop.starts_with(&text[i..]) {
-                safe = safe.min(i);
-            }
-        }
-    }
-    safe
-}
-
-#[cfg(test)]
-mod tests {
-    use super::held_back;
-
-    #[test]
-    fn a_possible_stop_string_is_held_back() {
-        let stops = vec!["\nUser:".to_string()];
-        assert_eq!(held_back("Hello\nUs", &stops), 5);
-        assert_eq!(held_back("Hello", &stops), 5);
-        assert_eq!(held_back("Hello there", &[]), 11);
     }
 }

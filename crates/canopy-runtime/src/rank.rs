@@ -287,9 +287,10 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     })
 }
 
-/// The tree's concrete merge, resolved once for the run: `auto` times this world's
-/// collectives at the decode step's sizes and every rank takes the same choice.
-fn resolve_merge<C: Collective>(
+/// The tree's concrete merge, resolved once for a run (a generation, or a server's life):
+/// `auto` times this world's collectives at the decode step's sizes and every rank takes the
+/// same choice.
+pub(crate) fn resolve_merge<C: Collective>(
     strategy: DecodeStrategy,
     comm: &C,
     cells: usize,

@@ -21,7 +21,8 @@ use super::ServeConfig;
 use crate::forward::{Forward, StepRows};
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunk, PrefillRows};
-use crate::{DecodeStrategy, Result, RuntimeError};
+use crate::rank::resolve_merge;
+use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
 use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
@@ -304,26 +305,4 @@ fn mine(placed: &[(usize, u32)], rank: usize) -> Vec<(u32, u32)> {
         .filter(|(_, (r, _))| *r == rank)
         .map(|(row, (_, slot))| (row as u32, *slot))
         .collect()
-}
-
-/// The tree's concrete merge, resolved once: `auto` times this world's collectives at the
-/// decode step's sizes and every rank takes the same choice.
-fn resolve_merge<C: Collective>(
-    strategy: DecodeStrategy,
-    comm: &C,
-    cells: usize,
-    head_dim: usize,
-) -> Result<Option<(MergeCollective, NodeLayout)>> {
-    let DecodeStrategy::Tree(how) = strategy else {
-        return Ok(None);
-    };
-    let layout = canopy_engine::strategy::node_layout(comm, None)?;
-    let how = match how {
-        MergeCollective::Auto => {
-            let (cells, d) = (cells as u64, head_dim as u64);
-            canopy_engine::strategy::calibrate(comm, cells, d)?.choose(&layout, cells, d)
-        }
-        how => how,
-    };
-    Ok(Some((how, layout)))
 }

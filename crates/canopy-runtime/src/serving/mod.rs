@@ -32,6 +32,7 @@ pub use handle::{
     channel, EngineHandle, EngineInbox, EngineStatus, Event, EventSink, FinishReason, Limits,
     RequestError, ServeRequest,
 };
+pub use stop::held_back;
 
 use crate::{DecodeStrategy, Result};
 use canopy_core::{DType, Method};

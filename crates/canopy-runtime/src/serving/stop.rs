@@ -55,8 +55,9 @@ fn floor_char(s: &str, mut i: usize) -> usize {
     i
 }
 
-/// How much of `text` can be released: all but a tail that is a prefix of a stop string.
-fn held_back(text: &str, stops: &[String]) -> usize {
+/// How much of `text` can be released: all but a tail that is a prefix of a stop string
+/// (streamed text holds that tail back until it cannot begin one).
+pub fn held_back(text: &str, stops: &[String]) -> usize {
     let mut safe = text.len();
     for stop in stops {
         for (i, _) in text.char_indices().rev().take(stop.chars().count()) {
