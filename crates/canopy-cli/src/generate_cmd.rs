@@ -6,7 +6,7 @@
 
 use crate::bench::{resolve_backend, BackendChoice, BackendKind, Launcher, World};
 use crate::ranks::{Placed, RankComm, WeightSource};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use canopy_core::{DType, Method};
 use canopy_cuda::CudaBackend;
 use canopy_engine::{CpuBackend, LayerOps, MergeCollective};
@@ -142,16 +142,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let world = World::new(a.launcher)?;
     let ranks = world.ranks(a.ranks, 1)?;
     let kind = resolve_backend(a.backend)?;
-    let dtype = a.dtype.unwrap_or(match kind {
-        BackendKind::Cpu => CpuBackend.preferred_dtype(),
-        BackendKind::Cuda => DType::Bf16,
-    });
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => canopy_model::default_model().context("fetching the default model")?,
-    };
-    let model = Model::load(&path, dtype)
-        .with_context(|| format!("loading the model at {}", path.display()))?;
+    let (model, dtype, path) = crate::ranks::load_model(a.model.as_deref(), a.dtype, kind)?;
     let prompt = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(prompt)) if a.chat => {

@@ -241,3 +241,26 @@ fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::Progres
     bar.set_message("layers");
     bar
 }
+
+/// The model at `path` (the default model, fetched if need be, when there is none) loaded in
+/// `dtype`, or the dtype the backend prefers (f32 on the CPU, bf16 on CUDA); with the dtype
+/// and the path it was loaded from.
+pub fn load_model(
+    path: Option<&std::path::Path>,
+    dtype: Option<canopy_core::DType>,
+    kind: crate::bench::BackendKind,
+) -> anyhow::Result<(canopy_model::Model, canopy_core::DType, std::path::PathBuf)> {
+    use anyhow::Context;
+    use canopy_engine::LayerOps;
+    let dtype = dtype.unwrap_or(match kind {
+        crate::bench::BackendKind::Cpu => canopy_engine::CpuBackend.preferred_dtype(),
+        crate::bench::BackendKind::Cuda => canopy_core::DType::Bf16,
+    });
+    let path = match path {
+        Some(p) => p.to_path_buf(),
+        None => canopy_model::default_model().context("fetching the default model")?,
+    };
+    let model = canopy_model::Model::load(&path, dtype)
+        .with_context(|| format!("loading the model at {}", path.display()))?;
+    Ok((model, dtype, path))
+}

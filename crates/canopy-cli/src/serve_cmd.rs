@@ -12,7 +12,7 @@ use crate::ranks::{Placed, RankThreads, WeightSource};
 use anyhow::{bail, Context, Result};
 use canopy_core::{DType, Method};
 use canopy_cuda::CudaBackend;
-use canopy_engine::{CpuBackend, LayerOps, MergeCollective};
+use canopy_engine::{CpuBackend, MergeCollective};
 use canopy_model::{Model, Tokenizer};
 use canopy_runtime::serving::{channel, EngineHandle, EngineInbox, Front, ServeConfig};
 use canopy_runtime::DecodeStrategy;
@@ -86,16 +86,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let world = World::new(a.launcher)?;
     let ranks = world.ranks(a.ranks, 1)?;
     let kind = resolve_backend(a.backend)?;
-    let dtype = a.dtype.unwrap_or(match kind {
-        BackendKind::Cpu => CpuBackend.preferred_dtype(),
-        BackendKind::Cuda => DType::Bf16,
-    });
-    let path = match &a.model {
-        Some(p) => p.clone(),
-        None => canopy_model::default_model().context("fetching the default model")?,
-    };
-    let model = Model::load(&path, dtype)
-        .with_context(|| format!("loading the model at {}", path.display()))?;
+    let (model, dtype, path) = crate::ranks::load_model(a.model.as_deref(), a.dtype, kind)?;
     let capacity = model.config.max_position_embeddings;
     let max_context = a.max_context.unwrap_or(capacity);
     if max_context > capacity {
