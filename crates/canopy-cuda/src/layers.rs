@@ -239,78 +239,6 @@ impl CudaBackend {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn rope_split_rows(
-        &self,
-        qkv: &CudaTensor,
-        positions: &[u32],
-        inv_freq: &CudaWeight,
-        q: &mut CudaTensor,
-        k: &mut CudaTensor,
-        v: &mut CudaTensor,
-    ) -> Result<()> {
-        let rows = qkv.rows;
-        same_dims("rope_split", "k", k, (rows, k.cols))?;
-        same_dims("rope_split", "q", q, (rows, q.cols))?;
-        same_dims("rope_split", "v", v, (rows, k.cols))?;
-        expect_size(
-            "cuda",
-            "rope_split",
-            "the width of qkv",
-            qkv.cols,
-            q.cols + 2 * k.cols,
-        )?;
-        expect_size(
-            "cuda",
-            "rope_split",
-            "the number of positions",
-            positions.len(),
-            rows,
-        )?;
-        let half = inv_freq.rows * inv_freq.cols;
-        if inv_freq.dtype != DType::F32
-            || half == 0
-            || !q.cols.is_multiple_of(2 * half)
-            || !k.cols.is_multiple_of(2 * half)
-        {
-            return Err(CudaError::Unsupported(format!(
-                "rope_split: rows of {} and {} values are not whole heads of {} (RoPE frequencies must be f32)",
-                q.cols,
-                k.cols,
-                2 * half
-            )));
-        }
-        if rows == 0 {
-            return Ok(());
-        }
-        let (rows_, q_cols, kv_cols, half_) = (
-            narrow("rope_split", rows)?,
-            narrow("rope_split", q.cols)?,
-            narrow("rope_split", k.cols)?,
-            narrow("rope_split", half)?,
-        );
-        let positions = self.upload(positions)?;
-        let f = self.function(Kernel::Layers(DType::F32, "rope_split"))?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&qkv.data)
-            .arg(&positions)
-            .arg(&inv_freq.data)
-            .arg(&mut q.data)
-            .arg(&mut k.data)
-            .arg(&mut v.data)
-            .arg(&rows_)
-            .arg(&q_cols)
-            .arg(&kv_cols)
-            .arg(&half_);
-        // SAFETY: qkv holds rows × (q_cols + 2 kv_cols) floats, q rows × q_cols, k and v rows ×
-        // kv_cols (checked); one position per row and `half` f32 frequencies; every head
-        // lies within q's or k's columns.
-        let pairs = rows * (q.cols + k.cols) / 2;
-        unsafe { b.launch(self.elementwise(pairs.max(rows * k.cols))) }
-            .ctx("launching rope_split")?;
-        Ok(())
-    }
-
     /// `out = silu(gate) * up` over the two halves of each row of `gate_up`.
     fn swiglu_halves(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
         same_dims(
@@ -530,7 +458,67 @@ impl LayerOps for CudaBackend {
         k: &mut CudaTensor,
         v: &mut CudaTensor,
     ) -> EResult<()> {
-        Ok(self.rope_split_rows(qkv, positions, inv_freq, q, k, v)?)
+        let rows = qkv.rows;
+        same_dims("rope_split", "k", k, (rows, k.cols))?;
+        same_dims("rope_split", "q", q, (rows, q.cols))?;
+        same_dims("rope_split", "v", v, (rows, k.cols))?;
+        expect_size(
+            "cuda",
+            "rope_split",
+            "the width of qkv",
+            qkv.cols,
+            q.cols + 2 * k.cols,
+        )?;
+        expect_size(
+            "cuda",
+            "rope_split",
+            "the number of positions",
+            positions.len(),
+            rows,
+        )?;
+        let half = inv_freq.rows * inv_freq.cols;
+        if inv_freq.dtype != DType::F32
+            || half == 0
+            || !q.cols.is_multiple_of(2 * half)
+            || !k.cols.is_multiple_of(2 * half)
+        {
+            return Err(CudaError::Unsupported(format!(
+                "rope_split: rows of {} and {} values are not whole heads of {} (RoPE frequencies must be f32)",
+                q.cols,
+                k.cols,
+                2 * half
+            ))
+            .into());
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (rows_, q_cols, kv_cols, half_) = (
+            narrow("rope_split", rows)?,
+            narrow("rope_split", q.cols)?,
+            narrow("rope_split", k.cols)?,
+            narrow("rope_split", half)?,
+        );
+        let positions = self.upload(positions)?;
+        let f = self.function(Kernel::Layers(DType::F32, "rope_split"))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&qkv.data)
+            .arg(&positions)
+            .arg(&inv_freq.data)
+            .arg(&mut q.data)
+            .arg(&mut k.data)
+            .arg(&mut v.data)
+            .arg(&rows_)
+            .arg(&q_cols)
+            .arg(&kv_cols)
+            .arg(&half_);
+        // SAFETY: qkv holds rows × (q_cols + 2 kv_cols) floats, q rows × q_cols, k and v rows ×
+        // kv_cols (checked); one position per row and `half` f32 frequencies; every head
+        // lies within q's or k's columns.
+        let pairs = rows * (q.cols + k.cols) / 2;
+        unsafe { b.launch(self.elementwise(pairs.max(rows * k.cols))) }
+            .ctx("launching rope_split")?;
+        Ok(())
     }
 
     fn store_kv(
