@@ -4,12 +4,12 @@
 //! ranks are threads of this process, or MPI processes under mpirun/srun; every rank decodes
 //! the same tokens and rank 0 prints them.
 
-use crate::bench::{resolve_backend, BackendChoice, BackendKind, Launcher, World};
+use crate::bench::BackendKind;
 use crate::ranks::{Placed, RankComm, WeightSource};
 use anyhow::{bail, Result};
-use canopy_core::{DType, Method};
+use canopy_core::Method;
 use canopy_cuda::CudaBackend;
-use canopy_engine::{CpuBackend, LayerOps, MergeCollective};
+use canopy_engine::{CpuBackend, LayerOps};
 use canopy_model::{ChatMessage, Model, Tokenizer};
 use canopy_runtime::{
     DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo,
@@ -17,7 +17,6 @@ use canopy_runtime::{
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -30,10 +29,8 @@ pub enum DecodeChoice {
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// A Hugging Face model directory or a `.gguf` file [default: SmolLM2-135M-Instruct,
-    /// fetched into $CANOPY_MODEL_CACHE or ~/.cache/canopy/models on first use].
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    run: crate::ranks::ModelRunArgs,
     /// The prompt text.
     #[arg(
         long,
@@ -73,29 +70,9 @@ pub struct GenerateArgs {
     /// End a sample when its text contains this (repeatable); the text stops before it.
     #[arg(long)]
     stop: Vec<String>,
-    #[arg(long, value_enum, default_value = "auto")]
-    backend: BackendChoice,
-    /// The dtype of the weights and the KV cache (arithmetic is fp32) [default: f32 on the
-    /// CPU, bf16 on a GPU].
-    #[arg(long)]
-    dtype: Option<DType>,
-    /// Ranks the KV cache is sharded over: threads of this process [default: 1]; under mpirun
-    /// or srun, the world size.
-    #[arg(long)]
-    ranks: Option<usize>,
-    /// How ranks combine their attention at decode.
-    #[arg(long, value_enum, default_value = "tree")]
-    strategy: DecodeChoice,
-    /// The tree's merge: allreduce3, allreduce2, allgather, hierarchical or auto.
-    #[arg(long, default_value = "auto")]
-    collective: MergeCollective,
     /// Planner of each rank's part of the KV tree.
     #[arg(long, default_value = "auto")]
     method: Method,
-    /// How ranks are started: threads of this process, or one process per rank (detected
-    /// under mpirun/srun).
-    #[arg(long, value_enum)]
-    launcher: Option<Launcher>,
     /// Print one JSON document at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -139,10 +116,14 @@ struct SampleText {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
-    let world = World::new(a.launcher)?;
-    let ranks = world.ranks(a.ranks, 1)?;
-    let kind = resolve_backend(a.backend)?;
-    let (model, dtype, path) = crate::ranks::load_model(a.model.as_deref(), a.dtype, kind)?;
+    let crate::ranks::OpenedRun {
+        world,
+        ranks,
+        kind,
+        model,
+        dtype,
+        path,
+    } = a.run.open()?;
     let prompt = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, Some(prompt)) if a.chat => {
@@ -169,10 +150,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         },
         seed: a.seed,
         stop_tokens: model.config.eos_token_ids.clone(),
-        strategy: match a.strategy {
-            DecodeChoice::Tree => DecodeStrategy::Tree(a.collective),
-            DecodeChoice::Ring => DecodeStrategy::Ring,
-        },
+        strategy: a.run.strategy(),
         method: a.method,
         page_size: PAGE_SIZE,
         kv_dtype: dtype,

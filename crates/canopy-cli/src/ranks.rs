@@ -242,25 +242,84 @@ fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::Progres
     bar
 }
 
-/// The model at `path` (the default model, fetched if need be, when there is none) loaded in
-/// `dtype`, or the dtype the backend prefers (f32 on the CPU, bf16 on CUDA); with the dtype
-/// and the path it was loaded from.
-pub fn load_model(
-    path: Option<&std::path::Path>,
-    dtype: Option<canopy_core::DType>,
-    kind: crate::bench::BackendKind,
-) -> anyhow::Result<(canopy_model::Model, canopy_core::DType, std::path::PathBuf)> {
-    use anyhow::Context;
-    use canopy_engine::LayerOps;
-    let dtype = dtype.unwrap_or(match kind {
-        crate::bench::BackendKind::Cpu => canopy_engine::CpuBackend.preferred_dtype(),
-        crate::bench::BackendKind::Cuda => canopy_core::DType::Bf16,
-    });
-    let path = match path {
-        Some(p) => p.to_path_buf(),
-        None => canopy_model::default_model().context("fetching the default model")?,
-    };
-    let model = canopy_model::Model::load(&path, dtype)
-        .with_context(|| format!("loading the model at {}", path.display()))?;
-    Ok((model, dtype, path))
+/// The options of a command that runs a model over ranks (`generate`, `serve`): which model,
+/// on which backend and dtype, over how many ranks started how, and how the ranks combine
+/// their attention.
+#[derive(clap::Args, Debug)]
+pub struct ModelRunArgs {
+    /// A Hugging Face model directory or a `.gguf` file [default: SmolLM2-135M-Instruct,
+    /// fetched into $CANOPY_MODEL_CACHE or ~/.cache/canopy/models on first use].
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: crate::bench::BackendChoice,
+    /// The dtype of the weights and the KV cache (arithmetic is fp32) [default: f32 on the
+    /// CPU, bf16 on a GPU].
+    #[arg(long)]
+    pub dtype: Option<canopy_core::DType>,
+    /// Ranks the KV cache is sharded over: threads of this process [default: 1]; under mpirun
+    /// or srun, the world size.
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// How ranks combine their attention at decode.
+    #[arg(long, value_enum, default_value = "tree")]
+    pub strategy: crate::generate_cmd::DecodeChoice,
+    /// The tree's merge: allreduce3, allreduce2, allgather, hierarchical or auto.
+    #[arg(long, default_value = "auto")]
+    pub collective: canopy_engine::MergeCollective,
+    /// How ranks are started: threads of this process, or one process per rank (detected
+    /// under mpirun/srun).
+    #[arg(long, value_enum)]
+    pub launcher: Option<crate::bench::Launcher>,
+}
+
+/// What [`ModelRunArgs::open`] found: the world and its rank count, the backend, and the model
+/// loaded in its dtype from its path.
+pub struct OpenedRun {
+    pub world: World,
+    pub ranks: usize,
+    pub kind: crate::bench::BackendKind,
+    pub model: canopy_model::Model,
+    pub dtype: canopy_core::DType,
+    pub path: std::path::PathBuf,
+}
+
+impl ModelRunArgs {
+    /// The world, the backend and the model (the default model, fetched if need be, when
+    /// none is named), loaded in the dtype asked for or the one the backend prefers: f32 on
+    /// the CPU, bf16 on CUDA.
+    pub fn open(&self) -> Result<OpenedRun> {
+        use anyhow::Context;
+        let world = World::new(self.launcher)?;
+        let ranks = world.ranks(self.ranks, 1)?;
+        let kind = crate::bench::resolve_backend(self.backend)?;
+        let dtype = self.dtype.unwrap_or(match kind {
+            crate::bench::BackendKind::Cpu => CpuBackend.preferred_dtype(),
+            crate::bench::BackendKind::Cuda => canopy_core::DType::Bf16,
+        });
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => canopy_model::default_model().context("fetching the default model")?,
+        };
+        let model = canopy_model::Model::load(&path, dtype)
+            .with_context(|| format!("loading the model at {}", path.display()))?;
+        Ok(OpenedRun {
+            world,
+            ranks,
+            kind,
+            model,
+            dtype,
+            path,
+        })
+    }
+
+    /// The decode strategy the options name.
+    pub fn strategy(&self) -> canopy_runtime::DecodeStrategy {
+        match self.strategy {
+            crate::generate_cmd::DecodeChoice::Tree => {
+                canopy_runtime::DecodeStrategy::Tree(self.collective)
+            }
+            crate::generate_cmd::DecodeChoice::Ring => canopy_runtime::DecodeStrategy::Ring,
+        }
+    }
 }

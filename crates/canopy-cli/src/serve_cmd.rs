@@ -6,44 +6,30 @@
 //! handle. SIGTERM or Ctrl-C drains: new requests get 503, the running ones finish, then the
 //! server exits.
 
-use crate::bench::{resolve_backend, BackendChoice, BackendKind, Launcher, World};
-use crate::generate_cmd::{DecodeChoice, PAGE_SIZE};
+use crate::bench::{BackendKind, World};
+use crate::generate_cmd::PAGE_SIZE;
 use crate::ranks::{Placed, RankThreads, WeightSource};
 use anyhow::{bail, Context, Result};
-use canopy_core::{DType, Method};
+use canopy_core::Method;
 use canopy_cuda::CudaBackend;
-use canopy_engine::{CpuBackend, MergeCollective};
+use canopy_engine::CpuBackend;
 use canopy_model::{Model, Tokenizer};
 use canopy_runtime::serving::{channel, EngineHandle, EngineInbox, Front, ServeConfig};
-use canopy_runtime::DecodeStrategy;
 use canopy_server::{AppState, Metrics};
 use clap::Args;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// A Hugging Face model directory or a `.gguf` file [default: SmolLM2-135M-Instruct,
-    /// fetched into $CANOPY_MODEL_CACHE or ~/.cache/canopy/models on first use].
-    #[arg(long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    run: crate::ranks::ModelRunArgs,
     /// The address to listen on (loopback: only this machine can connect).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// The port to listen on (0: any free port; the one taken is printed).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Ranks the KV cache is sharded over: threads of this process [default: 1]; under mpirun
-    /// or srun, the world size.
-    #[arg(long)]
-    ranks: Option<usize>,
-    /// How ranks combine their attention at decode.
-    #[arg(long, value_enum, default_value = "tree")]
-    strategy: DecodeChoice,
-    /// The tree's merge: allreduce3, allreduce2, allgather, hierarchical or auto.
-    #[arg(long, default_value = "auto")]
-    collective: MergeCollective,
     /// Planner of each rank's part of the live KV tree (q-guided reads each request's KV on
     /// its own; the tree planners read shared prefixes once).
     #[arg(long, default_value = "auto")]
@@ -72,21 +58,17 @@ pub struct ServeArgs {
     /// The model's name in the API [default: the file or directory name].
     #[arg(long)]
     served_model_name: Option<String>,
-    #[arg(long, value_enum, default_value = "auto")]
-    backend: BackendChoice,
-    /// The dtype of the weights and the KV cache [default: f32 on the CPU, bf16 on a GPU].
-    #[arg(long)]
-    dtype: Option<DType>,
-    /// How ranks are started: threads of this process, or one process per rank.
-    #[arg(long, value_enum)]
-    launcher: Option<Launcher>,
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    let world = World::new(a.launcher)?;
-    let ranks = world.ranks(a.ranks, 1)?;
-    let kind = resolve_backend(a.backend)?;
-    let (model, dtype, path) = crate::ranks::load_model(a.model.as_deref(), a.dtype, kind)?;
+    let crate::ranks::OpenedRun {
+        world,
+        ranks,
+        kind,
+        model,
+        dtype,
+        path,
+    } = a.run.open()?;
     let capacity = model.config.max_position_embeddings;
     let max_context = a.max_context.unwrap_or(capacity);
     if max_context > capacity {
@@ -94,10 +76,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let kv_tokens = a.kv_tokens.unwrap_or(4 * max_context);
     let config = ServeConfig {
-        strategy: match a.strategy {
-            DecodeChoice::Tree => DecodeStrategy::Tree(a.collective),
-            DecodeChoice::Ring => DecodeStrategy::Ring,
-        },
+        strategy: a.run.strategy(),
         method: a.method,
         page_size: PAGE_SIZE,
         kv_dtype: dtype,
