@@ -21,6 +21,7 @@ use crate::compile::arch_for;
 use crate::descriptors::{write_extents, CudaPlan, HostPlan};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::{CudaKv, Paging};
+use crate::launch::Params;
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
 use canopy_core::geometry::{cut_for_gpu, cut_slots, CTA_ROWS};
@@ -31,10 +32,9 @@ use canopy_kernels::{
     MMA_HEAD_DIMS, MMA_THREADS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
 };
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 pub(crate) type EResult<T> = canopy_engine::Result<T>;
@@ -584,14 +584,16 @@ impl Backend for CudaBackend {
         let f = self.function(kernel)?;
         let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
         let s = &self.stream;
-        let (po, _) = partials.o.device_ptr(s);
-        let (plse, _) = partials.lse.device_ptr(s);
-        let query_ptr = plan.words.slice(plan.layout.query_ptr.clone());
-        let query_rows = plan.words.slice(plan.layout.query_rows.clone());
-        let (query_ptr, _) = query_ptr.device_ptr(s);
-        let (query_rows, _) = query_rows.device_ptr(s);
-        let (out_o, _) = out.o.device_ptr_mut(s);
-        let (out_lse, _) = out.lse.device_ptr_mut(s);
+        let params = Params::default()
+            .buffer(&partials.o, s)
+            .buffer(&partials.lse, s)
+            .buffer(&plan.words.slice(plan.layout.query_ptr.clone()), s)
+            .buffer(&plan.words.slice(plan.layout.query_rows.clone()), s)
+            .buffer(&out.o, s)
+            .buffer(&out.lse, s)
+            .u32(nq)
+            .i32(heads)
+            .i32(d);
         let cfg = match kernel {
             Kernel::MergeWide => LaunchConfig {
                 grid_dim: ((cells * partials.head_dim / WIDE_MERGE_DIMS) as u32, 1, 1),
@@ -604,20 +606,9 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             },
         };
-        let mut args = [
-            &po as *const _ as *mut c_void,
-            &plse as *const _ as *mut c_void,
-            &query_ptr as *const _ as *mut c_void,
-            &query_rows as *const _ as *mut c_void,
-            &out_o as *const _ as *mut c_void,
-            &out_lse as *const _ as *mut c_void,
-            &nq as *const _ as *mut c_void,
-            &heads as *const _ as *mut c_void,
-            &d as *const _ as *mut c_void,
-        ];
         // SAFETY: the arguments are the merge kernels' parameters, in order, and live through
         // the call; the CSR rows index the partial buffers.
-        unsafe { self.launch_dependent(&f, cfg, &mut args) }
+        unsafe { self.launch_dependent(&f, cfg, &params) }
             .ctx(format!("launching {}", kernel.entry()))?;
         Ok(())
     }

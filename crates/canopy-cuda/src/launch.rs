@@ -22,6 +22,37 @@ pub struct KernelResources {
     pub ctas_per_sm: u32,
 }
 
+/// A kernel's parameters for [`CudaBackend::launch_dependent`], one 64-bit word each: device
+/// pointers whole, 32-bit values in the low bytes (the driver reads as many bytes as the
+/// parameter has, and the host is little-endian).
+#[derive(Default)]
+pub(crate) struct Params(Vec<u64>);
+
+impl Params {
+    /// The device address of `buffer` on `stream`.
+    pub(crate) fn buffer<T>(
+        mut self,
+        buffer: &impl cudarc::driver::DevicePtr<T>,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Self {
+        self.0.push(buffer.device_ptr(stream).0);
+        self
+    }
+
+    pub(crate) fn u32(mut self, v: u32) -> Self {
+        self.0.push(u64::from(v));
+        self
+    }
+
+    pub(crate) fn i32(self, v: i32) -> Self {
+        self.u32(v as u32)
+    }
+
+    pub(crate) fn f32(self, v: f32) -> Self {
+        self.u32(v.to_bits())
+    }
+}
+
 impl CudaBackend {
     /// `kernel` as a CUDA function of this backend's context: compiled (or read from the
     /// cache) and loaded on first use, then kept.
@@ -106,17 +137,23 @@ impl CudaBackend {
     /// Launches `f` on the main stream as a programmatic dependent of the kernel before it
     /// (sm_90 and later; an ordinary launch before): its CTAs may be scheduled while that
     /// kernel's last wave runs, and must wait in `wait_for_previous_grid` before reading its
-    /// output.
+    /// output or writing anything it reads.
     ///
     /// # Safety
-    /// `args` must point at values of `f`'s parameters, in order, alive until this returns.
+    /// `params` must be `f`'s parameters, in order, and every pointer among them valid for
+    /// what `f` does with it.
     pub(crate) unsafe fn launch_dependent(
         &self,
         f: &CudaFunction,
         cfg: LaunchConfig,
-        args: &mut [*mut c_void],
+        params: &Params,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
         use cudarc::driver::sys;
+        let mut args: Vec<*mut c_void> = params
+            .0
+            .iter()
+            .map(|w| w as *const u64 as *mut c_void)
+            .collect();
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],

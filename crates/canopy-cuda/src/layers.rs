@@ -16,11 +16,12 @@ mod gemm;
 
 pub(crate) use gemm::LayerState;
 
-use gemm::Epilogue;
+use gemm::{Epilogue, StepInput};
 
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
+use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::layer_ops::expect_size;
@@ -213,19 +214,20 @@ impl CudaBackend {
         }
         let (rows, cols) = (narrow("rms_norm", x.rows)?, narrow("rms_norm", x.cols)?);
         let f = self.function(Kernel::Layers(weight.dtype, "rms_norm"))?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&x.data)
-            .arg(&weight.data)
-            .arg(&mut out.data)
-            .arg(&cols)
-            .arg(&eps);
+        let s = &self.stream;
+        let params = Params::default()
+            .buffer(&x.data, s)
+            .buffer(&weight.data, s)
+            .buffer(&out.data, s)
+            .u32(cols)
+            .f32(eps);
         let cfg = LaunchConfig {
             grid_dim: (rows, 1, 1),
             block_dim: (LAYER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: one CTA per row of x and out (rows × cols each); the weight has cols elements.
-        unsafe { b.launch(cfg) }.ctx("launching rms_norm")?;
+        unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching rms_norm")?;
         Ok(())
     }
 
@@ -292,20 +294,22 @@ impl CudaBackend {
         }
         let (count, width_) = (narrow("store_kv", rows.len())?, narrow("store_kv", width)?);
         let pairs: Vec<u32> = rows.iter().flat_map(|&(row, slot)| [row, slot]).collect();
-        let pairs = self.upload(&pairs)?;
+        let pairs = self.upload_step_input(StepInput::Slots, &pairs)?;
         let f = self.function(Kernel::Layers(kv.dtype, "store_kv"))?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&k.data)
-            .arg(&v.data)
-            .arg(&pairs)
-            .arg(&mut kv.k)
-            .arg(&mut kv.v)
-            .arg(&count)
-            .arg(&width_);
+        let s = &self.stream;
+        let params = Params::default()
+            .buffer(&k.data, s)
+            .buffer(&v.data, s)
+            .buffer(&*pairs, s)
+            .buffer(&kv.k, s)
+            .buffer(&kv.v, s)
+            .u32(count)
+            .u32(width_);
         // SAFETY: every row is one of k's and v's (rows × width floats each) and every slot
         // one of the pool's, whose K and V hold `pool` tokens of `width` elements of the KV's
         // dtype (both checked).
-        unsafe { b.launch(self.elementwise(rows.len() * width)) }.ctx("launching store_kv")?;
+        unsafe { self.launch_dependent(&f, self.elementwise(rows.len() * width), &params) }
+            .ctx("launching store_kv")?;
         Ok(())
     }
 }
@@ -499,25 +503,26 @@ impl LayerOps for CudaBackend {
             narrow("rope_split", k.cols)?,
             narrow("rope_split", half)?,
         );
-        let positions = self.upload(positions)?;
+        let positions = self.upload_step_input(StepInput::Positions, positions)?;
         let f = self.function(Kernel::Layers(DType::F32, "rope_split"))?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&qkv.data)
-            .arg(&positions)
-            .arg(&inv_freq.data)
-            .arg(&mut q.data)
-            .arg(&mut k.data)
-            .arg(&mut v.data)
-            .arg(&rows_)
-            .arg(&q_cols)
-            .arg(&kv_cols)
-            .arg(&half_);
+        let s = &self.stream;
+        let params = Params::default()
+            .buffer(&qkv.data, s)
+            .buffer(&*positions, s)
+            .buffer(&inv_freq.data, s)
+            .buffer(&q.data, s)
+            .buffer(&k.data, s)
+            .buffer(&v.data, s)
+            .u32(rows_)
+            .u32(q_cols)
+            .u32(kv_cols)
+            .u32(half_);
         // SAFETY: qkv holds rows × (q_cols + 2 kv_cols) floats, q rows × q_cols, k and v rows ×
         // kv_cols (checked); one position per row and `half` f32 frequencies; every head
         // lies within q's or k's columns.
         let pairs = rows * (q.cols + k.cols) / 2;
-        unsafe { b.launch(self.elementwise(pairs.max(rows * k.cols))) }
-            .ctx("launching rope_split")?;
+        let cfg = self.elementwise(pairs.max(rows * k.cols));
+        unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching rope_split")?;
         Ok(())
     }
 

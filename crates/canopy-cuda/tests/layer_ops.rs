@@ -89,8 +89,13 @@ struct DenseInputs {
 }
 
 impl DenseInputs {
-    fn new(rng: &mut ChaCha8Rng, dtype: DType, rows: usize) -> DenseInputs {
-        let (hidden, intermediate, vocab, head_dim, heads) = (160, 232, 37, 64, 3);
+    fn new(
+        rng: &mut ChaCha8Rng,
+        dtype: DType,
+        rows: usize,
+        (hidden, intermediate): (usize, usize),
+    ) -> DenseInputs {
+        let (vocab, head_dim, heads) = (37, 64, 3);
         let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| dtype.round(x)).collect() };
         let mut ids: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..vocab as u32)).collect();
         ids[0] = vocab as u32 - 1;
@@ -196,10 +201,19 @@ fn dense_ops_match_the_cpu() {
     };
     let mut rng = rng("dense_ops_match_the_cpu");
     for dtype in DType::ALL {
-        // Up to GEMV_MAX_ROWS rows take the GEMV kernels, more take cuBLAS.
-        for rows in [1, 5, 8, 67] {
-            eprintln!("{dtype} weights, {rows} rows:");
-            let inp = DenseInputs::new(&mut rng, dtype, rows);
+        // Up to GEMV_MAX_ROWS rows take the GEMV kernels, more take cuBLAS. Widths that are
+        // not whole blocks of the GEMV's k or groups of its columns, and one long enough
+        // (4160) for every warp of a sliced GEMV to load several rounds of blocks.
+        let shapes = [
+            (1, (160, 232)),
+            (5, (160, 232)),
+            (8, (160, 232)),
+            (67, (160, 232)),
+        ];
+        let long = [(1, (4160, 40)), (3, (4160, 40))];
+        for (rows, dims) in shapes.into_iter().chain(long) {
+            eprintln!("{dtype} weights, {rows} rows, {dims:?}:");
+            let inp = DenseInputs::new(&mut rng, dtype, rows, dims);
             let got = dense(&gpu, &inp).unwrap();
             let want = dense(&CpuBackend, &inp).unwrap();
             for ((op, g), (_, w)) in got.iter().zip(&want) {

@@ -22,6 +22,9 @@
 #ifndef GEMV_WARPS
 #error "GEMV_WARPS must be defined by the kernel registry"
 #endif
+#ifndef GEMV_COLS
+#error "GEMV_COLS must be defined by the kernel registry"
+#endif
 #ifndef GEMV_MAX_ROWS
 #error "GEMV_MAX_ROWS must be defined by the kernel registry"
 #endif
@@ -73,6 +76,8 @@ extern "C" __global__ void embed_rows(const elem_t* __restrict__ table, const u3
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
 rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __restrict__ out, u32 cols,
          float eps) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
     __shared__ float warp_sums[LAYER_THREADS / 32];
     const float* row = x + (u64)blockIdx.x * cols;
     float* dst = out + (u64)blockIdx.x * cols;
@@ -126,6 +131,8 @@ extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* 
                                       const float* __restrict__ inv_freq, float* __restrict__ q,
                                       float* __restrict__ k, float* __restrict__ v, u32 rows,
                                       u32 q_cols, u32 kv_cols, u32 half) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
     const u32 width = q_cols + 2 * kv_cols, pairs = (q_cols + kv_cols) / 2;
     GRID_STRIDE(i, (u64)rows * pairs) {
         const u64 r = i / pairs;
@@ -162,6 +169,8 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate_up, float* __re
 extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __restrict__ v,
                                     const u32* __restrict__ pairs, elem_t* __restrict__ kc,
                                     elem_t* __restrict__ vc, u32 count, u32 width) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
     GRID_STRIDE(i, (u64)count * width) {
         const u64 p = i / width, c = i % width;
         const u64 from = (u64)pairs[2 * p] * width + c, to = (u64)pairs[2 * p + 1] * width + c;
@@ -241,48 +250,42 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
 // the weight streamed once at close to the memory's bandwidth (cuBLAS's GEMMs for a handful of
 // rows split k and reduce in a second kernel).
 //
-// `slices` warps (1, 2, 4 or 8, the host's choice) share an output column, GEMV_WARPS per CTA:
-// the warps of a column take turns along k in runs of 32 16-byte chunks of the weight (8
-// elements of a 16-bit weight, 4 of an f32 one), one chunk per lane. Cutting k into slices gives
-// a matrix of few columns enough warps to fill the GPU. Each warp loads GEMV_UNROLL runs before
-// it multiplies any, so every lane keeps that many loads in flight. (Loading the next runs while
-// multiplying these, in a second set of registers, measured slower on an H100: fewer warps fit.)
-// The slices' sums meet in shared memory and are added in slice
-// order, so the result does not depend on timing. The weight is read once, so its loads skip
-// L1; the activations are read by every warp and stay in L1. A 16-bit weight meets its
-// activation rounded to its own dtype, as a cuBLAS GEMM on the rounded copy would; sums are fp32.
-// The host checks that k is a whole number of chunks and that the buffers are 16-byte aligned.
+// A warp owns GEMV_COLS consecutive output columns, a group of four lanes per column, and a
+// slice of k; `slices` warps (1, 2, 4 or 8, the host's choice) share a group, GEMV_WARPS per CTA.
+// k is walked in blocks of 128 bytes of every weight row: each lane loads 32 contiguous bytes
+// (two 16-byte chunks) of its column's row, so a warp's load covers eight whole 128-byte lines.
+// The slices take turns block by block, and each warp loads GEMV_UNROLL blocks before it uses
+// any, so every lane keeps that many loads in flight. Two blocks keep the registers few enough
+// for many warps per SM; on an H100, more warps streamed the Llama-3.1-8B projections faster
+// than more loads per warp (four or eight blocks, or fewer registers forced by launch bounds,
+// were slower: BENCHMARKS session 16). Cutting k into slices gives a matrix of
+// few columns enough warps to fill the GPU.
+//
+// A 16-bit weight is multiplied on the tensor cores: each block is four mma.m16n8k16 whose B
+// operand (k16 × n8) is the weight as loaded, the lane's 32-bit words in place, and whose A
+// operand (m16 × k16) holds the activation's rows m < 8 (lane / 4), rounded to the weight's
+// dtype as a cuBLAS GEMM on a rounded copy would be, zeros in rows 8-15. A dot product does not
+// depend on the order of k, so k is renumbered within the block to put each lane's 16
+// contiguous elements where the fragment layout wants them (the same renumbering for the
+// activation), and neither operand is unpacked. Each lane's accumulators are the sums of one
+// activation row for two columns. An f32 weight is multiplied with fp32 FMAs, each lane
+// summing its 8 elements for every row, the column's four lanes then adding theirs.
+//
+// The warps' sums meet in shared memory and the slices' are added in slice order, so the result
+// does not depend on timing; the CTA's threads then apply the epilogue to each (row, column).
+// Launched as a programmatic dependent, a GEMV loads its first blocks of weight before it waits
+// for the kernel before it, and lets the kernel after it launch at once.
+// The weight is read once, so its loads skip L1; the activations are read by every warp and
+// stay in L1. The host checks that k is a whole number of 16-byte chunks and that the buffers
+// are 16-byte aligned.
 //
 // The epilogue is the output's: `gemv` stores, `gemv_add` adds into the output (a residual
-// connection), `gemv_swiglu` computes columns n and n + cols of a fused gate|up weight and stores
-// silu(gate) * up.
-#define GEMV_UNROLL 4
+// connection), `gemv_swiglu` computes columns n and n + cols of a fused gate|up weight (two
+// weight rows per column, MATS = 2) and stores silu(gate) * up.
+#define GEMV_UNROLL 2
 #define GEMV_VEC (16 / (int)sizeof(elem_t))
-
-__device__ __forceinline__ void unpack(const uint4 c, float (&f)[GEMV_VEC]) {
-#if CANOPY_DTYPE == 0
-    f[0] = __uint_as_float(c.x);
-    f[1] = __uint_as_float(c.y);
-    f[2] = __uint_as_float(c.z);
-    f[3] = __uint_as_float(c.w);
-#else
-    const u32 words[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = widen((u16)(words[i] & 0xffffu));
-        f[2 * i + 1] = widen((u16)(words[i] >> 16));
-    }
-#endif
-}
-
-// The activation as the weight's dtype sees it.
-__device__ __forceinline__ float as_operand(float x) {
-#if CANOPY_DTYPE == 0
-    return x;
-#else
-    return widen(narrow(x));
-#endif
-}
+#define GEMV_LANE_ELEMS (2 * GEMV_VEC)
+#define GEMV_BLOCK (4 * GEMV_LANE_ELEMS)
 
 __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
     uint4 r;
@@ -292,129 +295,201 @@ __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
     return r;
 }
 
-// The CTA's column for this warp (`n`, past the output when `n >= cols`) and its slice.
-struct GemvColumn {
-    u32 n;
-    u32 slice;
-};
-
-__device__ __forceinline__ GemvColumn gemv_column(u32 slices) {
-    const u32 warp = threadIdx.x / 32;
-    return {blockIdx.x * (GEMV_WARPS / slices) + warp / slices, warp % slices};
-}
-
-// The GEMV_UNROLL runs of chunks from `base` (zeros past the row's end).
-template <int COLS>
-__device__ __forceinline__ void gemv_load(const elem_t* __restrict__ w, u32 k, u32 chunks, u32 base, u32 stride,
-                                          const u64 (&w_rows)[COLS], uint4 (&wc)[GEMV_UNROLL][COLS]) {
-    const u32 lane = threadIdx.x % 32;
+// The lane's two chunks of `block` from weight row `row` (zeros past k or when not `live`).
+__device__ __forceinline__ void gemv_load(const elem_t* __restrict__ w, u64 row, bool live, u32 k, u32 block,
+                                          uint4 (&chunk)[2]) {
+    const u32 first = block * GEMV_BLOCK + (threadIdx.x % 4) * GEMV_LANE_ELEMS;
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
-        const u32 c = base + u * stride + lane;
-#pragma unroll
-        for (int j = 0; j < COLS; ++j)
-            wc[u][j] = c < chunks ? load_streamed(reinterpret_cast<const uint4*>(w + w_rows[j] * k) + c)
-                                  : make_uint4(0u, 0u, 0u, 0u);
+    for (int h = 0; h < 2; ++h) {
+        const u32 e = first + h * GEMV_VEC;
+        chunk[h] = live && e < k ? load_streamed(reinterpret_cast<const uint4*>(w + row * k + e))
+                                 : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
-// acc[m][j] = x[m] · w[w_rows[j]] for COLS weight rows at once, summed over the column's warps;
-// the sums are valid in the column's slice-0 warp. Every thread of the CTA must call it (it
-// synchronizes the CTA); a warp whose column is past the output (`active` false) loads nothing.
-template <int COLS>
-__device__ __forceinline__ void gemv_dots(const elem_t* __restrict__ w, const float* __restrict__ x,
-                                          u32 rows, u32 k, bool active, u32 slices, u32 slice,
-                                          const u64 (&w_rows)[COLS], float (&acc)[GEMV_MAX_ROWS][COLS]) {
-    __shared__ float partial[GEMV_WARPS][GEMV_MAX_ROWS][COLS];
+// The activation row's GEMV_LANE_ELEMS elements matching the lane's chunks of `block` (zeros
+// past k).
+__device__ __forceinline__ void gemv_activation(const float* __restrict__ xm, u32 k, u32 block,
+                                                float (&v)[GEMV_LANE_ELEMS]) {
+    const u32 first = block * GEMV_BLOCK + (threadIdx.x % 4) * GEMV_LANE_ELEMS;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < GEMV_VEC; e += 4) {
+            const u32 at = first + h * GEMV_VEC + e;
+            const float4 t = at < k ? __ldg(reinterpret_cast<const float4*>(xm + at)) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[h * GEMV_VEC + e] = t.x;
+            v[h * GEMV_VEC + e + 1] = t.y;
+            v[h * GEMV_VEC + e + 2] = t.z;
+            v[h * GEMV_VEC + e + 3] = t.w;
+        }
+}
+
+#if CANOPY_DTYPE != 0
+// Two activations rounded to the weight's dtype in one 32-bit word, `lo` in the low half.
+__device__ __forceinline__ u32 pack_operand(float lo, float hi) {
+    u32 r;
+#if CANOPY_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// d += a · b, m16n8k16 with fp32 accumulators; rows 8-15 of a are zero.
+__device__ __forceinline__ void mma_upper_rows(float (&d)[4], u32 a_lo, u32 a_hi, u32 b_lo, u32 b_hi) {
+#if CANOPY_DTYPE == 1
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a_lo), "r"(0u), "r"(a_hi), "r"(0u), "r"(b_lo), "r"(b_hi));
+}
+#endif
+
+// The lane's chunks of the GEMV_UNROLL blocks from `base` on (`slices` apart) of its column's
+// MATS weight rows (`mat_offset` apart); zeros past the last block, past k or past the columns.
+template <int MATS>
+__device__ __forceinline__ void gemv_load_blocks(const elem_t* __restrict__ w, u32 n, bool live, u64 mat_offset,
+                                                 u32 k, u32 blocks, u32 base, u32 slices,
+                                                 uint4 (&wc)[GEMV_UNROLL][MATS][2]) {
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+        for (int j = 0; j < MATS; ++j)
+            gemv_load(w, n + j * mat_offset, live && base + u * slices < blocks, k, base + u * slices, wc[u][j]);
+}
+
+// This warp's sums for its column group and slice of k, MATS weight rows per column
+// (`mat_offset` apart), written to `sums[m][c][j]` (row m, column c of the group, matrix j).
+// The first blocks' weights are loaded before `wait_for_previous_grid` (the weights are no
+// kernel's output), so a GEMV launched as a programmatic dependent streams its weight while
+// the kernel before it finishes.
+template <int MATS>
+__device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
+                                               u32 cols, u32 k, u32 group, u32 slices, u32 slice, u64 mat_offset,
+                                               float (&sums)[GEMV_MAX_ROWS][GEMV_COLS][MATS]) {
     const u32 lane = threadIdx.x % 32;
-    const u32 chunks = active ? k / GEMV_VEC : 0;
-    const u32 stride = 32 * slices, step = stride * GEMV_UNROLL;
-    for (u32 base = slice * 32; base < chunks; base += step) {
-        uint4 wc[GEMV_UNROLL][COLS];
-        gemv_load<COLS>(w, k, chunks, base, stride, w_rows, wc);
+    const u32 n = group * GEMV_COLS + lane / 4;
+    const bool live = n < cols;
+    const u32 blocks = (k + GEMV_BLOCK - 1) / GEMV_BLOCK, step = slices * GEMV_UNROLL;
+    uint4 wc[GEMV_UNROLL][MATS][2];
+    gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc);
+    wait_for_previous_grid();
+#if CANOPY_DTYPE != 0
+    // Lane (m, q) = (lane / 4, lane % 4): row m of the activation, columns 2q and 2q + 1 of D.
+    const u32 m = lane / 4;
+    float acc[MATS][4] = {};
+    for (u32 base = slice; base < blocks; base += step) {
+        if (base != slice) gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, base, slices, wc);
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const u32 c = base + u * stride + lane;
-            if (c >= chunks) break;
-            float wf[COLS][GEMV_VEC];
+            const u32 block = base + u * slices;
+            if (block >= blocks) break;
+            u32 a[GEMV_LANE_ELEMS / 2] = {};
+            if (m < rows) {
+                float v[GEMV_LANE_ELEMS];
+                gemv_activation(x + (u64)m * k, k, block, v);
 #pragma unroll
-            for (int j = 0; j < COLS; ++j) unpack(wc[u][j], wf[j]);
+                for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack_operand(v[2 * i], v[2 * i + 1]);
+            }
+#pragma unroll
+            for (int j = 0; j < MATS; ++j) {
+                const u32 b[8] = {wc[u][j][0].x, wc[u][j][0].y, wc[u][j][0].z, wc[u][j][0].w,
+                                  wc[u][j][1].x, wc[u][j][1].y, wc[u][j][1].z, wc[u][j][1].w};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) mma_upper_rows(acc[j], a[2 * t], a[2 * t + 1], b[2 * t], b[2 * t + 1]);
+            }
+        }
+    }
+    if (m < rows)
+#pragma unroll
+        for (int j = 0; j < MATS; ++j) {
+            sums[m][2 * (lane % 4)][j] = acc[j][0];
+            sums[m][2 * (lane % 4) + 1][j] = acc[j][1];
+        }
+#else
+    float acc[GEMV_MAX_ROWS][MATS] = {};
+    for (u32 base = slice; base < blocks; base += step) {
+        if (base != slice) gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, base, slices, wc);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const u32 block = base + u * slices;
+            if (block >= blocks) break;
 #pragma unroll
             for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
                 if (m >= (int)rows) break;
-                const float4* xm = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * GEMV_VEC);
-                float xv[GEMV_VEC];
+                float v[GEMV_LANE_ELEMS];
+                gemv_activation(x + (u64)m * k, k, block, v);
 #pragma unroll
-                for (int e = 0; e < GEMV_VEC / 4; ++e) {
-                    const float4 t = __ldg(xm + e);
-                    xv[4 * e] = as_operand(t.x);
-                    xv[4 * e + 1] = as_operand(t.y);
-                    xv[4 * e + 2] = as_operand(t.z);
-                    xv[4 * e + 3] = as_operand(t.w);
+                for (int j = 0; j < MATS; ++j) {
+                    const uint4 c[2] = {wc[u][j][0], wc[u][j][1]};
+                    const float wf[8] = {__uint_as_float(c[0].x), __uint_as_float(c[0].y), __uint_as_float(c[0].z),
+                                         __uint_as_float(c[0].w), __uint_as_float(c[1].x), __uint_as_float(c[1].y),
+                                         __uint_as_float(c[1].z), __uint_as_float(c[1].w)};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[m][j] = fmaf(wf[e], v[e], acc[m][j]);
                 }
-#pragma unroll
-                for (int j = 0; j < COLS; ++j)
-#pragma unroll
-                    for (int e = 0; e < GEMV_VEC; ++e) acc[m][j] = fmaf(wf[j][e], xv[e], acc[m][j]);
             }
         }
     }
-    const u32 warp = threadIdx.x / 32;
 #pragma unroll
     for (int m = 0; m < GEMV_MAX_ROWS; ++m)
 #pragma unroll
-        for (int j = 0; j < COLS; ++j) {
-            const float sum = warp_sum(acc[m][j]);
-            if (lane == 0) partial[warp][m][j] = sum;
+        for (int j = 0; j < MATS; ++j) {
+            float s = acc[m][j];
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            if (m < (int)rows && lane % 4 == 0) sums[m][lane / 4][j] = s;
         }
-    __syncthreads();
-    if (slice == 0 && lane == 0)
-#pragma unroll
-        for (int m = 0; m < GEMV_MAX_ROWS; ++m)
-#pragma unroll
-            for (int j = 0; j < COLS; ++j) {
-                float sum = 0.f;
-                for (u32 s = 0; s < slices; ++s) sum += partial[warp + s][m][j];
-                acc[m][j] = sum;
-            }
+#endif
 }
 
-// Whether this thread writes its column's outputs: lane 0 of the column's slice-0 warp.
-#define GEMV_WRITER(col) ((col).n < cols && (col).slice == 0 && threadIdx.x % 32 == 0)
+// Runs every warp's sums into shared memory, then calls `epilogue(m, n, sum)` once per output
+// (row m, column n < cols) with the slices' sums added in slice order, spread over the CTA.
+template <int MATS, typename Epilogue>
+__device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
+                                         u32 cols, u32 k, u32 slices, u64 mat_offset, Epilogue epilogue) {
+    __shared__ float sums[GEMV_WARPS][GEMV_MAX_ROWS][GEMV_COLS][MATS];
+    const u32 warp = threadIdx.x / 32, groups = GEMV_WARPS / slices;
+    const u32 first_group = blockIdx.x * groups;
+    let_next_grid_launch();
+    gemv_warp_sums<MATS>(w, x, rows, cols, k, first_group + warp / slices, slices, warp % slices, mat_offset,
+                         sums[warp]);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < groups * rows * GEMV_COLS; i += blockDim.x) {
+        const u32 g = i / (rows * GEMV_COLS), m = i / GEMV_COLS % rows, c = i % GEMV_COLS;
+        const u32 n = (first_group + g) * GEMV_COLS + c;
+        if (n >= cols) continue;
+        float total[MATS];
+#pragma unroll
+        for (int j = 0; j < MATS; ++j) {
+            total[j] = 0.f;
+            for (u32 s = 0; s < slices; ++s) total[j] += sums[g * slices + s][m][c][j];
+        }
+        epilogue(m, n, total);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows, u32 cols,
      u32 k, u32 slices) {
-    const GemvColumn col = gemv_column(slices);
-    const u64 w_rows[1] = {col.n};
-    float acc[GEMV_MAX_ROWS][1] = {};
-    gemv_dots<1>(w, x, rows, k, col.n < cols, slices, col.slice, w_rows, acc);
-    if (GEMV_WRITER(col))
-        for (u32 m = 0; m < rows; ++m) out[(u64)m * cols + col.n] = acc[m][0];
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_add(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
          u32 cols, u32 k, u32 slices) {
-    const GemvColumn col = gemv_column(slices);
-    const u64 w_rows[1] = {col.n};
-    float acc[GEMV_MAX_ROWS][1] = {};
-    gemv_dots<1>(w, x, rows, k, col.n < cols, slices, col.slice, w_rows, acc);
-    if (GEMV_WRITER(col))
-        for (u32 m = 0; m < rows; ++m) out[(u64)m * cols + col.n] += acc[m][0];
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
 }
 
 // `cols` is the output's width: the weight has 2 * cols rows, gate's then up's.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
             u32 cols, u32 k, u32 slices) {
-    const GemvColumn col = gemv_column(slices);
-    const u64 w_rows[2] = {col.n, (u64)cols + col.n};
-    float acc[GEMV_MAX_ROWS][2] = {};
-    gemv_dots<2>(w, x, rows, k, col.n < cols, slices, col.slice, w_rows, acc);
-    if (GEMV_WRITER(col))
-        for (u32 m = 0; m < rows; ++m) {
-            const float g = acc[m][0];
-            out[(u64)m * cols + col.n] = g / (1.f + expf(-g)) * acc[m][1];
-        }
+    gemv_cta<2>(w, x, rows, cols, k, slices, cols, [&](u32 m, u32 n, const float (&s)[2]) {
+        out[(u64)m * cols + n] = s[0] / (1.f + expf(-s[0])) * s[1];
+    });
 }

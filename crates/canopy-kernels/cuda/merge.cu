@@ -11,7 +11,8 @@
 // either kernel.
 //
 // Both are launched as programmatic dependents of stage 1: they read the CSR map, which stage 1
-// does not write, before `wait_for_previous_grid`.
+// does not write, before `wait_for_previous_grid`. Both let the kernel after them launch at
+// once (it waits for them in turn).
 
 #ifndef MERGE_WARPS
 #error "MERGE_WARPS must be defined by the kernel registry"
@@ -37,6 +38,7 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
                const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
                float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
                int head_dim) {
+    let_next_grid_launch();
     const int lane = threadIdx.x % 32;
     const u64 cell = (u64)blockIdx.x * MERGE_WARPS + threadIdx.x / 32;
     if (cell >= (u64)queries * q_heads) return;
@@ -157,6 +159,7 @@ merge_partials_wide(const float* __restrict__ po, const float* __restrict__ plse
                     const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
                     float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
                     int head_dim) {
+    let_next_grid_launch();
     __shared__ float reduce[WIDE_WARPS];
     __shared__ float4 slices[WIDE_SLICES][WIDE_COLS];
     const int blocks = head_dim / WIDE_MERGE_DIMS;

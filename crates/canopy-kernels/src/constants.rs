@@ -58,9 +58,11 @@ pub const LAYER_THREADS: u32 = 256;
 /// query and output in registers); head dims are multiples of 32 up to this.
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 
-/// Warps per CTA of `gemv` (`layers.cu`); the warps of one output column (1, 2, 4 or 8,
-/// chosen per launch) share a CTA.
+/// Warps per CTA of `gemv` (`layers.cu`); the warps of one group of output columns (1, 2, 4
+/// or 8, chosen per launch) share a CTA.
 pub const GEMV_WARPS: u32 = 8;
+/// Output columns per warp of `gemv`: the n of its m16n8k16 tensor-core products.
+pub const GEMV_COLS: u32 = 8;
 /// Most activation rows `gemv` multiplies at once (each lane keeps an fp32 sum per row and
 /// column); a projection of more rows is a cuBLAS GEMM.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -99,6 +101,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("LAYER_THREADS", LAYER_THREADS.to_string()),
         ("ATTENTION_MAX_HEAD_DIM", ATTENTION_MAX_HEAD_DIM.to_string()),
         ("GEMV_WARPS", GEMV_WARPS.to_string()),
+        ("GEMV_COLS", GEMV_COLS.to_string()),
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("REDUCE_SUM", REDUCE_SUM.to_string()),

@@ -23,9 +23,9 @@ mod pipeline;
 
 pub use constants::{
     shared_defines, ATTENTION_MAX_HEAD_DIM, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS,
-    DEEP_MERGE_CTAS, GEMV_MAX_ROWS, GEMV_WARPS, GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES,
-    HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS, REDUCE_MAX, REDUCE_SUM,
-    WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS, GROUP_KV_STREAMED, GROUP_WORDS,
+    HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS, REDUCE_MAX,
+    REDUCE_SUM, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -34,6 +34,22 @@ use canopy_core::DType;
 
 /// The helpers every source is compiled with, prepended to it (NVRTC gets no include paths).
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// Names a folder whose files replace the embedded sources of the same name (`layers.cu`,
+/// `common.cuh`, ...) when set: kernels can be changed and timed without rebuilding the binary.
+/// Cubins are cached by a hash of the text, so a changed file is compiled afresh.
+pub const SOURCES_ENV: &str = "CANOPY_KERNEL_SOURCES";
+
+/// The text of source `file`: the file of that name in [`SOURCES_ENV`]'s folder if there is
+/// one, else the embedded `embedded`.
+fn source_text(file: &str, embedded: &'static str) -> std::borrow::Cow<'static, str> {
+    std::env::var_os(SOURCES_ENV)
+        .and_then(|dir| std::fs::read_to_string(std::path::Path::new(&dir).join(file)).ok())
+        .map_or(
+            std::borrow::Cow::Borrowed(embedded),
+            std::borrow::Cow::Owned,
+        )
+}
 
 /// A kernel source file under `cuda/`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -233,7 +249,11 @@ impl Variant {
     /// (e.g. `sm_90a`).
     pub fn build(&self, arch: &str) -> Build {
         let id = self.id();
-        let text = format!("{COMMON}\n{}", id.source());
+        let text = format!(
+            "{}\n{}",
+            source_text("common.cuh", COMMON),
+            source_text(id.file_name(), id.source())
+        );
         let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
         options.extend(self.defines().iter().map(|(k, v)| format!("-D{k}={v}")));
         let key = canopy_core::stats::fnv1a(&[text.as_bytes(), options.join(" ").as_bytes()]);

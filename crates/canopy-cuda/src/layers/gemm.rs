@@ -1,7 +1,10 @@
 //! The dense layers' GEMMs: `out = x · wᵀ` (or `out += x · wᵀ`) with fp32 activations and
 //! weights in their stored dtype. A product of at most [`GEMV_MAX_ROWS`] rows (a decode step)
 //! is `layers.cu`'s `gemv`, which streams the weight once at close to the memory's bandwidth
-//! and folds the residual add or SwiGLU into its output; more rows (a prefill) run on cuBLAS.
+//! (on the tensor cores for a 16-bit weight) and folds the residual add or SwiGLU into its
+//! output; more rows (a prefill) run on cuBLAS. The GEMV is a programmatic dependent launch: its
+//! first weight loads overlap the end of the kernel before it. Its split of k over warps is
+//! chosen from the kernel's occupancy, the most warps that all run at once.
 //!
 //! A 16-bit weight multiplies its activation rounded to the same dtype (a small kernel writes
 //! the rounded copy into a scratch buffer kept between calls) and accumulates in fp32 into an
@@ -16,22 +19,43 @@
 use super::{CudaTensor, CudaWeight};
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
+use crate::launch::Params;
 use canopy_core::DType;
-use canopy_kernels::{Kernel, GEMV_MAX_ROWS, GEMV_WARPS};
+use canopy_kernels::{Kernel, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS};
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The backend's dense-layer state: one cuBLAS handle on the backend's stream and the
 /// rounded-activation scratch, both made on first use (a backend that never runs a model
-/// never loads cuBLAS). One lock covers both, so a GEMM's scratch is not rewritten by another
+/// never loads cuBLAS), and the GEMV kernels' occupancy. One lock covers handle and scratch, so a GEMM's scratch is not rewritten by another
 /// thread's before cuBLAS has read it (one stream orders the device side).
 #[derive(Default)]
 pub(crate) struct LayerState {
     gemm: Mutex<Option<Gemm>>,
+    /// CTAs of each GEMV entry that fit on one SM at once, by entry and dtype.
+    gemv_ctas_per_sm: Mutex<HashMap<(&'static str, DType), u32>>,
+    /// The last upload of each [`StepInput`]: every layer of a step passes the same one.
+    step_inputs: Mutex<HashMap<StepInput, Uploaded>>,
+}
+
+/// A host array and its copy on the device.
+type Uploaded = (Vec<u32>, Arc<CudaSlice<u32>>);
+
+/// Small per-step arrays every layer uploads: uploaded once while they stay the same, so the
+/// layers' kernels follow one another with no copy between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum StepInput {
+    /// The rows' positions, for RoPE.
+    Positions,
+    /// (row, slot) pairs, for the KV store.
+    Slots,
 }
 
 struct Gemm {
@@ -73,11 +97,6 @@ fn dim(what: &str, n: usize) -> Result<i32> {
         ))
     })
 }
-
-/// Warps per SM a GEMV should start (slicing its columns' sums until it does). Measured on an
-/// H100 (Llama-3.1-8B's projections, BENCHMARKS session 15): one warp per column streams the
-/// MLP's 14336 columns fastest, and slicing helps the 4096-column projections.
-const GEMV_WARPS_PER_SM: u32 = 32;
 
 /// What a product does with its output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,31 +165,75 @@ impl CudaBackend {
             super::narrow("matmul", out.cols)?,
             super::narrow("matmul", x.cols)?,
         );
-        // Warps per column: the fewest that give every SM GEMV_WARPS_PER_SM of them.
-        let wanted = self.gpu.multiprocessors * GEMV_WARPS_PER_SM;
-        let slices = [1, 2, 4, GEMV_WARPS]
+        let entry = epilogue.gemv_entry();
+        let f = self.function(Kernel::Layers(w.dtype, entry))?;
+        // Warps per group of GEMV_COLS columns: the most whose CTAs all run at once, so every
+        // warp the GPU can hold streams part of the weight and none waits for a second wave.
+        let groups = cols.div_ceil(GEMV_COLS);
+        let wave = self.gpu.multiprocessors * self.gemv_ctas_per_sm(&f, entry, w.dtype)?;
+        let slices = [GEMV_WARPS, 4, 2]
             .into_iter()
-            .find(|&s| cols.saturating_mul(s) >= wanted)
-            .unwrap_or(GEMV_WARPS);
-        let f = self.function(Kernel::Layers(w.dtype, epilogue.gemv_entry()))?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&w.data)
-            .arg(&x.data)
-            .arg(&mut out.data)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&k)
-            .arg(&slices);
+            .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
+            .unwrap_or(1);
+        let s = &self.stream;
+        let params = Params::default()
+            .buffer(&w.data, s)
+            .buffer(&x.data, s)
+            .buffer(&out.data, s)
+            .u32(rows)
+            .u32(cols)
+            .u32(k)
+            .u32(slices);
         let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(GEMV_WARPS / slices), 1, 1),
+            grid_dim: (groups.div_ceil(GEMV_WARPS / slices), 1, 1),
             block_dim: (GEMV_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: w holds (cols, or 2 · cols for SwiGLU) × k elements of its dtype, x rows × k
         // floats and out rows × cols (the caller checked the shapes); k is a whole number of
         // 16-byte chunks of both (gemv_fits) and device allocations are 256-byte aligned.
-        unsafe { b.launch(cfg) }.ctx(format!("launching {}", epilogue.gemv_entry()))?;
+        unsafe { self.launch_dependent(&f, cfg, &params) }.ctx(format!("launching {entry}"))?;
         Ok(())
+    }
+
+    /// `host` on the device: the upload of the same `input` before if `host` is what it held.
+    /// A buffer is never written after its upload, so one in use by queued kernels stays valid.
+    pub(crate) fn upload_step_input(
+        &self,
+        input: StepInput,
+        host: &[u32],
+    ) -> Result<Arc<CudaSlice<u32>>> {
+        let mut last = self
+            .layers
+            .step_inputs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some((held, device)) = last.get(&input) {
+            if held.as_slice() == host {
+                return Ok(device.clone());
+            }
+        }
+        let device = Arc::new(self.upload(host)?);
+        last.insert(input, (host.to_vec(), device.clone()));
+        Ok(device)
+    }
+
+    /// CTAs of GEMV entry `f` (`entry` of `dtype`) that fit on one SM at once, queried once.
+    fn gemv_ctas_per_sm(&self, f: &CudaFunction, entry: &'static str, dtype: DType) -> Result<u32> {
+        let mut known = self
+            .layers
+            .gemv_ctas_per_sm
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(&n) = known.get(&(entry, dtype)) {
+            return Ok(n);
+        }
+        let n = f
+            .occupancy_max_active_blocks_per_multiprocessor(GEMV_WARPS * 32, 0, None)
+            .ctx("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
+            .max(1);
+        known.insert((entry, dtype), n);
+        Ok(n)
     }
 
     /// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate`, on cuBLAS.
