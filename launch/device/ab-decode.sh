@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A/B of whole binaries on `bench decode` (random weights and context, one rank, tree): every
+# binary in BINS ("name=path ...", default this build against .device/canopy-base) on every
+# shape in ARCHS at CONTEXTS, ROUNDS times in turn so drift shows. Each binary keeps its own
+# kernel cache. Results: $OUT/ab.jsonl (one line per row) and log.txt.
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+BINS=${BINS:-new=$BIN base=.device/canopy-base}
+DEADLINE=${DEADLINE:-520}
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for round in $(seq "${ROUNDS:-2}"); do
+    for arch in ${ARCHS:-llama-3.1-8b llama-3.2-1b}; do
+      for entry in $BINS; do
+        name=${entry%%=*} bin=${entry#*=}
+        [ $SECONDS -gt "$DEADLINE" ] && { echo "SKIPPED $name $arch round $round (time)"; continue; }
+        CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-$name $bin bench decode --arch "$arch" \
+          --random-weights --context-fill random --context "${CONTEXTS:-8K,32K}" --ranks 1 \
+          --strategy tree --decode "${DECODE:-20}" --json 2> "$OUT/$name-$arch-$round.err" \
+          | python3 -c 'import json,sys
+r=json.load(sys.stdin); b,a,k=sys.argv[1:4]
+for x in r["rows"]:
+    print(json.dumps(dict(bin=b, arch=a, round=int(k), context=x["context"], ms=x["decode_ms_per_token"], floor=x["floor_ms"])))' "$name" "$arch" "$round" \
+          | tee -a "$OUT/ab.jsonl" || echo "FAILED $name $arch round $round"
+      done
+    done
+  done
+} 2>&1 | tee "$OUT/log.txt"
