@@ -115,9 +115,8 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         positions: &positions,
         stores: &kv.prompt_slots(rank),
     };
-    let attend = &mut |_: &B::Kv, qkv: &Qkv<B>| {
-        prefill_attention(backend, &shape, comm, qkv, &positions)
-    };
+    let attend =
+        &mut |_: &B::Kv, qkv: &Qkv<B>| prefill_attention(backend, &shape, comm, qkv, &positions);
     let x = through_layers(backend, layers, caches, rows, attend, on_layer)?;
     // The prompt's last token is the last row of the last non-empty chunk.
     let last_rank = (0..ranks)

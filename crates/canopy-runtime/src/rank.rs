@@ -86,13 +86,29 @@ impl GenerateRequest {
         ranks: usize,
         ranks_here: usize,
     ) -> Result<ModelNeeds> {
-        let layout = KvLayout::new(
+        let prompt = self.prompt.len();
+        self.needs_at(
+            prompt,
+            config,
+            weight_dtype,
+            weight_bytes,
             ranks,
-            self.page_size,
-            self.prompt.len(),
-            self.samples,
-            self.max_tokens,
-        )?;
+            ranks_here,
+        )
+    }
+
+    /// [`GenerateRequest::needs`] of this request with a prompt of `prompt` tokens instead of
+    /// its own: prices other context lengths without building their prompts.
+    pub fn needs_at(
+        &self,
+        prompt: usize,
+        config: &canopy_model::LlamaConfig,
+        weight_dtype: DType,
+        weight_bytes: u64,
+        ranks: usize,
+        ranks_here: usize,
+    ) -> Result<ModelNeeds> {
+        let layout = KvLayout::new(ranks, self.page_size, prompt, self.samples, self.max_tokens)?;
         Ok(ModelNeeds {
             shape: config.attn_shape(),
             hidden: config.hidden_size,
@@ -104,7 +120,7 @@ impl GenerateRequest {
             kv_dtype: self.kv_dtype,
             kv_tokens: layout.pool_tokens() * ranks_here,
             max_rows: match self.context_fill {
-                ContextFill::Prefill => self.prompt.len().div_ceil(ranks).max(self.samples),
+                ContextFill::Prefill => prompt.div_ceil(ranks).max(self.samples),
                 ContextFill::Random { .. } => self.samples,
             },
             logit_rows: self.samples,

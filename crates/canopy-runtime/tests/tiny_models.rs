@@ -245,7 +245,10 @@ fn timed_merges_change_no_token_and_time_every_second_step() {
                 let timed = i % 2 == 1 && strategy != DecodeStrategy::Ring;
                 assert_eq!(m.is_some(), timed, "step {i}, {strategy:?}");
                 if let Some(s) = m {
-                    assert!((0.0..=out.step_s[i]).contains(s), "step {i}: {s} s in merges");
+                    assert!(
+                        (0.0..=out.step_s[i]).contains(s),
+                        "step {i}: {s} s in merges"
+                    );
                 }
             }
             let ttft = out.first_token_s.expect("a token was drawn");
