@@ -1,32 +1,59 @@
-//! `canopy bench decode`: a model's decode step timed at long contexts, tree against ring,
-//! beside the floor the hardware allows.
+//! `canopy bench decode`: a model's prefill and decode timed at long contexts, tree against
+//! ring, beside what the hardware allows.
 //!
 //! Every run is one generation on `P` rank threads: the context's KV (prefilled, or random
-//! with `--context-fill random`), then `--decode` tokens. A step's time is from one token to
-//! the next on rank 0; the floor of a step is the bytes one rank must read (every weight,
-//! its share of the KV) at the device's copy bandwidth, measured in the same run.
+//! with `--context-fill random`), then `--decode` tokens. Each row reports the fill, the
+//! prefill's tokens/s and achieved FLOP/s, the time to first token, the decode step (from one
+//! token to the next on rank 0), the time to the last token (the paper's Table 1 sets the
+//! tree's against the ring's), the tree's merge per layer, and the peak memory of the busiest
+//! rank. Beside them, measured in the same run: the copy bandwidth, at which a step's floor
+//! is priced (the bytes one rank must read: every weight and its share of the KV), and the
+//! rate of a large GEMM, beside the prefill's. Before anything runs, each rank count's
+//! longest context is priced on the device, and a longer one is refused with the numbers.
+
+mod cost;
+mod report;
+
+#[cfg(test)]
+pub(crate) use report::fixtures;
+pub use report::Report;
 
 use crate::bench::{at_least_one, resolve_backend, BackendChoice, BackendKind, World};
 use crate::generate_cmd::DecodeChoice;
 use crate::ranks::{Placed, RankThreads, WeightSource};
-use crate::table::Table;
 use anyhow::{bail, Context, Result};
+use canopy_core::stats::median;
 use canopy_core::{DType, Method};
 use canopy_cuda::CudaBackend;
-use canopy_engine::{CpuBackend, MergeCollective};
+use canopy_engine::{
+    measure_gemm_rate, Backend, CpuBackend, GemmShape, MergeCollective, ModelNeeds,
+};
 use canopy_model::{LlamaConfig, Model};
-use canopy_runtime::{ContextFill, DecodeStrategy, GenerateRequest, SamplingParams};
+use canopy_runtime::{
+    ContextFill, DecodeStrategy, GenerateRequest, Generated, SamplingParams, Watch,
+};
 use clap::{Args, ValueEnum};
-use serde::Serialize;
+use report::{Capacity, Row, RunInfo};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum FillChoice {
     /// Run the context through the model first (sequence-parallel prefill).
     Prefill,
     /// Random keys and values stand in for the context: decode timing at contexts whose
-    /// prefill would not fit a run. The tokens generated mean nothing.
+    /// prefill would not fit a run, even past the model's positions. The tokens generated
+    /// mean nothing.
     Random,
+}
+
+impl FillChoice {
+    fn name(self) -> &'static str {
+        match self {
+            FillChoice::Prefill => "prefill",
+            FillChoice::Random => "random",
+        }
+    }
 }
 
 #[derive(Args)]
@@ -66,9 +93,16 @@ pub struct DecodeArgs {
     dtype: Option<DType>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Print one JSON document instead of the table.
+    /// Print one JSON document instead of the tables.
     #[arg(long)]
     json: bool,
+    /// Write every row as CSV, with the run's fields on each.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Draw decode ms/token against the context, per strategy and rank count, with each rank
+    /// count's floor (PNG or SVG, by extension).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 /// `8192`, `8K`, `1M`: a token count.
@@ -87,117 +121,132 @@ fn parse_tokens(s: &str) -> Result<usize, String> {
     }
 }
 
-/// One measured configuration.
-#[derive(Serialize)]
-struct Row {
-    context: usize,
-    ranks: usize,
-    strategy: String,
-    context_fill: &'static str,
-    /// Seconds to fill the context (prefill or random fill).
-    fill_s: f64,
-    decode_ms_per_token: f64,
-    decode_tokens_per_s: f64,
-    /// The step's floor on one rank: (weights + the rank's KV) / copy bandwidth.
-    floor_ms: Option<f64>,
-    vs_floor: Option<f64>,
+/// The model a run measures.
+struct Subject {
+    name: String,
+    /// The model's shape; a random fill past its positions raises them to the longest context.
+    config: LlamaConfig,
+    source: WeightSource,
+    past_positions: bool,
 }
 
-#[derive(Serialize)]
-struct Report {
-    model: String,
-    backend: String,
-    dtype: String,
-    weight_bytes: u64,
-    copy_bandwidth_gb_s: Option<f64>,
-    rows: Vec<Row>,
+impl Subject {
+    fn open(a: &DecodeArgs, dtype: DType) -> Result<Subject> {
+        let random = WeightSource::Random {
+            dtype,
+            seed: a.seed,
+        };
+        let (name, mut config, source) = match (&a.arch, &a.model) {
+            (Some(arch), _) => (arch.clone(), canopy_model::presets::preset(arch)?, random),
+            (None, Some(path)) => {
+                let model = Model::load(path, dtype)
+                    .with_context(|| format!("loading the model at {}", path.display()))?;
+                let source = match a.random_weights {
+                    true => random,
+                    false => WeightSource::Loaded(model.weights),
+                };
+                (path.display().to_string(), model.config, source)
+            }
+            (None, None) => bail!("give --model or --arch"),
+        };
+        let longest = a.context.iter().max().copied().unwrap_or(1) + a.decode;
+        let past_positions = longest > config.max_position_embeddings;
+        if past_positions {
+            if a.context_fill == FillChoice::Prefill {
+                bail!(
+                    "a context of {} tokens plus {} decoded exceeds the model's capacity of {} tokens; use shorter --context, or --context-fill random to time decode past it",
+                    longest - a.decode,
+                    a.decode,
+                    config.max_position_embeddings
+                );
+            }
+            config.max_position_embeddings = longest;
+        }
+        Ok(Subject {
+            name,
+            config,
+            source,
+            past_positions,
+        })
+    }
 }
+
+/// What `bench decode` measures of a backend's device besides the runs.
+trait Device: RankThreads {
+    /// Rows of the GEMM whose rate is measured: a long prefill's on a GPU, fewer on the CPU,
+    /// whose rate does not grow with the rows while its time does.
+    const GEMM_ROWS: usize;
+    const GEMM_RUNS: usize;
+    /// The copy bandwidth (bytes/s) a step's floor is priced at, where it is measured.
+    fn copy_bandwidth(&self) -> Result<Option<f64>>;
+}
+
+impl Device for CpuBackend {
+    const GEMM_ROWS: usize = 256;
+    const GEMM_RUNS: usize = 3;
+    fn copy_bandwidth(&self) -> Result<Option<f64>> {
+        Ok(None)
+    }
+}
+
+impl Device for CudaBackend {
+    const GEMM_ROWS: usize = 8192;
+    const GEMM_RUNS: usize = 20;
+    fn copy_bandwidth(&self) -> Result<Option<f64>> {
+        Ok(Some(canopy_cuda::bench::measure_copy_bandwidth(self)?))
+    }
+}
+
+/// How the peak memory is measured where the backend reports its device's use, and where it
+/// does not (the CPU).
+const DEVICE_PEAK: &str = "device memory in use on the busiest rank's GPU beyond what was in use when its backend was made (weights included), sampled after each layer of the context's fill and at each token; ranks sharing a GPU count together";
+const HOST_PEAK: &str = "the process's peak resident memory (VmHWM), every rank together (the ranks are threads of this process)";
 
 pub fn run(a: DecodeArgs) -> Result<()> {
+    // A plot that cannot be written is refused here, not after the runs.
+    if let Some(path) = &a.plot {
+        crate::plot::check(path)?;
+    }
     let kind = resolve_backend(a.backend)?;
     let dtype = a.dtype.unwrap_or(match kind {
         BackendKind::Cpu => DType::F32,
         BackendKind::Cuda => DType::Bf16,
     });
-    let (name, config, source) = match (&a.arch, &a.model) {
-        (Some(arch), _) => (
-            arch.clone(),
-            canopy_model::presets::preset(arch)?,
-            WeightSource::Random {
-                dtype,
-                seed: a.seed,
-            },
-        ),
-        (None, Some(path)) => {
-            let model = Model::load(path, dtype)
-                .with_context(|| format!("loading the model at {}", path.display()))?;
-            let source = if a.random_weights {
-                WeightSource::Random {
-                    dtype,
-                    seed: a.seed,
-                }
-            } else {
-                WeightSource::Loaded(model.weights)
-            };
-            (path.display().to_string(), model.config, source)
-        }
-        (None, None) => bail!("give --model or --arch"),
-    };
-    let longest = a.context.iter().max().copied().unwrap_or(1);
-    if longest + a.decode > config.max_position_embeddings {
-        bail!(
-            "a context of {longest} tokens plus {} decoded exceeds the model's capacity of {} tokens; use shorter --context",
-            a.decode,
-            config.max_position_embeddings
-        );
-    }
-    let weight_bytes = config_weight_bytes(&config, dtype);
-    let (rows, bandwidth) = match kind {
-        BackendKind::Cpu => {
-            let cpu = |_| Ok(CpuBackend);
-            (measure(&a, &config, source, dtype, &cpu, 1, None)?, None)
-        }
+    let subject = Subject::open(&a, dtype)?;
+    let report = match kind {
+        BackendKind::Cpu => bench(&a, subject, dtype, kind, &|_| Ok(CpuBackend), 1)?,
         BackendKind::Cuda => {
             let gpus = canopy_cuda::probe::device_count()?;
             let backend = |ordinal: usize| -> Result<CudaBackend> {
                 Ok(CudaBackend::new(ordinal)?.with_paging(crate::generate_cmd::PAGE_SIZE)?)
             };
-            let bandwidth = canopy_cuda::bench::measure_copy_bandwidth(&backend(0)?)?;
-            let rows = measure(&a, &config, source, dtype, &backend, gpus, Some(bandwidth))?;
-            (rows, Some(bandwidth))
+            bench(&a, subject, dtype, kind, &backend, gpus)?
         }
     };
-    let report = Report {
-        model: name,
-        backend: kind.to_string(),
-        dtype: dtype.to_string(),
-        weight_bytes,
-        copy_bandwidth_gb_s: bandwidth.map(|b| b / 1e9),
-        rows,
-    };
+    if let Some(path) = &a.csv {
+        report.write_csv(path)?;
+    }
+    if let Some(path) = &a.plot {
+        crate::plot::decode(&report, path)?;
+    }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
+    } else {
+        report.print();
     }
-    print_table(&report);
     Ok(())
 }
 
-/// Every (context, ranks, strategy) configuration on backends made by `backend`, the
-/// floor priced at `bandwidth` (bytes/s) where it is known.
-fn measure<B: RankThreads>(
+/// The request of one run: `context` tokens (any ids in the vocabulary: a timing does not
+/// read them), then `--decode` tokens.
+fn request(
     a: &DecodeArgs,
     config: &LlamaConfig,
-    source: WeightSource,
     dtype: DType,
-    backend: &dyn Fn(usize) -> Result<B>,
-    devices: usize,
-    bandwidth: Option<f64>,
-) -> Result<Vec<Row>> {
-    let world = World::Threads;
-    let most = a.ranks.iter().max().copied().unwrap_or(1);
-    let request = |context: usize, strategy: DecodeStrategy| GenerateRequest {
-        // Token ids are irrelevant to a timing; any in the vocabulary do.
+    context: usize,
+    strategy: DecodeStrategy,
+) -> GenerateRequest {
+    GenerateRequest {
         prompt: (0..context as u32)
             .map(|i| i % config.vocab_size as u32)
             .collect(),
@@ -214,13 +263,60 @@ fn measure<B: RankThreads>(
             FillChoice::Prefill => ContextFill::Prefill,
             FillChoice::Random => ContextFill::Random { seed: a.seed },
         },
+    }
+}
+
+/// Every (context, ranks, strategy) configuration on backends made by `backend` (rank `r` on
+/// device `r % devices`), with the device's rates measured on device 0 first.
+fn bench<B: Device>(
+    a: &DecodeArgs,
+    subject: Subject,
+    dtype: DType,
+    kind: BackendKind,
+    backend: &dyn Fn(usize) -> Result<B>,
+    devices: usize,
+) -> Result<Report> {
+    let config = &subject.config;
+    let weight_bytes = cost::weight_bytes(config, dtype);
+    let probe = backend(0)?;
+    let check = |needs: &ModelNeeds| Ok(probe.check_model(needs)?);
+    let capacity = capacity(
+        a,
+        config,
+        dtype,
+        weight_bytes,
+        devices,
+        probe.name(),
+        &check,
+    )?;
+    let bandwidth = probe.copy_bandwidth()?;
+    let gemm = GemmShape {
+        rows: B::GEMM_ROWS,
+        cols: 2 * config.intermediate_size,
+        inner: config.hidden_size,
     };
-    let weight_bytes = config_weight_bytes(config, dtype);
+    let gemm_rate = measure_gemm_rate(&probe, gemm, dtype, B::GEMM_RUNS)?;
+    // The measurements' buffers go back to the device before the ranks' backends note what
+    // is in use without them.
+    probe.synchronize()?;
+    drop(probe);
+
+    let world = World::Threads;
+    let most = a.ranks.iter().max().copied().unwrap_or(1);
     let longest = a.context.iter().max().copied().unwrap_or(1);
-    let sizing = request(longest, DecodeStrategy::Ring);
+    let sizing = request(a, config, dtype, longest, DecodeStrategy::Ring);
     let needs = |here: usize| Ok(sizing.needs(config, dtype, weight_bytes, most, here)?);
-    let placed = Placed::new(&world, most, devices, backend, config, source, &needs)?;
+    let placed = Placed::new(
+        &world,
+        most,
+        devices,
+        backend,
+        config,
+        subject.source,
+        &needs,
+    )?;
     let mut rows = Vec::new();
+    let mut device_peaks = false;
     for &context in &a.context {
         for &ranks in &a.ranks {
             for &choice in &a.strategy {
@@ -228,87 +324,268 @@ fn measure<B: RankThreads>(
                     DecodeChoice::Tree => DecodeStrategy::Tree(a.collective),
                     DecodeChoice::Ring => DecodeStrategy::Ring,
                 };
-                let req = request(context, strategy);
-                let out = placed
-                    .run(&world, ranks, &|b, l, comm| {
-                        comm.generate(b, l, &req, &mut |_, _| true)
-                    })?
-                    .expect("threads report rank 0");
-                let mut steps = out.step_s.clone();
-                steps.sort_by(f64::total_cmp);
-                let median_ms = steps.get(steps.len() / 2).copied().unwrap_or(f64::NAN) * 1e3;
-                // K and V of the rank's share of the context, every layer.
-                let kv_bytes = (context.div_ceil(ranks)
-                    * config.num_hidden_layers
-                    * 2
-                    * config.attn_shape().kv_token_bytes(dtype))
-                    as u64;
-                let floor_ms = bandwidth.map(|bw| (weight_bytes + kv_bytes) as f64 / bw * 1e3);
-                rows.push(Row {
+                let req = request(a, config, dtype, context, strategy);
+                let name = match strategy {
+                    DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
+                    DecodeStrategy::Ring => "ring".into(),
+                };
+                let label = format!(
+                    "{} of {context} tokens, p = {ranks}, {name}",
+                    a.context_fill.name()
+                );
+                let (out, device_peak) = run_one(&placed, &world, &req, ranks, &label, config)?;
+                device_peaks |= device_peak.is_some();
+                let measured = Measured {
+                    out: &out,
+                    peak_bytes: device_peak.or_else(canopy_engine::memory::peak_resident_bytes),
+                };
+                let run = RunShape {
                     context,
                     ranks,
-                    strategy: match strategy {
-                        DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
-                        DecodeStrategy::Ring => "ring".into(),
-                    },
-                    context_fill: match a.context_fill {
-                        FillChoice::Prefill => "prefill",
-                        FillChoice::Random => "random",
-                    },
-                    fill_s: out.prefill_s,
-                    decode_ms_per_token: median_ms,
-                    decode_tokens_per_s: 1e3 / median_ms,
-                    floor_ms,
-                    vs_floor: floor_ms.map(|f| median_ms / f),
-                });
+                    devices: ranks.min(devices),
+                    strategy: name,
+                    fill: a.context_fill,
+                };
+                rows.push(row(config, dtype, weight_bytes, bandwidth, run, measured));
             }
         }
     }
-    Ok(rows)
+    let run = RunInfo {
+        model: subject.name,
+        backend: kind.to_string(),
+        dtype: dtype.to_string(),
+        weight_bytes,
+        devices,
+        copy_bandwidth_gb_s: bandwidth.map(|b| b / 1e9),
+        gemm_tflops: gemm_rate / 1e12,
+        gemm_shape: format!("{} × {} × {}", gemm.rows, gemm.cols, gemm.inner),
+        peak_memory: if device_peaks { DEVICE_PEAK } else { HOST_PEAK },
+    };
+    Ok(Report::new(run, capacity, subject.past_positions, rows))
 }
 
-/// Bytes of every weight of `config` in `dtype`: what each decode step reads once per rank.
-fn config_weight_bytes(c: &LlamaConfig, dtype: DType) -> u64 {
-    let (h, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-    let q = c.num_attention_heads * c.head_dim;
-    let kv = c.num_key_value_heads * c.head_dim;
-    let layer = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * f;
-    let head = if c.tie_word_embeddings { 0 } else { v * h };
-    ((c.num_hidden_layers * layer + v * h + h + head) * dtype.size_bytes()) as u64
+/// One generation of `req` on the first `ranks` ranks, its fill's progress on a bar labelled
+/// `label`; returns rank 0's outcome and the busiest rank's device memory, where the backend
+/// reports it (else the process's peak is restarted for the caller to read).
+fn run_one<B: RankThreads>(
+    placed: &Placed<B>,
+    world: &World,
+    req: &GenerateRequest,
+    ranks: usize,
+    label: &str,
+    config: &LlamaConfig,
+) -> Result<(Generated, Option<u64>)> {
+    canopy_engine::memory::reset_peak_resident();
+    let bar = canopy_model::progress_bar(config.num_hidden_layers as u64, label.to_string());
+    bar.set_message("layers");
+    let peak = AtomicU64::new(0);
+    let out = placed
+        .run(world, ranks, &|b, l, comm| {
+            let mut watch = RunWatch {
+                backend: b,
+                bar: (comm.rank() == 0).then_some(&bar),
+                peak: None,
+                failed: None,
+            };
+            let out = comm.generate(b, l, req, &mut watch)?;
+            if let Some(e) = watch.failed {
+                return Err(e.context("reading the device's memory in use"));
+            }
+            if let Some(p) = watch.peak {
+                peak.fetch_max(p, Ordering::Relaxed);
+            }
+            Ok(out)
+        })?
+        .expect("threads report rank 0");
+    bar.finish_and_clear();
+    let peak = peak.into_inner();
+    Ok((out, (peak > 0).then_some(peak)))
 }
 
-fn print_table(r: &Report) {
-    let mut t = Table::new(&[
-        "context", "ranks", "strategy", "fill", "fill s", "ms/token", "tokens/s", "floor ms",
-        "x floor",
-    ]);
-    for row in &r.rows {
-        let opt = |x: Option<f64>, f: &dyn Fn(f64) -> String| x.map_or("-".into(), f);
-        t.row(vec![
-            row.context.to_string(),
-            row.ranks.to_string(),
-            row.strategy.clone(),
-            row.context_fill.to_string(),
-            format!("{:.2}", row.fill_s),
-            format!("{:.2}", row.decode_ms_per_token),
-            format!("{:.1}", row.decode_tokens_per_s),
-            opt(row.floor_ms, &|x| format!("{x:.2}")),
-            opt(row.vs_floor, &|x| format!("{x:.2}")),
-        ]);
+/// One rank's watch of a run: the fill's progress (rank 0's bar), the backend's memory in use
+/// sampled after each layer of the fill and at each token, and the tree's merges timed.
+struct RunWatch<'a, B: Backend> {
+    backend: &'a B,
+    bar: Option<&'a indicatif::ProgressBar>,
+    peak: Option<u64>,
+    failed: Option<anyhow::Error>,
+}
+
+impl<B: Backend> RunWatch<'_, B> {
+    fn sample(&mut self) {
+        match self.backend.bytes_in_use() {
+            Ok(Some(now)) => self.peak = Some(self.peak.unwrap_or(0).max(now)),
+            Ok(None) => {}
+            Err(e) => {
+                self.failed.get_or_insert(e.into());
+            }
+        }
     }
-    println!("{}", t.render());
-    println!(
-        "{} on {} ({}), weights {}{}",
-        r.model,
-        r.backend,
-        r.dtype,
-        crate::table::bytes(r.weight_bytes),
-        r.copy_bandwidth_gb_s
-            .map_or(String::new(), |b| format!("; copy bandwidth {b:.0} GB/s")),
-    );
-    if r.rows.iter().any(|row| row.context_fill == "random") {
-        println!("the context's KV was filled at random, not prefilled: the tokens mean nothing");
+}
+
+impl<B: Backend> Watch for RunWatch<'_, B> {
+    fn token(&mut self, _: usize, _: u32) -> bool {
+        self.sample();
+        true
     }
+
+    fn context_layer(&mut self, done: usize, _: usize) {
+        if let Some(bar) = self.bar {
+            bar.set_position(done as u64);
+        }
+        self.sample();
+    }
+
+    fn time_merges(&self) -> bool {
+        true
+    }
+}
+
+/// Which configuration a row is.
+struct RunShape {
+    context: usize,
+    ranks: usize,
+    /// Devices the ranks ran on.
+    devices: usize,
+    strategy: String,
+    fill: FillChoice,
+}
+
+/// What one run measured.
+struct Measured<'a> {
+    out: &'a Generated,
+    peak_bytes: Option<u64>,
+}
+
+/// The row of one run: its timings, set against the floor at `bandwidth` (bytes/s) and the
+/// prefill's FLOPs.
+fn row(
+    config: &LlamaConfig,
+    dtype: DType,
+    weight_bytes: u64,
+    bandwidth: Option<f64>,
+    run: RunShape,
+    m: Measured,
+) -> Row {
+    let out = m.out;
+    // Steps whose merges were timed waited for the device: they are left out of ms/token.
+    let untimed: Vec<f64> = out
+        .step_s
+        .iter()
+        .zip(&out.merge_s)
+        .filter(|(_, merge)| merge.is_none())
+        .map(|(s, _)| *s)
+        .collect();
+    let ms = (!untimed.is_empty()).then(|| median(&untimed) * 1e3);
+    let merges: Vec<f64> = out.merge_s.iter().flatten().copied().collect();
+    let kv_bytes = cost::rank_kv_bytes(config, dtype, run.context, run.ranks);
+    let floor_ms = bandwidth.map(|bw| (weight_bytes + kv_bytes) as f64 / bw * 1e3);
+    let prefilled = run.fill == FillChoice::Prefill;
+    let ttft_s = out.first_token_s.unwrap_or(out.prefill_s);
+    Row {
+        context: run.context,
+        ranks: run.ranks,
+        strategy: run.strategy,
+        context_fill: run.fill.name(),
+        fill_s: out.prefill_s,
+        prefill_tokens_per_s: prefilled.then(|| run.context as f64 / out.prefill_s),
+        prefill_tflops_per_device: prefilled.then(|| {
+            cost::prefill_flops(config, run.context) / out.prefill_s / run.devices as f64 / 1e12
+        }),
+        ttft_s,
+        decode_ms_per_token: ms,
+        decode_tokens_per_s: ms.map(|ms| 1e3 / ms),
+        total_s: ttft_s + out.step_s.iter().sum::<f64>(),
+        floor_ms,
+        vs_floor: ms.zip(floor_ms).map(|(ms, f)| ms / f),
+        merge_ms_per_layer: (!merges.is_empty())
+            .then(|| median(&merges) * 1e3 / config.num_hidden_layers as f64),
+        peak_bytes: m.peak_bytes,
+    }
+}
+
+/// Contexts the capacity search tries at most: beyond any device's memory, short of a
+/// pricing that would itself take memory (the KV books list every page).
+const SEARCH_TOKENS: usize = 1 << 28;
+
+/// The longest context device 0 (of `backend`) holds at each rank count, priced by
+/// `check_model` (its backend's, as the runs will be); a requested context that does not fit
+/// is refused here with the numbers, before anything is allocated.
+fn capacity(
+    a: &DecodeArgs,
+    config: &LlamaConfig,
+    dtype: DType,
+    weight_bytes: u64,
+    devices: usize,
+    backend: &str,
+    check_model: &dyn Fn(&ModelNeeds) -> Result<()>,
+) -> Result<Vec<Capacity>> {
+    let longest = a.context.iter().max().copied().unwrap_or(1);
+    let search = match a.context_fill {
+        FillChoice::Prefill => config.max_position_embeddings.saturating_sub(a.decode),
+        FillChoice::Random => SEARCH_TOKENS.max(longest),
+    };
+    // The prompt's ids do not matter to the price, only its length.
+    let pricing = request(a, config, dtype, 1, DecodeStrategy::Ring);
+    let mut out = Vec::new();
+    for &ranks in &a.ranks {
+        let here = ranks.div_ceil(devices);
+        let check = |context: usize| -> Result<()> {
+            let needs = pricing.needs_at(context, config, dtype, weight_bytes, ranks, here)?;
+            check_model(&needs)
+        };
+        let fits = longest_fitting(search, |c| check(c).is_ok());
+        if let Err(e) = check(longest) {
+            let at_most = fits.map_or(
+                "not even one token fits beside the weights".to_string(),
+                |n| format!("the longest context that fits is {n} tokens"),
+            );
+            let hint = match a.context_fill {
+                FillChoice::Prefill => "; --context-fill random needs no prefill activations",
+                FillChoice::Random => "",
+            };
+            bail!(
+                "a context of {longest} tokens at {ranks} rank(s) ({}) does not fit {} device 0: {e:#}; at {ranks} rank(s) {at_most}{hint}",
+                a.context_fill.name(),
+                backend
+            );
+        }
+        out.push(Capacity {
+            ranks,
+            context_fill: a.context_fill.name(),
+            longest_context: fits,
+            bound_by: match (fits, a.context_fill) {
+                (Some(n), FillChoice::Prefill) if n == search => "positions",
+                (Some(n), FillChoice::Random) if n == search => "the search's limit",
+                _ => "memory",
+            },
+        });
+    }
+    Ok(out)
+}
+
+/// The largest `n` in `1..=most` with `fits(n)`, for a `fits` that holds up to some length and
+/// not beyond: doubling, then bisection. `None` when not even 1 fits.
+fn longest_fitting(most: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    if most == 0 || !fits(1) {
+        return None;
+    }
+    let (mut lo, mut hi) = (1, 2);
+    while hi <= most && fits(hi) {
+        lo = hi;
+        hi *= 2;
+    }
+    // fits(lo); hi does not fit, or is past `most`.
+    let mut hi = hi.min(most + 1);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
 }
 
 #[cfg(test)]
@@ -324,10 +601,80 @@ mod tests {
         assert!(parse_tokens("lots").unwrap_err().contains("token count"));
     }
 
+    fn parse(args: &[&str]) -> DecodeArgs {
+        #[derive(clap::Parser)]
+        struct Command {
+            #[command(flatten)]
+            decode: DecodeArgs,
+        }
+        let args = std::iter::once("decode").chain(args.iter().copied());
+        <Command as clap::Parser>::try_parse_from(args)
+            .unwrap()
+            .decode
+    }
+
     #[test]
-    fn an_8b_shape_weighs_what_llama_3_1_8b_does() {
-        let c = canopy_model::presets::preset("llama-3.1-8b").unwrap();
-        let gb = config_weight_bytes(&c, DType::Bf16) as f64 / 1e9;
-        assert!((gb - 16.06).abs() < 0.01, "{gb}");
+    fn the_longest_fitting_context_is_found_exactly() {
+        for limit in [1, 2, 3, 1000, 131_071, 900_001] {
+            let found = longest_fitting(SEARCH_TOKENS, |n| n <= limit);
+            assert_eq!(found, Some(limit));
+        }
+        assert_eq!(longest_fitting(500, |n| n <= 1000), Some(500), "capped");
+        assert_eq!(longest_fitting(500, |_| false), None);
+        assert_eq!(longest_fitting(0, |_| true), None);
+    }
+
+    #[test]
+    fn a_context_beyond_the_device_is_refused_with_the_numbers() {
+        let a = parse(&[
+            "--arch",
+            "llama-3.1-8b",
+            "--random-weights",
+            "--context",
+            "64,1M",
+            "--context-fill",
+            "random",
+            "--ranks",
+            "1",
+        ]);
+        let config = canopy_model::presets::preset("llama-3.1-8b").unwrap();
+        // A device with 40 GiB free for the KV cache.
+        let calls = std::cell::Cell::new(0);
+        let check = |needs: &ModelNeeds| {
+            calls.set(calls.get() + 1);
+            let (need, free) = (needs.kv_bytes(), 40u64 << 30);
+            match need <= free {
+                true => Ok(()),
+                false => bail!("the KV cache needs {need} bytes but {free} are free"),
+            }
+        };
+        let err = capacity(&a, &config, DType::Bf16, 0, 1, "test", &check)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("a context of 1048576 tokens at 1 rank(s)"),
+            "{err}"
+        );
+        assert!(
+            err.contains("the KV cache needs 137443147776 bytes"),
+            "{err}"
+        );
+        // 128 KiB of bf16 KV a token in pages of 16, and two pages for the decoded tokens:
+        // 40 GiB hold 20480 pages, so 20478 pages of context.
+        assert!(
+            err.contains("the longest context that fits is 327648 tokens"),
+            "{err}"
+        );
+        assert!(calls.get() < 80, "{} prices", calls.get());
+        let a = parse(&[
+            "--arch",
+            "llama-3.1-8b",
+            "--random-weights",
+            "--context-fill",
+            "random",
+        ]);
+        let fits = capacity(&a, &config, DType::Bf16, 0, 1, "test", &check).unwrap();
+        assert_eq!(fits[0].longest_context, Some(327648));
+        assert_eq!(fits[0].bound_by, "memory");
     }
 }

@@ -287,7 +287,7 @@ impl Run<'_> {
         let mut printed = vec![0usize; req.samples];
         let mut first_token = None;
         let mut failure = None;
-        let out = comm.generate(backend, layers, req, &mut |s, token| {
+        let out = comm.generate(backend, layers, req, &mut |s: usize, token: u32| {
             first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
             match decoders[s].push(token) {
                 Ok(piece) => texts[s].push_str(&piece),

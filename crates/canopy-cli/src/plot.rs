@@ -11,6 +11,10 @@
 //! Text needs a TrueType font, loaded at run time (`CANOPY_FONT`, or DejaVu/Liberation Sans
 //! where distributions install them), so the binary carries no font and needs no fontconfig.
 
+mod decode;
+
+pub use decode::decode;
+
 use crate::scaling::{ring_over_tree, ScalingOutput};
 use anyhow::{anyhow, bail, Context, Result};
 use canopy_engine::RunReport;
@@ -169,18 +173,18 @@ fn strategy(row: &RunReport) -> &str {
     row.strategy.split(" (").next().unwrap_or("")
 }
 
-/// The strategies of `rows` in `Strategy::every()` order, then any others as they come, each
+/// The strategies `names` in `Strategy::every()` order, then any others as they come, each
 /// with its colour.
-fn colours(rows: &[RunReport]) -> Vec<(String, RGBColor)> {
+fn colours<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<(String, RGBColor)> {
+    let names: Vec<&str> = names.into_iter().collect();
     let known: Vec<String> = Strategy::every().iter().map(Strategy::name).collect();
     let mut unknown: Vec<&str> = Vec::new();
-    for r in rows {
-        let s = strategy(r);
+    for &s in &names {
         if !known.iter().any(|k| k == s) && !unknown.contains(&s) {
             unknown.push(s);
         }
     }
-    let present = |s: &str| rows.iter().any(|r| strategy(r) == s);
+    let present = |s: &str| names.contains(&s);
     known
         .iter()
         .map(String::as_str)
@@ -192,7 +196,7 @@ fn colours(rows: &[RunReport]) -> Vec<(String, RGBColor)> {
 }
 
 /// The distinct values of `key` over `rows`, ascending: a line's style is its value's index.
-fn levels(rows: &[RunReport], key: impl Fn(&RunReport) -> f64) -> Vec<f64> {
+fn levels<T>(rows: &[T], key: impl Fn(&T) -> f64) -> Vec<f64> {
     let mut v: Vec<f64> = rows.iter().map(key).collect();
     v.sort_by(f64::total_cmp);
     v.dedup();
@@ -275,7 +279,7 @@ where
     let panels = charts.split_evenly((2, 2));
 
     let rows = &out.rows;
-    let colours = colours(rows);
+    let colours = colours(rows.iter().map(strategy));
     let by_n = |r: &RunReport| r.seq_len as f64;
     let by_p = |r: &RunReport| r.ranks as f64;
     let latency = |r: &RunReport| Some(r.median_ms);
@@ -325,7 +329,21 @@ where
     for (area, (caption, y_desc, x_axis, lines)) in panels.iter().zip(panels_of) {
         panel(area, caption, x_axis, y_desc, &lines)?;
     }
-    legend(&legend_area, &colours, &ps, &ns)?;
+    let entries: Vec<(String, ShapeStyle)> = colours
+        .iter()
+        .map(|(name, colour)| {
+            let label = match name.as_str() {
+                UNDER => format!("{name} (band under its pick)"),
+                _ => name.clone(),
+            };
+            (label, stroke(name, *colour))
+        })
+        .collect();
+    let keys = [
+        ("line: ranks p (top row)", "p", labels(&ps, plain)),
+        ("line: context N (bottom row)", "N", labels(&ns, tokens)),
+    ];
+    legend(&legend_area, &entries, &keys)?;
     root.present().map_err(e)?;
     Ok(())
 }
@@ -404,12 +422,13 @@ where
     Ok(())
 }
 
-/// The key beside the panels: colour by strategy, then the styles of each row of panels.
+/// The key beside the panels: each colour's label and stroke (`entries`), then, for each of
+/// `keys` (a heading, the name of the value, and the values' labels), the line style of each
+/// value.
 fn legend<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
-    colours: &[(String, RGBColor)],
-    ps: &[f64],
-    ns: &[f64],
+    entries: &[(String, ShapeStyle)],
+    keys: &[(&str, &str, Vec<String>)],
 ) -> Result<()>
 where
     DB::ErrorType: 'static,
@@ -430,21 +449,14 @@ where
     area.draw(&Text::new("colour: strategy", (x, y), heading.clone()))
         .map_err(e)?;
     y += 34;
-    for (name, colour) in colours {
-        let label = match name.as_str() {
-            UNDER => format!("{name} (band under its pick)"),
-            _ => name.clone(),
-        };
-        entry(&label, stroke(name, *colour), None, y)?;
+    for (label, style) in entries {
+        entry(label, *style, None, y)?;
         y += 24;
     }
     let grey = RGBColor(60, 60, 60).stroke_width(2);
-    for (head, name, labels) in [
-        ("line: ranks p (top row)", "p", labels(ps, plain)),
-        ("line: context N (bottom row)", "N", labels(ns, tokens)),
-    ] {
+    for (head, name, labels) in keys {
         y += 24;
-        area.draw(&Text::new(head, (x, y), heading.clone()))
+        area.draw(&Text::new(*head, (x, y), heading.clone()))
             .map_err(e)?;
         y += 34;
         for (i, label) in labels.iter().enumerate() {
@@ -700,7 +712,7 @@ mod tests {
             rows.push(row("tree/new", p, n, 2.0));
         }
         rows[2].strategy = "tree/auto (allgather)".into();
-        let c = colours(&rows);
+        let c = colours(rows.iter().map(strategy));
         let names: Vec<&str> = c.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["tree/allgather", "tree/auto", "ring", "tree/new"]);
         assert_eq!(c[2].1, BLACK, "the ring is black");

@@ -10,7 +10,7 @@ use canopy_cuda::{CudaBackend, DeviceWorld};
 use canopy_engine::{CpuBackend, LayerOps, ModelNeeds, Transport};
 use canopy_model::{LlamaConfig, Weights};
 use canopy_runtime::serving::{Front, ServeConfig};
-use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers};
+use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers, Watch};
 use std::time::Duration;
 
 /// How long a rank waits for its peers before giving up.
@@ -37,7 +37,7 @@ pub trait RankComm<B: LayerOps> {
         backend: &B,
         layers: &ModelLayers<B>,
         req: &GenerateRequest,
-        on_token: &mut dyn FnMut(usize, u32) -> bool,
+        watch: &mut dyn Watch,
     ) -> Result<Generated>;
     /// Serves requests until rank 0's engine stops (rank 0 gives the `front`).
     fn serve(
@@ -59,9 +59,9 @@ impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
         backend: &B,
         layers: &ModelLayers<B>,
         req: &GenerateRequest,
-        on_token: &mut dyn FnMut(usize, u32) -> bool,
+        watch: &mut dyn Watch,
     ) -> Result<Generated> {
-        Ok(generate(backend, layers, req, self, on_token)?)
+        Ok(generate(backend, layers, req, self, watch)?)
     }
 
     fn serve(

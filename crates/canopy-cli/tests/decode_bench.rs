@@ -114,3 +114,126 @@ fn bad_requests_are_refused_with_what_to_do() {
         .failure()
         .stderr(contains("capacity of 8192 tokens"));
 }
+
+/// Whether plots can be labelled here (the fonts `canopy` looks for without `CANOPY_FONT`).
+fn font() -> bool {
+    std::env::var_os("CANOPY_FONT").is_some()
+        || [
+            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+            "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        ]
+        .into_iter()
+        .any(|f| std::path::Path::new(f).exists())
+}
+
+#[test]
+fn tree_and_ring_are_reported_as_table_1_with_csv_and_plot() {
+    let dir = std::env::temp_dir().join(format!("canopy-decode-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (csv, plot) = (dir.join("decode.csv"), dir.join("decode.svg"));
+    let mut args = vec![
+        "--arch",
+        "smollm2-135m",
+        "--random-weights",
+        "--context",
+        "64,128",
+        // Two steps: the first timed as it runs, the second with its merges timed.
+        "--decode",
+        "3",
+        "--strategy",
+        "tree,ring",
+        "--ranks",
+        "1,2",
+        "--csv",
+        csv.to_str().unwrap(),
+    ];
+    if font() {
+        args.extend(["--plot", plot.to_str().unwrap()]);
+    }
+    let r = report(&args);
+    assert!(r["gemm_tflops"].as_f64().unwrap() > 0.0);
+    assert_eq!(r["gemm_shape"], "256 × 3072 × 576", "the model's gate|up");
+    assert!(r["peak_memory"].as_str().unwrap().contains("VmHWM"));
+    let capacity = r["capacity"].as_array().unwrap();
+    assert_eq!(capacity.len(), 2);
+    // 8192 positions less the 3 decoded tokens.
+    assert_eq!(capacity[0]["longest_context"], 8189);
+    assert_eq!(capacity[0]["bound_by"], "positions");
+
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 8);
+    for row in rows {
+        let f = |k: &str| row[k].as_f64().unwrap_or_else(|| panic!("{k} in {row}"));
+        assert!(f("prefill_tokens_per_s") > 0.0 && f("prefill_tflops_per_device") > 0.0);
+        assert!(f("ttft_s") >= f("fill_s"), "{row}");
+        assert!(f("total_s") > f("ttft_s"), "{row}");
+        assert!(f("decode_ms_per_token") > 0.0);
+        assert!(row["peak_bytes"].as_u64().unwrap() > 500 << 20, "{row}");
+        let merged = row["ranks"] == 2 && row["strategy"] != "ring";
+        assert_eq!(row["merge_ms_per_layer"].is_f64(), merged, "{row}");
+    }
+    let table1 = r["table1"].as_array().unwrap();
+    assert_eq!(
+        table1.len(),
+        4,
+        "tree against ring at each context and rank count"
+    );
+    for pair in table1 {
+        let ratio = pair["ring_s"].as_f64().unwrap() / pair["tree_s"].as_f64().unwrap();
+        assert!((pair["speedup"].as_f64().unwrap() - ratio).abs() < 1e-9);
+    }
+    assert_eq!(
+        (table1[3]["context"].as_u64(), table1[3]["ranks"].as_u64()),
+        (Some(128), Some(2))
+    );
+
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1 + 8, "a header and a line per row");
+    assert!(lines[0].starts_with("model,backend,dtype,"), "{}", lines[0]);
+    assert!(lines[0].contains(",ttft_s,") && lines[0].contains(",merge_ms_per_layer,"));
+    if font() {
+        assert!(
+            std::fs::metadata(&plot).unwrap().len() > 1000,
+            "the plot is drawn"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_context_beyond_the_memory_is_refused_with_the_numbers() {
+    // 2 GiB of address space hold some 40K tokens of f32 KV (45 KiB a token), not 1M.
+    let canopy = assert_cmd::cargo::cargo_bin("canopy");
+    let mut limited = std::process::Command::new("sh");
+    limited
+        .args(["-c", "ulimit -v 2097152 && exec \"$0\" \"$@\""])
+        .arg(canopy)
+        .args([
+            "bench",
+            "decode",
+            "--backend",
+            "cpu",
+            "--arch",
+            "smollm2-135m",
+        ])
+        .args([
+            "--random-weights",
+            "--context",
+            "1M",
+            "--context-fill",
+            "random",
+        ]);
+    Command::from_std(limited)
+        .assert()
+        .failure()
+        .stderr(contains(
+            "a context of 1048576 tokens at 1 rank(s) (random) does not fit",
+        ))
+        .stderr(contains("GiB of host memory"))
+        .stderr(
+            predicates::str::is_match(r"the longest context that fits is \d{4,5} tokens").unwrap(),
+        );
+}

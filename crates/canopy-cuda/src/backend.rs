@@ -628,6 +628,11 @@ impl Backend for CudaBackend {
         })
     }
 
+    /// Waits for this backend's stream (other ranks' streams on the GPU run on).
+    fn synchronize(&self) -> EResult<()> {
+        Ok(self.stream.synchronize().ctx("cuStreamSynchronize")?)
+    }
+
     fn bytes_in_use(&self) -> EResult<Option<u64>> {
         Ok(Some(self.device_bytes_in_use()?))
     }

@@ -123,6 +123,11 @@ pub trait Backend: Send + Sync {
         self.merge(partials, plan, out)
     }
     fn download(&self, states: &Self::States) -> Result<AttnStates>;
+    /// Waits until the work enqueued on this backend has run, so that the host clock can time
+    /// a part of a step. Provided: nothing to wait for (every call runs to completion).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
     /// Device memory this backend holds now, where it can tell (a benchmark reports the
     /// busiest rank's while its step's buffers live). Provided: not measured.
     fn bytes_in_use(&self) -> Result<Option<u64>> {

@@ -182,6 +182,53 @@ pub trait LayerOps: MergeOps {
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
 }
 
+/// The size of one product `out[rows × cols] = x[rows × inner] · w[cols × inner]ᵀ`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub inner: usize,
+}
+
+impl GemmShape {
+    /// Multiply-adds count two FLOPs each.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.rows as f64 * self.cols as f64 * self.inner as f64
+    }
+}
+
+/// FLOP/s of `backend`'s [`LayerOps::matmul`] at `shape` with a weight in `dtype`, the median
+/// of `iters` runs timed as the backend times steps ([`crate::Backend::time_steps`]): the
+/// product a prefill's projections run, its activation rounded to the weight's dtype where
+/// the backend does so, with no new kernel. The operands hold hashed values, never zeros (a
+/// GPU multiplies zeros faster than data).
+pub fn measure_gemm_rate<B: LayerOps>(
+    backend: &B,
+    shape: GemmShape,
+    dtype: DType,
+    iters: usize,
+) -> Result<f64> {
+    use rayon::prelude::*;
+    let values = |n: usize, stream: u32| -> Vec<f32> {
+        (0..n)
+            .into_par_iter()
+            .map(|i| canopy_core::data::hash_uniform(0, stream, i as u64, 1.0))
+            .collect()
+    };
+    let GemmShape { rows, cols, inner } = shape;
+    let w = backend.upload_weight(
+        TypedVec::from_f32(dtype, &values(cols * inner, 0)),
+        cols,
+        inner,
+    )?;
+    let x = backend.upload_tensor(&values(rows * inner, 1), rows, inner)?;
+    let mut out = backend.tensor(rows, cols)?;
+    let times = backend.time_steps(iters.max(1), crate::Cache::Warm, &mut || {
+        backend.matmul(&x, &w, &mut out)
+    })?;
+    Ok(shape.flops() / (canopy_core::stats::median(&times) * 1e-3))
+}
+
 /// Refuses operands whose sizes disagree: a caller's bug, reported with the op and the
 /// operand on `backend`, never a panic. Every backend's ops check their operands with this.
 pub fn expect_size(
@@ -210,5 +257,23 @@ pub fn expect_room(backend: &'static str, op: &str, len: usize, need: usize) -> 
             backend,
             message: format!("{op}: a buffer of {len} values where {need} are needed"),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuBackend;
+
+    #[test]
+    fn a_gemm_counts_two_flops_per_multiply_add_and_is_timed() {
+        let shape = GemmShape {
+            rows: 8,
+            cols: 48,
+            inner: 32,
+        };
+        assert_eq!(shape.flops(), 2.0 * 8.0 * 48.0 * 32.0);
+        let rate = measure_gemm_rate(&CpuBackend, shape, DType::Bf16, 2).unwrap();
+        assert!(rate.is_finite() && rate > 0.0, "{rate}");
     }
 }

@@ -108,10 +108,27 @@ fn address_space_remaining() -> Option<u64> {
     {
         return None;
     }
+    Some(limit.rlim_cur.saturating_sub(self_status_bytes("VmSize:")?))
+}
+
+/// The most memory this process has held resident (`VmHWM`) since it started or since
+/// [`reset_peak_resident`]; `None` where the kernel does not say (not Linux).
+pub fn peak_resident_bytes() -> Option<u64> {
+    self_status_bytes("VmHWM:")
+}
+
+/// Restarts [`peak_resident_bytes`] from the memory resident now (Linux's `clear_refs`), so
+/// that each of several runs in one process reports its own peak. Returns whether the kernel
+/// took it; where it did not, the peak counts every run so far.
+pub fn reset_peak_resident() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// A `kB` field of `/proc/self/status`, in bytes.
+fn self_status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
-    let mapped = line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024;
-    Some(limit.rlim_cur.saturating_sub(mapped))
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
 #[cfg(test)]
@@ -168,6 +185,20 @@ mod tests {
             cpu_ranks_bytes(&s, DType::Bf16, u64::MAX, 1, 4, Strategy::Ring),
             u64::MAX
         );
+    }
+
+    #[test]
+    fn the_peak_resident_memory_follows_what_was_touched() {
+        let Some(before) = peak_resident_bytes() else {
+            return; // not Linux
+        };
+        let touched = std::hint::black_box(vec![1u8; 128 << 20]);
+        let after = peak_resident_bytes().unwrap();
+        assert!(after >= before.max(128 << 20), "{before} then {after}");
+        drop(touched);
+        if reset_peak_resident() {
+            assert!(peak_resident_bytes().unwrap() < after);
+        }
     }
 
     #[test]

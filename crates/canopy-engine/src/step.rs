@@ -17,6 +17,7 @@ use crate::merge::{MergeCollective, MergeOps, StatesMerge, Transport};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
 use canopy_core::{AttnShape, DType, Plan, Tail};
+use std::time::Instant;
 
 /// What one rank knows of a ring's shard: its plan (over the shard's logical addresses) and
 /// how many logical tokens travel. A shard travels in logical order
@@ -187,6 +188,30 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
     /// Attention of `q` over `kv` (this rank's storage, laid out as the plans say), merged
     /// over every rank: each rank gets the same states, in the backend's memory.
     pub fn attend(&mut self, kv: &B::Kv, q: &B::Queries) -> Result<&B::States> {
+        Ok(self.attend_with(kv, q, None)?.0)
+    }
+
+    /// [`RankAttention::attend`], with the tree's cross-rank merge timed on the host clock:
+    /// once stage 1 has run on this backend, `settle` runs (the caller's barrier, so that no
+    /// rank's clock counts a slower peer's earlier work), then the merge, which is complete on
+    /// the backend and the transport before the clock stops. The waits take from the step the
+    /// overlap of the host's launches with the device's work, so a caller times only some
+    /// steps. Gives the merge's seconds; `None` for the ring, which has no merge.
+    pub fn attend_timed(
+        &mut self,
+        kv: &B::Kv,
+        q: &B::Queries,
+        settle: &dyn Fn() -> Result<()>,
+    ) -> Result<(&B::States, Option<f64>)> {
+        self.attend_with(kv, q, Some(settle))
+    }
+
+    fn attend_with(
+        &mut self,
+        kv: &B::Kv,
+        q: &B::Queries,
+        settle: Option<&dyn Fn() -> Result<()>>,
+    ) -> Result<(&B::States, Option<f64>)> {
         let (backend, comm, poison) = (self.backend, self.comm, self.poison);
         let run = |kv: &B::Kv, plan: &B::Plan, partials: &mut B::States, out: &mut B::States| {
             if poison {
@@ -205,8 +230,17 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 merge,
             } => {
                 run(kv, plan, partials, local)?;
+                let Some(settle) = settle else {
+                    merge.run(backend, comm, local, *how, layout)?;
+                    return Ok((local, None));
+                };
+                backend.synchronize()?;
+                settle()?;
+                let t0 = Instant::now();
                 merge.run(backend, comm, local, *how, layout)?;
-                Ok(local)
+                comm.wait(backend)?;
+                backend.synchronize()?;
+                Ok((local, Some(t0.elapsed().as_secs_f64())))
             }
             Kind::Ring {
                 shards,
@@ -238,7 +272,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 for local in locals.iter() {
                     backend.merge_into(acc, local)?;
                 }
-                Ok(acc)
+                Ok((acc, None))
             }
         }
     }

@@ -50,17 +50,55 @@ impl<B: LayerOps> Forward<B> {
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
     ) -> Result<Vec<f32>> {
+        Ok(self.pass(backend, layers, caches, attention, rows, None)?.0)
+    }
+
+    /// [`Forward::decode`], each layer's cross-rank merge timed
+    /// ([`RankAttention::attend_timed`], `settle` being the ranks' barrier); returns the
+    /// logits and the seconds of every layer's merge together (`None` for the ring).
+    pub fn decode_timed<C: Transport<B>>(
+        &mut self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        caches: &mut [B::Kv],
+        attention: &mut RankAttention<B, C>,
+        rows: StepRows,
+        settle: &dyn Fn() -> canopy_engine::Result<()>,
+    ) -> Result<(Vec<f32>, Option<f64>)> {
+        self.pass(backend, layers, caches, attention, rows, Some(settle))
+    }
+
+    fn pass<C: Transport<B>>(
+        &mut self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        caches: &mut [B::Kv],
+        attention: &mut RankAttention<B, C>,
+        rows: StepRows,
+        settle: Option<&dyn Fn() -> canopy_engine::Result<()>>,
+    ) -> Result<(Vec<f32>, Option<f64>)> {
         let shape = layers.attn_shape();
         let n = rows.ids.len();
         let mut x = layers.embed(backend, rows.ids)?;
         let mut attn = backend.tensor(n, shape.q_row_elems())?;
+        let mut merge_s: Option<f64> = None;
         for (l, cache) in caches.iter_mut().enumerate() {
             let qkv = layers.qkv(backend, l, &x, rows.positions)?;
             backend.store_kv(cache, &qkv.k, &qkv.v, rows.stores)?;
             let q = backend.tensor_queries(&shape, &qkv.q)?;
-            backend.states_output(attention.attend(cache, &q)?, &mut attn)?;
+            let states = match settle {
+                None => attention.attend(cache, &q)?,
+                Some(settle) => {
+                    let (states, seconds) = attention.attend_timed(cache, &q, settle)?;
+                    if let Some(s) = seconds {
+                        *merge_s.get_or_insert(0.0) += s;
+                    }
+                    states
+                }
+            };
+            backend.states_output(states, &mut attn)?;
             layers.finish(backend, l, &mut x, &attn)?;
         }
-        layers.logits(backend, &x, 0, n)
+        Ok((layers.logits(backend, &x, 0, n)?, merge_s))
     }
 }

@@ -31,5 +31,5 @@ pub mod serving;
 pub use error::{Result, RuntimeError};
 pub use forward::{Forward, StepRows};
 pub use layers::ModelLayers;
-pub use rank::{generate, ContextFill, DecodeStrategy, GenerateRequest, Generated};
+pub use rank::{generate, ContextFill, DecodeStrategy, GenerateRequest, Generated, Watch};
 pub use sampling::{Sampler, SamplingParams, TopTwo};

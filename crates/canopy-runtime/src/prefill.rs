@@ -37,14 +37,15 @@ type Attend<'a, B> = dyn FnMut(
     + 'a;
 
 /// `rows` through every layer, each row's key and value stored in `caches` (one per layer),
-/// each layer's queries attending by `attend(layer's cache, its q, k, v)`; returns the last
-/// layer's hidden rows.
+/// each layer's queries attending by `attend(layer's cache, its q, k, v)`, and
+/// `on_layer(layers done)` told after each; returns the last layer's hidden rows.
 fn through_layers<B: LayerOps>(
     backend: &B,
     layers: &ModelLayers<B>,
     caches: &mut [B::Kv],
     rows: PrefillRows,
     attend: &mut Attend<B>,
+    on_layer: &mut dyn FnMut(usize),
 ) -> Result<B::Tensor> {
     let shape = layers.attn_shape();
     let mut x = layers.embed(backend, rows.ids)?;
@@ -55,6 +56,7 @@ fn through_layers<B: LayerOps>(
         let states = attend(cache, &qkv)?;
         backend.states_output(&states, &mut attn)?;
         layers.finish(backend, l, &mut x, &attn)?;
+        on_layer(l + 1);
     }
     Ok(x)
 }
@@ -71,7 +73,7 @@ pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
     rows: PrefillRows,
 ) -> Result<Vec<f32>> {
     let shape = layers.attn_shape();
-    let x = through_layers(backend, layers, caches, rows, &mut |cache, qkv| {
+    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>| {
         let mut states = backend.empty_states(&shape, rows.ids.len())?;
         backend.causal_attention(
             &shape,
@@ -87,12 +89,14 @@ pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
             backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
         }
         Ok(states)
-    })?;
+    };
+    let x = through_layers(backend, layers, caches, rows, attend, &mut |_| {})?;
     layers.logits(backend, &x, rows.ids.len() - 1, 1)
 }
 
 /// This rank's chunk of the prompt through every layer, its keys and values stored in
-/// `caches`; returns the first token's logits (the same on every rank).
+/// `caches`, `on_layer(layers done)` told after each; returns the first token's logits (the
+/// same on every rank).
 pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
@@ -100,6 +104,7 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     comm: &C,
     kv: &KvLayout,
     caches: &mut [B::Kv],
+    on_layer: &mut dyn FnMut(usize),
 ) -> Result<Vec<f32>> {
     let (rank, ranks) = (comm.rank(), comm.size());
     let shape = layers.attn_shape();
@@ -110,9 +115,9 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         positions: &positions,
         stores: &kv.prompt_slots(rank),
     };
-    let x = through_layers(backend, layers, caches, rows, &mut |_, qkv| {
-        prefill_attention(backend, &shape, comm, qkv, &positions)
-    })?;
+    let attend =
+        &mut |_: &B::Kv, qkv: &Qkv<B>| prefill_attention(backend, &shape, comm, qkv, &positions);
+    let x = through_layers(backend, layers, caches, rows, attend, on_layer)?;
     // The prompt's last token is the last row of the last non-empty chunk.
     let last_rank = (0..ranks)
         .rev()
@@ -186,9 +191,9 @@ fn prefill_attention<B: LayerOps, C: Collective + Transport<B>>(
 /// Rows of random keys and values stored per upload: bounds the host memory of a fill.
 const FILL_ROWS: usize = 8192;
 
-/// Random keys and values, uniform in ±1, in this rank's slots of the prompt, every layer.
-/// Each value depends only on `(seed, layer, K or V, position, element)`, so the context is
-/// the same whatever the rank count.
+/// Random keys and values, uniform in ±1, in this rank's slots of the prompt, every layer,
+/// `on_layer(layers done)` told after each. Each value depends only on `(seed, layer, K or V,
+/// position, element)`, so the context is the same whatever the rank count.
 pub(crate) fn fill_random<B: LayerOps>(
     backend: &B,
     layers: &ModelLayers<B>,
@@ -196,6 +201,7 @@ pub(crate) fn fill_random<B: LayerOps>(
     rank: usize,
     seed: u64,
     caches: &mut [B::Kv],
+    on_layer: &mut dyn FnMut(usize),
 ) -> Result<()> {
     let width = layers.attn_shape().kv_token_elems();
     let chunk = kv.prompt_chunk(rank);
@@ -221,6 +227,7 @@ pub(crate) fn fill_random<B: LayerOps>(
                 .collect();
             backend.store_kv(cache, &k, &v, &rows)?;
         }
+        on_layer(l + 1);
     }
     Ok(())
 }

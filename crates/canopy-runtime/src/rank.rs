@@ -86,13 +86,29 @@ impl GenerateRequest {
         ranks: usize,
         ranks_here: usize,
     ) -> Result<ModelNeeds> {
-        let layout = KvLayout::new(
+        let prompt = self.prompt.len();
+        self.needs_at(
+            prompt,
+            config,
+            weight_dtype,
+            weight_bytes,
             ranks,
-            self.page_size,
-            self.prompt.len(),
-            self.samples,
-            self.max_tokens,
-        )?;
+            ranks_here,
+        )
+    }
+
+    /// [`GenerateRequest::needs`] of this request with a prompt of `prompt` tokens instead of
+    /// its own: prices other context lengths without building their prompts.
+    pub fn needs_at(
+        &self,
+        prompt: usize,
+        config: &canopy_model::LlamaConfig,
+        weight_dtype: DType,
+        weight_bytes: u64,
+        ranks: usize,
+        ranks_here: usize,
+    ) -> Result<ModelNeeds> {
+        let layout = KvLayout::new(ranks, self.page_size, prompt, self.samples, self.max_tokens)?;
         Ok(ModelNeeds {
             shape: config.attn_shape(),
             hidden: config.hidden_size,
@@ -104,7 +120,7 @@ impl GenerateRequest {
             kv_dtype: self.kv_dtype,
             kv_tokens: layout.pool_tokens() * ranks_here,
             max_rows: match self.context_fill {
-                ContextFill::Prefill => self.prompt.len().div_ceil(ranks).max(self.samples),
+                ContextFill::Prefill => prompt.div_ceil(ranks).max(self.samples),
                 ContextFill::Random { .. } => self.samples,
             },
             logit_rows: self.samples,
@@ -112,15 +128,49 @@ impl GenerateRequest {
     }
 }
 
+/// What a caller sees of a generation as it runs on one rank. Each rank is given its own;
+/// all must answer alike ([`Watch::token`], [`Watch::time_merges`]), since the ranks step
+/// together. A closure `FnMut(sample, token) -> bool` is a watch of the tokens alone.
+pub trait Watch {
+    /// Sample `sample` drew `token` (in order); `false` ends that sample (a stop string in its
+    /// text).
+    fn token(&mut self, sample: usize, token: u32) -> bool;
+    /// `done` of the model's `layers` layers hold this rank's part of the context (their
+    /// prefill has run, or their random fill is stored): a long context's progress.
+    fn context_layer(&mut self, done: usize, layers: usize) {
+        let _ = (done, layers);
+    }
+    /// Whether decode steps time the tree's cross-rank merges: with more than one rank, every
+    /// second step (the second, the fourth, ...) waits for the device around each layer's
+    /// merge ([`RankAttention::attend_timed`]) and reports the merges' time in
+    /// [`Generated::merge_s`]; the other steps run undisturbed. Provided: no.
+    fn time_merges(&self) -> bool {
+        false
+    }
+}
+
+impl<F: FnMut(usize, u32) -> bool> Watch for F {
+    fn token(&mut self, sample: usize, token: u32) -> bool {
+        self(sample, token)
+    }
+}
+
 /// One rank's outcome: the samples' tokens (every rank has them all) and its timings.
 #[derive(Debug, Clone)]
 pub struct Generated {
     pub samples: Vec<Vec<u32>>,
-    /// Whether each sample ended on a stop token or by `on_token` (else on the token limit).
+    /// Whether each sample ended on a stop token or by the watch (else on the token limit).
     pub stopped: Vec<bool>,
+    /// Seconds to fill the context: the prefill, or the random fill.
     pub prefill_s: f64,
+    /// Seconds from the call to the first token drawn (the KV caches' allocation, the fill,
+    /// the merge's choice and the draw): the time to first token. `None` if none was drawn.
+    pub first_token_s: Option<f64>,
     /// Seconds of each decode step after the first token.
     pub step_s: Vec<f64>,
+    /// For each decode step, the seconds its layers spent in the cross-rank merge where the
+    /// step timed them ([`Watch::time_merges`]); such a step's `step_s` includes the waits.
+    pub merge_s: Vec<Option<f64>>,
     /// The first token's logits (every rank has the same), for checks against a reference.
     pub first_logits: Vec<f32>,
     /// The two most likely tokens of each step of sample 0, for checks of greedy agreement
@@ -130,16 +180,17 @@ pub struct Generated {
 }
 
 /// Runs `req` on this rank of `comm`. Every rank of the world calls it with the same request;
-/// `on_token(sample, token)` sees each new token as it is drawn, in order, and ends that
-/// sample by returning `false` (a stop string in its text). Every rank must answer alike: the
-/// ranks hold the same tokens, so a decision made from them is.
+/// `watch` sees each new token as it is drawn and may end its sample, and follows the
+/// context's fill (see [`Watch`]). Every rank must answer alike: the ranks hold the same
+/// tokens, so a decision made from them is.
 pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
     req: &GenerateRequest,
     comm: &C,
-    on_token: &mut dyn FnMut(usize, u32) -> bool,
+    watch: &mut dyn Watch,
 ) -> Result<Generated> {
+    let called = Instant::now();
     let (rank, ranks) = (comm.rank(), comm.size());
     if req.prompt.is_empty() {
         return Err(RuntimeError::EmptyPrompt);
@@ -168,10 +219,12 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
 
     let t0 = Instant::now();
     let vocab = layers.config.vocab_size;
+    let num_layers = layers.num_layers();
+    let on_layer = &mut |done| watch.context_layer(done, num_layers);
     let logits = match req.context_fill {
-        ContextFill::Prefill => prefill(backend, layers, req, comm, &kv, &mut caches)?,
+        ContextFill::Prefill => prefill(backend, layers, req, comm, &kv, &mut caches, on_layer)?,
         ContextFill::Random { seed } => {
-            fill_random(backend, layers, &kv, rank, seed, &mut caches)?;
+            fill_random(backend, layers, &kv, rank, seed, &mut caches, on_layer)?;
             vec![0.0; vocab]
         }
     };
@@ -185,6 +238,8 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     let mut stopped = vec![false; req.samples];
     let mut step_logits: Vec<Vec<f32>> = vec![logits; req.samples];
     let mut step_s = Vec::new();
+    let mut merge_s = Vec::new();
+    let mut first_token_s = None;
     let mut top_two = Vec::new();
     let merge = resolve_merge(
         req.strategy,
@@ -205,8 +260,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                 top_two.push(TopTwo::of(&step_logits[s]));
             }
             let token = samplers[s].sample(&step_logits[s]);
+            first_token_s.get_or_insert_with(|| called.elapsed().as_secs_f64());
             out[s].push(token);
-            let go_on = on_token(s, token);
+            let go_on = watch.token(s, token);
             if !go_on || req.stop_tokens.contains(&token) {
                 stopped[s] = true;
             } else if out[s].len() < req.max_tokens {
@@ -271,17 +327,27 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             positions: &positions,
             stores: &mine,
         };
-        let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
+        let probe = watch.time_merges() && ranks > 1 && step_s.len() % 2 == 1;
+        let (logits, merged) = if probe {
+            let settle = || Ok(comm.barrier()?);
+            forward.decode_timed(backend, layers, &mut caches, attention, rows, &settle)?
+        } else {
+            let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
+            (logits, None)
+        };
         for (row, &s) in live.iter().enumerate() {
             step_logits[s] = logits[row * vocab..(row + 1) * vocab].to_vec();
         }
         step_s.push(t.elapsed().as_secs_f64());
+        merge_s.push(merged);
     }
     Ok(Generated {
         samples: out,
         stopped,
         prefill_s,
+        first_token_s,
         step_s,
+        merge_s,
         first_logits,
         top_two,
     })

@@ -200,3 +200,59 @@ fn each_seeded_sample_equals_its_seed_decoded_alone() {
         "seeds differ"
     );
 }
+
+/// A watch that follows the fill and times the merges.
+#[derive(Default)]
+struct Timing {
+    layers_done: Vec<(usize, usize)>,
+}
+
+impl canopy_runtime::Watch for Timing {
+    fn token(&mut self, _: usize, _: u32) -> bool {
+        true
+    }
+    fn context_layer(&mut self, done: usize, layers: usize) {
+        self.layers_done.push((done, layers));
+    }
+    fn time_merges(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn timed_merges_change_no_token_and_time_every_second_step() {
+    let (model, reference) = fixture("gqa-hd64");
+    let layers = layers(&model);
+    let p = &reference["prompts"].as_array().unwrap()[2];
+    let layer_count = model.config.num_hidden_layers;
+    for strategy in [
+        DecodeStrategy::Tree(MergeCollective::Allreduce3),
+        DecodeStrategy::Ring,
+    ] {
+        let req = request(ids(&p["token_ids"]), 1, strategy);
+        let outs = ThreadWorld::run(2, Duration::from_secs(120), |comm| {
+            let mut watch = Timing::default();
+            let out = generate(&CpuBackend, &layers, &req, &comm, &mut watch)?;
+            Ok::<_, canopy_runtime::RuntimeError>((out, watch.layers_done))
+        });
+        for out in outs {
+            let (out, done) = out.expect("the rank ran");
+            assert_eq!(out.samples[0], ids(&p["greedy_tokens"]), "{strategy:?}");
+            let want: Vec<_> = (1..=layer_count).map(|d| (d, layer_count)).collect();
+            assert_eq!(done, want, "every layer of the prefill is reported once");
+            assert_eq!(out.merge_s.len(), out.step_s.len());
+            for (i, m) in out.merge_s.iter().enumerate() {
+                let timed = i % 2 == 1 && strategy != DecodeStrategy::Ring;
+                assert_eq!(m.is_some(), timed, "step {i}, {strategy:?}");
+                if let Some(s) = m {
+                    assert!(
+                        (0.0..=out.step_s[i]).contains(s),
+                        "step {i}: {s} s in merges"
+                    );
+                }
+            }
+            let ttft = out.first_token_s.expect("a token was drawn");
+            assert!(ttft >= out.prefill_s, "{ttft} < {}", out.prefill_s);
+        }
+    }
+}

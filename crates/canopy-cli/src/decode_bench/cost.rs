@@ -1,0 +1,101 @@
+//! What a configuration of `bench decode` costs on paper, to set its measurements against:
+//! the bytes a decode step must read (its floor), and the arithmetic of a prefill.
+
+use canopy_core::DType;
+use canopy_model::LlamaConfig;
+
+/// Bytes of every weight of `c` in `dtype`: what each decode step reads once per rank.
+pub fn weight_bytes(c: &LlamaConfig, dtype: DType) -> u64 {
+    let (h, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let (q, kv) = projection_widths(c);
+    let layer = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * f;
+    let head = if c.tie_word_embeddings { 0 } else { v * h };
+    ((c.num_hidden_layers * layer + v * h + h + head) * dtype.size_bytes()) as u64
+}
+
+/// Bytes of K and V of one rank's share of a `context`-token context, every layer: what the
+/// rank's attention reads in a decode step.
+pub fn rank_kv_bytes(c: &LlamaConfig, dtype: DType, context: usize, ranks: usize) -> u64 {
+    (context.div_ceil(ranks) * c.num_hidden_layers * 2 * c.attn_shape().kv_token_bytes(dtype))
+        as u64
+}
+
+/// FLOPs of the prefill of a `tokens`-token prompt, every rank together, counted as the
+/// runtime computes it: each projection's GEMM (`2·m·n·k`: q|k|v, o, gate|up, down) on every
+/// token of every layer, the LM head on the one row whose logits are drawn from, and causal
+/// attention (`q·kᵀ` and `p·v`, `2·head_dim` each per query head and visible key; token `i`
+/// sees `i + 1` keys). Norms, RoPE, SwiGLU's products and the softmax are left out: they are
+/// a few FLOPs per element, not per weight.
+pub fn prefill_flops(c: &LlamaConfig, tokens: usize) -> f64 {
+    let (h, f, v) = (
+        c.hidden_size as f64,
+        c.intermediate_size as f64,
+        c.vocab_size as f64,
+    );
+    let (q, kv) = projection_widths(c);
+    let (q, kv, layers, n) = (
+        q as f64,
+        kv as f64,
+        c.num_hidden_layers as f64,
+        tokens as f64,
+    );
+    let per_token_layer = 2.0 * (h * (q + 2.0 * kv) + q * h + h * 2.0 * f + f * h);
+    let visible_pairs = n * (n + 1.0) / 2.0;
+    let attention = 4.0 * q * visible_pairs;
+    layers * (n * per_token_layer + attention) + 2.0 * h * v
+}
+
+/// Widths of the query projection and of each of the key and value projections.
+fn projection_widths(c: &LlamaConfig) -> (usize, usize) {
+    (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 2 layers, hidden 4, 2 query heads and 1 KV head of dim 2, MLP 6, vocabulary 10.
+    fn tiny() -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 10,
+            hidden_size: 4,
+            intermediate_size: 6,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 2,
+            ..canopy_model::presets::preset("smollm2-135m").unwrap()
+        }
+    }
+
+    #[test]
+    fn a_prefill_counts_its_gemms_its_one_logit_row_and_causal_attention() {
+        // Per token and layer: q|k|v 2·4·(4 + 2 + 2) = 64, o 2·4·4 = 32, gate|up 2·4·12 = 96,
+        // down 2·6·4 = 48: 240. Three tokens, two layers: 1440.
+        // The LM head on the last row: 2·4·10 = 80.
+        // Attention: 6 visible (query, key) pairs × 2 heads × 2·2·2 = 96 a layer: 192.
+        assert_eq!(prefill_flops(&tiny(), 3), 1440.0 + 80.0 + 192.0);
+    }
+
+    #[test]
+    fn an_8b_shape_weighs_what_llama_3_1_8b_does() {
+        let c = canopy_model::presets::preset("llama-3.1-8b").unwrap();
+        let gb = weight_bytes(&c, DType::Bf16) as f64 / 1e9;
+        assert!((gb - 16.06).abs() < 0.01, "{gb}");
+        // 4096 tokens: 2 × 7B FLOPs a token in the layers' GEMMs (57.2 TFLOP), causal
+        // attention 32 × 4 × 4096 × (4096 · 4097 / 2) (4.4 TFLOP).
+        let tflop = prefill_flops(&c, 4096) / 1e12;
+        assert!((tflop - 61.57).abs() < 0.01, "{tflop}");
+    }
+
+    #[test]
+    fn each_rank_reads_its_share_of_the_kv() {
+        let c = tiny();
+        // 2 layers × K and V × 1 head × 2 dims × 4 bytes = 32 bytes a token.
+        assert_eq!(rank_kv_bytes(&c, DType::F32, 10, 1), 320);
+        assert_eq!(rank_kv_bytes(&c, DType::F32, 10, 4), 3 * 32);
+    }
+}
