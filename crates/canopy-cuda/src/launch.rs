@@ -39,12 +39,6 @@ impl Params {
         self
     }
 
-    /// A null pointer.
-    pub(crate) fn null(mut self) -> Self {
-        self.0.push(0);
-        self
-    }
-
     pub(crate) fn u32(mut self, v: u32) -> Self {
         self.0.push(u64::from(v));
         self

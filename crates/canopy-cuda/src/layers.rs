@@ -75,19 +75,6 @@ fn same_dims(op: &str, what: &str, t: &CudaTensor, want: (usize, usize)) -> Resu
 }
 
 /// A kernel size argument as the kernels' `u32`.
-/// Checks a SwiGLU projection's operands: `w` a fused gate|up weight as wide as `x`, `out`
-/// half its rows wide.
-fn swiglu_operands(op: &str, x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) -> Result<()> {
-    expect_size("cuda", op, "the weight's columns", w.cols, x.cols)?;
-    if !w.rows.is_multiple_of(2) {
-        return Err(CudaError::Unsupported(format!(
-            "{op}: a fused gate|up weight has an even number of rows, not {}",
-            w.rows
-        )));
-    }
-    same_dims(op, "the output", out, (x.rows, w.rows / 2))
-}
-
 fn narrow(op: &str, n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| {
         CudaError::Unsupported(format!(
@@ -242,24 +229,6 @@ impl CudaBackend {
         // SAFETY: one CTA per row of x and out (rows × cols each); the weight has cols elements.
         unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching rms_norm")?;
         Ok(())
-    }
-
-    /// `(norm, eps)` once the norm is checked to be as wide as `x`.
-    fn checked_norm<'w>(
-        &self,
-        op: &str,
-        x: &CudaTensor,
-        norm: &'w CudaWeight,
-        eps: f32,
-    ) -> Result<(&'w CudaWeight, f32)> {
-        expect_size(
-            "cuda",
-            op,
-            "the norm's length",
-            norm.rows * norm.cols,
-            x.cols,
-        )?;
-        Ok((norm, eps))
     }
 
     /// An uninitialized `rows × cols` activation, for a result written in full before it is
@@ -456,51 +425,32 @@ impl LayerOps for CudaBackend {
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
         expect_size("cuda", "matmul", "the weight's columns", w.cols, x.cols)?;
         same_dims("matmul", "the output", out, (x.rows, w.rows))?;
-        Ok(self.product(x, None, w, out, Epilogue::Store)?)
+        Ok(self.product(x, w, out, Epilogue::Store)?)
     }
 
     fn matmul_add(&self, x: &CudaTensor, w: &CudaWeight, acc: &mut CudaTensor) -> EResult<()> {
         expect_size("cuda", "matmul_add", "the weight's columns", w.cols, x.cols)?;
         same_dims("matmul_add", "the output", acc, (x.rows, w.rows))?;
-        Ok(self.product(x, None, w, acc, Epilogue::Add)?)
+        Ok(self.product(x, w, acc, Epilogue::Add)?)
     }
 
     fn matmul_swiglu(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
-        swiglu_operands("matmul_swiglu", x, w, out)?;
-        Ok(self.product(x, None, w, out, Epilogue::Swiglu)?)
-    }
-
-    fn rms_norm_matmul(
-        &self,
-        x: &CudaTensor,
-        norm: &CudaWeight,
-        eps: f32,
-        w: &CudaWeight,
-        out: &mut CudaTensor,
-    ) -> EResult<()> {
-        let norm = self.checked_norm("rms_norm_matmul", x, norm, eps)?;
         expect_size(
             "cuda",
-            "rms_norm_matmul",
+            "matmul_swiglu",
             "the weight's columns",
             w.cols,
             x.cols,
         )?;
-        same_dims("rms_norm_matmul", "the output", out, (x.rows, w.rows))?;
-        Ok(self.product(x, Some(norm), w, out, Epilogue::Store)?)
-    }
-
-    fn rms_norm_matmul_swiglu(
-        &self,
-        x: &CudaTensor,
-        norm: &CudaWeight,
-        eps: f32,
-        w: &CudaWeight,
-        out: &mut CudaTensor,
-    ) -> EResult<()> {
-        let norm = self.checked_norm("rms_norm_matmul_swiglu", x, norm, eps)?;
-        swiglu_operands("rms_norm_matmul_swiglu", x, w, out)?;
-        Ok(self.product(x, Some(norm), w, out, Epilogue::Swiglu)?)
+        if !w.rows.is_multiple_of(2) {
+            return Err(CudaError::Unsupported(format!(
+                "matmul_swiglu: a fused gate|up weight has an even number of rows, not {}",
+                w.rows
+            ))
+            .into());
+        }
+        same_dims("matmul_swiglu", "the output", out, (x.rows, w.rows / 2))?;
+        Ok(self.product(x, w, out, Epilogue::Swiglu)?)
     }
 
     fn rope_split(

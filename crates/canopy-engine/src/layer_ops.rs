@@ -102,37 +102,6 @@ pub trait LayerOps: MergeOps {
         w: &Self::Weight,
         out: &mut Self::Tensor,
     ) -> Result<()>;
-    /// `out = (rmsnorm(x) * norm) · wᵀ`: [`rms_norm`](Self::rms_norm) then
-    /// [`matmul`](Self::matmul), which a backend may fuse so the normalised rows need no pass
-    /// or buffer of their own.
-    fn rms_norm_matmul(
-        &self,
-        x: &Self::Tensor,
-        norm: &Self::Weight,
-        eps: f32,
-        w: &Self::Weight,
-        out: &mut Self::Tensor,
-    ) -> Result<()> {
-        let (rows, cols) = self.dims(x);
-        let mut normed = self.tensor(rows, cols)?;
-        self.rms_norm(x, norm, eps, &mut normed)?;
-        self.matmul(&normed, w, out)
-    }
-    /// [`rms_norm`](Self::rms_norm) then [`matmul_swiglu`](Self::matmul_swiglu), which a
-    /// backend may fuse.
-    fn rms_norm_matmul_swiglu(
-        &self,
-        x: &Self::Tensor,
-        norm: &Self::Weight,
-        eps: f32,
-        w: &Self::Weight,
-        out: &mut Self::Tensor,
-    ) -> Result<()> {
-        let (rows, cols) = self.dims(x);
-        let mut normed = self.tensor(rows, cols)?;
-        self.rms_norm(x, norm, eps, &mut normed)?;
-        self.matmul_swiglu(&normed, w, out)
-    }
     /// Splits each row `i` of a fused projection `qkv` (`q | k | v`, as wide as the three
     /// outputs) into `q`, `k` and `v`, rotating every head of `q` and `k` (`2 · half`
     /// columns) by `positions[i]`; `inv_freq` is a `1 × half` f32 weight.

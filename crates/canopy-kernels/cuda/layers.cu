@@ -7,7 +7,7 @@
 // q|k|v projection), SwiGLU, the KV store by (row, slot) pairs, and attention of a block of
 // query rows over a block of keys. A projection of a few rows (a decode step) is not cuBLAS's
 // but `gemv`'s, which streams the weight once at close to the memory's bandwidth and folds the
-// RMSNorm before it and the residual add or SwiGLU after it into its pass.
+// residual add or SwiGLU into its output.
 //
 // The element-wise kernels are grid-stride loops over LAYER_THREADS-thread CTAs, so any grid
 // covers any size. Every op follows transformers' Llama in fp32; accurate libm calls (expf,
@@ -279,10 +279,6 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
 // stay in L1. The host checks that k is a whole number of 16-byte chunks and that the buffers
 // are 16-byte aligned.
 //
-// The input may be x's RMSNorm instead of x (`norm` not null): the CTA sums each row's squares
-// once the kernel before it has finished, and the activations are normalised as they are
-// loaded, so a decode step has no RMSNorm kernel of its own.
-//
 // The epilogue is the output's: `gemv` stores, `gemv_add` adds into the output (a residual
 // connection), `gemv_swiglu` computes columns n and n + cols of a fused gate|up weight (two
 // weight rows per column, MATS = 2) and stores silu(gate) * up.
@@ -290,23 +286,6 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
 #define GEMV_VEC (16 / (int)sizeof(elem_t))
 #define GEMV_LANE_ELEMS (2 * GEMV_VEC)
 #define GEMV_BLOCK (4 * GEMV_LANE_ELEMS)
-
-// The GEMV_VEC elements of a 16-byte chunk, widened.
-__device__ __forceinline__ void unpack(const uint4 c, float (&f)[GEMV_VEC]) {
-#if CANOPY_DTYPE == 0
-    f[0] = __uint_as_float(c.x);
-    f[1] = __uint_as_float(c.y);
-    f[2] = __uint_as_float(c.z);
-    f[3] = __uint_as_float(c.w);
-#else
-    const u32 words[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = widen((u16)(words[i] & 0xffffu));
-        f[2 * i + 1] = widen((u16)(words[i] >> 16));
-    }
-#endif
-}
 
 __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
     uint4 r;
@@ -328,69 +307,22 @@ __device__ __forceinline__ void gemv_load(const elem_t* __restrict__ w, u64 row,
     }
 }
 
-// What a GEMV multiplies: the rows of x, or, where `norm` is not null, their RMSNorm
-// `norm * (x * inv_rms)` (rms_norm's arithmetic), so the norm needs no kernel of its own.
-struct GemvInput {
-    const float* __restrict__ x;
-    const elem_t* __restrict__ norm;
-    float eps;
-};
-
-// inv[m] = 1 / sqrt(mean(x[m]²) + eps) for the rows m < rows of x, summed by the whole CTA. The
-// host checks that k is a multiple of 4.
-__device__ __forceinline__ void gemv_inv_rms(const GemvInput in, u32 rows, u32 k, float (&inv)[GEMV_MAX_ROWS]) {
-    __shared__ float partial[GEMV_WARPS][GEMV_MAX_ROWS];
-    const u32 warp = threadIdx.x / 32;
-    for (u32 m = 0; m < rows; ++m) {
-        const float4* row = reinterpret_cast<const float4*>(in.x + (u64)m * k);
-        float s = 0.f;
-        for (u32 c = threadIdx.x; c < k / 4; c += blockDim.x) {
-            const float4 v = row[c];
-            s = fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, fmaf(v.x, v.x, s))));
-        }
-        s = warp_sum(s);
-        if (threadIdx.x % 32 == 0) partial[warp][m] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x < rows) {
-        float s = 0.f;
-        for (u32 w = 0; w < blockDim.x / 32; ++w) s += partial[w][threadIdx.x];
-        inv[threadIdx.x] = 1.f / sqrtf(s / (float)k + in.eps);
-    }
-    __syncthreads();
-}
-
-// Row m's GEMV_LANE_ELEMS activations matching the lane's chunks of `block` (zeros past k),
-// normalised by `inv` (row m's inverse RMS) where the input has a norm.
-__device__ __forceinline__ void gemv_activation(const GemvInput in, float inv, u32 m, u32 k, u32 block,
+// The activation row's GEMV_LANE_ELEMS elements matching the lane's chunks of `block` (zeros
+// past k).
+__device__ __forceinline__ void gemv_activation(const float* __restrict__ xm, u32 k, u32 block,
                                                 float (&v)[GEMV_LANE_ELEMS]) {
     const u32 first = block * GEMV_BLOCK + (threadIdx.x % 4) * GEMV_LANE_ELEMS;
-    const float* xm = in.x + (u64)m * k;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 at = first + h * GEMV_VEC;
-        float* chunk = v + h * GEMV_VEC;
-        if (at >= k) {
-#pragma unroll
-            for (int e = 0; e < GEMV_VEC; ++e) chunk[e] = 0.f;
-            continue;
-        }
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int e = 0; e < GEMV_VEC; e += 4) {
-            const float4 t = __ldg(reinterpret_cast<const float4*>(xm + at + e));
-            chunk[e] = t.x;
-            chunk[e + 1] = t.y;
-            chunk[e + 2] = t.z;
-            chunk[e + 3] = t.w;
+            const u32 at = first + h * GEMV_VEC + e;
+            const float4 t = at < k ? __ldg(reinterpret_cast<const float4*>(xm + at)) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[h * GEMV_VEC + e] = t.x;
+            v[h * GEMV_VEC + e + 1] = t.y;
+            v[h * GEMV_VEC + e + 2] = t.z;
+            v[h * GEMV_VEC + e + 3] = t.w;
         }
-        if (in.norm) {
-            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(in.norm + at));
-            float g[GEMV_VEC];
-            unpack(raw, g);
-#pragma unroll
-            for (int e = 0; e < GEMV_VEC; ++e) chunk[e] = g[e] * (chunk[e] * inv);
-        }
-    }
 }
 
 #if CANOPY_DTYPE != 0
@@ -436,9 +368,8 @@ __device__ __forceinline__ void gemv_load_blocks(const elem_t* __restrict__ w, u
 // kernel's output), so a GEMV launched as a programmatic dependent streams its weight while
 // the kernel before it finishes.
 template <int MATS>
-__device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, const GemvInput in, u32 rows,
+__device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
                                                u32 cols, u32 k, u32 group, u32 slices, u32 slice, u64 mat_offset,
-                                               float (&inv)[GEMV_MAX_ROWS],
                                                float (&sums)[GEMV_MAX_ROWS][GEMV_COLS][MATS]) {
     const u32 lane = threadIdx.x % 32;
     const u32 n = group * GEMV_COLS + lane / 4;
@@ -447,7 +378,6 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
     uint4 wc[GEMV_UNROLL][MATS][2];
     gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc);
     wait_for_previous_grid();
-    if (in.norm) gemv_inv_rms(in, rows, k, inv);
 #if CANOPY_DTYPE != 0
     // Lane (m, q) = (lane / 4, lane % 4): row m of the activation, columns 2q and 2q + 1 of D.
     const u32 m = lane / 4;
@@ -461,7 +391,7 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
             u32 a[GEMV_LANE_ELEMS / 2] = {};
             if (m < rows) {
                 float v[GEMV_LANE_ELEMS];
-                gemv_activation(in, inv[m], m, k, block, v);
+                gemv_activation(x + (u64)m * k, k, block, v);
 #pragma unroll
                 for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack_operand(v[2 * i], v[2 * i + 1]);
             }
@@ -492,7 +422,7 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
             for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
                 if (m >= (int)rows) break;
                 float v[GEMV_LANE_ELEMS];
-                gemv_activation(in, inv[m], m, k, block, v);
+                gemv_activation(x + (u64)m * k, k, block, v);
 #pragma unroll
                 for (int j = 0; j < MATS; ++j) {
                     const uint4 c[2] = {wc[u][j][0], wc[u][j][1]};
@@ -520,15 +450,14 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
 // Runs every warp's sums into shared memory, then calls `epilogue(m, n, sum)` once per output
 // (row m, column n < cols) with the slices' sums added in slice order, spread over the CTA.
 template <int MATS, typename Epilogue>
-__device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const GemvInput in, u32 rows,
+__device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
                                          u32 cols, u32 k, u32 slices, u64 mat_offset, Epilogue epilogue) {
     __shared__ float sums[GEMV_WARPS][GEMV_MAX_ROWS][GEMV_COLS][MATS];
-    __shared__ float inv[GEMV_MAX_ROWS];
     const u32 warp = threadIdx.x / 32, groups = GEMV_WARPS / slices;
     const u32 first_group = blockIdx.x * groups;
     let_next_grid_launch();
-    gemv_warp_sums<MATS>(w, in, rows, cols, k, first_group + warp / slices, slices, warp % slices, mat_offset,
-                         inv, sums[warp]);
+    gemv_warp_sums<MATS>(w, x, rows, cols, k, first_group + warp / slices, slices, warp % slices, mat_offset,
+                         sums[warp]);
     __syncthreads();
     for (u32 i = threadIdx.x; i < groups * rows * GEMV_COLS; i += blockDim.x) {
         const u32 g = i / (rows * GEMV_COLS), m = i / GEMV_COLS % rows, c = i % GEMV_COLS;
@@ -544,26 +473,23 @@ __device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const Gem
     }
 }
 
-// `norm` (null for none) and `eps`: the RMSNorm applied to x on the way in (GemvInput).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-gemv(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ norm, float eps,
-     float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
-    gemv_cta<1>(w, {x, norm, eps}, rows, cols, k, slices, 0,
-                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
+gemv(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows, u32 cols,
+     u32 k, u32 slices) {
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-gemv_add(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ norm, float eps,
-         float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
-    gemv_cta<1>(w, {x, norm, eps}, rows, cols, k, slices, 0,
-                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
+gemv_add(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
+         u32 cols, u32 k, u32 slices) {
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
 }
 
 // `cols` is the output's width: the weight has 2 * cols rows, gate's then up's.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-gemv_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ norm,
-            float eps, float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
-    gemv_cta<2>(w, {x, norm, eps}, rows, cols, k, slices, cols, [&](u32 m, u32 n, const float (&s)[2]) {
+gemv_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
+            u32 cols, u32 k, u32 slices) {
+    gemv_cta<2>(w, x, rows, cols, k, slices, cols, [&](u32 m, u32 n, const float (&s)[2]) {
         out[(u64)m * cols + n] = s[0] / (1.f + expf(-s[0])) * s[1];
     });
 }

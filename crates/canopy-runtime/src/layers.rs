@@ -430,14 +430,15 @@ impl<B: LayerOps> ModelLayers<B> {
     /// Layer `l`'s rotated queries, keys and values of the hidden rows `x` at `positions`.
     pub fn qkv(&self, b: &B, l: usize, x: &B::Tensor, positions: &[u32]) -> Result<Qkv<B>> {
         let (c, layer) = (&self.config, &self.layers[l]);
-        let (rows, _) = b.dims(x);
+        let (rows, h) = b.dims(x);
+        let mut normed = b.tensor(rows, h)?;
+        b.rms_norm(x, &layer.input_norm, c.rms_norm_eps as f32, &mut normed)?;
         let (qn, kvn) = (
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
         let mut fused = b.tensor(rows, qn + 2 * kvn)?;
-        let eps = c.rms_norm_eps as f32;
-        b.rms_norm_matmul(x, &layer.input_norm, eps, &layer.qkv, &mut fused)?;
+        b.matmul(&normed, &layer.qkv, &mut fused)?;
         let mut q = b.tensor(rows, qn)?;
         let mut k = b.tensor(rows, kvn)?;
         let mut v = b.tensor(rows, kvn)?;
@@ -450,11 +451,12 @@ impl<B: LayerOps> ModelLayers<B> {
     /// its residual.
     pub fn finish(&self, b: &B, l: usize, x: &mut B::Tensor, attn: &B::Tensor) -> Result<()> {
         let (c, layer) = (&self.config, &self.layers[l]);
-        let (rows, _) = b.dims(x);
+        let (rows, h) = b.dims(x);
         b.matmul_add(attn, &layer.o, x)?;
+        let mut normed = b.tensor(rows, h)?;
+        b.rms_norm(x, &layer.post_norm, c.rms_norm_eps as f32, &mut normed)?;
         let mut act = b.tensor(rows, c.intermediate_size)?;
-        let eps = c.rms_norm_eps as f32;
-        b.rms_norm_matmul_swiglu(x, &layer.post_norm, eps, &layer.gate_up, &mut act)?;
+        b.matmul_swiglu(&normed, &layer.gate_up, &mut act)?;
         b.matmul_add(&act, &layer.down, x)?;
         Ok(())
     }
@@ -465,9 +467,14 @@ impl<B: LayerOps> ModelLayers<B> {
         let c = &self.config;
         let mut picked = b.tensor(rows, c.hidden_size)?;
         b.copy_rows(x, first, &mut picked)?;
+        let mut normed = b.tensor(rows, c.hidden_size)?;
+        b.rms_norm(&picked, &self.norm, c.rms_norm_eps as f32, &mut normed)?;
         let mut out = b.tensor(rows, c.vocab_size)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        b.rms_norm_matmul(&picked, &self.norm, c.rms_norm_eps as f32, head, &mut out)?;
+        b.matmul(
+            &normed,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            &mut out,
+        )?;
         Ok(b.download_tensor(&out)?)
     }
 }

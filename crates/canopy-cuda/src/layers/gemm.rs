@@ -129,14 +129,9 @@ fn gemv_fits(x: &CudaTensor, w: &CudaWeight) -> bool {
 impl CudaBackend {
     /// The product `x · wᵀ` into `out` by `epilogue` (shapes checked by the caller): see the
     /// module notes.
-    ///
-    /// With `norm` (a weight of x's width, and eps), the product is of x's RMSNorm: inside the
-    /// GEMV where it takes the product (the norm in the weight's dtype), else by `rms_norm` into
-    /// a buffer first.
     pub(crate) fn product(
         &self,
         x: &CudaTensor,
-        norm: Option<(&CudaWeight, f32)>,
         w: &CudaWeight,
         out: &mut CudaTensor,
         epilogue: Epilogue,
@@ -144,13 +139,8 @@ impl CudaBackend {
         if x.rows == 0 || w.rows == 0 {
             return Ok(());
         }
-        if gemv_fits(x, w) && x.cols > 0 && norm.is_none_or(|(n, _)| n.dtype == w.dtype) {
-            return self.gemv(x, norm, w, out, epilogue);
-        }
-        if let Some((weight, eps)) = norm {
-            let mut normed = self.tensor_of(x.rows, x.cols)?;
-            self.rms_norm_rows(x, weight, eps, &mut normed)?;
-            return self.product(&normed, None, w, out, epilogue);
+        if gemv_fits(x, w) && x.cols > 0 {
+            return self.gemv(x, w, out, epilogue);
         }
         match epilogue {
             Epilogue::Store => self.gemm(x, w, out, false),
@@ -166,7 +156,6 @@ impl CudaBackend {
     fn gemv(
         &self,
         x: &CudaTensor,
-        norm: Option<(&CudaWeight, f32)>,
         w: &CudaWeight,
         out: &mut CudaTensor,
         epilogue: Epilogue,
@@ -187,12 +176,9 @@ impl CudaBackend {
             .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
             .unwrap_or(1);
         let s = &self.stream;
-        let params = Params::default().buffer(&w.data, s).buffer(&x.data, s);
-        let params = match norm {
-            Some((weight, eps)) => params.buffer(&weight.data, s).f32(eps),
-            None => params.null().f32(0.0),
-        };
-        let params = params
+        let params = Params::default()
+            .buffer(&w.data, s)
+            .buffer(&x.data, s)
             .buffer(&out.data, s)
             .u32(rows)
             .u32(cols)
