@@ -75,6 +75,9 @@ const REQUEST: &[f64] = &[
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
 
+/// A counter's name, help, and its value in a `T`.
+type Counter<T> = (&'static str, &'static str, fn(&T) -> String);
+
 /// What a decode pass's floor is priced from, known when the server starts.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct FloorFacts {
@@ -254,28 +257,25 @@ impl Metrics {
 
     /// The decode passes by their rows, and the facts their floor is priced from.
     fn render_decode(&self, out: &mut String, s: &EngineStatus) {
-        let by_rows: [(&str, &str, &str, fn(&DecodePasses) -> String); 3] = [
+        let by_rows: [Counter<DecodePasses>; 3] = [
             (
                 "canopy_decode_passes_total",
                 "Decode passes, by their rows.",
-                "counter",
                 |d| d.passes.to_string(),
             ),
             (
                 "canopy_decode_seconds_total",
                 "Seconds of decode passes on rank 0, from the layout to the logits on the host (prompt chunks excluded), by their rows.",
-                "counter",
                 |d| d.seconds.to_string(),
             ),
             (
                 "canopy_decode_kv_bytes_total",
                 "Distinct KV bytes the decode passes' attention had to read on rank 0 (each token on some row's path once, every layer's K and V), by their rows.",
-                "counter",
                 |d| d.kv_bytes.to_string(),
             ),
         ];
-        for (name, help, kind, value) in by_rows {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (name, help, value) in by_rows {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             for (rows, d) in &s.decode {
                 let _ = writeln!(out, "{name}{{rows=\"{rows}\"}} {}", value(d));
             }

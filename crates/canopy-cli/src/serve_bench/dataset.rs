@@ -141,7 +141,10 @@ impl DatasetArgs {
             FewShot => vec![prefix(4096)],
             MultiDoc => vec![prefix(256), groups(8, 2048)],
             MultiChain => std::iter::once(prefix(1024))
-                .chain(std::iter::repeat((self.branching, self.step_len)).take(self.depth))
+                .chain(std::iter::repeat_n(
+                    (self.branching, self.step_len),
+                    self.depth,
+                ))
                 .collect(),
             SystemPrompt => vec![prefix(2048), groups(4, 1024)],
         };
