@@ -52,6 +52,14 @@ fn check_consistent(r: &Value, n: usize, output_len: usize) {
     }
     assert!(num(&r["e2e_ms"]["median"]) >= num(&r["ttft_ms"]["median"]));
     assert!(num(&r["e2e_ms"]["p99"]) <= duration * 1e3);
+    let steps = &r["steps"];
+    let shares = ["decode_share", "prefill_share", "other_share"].map(|k| num(&steps[k]));
+    assert!((shares.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{steps}");
+    assert!(
+        shares[0] > 0.0 && shares[1] > 0.0 && shares[2] > 0.0,
+        "{steps}"
+    );
+    assert!(num(&steps["prefill_tokens"]) > 0.0 && num(&steps["mean_step_ms"]) > 0.0);
     let decode = &r["decode"];
     assert!(num(&decode["passes"]) > 0.0);
     assert!(num(&decode["weight_bytes"]) > 0.0);

@@ -149,7 +149,7 @@ impl Metrics {
                 n.load(Ordering::Relaxed)
             );
         }
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+        let counter = |out: &mut String, name: &str, help: &str, v: &dyn std::fmt::Display| {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
@@ -162,13 +162,13 @@ impl Metrics {
             &mut out,
             "canopy_prompt_tokens_total",
             "Prompt tokens of finished requests.",
-            self.prompt_tokens.load(Ordering::Relaxed),
+            &self.prompt_tokens.load(Ordering::Relaxed),
         );
         counter(
             &mut out,
             "canopy_generation_tokens_total",
             "Tokens generated for finished requests.",
-            self.completion_tokens.load(Ordering::Relaxed),
+            &self.completion_tokens.load(Ordering::Relaxed),
         );
         self.ttft.render(
             &mut out,
@@ -226,13 +226,13 @@ impl Metrics {
             &mut out,
             "canopy_prefix_cache_queried_tokens_total",
             "Prompt tokens looked up in the prefix cache.",
-            s.prefix_queried_tokens,
+            &s.prefix_queried_tokens,
         );
         counter(
             &mut out,
             "canopy_prefix_cache_hit_tokens_total",
             "Prompt tokens found in the prefix cache.",
-            s.prefix_hit_tokens,
+            &s.prefix_hit_tokens,
         );
         let rate = if s.prefix_queried_tokens == 0 {
             0.0
@@ -249,7 +249,31 @@ impl Metrics {
             &mut out,
             "canopy_engine_steps_total",
             "Engine steps run.",
-            s.steps,
+            &s.steps,
+        );
+        counter(
+            &mut out,
+            "canopy_busy_steps_total",
+            "Engine steps that computed something.",
+            &s.busy_steps,
+        );
+        counter(
+            &mut out,
+            "canopy_busy_seconds_total",
+            "Seconds of the steps that computed something, on rank 0 from the step's description to its tokens sent.",
+            &s.busy_seconds,
+        );
+        counter(
+            &mut out,
+            "canopy_prefill_tokens_total",
+            "Prompt tokens computed (not found in the prefix cache).",
+            &s.prefill_tokens,
+        );
+        counter(
+            &mut out,
+            "canopy_prefill_seconds_total",
+            "Seconds of the prompt chunks' passes on rank 0.",
+            &s.prefill_seconds,
         );
         self.render_decode(&mut out, s);
         out

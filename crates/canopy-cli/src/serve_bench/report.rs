@@ -126,6 +126,66 @@ impl Decode {
     }
 }
 
+/// Where the engine's busy time went during the run, on rank 0.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Steps {
+    /// Steps that computed something.
+    pub busy_steps: u64,
+    pub mean_step_ms: f64,
+    /// Shares of the busy seconds: decode passes, prompt chunks, and the rest (the books,
+    /// sampling, detokenizing and sending around them).
+    pub decode_share: f64,
+    pub prefill_share: f64,
+    pub other_share: f64,
+    /// Prompt tokens computed, and how fast.
+    pub prefill_tokens: u64,
+    pub prefill_tokens_per_s: Option<f64>,
+}
+
+impl Steps {
+    /// The steps between two scrapes of a canopy server (`None` if it computed none).
+    pub fn between(before: &Scrape, after: &Scrape) -> Option<Steps> {
+        let grown = |name: &str| after.since(before, name);
+        let steps = grown("canopy_busy_steps_total");
+        let busy = grown("canopy_busy_seconds_total");
+        if steps <= 0.0 || busy <= 0.0 {
+            return None;
+        }
+        let old = before.by_label("canopy_decode_seconds_total", "rows");
+        let decode: f64 = after
+            .by_label("canopy_decode_seconds_total", "rows")
+            .iter()
+            .map(|(rows, v)| v - old.get(rows).copied().unwrap_or(0.0))
+            .sum();
+        let prefill = grown("canopy_prefill_seconds_total");
+        let tokens = grown("canopy_prefill_tokens_total");
+        Some(Steps {
+            busy_steps: steps as u64,
+            mean_step_ms: busy / steps * 1e3,
+            decode_share: decode / busy,
+            prefill_share: prefill / busy,
+            other_share: (busy - decode - prefill) / busy,
+            prefill_tokens: tokens as u64,
+            prefill_tokens_per_s: (prefill > 0.0).then(|| tokens / prefill),
+        })
+    }
+
+    fn render(&self) -> String {
+        format!(
+            "\nengine: {} busy steps, {:.2} ms each: decode passes {:.0}%, prompt chunks {:.0}% \
+             ({} tokens{}), the rest {:.0}% (books, sampling, text and events on rank 0)\n",
+            self.busy_steps,
+            self.mean_step_ms,
+            self.decode_share * 100.0,
+            self.prefill_share * 100.0,
+            self.prefill_tokens,
+            self.prefill_tokens_per_s
+                .map_or(String::new(), |r| format!(" at {r:.0} tokens/s")),
+            self.other_share * 100.0,
+        )
+    }
+}
+
 /// A benchmark run's report (`--json` prints it whole).
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -163,6 +223,7 @@ pub struct Report {
     /// tokens.
     pub cached_prompt_share: f64,
     pub decode: Option<Decode>,
+    pub steps: Option<Steps>,
 }
 
 /// What a run was, besides what it measured.
@@ -234,6 +295,7 @@ impl Report {
             prefix_cache_hit_rate: (queried > 0.0).then(|| hits / queried),
             cached_prompt_share: cached as f64 / prompt_tokens.max(1) as f64,
             decode: Decode::between(before, after),
+            steps: Steps::between(before, after),
         }
     }
 
@@ -308,6 +370,9 @@ impl Report {
             "cached prompt tokens",
             format!("{:.1}%", self.cached_prompt_share * 100.0),
         );
+        if let Some(steps) = &self.steps {
+            out.push_str(&steps.render());
+        }
         if let Some(dec) = &self.decode {
             out.push_str(&dec.render());
         }
@@ -396,7 +461,9 @@ mod tests {
              canopy_decode_kv_bytes_total{rows=\"2\"} 2000\n\
              canopy_decode_passes_total{rows=\"1\"} 30\ncanopy_decode_seconds_total{rows=\"1\"} 0.6\n\
              canopy_decode_kv_bytes_total{rows=\"1\"} 3000\n\
-             canopy_weight_bytes 1000\ncanopy_copy_bandwidth_bytes_per_second 100000\n",
+             canopy_weight_bytes 1000\ncanopy_copy_bandwidth_bytes_per_second 100000\n\
+             canopy_busy_steps_total 50\ncanopy_busy_seconds_total 2.5\n\
+             canopy_prefill_seconds_total 0.5\ncanopy_prefill_tokens_total 1000\n",
         );
         let failed = Measured {
             error: Some("503".into()),
@@ -444,6 +511,15 @@ mod tests {
         // (1000 weight bytes + 200 KV bytes) at 100 000 bytes/s.
         assert!((two.floor_ms.unwrap() - 12.0).abs() < 1e-9);
         assert!((d.mean_rows - 1.25).abs() < 1e-9);
-        assert!(r.render().contains("floor = (weights"));
+        // 2.5 busy seconds over 50 steps: 1.1 of decode passes, 0.5 of prompt chunks.
+        let steps = r.steps.clone().unwrap();
+        assert_eq!(steps.busy_steps, 50);
+        assert!((steps.mean_step_ms - 50.0).abs() < 1e-9);
+        assert!((steps.decode_share - 0.44).abs() < 1e-9);
+        assert!((steps.prefill_share - 0.2).abs() < 1e-9);
+        assert!((steps.other_share - 0.36).abs() < 1e-9);
+        assert_eq!(steps.prefill_tokens_per_s, Some(2000.0));
+        let text = r.render();
+        assert!(text.contains("floor = (weights") && text.contains("50 busy steps"));
     }
 }

@@ -15,7 +15,7 @@
 
 use super::books::{Books, Layout};
 use super::handle::EngineInbox;
-use super::scheduler::{Decoded, Scheduler};
+use super::scheduler::{Decoded, Scheduler, StepClock};
 use super::step::Step;
 use super::ServeConfig;
 use crate::forward::{Forward, StepRows};
@@ -136,13 +136,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 }
                 None => Step::recv(self.comm)?,
             };
+            let began = Instant::now();
             let mut failed = self.books.begin(&step);
             if step.stop {
                 return Ok(());
             }
             if step.is_idle() {
                 if let Some(s) = scheduler.as_mut() {
-                    s.observe(&self.books, None, &[], failed);
+                    s.observe(&self.books, None, &[], failed, None);
                 }
                 continue;
             }
@@ -156,6 +157,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 Some((logits, started.elapsed().as_secs_f64(), kv_bytes))
             };
             let mut chunks = Vec::new();
+            let prefilling = Instant::now();
             for &chunk in &step.prefill {
                 if failed.iter().any(|(id, _)| *id == chunk.id) {
                     continue;
@@ -175,7 +177,11 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                     seconds: *seconds,
                     kv_bytes: *kv_bytes,
                 });
-                s.observe(&self.books, decoded, &chunks, failed);
+                let clock = StepClock {
+                    began,
+                    prefill_seconds: prefilling.elapsed().as_secs_f64(),
+                };
+                s.observe(&self.books, decoded, &chunks, failed, Some(clock));
             }
         }
     }

@@ -194,6 +194,13 @@ pub struct EngineStatus {
     pub prefix_hit_tokens: u64,
     /// Prompt tokens computed (not found in the cache).
     pub prefill_tokens: u64,
+    /// Seconds of the prompt chunks' passes on rank 0.
+    pub prefill_seconds: f64,
+    /// Steps that computed something, and their seconds on rank 0 from the step's description
+    /// to its tokens sent: the decode pass, the prompt chunks, and the books, sampling and
+    /// text around them.
+    pub busy_steps: u64,
+    pub busy_seconds: f64,
     /// Tokens drawn, over all samples.
     pub generated_tokens: u64,
     pub steps: u64,

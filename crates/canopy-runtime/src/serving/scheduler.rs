@@ -22,7 +22,7 @@ use crate::sampling::Sampler;
 use crate::RuntimeError;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long an idle engine waits for a command before a heartbeat step (which keeps the other
 /// ranks from timing out while the server has no requests).
@@ -69,6 +69,13 @@ impl Running<'_> {
             .map(|s| (r.max_tokens - s.drawn).div_ceil(ps) + 1)
             .sum()
     }
+}
+
+/// When a step that computed something began on rank 0 (after its description was sent),
+/// and the seconds its prompt chunks took.
+pub(crate) struct StepClock {
+    pub began: Instant,
+    pub prefill_seconds: f64,
 }
 
 /// One decode pass as the scheduler sees it.
@@ -292,14 +299,16 @@ impl<'t> Scheduler<'t> {
     }
 
     /// What the step computed: the decode pass (each row's logits, `vocab` each in the rows'
-    /// order, and what the pass cost), each chunk's last row's logits, and the requests that
-    /// failed (already out of the books).
+    /// order, and what the pass cost), each chunk's last row's logits, the requests that
+    /// failed (already out of the books), and the step's clock (`None` for a step that
+    /// computed nothing).
     pub fn observe(
         &mut self,
         books: &Books,
         decoded: Option<Decoded<'_>>,
         chunks: &[(Chunk, Vec<f32>)],
         failed: Vec<(u64, RuntimeError)>,
+        clock: Option<StepClock>,
     ) {
         for (id, e) in failed {
             if let Some(mut r) = self.running.remove(&id) {
@@ -333,6 +342,11 @@ impl<'t> Scheduler<'t> {
                     self.draw(chunk.id, sample, logits);
                 }
             }
+        }
+        if let Some(c) = clock {
+            self.status.busy_steps += 1;
+            self.status.busy_seconds += c.began.elapsed().as_secs_f64();
+            self.status.prefill_seconds += c.prefill_seconds;
         }
         self.publish(books);
     }
@@ -515,7 +529,11 @@ mod tests {
             seconds: 0.5,
             kv_bytes: 10,
         });
-        s.observe(books, decoded, &chunks, Vec::new());
+        let clock = StepClock {
+            began: Instant::now(),
+            prefill_seconds: 0.25,
+        };
+        s.observe(books, decoded, &chunks, Vec::new(), Some(clock));
     }
 
     fn started(events: &Mutex<Vec<Event>>) -> Option<usize> {
@@ -562,6 +580,8 @@ mod tests {
             kv_bytes: 10,
         };
         assert_eq!(st.decode.into_iter().collect::<Vec<_>>(), [(1, one)]);
+        assert_eq!((st.busy_steps, st.prefill_seconds), (3, 0.75));
+        assert!(st.busy_seconds > 0.0);
     }
 
     #[test]
