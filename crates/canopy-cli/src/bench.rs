@@ -26,6 +26,8 @@ pub enum BenchCommand {
     Tree(crate::tree_cmd::TreeArgs),
     /// A model's decode step at long contexts, tree vs ring, beside the hardware's floor.
     Decode(crate::decode_bench::DecodeArgs),
+    /// A load generator for `canopy serve`: latency, throughput, prefix-cache hits.
+    Serve(crate::serve_bench::ServeBenchArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -140,6 +142,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Kernel(a) => crate::kernel_bench::run(a),
         BenchCommand::Tree(a) => crate::tree_cmd::run(a),
         BenchCommand::Decode(a) => crate::decode_bench::run(a),
+        BenchCommand::Serve(a) => crate::serve_bench::run(a),
     }
 }
 

@@ -5,12 +5,12 @@
 //! the same tokens and rank 0 prints them.
 
 use crate::bench::BackendKind;
-use crate::ranks::{Placed, RankComm, WeightSource};
+use crate::ranks::{ModelSource, Placed, RankComm};
 use anyhow::{bail, Result};
 use canopy_core::Method;
 use canopy_cuda::CudaBackend;
 use canopy_engine::{CpuBackend, LayerOps};
-use canopy_model::{ChatMessage, Model, Tokenizer};
+use canopy_model::{ChatMessage, Tokenizer};
 use canopy_runtime::{
     DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo,
 };
@@ -122,7 +122,6 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         kind,
         model,
         dtype,
-        path,
     } = a.run.open()?;
     let prompt = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.clone(),
@@ -161,15 +160,16 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         req: &req,
         started: Instant::now(),
     };
-    let Model {
+    let ModelSource {
+        name,
+        path,
         config,
-        weights,
+        weights: source,
         tokenizer,
         ..
     } = model;
-    let weights_bytes = weights.size_bytes() as u64;
+    let weights_bytes = config.weight_bytes(dtype);
     let needs = |here: usize| Ok(req.needs(&config, dtype, weights_bytes, ranks, here)?);
-    let source = WeightSource::Loaded(weights);
     let done = match kind {
         BackendKind::Cpu => {
             let placed = Placed::new(
@@ -201,7 +201,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     };
     let steps: f64 = out.step_s.iter().sum();
     let report = Report {
-        model: path.display().to_string(),
+        model: path.map_or(name, |p| p.display().to_string()),
         backend: kind.to_string(),
         dtype: dtype.to_string(),
         ranks,

@@ -25,6 +25,7 @@ mod plan_cmd;
 mod plot;
 mod ranks;
 mod scaling;
+mod serve_bench;
 mod serve_cmd;
 mod sweep;
 mod table;
@@ -84,6 +85,7 @@ impl Command {
             Command::Bench(bench::BenchCommand::Kernel(_)) => Some("bench kernel"),
             Command::Bench(bench::BenchCommand::Tree(_)) => Some("bench tree"),
             Command::Bench(bench::BenchCommand::Decode(_)) => Some("bench decode"),
+            Command::Bench(bench::BenchCommand::Serve(_)) => Some("bench serve"),
             Command::Plan(_) => Some("plan"),
             Command::FitModel(_) => Some("fit-model"),
             Command::Selftest(_) => Some("selftest"),

@@ -1,7 +1,9 @@
 //! The ranks of a model run in this process: one backend per rank, the weights uploaded once
 //! per device and shared by the ranks on it, and the world the ranks exchange through —
 //! threads (staging buffers through the host, or on the device when they share one GPU) or
-//! one MPI process per rank. `generate`, `serve` and `bench decode` run their ranks here.
+//! one MPI process per rank. `generate`, `serve` and `bench decode` run their ranks here, and
+//! `generate` and `serve` find their model here ([`ModelSource`]: a model on disk, or a shape
+//! with random weights for timing).
 
 use crate::bench::World;
 use anyhow::Result;
@@ -242,15 +244,23 @@ fn upload_bar(layers: usize, backend: &str, device: usize) -> indicatif::Progres
     bar
 }
 
-/// The options of a command that runs a model over ranks (`generate`, `serve`): which model,
-/// on which backend and dtype, over how many ranks started how, and how the ranks combine
-/// their attention.
+/// The options of a command that runs a model over ranks (`generate`, `serve`, `bench serve`):
+/// which model, on which backend and dtype, over how many ranks started how, and how the ranks
+/// combine their attention.
 #[derive(clap::Args, Debug)]
 pub struct ModelRunArgs {
     /// A Hugging Face model directory or a `.gguf` file [default: SmolLM2-135M-Instruct,
     /// fetched into $CANOPY_MODEL_CACHE or ~/.cache/canopy/models on first use].
-    #[arg(long)]
+    #[arg(long, conflicts_with = "arch")]
     pub model: Option<std::path::PathBuf>,
+    /// A model shape without its weights, for timing: llama-3.1-8b, llama-3.2-1b or
+    /// smollm2-135m (needs --random-weights). Its tokenizer is a stand-in, one token per
+    /// character (see `Tokenizer::code_points`), and it has no chat template.
+    #[arg(long, requires = "random_weights")]
+    pub arch: Option<String>,
+    /// Random weights of the model's shape instead of its own: what it says means nothing.
+    #[arg(long)]
+    pub random_weights: bool,
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: crate::bench::BackendChoice,
     /// The dtype of the weights and the KV cache (arithmetic is fp32) [default: f32 on the
@@ -274,22 +284,93 @@ pub struct ModelRunArgs {
 }
 
 /// What [`ModelRunArgs::open`] found: the world and its rank count, the backend, and the model
-/// loaded in its dtype from its path.
+/// in its dtype.
 pub struct OpenedRun {
     pub world: World,
     pub ranks: usize,
     pub kind: crate::bench::BackendKind,
-    pub model: canopy_model::Model,
+    pub model: ModelSource,
     pub dtype: canopy_core::DType,
-    pub path: std::path::PathBuf,
 }
 
-impl ModelRunArgs {
-    /// The world, the backend and the model (the default model, fetched if need be, when
-    /// none is named), loaded in the dtype asked for or the one the backend prefers: f32 on
-    /// the CPU, bf16 on CUDA.
-    pub fn open(&self) -> Result<OpenedRun> {
+/// A model to run: its shape, where its weights come from, its tokenizer and chat template.
+pub struct ModelSource {
+    /// The file or directory name, or the shape's.
+    pub name: String,
+    /// Where it was read from (`None` for a shape).
+    pub path: Option<std::path::PathBuf>,
+    pub config: LlamaConfig,
+    pub weights: WeightSource,
+    pub tokenizer: canopy_model::Tokenizer,
+    pub chat_template: Option<canopy_model::ChatTemplate>,
+}
+
+impl ModelSource {
+    /// The model at `path` (the default model, fetched if need be, when none), or the shape
+    /// `arch`; with `random` (required for a shape), random weights drawn from `seed` instead
+    /// of its own. A shape's tokenizer is the code-point stand-in, its context its preset's.
+    pub fn open(
+        path: Option<&std::path::Path>,
+        arch: Option<&str>,
+        random: bool,
+        dtype: canopy_core::DType,
+        seed: u64,
+    ) -> Result<ModelSource> {
         use anyhow::Context;
+        let random_source = WeightSource::Random { dtype, seed };
+        if let Some(arch) = arch {
+            anyhow::ensure!(
+                random,
+                "a shape (--arch {arch}) has no weights: add --random-weights"
+            );
+            let config = canopy_model::preset(arch)?;
+            return Ok(ModelSource {
+                name: arch.to_string(),
+                path: None,
+                tokenizer: canopy_model::Tokenizer::code_points(config.vocab_size)?,
+                config,
+                weights: random_source,
+                chat_template: None,
+            });
+        }
+        let path = match path {
+            Some(p) => p.to_path_buf(),
+            None => canopy_model::default_model().context("fetching the default model")?,
+        };
+        let model = canopy_model::Model::load(&path, dtype)
+            .with_context(|| format!("loading the model at {}", path.display()))?;
+        Ok(ModelSource {
+            name: path
+                .file_name()
+                .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+            path: Some(path),
+            config: model.config,
+            weights: if random {
+                random_source
+            } else {
+                WeightSource::Loaded(model.weights)
+            },
+            tokenizer: model.tokenizer,
+            chat_template: model.chat_template,
+        })
+    }
+
+    /// The chat template, or why there is none.
+    pub fn chat_template(&self) -> Result<&canopy_model::ChatTemplate> {
+        Ok(self
+            .chat_template
+            .as_ref()
+            .ok_or(canopy_model::ModelError::NoChatTemplate)?)
+    }
+}
+
+/// The seed of random weights: any gives the same timing.
+const RANDOM_WEIGHTS_SEED: u64 = 0;
+
+impl ModelRunArgs {
+    /// The world, the backend and the model (see [`ModelSource::open`]) in the dtype asked
+    /// for or the one the backend prefers: f32 on the CPU, bf16 on CUDA.
+    pub fn open(&self) -> Result<OpenedRun> {
         let world = World::new(self.launcher)?;
         let ranks = world.ranks(self.ranks, 1)?;
         let kind = crate::bench::resolve_backend(self.backend)?;
@@ -297,19 +378,19 @@ impl ModelRunArgs {
             crate::bench::BackendKind::Cpu => CpuBackend.preferred_dtype(),
             crate::bench::BackendKind::Cuda => canopy_core::DType::Bf16,
         });
-        let path = match &self.model {
-            Some(p) => p.clone(),
-            None => canopy_model::default_model().context("fetching the default model")?,
-        };
-        let model = canopy_model::Model::load(&path, dtype)
-            .with_context(|| format!("loading the model at {}", path.display()))?;
+        let model = ModelSource::open(
+            self.model.as_deref(),
+            self.arch.as_deref(),
+            self.random_weights,
+            dtype,
+            RANDOM_WEIGHTS_SEED,
+        )?;
         Ok(OpenedRun {
             world,
             ranks,
             kind,
             model,
             dtype,
-            path,
         })
     }
 

@@ -8,14 +8,14 @@
 
 use crate::bench::{BackendKind, World};
 use crate::generate_cmd::PAGE_SIZE;
-use crate::ranks::{Placed, RankThreads, WeightSource};
+use crate::ranks::{ModelSource, Placed, RankThreads};
 use anyhow::{bail, Context, Result};
 use canopy_core::Method;
 use canopy_cuda::CudaBackend;
 use canopy_engine::CpuBackend;
-use canopy_model::{Model, Tokenizer};
+use canopy_model::Tokenizer;
 use canopy_runtime::serving::{channel, EngineHandle, EngineInbox, Front, ServeConfig};
-use canopy_server::{AppState, Metrics};
+use canopy_server::{AppState, FloorFacts, Metrics};
 use clap::Args;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -23,13 +23,30 @@ use std::time::{SystemTime, UNIX_EPOCH};
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
-    run: crate::ranks::ModelRunArgs,
+    engine: EngineArgs,
     /// The address to listen on (loopback: only this machine can connect).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// The port to listen on (0: any free port; the one taken is printed).
     #[arg(long, default_value_t = 8000)]
     port: u16,
+    /// Request bodies larger than this many bytes get 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body: usize,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// The model's name in the API [default: the file or directory name, or the shape's].
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+/// The engine's options: the model and where it runs, and how requests are batched. `serve`
+/// and `bench serve`'s own server take the same.
+#[derive(Args)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    run: crate::ranks::ModelRunArgs,
     /// Planner of each rank's part of the live KV tree (q-guided reads each request's KV on
     /// its own; the tree planners read shared prefixes once).
     #[arg(long, default_value = "auto")]
@@ -49,73 +66,111 @@ pub struct ServeArgs {
     /// Requests waiting for admission, at most; past it, 429.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
-    /// Request bodies larger than this many bytes get 413.
-    #[arg(long, default_value_t = 4 << 20)]
-    max_body: usize,
-    /// Require `Authorization: Bearer KEY` on every route but /health.
-    #[arg(long)]
-    api_key: Option<String>,
-    /// The model's name in the API [default: the file or directory name].
-    #[arg(long)]
-    served_model_name: Option<String>,
+}
+
+/// Where the HTTP side listens and what it accepts.
+pub struct HttpOptions {
+    pub host: String,
+    pub port: u16,
+    pub max_body: usize,
+    pub api_key: Option<String>,
+    pub served_model_name: Option<String>,
+}
+
+impl HttpOptions {
+    /// Any free loopback port, `serve`'s defaults otherwise.
+    pub fn loopback() -> HttpOptions {
+        HttpOptions {
+            host: "127.0.0.1".into(),
+            port: 0,
+            max_body: 4 << 20,
+            api_key: None,
+            served_model_name: None,
+        }
+    }
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    let http = HttpOptions {
+        host: a.host,
+        port: a.port,
+        max_body: a.max_body,
+        api_key: a.api_key,
+        served_model_name: a.served_model_name,
+    };
+    serve(&a.engine, http, |_, _| {})
+}
+
+/// Serves until the engine is drained (SIGTERM, Ctrl-C, or a caller's
+/// [`EngineHandle::drain`]) or fails. On rank 0, `ready(address, handle)` is called once the
+/// model is on its devices, before the engine takes its first step.
+pub fn serve(
+    e: &EngineArgs,
+    http: HttpOptions,
+    ready: impl FnOnce(std::net::SocketAddr, &EngineHandle),
+) -> Result<()> {
     let crate::ranks::OpenedRun {
         world,
         ranks,
         kind,
         model,
         dtype,
-        path,
-    } = a.run.open()?;
+    } = e.run.open()?;
     let capacity = model.config.max_position_embeddings;
-    let max_context = a.max_context.unwrap_or(capacity);
+    let max_context = e.max_context.unwrap_or(capacity);
     if max_context > capacity {
         bail!("--max-context {max_context} exceeds the model's {capacity} positions");
     }
-    let kv_tokens = a.kv_tokens.unwrap_or(4 * max_context);
+    let kv_tokens = e.kv_tokens.unwrap_or(4 * max_context);
     let config = ServeConfig {
-        strategy: a.run.strategy(),
-        method: a.method,
+        strategy: e.run.strategy(),
+        method: e.method,
         page_size: PAGE_SIZE,
         kv_dtype: dtype,
         pages_per_rank: kv_tokens.div_ceil(PAGE_SIZE as usize * ranks) as u32,
-        max_batch: a.max_batch,
+        max_batch: e.max_batch,
         max_context,
-        prefill_chunk: a.prefill_chunk,
+        prefill_chunk: e.prefill_chunk,
     };
-    let name = a.served_model_name.clone().unwrap_or_else(|| {
-        path.file_name()
-            .map_or("model".into(), |n| n.to_string_lossy().into_owned())
-    });
-    let Model {
+    let ModelSource {
+        name,
         config: model_config,
-        weights,
+        weights: source,
         tokenizer,
         chat_template,
         ..
     } = model;
     let tokenizer = Arc::new(tokenizer);
-    let weight_bytes = weights.size_bytes() as u64;
+    let weight_bytes = model_config.weight_bytes(dtype);
     let needs = |here: usize| Ok(config.needs(&model_config, dtype, weight_bytes, here)?);
-    let (handle, inbox) = channel(config.limits(ranks), a.max_queue);
+    let (handle, inbox) = channel(config.limits(ranks), e.max_queue);
     let rank0 = is_rank0(&world);
+    let cuda = |ordinal: usize| -> Result<CudaBackend> {
+        Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
+    };
     let http = rank0
-        .then(|| {
+        .then(|| -> Result<Http> {
+            // Rank 0 runs on device 0: its decode passes' floor is priced at its bandwidth.
+            let copy_bandwidth = match kind {
+                BackendKind::Cpu => None,
+                BackendKind::Cuda => Some(canopy_cuda::bench::measure_copy_bandwidth(&cuda(0)?)?),
+            };
             let state = AppState {
                 engine: handle.clone(),
                 tokenizer: tokenizer.clone(),
                 template: chat_template.map(Arc::new),
-                model: name,
+                model: http.served_model_name.clone().unwrap_or(name),
                 vocab: model_config.vocab_size,
-                api_key: a.api_key.clone(),
-                metrics: Metrics::default(),
+                api_key: http.api_key.clone(),
+                metrics: Metrics::new(FloorFacts {
+                    weight_bytes,
+                    copy_bandwidth,
+                }),
                 created: SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs()),
             };
-            Http::start(&a.host, a.port, state, a.max_body, handle.clone())
+            Http::start(&http.host, http.port, state, http.max_body, handle.clone())
         })
         .transpose()?;
     let inbox = Mutex::new(rank0.then_some(inbox));
@@ -125,10 +180,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         stop_tokens: &model_config.eos_token_ids,
         config: &config,
     };
-    let source = WeightSource::Loaded(weights);
     let ready = || {
         if let Some(h) = &http {
             h.ready(&handle);
+            ready(h.addr, &handle);
         }
     };
     let served = match kind {
@@ -140,10 +195,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
         BackendKind::Cuda => {
             let gpus = canopy_cuda::probe::device_count()?;
-            let backend = |ordinal: usize| -> Result<CudaBackend> {
-                Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
-            };
-            let placed = Placed::new(&world, ranks, gpus, &backend, &model_config, source, &needs)?;
+            let placed = Placed::new(&world, ranks, gpus, &cuda, &model_config, source, &needs)?;
             ready();
             rank.serve(&world, ranks, &placed)
         }

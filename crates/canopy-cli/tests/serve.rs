@@ -192,29 +192,63 @@ fn thirty_two_streams_on_the_tiny_model_equal_generate_alone() {
     concurrent_streams_equal_generate(&tiny(), &tiny_prompts(), 16);
 }
 
-#[test]
-fn thirty_two_streams_on_smollm2_equal_generate_alone() {
-    let Ok(dir) = canopy_model::cache_dir() else {
-        return;
-    };
-    let path = dir.join(canopy_model::DEFAULT_MODEL_FILE);
+/// SmolLM2's path when it is cached (tests that need it are skipped otherwise), and the
+/// reference's prompts, whose greedy steps all have clear top-two gaps.
+fn smollm2() -> Option<(String, Vec<Vec<u32>>)> {
+    let path = canopy_model::cache_dir()
+        .ok()?
+        .join(canopy_model::DEFAULT_MODEL_FILE);
     if !path.is_file() {
         eprintln!(
             "note: {} is not cached; skipping (run `canopy generate` once)",
             path.display()
         );
-        return;
+        return None;
     }
     let text = include_str!("../../../tests/fixtures/smollm2/reference.json");
     let v: Value = serde_json::from_str(text).unwrap();
-    // The reference's prompts, whose greedy steps all have clear top-two gaps.
-    let prompts: Vec<Vec<u32>> = v["prompts"]
+    let prompts = v["prompts"]
         .as_array()
         .unwrap()
         .iter()
         .map(|p| serde_json::from_value(p["token_ids"].clone()).unwrap())
         .collect();
-    concurrent_streams_equal_generate(path.to_str().unwrap(), &prompts, 24);
+    Some((path.to_str().unwrap().to_string(), prompts))
+}
+
+#[test]
+fn thirty_two_streams_on_smollm2_equal_generate_alone() {
+    if let Some((path, prompts)) = smollm2() {
+        concurrent_streams_equal_generate(&path, &prompts, 24);
+    }
+}
+
+#[test]
+fn ignore_eos_runs_past_the_end_of_sequence_on_smollm2() {
+    let Some((path, prompts)) = smollm2() else {
+        return;
+    };
+    let server = Server::start(&path, &[]);
+    // The reference's chat prompt whose greedy answer is seven tokens, then EOS.
+    let prompt = &prompts[4];
+    for (ignore_eos, reason, tokens) in [(false, "stop", 8), (true, "length", 16)] {
+        let (_, got, usage) = stream_completion(
+            &server.client,
+            json!({
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": ignore_eos,
+                "stream": true,
+                "stream_options": {"include_usage": true},
+            }),
+        );
+        assert_eq!(got, reason, "ignore_eos {ignore_eos}");
+        assert_eq!(
+            usage["completion_tokens"], tokens,
+            "ignore_eos {ignore_eos}"
+        );
+    }
 }
 
 fn value(metrics: &[(String, f64)], name: &str) -> f64 {

@@ -352,6 +352,17 @@ impl KvTree {
             .sum()
     }
 
+    /// Tokens on at least one query's path: what attention over the tree must read at least
+    /// once, however it is planned (a node below no query is not read).
+    pub fn queried_tokens(&self) -> u64 {
+        self.nodes
+            .iter()
+            .zip(&self.node_queries)
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(n, _)| n.len() as u64)
+            .sum()
+    }
+
     /// Index (into [`KvTree::roots`]) of the root whose subtree holds `node`.
     pub fn root_index(&self, node: NodeId) -> usize {
         self.root_index[node as usize] as usize
@@ -393,6 +404,22 @@ mod tests {
         b.add_query(bb).unwrap();
         b.add_query(root).unwrap();
         b.build().unwrap()
+    }
+
+    #[test]
+    fn queried_tokens_count_each_node_on_a_query_path_once() {
+        // root, a, a1 and b are on query paths; a sibling with no query below it is not.
+        let mut b = TreeBuilder::new();
+        let root = b.add_root(10);
+        let a = b.add_child(root, 5).unwrap();
+        let a1 = b.add_child(a, 2).unwrap();
+        let bb = b.add_child(root, 3).unwrap();
+        b.add_child(root, 7).unwrap();
+        b.add_query(a1).unwrap();
+        b.add_query(a1).unwrap();
+        b.add_query(bb).unwrap();
+        assert_eq!(b.build().unwrap().queried_tokens(), 20);
+        assert_eq!(small().queried_tokens(), 20);
     }
 
     #[test]

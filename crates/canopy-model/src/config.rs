@@ -447,6 +447,18 @@ impl LlamaConfig {
         }
     }
 
+    /// Bytes of every weight of this shape in `dtype`: what [`Weights`](crate::Weights) of it
+    /// hold, and what one decode step reads once.
+    pub fn weight_bytes(&self, dtype: canopy_core::DType) -> u64 {
+        let (h, f, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        // Two norms, q, k, v, o, gate, up, down.
+        let layer = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * f;
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        ((self.num_hidden_layers * layer + v * h + h + head) * dtype.size_bytes()) as u64
+    }
+
     /// Query heads per key-value head.
     pub fn gqa_group_size(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
@@ -541,6 +553,13 @@ fn gguf_rope_scaling(gguf: &GgufFile) -> Result<Option<RopeScaling>> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_8b_shape_weighs_what_llama_3_1_8b_does() {
+        let c = crate::preset("llama-3.1-8b").unwrap();
+        let gb = c.weight_bytes(canopy_core::DType::Bf16) as f64 / 1e9;
+        assert!((gb - 16.06).abs() < 0.01, "{gb}");
+    }
 
     fn llama31_json() -> Value {
         json!({

@@ -10,7 +10,9 @@
 use std::path::Path;
 
 use tokenizers::decoders::byte_level::ByteLevel;
+use tokenizers::decoders::fuse::Fuse;
 use tokenizers::models::bpe::{Merges, Vocab, BPE};
+use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
@@ -30,6 +32,9 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 
 /// Qwen 2's split: Llama 3's with every digit on its own.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The smallest vocabulary [`Tokenizer::code_points`] serves: ASCII.
+const CODE_POINTS_MIN_VOCAB: usize = 128;
 
 /// A tokenizer, from `tokenizer.json` or a GGUF file's metadata.
 pub struct Tokenizer {
@@ -142,6 +147,39 @@ impl Tokenizer {
                 .map_err(|e| corrupt(e.to_string()))?;
             inner.with_post_processor(Some(template));
         }
+        Ok(Tokenizer { inner })
+    }
+
+    /// A stand-in for a model that has no tokenizer (a shape with random weights), for timing
+    /// only: one token per Unicode scalar value, id = code point, for the ids below `vocab`.
+    /// Text of characters below `vocab` round-trips; a character at or above it encodes as
+    /// `?`. Every id decodes to text of its own (a character, or `<U+D800>` for the surrogate
+    /// code points, which are no characters), so a random model's tokens stream one by one.
+    /// It is not any model's tokenizer: prompt lengths in characters are lengths in tokens.
+    pub fn code_points(vocab: usize) -> Result<Self> {
+        if vocab < CODE_POINTS_MIN_VOCAB {
+            return Err(ModelError::SmallVocabulary { vocab });
+        }
+        let vocab: Vocab = (0..vocab as u32)
+            .map(|id| {
+                let text = char::from_u32(id).map_or_else(|| format!("<U+{id:X}>"), String::from);
+                (text, id)
+            })
+            .collect();
+        let model = WordLevel::builder()
+            .vocab(vocab)
+            .unk_token("?".into())
+            .build()
+            .map_err(ModelError::Encoding)?;
+        let mut inner = tokenizers::Tokenizer::new(model);
+        let every_char = Split::new(
+            SplitPattern::Regex(r"[\s\S]".into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(ModelError::Encoding)?;
+        inner.with_pre_tokenizer(Some(every_char));
+        inner.with_decoder(Some(Fuse::new()));
         Ok(Tokenizer { inner })
     }
 
@@ -279,5 +317,32 @@ impl IncrementalDecoder<'_> {
             Some(rest) => rest.to_string(),
             None => text.get(emitted.len()..).unwrap_or_default().to_string(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_points_are_one_token_per_character_and_every_id_has_text() {
+        let t = Tokenizer::code_points(60_000).unwrap();
+        assert_eq!(t.vocab_size(), 60_000);
+        let text = "Ab é\n\n→ 1";
+        let ids = t.encode(text, true).unwrap();
+        assert_eq!(ids.len(), text.chars().count());
+        assert_eq!(ids[..2], [65, 98]);
+        assert_eq!(t.decode(&ids, true).unwrap(), text);
+        // A character beyond the vocabulary is `?`; surrogate ids have text of their own.
+        assert_eq!(t.encode("😀", false).unwrap(), [63]);
+        assert_eq!(t.decode(&[0xD800, 66], false).unwrap(), "<U+D800>B");
+        let mut stream = t.incremental_decoder(true);
+        for id in [0x4E2D, 0xDFFF, 7, 59_999] {
+            assert!(!stream.push(id).unwrap().is_empty(), "id {id}");
+        }
+        assert!(matches!(
+            Tokenizer::code_points(100),
+            Err(ModelError::SmallVocabulary { vocab: 100 })
+        ));
     }
 }

@@ -570,6 +570,11 @@ fn gguf_and_safetensors_load_identical_weights() {
         assert_eq!(layer.down_proj.shape, [HIDDEN, INTERMEDIATE]);
         // Q and K come back in HF row order (unpermuted), every other tensor as stored.
         assert_eq!(from_gguf.weights, from_hf.weights, "tied = {tied}");
+        assert_eq!(
+            from_gguf.config.weight_bytes(DType::F32),
+            from_gguf.weights.size_bytes() as u64,
+            "the shape prices its weights, tied = {tied}"
+        );
         assert_eq!(from_gguf.config.head_dim, HEAD_DIM);
         assert_eq!(
             from_hf.config.eos_token_ids,

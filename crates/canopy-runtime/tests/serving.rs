@@ -93,6 +93,7 @@ fn submit(
             sampling: SamplingParams::default(),
             seed: 0,
             stop: Vec::new(),
+            ignore_eos: false,
             sink: Box::new(sink),
         })
         .expect("the request is accepted");
@@ -224,6 +225,20 @@ fn concurrent_requests_get_what_each_prompt_gets_alone() {
         );
         assert!(st.prefix_hit_tokens > 0 && st.prefix_hit_tokens <= st.prefix_queried_tokens);
         assert!(st.failure.is_none());
+        // Every decode pass was timed, and priced at the distinct KV it reads on rank 0: on
+        // one rank, each row's own token and a prompt token at least.
+        let shape = model.config.attn_shape();
+        let token_bytes = 2 * shape.kv_token_bytes(DType::F32) * model.config.num_hidden_layers;
+        assert!(!st.decode.is_empty());
+        for (&rows, d) in &st.decode {
+            let least = if ranks == 1 { rows + 1 } else { 1 };
+            assert!((1..=cfg.max_batch).contains(&rows));
+            assert!(d.passes > 0 && d.seconds > 0.0);
+            assert!(
+                d.kv_bytes >= d.passes * (least * token_bytes) as u64,
+                "{rows} rows: {d:?}"
+            );
+        }
     }
 }
 

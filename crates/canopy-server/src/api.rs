@@ -54,6 +54,8 @@ pub struct Sampling {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Not OpenAI's: draw past the end-of-sequence tokens, to `max_tokens`.
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -163,6 +165,8 @@ pub struct ModelCard {
     pub created: u64,
     pub owned_by: &'static str,
     pub max_model_len: usize,
+    /// Token ids a prompt may hold are below this.
+    pub vocab_size: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -191,6 +195,10 @@ mod tests {
         )
         .unwrap();
         assert!(r.sampling.stream);
+        assert_eq!(r.sampling.ignore_eos, None);
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": "a", "ignore_eos": true}"#).unwrap();
+        assert_eq!(r.sampling.ignore_eos, Some(true));
         let e =
             serde_json::from_str::<CompletionRequest>(r#"{"prompt": "a", "max_tokens": "many"}"#)
                 .unwrap_err();

@@ -1,6 +1,7 @@
-//! A small blocking HTTP/1.1 client for canopy's own server: what `canopy bench serve` and the
-//! tests send. One connection per request (`Connection: close`); bodies of a length or chunked;
-//! a streamed response read event by event as it arrives.
+//! A small blocking HTTP/1.1 client for canopy's own server, for tests: one connection per
+//! request (`Connection: close`); bodies of a length or chunked; a streamed response read
+//! event by event as it arrives ([`EventLines`], which `canopy bench serve`'s async client
+//! reads its streams with too).
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -147,31 +148,50 @@ impl Streamed {
 
     /// The next server-sent event's data (`None` at the end of the body).
     pub fn next_event(&mut self) -> io::Result<Option<String>> {
-        let mut data: Option<String> = None;
+        let mut events = EventLines::default();
         let mut line = String::new();
         loop {
             line.clear();
             if self.body.read_line(&mut line)? == 0 {
-                return Ok(data);
+                return Ok(events.end());
             }
-            let l = line.trim_end_matches(['\r', '\n']);
-            if l.is_empty() {
-                if data.is_some() {
-                    return Ok(data);
-                }
-                continue;
-            }
-            if let Some(d) = l.strip_prefix("data:") {
-                let d = d.strip_prefix(' ').unwrap_or(d);
-                match &mut data {
-                    Some(x) => {
-                        x.push('\n');
-                        x.push_str(d);
-                    }
-                    None => data = Some(d.to_string()),
-                }
+            if let Some(data) = events.line(&line) {
+                return Ok(Some(data));
             }
         }
+    }
+}
+
+/// Server-sent events read line by line: the data of an event comes back at the blank line
+/// that ends it; comments and other fields are skipped.
+#[derive(Debug, Default)]
+pub struct EventLines {
+    data: Option<String>,
+}
+
+impl EventLines {
+    /// Takes one line (its end of line optional); returns the data of the event it ends.
+    pub fn line(&mut self, line: &str) -> Option<String> {
+        let l = line.trim_end_matches(['\r', '\n']);
+        if l.is_empty() {
+            return self.data.take();
+        }
+        if let Some(d) = l.strip_prefix("data:") {
+            let d = d.strip_prefix(' ').unwrap_or(d);
+            match &mut self.data {
+                Some(x) => {
+                    x.push('\n');
+                    x.push_str(d);
+                }
+                None => self.data = Some(d.to_string()),
+            }
+        }
+        None
+    }
+
+    /// The data of an event that the body's end cut short.
+    pub fn end(&mut self) -> Option<String> {
+        self.data.take()
     }
 }
 
@@ -217,4 +237,29 @@ impl<R: BufRead> Read for Chunked<R> {
 
 fn bad(message: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EventLines;
+
+    #[test]
+    fn events_end_at_blank_lines_and_join_their_data_lines() {
+        let mut e = EventLines::default();
+        let lines = [
+            ": keep-alive",
+            "",
+            "data: {\"a\":1}\r\n",
+            "",
+            "data:x",
+            "data: y",
+            "id: 3",
+            "",
+        ];
+        let got: Vec<String> = lines.iter().filter_map(|l| e.line(l)).collect();
+        assert_eq!(got, ["{\"a\":1}", "x\ny"]);
+        assert_eq!(e.line("data: [DONE]"), None);
+        assert_eq!(e.end().as_deref(), Some("[DONE]"));
+        assert_eq!(e.end(), None);
+    }
 }

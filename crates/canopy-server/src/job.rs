@@ -154,6 +154,7 @@ impl Job {
             },
             seed,
             stop,
+            ignore_eos: sampling.ignore_eos.unwrap_or(false),
             sink: Box::new(Sink(tx)),
         })?;
         Ok(Job {

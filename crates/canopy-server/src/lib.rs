@@ -5,7 +5,10 @@
 //!
 //! - `POST /v1/completions` and `POST /v1/chat/completions`, whole or streamed as server-sent
 //!   events ending with `data: [DONE]`, with `usage` (and the prompt tokens found in the
-//!   prefix cache); `GET /v1/models`; `GET /health`; `GET /metrics` in Prometheus' text format.
+//!   prefix cache); `GET /v1/models` (with canopy's `max_model_len` and `vocab_size`); `GET
+//!   /health`; `GET /metrics` in Prometheus' text format.
+//! - Besides OpenAI's fields a request may set `ignore_eos` (as other engines do): its samples
+//!   run to `max_tokens` past the model's end-of-sequence tokens, which a benchmark needs.
 //! - Requests are parsed here (unknown fields ignored, a wrong type a 400 in OpenAI's error
 //!   body), tokenized (a chat through the model's template), checked against the engine's
 //!   limits (a prompt and `max_tokens` beyond the context a 400 that states it) and handed to
@@ -14,7 +17,8 @@
 //!   503. A client that disconnects drops its request's channel, which cancels the request.
 //! - With an API key, every route but `/health` needs `Authorization: Bearer KEY`.
 //!
-//! [`client`] is a small blocking client of this server, for `canopy bench serve` and tests.
+//! [`client`] is a small blocking client of this server, for tests, and the server-sent events
+//! reader that `canopy bench serve` shares with it.
 
 mod api;
 pub mod client;
@@ -24,7 +28,7 @@ mod metrics;
 mod routes;
 
 pub use error::ApiError;
-pub use metrics::Metrics;
+pub use metrics::{FloorFacts, Metrics};
 pub use routes::{router, AppState};
 
 use std::future::Future;

@@ -1,8 +1,9 @@
 //! The server's metrics in Prometheus' text format: request outcomes, tokens, latency
 //! histograms measured where the client sees them (time to first token, between tokens, whole
-//! request), and the engine's queue, batch, KV pages and prefix-cache hits.
+//! request), the engine's queue, batch, KV pages and prefix-cache hits, and its decode passes
+//! by batch size beside what their floor is priced from (weight bytes, copy bandwidth).
 
-use canopy_runtime::serving::EngineStatus;
+use canopy_runtime::serving::{DecodePasses, EngineStatus};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -74,8 +75,22 @@ const REQUEST: &[f64] = &[
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
 
+/// A counter's name, help, and its value in a `T`.
+type Counter<T> = (&'static str, &'static str, fn(&T) -> String);
+
+/// What a decode pass's floor is priced from, known when the server starts.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FloorFacts {
+    /// Bytes of the weights on one device: every decode pass reads each once.
+    pub weight_bytes: u64,
+    /// The device's copy bandwidth (bytes read and written per second), measured at start;
+    /// `None` on the CPU.
+    pub copy_bandwidth: Option<f64>,
+}
+
 /// Every metric the server keeps.
 pub struct Metrics {
+    floor: FloorFacts,
     outcomes: [AtomicU64; 4],
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
@@ -84,9 +99,10 @@ pub struct Metrics {
     e2e: Histogram,
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
+impl Metrics {
+    pub fn new(floor: FloorFacts) -> Self {
         Metrics {
+            floor,
             outcomes: Default::default(),
             prompt_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
@@ -95,9 +111,7 @@ impl Default for Metrics {
             e2e: Histogram::new(REQUEST),
         }
     }
-}
 
-impl Metrics {
     pub fn outcome(&self, o: Outcome) {
         let i = OUTCOMES.iter().position(|(x, _)| *x == o).expect("listed");
         self.outcomes[i].fetch_add(1, Ordering::Relaxed);
@@ -135,7 +149,7 @@ impl Metrics {
                 n.load(Ordering::Relaxed)
             );
         }
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+        let counter = |out: &mut String, name: &str, help: &str, v: &dyn std::fmt::Display| {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
@@ -148,13 +162,13 @@ impl Metrics {
             &mut out,
             "canopy_prompt_tokens_total",
             "Prompt tokens of finished requests.",
-            self.prompt_tokens.load(Ordering::Relaxed),
+            &self.prompt_tokens.load(Ordering::Relaxed),
         );
         counter(
             &mut out,
             "canopy_generation_tokens_total",
             "Tokens generated for finished requests.",
-            self.completion_tokens.load(Ordering::Relaxed),
+            &self.completion_tokens.load(Ordering::Relaxed),
         );
         self.ttft.render(
             &mut out,
@@ -212,13 +226,13 @@ impl Metrics {
             &mut out,
             "canopy_prefix_cache_queried_tokens_total",
             "Prompt tokens looked up in the prefix cache.",
-            s.prefix_queried_tokens,
+            &s.prefix_queried_tokens,
         );
         counter(
             &mut out,
             "canopy_prefix_cache_hit_tokens_total",
             "Prompt tokens found in the prefix cache.",
-            s.prefix_hit_tokens,
+            &s.prefix_hit_tokens,
         );
         let rate = if s.prefix_queried_tokens == 0 {
             0.0
@@ -235,9 +249,75 @@ impl Metrics {
             &mut out,
             "canopy_engine_steps_total",
             "Engine steps run.",
-            s.steps,
+            &s.steps,
         );
+        counter(
+            &mut out,
+            "canopy_busy_steps_total",
+            "Engine steps that computed something.",
+            &s.busy_steps,
+        );
+        counter(
+            &mut out,
+            "canopy_busy_seconds_total",
+            "Seconds of the steps that computed something, on rank 0 from the step's description to its tokens sent.",
+            &s.busy_seconds,
+        );
+        counter(
+            &mut out,
+            "canopy_prefill_tokens_total",
+            "Prompt tokens computed (not found in the prefix cache).",
+            &s.prefill_tokens,
+        );
+        counter(
+            &mut out,
+            "canopy_prefill_seconds_total",
+            "Seconds of the prompt chunks' passes on rank 0.",
+            &s.prefill_seconds,
+        );
+        self.render_decode(&mut out, s);
         out
+    }
+
+    /// The decode passes by their rows, and the facts their floor is priced from.
+    fn render_decode(&self, out: &mut String, s: &EngineStatus) {
+        let by_rows: [Counter<DecodePasses>; 3] = [
+            (
+                "canopy_decode_passes_total",
+                "Decode passes, by their rows.",
+                |d| d.passes.to_string(),
+            ),
+            (
+                "canopy_decode_seconds_total",
+                "Seconds of decode passes on rank 0, from the layout to the logits on the host (prompt chunks excluded), by their rows.",
+                |d| d.seconds.to_string(),
+            ),
+            (
+                "canopy_decode_kv_bytes_total",
+                "Distinct KV bytes the decode passes' attention had to read on rank 0 (each token on some row's path once, every layer's K and V), by their rows.",
+                |d| d.kv_bytes.to_string(),
+            ),
+        ];
+        for (name, help, value) in by_rows {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (rows, d) in &s.decode {
+                let _ = writeln!(out, "{name}{{rows=\"{rows}\"}} {}", value(d));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP canopy_weight_bytes Bytes of the weights on one device, which every decode pass reads.\n\
+             # TYPE canopy_weight_bytes gauge\ncanopy_weight_bytes {}",
+            self.floor.weight_bytes
+        );
+        if let Some(bw) = self.floor.copy_bandwidth {
+            let _ = writeln!(
+                out,
+                "# HELP canopy_copy_bandwidth_bytes_per_second The device's copy bandwidth (bytes read and written per second), measured when the server started.\n\
+                 # TYPE canopy_copy_bandwidth_bytes_per_second gauge\n\
+                 canopy_copy_bandwidth_bytes_per_second {bw}"
+            );
+        }
     }
 }
 
@@ -246,8 +326,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn decode_passes_are_labelled_by_rows_beside_the_floors_facts() {
+        let m = Metrics::new(FloorFacts {
+            weight_bytes: 1000,
+            copy_bandwidth: Some(2e12),
+        });
+        let mut st = EngineStatus::default();
+        st.decode.entry(64).or_default().add(0.25, 300);
+        st.decode.entry(64).or_default().add(0.5, 300);
+        st.decode.entry(3).or_default().add(0.125, 7);
+        let text = m.render(&st);
+        assert!(text.contains("canopy_decode_passes_total{rows=\"64\"} 2\n"));
+        assert!(text.contains("canopy_decode_seconds_total{rows=\"64\"} 0.75\n"));
+        assert!(text.contains("canopy_decode_kv_bytes_total{rows=\"3\"} 7\n"));
+        assert!(text.contains("canopy_weight_bytes 1000\n"));
+        assert!(text.contains("canopy_copy_bandwidth_bytes_per_second 2000000000000\n"));
+        let cpu = Metrics::new(FloorFacts::default()).render(&EngineStatus::default());
+        assert!(!cpu.contains("canopy_copy_bandwidth"));
+    }
+
+    #[test]
     fn histograms_are_cumulative_and_end_at_the_count() {
-        let m = Metrics::default();
+        let m = Metrics::new(FloorFacts::default());
         for s in [0.001, 0.02, 0.02, 100.0] {
             m.first_token(s);
         }

@@ -219,6 +219,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<ModelList> {
             created: st.created,
             owned_by: "canopy",
             max_model_len: st.engine.limits().max_context,
+            vocab_size: st.vocab,
         }],
     })
 }

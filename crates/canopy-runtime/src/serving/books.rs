@@ -246,6 +246,16 @@ impl Books {
         })
     }
 
+    /// KV tokens on some decode row's path in `ranks`' shards, as of the last
+    /// [`layout`](Self::layout): what the step's attention must read there at least once.
+    pub fn queried_tokens(&self, ranks: &[usize]) -> u64 {
+        ranks
+            .iter()
+            .filter_map(|&r| self.steps.rank(r))
+            .map(|s| s.tree.queried_tokens())
+            .sum()
+    }
+
     /// This rank's decode page table, as of the last [`layout`](Self::layout).
     pub fn decode_table(&self, rank: usize) -> Option<&[u32]> {
         self.steps.rank(rank).map(|s| s.table.as_slice())

@@ -15,7 +15,7 @@
 
 use super::books::{Books, Layout};
 use super::handle::EngineInbox;
-use super::scheduler::Scheduler;
+use super::scheduler::{Decoded, Scheduler, StepClock};
 use super::step::Step;
 use super::ServeConfig;
 use crate::forward::{Forward, StepRows};
@@ -28,6 +28,7 @@ use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
 use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
 use canopy_kv::RankSnapshot;
 use canopy_model::Tokenizer;
+use std::time::Instant;
 
 /// Rank 0's front: the handles' commands, and what turns tokens into text and ends samples.
 pub struct Front<'t> {
@@ -135,24 +136,28 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 }
                 None => Step::recv(self.comm)?,
             };
+            let began = Instant::now();
             let mut failed = self.books.begin(&step);
             if step.stop {
                 return Ok(());
             }
             if step.is_idle() {
                 if let Some(s) = scheduler.as_mut() {
-                    s.observe(&self.books, None, &[], failed);
+                    s.observe(&self.books, None, &[], failed, None);
                 }
                 continue;
             }
             let (rows, f) = self.books.decode(&step.decode);
             failed.extend(f);
-            let logits = if rows.rows.is_empty() {
+            let pass = if rows.rows.is_empty() {
                 None
             } else {
-                Some(self.decode_pass(&rows)?)
+                let started = Instant::now();
+                let (logits, kv_bytes) = self.decode_pass(&rows)?;
+                Some((logits, started.elapsed().as_secs_f64(), kv_bytes))
             };
             let mut chunks = Vec::new();
+            let prefilling = Instant::now();
             for &chunk in &step.prefill {
                 if failed.iter().any(|(id, _)| *id == chunk.id) {
                     continue;
@@ -166,16 +171,27 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 }
             }
             if let Some(s) = scheduler.as_mut() {
-                let decoded = logits.as_deref().map(|l| (&rows, l));
-                s.observe(&self.books, decoded, &chunks, failed);
+                let decoded = pass.as_ref().map(|(logits, seconds, kv_bytes)| Decoded {
+                    rows: &rows,
+                    logits,
+                    seconds: *seconds,
+                    kv_bytes: *kv_bytes,
+                });
+                let clock = StepClock {
+                    began,
+                    prefill_seconds: prefilling.elapsed().as_secs_f64(),
+                };
+                s.observe(&self.books, decoded, &chunks, failed, Some(clock));
             }
         }
     }
 
-    /// The decode rows through every layer; their logits, in the rows' order.
-    fn decode_pass(&mut self, rows: &super::books::DecodeRows) -> Result<Vec<f32>> {
+    /// The decode rows through every layer: their logits, in the rows' order, and the distinct
+    /// KV bytes their attention reads on this rank (every rank's shard, for the ring).
+    fn decode_pass(&mut self, rows: &super::books::DecodeRows) -> Result<(Vec<f32>, u64)> {
         let rank = self.comm.rank();
-        match self.books.layout(rank, self.merge.is_none())? {
+        let ring = self.merge.is_none();
+        match self.books.layout(rank, ring)? {
             Layout::Grown(tails) => self
                 .decode
                 .as_mut()
@@ -193,9 +209,18 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             self.install(&table)?;
             self.decode_table = true;
         }
+        let read: Vec<usize> = if ring {
+            (0..self.comm.size()).collect()
+        } else {
+            vec![rank]
+        };
+        let kv_bytes = self.books.queried_tokens(&read)
+            * self.layers.num_layers() as u64
+            * 2
+            * self.shape.kv_token_bytes(self.config.kv_dtype) as u64;
         let stores = mine(&rows.placed, rank);
         let attention = self.decode.as_mut().expect("planned above");
-        self.forward.decode(
+        let logits = self.forward.decode(
             self.backend,
             self.layers,
             &mut self.caches,
@@ -205,7 +230,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 positions: &rows.positions,
                 stores: &stores,
             },
-        )
+        )?;
+        Ok((logits, kv_bytes))
     }
 
     /// One prompt chunk through every layer: its last row's logits, or the request's own

@@ -6,6 +6,7 @@
 //! (the request is then cancelled and its pages freed).
 
 use crate::sampling::SamplingParams;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,9 @@ pub struct ServeRequest {
     pub seed: u64,
     /// Texts that end a sample; its text stops before the first one found.
     pub stop: Vec<String>,
+    /// Draw past the model's end-of-sequence tokens (stop strings still end a sample): every
+    /// sample runs to `max_tokens`, as a benchmark needs of a model whose EOS comes at random.
+    pub ignore_eos: bool,
     /// Where the request's events go.
     pub sink: Box<dyn EventSink>,
 }
@@ -190,11 +194,41 @@ pub struct EngineStatus {
     pub prefix_hit_tokens: u64,
     /// Prompt tokens computed (not found in the cache).
     pub prefill_tokens: u64,
+    /// Seconds of the prompt chunks' passes on rank 0.
+    pub prefill_seconds: f64,
+    /// Steps that computed something, and their seconds on rank 0 from the step's description
+    /// to its tokens sent: the decode pass, the prompt chunks, and the books, sampling and
+    /// text around them.
+    pub busy_steps: u64,
+    pub busy_seconds: f64,
     /// Tokens drawn, over all samples.
     pub generated_tokens: u64,
     pub steps: u64,
+    /// The decode passes so far, by their rows.
+    pub decode: BTreeMap<usize, DecodePasses>,
     /// Set when the engine stopped on an error.
     pub failure: Option<String>,
+}
+
+/// Decode passes of one batch size, summed: what a pass costs, and the least it must read.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DecodePasses {
+    pub passes: u64,
+    /// Seconds on rank 0 from the pass's layout (planned afresh or extended) to its logits on
+    /// the host; prompt chunks of the same step are not in it.
+    pub seconds: f64,
+    /// The distinct KV bytes the passes' attention had to read on rank 0 (every layer's K and
+    /// V of each token on some row's path, once): a plan that reads a shared prefix once per
+    /// row reads more, none reads less.
+    pub kv_bytes: u64,
+}
+
+impl DecodePasses {
+    pub fn add(&mut self, seconds: f64, kv_bytes: u64) {
+        self.passes += 1;
+        self.seconds += seconds;
+        self.kv_bytes += kv_bytes;
+    }
 }
 
 /// A request as the engine receives it.

@@ -9,7 +9,8 @@
 //!   its samples' branches. Every rank applies the same step descriptions to its copy, so all
 //!   agree where every token lives.
 //! - `scheduler` (rank 0): owns the batch. Between steps it admits waiting requests while rows
-//!   and KV pages allow, ends finished and cancelled ones, and describes the next step: the
+//!   and KV pages allow (one whose prefix is being prefilled for another waits until it is
+//!   cached), ends finished and cancelled ones, and describes the next step: the
 //!   decode rows of every running sample and chunks of the prompts still to prefill (a token
 //!   budget per step, so a long prompt does not stall the streams). After the step it draws
 //!   each row's token (per-request sampling, seeded per sample), decodes the text, and finds
@@ -18,7 +19,9 @@
 //!   ranks over the world's point-to-point calls; each rank applies it, runs the decode rows
 //!   through [`crate::Forward::decode`] with attention planned over the live requests' whole KV
 //!   tree (shared prefix pages read once per step), and each prompt chunk through the chunked
-//!   prefill (causal within the chunk, the cached context through the paged pools).
+//!   prefill (causal within the chunk, the cached context through the paged pools). Each
+//!   decode pass is timed on rank 0 beside the distinct KV bytes it must read
+//!   ([`DecodePasses`], by batch size), the measure a step's floor is priced from.
 
 mod books;
 mod engine;
@@ -29,8 +32,8 @@ mod stop;
 
 pub use engine::{serve, Front};
 pub use handle::{
-    channel, EngineHandle, EngineInbox, EngineStatus, Event, EventSink, FinishReason, Limits,
-    RequestError, ServeRequest,
+    channel, DecodePasses, EngineHandle, EngineInbox, EngineStatus, Event, EventSink, FinishReason,
+    Limits, RequestError, ServeRequest,
 };
 pub use stop::held_back;
 

@@ -7,6 +7,12 @@
 //! pages it may need (its prompt's rest, each sample's `max_tokens`) from the free and
 //! evictable pages, so no request runs out of KV half-way; a request that fits the cache alone
 //! (checked at submission) is always admitted once the batch is empty.
+//!
+//! **Shared prefixes in flight.** A prompt enters the prefix cache when its last chunk is
+//! prefilled. A waiting request that shares at least one more whole page with a prompt still
+//! being prefilled than with the cache waits for it (requests behind it may pass), then reads
+//! that prefix from the cache instead of computing and holding a copy of its own: requests
+//! that arrive together behind one long prompt share it from their first step.
 
 use super::books::{Books, DecodeRows};
 use super::handle::{Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, Submitted};
@@ -16,7 +22,7 @@ use crate::sampling::Sampler;
 use crate::RuntimeError;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long an idle engine waits for a command before a heartbeat step (which keeps the other
 /// ranks from timing out while the server has no requests).
@@ -63,6 +69,22 @@ impl Running<'_> {
             .map(|s| (r.max_tokens - s.drawn).div_ceil(ps) + 1)
             .sum()
     }
+}
+
+/// When a step that computed something began on rank 0 (after its description was sent),
+/// and the seconds its prompt chunks took.
+pub(crate) struct StepClock {
+    pub began: Instant,
+    pub prefill_seconds: f64,
+}
+
+/// One decode pass as the scheduler sees it.
+pub(crate) struct Decoded<'a> {
+    pub rows: &'a DecodeRows,
+    pub logits: &'a [f32],
+    /// See [`DecodePasses`](super::handle::DecodePasses).
+    pub seconds: f64,
+    pub kv_bytes: u64,
 }
 
 pub(crate) struct Scheduler<'t> {
@@ -187,7 +209,8 @@ impl<'t> Scheduler<'t> {
         }
     }
 
-    /// Admits waiting requests, first come first served, while rows and pages allow.
+    /// Admits waiting requests, first come first served, while rows and pages allow; one
+    /// whose prefix is being prefilled for another waits for it (see the module's notes).
     fn admit(&mut self, books: &Books, step: &mut Step) {
         let cache = books.cache();
         let available = cache.available_pages();
@@ -201,10 +224,15 @@ impl<'t> Scheduler<'t> {
             .values()
             .map(|r| r.pages_to_come(&self.limits))
             .sum();
-        while let Some(front) = self.waiting.front() {
-            let r = &front.request;
+        let mut at = 0;
+        while let Some(next) = self.waiting.get(at) {
+            let r = &next.request;
             let reusable = &r.prompt[..r.prompt.len() - 1];
             let cached = cache.cached_len(reusable);
+            if self.prefilling_extends(reusable, cached) {
+                at += 1;
+                continue;
+            }
             let pages = self
                 .limits
                 .pages(r.prompt.len(), cached, r.max_tokens, r.samples)
@@ -215,10 +243,27 @@ impl<'t> Scheduler<'t> {
             }
             rows += r.samples;
             committed += pages;
-            let submitted = self.waiting.pop_front().expect("the front exists");
+            let submitted = self.waiting.remove(at).expect("a waiting request");
             self.inbox.dequeued();
             self.start(submitted, cached, step);
         }
+    }
+
+    /// Whether a running prompt still being prefilled will cache the whole page of `reusable`
+    /// after its `cached` tokens (it then caches every page it shares with `reusable`).
+    fn prefilling_extends(&self, reusable: &[u32], cached: usize) -> bool {
+        let next = cached + self.limits.page_size;
+        let Some(page) = reusable.get(cached..next) else {
+            return false;
+        };
+        self.running.values().any(|r| {
+            let prompt = &r.submitted.request.prompt;
+            // Its whole pages are cached when its last chunk is done.
+            r.prefilled < prompt.len()
+                && prompt.len() >= next
+                && prompt[cached..next] == *page
+                && prompt[..cached] == reusable[..cached]
+        })
     }
 
     fn start(&mut self, submitted: Submitted, cached: usize, step: &mut Step) {
@@ -253,24 +298,33 @@ impl<'t> Scheduler<'t> {
         }
     }
 
-    /// What the step computed: each decode row's logits (`vocab` each, in the rows' order),
-    /// each chunk's last row's logits, and the requests that failed (already out of the books).
+    /// What the step computed: the decode pass (each row's logits, `vocab` each in the rows'
+    /// order, and what the pass cost), each chunk's last row's logits, the requests that
+    /// failed (already out of the books), and the step's clock (`None` for a step that
+    /// computed nothing).
     pub fn observe(
         &mut self,
         books: &Books,
-        decoded: Option<(&DecodeRows, &[f32])>,
+        decoded: Option<Decoded<'_>>,
         chunks: &[(Chunk, Vec<f32>)],
         failed: Vec<(u64, RuntimeError)>,
+        clock: Option<StepClock>,
     ) {
         for (id, e) in failed {
             if let Some(mut r) = self.running.remove(&id) {
                 r.send(Event::Failed(e.to_string()));
             }
         }
-        if let Some((rows, logits)) = decoded {
-            let vocab = logits.len() / rows.rows.len().max(1);
-            self.status.batch = rows.rows.len();
-            for (row, l) in rows.rows.iter().zip(logits.chunks(vocab)) {
+        if let Some(d) = decoded {
+            let rows = &d.rows.rows;
+            let vocab = d.logits.len() / rows.len().max(1);
+            self.status.batch = rows.len();
+            self.status
+                .decode
+                .entry(rows.len())
+                .or_default()
+                .add(d.seconds, d.kv_bytes);
+            for (row, l) in rows.iter().zip(d.logits.chunks(vocab)) {
                 self.draw(row.id, row.sample as usize, l);
             }
         } else {
@@ -289,6 +343,11 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
+        if let Some(c) = clock {
+            self.status.busy_steps += 1;
+            self.status.busy_seconds += c.began.elapsed().as_secs_f64();
+            self.status.prefill_seconds += c.prefill_seconds;
+        }
         self.publish(books);
     }
 
@@ -299,6 +358,7 @@ impl<'t> Scheduler<'t> {
         };
         let request = &r.submitted.request;
         let (max_tokens, stops) = (request.max_tokens, request.stop.clone());
+        let eos_ends = !request.ignore_eos;
         let s = &mut r.samples[sample];
         let token = s.sampler.sample(logits);
         s.drawn += 1;
@@ -306,7 +366,7 @@ impl<'t> Scheduler<'t> {
         // A token the tokenizer cannot decode adds no text; the ids are still the output.
         let piece = s.decoder.push(token).unwrap_or_default();
         let (text, stop_string) = s.text.push(&piece, &stops);
-        let reason = if stop_string || self.stop_tokens.contains(&token) {
+        let reason = if stop_string || (eos_ends && self.stop_tokens.contains(&token)) {
             Some(FinishReason::Stop)
         } else {
             (s.drawn >= max_tokens).then_some(FinishReason::Length)
@@ -382,5 +442,171 @@ impl<'t> Scheduler<'t> {
     pub fn close(&mut self, books: &Books) {
         self.inbox.close();
         self.publish(books);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serving::handle::{channel, DecodePasses, EngineHandle, EventSink, ServeRequest};
+    use crate::SamplingParams;
+    use std::sync::{Arc, Mutex};
+
+    const PAGE: usize = 16;
+    const VOCAB: usize = 128;
+    const EOS: u32 = 2;
+
+    /// A client that keeps every event.
+    struct Keep(Arc<Mutex<Vec<Event>>>);
+
+    impl EventSink for Keep {
+        fn send(&mut self, event: Event) -> bool {
+            self.0.lock().unwrap().push(event);
+            true
+        }
+
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+
+    fn engine() -> (EngineHandle, EngineInbox, Books, Tokenizer) {
+        let limits = Limits {
+            max_context: 256,
+            max_samples: 8,
+            page_size: PAGE,
+            pages: 64,
+        };
+        let (handle, inbox) = channel(limits, 16);
+        let books = Books::new(1, PAGE as u32, 64).unwrap();
+        (handle, inbox, books, Tokenizer::code_points(VOCAB).unwrap())
+    }
+
+    fn submit(
+        h: &EngineHandle,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        ignore_eos: bool,
+    ) -> Arc<Mutex<Vec<Event>>> {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        h.submit(ServeRequest {
+            prompt,
+            max_tokens,
+            samples: 1,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            stop: Vec::new(),
+            ignore_eos,
+            sink: Box::new(Keep(events.clone())),
+        })
+        .unwrap();
+        events
+    }
+
+    /// Logits whose greedy token is `token`, for `rows` rows.
+    fn pick(token: u32, rows: usize) -> Vec<f32> {
+        let mut one = vec![0.0; VOCAB];
+        one[token as usize] = 1.0;
+        one.repeat(rows)
+    }
+
+    /// Runs `step` on `books` as every rank would, without a model: every chunk stored, every
+    /// row's (and prompt's) next token `token`.
+    fn run(s: &mut Scheduler, books: &mut Books, step: &Step, token: u32) {
+        assert!(books.begin(step).is_empty());
+        let (rows, failed) = books.decode(&step.decode);
+        assert!(failed.is_empty());
+        let logits = pick(token, rows.rows.len());
+        let mut chunks = Vec::new();
+        for &chunk in &step.prefill {
+            books.chunk(chunk, &[0]).unwrap();
+            books.chunk_done(chunk).unwrap();
+            chunks.push((chunk, pick(token, 1)));
+        }
+        let decoded = (!rows.rows.is_empty()).then(|| Decoded {
+            rows: &rows,
+            logits: &logits,
+            seconds: 0.5,
+            kv_bytes: 10,
+        });
+        let clock = StepClock {
+            began: Instant::now(),
+            prefill_seconds: 0.25,
+        };
+        s.observe(books, decoded, &chunks, Vec::new(), Some(clock));
+    }
+
+    fn started(events: &Mutex<Vec<Event>>) -> Option<usize> {
+        events.lock().unwrap().iter().find_map(|e| match e {
+            Event::Started { cached_tokens } => Some(*cached_tokens),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_request_waits_for_a_prefix_being_prefilled_and_others_pass_it() {
+        let (h, inbox, mut books, tokenizer) = engine();
+        let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 24);
+        let shared: Vec<u32> = (0..40).map(|i| 10 + i % 50).collect();
+        let first = submit(&h, [&shared[..], &[3, 4]].concat(), 4, false);
+        let second = submit(&h, [&shared[..], &[5, 6, 7]].concat(), 4, false);
+        let other = submit(&h, vec![9; 20], 4, false);
+        // The second shares two whole pages with the first, which is not cached yet: it
+        // waits; the third shares nothing and is admitted.
+        let step = s.next_step(&books);
+        assert_eq!(step.admit.iter().map(|a| a.id).collect::<Vec<_>>(), [0, 2]);
+        run(&mut s, &mut books, &step, 20);
+        assert_eq!(started(&first), Some(0));
+        assert_eq!(started(&other), Some(0));
+        assert_eq!(started(&second), None);
+        // 24 prompt tokens a step: the first prompt (42) needs two steps.
+        let step = s.next_step(&books);
+        assert!(step.admit.is_empty());
+        run(&mut s, &mut books, &step, 20);
+        let step = s.next_step(&books);
+        assert_eq!(step.admit.iter().map(|a| a.id).collect::<Vec<_>>(), [1]);
+        run(&mut s, &mut books, &step, 20);
+        assert_eq!(
+            started(&second),
+            Some(32),
+            "two whole pages read from the cache"
+        );
+        let st = h.status();
+        assert_eq!(st.prefix_hit_tokens, 32);
+        // One decode pass so far: the first request's row, in the third step.
+        let one = DecodePasses {
+            passes: 1,
+            seconds: 0.5,
+            kv_bytes: 10,
+        };
+        assert_eq!(st.decode.into_iter().collect::<Vec<_>>(), [(1, one)]);
+        assert_eq!((st.busy_steps, st.prefill_seconds), (3, 0.75));
+        assert!(st.busy_seconds > 0.0);
+    }
+
+    #[test]
+    fn ignore_eos_draws_past_the_end_of_sequence_token() {
+        let (h, inbox, mut books, tokenizer) = engine();
+        let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 64);
+        let stops = submit(&h, vec![7; 5], 3, false);
+        let goes_on = submit(&h, vec![8; 5], 3, true);
+        for _ in 0..3 {
+            let step = s.next_step(&books);
+            run(&mut s, &mut books, &step, EOS);
+        }
+        let ends = |events: &Mutex<Vec<Event>>| {
+            let events = events.lock().unwrap();
+            let tokens = events
+                .iter()
+                .filter(|e| matches!(e, Event::Token { token: EOS, .. }))
+                .count();
+            let reason = events.iter().find_map(|e| match e {
+                Event::Finished { reason, .. } => Some(*reason),
+                _ => None,
+            });
+            (tokens, reason)
+        };
+        assert_eq!(ends(&stops), (1, Some(FinishReason::Stop)));
+        assert_eq!(ends(&goes_on), (3, Some(FinishReason::Length)));
     }
 }
