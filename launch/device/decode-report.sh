@@ -13,11 +13,16 @@ source "$(dirname "$0")/env.sh"
 LIMIT=${LIMIT:-240}
 ARCH=(--arch llama-3.1-8b --random-weights)
 bench() { timeout "$LIMIT" $BIN bench decode "${ARCH[@]}" "$@"; }
+# Plot labels need a TrueType font: matplotlib's DejaVu Sans where the machine has no other.
+export CANOPY_FONT=${CANOPY_FONT:-$(python3 -c 'import matplotlib, os
+print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null)}
+PLOT=(--plot "$OUT/decode-table1.svg")
+[ -f "$CANOPY_FONT" ] || { echo "no TrueType font: no plot"; PLOT=(); }
 {
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
   echo "== 1. Table 1, prefilled"
   bench --context "${CONTEXTS:-8K,32K}" --ranks 1,2 --strategy tree,ring --decode 10 \
-    --csv "$OUT/decode-table1.csv" --plot "$OUT/decode-table1.svg" \
+    --csv "$OUT/decode-table1.csv" "${PLOT[@]}" \
     || echo "FAILED or cut off: Table 1"
   echo "== 2. the longest context, random fill"
   bench --context 8K --context-fill random --ranks 1 --decode 2 --json \

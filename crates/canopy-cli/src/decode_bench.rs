@@ -21,14 +21,14 @@ pub use report::Report;
 use crate::bench::{at_least_one, resolve_backend, BackendChoice, BackendKind, World};
 use crate::generate_cmd::DecodeChoice;
 use crate::ranks::{Placed, RankThreads, WeightSource};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use canopy_core::stats::median;
 use canopy_core::{DType, Method};
 use canopy_cuda::CudaBackend;
 use canopy_engine::{
     measure_gemm_rate, Backend, CpuBackend, GemmShape, MergeCollective, ModelNeeds,
 };
-use canopy_model::{LlamaConfig, Model};
+use canopy_model::LlamaConfig;
 use canopy_runtime::{
     ContextFill, DecodeStrategy, GenerateRequest, Generated, SamplingParams, Watch,
 };
@@ -132,23 +132,14 @@ struct Subject {
 
 impl Subject {
     fn open(a: &DecodeArgs, dtype: DType) -> Result<Subject> {
-        let random = WeightSource::Random {
+        let model = crate::ranks::ModelSource::open(
+            a.model.as_deref(),
+            a.arch.as_deref(),
+            a.random_weights,
             dtype,
-            seed: a.seed,
-        };
-        let (name, mut config, source) = match (&a.arch, &a.model) {
-            (Some(arch), _) => (arch.clone(), canopy_model::presets::preset(arch)?, random),
-            (None, Some(path)) => {
-                let model = Model::load(path, dtype)
-                    .with_context(|| format!("loading the model at {}", path.display()))?;
-                let source = match a.random_weights {
-                    true => random,
-                    false => WeightSource::Loaded(model.weights),
-                };
-                (path.display().to_string(), model.config, source)
-            }
-            (None, None) => bail!("give --model or --arch"),
-        };
+            a.seed,
+        )?;
+        let (name, mut config, source) = (model.name, model.config, model.weights);
         let longest = a.context.iter().max().copied().unwrap_or(1) + a.decode;
         let past_positions = longest > config.max_position_embeddings;
         if past_positions {
@@ -277,18 +268,8 @@ fn bench<B: Device>(
     devices: usize,
 ) -> Result<Report> {
     let config = &subject.config;
-    let weight_bytes = cost::weight_bytes(config, dtype);
+    let weight_bytes = config.weight_bytes(dtype);
     let probe = backend(0)?;
-    let check = |needs: &ModelNeeds| Ok(probe.check_model(needs)?);
-    let capacity = capacity(
-        a,
-        config,
-        dtype,
-        weight_bytes,
-        devices,
-        probe.name(),
-        &check,
-    )?;
     let bandwidth = probe.copy_bandwidth()?;
     let gemm = GemmShape {
         rows: B::GEMM_ROWS,
@@ -299,6 +280,18 @@ fn bench<B: Device>(
     // The measurements' buffers go back to the device before the ranks' backends note what
     // is in use without them.
     probe.synchronize()?;
+    // Priced after the measurements, whose freed buffers the device's memory pool may keep:
+    // as much is free here as when the ranks' backends check the same needs.
+    let check = |needs: &ModelNeeds| Ok(probe.check_model(needs)?);
+    let capacity = capacity(
+        a,
+        config,
+        dtype,
+        weight_bytes,
+        devices,
+        probe.name(),
+        &check,
+    )?;
     drop(probe);
 
     let world = World::Threads;
