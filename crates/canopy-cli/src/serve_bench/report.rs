@@ -189,14 +189,8 @@ impl Steps {
 /// A benchmark run's report (`--json` prints it whole).
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    /// The server's base URL, or `in-process`.
-    pub server: String,
-    pub model: String,
-    pub dataset: Shape,
-    /// Requests per second offered (`null`: all at once).
-    pub request_rate: Option<f64>,
-    pub max_concurrency: Option<usize>,
-    pub seed: u64,
+    #[serde(flatten)]
+    pub setting: Setting,
     pub requests: usize,
     pub completed: usize,
     pub failed: usize,
@@ -227,10 +221,13 @@ pub struct Report {
 }
 
 /// What a run was, besides what it measured.
+#[derive(Debug, Clone, Serialize)]
 pub struct Setting {
+    /// The server's base URL, or `in-process`.
     pub server: String,
     pub model: String,
     pub dataset: Shape,
+    /// Requests per second offered (`null`: all at once).
     pub request_rate: Option<f64>,
     pub max_concurrency: Option<usize>,
     pub seed: u64,
@@ -272,12 +269,7 @@ impl Report {
         let queried = after.since(before, "canopy_prefix_cache_queried_tokens_total");
         let hits = after.since(before, "canopy_prefix_cache_hit_tokens_total");
         Report {
-            server: setting.server,
-            model: setting.model,
-            dataset: setting.dataset,
-            request_rate: setting.request_rate,
-            max_concurrency: setting.max_concurrency,
-            seed: setting.seed,
+            setting,
             requests: measured.len(),
             completed: ok.len(),
             failed: measured.len() - ok.len(),
@@ -301,7 +293,7 @@ impl Report {
 
     /// The report as text: the run, its results, and the decode passes beside their floor.
     pub fn render(&self) -> String {
-        let d = &self.dataset;
+        let (run, d) = (&self.setting, &self.setting.dataset);
         let levels: Vec<String> = d
             .levels
             .iter()
@@ -309,7 +301,7 @@ impl Report {
             .collect();
         let mut out = String::new();
         let mut row = |k: &str, v: String| out.push_str(&format!("{k:<32} {v}\n"));
-        row("server", format!("{} ({})", self.server, self.model));
+        row("server", format!("{} ({})", run.server, run.model));
         row(
             "dataset",
             format!(
@@ -327,10 +319,10 @@ impl Report {
             format!(
                 "{} requests, {} req/s, concurrency {}, seed {}",
                 self.requests,
-                self.request_rate.map_or("inf".into(), |r| format!("{r}")),
-                self.max_concurrency
+                run.request_rate.map_or("inf".into(), |r| format!("{r}")),
+                run.max_concurrency
                     .map_or("unlimited".into(), |c| c.to_string()),
-                self.seed
+                run.seed
             ),
         );
         row(
