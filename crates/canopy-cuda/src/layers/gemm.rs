@@ -34,8 +34,9 @@ use std::sync::{Arc, Mutex};
 
 /// The backend's dense-layer state: one cuBLAS handle on the backend's stream and the
 /// rounded-activation scratch, both made on first use (a backend that never runs a model
-/// never loads cuBLAS), and the GEMV kernels' occupancy. One lock covers handle and scratch, so a GEMM's scratch is not rewritten by another
-/// thread's before cuBLAS has read it (one stream orders the device side).
+/// never loads cuBLAS), the GEMV kernels' occupancy and the step inputs last uploaded. One
+/// lock covers handle and scratch, so a GEMM's scratch is not rewritten by another thread's
+/// before cuBLAS has read it (one stream orders the device side).
 #[derive(Default)]
 pub(crate) struct LayerState {
     gemm: Mutex<Option<Gemm>>,
