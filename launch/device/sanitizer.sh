@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 23: compute-sanitizer on short generations with the committed tiny models (no host
+# round trips hidden from it: every kernel of prefill and decode, the GEMVs, the programmatic
+# dependent launches, the tree and ring merges of ranks sharing the GPU). Each run is
+# `canopy generate --backend cuda` of 8 tokens under each TOOLS entry (default memcheck, then
+# racecheck and initcheck on one rank); a run passes when the sanitizer reports no error.
+# Results: $OUT/sanitizer-*.txt and the summary in $OUT/sanitizer.txt.
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+SAN=${SAN:-/usr/local/cuda-13.0/bin/compute-sanitizer}
+FIX=tests/fixtures/tiny
+runs=0 bad=0
+check() { # name tool args...
+  local name=$1 tool=$2
+  shift 2
+  "$SAN" --tool "$tool" --error-exitcode 9 --print-limit 20 "$BIN" generate --backend cuda \
+    --prompt-ids 1,5,9,13,2,7,11 --max-tokens 8 --temperature 0 "$@" \
+    > "$OUT/sanitizer-$name.txt" 2>&1
+  local rc=$?
+  runs=$((runs + 1))
+  if [ $rc -eq 0 ]; then echo "PASS $name ($tool)"; else bad=$((bad + 1)); echo "FAIL $name ($tool, exit $rc)"; tail -15 "$OUT/sanitizer-$name.txt"; fi
+}
+{
+  "$SAN" --version | head -2
+  for model in gqa-hd64 llama3-hd128 tied-mha-hd64; do
+    check "$model-bf16-r1" memcheck --model "$FIX/$model" --dtype bf16
+  done
+  check gqa-hd64-f32-r1 memcheck --model "$FIX/gqa-hd64" --dtype f32
+  check gqa-hd64-bf16-r2-tree memcheck --model "$FIX/gqa-hd64" --dtype bf16 --ranks 2 --strategy tree
+  check gqa-hd64-bf16-r2-ring memcheck --model "$FIX/gqa-hd64" --dtype bf16 --ranks 2 --strategy ring
+  for tool in ${TOOLS:-racecheck initcheck}; do
+    check "llama3-hd128-bf16-r1-$tool" "$tool" --model "$FIX/llama3-hd128" --dtype bf16
+  done
+  echo "$((runs - bad))/$runs runs clean"
+} 2>&1 | tee "$OUT/sanitizer.txt"
