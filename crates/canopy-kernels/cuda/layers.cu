@@ -28,6 +28,9 @@
 #ifndef GEMV_MAX_ROWS
 #error "GEMV_MAX_ROWS must be defined by the kernel registry"
 #endif
+#ifndef CAUSAL_ROWS
+#error "CAUSAL_ROWS must be defined by the kernel registry"
+#endif
 #ifndef RMS_NORM_CHUNKS
 #error "RMS_NORM_CHUNKS must be defined by the kernel registry"
 #endif
@@ -181,12 +184,15 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
 
 // Attention of query rows over one block of keys, merged into the rows' states.
 //
-// One warp per (row, head), LAYER_THREADS / 32 per CTA; lane l holds elements l + 32 j of the
-// head's query and output. The warp walks the block's keys in order, skipping those after the
-// row's position (a warp-uniform test), with an online softmax in fp32 on the natural-log
-// scale. The block's state (o normalised, lse) then merges into the existing one exactly as
-// canopy_core::merge_state does: a block with no visible key leaves it as it is, and an empty
-// state (lse = -inf) takes the block's as it is, so an empty never meets `-inf - -inf`.
+// One warp per CAUSAL_ROWS consecutive rows of one head, LAYER_THREADS / 32 warps per CTA; lane
+// l holds elements l + 32 j of each row's query and output. The warp walks the block's keys in
+// order, loading each key and value once for its rows (the rows share the head's K and V, so
+// the block is read rows / CAUSAL_ROWS times, not once per row), and skips for each row the
+// keys after its position (a warp-uniform test), with an online softmax per row in fp32 on the
+// natural-log scale. Each row's block state (o normalised, lse) then merges into the existing
+// one exactly as canopy_core::merge_state does: a block with no visible key leaves it as it
+// is, and an empty state (lse = -inf) takes the block's as it is, so an empty never meets
+// `-inf - -inf`.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
 causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, const float* __restrict__ k,
                  const float* __restrict__ v, const u32* __restrict__ k_pos, u32 tokens,
@@ -194,56 +200,81 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
                  u32 head_dim, float scale) {
     constexpr int PER_LANE = ATTENTION_MAX_HEAD_DIM / 32;
     const int lane = threadIdx.x % 32;
-    const u64 cell = (u64)blockIdx.x * (LAYER_THREADS / 32) + threadIdx.x / 32;
-    if (cell >= (u64)rows * q_heads) return;
-    const u32 row = (u32)(cell / q_heads), head = (u32)(cell % q_heads);
+    const u64 unit = (u64)blockIdx.x * (LAYER_THREADS / 32) + threadIdx.x / 32;
+    const u32 row_groups = (rows + CAUSAL_ROWS - 1) / CAUSAL_ROWS;
+    if (unit >= (u64)row_groups * q_heads) return;
+    const u32 first_row = (u32)(unit / q_heads) * CAUSAL_ROWS, head = (u32)(unit % q_heads);
     const u32 kvh = head / (q_heads / kv_heads);
     const int n = (int)(head_dim / 32);
-    const u32 pos = q_pos[row];
 
-    float qv[PER_LANE], acc[PER_LANE];
+    bool live[CAUSAL_ROWS];
+    u32 pos[CAUSAL_ROWS], last = 0;
+    float qv[CAUSAL_ROWS][PER_LANE], acc[CAUSAL_ROWS][PER_LANE], m[CAUSAL_ROWS], l[CAUSAL_ROWS];
 #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
-        qv[j] = j < n ? q[cell * head_dim + lane + 32 * j] : 0.f;
-        acc[j] = 0.f;
-    }
-    float m = NEG_INF, l = 0.f;
-    for (u32 t = 0; t < tokens; ++t) {
-        if (k_pos[t] > pos) continue;
-        const u64 at = ((u64)t * kv_heads + kvh) * head_dim + lane;
-        float dot = 0.f;
+    for (int r = 0; r < CAUSAL_ROWS; ++r) {
+        const u32 row = first_row + r;
+        live[r] = row < rows;
+        pos[r] = live[r] ? q_pos[row] : 0;
+        if (live[r]) last = max(last, pos[r]);
+        const u64 cell = (u64)row * q_heads + head;
 #pragma unroll
-        for (int j = 0; j < PER_LANE; ++j)
-            if (j < n) dot = fmaf(qv[j], k[at + 32 * j], dot);
-        const float s = warp_sum(dot) * scale;
-        const float m_new = fmaxf(m, s);
-        const float correction = expf(m - m_new), p = expf(s - m_new);
-        l = l * correction + p;
-#pragma unroll
-        for (int j = 0; j < PER_LANE; ++j)
-            if (j < n) acc[j] = fmaf(p, v[at + 32 * j], acc[j] * correction);
-        m = m_new;
-    }
-    if (l == 0.f) return;
-
-    const float block_lse = m + logf(l), inv_l = 1.f / l;
-    const float old_lse = lse[cell];
-    float wa = 0.f, wb = 1.f, inv = 1.f, merged = block_lse;
-    if (old_lse != NEG_INF) {
-        const float M = fmaxf(old_lse, block_lse);
-        wa = expf(old_lse - M);
-        wb = expf(block_lse - M);
-        inv = 1.f / (wa + wb);
-        merged = M + logf(wa + wb);
-    }
-    float* out = o + cell * head_dim + lane;
-#pragma unroll
-    for (int j = 0; j < PER_LANE; ++j)
-        if (j < n) {
-            const float b = acc[j] * inv_l;
-            out[32 * j] = old_lse == NEG_INF ? b : (out[32 * j] * wa + b * wb) * inv;
+        for (int j = 0; j < PER_LANE; ++j) {
+            qv[r][j] = live[r] && j < n ? q[cell * head_dim + lane + 32 * j] : 0.f;
+            acc[r][j] = 0.f;
         }
-    if (lane == 0) lse[cell] = merged;
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+    }
+    for (u32 t = 0; t < tokens; ++t) {
+        const u32 key_pos = k_pos[t];
+        if (key_pos > last) continue;
+        const u64 at = ((u64)t * kv_heads + kvh) * head_dim + lane;
+        float kt[PER_LANE], vt[PER_LANE];
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            kt[j] = j < n ? k[at + 32 * j] : 0.f;
+            vt[j] = j < n ? v[at + 32 * j] : 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < CAUSAL_ROWS; ++r) {
+            if (!live[r] || key_pos > pos[r]) continue;
+            float dot = 0.f;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j)
+                if (j < n) dot = fmaf(qv[r][j], kt[j], dot);
+            const float s = warp_sum(dot) * scale;
+            const float m_new = fmaxf(m[r], s);
+            const float correction = expf(m[r] - m_new), p = expf(s - m_new);
+            l[r] = l[r] * correction + p;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j)
+                if (j < n) acc[r][j] = fmaf(p, vt[j], acc[r][j] * correction);
+            m[r] = m_new;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < CAUSAL_ROWS; ++r) {
+        if (!live[r] || l[r] == 0.f) continue;
+        const u64 cell = (u64)(first_row + r) * q_heads + head;
+        const float block_lse = m[r] + logf(l[r]), inv_l = 1.f / l[r];
+        const float old_lse = lse[cell];
+        float wa = 0.f, wb = 1.f, inv = 1.f, merged = block_lse;
+        if (old_lse != NEG_INF) {
+            const float M = fmaxf(old_lse, block_lse);
+            wa = expf(old_lse - M);
+            wb = expf(block_lse - M);
+            inv = 1.f / (wa + wb);
+            merged = M + logf(wa + wb);
+        }
+        float* out = o + cell * head_dim + lane;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j)
+            if (j < n) {
+                const float b = acc[r][j] * inv_l;
+                out[32 * j] = old_lse == NEG_INF ? b : (out[32 * j] * wa + b * wb) * inv;
+            }
+        if (lane == 0) lse[cell] = merged;
+    }
 }
 
 // GEMV: `out[m][n] = x[m] · w[n]` for the few rows m < rows <= GEMV_MAX_ROWS of a decode step,

@@ -66,6 +66,9 @@ pub const GEMV_COLS: u32 = 8;
 /// Most activation rows `gemv` multiplies at once (each lane keeps an fp32 sum per row and
 /// column); a projection of more rows is a cuBLAS GEMM.
 pub const GEMV_MAX_ROWS: usize = 8;
+/// Query rows of one head each warp of `causal_attention` (`layers.cu`) attends: each key and
+/// value of the block is loaded once for them.
+pub const CAUSAL_ROWS: usize = 4;
 /// float4s per thread `rms_norm` keeps in registers: rows of up to `4 · LAYER_THREADS ·
 /// RMS_NORM_CHUNKS` values are read once.
 pub const RMS_NORM_CHUNKS: usize = 8;
@@ -103,6 +106,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("GEMV_WARPS", GEMV_WARPS.to_string()),
         ("GEMV_COLS", GEMV_COLS.to_string()),
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
+        ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("REDUCE_SUM", REDUCE_SUM.to_string()),
         ("REDUCE_MAX", REDUCE_MAX.to_string()),

@@ -9,7 +9,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use canopy_core::{AttnShape, DType};
 use canopy_engine::layer_ops::expect_size;
 use canopy_engine::Backend;
-use canopy_kernels::{Kernel, ATTENTION_MAX_HEAD_DIM, LAYER_THREADS};
+use canopy_kernels::{Kernel, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, LAYER_THREADS};
 use cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
 
 /// Whether `causal_attention` holds heads of `head_dim` (whole warps of lanes, in registers).
@@ -100,7 +100,14 @@ impl CudaBackend {
         let f = self.function(Kernel::Layers(DType::F32, "causal_attention"))?;
         let warps = LAYER_THREADS as usize / 32;
         let cfg = LaunchConfig {
-            grid_dim: (narrow(op, (q.rows * shape.q_heads).div_ceil(warps))?, 1, 1),
+            grid_dim: (
+                narrow(
+                    op,
+                    (q.rows.div_ceil(CAUSAL_ROWS) * shape.q_heads).div_ceil(warps),
+                )?,
+                1,
+                1,
+            ),
             block_dim: (LAYER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -118,7 +125,7 @@ impl CudaBackend {
             .arg(&kv_heads)
             .arg(&head_dim)
             .arg(&scale);
-        // SAFETY: one warp per (row, head) cell below rows × q_heads; q and the states hold
+        // SAFETY: one warp per CAUSAL_ROWS rows of a head, rows below `rows`; q and the states hold
         // those cells of head_dim floats (and one lse each), k and v `tokens` rows of kv_heads
         // heads, and the GQA ratio is whole (checked), so every index is within its buffer.
         unsafe { b.launch(cfg) }.ctx("launching causal_attention")?;
