@@ -283,22 +283,14 @@ fn bench<B: Device>(
     // Priced after the measurements, whose freed buffers the device's memory pool may keep:
     // as much is free here as when the ranks' backends check the same needs.
     let check = |needs: &ModelNeeds| Ok(probe.check_model(needs)?);
-    let capacity = capacity(
-        a,
-        config,
-        dtype,
-        weight_bytes,
-        devices,
-        probe.name(),
-        &check,
-    )?;
+    let capacity = capacity(a, config, dtype, devices, probe.name(), &check)?;
     drop(probe);
 
     let world = World::Threads;
     let most = a.ranks.iter().max().copied().unwrap_or(1);
     let longest = a.context.iter().max().copied().unwrap_or(1);
     let sizing = request(a, config, dtype, longest, DecodeStrategy::Ring);
-    let needs = |here: usize| Ok(sizing.needs(config, dtype, weight_bytes, most, here)?);
+    let needs = |here: usize| Ok(sizing.needs(config, dtype, most, here)?);
     let placed = Placed::new(
         &world,
         most,
@@ -508,7 +500,6 @@ fn capacity(
     a: &DecodeArgs,
     config: &LlamaConfig,
     dtype: DType,
-    weight_bytes: u64,
     devices: usize,
     backend: &str,
     check_model: &dyn Fn(&ModelNeeds) -> Result<()>,
@@ -524,7 +515,7 @@ fn capacity(
     for &ranks in &a.ranks {
         let here = ranks.div_ceil(devices);
         let check = |context: usize| -> Result<()> {
-            let needs = pricing.needs_at(context, config, dtype, weight_bytes, ranks, here)?;
+            let needs = pricing.needs_at(context, config, dtype, ranks, here)?;
             check_model(&needs)
         };
         let fits = longest_fitting(search, |c| check(c).is_ok());
@@ -641,7 +632,7 @@ mod tests {
                 false => bail!("the KV cache needs {need} bytes but {free} are free"),
             }
         };
-        let err = capacity(&a, &config, DType::Bf16, 0, 1, "test", &check)
+        let err = capacity(&a, &config, DType::Bf16, 1, "test", &check)
             .unwrap_err()
             .to_string();
         assert!(
@@ -666,7 +657,7 @@ mod tests {
             "--context-fill",
             "random",
         ]);
-        let fits = capacity(&a, &config, DType::Bf16, 0, 1, "test", &check).unwrap();
+        let fits = capacity(&a, &config, DType::Bf16, 1, "test", &check).unwrap();
         assert_eq!(fits[0].longest_context, Some(327648));
         assert_eq!(fits[0].bound_by, "memory");
     }

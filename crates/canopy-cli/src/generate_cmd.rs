@@ -168,8 +168,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         tokenizer,
         ..
     } = model;
-    let weights_bytes = config.weight_bytes(dtype);
-    let needs = |here: usize| Ok(req.needs(&config, dtype, weights_bytes, ranks, here)?);
+    let needs = |here: usize| Ok(req.needs(&config, dtype, ranks, here)?);
     let done = match kind {
         BackendKind::Cpu => {
             let placed = Placed::new(

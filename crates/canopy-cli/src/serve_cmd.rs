@@ -142,7 +142,7 @@ pub fn serve(
     } = model;
     let tokenizer = Arc::new(tokenizer);
     let weight_bytes = model_config.weight_bytes(dtype);
-    let needs = |here: usize| Ok(config.needs(&model_config, dtype, weight_bytes, here)?);
+    let needs = |here: usize| Ok(config.needs(&model_config, dtype, here)?);
     let (handle, inbox) = channel(config.limits(ranks), e.max_queue);
     let rank0 = is_rank0(&world);
     let cuda = |ordinal: usize| -> Result<CudaBackend> {

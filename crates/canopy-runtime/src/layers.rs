@@ -10,7 +10,7 @@
 use crate::{Result, RuntimeError};
 use canopy_core::data::splitmix64;
 use canopy_core::{AttnShape, DType, TypedVec};
-use canopy_engine::LayerOps;
+use canopy_engine::{LayerOps, ModelNeeds};
 use canopy_model::{HostTensor, LlamaConfig, Weights};
 use rayon::prelude::*;
 
@@ -476,6 +476,32 @@ impl<B: LayerOps> ModelLayers<B> {
             &mut out,
         )?;
         Ok(b.download_tensor(&out)?)
+    }
+}
+
+/// What running `config`'s model with `weight_dtype` weights asks of a device (checked by
+/// [`LayerOps::check_model`] before the weights are uploaded): every weight, `kv_tokens`
+/// tokens of `kv_dtype` KV, activations of `max_rows` rows and logits of `logit_rows`.
+pub(crate) fn model_needs(
+    config: &LlamaConfig,
+    weight_dtype: DType,
+    kv_dtype: DType,
+    kv_tokens: usize,
+    max_rows: usize,
+    logit_rows: usize,
+) -> ModelNeeds {
+    ModelNeeds {
+        shape: config.attn_shape(),
+        hidden: config.hidden_size,
+        intermediate: config.intermediate_size,
+        vocab: config.vocab_size,
+        layers: config.num_hidden_layers,
+        weight_dtype,
+        weight_bytes: config.weight_bytes(weight_dtype),
+        kv_dtype,
+        kv_tokens,
+        max_rows,
+        logit_rows,
     }
 }
 

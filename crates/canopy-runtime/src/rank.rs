@@ -19,7 +19,7 @@
 
 use crate::forward::{Forward, StepRows};
 use crate::kv::{KvLayout, RankChange, RankView};
-use crate::layers::ModelLayers;
+use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
 use crate::sampling::{Sampler, SamplingParams, TopTwo};
 use crate::{Result, RuntimeError};
@@ -76,25 +76,17 @@ pub enum ContextFill {
 
 impl GenerateRequest {
     /// What this request asks of a backend running `ranks_here` of the world's `ranks` ranks
-    /// with `layers`' model: checked by [`LayerOps::check_model`] before the weights are
-    /// uploaded. `weight_bytes` is the size of the weights in the dtype they will have.
+    /// with `config`'s model in `weight_dtype`: checked by [`LayerOps::check_model`] before the
+    /// weights are uploaded.
     pub fn needs(
         &self,
         config: &canopy_model::LlamaConfig,
         weight_dtype: DType,
-        weight_bytes: u64,
         ranks: usize,
         ranks_here: usize,
     ) -> Result<ModelNeeds> {
         let prompt = self.prompt.len();
-        self.needs_at(
-            prompt,
-            config,
-            weight_dtype,
-            weight_bytes,
-            ranks,
-            ranks_here,
-        )
+        self.needs_at(prompt, config, weight_dtype, ranks, ranks_here)
     }
 
     /// [`GenerateRequest::needs`] of this request with a prompt of `prompt` tokens instead of
@@ -104,27 +96,22 @@ impl GenerateRequest {
         prompt: usize,
         config: &canopy_model::LlamaConfig,
         weight_dtype: DType,
-        weight_bytes: u64,
         ranks: usize,
         ranks_here: usize,
     ) -> Result<ModelNeeds> {
         let layout = KvLayout::new(ranks, self.page_size, prompt, self.samples, self.max_tokens)?;
-        Ok(ModelNeeds {
-            shape: config.attn_shape(),
-            hidden: config.hidden_size,
-            intermediate: config.intermediate_size,
-            vocab: config.vocab_size,
-            layers: config.num_hidden_layers,
+        let max_rows = match self.context_fill {
+            ContextFill::Prefill => prompt.div_ceil(ranks).max(self.samples),
+            ContextFill::Random { .. } => self.samples,
+        };
+        Ok(model_needs(
+            config,
             weight_dtype,
-            weight_bytes,
-            kv_dtype: self.kv_dtype,
-            kv_tokens: layout.pool_tokens() * ranks_here,
-            max_rows: match self.context_fill {
-                ContextFill::Prefill => prompt.div_ceil(ranks).max(self.samples),
-                ContextFill::Random { .. } => self.samples,
-            },
-            logit_rows: self.samples,
-        })
+            self.kv_dtype,
+            layout.pool_tokens() * ranks_here,
+            max_rows,
+            self.samples,
+        ))
     }
 }
 

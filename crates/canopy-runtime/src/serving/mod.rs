@@ -62,27 +62,22 @@ pub struct ServeConfig {
 
 impl ServeConfig {
     /// What the engine asks of a backend running `ranks_here` of its ranks with a model of
-    /// `config` (see [`LayerOps::check_model`](canopy_engine::LayerOps::check_model)).
+    /// `config` in `weight_dtype` (see
+    /// [`LayerOps::check_model`](canopy_engine::LayerOps::check_model)).
     pub fn needs(
         &self,
         config: &canopy_model::LlamaConfig,
         weight_dtype: DType,
-        weight_bytes: u64,
         ranks_here: usize,
     ) -> Result<ModelNeeds> {
-        Ok(ModelNeeds {
-            shape: config.attn_shape(),
-            hidden: config.hidden_size,
-            intermediate: config.intermediate_size,
-            vocab: config.vocab_size,
-            layers: config.num_hidden_layers,
+        Ok(crate::layers::model_needs(
+            config,
             weight_dtype,
-            weight_bytes,
-            kv_dtype: self.kv_dtype,
-            kv_tokens: (self.pages_per_rank * self.page_size) as usize * ranks_here,
-            max_rows: self.prefill_chunk.max(self.max_batch),
-            logit_rows: self.max_batch,
-        })
+            self.kv_dtype,
+            (self.pages_per_rank * self.page_size) as usize * ranks_here,
+            self.prefill_chunk.max(self.max_batch),
+            self.max_batch,
+        ))
     }
 
     /// The limits every request is checked against, over `ranks` ranks.
