@@ -40,8 +40,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Default)]
 pub(crate) struct LayerState {
     gemm: Mutex<Option<Gemm>>,
-    /// CTAs of each GEMV entry that fit on one SM at once, by entry and dtype.
-    gemv_ctas_per_sm: Mutex<HashMap<(&'static str, DType), u32>>,
+    /// CTAs of each GEMV kernel that fit on one SM at once.
+    gemv_ctas_per_sm: Mutex<HashMap<Kernel, u32>>,
     /// The last upload of each [`StepInput`]: every layer of a step passes the same one.
     step_inputs: Mutex<HashMap<StepInput, Uploaded>>,
 }
@@ -167,11 +167,12 @@ impl CudaBackend {
             super::narrow("matmul", x.cols)?,
         );
         let entry = epilogue.gemv_entry();
-        let f = self.function(Kernel::Layers(w.dtype, entry))?;
+        let kernel = Kernel::Layers(w.dtype, entry);
+        let f = self.function(kernel)?;
         // Warps per group of GEMV_COLS columns: the most whose CTAs all run at once, so every
         // warp the GPU can hold streams part of the weight and none waits for a second wave.
         let groups = cols.div_ceil(GEMV_COLS);
-        let wave = self.gpu.multiprocessors * self.gemv_ctas_per_sm(&f, entry, w.dtype)?;
+        let wave = self.gpu.multiprocessors * self.gemv_ctas_per_sm(kernel, &f)?;
         let slices = [GEMV_WARPS, 4, 2]
             .into_iter()
             .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
@@ -219,21 +220,21 @@ impl CudaBackend {
         Ok(device)
     }
 
-    /// CTAs of GEMV entry `f` (`entry` of `dtype`) that fit on one SM at once, queried once.
-    fn gemv_ctas_per_sm(&self, f: &CudaFunction, entry: &'static str, dtype: DType) -> Result<u32> {
+    /// CTAs of GEMV `kernel` (loaded as `f`) that fit on one SM at once, queried once.
+    fn gemv_ctas_per_sm(&self, kernel: Kernel, f: &CudaFunction) -> Result<u32> {
         let mut known = self
             .layers
             .gemv_ctas_per_sm
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Some(&n) = known.get(&(entry, dtype)) {
+        if let Some(&n) = known.get(&kernel) {
             return Ok(n);
         }
         let n = f
             .occupancy_max_active_blocks_per_multiprocessor(GEMV_WARPS * 32, 0, None)
             .ctx("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
             .max(1);
-        known.insert((entry, dtype), n);
+        known.insert(kernel, n);
         Ok(n)
     }
 
