@@ -142,12 +142,15 @@ fn with_engine(
     std::thread::scope(|s| {
         let engine = s.spawn(|| {
             ThreadWorld::run(ranks, Duration::from_secs(120), |comm| {
-                let front = inbox.lock().unwrap().take().map(|inbox| Front {
-                    inbox,
-                    tokenizer: &model.tokenizer,
-                    stop_tokens: Vec::new(),
-                });
-                let front = front.filter(|_| canopy_comm::Group::rank(&comm) == 0);
+                // Only rank 0 takes the inbox (a rank that took it first would drop it).
+                let front = (canopy_comm::Group::rank(&comm) == 0)
+                    .then(|| inbox.lock().unwrap().take())
+                    .flatten()
+                    .map(|inbox| Front {
+                        inbox,
+                        tokenizer: &model.tokenizer,
+                        stop_tokens: Vec::new(),
+                    });
                 serve(&CpuBackend, layers, &comm, config, front)
             })
         });
