@@ -4,7 +4,8 @@
 # e.g. launch/mpirun.sh 4 -- bench attention --backend cuda --seq-len 1048576
 # The binary must be built with `cargo build --release -p canopy-cli --features mpi`; it sees
 # that mpirun started it and runs one rank per process (`--launcher mpi`, the default under
-# mpirun). Only `bench attention` and `bench scaling` run this way; the other commands refuse.
+# mpirun). `generate`, `serve` and `bench attention`, `scaling` and `decode` run this way; the
+# other commands refuse.
 # Ranks agree on their configuration at start (a hash exchanged over MPI). With --backend cuda
 # each process drives the GPU of its node-local rank and the ranks talk NCCL; on the CPU they
 # talk MPI, and a rank that dies ends the job.

@@ -8,6 +8,8 @@
 #  4. without --launcher, the binary sees mpirun and runs as its ranks: one document.
 #  5. the model runtime under mpirun: a tiny Llama on 3 processes, tree and ring, decodes the
 #     tokens one process decodes.
+#  6. `bench decode` under mpirun: one report of the 2-rank runs (every collective asked for
+#     and the ring), from rank 0 alone.
 # Rank processes are found among this script's own mpirun's descendants, never by name, so
 # other jobs on a shared machine are left alone. Prints "N passed, N failed" last.
 set -uo pipefail
@@ -121,6 +123,23 @@ toks = [d['samples'][0]['tokens'] for d in docs]
 assert len(toks[0]) == 16 and toks[1] == toks[0] and toks[2] == toks[0], toks
 assert docs[1]['ranks'] == 3 and docs[2]['strategy'] == 'ring', docs
 " "$one" "$tree" "$ring"; then ok "generate on 3 MPI ranks (tree and ring) equals one process"; else bad "generate under mpirun"; fi
+
+# 6. bench decode on 2 MPI ranks: rank 0 alone prints one JSON document, with a row per
+#    context and strategy, each timed.
+if out=$(timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np 2 "$BIN" bench decode --model "$MODEL" --backend cpu \
+           --context 64,128 --decode 4 --ranks 1,2 --strategy tree,ring --collective auto,allgather --json) &&
+   python3 -c "
+import json, sys
+text = sys.argv[1].lstrip()
+d, end = json.JSONDecoder().raw_decode(text)
+assert text[end:].strip() == '', 'more than one document: ' + text
+rows = d['rows']
+got = sorted((r['context'], r['strategy']) for r in rows)
+want = sorted((c, s) for c in (64, 128) for s in ('tree/auto', 'tree/allgather', 'ring'))
+assert got == want, got
+assert all(r['ranks'] == 2 and r['decode_ms_per_token'] > 0 and r['peak_bytes'] > 0 for r in rows), rows
+print('bench decode on 2 MPI ranks:', len(rows), 'rows')
+" "$out"; then ok "bench decode under mpirun reports the 2-rank runs once"; else bad "bench decode under mpirun: $out"; fi
 
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]

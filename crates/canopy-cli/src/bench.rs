@@ -227,6 +227,30 @@ impl World {
         Ok(ranks)
     }
 
+    /// This process's rank: 0 for threads (the process holds every rank).
+    pub fn process_rank(&self) -> usize {
+        match self {
+            World::Threads => 0,
+            #[cfg(feature = "mpi")]
+            World::Mpi(c) => canopy_comm::Group::rank(c),
+        }
+    }
+
+    /// The largest of `mib` over the processes (itself for threads), in whole MiB: an f32
+    /// holds every count of MiB a machine has exactly.
+    pub fn max_mib(&self, mib: u64) -> Result<u64> {
+        match self {
+            World::Threads => Ok(mib),
+            #[cfg(feature = "mpi")]
+            World::Mpi(c) => {
+                use canopy_comm::Collective;
+                let mut v = [mib as f32];
+                c.all_reduce(&mut v, canopy_comm::ReduceOp::Max)?;
+                Ok(v[0] as u64)
+            }
+        }
+    }
+
     /// The MPI world size, if this is an MPI rank.
     pub fn mpi_size(&self) -> Option<usize> {
         match self {

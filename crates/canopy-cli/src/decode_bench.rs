@@ -1,7 +1,8 @@
 //! `canopy bench decode`: a model's prefill and decode timed at long contexts, tree against
 //! ring, beside what the hardware allows.
 //!
-//! Every run is one generation on `P` rank threads: the context's KV (prefilled, or random
+//! Every run is one generation on `P` ranks (threads of this process, or the processes
+//! mpirun or srun started, one per GPU): the context's KV (prefilled, or random
 //! with `--context-fill random`), then `--decode` tokens. Each row reports the fill, the
 //! prefill's tokens/s and achieved FLOP/s, the time to first token, the decode step (from one
 //! token to the next on rank 0), the time to the last token (the paper's Table 1 sets the
@@ -18,7 +19,7 @@ mod report;
 pub(crate) use report::fixtures;
 pub use report::Report;
 
-use crate::bench::{at_least_one, resolve_backend, BackendChoice, BackendKind, World};
+use crate::bench::{at_least_one, resolve_backend, BackendChoice, BackendKind, Launcher, World};
 use crate::generate_cmd::DecodeChoice;
 use crate::ranks::{Placed, RankThreads, WeightSource};
 use anyhow::{bail, Result};
@@ -74,16 +75,21 @@ pub struct DecodeArgs {
     /// Tokens decoded after the context.
     #[arg(long, default_value_t = 10, value_parser = at_least_one)]
     decode: usize,
-    /// Rank counts, comma-separated (threads of this process; ranks beyond the GPUs share
-    /// them).
-    #[arg(long, value_delimiter = ',', default_value = "1", value_parser = at_least_one)]
-    ranks: Vec<usize>,
+    /// Rank counts, comma-separated: threads of this process (ranks beyond the GPUs share
+    /// them) [default: 1]; under mpirun or srun, the world size (which the list must hold).
+    #[arg(long, value_delimiter = ',', value_parser = at_least_one)]
+    ranks: Option<Vec<usize>>,
+    /// How ranks are started: threads of this process, or one process per rank (detected
+    /// under mpirun/srun).
+    #[arg(long, value_enum)]
+    launcher: Option<Launcher>,
     /// Strategies, comma-separated.
     #[arg(long, value_delimiter = ',', value_enum, default_value = "tree")]
     strategy: Vec<DecodeChoice>,
-    /// The tree's merge: allreduce3, allreduce2, allgather, hierarchical or auto.
-    #[arg(long, default_value = "auto")]
-    collective: MergeCollective,
+    /// The tree's merges, comma-separated: allreduce3, allreduce2, allgather, hierarchical or
+    /// auto; each is a row of its own.
+    #[arg(long, value_delimiter = ',', default_value = "auto")]
+    collective: Vec<MergeCollective>,
     #[arg(long, value_enum, default_value = "prefill")]
     context_fill: FillChoice,
     #[arg(long, value_enum, default_value = "auto")]
@@ -191,7 +197,8 @@ impl Device for CudaBackend {
 /// How the peak memory is measured where the backend reports its device's use, and where it
 /// does not (the CPU).
 const DEVICE_PEAK: &str = "device memory in use on the busiest rank's GPU beyond what was in use when its backend was made (weights included), sampled after each layer of the context's fill and at each token; ranks sharing a GPU count together";
-const HOST_PEAK: &str = "the process's peak resident memory (VmHWM), every rank together (the ranks are threads of this process)";
+const MIB: u64 = 1 << 20;
+const HOST_PEAK: &str = "the peak resident memory (VmHWM) of the busiest process: every rank together where the ranks are threads of one process";
 
 pub fn run(a: DecodeArgs) -> Result<()> {
     // A plot that cannot be written is refused here, not after the runs.
@@ -199,20 +206,37 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         crate::plot::check(path)?;
     }
     let kind = resolve_backend(a.backend)?;
+    let world = World::new(a.launcher)?;
+    let ranks = rank_counts(world.mpi_size(), a.ranks.as_deref())?;
     let dtype = a.dtype.unwrap_or(match kind {
         BackendKind::Cpu => DType::F32,
         BackendKind::Cuda => DType::Bf16,
     });
     let subject = Subject::open(&a, dtype)?;
     let report = match kind {
-        BackendKind::Cpu => bench(&a, subject, dtype, kind, &|_| Ok(CpuBackend), 1)?,
+        BackendKind::Cpu => {
+            let on = Ranks {
+                world: &world,
+                counts: &ranks,
+                devices: 1,
+            };
+            bench(&a, subject, dtype, kind, &|_| Ok(CpuBackend), on)?
+        }
         BackendKind::Cuda => {
             let gpus = canopy_cuda::probe::device_count()?;
             let backend = |ordinal: usize| -> Result<CudaBackend> {
                 Ok(CudaBackend::new(ordinal)?.with_paging(crate::generate_cmd::PAGE_SIZE)?)
             };
-            bench(&a, subject, dtype, kind, &backend, gpus)?
+            let on = Ranks {
+                world: &world,
+                counts: &ranks,
+                devices: gpus,
+            };
+            bench(&a, subject, dtype, kind, &backend, on)?
         }
+    };
+    let Some(report) = report else {
+        return Ok(());
     };
     if let Some(path) = &a.csv {
         report.write_csv(path)?;
@@ -226,6 +250,27 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         report.print();
     }
     Ok(())
+}
+
+/// The rank counts to run: `--ranks` (default 1) with threads; under MPI (`mpi_size`) the
+/// world size, which `--ranks`, if given, must hold (one launch per rank count).
+fn rank_counts(mpi_size: Option<usize>, requested: Option<&[usize]>) -> Result<Vec<usize>> {
+    match (mpi_size, requested) {
+        (None, r) => Ok(r.map_or(vec![1], <[usize]>::to_vec)),
+        (Some(p), None) => Ok(vec![p]),
+        (Some(p), Some(r)) if r.contains(&p) => Ok(vec![p]),
+        (Some(p), Some(r)) => {
+            bail!("mpirun started {p} ranks but --ranks is {r:?}; launch once per rank count")
+        }
+    }
+}
+
+/// Where a bench's ranks run: the world, the rank counts to time, and the GPUs (rank `r` on
+/// device `r % devices`).
+struct Ranks<'a> {
+    world: &'a World,
+    counts: &'a [usize],
+    devices: usize,
 }
 
 /// The request of one run: `context` tokens (any ids in the vocabulary: a timing does not
@@ -257,19 +302,21 @@ fn request(
     }
 }
 
-/// Every (context, ranks, strategy) configuration on backends made by `backend` (rank `r` on
-/// device `r % devices`), with the device's rates measured on device 0 first.
+/// Every (context, ranks, strategy) configuration on backends made by `backend`, with the
+/// device's rates measured on this process's first device first; the report on rank 0
+/// (`None` on other MPI ranks).
 fn bench<B: Device>(
     a: &DecodeArgs,
     subject: Subject,
     dtype: DType,
     kind: BackendKind,
     backend: &dyn Fn(usize) -> Result<B>,
-    devices: usize,
-) -> Result<Report> {
+    on: Ranks,
+) -> Result<Option<Report>> {
+    let (world, devices) = (on.world, on.devices);
     let config = &subject.config;
     let weight_bytes = config.weight_bytes(dtype);
-    let probe = backend(0)?;
+    let probe = backend(world.process_rank() % devices)?;
     let bandwidth = probe.copy_bandwidth()?;
     let gemm = GemmShape {
         rows: B::GEMM_ROWS,
@@ -283,16 +330,15 @@ fn bench<B: Device>(
     // Priced after the measurements, whose freed buffers the device's memory pool may keep:
     // as much is free here as when the ranks' backends check the same needs.
     let check = |needs: &ModelNeeds| Ok(probe.check_model(needs)?);
-    let capacity = capacity(a, config, dtype, devices, probe.name(), &check)?;
+    let capacity = capacity(a, on.counts, config, dtype, devices, probe.name(), &check)?;
     drop(probe);
 
-    let world = World::Threads;
-    let most = a.ranks.iter().max().copied().unwrap_or(1);
+    let most = on.counts.iter().max().copied().unwrap_or(1);
     let longest = a.context.iter().max().copied().unwrap_or(1);
     let sizing = request(a, config, dtype, longest, DecodeStrategy::Ring);
     let needs = |here: usize| Ok(sizing.needs(config, dtype, most, here)?);
     let placed = Placed::new(
-        &world,
+        world,
         most,
         devices,
         backend,
@@ -303,12 +349,8 @@ fn bench<B: Device>(
     let mut rows = Vec::new();
     let mut device_peaks = false;
     for &context in &a.context {
-        for &ranks in &a.ranks {
-            for &choice in &a.strategy {
-                let strategy = match choice {
-                    DecodeChoice::Tree => DecodeStrategy::Tree(a.collective),
-                    DecodeChoice::Ring => DecodeStrategy::Ring,
-                };
+        for &ranks in on.counts {
+            for strategy in strategies(a) {
                 let req = request(a, config, dtype, context, strategy);
                 let name = match strategy {
                     DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
@@ -318,11 +360,14 @@ fn bench<B: Device>(
                     "{} of {context} tokens, p = {ranks}, {name}",
                     a.context_fill.name()
                 );
-                let (out, device_peak) = run_one(&placed, &world, &req, ranks, &label, config)?;
-                device_peaks |= device_peak.is_some();
+                let (out, peak) = run_one(&placed, world, &req, ranks, &label, config)?;
+                let Some(out) = out else {
+                    continue;
+                };
+                device_peaks |= peak.on_device;
                 let measured = Measured {
                     out: &out,
-                    peak_bytes: device_peak.or_else(canopy_engine::memory::peak_resident_bytes),
+                    peak_bytes: peak.bytes,
                 };
                 let run = RunShape {
                     context,
@@ -346,12 +391,30 @@ fn bench<B: Device>(
         gemm_shape: format!("{} × {} × {}", gemm.rows, gemm.cols, gemm.inner),
         peak_memory: if device_peaks { DEVICE_PEAK } else { HOST_PEAK },
     };
-    Ok(Report::new(run, capacity, subject.past_positions, rows))
+    Ok((world.process_rank() == 0)
+        .then(|| Report::new(run, capacity, subject.past_positions, rows)))
+}
+
+/// The strategies to time, in order: the tree with each collective asked for, then the ring.
+fn strategies(a: &DecodeArgs) -> Vec<DecodeStrategy> {
+    a.strategy
+        .iter()
+        .flat_map(|choice| match choice {
+            DecodeChoice::Tree => a.collective.iter().map(|&c| DecodeStrategy::Tree(c)).collect(),
+            DecodeChoice::Ring => vec![DecodeStrategy::Ring],
+        })
+        .collect()
+}
+
+/// The peak memory of a run: on the busiest rank's device where the backend reports it, else
+/// the busiest process's resident memory.
+struct Peak {
+    bytes: Option<u64>,
+    on_device: bool,
 }
 
 /// One generation of `req` on the first `ranks` ranks, its fill's progress on a bar labelled
-/// `label`; returns rank 0's outcome and the busiest rank's device memory, where the backend
-/// reports it (else the process's peak is restarted for the caller to read).
+/// `label`; returns rank 0's outcome (`None` on other MPI ranks) and the run's peak memory.
 fn run_one<B: RankThreads>(
     placed: &Placed<B>,
     world: &World,
@@ -359,7 +422,7 @@ fn run_one<B: RankThreads>(
     ranks: usize,
     label: &str,
     config: &LlamaConfig,
-) -> Result<(Generated, Option<u64>)> {
+) -> Result<(Option<Generated>, Peak)> {
     canopy_engine::memory::reset_peak_resident();
     let bar = canopy_model::progress_bar(config.num_hidden_layers as u64, label.to_string());
     bar.set_message("layers");
@@ -380,11 +443,20 @@ fn run_one<B: RankThreads>(
                 peak.fetch_max(p, Ordering::Relaxed);
             }
             Ok(out)
-        })?
-        .expect("threads report rank 0");
+        })?;
     bar.finish_and_clear();
-    let peak = peak.into_inner();
-    Ok((out, (peak > 0).then_some(peak)))
+    let device = peak.into_inner();
+    let local = match device {
+        0 => canopy_engine::memory::peak_resident_bytes().unwrap_or(0),
+        bytes => bytes,
+    };
+    // Every process takes part in the reduction, whatever it measured.
+    let bytes = world.max_mib(local.div_ceil(MIB))? * MIB;
+    let peak = Peak {
+        bytes: (bytes > 0).then_some(bytes),
+        on_device: device > 0,
+    };
+    Ok((out, peak))
 }
 
 /// One rank's watch of a run: the fill's progress (rank 0's bar), the backend's memory in use
@@ -498,6 +570,7 @@ const SEARCH_TOKENS: usize = 1 << 28;
 /// is refused here with the numbers, before anything is allocated.
 fn capacity(
     a: &DecodeArgs,
+    rank_counts: &[usize],
     config: &LlamaConfig,
     dtype: DType,
     devices: usize,
@@ -512,7 +585,7 @@ fn capacity(
     // The prompt's ids do not matter to the price, only its length.
     let pricing = request(a, config, dtype, 1, DecodeStrategy::Ring);
     let mut out = Vec::new();
-    for &ranks in &a.ranks {
+    for &ranks in rank_counts {
         let here = ranks.div_ceil(devices);
         let check = |context: usize| -> Result<()> {
             let needs = pricing.needs_at(context, config, dtype, ranks, here)?;
@@ -598,6 +671,37 @@ mod tests {
     }
 
     #[test]
+    fn mpi_runs_the_world_size_that_ranks_must_hold() {
+        assert_eq!(rank_counts(None, None).unwrap(), vec![1]);
+        assert_eq!(rank_counts(None, Some(&[1, 2, 4])).unwrap(), vec![1, 2, 4]);
+        assert_eq!(rank_counts(Some(4), None).unwrap(), vec![4]);
+        assert_eq!(rank_counts(Some(4), Some(&[1, 2, 4])).unwrap(), vec![4]);
+        let e = rank_counts(Some(4), Some(&[1, 2])).unwrap_err().to_string();
+        assert!(e.contains("mpirun started 4 ranks"), "{e}");
+    }
+
+    #[test]
+    fn every_collective_is_a_tree_row_and_the_ring_follows() {
+        let a = parse(&[
+            "--arch",
+            "llama-3.1-8b",
+            "--random-weights",
+            "--strategy",
+            "tree,ring",
+            "--collective",
+            "auto,allgather",
+        ]);
+        let names: Vec<String> = strategies(&a)
+            .iter()
+            .map(|s| match s {
+                DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
+                DecodeStrategy::Ring => "ring".into(),
+            })
+            .collect();
+        assert_eq!(names, ["tree/auto", "tree/allgather", "ring"]);
+    }
+
+    #[test]
     fn the_longest_fitting_context_is_found_exactly() {
         for limit in [1, 2, 3, 1000, 131_071, 900_001] {
             let found = longest_fitting(SEARCH_TOKENS, |n| n <= limit);
@@ -632,7 +736,7 @@ mod tests {
                 false => bail!("the KV cache needs {need} bytes but {free} are free"),
             }
         };
-        let err = capacity(&a, &config, DType::Bf16, 1, "test", &check)
+        let err = capacity(&a, &[1], &config, DType::Bf16, 1, "test", &check)
             .unwrap_err()
             .to_string();
         assert!(
@@ -657,7 +761,7 @@ mod tests {
             "--context-fill",
             "random",
         ]);
-        let fits = capacity(&a, &config, DType::Bf16, 1, "test", &check).unwrap();
+        let fits = capacity(&a, &[1], &config, DType::Bf16, 1, "test", &check).unwrap();
         assert_eq!(fits[0].longest_context, Some(327648));
         assert_eq!(fits[0].bound_by, "memory");
     }

@@ -79,12 +79,13 @@ impl Command {
             Command::Info(_)
             | Command::Generate(_)
             | Command::Serve(_)
-            | Command::Bench(bench::BenchCommand::Attention(_) | bench::BenchCommand::Scaling(_)) => {
-                None
-            }
+            | Command::Bench(
+                bench::BenchCommand::Attention(_)
+                | bench::BenchCommand::Scaling(_)
+                | bench::BenchCommand::Decode(_),
+            ) => None,
             Command::Bench(bench::BenchCommand::Kernel(_)) => Some("bench kernel"),
             Command::Bench(bench::BenchCommand::Tree(_)) => Some("bench tree"),
-            Command::Bench(bench::BenchCommand::Decode(_)) => Some("bench decode"),
             Command::Bench(bench::BenchCommand::Serve(_)) => Some("bench serve"),
             Command::Plan(_) => Some("plan"),
             Command::FitModel(_) => Some("fit-model"),
