@@ -55,6 +55,33 @@ impl FillChoice {
             FillChoice::Random => "random",
         }
     }
+
+    /// The runtime's fill, a random one drawn from `seed`.
+    pub(crate) fn context_fill(self, seed: u64) -> ContextFill {
+        match self {
+            FillChoice::Prefill => ContextFill::Prefill,
+            FillChoice::Random => ContextFill::Random { seed },
+        }
+    }
+}
+
+/// A prompt of `tokens` ids counting up through the vocabulary: a timing reads its length,
+/// not its ids.
+pub(crate) fn stand_in_prompt(tokens: usize, config: &LlamaConfig) -> Vec<u32> {
+    (0..tokens as u32)
+        .map(|i| i % config.vocab_size as u32)
+        .collect()
+}
+
+/// Raises the model's positions to `longest` where a random fill runs past them (rotary
+/// positions extend; a random context has no trained range to stay in); returns whether
+/// they were raised.
+pub(crate) fn allow_positions(config: &mut LlamaConfig, longest: usize) -> bool {
+    let past = longest > config.max_position_embeddings;
+    if past {
+        config.max_position_embeddings = longest;
+    }
+    past
 }
 
 #[derive(Args)]
@@ -112,7 +139,7 @@ pub struct DecodeArgs {
 }
 
 /// `8192`, `8K`, `1M`: a token count.
-fn parse_tokens(s: &str) -> Result<usize, String> {
+pub(crate) fn parse_tokens(s: &str) -> Result<usize, String> {
     let (digits, unit) = match s.chars().last() {
         Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
         Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
@@ -147,18 +174,15 @@ impl Subject {
         )?;
         let (name, mut config, source) = (model.name, model.config, model.weights);
         let longest = a.context.iter().max().copied().unwrap_or(1) + a.decode;
-        let past_positions = longest > config.max_position_embeddings;
-        if past_positions {
-            if a.context_fill == FillChoice::Prefill {
-                bail!(
-                    "a context of {} tokens plus {} decoded exceeds the model's capacity of {} tokens; use shorter --context, or --context-fill random to time decode past it",
-                    longest - a.decode,
-                    a.decode,
-                    config.max_position_embeddings
-                );
-            }
-            config.max_position_embeddings = longest;
+        if longest > config.max_position_embeddings && a.context_fill == FillChoice::Prefill {
+            bail!(
+                "a context of {} tokens plus {} decoded exceeds the model's capacity of {} tokens; use shorter --context, or --context-fill random to time decode past it",
+                longest - a.decode,
+                a.decode,
+                config.max_position_embeddings
+            );
         }
+        let past_positions = allow_positions(&mut config, longest);
         Ok(Subject {
             name,
             config,
@@ -283,9 +307,7 @@ fn request(
     strategy: DecodeStrategy,
 ) -> GenerateRequest {
     GenerateRequest {
-        prompt: (0..context as u32)
-            .map(|i| i % config.vocab_size as u32)
-            .collect(),
+        prompt: stand_in_prompt(context, config),
         max_tokens: a.decode,
         samples: 1,
         sampling: SamplingParams::default(),
@@ -295,10 +317,7 @@ fn request(
         method: Method::Auto,
         page_size: crate::generate_cmd::PAGE_SIZE,
         kv_dtype: dtype,
-        context_fill: match a.context_fill {
-            FillChoice::Prefill => ContextFill::Prefill,
-            FillChoice::Random => ContextFill::Random { seed: a.seed },
-        },
+        context_fill: a.context_fill.context_fill(a.seed),
     }
 }
 
@@ -352,10 +371,7 @@ fn bench<B: Device>(
         for &ranks in on.counts {
             for strategy in strategies(a) {
                 let req = request(a, config, dtype, context, strategy);
-                let name = match strategy {
-                    DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
-                    DecodeStrategy::Ring => "ring".into(),
-                };
+                let name = strategy.name();
                 let label = format!(
                     "{} of {context} tokens, p = {ranks}, {name}",
                     a.context_fill.name()
@@ -400,7 +416,11 @@ fn strategies(a: &DecodeArgs) -> Vec<DecodeStrategy> {
     a.strategy
         .iter()
         .flat_map(|choice| match choice {
-            DecodeChoice::Tree => a.collective.iter().map(|&c| DecodeStrategy::Tree(c)).collect(),
+            DecodeChoice::Tree => a
+                .collective
+                .iter()
+                .map(|&c| DecodeStrategy::Tree(c))
+                .collect(),
             DecodeChoice::Ring => vec![DecodeStrategy::Ring],
         })
         .collect()
@@ -427,23 +447,22 @@ fn run_one<B: RankThreads>(
     let bar = canopy_model::progress_bar(config.num_hidden_layers as u64, label.to_string());
     bar.set_message("layers");
     let peak = AtomicU64::new(0);
-    let out = placed
-        .run(world, ranks, &|b, l, comm| {
-            let mut watch = RunWatch {
-                backend: b,
-                bar: (comm.rank() == 0).then_some(&bar),
-                peak: None,
-                failed: None,
-            };
-            let out = comm.generate(b, l, req, &mut watch)?;
-            if let Some(e) = watch.failed {
-                return Err(e.context("reading the device's memory in use"));
-            }
-            if let Some(p) = watch.peak {
-                peak.fetch_max(p, Ordering::Relaxed);
-            }
-            Ok(out)
-        })?;
+    let out = placed.run(world, ranks, req.strategy, &|b, l, comm| {
+        let mut watch = RunWatch {
+            backend: b,
+            bar: (comm.rank() == 0).then_some(&bar),
+            peak: None,
+            failed: None,
+        };
+        let out = comm.generate(b, l, req, &mut watch)?;
+        if let Some(e) = watch.failed {
+            return Err(e.context("reading the device's memory in use"));
+        }
+        if let Some(p) = watch.peak {
+            peak.fetch_max(p, Ordering::Relaxed);
+        }
+        Ok(out)
+    })?;
     bar.finish_and_clear();
     let device = peak.into_inner();
     let local = match device {
@@ -691,13 +710,7 @@ mod tests {
             "--collective",
             "auto,allgather",
         ]);
-        let names: Vec<String> = strategies(&a)
-            .iter()
-            .map(|s| match s {
-                DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
-                DecodeStrategy::Ring => "ring".into(),
-            })
-            .collect();
+        let names: Vec<String> = strategies(&a).iter().map(|s| s.name()).collect();
         assert_eq!(names, ["tree/auto", "tree/allgather", "ring"]);
     }
 

@@ -5,15 +5,14 @@
 //! the same tokens and rank 0 prints them.
 
 use crate::bench::BackendKind;
+use crate::decode_bench::FillChoice;
 use crate::ranks::{ModelSource, Placed, RankComm};
 use anyhow::{bail, Result};
 use canopy_core::Method;
 use canopy_cuda::CudaBackend;
 use canopy_engine::{CpuBackend, LayerOps};
 use canopy_model::{ChatMessage, Tokenizer};
-use canopy_runtime::{
-    DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo,
-};
+use canopy_runtime::{GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::io::Write;
@@ -34,14 +33,22 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(
         long,
-        required_unless_present = "prompt_ids",
-        conflicts_with = "prompt_ids"
+        required_unless_present_any = ["prompt_ids", "context"],
+        conflicts_with_all = ["prompt_ids", "context"]
     )]
     prompt: Option<String>,
     /// The prompt as token ids (comma-separated), fed as they are: for checks against a
     /// reference that lists its prompts' ids.
-    #[arg(long, value_delimiter = ',', conflicts_with = "chat")]
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["chat", "context"])]
     prompt_ids: Option<Vec<u32>>,
+    /// A stand-in prompt of this many tokens (K = 1024, M = 1024²; ids counting up through
+    /// the vocabulary), for long-context runs: what is generated after it means nothing, and
+    /// every token asked for is decoded (no stop token ends it).
+    #[arg(long, value_parser = crate::decode_bench::parse_tokens, conflicts_with = "chat")]
+    context: Option<usize>,
+    /// How the prompt's keys and values are made.
+    #[arg(long, value_enum, default_value = "prefill")]
+    context_fill: crate::decode_bench::FillChoice,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -123,9 +130,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         model,
         dtype,
     } = a.run.open()?;
-    let prompt = match (&a.prompt_ids, &a.prompt) {
-        (Some(ids), _) => ids.clone(),
-        (None, Some(prompt)) if a.chat => {
+    let mut model = model;
+    let prompt = match (a.context, &a.prompt_ids, &a.prompt) {
+        (Some(tokens), _, _) => crate::decode_bench::stand_in_prompt(tokens, &model.config),
+        (None, Some(ids), _) => ids.clone(),
+        (None, None, Some(prompt)) if a.chat => {
             let mut messages = Vec::new();
             if let Some(s) = &a.system {
                 messages.push(ChatMessage::new("system", s.as_str()));
@@ -135,9 +144,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             // A chat rendering carries its own special tokens.
             model.tokenizer.encode(&text, false)?
         }
-        (None, Some(prompt)) => model.tokenizer.encode(prompt, true)?,
-        (None, None) => bail!("give --prompt or --prompt-ids"),
+        (None, None, Some(prompt)) => model.tokenizer.encode(prompt, true)?,
+        (None, None, None) => bail!("give --prompt, --prompt-ids or --context"),
     };
+    if a.context_fill == FillChoice::Random {
+        crate::decode_bench::allow_positions(&mut model.config, prompt.len() + a.max_tokens);
+    }
     let req = GenerateRequest {
         prompt,
         max_tokens: a.max_tokens,
@@ -148,12 +160,16 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             top_p: a.top_p,
         },
         seed: a.seed,
-        stop_tokens: model.config.eos_token_ids.clone(),
+        // A stand-in prompt's run is a timing: it decodes every token asked for.
+        stop_tokens: match a.context {
+            Some(_) => Vec::new(),
+            None => model.config.eos_token_ids.clone(),
+        },
         strategy: a.run.strategy(),
         method: a.method,
         page_size: PAGE_SIZE,
         kv_dtype: dtype,
-        context_fill: canopy_runtime::ContextFill::Prefill,
+        context_fill: a.context_fill.context_fill(a.seed),
     };
     let run = Run {
         args: &a,
@@ -180,7 +196,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 source,
                 &needs,
             )?;
-            placed.run(&world, ranks, &|b, l, comm| {
+            placed.run(&world, ranks, req.strategy, &|b, l, comm| {
                 run.rank(b, l, &tokenizer, comm)
             })?
         }
@@ -190,7 +206,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
             };
             let placed = Placed::new(&world, ranks, gpus, &backend, &config, source, &needs)?;
-            placed.run(&world, ranks, &|b, l, comm| {
+            placed.run(&world, ranks, req.strategy, &|b, l, comm| {
                 run.rank(b, l, &tokenizer, comm)
             })?
         }
@@ -204,10 +220,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         backend: kind.to_string(),
         dtype: dtype.to_string(),
         ranks,
-        strategy: match req.strategy {
-            DecodeStrategy::Tree(c) => format!("tree/{}", c.name()),
-            DecodeStrategy::Ring => "ring".into(),
-        },
+        strategy: req.strategy.name(),
         prompt_tokens: req.prompt.len(),
         samples: texts,
         prefill_s: out.prefill_s,
@@ -234,8 +247,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         println!();
     }
     eprintln!(
-        "{} prompt tokens; prefill {:.3} s ({:.1} tokens/s); first token after {:.3} s; decode {} on {} rank{} ({}, {} {})",
+        "{} prompt tokens; {} {:.3} s ({:.1} tokens/s); first token after {:.3} s; decode {} on {} rank{} ({}, {} {})",
         report.prompt_tokens,
+        match a.context_fill {
+            FillChoice::Prefill => "prefill",
+            FillChoice::Random => "random fill",
+        },
         report.prefill_s,
         report.prefill_tokens_per_s,
         report.ttft_s,

@@ -1,15 +1,16 @@
 //! The ranks of a model run in this process: one backend per rank, the weights uploaded once
 //! per device and shared by the ranks on it, and the world the ranks exchange through —
-//! threads (staging buffers through the host, or on the device when they share one GPU) or
-//! one MPI process per rank. `generate`, `serve` and `bench decode` run their ranks here, and
+//! threads or one MPI process per rank. On GPUs the buffers move by NCCL where every rank has
+//! a GPU of its own, on the device where the ranks share one GPU, and through the host
+//! otherwise (more ranks than GPUs, or no NCCL); on the CPU through the host. `generate`, `serve` and `bench decode` run their ranks here, and
 //! `generate` and `serve` find their model here ([`ModelSource`]: a model on disk, or a shape
 //! with random weights for timing).
 
 use crate::bench::World;
 use anyhow::Result;
 use canopy_comm::{Collective, ThreadWorld};
-use canopy_cuda::{CudaBackend, DeviceWorld};
-use canopy_engine::{CpuBackend, LayerOps, ModelNeeds, Transport};
+use canopy_cuda::{CudaBackend, DeviceWorld, NcclIds, NcclTransport};
+use canopy_engine::{CpuBackend, LayerOps, ModelNeeds, NodeLayout, Strategy, Transport};
 use canopy_model::{LlamaConfig, Weights};
 use canopy_runtime::serving::{Front, ServeConfig};
 use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers, Watch};
@@ -83,46 +84,121 @@ impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
 pub type RankBody<'a, B, T> =
     dyn Fn(&B, &ModelLayers<B>, &dyn RankComm<B>) -> Result<T> + Sync + 'a;
 
-/// How the rank threads of one process exchange a backend's buffers.
+/// How a backend's ranks exchange its buffers: as threads of one process, or as this
+/// process's rank of an MPI world.
 pub trait RankThreads: LayerOps + Sized {
-    /// Runs `ranks` threads; `body(rank, comm)` is each one's work.
+    /// Runs a thread per backend of `backends` (rank `r` on `backends[r]`; they sit on
+    /// `devices` devices), with a transport for `strategy`; `body(rank, comm)` is each one's
+    /// work.
     fn run_threads<T: Send>(
-        ranks: usize,
-        one_device: bool,
+        backends: &[Self],
+        devices: usize,
+        strategy: Strategy,
         body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
     ) -> Vec<Result<T>>;
+
+    /// Runs `body` as this process's rank of `comm`, on `backend` (one of `devices`).
+    #[cfg(feature = "mpi")]
+    fn run_mpi<T>(
+        comm: &canopy_comm::MpiComm,
+        backend: &Self,
+        devices: usize,
+        strategy: Strategy,
+        body: &dyn Fn(&dyn RankComm<Self>) -> Result<T>,
+    ) -> Result<T>;
 }
 
+/// Host threads, or MPI's own calls.
 impl RankThreads for CpuBackend {
     fn run_threads<T: Send>(
-        ranks: usize,
-        _: bool,
+        backends: &[Self],
+        _: usize,
+        _: Strategy,
         body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
     ) -> Vec<Result<T>> {
-        ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
+        ThreadWorld::run(backends.len(), RANK_TIMEOUT, |comm| {
             body(canopy_comm::Group::rank(&comm), &comm)
         })
     }
+
+    #[cfg(feature = "mpi")]
+    fn run_mpi<T>(
+        comm: &canopy_comm::MpiComm,
+        _: &Self,
+        _: usize,
+        _: Strategy,
+        body: &dyn Fn(&dyn RankComm<Self>) -> Result<T>,
+    ) -> Result<T> {
+        body(comm)
+    }
 }
 
-/// Ranks that share one GPU exchange buffers on it (streams of one context); ranks on
-/// several GPUs stage them through the host.
+/// NCCL where every rank has a GPU of its own; ranks that share one GPU exchange buffers on
+/// it (streams of one context); more ranks than GPUs, or no NCCL, stage them through the
+/// host.
 impl RankThreads for CudaBackend {
     fn run_threads<T: Send>(
-        ranks: usize,
-        one_device: bool,
+        backends: &[Self],
+        devices: usize,
+        strategy: Strategy,
         body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
     ) -> Vec<Result<T>> {
-        if one_device && ranks > 1 {
-            DeviceWorld::run(ranks, RANK_TIMEOUT, |comm| {
+        let ranks = backends.len();
+        if ranks > 1 && devices == 1 {
+            return DeviceWorld::run(ranks, RANK_TIMEOUT, |comm| {
                 body(canopy_comm::Group::rank(&comm), &comm)
-            })
-        } else {
-            ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
-                body(canopy_comm::Group::rank(&comm), &comm)
-            })
+            });
         }
+        if ranks == 1 || ranks > devices || !nccl_usable() {
+            return ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
+                body(canopy_comm::Group::rank(&comm), &comm)
+            });
+        }
+        canopy_cuda::nccl::connect_at_init();
+        let ids = match NcclIds::new(1) {
+            Ok(ids) => ids,
+            Err(e) => return vec![Err(e.into())],
+        };
+        ThreadWorld::run(ranks, RANK_TIMEOUT, |host| {
+            let r = canopy_comm::Group::rank(&host);
+            let layout = NodeLayout::single(ranks);
+            let comm =
+                NcclTransport::new(&host, &backends[r], &ids, layout, strategy, RANK_TIMEOUT)?;
+            body(r, &comm)
+        })
     }
+
+    #[cfg(feature = "mpi")]
+    fn run_mpi<T>(
+        comm: &canopy_comm::MpiComm,
+        backend: &Self,
+        devices: usize,
+        strategy: Strategy,
+        body: &dyn Fn(&dyn RankComm<Self>) -> Result<T>,
+    ) -> Result<T> {
+        use canopy_comm::{Collective, Group, ReduceOp};
+        // NCCL needs a GPU per rank: the busiest node's ranks must not outnumber its GPUs.
+        let mut on_busiest_node = [(comm.local_rank() + 1) as f32];
+        comm.all_reduce(&mut on_busiest_node, ReduceOp::Max)?;
+        if comm.size() == 1 || on_busiest_node[0] as usize > devices || !nccl_usable() {
+            return body(comm);
+        }
+        canopy_cuda::nccl::connect_at_init();
+        let layout = canopy_engine::strategy::node_layout(comm, None)?;
+        let ids = NcclIds::from_rank0(comm, layout.nodes())?;
+        let nccl = NcclTransport::new(comm, backend, &ids, layout, strategy, RANK_TIMEOUT)?;
+        body(&nccl)
+    }
+}
+
+/// Whether NCCL can be loaded; without it, GPUs' ranks stage their buffers through the host
+/// (with a note, once per run).
+fn nccl_usable() -> bool {
+    let present = canopy_cuda::probe::nccl_present();
+    if !present {
+        eprintln!("note: NCCL (libnccl.so.2) could not be loaded: the GPUs' ranks exchange through the host; install NCCL for device-to-device merges");
+    }
+    present
 }
 
 /// This process's ranks: a backend each, and one copy of the weights per device.
@@ -146,10 +222,12 @@ impl<B: RankThreads> Placed<B> {
         needs: &dyn Fn(usize) -> Result<ModelNeeds>,
     ) -> Result<Placed<B>> {
         let devices = devices.max(1);
+        // The ranks of this process, by the index that places them on a device: every rank
+        // for threads; under MPI this process's, by its rank on its node.
         let local: Vec<usize> = match world {
             World::Threads => (0..ranks).collect(),
             #[cfg(feature = "mpi")]
-            World::Mpi(comm) => vec![canopy_comm::Group::rank(comm)],
+            World::Mpi(comm) => vec![comm.local_rank()],
         };
         let mut used: Vec<usize> = local.iter().map(|&r| r % devices).collect();
         used.sort_unstable();
@@ -206,20 +284,23 @@ impl<B: RankThreads> Placed<B> {
             .1
     }
 
-    /// Runs `body` on the first `ranks` ranks (threads), or on this MPI rank; returns rank
-    /// 0's result (`None` on other MPI ranks). Every rank's error is reported.
+    /// Runs `body` on the first `ranks` ranks (threads), or on this MPI rank, over a
+    /// transport for `strategy`; returns rank 0's result (`None` on other MPI ranks). Every
+    /// rank's error is reported.
     pub fn run<T: Send>(
         &self,
         world: &World,
         ranks: usize,
+        strategy: Strategy,
         body: &RankBody<B, T>,
     ) -> Result<Option<T>> {
         match world {
             World::Threads => {
-                let one_device = self.devices == 1 || ranks == 1;
-                let results = B::run_threads(ranks, one_device, &|r, comm| {
-                    body(&self.backends[r], self.layers_of(r), comm)
-                });
+                let devices = self.devices.min(ranks);
+                let results =
+                    B::run_threads(&self.backends[..ranks], devices, strategy, &|r, comm| {
+                        body(&self.backends[r], self.layers_of(r), comm)
+                    });
                 let mut results = results.into_iter();
                 let first = results.next().expect("one rank at least")?;
                 for r in results {
@@ -230,7 +311,11 @@ impl<B: RankThreads> Placed<B> {
             #[cfg(feature = "mpi")]
             World::Mpi(comm) => {
                 let me = canopy_comm::Group::rank(comm);
-                let out = body(&self.backends[0], self.layers_of(me), comm)?;
+                let backend = &self.backends[0];
+                let layers = self.layers_of(comm.local_rank());
+                let out = B::run_mpi(comm, backend, self.devices, strategy, &|c| {
+                    body(backend, layers, c)
+                })?;
                 Ok((me == 0).then_some(out))
             }
         }

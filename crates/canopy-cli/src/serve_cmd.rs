@@ -219,17 +219,22 @@ struct RankWork<'a> {
 impl RankWork<'_> {
     /// Every rank of this process serves until rank 0's engine stops.
     fn serve<B: RankThreads>(&self, world: &World, ranks: usize, placed: &Placed<B>) -> Result<()> {
-        placed.run(world, ranks, &|backend, layers, comm| {
-            let inbox = (comm.rank() == 0)
-                .then(|| self.inbox.lock().expect("inbox lock").take())
-                .flatten();
-            let front = inbox.map(|inbox| Front {
-                inbox,
-                tokenizer: self.tokenizer,
-                stop_tokens: self.stop_tokens.to_vec(),
-            });
-            comm.serve(backend, layers, self.config, front)
-        })?;
+        placed.run(
+            world,
+            ranks,
+            self.config.strategy,
+            &|backend, layers, comm| {
+                let inbox = (comm.rank() == 0)
+                    .then(|| self.inbox.lock().expect("inbox lock").take())
+                    .flatten();
+                let front = inbox.map(|inbox| Front {
+                    inbox,
+                    tokenizer: self.tokenizer,
+                    stop_tokens: self.stop_tokens.to_vec(),
+                });
+                comm.serve(backend, layers, self.config, front)
+            },
+        )?;
         Ok(())
     }
 }

@@ -66,6 +66,54 @@ fn every_rank_count_and_strategy_generates_the_same_tokens() {
 }
 
 #[test]
+fn a_stand_in_context_decodes_every_token_asked_for_past_the_positions() {
+    // The fixture holds 512 positions; a random fill runs past them, a prefill may not.
+    let model = tiny("llama3-hd128");
+    let base = ["generate", "--model", &model, "--max-tokens", "7"];
+    for extra in [
+        &["--context", "300"][..],
+        &[
+            "--context",
+            "1K",
+            "--context-fill",
+            "random",
+            "--ranks",
+            "2",
+        ],
+        &[
+            "--context",
+            "1K",
+            "--context-fill",
+            "random",
+            "--strategy",
+            "ring",
+        ],
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        let samples = tokens(&args);
+        assert_eq!(
+            samples[0]["tokens"].as_array().unwrap().len(),
+            7,
+            "{extra:?}"
+        );
+        assert_eq!(samples[0]["finish_reason"], "length", "{extra:?}");
+    }
+    canopy()
+        .args(base)
+        .args(["--context", "1K"])
+        .assert()
+        .failure()
+        .stderr(contains("exceeds the model's capacity"));
+    canopy()
+        .args(base)
+        .args(["--context", "1K", "--prompt", "hi"])
+        .assert()
+        .failure()
+        .stderr(contains("cannot be used with"));
+}
+
+#[test]
 fn text_streams_and_a_timing_line_follows() {
     canopy()
         .args([

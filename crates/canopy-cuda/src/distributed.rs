@@ -214,13 +214,7 @@ pub fn run_mpi(
     check_machine(comm.size(), local + 1)?;
     connect_at_init();
     let layout = canopy_engine::strategy::node_layout(comm, cfg.run.virtual_nodes)?;
-    let bytes = match comm.rank() {
-        0 => NcclIds::new(layout.nodes())?.to_bytes(),
-        _ => vec![0u8; NcclIds::byte_len(layout.nodes())],
-    };
-    let mut all = vec![0u8; bytes.len() * comm.size()];
-    comm.all_gather(&bytes, &mut all)?;
-    let ids = NcclIds::from_bytes(&all[..bytes.len()])?;
+    let ids = NcclIds::from_rank0(comm, layout.nodes())?;
     let mine = rank(cfg, comm, local, &ids, &layout)?;
     let results = canopy_engine::strategy::gather_results(comm, mine)?;
     Ok(results.map(|r| finish(cfg, r)))

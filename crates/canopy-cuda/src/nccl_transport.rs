@@ -53,6 +53,18 @@ impl NcclIds {
         })
     }
 
+    /// Ids of a world of `nodes` nodes made by rank 0 of `host` and handed to every rank over
+    /// it.
+    pub fn from_rank0<H: Collective>(host: &H, nodes: usize) -> EResult<NcclIds> {
+        let bytes = match host.rank() {
+            0 => NcclIds::new(nodes)?.to_bytes(),
+            _ => vec![0u8; NcclIds::byte_len(nodes)],
+        };
+        let mut all = vec![0u8; bytes.len() * host.size()];
+        host.all_gather(&bytes, &mut all)?;
+        Ok(NcclIds::from_bytes(&all[..bytes.len()])?)
+    }
+
     /// Bytes of the ids of a world of `nodes` nodes, as [`NcclIds::to_bytes`] writes them.
     pub fn byte_len(nodes: usize) -> usize {
         ID_BYTES * (nodes + 2)
@@ -109,6 +121,17 @@ pub struct NcclTransport<'h, H: Collective> {
     watchdog: Watchdog,
     /// The ring's arrival event, between [`Transport::start_kv_exchange`] and its finish.
     arrived: RefCell<Option<CudaEvent>>,
+    /// A paged hand-off's contiguous buffers, between its start and its finish.
+    staged: RefCell<Option<Staged>>,
+}
+
+/// Paged KV travels in logical order through contiguous buffers: the shard sent, gathered on
+/// the compute stream before the hand-off, and the one arriving, scattered into the receiving
+/// KV's pages after it.
+struct Staged {
+    sent: (CudaSlice<u8>, CudaSlice<u8>),
+    arriving: (CudaSlice<u8>, CudaSlice<u8>),
+    tokens: usize,
 }
 
 impl<'h, H: Collective> NcclTransport<'h, H> {
@@ -162,6 +185,7 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             layout,
             watchdog,
             arrived: RefCell::new(None),
+            staged: RefCell::new(None),
         })
     }
 
@@ -235,6 +259,50 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             comm.send("send(V)", &send.v.slice(0..sb), next)?;
             comm.recv("recv(K)", &mut recv.k.slice_mut(0..rb), prev)?;
             comm.recv("recv(V)", &mut recv.v.slice_mut(0..rb), prev)
+        })
+    }
+
+    /// [`NcclTransport::exchange`] for paged KV: `send`'s tokens gathered into logical order
+    /// on `b`'s stream (before the world's stream waits for it), sent, and the previous
+    /// rank's received into contiguous buffers; returns them, for the finish to scatter.
+    fn exchange_staged(
+        &self,
+        b: &CudaBackend,
+        send: &CudaKv,
+        send_tokens: usize,
+        recv: &CudaKv,
+        recv_tokens: usize,
+    ) -> Result<Staged> {
+        if send_tokens > send.tokens || recv_tokens > recv.tokens {
+            return Err(CudaError::Unsupported(format!(
+                "the ring's hand-off: {send_tokens} tokens sent from KV of {} and {recv_tokens} received into KV of {}; size the receiving KV for the largest shard",
+                send.tokens, recv.tokens
+            )));
+        }
+        let (sb, rb) = (send.bytes_of(send_tokens), recv.bytes_of(recv_tokens));
+        // One byte at least: an allocation of nothing is refused.
+        let sent = match send_tokens {
+            0 => (b.alloc::<u8>(1)?, b.alloc::<u8>(1)?),
+            n => b.gather_device(send, n)?,
+        };
+        let mut arriving = (b.alloc::<u8>(rb.max(1))?, b.alloc::<u8>(rb.max(1))?);
+        self.world
+            .stream()
+            .wait(&record(b.stream())?)
+            .ctx("cuStreamWaitEvent")?;
+        let (rank, p) = (self.world.rank(), self.world.size());
+        let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
+        let comm = &self.world;
+        group(rank, || {
+            comm.send("send(K)", &sent.0.slice(0..sb), next)?;
+            comm.send("send(V)", &sent.1.slice(0..sb), next)?;
+            comm.recv("recv(K)", &mut arriving.0.slice_mut(0..rb), prev)?;
+            comm.recv("recv(V)", &mut arriving.1.slice_mut(0..rb), prev)
+        })?;
+        Ok(Staged {
+            sent,
+            arriving,
+            tokens: recv_tokens,
         })
     }
 
@@ -454,7 +522,8 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
     }
 
     /// Enqueues the hand-off on the world's stream once the compute stream is done with
-    /// `recv` (everything enqueued on it so far), and records its arrival.
+    /// `recv` (everything enqueued on it so far), and records its arrival. Paged KV goes
+    /// through contiguous buffers ([`NcclTransport::exchange_staged`]).
     fn start_kv_exchange(
         &self,
         b: &CudaBackend,
@@ -464,23 +533,38 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         recv_tokens: usize,
     ) -> EResult<()> {
         let stream = self.world.stream();
-        stream.wait(&record(b.stream())?).ctx("cuStreamWaitEvent")?;
-        self.exchange(send, send_tokens, recv, recv_tokens)?;
+        if send.paging.is_none() && recv.paging.is_none() {
+            stream.wait(&record(b.stream())?).ctx("cuStreamWaitEvent")?;
+            self.exchange(send, send_tokens, recv, recv_tokens)?;
+        } else {
+            let staged = self.exchange_staged(b, send, send_tokens, recv, recv_tokens)?;
+            *self.staged.borrow_mut() = Some(staged);
+        }
         *self.arrived.borrow_mut() = Some(record(stream)?);
         Ok(())
     }
 
-    /// The compute stream waits for the hand-off's arrival; the host does not.
+    /// The compute stream waits for the hand-off's arrival (the host does not), then scatters
+    /// a paged hand-off into `recv`; its buffers are freed in the compute stream's order.
     fn finish_kv_exchange(
         &self,
         b: &CudaBackend,
-        _recv: &mut CudaKv,
+        recv: &mut CudaKv,
         _recv_tokens: usize,
     ) -> EResult<()> {
         let arrived = self.arrived.borrow_mut().take().ok_or_else(|| {
             CudaError::Unsupported("finish_kv_exchange without a hand-off started".into())
         })?;
-        Ok(b.stream().wait(&arrived).ctx("cuStreamWaitEvent")?)
+        b.stream().wait(&arrived).ctx("cuStreamWaitEvent")?;
+        if let Some(staged) = self.staged.borrow_mut().take() {
+            if staged.tokens > 0 {
+                let (k, v) = &staged.arriving;
+                b.scatter_device(recv, 0, staged.tokens, k, v)?;
+            }
+            // The shard sent lives until the compute stream has waited for the hand-off.
+            drop(staged.sent);
+        }
+        Ok(())
     }
 
     fn wait(&self, b: &CudaBackend) -> EResult<()> {

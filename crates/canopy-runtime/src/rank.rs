@@ -30,15 +30,10 @@ use canopy_engine::{
 };
 use std::time::Instant;
 
-/// How decode attention combines the ranks' shards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeStrategy {
-    /// Partial attention on each rank, merged by this collective (`auto`: chosen by the cost
-    /// model calibrated on this world).
-    Tree(MergeCollective),
-    /// The ring baseline: every shard's KV passes every rank.
-    Ring,
-}
+/// How decode attention combines the ranks' shards: the engine's strategies (the tree's
+/// partial attention on each rank merged by a collective, `auto` chosen by the cost model
+/// calibrated on this world; or the ring baseline, every shard's KV passing every rank).
+pub use canopy_engine::Strategy as DecodeStrategy;
 
 /// What to generate.
 #[derive(Debug, Clone)]
