@@ -13,9 +13,6 @@ source "$(dirname "$0")/env.sh"
 LIMIT=${LIMIT:-240}
 ARCH=(--arch llama-3.1-8b --random-weights)
 bench() { timeout "$LIMIT" $BIN bench decode "${ARCH[@]}" "$@"; }
-# Plot labels need a TrueType font: matplotlib's DejaVu Sans where the machine has no other.
-export CANOPY_FONT=${CANOPY_FONT:-$(python3 -c 'import matplotlib, os
-print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null)}
 PLOT=(--plot "$OUT/decode-table1.svg")
 [ -f "$CANOPY_FONT" ] || { echo "no TrueType font: no plot"; PLOT=(); }
 {

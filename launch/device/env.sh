@@ -6,6 +6,9 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export CANOPY_KERNEL_CACHE=/tmp/canopy-kernels
 BIN=${CANOPY_BIN:-.device/canopy}
+# Plot labels need a TrueType font: matplotlib's DejaVu Sans where the machine has no other.
+export CANOPY_FONT=${CANOPY_FONT:-$(python3 -c 'import matplotlib, os
+print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null)}
 # A FastTree-shaped workload at 32/8 heads x 128, fp16, as /tmp/NAME.toml (for ncu runs on
 # trees of one part: a root alone, leaves alone): tree_toml NAME NODES_PER_LEVEL TOKENS_PER_LEVEL.
 tree_toml() {
