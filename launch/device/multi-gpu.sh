@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The multi-GPU runs (nvidia-h200-x2 or -x4): the model over every GPU of the machine, G of
 # them. PART picks one call's worth (each well inside 10 minutes):
-#   decode  first, the model runtime's correctness with a GPU per rank (NCCL): model-check.sh's
-#           fixture cases on 1 and G ranks, tree and ring, f32 and bf16, against transformers'
-#           references and one rank; then `bench decode` of Llama-3.1-8B with random weights and a random context, threads:
+#   decode  `bench decode` of Llama-3.1-8B with random weights and a random context, threads:
 #           32K…256K at 1 and G ranks, tree (auto) against the ring; every collective at G
 #           ranks; 1M at G ranks (1M does not fit one H200 beside the weights).
-#   mpi     the same model under `mpirun -np G` (one process per GPU), tree and ring; then the
-#           longest context the G GPUs hold (LONGEST tokens, from the decode part's capacity)
-#           through `canopy generate --context-fill random`; then `bench scaling` of the
-#           attention engine at 1 and G ranks (the Llama shape, 128K…4M).
+#   mpi     the ring at G ranks (32K, 256K) and 1M at G ranks, threads; the same model under
+#           `mpirun -np G` (one process per GPU), tree and ring; then the longest context the
+#           G GPUs hold (LONGEST tokens, from the decode part's capacity) through `canopy
+#           generate --context-fill random`.
+#   decode and mpi start with the model runtime's correctness with a GPU per rank (NCCL):
+#           model-check.sh's fixture cases on 1 and G ranks, tree and ring, f32 and bf16,
+#           against transformers' references and one rank.
+#   scaling `bench scaling` of the attention engine at 1 and G ranks (the Llama shape,
+#           128K…4M), with its prediction for 8 GPUs.
 #   serve   `canopy serve --ranks G`: one long-document request (DOC tokens) sharded over the
 #           GPUs, then `bench serve` (multi-doc) beside it.
 #   prefill Table 1 with the prefill included: `bench decode` with a real prefill at
@@ -59,12 +62,14 @@ PY
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m
   case $PART in
-  decode)
+  decode | mpi)
     log "model-check: the tiny fixtures on 1 and $G ranks (one GPU each: NCCL)"
     OUT=$R/check STAGES=fixtures DEADLINE=${CHECK_DEADLINE:-110} \
       FIXTURE_CASES="f32:1:tree f32:$G:tree f32:$G:ring bf16:1:tree bf16:$G:tree bf16:$G:ring" \
       bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
     tail -1 "$R/check/model-check-log.txt"
+    ;;&
+  decode)
     decode table 300 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
       --context 32K,64K,128K,256K --ranks "1,$G" --strategy tree,ring --plot "$R/table.png"
     decode collectives 120 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
@@ -73,8 +78,12 @@ PY
       --context 1M --ranks "$G" --strategy tree,ring
     ;;
   mpi)
+    decode ring 60 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
+      --context 32K,256K --ranks "$G" --strategy ring
+    decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
+      --context 1M --ranks "$G" --strategy tree,ring
     decode mpi 150 "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context-fill random \
-      --decode 10 --context 32K,256K,1M --strategy tree,ring
+      --decode 10 --context 32K,1M --strategy tree,ring
     log "generate: the longest context ${LONGEST:?set LONGEST} tokens on $G GPUs, random fill"
     timeout 240 $BIN generate "${ARCH[@]}" --ranks "$G" --context "$LONGEST" \
       --context-fill random --max-tokens 16 --json > "$R/longest.json" || log "FAILED or cut off: longest"
@@ -83,6 +92,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print({k: d[k] for k in ('ranks', 'strategy', 'prompt_tokens', 'prefill_s', 'ttft_s', 'decode_ms_per_token')})
 " "$R/longest.json"
+    ;;
+  scaling)
     log "bench scaling, the Llama shape, threads"
     timeout 150 $BIN bench scaling --backend cuda --ranks "1,$G" --heads 32 --kv-heads 8 \
       --head-dim 128 --dtype bf16 --seq-lens 131072,1048576,4194304 --iters 10 \

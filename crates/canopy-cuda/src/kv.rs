@@ -4,6 +4,7 @@
 
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
+use crate::layers::narrow;
 use canopy_core::{AttnShape, DType};
 use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -190,6 +191,61 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Copies logical tokens `start..start + n` of paged `kv` from (`scatter`) or to the
+    /// contiguous `flat` K and V, a launch of `copy_pages` each: one block per page where a
+    /// page-by-page copy would be thousands of small copies. Returns `false`, copying
+    /// nothing, where the kernel does not apply (contiguous KV, a start inside a page, pages
+    /// that are not whole 16-byte words): the caller copies by segment.
+    fn copy_pages(
+        &self,
+        kv: &CudaKv,
+        start: usize,
+        n: usize,
+        flat: (&CudaSlice<u8>, &CudaSlice<u8>),
+        scatter: bool,
+    ) -> Result<bool> {
+        let Some(paging) = &kv.paging else {
+            return Ok(false);
+        };
+        let page_tokens = 1usize << paging.shift;
+        let page_bytes = kv.bytes_of(page_tokens);
+        if n == 0 || start % page_tokens != 0 || page_bytes % 16 != 0 {
+            return Ok(false);
+        }
+        let bytes = kv.bytes_of(n);
+        if flat.0.len() < bytes || flat.1.len() < bytes {
+            return Err(CudaError::Unsupported(format!(
+                "copy_pages: contiguous K of {} bytes and V of {} bytes for {n} tokens ({bytes} bytes)",
+                flat.0.len(),
+                flat.1.len()
+            )));
+        }
+        let f = self.function(Kernel::Fill(kv.dtype))?;
+        let cfg = LaunchConfig {
+            grid_dim: (narrow("copy_pages", n.div_ceil(page_tokens))?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (first_page, page_bytes, bytes) =
+            ((start / page_tokens) as u64, page_bytes as u64, bytes as u64);
+        let scatter = u32::from(scatter);
+        for (pool, flat) in [(&kv.k, flat.0), (&kv.v, flat.1)] {
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(pool)
+                .arg(flat)
+                .arg(&paging.device)
+                .arg(&first_page)
+                .arg(&page_bytes)
+                .arg(&bytes)
+                .arg(&scatter);
+            // SAFETY: every page the grid touches is in the page table (tokens were checked
+            // against the KV's) and inside the pool, and `flat` holds `bytes`; the kernel
+            // writes one side only, the pool where `scatter`, else `flat`.
+            unsafe { b.launch(cfg) }.ctx("launching copy_pages")?;
+        }
+        Ok(true)
+    }
+
     /// K and V of logical tokens `0..n` of `kv`, gathered into fresh contiguous device buffers
     /// (in logical order) on this backend's stream.
     pub(crate) fn gather_device(
@@ -200,6 +256,9 @@ impl CudaBackend {
         Self::check_tokens("gather_device", kv, 0, n)?;
         let bytes = kv.bytes_of(n);
         let (mut k, mut v) = (self.alloc::<u8>(bytes)?, self.alloc::<u8>(bytes)?);
+        if self.copy_pages(kv, 0, n, (&k, &v), false)? {
+            return Ok((k, v));
+        }
         for (at, dev) in Self::segments(kv, 0, n) {
             let len = dev.len();
             if len == 0 {
@@ -236,6 +295,9 @@ impl CudaBackend {
             )));
         }
         Self::check_tokens("scatter_device", kv, start, n)?;
+        if self.copy_pages(kv, start, n, (k, v), true)? {
+            return Ok(());
+        }
         for (at, dev) in Self::segments(kv, start, n) {
             let len = dev.len();
             if len == 0 {

@@ -75,7 +75,7 @@ fn same_dims(op: &str, what: &str, t: &CudaTensor, want: (usize, usize)) -> Resu
 }
 
 /// A kernel size argument as the kernels' `u32`.
-fn narrow(op: &str, n: usize) -> Result<u32> {
+pub(crate) fn narrow(op: &str, n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| {
         CudaError::Unsupported(format!(
             "{op}: a size of {n} is past the kernels' 32-bit indices; use smaller chunks"

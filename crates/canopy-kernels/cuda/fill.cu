@@ -1,6 +1,7 @@
 // Device-side random data, bit-identical to canopy_core::data::hash_uniform on the host, so a
 // multi-gigabyte KV cache is made on the GPU and the f64 oracle regenerates it on the CPU
-// instead of copying it back. Also a read-only sweep for evicting L2 with clean lines.
+// instead of copying it back. Also a read-only sweep for evicting L2 with clean lines, and the
+// page-table copy between paged KV and contiguous storage.
 
 __device__ __forceinline__ u64 splitmix64(u64 x) {
     x += 0x9E3779B97F4A7C15ull;
@@ -39,4 +40,21 @@ extern "C" __global__ void read16(const uint4* __restrict__ src, u64 n, u32* __r
         x |= v.x | v.y | v.z | v.w;
     }
     if (x) *sink = x;
+}
+
+// Whole pages of paged KV to or from contiguous storage in logical order, one block per page:
+// logical page first_page + blockIdx.x sits at physical page table[...] of `pool`, and at byte
+// blockIdx.x * page_bytes of `flat` (`bytes` long in all: the last page may be partial).
+// `scatter` 1 writes the pool, 0 reads it. Pages are whole 16-byte words.
+extern "C" __global__ void copy_pages(unsigned char* __restrict__ pool, unsigned char* __restrict__ flat,
+                                      const u32* __restrict__ table, u64 first_page,
+                                      u64 page_bytes, u64 bytes, u32 scatter) {
+    const u64 at = blockIdx.x * page_bytes;
+    const u64 len = min(page_bytes, bytes - at);
+    uint4* paged = (uint4*)(pool + (u64)table[first_page + blockIdx.x] * page_bytes);
+    uint4* dense = (uint4*)(flat + at);
+    for (u64 i = threadIdx.x; i < len / 16; i += blockDim.x) {
+        if (scatter) paged[i] = dense[i];
+        else dense[i] = paged[i];
+    }
 }

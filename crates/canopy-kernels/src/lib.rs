@@ -103,7 +103,7 @@ impl Id {
             Id::Decode => &["decode_partial"],
             Id::DecodeMma => &["decode_partial_mma"],
             Id::Merge => &["merge_partials", "merge_partials_wide"],
-            Id::Fill => &["fill_random", "read16"],
+            Id::Fill => &["fill_random", "read16", "copy_pages"],
             Id::Combine => &[
                 "combine_weights",
                 "combine_finish",
@@ -157,7 +157,7 @@ pub enum Variant {
     /// `merge_partials`; `deep` keeps 8 rows' loads in flight per lane instead of 4. Both
     /// modules also hold `merge_partials_wide`, which no define changes.
     Merge { deep: bool },
-    /// `fill_random` for KV of `dtype`, and `read16`.
+    /// `fill_random` for KV of `dtype`, `read16` and `copy_pages`.
     Fill(DType),
     /// The cross-rank combine kernels (f32 states).
     Combine,
