@@ -209,7 +209,7 @@ impl CudaBackend {
         };
         let page_tokens = 1usize << paging.shift;
         let page_bytes = kv.bytes_of(page_tokens);
-        if n == 0 || start % page_tokens != 0 || page_bytes % 16 != 0 {
+        if n == 0 || !start.is_multiple_of(page_tokens) || !page_bytes.is_multiple_of(16) {
             return Ok(false);
         }
         let bytes = kv.bytes_of(n);
