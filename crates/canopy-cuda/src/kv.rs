@@ -220,7 +220,7 @@ impl CudaBackend {
                 flat.1.len()
             )));
         }
-        let f = self.function(Kernel::Fill(kv.dtype))?;
+        let f = self.function(Kernel::CopyPages)?;
         let cfg = LaunchConfig {
             grid_dim: (narrow("copy_pages", n.div_ceil(page_tokens))?, 1, 1),
             block_dim: (256, 1, 1),

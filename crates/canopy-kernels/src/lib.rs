@@ -290,6 +290,8 @@ pub enum Kernel {
     Fill(DType),
     /// `read16`, the clean eviction's sweep (in the fill source).
     Read,
+    /// `copy_pages`, paged KV to and from contiguous storage (in the fill source).
+    CopyPages,
     /// One of [`Id::Combine`]'s entries, by name.
     Combine(&'static str),
     /// One of [`Id::Layers`]' entries, by name, for weights or KV of the dtype (the kernels
@@ -322,7 +324,7 @@ impl Kernel {
             Kernel::Merge { deep } => Variant::Merge { deep },
             Kernel::MergeWide => Variant::Merge { deep: false },
             Kernel::Fill(dtype) => Variant::Fill(dtype),
-            Kernel::Read => Variant::Fill(DType::F32),
+            Kernel::Read | Kernel::CopyPages => Variant::Fill(DType::F32),
             Kernel::Combine(_) => Variant::Combine,
             Kernel::Layers(dtype, _) => Variant::Layers(dtype),
         }
@@ -338,6 +340,7 @@ impl Kernel {
             Kernel::Combine(name) | Kernel::Layers(_, name) => name,
             Kernel::Fill(_) => "fill_random",
             Kernel::Read => "read16",
+            Kernel::CopyPages => "copy_pages",
         }
     }
 }
@@ -451,6 +454,7 @@ mod tests {
             Kernel::MergeWide,
             Kernel::Fill(DType::F16),
             Kernel::Read,
+            Kernel::CopyPages,
         ]
         .into_iter()
         .chain(Id::Combine.entries().iter().map(|&e| Kernel::Combine(e)))
