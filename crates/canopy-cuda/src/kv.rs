@@ -226,8 +226,11 @@ impl CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (first_page, page_bytes, bytes) =
-            ((start / page_tokens) as u64, page_bytes as u64, bytes as u64);
+        let (first_page, page_bytes, bytes) = (
+            (start / page_tokens) as u64,
+            page_bytes as u64,
+            bytes as u64,
+        );
         let scatter = u32::from(scatter);
         for (pool, flat) in [(&kv.k, flat.0), (&kv.v, flat.1)] {
             let mut b = self.stream.launch_builder(&f);

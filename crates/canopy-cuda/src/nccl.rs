@@ -62,10 +62,7 @@ impl NcclComm {
     pub fn new(stream: Arc<CudaStream>, rank: usize, size: usize, id: &Id) -> Result<NcclComm> {
         // NCCL joins the calling thread's current device: the stream's, whichever thread made
         // its context.
-        stream
-            .context()
-            .bind_to_thread()
-            .ctx("cuCtxSetCurrent")?;
+        stream.context().bind_to_thread().ctx("cuCtxSetCurrent")?;
         let mut raw = std::ptr::null_mut();
         let unique = sys::ncclUniqueId {
             internal: *id.internal(),
