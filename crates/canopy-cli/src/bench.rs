@@ -236,17 +236,16 @@ impl World {
         }
     }
 
-    /// The largest of `mib` over the processes (itself for threads), in whole MiB: an f32
-    /// holds every count of MiB a machine has exactly.
-    pub fn max_mib(&self, mib: u64) -> Result<u64> {
+    /// The largest of `value` over the processes (itself for threads).
+    pub fn max_over_processes(&self, value: u64) -> Result<u64> {
         match self {
-            World::Threads => Ok(mib),
+            World::Threads => Ok(value),
             #[cfg(feature = "mpi")]
             World::Mpi(c) => {
                 use canopy_comm::Collective;
-                let mut v = [mib as f32];
+                let mut v = [value];
                 c.all_reduce(&mut v, canopy_comm::ReduceOp::Max)?;
-                Ok(v[0] as u64)
+                Ok(v[0])
             }
         }
     }

@@ -221,7 +221,6 @@ impl Device for CudaBackend {
 /// How the peak memory is measured where the backend reports its device's use, and where it
 /// does not (the CPU).
 const DEVICE_PEAK: &str = "device memory in use on the busiest rank's GPU beyond what was in use when its backend was made (weights included), sampled after each layer of the context's fill and at each token; ranks sharing a GPU count together";
-const MIB: u64 = 1 << 20;
 const HOST_PEAK: &str = "the peak resident memory (VmHWM) of the busiest process: every rank together where the ranks are threads of one process";
 
 pub fn run(a: DecodeArgs) -> Result<()> {
@@ -470,7 +469,7 @@ fn run_one<B: RankThreads>(
         bytes => bytes,
     };
     // Every process takes part in the reduction, whatever it measured.
-    let bytes = world.max_mib(local.div_ceil(MIB))? * MIB;
+    let bytes = world.max_over_processes(local)?;
     let peak = Peak {
         bytes: (bytes > 0).then_some(bytes),
         on_device: device > 0,

@@ -127,10 +127,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         world,
         ranks,
         kind,
-        model,
+        mut model,
         dtype,
     } = a.run.open()?;
-    let mut model = model;
     let prompt = match (a.context, &a.prompt_ids, &a.prompt) {
         (Some(tokens), _, _) => crate::decode_bench::stand_in_prompt(tokens, &model.config),
         (None, Some(ids), _) => ids.clone(),

@@ -116,9 +116,7 @@ impl RankThreads for CpuBackend {
         _: Strategy,
         body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
     ) -> Vec<Result<T>> {
-        ThreadWorld::run(backends.len(), RANK_TIMEOUT, |comm| {
-            body(canopy_comm::Group::rank(&comm), &comm)
-        })
+        host_threads(backends.len(), body)
     }
 
     #[cfg(feature = "mpi")]
@@ -150,9 +148,7 @@ impl RankThreads for CudaBackend {
             });
         }
         if ranks == 1 || ranks > devices || !nccl_usable() {
-            return ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
-                body(canopy_comm::Group::rank(&comm), &comm)
-            });
+            return host_threads(ranks, body);
         }
         canopy_cuda::nccl::connect_at_init();
         let ids = match NcclIds::new(1) {
@@ -178,9 +174,9 @@ impl RankThreads for CudaBackend {
     ) -> Result<T> {
         use canopy_comm::{Collective, Group, ReduceOp};
         // NCCL needs a GPU per rank: the busiest node's ranks must not outnumber its GPUs.
-        let mut on_busiest_node = [(comm.local_rank() + 1) as f32];
+        let mut on_busiest_node = [comm.local_rank() as u64 + 1];
         comm.all_reduce(&mut on_busiest_node, ReduceOp::Max)?;
-        if comm.size() == 1 || on_busiest_node[0] as usize > devices || !nccl_usable() {
+        if comm.size() == 1 || on_busiest_node[0] > devices as u64 || !nccl_usable() {
             return body(comm);
         }
         canopy_cuda::nccl::connect_at_init();
@@ -189,6 +185,16 @@ impl RankThreads for CudaBackend {
         let nccl = NcclTransport::new(comm, backend, &ids, layout, strategy, RANK_TIMEOUT)?;
         body(&nccl)
     }
+}
+
+/// `ranks` threads exchanging through the host; `body(rank, comm)` is each one's work.
+fn host_threads<B: LayerOps, T: Send>(
+    ranks: usize,
+    body: &(dyn Fn(usize, &dyn RankComm<B>) -> Result<T> + Sync),
+) -> Vec<Result<T>> {
+    ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
+        body(canopy_comm::Group::rank(&comm), &comm)
+    })
 }
 
 /// Whether NCCL can be loaded; without it, GPUs' ranks stage their buffers through the host

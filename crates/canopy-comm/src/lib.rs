@@ -80,6 +80,15 @@ impl Element for f32 {
     }
 }
 
+impl Element for u64 {
+    fn reduce(a: u64, b: u64, op: ReduceOp) -> u64 {
+        match op {
+            ReduceOp::Sum => a.wrapping_add(b),
+            ReduceOp::Max => a.max(b),
+        }
+    }
+}
+
 impl Element for u8 {
     fn reduce(a: u8, b: u8, op: ReduceOp) -> u8 {
         match op {
