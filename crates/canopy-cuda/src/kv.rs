@@ -180,7 +180,7 @@ impl CudaBackend {
 impl CudaBackend {
     /// Refuses logical tokens `start..start + n` past what `kv` holds (a page table walk past
     /// the pool would index out of it).
-    fn check_tokens(op: &str, kv: &CudaKv, start: usize, n: usize) -> Result<()> {
+    pub(crate) fn check_tokens(op: &str, kv: &CudaKv, start: usize, n: usize) -> Result<()> {
         if start + n > kv.tokens {
             return Err(CudaError::Unsupported(format!(
                 "{op}: logical tokens {start}..{} of KV that holds {}; size the receiving KV for the largest shard",

@@ -25,7 +25,7 @@ use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
 use canopy_comm::{Collective, Group, HostPart, ReduceOp, Traffic};
 use canopy_engine::layer_ops::expect_room;
 use canopy_engine::{Cache, MergeCollective, NodeLayout, Result as EResult, Strategy, Transport};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use cudarc::nccl::Id;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -247,18 +247,31 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
         recv: &mut CudaKv,
         recv_tokens: usize,
     ) -> Result<()> {
-        let (rank, p) = (self.world.rank(), self.world.size());
-        let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
         let (sb, rb) = (
             contiguous_bytes("send_kv", send, send_tokens)?,
             contiguous_bytes("recv_kv", recv, recv_tokens)?,
         );
+        self.hand_off(
+            (&send.k.slice(0..sb), &send.v.slice(0..sb)),
+            (&mut recv.k.slice_mut(0..rb), &mut recv.v.slice_mut(0..rb)),
+        )
+    }
+
+    /// K and V `send` to the next rank, and the previous rank's into `recv`, as one NCCL
+    /// group on the world's stream.
+    fn hand_off(
+        &self,
+        send: (&CudaView<u8>, &CudaView<u8>),
+        recv: (&mut CudaViewMut<u8>, &mut CudaViewMut<u8>),
+    ) -> Result<()> {
+        let (rank, p) = (self.world.rank(), self.world.size());
+        let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
         let comm = &self.world;
         group(rank, || {
-            comm.send("send(K)", &send.k.slice(0..sb), next)?;
-            comm.send("send(V)", &send.v.slice(0..sb), next)?;
-            comm.recv("recv(K)", &mut recv.k.slice_mut(0..rb), prev)?;
-            comm.recv("recv(V)", &mut recv.v.slice_mut(0..rb), prev)
+            comm.send("send(K)", send.0, next)?;
+            comm.send("send(V)", send.1, next)?;
+            comm.recv("recv(K)", recv.0, prev)?;
+            comm.recv("recv(V)", recv.1, prev)
         })
     }
 
@@ -273,12 +286,7 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
         recv: &CudaKv,
         recv_tokens: usize,
     ) -> Result<Staged> {
-        if send_tokens > send.tokens || recv_tokens > recv.tokens {
-            return Err(CudaError::Unsupported(format!(
-                "the ring's hand-off: {send_tokens} tokens sent from KV of {} and {recv_tokens} received into KV of {}; size the receiving KV for the largest shard",
-                send.tokens, recv.tokens
-            )));
-        }
+        CudaBackend::check_tokens("the ring's hand-off", recv, 0, recv_tokens)?;
         let (sb, rb) = (send.bytes_of(send_tokens), recv.bytes_of(recv_tokens));
         // One byte at least: an allocation of nothing is refused.
         let sent = match send_tokens {
@@ -290,15 +298,13 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             .stream()
             .wait(&record(b.stream())?)
             .ctx("cuStreamWaitEvent")?;
-        let (rank, p) = (self.world.rank(), self.world.size());
-        let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
-        let comm = &self.world;
-        group(rank, || {
-            comm.send("send(K)", &sent.0.slice(0..sb), next)?;
-            comm.send("send(V)", &sent.1.slice(0..sb), next)?;
-            comm.recv("recv(K)", &mut arriving.0.slice_mut(0..rb), prev)?;
-            comm.recv("recv(V)", &mut arriving.1.slice_mut(0..rb), prev)
-        })?;
+        self.hand_off(
+            (&sent.0.slice(0..sb), &sent.1.slice(0..sb)),
+            (
+                &mut arriving.0.slice_mut(0..rb),
+                &mut arriving.1.slice_mut(0..rb),
+            ),
+        )?;
         Ok(Staged {
             sent,
             arriving,
