@@ -4,7 +4,10 @@
 //! The cases that used to exhaust memory run under an address-space limit (`ulimit -v`), so a
 //! regression fails the test instead of the machine.
 
+mod common;
+
 use assert_cmd::Command;
+use common::canopy;
 use predicates::prelude::*;
 use predicates::str::contains;
 use std::time::{Duration, Instant};
@@ -22,10 +25,6 @@ fn limited(args: &str) -> Command {
     ));
     cmd.timeout(Duration::from_secs(60));
     cmd
-}
-
-fn canopy() -> Command {
-    Command::cargo_bin("canopy").expect("the canopy binary is built")
 }
 
 #[test]

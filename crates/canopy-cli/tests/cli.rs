@@ -1,13 +1,11 @@
 //! The `canopy` binary end to end, including bad input.
 
-use assert_cmd::Command;
+mod common;
+
+use common::canopy;
 use predicates::prelude::*;
 use predicates::str::contains;
 use serde_json::Value;
-
-fn canopy() -> Command {
-    Command::cargo_bin("canopy").expect("the canopy binary is built")
-}
 
 fn json(args: &[&str]) -> Value {
     let out = canopy()

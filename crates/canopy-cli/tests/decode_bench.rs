@@ -1,13 +1,12 @@
 //! `canopy bench decode` on the CPU: a real model prefilled and a preset shape with random
 //! weights and a random context, every rank count and strategy reported, bad requests refused.
 
+mod common;
+
 use assert_cmd::Command;
+use common::{canopy, font};
 use predicates::str::contains;
 use serde_json::Value;
-
-fn canopy() -> Command {
-    Command::cargo_bin("canopy").expect("the canopy binary is built")
-}
 
 fn report(args: &[&str]) -> Value {
     let out = canopy()
@@ -113,19 +112,6 @@ fn bad_requests_are_refused_with_what_to_do() {
         .assert()
         .failure()
         .stderr(contains("capacity of 8192 tokens"));
-}
-
-/// Whether plots can be labelled here (the fonts `canopy` looks for without `CANOPY_FONT`).
-fn font() -> bool {
-    std::env::var_os("CANOPY_FONT").is_some()
-        || [
-            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-            "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-            "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-            "/usr/share/fonts/TTF/DejaVuSans.ttf",
-        ]
-        .into_iter()
-        .any(|f| std::path::Path::new(f).exists())
 }
 
 #[test]

@@ -2,7 +2,10 @@
 //! streamed output, the same tokens on every rank count and strategy, and bad input refused
 //! with a clear message.
 
+mod common;
+
 use assert_cmd::Command;
+use common::canopy;
 use predicates::prelude::*;
 use predicates::str::contains;
 use serde_json::Value;
@@ -12,10 +15,6 @@ fn tiny(variant: &str) -> String {
         "{}/../../tests/fixtures/tiny/{variant}",
         env!("CARGO_MANIFEST_DIR")
     )
-}
-
-fn canopy() -> Command {
-    Command::cargo_bin("canopy").expect("the canopy binary is built")
 }
 
 fn tokens(args: &[&str]) -> Vec<Value> {

@@ -1,36 +1,20 @@
 //! `canopy bench scaling --plot`: a bad plot path is refused before any benchmark runs, and a
 //! saved `--json` is drawn as PNG and SVG.
 
-use assert_cmd::Command;
+mod common;
+
+use common::{canopy, font};
 use predicates::prelude::*;
 use predicates::str::contains;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-fn canopy() -> Command {
-    Command::cargo_bin("canopy").expect("the canopy binary is built")
-}
-
 /// A fresh directory of this test's own under the system's temporary one.
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("canopy-plot-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Whether the plot labels can be drawn here (the font `canopy` looks for without
-/// `CANOPY_FONT`).
-fn font() -> bool {
-    std::env::var_os("CANOPY_FONT").is_some()
-        || [
-            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-            "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-            "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-            "/usr/share/fonts/TTF/DejaVuSans.ttf",
-        ]
-        .into_iter()
-        .any(|f| std::path::Path::new(f).exists())
 }
 
 /// A 256K-token sweep on the CPU runs for minutes: failing within seconds shows that the

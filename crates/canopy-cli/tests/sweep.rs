@@ -1,12 +1,10 @@
 //! `canopy bench tree --sweep`: random trees, every method checked, `auto`'s regret summarized.
 
-use assert_cmd::Command;
+mod common;
+
+use common::canopy;
 use predicates::str::contains;
 use serde_json::Value;
-
-fn canopy() -> Command {
-    Command::cargo_bin("canopy").expect("the canopy binary is built")
-}
 
 #[test]
 fn a_tiny_cpu_sweep_checks_every_method_and_summarizes_auto() {

@@ -1,0 +1,23 @@
+//! Helpers the integration tests share (each test file uses some of them).
+#![allow(dead_code)]
+
+use assert_cmd::Command;
+
+/// The `canopy` binary this package built.
+pub fn canopy() -> Command {
+    Command::cargo_bin("canopy").expect("the canopy binary is built")
+}
+
+/// Whether plot labels can be drawn here: `CANOPY_FONT`, or one of the fonts `canopy` looks
+/// for without it.
+pub fn font() -> bool {
+    std::env::var_os("CANOPY_FONT").is_some()
+        || [
+            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+            "/usr/share/fonts/TTF/DejaVuSans.ttf",
+        ]
+        .into_iter()
+        .any(|f| std::path::Path::new(f).exists())
+}
