@@ -343,6 +343,10 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn kv_dtype(&self, kv: &CudaKv) -> DType {
+        kv.dtype
+    }
+
     fn write_kv(&self, kv: &mut CudaKv, start: usize, k: &TypedVec, v: &TypedVec) -> EResult<()> {
         if k.dtype() != kv.dtype || v.dtype() != kv.dtype || k.len() != v.len() {
             return Err(CudaError::Unsupported(format!(

@@ -73,6 +73,11 @@ impl CudaBackend {
             Kernel::DecodeMma {
                 head_dim, pipeline, ..
             } => Some(pipeline.shared_bytes(head_dim)),
+            Kernel::Prefill {
+                head_dim,
+                entry: "prefill_attention",
+                ..
+            } => Some(canopy_kernels::prefill_shared_bytes(head_dim)),
             _ => None,
         };
         if let Some(shared) = shared {

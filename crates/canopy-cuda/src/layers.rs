@@ -25,7 +25,7 @@ use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::layer_ops::expect_size;
-use canopy_engine::{LayerOps, ModelNeeds};
+use canopy_engine::{KeyBlock, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -559,12 +559,10 @@ impl LayerOps for CudaBackend {
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
-        k: &CudaTensor,
-        v: &CudaTensor,
-        k_pos: &[u32],
+        keys: KeyBlock<'_, CudaTensor>,
         states: &mut CudaStates,
     ) -> EResult<()> {
-        Ok(self.attend_block(shape, q, q_pos, k, v, k_pos, states)?)
+        Ok(self.attend_block(shape, q, q_pos, keys, states)?)
     }
 
     fn states_output(&self, states: &CudaStates, out: &mut CudaTensor) -> EResult<()> {

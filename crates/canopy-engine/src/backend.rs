@@ -71,6 +71,8 @@ pub trait Backend: Send + Sync {
     /// travels in logical order and lands in whatever pages the receiver's table names; only
     /// `LayerOps::store_kv` addresses physical slots, where the KV manager places tokens.
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv>;
+    /// The dtype `kv` holds its keys and values in.
+    fn kv_dtype(&self, kv: &Self::Kv) -> DType;
     /// Writes `k` and `v` (whole tokens, same dtype) at logical tokens `start..`.
     fn write_kv(&self, kv: &mut Self::Kv, start: usize, k: &TypedVec, v: &TypedVec) -> Result<()>;
     /// Installs a page table on `kv`: logical page `i` is then physical page `table[i]` of the

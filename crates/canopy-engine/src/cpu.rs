@@ -144,6 +144,10 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn kv_dtype(&self, kv: &CpuKv) -> DType {
+        kv.k.dtype()
+    }
+
     fn set_page_table(&self, kv: &mut CpuKv, page_size: u32, table: &[u32]) -> Result<()> {
         let pages = kv.tokens / page_size.max(1) as usize;
         if page_size == 0 || table.iter().any(|&p| p as usize >= pages) {

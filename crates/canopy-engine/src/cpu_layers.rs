@@ -4,7 +4,7 @@
 
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
-use crate::layer_ops::{expect_size, LayerOps, ModelNeeds};
+use crate::layer_ops::{expect_size, KeyBlock, LayerOps, ModelNeeds};
 use crate::{Backend, EngineError, Result};
 use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
 
@@ -14,6 +14,14 @@ pub struct HostMatrix {
     pub rows: usize,
     pub cols: usize,
     pub data: Vec<f32>,
+}
+
+/// `m` as a KV cache of `dtype` holds it: rounded, or as it is in f32.
+fn as_cached(m: &HostMatrix, dtype: DType) -> std::borrow::Cow<'_, [f32]> {
+    match dtype {
+        DType::F32 => std::borrow::Cow::Borrowed(&m.data),
+        _ => m.data.iter().map(|&x| dtype.round(x)).collect(),
+    }
 }
 
 fn err(message: String) -> EngineError {
@@ -301,60 +309,25 @@ impl LayerOps for CpuBackend {
         shape: &AttnShape,
         q: &HostMatrix,
         q_pos: &[u32],
-        k: &HostMatrix,
-        v: &HostMatrix,
-        k_pos: &[u32],
+        keys: KeyBlock<'_, HostMatrix>,
         states: &mut AttnStates,
     ) -> Result<()> {
-        expect_size(
-            "cpu",
-            "causal_attention",
-            "the query positions",
-            q_pos.len(),
-            q.rows,
-        )?;
-        expect_size(
-            "cpu",
-            "causal_attention",
-            "the key positions",
-            k_pos.len(),
-            k.rows,
-        )?;
-        expect_size(
-            "cpu",
-            "causal_attention",
-            "the size of v",
-            v.data.len(),
-            k.data.len(),
-        )?;
-        expect_size(
-            "cpu",
-            "causal_attention",
-            "the states' rows",
-            states.rows,
-            q.rows,
-        )?;
-        expect_size(
-            "cpu",
-            "causal_attention",
-            "the query width",
-            q.cols,
-            shape.q_row_elems(),
-        )?;
-        expect_size(
-            "cpu",
-            "causal_attention",
-            "the key width",
-            k.cols,
-            shape.kv_token_elems(),
-        )?;
+        let op = "causal_attention";
+        let (k, v, k_pos) = (keys.k, keys.v, keys.positions);
+        expect_size("cpu", op, "the query positions", q_pos.len(), q.rows)?;
+        expect_size("cpu", op, "the key positions", k_pos.len(), k.rows)?;
+        expect_size("cpu", op, "the size of v", v.data.len(), k.data.len())?;
+        expect_size("cpu", op, "the states' rows", states.rows, q.rows)?;
+        expect_size("cpu", op, "the query width", q.cols, shape.q_row_elems())?;
+        expect_size("cpu", op, "the key width", k.cols, shape.kv_token_elems())?;
+        let (k, v) = (as_cached(k, keys.dtype), as_cached(v, keys.dtype));
         causal_attention(
             &q.data,
             q_pos,
-            &k.data,
-            &v.data,
+            &k,
+            &v,
             k_pos,
-            (shape.q_heads, shape.kv_heads, shape.head_dim),
+            shape,
             &mut states.o,
             &mut states.lse,
         );

@@ -5,7 +5,7 @@
 //! `1 / sqrt(mean(x²) + eps)` before the weight, RoPE rotates the two halves of each head
 //! (`rotate_half`), angles `position · inv_freq` in f32.
 
-use canopy_core::{merge_state, EMPTY_LSE};
+use canopy_core::{merge_state, AttnShape, EMPTY_LSE};
 use rayon::prelude::*;
 
 /// `out[rows × n] = x[rows × k] · w[n × k]ᵀ`, or `out += x · wᵀ` when `accumulate`;
@@ -118,12 +118,13 @@ pub fn causal_attention(
     k: &[f32],
     v: &[f32],
     k_pos: &[u32],
-    (q_heads, kv_heads, d): (usize, usize, usize),
+    shape: &AttnShape,
     o: &mut [f32],
     lse: &mut [f32],
 ) {
+    let (q_heads, kv_heads, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
     let group = q_heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = shape.softmax_scale();
     o.par_chunks_mut(d)
         .zip(lse.par_iter_mut())
         .enumerate()
@@ -216,6 +217,13 @@ mod tests {
     #[test]
     fn causal_attention_in_blocks_equals_one_block() {
         let (h, hk, d) = (4, 2, 8);
+        // A head dim no backend kernel holds: the host op takes any.
+        let shape = AttnShape {
+            q_heads: h,
+            kv_heads: hk,
+            head_dim: d,
+            scale: None,
+        };
         let tokens = 9;
         let val = |i: usize| ((i * 7919 % 97) as f32 / 97.0) - 0.5;
         let q: Vec<f32> = (0..3 * h * d).map(|i| val(i + 5)).collect();
@@ -224,7 +232,7 @@ mod tests {
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ([2, 6, 8].to_vec(), (0..9).collect());
         let empty = || (vec![0.0; 3 * h * d], vec![EMPTY_LSE; 3 * h]);
         let (mut o1, mut l1) = empty();
-        causal_attention(&q, &q_pos, &k, &v, &k_pos, (h, hk, d), &mut o1, &mut l1);
+        causal_attention(&q, &q_pos, &k, &v, &k_pos, &shape, &mut o1, &mut l1);
         let (mut o2, mut l2) = empty();
         let split = 4 * hk * d;
         causal_attention(
@@ -233,7 +241,7 @@ mod tests {
             &k[split..],
             &v[split..],
             &k_pos[4..],
-            (h, hk, d),
+            &shape,
             &mut o2,
             &mut l2,
         );
@@ -243,7 +251,7 @@ mod tests {
             &k[..split],
             &v[..split],
             &k_pos[..4],
-            (h, hk, d),
+            &shape,
             &mut o2,
             &mut l2,
         );

@@ -132,23 +132,32 @@ pub trait LayerOps: MergeOps {
     /// `rows` empty states (`o = 0`, `lse = -inf`), for [`LayerOps::causal_attention`] to
     /// merge blocks into.
     fn empty_states(&self, shape: &AttnShape, rows: usize) -> Result<Self::States>;
-    /// Attention of the query rows `q` at positions `q_pos` over one block of keys and values
-    /// (`k`, `v`: `tokens × kv_heads · head_dim` at `k_pos`), merged into `states`: a query
-    /// sees the keys at or before its own position. Blocks merge exactly, in any number, so a
-    /// prompt's chunks can arrive one at a time from other ranks.
-    #[allow(clippy::too_many_arguments)]
+    /// Attention of the query rows `q` at positions `q_pos` over one block of keys, merged
+    /// into `states`: a query sees the keys at or before its own position. Blocks merge
+    /// exactly, in any number and order, so a prompt's chunks can arrive one at a time from
+    /// other ranks.
     fn causal_attention(
         &self,
         shape: &AttnShape,
         q: &Self::Tensor,
         q_pos: &[u32],
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        k_pos: &[u32],
+        keys: KeyBlock<'_, Self::Tensor>,
         states: &mut Self::States,
     ) -> Result<()>;
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
+}
+
+/// A block of keys and values for [`LayerOps::causal_attention`]: `k` and `v` are `tokens ×
+/// kv_heads · head_dim` activations at `positions`, read as the KV cache holds them, rounded to
+/// `dtype`, so a prompt's attention sees the keys its decode steps will read from the cache (a
+/// GPU then runs it on tensor cores).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyBlock<'a, T> {
+    pub k: &'a T,
+    pub v: &'a T,
+    pub positions: &'a [u32],
+    pub dtype: DType,
 }
 
 /// The size of one product `out[rows × cols] = x[rows × inner] · w[cols × inner]ᵀ`.

@@ -31,11 +31,7 @@
 // Shared-memory rows are padded by 16 bytes so ldmatrix's eight row addresses hit distinct banks.
 //
 // Compile-time parameters: CANOPY_DTYPE (1 = f16, 2 = bf16), HEAD_DIM (64 or 128), TILE and
-// STAGES (the many-row path's pipeline).
-
-#ifndef HEAD_DIM
-#error "HEAD_DIM must be defined by the kernel registry"
-#endif
+// STAGES (the many-row path's pipeline). The warp-level pieces are in mma.cuh.
 
 #ifndef MMA_THREADS
 #error "MMA_THREADS must be defined by the kernel registry"
@@ -66,23 +62,10 @@
 #ifndef CTA_ROWS
 #error "CTA_ROWS must be defined by the kernel registry"
 #endif
-// Shared-memory rows are padded by MMA_ROW_PAD elements (16 bytes).
-#ifndef MMA_ROW_PAD
-#error "MMA_ROW_PAD must be defined by the kernel registry"
-#endif
-#define STRIDE (HEAD_DIM + MMA_ROW_PAD)  // elements per shared-memory row
-#define KCH (HEAD_DIM / 16)    // k-chunks of Q K^T
-#define DTILES (HEAD_DIM / 8)  // n-tiles of P V
 #define CHUNKS (HEAD_DIM / 8)  // 16-byte pieces per token row
 // u32 words of a CTA's descriptor (see read_cta).
 #ifndef CTA_WORDS
 #error "CTA_WORDS must be defined by the kernel registry"
-#endif
-
-#if CANOPY_DTYPE == 1
-#define MMA_AB "f16"
-#else
-#define MMA_AB "bf16"
 #endif
 
 // One pipeline stage: a tile of K and V, contiguous so the epilogue can reuse it whole.
@@ -99,36 +82,6 @@ struct Scratch {
 };
 
 static_assert(sizeof(Scratch) <= STAGES * sizeof(Stage), "the scratch fits the stages");
-
-__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats to one register of two 16-bit elements, `lo` in the low half (the lower column).
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if CANOPY_DTYPE == 1
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-// Four 8x8 matrices of 16-bit elements from shared memory (transposed with Trans), one
-// register each; lane i gives the address of row i % 8 of matrix i / 8.
-template <bool Trans>
-__device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* p) {
-    const u32 a = (u32)__cvta_generic_to_shared(p);
-    if constexpr (Trans)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
-}
 
 // A CTA's descriptor (see the host's upload_plan): its group's fields, its first KV head (bit
 // 16: the one-warp-per-head path) and the group's first KV range, so that a CTA's first KV
@@ -259,19 +212,6 @@ struct KvStream {
     }
 };
 
-// A warp's online-softmax state for its 16 rows, empty.
-__device__ __forceinline__ void clear_state(float (&o)[DTILES][4], float (&m)[2], float (&l)[2]) {
-#pragma unroll
-    for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        m[h] = NEG_INF;
-        l[h] = 0.f;
-    }
-}
-
 // Q fragments of one warp's 16 rows (rows g and g + 8 of the block starting at row0, all of
 // HEAD_DIM) as 16-bit pairs, scaled into the log2 domain. Rows past the group's are zero:
 // finite scores, never written.
@@ -338,75 +278,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], u32 first, u32 to
         }
 }
 
-// The online softmax over one slice of scores (already in the log2 domain): the running max
-// and sum move, O is rescaled if some row's max did, and the scores become P.
-template <int NT>
-__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2]) {
-    // Maxima and sums in pairwise trees: chains of dependent instructions as short as they go
-    // (the "wait" stall led the tensor-core kernels' profile, BENCHMARKS session 9).
-    float part[2][NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        part[0][nt] = fmaxf(s[nt][0], s[nt][1]);
-        part[1][nt] = fmaxf(s[nt][2], s[nt][3]);
-    }
-#pragma unroll
-    for (int w = NT / 2; w >= 1; w /= 2)
-#pragma unroll
-        for (int j = 0; j < w; ++j) {
-            part[0][j] = fmaxf(part[0][j], part[0][j + w]);
-            part[1][j] = fmaxf(part[1][j], part[1][j + w]);
-        }
-    float mx[2] = {part[0][0], part[1][0]};
-    float alpha[2], base[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        const float mnew = fmaxf(m[h], mx[h]);
-        // A row with nothing seen yet subtracts 0 instead of -inf (exp2(-inf) = 0 follows).
-        base[h] = mnew == NEG_INF ? 0.f : mnew;
-        alpha[h] = fast_exp2(m[h] - base[h]);
-        m[h] = mnew;
-        l[h] *= alpha[h];
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[nt][i] = fast_exp2(s[nt][i] - base[i >> 1]);
-        part[0][nt] = s[nt][0] + s[nt][1];
-        part[1][nt] = s[nt][2] + s[nt][3];
-    }
-#pragma unroll
-    for (int w = NT / 2; w >= 1; w /= 2)
-#pragma unroll
-        for (int j = 0; j < w; ++j) {
-            part[0][j] += part[0][j + w];
-            part[1][j] += part[1][j + w];
-        }
-    l[0] += part[0][0];
-    l[1] += part[1][0];
-    // The running max rarely moves after the first tiles: rescale only when some row's did.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d) {
-            o[d][0] *= alpha[0];
-            o[d][1] *= alpha[0];
-            o[d][2] *= alpha[1];
-            o[d][3] *= alpha[1];
-        }
-    }
-}
-
-// P of 16 tokens (S n-tiles 2c and 2c + 1) as an A fragment of P V.
-template <int NT>
-__device__ __forceinline__ void p_fragment(u32 (&a)[4], const float (&s)[NT][4], int c) {
-    a[0] = pack2(s[2 * c][0], s[2 * c][1]);
-    a[1] = pack2(s[2 * c][2], s[2 * c][3]);
-    a[2] = pack2(s[2 * c + 1][0], s[2 * c + 1][1]);
-    a[3] = pack2(s[2 * c + 1][2], s[2 * c + 1][3]);
-}
-
 // One warp's slice of one tile: SLICE tokens (rows of k and v) for its 16 rows. S = Q K^T, the
 // online softmax (S is already in the log2 domain), O += P V. `first` is the group-local index
 // of the slice's first token; `edge`: the tile runs past the group's tokens or the group is
@@ -416,51 +287,15 @@ __device__ __forceinline__ void attend(const u16 (*k)[STRIDE], const u16 (*v)[ST
                                        float (&o)[DTILES][4], float (&m)[2], float (&l)[2], u32 first, bool edge,
                                        u32 tokens, const u64* mask, u32 queries, int row0, int gsz) {
     constexpr int NT = SLICE / 8;  // n-tiles of 8 tokens
-    const int lane = threadIdx.x % 32;
     float s[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
-#pragma unroll
-    for (int c = 0; c < KCH; c += 2) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            u32 b[4];
-            ldsm_x4<false>(b, &k[nt * 8 + (lane & 7)][c * 16 + (lane >> 3) * 8]);
-            mma16816(s[nt], qa[c], b[0], b[1]);
-            mma16816(s[nt], qa[c + 1], b[2], b[3]);
-        }
-    }
+    qk_scores(s, k, qa);
     if (edge) {
         typename MaskBits<(NT > 4)>::type w[2];
         row_mask_bits<NT>(w, mask, first, queries, row0, gsz);
         mask_scores(s, first, tokens, w);
     }
     softmax_step(s, o, m, l);
-    // O += P V, 16 tokens (two S n-tiles) per k-chunk.
-#pragma unroll
-    for (int c = 0; c < NT / 2; ++c) {
-        u32 a[4];
-        p_fragment(a, s, c);
-        const int vt = c * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-#pragma unroll
-        for (int d = 0; d < DTILES; d += 2) {
-            u32 b[4];
-            ldsm_x4<true>(b, &v[vt][(d + (lane >> 4)) * 8]);
-            mma16816(o[d], a, b[0], b[1]);
-            mma16816(o[d + 1], a, b[2], b[3]);
-        }
-    }
-}
-
-// Quad totals of l (each thread summed only its own columns of the scores).
-__device__ __forceinline__ void finish_l(float (&l)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
+    pv_accumulate(o, s, v);
 }
 
 // A warp that holds whole rows normalises and writes them straight from its accumulators.
@@ -590,68 +425,13 @@ __device__ __forceinline__ void attend_rows(STAGE1_PARAMS, const GroupDesc& cd, 
 // The warpgroup path is built where its accumulators fit the registers: not in modules of four
 // CTAs per SM (32-token tiles in two stages), nor beside the mma.sync path's 64-token tiles,
 // which already spill.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && HEAD_DIM == 128 && TILE == 32 && MIN_CTAS <= 3
+#if HAS_WGMMA && TILE == 32 && MIN_CTAS <= 3
 #define WGMMA 1
 #else
 #define WGMMA 0
 #endif
 
 #if WGMMA
-// Warpgroup MMA (Hopper's wgmma): the CTA's four warps are one warpgroup and multiply 64 rows
-// at a time. A (Q, or P) comes from registers in the same per-warp fragments as mma.sync's
-// m16n8k16 (warp w holds rows 16w..16w+15), and so do the f32 accumulators, per 8 columns; B
-// (K, or V) is read by the tensor cores straight from the shared-memory tile, described by a
-// 64-bit matrix descriptor, with no ldmatrix through registers.
-
-// Descriptor of a 128-byte-swizzled tile (KvStream<..., true>): start address, then the byte
-// offsets between 64-element blocks (leading) and between 8-row groups (stride), all in
-// 16-byte units, and the swizzle mode. The swizzle XORs address bits 4-6 with bits 7-9, so a
-// tile must start on 1024 bytes.
-__device__ __forceinline__ u64 smem_desc(const u16* p, u32 leading, u32 stride) {
-    const u32 a = (u32)__cvta_generic_to_shared(p);
-    return (u64)((a & 0x3ffffu) >> 4) | (u64)(leading >> 4) << 16 | (u64)(stride >> 4) << 32 | 1ull << 62;
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit_and_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// Keeps the compiler from moving an accumulator's reads or writes across an asynchronous MMA.
-__device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-// The four accumulator registers of n-tile `i` of `acc`, as read-write asm operands.
-#define WG_ACC4(acc, i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3])
-
-// S (64 rows x 64 tokens) (+)= Q (k16 chunk) K^T: B is K-major (HEAD_DIM contiguous per token).
-__device__ __forceinline__ void wg_qk(float (&s)[8][4], const u32 (&a)[4], u64 desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_AB "." MMA_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : WG_ACC4(s, 0), WG_ACC4(s, 1), WG_ACC4(s, 2), WG_ACC4(s, 3), WG_ACC4(s, 4), WG_ACC4(s, 5),
-          WG_ACC4(s, 6), WG_ACC4(s, 7)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
-}
-
-// O (64 rows x 128) += P (k16 chunk of tokens) V: B is MN-major (HEAD_DIM contiguous per
-// token, transposed by the instruction).
-__device__ __forceinline__ void wg_pv(float (&o)[DTILES][4], const u32 (&a)[4], u64 desc) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_AB "." MMA_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
-        : WG_ACC4(o, 0), WG_ACC4(o, 1), WG_ACC4(o, 2), WG_ACC4(o, 3), WG_ACC4(o, 4), WG_ACC4(o, 5),
-          WG_ACC4(o, 6), WG_ACC4(o, 7), WG_ACC4(o, 8), WG_ACC4(o, 9), WG_ACC4(o, 10), WG_ACC4(o, 11),
-          WG_ACC4(o, 12), WG_ACC4(o, 13), WG_ACC4(o, 14), WG_ACC4(o, 15)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
-
 // Groups of more rows than the one-warp-per-head path takes run on the warpgroup MMA, even
 // those of 17-32 rows that leave half of its 64 rows empty: faster than mma.sync's split of
 // the tokens on every FastTree tree (docs/BENCHMARKS.md, session 9).

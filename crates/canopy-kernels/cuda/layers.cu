@@ -182,7 +182,8 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
     }
 }
 
-// Attention of query rows over one block of keys, merged into the rows' states.
+// Attention of query rows over one block of keys, merged into the rows' states, the keys and
+// values read rounded to the module's dtype (as a KV cache of it holds them).
 //
 // One warp per CAUSAL_ROWS consecutive rows of one head, LAYER_THREADS / 32 warps per CTA; lane
 // l holds elements l + 32 j of each row's query and output. The warp walks the block's keys in
@@ -232,8 +233,8 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
         float kt[PER_LANE], vt[PER_LANE];
 #pragma unroll
         for (int j = 0; j < PER_LANE; ++j) {
-            kt[j] = j < n ? k[at + 32 * j] : 0.f;
-            vt[j] = j < n ? v[at + 32 * j] : 0.f;
+            kt[j] = j < n ? widen(narrow(k[at + 32 * j])) : 0.f;
+            vt[j] = j < n ? widen(narrow(v[at + 32 * j])) : 0.f;
         }
 #pragma unroll
         for (int r = 0; r < CAUSAL_ROWS; ++r) {

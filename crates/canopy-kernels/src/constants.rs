@@ -69,6 +69,21 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// Query rows of one head each warp of `causal_attention` (`layers.cu`) attends: each key and
 /// value of the block is loaded once for them.
 pub const CAUSAL_ROWS: usize = 4;
+/// Keys per shared-memory tile of `prefill_attention` (`prefill.cu`): eight n-tiles of scores
+/// per warp, and the granularity at which a CTA skips keys none of its queries sees.
+pub const PREFILL_TILE: usize = 64;
+/// Shared-memory stages of `prefill_attention`'s K and V stream: one tile in flight while one
+/// is computed.
+pub const PREFILL_STAGES: usize = 2;
+/// Rows (queries × GQA heads) per CTA of `prefill_attention`: 16 per warp of `MMA_THREADS`.
+pub const PREFILL_ROWS: usize = MMA_THREADS as usize / 32 * 16;
+
+/// Dynamic shared memory of `prefill_attention` at `head_dim`: its stages of a K and a V tile,
+/// 16-bit rows padded by [`MMA_ROW_PAD`] (`PrefillStage` in `prefill.cu`), and 1 KB to start
+/// them on a 1024-byte boundary (the warpgroup MMA's swizzled tiles need it).
+pub fn prefill_shared_bytes(head_dim: usize) -> usize {
+    PREFILL_STAGES * 2 * PREFILL_TILE * (head_dim + MMA_ROW_PAD) * 2 + 1024
+}
 /// float4s per thread `rms_norm` keeps in registers: rows of up to `4 · LAYER_THREADS ·
 /// RMS_NORM_CHUNKS` values are read once.
 pub const RMS_NORM_CHUNKS: usize = 8;
@@ -108,6 +123,8 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
         ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
+        ("PREFILL_TILE", PREFILL_TILE.to_string()),
+        ("PREFILL_STAGES", PREFILL_STAGES.to_string()),
         ("REDUCE_SUM", REDUCE_SUM.to_string()),
         ("REDUCE_MAX", REDUCE_MAX.to_string()),
     ]

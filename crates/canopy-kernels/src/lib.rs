@@ -22,10 +22,11 @@ mod constants;
 mod pipeline;
 
 pub use constants::{
-    shared_defines, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS,
-    DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS, GROUP_KV_STREAMED, GROUP_WORDS,
-    HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS, REDUCE_MAX,
-    REDUCE_SUM, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    prefill_shared_bytes, shared_defines, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, CTA_PER_HEAD,
+    CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS,
+    GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS,
+    MMA_ROW_PAD, MMA_THREADS, PREFILL_ROWS, PREFILL_STAGES, PREFILL_TILE, REDUCE_MAX, REDUCE_SUM,
+    WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -34,6 +35,10 @@ use canopy_core::DType;
 
 /// The helpers every source is compiled with, prepended to it (NVRTC gets no include paths).
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
+
+/// The warp-level tensor-core attention pieces, prepended after [`COMMON`] to the sources that
+/// use them ([`Id::uses_mma`]).
+pub const MMA: &str = include_str!("../cuda/mma.cuh");
 
 /// Names a folder whose files replace the embedded sources of the same name (`layers.cu`,
 /// `common.cuh`, ...) when set: kernels can be changed and timed without rebuilding the binary.
@@ -60,16 +65,18 @@ pub enum Id {
     Fill,
     Combine,
     Layers,
+    Prefill,
 }
 
 /// Every source file.
-pub const ALL_IDS: [Id; 6] = [
+pub const ALL_IDS: [Id; 7] = [
     Id::Decode,
     Id::DecodeMma,
     Id::Merge,
     Id::Fill,
     Id::Combine,
     Id::Layers,
+    Id::Prefill,
 ];
 
 impl Id {
@@ -82,6 +89,7 @@ impl Id {
             Id::Fill => "fill.cu",
             Id::Combine => "combine.cu",
             Id::Layers => "layers.cu",
+            Id::Prefill => "prefill.cu",
         }
     }
 
@@ -94,7 +102,13 @@ impl Id {
             Id::Fill => include_str!("../cuda/fill.cu"),
             Id::Combine => include_str!("../cuda/combine.cu"),
             Id::Layers => include_str!("../cuda/layers.cu"),
+            Id::Prefill => include_str!("../cuda/prefill.cu"),
         }
+    }
+
+    /// Whether [`MMA`] is prepended to the file.
+    pub fn uses_mma(self) -> bool {
+        matches!(self, Id::DecodeMma | Id::Prefill)
     }
 
     /// The entry points (`extern "C" __global__`) the file defines.
@@ -123,6 +137,7 @@ impl Id {
                 "gemv_add",
                 "gemv_swiglu",
             ],
+            Id::Prefill => &["pack_keys", "prefill_attention"],
         }
     }
 }
@@ -163,6 +178,8 @@ pub enum Variant {
     Combine,
     /// The dense layers' kernels (fp32 activations) for weights and KV of `dtype`.
     Layers(DType),
+    /// The prefill's attention on tensor cores, for KV of a 16-bit `dtype`.
+    Prefill { dtype: DType, head_dim: usize },
 }
 
 /// `CANOPY_DTYPE`'s value for an element type (`common.cuh`).
@@ -179,7 +196,7 @@ fn dtype_code(d: DType) -> &'static str {
 pub struct Build {
     /// NVRTC's program name: the source file's.
     pub name: &'static str,
-    /// [`COMMON`], then the source.
+    /// [`COMMON`], [`MMA`] where the source uses it, then the source.
     pub text: String,
     /// The architecture, the language standard, then `-DNAME=value` per define.
     pub options: Vec<String>,
@@ -196,6 +213,7 @@ impl Variant {
             Variant::Fill(_) => Id::Fill,
             Variant::Combine => Id::Combine,
             Variant::Layers(_) => Id::Layers,
+            Variant::Prefill { .. } => Id::Prefill,
         }
     }
 
@@ -242,6 +260,10 @@ impl Variant {
             Variant::Fill(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
             Variant::Combine => vec![("CANOPY_DTYPE", "0".into())],
             Variant::Layers(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
+            Variant::Prefill { dtype, head_dim } => vec![
+                ("CANOPY_DTYPE", dtype_code(dtype).into()),
+                ("HEAD_DIM", head_dim.to_string()),
+            ],
         }
     }
 
@@ -249,8 +271,13 @@ impl Variant {
     /// (e.g. `sm_90a`).
     pub fn build(&self, arch: &str) -> Build {
         let id = self.id();
+        let mma = if id.uses_mma() {
+            source_text("mma.cuh", MMA)
+        } else {
+            std::borrow::Cow::Borrowed("")
+        };
         let text = format!(
-            "{}\n{}",
+            "{}\n{mma}\n{}",
             source_text("common.cuh", COMMON),
             source_text(id.file_name(), id.source())
         );
@@ -297,6 +324,12 @@ pub enum Kernel {
     /// One of [`Id::Layers`]' entries, by name, for weights or KV of the dtype (the kernels
     /// that touch neither are in every dtype's module).
     Layers(DType, &'static str),
+    /// One of [`Id::Prefill`]'s entries, by name.
+    Prefill {
+        dtype: DType,
+        head_dim: usize,
+        entry: &'static str,
+    },
 }
 
 impl Kernel {
@@ -327,6 +360,9 @@ impl Kernel {
             Kernel::Read | Kernel::CopyPages => Variant::Fill(DType::F32),
             Kernel::Combine(_) => Variant::Combine,
             Kernel::Layers(dtype, _) => Variant::Layers(dtype),
+            Kernel::Prefill {
+                dtype, head_dim, ..
+            } => Variant::Prefill { dtype, head_dim },
         }
     }
 
@@ -338,6 +374,7 @@ impl Kernel {
             Kernel::Merge { .. } => "merge_partials",
             Kernel::MergeWide => "merge_partials_wide",
             Kernel::Combine(name) | Kernel::Layers(_, name) => name,
+            Kernel::Prefill { entry, .. } => entry,
             Kernel::Fill(_) => "fill_random",
             Kernel::Read => "read16",
             Kernel::CopyPages => "copy_pages",
@@ -355,19 +392,21 @@ pub fn variants() -> impl Iterator<Item = Variant> {
     ];
     let per_dtype = DType::ALL.into_iter().flat_map(|dtype| {
         let per_head_dim = SUPPORTED_HEAD_DIMS.into_iter().flat_map(move |head_dim| {
-            let mma = (dtype != DType::F32 && MMA_HEAD_DIMS.contains(&head_dim)).then_some(
+            let tensor_cores = dtype != DType::F32 && MMA_HEAD_DIMS.contains(&head_dim);
+            let mma = tensor_cores.then_some([
                 Variant::DecodeMma {
                     dtype,
                     head_dim,
                     pipeline: MmaPipeline::default(),
                 },
-            );
+                Variant::Prefill { dtype, head_dim },
+            ]);
             let decode = DECODE_ROWS.into_iter().map(move |rows| Variant::Decode {
                 dtype,
                 head_dim,
                 rows,
             });
-            mma.into_iter().chain(decode)
+            mma.into_iter().flatten().chain(decode)
         });
         [Variant::Fill(dtype), Variant::Layers(dtype)]
             .into_iter()
@@ -428,7 +467,8 @@ mod tests {
     /// Every shared constant is required by some source: none is defined for nothing.
     #[test]
     fn every_shared_constant_is_guarded_in_a_source() {
-        let all: HashSet<&str> = std::iter::once(COMMON)
+        let all: HashSet<&str> = [COMMON, MMA]
+            .into_iter()
             .chain(ALL_IDS.map(Id::source))
             .flat_map(guarded)
             .collect();
@@ -457,6 +497,11 @@ mod tests {
             Kernel::CopyPages,
         ]
         .into_iter()
+        .chain(Id::Prefill.entries().iter().map(|&entry| Kernel::Prefill {
+            dtype: DType::Bf16,
+            head_dim: 128,
+            entry,
+        }))
         .chain(Id::Combine.entries().iter().map(|&e| Kernel::Combine(e)))
         .chain(
             Id::Layers
@@ -475,9 +520,9 @@ mod tests {
         let names: Vec<String> = variants().map(|v| v.build("sm_90a").cache_name).collect();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len());
-        // 3 element types x (fill + layers + 3 head dims x 4 row counts) + 2 x 2 tensor-core
-        // modules + 2 merges + combine.
-        assert_eq!(names.len(), 49);
+        // 3 element types x (fill + layers + 3 head dims x 4 row counts) + 2 x 2 x (decode and
+        // prefill) tensor-core modules + 2 merges + combine.
+        assert_eq!(names.len(), 53);
     }
 
     #[test]

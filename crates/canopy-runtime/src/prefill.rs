@@ -16,8 +16,8 @@ use crate::rank::GenerateRequest;
 use crate::Result;
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::data::{hash_uniform, splitmix64, KV_AMPLITUDE, STREAM_K, STREAM_V};
-use canopy_core::AttnShape;
-use canopy_engine::{LayerOps, RankAttention, Transport};
+use canopy_core::{AttnShape, DType};
+use canopy_engine::{KeyBlock, LayerOps, RankAttention, Transport};
 use rayon::prelude::*;
 
 /// The rows of one prefill pass.
@@ -75,15 +75,13 @@ pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
     let shape = layers.attn_shape();
     let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>| {
         let mut states = backend.empty_states(&shape, rows.ids.len())?;
-        backend.causal_attention(
-            &shape,
-            &qkv.q,
-            rows.positions,
-            &qkv.k,
-            &qkv.v,
-            rows.positions,
-            &mut states,
-        )?;
+        let own = KeyBlock {
+            k: &qkv.k,
+            v: &qkv.v,
+            positions: rows.positions,
+            dtype: backend.kv_dtype(cache),
+        };
+        backend.causal_attention(&shape, &qkv.q, rows.positions, own, &mut states)?;
         if let Some(cached) = cached.as_deref_mut() {
             let q = backend.tensor_queries(&shape, &qkv.q)?;
             backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
@@ -115,8 +113,10 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         positions: &positions,
         stores: &kv.prompt_slots(rank),
     };
-    let attend =
-        &mut |_: &B::Kv, qkv: &Qkv<B>| prefill_attention(backend, &shape, comm, qkv, &positions);
+    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>| {
+        let dtype = backend.kv_dtype(cache);
+        prefill_attention(backend, &shape, comm, qkv, &positions, dtype)
+    };
     let x = through_layers(backend, layers, caches, rows, attend, on_layer)?;
     // The prompt's last token is the last row of the last non-empty chunk.
     let last_rank = (0..ranks)
@@ -134,24 +134,23 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
 
 /// Causal attention of this rank's chunk over the whole prompt so far: its own chunk, then
 /// every other chunk passed around the ring (through the host: a chunk's keys, values and
-/// positions).
+/// positions), the keys read as a cache of `dtype` holds them.
 fn prefill_attention<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     shape: &AttnShape,
     comm: &C,
     qkv: &Qkv<B>,
     positions: &[u32],
+    dtype: DType,
 ) -> Result<B::States> {
     let mut states = backend.empty_states(shape, positions.len())?;
-    backend.causal_attention(
-        shape,
-        &qkv.q,
+    let own = KeyBlock {
+        k: &qkv.k,
+        v: &qkv.v,
         positions,
-        &qkv.k,
-        &qkv.v,
-        positions,
-        &mut states,
-    )?;
+        dtype,
+    };
+    backend.causal_attention(shape, &qkv.q, positions, own, &mut states)?;
     let (rank, p) = (comm.rank(), comm.size());
     if p == 1 {
         return Ok(states);
@@ -182,7 +181,13 @@ fn prefill_attention<B: LayerOps, C: Collective + Transport<B>>(
         if n > 0 {
             let kt = backend.upload_tensor(&k, n, per)?;
             let vt = backend.upload_tensor(&v, n, per)?;
-            backend.causal_attention(shape, &qkv.q, positions, &kt, &vt, &pos, &mut states)?;
+            let theirs = KeyBlock {
+                k: &kt,
+                v: &vt,
+                positions: &pos,
+                dtype,
+            };
+            backend.causal_attention(shape, &qkv.q, positions, theirs, &mut states)?;
         }
     }
     Ok(states)

@@ -9,8 +9,12 @@ use crate::error::{CudaError, DriverContext, Result};
 use canopy_core::{AttnShape, DType};
 use canopy_engine::layer_ops::expect_size;
 use canopy_engine::Backend;
-use canopy_kernels::{Kernel, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, LAYER_THREADS};
-use cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
+use canopy_engine::KeyBlock;
+use canopy_kernels::{
+    prefill_shared_bytes, Kernel, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, LAYER_THREADS,
+    MMA_HEAD_DIMS, MMA_THREADS, PREFILL_ROWS, PREFILL_TILE,
+};
+use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 /// Whether `causal_attention` holds heads of `head_dim` (whole warps of lanes, in registers).
 pub(super) fn holds(head_dim: usize) -> bool {
@@ -57,24 +61,24 @@ impl CudaBackend {
         Ok(states)
     }
 
-    /// One block of keys merged into `states`, one warp per (row, head) (`layers.cu` says
-    /// how). The scale is the shape's (`1/sqrt(head_dim)` unless it sets one).
-    #[allow(clippy::too_many_arguments)]
+    /// One block of keys merged into `states` ([`LayerOps::causal_attention`]): on tensor
+    /// cores (`prefill.cu`) for KV of a 16-bit dtype and a head dim they hold, else one warp
+    /// per [`CAUSAL_ROWS`] rows of a head (`layers.cu`), reading the keys rounded to their
+    /// dtype. The scale is the shape's (`1/sqrt(head_dim)` unless it sets one).
     pub(super) fn attend_block(
         &self,
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
-        k: &CudaTensor,
-        v: &CudaTensor,
-        k_pos: &[u32],
+        keys: KeyBlock<'_, CudaTensor>,
         states: &mut CudaStates,
     ) -> Result<()> {
         let op = "causal_attention";
+        let (k, v) = (keys.k, keys.v);
         check_attention_shape(op, shape)?;
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
-        same_dims(op, "k", k, (k_pos.len(), shape.kv_token_elems()))?;
-        same_dims(op, "v", v, (k_pos.len(), shape.kv_token_elems()))?;
+        same_dims(op, "k", k, (keys.positions.len(), shape.kv_token_elems()))?;
+        same_dims(op, "v", v, (keys.positions.len(), shape.kv_token_elems()))?;
         expect_size("cuda", op, "the states' rows", states.rows, q.rows)?;
         expect_size("cuda", op, "the states' heads", states.heads, shape.q_heads)?;
         expect_size(
@@ -87,17 +91,129 @@ impl CudaBackend {
         if q.rows == 0 || k.rows == 0 {
             return Ok(());
         }
-        let rows = narrow(op, q.rows)?;
-        let tokens = narrow(op, k.rows)?;
-        let (q_heads, kv_heads, head_dim) = (
-            narrow(op, shape.q_heads)?,
-            narrow(op, shape.kv_heads)?,
-            narrow(op, shape.head_dim)?,
-        );
-        let scale = shape.softmax_scale();
+        let dims = Dims {
+            rows: narrow(op, q.rows)?,
+            tokens: narrow(op, k.rows)?,
+            q_heads: narrow(op, shape.q_heads)?,
+            kv_heads: narrow(op, shape.kv_heads)?,
+            head_dim: narrow(op, shape.head_dim)?,
+        };
         let q_pos = self.upload(q_pos)?;
-        let k_pos = self.upload(k_pos)?;
-        let f = self.function(Kernel::Layers(DType::F32, "causal_attention"))?;
+        let k_pos = self.upload(keys.positions)?;
+        if on_tensor_cores(shape, keys.dtype) {
+            self.attend_on_tensor_cores(shape, q, &q_pos, keys, &k_pos, states, dims)
+        } else {
+            self.attend_on_cuda_cores(shape, q, &q_pos, keys, &k_pos, states, dims)
+        }
+    }
+
+    /// `prefill.cu`: the keys packed to their dtype in whole tiles, then one CTA per block of
+    /// [`PREFILL_ROWS`] rows (queries × the GQA heads of one KV head).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_on_tensor_cores(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &CudaSlice<u32>,
+        keys: KeyBlock<'_, CudaTensor>,
+        k_pos: &CudaSlice<u32>,
+        states: &mut CudaStates,
+        dims: Dims,
+    ) -> Result<()> {
+        let op = "causal_attention";
+        let (dtype, head_dim) = (keys.dtype, shape.head_dim);
+        let kernel = |entry| Kernel::Prefill {
+            dtype,
+            head_dim,
+            entry,
+        };
+        let tiles = (dims.tokens as usize).div_ceil(PREFILL_TILE);
+        let packed = shape.kv_heads * tiles * PREFILL_TILE * head_dim;
+        let mut kp = self.alloc::<u16>(packed)?;
+        let mut vp = self.alloc::<u16>(packed)?;
+        let mut bounds = self.alloc::<u32>(2 * tiles)?;
+        let kv_heads = dims.kv_heads as i32;
+        let pack = self.function(kernel("pack_keys"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (narrow(op, tiles)?, 1, 1),
+            block_dim: (LAYER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&pack);
+        b.arg(&keys.k.data)
+            .arg(&keys.v.data)
+            .arg(k_pos)
+            .arg(&dims.tokens)
+            .arg(&kv_heads)
+            .arg(&mut kp)
+            .arg(&mut vp)
+            .arg(&mut bounds);
+        // SAFETY: one CTA per tile of PREFILL_TILE tokens; k and v hold `tokens` rows of
+        // kv_heads × head_dim floats and k_pos `tokens` positions (checked), and kp, vp and
+        // bounds were sized for `tiles` whole tiles of every head.
+        unsafe { b.launch(cfg) }.ctx("launching pack_keys")?;
+
+        let gsz = shape.q_heads / shape.kv_heads;
+        let cta_queries = PREFILL_ROWS / gsz;
+        let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
+        let q_heads = dims.q_heads as i32;
+        let cta_queries_u32 = narrow(op, cta_queries)?;
+        let attend = self.function(kernel("prefill_attention"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                narrow(op, (dims.rows as usize).div_ceil(cta_queries))?,
+                dims.kv_heads,
+                1,
+            ),
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: narrow(op, prefill_shared_bytes(head_dim))?,
+        };
+        let mut b = self.stream.launch_builder(&attend);
+        b.arg(&q.data)
+            .arg(q_pos)
+            .arg(&dims.rows)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(k_pos)
+            .arg(&bounds)
+            .arg(&dims.tokens)
+            .arg(&mut states.o)
+            .arg(&mut states.lse)
+            .arg(&q_heads)
+            .arg(&kv_heads)
+            .arg(&cta_queries_u32)
+            .arg(&scale_log2);
+        // SAFETY: CTA (x, kvh) holds queries x·cta_queries.. (below `rows`) × the gsz heads of
+        // KV head kvh, at most PREFILL_ROWS rows; q, q_pos and the states hold `rows` rows of
+        // q_heads cells, kp/vp/bounds are pack_keys' output for `tokens` keys, and the shared
+        // memory is the kernel's stages (the function's maximum was raised to it).
+        unsafe { b.launch(cfg) }.ctx("launching prefill_attention")?;
+        Ok(())
+    }
+
+    /// `layers.cu`'s `causal_attention`, compiled for the keys' dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_on_cuda_cores(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &CudaSlice<u32>,
+        keys: KeyBlock<'_, CudaTensor>,
+        k_pos: &CudaSlice<u32>,
+        states: &mut CudaStates,
+        dims: Dims,
+    ) -> Result<()> {
+        let op = "causal_attention";
+        let Dims {
+            rows,
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+        } = dims;
+        let (k, v) = (keys.k, keys.v);
+        let scale = shape.softmax_scale();
+        let f = self.function(Kernel::Layers(keys.dtype, "causal_attention"))?;
         let warps = LAYER_THREADS as usize / 32;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -113,10 +229,10 @@ impl CudaBackend {
         };
         let mut b = self.stream.launch_builder(&f);
         b.arg(&q.data)
-            .arg(&q_pos)
+            .arg(q_pos)
             .arg(&k.data)
             .arg(&v.data)
-            .arg(&k_pos)
+            .arg(k_pos)
             .arg(&tokens)
             .arg(&mut states.o)
             .arg(&mut states.lse)
@@ -131,4 +247,22 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.ctx("launching causal_attention")?;
         Ok(())
     }
+}
+
+/// The sizes one block's attention launches with, checked to fit the kernels' u32s.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    rows: u32,
+    tokens: u32,
+    q_heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+}
+
+/// Whether `prefill.cu` runs a block of keys of `dtype` for `shape`: 16-bit KV, a head dim the
+/// tensor-core kernels hold, and a GQA group that fits a CTA's rows.
+fn on_tensor_cores(shape: &AttnShape, dtype: DType) -> bool {
+    dtype != DType::F32
+        && MMA_HEAD_DIMS.contains(&shape.head_dim)
+        && shape.q_heads / shape.kv_heads <= PREFILL_ROWS
 }

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 23, the prefill's attention on tensor cores (`prefill.cu`): the layer-op tests (the
+# tensor-core path and the CUDA-core path against the CPU), then `bench decode` with a real
+# prefill of the Llama-3.1-8B shape (random bf16 weights, one rank, kernels compiled first) at
+# CONTEXTS, then model-check's bf16 cases (tiny fixtures and an 8B-shaped model against
+# transformers) for the whole model with the new path.
+#
+# Run from the repository root on the device machine with the release binaries in $DIR/canopy
+# and $DIR/layer_ops (DIR defaults to .device). CONTEXTS (default 8K,32K), DECODE (3) and
+# CHECK (1: run model-check) narrow the run; AB_SOURCES, a folder of kernel sources
+# (CANOPY_KERNEL_SOURCES), times each context again with them for an A/B in the same call.
+# Sections stop being started once the script has run DEADLINE seconds (default 540). Results
+# under $OUT: log.txt, prefill-*.json, model-check*.
+set -uo pipefail
+DIR=${DIR:-.device}
+CANOPY_BIN=$DIR/canopy
+source "$(dirname "$0")/env.sh"
+DEADLINE=${DEADLINE:-540}
+log() { echo "== [${SECONDS}s] $*"; }
+left() { echo $((DEADLINE - SECONDS)); }
+{
+  log "machine"; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  log "compile-kernels (so that no timing below includes NVRTC)"
+  $BIN compile-kernels 2>&1 | tail -1
+  log "layer-op tests: attention"
+  "$DIR/layer_ops" --test-threads 1 --nocapture attention 2>&1 | grep -E "test |result|FAIL|panick|error|heads|vs cpu"
+  log "layer-op tests: the rest"
+  "$DIR/layer_ops" --test-threads 1 --skip attention 2>&1 | grep -E "test |result|FAIL|panick"
+  prefill() { # context label [env...]
+    local context=$1 label=$2; shift 2
+    [ "$(left)" -lt 60 ] && { log "SKIPPED prefill $context $label (time)"; return; }
+    log "bench decode llama-3.1-8b, prefill $context ($label)"
+    env "$@" $BIN bench decode --arch llama-3.1-8b --random-weights --context "$context" --ranks 1 \
+      --strategy tree --decode "${DECODE:-3}" --json > "$OUT/prefill-$context-$label.json" || { echo "FAILED"; return; }
+    python3 -c 'import json,sys
+r=json.load(open(sys.argv[1]))
+for x in r["rows"]: print(f"  {x["context"]:>7}: prefill {x["fill_s"]:.3f} s, {x["prefill_tokens_per_s"]:.0f} tokens/s, {x["prefill_tflops_per_device"]:.1f} TFLOP/s (GEMM rate {r["gemm_tflops"]:.0f}); decode {x["decode_ms_per_token"]:.2f} ms/token")' "$OUT/prefill-$context-$label.json"
+  }
+  for context in $(echo "${CONTEXTS:-8K,32K}" | tr , ' '); do
+    prefill "$context" built-in
+    if [ -n "${AB_SOURCES:-}" ]; then
+      CANOPY_KERNEL_SOURCES=$AB_SOURCES CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-ab $BIN compile-kernels > /dev/null 2>&1
+      prefill "$context" "$(basename "$AB_SOURCES")" CANOPY_KERNEL_SOURCES="$AB_SOURCES" CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-ab
+    fi
+  done
+  if [ "${CHECK:-1}" = 1 ] && [ "$(left)" -gt 150 ]; then
+    log "model-check, bf16"
+    STAGES="fixtures device" FIXTURE_CASES="bf16:1:tree bf16:3:ring f32:1:tree" TINY_CASES="bf16:1:tree" \
+      BIG_CASES="bf16:1:tree bf16:2:ring" DEADLINE=$(($(left) - 10)) \
+      bash "$(dirname "$0")/model-check.sh" > "$OUT/model-check-log.txt" 2>&1
+    tail -3 "$OUT/model-check-log.txt"
+  fi
+} 2>&1 | tee "$OUT/log.txt"
