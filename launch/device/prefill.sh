@@ -9,8 +9,10 @@
 # and $DIR/layer_ops (DIR defaults to .device). CONTEXTS (default 8K,32K), DECODE (3) and
 # CHECK (1: run model-check) narrow the run; AB_SOURCES, a folder of kernel sources
 # (CANOPY_KERNEL_SOURCES), times each context again with them for an A/B in the same call.
-# Sections stop being started once the script has run DEADLINE seconds (default 540). Results
-# under $OUT: log.txt, prefill-*.json, model-check*.
+# PROFILE, a context, adds Nsight Compute's per-kernel durations (clocks as run) of the first
+# LAUNCHES kernels of `generate` at it (the prefill's), summed per kernel name in the log. Sections
+# stop being started once the script has run DEADLINE seconds (default 540). Results under
+# $OUT: log.txt, prefill-*.json, kernels-*.csv, model-check*.
 set -uo pipefail
 DIR=${DIR:-.device}
 CANOPY_BIN=$DIR/canopy
@@ -43,6 +45,21 @@ for x in r["rows"]: print(f"  {x["context"]:>7}: prefill {x["fill_s"]:.3f} s, {x
       prefill "$context" "$(basename "$AB_SOURCES")" CANOPY_KERNEL_SOURCES="$AB_SOURCES" CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-ab
     fi
   done
+  if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 120 ]; then
+    log "ncu, prefill $PROFILE, first ${LAUNCHES:-450} kernels"
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count "${LAUNCHES:-450}" \
+      $BIN generate --arch llama-3.1-8b --random-weights --backend cuda --context "$PROFILE" \
+      --context-fill prefill --max-tokens 1 > "$OUT/kernels-$PROFILE.csv" 2> "$OUT/ncu-err.txt"
+    python3 -c 'import csv,sys,collections
+rows=[r for r in csv.reader(open(sys.argv[1])) if len(r)>10]
+head=rows[0]; k=head.index("Kernel Name"); v=head.index("Metric Value"); u=head.index("Metric Unit")
+tot=collections.defaultdict(float); n=collections.Counter()
+for r in rows[1:]:
+    x=float(r[v].replace(",","")); x*= {"nsecond":1e-6,"usecond":1e-3,"msecond":1.0}.get(r[u],1.0)
+    name=r[k].split("(")[0][:60]; tot[name]+=x; n[name]+=1
+for name,ms in sorted(tot.items(), key=lambda t:-t[1]): print(f"  {ms:9.2f} ms  {n[name]:4d}x  {name}")
+print(f"  {sum(tot.values()):9.2f} ms  total")' "$OUT/kernels-$PROFILE.csv" || tail -5 "$OUT/ncu-err.txt"
+  fi
   if [ "${CHECK:-1}" = 1 ] && [ "$(left)" -gt 150 ]; then
     log "model-check, bf16"
     STAGES="fixtures device" FIXTURE_CASES="bf16:1:tree bf16:3:ring f32:1:tree" TINY_CASES="bf16:1:tree" \
