@@ -152,13 +152,22 @@ pub trait LayerOps: MergeOps {
 /// kv_heads · head_dim` activations at `positions`, read as the KV cache holds them, rounded to
 /// `dtype`, so a prompt's attention sees the keys its decode steps will read from the cache (a
 /// GPU then runs it on tensor cores).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct KeyBlock<'a, T> {
     pub k: &'a T,
     pub v: &'a T,
     pub positions: &'a [u32],
     pub dtype: DType,
 }
+
+// References only, so copies whatever `T` is (a derive would ask `T: Copy`).
+impl<T> Clone for KeyBlock<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for KeyBlock<'_, T> {}
 
 /// The size of one product `out[rows × cols] = x[rows × inner] · w[cols × inner]ᵀ`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

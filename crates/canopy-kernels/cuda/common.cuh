@@ -44,6 +44,20 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
     return (u16)(u >> 16);
 }
 
+#if CANOPY_DTYPE != 0
+// Two floats rounded to the 16-bit element type in one 32-bit word, `lo` in the low half (the
+// lower column of an MMA fragment).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if CANOPY_DTYPE == 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+#endif
+
 // Eight consecutive elements of one KV row, raw.
 struct Raw8 {
     uint4 a;

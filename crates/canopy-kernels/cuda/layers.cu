@@ -358,17 +358,6 @@ __device__ __forceinline__ void gemv_activation(const float* __restrict__ xm, u3
 }
 
 #if CANOPY_DTYPE != 0
-// Two activations rounded to the weight's dtype in one 32-bit word, `lo` in the low half.
-__device__ __forceinline__ u32 pack_operand(float lo, float hi) {
-    u32 r;
-#if CANOPY_DTYPE == 1
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
 // d += a · b, m16n8k16 with fp32 accumulators; rows 8-15 of a are zero.
 __device__ __forceinline__ void mma_upper_rows(float (&d)[4], u32 a_lo, u32 a_hi, u32 b_lo, u32 b_hi) {
 #if CANOPY_DTYPE == 1
@@ -425,7 +414,7 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
                 float v[GEMV_LANE_ELEMS];
                 gemv_activation(x + (u64)m * k, k, block, v);
 #pragma unroll
-                for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack_operand(v[2 * i], v[2 * i + 1]);
+                for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack2(v[2 * i], v[2 * i + 1]);
             }
 #pragma unroll
             for (int j = 0; j < MATS; ++j) {

@@ -32,17 +32,6 @@ __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats to one register of two 16-bit elements, `lo` in the low half (the lower column).
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if CANOPY_DTYPE == 1
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
 // Four 8x8 matrices of 16-bit elements from shared memory (transposed with Trans), one
 // register each; lane i gives the address of row i % 8 of matrix i / 8.
 template <bool Trans>

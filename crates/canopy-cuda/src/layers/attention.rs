@@ -91,36 +91,39 @@ impl CudaBackend {
         if q.rows == 0 || k.rows == 0 {
             return Ok(());
         }
-        let dims = Dims {
-            rows: narrow(op, q.rows)?,
-            tokens: narrow(op, k.rows)?,
-            q_heads: narrow(op, shape.q_heads)?,
-            kv_heads: narrow(op, shape.kv_heads)?,
-            head_dim: narrow(op, shape.head_dim)?,
+        let block = Block {
+            shape,
+            q,
+            q_pos: self.upload(q_pos)?,
+            keys,
+            k_pos: self.upload(keys.positions)?,
+            dims: Dims {
+                rows: narrow(op, q.rows)?,
+                tokens: narrow(op, k.rows)?,
+                q_heads: narrow(op, shape.q_heads)?,
+                kv_heads: narrow(op, shape.kv_heads)?,
+                head_dim: narrow(op, shape.head_dim)?,
+            },
         };
-        let q_pos = self.upload(q_pos)?;
-        let k_pos = self.upload(keys.positions)?;
         if on_tensor_cores(shape, keys.dtype) {
-            self.attend_on_tensor_cores(shape, q, &q_pos, keys, &k_pos, states, dims)
+            self.attend_on_tensor_cores(&block, states)
         } else {
-            self.attend_on_cuda_cores(shape, q, &q_pos, keys, &k_pos, states, dims)
+            self.attend_on_cuda_cores(&block, states)
         }
     }
 
     /// `prefill.cu`: the keys packed to their dtype in whole tiles, then one CTA per block of
     /// [`PREFILL_ROWS`] rows (queries × the GQA heads of one KV head).
-    #[allow(clippy::too_many_arguments)]
-    fn attend_on_tensor_cores(
-        &self,
-        shape: &AttnShape,
-        q: &CudaTensor,
-        q_pos: &CudaSlice<u32>,
-        keys: KeyBlock<'_, CudaTensor>,
-        k_pos: &CudaSlice<u32>,
-        states: &mut CudaStates,
-        dims: Dims,
-    ) -> Result<()> {
+    fn attend_on_tensor_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
         let op = "causal_attention";
+        let Block {
+            shape,
+            q,
+            ref q_pos,
+            keys,
+            ref k_pos,
+            dims,
+        } = *block;
         let (dtype, head_dim) = (keys.dtype, shape.head_dim);
         let kernel = |entry| Kernel::Prefill {
             dtype,
@@ -192,18 +195,16 @@ impl CudaBackend {
     }
 
     /// `layers.cu`'s `causal_attention`, compiled for the keys' dtype.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_on_cuda_cores(
-        &self,
-        shape: &AttnShape,
-        q: &CudaTensor,
-        q_pos: &CudaSlice<u32>,
-        keys: KeyBlock<'_, CudaTensor>,
-        k_pos: &CudaSlice<u32>,
-        states: &mut CudaStates,
-        dims: Dims,
-    ) -> Result<()> {
+    fn attend_on_cuda_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
         let op = "causal_attention";
+        let Block {
+            shape,
+            q,
+            ref q_pos,
+            keys,
+            ref k_pos,
+            dims,
+        } = *block;
         let Dims {
             rows,
             tokens,
@@ -247,6 +248,16 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.ctx("launching causal_attention")?;
         Ok(())
     }
+}
+
+/// One block's attention, checked, its positions on the device.
+struct Block<'a> {
+    shape: &'a AttnShape,
+    q: &'a CudaTensor,
+    q_pos: CudaSlice<u32>,
+    keys: KeyBlock<'a, CudaTensor>,
+    k_pos: CudaSlice<u32>,
+    dims: Dims,
 }
 
 /// The sizes one block's attention launches with, checked to fit the kernels' u32s.
