@@ -116,14 +116,8 @@ impl CudaBackend {
     /// [`PREFILL_ROWS`] rows (queries × the GQA heads of one KV head).
     fn attend_on_tensor_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
         let op = "causal_attention";
-        let Block {
-            shape,
-            q,
-            ref q_pos,
-            keys,
-            ref k_pos,
-            dims,
-        } = *block;
+        let (shape, q, keys, dims) = (block.shape, block.q, block.keys, block.dims);
+        let (q_pos, k_pos) = (&block.q_pos, &block.k_pos);
         let (dtype, head_dim) = (keys.dtype, shape.head_dim);
         let kernel = |entry| Kernel::Prefill {
             dtype,
@@ -197,14 +191,8 @@ impl CudaBackend {
     /// `layers.cu`'s `causal_attention`, compiled for the keys' dtype.
     fn attend_on_cuda_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
         let op = "causal_attention";
-        let Block {
-            shape,
-            q,
-            ref q_pos,
-            keys,
-            ref k_pos,
-            dims,
-        } = *block;
+        let (shape, q, keys, dims) = (block.shape, block.q, block.keys, block.dims);
+        let (q_pos, k_pos) = (&block.q_pos, &block.k_pos);
         let Dims {
             rows,
             tokens,
