@@ -18,7 +18,6 @@ DEVICE_WORLD=${CANOPY_DEVICE_WORLD:-.device/device_world}
 DEADLINE=${DEADLINE:-400}
 new() { "$BIN" "$@"; }
 old() { CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-old "$OLD" "$@"; }
-log() { echo "== [${SECONDS}s] $*"; }
 {
   log machine; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   for order in "new old" "old new"; do

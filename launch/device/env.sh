@@ -6,6 +6,10 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export CANOPY_KERNEL_CACHE=/tmp/canopy-kernels
 BIN=${CANOPY_BIN:-.device/canopy}
+# A section's heading with the script's seconds so far, and the seconds left before the
+# script's DEADLINE (each script sets its own).
+log() { echo "== [${SECONDS}s] $*"; }
+left() { echo $((DEADLINE - SECONDS)); }
 # Plot labels need a TrueType font: matplotlib's DejaVu Sans where the machine has no other.
 export CANOPY_FONT=${CANOPY_FONT:-$(python3 -c 'import matplotlib, os
 print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null)}

@@ -14,8 +14,6 @@ DIR=${DIR:-.device}
 CANOPY_BIN=$DIR/canopy
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-500}
-log() { echo "== [${SECONDS}s] $*"; }
-left() { echo $((DEADLINE - SECONDS)); }
 base() { CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-base "$DIR/canopy-base" "$@"; }
 decode() { # binary arch contexts
   local bin=$1 arch=$2 contexts=$3

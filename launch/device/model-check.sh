@@ -40,7 +40,6 @@ CASE_LIMIT=${CASE_LIMIT:-60}
 BIG_CASE_LIMIT=${BIG_CASE_LIMIT:-120}
 MIN_CASE=10 # seconds: no case is started with less left than this
 
-log() { echo "== [${SECONDS}s] $*"; }
 has_stage() { [[ " $STAGES " == *" $1 "* ]]; }
 min() { echo $(($1 < $2 ? $1 : $2)); }
 # timing PHASE SECONDS NOTE: printed now, and kept for compare's summary.

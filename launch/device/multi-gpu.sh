@@ -31,7 +31,6 @@ trap 'tar czf "$OUT/$PART.tgz" -C "$OUT" "$PART"' EXIT
 G=$(nvidia-smi --list-gpus | wc -l)
 ARCH=(--arch llama-3.1-8b --random-weights)
 MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE)
-log() { echo "== [${SECONDS}s] $*"; }
 
 # decode NAME LIMIT ARGS...: `bench decode` on the 8B shape, its report in NAME.json, the
 # rows in NAME.csv, its plot in NAME.png; the tables on the log.

@@ -18,8 +18,6 @@ DIR=${DIR:-.device}
 CANOPY_BIN=$DIR/canopy
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-540}
-log() { echo "== [${SECONDS}s] $*"; }
-left() { echo $((DEADLINE - SECONDS)); }
 {
   log "machine"; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   log "compile-kernels (so that no timing below includes NVRTC)"

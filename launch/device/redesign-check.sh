@@ -18,7 +18,6 @@
 #   selftest.txt, attention.jsonl; the summary is printed last.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
-log() { echo "== [${SECONDS}s] $*"; }
 OLD=${CANOPY_OLD_BIN:-.device/canopy-old}
 [ -x "$OLD" ] || OLD=""
 DEADLINE=${DEADLINE:-540}
@@ -26,7 +25,6 @@ TREES=${TREES:-0 1 2 3 4 5 6 7 8 9}
 METHODS=${METHODS:-fasttree,deft-flatten,auto}
 SELFTEST_CAP=${SELFTEST_CAP:-200}
 STAGE=${STAGE:-all}
-left() { echo $((DEADLINE - SECONDS)); }
 # One JSON document on stdin -> one line, with KEY=VALUE tags added.
 jl() {
   python3 -c 'import json,sys

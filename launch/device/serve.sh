@@ -31,8 +31,6 @@ KV_TOKENS=${KV_TOKENS:-131072}
 MAX_CONTEXT=${MAX_CONTEXT:-20480}
 DEADLINE=${DEADLINE:-480}
 TINY=tests/fixtures/tiny/gqa-hd64
-log() { echo "== [${SECONDS}s] $*"; }
-left() { echo $((DEADLINE - SECONDS)); }
 
 # start_server NAME ARGS...: `canopy serve` on a free port; sets SERVER (its pid) and URL.
 start_server() {

@@ -16,8 +16,6 @@ BASE=$DIR/canopy-base
 DEADLINE=${DEADLINE:-540}
 R=$OUT/results; mkdir -p "$R"
 trap 'tar czf "$OUT/results.tgz" -C "$OUT" results' EXIT
-log() { echo "== [${SECONDS}s] $*"; }
-left() { echo $((DEADLINE - SECONDS)); }
 # The base binary keeps its own kernel cache.
 base() { CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-base "$BASE" "$@"; }
 jl() {
