@@ -480,20 +480,14 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
         for (int c = 0; c < KCH; ++c)
             wg_qk(s, qa[c], smem_desc(k_of(st) + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
         wg_commit_and_wait();
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wg_pin(s[nt][i]);
+        wg_pin_all(s);
         if (mask || tile * WT + WT > cd.tokens) {
             u64 w[2];
             row_mask_bits<8>(w, mask, tile * WT, cd.query_count, row0, gsz);
             mask_scores(s, tile * WT, cd.tokens, w);
         }
         softmax_step(s, o, m, l);
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+        wg_pin_all(o);
         // P's fragments before the fence: registers written between two of a batch's MMAs
         // make the compiler insert waits.
         u32 a[4][4];
@@ -503,10 +497,7 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
 #pragma unroll
         for (int j = 0; j < 4; ++j) wg_pv(o, a[j], smem_desc(v_of(st) + j * 16 * 64, 2 * HALF, 1024));
         wg_commit_and_wait();
-#pragma unroll
-        for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+        wg_pin_all(o);
         __syncthreads();
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");

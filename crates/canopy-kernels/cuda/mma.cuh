@@ -207,6 +207,15 @@ __device__ __forceinline__ void wg_commit_and_wait() {
 // Keeps the compiler from moving an accumulator's reads or writes across an asynchronous MMA.
 __device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
+// Pins every accumulator of a fragment array (S's n-tiles or O's).
+template <int N>
+__device__ __forceinline__ void wg_pin_all(float (&r)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wg_pin(r[n][i]);
+}
+
 // The four accumulator registers of n-tile `i` of `acc`, as read-write asm operands.
 #define WG_ACC4(acc, i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3])
 

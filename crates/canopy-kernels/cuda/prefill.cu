@@ -145,10 +145,7 @@ __device__ __forceinline__ void tile_scores(float (&s)[NT][4], const PrefillStag
 #pragma unroll
     for (int c = 0; c < KCH; ++c) wg_qk(s, qa[c], smem_desc(k + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
     wg_commit_and_wait();
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg_pin(s[nt][i]);
+    wg_pin_all(s);
 #else
     qk_scores(s, st.k, qa);
 #endif
@@ -158,10 +155,7 @@ __device__ __forceinline__ void tile_scores(float (&s)[NT][4], const PrefillStag
 __device__ __forceinline__ void tile_pv(float (&o)[DTILES][4], const float (&s)[NT][4], const PrefillStage& st) {
 #if HAS_WGMMA
     const u16* v = &st.k[0][0] + 2 * HALF;
-#pragma unroll
-    for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+    wg_pin_all(o);
     // P's fragments before the fence: registers written between two of a batch's MMAs make
     // the compiler insert waits.
     u32 a[NT / 2][4];
@@ -171,10 +165,7 @@ __device__ __forceinline__ void tile_pv(float (&o)[DTILES][4], const float (&s)[
 #pragma unroll
     for (int j = 0; j < NT / 2; ++j) wg_pv(o, a[j], smem_desc(v + j * 16 * 64, 2 * HALF, 1024));
     wg_commit_and_wait();
-#pragma unroll
-    for (int d = 0; d < DTILES; ++d)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wg_pin(o[d][i]);
+    wg_pin_all(o);
 #else
     pv_accumulate(o, s, st.v);
 #endif
