@@ -6,8 +6,9 @@
 # transformers) for the whole model with the new path.
 #
 # Run from the repository root on the device machine with the release binaries in $DIR/canopy
-# and $DIR/layer_ops (DIR defaults to .device). CONTEXTS (default 8K,32K), DECODE (3) and
-# CHECK (1: run model-check) narrow the run; AB_SOURCES, a folder of kernel sources
+# and $DIR/layer_ops (DIR defaults to .device). CONTEXTS (default 8K,32K), CHUNKS (the
+# --prefill-chunk values each context runs with, default 8K), DECODE (3) and CHECK (1: run
+# model-check) narrow the run; AB_SOURCES, a folder of kernel sources
 # (CANOPY_KERNEL_SOURCES), times each context again with them for an A/B in the same call.
 # PROFILE, a context, adds Nsight Compute's per-kernel durations (clocks as run) of the first
 # LAUNCHES kernels of `generate` at it (the prefill's), summed per kernel name in the log. Sections
@@ -26,22 +27,25 @@ DEADLINE=${DEADLINE:-540}
   "$DIR/layer_ops" --test-threads 1 --nocapture attention 2>&1 | grep -E "test |result|FAIL|panick|error|heads|vs cpu"
   log "layer-op tests: the rest"
   "$DIR/layer_ops" --test-threads 1 --skip attention 2>&1 | grep -E "test |result|FAIL|panick"
-  prefill() { # context label [env...]
-    local context=$1 label=$2; shift 2
+  prefill() { # context chunk label [env...]
+    local context=$1 chunk=$2 label=$3; shift 3
     [ "$(left)" -lt 60 ] && { log "SKIPPED prefill $context $label (time)"; return; }
-    log "bench decode llama-3.1-8b, prefill $context ($label)"
+    log "bench decode llama-3.1-8b, prefill $context in chunks of $chunk ($label)"
     env "$@" $BIN bench decode --arch llama-3.1-8b --random-weights --context "$context" --ranks 1 \
-      --strategy tree --decode "${DECODE:-3}" --json > "$OUT/prefill-$context-$label.json" || { echo "FAILED"; return; }
+      --strategy tree --decode "${DECODE:-3}" --prefill-chunk "$chunk" --json \
+      > "$OUT/prefill-$context-$chunk-$label.json" || { echo "FAILED"; return; }
     python3 -c 'import json,sys
 r=json.load(open(sys.argv[1]))
-for x in r["rows"]: print(f"  {x["context"]:>7}: prefill {x["fill_s"]:.3f} s, {x["prefill_tokens_per_s"]:.0f} tokens/s, {x["prefill_tflops_per_device"]:.1f} TFLOP/s (GEMM rate {r["gemm_tflops"]:.0f}); decode {x["decode_ms_per_token"]:.2f} ms/token")' "$OUT/prefill-$context-$label.json"
+for x in r["rows"]: print(f"  {x["context"]:>7}: prefill {x["fill_s"]:.3f} s, {x["prefill_tokens_per_s"]:.0f} tokens/s, {x["prefill_tflops_per_device"]:.1f} TFLOP/s (GEMM rate {r["gemm_tflops"]:.0f}); decode {x["decode_ms_per_token"]:.2f} ms/token; peak {(x["peak_bytes"] or 0)/2**30:.1f} GiB")' "$OUT/prefill-$context-$chunk-$label.json"
   }
   for context in $(echo "${CONTEXTS:-8K,32K}" | tr , ' '); do
-    prefill "$context" built-in
-    if [ -n "${AB_SOURCES:-}" ]; then
-      CANOPY_KERNEL_SOURCES=$AB_SOURCES CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-ab $BIN compile-kernels > /dev/null 2>&1
-      prefill "$context" "$(basename "$AB_SOURCES")" CANOPY_KERNEL_SOURCES="$AB_SOURCES" CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-ab
-    fi
+    for chunk in $(echo "${CHUNKS:-8K}" | tr , ' '); do
+      prefill "$context" "$chunk" built-in
+      if [ -n "${AB_SOURCES:-}" ]; then
+        CANOPY_KERNEL_SOURCES=$AB_SOURCES CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-ab $BIN compile-kernels > /dev/null 2>&1
+        prefill "$context" "$chunk" "$(basename "$AB_SOURCES")" CANOPY_KERNEL_SOURCES="$AB_SOURCES" CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-ab
+      fi
+    done
   done
   if [ -n "${PROFILE:-}" ] && [ "$(left)" -gt 120 ]; then
     log "ncu, prefill $PROFILE, first ${LAUNCHES:-450} kernels"

@@ -32,6 +32,7 @@ use canopy_engine::{
 use canopy_model::LlamaConfig;
 use canopy_runtime::{
     ContextFill, DecodeStrategy, GenerateRequest, Generated, SamplingParams, Watch,
+    DEFAULT_PREFILL_CHUNK,
 };
 use clap::{Args, ValueEnum};
 use report::{Capacity, Row, RunInfo};
@@ -119,6 +120,9 @@ pub struct DecodeArgs {
     collective: Vec<MergeCollective>,
     #[arg(long, value_enum, default_value = "prefill")]
     context_fill: FillChoice,
+    /// Prompt tokens each rank prefills in one pass (K = 1024).
+    #[arg(long, value_parser = parse_tokens, default_value_t = DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
     /// The dtype of the weights and the KV cache [default: f32 on the CPU, bf16 on a GPU].
@@ -317,6 +321,7 @@ fn request(
         page_size: crate::generate_cmd::PAGE_SIZE,
         kv_dtype: dtype,
         context_fill: a.context_fill.context_fill(a.seed),
+        prefill_chunk: a.prefill_chunk,
     }
 }
 
@@ -444,7 +449,7 @@ fn run_one<B: RankThreads>(
 ) -> Result<(Option<Generated>, Peak)> {
     canopy_engine::memory::reset_peak_resident();
     let bar = canopy_model::progress_bar(config.num_hidden_layers as u64, label.to_string());
-    bar.set_message("layers");
+    bar.set_message("passes (a layer of a piece of the prompt)");
     let peak = AtomicU64::new(0);
     let out = placed.run(world, ranks, req.strategy, &|b, l, comm| {
         let mut watch = RunWatch {
@@ -478,7 +483,7 @@ fn run_one<B: RankThreads>(
 }
 
 /// One rank's watch of a run: the fill's progress (rank 0's bar), the backend's memory in use
-/// sampled after each layer of the fill and at each token, and the tree's merges timed.
+/// sampled after each pass of the fill and at each token, and the tree's merges timed.
 struct RunWatch<'a, B: Backend> {
     backend: &'a B,
     bar: Option<&'a indicatif::ProgressBar>,
@@ -504,8 +509,9 @@ impl<B: Backend> Watch for RunWatch<'_, B> {
         true
     }
 
-    fn context_layer(&mut self, done: usize, _: usize) {
+    fn context_progress(&mut self, done: usize, passes: usize) {
         if let Some(bar) = self.bar {
+            bar.set_length(passes as u64);
             bar.set_position(done as u64);
         }
         self.sample();

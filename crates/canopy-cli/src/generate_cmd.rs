@@ -12,7 +12,9 @@ use canopy_core::Method;
 use canopy_cuda::CudaBackend;
 use canopy_engine::{CpuBackend, LayerOps};
 use canopy_model::{ChatMessage, Tokenizer};
-use canopy_runtime::{GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo};
+use canopy_runtime::{
+    GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo, DEFAULT_PREFILL_CHUNK,
+};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use std::io::Write;
@@ -49,6 +51,10 @@ pub struct GenerateArgs {
     /// How the prompt's keys and values are made.
     #[arg(long, value_enum, default_value = "prefill")]
     context_fill: crate::decode_bench::FillChoice,
+    /// Prompt tokens each rank prefills in one pass (K = 1024): the prefill's activations
+    /// are bounded by this, not by the prompt.
+    #[arg(long, value_parser = crate::decode_bench::parse_tokens, default_value_t = DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -169,6 +175,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         page_size: PAGE_SIZE,
         kv_dtype: dtype,
         context_fill: a.context_fill.context_fill(a.seed),
+        prefill_chunk: a.prefill_chunk,
     };
     let run = Run {
         args: &a,

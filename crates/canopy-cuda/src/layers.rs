@@ -26,7 +26,7 @@ use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::layer_ops::expect_size;
 use canopy_engine::{KeyBlock, LayerOps, ModelNeeds};
-use canopy_kernels::{Kernel, LAYER_THREADS};
+use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Grid-stride CTAs per SM of the element-wise kernels: enough resident warps to hide memory
@@ -90,11 +90,19 @@ fn activation_bytes(needs: &ModelNeeds) -> u64 {
     let floats = 3 * needs.hidden // the residual stream, its norm, a projection's output
         + 3 * s.q_row_elems() // q, the states' o, the attention output
         + s.q_heads // the states' lse
-        + 4 * s.kv_token_elems() // k and v, and another rank's block in flight
+        + 2 * s.kv_token_elems() // k and v
         + 2 * needs.intermediate; // the MLP's gate and up
     let rounded = 2 * needs.hidden.max(needs.intermediate); // a 16-bit GEMM's input
     let logits = needs.logit_rows * needs.vocab * (4 + 2);
-    (needs.max_rows * (4 * floats + rounded) + logits) as u64
+    // Every rank's queries, their states (o and lse), the output, and the merge's packed
+    // states and maxima.
+    let attention_floats = 4 * s.q_row_elems() + 3 * s.q_heads;
+    // The cached keys and values read as f32, then packed to 16 bits in whole tiles.
+    let key_bytes = s.kv_token_elems() * 2 * (4 + 2);
+    (needs.max_rows * (4 * floats + rounded)
+        + needs.attention_rows * 4 * attention_floats
+        + needs.attention_keys.next_multiple_of(PREFILL_TILE) * key_bytes
+        + logits) as u64
 }
 
 fn gib(bytes: u64) -> f64 {
@@ -312,6 +320,39 @@ impl CudaBackend {
             .ctx("launching store_kv")?;
         Ok(())
     }
+
+    /// [`LayerOps::load_kv`]: `layers.cu`'s `load_kv`, compiled for the KV's dtype.
+    fn load_rows(&self, kv: &CudaKv, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
+        let width = kv.shape.kv_token_elems();
+        let pool = kv.k.len() / kv.bytes_of(1).max(1);
+        if let Some(&slot) = slots.iter().find(|&&slot| slot as usize >= pool) {
+            return Err(CudaError::Unsupported(format!(
+                "load_kv: slot {slot} is outside the KV pool of {pool} tokens"
+            )));
+        }
+        let (mut k, mut v) = (
+            self.tensor_of(slots.len(), width)?,
+            self.tensor_of(slots.len(), width)?,
+        );
+        if slots.is_empty() || width == 0 {
+            return Ok((k, v));
+        }
+        let (count, width_) = (narrow("load_kv", slots.len())?, narrow("load_kv", width)?);
+        let slots = self.upload(slots)?;
+        let f = self.function(Kernel::Layers(kv.dtype, "load_kv"))?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&slots)
+            .arg(&mut k.data)
+            .arg(&mut v.data)
+            .arg(&count)
+            .arg(&width_);
+        // SAFETY: every slot is one of the pool's (checked), whose K and V hold `pool` tokens of
+        // `width` elements of the KV's dtype; k and v hold `count` rows of `width` floats.
+        unsafe { b.launch(self.elementwise(slots.len() * width)) }.ctx("launching load_kv")?;
+        Ok((k, v))
+    }
 }
 
 impl LayerOps for CudaBackend {
@@ -524,6 +565,18 @@ impl LayerOps for CudaBackend {
         let cfg = self.elementwise(pairs.max(rows * k.cols));
         unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching rope_split")?;
         Ok(())
+    }
+
+    fn tensor_buf<'t>(&self, t: &'t CudaTensor) -> &'t CudaSlice<f32> {
+        &t.data
+    }
+
+    fn tensor_buf_mut<'t>(&self, t: &'t mut CudaTensor) -> &'t mut CudaSlice<f32> {
+        &mut t.data
+    }
+
+    fn load_kv(&self, kv: &CudaKv, slots: &[u32]) -> EResult<(CudaTensor, CudaTensor)> {
+        Ok(self.load_rows(kv, slots)?)
     }
 
     fn store_kv(

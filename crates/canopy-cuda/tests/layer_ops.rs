@@ -400,13 +400,14 @@ const STORED: usize = 40;
 
 /// Stores rows of k and v into a paged pool (a shuffled page table, some rows not stored,
 /// the rest in scrambled order), reads them back with the decode kernels through queries made
-/// from a tensor, and returns the decode's states and the pool's K and V bytes (physical).
+/// from a tensor and with the prefill's attention over the cache, and returns both states and
+/// the pool's K and V bytes (physical).
 fn kv_path<B: LayerOps>(
     b: &B,
     shape: &AttnShape,
     dtype: DType,
     (k, v, q): (&[f32], &[f32], &[f32]),
-) -> Result<(AttnStates, Vec<u8>, Vec<u8>)>
+) -> Result<(AttnStates, AttnStates, Vec<u8>, Vec<u8>)>
 where
     B::Kv: Sync,
 {
@@ -447,6 +448,15 @@ where
     b.step(&kv, &queries, &plan, &mut partials, &mut out)?;
     let states = b.download(&out)?;
 
+    // The prefill's attention over the same keys where the cache keeps them (physical slots,
+    // whatever the page table): the query at 13 j sees the keys at or before it.
+    let slots: Vec<u32> = rows.iter().map(|&(_, slot)| slot).collect();
+    let positions: Vec<u32> = (0..STORED).map(|i| (i * 7 % STORED) as u32).collect();
+    let q_pos: Vec<u32> = (0..nq as u32).map(|j| 13 * j).collect();
+    let mut cached = b.empty_states(shape, nq)?;
+    b.cached_attention(shape, &q, &q_pos, &kv, &slots, &positions, &mut cached)?;
+    let cached = b.download(&cached)?;
+
     // The pool as stored: identity pages, read by a one-rank world's send to itself.
     b.set_page_table(&mut kv, PAGE, &[0, 1, 2, 3])?;
     let bytes = POOL * shape.kv_token_bytes(dtype);
@@ -458,7 +468,7 @@ where
         Ok((k, v))
     });
     let (k, v) = read.into_iter().next().expect("one rank")?;
-    Ok((states, k, v))
+    Ok((states, cached, k, v))
 }
 
 #[test]
@@ -475,8 +485,9 @@ fn stored_kv_feeds_the_decode_kernels() {
         let k = values(&mut rng, (STORED + 5) * width, 1.0);
         let v = values(&mut rng, (STORED + 5) * width, 1.0);
         let q = values(&mut rng, 3 * shape.q_row_elems(), 1.0);
-        let (got, got_k, got_v) = kv_path(&gpu, &shape, dtype, (&k, &v, &q)).unwrap();
-        let (want, want_k, want_v) = kv_path(&CpuBackend, &shape, dtype, (&k, &v, &q)).unwrap();
+        let (got, got_cached, got_k, got_v) = kv_path(&gpu, &shape, dtype, (&k, &v, &q)).unwrap();
+        let (want, want_cached, want_k, want_v) =
+            kv_path(&CpuBackend, &shape, dtype, (&k, &v, &q)).unwrap();
         // Narrowing is round-to-nearest-even on both: the pools agree bit for bit, NaN
         // poison included where no row was stored.
         assert!(got_k == want_k && got_v == want_v, "{dtype}: pools differ");
@@ -495,6 +506,18 @@ fn stored_kv_feeds_the_decode_kernels() {
             &want.lse,
             tolerance,
         );
+        check(
+            "store_kv + cached_attention o",
+            &got_cached.o,
+            &want_cached.o,
+            tolerance,
+        );
+        check(
+            "store_kv + cached_attention lse",
+            &got_cached.lse,
+            &want_cached.lse,
+            tolerance,
+        );
     }
 }
 
@@ -510,6 +533,8 @@ fn needs(shape: AttnShape) -> ModelNeeds {
         kv_dtype: DType::Bf16,
         kv_tokens: 8192,
         max_rows: 512,
+        attention_rows: 512,
+        attention_keys: 8192,
         logit_rows: 1,
     }
 }

@@ -27,6 +27,11 @@ pub struct CpuQueries {
 }
 
 impl CpuKv {
+    /// The attention shape the pool was allocated for.
+    pub fn shape(&self) -> &AttnShape {
+        &self.shape
+    }
+
     /// Tokens addressable logically: the page table's extent, or the whole storage.
     fn logical_tokens(&self) -> usize {
         match &self.paging {

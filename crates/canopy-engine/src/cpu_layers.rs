@@ -143,6 +143,14 @@ impl LayerOps for CpuBackend {
         Ok(())
     }
 
+    fn tensor_buf<'t>(&self, t: &'t HostMatrix) -> &'t Vec<f32> {
+        &t.data
+    }
+
+    fn tensor_buf_mut<'t>(&self, t: &'t mut HostMatrix) -> &'t mut Vec<f32> {
+        &mut t.data
+    }
+
     fn embed(&self, table: &HostMatrix, ids: &[u32], out: &mut HostMatrix) -> Result<()> {
         expect_size("cpu", "embed", "the output's rows", out.rows, ids.len())?;
         expect_size("cpu", "embed", "the output's columns", out.cols, table.cols)?;
@@ -332,6 +340,29 @@ impl LayerOps for CpuBackend {
             &mut states.lse,
         );
         Ok(())
+    }
+
+    fn load_kv(&self, kv: &CpuKv, slots: &[u32]) -> Result<(HostMatrix, HostMatrix)> {
+        let per = kv.shape().kv_token_elems();
+        let read = |cache: &TypedVec| -> Result<HostMatrix> {
+            let mut data = Vec::with_capacity(slots.len() * per);
+            for &slot in slots {
+                let at = slot as usize * per;
+                if at + per > cache.len() {
+                    return Err(err(format!(
+                        "load_kv: slot {slot} of a pool of {} slots",
+                        cache.len() / per.max(1)
+                    )));
+                }
+                data.extend(cache.slice(at..at + per).to_f32_vec());
+            }
+            Ok(HostMatrix {
+                rows: slots.len(),
+                cols: per,
+                data,
+            })
+        };
+        Ok((read(&kv.k)?, read(&kv.v)?))
     }
 
     fn states_output(&self, states: &AttnStates, out: &mut HostMatrix) -> Result<()> {

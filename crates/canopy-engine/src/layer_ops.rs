@@ -36,6 +36,11 @@ pub struct ModelNeeds {
     pub kv_tokens: usize,
     /// The most token rows one forward pass carries (a prefill chunk, or the live samples).
     pub max_rows: usize,
+    /// The most query rows one prefill attention carries: a chunk's rows of every rank, which
+    /// each rank attends to its own keys before the ranks merge.
+    pub attention_rows: usize,
+    /// The most cached keys one prefill attention reads (a rank's share of the prompt).
+    pub attention_keys: usize,
     /// The most rows whose logits one pass computes (the live samples; a prefill computes
     /// only its last row's).
     pub logit_rows: usize,
@@ -77,6 +82,11 @@ pub trait LayerOps: MergeOps {
     /// Rows `first..first + out.rows` of `src` into `out` (same columns): the rows a step
     /// needs logits of, without the rest.
     fn copy_rows(&self, src: &Self::Tensor, first: usize, out: &mut Self::Tensor) -> Result<()>;
+    /// `t`'s elements, row-major, as a transport buffer: collectives move activations
+    /// ([`crate::Transport::all_gather_buf`]) without a copy.
+    fn tensor_buf<'t>(&self, t: &'t Self::Tensor) -> &'t Self::Buf;
+    /// [`LayerOps::tensor_buf`], to be written.
+    fn tensor_buf_mut<'t>(&self, t: &'t mut Self::Tensor) -> &'t mut Self::Buf;
 
     /// `out[i] = table[ids[i]]`; an id past the table is an error naming it.
     fn embed(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor) -> Result<()>;
@@ -144,6 +154,39 @@ pub trait LayerOps: MergeOps {
         keys: KeyBlock<'_, Self::Tensor>,
         states: &mut Self::States,
     ) -> Result<()>;
+    /// The keys and values `kv` holds at physical `slots`, as `slots.len() × kv_heads ·
+    /// head_dim` activations (the cache's values, widened).
+    fn load_kv(&self, kv: &Self::Kv, slots: &[u32]) -> Result<(Self::Tensor, Self::Tensor)>;
+    /// [`LayerOps::causal_attention`] over the keys `kv` holds at physical `slots`, at
+    /// `positions`: a chunked prefill's queries read the prompt's earlier chunks, and their
+    /// own, where the cache keeps them.
+    #[allow(clippy::too_many_arguments)]
+    fn cached_attention(
+        &self,
+        shape: &AttnShape,
+        q: &Self::Tensor,
+        q_pos: &[u32],
+        kv: &Self::Kv,
+        slots: &[u32],
+        positions: &[u32],
+        states: &mut Self::States,
+    ) -> Result<()> {
+        expect_size(
+            self.name(),
+            "cached_attention",
+            "the key positions",
+            positions.len(),
+            slots.len(),
+        )?;
+        let (k, v) = self.load_kv(kv, slots)?;
+        let keys = KeyBlock {
+            k: &k,
+            v: &v,
+            positions,
+            dtype: self.kv_dtype(kv),
+        };
+        self.causal_attention(shape, q, q_pos, keys, states)
+    }
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
 }

@@ -335,9 +335,12 @@ impl<B: MergeOps, C: HostCollective> Transport<B> for C {
 pub struct StatesMerge<B: MergeOps> {
     cells: usize,
     d: usize,
+    ranks: usize,
     max: B::Buf,
     packed: B::Buf,
-    gathered: B::Buf,
+    /// Every rank's packed states: only the all-gather and hierarchical merges take it, so it
+    /// is allocated by the first of them (a prefill's merges of many rows never pay for it).
+    gathered: Option<B::Buf>,
 }
 
 impl<B: MergeOps> StatesMerge<B> {
@@ -347,10 +350,19 @@ impl<B: MergeOps> StatesMerge<B> {
         Ok(StatesMerge {
             cells,
             d,
+            ranks: ranks.max(1),
             max: backend.alloc_buf(cells)?,
             packed: backend.alloc_buf(packed)?,
-            gathered: backend.alloc_buf(packed * ranks.max(1))?,
+            gathered: None,
         })
+    }
+
+    /// Allocates the buffer of every rank's packed states on first use.
+    fn ensure_gathered(&mut self, b: &B) -> Result<()> {
+        if self.gathered.is_none() {
+            self.gathered = Some(b.alloc_buf(self.stride() * self.ranks)?);
+        }
+        Ok(())
     }
 
     /// Elements of one packed state.
@@ -379,8 +391,11 @@ impl<B: MergeOps> StatesMerge<B> {
             }
             MergeCollective::Allgather => {
                 b.pack_states(states, &mut self.packed, 0)?;
-                comm.all_gather_buf(b, &self.packed, self.stride(), &mut self.gathered)?;
-                b.combine_gathered(&self.gathered, comm.size(), states)
+                let stride = self.stride();
+                self.ensure_gathered(b)?;
+                let gathered = self.gathered.as_mut().expect("allocated above");
+                comm.all_gather_buf(b, &self.packed, stride, gathered)?;
+                b.combine_gathered(gathered, comm.size(), states)
             }
             MergeCollective::Hierarchical => {
                 layout.check(comm.size())?;
@@ -428,16 +443,18 @@ impl<B: MergeOps> StatesMerge<B> {
         let stride = self.stride();
         let me = comm.rank();
         let members = layout.members(layout.node_of(me));
-        b.pack_states(states, &mut self.gathered, 0)?;
-        comm.gather_in_node(b, layout, &mut self.gathered, stride)?;
+        self.ensure_gathered(b)?;
+        let gathered = self.gathered.as_mut().expect("allocated above");
+        b.pack_states(states, gathered, 0)?;
+        comm.gather_in_node(b, layout, gathered, stride)?;
         if me == members[0] {
-            b.combine_gathered(&self.gathered, members.len(), states)?;
+            b.combine_gathered(gathered, members.len(), states)?;
             let leaders = layout.leaders();
             if leaders.len() > 1 {
                 let slot = leaders.iter().position(|&l| l == me).unwrap_or(0) * stride;
-                b.pack_states(states, &mut self.gathered, slot)?;
-                comm.all_gather_leaders(b, layout, &mut self.gathered, stride)?;
-                b.combine_gathered(&self.gathered, leaders.len(), states)?;
+                b.pack_states(states, gathered, slot)?;
+                comm.all_gather_leaders(b, layout, gathered, stride)?;
+                b.combine_gathered(gathered, leaders.len(), states)?;
             }
             b.pack_states(states, &mut self.packed, 0)?;
         }

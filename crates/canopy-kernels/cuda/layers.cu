@@ -182,6 +182,19 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
     }
 }
 
+// For each of `count` slots, physical token `slots[i]` of the KV pool (`width` values) widened
+// into row i of k and v: store_kv's inverse, for attention that reads keys where the cache keeps
+// them (the host has checked every slot against the pool).
+extern "C" __global__ void load_kv(const elem_t* __restrict__ kc, const elem_t* __restrict__ vc,
+                                   const u32* __restrict__ slots, float* __restrict__ k,
+                                   float* __restrict__ v, u32 count, u32 width) {
+    GRID_STRIDE(i, (u64)count * width) {
+        const u64 from = (u64)slots[i / width] * width + i % width;
+        k[i] = widen(kc[from]);
+        v[i] = widen(vc[from]);
+    }
+}
+
 // Attention of query rows over one block of keys, merged into the rows' states, the keys and
 // values read rounded to the module's dtype (as a KV cache of it holds them).
 //

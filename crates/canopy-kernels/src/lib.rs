@@ -132,6 +132,7 @@ impl Id {
                 "rope_split",
                 "swiglu",
                 "store_kv",
+                "load_kv",
                 "causal_attention",
                 "gemv",
                 "gemv_add",

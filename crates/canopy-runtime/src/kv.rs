@@ -1,5 +1,6 @@
-//! A generation's KV bookkeeping on the KV-cache manager: the prompt as one root, placed in
-//! contiguous chunks over the ranks (rank `r`'s chunk is the one it prefills), and each
+//! A generation's KV bookkeeping on the KV-cache manager: the prompt as one root, placed piece
+//! by piece (a prefill pass each), every piece in contiguous chunks over the ranks (rank `r`'s
+//! chunk of a piece is the part of it that rank prefills), and each
 //! sample as a branch of it whose tokens go, page by page, to the rank with the fewest pages
 //! (so decode's attention work stays balanced). Every rank keeps the same bookkeeping, so
 //! all agree where each token lives without talking.
@@ -43,31 +44,54 @@ pub struct KvLayout {
     manager: KvManager,
     steps: StepLayout,
     root: KvNode,
+    /// The prompt's pieces, in order: one prefill pass each.
+    pieces: Vec<Range<usize>>,
+    /// The prompt's maximal runs of tokens held by one rank: `(rank, positions)`, in order.
+    runs: Vec<(usize, Range<usize>)>,
     samples: Vec<Option<KvNode>>,
     pages_per_rank: u32,
 }
 
 impl KvLayout {
     /// Room for a prompt of `prompt` tokens and `samples` samples of up to `max_tokens`
-    /// tokens each, over `ranks` ranks.
+    /// tokens each, over `ranks` ranks; the prompt is prefilled in pieces of `chunk` tokens a
+    /// rank (rounded up to whole pages), so `ranks · chunk` tokens a piece.
     pub fn new(
         ranks: usize,
         page_size: u32,
         prompt: usize,
         samples: usize,
         max_tokens: usize,
+        chunk: usize,
     ) -> Result<KvLayout> {
-        let pages = |tokens: usize| tokens.div_ceil(page_size as usize);
-        // The prompt's chunk, every sample's growth if one rank took it all, and a partial
-        // page per sample.
+        let ps = page_size as usize;
+        let pages = |tokens: usize| tokens.div_ceil(ps);
+        // The prompt's share (every full piece splits evenly, the last as evenly as pages
+        // allow), every sample's growth if one rank took it all, and a partial page per sample.
         let pages_per_rank =
             (pages(prompt).div_ceil(ranks) + samples * (pages(max_tokens) + 1)) as u32;
         let mut manager = KvManager::new(ranks, page_size, pages_per_rank)?;
-        let root = manager.add_root(prompt as u32, Placement::Contiguous)?;
+        let piece = chunk.max(1).div_ceil(ps) * ps * ranks;
+        let pieces: Vec<Range<usize>> = (0..prompt)
+            .step_by(piece)
+            .map(|start| start..(start + piece).min(prompt))
+            .collect();
+        let first = pieces.first().map_or(0, |p| p.len());
+        let root = manager.add_root(first as u32, Placement::Contiguous)?;
+        for p in pieces.iter().skip(1) {
+            manager.append(root, p.len() as u32, Placement::Contiguous)?;
+        }
+        let runs = manager
+            .runs(root)?
+            .into_iter()
+            .map(|(rank, t)| (rank, t.start as usize..t.end as usize))
+            .collect();
         Ok(KvLayout {
             manager,
             steps: StepLayout::new(),
             root,
+            pieces,
+            runs,
             samples: vec![None; samples],
             pages_per_rank,
         })
@@ -78,22 +102,31 @@ impl KvLayout {
         (self.pages_per_rank * self.manager.page_size()) as usize
     }
 
-    /// The prompt positions rank `rank` prefills (empty when the prompt has fewer pages than
-    /// there are ranks).
-    pub fn prompt_chunk(&self, rank: usize) -> Range<usize> {
-        let runs = self.manager.runs(self.root).unwrap_or_default();
-        runs.into_iter()
-            .find(|(r, _)| *r == rank)
-            .map_or(0..0, |(_, t)| t.start as usize..t.end as usize)
+    /// The prompt's pieces, in order: one prefill pass each.
+    pub fn pieces(&self) -> &[Range<usize>] {
+        &self.pieces
     }
 
-    /// Where rank `rank`'s prompt chunk is stored: `(row of the chunk, physical slot)`, in
-    /// token order.
-    pub fn prompt_slots(&self, rank: usize) -> Vec<(u32, u32)> {
-        self.prompt_chunk(rank)
-            .enumerate()
-            .map(|(row, i)| (row as u32, self.slot(self.root, i as u32).1))
-            .collect()
+    /// The prompt positions rank `rank` holds, as runs in order: its chunk of each piece.
+    pub fn prompt_runs(&self, rank: usize) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.runs
+            .iter()
+            .filter(move |(r, _)| *r == rank)
+            .map(|(_, t)| t.clone())
+    }
+
+    /// Rank `rank`'s chunk of `piece` (one run: a piece's pages are placed contiguously;
+    /// empty when the piece has fewer pages than there are ranks).
+    pub fn chunk_of(&self, piece: &Range<usize>, rank: usize) -> Range<usize> {
+        self.prompt_runs(rank)
+            .map(|run| run.start.max(piece.start)..run.end.min(piece.end))
+            .find(|r| !r.is_empty())
+            .unwrap_or(piece.start..piece.start)
+    }
+
+    /// The physical slot of each prompt position of `tokens` (all held by one rank).
+    pub fn prompt_slots(&self, tokens: Range<usize>) -> Vec<u32> {
+        tokens.map(|i| self.slot(self.root, i as u32).1).collect()
     }
 
     /// The rank and physical slot of token `i` of `node`.

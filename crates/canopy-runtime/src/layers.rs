@@ -481,7 +481,8 @@ impl<B: LayerOps> ModelLayers<B> {
 
 /// What running `config`'s model with `weight_dtype` weights asks of a device (checked by
 /// [`LayerOps::check_model`] before the weights are uploaded): every weight, `kv_tokens`
-/// tokens of `kv_dtype` KV, activations of `max_rows` rows and logits of `logit_rows`.
+/// tokens of `kv_dtype` KV, activations of `max_rows` rows (attention over rows of its own
+/// keys, as a server's chunks and decode steps run it) and logits of `logit_rows`.
 pub(crate) fn model_needs(
     config: &LlamaConfig,
     weight_dtype: DType,
@@ -501,6 +502,8 @@ pub(crate) fn model_needs(
         kv_dtype,
         kv_tokens,
         max_rows,
+        attention_rows: max_rows,
+        attention_keys: 0,
         logit_rows,
     }
 }

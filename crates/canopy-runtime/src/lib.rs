@@ -31,5 +31,7 @@ pub mod serving;
 pub use error::{Result, RuntimeError};
 pub use forward::{Forward, StepRows};
 pub use layers::ModelLayers;
-pub use rank::{generate, ContextFill, DecodeStrategy, GenerateRequest, Generated, Watch};
+pub use rank::{
+    generate, ContextFill, DecodeStrategy, GenerateRequest, Generated, Watch, DEFAULT_PREFILL_CHUNK,
+};
 pub use sampling::{Sampler, SamplingParams, TopTwo};

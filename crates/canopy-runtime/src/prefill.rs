@@ -1,6 +1,8 @@
 //! How a prompt's keys and values reach a rank's caches:
-//! - the sequence-parallel prefill of `generate` (the prompt through every layer, chunks
-//!   passed around the ring for causal attention);
+//! - the prefill of `generate`: the prompt in pieces ([`KvLayout::pieces`]), each through
+//!   every layer, every rank running its chunk of the piece; a layer's queries are gathered
+//!   from every rank, each rank attends them to the prompt keys it holds (read from its
+//!   cache), and the partial states merge across ranks, as decode's do;
 //! - a chunk of a prompt whose earlier tokens are cached already (a shared prefix, earlier
 //!   chunks), as a server prefills: every rank runs the chunk's rows, which attend causally
 //!   to themselves and, through the engine's [`RankAttention`] over a plan of the cached
@@ -16,9 +18,11 @@ use crate::rank::GenerateRequest;
 use crate::Result;
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::data::{hash_uniform, splitmix64, KV_AMPLITUDE, STREAM_K, STREAM_V};
-use canopy_core::{AttnShape, DType};
-use canopy_engine::{KeyBlock, LayerOps, RankAttention, Transport};
+use canopy_engine::{
+    Backend, KeyBlock, LayerOps, MergeCollective, NodeLayout, RankAttention, StatesMerge, Transport,
+};
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// The rows of one prefill pass.
 #[derive(Debug, Clone, Copy)]
@@ -29,15 +33,13 @@ pub(crate) struct PrefillRows<'a> {
     pub stores: &'a [(u32, u32)],
 }
 
-/// How one layer's queries attend, given the layer's cache and its q, k and v.
-type Attend<'a, B> = dyn FnMut(
-        &<B as canopy_engine::Backend>::Kv,
-        &Qkv<B>,
-    ) -> Result<<B as canopy_engine::Backend>::States>
-    + 'a;
+/// How one layer's queries attend, given the layer's cache and its q, k and v: writes the
+/// rows' attention output (`rows × q_heads · head_dim`) into the last argument.
+type Attend<'a, B> =
+    dyn FnMut(&<B as Backend>::Kv, &Qkv<B>, &mut <B as LayerOps>::Tensor) -> Result<()> + 'a;
 
 /// `rows` through every layer, each row's key and value stored in `caches` (one per layer),
-/// each layer's queries attending by `attend(layer's cache, its q, k, v)`, and
+/// each layer's queries attending by `attend(layer's cache, its q, k, v, output)`, and
 /// `on_layer(layers done)` told after each; returns the last layer's hidden rows.
 fn through_layers<B: LayerOps>(
     backend: &B,
@@ -53,8 +55,7 @@ fn through_layers<B: LayerOps>(
     for (l, cache) in caches.iter_mut().enumerate() {
         let qkv = layers.qkv(backend, l, &x, rows.positions)?;
         backend.store_kv(cache, &qkv.k, &qkv.v, rows.stores)?;
-        let states = attend(cache, &qkv)?;
-        backend.states_output(&states, &mut attn)?;
+        attend(cache, &qkv, &mut attn)?;
         layers.finish(backend, l, &mut x, &attn)?;
         on_layer(l + 1);
     }
@@ -73,7 +74,7 @@ pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
     rows: PrefillRows,
 ) -> Result<Vec<f32>> {
     let shape = layers.attn_shape();
-    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>| {
+    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
         let mut states = backend.empty_states(&shape, rows.ids.len())?;
         let own = KeyBlock {
             k: &qkv.k,
@@ -86,15 +87,24 @@ pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
             let q = backend.tensor_queries(&shape, &qkv.q)?;
             backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
         }
-        Ok(states)
+        Ok(backend.states_output(&states, out)?)
     };
     let x = through_layers(backend, layers, caches, rows, attend, &mut |_| {})?;
     layers.logits(backend, &x, rows.ids.len() - 1, 1)
 }
 
-/// This rank's chunk of the prompt through every layer, its keys and values stored in
-/// `caches`, `on_layer(layers done)` told after each; returns the first token's logits (the
-/// same on every rank).
+/// The prompt through every layer, piece by piece ([`KvLayout::pieces`]), each rank running
+/// its chunk of each piece and storing its keys and values where `kv` places them;
+/// `on_pass(done, passes)` is told after each layer of each piece. Returns the first token's
+/// logits (the same on every rank).
+///
+/// A rank's chunk of a piece is padded to the piece's widest chunk (copies of the piece's last
+/// token, stored nowhere, their outputs unused), so that every rank gathers the same rows. At
+/// each layer, every rank attends the piece's gathered queries to the prompt keys it holds so
+/// far, its chunks of this piece and the earlier ones, where its cache keeps them (a query
+/// sees the keys at or before its position); the partial states merge across ranks, and each
+/// rank keeps its own rows. A rank's attention work is its share of the keys, and the
+/// activations are bounded by the piece, not the prompt.
 pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
@@ -102,95 +112,104 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     comm: &C,
     kv: &KvLayout,
     caches: &mut [B::Kv],
-    on_layer: &mut dyn FnMut(usize),
+    on_pass: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<f32>> {
     let (rank, ranks) = (comm.rank(), comm.size());
     let shape = layers.attn_shape();
-    let chunk = kv.prompt_chunk(rank);
-    let positions: Vec<u32> = chunk.clone().map(|p| p as u32).collect();
-    let rows = PrefillRows {
-        ids: &req.prompt[chunk.clone()],
-        positions: &positions,
-        stores: &kv.prompt_slots(rank),
-    };
-    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>| {
-        let dtype = backend.kv_dtype(cache);
-        prefill_attention(backend, &shape, comm, qkv, &positions, dtype)
-    };
-    let x = through_layers(backend, layers, caches, rows, attend, on_layer)?;
-    // The prompt's last token is the last row of the last non-empty chunk.
-    let last_rank = (0..ranks)
-        .rev()
-        .find(|&r| !kv.prompt_chunk(r).is_empty())
-        .expect("a non-empty prompt has a chunk");
-    let mut logits = if rank == last_rank {
-        layers.logits(backend, &x, chunk.len() - 1, 1)?
-    } else {
-        vec![0.0; layers.config.vocab_size]
-    };
+    let num_layers = layers.num_layers();
+    let passes = kv.pieces().len() * num_layers;
+    let layout = NodeLayout::single(ranks);
+    let last = req.prompt.len() - 1;
+    let mut logits = vec![0.0; layers.config.vocab_size];
+    let mut held = HeldKeys::default();
+    for (j, piece) in kv.pieces().iter().enumerate() {
+        let chunks: Vec<Range<usize>> = (0..ranks).map(|r| kv.chunk_of(piece, r)).collect();
+        let width = chunks.iter().map(|c| c.len()).max().unwrap_or(0).max(1);
+        let padded = |c: &Range<usize>| {
+            let pad = width - c.len();
+            c.clone().chain(std::iter::repeat_n(piece.end - 1, pad))
+        };
+        let own = chunks[rank].clone();
+        let ids: Vec<u32> = padded(&own).map(|p| req.prompt[p]).collect();
+        let positions: Vec<u32> = padded(&own).map(|p| p as u32).collect();
+        let own_slots = kv.prompt_slots(own.clone());
+        let stores: Vec<(u32, u32)> = own_slots
+            .iter()
+            .enumerate()
+            .map(|(row, &slot)| (row as u32, slot))
+            .collect();
+        held.slots.extend(&own_slots);
+        held.positions.extend(own.clone().map(|p| p as u32));
+        let gathered: Vec<u32> = chunks.iter().flat_map(padded).map(|p| p as u32).collect();
+        let mut merge = match ranks {
+            1 => None,
+            _ => Some(StatesMerge::new(
+                backend,
+                gathered.len() * shape.q_heads,
+                shape.head_dim,
+                ranks,
+            )?),
+        };
+        let held = &held;
+        let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
+            let Some(merge) = merge.as_mut() else {
+                let mut states = backend.empty_states(&shape, width)?;
+                backend.cached_attention(
+                    &shape,
+                    &qkv.q,
+                    &positions,
+                    cache,
+                    &held.slots,
+                    &held.positions,
+                    &mut states,
+                )?;
+                return Ok(backend.states_output(&states, out)?);
+            };
+            let cols = shape.q_row_elems();
+            let mut q = backend.tensor(gathered.len(), cols)?;
+            let mine = backend.tensor_buf(&qkv.q);
+            comm.all_gather_buf(backend, mine, width * cols, backend.tensor_buf_mut(&mut q))?;
+            let mut states = backend.empty_states(&shape, gathered.len())?;
+            backend.cached_attention(
+                &shape,
+                &q,
+                &gathered,
+                cache,
+                &held.slots,
+                &held.positions,
+                &mut states,
+            )?;
+            merge.run(
+                backend,
+                comm,
+                &mut states,
+                MergeCollective::Allreduce2,
+                &layout,
+            )?;
+            let mut all = backend.tensor(gathered.len(), cols)?;
+            backend.states_output(&states, &mut all)?;
+            Ok(backend.copy_rows(&all, rank * width, out)?)
+        };
+        let rows = PrefillRows {
+            ids: &ids,
+            positions: &positions,
+            stores: &stores,
+        };
+        let on_layer = &mut |l| on_pass(j * num_layers + l, passes);
+        let x = through_layers(backend, layers, caches, rows, attend, on_layer)?;
+        if own.contains(&last) {
+            logits = layers.logits(backend, &x, last - own.start, 1)?;
+        }
+    }
     comm.all_reduce(&mut logits, ReduceOp::Sum)?;
     Ok(logits)
 }
 
-/// Causal attention of this rank's chunk over the whole prompt so far: its own chunk, then
-/// every other chunk passed around the ring (through the host: a chunk's keys, values and
-/// positions), the keys read as a cache of `dtype` holds them.
-fn prefill_attention<B: LayerOps, C: Collective + Transport<B>>(
-    backend: &B,
-    shape: &AttnShape,
-    comm: &C,
-    qkv: &Qkv<B>,
-    positions: &[u32],
-    dtype: DType,
-) -> Result<B::States> {
-    let mut states = backend.empty_states(shape, positions.len())?;
-    let own = KeyBlock {
-        k: &qkv.k,
-        v: &qkv.v,
-        positions,
-        dtype,
-    };
-    backend.causal_attention(shape, &qkv.q, positions, own, &mut states)?;
-    let (rank, p) = (comm.rank(), comm.size());
-    if p == 1 {
-        return Ok(states);
-    }
-    let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
-    let per = shape.kv_token_elems();
-    let (mut k, mut v, mut pos) = (
-        backend.download_tensor(&qkv.k)?,
-        backend.download_tensor(&qkv.v)?,
-        positions.to_vec(),
-    );
-    for _ in 1..p {
-        // The block's length first, so the receiver can size its buffers.
-        let len = (pos.len() as u32).to_le_bytes();
-        let mut theirs = [0u8; 4];
-        comm.send(&len, next)?;
-        comm.recv(&mut theirs, prev)?;
-        let n = u32::from_le_bytes(theirs) as usize;
-        let (mut k2, mut v2, mut pos2) =
-            (vec![0.0f32; n * per], vec![0.0f32; n * per], vec![0u32; n]);
-        comm.send(&k, next)?;
-        comm.recv(&mut k2, prev)?;
-        comm.send(&v, next)?;
-        comm.recv(&mut v2, prev)?;
-        comm.send(bytemuck::cast_slice::<u32, u8>(&pos), next)?;
-        comm.recv(bytemuck::cast_slice_mut::<u32, u8>(&mut pos2), prev)?;
-        (k, v, pos) = (k2, v2, pos2);
-        if n > 0 {
-            let kt = backend.upload_tensor(&k, n, per)?;
-            let vt = backend.upload_tensor(&v, n, per)?;
-            let theirs = KeyBlock {
-                k: &kt,
-                v: &vt,
-                positions: &pos,
-                dtype,
-            };
-            backend.causal_attention(shape, &qkv.q, positions, theirs, &mut states)?;
-        }
-    }
-    Ok(states)
+/// The prompt keys a rank holds so far: their physical slots and positions.
+#[derive(Default)]
+struct HeldKeys {
+    slots: Vec<u32>,
+    positions: Vec<u32>,
 }
 
 /// Rows of random keys and values stored per upload: bounds the host memory of a fill.
@@ -209,28 +228,21 @@ pub(crate) fn fill_random<B: LayerOps>(
     on_layer: &mut dyn FnMut(usize),
 ) -> Result<()> {
     let width = layers.attn_shape().kv_token_elems();
-    let chunk = kv.prompt_chunk(rank);
-    let slots = kv.prompt_slots(rank);
+    let runs: Vec<Range<usize>> = kv.prompt_runs(rank).collect();
     for (l, cache) in caches.iter_mut().enumerate() {
-        for (piece, at) in slots.chunks(FILL_ROWS).zip((0..).step_by(FILL_ROWS)) {
-            let first = (chunk.start + at) as u64;
-            let layer_seed = seed ^ splitmix64(l as u64);
-            let draw = |stream| {
-                random_values(
-                    layer_seed,
-                    stream,
-                    first * width as u64,
-                    piece.len() * width,
-                )
-            };
-            let k = backend.upload_tensor(&draw(STREAM_K), piece.len(), width)?;
-            let v = backend.upload_tensor(&draw(STREAM_V), piece.len(), width)?;
-            let rows: Vec<(u32, u32)> = piece
-                .iter()
-                .enumerate()
-                .map(|(i, &(_, slot))| (i as u32, slot))
-                .collect();
-            backend.store_kv(cache, &k, &v, &rows)?;
+        let layer_seed = seed ^ splitmix64(l as u64);
+        for run in &runs {
+            for start in run.clone().step_by(FILL_ROWS) {
+                let part = start..(start + FILL_ROWS).min(run.end);
+                let draw = |stream| {
+                    let first = (start * width) as u64;
+                    random_values(layer_seed, stream, first, part.len() * width)
+                };
+                let k = backend.upload_tensor(&draw(STREAM_K), part.len(), width)?;
+                let v = backend.upload_tensor(&draw(STREAM_V), part.len(), width)?;
+                let rows: Vec<(u32, u32)> = (0..).zip(kv.prompt_slots(part.clone())).collect();
+                backend.store_kv(cache, &k, &v, &rows)?;
+            }
         }
         on_layer(l + 1);
     }

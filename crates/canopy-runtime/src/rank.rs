@@ -55,7 +55,14 @@ pub struct GenerateRequest {
     pub kv_dtype: DType,
     /// How the prompt's keys and values reach the cache.
     pub context_fill: ContextFill,
+    /// Prompt tokens each rank prefills in one pass (rounded up to whole pages): the prompt
+    /// runs in pieces of `ranks ·` this many, which bounds a prefill's activations.
+    pub prefill_chunk: usize,
 }
+
+/// [`GenerateRequest::prefill_chunk`] unless set: large enough that the GEMMs run at their
+/// rate, small enough that activations stay a small part of a GPU's memory.
+pub const DEFAULT_PREFILL_CHUNK: usize = 8192;
 
 /// How the prompt's keys and values reach the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -94,19 +101,49 @@ impl GenerateRequest {
         ranks: usize,
         ranks_here: usize,
     ) -> Result<ModelNeeds> {
-        let layout = KvLayout::new(ranks, self.page_size, prompt, self.samples, self.max_tokens)?;
-        let max_rows = match self.context_fill {
-            ContextFill::Prefill => prompt.div_ceil(ranks).max(self.samples),
-            ContextFill::Random { .. } => self.samples,
+        let layout = self.layout(prompt, ranks)?;
+        // A prefill pass carries a chunk of rows (padded to the piece's widest) and attends
+        // every rank's, gathered, to at most the rank's share of the prompt.
+        let chunk = layout
+            .pieces()
+            .iter()
+            .flat_map(|piece| (0..ranks).map(|r| layout.chunk_of(piece, r).len()))
+            .max()
+            .unwrap_or(0);
+        let (max_rows, attention_rows, attention_keys) = match self.context_fill {
+            ContextFill::Prefill => (
+                chunk.max(self.samples),
+                chunk * ranks,
+                (0..ranks)
+                    .map(|r| layout.prompt_runs(r).map(|run| run.len()).sum::<usize>())
+                    .max()
+                    .unwrap_or(0),
+            ),
+            ContextFill::Random { .. } => (self.samples, 0, 0),
         };
-        Ok(model_needs(
+        let mut needs = model_needs(
             config,
             weight_dtype,
             self.kv_dtype,
             layout.pool_tokens() * ranks_here,
             max_rows,
             self.samples,
-        ))
+        );
+        needs.attention_rows = attention_rows;
+        needs.attention_keys = attention_keys;
+        Ok(needs)
+    }
+
+    /// Where this request's KV goes with a prompt of `prompt` tokens over `ranks` ranks.
+    fn layout(&self, prompt: usize, ranks: usize) -> Result<KvLayout> {
+        KvLayout::new(
+            ranks,
+            self.page_size,
+            prompt,
+            self.samples,
+            self.max_tokens,
+            self.prefill_chunk,
+        )
     }
 }
 
@@ -117,10 +154,11 @@ pub trait Watch {
     /// Sample `sample` drew `token` (in order); `false` ends that sample (a stop string in its
     /// text).
     fn token(&mut self, sample: usize, token: u32) -> bool;
-    /// `done` of the model's `layers` layers hold this rank's part of the context (their
-    /// prefill has run, or their random fill is stored): a long context's progress.
-    fn context_layer(&mut self, done: usize, layers: usize) {
-        let _ = (done, layers);
+    /// `done` of `passes` passes have filled this rank's part of the context: a long
+    /// context's progress. A prefill's pass is one layer of one piece of the prompt; a random
+    /// fill's, one layer.
+    fn context_progress(&mut self, done: usize, passes: usize) {
+        let _ = (done, passes);
     }
     /// Whether decode steps time the tree's cross-rank merges: with more than one rank, every
     /// second step (the second, the fourth, ...) waits for the device around each layer's
@@ -187,13 +225,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         });
     }
     let shape = layers.attn_shape();
-    let mut kv = KvLayout::new(
-        ranks,
-        req.page_size,
-        req.prompt.len(),
-        req.samples,
-        req.max_tokens,
-    )?;
+    let mut kv = req.layout(req.prompt.len(), ranks)?;
     // The pools were priced by `LayerOps::check_model` before the weights were uploaded.
     let mut caches: Vec<B::Kv> = (0..layers.num_layers())
         .map(|_| backend.alloc_kv(&shape, req.kv_dtype, kv.pool_tokens()))
@@ -202,10 +234,13 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     let t0 = Instant::now();
     let vocab = layers.config.vocab_size;
     let num_layers = layers.num_layers();
-    let on_layer = &mut |done| watch.context_layer(done, num_layers);
     let logits = match req.context_fill {
-        ContextFill::Prefill => prefill(backend, layers, req, comm, &kv, &mut caches, on_layer)?,
+        ContextFill::Prefill => {
+            let on_pass = &mut |done, passes| watch.context_progress(done, passes);
+            prefill(backend, layers, req, comm, &kv, &mut caches, on_pass)?
+        }
         ContextFill::Random { seed } => {
+            let on_layer = &mut |done| watch.context_progress(done, num_layers);
             fill_random(backend, layers, &kv, rank, seed, &mut caches, on_layer)?;
             vec![0.0; vocab]
         }

@@ -59,6 +59,7 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
             page_size: 16,
             kv_dtype: DType::F32,
             context_fill: canopy_runtime::ContextFill::Prefill,
+            prefill_chunk: canopy_runtime::DEFAULT_PREFILL_CHUNK,
         };
         // Every other prompt sharded over two ranks.
         let ranks = 1 + i % 2;

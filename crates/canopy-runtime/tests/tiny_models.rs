@@ -56,6 +56,7 @@ fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> Genera
         page_size: 16,
         kv_dtype: DType::F32,
         context_fill: canopy_runtime::ContextFill::Prefill,
+        prefill_chunk: canopy_runtime::DEFAULT_PREFILL_CHUNK,
     }
 }
 
@@ -141,6 +142,50 @@ fn sharded_equals_unsharded_for_every_strategy() {
     }
 }
 
+/// A prompt prefilled in pieces (each rank's chunk of a piece a page or a few, the last piece
+/// ragged, some ranks idle in it) gives transformers' logits and greedy text, and reports
+/// every layer of every piece once.
+#[test]
+fn a_prompt_prefilled_in_pieces_matches_transformers() {
+    let (model, reference) = fixture("gqa-hd64");
+    let layers = layers(&model);
+    let layer_count = model.config.num_hidden_layers;
+    let p = reference["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["length"].as_u64() == Some(100))
+        .expect("a prompt of 100 tokens");
+    for ranks in 1..=3 {
+        for chunk in [4, 12, 33] {
+            let req = GenerateRequest {
+                page_size: 4,
+                prefill_chunk: chunk,
+                ..request(
+                    ids(&p["token_ids"]),
+                    1,
+                    DecodeStrategy::Tree(MergeCollective::Allreduce2),
+                )
+            };
+            let outs = ThreadWorld::run(ranks, Duration::from_secs(120), |comm| {
+                let mut watch = Timing::default();
+                let out = generate(&CpuBackend, &layers, &req, &comm, &mut watch)?;
+                Ok::<_, canopy_runtime::RuntimeError>((out, watch.layers_done))
+            });
+            let what = format!("{ranks} ranks, chunks of {chunk}");
+            let piece = chunk.div_ceil(4) * 4 * ranks;
+            let passes = 100usize.div_ceil(piece) * layer_count;
+            for out in outs {
+                let (out, done) = out.expect("the rank ran");
+                assert_close(&out.first_logits, &floats(&p["logits_last"]), &what);
+                assert_eq!(out.samples[0], ids(&p["greedy_tokens"]), "{what}");
+                let want: Vec<_> = (1..=passes).map(|d| (d, passes)).collect();
+                assert_eq!(done, want, "{what}: every pass is reported once");
+            }
+        }
+    }
+}
+
 #[test]
 fn parallel_samples_at_temperature_zero_are_the_greedy_text() {
     let (model, reference) = fixture("gqa-hd64");
@@ -211,7 +256,7 @@ impl canopy_runtime::Watch for Timing {
     fn token(&mut self, _: usize, _: u32) -> bool {
         true
     }
-    fn context_layer(&mut self, done: usize, layers: usize) {
+    fn context_progress(&mut self, done: usize, layers: usize) {
         self.layers_done.push((done, layers));
     }
     fn time_merges(&self) -> bool {
