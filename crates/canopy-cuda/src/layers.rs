@@ -322,7 +322,7 @@ impl CudaBackend {
     }
 
     /// [`LayerOps::load_kv`]: `layers.cu`'s `load_kv`, compiled for the KV's dtype.
-    fn load_rows(&self, kv: &CudaKv, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
+    pub(super) fn load_rows(&self, kv: &CudaKv, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
         let width = kv.shape.kv_token_elems();
         let pool = kv.k.len() / kv.bytes_of(1).max(1);
         if let Some(&slot) = slots.iter().find(|&&slot| slot as usize >= pool) {
@@ -616,6 +616,19 @@ impl LayerOps for CudaBackend {
         states: &mut CudaStates,
     ) -> EResult<()> {
         Ok(self.attend_block(shape, q, q_pos, keys, states)?)
+    }
+
+    fn cached_attention(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &[u32],
+        kv: &CudaKv,
+        slots: &[u32],
+        positions: &[u32],
+        states: &mut CudaStates,
+    ) -> EResult<()> {
+        Ok(self.attend_cached(shape, q, q_pos, kv, slots, positions, states)?)
     }
 
     fn states_output(&self, states: &CudaStates, out: &mut CudaTensor) -> EResult<()> {

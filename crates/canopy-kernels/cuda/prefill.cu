@@ -6,7 +6,8 @@
 //
 // pack_keys: the block's keys and values (fp32 activations, tokens x kv_heads x HEAD_DIM) to
 // the KV dtype, as the cache holds them, head-major and padded with zeros to whole tiles of
-// PREFILL_TILE tokens; and each tile's smallest and largest position.
+// PREFILL_TILE tokens; and each tile's smallest and largest position. gather_keys: the same
+// layout from keys the cache holds, at any physical slots.
 //
 // prefill_attention: FlashAttention-2's scheme with the warp pieces of mma.cuh. One CTA per
 // (block of queries, KV head), four warps of 16 rows; a CTA's rows are its queries x the KV
@@ -49,6 +50,28 @@ static_assert(4 * HALF * 2 <= sizeof(PrefillStage) && sizeof(PrefillStage) % 102
               "swizzled tiles fit a stage, and every stage starts on 1024 bytes");
 #endif
 
+// Tile blockIdx.x's smallest and largest key position into bounds (its first PREFILL_TILE
+// threads read one key each).
+__device__ __forceinline__ void tile_bounds(const u32* __restrict__ k_pos, u32 tokens, u32* __restrict__ bounds) {
+    const u32 tile = blockIdx.x;
+    __shared__ u32 lo, hi;
+    if (threadIdx.x == 0) {
+        lo = 0xffffffffu;
+        hi = 0;
+    }
+    __syncthreads();
+    const u32 t = tile * PREFILL_TILE + threadIdx.x;
+    if (threadIdx.x < PREFILL_TILE && t < tokens) {
+        atomicMin(&lo, k_pos[t]);
+        atomicMax(&hi, k_pos[t]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        bounds[2 * tile] = lo;
+        bounds[2 * tile + 1] = hi;
+    }
+}
+
 // One CTA per tile of tokens; `padded` = gridDim.x * PREFILL_TILE tokens per head in kp and vp.
 extern "C" __global__ void pack_keys(const float* __restrict__ k, const float* __restrict__ v,
                                      const u32* __restrict__ k_pos, u32 tokens, int kv_heads,
@@ -68,22 +91,32 @@ extern "C" __global__ void pack_keys(const float* __restrict__ k, const float* _
         *reinterpret_cast<u32*>(kp + to) = pack2(kx.x, kx.y);
         *reinterpret_cast<u32*>(vp + to) = pack2(vx.x, vx.y);
     }
-    __shared__ u32 lo, hi;
-    if (threadIdx.x == 0) {
-        lo = 0xffffffffu;
-        hi = 0;
+    tile_bounds(k_pos, tokens, bounds);
+}
+
+// pack_keys' layout from keys already in a KV cache of the module's dtype: token t of the block
+// is physical slot slots[t] of the pool (tokens x kv_heads x HEAD_DIM elements), copied 16 bytes
+// at a time.
+extern "C" __global__ void gather_keys(const u16* __restrict__ kc, const u16* __restrict__ vc,
+                                       const u32* __restrict__ slots, const u32* __restrict__ k_pos,
+                                       u32 tokens, int kv_heads, u16* __restrict__ kp, u16* __restrict__ vp,
+                                       u32* __restrict__ bounds) {
+    const u32 tile = blockIdx.x, padded = gridDim.x * PREFILL_TILE;
+    const u32 pieces_per_token = (u32)kv_heads * (HEAD_DIM / 8);
+    for (u32 i = threadIdx.x; i < PREFILL_TILE * pieces_per_token; i += blockDim.x) {
+        const u32 t = tile * PREFILL_TILE + i / pieces_per_token, rest = i % pieces_per_token;
+        const u32 head = rest / (HEAD_DIM / 8), e = rest % (HEAD_DIM / 8) * 8;
+        uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+        if (t < tokens) {
+            const u64 from = ((u64)slots[t] * kv_heads + head) * HEAD_DIM + e;
+            kx = *reinterpret_cast<const uint4*>(kc + from);
+            vx = *reinterpret_cast<const uint4*>(vc + from);
+        }
+        const u64 to = ((u64)head * padded + t) * HEAD_DIM + e;
+        *reinterpret_cast<uint4*>(kp + to) = kx;
+        *reinterpret_cast<uint4*>(vp + to) = vx;
     }
-    __syncthreads();
-    const u32 t = tile * PREFILL_TILE + threadIdx.x;
-    if (threadIdx.x < PREFILL_TILE && t < tokens) {
-        atomicMin(&lo, k_pos[t]);
-        atomicMax(&hi, k_pos[t]);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        bounds[2 * tile] = lo;
-        bounds[2 * tile + 1] = hi;
-    }
+    tile_bounds(k_pos, tokens, bounds);
 }
 
 // Q fragments of a warp's 16 rows from row0 of the CTA's `rows` (query q0 + r / gsz, head

@@ -138,7 +138,7 @@ impl Id {
                 "gemv_add",
                 "gemv_swiglu",
             ],
-            Id::Prefill => &["pack_keys", "prefill_attention"],
+            Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }
     }
 }

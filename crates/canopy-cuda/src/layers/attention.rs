@@ -6,6 +6,7 @@
 use super::{narrow, same_dims, CudaTensor};
 use crate::backend::{CudaBackend, CudaStates};
 use crate::error::{CudaError, DriverContext, Result};
+use crate::kv::CudaKv;
 use canopy_core::{AttnShape, DType};
 use canopy_engine::layer_ops::expect_size;
 use canopy_engine::Backend;
@@ -79,15 +80,7 @@ impl CudaBackend {
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
         same_dims(op, "k", k, (keys.positions.len(), shape.kv_token_elems()))?;
         same_dims(op, "v", v, (keys.positions.len(), shape.kv_token_elems()))?;
-        expect_size("cuda", op, "the states' rows", states.rows, q.rows)?;
-        expect_size("cuda", op, "the states' heads", states.heads, shape.q_heads)?;
-        expect_size(
-            "cuda",
-            op,
-            "the states' head dim",
-            states.head_dim,
-            shape.head_dim,
-        )?;
+        check_states(op, shape, q, states)?;
         if q.rows == 0 || k.rows == 0 {
             return Ok(());
         }
@@ -97,13 +90,7 @@ impl CudaBackend {
             q_pos: self.upload(q_pos)?,
             keys,
             k_pos: self.upload(keys.positions)?,
-            dims: Dims {
-                rows: narrow(op, q.rows)?,
-                tokens: narrow(op, k.rows)?,
-                q_heads: narrow(op, shape.q_heads)?,
-                kv_heads: narrow(op, shape.kv_heads)?,
-                head_dim: narrow(op, shape.head_dim)?,
-            },
+            dims: Dims::of(op, shape, q.rows, k.rows)?,
         };
         if on_tensor_cores(shape, keys.dtype) {
             self.attend_on_tensor_cores(&block, states)
@@ -115,47 +102,156 @@ impl CudaBackend {
     /// `prefill.cu`: the keys packed to their dtype in whole tiles, then one CTA per block of
     /// [`PREFILL_ROWS`] rows (queries × the GQA heads of one KV head).
     fn attend_on_tensor_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
-        let op = "causal_attention";
-        let (shape, q, keys, dims) = (block.shape, block.q, block.keys, block.dims);
-        let (q_pos, k_pos) = (&block.q_pos, &block.k_pos);
-        let (dtype, head_dim) = (keys.dtype, shape.head_dim);
-        let kernel = |entry| Kernel::Prefill {
-            dtype,
-            head_dim,
-            entry,
+        let (shape, keys, dims) = (block.shape, block.keys, block.dims);
+        let mut packed = self.packed_keys(shape, keys.dtype, dims.tokens as usize)?;
+        let kernel = Kernel::Prefill {
+            dtype: keys.dtype,
+            head_dim: shape.head_dim,
+            entry: "pack_keys",
         };
-        let tiles = (dims.tokens as usize).div_ceil(PREFILL_TILE);
-        let packed = shape.kv_heads * tiles * PREFILL_TILE * head_dim;
-        let mut kp = self.alloc::<u16>(packed)?;
-        let mut vp = self.alloc::<u16>(packed)?;
-        let mut bounds = self.alloc::<u32>(2 * tiles)?;
+        let f = self.function(kernel)?;
         let kv_heads = dims.kv_heads as i32;
-        let pack = self.function(kernel("pack_keys"))?;
-        let cfg = LaunchConfig {
-            grid_dim: (narrow(op, tiles)?, 1, 1),
-            block_dim: (LAYER_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(&pack);
+        let cfg = packed.launch();
+        let mut b = self.stream.launch_builder(&f);
         b.arg(&keys.k.data)
             .arg(&keys.v.data)
-            .arg(k_pos)
+            .arg(&block.k_pos)
             .arg(&dims.tokens)
             .arg(&kv_heads)
-            .arg(&mut kp)
-            .arg(&mut vp)
-            .arg(&mut bounds);
+            .arg(&mut packed.k)
+            .arg(&mut packed.v)
+            .arg(&mut packed.bounds);
         // SAFETY: one CTA per tile of PREFILL_TILE tokens; k and v hold `tokens` rows of
-        // kv_heads × head_dim floats and k_pos `tokens` positions (checked), and kp, vp and
-        // bounds were sized for `tiles` whole tiles of every head.
+        // kv_heads × head_dim floats and k_pos `tokens` positions (checked), and the packed
+        // buffers were sized for `tiles` whole tiles of every head.
         unsafe { b.launch(cfg) }.ctx("launching pack_keys")?;
+        self.prefill_attention(
+            shape,
+            block.q,
+            &block.q_pos,
+            &block.k_pos,
+            dims,
+            &packed,
+            states,
+        )
+    }
 
+    /// [`LayerOps::cached_attention`](canopy_engine::LayerOps::cached_attention): for a KV
+    /// of a 16-bit dtype and a shape the tensor cores hold, the keys are gathered from the
+    /// cache straight into `prefill.cu`'s tiles (`gather_keys`); otherwise they are loaded as
+    /// activations and attended as a block.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_cached(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &[u32],
+        kv: &CudaKv,
+        slots: &[u32],
+        positions: &[u32],
+        states: &mut CudaStates,
+    ) -> Result<()> {
+        let op = "cached_attention";
+        expect_size(
+            "cuda",
+            op,
+            "the key positions",
+            positions.len(),
+            slots.len(),
+        )?;
+        if !on_tensor_cores(shape, kv.dtype) || kv.shape != *shape {
+            let (k, v) = self.load_rows(kv, slots)?;
+            let keys = KeyBlock {
+                k: &k,
+                v: &v,
+                positions,
+                dtype: kv.dtype,
+            };
+            return self.attend_block(shape, q, q_pos, keys, states);
+        }
+        check_attention_shape(op, shape)?;
+        same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
+        check_states(op, shape, q, states)?;
+        let pool = kv.k.len() / kv.bytes_of(1).max(1);
+        if let Some(&slot) = slots.iter().find(|&&slot| slot as usize >= pool) {
+            return Err(CudaError::Unsupported(format!(
+                "{op}: slot {slot} is outside the KV pool of {pool} tokens"
+            )));
+        }
+        if q.rows == 0 || slots.is_empty() {
+            return Ok(());
+        }
+        let dims = Dims::of(op, shape, q.rows, slots.len())?;
+        let (q_pos, k_pos, slots) = (
+            self.upload(q_pos)?,
+            self.upload(positions)?,
+            self.upload(slots)?,
+        );
+        let mut packed = self.packed_keys(shape, kv.dtype, slots.len())?;
+        let kernel = Kernel::Prefill {
+            dtype: kv.dtype,
+            head_dim: shape.head_dim,
+            entry: "gather_keys",
+        };
+        let f = self.function(kernel)?;
+        let kv_heads = dims.kv_heads as i32;
+        let cfg = packed.launch();
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&slots)
+            .arg(&k_pos)
+            .arg(&dims.tokens)
+            .arg(&kv_heads)
+            .arg(&mut packed.k)
+            .arg(&mut packed.v)
+            .arg(&mut packed.bounds);
+        // SAFETY: one CTA per tile of PREFILL_TILE tokens; every slot is one of the pool's
+        // (checked), whose K and V hold `pool` tokens of kv_heads × head_dim 16-bit elements
+        // (the shape is the pool's), k_pos holds `tokens` positions, and the packed buffers
+        // were sized for `tiles` whole tiles of every head.
+        unsafe { b.launch(cfg) }.ctx("launching gather_keys")?;
+        self.prefill_attention(shape, q, &q_pos, &k_pos, dims, &packed, states)
+    }
+
+    /// Keys and values of `tokens` tokens of `dtype` in `prefill.cu`'s tiles, and the tiles'
+    /// bounds.
+    fn packed_keys(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<PackedKeys> {
+        let tiles = tokens.div_ceil(PREFILL_TILE);
+        let len = shape.kv_heads * tiles * PREFILL_TILE * shape.head_dim;
+        Ok(PackedKeys {
+            dtype,
+            tiles: narrow("causal_attention", tiles)?,
+            k: self.alloc::<u16>(len)?,
+            v: self.alloc::<u16>(len)?,
+            bounds: self.alloc::<u32>(2 * tiles)?,
+        })
+    }
+
+    /// `prefill_attention` of the rows `q` at `q_pos` over packed keys at `k_pos`.
+    #[allow(clippy::too_many_arguments)]
+    fn prefill_attention(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &CudaSlice<u32>,
+        k_pos: &CudaSlice<u32>,
+        dims: Dims,
+        packed: &PackedKeys,
+        states: &mut CudaStates,
+    ) -> Result<()> {
+        let op = "causal_attention";
+        let kernel = Kernel::Prefill {
+            dtype: packed.dtype,
+            head_dim: shape.head_dim,
+            entry: "prefill_attention",
+        };
         let gsz = shape.q_heads / shape.kv_heads;
         let cta_queries = PREFILL_ROWS / gsz;
         let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
-        let q_heads = dims.q_heads as i32;
+        let (q_heads, kv_heads) = (dims.q_heads as i32, dims.kv_heads as i32);
         let cta_queries_u32 = narrow(op, cta_queries)?;
-        let attend = self.function(kernel("prefill_attention"))?;
+        let attend = self.function(kernel)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 narrow(op, (dims.rows as usize).div_ceil(cta_queries))?,
@@ -163,16 +259,16 @@ impl CudaBackend {
                 1,
             ),
             block_dim: (MMA_THREADS, 1, 1),
-            shared_mem_bytes: narrow(op, prefill_shared_bytes(head_dim))?,
+            shared_mem_bytes: narrow(op, prefill_shared_bytes(shape.head_dim))?,
         };
         let mut b = self.stream.launch_builder(&attend);
         b.arg(&q.data)
             .arg(q_pos)
             .arg(&dims.rows)
-            .arg(&kp)
-            .arg(&vp)
+            .arg(&packed.k)
+            .arg(&packed.v)
             .arg(k_pos)
-            .arg(&bounds)
+            .arg(&packed.bounds)
             .arg(&dims.tokens)
             .arg(&mut states.o)
             .arg(&mut states.lse)
@@ -182,8 +278,9 @@ impl CudaBackend {
             .arg(&scale_log2);
         // SAFETY: CTA (x, kvh) holds queries x·cta_queries.. (below `rows`) × the gsz heads of
         // KV head kvh, at most PREFILL_ROWS rows; q, q_pos and the states hold `rows` rows of
-        // q_heads cells, kp/vp/bounds are pack_keys' output for `tokens` keys, and the shared
-        // memory is the kernel's stages (the function's maximum was raised to it).
+        // q_heads cells, the packed keys, bounds and k_pos hold `tokens` keys in whole tiles,
+        // and the shared memory is the kernel's stages (the function's maximum was raised to
+        // it).
         unsafe { b.launch(cfg) }.ctx("launching prefill_attention")?;
         Ok(())
     }
@@ -256,6 +353,53 @@ struct Dims {
     q_heads: u32,
     kv_heads: u32,
     head_dim: u32,
+}
+
+impl Dims {
+    fn of(op: &str, shape: &AttnShape, rows: usize, tokens: usize) -> Result<Dims> {
+        Ok(Dims {
+            rows: narrow(op, rows)?,
+            tokens: narrow(op, tokens)?,
+            q_heads: narrow(op, shape.q_heads)?,
+            kv_heads: narrow(op, shape.kv_heads)?,
+            head_dim: narrow(op, shape.head_dim)?,
+        })
+    }
+}
+
+/// A block's keys and values in `prefill.cu`'s tiles (head-major, 16-bit, padded to whole
+/// tiles), with each tile's smallest and largest position.
+struct PackedKeys {
+    dtype: DType,
+    tiles: u32,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    bounds: CudaSlice<u32>,
+}
+
+impl PackedKeys {
+    /// The packing kernels' launch: one CTA per tile.
+    fn launch(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.tiles, 1, 1),
+            block_dim: (LAYER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// Refuses states that are not `q`'s rows of the shape's heads.
+fn check_states(op: &str, shape: &AttnShape, q: &CudaTensor, states: &CudaStates) -> Result<()> {
+    expect_size("cuda", op, "the states' rows", states.rows, q.rows)?;
+    expect_size("cuda", op, "the states' heads", states.heads, shape.q_heads)?;
+    expect_size(
+        "cuda",
+        op,
+        "the states' head dim",
+        states.head_dim,
+        shape.head_dim,
+    )?;
+    Ok(())
 }
 
 /// Whether `prefill.cu` runs a block of keys of `dtype` for `shape`: 16-bit KV, a head dim the
