@@ -104,27 +104,12 @@ impl CudaBackend {
     fn attend_on_tensor_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
         let (shape, keys, dims) = (block.shape, block.keys, block.dims);
         let mut packed = self.packed_keys(shape, keys.dtype, dims.tokens as usize)?;
-        let kernel = Kernel::Prefill {
-            dtype: keys.dtype,
-            head_dim: shape.head_dim,
-            entry: "pack_keys",
+        let rows = Packer::Rows {
+            k: &keys.k.data,
+            v: &keys.v.data,
         };
-        let f = self.function(kernel)?;
-        let kv_heads = dims.kv_heads as i32;
-        let cfg = packed.launch();
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&keys.k.data)
-            .arg(&keys.v.data)
-            .arg(&block.k_pos)
-            .arg(&dims.tokens)
-            .arg(&kv_heads)
-            .arg(&mut packed.k)
-            .arg(&mut packed.v)
-            .arg(&mut packed.bounds);
-        // SAFETY: one CTA per tile of PREFILL_TILE tokens; k and v hold `tokens` rows of
-        // kv_heads × head_dim floats and k_pos `tokens` positions (checked), and the packed
-        // buffers were sized for `tiles` whole tiles of every head.
-        unsafe { b.launch(cfg) }.ctx("launching pack_keys")?;
+        // SAFETY: k and v hold `tokens` rows of kv_heads × head_dim floats each (checked).
+        unsafe { self.launch_packer(rows, &block.k_pos, dims, &mut packed) }?;
         self.prefill_attention(
             shape,
             block.q,
@@ -188,29 +173,14 @@ impl CudaBackend {
             self.upload(slots)?,
         );
         let mut packed = self.packed_keys(shape, kv.dtype, slots.len())?;
-        let kernel = Kernel::Prefill {
-            dtype: kv.dtype,
-            head_dim: shape.head_dim,
-            entry: "gather_keys",
+        let cache = Packer::Cache {
+            k: &kv.k,
+            v: &kv.v,
+            slots: &slots,
         };
-        let f = self.function(kernel)?;
-        let kv_heads = dims.kv_heads as i32;
-        let cfg = packed.launch();
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&kv.k)
-            .arg(&kv.v)
-            .arg(&slots)
-            .arg(&k_pos)
-            .arg(&dims.tokens)
-            .arg(&kv_heads)
-            .arg(&mut packed.k)
-            .arg(&mut packed.v)
-            .arg(&mut packed.bounds);
-        // SAFETY: one CTA per tile of PREFILL_TILE tokens; every slot is one of the pool's
-        // (checked), whose K and V hold `pool` tokens of kv_heads × head_dim 16-bit elements
-        // (the shape is the pool's), k_pos holds `tokens` positions, and the packed buffers
-        // were sized for `tiles` whole tiles of every head.
-        unsafe { b.launch(cfg) }.ctx("launching gather_keys")?;
+        // SAFETY: the pool's K and V hold `pool` tokens of kv_heads × head_dim 16-bit elements
+        // (the shape is the pool's), and each of the `tokens` slots is one of them (checked).
+        unsafe { self.launch_packer(cache, &k_pos, dims, &mut packed) }?;
         self.prefill_attention(shape, q, &q_pos, &k_pos, dims, &packed, states)
     }
 
@@ -226,6 +196,46 @@ impl CudaBackend {
             v: self.alloc::<u16>(len)?,
             bounds: self.alloc::<u32>(2 * tiles)?,
         })
+    }
+
+    /// Launches `prefill.cu`'s packer of `source` into `packed`, one CTA per tile.
+    ///
+    /// # Safety
+    /// `source` must hold `dims.tokens` keys of the shape `packed` was sized for (a cache's
+    /// slots, each one of its pool's), and `k_pos` their positions.
+    unsafe fn launch_packer(
+        &self,
+        source: Packer,
+        k_pos: &CudaSlice<u32>,
+        dims: Dims,
+        packed: &mut PackedKeys,
+    ) -> Result<()> {
+        let entry = match source {
+            Packer::Rows { .. } => "pack_keys",
+            Packer::Cache { .. } => "gather_keys",
+        };
+        let f = self.function(Kernel::Prefill {
+            dtype: packed.dtype,
+            head_dim: dims.head_dim as usize,
+            entry,
+        })?;
+        let kv_heads = dims.kv_heads as i32;
+        let cfg = packed.launch();
+        let mut b = self.stream.launch_builder(&f);
+        match source {
+            Packer::Rows { k, v } => b.arg(k).arg(v),
+            Packer::Cache { k, v, slots } => b.arg(k).arg(v).arg(slots),
+        };
+        b.arg(k_pos)
+            .arg(&dims.tokens)
+            .arg(&kv_heads)
+            .arg(&mut packed.k)
+            .arg(&mut packed.v)
+            .arg(&mut packed.bounds);
+        // SAFETY: the source holds `tokens` keys (the caller's promise), k_pos their
+        // positions, and the packed buffers `tiles` whole tiles of every head.
+        unsafe { b.launch(cfg) }.ctx(format!("launching {entry}"))?;
+        Ok(())
     }
 
     /// `prefill_attention` of the rows `q` at `q_pos` over packed keys at `k_pos`.
@@ -365,6 +375,21 @@ impl Dims {
             head_dim: narrow(op, shape.head_dim)?,
         })
     }
+}
+
+/// Where a block's keys come from, for `prefill.cu`'s packers: fp32 activations (`pack_keys`)
+/// or a KV cache's physical slots (`gather_keys`).
+#[derive(Clone, Copy)]
+enum Packer<'a> {
+    Rows {
+        k: &'a CudaSlice<f32>,
+        v: &'a CudaSlice<f32>,
+    },
+    Cache {
+        k: &'a CudaSlice<u8>,
+        v: &'a CudaSlice<u8>,
+        slots: &'a CudaSlice<u32>,
+    },
 }
 
 /// A block's keys and values in `prefill.cu`'s tiles (head-major, 16-bit, padded to whole
