@@ -24,6 +24,22 @@ impl CudaKv {
     pub(crate) fn bytes_of(&self, tokens: usize) -> usize {
         tokens * self.shape.kv_token_bytes(self.dtype)
     }
+
+    /// Physical token slots of the pool (a paged pool's pages, whatever its page table says).
+    pub(crate) fn pool_tokens(&self) -> usize {
+        self.k.len() / self.bytes_of(1).max(1)
+    }
+
+    /// Refuses, naming `op`, a slot past the pool: kernels index the pool by these slots.
+    pub(crate) fn check_slots(&self, op: &str, slots: &[u32]) -> Result<()> {
+        let pool = self.pool_tokens();
+        match slots.iter().find(|&&slot| slot as usize >= pool) {
+            Some(slot) => Err(CudaError::Unsupported(format!(
+                "{op}: slot {slot} is outside the KV pool of {pool} tokens"
+            ))),
+            None => Ok(()),
+        }
+    }
 }
 
 pub(crate) struct Paging {

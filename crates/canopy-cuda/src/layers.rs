@@ -286,8 +286,7 @@ impl CudaBackend {
         let width = kv.shape.kv_token_elems();
         expect_size("cuda", "store_kv", "the width of k", k.cols, width)?;
         same_dims("store_kv", "v", v, (k.rows, k.cols))?;
-        // Physical slots of the pool (a paged pool's pages, whatever its page table says).
-        let pool = kv.k.len() / kv.bytes_of(1).max(1);
+        let pool = kv.pool_tokens();
         if let Some(&(row, slot)) = rows
             .iter()
             .find(|&&(row, slot)| row as usize >= k.rows || slot as usize >= pool)
@@ -324,12 +323,7 @@ impl CudaBackend {
     /// [`LayerOps::load_kv`]: `layers.cu`'s `load_kv`, compiled for the KV's dtype.
     pub(super) fn load_rows(&self, kv: &CudaKv, slots: &[u32]) -> Result<(CudaTensor, CudaTensor)> {
         let width = kv.shape.kv_token_elems();
-        let pool = kv.k.len() / kv.bytes_of(1).max(1);
-        if let Some(&slot) = slots.iter().find(|&&slot| slot as usize >= pool) {
-            return Err(CudaError::Unsupported(format!(
-                "load_kv: slot {slot} is outside the KV pool of {pool} tokens"
-            )));
-        }
+        kv.check_slots("load_kv", slots)?;
         let (mut k, mut v) = (
             self.tensor_of(slots.len(), width)?,
             self.tensor_of(slots.len(), width)?,

@@ -115,13 +115,23 @@ impl KvLayout {
             .map(|(_, t)| t.clone())
     }
 
-    /// Rank `rank`'s chunk of `piece` (one run: a piece's pages are placed contiguously;
-    /// empty when the piece has fewer pages than there are ranks).
-    pub fn chunk_of(&self, piece: &Range<usize>, rank: usize) -> Range<usize> {
-        self.prompt_runs(rank)
-            .map(|run| run.start.max(piece.start)..run.end.min(piece.end))
-            .find(|r| !r.is_empty())
-            .unwrap_or(piece.start..piece.start)
+    /// Each rank's chunk of `piece`, in rank order (one run each: a piece's pages are placed
+    /// contiguously; empty for a rank when the piece has fewer pages than there are ranks).
+    pub fn chunks(&self, piece: &Range<usize>) -> Vec<Range<usize>> {
+        (0..self.manager.ranks())
+            .map(|rank| {
+                self.prompt_runs(rank)
+                    .map(|run| run.start.max(piece.start)..run.end.min(piece.end))
+                    .find(|r| !r.is_empty())
+                    .unwrap_or(piece.start..piece.start)
+            })
+            .collect()
+    }
+
+    /// The most tokens one rank prefills in one pass (its widest chunk of any piece).
+    pub fn widest_chunk(&self) -> usize {
+        let widest = |piece| self.chunks(piece).iter().map(|c| c.len()).max();
+        self.pieces.iter().filter_map(widest).max().unwrap_or(0)
     }
 
     /// The physical slot of each prompt position of `tokens` (all held by one rank).

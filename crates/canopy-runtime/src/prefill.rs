@@ -123,7 +123,7 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     let mut logits = vec![0.0; layers.config.vocab_size];
     let mut held = HeldKeys::default();
     for (j, piece) in kv.pieces().iter().enumerate() {
-        let chunks: Vec<Range<usize>> = (0..ranks).map(|r| kv.chunk_of(piece, r)).collect();
+        let chunks = kv.chunks(piece);
         let width = chunks.iter().map(|c| c.len()).max().unwrap_or(0).max(1);
         let padded = |c: &Range<usize>| {
             let pad = width - c.len();
@@ -141,18 +141,23 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         held.slots.extend(&own_slots);
         held.positions.extend(own.clone().map(|p| p as u32));
         let gathered: Vec<u32> = chunks.iter().flat_map(padded).map(|p| p as u32).collect();
-        let mut merge = match ranks {
+        let cols = shape.q_row_elems();
+        let mut exchange = match ranks {
             1 => None,
-            _ => Some(StatesMerge::new(
-                backend,
-                gathered.len() * shape.q_heads,
-                shape.head_dim,
-                ranks,
-            )?),
+            _ => Some(Exchange {
+                merge: StatesMerge::new(
+                    backend,
+                    gathered.len() * shape.q_heads,
+                    shape.head_dim,
+                    ranks,
+                )?,
+                q: backend.tensor(gathered.len(), cols)?,
+                out: backend.tensor(gathered.len(), cols)?,
+            }),
         };
         let held = &held;
         let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
-            let Some(merge) = merge.as_mut() else {
+            let Some(ex) = exchange.as_mut() else {
                 let mut states = backend.empty_states(&shape, width)?;
                 backend.cached_attention(
                     &shape,
@@ -165,30 +170,27 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                 )?;
                 return Ok(backend.states_output(&states, out)?);
             };
-            let cols = shape.q_row_elems();
-            let mut q = backend.tensor(gathered.len(), cols)?;
             let mine = backend.tensor_buf(&qkv.q);
-            comm.all_gather_buf(backend, mine, width * cols, backend.tensor_buf_mut(&mut q))?;
+            comm.all_gather_buf(
+                backend,
+                mine,
+                width * cols,
+                backend.tensor_buf_mut(&mut ex.q),
+            )?;
             let mut states = backend.empty_states(&shape, gathered.len())?;
             backend.cached_attention(
                 &shape,
-                &q,
+                &ex.q,
                 &gathered,
                 cache,
                 &held.slots,
                 &held.positions,
                 &mut states,
             )?;
-            merge.run(
-                backend,
-                comm,
-                &mut states,
-                MergeCollective::Allreduce2,
-                &layout,
-            )?;
-            let mut all = backend.tensor(gathered.len(), cols)?;
-            backend.states_output(&states, &mut all)?;
-            Ok(backend.copy_rows(&all, rank * width, out)?)
+            let how = MergeCollective::Allreduce2;
+            ex.merge.run(backend, comm, &mut states, how, &layout)?;
+            backend.states_output(&states, &mut ex.out)?;
+            Ok(backend.copy_rows(&ex.out, rank * width, out)?)
         };
         let rows = PrefillRows {
             ids: &ids,
@@ -203,6 +205,14 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     }
     comm.all_reduce(&mut logits, ReduceOp::Sum)?;
     Ok(logits)
+}
+
+/// A piece's buffers for the exchange between ranks, made once a piece: every rank's queries
+/// (gathered), their attention output, and the merge of their states.
+struct Exchange<B: LayerOps> {
+    merge: StatesMerge<B>,
+    q: B::Tensor,
+    out: B::Tensor,
 }
 
 /// The prompt keys a rank holds so far: their physical slots and positions.

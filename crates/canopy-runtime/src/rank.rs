@@ -104,12 +104,7 @@ impl GenerateRequest {
         let layout = self.layout(prompt, ranks)?;
         // A prefill pass carries a chunk of rows (padded to the piece's widest) and attends
         // every rank's, gathered, to at most the rank's share of the prompt.
-        let chunk = layout
-            .pieces()
-            .iter()
-            .flat_map(|piece| (0..ranks).map(|r| layout.chunk_of(piece, r).len()))
-            .max()
-            .unwrap_or(0);
+        let chunk = layout.widest_chunk();
         let (max_rows, attention_rows, attention_keys) = match self.context_fill {
             ContextFill::Prefill => (
                 chunk.max(self.samples),

@@ -3,6 +3,7 @@
 //! rank's block and the blocks that arrive from other ranks, in any order. Also the empty
 //! states those blocks merge into.
 
+use super::gemm::StepInput;
 use super::{narrow, same_dims, CudaTensor};
 use crate::backend::{CudaBackend, CudaStates};
 use crate::error::{CudaError, DriverContext, Result};
@@ -16,6 +17,7 @@ use canopy_kernels::{
     MMA_HEAD_DIMS, MMA_THREADS, PREFILL_ROWS, PREFILL_TILE,
 };
 use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// Whether `causal_attention` holds heads of `head_dim` (whole warps of lanes, in registers).
 pub(super) fn holds(head_dim: usize) -> bool {
@@ -87,9 +89,9 @@ impl CudaBackend {
         let block = Block {
             shape,
             q,
-            q_pos: self.upload(q_pos)?,
+            q_pos: self.upload_step_input(StepInput::Positions, q_pos)?,
             keys,
-            k_pos: self.upload(keys.positions)?,
+            k_pos: self.upload_step_input(StepInput::KeyPositions, keys.positions)?,
             dims: Dims::of(op, shape, q.rows, k.rows)?,
         };
         if on_tensor_cores(shape, keys.dtype) {
@@ -157,20 +159,16 @@ impl CudaBackend {
         check_attention_shape(op, shape)?;
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
         check_states(op, shape, q, states)?;
-        let pool = kv.k.len() / kv.bytes_of(1).max(1);
-        if let Some(&slot) = slots.iter().find(|&&slot| slot as usize >= pool) {
-            return Err(CudaError::Unsupported(format!(
-                "{op}: slot {slot} is outside the KV pool of {pool} tokens"
-            )));
-        }
+        kv.check_slots(op, slots)?;
         if q.rows == 0 || slots.is_empty() {
             return Ok(());
         }
         let dims = Dims::of(op, shape, q.rows, slots.len())?;
+        // Every layer of a prefill pass reads the same keys: uploaded once a pass.
         let (q_pos, k_pos, slots) = (
-            self.upload(q_pos)?,
-            self.upload(positions)?,
-            self.upload(slots)?,
+            self.upload_step_input(StepInput::Positions, q_pos)?,
+            self.upload_step_input(StepInput::KeyPositions, positions)?,
+            self.upload_step_input(StepInput::KeySlots, slots)?,
         );
         let mut packed = self.packed_keys(shape, kv.dtype, slots.len())?;
         let cache = Packer::Cache {
@@ -299,7 +297,7 @@ impl CudaBackend {
     fn attend_on_cuda_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
         let op = "causal_attention";
         let (shape, q, keys, dims) = (block.shape, block.q, block.keys, block.dims);
-        let (q_pos, k_pos) = (&block.q_pos, &block.k_pos);
+        let (q_pos, k_pos): (&CudaSlice<u32>, &CudaSlice<u32>) = (&block.q_pos, &block.k_pos);
         let Dims {
             rows,
             tokens,
@@ -349,9 +347,9 @@ impl CudaBackend {
 struct Block<'a> {
     shape: &'a AttnShape,
     q: &'a CudaTensor,
-    q_pos: CudaSlice<u32>,
+    q_pos: Arc<CudaSlice<u32>>,
     keys: KeyBlock<'a, CudaTensor>,
-    k_pos: CudaSlice<u32>,
+    k_pos: Arc<CudaSlice<u32>>,
     dims: Dims,
 }
 

@@ -49,14 +49,18 @@ pub(crate) struct LayerState {
 /// A host array and its copy on the device.
 type Uploaded = (Vec<u32>, Arc<CudaSlice<u32>>);
 
-/// Small per-step arrays every layer uploads: uploaded once while they stay the same, so the
-/// layers' kernels follow one another with no copy between them.
+/// Per-step (or per-pass) arrays every layer uploads: uploaded once while they stay the same,
+/// so the layers' kernels follow one another with no copy between them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum StepInput {
-    /// The rows' positions, for RoPE.
+    /// The rows' positions, for RoPE and as attention's query positions.
     Positions,
     /// (row, slot) pairs, for the KV store.
     Slots,
+    /// The positions of the keys a prefill's attention reads.
+    KeyPositions,
+    /// The cache slots of the keys a prefill's attention reads.
+    KeySlots,
 }
 
 struct Gemm {
