@@ -195,7 +195,7 @@ impl Metrics {
         gauge(
             &mut out,
             "canopy_running_requests",
-            "Requests admitted and not finished.",
+            "Requests admitted whose pages are not yet released.",
             s.running as f64,
         );
         gauge(

@@ -181,7 +181,8 @@ impl Limits {
 pub struct EngineStatus {
     /// Requests waiting for admission.
     pub waiting: usize,
-    /// Requests admitted and not finished.
+    /// Requests admitted whose pages are not yet released (ended ones count until the next
+    /// step frees them).
     pub running: usize,
     /// Sample rows decoded in the last step.
     pub batch: usize,

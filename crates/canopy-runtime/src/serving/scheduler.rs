@@ -408,7 +408,9 @@ impl<'t> Scheduler<'t> {
         let stats = cache.stats();
         let st = &mut self.status;
         st.waiting = self.waiting.len();
-        st.running = self.running.len();
+        // A request ended since the last step still holds its pages until the next one frees
+        // them: it counts as running until then, so `running == 0` means the pages are back.
+        st.running = self.running.len() + self.ending.len();
         st.pages_used = cache.kv().pages_in_use();
         st.pages_free = cache.kv().pages_free();
         st.pages_cached = cache.evictable_pages();
@@ -470,6 +472,22 @@ mod tests {
         }
     }
 
+    /// A client that takes `left` events and is gone at the next one, unnoticed until then.
+    struct Leaves {
+        left: usize,
+    }
+
+    impl EventSink for Leaves {
+        fn send(&mut self, _: Event) -> bool {
+            self.left = self.left.saturating_sub(1);
+            self.left > 0
+        }
+
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+
     fn engine() -> (EngineHandle, EngineInbox, Books, Tokenizer) {
         let limits = Limits {
             max_context: 256,
@@ -489,6 +507,23 @@ mod tests {
         ignore_eos: bool,
     ) -> Arc<Mutex<Vec<Event>>> {
         let events = Arc::new(Mutex::new(Vec::new()));
+        submit_to(
+            h,
+            prompt,
+            max_tokens,
+            ignore_eos,
+            Box::new(Keep(events.clone())),
+        );
+        events
+    }
+
+    fn submit_to(
+        h: &EngineHandle,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        ignore_eos: bool,
+        sink: Box<dyn EventSink>,
+    ) {
         h.submit(ServeRequest {
             prompt,
             max_tokens,
@@ -497,10 +532,9 @@ mod tests {
             seed: 0,
             stop: Vec::new(),
             ignore_eos,
-            sink: Box::new(Keep(events.clone())),
+            sink,
         })
         .unwrap();
-        events
     }
 
     /// Logits whose greedy token is `token`, for `rows` rows.
@@ -608,5 +642,30 @@ mod tests {
         };
         assert_eq!(ends(&stops), (1, Some(FinishReason::Stop)));
         assert_eq!(ends(&goes_on), (3, Some(FinishReason::Length)));
+    }
+
+    #[test]
+    fn a_request_whose_client_left_runs_until_its_pages_are_freed() {
+        let (h, inbox, mut books, tokenizer) = engine();
+        let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 64);
+        // Started, then the first token: the client is found gone while its token is drawn.
+        submit_to(&h, vec![7; 40], 8, false, Box::new(Leaves { left: 2 }));
+        let step = s.next_step(&books);
+        run(&mut s, &mut books, &step, 20);
+        let st = h.status();
+        assert!(st.pages_used > 0);
+        assert_eq!(
+            st.running, 1,
+            "a request ended in a step holds its pages until the next: {st:?}"
+        );
+        let step = s.next_step(&books);
+        assert_eq!(step.end, [0]);
+        run(&mut s, &mut books, &step, 20);
+        let st = h.status();
+        assert_eq!(st.running, 0);
+        assert_eq!(
+            st.pages_used, st.pages_cached,
+            "only the cached prefix holds pages"
+        );
     }
 }
