@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of whole binaries on `bench decode` (random weights and context, one rank, tree): every
-# binary in BINS ("name=path ...", default this build against .device/canopy-base) on every
+# binary in BINS ("name=path ...", default this build against .device/canopy-base; a path may
+# end in @ and one flag of bench decode, e.g. eager=.device/canopy@--eager) on every
 # shape in ARCHS at CONTEXTS, ROUNDS times in turn so drift shows. Each binary keeps its own
 # kernel cache. Results: $OUT/ab.jsonl (one line per row) and log.txt.
 set -uo pipefail
@@ -12,11 +13,12 @@ DEADLINE=${DEADLINE:-520}
   for round in $(seq "${ROUNDS:-2}"); do
     for arch in ${ARCHS:-llama-3.1-8b llama-3.2-1b}; do
       for entry in $BINS; do
-        name=${entry%%=*} bin=${entry#*=}
+        name=${entry%%=*} bin=${entry#*=} flag=
+        case $bin in *@*) flag=${bin#*@} bin=${bin%%@*} ;; esac
         [ $SECONDS -gt "$DEADLINE" ] && { echo "SKIPPED $name $arch round $round (time)"; continue; }
         CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-$name $bin bench decode --arch "$arch" \
           --random-weights --context-fill random --context "${CONTEXTS:-8K,32K}" --ranks 1 \
-          --strategy tree --decode "${DECODE:-20}" --json 2> "$OUT/$name-$arch-$round.err" \
+          --strategy tree --decode "${DECODE:-20}" $flag --json 2> "$OUT/$name-$arch-$round.err" \
           | python3 -c 'import json,sys
 r=json.load(sys.stdin); b,a,k=sys.argv[1:4]
 for x in r["rows"]:

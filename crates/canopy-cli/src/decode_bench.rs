@@ -123,6 +123,9 @@ pub struct DecodeArgs {
     /// Prompt tokens each rank prefills in one pass (K = 1024).
     #[arg(long, value_parser = parse_tokens, default_value_t = DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
+    /// Run every decode step kernel by kernel, never replaying a recorded CUDA graph.
+    #[arg(long)]
+    eager: bool,
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
     /// The dtype of the weights and the KV cache [default: f32 on the CPU, bf16 on a GPU].
@@ -322,6 +325,7 @@ fn request(
         kv_dtype: dtype,
         context_fill: a.context_fill.context_fill(a.seed),
         prefill_chunk: a.prefill_chunk,
+        graphs: !a.eager,
     }
 }
 

@@ -55,6 +55,9 @@ pub struct GenerateArgs {
     /// are bounded by this, not by the prompt.
     #[arg(long, value_parser = crate::decode_bench::parse_tokens, default_value_t = DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
+    /// Run every decode step kernel by kernel, never replaying a recorded CUDA graph.
+    #[arg(long)]
+    eager: bool,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
@@ -176,6 +179,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         kv_dtype: dtype,
         context_fill: a.context_fill.context_fill(a.seed),
         prefill_chunk: a.prefill_chunk,
+        graphs: !a.eager,
     };
     let run = Run {
         args: &a,

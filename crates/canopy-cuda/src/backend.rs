@@ -148,6 +148,8 @@ pub struct CudaBackend {
     pub(crate) flush: Mutex<Option<(CudaSlice<u8>, CudaSlice<u32>)>>,
     /// The dense layers' cuBLAS handle and scratch, made on first use.
     pub(crate) layers: crate::layers::LayerState,
+    /// Recording decode passes: whether one is being captured, and the epoch of what they read.
+    pub(crate) graph: crate::graph::GraphState,
 }
 
 pub struct CudaQueries {
@@ -197,6 +199,7 @@ impl CudaBackend {
             page_size: None,
             flush: Mutex::new(None),
             layers: Default::default(),
+            graph: Default::default(),
         })
     }
 
@@ -263,6 +266,7 @@ impl CudaBackend {
     }
 
     pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.refuse_while_capturing("a host upload")?;
         let mut d = self.alloc::<T>(host.len())?;
         if !host.is_empty() {
             self.stream.memcpy_htod(host, &mut d).ctx("cuMemcpyHtoD")?;
@@ -294,6 +298,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> EResult<CudaKv> {
+        self.renew("a KV pool")?;
         let token_bytes = shape.kv_token_bytes(dtype);
         let (slots, paging) = match self.page_size {
             None => (tokens, None),
@@ -391,6 +396,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> EResult<CudaPlan> {
+        self.renew("a plan")?;
         let gqa = shape.group_size();
         // A CTA holds at most 64 rows (either kernel: the CUDA-core one would otherwise loop over
         // the KV once per 8 rows); larger groups become CTAs that read the same KV from L2.
@@ -474,12 +480,14 @@ impl Backend for CudaBackend {
         // A masked group's new tokens set bits in its last block or add blocks: masks that
         // exist are uploaded again.
         if !masks.is_empty() {
+            self.renew("a plan's masks")?;
             p.masks = self.upload(&masks)?;
         }
         Ok(())
     }
 
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> EResult<CudaStates> {
+        self.renew("attention states")?;
         Ok(CudaStates {
             rows,
             heads: shape.q_heads,

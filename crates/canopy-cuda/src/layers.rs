@@ -105,6 +105,11 @@ fn activation_bytes(needs: &ModelNeeds) -> u64 {
         + logits) as u64
 }
 
+/// `(row, slot)` stores as `store_kv` reads them: row and slot, alternating.
+fn slot_pairs(rows: &[(u32, u32)]) -> Vec<u32> {
+    rows.iter().flat_map(|&(row, slot)| [row, slot]).collect()
+}
+
 fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
@@ -189,11 +194,11 @@ impl CudaBackend {
             return Ok(());
         }
         let (rows, cols) = (narrow("embed", ids.len())?, narrow("embed", table.cols)?);
-        let ids = self.upload(ids)?;
+        let ids = self.upload_step_input(StepInput::Ids, ids)?;
         let f = self.function(Kernel::Layers(table.dtype, "embed_rows"))?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(&table.data)
-            .arg(&ids)
+            .arg(&*ids)
             .arg(&mut out.data)
             .arg(&rows)
             .arg(&cols);
@@ -300,8 +305,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (count, width_) = (narrow("store_kv", rows.len())?, narrow("store_kv", width)?);
-        let pairs: Vec<u32> = rows.iter().flat_map(|&(row, slot)| [row, slot]).collect();
-        let pairs = self.upload_step_input(StepInput::Slots, &pairs)?;
+        let pairs = self.upload_step_input(StepInput::Slots, &slot_pairs(rows))?;
         let f = self.function(Kernel::Layers(kv.dtype, "store_kv"))?;
         let s = &self.stream;
         let params = Params::default()
@@ -352,6 +356,7 @@ impl CudaBackend {
 impl LayerOps for CudaBackend {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
+    type Graph = crate::CudaGraph;
 
     fn preferred_dtype(&self) -> DType {
         DType::Bf16
@@ -635,5 +640,28 @@ impl LayerOps for CudaBackend {
                 .ctx("cuMemcpyDtoDAsync")?;
         }
         Ok(())
+    }
+
+    fn graph_epoch(&self) -> Option<u64> {
+        Some(self.graph_epoch_now())
+    }
+
+    fn stage_step(&self, ids: &[u32], positions: &[u32], stores: &[(u32, u32)]) -> EResult<()> {
+        self.upload_step_input(StepInput::Ids, ids)?;
+        self.upload_step_input(StepInput::Positions, positions)?;
+        self.upload_step_input(StepInput::Slots, &slot_pairs(stores))?;
+        Ok(())
+    }
+
+    fn begin_capture(&self) -> EResult<()> {
+        Ok(CudaBackend::begin_capture(self)?)
+    }
+
+    fn end_capture(&self) -> EResult<crate::CudaGraph> {
+        Ok(CudaBackend::end_capture(self)?)
+    }
+
+    fn replay(&self, graph: &crate::CudaGraph) -> EResult<()> {
+        Ok(CudaBackend::replay(self, graph)?)
     }
 }

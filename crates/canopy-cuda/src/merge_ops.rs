@@ -34,6 +34,7 @@ impl MergeOps for CudaBackend {
     type Buf = CudaSlice<f32>;
 
     fn alloc_buf(&self, len: usize) -> EResult<CudaSlice<f32>> {
+        self.renew("a merge buffer")?;
         Ok(self.alloc(len)?)
     }
 

@@ -48,6 +48,8 @@ fn check_matmul(
 impl LayerOps for CpuBackend {
     type Tensor = HostMatrix;
     type Weight = HostMatrix;
+    /// The CPU records nothing: no graph exists.
+    type Graph = std::convert::Infallible;
 
     fn preferred_dtype(&self) -> DType {
         DType::F32
@@ -375,6 +377,14 @@ impl LayerOps for CpuBackend {
         )?;
         out.data.copy_from_slice(&states.o);
         Ok(())
+    }
+
+    fn end_capture(&self) -> Result<Self::Graph> {
+        Err(err("the cpu backend records no graphs".into()))
+    }
+
+    fn replay(&self, graph: &Self::Graph) -> Result<()> {
+        match *graph {}
     }
 }
 

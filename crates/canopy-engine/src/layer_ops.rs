@@ -60,6 +60,8 @@ pub trait LayerOps: MergeOps {
     type Tensor: Send;
     /// A weight: a row-major `rows × cols` matrix in backend memory, in its upload dtype.
     type Weight: Send + Sync;
+    /// A decode pass recorded once and replayed as one launch ([`LayerOps::begin_capture`]).
+    type Graph: Send;
 
     /// The dtype weights and KV should be loaded in, when the user does not choose.
     fn preferred_dtype(&self) -> DType;
@@ -189,6 +191,34 @@ pub trait LayerOps: MergeOps {
     }
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
+
+    /// Whether this backend records passes as graphs (`None`: it does not), and if so the
+    /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
+    /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is
+    /// stale and is never replayed.
+    fn graph_epoch(&self) -> Option<u64> {
+        None
+    }
+    /// Puts a decode step's token ids, positions and `(row, slot)` stores where the pass's
+    /// [`LayerOps::embed`], [`LayerOps::rope_split`] and [`LayerOps::store_kv`] read them,
+    /// written in place, so a recorded pass replayed next reads this step's.
+    fn stage_step(&self, _ids: &[u32], _positions: &[u32], _stores: &[(u32, u32)]) -> Result<()> {
+        Ok(())
+    }
+    /// Starts recording: the ops that follow are recorded, not run, until
+    /// [`LayerOps::end_capture`]. Between the two, only ops on staged inputs and on buffers
+    /// made before the recording began may run; anything else is an error that ends it.
+    fn begin_capture(&self) -> Result<()> {
+        Err(EngineError::Config(format!(
+            "the {} backend records no graphs",
+            self.name()
+        )))
+    }
+    /// Ends the recording begun by [`LayerOps::begin_capture`] (also after an op in it
+    /// failed) and returns it, ready to replay.
+    fn end_capture(&self) -> Result<Self::Graph>;
+    /// Runs a recorded pass on this step's staged inputs.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
 }
 
 /// A block of keys and values for [`LayerOps::causal_attention`]: `k` and `v` are `tokens ×

@@ -158,6 +158,11 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         self
     }
 
+    /// The ranks that attend together.
+    pub fn ranks(&self) -> usize {
+        self.comm.size()
+    }
+
     /// The merge the tree strategy runs (`None` for the ring).
     pub fn merge(&self) -> Option<MergeCollective> {
         match &self.kind {

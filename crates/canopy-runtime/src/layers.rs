@@ -464,18 +464,27 @@ impl<B: LayerOps> ModelLayers<B> {
     /// Next-token logits (`rows × vocab`, on the host) of the last layer's hidden rows
     /// `first..first + rows` of `x`.
     pub fn logits(&self, b: &B, x: &B::Tensor, first: usize, rows: usize) -> Result<Vec<f32>> {
+        let mut out = b.tensor(rows, self.config.vocab_size)?;
+        self.logits_into(b, x, first, &mut out)?;
+        Ok(b.download_tensor(&out)?)
+    }
+
+    /// [`ModelLayers::logits`] of `out`'s rows, left in `out` (`rows × vocab`) on the backend.
+    pub fn logits_into(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        first: usize,
+        out: &mut B::Tensor,
+    ) -> Result<()> {
         let c = &self.config;
+        let rows = b.dims(out).0;
         let mut picked = b.tensor(rows, c.hidden_size)?;
         b.copy_rows(x, first, &mut picked)?;
         let mut normed = b.tensor(rows, c.hidden_size)?;
         b.rms_norm(&picked, &self.norm, c.rms_norm_eps as f32, &mut normed)?;
-        let mut out = b.tensor(rows, c.vocab_size)?;
-        b.matmul(
-            &normed,
-            self.lm_head.as_ref().unwrap_or(&self.embed),
-            &mut out,
-        )?;
-        Ok(b.download_tensor(&out)?)
+        b.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed), out)?;
+        Ok(())
     }
 }
 

@@ -58,6 +58,9 @@ pub struct GenerateRequest {
     /// Prompt tokens each rank prefills in one pass (rounded up to whole pages): the prompt
     /// runs in pieces of `ranks ·` this many, which bounds a prefill's activations.
     pub prefill_chunk: usize,
+    /// Whether decode steps may replay a recorded pass where the backend records graphs
+    /// (CUDA, one rank); `false` runs every step op by op.
+    pub graphs: bool,
 }
 
 /// [`GenerateRequest::prefill_chunk`] unless set: large enough that the GEMMs run at their
@@ -192,6 +195,8 @@ pub struct Generated {
     /// against a reference: where its top two are close, another backend's rounding may
     /// rightly pick the other.
     pub top_two: Vec<TopTwo>,
+    /// Decode steps replayed from a recorded pass ([`GenerateRequest::graphs`]).
+    pub replayed_steps: usize,
 }
 
 /// Runs `req` on this rank of `comm`. Every rank of the world calls it with the same request;
@@ -260,7 +265,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         shape.head_dim,
     )?;
     let mut attention: Option<RankAttention<B, C>> = None;
-    let mut forward = Forward::new();
+    let mut forward = Forward::new().with_graphs(req.graphs);
     loop {
         // Draw each live sample's token from its logits.
         let mut live = Vec::new();
@@ -362,6 +367,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         merge_s,
         first_logits,
         top_two,
+        replayed_steps: forward.replayed(),
     })
 }
 

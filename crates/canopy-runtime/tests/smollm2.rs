@@ -60,6 +60,7 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
             kv_dtype: DType::F32,
             context_fill: canopy_runtime::ContextFill::Prefill,
             prefill_chunk: canopy_runtime::DEFAULT_PREFILL_CHUNK,
+            graphs: true,
         };
         // Every other prompt sharded over two ranks.
         let ranks = 1 + i % 2;

@@ -57,6 +57,7 @@ fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> Genera
         kv_dtype: DType::F32,
         context_fill: canopy_runtime::ContextFill::Prefill,
         prefill_chunk: canopy_runtime::DEFAULT_PREFILL_CHUNK,
+        graphs: true,
     }
 }
 

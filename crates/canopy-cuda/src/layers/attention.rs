@@ -165,12 +165,13 @@ impl CudaBackend {
         }
         let dims = Dims::of(op, shape, q.rows, slots.len())?;
         // Every layer of a prefill pass reads the same keys: uploaded once a pass.
+        let mut packed = self.packed_keys(shape, kv.dtype, slots.len())?;
+        // The step input buffers may be longer than their contents: their lengths are not read.
         let (q_pos, k_pos, slots) = (
             self.upload_step_input(StepInput::Positions, q_pos)?,
             self.upload_step_input(StepInput::KeyPositions, positions)?,
             self.upload_step_input(StepInput::KeySlots, slots)?,
         );
-        let mut packed = self.packed_keys(shape, kv.dtype, slots.len())?;
         let cache = Packer::Cache {
             k: &kv.k,
             v: &kv.v,

@@ -46,13 +46,18 @@ pub(crate) struct LayerState {
     step_inputs: Mutex<HashMap<StepInput, Uploaded>>,
 }
 
-/// A host array and its copy on the device.
+/// The least elements a step input buffer holds: a decode step's rows fit without growing.
+const STEP_INPUT_MIN: usize = 256;
+
+/// A host array and its copy on the device (the buffer may be longer).
 type Uploaded = (Vec<u32>, Arc<CudaSlice<u32>>);
 
 /// Per-step (or per-pass) arrays every layer uploads: uploaded once while they stay the same,
 /// so the layers' kernels follow one another with no copy between them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum StepInput {
+    /// The rows' token ids, for the embedding.
+    Ids,
     /// The rows' positions, for RoPE and as attention's query positions.
     Positions,
     /// (row, slot) pairs, for the KV store.
@@ -202,8 +207,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `host` on the device: the upload of the same `input` before if `host` is what it held.
-    /// A buffer is never written after its upload, so one in use by queued kernels stays valid.
+    /// `host` on the device, in `input`'s buffer: nothing to copy when `host` is what it
+    /// holds, else written in place when it fits and no op holds the buffer, else a larger
+    /// one. One stream orders the writes after the kernels queued before that read the buffer.
     pub(crate) fn upload_step_input(
         &self,
         input: StepInput,
@@ -214,12 +220,30 @@ impl CudaBackend {
             .step_inputs
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Some((held, device)) = last.get(&input) {
+        if let Some((held, device)) = last.get_mut(&input) {
             if held.as_slice() == host {
                 return Ok(device.clone());
             }
+            self.refuse_while_capturing("a step input not staged")?;
+            if let Some(buffer) = Arc::get_mut(device).filter(|b| b.len() >= host.len()) {
+                if !host.is_empty() {
+                    self.stream
+                        .memcpy_htod(host, &mut buffer.slice_mut(..host.len()))
+                        .ctx("cuMemcpyHtoD")?;
+                }
+                held.clear();
+                held.extend_from_slice(host);
+                return Ok(device.clone());
+            }
         }
-        let device = Arc::new(self.upload(host)?);
+        self.renew("a step input buffer")?;
+        let mut buffer = self.alloc::<u32>(host.len().next_power_of_two().max(STEP_INPUT_MIN))?;
+        if !host.is_empty() {
+            self.stream
+                .memcpy_htod(host, &mut buffer.slice_mut(..host.len()))
+                .ctx("cuMemcpyHtoD")?;
+        }
+        let device = Arc::new(buffer);
         last.insert(input, (host.to_vec(), device.clone()));
         Ok(device)
     }
@@ -294,6 +318,7 @@ impl CudaBackend {
                     Some(kept) if kept.len() >= len => kept,
                     // Freed (stream-ordered) before its larger replacement is allocated.
                     small => {
+                        self.renew("a GEMM scratch")?;
                         drop(small);
                         self.alloc::<u16>(len)?
                     }
