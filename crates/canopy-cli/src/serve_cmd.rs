@@ -66,6 +66,9 @@ pub struct EngineArgs {
     /// Requests waiting for admission, at most; past it, 429.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
+    /// Run every decode step kernel by kernel, never replaying a recorded CUDA graph.
+    #[arg(long)]
+    eager: bool,
 }
 
 /// Where the HTTP side listens and what it accepts.
@@ -131,6 +134,7 @@ pub fn serve(
         max_batch: e.max_batch,
         max_context,
         prefill_chunk: e.prefill_chunk,
+        graphs: !e.eager,
     };
     let ModelSource {
         name,

@@ -7,11 +7,14 @@
 //! backend between calls, so a generation and a serving loop run the same pass.
 //!
 //! On a backend that records graphs (CUDA), a pass is recorded once its step looks like the
-//! last one (same rows, same stores, same epoch of the buffers it reads: no plan, state or
+//! last ones (same rows, same stores, same epoch of the buffers it reads: no plan, state or
 //! input buffer made anew since) and replayed while steps keep looking the same: each step's
 //! ids, positions and slots are staged where the recording reads them, and the logits land in
-//! one tensor [`Forward`] keeps. A step of several ranks, a timed step, or a backend that
-//! records nothing runs op by op, as does every step after a recording failed.
+//! one tensor [`Forward`] keeps. Recording costs a few steps' host time, so it waits for
+//! [`Forward`]'s patience of like steps in a row; a recording dropped before it paid for
+//! itself (a serving batch whose rows or layout keep changing) doubles the patience, one that
+//! paid halves it. A step of several ranks, a timed step, or a backend that records nothing
+//! runs op by op, as does every step after a recording failed.
 
 use crate::layers::ModelLayers;
 use crate::Result;
@@ -32,13 +35,56 @@ pub struct StepRows<'a> {
 pub struct Forward<B: LayerOps> {
     /// Whether passes may be recorded and replayed where the backend records graphs.
     graphs: bool,
-    /// The last recorded pass and the step it was recorded for.
-    recorded: Option<(PassKey, B::Graph)>,
-    /// The last step run op by op: a step like it is recorded.
-    last_eager: Option<PassKey>,
+    recorder: Recorder<B::Graph>,
     /// Where every pass leaves its logits (`rows × vocab`), kept so a recording's stay valid.
     logits: Option<B::Tensor>,
+}
+
+/// When to record, and what was recorded.
+struct Recorder<G> {
+    /// The recorded pass, the step it was recorded for, and its replays so far.
+    recorded: Option<Recorded<G>>,
+    /// The last step run op by op, and how many like it ran op by op in a row before it.
+    eager: Option<(PassKey, usize)>,
+    /// Like steps run op by op in a row before the next is recorded.
+    patience: usize,
     replayed: usize,
+}
+
+impl<G> Recorder<G> {
+    /// Drops the recording (its step is gone), weighing what it paid in the patience.
+    fn drop_recording(&mut self) {
+        if let Some(r) = self.recorded.take() {
+            self.patience = if r.replays < PAYBACK_REPLAYS {
+                (self.patience * 2).min(MOST_PATIENCE)
+            } else {
+                (self.patience / 2).max(1)
+            };
+            self.eager = None;
+        }
+    }
+
+    /// Whether the step of `key`, not the recorded one, is to be recorded (else run op by op).
+    fn records(&mut self, key: PassKey) -> bool {
+        self.drop_recording();
+        let like = match self.eager {
+            Some((k, before)) if k == key => before + 1,
+            _ => 0,
+        };
+        self.eager = Some((key, like));
+        like >= self.patience
+    }
+}
+
+/// Replays a recording must reach to pay for itself (recording one costs a few steps).
+const PAYBACK_REPLAYS: usize = 4;
+/// The most like steps [`Forward`] waits for before recording.
+const MOST_PATIENCE: usize = 64;
+
+struct Recorded<G> {
+    key: PassKey,
+    graph: G,
+    replays: usize,
 }
 
 /// What a recorded pass is valid for: every other input is staged or is a buffer of the epoch.
@@ -60,10 +106,13 @@ impl<B: LayerOps> Forward<B> {
     pub fn new() -> Forward<B> {
         Forward {
             graphs: true,
-            recorded: None,
-            last_eager: None,
+            recorder: Recorder {
+                recorded: None,
+                eager: None,
+                patience: 1,
+                replayed: 0,
+            },
             logits: None,
-            replayed: 0,
         }
     }
 
@@ -75,7 +124,7 @@ impl<B: LayerOps> Forward<B> {
 
     /// Steps replayed from a recorded pass so far.
     pub fn replayed(&self) -> usize {
-        self.replayed
+        self.recorder.replayed
     }
 
     /// `rows` through every layer of `layers`, their keys and values stored in `caches` (one
@@ -100,33 +149,35 @@ impl<B: LayerOps> Forward<B> {
             pass(backend, layers, caches, attention, rows, None, logits)?;
             return Ok(backend.download_tensor(logits)?);
         };
-        match &self.recorded {
-            Some((k, graph)) if *k == key => {
-                backend.replay(graph)?;
-                self.replayed += 1;
+        let recorder = &mut self.recorder;
+        if let Some(r) = recorder.recorded.as_mut().filter(|r| r.key == key) {
+            backend.replay(&r.graph)?;
+            r.replays += 1;
+            recorder.replayed += 1;
+            return Ok(backend.download_tensor(logits)?);
+        }
+        if !recorder.records(key) {
+            pass(backend, layers, caches, attention, rows, None, logits)?;
+            return Ok(backend.download_tensor(logits)?);
+        }
+        backend.begin_capture()?;
+        let ran = pass(backend, layers, caches, attention, rows, None, logits);
+        match (ran, backend.end_capture()) {
+            (Ok(_), Ok(graph)) => {
+                backend.replay(&graph)?;
+                recorder.recorded = Some(Recorded {
+                    key,
+                    graph,
+                    replays: 0,
+                });
             }
-            _ if self.last_eager == Some(key) => {
-                backend.begin_capture()?;
-                let ran = pass(backend, layers, caches, attention, rows, None, logits);
-                match (ran, backend.end_capture()) {
-                    (Ok(_), Ok(graph)) => {
-                        backend.replay(&graph)?;
-                        self.recorded = Some((key, graph));
-                    }
-                    (ran, ended) => {
-                        let why = ran.err().map_or_else(
-                            || ended.err().map(|e| e.to_string()).unwrap_or_default(),
-                            |e| e.to_string(),
-                        );
-                        tracing::warn!("decode steps run op by op: recording one failed: {why}");
-                        self.graphs = false;
-                        self.recorded = None;
-                        pass(backend, layers, caches, attention, rows, None, logits)?;
-                    }
-                }
-            }
-            _ => {
-                self.last_eager = Some(key);
+            (ran, ended) => {
+                let why = ran.err().map_or_else(
+                    || ended.err().map(|e| e.to_string()).unwrap_or_default(),
+                    |e| e.to_string(),
+                );
+                tracing::warn!("decode steps run op by op: recording one failed: {why}");
+                self.graphs = false;
                 pass(backend, layers, caches, attention, rows, None, logits)?;
             }
         }
@@ -165,8 +216,8 @@ impl<B: LayerOps> Forward<B> {
     fn keep_logits(&mut self, backend: &B, layers: &ModelLayers<B>, rows: usize) -> Result<()> {
         let vocab = layers.config.vocab_size;
         if self.logits.as_ref().map(|t| backend.dims(t)) != Some((rows, vocab)) {
-            self.recorded = None;
-            self.last_eager = None;
+            self.recorder.drop_recording();
+            self.recorder.eager = None;
             self.logits = Some(backend.tensor(rows, vocab)?);
         }
         Ok(())
@@ -222,4 +273,85 @@ fn pass<B: LayerOps, C: Transport<B>>(
     }
     layers.logits_into(backend, &x, 0, logits)?;
     Ok(merge_s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(epoch: u64) -> PassKey {
+        PassKey {
+            epoch,
+            rows: 1,
+            stores: 1,
+        }
+    }
+
+    fn recorder() -> Recorder<()> {
+        Recorder {
+            recorded: None,
+            eager: None,
+            patience: 1,
+            replayed: 0,
+        }
+    }
+
+    /// Runs `steps` like steps of `key`: each replays the recording, or records, or runs op by
+    /// op. Returns how many were recorded.
+    fn steps(r: &mut Recorder<()>, key: PassKey, steps: usize) -> usize {
+        let mut recorded = 0;
+        for _ in 0..steps {
+            if let Some(rec) = r.recorded.as_mut().filter(|rec| rec.key == key) {
+                rec.replays += 1;
+            } else if r.records(key) {
+                r.recorded = Some(Recorded {
+                    key,
+                    graph: (),
+                    replays: 0,
+                });
+                recorded += 1;
+            }
+        }
+        recorded
+    }
+
+    #[test]
+    fn a_step_seen_twice_is_recorded_then_replayed() {
+        let mut r = recorder();
+        assert!(!r.records(key(0)), "a first sighting runs op by op");
+        assert!(r.records(key(0)), "a second is recorded");
+        assert!(!r.records(key(1)), "a new epoch starts over");
+    }
+
+    #[test]
+    fn patience_doubles_when_recordings_do_not_pay_and_halves_when_they_do() {
+        let mut r = recorder();
+        // Steps that change every third step: each recording replays once, never paying.
+        for epoch in 0..3 {
+            steps(&mut r, key(epoch), 3);
+        }
+        assert_eq!(r.patience, 4, "two unpaid recordings: 1 → 2 → 4");
+        assert_eq!(
+            steps(&mut r, key(3), 4),
+            0,
+            "four like steps are not enough now"
+        );
+        assert_eq!(steps(&mut r, key(3), 1), 1, "the fifth is recorded");
+        // A long run pays: the patience halves when it ends.
+        steps(&mut r, key(3), PAYBACK_REPLAYS);
+        steps(&mut r, key(4), 1);
+        assert_eq!(r.patience, 2);
+        // Unpaid recordings double it up to its bound: each run records, then replays once.
+        for epoch in 5..20 {
+            r.drop_recording();
+            let n = r.patience + 2;
+            assert_eq!(
+                steps(&mut r, key(epoch), n),
+                1,
+                "epoch {epoch}, patience {}",
+                r.patience
+            );
+        }
+        assert_eq!(r.patience, MOST_PATIENCE);
+    }
 }

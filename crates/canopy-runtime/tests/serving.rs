@@ -126,6 +126,7 @@ fn config(strategy: DecodeStrategy) -> ServeConfig {
         max_batch: 6,
         max_context: 256,
         prefill_chunk: 24,
+        graphs: true,
     }
 }
 

@@ -120,7 +120,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             merge,
             caches,
             books: Books::new(comm.size(), config.page_size, config.pages_per_rank)?,
-            forward: Forward::new(),
+            forward: Forward::new().with_graphs(config.graphs),
             decode: None,
             decode_table: false,
         })

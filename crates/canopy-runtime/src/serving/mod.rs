@@ -58,6 +58,9 @@ pub struct ServeConfig {
     pub max_context: usize,
     /// Prompt tokens prefilled per step, over all prompts.
     pub prefill_chunk: usize,
+    /// Whether decode steps may replay a recorded pass (as
+    /// [`GenerateRequest::graphs`](crate::GenerateRequest::graphs)).
+    pub graphs: bool,
 }
 
 impl ServeConfig {
