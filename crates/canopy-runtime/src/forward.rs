@@ -139,26 +139,37 @@ impl<B: LayerOps> Forward<B> {
         rows: StepRows,
     ) -> Result<Vec<f32>> {
         self.keep_logits(backend, layers, rows.ids.len())?;
-        let logits = self.logits.as_mut().expect("kept above");
-        let recordable = self.graphs && attention.ranks() == 1;
-        let Some(key) = recordable
-            .then(|| stage(backend, rows))
-            .transpose()?
-            .flatten()
-        else {
-            pass(backend, layers, caches, attention, rows, None, logits)?;
-            return Ok(backend.download_tensor(logits)?);
+        self.step(backend, layers, caches, attention, rows)?;
+        let logits = self.logits.as_ref().expect("kept above");
+        Ok(backend.download_tensor(logits)?)
+    }
+
+    /// The step's logits left in the kept tensor: replayed, recorded, or run op by op.
+    fn step<C: Transport<B>>(
+        &mut self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        caches: &mut [B::Kv],
+        attention: &mut RankAttention<B, C>,
+        rows: StepRows,
+    ) -> Result<()> {
+        let logits = self.logits.as_mut().expect("kept by the caller");
+        let key = if self.graphs && attention.ranks() == 1 {
+            stage(backend, rows)?
+        } else {
+            None
         };
         let recorder = &mut self.recorder;
+        let Some(key) = key else {
+            return pass(backend, layers, caches, attention, rows, None, logits).map(drop);
+        };
         if let Some(r) = recorder.recorded.as_mut().filter(|r| r.key == key) {
-            backend.replay(&r.graph)?;
             r.replays += 1;
             recorder.replayed += 1;
-            return Ok(backend.download_tensor(logits)?);
+            return Ok(backend.replay(&r.graph)?);
         }
         if !recorder.records(key) {
-            pass(backend, layers, caches, attention, rows, None, logits)?;
-            return Ok(backend.download_tensor(logits)?);
+            return pass(backend, layers, caches, attention, rows, None, logits).map(drop);
         }
         backend.begin_capture()?;
         let ran = pass(backend, layers, caches, attention, rows, None, logits);
@@ -170,18 +181,17 @@ impl<B: LayerOps> Forward<B> {
                     graph,
                     replays: 0,
                 });
+                Ok(())
             }
             (ran, ended) => {
-                let why = ran.err().map_or_else(
-                    || ended.err().map(|e| e.to_string()).unwrap_or_default(),
-                    |e| e.to_string(),
-                );
+                let why = (ran.err().map(|e| e.to_string()))
+                    .or_else(|| ended.err().map(|e| e.to_string()))
+                    .unwrap_or_default();
                 tracing::warn!("decode steps run op by op: recording one failed: {why}");
                 self.graphs = false;
-                pass(backend, layers, caches, attention, rows, None, logits)?;
+                pass(backend, layers, caches, attention, rows, None, logits).map(drop)
             }
         }
-        Ok(backend.download_tensor(logits)?)
     }
 
     /// [`Forward::decode`], each layer's cross-rank merge timed

@@ -220,32 +220,27 @@ impl CudaBackend {
             .step_inputs
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Some((held, device)) = last.get_mut(&input) {
-            if held.as_slice() == host {
-                return Ok(device.clone());
-            }
-            self.refuse_while_capturing("a step input not staged")?;
-            if let Some(buffer) = Arc::get_mut(device).filter(|b| b.len() >= host.len()) {
-                if !host.is_empty() {
-                    self.stream
-                        .memcpy_htod(host, &mut buffer.slice_mut(..host.len()))
-                        .ctx("cuMemcpyHtoD")?;
-                }
-                held.clear();
-                held.extend_from_slice(host);
-                return Ok(device.clone());
-            }
+        let fits = match last.get_mut(&input) {
+            Some((held, device)) if held.as_slice() == host => return Ok(device.clone()),
+            Some((_, device)) => Arc::get_mut(device).is_some_and(|b| b.len() >= host.len()),
+            None => false,
+        };
+        self.refuse_while_capturing("a step input not staged")?;
+        if !fits {
+            self.renew("a step input buffer")?;
+            let len = host.len().next_power_of_two().max(STEP_INPUT_MIN);
+            last.insert(input, (Vec::new(), Arc::new(self.alloc::<u32>(len)?)));
         }
-        self.renew("a step input buffer")?;
-        let mut buffer = self.alloc::<u32>(host.len().next_power_of_two().max(STEP_INPUT_MIN))?;
+        let (held, device) = last.get_mut(&input).expect("inserted above");
+        let buffer = Arc::get_mut(device).expect("no op holds it");
         if !host.is_empty() {
             self.stream
                 .memcpy_htod(host, &mut buffer.slice_mut(..host.len()))
                 .ctx("cuMemcpyHtoD")?;
         }
-        let device = Arc::new(buffer);
-        last.insert(input, (host.to_vec(), device.clone()));
-        Ok(device)
+        held.clear();
+        held.extend_from_slice(host);
+        Ok(device.clone())
     }
 
     /// CTAs of GEMV `kernel` (loaded as `f`) that fit on one SM at once, queried once.
