@@ -13,6 +13,7 @@ pub mod device_model;
 pub mod dtype;
 pub mod error;
 pub mod geometry;
+pub mod logits;
 pub mod math;
 pub mod plan;
 pub mod planner;

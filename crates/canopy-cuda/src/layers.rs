@@ -13,6 +13,7 @@
 
 mod attention;
 mod gemm;
+mod top;
 
 pub(crate) use gemm::LayerState;
 
@@ -24,7 +25,7 @@ use crate::kv::CudaKv;
 use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
-use canopy_engine::layer_ops::expect_size;
+use canopy_engine::layer_ops::{check_top_logits, expect_size};
 use canopy_engine::{KeyBlock, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -640,6 +641,12 @@ impl LayerOps for CudaBackend {
                 .ctx("cuMemcpyDtoDAsync")?;
         }
         Ok(())
+    }
+
+    fn top_logits(&self, logits: &CudaTensor, k: usize, out: &mut CudaTensor) -> EResult<()> {
+        let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
+        check_top_logits("cuda", dims.0, k, dims.1)?;
+        Ok(self.top_rows(logits, k, out)?)
     }
 
     fn graph_epoch(&self) -> Option<u64> {

@@ -4,8 +4,9 @@
 
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
-use crate::layer_ops::{expect_size, KeyBlock, LayerOps, ModelNeeds};
+use crate::layer_ops::{check_top_logits, expect_size, KeyBlock, LayerOps, ModelNeeds};
 use crate::{Backend, EngineError, Result};
+use canopy_core::logits::top_tokens;
 use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
 
 /// A row-major `rows × cols` f32 matrix on the host: the CPU's activations and weights.
@@ -379,6 +380,22 @@ impl LayerOps for CpuBackend {
         Ok(())
     }
 
+    fn top_logits(&self, logits: &HostMatrix, k: usize, out: &mut HostMatrix) -> Result<()> {
+        check_top_logits("cpu", (logits.rows, logits.cols), k, (out.rows, out.cols))?;
+        for (row, out) in logits
+            .data
+            .chunks_exact(logits.cols.max(1))
+            .zip(out.data.chunks_exact_mut(2 * k))
+        {
+            let (values, ids) = out.split_at_mut(k);
+            for (i, t) in top_tokens(row, k).into_iter().enumerate() {
+                values[i] = row[t as usize];
+                ids[i] = f32::from_bits(t);
+            }
+        }
+        Ok(())
+    }
+
     fn end_capture(&self) -> Result<Self::Graph> {
         Err(err("the cpu backend records no graphs".into()))
     }
@@ -466,6 +483,33 @@ mod tests {
             .contains("token id 4"));
         assert!(b.copy_rows(&x, 1, &mut b.tensor(2, 8).unwrap()).is_err());
         assert!(b.upload_weight(TypedVec::F32(vec![0.0; 5]), 2, 3).is_err());
+    }
+
+    #[test]
+    fn top_logits_keeps_each_row_s_likeliest_in_order() {
+        let b = CpuBackend;
+        let logits = b
+            .upload_tensor(&[0.5, 2.0, -1.0, 2.0, 1.0, 1.0, 0.0, 3.0], 2, 4)
+            .unwrap();
+        let mut out = b.tensor(2, 4).unwrap();
+        b.top_logits(&logits, 2, &mut out).unwrap();
+        let ids: Vec<u32> = [2, 3, 6, 7]
+            .iter()
+            .map(|&i| out.data[i].to_bits())
+            .collect();
+        assert_eq!(ids, vec![1, 3, 3, 0], "equal logits: the lower token first");
+        assert_eq!(
+            (out.data[0], out.data[1], out.data[4], out.data[5]),
+            (2.0, 2.0, 3.0, 1.0)
+        );
+        for k in [0, 5, crate::TOP_LOGITS_MAX + 1] {
+            let mut out = b.tensor(2, 2 * k).unwrap();
+            assert!(b.top_logits(&logits, k, &mut out).is_err(), "k = {k}");
+        }
+        assert!(
+            b.top_logits(&logits, 1, &mut out).is_err(),
+            "2 × 4 is not 2 × 2"
+        );
     }
 
     #[test]

@@ -192,6 +192,14 @@ pub trait LayerOps: MergeOps {
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
 
+    /// Each row's `k` most likely tokens of `logits` (`rows × vocab`), most likely first in
+    /// [`canopy_core::logits`]' order, into `out` (`rows × 2k`): the row's `k` logits, then
+    /// their token ids as `f32` bit patterns ([`f32::from_bits`]). A draw from these equals
+    /// the draw from the whole row, and the host reads `2k` numbers a row instead of the
+    /// vocabulary. `k` is at most [`TOP_LOGITS_MAX`] and the vocabulary
+    /// ([`check_top_logits`]).
+    fn top_logits(&self, logits: &Self::Tensor, k: usize, out: &mut Self::Tensor) -> Result<()>;
+
     /// Whether this backend records passes as graphs (`None`: it does not), and if so the
     /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
     /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is
@@ -219,6 +227,31 @@ pub trait LayerOps: MergeOps {
     fn end_capture(&self) -> Result<Self::Graph>;
     /// Runs a recorded pass on this step's staged inputs.
     fn replay(&self, graph: &Self::Graph) -> Result<()>;
+}
+
+/// The most tokens [`LayerOps::top_logits`] narrows a row to; a draw that may reach further
+/// (a `top_k` above it, or none) reads the whole row.
+pub const TOP_LOGITS_MAX: usize = 128;
+
+/// Refuses a [`LayerOps::top_logits`] call whose `k` is 0, past [`TOP_LOGITS_MAX`] or past
+/// the row, or whose output is not `rows × 2k`.
+pub fn check_top_logits(
+    backend: &'static str,
+    (rows, vocab): (usize, usize),
+    k: usize,
+    out: (usize, usize),
+) -> Result<()> {
+    if k == 0 || k > TOP_LOGITS_MAX || k > vocab {
+        return Err(EngineError::Backend {
+            backend,
+            message: format!(
+                "top_logits: k = {k} must be from 1 to {} and at most the {vocab} logits of a row",
+                TOP_LOGITS_MAX
+            ),
+        });
+    }
+    expect_size(backend, "top_logits", "the output's rows", out.0, rows)?;
+    expect_size(backend, "top_logits", "the output's columns", out.1, 2 * k)
 }
 
 /// A block of keys and values for [`LayerOps::causal_attention`]: `k` and `v` are `tokens ×

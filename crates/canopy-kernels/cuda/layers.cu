@@ -527,3 +527,76 @@ gemv_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, float* __
         out[(u64)m * cols + n] = s[0] / (1.f + expf(-s[0])) * s[1];
     });
 }
+
+#ifndef TOP_ITEMS
+#error "TOP_ITEMS must be defined by the kernel registry"
+#endif
+#define TOP_SEGMENT (LAYER_THREADS * TOP_ITEMS)
+
+// A token's place in canopy_core::logits' order as one 64-bit key, the larger first: the
+// logit's bits folded so that unsigned order is f32::total_cmp's, above the token's
+// complement, so that among equal logits the lower token wins. Keys are distinct; 0 is below
+// every real one and pads a segment.
+__device__ __forceinline__ u64 logit_key(float x, u32 token) {
+    u32 b = __float_as_uint(x);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(0xFFFFFFFFu - token);
+}
+
+__device__ __forceinline__ float key_logit(u64 key) {
+    const u32 b = (u32)(key >> 32);
+    return __uint_as_float((b & 0x80000000u) ? (b & 0x7FFFFFFFu) : ~b);
+}
+
+__device__ __forceinline__ u32 key_token(u64 key) { return 0xFFFFFFFFu - (u32)key; }
+
+// One pass of narrowing each row to its k most likely tokens: CTA (segment, row) takes
+// entries [segment · TOP_SEGMENT, +TOP_SEGMENT) of the row's n (logits when `from_logits`,
+// else the keys of an earlier pass) and finds their k largest keys in k rounds, each the
+// block's largest key still held. A pass of several segments writes each segment's keys, in
+// order, for the next pass (`keys_out`, rows × segments × k); a pass of one segment writes the
+// row's k logits then their tokens as f32 bit patterns (`out`, rows × 2k).
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+top_logits(const float* __restrict__ logits, const u64* __restrict__ keys_in, u32 n, u32 from_logits,
+           u32 k, u64* __restrict__ keys_out, float* __restrict__ out) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    const u32 row = blockIdx.y, segment = blockIdx.x;
+    u64 key[TOP_ITEMS];
+#pragma unroll
+    for (int i = 0; i < TOP_ITEMS; ++i) {
+        const u32 j = segment * TOP_SEGMENT + i * LAYER_THREADS + threadIdx.x;
+        key[i] = 0;
+        if (j < n) key[i] = from_logits ? logit_key(logits[(u64)row * n + j], j) : keys_in[(u64)row * n + j];
+    }
+    __shared__ u64 warp_best[LAYER_THREADS / 32];
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (u32 round = 0; round < k; ++round) {
+        u64 best = 0;
+#pragma unroll
+        for (int i = 0; i < TOP_ITEMS; ++i) best = key[i] > best ? key[i] : best;
+#pragma unroll
+        for (int off = 16; off; off >>= 1) {
+            const u64 other = __shfl_xor_sync(0xFFFFFFFFu, best, off);
+            best = other > best ? other : best;
+        }
+        if (lane == 0) warp_best[warp] = best;
+        __syncthreads();
+        best = warp_best[0];
+#pragma unroll
+        for (int w = 1; w < LAYER_THREADS / 32; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+        __syncthreads();
+        // Keys are distinct, so only the holder of the block's largest clears it (a pad of 0
+        // cleared again stays 0).
+#pragma unroll
+        for (int i = 0; i < TOP_ITEMS; ++i) key[i] = key[i] == best ? 0 : key[i];
+        if (threadIdx.x == 0) {
+            if (gridDim.x == 1) {
+                out[(u64)row * 2 * k + round] = key_logit(best);
+                out[(u64)row * 2 * k + k + round] = __uint_as_float(key_token(best));
+            } else {
+                keys_out[((u64)row * gridDim.x + segment) * k + round] = best;
+            }
+        }
+    }
+}

@@ -84,6 +84,10 @@ pub const PREFILL_ROWS: usize = MMA_THREADS as usize / 32 * 16;
 pub fn prefill_shared_bytes(head_dim: usize) -> usize {
     PREFILL_STAGES * 2 * PREFILL_TILE * (head_dim + MMA_ROW_PAD) * 2 + 1024
 }
+/// Keys each thread of `top_logits` (`layers.cu`) holds in registers: a CTA narrows a
+/// segment of `LAYER_THREADS · TOP_ITEMS` logits (or keys of an earlier pass) to its `k`
+/// largest.
+pub const TOP_ITEMS: usize = 16;
 /// float4s per thread `rms_norm` keeps in registers: rows of up to `4 · LAYER_THREADS ·
 /// RMS_NORM_CHUNKS` values are read once.
 pub const RMS_NORM_CHUNKS: usize = 8;
@@ -123,6 +127,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
         ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
+        ("TOP_ITEMS", TOP_ITEMS.to_string()),
         ("PREFILL_TILE", PREFILL_TILE.to_string()),
         ("PREFILL_STAGES", PREFILL_STAGES.to_string()),
         ("REDUCE_SUM", REDUCE_SUM.to_string()),

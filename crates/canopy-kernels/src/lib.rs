@@ -26,7 +26,7 @@ pub use constants::{
     CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS,
     GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS,
     MMA_ROW_PAD, MMA_THREADS, PREFILL_ROWS, PREFILL_STAGES, PREFILL_TILE, REDUCE_MAX, REDUCE_SUM,
-    WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    TOP_ITEMS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -137,6 +137,7 @@ impl Id {
                 "gemv",
                 "gemv_add",
                 "gemv_swiglu",
+                "top_logits",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }

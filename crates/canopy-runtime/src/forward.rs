@@ -10,13 +10,18 @@
 //! last ones (same rows, same stores, same epoch of the buffers it reads: no plan, state or
 //! input buffer made anew since) and replayed while steps keep looking the same: each step's
 //! ids, positions and slots are staged where the recording reads them, and the logits land in
-//! one tensor [`Forward`] keeps. Recording costs a few steps' host time, so it waits for
+//! one tensor [`Forward`] keeps.
+//!
+//! A step whose draws reach only each row's most likely tokens (greedy, or cut by `top_k`)
+//! narrows its logits to them on the backend, inside the pass and its recording
+//! ([`LayerOps::top_logits`]); the host then reads `2k` numbers a row, not the vocabulary. Recording costs a few steps' host time, so it waits for
 //! [`Forward`]'s patience of like steps in a row; a recording dropped before it paid for
 //! itself (a serving batch whose rows or layout keep changing) doubles the patience, one that
 //! paid halves it. A step of several ranks, a timed step, or a backend that records nothing
 //! runs op by op, as does every step after a recording failed.
 
 use crate::layers::ModelLayers;
+use crate::sampling::StepLogits;
 use crate::Result;
 use canopy_engine::{LayerOps, RankAttention, Transport};
 
@@ -38,6 +43,9 @@ pub struct Forward<B: LayerOps> {
     recorder: Recorder<B::Graph>,
     /// Where every pass leaves its logits (`rows × vocab`), kept so a recording's stay valid.
     logits: Option<B::Tensor>,
+    /// Where a pass narrows its logits to each row's most likely tokens (`rows × 2k`), kept
+    /// alike.
+    top: Option<B::Tensor>,
 }
 
 /// When to record, and what was recorded.
@@ -113,6 +121,7 @@ impl<B: LayerOps> Forward<B> {
                 replayed: 0,
             },
             logits: None,
+            top: None,
         }
     }
 
@@ -128,8 +137,8 @@ impl<B: LayerOps> Forward<B> {
     }
 
     /// `rows` through every layer of `layers`, their keys and values stored in `caches` (one
-    /// per layer) and attended by `attention`; returns the rows' logits (`rows × vocab`, on
-    /// the host).
+    /// per layer) and attended by `attention`; returns the rows' logits on the host, each row
+    /// narrowed to its `reach` most likely tokens (`None`: whole rows).
     pub fn decode<C: Transport<B>>(
         &mut self,
         backend: &B,
@@ -137,11 +146,25 @@ impl<B: LayerOps> Forward<B> {
         caches: &mut [B::Kv],
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
-    ) -> Result<Vec<f32>> {
-        self.keep_logits(backend, layers, rows.ids.len())?;
+        reach: Option<usize>,
+    ) -> Result<StepLogits> {
+        self.keep_logits(backend, layers, rows.ids.len(), reach)?;
         self.step(backend, layers, caches, attention, rows)?;
-        let logits = self.logits.as_ref().expect("kept above");
-        Ok(backend.download_tensor(logits)?)
+        self.download(backend, layers)
+    }
+
+    /// The kept logits, narrowed or whole, on the host.
+    fn download(&self, backend: &B, layers: &ModelLayers<B>) -> Result<StepLogits> {
+        Ok(match &self.top {
+            Some(top) => StepLogits::Top {
+                k: backend.dims(top).1 / 2,
+                rows: backend.download_tensor(top)?,
+            },
+            None => StepLogits::Whole {
+                vocab: layers.config.vocab_size,
+                logits: backend.download_tensor(self.logits.as_ref().expect("kept"))?,
+            },
+        })
     }
 
     /// The step's logits left in the kept tensor: replayed, recorded, or run op by op.
@@ -154,6 +177,7 @@ impl<B: LayerOps> Forward<B> {
         rows: StepRows,
     ) -> Result<()> {
         let logits = self.logits.as_mut().expect("kept by the caller");
+        let mut top = self.top.as_mut();
         let key = if self.graphs && attention.ranks() == 1 {
             stage(backend, rows)?
         } else {
@@ -161,7 +185,16 @@ impl<B: LayerOps> Forward<B> {
         };
         let recorder = &mut self.recorder;
         let Some(key) = key else {
-            return pass(backend, layers, caches, attention, rows, None, logits).map(drop);
+            return pass(
+                backend,
+                layers,
+                caches,
+                attention,
+                rows,
+                None,
+                (logits, top.as_deref_mut()),
+            )
+            .map(drop);
         };
         if let Some(r) = recorder.recorded.as_mut().filter(|r| r.key == key) {
             r.replays += 1;
@@ -169,10 +202,27 @@ impl<B: LayerOps> Forward<B> {
             return Ok(backend.replay(&r.graph)?);
         }
         if !recorder.records(key) {
-            return pass(backend, layers, caches, attention, rows, None, logits).map(drop);
+            return pass(
+                backend,
+                layers,
+                caches,
+                attention,
+                rows,
+                None,
+                (logits, top.as_deref_mut()),
+            )
+            .map(drop);
         }
         backend.begin_capture()?;
-        let ran = pass(backend, layers, caches, attention, rows, None, logits);
+        let ran = pass(
+            backend,
+            layers,
+            caches,
+            attention,
+            rows,
+            None,
+            (logits, top.as_deref_mut()),
+        );
         match (ran, backend.end_capture()) {
             (Ok(_), Ok(graph)) => {
                 backend.replay(&graph)?;
@@ -189,7 +239,16 @@ impl<B: LayerOps> Forward<B> {
                     .unwrap_or_default();
                 tracing::warn!("decode steps run op by op: recording one failed: {why}");
                 self.graphs = false;
-                pass(backend, layers, caches, attention, rows, None, logits).map(drop)
+                pass(
+                    backend,
+                    layers,
+                    caches,
+                    attention,
+                    rows,
+                    None,
+                    (logits, top.as_deref_mut()),
+                )
+                .map(drop)
             }
         }
     }
@@ -206,8 +265,9 @@ impl<B: LayerOps> Forward<B> {
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
         settle: &dyn Fn() -> canopy_engine::Result<()>,
-    ) -> Result<(Vec<f32>, Option<f64>)> {
-        self.keep_logits(backend, layers, rows.ids.len())?;
+        reach: Option<usize>,
+    ) -> Result<(StepLogits, Option<f64>)> {
+        self.keep_logits(backend, layers, rows.ids.len(), reach)?;
         let logits = self.logits.as_mut().expect("kept above");
         let merge_s = pass(
             backend,
@@ -216,19 +276,28 @@ impl<B: LayerOps> Forward<B> {
             attention,
             rows,
             Some(settle),
-            logits,
+            (logits, self.top.as_mut()),
         )?;
-        Ok((backend.download_tensor(logits)?, merge_s))
+        Ok((self.download(backend, layers)?, merge_s))
     }
 
-    /// Keeps a logits tensor for `rows` rows while the rows stay; a new one voids the
-    /// recording, which wrote the old one.
-    fn keep_logits(&mut self, backend: &B, layers: &ModelLayers<B>, rows: usize) -> Result<()> {
+    /// Keeps the logits tensor for `rows` rows, and the narrowed one for `reach`, while they
+    /// stay; a new one voids the recording, which wrote the old ones.
+    fn keep_logits(
+        &mut self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        rows: usize,
+        reach: Option<usize>,
+    ) -> Result<()> {
         let vocab = layers.config.vocab_size;
-        if self.logits.as_ref().map(|t| backend.dims(t)) != Some((rows, vocab)) {
+        let dims = |t: &Option<B::Tensor>| t.as_ref().map(|t| backend.dims(t));
+        let top = reach.map(|k| (rows, 2 * k));
+        if dims(&self.logits) != Some((rows, vocab)) || dims(&self.top) != top {
             self.recorder.drop_recording();
             self.recorder.eager = None;
             self.logits = Some(backend.tensor(rows, vocab)?);
+            self.top = top.map(|(r, c)| backend.tensor(r, c)).transpose()?;
         }
         Ok(())
     }
@@ -257,7 +326,7 @@ fn pass<B: LayerOps, C: Transport<B>>(
     attention: &mut RankAttention<B, C>,
     rows: StepRows,
     settle: Option<&dyn Fn() -> canopy_engine::Result<()>>,
-    logits: &mut B::Tensor,
+    (logits, top): (&mut B::Tensor, Option<&mut B::Tensor>),
 ) -> Result<Option<f64>> {
     let shape = layers.attn_shape();
     let n = rows.ids.len();
@@ -282,6 +351,10 @@ fn pass<B: LayerOps, C: Transport<B>>(
         layers.finish(backend, l, &mut x, &attn)?;
     }
     layers.logits_into(backend, &x, 0, logits)?;
+    if let Some(top) = top {
+        let k = backend.dims(top).1 / 2;
+        backend.top_logits(logits, k, top)?;
+    }
     Ok(merge_s)
 }
 

@@ -34,4 +34,4 @@ pub use layers::ModelLayers;
 pub use rank::{
     generate, ContextFill, DecodeStrategy, GenerateRequest, Generated, Watch, DEFAULT_PREFILL_CHUNK,
 };
-pub use sampling::{Sampler, SamplingParams, TopTwo};
+pub use sampling::{step_reach, RowLogits, Sampler, SamplingParams, StepLogits, TopTwo};

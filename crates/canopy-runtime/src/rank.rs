@@ -21,7 +21,7 @@ use crate::forward::{Forward, StepRows};
 use crate::kv::{KvLayout, RankChange, RankView};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
-use crate::sampling::{Sampler, SamplingParams, TopTwo};
+use crate::sampling::{step_reach, Sampler, SamplingParams, StepLogits, TopTwo};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, TreeView};
@@ -246,14 +246,21 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         }
     };
     let prefill_s = t0.elapsed().as_secs_f64();
-    let first_logits = logits.clone();
+    let first_logits = logits;
 
     let mut samplers: Vec<Sampler> = (0..req.samples)
         .map(|i| Sampler::new(req.sampling, req.seed.wrapping_add(i as u64)))
         .collect();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); req.samples];
     let mut stopped = vec![false; req.samples];
-    let mut step_logits: Vec<Vec<f32>> = vec![logits; req.samples];
+    // Each sample's last logits: the first token's whole row, then its row of each step.
+    let first = StepLogits::Whole {
+        vocab,
+        logits: first_logits.clone(),
+    };
+    let mut step_logits: Vec<StepLogits> = vec![first; req.samples];
+    // Sample 0's top two are reported, so every step keeps at least two tokens a row.
+    let reach = step_reach([req.sampling], 2);
     let mut step_s = Vec::new();
     let mut merge_s = Vec::new();
     let mut first_token_s = None;
@@ -274,9 +281,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                 continue;
             }
             if s == 0 {
-                top_two.push(TopTwo::of(&step_logits[s]));
+                top_two.push(TopTwo::of(step_logits[s].row(0)));
             }
-            let token = samplers[s].sample(&step_logits[s]);
+            let token = samplers[s].sample(step_logits[s].row(0));
             first_token_s.get_or_insert_with(|| called.elapsed().as_secs_f64());
             out[s].push(token);
             let go_on = watch.token(s, token);
@@ -347,13 +354,21 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         let probe = watch.time_merges() && ranks > 1 && step_s.len() % 2 == 1;
         let (logits, merged) = if probe {
             let settle = || Ok(comm.barrier()?);
-            forward.decode_timed(backend, layers, &mut caches, attention, rows, &settle)?
+            forward.decode_timed(
+                backend,
+                layers,
+                &mut caches,
+                attention,
+                rows,
+                &settle,
+                reach,
+            )?
         } else {
-            let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
+            let logits = forward.decode(backend, layers, &mut caches, attention, rows, reach)?;
             (logits, None)
         };
         for (row, &s) in live.iter().enumerate() {
-            step_logits[s] = logits[row * vocab..(row + 1) * vocab].to_vec();
+            step_logits[s] = logits.row_owned(row);
         }
         step_s.push(t.elapsed().as_secs_f64());
         merge_s.push(merged);

@@ -2,14 +2,22 @@
 //! temperature, cut to the `top_k` most likely and to the smallest set whose probability
 //! reaches `top_p`, drawn from a seeded generator. Every rank holds the same logits and the
 //! same generator, so every rank draws the same token.
+//!
+//! A draw reaches only a row's most likely tokens when it is greedy or cut by `top_k`
+//! ([`SamplingParams::reach`]). Such rows are narrowed on the backend
+//! ([`canopy_engine::LayerOps::top_logits`]) and the host reads `k` tokens a row instead of the
+//! vocabulary; the tokens come in [`canopy_core::logits`]' order, which the draw from a whole
+//! row follows too, so both draw the same token.
 
+use canopy_core::logits::{most_likely, top_tokens};
+use canopy_engine::TOP_LOGITS_MAX;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// How tokens are drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
-    /// 0: greedy (the most likely token, the first of equals).
+    /// 0: greedy (the most likely token, the lower of equals).
     pub temperature: f32,
     /// Keep the `top_k` most likely tokens (0: all).
     pub top_k: usize,
@@ -23,6 +31,83 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// How many of a row's most likely tokens a draw may reach, if the backend can narrow a
+    /// row to that many (`None`: the draw reads the whole row).
+    pub fn reach(&self) -> Option<usize> {
+        if self.temperature <= 0.0 {
+            Some(1)
+        } else {
+            Some(self.top_k).filter(|&k| (1..=TOP_LOGITS_MAX).contains(&k))
+        }
+    }
+}
+
+/// The tokens a step's rows are narrowed to: enough for every row's draw, `None` if some row
+/// needs its whole logits. `at_least` raises the count (a caller that reports the top two).
+pub fn step_reach(
+    rows: impl IntoIterator<Item = SamplingParams>,
+    at_least: usize,
+) -> Option<usize> {
+    rows.into_iter()
+        .try_fold(at_least.max(1), |k, p| p.reach().map(|r| k.max(r)))
+        .filter(|&k| k <= TOP_LOGITS_MAX)
+}
+
+/// One row of a step's logits, as the host holds it.
+#[derive(Debug, Clone, Copy)]
+pub enum RowLogits<'a> {
+    /// Every token's logit.
+    Whole(&'a [f32]),
+    /// The row's most likely tokens, in [`canopy_core::logits`]' order, and their logits.
+    Top {
+        tokens: &'a [u32],
+        logits: &'a [f32],
+    },
+}
+
+/// A step's logits on the host: each row whole, or narrowed on the backend to its `k` most
+/// likely tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepLogits {
+    Whole { vocab: usize, logits: Vec<f32> },
+    Top { k: usize, rows: Vec<f32> },
+}
+
+impl StepLogits {
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> RowLogits<'_> {
+        match self {
+            StepLogits::Whole { vocab, logits } => {
+                RowLogits::Whole(&logits[r * vocab..(r + 1) * vocab])
+            }
+            StepLogits::Top { k, rows } => {
+                let row = &rows[r * 2 * k..(r + 1) * 2 * k];
+                let (logits, tokens) = row.split_at(*k);
+                RowLogits::Top {
+                    // The tokens are f32 bit patterns (`LayerOps::top_logits`).
+                    tokens: bytemuck::cast_slice(tokens),
+                    logits,
+                }
+            }
+        }
+    }
+
+    /// Row `r`, owned: what a caller keeps past the step.
+    pub fn row_owned(&self, r: usize) -> StepLogits {
+        match self {
+            StepLogits::Whole { vocab, logits } => StepLogits::Whole {
+                vocab: *vocab,
+                logits: logits[r * vocab..(r + 1) * vocab].to_vec(),
+            },
+            StepLogits::Top { k, rows } => StepLogits::Top {
+                k: *k,
+                rows: rows[r * 2 * k..(r + 1) * 2 * k].to_vec(),
+            },
         }
     }
 }
@@ -42,21 +127,39 @@ impl Sampler {
         }
     }
 
-    /// The next token from one row of logits.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// The next token from one row of logits: whole, or narrowed to at least
+    /// [`SamplingParams::reach`] tokens.
+    pub fn sample(&mut self, row: RowLogits) -> u32 {
         let p = self.params;
-        if p.temperature <= 0.0 {
-            return argmax(logits) as u32;
+        match row {
+            RowLogits::Whole(logits) => {
+                if p.temperature <= 0.0 {
+                    return most_likely(logits).unwrap_or(0);
+                }
+                let k = if p.top_k > 0 { p.top_k } else { logits.len() };
+                let tokens = top_tokens(logits, k);
+                let values: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
+                self.draw(&tokens, &values)
+            }
+            RowLogits::Top { tokens, logits } => {
+                debug_assert!(p.reach().is_some_and(|k| k <= tokens.len()));
+                if p.temperature <= 0.0 {
+                    return tokens[0];
+                }
+                let keep = p.top_k.min(tokens.len());
+                self.draw(&tokens[..keep], &logits[..keep])
+            }
         }
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if p.top_k > 0 {
-            order.truncate(p.top_k);
-        }
-        let max = logits[order[0]];
-        let mut probs: Vec<f64> = order
+    }
+
+    /// A token drawn from `tokens` (most likely first, with their `logits`): softmax at the
+    /// temperature, cut at `top_p`.
+    fn draw(&mut self, tokens: &[u32], logits: &[f32]) -> u32 {
+        let p = self.params;
+        let max = logits[0];
+        let mut probs: Vec<f64> = logits
             .iter()
-            .map(|&i| (((logits[i] - max) / p.temperature) as f64).exp())
+            .map(|&x| (((x - max) / p.temperature) as f64).exp())
             .collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= total);
@@ -70,17 +173,16 @@ impl Sampler {
                 })
                 .map_or(probs.len(), |i| i + 1);
             probs.truncate(keep);
-            order.truncate(keep);
         }
         let total: f64 = probs.iter().sum();
         let mut draw = self.rng.gen::<f64>() * total;
-        for (&i, &x) in order.iter().zip(&probs) {
+        for (&t, &x) in tokens.iter().zip(&probs) {
             if draw < x {
-                return i as u32;
+                return t;
             }
             draw -= x;
         }
-        order[order.len() - 1] as u32
+        tokens[probs.len() - 1]
     }
 }
 
@@ -94,71 +196,72 @@ pub struct TopTwo {
 }
 
 impl TopTwo {
-    /// The largest logit and the largest of the rest (the first of equals, as [`argmax`]).
-    pub fn of(logits: &[f32]) -> TopTwo {
-        let first = argmax(logits);
-        let second = logits.iter().enumerate().filter(|&(i, _)| i != first).fold(
-            (first, f32::NEG_INFINITY),
-            |(bi, bv), (i, &v)| {
-                if v > bv {
-                    (i, v)
-                } else {
-                    (bi, bv)
-                }
-            },
-        );
+    /// The two most likely tokens of `row` (whole, or narrowed to at least two).
+    pub fn of(row: RowLogits) -> TopTwo {
+        let (tokens, logits): (Vec<u32>, Vec<f32>) = match row {
+            RowLogits::Whole(logits) => top_tokens(logits, 2)
+                .into_iter()
+                .map(|t| (t, logits[t as usize]))
+                .unzip(),
+            RowLogits::Top { tokens, logits } => (tokens.to_vec(), logits.to_vec()),
+        };
+        let at = |i: usize| {
+            (
+                tokens.get(i).copied().unwrap_or(0),
+                logits.get(i).copied().unwrap_or(f32::NEG_INFINITY),
+            )
+        };
+        let ((token, logit), (second_token, second_logit)) = (at(0), at(1));
         TopTwo {
-            token: first as u32,
-            logit: logits.get(first).copied().unwrap_or(f32::NEG_INFINITY),
-            second_token: second.0 as u32,
-            second_logit: second.1,
+            token,
+            logit,
+            second_token,
+            second_logit,
         }
     }
-}
-
-/// The index of the largest value (the first of equals), as greedy decoding picks.
-pub fn argmax(x: &[f32]) -> usize {
-    x.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-            if v > bv {
-                (i, v)
-            } else {
-                (bi, bv)
-            }
-        })
-        .0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn top_two_names_the_two_largest() {
-        let t = TopTwo::of(&[0.5, 3.0, -1.0, 2.5, 3.0]);
-        assert_eq!((t.token, t.logit), (1, 3.0));
-        assert_eq!((t.second_token, t.second_logit), (4, 3.0));
-        let t = TopTwo::of(&[1.0, 0.0]);
-        assert_eq!((t.second_token, t.second_logit), (1, 0.0));
+    /// `logits` narrowed to their `k` most likely tokens, as a backend's `top_logits` leaves
+    /// them.
+    fn narrowed(logits: &[f32], k: usize) -> StepLogits {
+        let tokens = top_tokens(logits, k);
+        let mut rows: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
+        rows.extend(tokens.iter().map(|&t| f32::from_bits(t)));
+        StepLogits::Top { k, rows }
     }
 
     #[test]
-    fn temperature_zero_is_argmax() {
+    fn top_two_names_the_two_largest() {
+        let logits = [0.5, 3.0, -1.0, 2.5, 3.0];
+        let t = TopTwo::of(RowLogits::Whole(&logits));
+        assert_eq!((t.token, t.logit), (1, 3.0));
+        assert_eq!((t.second_token, t.second_logit), (4, 3.0));
+        assert_eq!(TopTwo::of(narrowed(&logits, 2).row(0)), t);
+    }
+
+    #[test]
+    fn temperature_zero_is_the_likeliest_lower_of_equals() {
+        let logits = [0.1, 3.0, 2.0, 3.0];
         let mut s = Sampler::new(SamplingParams::default(), 1);
-        assert_eq!(s.sample(&[0.1, 3.0, 2.0, 3.0]), 1);
+        assert_eq!(s.sample(RowLogits::Whole(&logits)), 1);
+        assert_eq!(s.sample(narrowed(&logits, 1).row(0)), 1);
     }
 
     #[test]
     fn top_k_one_is_greedy_and_seeds_repeat() {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let greedy = argmax(&logits) as u32;
+        let greedy = most_likely(&logits).unwrap();
         let params = SamplingParams {
             temperature: 0.8,
             top_k: 1,
             top_p: 1.0,
         };
-        assert_eq!(Sampler::new(params, 3).sample(&logits), greedy);
+        let whole = RowLogits::Whole(&logits);
+        assert_eq!(Sampler::new(params, 3).sample(whole), greedy);
         let params = SamplingParams {
             temperature: 1.0,
             top_k: 0,
@@ -166,10 +269,59 @@ mod tests {
         };
         let draw = |seed| {
             let mut s = Sampler::new(params, seed);
-            (0..20).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+            (0..20).map(|_| s.sample(whole)).collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));
+    }
+
+    /// A draw from a row narrowed to at least its reach is the draw from the whole row: the
+    /// same tokens from the same seeds, for every temperature, `top_k` and `top_p`.
+    #[test]
+    fn a_narrowed_row_draws_what_the_whole_row_draws() {
+        let logits: Vec<f32> = (0..3000)
+            .map(|i| ((i * 7919 % 1000) as f32 * 0.013).sin() * 4.0)
+            .collect();
+        for (temperature, top_k, top_p) in [(0.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 40, 0.8)] {
+            let params = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+            };
+            let k = params.reach().unwrap();
+            for extra in [0, 7] {
+                let top = narrowed(&logits, k + extra);
+                let (mut a, mut b) = (Sampler::new(params, 11), Sampler::new(params, 11));
+                for _ in 0..50 {
+                    assert_eq!(
+                        a.sample(RowLogits::Whole(&logits)),
+                        b.sample(top.row(0)),
+                        "{params:?}, narrowed to {}",
+                        k + extra
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_step_reaches_as_far_as_its_widest_row() {
+        let greedy = SamplingParams::default();
+        let top = |top_k| SamplingParams {
+            temperature: 1.0,
+            top_k,
+            top_p: 1.0,
+        };
+        assert_eq!(step_reach([greedy, greedy], 1), Some(1));
+        assert_eq!(step_reach([greedy], 2), Some(2));
+        assert_eq!(step_reach([greedy, top(40)], 1), Some(40));
+        assert_eq!(
+            step_reach([greedy, top(0)], 1),
+            None,
+            "a draw over the whole row"
+        );
+        assert_eq!(step_reach([top(TOP_LOGITS_MAX + 1)], 1), None);
+        assert_eq!(step_reach([], 2), Some(2));
     }
 
     #[test]
@@ -182,6 +334,6 @@ mod tests {
             top_p: 0.5,
         };
         let mut s = Sampler::new(params, 9);
-        assert!((0..50).all(|_| s.sample(&logits) == 4));
+        assert!((0..50).all(|_| s.sample(RowLogits::Whole(&logits)) == 4));
     }
 }

@@ -22,6 +22,7 @@ use crate::forward::{Forward, StepRows};
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunk, PrefillRows};
 use crate::rank::resolve_merge;
+use crate::sampling::StepLogits;
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
@@ -153,7 +154,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 None
             } else {
                 let started = Instant::now();
-                let (logits, kv_bytes) = self.decode_pass(&rows)?;
+                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach)?;
                 Some((logits, started.elapsed().as_secs_f64(), kv_bytes))
             };
             let mut chunks = Vec::new();
@@ -186,9 +187,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         }
     }
 
-    /// The decode rows through every layer: their logits, in the rows' order, and the distinct
-    /// KV bytes their attention reads on this rank (every rank's shard, for the ring).
-    fn decode_pass(&mut self, rows: &super::books::DecodeRows) -> Result<(Vec<f32>, u64)> {
+    /// The decode rows through every layer: their logits, in the rows' order, each narrowed to
+    /// its `reach` most likely tokens (`None`: whole), and the distinct KV bytes their attention
+    /// reads on this rank (every rank's shard, for the ring).
+    fn decode_pass(
+        &mut self,
+        rows: &super::books::DecodeRows,
+        reach: Option<usize>,
+    ) -> Result<(StepLogits, u64)> {
         let rank = self.comm.rank();
         let ring = self.merge.is_none();
         match self.books.layout(rank, ring)? {
@@ -230,6 +236,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 positions: &rows.positions,
                 stores: &stores,
             },
+            reach,
         )?;
         Ok((logits, kv_bytes))
     }

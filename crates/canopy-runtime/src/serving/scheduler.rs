@@ -18,7 +18,7 @@ use super::books::{Books, DecodeRows};
 use super::handle::{Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, Submitted};
 use super::step::{Admit, Chunk, Row, Step};
 use super::stop::StopText;
-use crate::sampling::Sampler;
+use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits};
 use crate::RuntimeError;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
@@ -81,7 +81,7 @@ pub(crate) struct StepClock {
 /// One decode pass as the scheduler sees it.
 pub(crate) struct Decoded<'a> {
     pub rows: &'a DecodeRows,
-    pub logits: &'a [f32],
+    pub logits: &'a StepLogits,
     /// See [`DecodePasses`](super::handle::DecodePasses).
     pub seconds: f64,
     pub kv_bytes: u64,
@@ -170,6 +170,12 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
+        step.reach = step_reach(
+            step.decode
+                .iter()
+                .map(|row| self.running[&row.id].submitted.request.sampling),
+            1,
+        );
         let mut budget = self.prefill_chunk;
         for (&id, r) in &self.running {
             if budget == 0 {
@@ -298,8 +304,8 @@ impl<'t> Scheduler<'t> {
         }
     }
 
-    /// What the step computed: the decode pass (each row's logits, `vocab` each in the rows'
-    /// order, and what the pass cost), each chunk's last row's logits, the requests that
+    /// What the step computed: the decode pass (each row's logits in the rows' order, and
+    /// what the pass cost), each chunk's last row's logits, the requests that
     /// failed (already out of the books), and the step's clock (`None` for a step that
     /// computed nothing).
     pub fn observe(
@@ -317,15 +323,14 @@ impl<'t> Scheduler<'t> {
         }
         if let Some(d) = decoded {
             let rows = &d.rows.rows;
-            let vocab = d.logits.len() / rows.len().max(1);
             self.status.batch = rows.len();
             self.status
                 .decode
                 .entry(rows.len())
                 .or_default()
                 .add(d.seconds, d.kv_bytes);
-            for (row, l) in rows.iter().zip(d.logits.chunks(vocab)) {
-                self.draw(row.id, row.sample as usize, l);
+            for (i, row) in rows.iter().enumerate() {
+                self.draw(row.id, row.sample as usize, d.logits.row(i));
             }
         } else {
             self.status.batch = 0;
@@ -339,7 +344,7 @@ impl<'t> Scheduler<'t> {
             self.status.prefill_tokens += (r.prefilled - before) as u64;
             if r.prefilled == r.prompt_len() {
                 for sample in 0..r.samples.len() {
-                    self.draw(chunk.id, sample, logits);
+                    self.draw(chunk.id, sample, RowLogits::Whole(logits));
                 }
             }
         }
@@ -352,7 +357,7 @@ impl<'t> Scheduler<'t> {
     }
 
     /// Draws sample `sample` of request `id`'s next token from `logits` and tells its client.
-    fn draw(&mut self, id: u64, sample: usize, logits: &[f32]) {
+    fn draw(&mut self, id: u64, sample: usize, logits: RowLogits) {
         let Some(r) = self.running.get_mut(&id) else {
             return;
         };
@@ -544,13 +549,25 @@ mod tests {
         one.repeat(rows)
     }
 
+    /// [`pick`]'s logits narrowed to `k` tokens a row, as a backend's `top_logits` leaves them.
+    fn narrowed(token: u32, rows: usize, k: usize) -> StepLogits {
+        use canopy_engine::LayerOps;
+        let backend = canopy_engine::CpuBackend;
+        let logits = backend
+            .upload_tensor(&pick(token, rows), rows, VOCAB)
+            .unwrap();
+        let mut top = backend.tensor(rows, 2 * k).unwrap();
+        backend.top_logits(&logits, k, &mut top).unwrap();
+        StepLogits::Top { k, rows: top.data }
+    }
+
     /// Runs `step` on `books` as every rank would, without a model: every chunk stored, every
     /// row's (and prompt's) next token `token`.
     fn run(s: &mut Scheduler, books: &mut Books, step: &Step, token: u32) {
         assert!(books.begin(step).is_empty());
         let (rows, failed) = books.decode(&step.decode);
         assert!(failed.is_empty());
-        let logits = pick(token, rows.rows.len());
+        let logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
         let mut chunks = Vec::new();
         for &chunk in &step.prefill {
             books.chunk(chunk, &[0]).unwrap();

@@ -38,6 +38,9 @@ pub(crate) struct Step {
     pub end_samples: Vec<(u64, u32)>,
     pub admit: Vec<Admit>,
     pub decode: Vec<Row>,
+    /// The most likely tokens each decode row's logits are narrowed to on the backend, enough
+    /// for every row's draw (`None`: whole rows).
+    pub reach: Option<usize>,
     pub prefill: Vec<Chunk>,
     /// The engine stops after this step.
     pub stop: bool,
@@ -93,6 +96,7 @@ mod tests {
                 sample: 0,
                 token: 9,
             }],
+            reach: Some(40),
             prefill: vec![Chunk { id: 7, end: 3 }],
             stop: false,
         };

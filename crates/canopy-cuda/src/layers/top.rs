@@ -1,0 +1,82 @@
+//! [`LayerOps::top_logits`](canopy_engine::LayerOps::top_logits) on the GPU: `layers.cu`'s
+//! `top_logits` narrows each row of logits to its `k` most likely tokens in passes, each
+//! taking segments of `LAYER_THREADS · TOP_ITEMS` entries to `k` keys apiece, until one
+//! segment is left, whose pass writes the row's logits and tokens. A vocabulary of 128K
+//! takes two passes at any `k`; the logits never leave the device.
+
+use super::{narrow, CudaTensor};
+use crate::backend::CudaBackend;
+use crate::error::{CudaError, DriverContext, Result};
+use crate::launch::Params;
+use canopy_core::DType;
+use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+/// Entries one CTA of `top_logits` narrows to `k`.
+const SEGMENT: usize = LAYER_THREADS as usize * TOP_ITEMS;
+/// The most rows one launch covers (its grid's second dimension).
+const MOST_ROWS: usize = 65_535;
+
+impl CudaBackend {
+    /// Each row of `logits` narrowed to its `k` most likely tokens in `out` (`rows × 2k`; the
+    /// caller checked both shapes and `k`).
+    pub(super) fn top_rows(
+        &self,
+        logits: &CudaTensor,
+        k: usize,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        if 2 * k > SEGMENT || logits.rows > MOST_ROWS {
+            return Err(CudaError::Unsupported(format!(
+                "top_logits: {} rows narrowed to {k} each is past the kernel's {MOST_ROWS} rows or {} tokens",
+                logits.rows,
+                SEGMENT / 2
+            )));
+        }
+        if logits.rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(Kernel::Layers(DType::F32, "top_logits"))?;
+        let s = &self.stream;
+        let rows = narrow("top_logits", logits.rows)?;
+        let k32 = narrow("top_logits", k)?;
+        let mut n = logits.cols;
+        let mut keys_in: Option<CudaSlice<u64>> = None;
+        loop {
+            let segments = n.div_ceil(SEGMENT);
+            let keys_out = match segments {
+                1 => None,
+                _ => Some(self.alloc::<u64>(logits.rows * segments * k)?),
+            };
+            // A pointer a pass neither reads nor writes is given the logits' address.
+            let params = Params::default().buffer(&logits.data, s);
+            let params = match &keys_in {
+                Some(keys) => params.buffer(keys, s),
+                None => params.buffer(&logits.data, s),
+            }
+            .u32(narrow("top_logits", n)?)
+            .u32(u32::from(keys_in.is_none()))
+            .u32(k32);
+            let params = match &keys_out {
+                Some(keys) => params.buffer(keys, s),
+                None => params.buffer(&logits.data, s),
+            }
+            .buffer(&out.data, s);
+            let cfg = LaunchConfig {
+                grid_dim: (narrow("top_logits", segments)?, rows, 1),
+                block_dim: (LAYER_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: CTA (segment, row) reads entries of row `row` below `n` (the logits are
+            // rows × n on the first pass, the keys rows × n after), writes k keys at its
+            // segment of rows × segments × k, or on the last pass 2k floats of row `row` of
+            // out (rows × 2k, checked by the caller).
+            unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching top_logits")?;
+            if keys_out.is_none() {
+                return Ok(());
+            }
+            n = segments * k;
+            keys_in = keys_out;
+        }
+    }
+}
