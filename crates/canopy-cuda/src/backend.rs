@@ -265,6 +265,29 @@ impl CudaBackend {
         ))
     }
 
+    /// `host` written over the front of `buf`, which keeps its address (a recorded pass then
+    /// reads the new values) while `host` fits; else `buf` is replaced by a buffer of the next
+    /// power of two, which moves the graph epoch. Stream order puts the write after the
+    /// kernels queued before that read `buf`.
+    pub(crate) fn write_or_grow<T: cudarc::driver::DeviceRepr>(
+        &self,
+        host: &[T],
+        buf: &mut CudaSlice<T>,
+        what: &str,
+    ) -> Result<()> {
+        self.refuse_while_capturing(what)?;
+        if host.len() > buf.len() {
+            self.renew(what)?;
+            *buf = self.alloc::<T>(host.len().next_power_of_two())?;
+        }
+        if !host.is_empty() {
+            self.stream
+                .memcpy_htod(host, &mut buf.slice_mut(..host.len()))
+                .ctx("cuMemcpyHtoD")?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         self.refuse_while_capturing("a host upload")?;
         let mut d = self.alloc::<T>(host.len())?;
@@ -478,11 +501,8 @@ impl Backend for CudaBackend {
             .memcpy_htod(&p.staging, &mut p.words)
             .ctx("cuMemcpyHtoD")?;
         // A masked group's new tokens set bits in its last block or add blocks: masks that
-        // exist are uploaded again.
-        if !masks.is_empty() {
-            self.renew("a plan's masks")?;
-            p.masks = self.upload(&masks)?;
-        }
+        // exist are written again, in place while they fit.
+        self.write_or_grow(&masks, &mut p.masks, "a plan's masks")?;
         Ok(())
     }
 

@@ -34,6 +34,9 @@ pub struct StepRows<'a> {
     pub positions: &'a [u32],
     /// `(row, physical slot)` of the rows whose key and value this rank stores.
     pub stores: &'a [(u32, u32)],
+    /// How many of each row's most likely tokens the step returns, narrowed on the backend
+    /// (`None`: whole rows of logits).
+    pub reach: Option<usize>,
 }
 
 /// The decode pass of one rank.
@@ -138,7 +141,7 @@ impl<B: LayerOps> Forward<B> {
 
     /// `rows` through every layer of `layers`, their keys and values stored in `caches` (one
     /// per layer) and attended by `attention`; returns the rows' logits on the host, each row
-    /// narrowed to its `reach` most likely tokens (`None`: whole rows).
+    /// narrowed to its [`StepRows::reach`] most likely tokens.
     pub fn decode<C: Transport<B>>(
         &mut self,
         backend: &B,
@@ -146,9 +149,8 @@ impl<B: LayerOps> Forward<B> {
         caches: &mut [B::Kv],
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
-        reach: Option<usize>,
     ) -> Result<StepLogits> {
-        self.keep_logits(backend, layers, rows.ids.len(), reach)?;
+        self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
         self.step(backend, layers, caches, attention, rows)?;
         self.download(backend, layers)
     }
@@ -246,7 +248,7 @@ impl<B: LayerOps> Forward<B> {
                     attention,
                     rows,
                     None,
-                    (logits, top.as_deref_mut()),
+                    (logits, top),
                 )
                 .map(drop)
             }
@@ -265,9 +267,8 @@ impl<B: LayerOps> Forward<B> {
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
         settle: &dyn Fn() -> canopy_engine::Result<()>,
-        reach: Option<usize>,
     ) -> Result<(StepLogits, Option<f64>)> {
-        self.keep_logits(backend, layers, rows.ids.len(), reach)?;
+        self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
         let logits = self.logits.as_mut().expect("kept above");
         let merge_s = pass(
             backend,

@@ -306,6 +306,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             .iter()
             .map(|&s| (req.prompt.len() + out[s].len() - 1) as u32)
             .collect();
+        let books = Instant::now();
         let placed = kv.append(&live)?;
         let mine: Vec<(u32, u32)> = placed
             .iter()
@@ -317,6 +318,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         // pass every rank, so it plans them all each step.
         // A layout planned afresh brings this rank's page table; growth in place keeps it.
         let mut changes = kv.update()?;
+        let layout = Instant::now();
         let table = match (&merge, changes.swap_remove(rank), attention.as_mut()) {
             (Some(_), RankChange::Grown(tails), Some(a)) => {
                 a.extend(&tails)?;
@@ -346,30 +348,33 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             }
         }
         let attention = attention.as_mut().expect("planned above");
+        let passed = Instant::now();
+        let replayed = forward.replayed();
         let rows = StepRows {
             ids: &ids,
             positions: &positions,
             stores: &mine,
+            reach,
         };
         let probe = watch.time_merges() && ranks > 1 && step_s.len() % 2 == 1;
         let (logits, merged) = if probe {
             let settle = || Ok(comm.barrier()?);
-            forward.decode_timed(
-                backend,
-                layers,
-                &mut caches,
-                attention,
-                rows,
-                &settle,
-                reach,
-            )?
+            forward.decode_timed(backend, layers, &mut caches, attention, rows, &settle)?
         } else {
-            let logits = forward.decode(backend, layers, &mut caches, attention, rows, reach)?;
+            let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
             (logits, None)
         };
         for (row, &s) in live.iter().enumerate() {
             step_logits[s] = logits.row_owned(row);
         }
+        tracing::debug!(
+            rows = live.len(),
+            books_ms = ms(layout - books),
+            layout_ms = ms(passed - layout),
+            pass_ms = ms(passed.elapsed()),
+            replayed = forward.replayed() > replayed,
+            "decode step"
+        );
         step_s.push(t.elapsed().as_secs_f64());
         merge_s.push(merged);
     }
@@ -384,6 +389,10 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         top_two,
         replayed_steps: forward.replayed(),
     })
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// The tree's concrete merge, resolved once for a run (a generation, or a server's life):

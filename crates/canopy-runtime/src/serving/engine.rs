@@ -235,8 +235,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 ids: &rows.ids,
                 positions: &rows.positions,
                 stores: &stores,
+                reach,
             },
-            reach,
         )?;
         Ok((logits, kv_bytes))
     }

@@ -574,7 +574,7 @@ mod tests {
             books.chunk_done(chunk).unwrap();
             chunks.push((chunk, pick(token, 1)));
         }
-        let decoded = (!rows.rows.is_empty()).then(|| Decoded {
+        let decoded = (!rows.rows.is_empty()).then_some(Decoded {
             rows: &rows,
             logits: &logits,
             seconds: 0.5,
