@@ -566,8 +566,11 @@ fn grow(
             }
             let t0 = std::time::Instant::now();
             let plan_ms = match layout.update(&paged)?.pop().expect("one rank") {
-                RankUpdate::Grown(tails) => {
+                RankUpdate::Grown { tails, table } => {
                     let c = current.as_mut().expect("the first update is fresh");
+                    if let Some(table) = table {
+                        backend.set_page_table(&mut kv, table)?;
+                    }
                     backend.extend_plan(&mut c.dplan, &tails)?;
                     let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
                     c.host.extend_tails(&tails);

@@ -4,9 +4,10 @@
 //! A replay runs the recorded kernels on the staged inputs of its own step, so it must give
 //! the eager pass's logits bit for bit (no kernel of a decode step reduces with atomics):
 //! every step's top two logits and every sample's tokens are compared exactly. The runs cross
-//! several KV pages, so plans are made afresh and passes recorded again along the way, and
-//! they decode one row, three parallel samples (three rows sharing the prompt) and twelve
-//! (more rows than the GEMV takes: the projections run on cuBLAS).
+//! several KV pages, which come into the leaves' reserved room: the replayed passes read
+//! pages written into the page table after they were recorded. They decode one row, three
+//! parallel samples (three rows sharing the prompt) and twelve (more rows than the GEMV
+//! takes: the projections run on cuBLAS).
 //!
 //! Without a GPU (no driver, no device, no NVRTC) the test prints why and passes.
 
@@ -83,9 +84,10 @@ fn replayed_decode_steps_equal_eager_ones() {
             let replayed = run(&backend, &layers, &req);
             let case = format!("{variant}, {samples} samples");
             assert_eq!(eager.replayed_steps, 0, "{case}");
-            // Each page's first step plans afresh and the next records: the rest replay.
+            // The first step plans and a later one records; the plan, the page table and the
+            // recording then carry over every page boundary, so all but a few steps replay.
             assert!(
-                replayed.replayed_steps >= 59 * 3 / 4,
+                replayed.replayed_steps >= 59 - 5,
                 "{case}: only {} of 59 steps replayed",
                 replayed.replayed_steps
             );

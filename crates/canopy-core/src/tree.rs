@@ -56,6 +56,8 @@ pub struct KvTree {
 pub struct TreeBuilder {
     parents: Vec<Option<NodeId>>,
     lens: Vec<u32>,
+    /// Addresses kept free after each node's tokens (see [`TreeBuilder::reserve`]).
+    room: Vec<u32>,
     queries: Vec<NodeId>,
     /// Every node starts at a multiple of this many addresses (1: packed).
     align: u32,
@@ -88,6 +90,7 @@ impl TreeBuilder {
     pub fn add_root(&mut self, tokens: u32) -> NodeId {
         self.parents.push(None);
         self.lens.push(tokens);
+        self.room.push(0);
         (self.lens.len() - 1) as NodeId
     }
 
@@ -100,7 +103,20 @@ impl TreeBuilder {
         }
         self.parents.push(Some(parent));
         self.lens.push(tokens);
+        self.room.push(0);
         Ok((self.lens.len() - 1) as NodeId)
+    }
+
+    /// Keeps `tokens` addresses after `node`'s tokens free of other nodes: room for a leaf
+    /// that decodes to grow into ([`KvTree::extend_node`]) while every other node keeps its
+    /// addresses, so plans of the tree stay valid as it grows.
+    pub fn reserve(&mut self, node: NodeId, tokens: u32) -> Result<()> {
+        let room = self
+            .room
+            .get_mut(node as usize)
+            .ok_or_else(|| CoreError::Tree(format!("room reserved for missing node {node}")))?;
+        *room = tokens;
+        Ok(())
     }
 
     /// Attaches one query (a decode or token-tree query row) to `node`.
@@ -128,7 +144,7 @@ impl TreeBuilder {
                 "node {i} has zero tokens; every node needs at least one"
             )));
         }
-        let total: u64 = self.lens.iter().map(|&l| l as u64).sum();
+        let total: u64 = self.lens.iter().chain(&self.room).map(|&l| l as u64).sum();
         if total > u32::MAX as u64 / 2 {
             return Err(CoreError::Tree(format!(
                 "{total} tokens exceed the 2^31 token address space"
@@ -163,7 +179,7 @@ impl TreeBuilder {
             let node = &mut nodes[id as usize];
             node.depth = depth;
             node.kv = next..next + len;
-            next += len;
+            next += len + self.room[id as usize];
             dfs.push(id);
             stack.extend(children[id as usize].iter().rev());
         }
@@ -281,7 +297,8 @@ impl KvTree {
     }
 
     /// Moves the end of `id`'s tokens to `new_end`, for a node that grew into addresses no
-    /// other node holds (its own page's free room): a paged cache's catch-up (`canopy_kv`)
+    /// other node holds (its last page's free part, or room [`TreeBuilder::reserve`] kept for
+    /// it): a paged cache's catch-up (`canopy_kv`)
     /// grows a snapshot's tree in place this way instead of building it again.
     pub fn extend_node(&mut self, id: NodeId, new_end: u32) {
         let node = &mut self.nodes[id as usize];
@@ -420,6 +437,23 @@ mod tests {
         b.add_query(bb).unwrap();
         assert_eq!(b.build().unwrap().queried_tokens(), 20);
         assert_eq!(small().queried_tokens(), 20);
+    }
+
+    #[test]
+    fn reserved_room_keeps_the_next_nodes_away() {
+        let mut b = TreeBuilder::new().with_alignment(4);
+        let root = b.add_root(6);
+        let leaf = b.add_child(root, 3).unwrap();
+        b.reserve(leaf, 9).unwrap();
+        let other = b.add_child(root, 2).unwrap();
+        assert!(b.reserve(7, 1).is_err(), "no node 7");
+        let mut t = b.build().unwrap();
+        assert_eq!(t.node(leaf).kv, 8..11);
+        // 11 + 9 = 20: the sibling starts on the next boundary past the room.
+        assert_eq!(t.node(other).kv, 20..22);
+        t.extend_node(leaf, 20);
+        assert_eq!(t.node(leaf).kv, 8..20);
+        assert_eq!(t.node(other).kv, 20..22);
     }
 
     #[test]

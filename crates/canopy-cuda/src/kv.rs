@@ -99,24 +99,24 @@ impl CudaBackend {
     }
 
     /// Installs a page table (logical page → physical page) on paged KV: a growing tree's
-    /// snapshot maps its logical pages onto the pool's shared physical pages this way.
+    /// snapshot maps its logical pages onto the pool's shared physical pages this way. The
+    /// table is written in place, where recorded decode passes read it, while it fits; a
+    /// longer one (logical room reserved past the pool's size) gets a larger buffer.
     pub fn set_page_table(&self, kv: &mut CudaKv, table: &[u32]) -> Result<()> {
+        let pages = (kv.pool_tokens() >> kv.paging.as_ref().map_or(0, |p| p.shift)) as u32;
         let Some(p) = kv.paging.as_mut() else {
             return Err(CudaError::Unsupported(
                 "page tables need paged KV (with_paging)".into(),
             ));
         };
-        let pages = p.device.len() as u32;
-        if table.len() > p.device.len() || table.iter().any(|&x| x >= pages) {
+        if let Some(bad) = table.iter().find(|&&x| x >= pages) {
             return Err(CudaError::Unsupported(format!(
-                "a page table of {} entries over a pool of {pages} pages",
-                table.len()
+                "a page table names page {bad} of a pool of {pages} pages"
             )));
         }
-        if !table.is_empty() {
-            self.stream
-                .memcpy_htod(table, &mut p.device.slice_mut(..table.len()))
-                .ctx("cuMemcpyHtoD")?;
+        self.write_or_grow(table, &mut p.device, "a page table")?;
+        if table.len() > p.host.len() {
+            p.host.resize(table.len(), 0);
         }
         p.host[..table.len()].copy_from_slice(table);
         Ok(())

@@ -28,7 +28,7 @@ pub mod radix;
 pub mod step;
 
 pub use error::{KvError, Result};
-pub use paged::{KvManager, KvNode, PageRef, RankSnapshot};
+pub use paged::{CaughtUp, KvManager, KvNode, PageRef, RankSnapshot};
 pub use placement::Placement;
 pub use radix::{CacheStats, Prefix, PrefixCache};
 pub use step::{RankUpdate, StepLayout};

@@ -3,7 +3,8 @@
 //! A decode loop appends the step's tokens to the cache, then asks [`StepLayout::update`]
 //! what changed for each rank: a fresh layout (plan the rank's new snapshot, install its page
 //! table, size the buffers) or growth in place (extend the plan already on the device by the
-//! tails). The first update is fresh on every rank.
+//! tails, and install the table again where pages came into reserved room). The first update
+//! is fresh on every rank.
 
 use crate::error::Result;
 use crate::paged::{KvManager, RankSnapshot};
@@ -20,9 +21,13 @@ pub struct StepLayout {
 pub enum RankUpdate<'a> {
     /// The rank's layout moved: plan this snapshot afresh and install its page table.
     Fresh(&'a RankSnapshot),
-    /// Only appends inside pages the rank already had: extend its plan by these tails (none
-    /// when nothing grew there).
-    Grown(Vec<Tail>),
+    /// Only appends inside the addresses the rank's nodes had: extend its plan by these tails
+    /// (none when nothing grew there). `table`: the rank's page table, when pages came into
+    /// reserved room ([`KvManager::with_growth_room`]): install it again, at the same size.
+    Grown {
+        tails: Vec<Tail>,
+        table: Option<&'a [u32]>,
+    },
 }
 
 impl StepLayout {
@@ -50,7 +55,13 @@ impl StepLayout {
             .snaps
             .iter()
             .zip(grown)
-            .map(|(snap, tails)| tails.map_or(RankUpdate::Fresh(snap), RankUpdate::Grown))
+            .map(|(snap, caught)| match caught {
+                None => RankUpdate::Fresh(snap),
+                Some(c) => RankUpdate::Grown {
+                    tails: c.tails,
+                    table: c.new_pages.then_some(&snap.table[..]),
+                },
+            })
             .collect())
     }
 
@@ -79,7 +90,7 @@ mod tests {
             .into_iter()
             .map(|u| match u {
                 RankUpdate::Fresh(snap) => snap.rank,
-                RankUpdate::Grown(_) => panic!("the first update is fresh"),
+                RankUpdate::Grown { .. } => panic!("the first update is fresh"),
             })
             .collect();
         assert_eq!(ranks, [0, 1]);
@@ -88,17 +99,23 @@ mod tests {
         assert_eq!(
             layout.update(&kv).unwrap(),
             [
-                RankUpdate::Grown(vec![Tail {
-                    end,
-                    new_end: end + 1
-                }]),
-                RankUpdate::Grown(vec![])
+                RankUpdate::Grown {
+                    tails: vec![Tail {
+                        end,
+                        new_end: end + 1
+                    }],
+                    table: None
+                },
+                RankUpdate::Grown {
+                    tails: vec![],
+                    table: None
+                }
             ]
         );
         kv.append(leaf, 3, Balanced).unwrap(); // fills rank 0's page, takes one on rank 1
         let fresh = kv.snapshot(1).unwrap();
         match &layout.update(&kv).unwrap()[..] {
-            [RankUpdate::Grown(tails), RankUpdate::Fresh(snap)] => {
+            [RankUpdate::Grown { tails, table: None }, RankUpdate::Fresh(snap)] => {
                 assert_eq!(tails.len(), 1);
                 assert_eq!((&snap.tree, &snap.table), (&fresh.tree, &fresh.table));
             }

@@ -24,9 +24,20 @@ pub struct RankView {
 pub enum RankChange {
     /// The rank's layout moved: plan this view afresh.
     Fresh(RankView),
-    /// Only appends inside its pages: extend the plan by these tails.
-    Grown(Vec<Tail>),
+    /// Only appends inside the addresses its nodes had: extend the plan by these tails, and
+    /// install `table` (the same size, pages new in reserved room) where there is one.
+    Grown {
+        tails: Vec<Tail>,
+        table: Option<Vec<u32>>,
+    },
 }
+
+/// Addresses a tree-decoded leaf keeps free past its tokens on each rank
+/// ([`KvManager::with_growth_room`]): a rank's plan, page table and recorded decode graph then
+/// carry over the pages its leaves take, and a leaf's own growth replans its rank at most
+/// once in this many steps. The room costs page-table entries, not pages. The ring sends
+/// every logical address of a shard around, so it keeps none.
+pub const GROWTH_ROOM: u32 = 128;
 
 impl RankView {
     fn of(snap: &RankSnapshot, page_size: u32) -> RankView {
@@ -95,6 +106,13 @@ impl KvLayout {
             samples: vec![None; samples],
             pages_per_rank,
         })
+    }
+
+    /// Snapshots keep `tokens` addresses of room past each live sample's tokens
+    /// ([`GROWTH_ROOM`]).
+    pub fn with_growth_room(mut self, tokens: u32) -> KvLayout {
+        self.manager = self.manager.with_growth_room(tokens);
+        self
     }
 
     /// Tokens each rank's storage holds (its whole pool).
@@ -184,7 +202,10 @@ impl KvLayout {
             .into_iter()
             .map(|u| match u {
                 RankUpdate::Fresh(snap) => RankChange::Fresh(RankView::of(snap, ps)),
-                RankUpdate::Grown(tails) => RankChange::Grown(tails),
+                RankUpdate::Grown { tails, table } => RankChange::Grown {
+                    tails,
+                    table: table.map(<[u32]>::to_vec),
+                },
             })
             .collect())
     }

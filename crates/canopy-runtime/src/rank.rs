@@ -18,7 +18,7 @@
 //! and so draws the same tokens.
 
 use crate::forward::{Forward, StepRows};
-use crate::kv::{KvLayout, RankChange, RankView};
+use crate::kv::{KvLayout, RankChange, RankView, GROWTH_ROOM};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
 use crate::sampling::{step_reach, Sampler, SamplingParams, StepLogits, TopTwo};
@@ -134,14 +134,18 @@ impl GenerateRequest {
 
     /// Where this request's KV goes with a prompt of `prompt` tokens over `ranks` ranks.
     fn layout(&self, prompt: usize, ranks: usize) -> Result<KvLayout> {
-        KvLayout::new(
+        let layout = KvLayout::new(
             ranks,
             self.page_size,
             prompt,
             self.samples,
             self.max_tokens,
             self.prefill_chunk,
-        )
+        )?;
+        Ok(match self.strategy {
+            DecodeStrategy::Tree(_) => layout.with_growth_room(GROWTH_ROOM),
+            DecodeStrategy::Ring => layout,
+        })
     }
 }
 
@@ -316,13 +320,14 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             .collect();
         // The tree plans its own rank only and follows growth in place; the ring's shards all
         // pass every rank, so it plans them all each step.
-        // A layout planned afresh brings this rank's page table; growth in place keeps it.
+        // A layout planned afresh brings this rank's page table; growth in place keeps it,
+        // or brings it again with pages in reserved room.
         let mut changes = kv.update()?;
         let layout = Instant::now();
         let table = match (&merge, changes.swap_remove(rank), attention.as_mut()) {
-            (Some(_), RankChange::Grown(tails), Some(a)) => {
+            (Some(_), RankChange::Grown { tails, table }, Some(a)) => {
                 a.extend(&tails)?;
-                None
+                table
             }
             (Some((how, nodes)), RankChange::Fresh(view), _) => {
                 let p = plan_view(&view, req, &shape)?;

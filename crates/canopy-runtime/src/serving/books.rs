@@ -67,8 +67,9 @@ pub(crate) struct ChunkRows {
 pub(crate) enum Layout {
     /// Plan afresh: this rank's snapshot (every rank's, for the ring).
     Fresh(Vec<RankSnapshot>),
-    /// Extend the plan in place.
-    Grown(Vec<Tail>),
+    /// Extend the plan in place by the tails; `new_pages`: install the page table again
+    /// (pages came into reserved room).
+    Grown { tails: Vec<Tail>, new_pages: bool },
 }
 
 /// Every request's KV on one rank's copy of the books.
@@ -79,9 +80,17 @@ pub(crate) struct Books {
 }
 
 impl Books {
-    pub fn new(ranks: usize, page_size: u32, pages_per_rank: u32) -> Result<Books> {
+    /// Books over `ranks` pools of `pages_per_rank` pages; decoding leaves keep
+    /// `growth_room` addresses of room ([`crate::kv::GROWTH_ROOM`]).
+    pub fn new(
+        ranks: usize,
+        page_size: u32,
+        pages_per_rank: u32,
+        growth_room: u32,
+    ) -> Result<Books> {
+        let kv = KvManager::new(ranks, page_size, pages_per_rank)?.with_growth_room(growth_room);
         Ok(Books {
-            cache: PrefixCache::new(KvManager::new(ranks, page_size, pages_per_rank)?),
+            cache: PrefixCache::new(kv),
             steps: StepLayout::new(),
             seqs: BTreeMap::new(),
         })
@@ -242,7 +251,10 @@ impl Books {
         }
         Ok(match updates.swap_remove(rank) {
             RankUpdate::Fresh(snap) => Layout::Fresh(vec![snap.clone()]),
-            RankUpdate::Grown(tails) => Layout::Grown(tails),
+            RankUpdate::Grown { tails, table } => Layout::Grown {
+                tails,
+                new_pages: table.is_some(),
+            },
         })
     }
 

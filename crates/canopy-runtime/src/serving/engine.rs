@@ -19,6 +19,7 @@ use super::scheduler::{Decoded, Scheduler, StepClock};
 use super::step::Step;
 use super::ServeConfig;
 use crate::forward::{Forward, StepRows};
+use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunk, PrefillRows};
 use crate::rank::resolve_merge;
@@ -112,6 +113,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             config.max_batch * shape.q_heads,
             shape.head_dim,
         )?;
+        let room = if merge.is_some() { GROWTH_ROOM } else { 0 };
         Ok(Ranks {
             backend,
             layers,
@@ -120,7 +122,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             shape,
             merge,
             caches,
-            books: Books::new(comm.size(), config.page_size, config.pages_per_rank)?,
+            books: Books::new(comm.size(), config.page_size, config.pages_per_rank, room)?,
             forward: Forward::new().with_graphs(config.graphs),
             decode: None,
             decode_table: false,
@@ -197,14 +199,18 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     ) -> Result<(StepLogits, u64)> {
         let rank = self.comm.rank();
         let ring = self.merge.is_none();
-        match self.books.layout(rank, ring)? {
-            Layout::Grown(tails) => self
-                .decode
-                .as_mut()
-                .ok_or_else(|| {
-                    RuntimeError::Protocol("a decode plan grew before it was made".into())
-                })?
-                .extend(&tails)?,
+        let layout = self.books.layout(rank, ring)?;
+        let fresh = matches!(layout, Layout::Fresh(_));
+        match layout {
+            Layout::Grown { tails, new_pages } => {
+                self.decode
+                    .as_mut()
+                    .ok_or_else(|| {
+                        RuntimeError::Protocol("a decode plan grew before it was made".into())
+                    })?
+                    .extend(&tails)?;
+                self.decode_table &= !new_pages;
+            }
             Layout::Fresh(views) => {
                 self.decode = Some(self.attention(&views)?);
                 self.decode_table = false;
@@ -226,6 +232,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             * self.shape.kv_token_bytes(self.config.kv_dtype) as u64;
         let stores = mine(&rows.placed, rank);
         let attention = self.decode.as_mut().expect("planned above");
+        let replayed = self.forward.replayed();
         let logits = self.forward.decode(
             self.backend,
             self.layers,
@@ -238,6 +245,12 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 reach,
             },
         )?;
+        tracing::debug!(
+            rows = rows.ids.len(),
+            fresh,
+            replayed = self.forward.replayed() > replayed,
+            "serve decode step"
+        );
         Ok((logits, kv_bytes))
     }
 

@@ -501,7 +501,7 @@ mod tests {
             pages: 64,
         };
         let (handle, inbox) = channel(limits, 16);
-        let books = Books::new(1, PAGE as u32, 64).unwrap();
+        let books = Books::new(1, PAGE as u32, 64, 0).unwrap();
         (handle, inbox, books, Tokenizer::code_points(VOCAB).unwrap())
     }
 
