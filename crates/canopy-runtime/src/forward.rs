@@ -178,25 +178,20 @@ impl<B: LayerOps> Forward<B> {
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
     ) -> Result<()> {
-        let logits = self.logits.as_mut().expect("kept by the caller");
-        let mut top = self.top.as_mut();
         let key = if self.graphs && attention.ranks() == 1 {
             stage(backend, rows)?
         } else {
             None
         };
+        let logits = self.logits.as_mut().expect("kept by the caller");
+        let mut top = self.top.as_mut();
+        let mut run = || {
+            let out = (&mut *logits, top.as_deref_mut());
+            pass(backend, layers, caches, attention, rows, None, out).map(drop)
+        };
         let recorder = &mut self.recorder;
         let Some(key) = key else {
-            return pass(
-                backend,
-                layers,
-                caches,
-                attention,
-                rows,
-                None,
-                (logits, top.as_deref_mut()),
-            )
-            .map(drop);
+            return run();
         };
         if let Some(r) = recorder.recorded.as_mut().filter(|r| r.key == key) {
             r.replays += 1;
@@ -204,27 +199,10 @@ impl<B: LayerOps> Forward<B> {
             return Ok(backend.replay(&r.graph)?);
         }
         if !recorder.records(key) {
-            return pass(
-                backend,
-                layers,
-                caches,
-                attention,
-                rows,
-                None,
-                (logits, top.as_deref_mut()),
-            )
-            .map(drop);
+            return run();
         }
         backend.begin_capture()?;
-        let ran = pass(
-            backend,
-            layers,
-            caches,
-            attention,
-            rows,
-            None,
-            (logits, top.as_deref_mut()),
-        );
+        let ran = run();
         match (ran, backend.end_capture()) {
             (Ok(_), Ok(graph)) => {
                 backend.replay(&graph)?;
@@ -241,16 +219,7 @@ impl<B: LayerOps> Forward<B> {
                     .unwrap_or_default();
                 tracing::warn!("decode steps run op by op: recording one failed: {why}");
                 self.graphs = false;
-                pass(
-                    backend,
-                    layers,
-                    caches,
-                    attention,
-                    rows,
-                    None,
-                    (logits, top),
-                )
-                .map(drop)
+                run()
             }
         }
     }
