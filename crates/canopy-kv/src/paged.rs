@@ -18,13 +18,14 @@
 //! into the whole tree's attention. Only a node's last page is partly filled, so a rank's
 //! tokens of a node are whole pages and at most one partial page at their end.
 //!
-//! Most decode steps change no layout: every live leaf appends a token inside its last page,
-//! so no node moves and no page is taken. [`KvManager::catch_up`] recognises such steps rank by
-//! rank and brings that rank's snapshot up to date in place, returning each node that grew
-//! there as a [`Tail`] (old end, new end); a plan follows with
-//! [`canopy_core::Plan::extend_tails`] instead of being rebuilt. A page taken on the rank, or
-//! any change of topology (a fork, a prune, a query set), means a new snapshot is due; a page
-//! taken on another rank changes nothing here.
+//! Most decode steps change no layout: every live leaf appends a token inside the addresses
+//! its rank's snapshot gave it (its last page, or the growth room reserved past it), so no
+//! node moves. [`KvManager::catch_up`] recognises such steps rank by rank and brings that
+//! rank's snapshot up to date in place, returning each node that grew there as a [`Tail`]
+//! (old end, new end) and writing pages taken into room into the table; a plan follows with
+//! [`canopy_core::Plan::extend_tails`] instead of being rebuilt. A node past its addresses
+//! on the rank, or any change of topology (a fork, a prune, a query set), means a new
+//! snapshot is due; growth on another rank changes nothing here.
 
 use crate::error::{KvError, Result};
 use crate::placement::Placement;
@@ -59,8 +60,6 @@ struct Slot {
 struct Pool {
     pages: u32,
     free: Vec<u32>,
-    /// Moves whenever a page is taken from this pool.
-    taken: u64,
 }
 
 impl Pool {
@@ -77,7 +76,7 @@ pub struct KvManager {
     slots: Vec<Option<Slot>>,
     roots: Vec<KvNode>,
     /// Moves whenever every rank's layout would change: nodes added, pruned or marked live.
-    /// Appends move only the taking rank's [`Pool::taken`], and none inside a last page.
+    /// Appends do not move it.
     topology: u64,
     /// Addresses a snapshot keeps free past each live leaf's tokens (see
     /// [`with_growth_room`](Self::with_growth_room)).
@@ -93,8 +92,8 @@ pub struct RankSnapshot {
     pub tree: KvTree,
     /// This rank's logical page → physical page of its pool.
     pub table: Vec<u32>,
-    /// The cache's topology and this rank's pages taken, when taken or last caught up.
-    version: (u64, u64),
+    /// The cache's topology when taken.
+    topology: u64,
     /// For each cache node: where `tree` laid it out.
     nodes: Vec<Option<Laid>>,
 }
@@ -135,7 +134,6 @@ impl KvManager {
         let pool = Pool {
             pages: pages_per_rank,
             free: (0..pages_per_rank).rev().collect(),
-            taken: 0,
         };
         Ok(KvManager {
             page_size,
@@ -270,7 +268,6 @@ impl KvManager {
             .into_iter()
             .map(|rank| {
                 let pool = &mut self.pools[rank];
-                pool.taken += 1;
                 let page = pool.free.pop().expect("room checked above");
                 PageRef { rank, page }
             })
@@ -452,7 +449,7 @@ impl KvManager {
     /// whatever is marked live. Such a snapshot is for one pass; [`catch_up`](Self::catch_up)
     /// follows only snapshots of the live queries.
     pub fn snapshot_with(&self, rank: usize, queries: &[KvNode]) -> Result<RankSnapshot> {
-        let pool = self.pool(rank)?;
+        self.pool(rank)?;
         for &n in queries {
             self.slot(n)?;
         }
@@ -508,7 +505,7 @@ impl KvManager {
             rank,
             tree,
             table,
-            version: (self.topology, pool.taken),
+            topology: self.topology,
             nodes,
         })
     }
@@ -519,8 +516,7 @@ impl KvManager {
     /// table. `None`: the layout moved (a fork, a prune, a query set, a node past its room);
     /// take a new [`snapshot`](Self::snapshot) of the rank.
     pub fn catch_up(&self, snap: &mut RankSnapshot) -> Option<CaughtUp> {
-        let pool = self.pools.get(snap.rank)?;
-        if snap.version.0 != self.topology {
+        if snap.rank >= self.pools.len() || snap.topology != self.topology {
             return None;
         }
         let grown: Vec<(&Slot, &mut Laid, u32)> = self
@@ -557,7 +553,6 @@ impl KvManager {
             laid.len = held;
             caught.tails.push(tail);
         }
-        snap.version.1 = pool.taken;
         Some(caught)
     }
 }
