@@ -10,15 +10,15 @@
 //! last ones (same rows, same stores, same epoch of the buffers it reads: no plan, state or
 //! input buffer made anew since) and replayed while steps keep looking the same: each step's
 //! ids, positions and slots are staged where the recording reads them, and the logits land in
-//! one tensor [`Forward`] keeps.
-//!
-//! A step whose draws reach only each row's most likely tokens (greedy, or cut by `top_k`)
-//! narrows its logits to them on the backend, inside the pass and its recording
-//! ([`LayerOps::top_logits`]); the host then reads `2k` numbers a row, not the vocabulary. Recording costs a few steps' host time, so it waits for
+//! one tensor [`Forward`] keeps. Recording costs a few steps' host time, so it waits for
 //! [`Forward`]'s patience of like steps in a row; a recording dropped before it paid for
 //! itself (a serving batch whose rows or layout keep changing) doubles the patience, one that
 //! paid halves it. A step of several ranks, a timed step, or a backend that records nothing
 //! runs op by op, as does every step after a recording failed.
+//!
+//! A step whose draws reach only each row's most likely tokens (greedy, or cut by `top_k`)
+//! narrows its logits to them on the backend, inside the pass and its recording
+//! ([`LayerOps::top_logits`]); the host then reads `2k` numbers a row, not the vocabulary.
 
 use crate::layers::ModelLayers;
 use crate::sampling::StepLogits;

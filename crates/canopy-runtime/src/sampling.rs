@@ -81,12 +81,10 @@ pub enum StepLogits {
 impl StepLogits {
     /// Row `r`.
     pub fn row(&self, r: usize) -> RowLogits<'_> {
+        let row = self.span(r);
         match self {
-            StepLogits::Whole { vocab, logits } => {
-                RowLogits::Whole(&logits[r * vocab..(r + 1) * vocab])
-            }
-            StepLogits::Top { k, rows } => {
-                let row = &rows[r * 2 * k..(r + 1) * 2 * k];
+            StepLogits::Whole { .. } => RowLogits::Whole(row),
+            StepLogits::Top { k, .. } => {
                 let (logits, tokens) = row.split_at(*k);
                 RowLogits::Top {
                     // The tokens are f32 bit patterns (`LayerOps::top_logits`).
@@ -99,16 +97,20 @@ impl StepLogits {
 
     /// Row `r`, owned: what a caller keeps past the step.
     pub fn row_owned(&self, r: usize) -> StepLogits {
-        match self {
-            StepLogits::Whole { vocab, logits } => StepLogits::Whole {
-                vocab: *vocab,
-                logits: logits[r * vocab..(r + 1) * vocab].to_vec(),
-            },
-            StepLogits::Top { k, rows } => StepLogits::Top {
-                k: *k,
-                rows: rows[r * 2 * k..(r + 1) * 2 * k].to_vec(),
-            },
+        let row = self.span(r).to_vec();
+        match *self {
+            StepLogits::Whole { vocab, .. } => StepLogits::Whole { vocab, logits: row },
+            StepLogits::Top { k, .. } => StepLogits::Top { k, rows: row },
         }
+    }
+
+    /// Row `r`'s numbers as held: `vocab` logits, or `k` logits then `k` token ids.
+    fn span(&self, r: usize) -> &[f32] {
+        let (width, data) = match self {
+            StepLogits::Whole { vocab, logits } => (*vocab, logits),
+            StepLogits::Top { k, rows } => (2 * k, rows),
+        };
+        &data[r * width..(r + 1) * width]
     }
 }
 
