@@ -39,6 +39,16 @@ impl Params {
         self
     }
 
+    /// The device address of `buffer`, or a null pointer when there is none.
+    pub(crate) fn optional_buffer<T>(
+        mut self,
+        buffer: Option<&impl cudarc::driver::DevicePtr<T>>,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Self {
+        self.0.push(buffer.map_or(0, |b| b.device_ptr(stream).0));
+        self
+    }
+
     pub(crate) fn u32(mut self, v: u32) -> Self {
         self.0.push(u64::from(v));
         self

@@ -27,7 +27,7 @@ use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::layer_ops::{check_top_logits, expect_size};
 use canopy_engine::{KeyBlock, LayerOps, ModelNeeds};
-use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
+use canopy_kernels::{Kernel, GEMV_MAX_ROWS, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Grid-stride CTAs per SM of the element-wise kernels: enough resident warps to hide memory
@@ -38,10 +38,44 @@ const ELEMENTWISE_CTAS_PER_SM: usize = 8;
 const RESERVE_BYTES: u64 = 512 << 20;
 
 /// Activations: a row-major `rows × cols` fp32 matrix in device memory.
+///
+/// A GEMM operand ([`LayerOps::gemm_operand`]) of more rows than a GEMV takes may also hold
+/// its values rounded to the dtype of the weight it feeds, written by the op that produced
+/// them (`rms_norm`, SwiGLU, `states_output`) in the same kernel, so the GEMM needs no rounding
+/// kernel of its own. Every other op that writes the tensor drops that copy, so a copy that is
+/// present is always the rounding of `data`.
 pub struct CudaTensor {
     pub(crate) data: CudaSlice<f32>,
     rows: usize,
     cols: usize,
+    /// The dtype of the weight this tensor feeds, when it keeps a rounded copy for it.
+    operand: Option<DType>,
+    /// `data` rounded to `operand`, or None when the last op to write `data` did not write it.
+    rounded: Option<CudaSlice<u16>>,
+}
+
+impl CudaTensor {
+    fn new(data: CudaSlice<f32>, rows: usize, cols: usize) -> Self {
+        CudaTensor {
+            data,
+            rows,
+            cols,
+            operand: None,
+            rounded: None,
+        }
+    }
+
+    /// `data` rounded to `dtype`, if the op that last wrote `data` also wrote that copy.
+    pub(crate) fn rounded_to(&self, dtype: DType) -> Option<&CudaSlice<u16>> {
+        self.rounded
+            .as_ref()
+            .filter(|_| self.operand == Some(dtype))
+    }
+
+    /// Marks the rounded copy stale: the caller writes `data` without it.
+    pub(crate) fn drop_rounded(&mut self) {
+        self.rounded = None;
+    }
 }
 
 /// A weight: a row-major `rows × cols` matrix in device memory, in the dtype it was uploaded in.
@@ -93,7 +127,13 @@ fn activation_bytes(needs: &ModelNeeds) -> u64 {
         + s.q_heads // the states' lse
         + 2 * s.kv_token_elems() // k and v
         + 2 * needs.intermediate; // the MLP's gate and up
-    let rounded = 2 * needs.hidden.max(needs.intermediate); // a 16-bit GEMM's input
+                                  // A 16-bit GEMM's input in the scratch, and the rounded copies GEMM operands keep (the
+                                  // attention output, a norm's output and the MLP's activation at once).
+    let rounded = 2
+        * (needs.hidden.max(needs.intermediate)
+            + s.q_row_elems()
+            + needs.hidden
+            + needs.intermediate);
     let logits = needs.logit_rows * needs.vocab * (4 + 2);
     // Every rank's queries, their states (o and lse), the output, and the merge's packed
     // states and maxima.
@@ -184,6 +224,7 @@ impl CudaBackend {
 
     fn embed_rows(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> Result<()> {
         same_dims("embed", "the output", out, (ids.len(), table.cols))?;
+        out.drop_rounded();
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
             return Err(CudaError::Unsupported(format!(
                 "embed: token id {id} is outside the embedding table of {} rows; the tokenizer and the model disagree",
@@ -228,11 +269,13 @@ impl CudaBackend {
         }
         let (rows, cols) = (narrow("rms_norm", x.rows)?, narrow("rms_norm", x.cols)?);
         let f = self.function(Kernel::Layers(weight.dtype, "rms_norm"))?;
+        let rounded = self.rounded_target(out, weight.dtype)?;
         let s = &self.stream;
         let params = Params::default()
             .buffer(&x.data, s)
             .buffer(&weight.data, s)
             .buffer(&out.data, s)
+            .optional_buffer(rounded.as_ref(), s)
             .u32(cols)
             .f32(eps);
         let cfg = LaunchConfig {
@@ -240,19 +283,36 @@ impl CudaBackend {
             block_dim: (LAYER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one CTA per row of x and out (rows × cols each); the weight has cols elements.
+        // SAFETY: one CTA per row of x and out (rows × cols each), and of the rounded copy
+        // (rows × cols elements) if there is one; the weight has cols elements.
         unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching rms_norm")?;
+        out.rounded = rounded;
         Ok(())
+    }
+
+    /// The buffer a producer writes `out`'s rounded copy into, in the same kernel as `out`,
+    /// when that kernel rounds to `dtype` and `out` feeds a weight of it; None (and the copy
+    /// dropped) otherwise. The caller sets it back on `out` once the kernel is queued.
+    fn rounded_target(&self, out: &mut CudaTensor, dtype: DType) -> Result<Option<CudaSlice<u16>>> {
+        let kept = out.rounded.take();
+        if out.operand != Some(dtype) {
+            return Ok(None);
+        }
+        let len = out.rows * out.cols;
+        Ok(Some(match kept {
+            Some(buf) if buf.len() >= len => buf,
+            _ => self.alloc::<u16>(len)?,
+        }))
     }
 
     /// An uninitialized `rows × cols` activation, for a result written in full before it is
     /// read.
     fn tensor_of(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
-        Ok(CudaTensor {
-            data: self.alloc::<f32>((rows * cols).max(1))?,
+        Ok(CudaTensor::new(
+            self.alloc::<f32>((rows * cols).max(1))?,
             rows,
             cols,
-        })
+        ))
     }
 
     /// `out = silu(gate) * up` over the two halves of each row of `gate_up`.
@@ -271,14 +331,21 @@ impl CudaBackend {
             narrow("matmul_swiglu", out.rows)?,
             narrow("matmul_swiglu", out.cols)?,
         );
-        let f = self.function(Kernel::Layers(DType::F32, "swiglu"))?;
+        let dtype = out.operand.unwrap_or(DType::F32);
+        let f = self.function(Kernel::Layers(dtype, "swiglu"))?;
+        let mut rounded = self.rounded_target(out, dtype)?;
+        let no_copy = 0u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&gate_up.data)
-            .arg(&mut out.data)
-            .arg(&rows)
-            .arg(&cols);
-        // SAFETY: gate_up holds rows × 2 cols floats and out rows × cols (checked).
+        b.arg(&gate_up.data).arg(&mut out.data);
+        match rounded.as_mut() {
+            Some(buf) => b.arg(buf),
+            None => b.arg(&no_copy),
+        };
+        b.arg(&rows).arg(&cols);
+        // SAFETY: gate_up holds rows × 2 cols floats, out rows × cols, and the rounded copy,
+        // if there is one, rows × cols elements (checked).
         unsafe { b.launch(self.elementwise(n)) }.ctx("launching swiglu")?;
+        out.rounded = rounded;
         Ok(())
     }
 
@@ -395,7 +462,16 @@ impl LayerOps for CudaBackend {
             .stream
             .alloc_zeros::<f32>((rows * cols).max(1))
             .ctx(format!("allocating {} bytes", rows * cols * 4))?;
-        Ok(CudaTensor { data, rows, cols })
+        Ok(CudaTensor::new(data, rows, cols))
+    }
+
+    /// More rows than the GEMV takes run on cuBLAS, whose 16-bit operand the producer writes.
+    fn gemm_operand(&self, rows: usize, cols: usize, weight: &CudaWeight) -> EResult<CudaTensor> {
+        let mut t = self.tensor(rows, cols)?;
+        if rows > GEMV_MAX_ROWS && weight.dtype != DType::F32 {
+            t.operand = Some(weight.dtype);
+        }
+        Ok(t)
     }
 
     fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> EResult<CudaTensor> {
@@ -406,11 +482,7 @@ impl LayerOps for CudaBackend {
             data.len(),
             rows * cols,
         )?;
-        Ok(CudaTensor {
-            data: self.upload(data)?,
-            rows,
-            cols,
-        })
+        Ok(CudaTensor::new(self.upload(data)?, rows, cols))
     }
 
     fn download_tensor(&self, t: &CudaTensor) -> EResult<Vec<f32>> {
@@ -440,6 +512,7 @@ impl LayerOps for CudaBackend {
             ))
             .into());
         }
+        out.drop_rounded();
         let (at, n) = (first * src.cols, out.rows * out.cols);
         if n > 0 {
             self.stream
@@ -504,6 +577,9 @@ impl LayerOps for CudaBackend {
         v: &mut CudaTensor,
     ) -> EResult<()> {
         let rows = qkv.rows;
+        for t in [&mut *q, &mut *k, &mut *v] {
+            t.drop_rounded();
+        }
         same_dims("rope_split", "k", k, (rows, k.cols))?;
         same_dims("rope_split", "q", q, (rows, q.cols))?;
         same_dims("rope_split", "v", v, (rows, k.cols))?;
@@ -572,6 +648,7 @@ impl LayerOps for CudaBackend {
     }
 
     fn tensor_buf_mut<'t>(&self, t: &'t mut CudaTensor) -> &'t mut CudaSlice<f32> {
+        t.drop_rounded();
         &mut t.data
     }
 
@@ -635,11 +712,25 @@ impl LayerOps for CudaBackend {
         let cols = states.heads * states.head_dim;
         same_dims("states_output", "the output", out, (states.rows, cols))?;
         let n = states.rows * cols;
-        if n > 0 {
+        let dtype = out.operand.unwrap_or(DType::F32);
+        let rounded = self.rounded_target(out, dtype)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let Some(mut buf) = rounded else {
             self.stream
                 .memcpy_dtod(&states.o.slice(..n), &mut out.data.slice_mut(..n))
                 .ctx("cuMemcpyDtoDAsync")?;
-        }
+            return Ok(());
+        };
+        // One kernel copies the output and writes its rounded copy.
+        let f = self.function(Kernel::Layers(dtype, "round_to_elem"))?;
+        let len = n as u64;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&states.o).arg(&mut out.data).arg(&mut buf).arg(&len);
+        // SAFETY: the states' o, out and the rounded copy each hold n elements (checked).
+        unsafe { b.launch(self.elementwise(n)) }.ctx("launching round_to_elem")?;
+        out.rounded = Some(buf);
         Ok(())
     }
 

@@ -243,6 +243,140 @@ fn dense_ops_match_the_cpu() {
     }
 }
 
+/// Every product of a GEMM operand (`gemm_operand`) equals the same product of a plain tensor
+/// holding the same values, bit for bit, whichever op wrote it: `rms_norm`, `matmul_swiglu`
+/// and `states_output` write the operand's rounded copy beside it (more rows than the GEMV
+/// takes), and `copy_rows` into it leaves no stale copy behind.
+#[test]
+fn gemm_operands_feed_products_like_plain_tensors() {
+    let Some(gpu) = gpu("gemm_operands_feed_products_like_plain_tensors") else {
+        return;
+    };
+    let mut rng = rng("gemm_operands_feed_products_like_plain_tensors");
+    // q_heads · head_dim within the weight's columns, so the o projection's weight is a
+    // slice of the inputs' weight.
+    let shape = AttnShape {
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 64,
+        scale: None,
+    };
+    for dtype in DType::ALL {
+        for rows in [5, 67] {
+            eprintln!("{dtype} weights, {rows} rows:");
+            let (h, i) = (160, 232);
+            let inp = DenseInputs::new(&mut rng, dtype, rows, (h, i));
+            let got = operand_products(&gpu, &inp, &shape, &mut rng).unwrap();
+            for (op, plain, operand) in got {
+                assert!(plain.iter().all(|v| v.is_finite()), "{op}: not finite");
+                let same = plain
+                    .iter()
+                    .zip(&operand)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                eprintln!("  {op:<44} bit for bit: {same}");
+                assert!(
+                    same,
+                    "{dtype}, {rows} rows, {op}: an operand's product differs"
+                );
+            }
+        }
+    }
+}
+
+/// (op, product of a plain tensor, product of a GEMM operand).
+type Products = Vec<(&'static str, Vec<f32>, Vec<f32>)>;
+
+/// Each producer's output read by a product, from a plain tensor and from a GEMM operand.
+fn operand_products(
+    b: &CudaBackend,
+    inp: &DenseInputs,
+    shape: &AttnShape,
+    rng: &mut ChaCha8Rng,
+) -> Result<Products> {
+    let (rows, h, i) = (inp.rows, inp.hidden, inp.intermediate);
+    let typed = |v: &[f32]| TypedVec::from_f32(inp.dtype, v);
+    let norm = b.upload_weight(typed(&inp.norm), 1, h)?;
+    let w = b.upload_weight(typed(&inp.w), i, h)?;
+    let w_back = b.upload_weight(typed(&inp.w[..h * i / 2]), h, i / 2)?;
+    let q_cols = shape.q_row_elems();
+    let w_o = b.upload_weight(typed(&inp.w[..h * q_cols]), h, q_cols)?;
+    let x = b.upload_tensor(&inp.x, rows, h)?;
+    let mut out = Vec::new();
+
+    let mut plain = poisoned(b, rows, h)?;
+    let mut operand = b.gemm_operand(rows, h, &w)?;
+    let mut products = Vec::new();
+    for t in [&mut plain, &mut operand] {
+        b.rms_norm(&x, &norm, 1e-5, t)?;
+        let mut p = poisoned(b, rows, i)?;
+        b.matmul(t, &w, &mut p)?;
+        products.push(b.download_tensor(&p)?);
+    }
+    out.push((
+        "rms_norm, then matmul",
+        products.remove(0),
+        products.remove(0),
+    ));
+
+    let mut acts = [
+        poisoned(b, rows, i / 2)?,
+        b.gemm_operand(rows, i / 2, &w_back)?,
+    ];
+    for act in &mut acts {
+        b.matmul_swiglu(&plain, &w, act)?;
+        let mut acc = b.upload_tensor(&inp.x, rows, h)?;
+        b.matmul_add(act, &w_back, &mut acc)?;
+        products.push(b.download_tensor(&acc)?);
+    }
+    out.push((
+        "matmul_swiglu, then matmul_add",
+        products.remove(0),
+        products.remove(0),
+    ));
+
+    let positions: Vec<u32> = (0..rows as u32).collect();
+    let q = b.upload_tensor(&values(rng, rows * q_cols, 1.0), rows, q_cols)?;
+    let (k, v, _) = block(rng, shape, positions.clone());
+    let k = b.upload_tensor(&k, rows, shape.kv_token_elems())?;
+    let v = b.upload_tensor(&v, rows, shape.kv_token_elems())?;
+    let mut states = b.empty_states(shape, rows)?;
+    let keys = KeyBlock {
+        k: &k,
+        v: &v,
+        positions: &positions,
+        dtype: inp.dtype,
+    };
+    b.causal_attention(shape, &q, &positions, keys, &mut states)?;
+    let mut attn = [
+        poisoned(b, rows, q_cols)?,
+        b.gemm_operand(rows, q_cols, &w_o)?,
+    ];
+    for a in &mut attn {
+        b.states_output(&states, a)?;
+        let mut acc = b.upload_tensor(&inp.x, rows, h)?;
+        b.matmul_add(a, &w_o, &mut acc)?;
+        products.push(b.download_tensor(&acc)?);
+    }
+    out.push((
+        "states_output, then matmul_add",
+        products.remove(0),
+        products.remove(0),
+    ));
+
+    // An operand overwritten by copy_rows: its product is x's, not the norm's.
+    b.copy_rows(&x, 0, &mut operand)?;
+    let mut p = poisoned(b, rows, i)?;
+    b.matmul(&operand, &w, &mut p)?;
+    let mut want = poisoned(b, rows, i)?;
+    b.matmul(&x, &w, &mut want)?;
+    out.push((
+        "copy_rows over an operand, then matmul",
+        b.download_tensor(&want)?,
+        b.download_tensor(&p)?,
+    ));
+    Ok(out)
+}
+
 /// One block of keys for [`attention`]: K, V and their positions.
 type Block = (Vec<f32>, Vec<f32>, Vec<u32>);
 

@@ -3,7 +3,8 @@
 // Activations are fp32 row-major matrices; weights and KV are stored as CANOPY_DTYPE (`elem_t`:
 // f32, f16 or bf16) and widened to fp32 on load, so every kernel's arithmetic is fp32. The
 // GEMMs are cuBLAS's; these kernels are what surrounds them: rounding activations to the
-// weights' dtype for a 16-bit GEMM, the embedding gather, RMSNorm, RoPE (splitting a fused
+// weights' dtype for a 16-bit GEMM (RMSNorm and SwiGLU also write that rounded copy beside
+// their output when the host gives them one), the embedding gather, RMSNorm, RoPE (splitting a fused
 // q|k|v projection), SwiGLU, the KV store by (row, slot) pairs, and attention of a block of
 // query rows over a block of keys. A projection of a few rows (a decode step) is not cuBLAS's
 // but `gemv`'s, which streams the weight once at close to the memory's bandwidth and folds the
@@ -58,9 +59,15 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// `out = x` rounded to the weights' dtype: a 16-bit GEMM's activation operand.
-extern "C" __global__ void round_to_elem(const float* __restrict__ x, elem_t* __restrict__ out, u64 n) {
-    GRID_STRIDE(i, n) out[i] = narrow(x[i]);
+// `out = x` rounded to the weights' dtype: a 16-bit GEMM's activation operand; x is also
+// copied to `copy` unless it is null.
+extern "C" __global__ void round_to_elem(const float* __restrict__ x, float* __restrict__ copy,
+                                         elem_t* __restrict__ out, u64 n) {
+    GRID_STRIDE(i, n) {
+        const float v = x[i];
+        if (copy) copy[i] = v;
+        out[i] = narrow(v);
+    }
 }
 
 // `out[r] = table[ids[r]]`, widened (the host has checked every id against the table).
@@ -72,18 +79,20 @@ extern "C" __global__ void embed_rows(const elem_t* __restrict__ table, const u3
     }
 }
 
-// One CTA per row: `out = w * (x / sqrt(mean(x²) + eps))`, the host's order of operations.
-// A row of up to RMS_NORM_CHUNKS float4s per thread is read once into registers, every load in
-// flight at once (a decode step's single row is a chain of latencies otherwise); a longer or
-// unaligned row is read twice.
+// One CTA per row: `out = w * (x / sqrt(mean(x²) + eps))`, the host's order of operations,
+// and, unless `rounded` is null, out rounded to the weights' dtype (the operand of the GEMM
+// that reads it). A row of up to RMS_NORM_CHUNKS float4s per thread is read once into
+// registers, every load in flight at once (a decode step's single row is a chain of latencies
+// otherwise); a longer or unaligned row is read twice.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
-rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __restrict__ out, u32 cols,
-         float eps) {
+rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __restrict__ out,
+         elem_t* __restrict__ rounded, u32 cols, float eps) {
     let_next_grid_launch();
     wait_for_previous_grid();
     __shared__ float warp_sums[LAYER_THREADS / 32];
     const float* row = x + (u64)blockIdx.x * cols;
     float* dst = out + (u64)blockIdx.x * cols;
+    elem_t* low = rounded ? rounded + (u64)blockIdx.x * cols : nullptr;
     const bool held = cols % 4 == 0 && cols <= 4u * LAYER_THREADS * RMS_NORM_CHUNKS;
     float4 v[RMS_NORM_CHUNKS];
     float s = 0.f;
@@ -119,10 +128,20 @@ rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __res
                 o.z = widen(w[4 * c + 2]) * (v[j].z * inv);
                 o.w = widen(w[4 * c + 3]) * (v[j].w * inv);
                 reinterpret_cast<float4*>(dst)[c] = o;
+                if (low) {
+                    low[4 * c] = narrow(o.x);
+                    low[4 * c + 1] = narrow(o.y);
+                    low[4 * c + 2] = narrow(o.z);
+                    low[4 * c + 3] = narrow(o.w);
+                }
             }
         }
     } else {
-        for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) dst[c] = widen(w[c]) * (row[c] * inv);
+        for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) {
+            const float y = widen(w[c]) * (row[c] * inv);
+            dst[c] = y;
+            if (low) low[c] = narrow(y);
+        }
     }
 }
 
@@ -156,13 +175,16 @@ extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* 
 }
 
 // `out = silu(gate) * up`, gate and up the two halves of each row of `gate_up` (`rows × 2
-// cols`): the SwiGLU of a fused gate|up projection.
-extern "C" __global__ void swiglu(const float* __restrict__ gate_up, float* __restrict__ out, u32 rows,
-                                  u32 cols) {
+// cols`): the SwiGLU of a fused gate|up projection; and, unless `rounded` is null, out rounded
+// to the weights' dtype (the operand of the GEMM that reads it).
+extern "C" __global__ void swiglu(const float* __restrict__ gate_up, float* __restrict__ out,
+                                  elem_t* __restrict__ rounded, u32 rows, u32 cols) {
     GRID_STRIDE(i, (u64)rows * cols) {
         const u64 r = i / cols, c = i % cols;
         const float g = gate_up[r * 2 * cols + c], u = gate_up[r * 2 * cols + cols + c];
-        out[i] = g / (1.f + expf(-g)) * u;
+        const float y = g / (1.f + expf(-g)) * u;
+        out[i] = y;
+        if (rounded) rounded[i] = narrow(y);
     }
 }
 

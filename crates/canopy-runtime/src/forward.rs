@@ -301,7 +301,7 @@ fn pass<B: LayerOps, C: Transport<B>>(
     let shape = layers.attn_shape();
     let n = rows.ids.len();
     let mut x = layers.embed(backend, rows.ids)?;
-    let mut attn = backend.tensor(n, shape.q_row_elems())?;
+    let mut attn = layers.attention_output(backend, n)?;
     let mut merge_s: Option<f64> = None;
     for (l, cache) in caches.iter_mut().enumerate() {
         let qkv = layers.qkv(backend, l, &x, rows.positions)?;

@@ -431,7 +431,7 @@ impl<B: LayerOps> ModelLayers<B> {
     pub fn qkv(&self, b: &B, l: usize, x: &B::Tensor, positions: &[u32]) -> Result<Qkv<B>> {
         let (c, layer) = (&self.config, &self.layers[l]);
         let (rows, h) = b.dims(x);
-        let mut normed = b.tensor(rows, h)?;
+        let mut normed = b.gemm_operand(rows, h, &layer.qkv)?;
         b.rms_norm(x, &layer.input_norm, c.rms_norm_eps as f32, &mut normed)?;
         let (qn, kvn) = (
             c.num_attention_heads * c.head_dim,
@@ -446,6 +446,16 @@ impl<B: LayerOps> ModelLayers<B> {
         Ok(Qkv { q, k, v })
     }
 
+    /// An attention output of `rows` rows for [`ModelLayers::finish`] to read (written by
+    /// `states_output`): a GEMM operand of the output projection.
+    pub fn attention_output(&self, b: &B, rows: usize) -> Result<B::Tensor> {
+        let cols = self.attn_shape().q_row_elems();
+        Ok(match self.layers.first() {
+            Some(layer) => b.gemm_operand(rows, cols, &layer.o)?,
+            None => b.tensor(rows, cols)?,
+        })
+    }
+
     /// The rest of layer `l` in place on the hidden rows `x`, given its attention output
     /// (`rows × q_heads · head_dim`): the output projection and residual, then the MLP and
     /// its residual.
@@ -453,9 +463,9 @@ impl<B: LayerOps> ModelLayers<B> {
         let (c, layer) = (&self.config, &self.layers[l]);
         let (rows, h) = b.dims(x);
         b.matmul_add(attn, &layer.o, x)?;
-        let mut normed = b.tensor(rows, h)?;
+        let mut normed = b.gemm_operand(rows, h, &layer.gate_up)?;
         b.rms_norm(x, &layer.post_norm, c.rms_norm_eps as f32, &mut normed)?;
-        let mut act = b.tensor(rows, c.intermediate_size)?;
+        let mut act = b.gemm_operand(rows, c.intermediate_size, &layer.down)?;
         b.matmul_swiglu(&normed, &layer.gate_up, &mut act)?;
         b.matmul_add(&act, &layer.down, x)?;
         Ok(())
@@ -481,9 +491,10 @@ impl<B: LayerOps> ModelLayers<B> {
         let rows = b.dims(out).0;
         let mut picked = b.tensor(rows, c.hidden_size)?;
         b.copy_rows(x, first, &mut picked)?;
-        let mut normed = b.tensor(rows, c.hidden_size)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut normed = b.gemm_operand(rows, c.hidden_size, head)?;
         b.rms_norm(&picked, &self.norm, c.rms_norm_eps as f32, &mut normed)?;
-        b.matmul(&normed, self.lm_head.as_ref().unwrap_or(&self.embed), out)?;
+        b.matmul(&normed, head, out)?;
         Ok(())
     }
 }

@@ -49,9 +49,8 @@ fn through_layers<B: LayerOps>(
     attend: &mut Attend<B>,
     on_layer: &mut dyn FnMut(usize),
 ) -> Result<B::Tensor> {
-    let shape = layers.attn_shape();
     let mut x = layers.embed(backend, rows.ids)?;
-    let mut attn = backend.tensor(rows.ids.len(), shape.q_row_elems())?;
+    let mut attn = layers.attention_output(backend, rows.ids.len())?;
     for (l, cache) in caches.iter_mut().enumerate() {
         let qkv = layers.qkv(backend, l, &x, rows.positions)?;
         backend.store_kv(cache, &qkv.k, &qkv.v, rows.stores)?;

@@ -6,9 +6,10 @@
 //! first weight loads overlap the end of the kernel before it. Its split of k over warps is
 //! chosen from the kernel's occupancy, the most warps that all run at once.
 //!
-//! A 16-bit weight multiplies its activation rounded to the same dtype (a small kernel writes
-//! the rounded copy into a scratch buffer kept between calls) and accumulates in fp32 into an
-//! fp32 output, as a model's bf16 GEMMs do. An f32 weight runs in pedantic fp32: neither TF32
+//! A 16-bit weight multiplies its activation rounded to the same dtype and accumulates in fp32
+//! into an fp32 output, as a model's bf16 GEMMs do. The rounded copy is the one the op that
+//! wrote the activation made beside it (a GEMM operand, see `CudaTensor`), or else a small
+//! kernel writes it into a scratch buffer kept between calls. An f32 weight runs in pedantic fp32: neither TF32
 //! nor cuBLAS's bf16 emulation of fp32 may round its operands.
 //!
 //! cuBLAS is column-major. A row-major `[r × c]` matrix is the column-major `[c × r]` one, so
@@ -146,6 +147,7 @@ impl CudaBackend {
         out: &mut CudaTensor,
         epilogue: Epilogue,
     ) -> Result<()> {
+        out.drop_rounded();
         if x.rows == 0 || w.rows == 0 {
             return Ok(());
         }
@@ -301,13 +303,18 @@ impl CudaBackend {
             }
         };
         let s = &self.stream;
-        // The activation operand: x itself for f32 weights, else x rounded into the scratch.
-        let (b_ptr, compute) = match w.dtype {
-            DType::F32 => (
+        // The activation operand: x itself for f32 weights, else x's rounded copy where the op
+        // that wrote x made one, else x rounded into the scratch.
+        let (b_ptr, compute) = match (w.dtype, x.rounded_to(w.dtype)) {
+            (DType::F32, _) => (
                 x.data.device_ptr(s).0,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
             ),
-            DType::F16 | DType::Bf16 => {
+            (_, Some(rounded)) => (
+                rounded.device_ptr(s).0,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            (DType::F16 | DType::Bf16, None) => {
                 let len = rows * k;
                 let scratch = match gemm.scratch.take() {
                     Some(kept) if kept.len() >= len => kept,
@@ -320,9 +327,9 @@ impl CudaBackend {
                 };
                 let scratch = gemm.scratch.insert(scratch);
                 let f = self.function(Kernel::Layers(w.dtype, "round_to_elem"))?;
-                let len = len as u64;
+                let (len, no_copy) = (len as u64, 0u64);
                 let mut b = s.launch_builder(&f);
-                b.arg(&x.data).arg(&mut *scratch).arg(&len);
+                b.arg(&x.data).arg(&no_copy).arg(&mut *scratch).arg(&len);
                 // SAFETY: reads `len` floats of x and writes `len` elements of the scratch,
                 // which holds at least that many.
                 unsafe { b.launch(self.elementwise(len as usize)) }

@@ -33,6 +33,7 @@ impl CudaBackend {
                 SEGMENT / 2
             )));
         }
+        out.drop_rounded();
         if logits.rows == 0 {
             return Ok(());
         }
