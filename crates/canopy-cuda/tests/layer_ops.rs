@@ -377,6 +377,72 @@ fn operand_products(
     Ok(out)
 }
 
+/// RoPE fused into the KV append (`rope_split_store`) writes the same q, k and v, and the
+/// same cache slots, bit for bit, as `rope_split` then `store_kv`, for every KV dtype, with
+/// some rows not stored and the stored ones in scrambled slots.
+#[test]
+fn rope_fused_into_the_kv_append_matches_the_two_ops() {
+    let Some(gpu) = gpu("rope_fused_into_the_kv_append_matches_the_two_ops") else {
+        return;
+    };
+    let mut rng = rng("rope_fused_into_the_kv_append_matches_the_two_ops");
+    let shape = AttnShape::new(8, 2, 64).unwrap();
+    let (rows, pool) = (37usize, 64usize);
+    let (q_cols, kv_cols) = (shape.q_row_elems(), shape.kv_token_elems());
+    let qkv = values(&mut rng, rows * (q_cols + 2 * kv_cols), 1.0);
+    let positions: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..131_072)).collect();
+    // Every third row is not stored here; the others go to scrambled slots.
+    let stores: Vec<(u32, u32)> = (0..rows as u32)
+        .filter(|r| r % 3 != 2)
+        .map(|r| (r, (r * 29 + 5) % pool as u32))
+        .collect();
+    let slots: Vec<u32> = stores.iter().map(|&(_, slot)| slot).collect();
+    let inv_freq: Vec<f32> = (0..shape.head_dim / 2)
+        .map(|i| 500_000f32.powf(-2.0 * i as f32 / shape.head_dim as f32))
+        .collect();
+    for dtype in DType::ALL {
+        let run = |fused: bool| -> Result<Vec<Vec<f32>>> {
+            let b = &gpu;
+            let fused_qkv = b.upload_tensor(&qkv, rows, q_cols + 2 * kv_cols)?;
+            let inv_freq = b.upload_weight(TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
+            let mut kv = b.alloc_kv(&shape, dtype, pool)?;
+            let nan = TypedVec::from_f32(dtype, &vec![f32::NAN; pool * kv_cols]);
+            b.write_kv(&mut kv, 0, &nan, &nan)?;
+            let (mut q, mut k, mut v) = (
+                poisoned(b, rows, q_cols)?,
+                poisoned(b, rows, kv_cols)?,
+                poisoned(b, rows, kv_cols)?,
+            );
+            if fused {
+                let outputs = (&mut q, &mut k, &mut v);
+                b.rope_split_store(&fused_qkv, &positions, &inv_freq, outputs, &mut kv, &stores)?;
+            } else {
+                b.rope_split(&fused_qkv, &positions, &inv_freq, &mut q, &mut k, &mut v)?;
+                b.store_kv(&mut kv, &k, &v, &stores)?;
+            }
+            let (kc, vc) = b.load_kv(&kv, &slots)?;
+            [&q, &k, &v, &kc, &vc]
+                .into_iter()
+                .map(|t| b.download_tensor(t))
+                .collect()
+        };
+        let (two_ops, fused) = (run(false).unwrap(), run(true).unwrap());
+        for ((name, a), b) in ["q", "k", "v", "stored k", "stored v"]
+            .iter()
+            .zip(&two_ops)
+            .zip(&fused)
+        {
+            assert!(
+                a.iter().all(|x| x.is_finite()),
+                "{dtype} {name}: not written"
+            );
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            eprintln!("  {dtype} {name:<10} bit for bit: {same}");
+            assert!(same, "{dtype} {name}: the fused op differs");
+        }
+    }
+}
+
 /// One block of keys for [`attention`]: K, V and their positions.
 type Block = (Vec<f32>, Vec<f32>, Vec<u32>);
 

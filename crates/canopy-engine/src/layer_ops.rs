@@ -152,6 +152,21 @@ pub trait LayerOps: MergeOps {
         v: &Self::Tensor,
         rows: &[(u32, u32)],
     ) -> Result<()>;
+    /// [`LayerOps::rope_split`], then [`LayerOps::store_kv`] of the rotated `k` and `v` for
+    /// `rows`: RoPE fused into the KV append where a backend can do both in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_split_store(
+        &self,
+        qkv: &Self::Tensor,
+        positions: &[u32],
+        inv_freq: &Self::Weight,
+        (q, k, v): (&mut Self::Tensor, &mut Self::Tensor, &mut Self::Tensor),
+        kv: &mut Self::Kv,
+        rows: &[(u32, u32)],
+    ) -> Result<()> {
+        self.rope_split(qkv, positions, inv_freq, q, k, v)?;
+        self.store_kv(kv, k, v, rows)
+    }
     /// The attention queries held in `q` (`rows × q_heads · head_dim`).
     fn tensor_queries(&self, shape: &AttnShape, q: &Self::Tensor) -> Result<Self::Queries>;
 

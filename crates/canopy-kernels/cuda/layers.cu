@@ -4,9 +4,10 @@
 // f32, f16 or bf16) and widened to fp32 on load, so every kernel's arithmetic is fp32. The
 // GEMMs are cuBLAS's; these kernels are what surrounds them: rounding activations to the
 // weights' dtype for a 16-bit GEMM (RMSNorm and SwiGLU also write that rounded copy beside
-// their output when the host gives them one), the embedding gather, RMSNorm, RoPE (splitting a fused
-// q|k|v projection), SwiGLU, the KV store by (row, slot) pairs, and attention of a block of
-// query rows over a block of keys. A projection of a few rows (a decode step) is not cuBLAS's
+// their output when the host gives them one), the embedding gather, RMSNorm, RoPE (splitting a
+// fused q|k|v projection, and appending the keys and values to the KV cache in the same
+// kernel), SwiGLU, the KV store by (row, slot) pairs, and attention of a block of query rows
+// over a block of keys. A projection of a few rows (a decode step) is not cuBLAS's
 // but `gemv`'s, which streams the weight once at close to the memory's bandwidth and folds the
 // residual add or SwiGLU into its output.
 //
@@ -145,16 +146,21 @@ rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __res
     }
 }
 
+// The pair (x1, x2) of a head rotated by the angle whose sine and cosine are s and c
+// (rotate_half's convention): the one expression both RoPE kernels use, so a key stored by
+// `rope_split_store` is bit for bit the one `rope_split` writes.
+__device__ __forceinline__ float2 rotate_pair(float x1, float x2, float s, float c) {
+    return make_float2(x1 * c - x2 * s, x2 * c + x1 * s);
+}
+
 // Splits each row of a fused projection `qkv` (`q_cols | kv_cols | kv_cols`) into q, k and v,
 // rotating every head (2 * half columns) of q and k by positions[r] (rotate_half): one thread
 // per pair (i, i + half) of a q or k head, angle positions[r] * inv_freq[i] in fp32, then one
 // per element of v.
-extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* __restrict__ positions,
-                                      const float* __restrict__ inv_freq, float* __restrict__ q,
-                                      float* __restrict__ k, float* __restrict__ v, u32 rows,
-                                      u32 q_cols, u32 kv_cols, u32 half) {
-    let_next_grid_launch();
-    wait_for_previous_grid();
+__device__ __forceinline__ void rope_split_rows(const float* __restrict__ qkv, const u32* __restrict__ positions,
+                                                const float* __restrict__ inv_freq, float* __restrict__ q,
+                                                float* __restrict__ k, float* __restrict__ v, u32 rows,
+                                                u32 q_cols, u32 kv_cols, u32 half) {
     const u32 width = q_cols + 2 * kv_cols, pairs = (q_cols + kv_cols) / 2;
     GRID_STRIDE(i, (u64)rows * pairs) {
         const u64 r = i / pairs;
@@ -163,14 +169,55 @@ extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* 
         sincosf((float)positions[r] * inv_freq[j], &s, &c);
         const u32 col = head * 2 * half;
         const float* h = qkv + r * width + col;
-        const float x1 = h[j], x2 = h[j + half];
+        const float2 rotated = rotate_pair(h[j], h[j + half], s, c);
         float* dst = col < q_cols ? q + r * q_cols + col : k + r * kv_cols + (col - q_cols);
-        dst[j] = x1 * c - x2 * s;
-        dst[j + half] = x2 * c + x1 * s;
+        dst[j] = rotated.x;
+        dst[j + half] = rotated.y;
     }
     GRID_STRIDE(i, (u64)rows * kv_cols) {
         const u64 r = i / kv_cols, c = i % kv_cols;
         v[i] = qkv[r * width + q_cols + kv_cols + c];
+    }
+}
+
+extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* __restrict__ positions,
+                                      const float* __restrict__ inv_freq, float* __restrict__ q,
+                                      float* __restrict__ k, float* __restrict__ v, u32 rows,
+                                      u32 q_cols, u32 kv_cols, u32 half) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half);
+}
+
+// `rope_split`, and for each of `count` (row, slot) pairs that row's rotated key and its value
+// written into physical token `slot` of the KV pool, narrowed to the KV's dtype: RoPE fused
+// into the KV append. The stored key is rotated again from qkv (no thread waits for another's
+// k), with rope_split's expression, so it is what store_kv would store from k. The host has
+// checked every row and slot.
+extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const u32* __restrict__ positions,
+                                            const float* __restrict__ inv_freq, float* __restrict__ q,
+                                            float* __restrict__ k, float* __restrict__ v, u32 rows,
+                                            u32 q_cols, u32 kv_cols, u32 half, const u32* __restrict__ pairs,
+                                            elem_t* __restrict__ kc, elem_t* __restrict__ vc, u32 count) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half);
+    const u32 width = q_cols + 2 * kv_cols, kv_pairs = kv_cols / 2;
+    GRID_STRIDE(i, (u64)count * kv_pairs) {
+        const u64 p = i / kv_pairs;
+        const u32 pair = (u32)(i % kv_pairs), head = pair / half, j = pair % half;
+        const u32 row = pairs[2 * p];
+        float s, c;
+        sincosf((float)positions[row] * inv_freq[j], &s, &c);
+        const float* h = qkv + (u64)row * width + q_cols + head * 2 * half;
+        const float2 rotated = rotate_pair(h[j], h[j + half], s, c);
+        elem_t* dst = kc + (u64)pairs[2 * p + 1] * kv_cols + head * 2 * half;
+        dst[j] = narrow(rotated.x);
+        dst[j + half] = narrow(rotated.y);
+    }
+    GRID_STRIDE(i, (u64)count * kv_cols) {
+        const u64 p = i / kv_cols, c = i % kv_cols;
+        vc[(u64)pairs[2 * p + 1] * kv_cols + c] = narrow(qkv[(u64)pairs[2 * p] * width + q_cols + kv_cols + c]);
     }
 }
 

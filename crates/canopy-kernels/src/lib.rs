@@ -130,6 +130,7 @@ impl Id {
                 "embed_rows",
                 "rms_norm",
                 "rope_split",
+                "rope_split_store",
                 "swiglu",
                 "store_kv",
                 "load_kv",

@@ -304,8 +304,7 @@ fn pass<B: LayerOps, C: Transport<B>>(
     let mut attn = layers.attention_output(backend, n)?;
     let mut merge_s: Option<f64> = None;
     for (l, cache) in caches.iter_mut().enumerate() {
-        let qkv = layers.qkv(backend, l, &x, rows.positions)?;
-        backend.store_kv(cache, &qkv.k, &qkv.v, rows.stores)?;
+        let qkv = layers.qkv(backend, l, &x, rows.positions, Some((cache, rows.stores)))?;
         let q = backend.tensor_queries(&shape, &qkv.q)?;
         let states = match settle {
             None => attention.attend(cache, &q)?,

@@ -10,7 +10,7 @@
 use crate::{Result, RuntimeError};
 use canopy_core::data::splitmix64;
 use canopy_core::{AttnShape, DType, TypedVec};
-use canopy_engine::{LayerOps, ModelNeeds};
+use canopy_engine::{Backend, LayerOps, ModelNeeds};
 use canopy_model::{HostTensor, LlamaConfig, Weights};
 use rayon::prelude::*;
 
@@ -38,6 +38,9 @@ struct LayerWeights<B: LayerOps> {
     gate_up: B::Weight,
     down: B::Weight,
 }
+
+/// A layer's KV cache and the `(row, slot)` pairs of a pass's rows to store into it.
+pub type KvStore<'a, B> = (&'a mut <B as Backend>::Kv, &'a [(u32, u32)]);
 
 /// The query, key and value rows of one layer for a batch of tokens, rotated.
 pub struct Qkv<B: LayerOps> {
@@ -427,8 +430,17 @@ impl<B: LayerOps> ModelLayers<B> {
         Ok(x)
     }
 
-    /// Layer `l`'s rotated queries, keys and values of the hidden rows `x` at `positions`.
-    pub fn qkv(&self, b: &B, l: usize, x: &B::Tensor, positions: &[u32]) -> Result<Qkv<B>> {
+    /// Layer `l`'s rotated queries, keys and values of the hidden rows `x` at `positions`;
+    /// with `store`, the keys and values of its `(row, slot)` pairs are also written into
+    /// those slots of the layer's cache, in the same op as the rotation.
+    pub fn qkv(
+        &self,
+        b: &B,
+        l: usize,
+        x: &B::Tensor,
+        positions: &[u32],
+        store: Option<KvStore<'_, B>>,
+    ) -> Result<Qkv<B>> {
         let (c, layer) = (&self.config, &self.layers[l]);
         let (rows, h) = b.dims(x);
         let mut normed = b.gemm_operand(rows, h, &layer.qkv)?;
@@ -442,7 +454,20 @@ impl<B: LayerOps> ModelLayers<B> {
         let mut q = b.tensor(rows, qn)?;
         let mut k = b.tensor(rows, kvn)?;
         let mut v = b.tensor(rows, kvn)?;
-        b.rope_split(&fused, positions, &self.inv_freq, &mut q, &mut k, &mut v)?;
+        let outputs = (&mut q, &mut k, &mut v);
+        match store {
+            Some((cache, rows)) => {
+                b.rope_split_store(&fused, positions, &self.inv_freq, outputs, cache, rows)?
+            }
+            None => b.rope_split(
+                &fused,
+                positions,
+                &self.inv_freq,
+                outputs.0,
+                outputs.1,
+                outputs.2,
+            )?,
+        }
         Ok(Qkv { q, k, v })
     }
 
@@ -561,7 +586,7 @@ mod tests {
         let b = &CpuBackend;
         let mut x = layers.embed(b, &[1, 5, 96]).unwrap();
         for l in 0..layers.num_layers() {
-            let qkv = layers.qkv(b, l, &x, &[0, 1, 2]).unwrap();
+            let qkv = layers.qkv(b, l, &x, &[0, 1, 2], None).unwrap();
             layers.finish(b, l, &mut x, &qkv.q).unwrap();
         }
         layers.logits(b, &x, 0, 3).unwrap()

@@ -52,8 +52,7 @@ fn through_layers<B: LayerOps>(
     let mut x = layers.embed(backend, rows.ids)?;
     let mut attn = layers.attention_output(backend, rows.ids.len())?;
     for (l, cache) in caches.iter_mut().enumerate() {
-        let qkv = layers.qkv(backend, l, &x, rows.positions)?;
-        backend.store_kv(cache, &qkv.k, &qkv.v, rows.stores)?;
+        let qkv = layers.qkv(backend, l, &x, rows.positions, Some((cache, rows.stores)))?;
         attend(cache, &qkv, &mut attn)?;
         layers.finish(backend, l, &mut x, &attn)?;
         on_layer(l + 1);
