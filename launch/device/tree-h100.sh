@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 5 on one H100: tree-structured KV. The CUDA conformance suite with the tensor-core
-# kernel forced on, then `bench tree` on FastTree's ten trees at 32/8 and 32/32 heads (fp16,
-# head dim 128) and on DeFT's workloads (static and growing), every method. SASS of the
-# tensor-core kernels is checked for HMMA. METHODS, HEADS, TREES, GROW=false and STATIC=false narrow the
-# run to fit one device call.
+# kernel forced on, then `bench tree` on FastTree's ten trees at Q_HEADS (default 32) query
+# heads over each of HEADS (default 8 and 32) KV heads (fp16, head dim 128) and on DeFT's
+# workloads (static and growing), every method. SASS of the tensor-core kernels is checked for
+# HMMA. METHODS, HEADS, TREES, GROW=false and STATIC=false narrow the run to fit one device
+# call.
 #
 # Run from the repository root on the device machine with the release binary in .device/.
 # STAGE=check runs only the conformance suite; STAGE=bench only the benchmarks. SIMT=true adds
@@ -27,14 +28,15 @@ SUFFIX=$([ "$CACHE" = cold ] || echo "_$CACHE")
   if [ "$STAGE" != check ]; then
     for heads in ${HEADS:-8 32}; do
       for t in ${TREES:-0 1 2 3 4 5 6 7 8 9}; do
-        log "fasttree-$t 32/$heads"
-        $BIN bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
+        q=${Q_HEADS:-32}
+        log "fasttree-$t $q/$heads"
+        $BIN bench tree --workload fasttree-$t --heads $q --kv-heads $heads --head-dim 128 \
           --dtype f16 --method ${METHODS:-all} --iterations $ITER --cache $CACHE --check ${CHECK:-true} \
-          --json > "$OUT/ft${t}_32_${heads}${SUFFIX}.json"
-        [ "${SIMT:-false}" = true ] && $BIN bench tree --workload fasttree-$t --heads 32 \
+          --json > "$OUT/ft${t}_${q}_${heads}${SUFFIX}.json"
+        [ "${SIMT:-false}" = true ] && $BIN bench tree --workload fasttree-$t --heads $q \
           --kv-heads $heads --head-dim 128 --dtype f16 --method all --iterations $ITER \
-          --check false --kernel simt --json > "$OUT/ft${t}_32_${heads}_simt.json"
-        grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*' "$OUT/ft${t}_32_${heads}${SUFFIX}.json" | paste -sd' '
+          --check false --kernel simt --json > "$OUT/ft${t}_${q}_${heads}_simt.json"
+        grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*' "$OUT/ft${t}_${q}_${heads}${SUFFIX}.json" | paste -sd' '
       done
     done
     for w in $([ "${GROW:-true}" = true ] && echo few-shot-b50 few-shot-b20); do

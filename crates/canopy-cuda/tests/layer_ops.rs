@@ -283,6 +283,14 @@ fn gemm_operands_feed_products_like_plain_tensors() {
     }
 }
 
+/// `x` (the host rows of `t`'s product's shape) plus the product of `t` with `w`.
+fn added<B: LayerOps>(b: &B, x: &[f32], t: &B::Tensor, w: &B::Weight) -> Result<Vec<f32>> {
+    let rows = b.dims(t).0;
+    let mut acc = b.upload_tensor(x, rows, x.len() / rows)?;
+    b.matmul_add(t, w, &mut acc)?;
+    b.download_tensor(&acc)
+}
+
 /// (op, product of a plain tensor, product of a GEMM operand).
 type Products = Vec<(&'static str, Vec<f32>, Vec<f32>)>;
 
@@ -324,14 +332,11 @@ fn operand_products(
     ];
     for act in &mut acts {
         b.matmul_swiglu(&plain, &w, act)?;
-        let mut acc = b.upload_tensor(&inp.x, rows, h)?;
-        b.matmul_add(act, &w_back, &mut acc)?;
-        products.push(b.download_tensor(&acc)?);
     }
     out.push((
         "matmul_swiglu, then matmul_add",
-        products.remove(0),
-        products.remove(0),
+        added(b, &inp.x, &acts[0], &w_back)?,
+        added(b, &inp.x, &acts[1], &w_back)?,
     ));
 
     let positions: Vec<u32> = (0..rows as u32).collect();
@@ -353,14 +358,11 @@ fn operand_products(
     ];
     for a in &mut attn {
         b.states_output(&states, a)?;
-        let mut acc = b.upload_tensor(&inp.x, rows, h)?;
-        b.matmul_add(a, &w_o, &mut acc)?;
-        products.push(b.download_tensor(&acc)?);
     }
     out.push((
         "states_output, then matmul_add",
-        products.remove(0),
-        products.remove(0),
+        added(b, &inp.x, &attn[0], &w_o)?,
+        added(b, &inp.x, &attn[1], &w_o)?,
     ));
 
     // An operand overwritten by copy_rows: its product is x's, not the norm's.
