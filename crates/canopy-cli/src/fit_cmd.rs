@@ -9,6 +9,7 @@
 //! it (its candidates are these methods at these sizes): the regret is the measured time of
 //! the model's pick over the best measured time. `--holdout` runs are not fitted to: the
 //! fitted model's error and regret on them say how it does on trees it was not tuned on.
+//! `--objective picks` goes on from the log-error fit to minimise the regret itself.
 
 use crate::plan_cmd::ShapeArgs;
 use crate::table::Table;
@@ -35,12 +36,29 @@ pub struct FitArgs {
     /// A model (TOML) to start from instead of the built-in defaults.
     #[arg(long)]
     device_model: Option<PathBuf>,
+    /// What the fit minimises.
+    #[arg(long, value_enum, default_value = "log-error")]
+    objective: Objective,
     /// Write the fitted model here (TOML), for `--device-model` of `bench tree` and `plan`.
     #[arg(long)]
     out: Option<PathBuf>,
     #[arg(long)]
     json: bool,
 }
+
+/// What the fit minimises.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Objective {
+    /// The rms log error of the predicted steps: the model prices every plan well.
+    LogError,
+    /// The regret of the model's picks (geomean of the pick's measured time over the best's),
+    /// starting from the log-error fit: what `auto` needs, which is the plans' order.
+    Picks,
+}
+
+/// The log error's weight beside ln(regret) in the picks objective: regret is flat between
+/// the points where a pick changes, and the error keeps the descent moving across them.
+const PICKS_LOG_ERROR_WEIGHT: f64 = 0.05;
 
 /// The fields of `bench tree --json` the fit reads.
 #[derive(Deserialize)]
@@ -113,6 +131,18 @@ fn pick(model: &DeviceModel, tree: &[(Method, Sample)]) -> (Method, f64) {
         .min_by(|a, b| model.price(&a.1.cost).total_cmp(&model.price(&b.1.cost)))
         .map(|(m, s)| (*m, s.measured_us))
         .expect("a tree with measured methods")
+}
+
+/// The geometric mean over `trees` of the measured time of `model`'s pick over the best.
+fn regret(model: &DeviceModel, trees: &[Measured]) -> f64 {
+    geomean(trees.iter().filter(|t| !t.samples.is_empty()).map(|t| {
+        let best = t
+            .samples
+            .iter()
+            .map(|x| x.1.measured_us)
+            .fold(f64::INFINITY, f64::min);
+        pick(model, &t.samples).1 / best
+    }))
 }
 
 /// A measured tree, re-planned as the benchmark planned it.
@@ -260,6 +290,12 @@ pub fn run(a: FitArgs) -> Result<()> {
         );
     }
     let fitted = start.fit(&all);
+    let fitted = match a.objective {
+        Objective::LogError => fitted,
+        Objective::Picks => {
+            fitted.fit_by(|m| regret(m, &trees).ln() + PICKS_LOG_ERROR_WEIGHT * m.log_error(&all))
+        }
+    };
     let (fit, fits) = score(&start, &fitted, &trees);
     let holdout = (!held.is_empty()).then(|| score(&start, &fitted, &held).0);
     let out = FitOutput {

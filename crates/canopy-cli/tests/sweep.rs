@@ -132,6 +132,21 @@ fn fit_model_reads_sweeps_and_judges_a_disjoint_holdout() {
     for k in ["fitted_log_error", "fitted_regret", "fitted_worst_regret"] {
         assert!(h[k].as_f64().unwrap() >= 0.0, "{k}: {h}");
     }
+    // Fitted to its picks, the model's regret is reported on both sets.
+    let out = canopy()
+        .args(["fit-model", "--objective", "picks", "--json"])
+        .arg(&fit)
+        .arg("--holdout")
+        .arg(&held)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v: Value = serde_json::from_slice(&out).expect("valid JSON");
+    for score in [&v, &v["holdout"]] {
+        assert!(score["fitted_regret"].as_f64().unwrap() >= 1.0, "{score}");
+    }
     canopy()
         .arg("fit-model")
         .arg(&fit)

@@ -199,8 +199,14 @@ impl DeviceModel {
     /// the error is not smooth; coordinate descent on the logarithms of the constants, with
     /// shrinking steps, finds a good minimum without derivatives.
     pub fn fit(&self, samples: &[Sample]) -> DeviceModel {
+        self.fit_by(|m| m.log_error(samples))
+    }
+
+    /// The time constants that minimise `objective`, starting from `self`, by the coordinate
+    /// descent of [`fit`](Self::fit); the GPU's size stays as it is.
+    pub fn fit_by(&self, objective: impl Fn(&DeviceModel) -> f64) -> DeviceModel {
         let mut best = *self;
-        let mut err = best.log_error(samples);
+        let mut err = objective(&best);
         for step in [0.5f64, 0.2, 0.05, 0.01] {
             loop {
                 let mut improved = false;
@@ -208,7 +214,7 @@ impl DeviceModel {
                     for dir in [1.0, -1.0] {
                         let mut m = best;
                         *m.constant_mut(i) *= (dir * step).exp();
-                        let e = m.log_error(samples);
+                        let e = objective(&m);
                         if e < err - 1e-12 {
                             (best, err, improved) = (m, e, true);
                         }
@@ -242,6 +248,22 @@ mod tests {
     use crate::planner::{plan, Method, PlannerConfig};
     use crate::shard::{Shard, TreeView};
     use crate::tree::fan;
+
+    #[test]
+    fn fit_by_descends_on_any_objective() {
+        let target = 2.0e6f64;
+        let start = DeviceModel::default();
+        let fitted = start.fit_by(|m| (m.bytes_per_us / target).ln().powi(2));
+        assert!(
+            (fitted.bytes_per_us / target - 1.0).abs() < 0.01,
+            "{fitted:?}"
+        );
+        assert_eq!(
+            fitted.us_per_step, start.us_per_step,
+            "other constants stay"
+        );
+        assert_eq!(fitted.multiprocessors, start.multiprocessors);
+    }
 
     #[test]
     fn q_guided_rereads_are_counted_once_as_unique_kv() {
