@@ -2,34 +2,26 @@
 
 mod common;
 
-use common::canopy;
+use common::{canopy, json_output};
 use predicates::str::contains;
-use serde_json::Value;
 
 #[test]
 fn a_tiny_cpu_sweep_checks_every_method_and_summarizes_auto() {
-    let out = canopy()
-        .args([
-            "bench",
-            "tree",
-            "--sweep",
-            "3",
-            "--seed",
-            "7",
-            "--heads-configs",
-            "4/2x64",
-            "--backend",
-            "cpu",
-            "--iterations",
-            "1",
-            "--json",
-        ])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let v: Value = serde_json::from_slice(&out).expect("valid JSON");
+    let v = json_output(canopy().args([
+        "bench",
+        "tree",
+        "--sweep",
+        "3",
+        "--seed",
+        "7",
+        "--heads-configs",
+        "4/2x64",
+        "--backend",
+        "cpu",
+        "--iterations",
+        "1",
+        "--json",
+    ]));
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3);
     for r in rows {
@@ -113,18 +105,14 @@ fn sweep_file(seed: &str) -> std::path::PathBuf {
 #[test]
 fn fit_model_reads_sweeps_and_judges_a_disjoint_holdout() {
     let (fit, held) = (sweep_file("21"), sweep_file("22"));
-    let out = canopy()
-        .arg("fit-model")
-        .arg(&fit)
-        .arg("--holdout")
-        .arg(&held)
-        .arg("--json")
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let v: Value = serde_json::from_slice(&out).expect("valid JSON");
+    let v = json_output(
+        canopy()
+            .arg("fit-model")
+            .arg(&fit)
+            .arg("--holdout")
+            .arg(&held)
+            .arg("--json"),
+    );
     assert_eq!(v["trees"].as_array().unwrap().len(), 2);
     assert_eq!(v["samples"].as_u64(), Some(10), "five methods on two trees");
     let h = &v["holdout"];
@@ -133,17 +121,13 @@ fn fit_model_reads_sweeps_and_judges_a_disjoint_holdout() {
         assert!(h[k].as_f64().unwrap() >= 0.0, "{k}: {h}");
     }
     // Fitted to its picks, the model's regret is reported on both sets.
-    let out = canopy()
-        .args(["fit-model", "--objective", "picks", "--json"])
-        .arg(&fit)
-        .arg("--holdout")
-        .arg(&held)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let v: Value = serde_json::from_slice(&out).expect("valid JSON");
+    let v = json_output(
+        canopy()
+            .args(["fit-model", "--objective", "picks", "--json"])
+            .arg(&fit)
+            .arg("--holdout")
+            .arg(&held),
+    );
     for score in [&v, &v["holdout"]] {
         assert!(score["fitted_regret"].as_f64().unwrap() >= 1.0, "{score}");
     }

@@ -8,6 +8,12 @@ pub fn canopy() -> Command {
     Command::cargo_bin("canopy").expect("the canopy binary is built")
 }
 
+/// What `cmd` prints on success, parsed as JSON.
+pub fn json_output(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.assert().success().get_output().stdout.clone();
+    serde_json::from_slice(&out).expect("valid JSON")
+}
+
 /// Whether plot labels can be drawn here: `CANOPY_FONT`, or one of the fonts `canopy` looks
 /// for without it.
 pub fn font() -> bool {
