@@ -127,8 +127,9 @@ fn activation_bytes(needs: &ModelNeeds) -> u64 {
         + s.q_heads // the states' lse
         + 2 * s.kv_token_elems() // k and v
         + 2 * needs.intermediate; // the MLP's gate and up
-                                  // A 16-bit GEMM's input in the scratch, and the rounded copies GEMM operands keep (the
-                                  // attention output, a norm's output and the MLP's activation at once).
+
+    // A 16-bit GEMM's input in the scratch, and the rounded copies GEMM operands keep (the
+    // attention output, a norm's output and the MLP's activation at once).
     let rounded = 2
         * (needs.hidden.max(needs.intermediate)
             + s.q_row_elems()
