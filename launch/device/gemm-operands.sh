@@ -8,11 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/env.sh"
 BASE=${BASE:-.device/canopy-base}
 {
-  log "layer-op tests"
-  .device/layer_ops --test-threads 1 2>&1 | grep -E "^test |test result|bit for bit: false|panicked" \
-    | tee "$OUT/tests.txt"
-  log "graph test"
-  .device/cuda_graphs 2>&1 | grep -E "^test |test result|panicked" | tee -a "$OUT/tests.txt"
+  device_tests
   for round in 1 2; do
     for entry in new=$BIN base=$BASE; do
       name=${entry%%=*} bin=${entry#*=}

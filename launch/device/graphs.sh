@@ -5,13 +5,8 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-540}
-{
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  log "replay against eager"
-  .device/cuda_graphs --nocapture 2>&1 | tail -20
-  log "layer ops"
-  .device/layer_ops 2>&1 | tail -4
-} 2>&1 | tee "$OUT/tests.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+device_tests
 log "bench decode, graphs against --eager"
 BINS="graphs=$BIN eager=$BIN@--eager" ARCHS=${ARCHS:-llama-3.1-8b llama-3.2-1b smollm2-135m} \
   DECODE=${DECODE:-30} OUT=$OUT/ab DEADLINE=$((DEADLINE - 60)) bash "$(dirname "$0")/ab-decode.sh" > /dev/null

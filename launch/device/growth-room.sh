@@ -13,13 +13,8 @@ DEADLINE=${DEADLINE:-560}
 R=$OUT/serve
 mkdir -p "$R"
 C=${CONCURRENCY:-64}
-{
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  log "replay against eager"
-  .device/cuda_graphs --nocapture 2>&1 | tail -6
-  log "layer ops"
-  .device/layer_ops 2>&1 | tail -3
-} 2>&1 | tee "$OUT/tests.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+device_tests
 
 # steps LOG: decode steps of a server's log, planned afresh and replayed.
 steps() {

@@ -8,11 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
 {
-  log "layer-op tests"
-  .device/layer_ops --test-threads 1 2>&1 | grep -E "^test |test result|bit for bit: false|panicked" \
-    | tee "$OUT/tests.txt"
-  log "graph test"
-  .device/cuda_graphs 2>&1 | grep -E "^test |test result|panicked" | tee -a "$OUT/tests.txt"
+  device_tests
   log "decode A/B"
   OUT=$OUT/ab BINS="new=$BIN base=${BASE:-.device/canopy-base}" ARCHS="${ARCHS:-llama-3.1-8b smollm2-135m}" \
     DEADLINE=$((DEADLINE / 2)) DECODE=30 bash "$(dirname "$0")/ab-decode.sh" > /dev/null
