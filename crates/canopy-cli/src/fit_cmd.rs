@@ -257,8 +257,8 @@ fn score(start: &DeviceModel, fitted: &DeviceModel, trees: &[Measured]) -> (Scor
         samples: all.len(),
         start_log_error: start.log_error(&all),
         fitted_log_error: fitted.log_error(&all),
-        start_regret: geomean(fits.iter().map(|t| t.start_pick.1 / t.best.1)),
-        fitted_regret: geomean(fitted_ratios.iter().copied()),
+        start_regret: regret(start, trees),
+        fitted_regret: regret(fitted, trees),
         fitted_worst_regret: fitted_ratios.iter().copied().fold(1.0, f64::max),
         fitted_within_1_05: fitted_ratios.iter().filter(|&&r| r <= 1.05).count() as f64
             / fitted_ratios.len().max(1) as f64,

@@ -454,19 +454,13 @@ impl<B: LayerOps> ModelLayers<B> {
         let mut q = b.tensor(rows, qn)?;
         let mut k = b.tensor(rows, kvn)?;
         let mut v = b.tensor(rows, kvn)?;
-        let outputs = (&mut q, &mut k, &mut v);
+        let freq = &self.inv_freq;
         match store {
             Some((cache, rows)) => {
-                b.rope_split_store(&fused, positions, &self.inv_freq, outputs, cache, rows)?
+                let outputs = (&mut q, &mut k, &mut v);
+                b.rope_split_store(&fused, positions, freq, outputs, cache, rows)?
             }
-            None => b.rope_split(
-                &fused,
-                positions,
-                &self.inv_freq,
-                outputs.0,
-                outputs.1,
-                outputs.2,
-            )?,
+            None => b.rope_split(&fused, positions, freq, &mut q, &mut k, &mut v)?,
         }
         Ok(Qkv { q, k, v })
     }
