@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The multi-GPU runs (nvidia-h200-x2 or -x4): the model over every GPU of the machine, G of
-# them. PART picks one call's worth (each well inside 10 minutes):
+# them. PART lists the parts to run, in order (PART="check prefill scaling"); each writes
+# under $OUT/PART and is one call's worth or less (well inside 10 minutes):
+#   check   the model runtime's correctness with a GPU per rank (NCCL): model-check.sh's
+#           fixture cases on 1 and G ranks, tree and ring, f32 and bf16, against transformers'
+#           references and one rank.
 #   decode  `bench decode` of Llama-3.1-8B with random weights and a random context, threads:
 #           32K…256K at 1 and G ranks, tree (auto) against the ring; every collective at G
 #           ranks; 1M at G ranks (1M does not fit one H200 beside the weights).
@@ -8,9 +12,6 @@
 #           `mpirun -np G` (one process per GPU), tree and ring; then the longest context the
 #           G GPUs hold (LONGEST tokens, from the decode part's capacity) through `canopy
 #           generate --context-fill random`.
-#   decode and mpi start with the model runtime's correctness with a GPU per rank (NCCL):
-#           model-check.sh's fixture cases on 1 and G ranks, tree and ring, f32 and bf16,
-#           against transformers' references and one rank.
 #   scaling `bench scaling` of the attention engine at 1 and G ranks (the Llama shape,
 #           128K…4M), with its prediction for 8 GPUs.
 #   serve   `canopy serve --ranks G`: one long-document request (DOC tokens) sharded over the
@@ -19,15 +20,14 @@
 #           PREFILL_CONTEXTS, 1 and G ranks, tree and ring; then `canopy generate --context
 #           PREFILL_LONG` (a real prefill) at G ranks.
 # Run from the repository root with the release binary (built with --features mpi) in
-# $DIR/canopy. Results: $OUT/log.txt and $OUT/PART.tgz (JSON, CSV, plots, servers' logs).
+# $DIR/canopy. Results: $OUT/log.txt and $OUT/parts.tgz (JSON, CSV, plots, servers' logs).
 set -uo pipefail
 DIR=${DIR:-.device}
 export CANOPY_BIN=$DIR/canopy
 source "$(dirname "$0")/env.sh"
-PART=${PART:-decode}
-R=$OUT/$PART
-mkdir -p "$R"
-trap 'tar czf "$OUT/$PART.tgz" -C "$OUT" "$PART"' EXIT
+PARTS=(${PART:-check decode})
+for part in "${PARTS[@]}"; do mkdir -p "$OUT/$part"; done
+trap 'tar czf "$OUT/parts.tgz" -C "$OUT" "${PARTS[@]}"' EXIT
 G=$(nvidia-smi --list-gpus | wc -l)
 ARCH=(--arch llama-3.1-8b --random-weights)
 MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE)
@@ -60,58 +60,60 @@ PY
 {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m
-  case $PART in
-  decode | mpi)
-    log "model-check: the tiny fixtures on 1 and $G ranks (one GPU each: NCCL)"
-    OUT=$R/check STAGES=fixtures DEADLINE=${CHECK_DEADLINE:-110} \
-      FIXTURE_CASES="f32:1:tree f32:$G:tree f32:$G:ring bf16:1:tree bf16:$G:tree bf16:$G:ring" \
-      bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
-    tail -1 "$R/check/model-check-log.txt"
-    ;;&
-  decode)
-    decode table 300 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-      --context 32K,64K,128K,256K --ranks "1,$G" --strategy tree,ring --plot "$R/table.png"
-    decode collectives 120 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-      --context 32K,256K --ranks "$G" --collective allreduce3,allreduce2,allgather
-    decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-      --context 1M --ranks "$G" --strategy tree,ring
-    ;;
-  mpi)
-    decode ring 60 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-      --context 32K,256K --ranks "$G" --strategy ring
-    decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-      --context 1M --ranks "$G" --strategy tree,ring
-    decode mpi 150 "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context-fill random \
-      --decode 10 --context 32K,1M --strategy tree,ring
-    log "generate: the longest context ${LONGEST:?set LONGEST} tokens on $G GPUs, random fill"
-    timeout 240 $BIN generate "${ARCH[@]}" --ranks "$G" --context "$LONGEST" \
-      --context-fill random --max-tokens 16 --json > "$R/longest.json" || log "FAILED or cut off: longest"
-    python3 -c "
+  for PART in "${PARTS[@]}"; do
+    R=$OUT/$PART
+    case $PART in
+    check)
+      log "model-check: the tiny fixtures on 1 and $G ranks (one GPU each: NCCL)"
+      OUT=$R/check STAGES=fixtures DEADLINE=${CHECK_DEADLINE:-110} \
+        FIXTURE_CASES="f32:1:tree f32:$G:tree f32:$G:ring bf16:1:tree bf16:$G:tree bf16:$G:ring" \
+        bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
+      tail -1 "$R/check/model-check-log.txt"
+      ;;
+    decode)
+      decode table 300 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
+        --context 32K,64K,128K,256K --ranks "1,$G" --strategy tree,ring --plot "$R/table.png"
+      decode collectives 120 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
+        --context 32K,256K --ranks "$G" --collective allreduce3,allreduce2,allgather
+      decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
+        --context 1M --ranks "$G" --strategy tree,ring
+      ;;
+    mpi)
+      decode ring 60 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
+        --context 32K,256K --ranks "$G" --strategy ring
+      decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
+        --context 1M --ranks "$G" --strategy tree,ring
+      decode mpi 150 "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context-fill random \
+        --decode 10 --context 32K,1M --strategy tree,ring
+      log "generate: the longest context ${LONGEST:?set LONGEST} tokens on $G GPUs, random fill"
+      timeout 240 $BIN generate "${ARCH[@]}" --ranks "$G" --context "$LONGEST" \
+        --context-fill random --max-tokens 16 --json > "$R/longest.json" || log "FAILED or cut off: longest"
+      python3 -c "
 import json, sys
 d = json.load(open(sys.argv[1]))
 print({k: d[k] for k in ('ranks', 'strategy', 'prompt_tokens', 'prefill_s', 'ttft_s', 'decode_ms_per_token')})
-" "$R/longest.json"
-    ;;
-  scaling)
-    log "bench scaling, the Llama shape, threads"
-    timeout 150 $BIN bench scaling --backend cuda --ranks "1,$G" --heads 32 --kv-heads 8 \
-      --head-dim 128 --dtype bf16 --seq-lens 131072,1048576,4194304 --iters 10 \
-      --check-max-tokens 1048576 --csv "$R/scaling.csv" --json > "$R/scaling.json" \
-      || log "FAILED or cut off: scaling"
-    $BIN bench scaling --from "$R/scaling.json" --predict 8 --seq-lens 2097152,5242880
-    ;;
-  serve)
-    DOC=${DOC:-65536}
-    $BIN serve "${ARCH[@]}" --backend cuda --ranks "$G" --max-context $((DOC + 1024)) \
-      --kv-tokens $((4 * DOC)) --port 0 > "$R/server.log" 2>&1 &
-    server=$!
-    url=
-    until [ -n "$url" ] || ! kill -0 $server 2>/dev/null; do
-      sleep 0.5
-      url=$(grep -o 'listening on http://[0-9.:]*' "$R/server.log" | head -1 | cut -d' ' -f3)
-    done
-    log "server at ${url:-nowhere}"
-    timeout 200 python3 - "$url" "$DOC" <<'PY' | tee "$R/long-document.txt"
+      " "$R/longest.json"
+      ;;
+    scaling)
+      log "bench scaling, the Llama shape, threads"
+      timeout 150 $BIN bench scaling --backend cuda --ranks "1,$G" --heads 32 --kv-heads 8 \
+        --head-dim 128 --dtype bf16 --seq-lens 131072,1048576,4194304 --iters 10 \
+        --check-max-tokens 1048576 --csv "$R/scaling.csv" --json > "$R/scaling.json" \
+        || log "FAILED or cut off: scaling"
+      $BIN bench scaling --from "$R/scaling.json" --predict 8 --seq-lens 2097152,5242880
+      ;;
+    serve)
+      DOC=${DOC:-65536}
+      $BIN serve "${ARCH[@]}" --backend cuda --ranks "$G" --max-context $((DOC + 1024)) \
+        --kv-tokens $((4 * DOC)) --port 0 > "$R/server.log" 2>&1 &
+      server=$!
+      url=
+      until [ -n "$url" ] || ! kill -0 $server 2>/dev/null; do
+        sleep 0.5
+        url=$(grep -o 'listening on http://[0-9.:]*' "$R/server.log" | head -1 | cut -d' ' -f3)
+      done
+      log "server at ${url:-nowhere}"
+      timeout 200 python3 - "$url" "$DOC" <<'PY' | tee "$R/long-document.txt"
 import json, sys, time, urllib.request
 url, n = sys.argv[1], int(sys.argv[2])
 # The stand-in tokenizer reads one token per character.
@@ -126,23 +128,25 @@ for q in (" first question?", " second question?"):
     s, usage = ask(q, 32)
     print(f"long document: {usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} generated, {s:.2f} s end to end")
 PY
-    log "bench serve multi-doc against the same server"
-    timeout 200 $BIN bench serve --url "$url" --dataset multi-doc --num-prompts 64 \
-      --max-concurrency 16 --output-len 64 --json > "$R/bench-multi-doc.json" || log "FAILED or cut off: bench serve"
-    python3 -c "
+      log "bench serve multi-doc against the same server"
+      timeout 200 $BIN bench serve --url "$url" --dataset multi-doc --num-prompts 64 \
+        --max-concurrency 16 --output-len 64 --json > "$R/bench-multi-doc.json" || log "FAILED or cut off: bench serve"
+      python3 -c "
 import json, sys
 d = json.load(open(sys.argv[1]))
 print(json.dumps({k: v for k, v in d.items() if not isinstance(v, (list, dict))}, indent=1))
-" "$R/bench-multi-doc.json"
-    curl -s "$url/metrics" > "$R/metrics.txt"
-    kill -TERM $server; wait $server
-    ;;
-  prefill)
-    decode prefill 420 $BIN bench decode "${ARCH[@]}" --decode 10 \
-      --context "${PREFILL_CONTEXTS:-32K,64K,120K}" --ranks "1,$G" --strategy tree,ring
-    log "generate: a real prefill of ${PREFILL_LONG:-127K} tokens on $G GPUs"
-    timeout 150 $BIN generate "${ARCH[@]}" --ranks "$G" --context "${PREFILL_LONG:-127K}" \
-      --max-tokens 10 --json > "$R/prefill-long.json" || log "FAILED or cut off: prefill-long"
-    ;;
-  esac
+      " "$R/bench-multi-doc.json"
+      curl -s "$url/metrics" > "$R/metrics.txt"
+      kill -TERM $server; wait $server
+      ;;
+    prefill)
+      decode prefill 420 $BIN bench decode "${ARCH[@]}" --decode 10 \
+        --context "${PREFILL_CONTEXTS:-32K,64K,120K}" --ranks "1,$G" --strategy tree,ring
+      log "generate: a real prefill of ${PREFILL_LONG:-127K} tokens on $G GPUs"
+      timeout 150 $BIN generate "${ARCH[@]}" --ranks "$G" --context "${PREFILL_LONG:-127K}" \
+        --max-tokens 10 --json > "$R/prefill-long.json" || log "FAILED or cut off: prefill-long"
+      ;;
+    *) log "no part $PART" ;;
+    esac
+  done
 } 2>&1 | tee "$OUT/log.txt"

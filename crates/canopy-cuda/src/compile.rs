@@ -79,6 +79,14 @@ fn compile(name: &str, text: &str, options: &[String]) -> Result<Vec<u8>> {
                 sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
                     .result()
                     .map_err(|e| err(format!("nvrtcGetCUBIN: {e:?}")))?;
+                // Warnings that cost speed, not correctness (ptxas serialising warpgroup
+                // MMAs, say) come only in the log.
+                if let Ok(log) = nvrtc::get_program_log(prog) {
+                    let log = CStr::from_ptr(log.as_ptr()).to_string_lossy();
+                    if !log.trim().is_empty() {
+                        tracing::warn!(kernel = name, log = %log.trim(), "NVRTC's warnings");
+                    }
+                }
                 Ok(cubin)
             }
             Err(e) => {
