@@ -617,7 +617,7 @@ fn capacity(
         let here = ranks.div_ceil(devices);
         let check = |context: usize| -> Result<()> {
             let needs = pricing.needs_at(context, config, dtype, ranks, here)?;
-            check_model(&needs)
+            check_model(&needs.on_device_holding(here, ranks))
         };
         let fits = longest_fitting(search, |c| check(c).is_ok());
         if let Err(e) = check(longest) {

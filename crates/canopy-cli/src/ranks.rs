@@ -261,7 +261,7 @@ impl<B: RankThreads> Placed<B> {
                 .position(|&r| r % devices == device)
                 .expect("a used device has a rank");
             let b = &backends[first];
-            b.check_model(&needs(here)?)?;
+            b.check_model(&needs(here)?.on_device_holding(here, ranks))?;
             let bar = upload_bar(config.num_hidden_layers, b.name(), device);
             let mut tick = |_| bar.inc(1);
             let uploaded = match source {

@@ -64,6 +64,34 @@ fn every_rank_count_and_strategy_generates_the_same_tokens() {
     }
 }
 
+/// A random context is a function of its positions alone: one rank, the tree over 2 and 3
+/// ranks, and the ring decode the same greedy tokens after it.
+#[test]
+fn a_random_context_is_the_same_on_any_rank_count() {
+    let model = tiny("gqa-hd64");
+    let base = [
+        "generate",
+        "--model",
+        &model,
+        "--max-tokens",
+        "6",
+        "--context",
+        "700",
+        "--context-fill",
+        "random",
+    ];
+    let one = tokens(&base);
+    for extra in [
+        &["--ranks", "2"][..],
+        &["--ranks", "3"],
+        &["--ranks", "2", "--strategy", "ring"],
+    ] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        assert_eq!(tokens(&args)[0]["tokens"], one[0]["tokens"], "{extra:?}");
+    }
+}
+
 #[test]
 fn a_stand_in_context_decodes_every_token_asked_for_past_the_positions() {
     // The fixture holds 512 positions; a random fill runs past them, a prefill may not.

@@ -26,7 +26,7 @@ use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::layer_ops::{check_top_logits, expect_size};
-use canopy_engine::{KeyBlock, LayerOps, ModelNeeds};
+use canopy_engine::{FillRun, KeyBlock, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, GEMV_MAX_ROWS, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -36,6 +36,11 @@ const ELEMENTWISE_CTAS_PER_SM: usize = 8;
 /// Device memory [`LayerOps::check_model`] keeps free beyond its estimate: cuBLAS's workspace,
 /// the kernel modules, the decode plans and the driver's own allocations.
 const RESERVE_BYTES: u64 = 512 << 20;
+/// Device memory [`LayerOps::check_model`] keeps free for NCCL per peer GPU: its buffers for
+/// each channel to a peer (`NCCL_BUFFSIZE` per channel and protocol) and its own structures,
+/// allocated when the ranks connect, after the check. Two H200 ranks needed about 0.3 GiB
+/// beyond [`RESERVE_BYTES`].
+const NCCL_BYTES_PER_PEER: u64 = 512 << 20;
 
 /// Activations: a row-major `rows × cols` fp32 matrix in device memory.
 ///
@@ -206,17 +211,19 @@ impl CudaBackend {
             needs.kv_bytes(),
             activation_bytes(needs),
         );
-        let total = weights + kv + activations + RESERVE_BYTES;
+        let reserve = RESERVE_BYTES + needs.peer_devices as u64 * NCCL_BYTES_PER_PEER;
+        let total = weights + kv + activations + reserve;
         let free = self.free_bytes()?;
         if total > free {
             return Err(CudaError::Unsupported(format!(
-                "the model needs {:.2} GiB on GPU {} (weights {:.2}, KV cache {:.2}, activations {:.2}, reserve {:.2}) but {:.2} GiB are free; use 16-bit weights, fewer tokens (a shorter prompt or --max-tokens), fewer samples (--n), or more ranks to share the KV cache",
+                "the model needs {:.2} GiB on GPU {} (weights {:.2}, KV cache {:.2}, activations {:.2}, reserve {:.2} with NCCL's buffers for {} peer GPUs) but {:.2} GiB are free; use 16-bit weights, fewer tokens (a shorter prompt or --max-tokens), fewer samples (--n), or more ranks to share the KV cache",
                 gib(total),
                 self.gpu.ordinal,
                 gib(weights),
                 gib(kv),
                 gib(activations),
-                gib(RESERVE_BYTES),
+                gib(reserve),
+                needs.peer_devices,
                 gib(free)
             )));
         }
@@ -719,6 +726,26 @@ impl LayerOps for CudaBackend {
         rows: &[(u32, u32)],
     ) -> EResult<()> {
         Ok(self.store_rows(kv, k, v, rows)?)
+    }
+
+    fn fill_kv_random(
+        &self,
+        shape: &AttnShape,
+        kv: &mut CudaKv,
+        seed: u64,
+        runs: &[FillRun],
+    ) -> EResult<()> {
+        expect_size(
+            "cuda",
+            "fill_kv_random",
+            "the KV's token width",
+            kv.shape.kv_token_elems(),
+            shape.kv_token_elems(),
+        )?;
+        for run in runs {
+            self.fill_random(kv, run.slot as usize, run.tokens, seed, run.position)?;
+        }
+        Ok(())
     }
 
     fn tensor_queries(&self, shape: &AttnShape, q: &CudaTensor) -> EResult<CudaQueries> {

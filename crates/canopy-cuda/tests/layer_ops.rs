@@ -738,6 +738,7 @@ fn needs(shape: AttnShape) -> ModelNeeds {
         attention_rows: 512,
         attention_keys: 8192,
         logit_rows: 1,
+        peer_devices: 0,
     }
 }
 
@@ -766,6 +767,16 @@ fn bad_operands_are_errors() {
         ..needs(shape)
     };
     assert!(message(gpu.check_model(&huge)).contains("free"));
+    // NCCL's buffers are priced per peer GPU: what fits on a GPU of its own is refused beside
+    // a thousand peers, and not where the ranks share the GPU.
+    assert!(gpu
+        .check_model(&needs(shape).on_device_holding(1, 2))
+        .is_ok());
+    let crowded = needs(shape).on_device_holding(1, 1001);
+    assert!(message(gpu.check_model(&crowded)).contains("1000 peer GPUs"));
+    assert!(gpu
+        .check_model(&needs(shape).on_device_holding(2, 1001))
+        .is_ok());
 
     let w = gpu
         .upload_weight(TypedVec::from_f32(DType::Bf16, &[0.5; 12]), 3, 4)

@@ -15,7 +15,31 @@
 
 use crate::merge::MergeOps;
 use crate::{EngineError, Result};
+use canopy_core::data::{hash_uniform, KV_AMPLITUDE, STREAM_K, STREAM_V};
 use canopy_core::{AttnShape, DType, TypedVec};
+use rayon::prelude::*;
+
+/// Consecutive positions whose keys and values go to consecutive slots of a KV cache
+/// ([`LayerOps::fill_kv_random`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FillRun {
+    /// The first position's slot.
+    pub slot: u32,
+    pub position: u64,
+    pub tokens: usize,
+}
+
+/// Positions a host-side random fill draws and uploads at once: bounded staging memory.
+const FILL_ROWS: usize = 8192;
+
+/// `n` values of `stream` from element `first` on, uniform in ±[`KV_AMPLITUDE`].
+fn random_values(seed: u64, stream: u32, first: u64, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; n];
+    out.par_iter_mut().enumerate().for_each(|(i, x)| {
+        *x = hash_uniform(seed, stream, first + i as u64, KV_AMPLITUDE);
+    });
+    out
+}
 
 /// What a model asks of a backend, checked once before anything is uploaded
 /// ([`LayerOps::check_model`]), so that a configuration is refused with its reason rather
@@ -44,9 +68,23 @@ pub struct ModelNeeds {
     /// The most rows whose logits one pass computes (the live samples; a prefill computes
     /// only its last row's).
     pub logit_rows: usize,
+    /// Devices of other ranks that this device exchanges with directly (NCCL on GPUs, whose
+    /// buffers take device memory): 0 for a device of one rank alone, or of several ranks.
+    pub peer_devices: usize,
 }
 
 impl ModelNeeds {
+    /// These needs on a device that holds `here` of the `ranks` ranks: a rank with a device
+    /// of its own exchanges with every other rank's.
+    pub fn on_device_holding(mut self, here: usize, ranks: usize) -> ModelNeeds {
+        self.peer_devices = if here == 1 {
+            ranks.saturating_sub(1)
+        } else {
+            0
+        };
+        self
+    }
+
     /// Bytes of every layer's KV pool, K and V.
     pub fn kv_bytes(&self) -> u64 {
         (self.kv_tokens * self.shape.kv_token_bytes(self.kv_dtype) * 2 * self.layers) as u64
@@ -152,6 +190,35 @@ pub trait LayerOps: MergeOps {
         v: &Self::Tensor,
         rows: &[(u32, u32)],
     ) -> Result<()>;
+    /// Fills each run's slots of `kv` with random keys and values, those of its positions:
+    /// element `e` of position `p`'s K (or V) is `canopy_core::data::hash_uniform(seed, K (or
+    /// V)'s stream, p · width + e, KV_AMPLITUDE)`, converted to the KV's dtype. A context for
+    /// decode timing without a prefill, the same on every rank count. The default draws the
+    /// values on the host and stores them with [`LayerOps::store_kv`]; a GPU draws them where
+    /// they are stored.
+    fn fill_kv_random(
+        &self,
+        shape: &AttnShape,
+        kv: &mut Self::Kv,
+        seed: u64,
+        runs: &[FillRun],
+    ) -> Result<()> {
+        let width = shape.kv_token_elems();
+        for run in runs {
+            for start in (0..run.tokens).step_by(FILL_ROWS) {
+                let rows = FILL_ROWS.min(run.tokens - start);
+                let first = (run.position + start as u64) * width as u64;
+                let draw = |stream| random_values(seed, stream, first, rows * width);
+                let k = self.upload_tensor(&draw(STREAM_K), rows, width)?;
+                let v = self.upload_tensor(&draw(STREAM_V), rows, width)?;
+                let slots: Vec<(u32, u32)> = (0..rows as u32)
+                    .map(|i| (i, run.slot + start as u32 + i))
+                    .collect();
+                self.store_kv(kv, &k, &v, &slots)?;
+            }
+        }
+        Ok(())
+    }
     /// [`LayerOps::rope_split`], then [`LayerOps::store_kv`] of the rotated `k` and `v` for
     /// `rows`: RoPE fused into the KV append where a backend can do both in one pass.
     #[allow(clippy::too_many_arguments)]
@@ -386,6 +453,18 @@ pub fn expect_room(backend: &'static str, op: &str, len: usize, need: usize) -> 
 mod tests {
     use super::*;
     use crate::CpuBackend;
+
+    #[test]
+    fn random_values_are_spread_and_depend_on_position_only() {
+        use canopy_core::data::STREAM_K;
+        let a = random_values(7, STREAM_K, 100, 5000);
+        assert!(a.iter().all(|x| (-1.0..1.0).contains(x)));
+        let mean = a.iter().sum::<f32>() / a.len() as f32;
+        assert!(mean.abs() < 0.05, "mean {mean}");
+        // The same positions drawn from another starting point give the same values.
+        assert_eq!(random_values(7, STREAM_K, 1100, 10), a[1000..1010]);
+        assert_ne!(random_values(8, STREAM_K, 100, 10), a[..10]);
+    }
 
     #[test]
     fn a_gemm_counts_two_flops_per_multiply_add_and_is_timed() {

@@ -544,6 +544,7 @@ pub(crate) fn model_needs(
         attention_rows: max_rows,
         attention_keys: 0,
         logit_rows,
+        peer_devices: 0,
     }
 }
 

@@ -17,11 +17,11 @@ use crate::layers::{ModelLayers, Qkv};
 use crate::rank::GenerateRequest;
 use crate::Result;
 use canopy_comm::{Collective, ReduceOp};
-use canopy_core::data::{hash_uniform, splitmix64, KV_AMPLITUDE, STREAM_K, STREAM_V};
+use canopy_core::data::splitmix64;
 use canopy_engine::{
-    Backend, KeyBlock, LayerOps, MergeCollective, NodeLayout, RankAttention, StatesMerge, Transport,
+    Backend, FillRun, KeyBlock, LayerOps, MergeCollective, NodeLayout, RankAttention, StatesMerge,
+    Transport,
 };
-use rayon::prelude::*;
 use std::ops::Range;
 
 /// The rows of one prefill pass.
@@ -220,9 +220,6 @@ struct HeldKeys {
     positions: Vec<u32>,
 }
 
-/// Rows of random keys and values stored per upload: bounds the host memory of a fill.
-const FILL_ROWS: usize = 8192;
-
 /// Random keys and values, uniform in ±1, in this rank's slots of the prompt, every layer,
 /// `on_layer(layers done)` told after each. Each value depends only on `(seed, layer, K or V,
 /// position, element)`, so the context is the same whatever the rank count.
@@ -235,51 +232,36 @@ pub(crate) fn fill_random<B: LayerOps>(
     caches: &mut [B::Kv],
     on_layer: &mut dyn FnMut(usize),
 ) -> Result<()> {
-    let width = layers.attn_shape().kv_token_elems();
-    let runs: Vec<Range<usize>> = kv.prompt_runs(rank).collect();
+    let (shape, runs) = (layers.attn_shape(), fill_runs(kv, rank));
     for (l, cache) in caches.iter_mut().enumerate() {
         let layer_seed = seed ^ splitmix64(l as u64);
-        for run in &runs {
-            for start in run.clone().step_by(FILL_ROWS) {
-                let part = start..(start + FILL_ROWS).min(run.end);
-                let draw = |stream| {
-                    let first = (start * width) as u64;
-                    random_values(layer_seed, stream, first, part.len() * width)
-                };
-                let k = backend.upload_tensor(&draw(STREAM_K), part.len(), width)?;
-                let v = backend.upload_tensor(&draw(STREAM_V), part.len(), width)?;
-                let rows: Vec<(u32, u32)> = (0..).zip(kv.prompt_slots(part.clone())).collect();
-                backend.store_kv(cache, &k, &v, &rows)?;
-            }
-        }
+        backend.fill_kv_random(&shape, cache, layer_seed, &runs)?;
         on_layer(l + 1);
     }
     Ok(())
 }
 
-/// `n` values uniform in ±1: element `i` of `stream` is the hashed value at `first + i`
-/// (`canopy_core::data`, as the attention benchmarks draw their KV).
-fn random_values(seed: u64, stream: u32, first: u64, n: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; n];
-    out.par_iter_mut().enumerate().for_each(|(i, x)| {
-        *x = hash_uniform(seed, stream, first + i as u64, KV_AMPLITUDE);
-    });
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::random_values;
-    use canopy_core::data::STREAM_K;
-
-    #[test]
-    fn random_values_are_spread_and_depend_on_position_only() {
-        let a = random_values(7, STREAM_K, 100, 5000);
-        assert!(a.iter().all(|x| (-1.0..1.0).contains(x)));
-        let mean = a.iter().sum::<f32>() / a.len() as f32;
-        assert!(mean.abs() < 0.05, "mean {mean}");
-        // The same positions drawn from another starting point give the same values.
-        assert_eq!(random_values(7, STREAM_K, 1100, 10), a[1000..1010]);
-        assert_ne!(random_values(8, STREAM_K, 100, 10), a[..10]);
+/// This rank's prompt positions as runs of consecutive slots.
+fn fill_runs(kv: &KvLayout, rank: usize) -> Vec<FillRun> {
+    let mut runs: Vec<FillRun> = Vec::new();
+    for positions in kv.prompt_runs(rank) {
+        let first = positions.start;
+        for (i, slot) in kv.prompt_slots(positions).into_iter().enumerate() {
+            let position = (first + i) as u64;
+            match runs.last_mut() {
+                Some(r)
+                    if r.position + r.tokens as u64 == position
+                        && r.slot as u64 + r.tokens as u64 == slot as u64 =>
+                {
+                    r.tokens += 1
+                }
+                _ => runs.push(FillRun {
+                    slot,
+                    position,
+                    tokens: 1,
+                }),
+            }
+        }
     }
+    runs
 }
