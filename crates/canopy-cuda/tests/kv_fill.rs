@@ -59,9 +59,20 @@ fn random_fill_matches_the_host_draw() {
             let seed = rng.gen();
             let (gk, gv) = filled(&gpu, &shape, dtype, seed, &runs).unwrap();
             let (ck, cv) = filled(&CpuBackend, &shape, dtype, seed, &runs).unwrap();
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&gk), bits(&ck), "{shape:?} {dtype:?}: K differs");
-            assert_eq!(bits(&gv), bits(&cv), "{shape:?} {dtype:?}: V differs");
+            // Every NaN is the poison (its payload widens differently on the two backends).
+            let bits = |x: &[f32]| {
+                x.iter()
+                    .map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() })
+                    .collect::<Vec<_>>()
+            };
+            let first_difference = |g: &[f32], c: &[f32]| {
+                let (g, c) = (bits(g), bits(c));
+                (g.len() != c.len())
+                    .then_some(0)
+                    .or_else(|| g.iter().zip(&c).position(|(x, y)| x != y))
+            };
+            assert_eq!(first_difference(&gk, &ck), None, "{shape:?} {dtype:?}: K");
+            assert_eq!(first_difference(&gv, &cv), None, "{shape:?} {dtype:?}: V");
             let width = shape.kv_token_elems();
             let written: usize = runs.iter().map(|r| r.tokens).sum();
             let finite = gk.iter().filter(|x| x.is_finite()).count();
