@@ -23,9 +23,11 @@ use rayon::prelude::*;
 /// ([`LayerOps::fill_kv_random`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FillRun {
-    /// The first position's slot.
+    /// The physical slot of the run's first position.
     pub slot: u32,
+    /// The run's first position in the sequence.
     pub position: u64,
+    /// Positions (and slots) in the run.
     pub tokens: usize,
 }
 
