@@ -28,7 +28,8 @@ source "$(dirname "$0")/env.sh"
 PARTS=(${PART:-check decode})
 for part in "${PARTS[@]}"; do mkdir -p "$OUT/$part"; done
 trap 'tar czf "$OUT/parts.tgz" -C "$OUT" "${PARTS[@]}"' EXIT
-G=$(nvidia-smi --list-gpus | wc -l)
+# G may be set to run G ranks on fewer GPUs (a smoke test of the parts on one GPU).
+G=${G:-$(nvidia-smi --list-gpus | wc -l)}
 ARCH=(--arch llama-3.1-8b --random-weights)
 MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE)
 
