@@ -215,15 +215,18 @@ impl CudaBackend {
         let total = weights + kv + activations + reserve;
         let free = self.free_bytes()?;
         if total > free {
+            let nccl = match needs.peer_devices {
+                0 => String::new(),
+                peers => format!(" with NCCL's buffers for {peers} peer GPUs"),
+            };
             return Err(CudaError::Unsupported(format!(
-                "the model needs {:.2} GiB on GPU {} (weights {:.2}, KV cache {:.2}, activations {:.2}, reserve {:.2} with NCCL's buffers for {} peer GPUs) but {:.2} GiB are free; use 16-bit weights, fewer tokens (a shorter prompt or --max-tokens), fewer samples (--n), or more ranks to share the KV cache",
+                "the model needs {:.2} GiB on GPU {} (weights {:.2}, KV cache {:.2}, activations {:.2}, reserve {:.2}{nccl}) but {:.2} GiB are free; use 16-bit weights, fewer tokens (a shorter prompt or --max-tokens), fewer samples (--n), or more ranks to share the KV cache",
                 gib(total),
                 self.gpu.ordinal,
                 gib(weights),
                 gib(kv),
                 gib(activations),
                 gib(reserve),
-                needs.peer_devices,
                 gib(free)
             )));
         }
