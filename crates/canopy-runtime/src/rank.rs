@@ -246,6 +246,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         ContextFill::Random { seed } => {
             let on_layer = &mut |done| watch.context_progress(done, num_layers);
             fill_random(backend, layers, &kv, rank, seed, &mut caches, on_layer)?;
+            // A GPU's fill is asynchronous: waited for here, its time is the fill's and not
+            // the first step's.
+            backend.synchronize()?;
             vec![0.0; vocab]
         }
     };
