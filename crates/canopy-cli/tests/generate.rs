@@ -30,6 +30,22 @@ fn tokens(args: &[&str]) -> Vec<Value> {
     v["samples"].as_array().unwrap().clone()
 }
 
+/// `base` with `extra` after it.
+fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+    [base, extra].concat()
+}
+
+/// The samples of `base` alone, after checking that each of `variants` (extra arguments)
+/// generates the same first sample's tokens.
+fn same_tokens_in_every(base: &[&str], variants: &[&[&str]]) -> Vec<Value> {
+    let one = tokens(base);
+    for extra in variants {
+        let got = tokens(&with(base, extra));
+        assert_eq!(got[0]["tokens"], one[0]["tokens"], "{extra:?}");
+    }
+    one
+}
+
 #[test]
 fn every_rank_count_and_strategy_generates_the_same_tokens() {
     let model = tiny("gqa-hd64");
@@ -42,21 +58,17 @@ fn every_rank_count_and_strategy_generates_the_same_tokens() {
         "--max-tokens",
         "12",
     ];
-    let one = tokens(&base);
+    let one = same_tokens_in_every(
+        &base,
+        &[
+            &["--ranks", "2"],
+            &["--ranks", "3", "--strategy", "ring"],
+            &["--ranks", "4", "--collective", "allgather"],
+        ],
+    );
     assert_eq!(one[0]["tokens"].as_array().unwrap().len(), 12);
     assert_eq!(one[0]["finish_reason"], "length");
-    for extra in [
-        &["--ranks", "2"][..],
-        &["--ranks", "3", "--strategy", "ring"],
-        &["--ranks", "4", "--collective", "allgather"],
-    ] {
-        let mut args = base.to_vec();
-        args.extend_from_slice(extra);
-        assert_eq!(tokens(&args)[0]["tokens"], one[0]["tokens"], "{extra:?}");
-    }
-    let mut args = base.to_vec();
-    args.extend_from_slice(&["--n", "3"]);
-    for s in tokens(&args) {
+    for s in tokens(&with(&base, &["--n", "3"])) {
         assert_eq!(
             s["tokens"], one[0]["tokens"],
             "greedy samples are the greedy text"
@@ -80,16 +92,14 @@ fn a_random_context_is_the_same_on_any_rank_count() {
         "--context-fill",
         "random",
     ];
-    let one = tokens(&base);
-    for extra in [
-        &["--ranks", "2"][..],
-        &["--ranks", "3"],
-        &["--ranks", "2", "--strategy", "ring"],
-    ] {
-        let mut args = base.to_vec();
-        args.extend_from_slice(extra);
-        assert_eq!(tokens(&args)[0]["tokens"], one[0]["tokens"], "{extra:?}");
-    }
+    same_tokens_in_every(
+        &base,
+        &[
+            &["--ranks", "2"],
+            &["--ranks", "3"],
+            &["--ranks", "2", "--strategy", "ring"],
+        ],
+    );
 }
 
 #[test]
@@ -116,9 +126,7 @@ fn a_stand_in_context_decodes_every_token_asked_for_past_the_positions() {
             "ring",
         ],
     ] {
-        let mut args = base.to_vec();
-        args.extend_from_slice(extra);
-        let samples = tokens(&args);
+        let samples = tokens(&with(&base, extra));
         assert_eq!(
             samples[0]["tokens"].as_array().unwrap().len(),
             7,
