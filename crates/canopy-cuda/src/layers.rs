@@ -25,7 +25,7 @@ use crate::kv::CudaKv;
 use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
-use canopy_engine::layer_ops::{check_top_logits, expect_size};
+use canopy_engine::layer_ops::{check_top_logits, expect_gather, expect_size};
 use canopy_engine::{FillRun, KeyBlock, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, GEMV_MAX_ROWS, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -613,28 +613,35 @@ impl LayerOps for CudaBackend {
         (t.rows, t.cols)
     }
 
-    fn copy_rows(&self, src: &CudaTensor, first: usize, out: &mut CudaTensor) -> EResult<()> {
+    fn gather_rows(&self, src: &CudaTensor, rows: &[usize], out: &mut CudaTensor) -> EResult<()> {
         expect_size(
             "cuda",
-            "copy_rows",
+            "gather_rows",
             "the output's columns",
             out.cols,
             src.cols,
         )?;
-        if first + out.rows > src.rows {
-            return Err(CudaError::Unsupported(format!(
-                "copy_rows: rows {first}..{} of a tensor of {} rows",
-                first + out.rows,
-                src.rows
-            ))
-            .into());
-        }
+        expect_gather("cuda", rows, src.rows, out.rows)?;
         out.drop_rounded();
-        let (at, n) = (first * src.cols, out.rows * out.cols);
-        if n > 0 {
-            self.stream
-                .memcpy_dtod(&src.data.slice(at..at + n), &mut out.data.slice_mut(..n))
-                .ctx("cuMemcpyDtoDAsync")?;
+        // One copy per run of consecutive rows.
+        let cols = src.cols;
+        let mut at = 0;
+        while at < rows.len() {
+            let run = 1 + rows[at + 1..]
+                .iter()
+                .zip(&rows[at..])
+                .take_while(|(next, prev)| **next == **prev + 1)
+                .count();
+            let (from, to, n) = (rows[at] * cols, at * cols, run * cols);
+            if n > 0 {
+                self.stream
+                    .memcpy_dtod(
+                        &src.data.slice(from..from + n),
+                        &mut out.data.slice_mut(to..to + n),
+                    )
+                    .ctx("cuMemcpyDtoDAsync")?;
+            }
+            at += run;
         }
         Ok(())
     }

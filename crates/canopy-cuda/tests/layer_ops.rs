@@ -122,7 +122,7 @@ impl DenseInputs {
 }
 
 /// What the dense ops give, in order: embed, rms_norm, matmul, matmul_add, matmul_swiglu,
-/// rope_split, copy_rows.
+/// rope_split, copy_rows, gather_rows.
 fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec<f32>)>> {
     let (rows, h, i) = (inp.rows, inp.hidden, inp.intermediate);
     let typed = |v: &[f32]| TypedVec::from_f32(inp.dtype, v);
@@ -172,6 +172,13 @@ fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec
     let mut tail = poisoned(b, take, h)?;
     b.copy_rows(&x, first, &mut tail)?;
     out.push(("copy_rows", b.download_tensor(&tail)?));
+    // Scattered rows, runs of consecutive ones among them, and a row twice.
+    let picks: Vec<usize> = [rows - 1, 0, 1, 2, rows / 2, rows / 2, 3]
+        .map(|r| r % rows)
+        .to_vec();
+    let mut picked = poisoned(b, picks.len(), h)?;
+    b.gather_rows(&x, &picks, &mut picked)?;
+    out.push(("gather_rows", b.download_tensor(&picked)?));
     Ok(out)
 }
 
@@ -221,7 +228,7 @@ fn dense_ops_match_the_cpu() {
                 // held to the f64 reference of what the GPU computes instead.
                 let product = op.starts_with("matmul");
                 let tolerance = match (*op, dtype) {
-                    ("embed" | "copy_rows" | "rope_split v", _) => 0.0,
+                    ("embed" | "copy_rows" | "gather_rows" | "rope_split v", _) => 0.0,
                     (_, DType::F32) if product => 1e-5,
                     (_, DType::F16) if product => 2e-3,
                     (_, DType::Bf16) if product => 1e-2,

@@ -4,7 +4,9 @@
 
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
-use crate::layer_ops::{check_top_logits, expect_size, KeyBlock, LayerOps, ModelNeeds};
+use crate::layer_ops::{
+    check_top_logits, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
+};
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::top_tokens;
 use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
@@ -125,24 +127,19 @@ impl LayerOps for CpuBackend {
         (t.rows, t.cols)
     }
 
-    fn copy_rows(&self, src: &HostMatrix, first: usize, out: &mut HostMatrix) -> Result<()> {
+    fn gather_rows(&self, src: &HostMatrix, rows: &[usize], out: &mut HostMatrix) -> Result<()> {
         expect_size(
             "cpu",
-            "copy_rows",
+            "gather_rows",
             "the output's columns",
             out.cols,
             src.cols,
         )?;
-        if first + out.rows > src.rows {
-            return Err(err(format!(
-                "copy_rows: rows {first}..{} of a matrix of {} rows",
-                first + out.rows,
-                src.rows
-            )));
-        }
+        expect_gather("cpu", rows, src.rows, out.rows)?;
         let c = src.cols;
-        out.data
-            .copy_from_slice(&src.data[first * c..(first + out.rows) * c]);
+        for (to, &from) in out.data.chunks_exact_mut(c).zip(rows) {
+            to.copy_from_slice(&src.data[from * c..(from + 1) * c]);
+        }
         Ok(())
     }
 
@@ -482,6 +479,11 @@ mod tests {
             .to_string()
             .contains("token id 4"));
         assert!(b.copy_rows(&x, 1, &mut b.tensor(2, 8).unwrap()).is_err());
+        let e = b.gather_rows(&x, &[0, 2], &mut b.tensor(2, 8).unwrap());
+        assert!(e
+            .unwrap_err()
+            .to_string()
+            .contains("row 2 of a tensor of 2 rows"));
         assert!(b.upload_weight(TypedVec::F32(vec![0.0; 5]), 2, 3).is_err());
     }
 
@@ -513,7 +515,7 @@ mod tests {
     }
 
     #[test]
-    fn weights_widen_to_f32_and_rows_copy() {
+    fn weights_widen_to_f32_and_rows_copy_and_gather() {
         let b = CpuBackend;
         let w = b
             .upload_weight(TypedVec::from_f32(DType::Bf16, &[1.5, -2.0]), 1, 2)
@@ -523,6 +525,10 @@ mod tests {
         let mut last = b.tensor(1, 4).unwrap();
         b.copy_rows(&x, 2, &mut last).unwrap();
         assert_eq!(last.data, x.data[8..12]);
+        let mut picked = b.tensor(3, 4).unwrap();
+        b.gather_rows(&x, &[2, 0, 2], &mut picked).unwrap();
+        let want: Vec<f32> = [&x.data[8..12], &x.data[0..4], &x.data[8..12]].concat();
+        assert_eq!(picked.data, want);
     }
 
     #[test]

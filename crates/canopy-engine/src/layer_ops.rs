@@ -135,9 +135,25 @@ pub trait LayerOps: MergeOps {
     fn download_tensor(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     /// `(rows, cols)` of `t`.
     fn dims(&self, t: &Self::Tensor) -> (usize, usize);
-    /// Rows `first..first + out.rows` of `src` into `out` (same columns): the rows a step
-    /// needs logits of, without the rest.
-    fn copy_rows(&self, src: &Self::Tensor, first: usize, out: &mut Self::Tensor) -> Result<()>;
+    /// Row `rows[i]` of `src` into row `i` of `out` (same columns, `rows.len()` rows): the
+    /// rows a pass needs logits of, without the rest.
+    fn gather_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor)
+        -> Result<()>;
+    /// Rows `first..first + out.rows` of `src` into `out` (same columns).
+    fn copy_rows(&self, src: &Self::Tensor, first: usize, out: &mut Self::Tensor) -> Result<()> {
+        let (have, n) = (self.dims(src).0, self.dims(out).0);
+        if first + n > have {
+            return Err(EngineError::Backend {
+                backend: self.name(),
+                message: format!(
+                    "copy_rows: rows {first}..{} of a tensor of {have} rows",
+                    first + n
+                ),
+            });
+        }
+        let rows: Vec<usize> = (first..first + n).collect();
+        self.gather_rows(src, &rows, out)
+    }
     /// `t`'s elements, row-major, as a transport buffer: collectives move activations
     /// ([`crate::Transport::all_gather_buf`]) without a copy.
     fn tensor_buf<'t>(&self, t: &'t Self::Tensor) -> &'t Self::Buf;
@@ -436,6 +452,29 @@ pub fn expect_size(
             backend,
             message: format!("{op}: {what} is {got}, expected {want}"),
         })
+    }
+}
+
+/// Refuses a gather of `rows` from a tensor of `have` rows into one of `out_rows`, on `backend`.
+pub fn expect_gather(
+    backend: &'static str,
+    rows: &[usize],
+    have: usize,
+    out_rows: usize,
+) -> Result<()> {
+    expect_size(
+        backend,
+        "gather_rows",
+        "the output's rows",
+        out_rows,
+        rows.len(),
+    )?;
+    match rows.iter().find(|&&r| r >= have) {
+        Some(r) => Err(EngineError::Backend {
+            backend,
+            message: format!("gather_rows: row {r} of a tensor of {have} rows"),
+        }),
+        None => Ok(()),
     }
 }
 
