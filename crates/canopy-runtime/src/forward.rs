@@ -319,7 +319,8 @@ fn pass<B: LayerOps, C: Transport<B>>(
         backend.states_output(states, &mut attn)?;
         layers.finish(backend, l, &mut x, &attn)?;
     }
-    layers.logits_into(backend, &x, 0, logits)?;
+    let rows: Vec<usize> = (0..backend.dims(logits).0).collect();
+    layers.logits_into(backend, &x, &rows, logits)?;
     if let Some(top) = top {
         let k = backend.dims(top).1 / 2;
         backend.top_logits(logits, k, top)?;

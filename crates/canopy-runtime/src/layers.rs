@@ -490,26 +490,26 @@ impl<B: LayerOps> ModelLayers<B> {
         Ok(())
     }
 
-    /// Next-token logits (`rows × vocab`, on the host) of the last layer's hidden rows
-    /// `first..first + rows` of `x`.
-    pub fn logits(&self, b: &B, x: &B::Tensor, first: usize, rows: usize) -> Result<Vec<f32>> {
-        let mut out = b.tensor(rows, self.config.vocab_size)?;
-        self.logits_into(b, x, first, &mut out)?;
+    /// Next-token logits (`rows.len() × vocab`, on the host) of the last layer's hidden rows
+    /// `rows` of `x`.
+    pub fn logits(&self, b: &B, x: &B::Tensor, rows: &[usize]) -> Result<Vec<f32>> {
+        let mut out = b.tensor(rows.len(), self.config.vocab_size)?;
+        self.logits_into(b, x, rows, &mut out)?;
         Ok(b.download_tensor(&out)?)
     }
 
-    /// [`ModelLayers::logits`] of `out`'s rows, left in `out` (`rows × vocab`) on the backend.
+    /// [`ModelLayers::logits`], left in `out` (`rows.len() × vocab`) on the backend.
     pub fn logits_into(
         &self,
         b: &B,
         x: &B::Tensor,
-        first: usize,
+        rows: &[usize],
         out: &mut B::Tensor,
     ) -> Result<()> {
         let c = &self.config;
-        let rows = b.dims(out).0;
-        let mut picked = b.tensor(rows, c.hidden_size)?;
-        b.copy_rows(x, first, &mut picked)?;
+        let mut picked = b.tensor(rows.len(), c.hidden_size)?;
+        b.gather_rows(x, rows, &mut picked)?;
+        let rows = rows.len();
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut normed = b.gemm_operand(rows, c.hidden_size, head)?;
         b.rms_norm(&picked, &self.norm, c.rms_norm_eps as f32, &mut normed)?;
@@ -549,13 +549,13 @@ pub(crate) fn model_needs(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use canopy_engine::CpuBackend;
     use canopy_model::LayerWeights as HostLayer;
 
     /// A small GQA model: 2 layers, 4 query heads on 2 KV heads of 16.
-    fn tiny(tied: bool) -> LlamaConfig {
+    pub(crate) fn tiny(tied: bool) -> LlamaConfig {
         LlamaConfig {
             vocab_size: 97,
             hidden_size: 64,
@@ -584,7 +584,7 @@ mod tests {
             let qkv = layers.qkv(b, l, &x, &[0, 1, 2], None).unwrap();
             layers.finish(b, l, &mut x, &qkv.q).unwrap();
         }
-        layers.logits(b, &x, 0, 3).unwrap()
+        layers.logits(b, &x, &[0, 1, 2]).unwrap()
     }
 
     fn random(config: &LlamaConfig, dtype: DType, seed: u64) -> ModelLayers<CpuBackend> {

@@ -60,27 +60,26 @@ fn through_layers<B: LayerOps>(
     Ok(x)
 }
 
-/// A chunk of a prompt whose earlier tokens are in the caches: `rows` attend causally to one
-/// another and, through `cached` (a plan whose queries are the chunk's rows on the node that
-/// ends the cached context; `None` when nothing is cached), to every earlier token on every
-/// rank. Every rank runs every row and gets the same result; returns the last row's logits.
-pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
+/// Prompt chunks of one or more requests whose earlier tokens are in the caches, in one pass:
+/// the rows of each of `chunks` (ranges of `rows`) attend causally to one another and,
+/// through `cached` (a plan with one query per row, on the node that ends the row's cached
+/// context; `None` when no chunk has one), to every earlier token on every rank. Every rank
+/// runs every row and gets the same result; returns the logits of each of `logit_rows`.
+pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
     caches: &mut [B::Kv],
     mut cached: Option<&mut RankAttention<B, C>>,
     rows: PrefillRows,
-) -> Result<Vec<f32>> {
+    chunks: &[Range<usize>],
+    logit_rows: &[usize],
+) -> Result<Vec<Vec<f32>>> {
     let shape = layers.attn_shape();
+    let n = rows.ids.len();
+    let mut blocks = ChunkBlocks::new(backend, &shape, rows.positions, chunks)?;
     let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
-        let mut states = backend.empty_states(&shape, rows.ids.len())?;
-        let own = KeyBlock {
-            k: &qkv.k,
-            v: &qkv.v,
-            positions: rows.positions,
-            dtype: backend.kv_dtype(cache),
-        };
-        backend.causal_attention(&shape, &qkv.q, rows.positions, own, &mut states)?;
+        let mut states = backend.empty_states(&shape, n)?;
+        blocks.attend(backend, &shape, backend.kv_dtype(cache), qkv, &mut states)?;
         if let Some(cached) = cached.as_deref_mut() {
             let q = backend.tensor_queries(&shape, &qkv.q)?;
             backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
@@ -88,7 +87,93 @@ pub(crate) fn prefill_chunk<B: LayerOps, C: Transport<B>>(
         Ok(backend.states_output(&states, out)?)
     };
     let x = through_layers(backend, layers, caches, rows, attend, &mut |_| {})?;
-    layers.logits(backend, &x, rows.ids.len() - 1, 1)
+    if logit_rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let vocab = layers.config.vocab_size;
+    let logits = layers.logits(backend, &x, logit_rows)?;
+    Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+}
+
+/// The causal attention of a pass's chunks, each to its own keys. One chunk is one block at
+/// the rows' positions. Several are one block each: the chunk's keys (copied out of the
+/// pass's) at their positions plus one, attended by every row of the pass, the chunk's rows
+/// at their positions plus one and the others at 0, which sees none of them. A row that sees
+/// no key of a block keeps its state.
+struct ChunkBlocks<B: LayerOps> {
+    positions: Vec<u32>,
+    /// Per chunk: its first row, the rows' masking positions, its keys' positions, and room
+    /// for its keys and values.
+    blocks: Vec<ChunkBlock<B>>,
+}
+
+struct ChunkBlock<B: LayerOps> {
+    first: usize,
+    q_pos: Vec<u32>,
+    k_pos: Vec<u32>,
+    k: B::Tensor,
+    v: B::Tensor,
+}
+
+impl<B: LayerOps> ChunkBlocks<B> {
+    fn new(
+        backend: &B,
+        shape: &canopy_core::AttnShape,
+        positions: &[u32],
+        chunks: &[Range<usize>],
+    ) -> Result<Self> {
+        let mut blocks = Vec::new();
+        if chunks.len() > 1 {
+            for c in chunks {
+                let shifted = |r: usize| positions[r] + 1;
+                let q_pos = (0..positions.len())
+                    .map(|r| if c.contains(&r) { shifted(r) } else { 0 })
+                    .collect();
+                blocks.push(ChunkBlock {
+                    first: c.start,
+                    q_pos,
+                    k_pos: c.clone().map(shifted).collect(),
+                    k: backend.tensor(c.len(), shape.kv_token_elems())?,
+                    v: backend.tensor(c.len(), shape.kv_token_elems())?,
+                });
+            }
+        }
+        Ok(ChunkBlocks {
+            positions: positions.to_vec(),
+            blocks,
+        })
+    }
+
+    fn attend(
+        &mut self,
+        backend: &B,
+        shape: &canopy_core::AttnShape,
+        dtype: canopy_core::DType,
+        qkv: &Qkv<B>,
+        states: &mut B::States,
+    ) -> Result<()> {
+        if self.blocks.is_empty() {
+            let own = KeyBlock {
+                k: &qkv.k,
+                v: &qkv.v,
+                positions: &self.positions,
+                dtype,
+            };
+            return Ok(backend.causal_attention(shape, &qkv.q, &self.positions, own, states)?);
+        }
+        for b in &mut self.blocks {
+            backend.copy_rows(&qkv.k, b.first, &mut b.k)?;
+            backend.copy_rows(&qkv.v, b.first, &mut b.v)?;
+            let keys = KeyBlock {
+                k: &b.k,
+                v: &b.v,
+                positions: &b.k_pos,
+                dtype,
+            };
+            backend.causal_attention(shape, &qkv.q, &b.q_pos, keys, states)?;
+        }
+        Ok(())
+    }
 }
 
 /// The prompt through every layer, piece by piece ([`KvLayout::pieces`]), each rank running
@@ -198,7 +283,7 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         let on_layer = &mut |l| on_pass(j * num_layers + l, passes);
         let x = through_layers(backend, layers, caches, rows, attend, on_layer)?;
         if own.contains(&last) {
-            logits = layers.logits(backend, &x, last - own.start, 1)?;
+            logits = layers.logits(backend, &x, &[last - own.start])?;
         }
     }
     comm.all_reduce(&mut logits, ReduceOp::Sum)?;
@@ -264,4 +349,70 @@ fn fill_runs(kv: &KvLayout, rank: usize) -> Vec<FillRun> {
         }
     }
     runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use canopy_comm::ThreadComm;
+    use canopy_core::DType;
+    use canopy_engine::{Backend, CpuBackend};
+
+    /// Prompts of 7, 1 and 5 tokens in one pass give what each gives alone: the logits of
+    /// their last rows and the keys and values stored.
+    #[test]
+    fn chunks_in_one_pass_give_what_each_gives_alone() {
+        let b = &CpuBackend;
+        let config = crate::layers::tests::tiny(false);
+        let layers = ModelLayers::random(b, &config, DType::F32, 11, &mut |_| {}).unwrap();
+        let shape = layers.attn_shape();
+        let caches = || -> Vec<_> {
+            (0..layers.num_layers())
+                .map(|_| b.alloc_kv(&shape, DType::F32, 64).unwrap())
+                .collect()
+        };
+        let close = |a: &[f32], b: &[f32]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5)
+        };
+        let prompts: [&[u32]; 3] = [&[3, 9, 27, 81, 50, 1, 2], &[40], &[5, 6, 7, 8, 90]];
+        let firsts = [0u32, 20, 40];
+        let run = |prompts: &[(&[u32], u32)], kv: &mut [_]| {
+            let (mut ids, mut positions, mut stores, mut chunks, mut last) =
+                (vec![], vec![], vec![], vec![], vec![]);
+            for &(p, slot) in prompts {
+                let first = ids.len();
+                ids.extend_from_slice(p);
+                positions.extend(0..p.len() as u32);
+                stores.extend((0..p.len() as u32).map(|i| ((first as u32 + i), slot + i)));
+                chunks.push(first..ids.len());
+                last.push(ids.len() - 1);
+            }
+            let rows = PrefillRows {
+                ids: &ids,
+                positions: &positions,
+                stores: &stores,
+            };
+            let none: Option<&mut RankAttention<CpuBackend, ThreadComm>> = None;
+            prefill_chunks(b, &layers, kv, none, rows, &chunks, &last).unwrap()
+        };
+        let together: Vec<(&[u32], u32)> = prompts.iter().copied().zip(firsts).collect();
+        let mut kv_together = caches();
+        let logits = run(&together, &mut kv_together);
+        assert_eq!(logits.len(), 3);
+        for (i, &(p, slot)) in together.iter().enumerate() {
+            let mut kv_alone = caches();
+            let alone = run(&[(p, slot)], &mut kv_alone);
+            assert!(close(&alone[0], &logits[i]), "prompt {i}'s logits");
+            let slots: Vec<u32> = (slot..slot + p.len() as u32).collect();
+            for (t, a) in kv_together.iter().zip(&kv_alone) {
+                let (kt, vt) = b.load_kv(t, &slots).unwrap();
+                let (ka, va) = b.load_kv(a, &slots).unwrap();
+                // (The products' sums run in another order at another row count.)
+                assert!(
+                    close(&kt.data, &ka.data) && close(&vt.data, &va.data),
+                    "prompt {i}'s KV"
+                );
+            }
+        }
+    }
 }

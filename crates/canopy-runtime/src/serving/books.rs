@@ -14,6 +14,7 @@ use crate::{Result, RuntimeError};
 use canopy_core::Tail;
 use canopy_kv::{KvManager, KvNode, PrefixCache, RankSnapshot, RankUpdate, StepLayout};
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 /// A sample's branch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,13 +54,20 @@ pub(crate) struct DecodeRows {
     pub placed: Vec<(usize, u32)>,
 }
 
-/// One prompt chunk's rows and the cached context they attend to.
-pub(crate) struct ChunkRows {
+/// One prefill pass: prompt chunks of several requests through the layers together, each
+/// chunk's rows attending causally to one another and, all of them or none, to their cached
+/// contexts.
+pub(crate) struct PrefillPass {
     pub ids: Vec<u32>,
     pub positions: Vec<u32>,
-    pub placed: Vec<(usize, u32)>,
-    /// The ranks' views of the cached context with one query per row (this rank's alone for
-    /// the tree, every rank's for the ring); `None` when nothing is cached before the chunk.
+    /// Each row's `(rank, physical slot)`; `None` for the rows of a chunk whose pages could
+    /// not be placed (they run unstored, and their request fails).
+    pub placed: Vec<Option<(usize, u32)>>,
+    /// Every chunk's rows, in row order; `true` for the chunks whose KV is stored.
+    pub chunks: Vec<(Chunk, Range<usize>, bool)>,
+    /// The ranks' views of the chunks' cached contexts with one query per row, in row order
+    /// (this rank's alone for the tree, every rank's for the ring); `None` when the pass's
+    /// chunks have none cached before them.
     pub context: Option<Vec<RankSnapshot>>,
 }
 
@@ -273,47 +281,128 @@ impl Books {
         self.steps.rank(rank).map(|s| s.table.as_slice())
     }
 
-    /// Places `chunk`'s tokens after the prompt's stored KV and returns its rows, with the
-    /// cached context they attend to seen by `ranks` (this rank's, or every rank's).
-    pub fn chunk(&mut self, chunk: Chunk, ranks: &[usize]) -> Result<ChunkRows> {
-        let seq = self
-            .seqs
-            .get(&chunk.id)
-            .ok_or_else(|| protocol(format!("prefill of unknown request {}", chunk.id)))?;
-        let (start, end) = (seq.computed, (chunk.end as usize).min(seq.prompt.len()));
-        if start >= end {
-            return Err(protocol(format!(
-                "request {} has {start} tokens prefilled; a chunk to {end} adds none",
-                chunk.id
-            )));
+    /// Places the step's `chunks` after their prompts' stored KV, as at most two passes: the
+    /// chunks with a cached context (a shared prefix, earlier chunks), which attend to it as
+    /// seen by `ranks` (this rank's, or every rank's), then those without. Returns the passes
+    /// and the requests that fail (their chunks' rows still run unstored, so a pass's context
+    /// views stay whole; the caller ends those requests after the passes).
+    pub fn prefill_passes(
+        &mut self,
+        chunks: &[Chunk],
+        ranks: &[usize],
+    ) -> (Vec<PrefillPass>, Vec<(u64, RuntimeError)>) {
+        let mut failed = Vec::new();
+        // Each chunk's tokens and the node its context ends on.
+        let mut wanted: Vec<(Chunk, Range<usize>, Option<KvNode>)> = Vec::new();
+        for &chunk in chunks {
+            if wanted.iter().any(|(c, _, _)| c.id == chunk.id) {
+                failed.push((
+                    chunk.id,
+                    protocol(format!("request {} has two chunks in one step", chunk.id)),
+                ));
+                continue;
+            }
+            let Some(seq) = self.seqs.get(&chunk.id) else {
+                failed.push((
+                    chunk.id,
+                    protocol(format!("prefill of unknown request {}", chunk.id)),
+                ));
+                continue;
+            };
+            let (start, end) = (seq.computed, (chunk.end as usize).min(seq.prompt.len()));
+            if start >= end {
+                failed.push((
+                    chunk.id,
+                    protocol(format!(
+                        "request {} has {start} tokens prefilled; a chunk to {end} adds none",
+                        chunk.id
+                    )),
+                ));
+                continue;
+            }
+            wanted.push((chunk, start..end, seq.own.or(seq.lease)));
         }
-        let n = end - start;
-        let context = match seq.own.or(seq.lease) {
-            Some(at) => Some(
-                ranks
+        let mut passes = Vec::new();
+        for cached in [true, false] {
+            let group: Vec<_> = wanted
+                .iter()
+                .filter(|(_, _, at)| at.is_some() == cached)
+                .cloned()
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            // The context views are taken before any chunk grows its prompt's node.
+            let context = if cached {
+                let queries: Vec<KvNode> = group
                     .iter()
-                    .map(|&r| self.cache.kv().snapshot_with(r, &vec![at; n]))
-                    .collect::<canopy_kv::Result<Vec<_>>>()?,
-            ),
-            None => None,
-        };
-        let (own, lease, cached) = (seq.own, seq.lease, seq.cached);
-        let own = match own {
+                    .flat_map(|(_, rows, at)| std::iter::repeat_n(at.expect("cached"), rows.len()))
+                    .collect();
+                let views = ranks
+                    .iter()
+                    .map(|&r| self.cache.kv().snapshot_with(r, &queries))
+                    .collect::<canopy_kv::Result<Vec<_>>>();
+                match views {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        let e = RuntimeError::from(e);
+                        failed.extend(
+                            group
+                                .iter()
+                                .map(|(c, _, _)| (c.id, protocol(e.to_string()))),
+                        );
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            let mut pass = PrefillPass {
+                ids: Vec::new(),
+                positions: Vec::new(),
+                placed: Vec::new(),
+                chunks: Vec::new(),
+                context,
+            };
+            for (chunk, tokens, _) in group {
+                let first = pass.ids.len();
+                let seq = &self.seqs[&chunk.id];
+                pass.ids.extend(&seq.prompt[tokens.clone()]);
+                pass.positions
+                    .extend(tokens.start as u32..tokens.end as u32);
+                let stored = match self.place(chunk.id, tokens.len()) {
+                    Ok(own) => {
+                        let (kv, cached) = (self.cache.kv(), self.seqs[&chunk.id].cached);
+                        pass.placed
+                            .extend(tokens.clone().map(|i| Some(slot(kv, own, i - cached))));
+                        true
+                    }
+                    Err(e) => {
+                        failed.push((chunk.id, e));
+                        pass.placed.extend(tokens.clone().map(|_| None));
+                        false
+                    }
+                };
+                pass.chunks.push((chunk, first..pass.ids.len(), stored));
+            }
+            passes.push(pass);
+        }
+        (passes, failed)
+    }
+
+    /// `n` more prompt tokens on request `id`'s own node (forked from its lease at its first
+    /// chunk).
+    fn place(&mut self, id: u64, n: usize) -> Result<KvNode> {
+        let seq = self.seqs.get_mut(&id).expect("a request of the books");
+        let own = match seq.own {
             Some(node) => {
                 self.cache.append(node, n as u32)?;
                 node
             }
-            None => self.cache.fork(lease, n as u32)?,
+            None => self.cache.fork(seq.lease, n as u32)?,
         };
-        let seq = self.seqs.get_mut(&chunk.id).expect("looked up above");
         seq.own = Some(own);
-        let kv = self.cache.kv();
-        Ok(ChunkRows {
-            ids: seq.prompt[start..end].to_vec(),
-            positions: (start as u32..end as u32).collect(),
-            placed: (start..end).map(|i| slot(kv, own, i - cached)).collect(),
-            context,
-        })
+        Ok(own)
     }
 
     /// `chunk`'s KV is stored: a prompt complete is offered to the prefix cache.
@@ -342,4 +431,86 @@ fn protocol(message: String) -> RuntimeError {
     RuntimeError::Protocol(format!(
         "a step description disagrees with the books: {message}"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serving::step::Admit;
+
+    fn admit(id: u64, prompt: Vec<u32>) -> Admit {
+        Admit {
+            id,
+            prompt,
+            samples: 1,
+        }
+    }
+
+    /// A step's chunks make one pass of those with a cached context, its queries one per row
+    /// in row order, then one of the rest; a chunk that finds no pages runs unstored and its
+    /// request fails.
+    #[test]
+    fn chunks_with_a_cached_context_make_one_pass_and_the_rest_another() {
+        // 8 pages of 4 tokens on one rank.
+        let mut books = Books::new(1, 4, 8, 0).unwrap();
+        let shared: Vec<u32> = (0..9).collect();
+        let step = Step {
+            admit: vec![admit(1, shared.clone())],
+            ..Step::default()
+        };
+        assert!(books.begin(&step).is_empty());
+        let (passes, failed) = books.prefill_passes(&[Chunk { id: 1, end: 9 }], &[0]);
+        assert!(failed.is_empty());
+        assert_eq!(passes.len(), 1);
+        assert!(passes[0].context.is_none());
+        books.chunk_done(Chunk { id: 1, end: 9 }).unwrap();
+
+        // Request 2 shares request 1's first 8 tokens (two whole pages); 3 shares nothing;
+        // 4 asks for more pages than are free.
+        let mut second = shared[..8].to_vec();
+        second.extend([50, 51, 52]);
+        let step = Step {
+            admit: vec![
+                admit(2, second),
+                admit(3, vec![70, 71, 72]),
+                admit(4, (100..120).collect()),
+            ],
+            ..Step::default()
+        };
+        assert!(books.begin(&step).is_empty());
+        assert_eq!(books.seq(2).unwrap().cached, 8);
+        let chunks = [
+            Chunk { id: 3, end: 3 },
+            Chunk { id: 4, end: 20 },
+            Chunk { id: 2, end: 11 },
+        ];
+        let (passes, failed) = books.prefill_passes(&chunks, &[0]);
+        assert_eq!(passes.len(), 2);
+        let (cached, fresh) = (&passes[0], &passes[1]);
+        assert_eq!(cached.ids, [50, 51, 52]);
+        assert_eq!(cached.positions, [8, 9, 10]);
+        let views = cached.context.as_ref().expect("a cached context");
+        assert_eq!(views[0].tree.num_queries(), 3);
+        assert_eq!(cached.chunks, [(chunks[2], 0..3, true)]);
+        assert!(cached.placed.iter().all(Option::is_some));
+
+        assert!(fresh.context.is_none());
+        assert_eq!(fresh.positions[..3], [0, 1, 2]);
+        assert_eq!(
+            fresh.chunks,
+            [(chunks[0], 0..3, true), (chunks[1], 3..23, false)]
+        );
+        assert_eq!(fresh.placed.iter().filter(|p| p.is_none()).count(), 20);
+        let ids: Vec<u64> = failed.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, [4]);
+        // Every stored row has a slot of its own.
+        let mut slots: Vec<(usize, u32)> = passes
+            .iter()
+            .flat_map(|p| p.placed.iter().flatten().copied())
+            .collect();
+        let n = slots.len();
+        slots.sort();
+        slots.dedup();
+        assert_eq!(slots.len(), n);
+    }
 }

@@ -6,9 +6,11 @@
 //!    default), so the pages of a prefix shared by many requests are read once per step, and
 //!    the ranks' states merge by the tree collectives (or pass around the ring). A step that
 //!    only grew branches inside their pages extends the plan in place.
-//! 2. **Prefill.** Each prompt chunk through every layer ([`prefill_chunk`]): causal attention
-//!    within the chunk, and a plan of the chunk's rows over its cached context (the shared
-//!    prefix found in the cache and its earlier chunks) on every rank.
+//! 2. **Prefill.** The step's prompt chunks through every layer together ([`prefill_chunks`]),
+//!    so that one pass over the weights serves them all: causal attention within each chunk,
+//!    and one plan of every chunk's rows over their cached contexts (the shared prefixes found
+//!    in the cache, earlier chunks) on every rank. Chunks without a cached context make a
+//!    second pass.
 //!
 //! Rank 0 then draws the tokens. Every rank ends a step with the same logits, so every rank's
 //! books stay the same without more messages.
@@ -16,12 +18,12 @@
 use super::books::{Books, Layout};
 use super::handle::EngineInbox;
 use super::scheduler::{Decoded, Scheduler, StepClock};
-use super::step::Step;
+use super::step::{Chunk, Step};
 use super::ServeConfig;
 use crate::forward::{Forward, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
-use crate::prefill::{prefill_chunk, PrefillRows};
+use crate::prefill::{prefill_chunks, PrefillRows};
 use crate::rank::resolve_merge;
 use crate::sampling::StepLogits;
 use crate::{Result, RuntimeError};
@@ -159,20 +161,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 let (logits, kv_bytes) = self.decode_pass(&rows, step.reach)?;
                 Some((logits, started.elapsed().as_secs_f64(), kv_bytes))
             };
-            let mut chunks = Vec::new();
             let prefilling = Instant::now();
-            for &chunk in &step.prefill {
-                if failed.iter().any(|(id, _)| *id == chunk.id) {
-                    continue;
-                }
-                match self.chunk_pass(chunk)? {
-                    Ok(logits) => chunks.push((chunk, logits)),
-                    Err(e) => {
-                        self.books.end(chunk.id);
-                        failed.push((chunk.id, e));
-                    }
-                }
-            }
+            let wanted: Vec<Chunk> = step
+                .prefill
+                .iter()
+                .filter(|c| !failed.iter().any(|(id, _)| *id == c.id))
+                .copied()
+                .collect();
+            let chunks = self.prefill(&wanted, &mut failed)?;
             if let Some(s) = scheduler.as_mut() {
                 let decoded = pass.as_ref().map(|(logits, seconds, kv_bytes)| Decoded {
                     rows: &rows,
@@ -230,7 +226,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             * self.layers.num_layers() as u64
             * 2
             * self.shape.kv_token_bytes(self.config.kv_dtype) as u64;
-        let stores = mine(&rows.placed, rank);
+        let stores = mine(rows.placed.iter().map(Some), rank);
         let attention = self.decode.as_mut().expect("planned above");
         let replayed = self.forward.replayed();
         let logits = self.forward.decode(
@@ -254,44 +250,84 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         Ok((logits, kv_bytes))
     }
 
-    /// One prompt chunk through every layer: its last row's logits, or the request's own
-    /// failure (its pages could not be placed).
-    fn chunk_pass(&mut self, chunk: super::step::Chunk) -> Result<Result<Vec<f32>>> {
+    /// The step's prompt chunks, in one pass for those with a cached context and one for the
+    /// rest ([`Books::prefill_passes`]): each stored chunk, with the logits of its last row if
+    /// it completes its prompt. Requests whose chunks could not be placed end, and join
+    /// `failed`.
+    fn prefill(
+        &mut self,
+        chunks: &[Chunk],
+        failed: &mut Vec<(u64, RuntimeError)>,
+    ) -> Result<Vec<(Chunk, Option<Vec<f32>>)>> {
         let rank = self.comm.rank();
         let viewers: Vec<usize> = match self.merge {
             Some(_) => vec![rank],
             None => (0..self.comm.size()).collect(),
         };
-        let rows = match self.books.chunk(chunk, &viewers) {
-            Ok(rows) => rows,
-            Err(e) => return Ok(Err(e)),
-        };
-        let mut cached = match &rows.context {
-            Some(views) => {
-                let mine = views
-                    .iter()
-                    .find(|v| v.rank == rank)
-                    .expect("this rank's view");
-                self.install(&mine.table)?;
-                self.decode_table = false;
-                Some(self.attention(views)?)
+        let (passes, unplaced) = self.books.prefill_passes(chunks, &viewers);
+        let mut done = Vec::new();
+        for pass in passes {
+            let mut cached = match &pass.context {
+                Some(views) => {
+                    let mine = views
+                        .iter()
+                        .find(|v| v.rank == rank)
+                        .expect("this rank's view");
+                    self.install(&mine.table)?;
+                    self.decode_table = false;
+                    Some(self.attention(views)?)
+                }
+                None => None,
+            };
+            let stores = mine(pass.placed.iter().map(Option::as_ref), rank);
+            // Logits for the stored chunks that complete their prompts.
+            let completes: Vec<bool> = pass
+                .chunks
+                .iter()
+                .map(|(c, _, stored)| {
+                    *stored
+                        && self
+                            .books
+                            .seq(c.id)
+                            .is_some_and(|s| c.end as usize >= s.prompt.len())
+                })
+                .collect();
+            let logit_rows: Vec<usize> = pass
+                .chunks
+                .iter()
+                .zip(&completes)
+                .filter(|(_, &complete)| complete)
+                .map(|((_, rows, _), _)| rows.end - 1)
+                .collect();
+            let ranges: Vec<_> = pass.chunks.iter().map(|(_, r, _)| r.clone()).collect();
+            let mut logits = prefill_chunks(
+                self.backend,
+                self.layers,
+                &mut self.caches,
+                cached.as_mut(),
+                PrefillRows {
+                    ids: &pass.ids,
+                    positions: &pass.positions,
+                    stores: &stores,
+                },
+                &ranges,
+                &logit_rows,
+            )?
+            .into_iter();
+            for ((chunk, _, stored), complete) in pass.chunks.into_iter().zip(completes) {
+                if !stored {
+                    continue;
+                }
+                let logits = if complete { logits.next() } else { None };
+                self.books.chunk_done(chunk)?;
+                done.push((chunk, logits));
             }
-            None => None,
-        };
-        let stores = mine(&rows.placed, rank);
-        let logits = prefill_chunk(
-            self.backend,
-            self.layers,
-            &mut self.caches,
-            cached.as_mut(),
-            PrefillRows {
-                ids: &rows.ids,
-                positions: &rows.positions,
-                stores: &stores,
-            },
-        )?;
-        self.books.chunk_done(chunk)?;
-        Ok(Ok(logits))
+        }
+        for (id, _) in &unplaced {
+            self.books.end(*id);
+        }
+        failed.extend(unplaced);
+        Ok(done)
     }
 
     /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring).
@@ -343,12 +379,17 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     }
 }
 
-/// The rows whose KV this rank stores: `(row, physical slot)`.
-fn mine(placed: &[(usize, u32)], rank: usize) -> Vec<(u32, u32)> {
+/// The rows whose KV this rank stores, `(row, physical slot)`, of the rows' `(rank, slot)`
+/// places (`None`: stored nowhere).
+fn mine<'p>(
+    placed: impl Iterator<Item = Option<&'p (usize, u32)>>,
+    rank: usize,
+) -> Vec<(u32, u32)> {
     placed
-        .iter()
         .enumerate()
-        .filter(|(_, (r, _))| *r == rank)
-        .map(|(row, (_, slot))| (row as u32, *slot))
+        .filter_map(|(row, p)| match p {
+            Some(&(r, slot)) if r == rank => Some((row as u32, slot)),
+            _ => None,
+        })
         .collect()
 }

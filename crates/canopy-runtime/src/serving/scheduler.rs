@@ -305,14 +305,15 @@ impl<'t> Scheduler<'t> {
     }
 
     /// What the step computed: the decode pass (each row's logits in the rows' order, and
-    /// what the pass cost), each chunk's last row's logits, the requests that
+    /// what the pass cost), each stored chunk with its last row's logits if it completes its
+    /// prompt, the requests that
     /// failed (already out of the books), and the step's clock (`None` for a step that
     /// computed nothing).
     pub fn observe(
         &mut self,
         books: &Books,
         decoded: Option<Decoded<'_>>,
-        chunks: &[(Chunk, Vec<f32>)],
+        chunks: &[(Chunk, Option<Vec<f32>>)],
         failed: Vec<(u64, RuntimeError)>,
         clock: Option<StepClock>,
     ) {
@@ -342,7 +343,7 @@ impl<'t> Scheduler<'t> {
             let before = r.prefilled;
             r.prefilled = books.seq(chunk.id).map_or(r.prefilled, |s| s.computed);
             self.status.prefill_tokens += (r.prefilled - before) as u64;
-            if r.prefilled == r.prompt_len() {
+            if let (true, Some(logits)) = (r.prefilled == r.prompt_len(), logits) {
                 for sample in 0..r.samples.len() {
                     self.draw(chunk.id, sample, RowLogits::Whole(logits));
                 }
@@ -569,10 +570,12 @@ mod tests {
         assert!(failed.is_empty());
         let logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
         let mut chunks = Vec::new();
-        for &chunk in &step.prefill {
-            books.chunk(chunk, &[0]).unwrap();
+        let (passes, failed) = books.prefill_passes(&step.prefill, &[0]);
+        assert!(failed.is_empty());
+        for (chunk, _, stored) in passes.into_iter().flat_map(|p| p.chunks) {
+            assert!(stored);
             books.chunk_done(chunk).unwrap();
-            chunks.push((chunk, pick(token, 1)));
+            chunks.push((chunk, Some(pick(token, 1))));
         }
         let decoded = (!rows.rows.is_empty()).then_some(Decoded {
             rows: &rows,
