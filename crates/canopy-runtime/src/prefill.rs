@@ -60,11 +60,12 @@ fn through_layers<B: LayerOps>(
     Ok(x)
 }
 
-/// Prompt chunks of one or more requests whose earlier tokens are in the caches, in one pass:
-/// the rows of each of `chunks` (ranges of `rows`) attend causally to one another and,
-/// through `cached` (a plan with one query per row, on the node that ends the row's cached
-/// context; `None` when no chunk has one), to every earlier token on every rank. Every rank
-/// runs every row and gets the same result; returns the logits of each of `logit_rows`.
+/// Prompt chunks of one or more requests whose earlier tokens are in the caches, in one pass,
+/// maybe beside a step's decode rows: the rows of each of `chunks` (ranges of `rows`) attend
+/// causally to one another, and through `cached` (a plan with one query per row: a chunk's
+/// rows on the node that ends its cached context, a decode row on its branch; `None` when no
+/// row has one), every row attends to the earlier tokens on every rank. Every rank runs every
+/// row and gets the same result; returns the last layer's hidden rows.
 pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
@@ -72,8 +73,7 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
     mut cached: Option<&mut RankAttention<B, C>>,
     rows: PrefillRows,
     chunks: &[Range<usize>],
-    logit_rows: &[usize],
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<B::Tensor> {
     let shape = layers.attn_shape();
     let n = rows.ids.len();
     let mut blocks = ChunkBlocks::new(backend, &shape, rows.positions, chunks)?;
@@ -86,22 +86,17 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
         }
         Ok(backend.states_output(&states, out)?)
     };
-    let x = through_layers(backend, layers, caches, rows, attend, &mut |_| {})?;
-    if logit_rows.is_empty() {
-        return Ok(Vec::new());
-    }
-    let vocab = layers.config.vocab_size;
-    let logits = layers.logits(backend, &x, logit_rows)?;
-    Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    through_layers(backend, layers, caches, rows, attend, &mut |_| {})
 }
 
-/// The causal attention of a pass's chunks, each to its own keys. One chunk is one block at
-/// the rows' positions. Several are one block each: the chunk's keys (copied out of the
-/// pass's) at their positions plus one, attended by every row of the pass, the chunk's rows
-/// at their positions plus one and the others at 0, which sees none of them. A row that sees
-/// no key of a block keeps its state.
+/// The causal attention of a pass's chunks, each to its own keys. One chunk of every row is
+/// one block at the rows' positions. Otherwise each chunk is a block: the chunk's keys (copied
+/// out of the pass's) at their positions plus one, attended by every row of the pass, the
+/// chunk's rows at their positions plus one and the others at 0, which sees none of them. A
+/// row that sees no key of a block keeps its state.
 struct ChunkBlocks<B: LayerOps> {
-    positions: Vec<u32>,
+    /// The rows' positions when one chunk is every row (then `blocks` is empty).
+    whole: Option<Vec<u32>>,
     /// Per chunk: its first row, the rows' masking positions, its keys' positions, and room
     /// for its keys and values.
     blocks: Vec<ChunkBlock<B>>,
@@ -122,8 +117,9 @@ impl<B: LayerOps> ChunkBlocks<B> {
         positions: &[u32],
         chunks: &[Range<usize>],
     ) -> Result<Self> {
+        let whole = chunks == [0..positions.len()];
         let mut blocks = Vec::new();
-        if chunks.len() > 1 {
+        if !whole {
             for c in chunks {
                 let shifted = |r: usize| positions[r] + 1;
                 let q_pos = (0..positions.len())
@@ -139,7 +135,7 @@ impl<B: LayerOps> ChunkBlocks<B> {
             }
         }
         Ok(ChunkBlocks {
-            positions: positions.to_vec(),
+            whole: whole.then(|| positions.to_vec()),
             blocks,
         })
     }
@@ -152,14 +148,14 @@ impl<B: LayerOps> ChunkBlocks<B> {
         qkv: &Qkv<B>,
         states: &mut B::States,
     ) -> Result<()> {
-        if self.blocks.is_empty() {
+        if let Some(positions) = &self.whole {
             let own = KeyBlock {
                 k: &qkv.k,
                 v: &qkv.v,
-                positions: &self.positions,
+                positions,
                 dtype,
             };
-            return Ok(backend.causal_attention(shape, &qkv.q, &self.positions, own, states)?);
+            return Ok(backend.causal_attention(shape, &qkv.q, positions, own, states)?);
         }
         for b in &mut self.blocks {
             backend.copy_rows(&qkv.k, b.first, &mut b.k)?;
@@ -393,7 +389,13 @@ mod tests {
                 stores: &stores,
             };
             let none: Option<&mut RankAttention<CpuBackend, ThreadComm>> = None;
-            prefill_chunks(b, &layers, kv, none, rows, &chunks, &last).unwrap()
+            let x = prefill_chunks(b, &layers, kv, none, rows, &chunks).unwrap();
+            let logits = layers.logits(b, &x, &last).unwrap();
+            let vocab = layers.config.vocab_size;
+            logits
+                .chunks_exact(vocab)
+                .map(<[f32]>::to_vec)
+                .collect::<Vec<_>>()
         };
         let together: Vec<(&[u32], u32)> = prompts.iter().copied().zip(firsts).collect();
         let mut kv_together = caches();

@@ -52,12 +52,16 @@ pub(crate) struct DecodeRows {
     pub positions: Vec<u32>,
     /// Each row's `(rank, physical slot)`.
     pub placed: Vec<(usize, u32)>,
+    /// Each row's branch.
+    nodes: Vec<KvNode>,
 }
 
 /// One prefill pass: prompt chunks of several requests through the layers together, each
 /// chunk's rows attending causally to one another and, all of them or none, to their cached
-/// contexts.
+/// contexts; the first pass may lead with a step's decode rows, which attend to their branches.
 pub(crate) struct PrefillPass {
+    /// Rows `0..decode_rows` are decode rows, in query order.
+    pub decode_rows: usize,
     pub ids: Vec<u32>,
     pub positions: Vec<u32>,
     /// Each row's `(rank, physical slot)`; `None` for the rows of a chunk whose pages could
@@ -70,6 +74,9 @@ pub(crate) struct PrefillPass {
     /// chunks have none cached before them.
     pub context: Option<Vec<RankSnapshot>>,
 }
+
+/// Requests that failed in the books, each with its error.
+pub(crate) type Failed = Vec<(u64, RuntimeError)>;
 
 /// How a rank's decode layout changed with a step's appends.
 pub(crate) enum Layout {
@@ -201,6 +208,7 @@ impl Books {
             ids: Vec::new(),
             positions: Vec::new(),
             placed: Vec::new(),
+            nodes: Vec::new(),
         };
         for (node, row) in placed {
             let len = kv.len(node).expect("a live branch") as usize;
@@ -209,6 +217,7 @@ impl Books {
             out.ids.push(row.token);
             out.positions.push((prompt + len - 1) as u32);
             out.placed.push(slot(kv, node, len - 1));
+            out.nodes.push(node);
         }
         (out, failed)
     }
@@ -283,14 +292,19 @@ impl Books {
 
     /// Places the step's `chunks` after their prompts' stored KV, as at most two passes: the
     /// chunks with a cached context (a shared prefix, earlier chunks), which attend to it as
-    /// seen by `ranks` (this rank's, or every rank's), then those without. Returns the passes
-    /// and the requests that fail (their chunks' rows still run unstored, so a pass's context
-    /// views stay whole; the caller ends those requests after the passes).
+    /// seen by `ranks` (this rank's, or every rank's), led by the step's `decode` rows (placed
+    /// by [`decode`](Self::decode)) if there are such chunks, so that one pass over the weights
+    /// serves both; then the chunks without. Returns the passes and the requests that fail (their chunks' rows still
+    /// run unstored, so a pass's context views stay whole; the caller ends those requests
+    /// after the passes). An error is the books' own: views of the decode rows that cannot
+    /// be taken.
     pub fn prefill_passes(
         &mut self,
         chunks: &[Chunk],
         ranks: &[usize],
-    ) -> (Vec<PrefillPass>, Vec<(u64, RuntimeError)>) {
+        decode: Option<&DecodeRows>,
+    ) -> Result<(Vec<PrefillPass>, Failed)> {
+        let decode = decode.filter(|d| !d.rows.is_empty());
         let mut failed = Vec::new();
         // Each chunk's tokens and the node its context ends on.
         let mut wanted: Vec<(Chunk, Range<usize>, Option<KvNode>)> = Vec::new();
@@ -329,15 +343,16 @@ impl Books {
                 .filter(|(_, _, at)| at.is_some() == cached)
                 .cloned()
                 .collect();
-            if group.is_empty() {
+            let lead = decode.filter(|_| cached && !group.is_empty());
+            if group.is_empty() && lead.is_none() {
                 continue;
             }
             // The context views are taken before any chunk grows its prompt's node.
             let context = if cached {
-                let queries: Vec<KvNode> = group
-                    .iter()
-                    .flat_map(|(_, rows, at)| std::iter::repeat_n(at.expect("cached"), rows.len()))
-                    .collect();
+                let mut queries: Vec<KvNode> = lead.map(|d| d.nodes.clone()).unwrap_or_default();
+                queries.extend(group.iter().flat_map(|(_, rows, at)| {
+                    std::iter::repeat_n(at.expect("cached"), rows.len())
+                }));
                 let views = ranks
                     .iter()
                     .map(|&r| self.cache.kv().snapshot_with(r, &queries))
@@ -358,12 +373,19 @@ impl Books {
                 None
             };
             let mut pass = PrefillPass {
+                decode_rows: 0,
                 ids: Vec::new(),
                 positions: Vec::new(),
                 placed: Vec::new(),
                 chunks: Vec::new(),
                 context,
             };
+            if let Some(d) = lead {
+                pass.decode_rows = d.rows.len();
+                pass.ids.extend(&d.ids);
+                pass.positions.extend(&d.positions);
+                pass.placed.extend(d.placed.iter().copied().map(Some));
+            }
             for (chunk, tokens, _) in group {
                 let first = pass.ids.len();
                 let seq = &self.seqs[&chunk.id];
@@ -387,7 +409,7 @@ impl Books {
             }
             passes.push(pass);
         }
-        (passes, failed)
+        Ok((passes, failed))
     }
 
     /// `n` more prompt tokens on request `id`'s own node (forked from its lease at its first
@@ -459,7 +481,9 @@ mod tests {
             ..Step::default()
         };
         assert!(books.begin(&step).is_empty());
-        let (passes, failed) = books.prefill_passes(&[Chunk { id: 1, end: 9 }], &[0]);
+        let (passes, failed) = books
+            .prefill_passes(&[Chunk { id: 1, end: 9 }], &[0], None)
+            .unwrap();
         assert!(failed.is_empty());
         assert_eq!(passes.len(), 1);
         assert!(passes[0].context.is_none());
@@ -484,7 +508,7 @@ mod tests {
             Chunk { id: 4, end: 20 },
             Chunk { id: 2, end: 11 },
         ];
-        let (passes, failed) = books.prefill_passes(&chunks, &[0]);
+        let (passes, failed) = books.prefill_passes(&chunks, &[0], None).unwrap();
         assert_eq!(passes.len(), 2);
         let (cached, fresh) = (&passes[0], &passes[1]);
         assert_eq!(cached.ids, [50, 51, 52]);

@@ -15,7 +15,7 @@
 //! Rank 0 then draws the tokens. Every rank ends a step with the same logits, so every rank's
 //! books stay the same without more messages.
 
-use super::books::{Books, Layout};
+use super::books::{Books, Layout, PrefillPass};
 use super::handle::EngineInbox;
 use super::scheduler::{Decoded, Scheduler, StepClock};
 use super::step::{Chunk, Step};
@@ -154,27 +154,34 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             }
             let (rows, f) = self.books.decode(&step.decode);
             failed.extend(f);
-            let pass = if rows.rows.is_empty() {
-                None
-            } else {
-                let started = Instant::now();
-                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach)?;
-                Some((logits, started.elapsed().as_secs_f64(), kv_bytes))
-            };
-            let prefilling = Instant::now();
             let wanted: Vec<Chunk> = step
                 .prefill
                 .iter()
                 .filter(|c| !failed.iter().any(|(id, _)| *id == c.id))
                 .copied()
                 .collect();
-            let chunks = self.prefill(&wanted, &mut failed)?;
+            let (passes, unplaced) =
+                self.books
+                    .prefill_passes(&wanted, &self.viewers(), Some(&rows))?;
+            let mixed = passes.first().is_some_and(|p| p.decode_rows > 0);
+            let mut decoded = None;
+            if !rows.rows.is_empty() && !mixed {
+                let started = Instant::now();
+                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach)?;
+                decoded = Some((logits, Some((started.elapsed().as_secs_f64(), kv_bytes))));
+            }
+            let prefilling = Instant::now();
+            let (chunks, mixed_logits) = self.prefill(passes, step.reach)?;
+            for (id, _) in &unplaced {
+                self.books.end(*id);
+            }
+            failed.extend(unplaced);
+            decoded = decoded.or(mixed_logits.map(|logits| (logits, None)));
             if let Some(s) = scheduler.as_mut() {
-                let decoded = pass.as_ref().map(|(logits, seconds, kv_bytes)| Decoded {
+                let decoded = decoded.as_ref().map(|(logits, cost)| Decoded {
                     rows: &rows,
                     logits,
-                    seconds: *seconds,
-                    kv_bytes: *kv_bytes,
+                    cost: *cost,
                 });
                 let clock = StepClock {
                     began,
@@ -182,6 +189,15 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 };
                 s.observe(&self.books, decoded, &chunks, failed, Some(clock));
             }
+        }
+    }
+
+    /// The ranks whose KV views a pass plans over: this rank's for the tree, every rank's for
+    /// the ring.
+    fn viewers(&self) -> Vec<usize> {
+        match self.merge {
+            Some(_) => vec![self.comm.rank()],
+            None => (0..self.comm.size()).collect(),
         }
     }
 
@@ -250,22 +266,19 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         Ok((logits, kv_bytes))
     }
 
-    /// The step's prompt chunks, in one pass for those with a cached context and one for the
-    /// rest ([`Books::prefill_passes`]): each stored chunk, with the logits of its last row if
-    /// it completes its prompt. Requests whose chunks could not be placed end, and join
-    /// `failed`.
+    /// The step's prefill passes ([`Books::prefill_passes`]): each stored chunk, with the
+    /// logits of its last row if it completes its prompt, and the logits of the decode rows
+    /// that lead a pass, each narrowed to its `reach` most likely tokens (`None`: whole).
+    #[allow(clippy::type_complexity)]
     fn prefill(
         &mut self,
-        chunks: &[Chunk],
-        failed: &mut Vec<(u64, RuntimeError)>,
-    ) -> Result<Vec<(Chunk, Option<Vec<f32>>)>> {
+        passes: Vec<PrefillPass>,
+        reach: Option<usize>,
+    ) -> Result<(Vec<(Chunk, Option<Vec<f32>>)>, Option<StepLogits>)> {
         let rank = self.comm.rank();
-        let viewers: Vec<usize> = match self.merge {
-            Some(_) => vec![rank],
-            None => (0..self.comm.size()).collect(),
-        };
-        let (passes, unplaced) = self.books.prefill_passes(chunks, &viewers);
+        let (backend, vocab) = (self.backend, self.layers.config.vocab_size);
         let mut done = Vec::new();
+        let mut decoded = None;
         for pass in passes {
             let mut cached = match &pass.context {
                 Some(views) => {
@@ -280,7 +293,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 None => None,
             };
             let stores = mine(pass.placed.iter().map(Option::as_ref), rank);
-            // Logits for the stored chunks that complete their prompts.
+            // Logits for the decode rows, and for the stored chunks that complete their
+            // prompts.
             let completes: Vec<bool> = pass
                 .chunks
                 .iter()
@@ -292,16 +306,19 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                             .is_some_and(|s| c.end as usize >= s.prompt.len())
                 })
                 .collect();
-            let logit_rows: Vec<usize> = pass
-                .chunks
-                .iter()
-                .zip(&completes)
-                .filter(|(_, &complete)| complete)
-                .map(|((_, rows, _), _)| rows.end - 1)
+            let d = pass.decode_rows;
+            let logit_rows: Vec<usize> = (0..d)
+                .chain(
+                    pass.chunks
+                        .iter()
+                        .zip(&completes)
+                        .filter(|(_, &complete)| complete)
+                        .map(|((_, rows, _), _)| rows.end - 1),
+                )
                 .collect();
             let ranges: Vec<_> = pass.chunks.iter().map(|(_, r, _)| r.clone()).collect();
-            let mut logits = prefill_chunks(
-                self.backend,
+            let x = prefill_chunks(
+                backend,
                 self.layers,
                 &mut self.caches,
                 cached.as_mut(),
@@ -311,23 +328,34 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                     stores: &stores,
                 },
                 &ranges,
-                &logit_rows,
-            )?
-            .into_iter();
+            )?;
+            let mut chunk_logits = Vec::new().into_iter();
+            if !logit_rows.is_empty() {
+                let mut logits = backend.tensor(logit_rows.len(), vocab)?;
+                self.layers
+                    .logits_into(backend, &x, &logit_rows, &mut logits)?;
+                if d > 0 {
+                    decoded = Some(narrowed(backend, &logits, d, reach)?);
+                }
+                let mut rest = backend.tensor(logit_rows.len() - d, vocab)?;
+                backend.copy_rows(&logits, d, &mut rest)?;
+                let rest = backend.download_tensor(&rest)?;
+                chunk_logits = rest
+                    .chunks_exact(vocab)
+                    .map(<[f32]>::to_vec)
+                    .collect::<Vec<_>>()
+                    .into_iter();
+            }
             for ((chunk, _, stored), complete) in pass.chunks.into_iter().zip(completes) {
                 if !stored {
                     continue;
                 }
-                let logits = if complete { logits.next() } else { None };
+                let logits = if complete { chunk_logits.next() } else { None };
                 self.books.chunk_done(chunk)?;
                 done.push((chunk, logits));
             }
         }
-        for (id, _) in &unplaced {
-            self.books.end(*id);
-        }
-        failed.extend(unplaced);
-        Ok(done)
+        Ok((done, decoded))
     }
 
     /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring).
@@ -377,6 +405,33 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         }
         Ok(())
     }
+}
+
+/// The first `rows` rows of `logits` on the host, each narrowed to its `reach` most likely
+/// tokens (`None`: whole).
+fn narrowed<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    rows: usize,
+    reach: Option<usize>,
+) -> Result<StepLogits> {
+    let vocab = backend.dims(logits).1;
+    let mut head = backend.tensor(rows, vocab)?;
+    backend.copy_rows(logits, 0, &mut head)?;
+    Ok(match reach {
+        Some(k) => {
+            let mut top = backend.tensor(rows, 2 * k)?;
+            backend.top_logits(&head, k, &mut top)?;
+            StepLogits::Top {
+                k,
+                rows: backend.download_tensor(&top)?,
+            }
+        }
+        None => StepLogits::Whole {
+            vocab,
+            logits: backend.download_tensor(&head)?,
+        },
+    })
 }
 
 /// The rows whose KV this rank stores, `(row, physical slot)`, of the rows' `(rank, slot)`

@@ -82,9 +82,10 @@ pub(crate) struct StepClock {
 pub(crate) struct Decoded<'a> {
     pub rows: &'a DecodeRows,
     pub logits: &'a StepLogits,
-    /// See [`DecodePasses`](super::handle::DecodePasses).
-    pub seconds: f64,
-    pub kv_bytes: u64,
+    /// The pass's seconds and distinct KV bytes read (see
+    /// [`DecodePasses`](super::handle::DecodePasses)); `None` when the rows ran in a prefill
+    /// pass, whose time counts as prefill.
+    pub cost: Option<(f64, u64)>,
 }
 
 pub(crate) struct Scheduler<'t> {
@@ -325,11 +326,13 @@ impl<'t> Scheduler<'t> {
         if let Some(d) = decoded {
             let rows = &d.rows.rows;
             self.status.batch = rows.len();
-            self.status
-                .decode
-                .entry(rows.len())
-                .or_default()
-                .add(d.seconds, d.kv_bytes);
+            if let Some((seconds, kv_bytes)) = d.cost {
+                self.status
+                    .decode
+                    .entry(rows.len())
+                    .or_default()
+                    .add(seconds, kv_bytes);
+            }
             for (i, row) in rows.iter().enumerate() {
                 self.draw(row.id, row.sample as usize, d.logits.row(i));
             }
@@ -570,7 +573,7 @@ mod tests {
         assert!(failed.is_empty());
         let logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
         let mut chunks = Vec::new();
-        let (passes, failed) = books.prefill_passes(&step.prefill, &[0]);
+        let (passes, failed) = books.prefill_passes(&step.prefill, &[0], None).unwrap();
         assert!(failed.is_empty());
         for (chunk, _, stored) in passes.into_iter().flat_map(|p| p.chunks) {
             assert!(stored);
@@ -580,8 +583,7 @@ mod tests {
         let decoded = (!rows.rows.is_empty()).then_some(Decoded {
             rows: &rows,
             logits: &logits,
-            seconds: 0.5,
-            kv_bytes: 10,
+            cost: Some((0.5, 10)),
         });
         let clock = StepClock {
             began: Instant::now(),
