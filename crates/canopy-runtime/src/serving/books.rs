@@ -458,7 +458,7 @@ fn protocol(message: String) -> RuntimeError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serving::step::Admit;
+    use crate::serving::step::{Admit, Row};
 
     fn admit(id: u64, prompt: Vec<u32>) -> Admit {
         Admit {
@@ -468,9 +468,9 @@ mod tests {
         }
     }
 
-    /// A step's chunks make one pass of those with a cached context, its queries one per row
-    /// in row order, then one of the rest; a chunk that finds no pages runs unstored and its
-    /// request fails.
+    /// A step's chunks make one pass of those with a cached context, led by the step's decode
+    /// rows, its queries one per row in row order, then one of the rest; a chunk that finds no
+    /// pages runs unstored and its request fails.
     #[test]
     fn chunks_with_a_cached_context_make_one_pass_and_the_rest_another() {
         // 8 pages of 4 tokens on one rank.
@@ -508,17 +508,28 @@ mod tests {
             Chunk { id: 4, end: 20 },
             Chunk { id: 2, end: 11 },
         ];
-        let (passes, failed) = books.prefill_passes(&chunks, &[0], None).unwrap();
+        // Request 1 decodes its first token in the same step: its row leads the cached pass.
+        let row = Row {
+            id: 1,
+            sample: 0,
+            token: 5,
+        };
+        let (rows, failed) = books.decode(&[row]);
+        assert!(failed.is_empty());
+        let (passes, failed) = books.prefill_passes(&chunks, &[0], Some(&rows)).unwrap();
         assert_eq!(passes.len(), 2);
         let (cached, fresh) = (&passes[0], &passes[1]);
-        assert_eq!(cached.ids, [50, 51, 52]);
-        assert_eq!(cached.positions, [8, 9, 10]);
+        assert_eq!(cached.decode_rows, 1);
+        assert_eq!(cached.ids, [5, 50, 51, 52]);
+        assert_eq!(cached.positions, [9, 8, 9, 10]);
+        assert_eq!(cached.placed[0], Some(rows.placed[0]));
         let views = cached.context.as_ref().expect("a cached context");
-        assert_eq!(views[0].tree.num_queries(), 3);
-        assert_eq!(cached.chunks, [(chunks[2], 0..3, true)]);
+        assert_eq!(views[0].tree.num_queries(), 4);
+        assert_eq!(cached.chunks, [(chunks[2], 1..4, true)]);
         assert!(cached.placed.iter().all(Option::is_some));
 
         assert!(fresh.context.is_none());
+        assert_eq!(fresh.decode_rows, 0);
         assert_eq!(fresh.positions[..3], [0, 1, 2]);
         assert_eq!(
             fresh.chunks,
