@@ -155,9 +155,15 @@ fn with_engine(
                 serve(&CpuBackend, layers, &comm, config, front)
             })
         });
-        client(&handle);
+        // A client's failed assertion still drains the engine, so the test fails instead of
+        // waiting on it.
+        let client = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| client(&handle)));
         handle.drain();
-        for r in engine.join().expect("the engine thread") {
+        let ranks = engine.join().expect("the engine thread");
+        if let Err(panic) = client {
+            std::panic::resume_unwind(panic);
+        }
+        for r in ranks {
             r.expect("every rank served");
         }
     });
