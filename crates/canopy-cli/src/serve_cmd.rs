@@ -60,7 +60,7 @@ pub struct EngineArgs {
     /// The most sample rows decoded in one step.
     #[arg(long, default_value_t = 64, value_parser = crate::bench::at_least_one)]
     max_batch: usize,
-    /// Prompt tokens prefilled per step, between decode steps.
+    /// Prompt tokens prefilled per step, at most (the step's chunks run together).
     #[arg(long, default_value_t = 512, value_parser = crate::bench::at_least_one)]
     prefill_chunk: usize,
     /// Requests waiting for admission, at most; past it, 429.
