@@ -10,7 +10,8 @@
 //!    so that one pass over the weights serves them all: causal attention within each chunk,
 //!    and one plan of every chunk's rows over their cached contexts (the shared prefixes found
 //!    in the cache, earlier chunks) on every rank. Chunks without a cached context make a
-//!    second pass.
+//!    second pass. When chunks have a cached context, the step's decode rows lead their pass
+//!    instead of running step 1: one pass over the weights, one plan for both.
 //!
 //! Rank 0 then draws the tokens. Every rank ends a step with the same logits, so every rank's
 //! books stay the same without more messages.
@@ -337,14 +338,16 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 if d > 0 {
                     decoded = Some(narrowed(backend, &logits, d, reach)?);
                 }
-                let mut rest = backend.tensor(logit_rows.len() - d, vocab)?;
-                backend.copy_rows(&logits, d, &mut rest)?;
-                let rest = backend.download_tensor(&rest)?;
-                chunk_logits = rest
-                    .chunks_exact(vocab)
-                    .map(<[f32]>::to_vec)
-                    .collect::<Vec<_>>()
-                    .into_iter();
+                if logit_rows.len() > d {
+                    let mut rest = backend.tensor(logit_rows.len() - d, vocab)?;
+                    backend.copy_rows(&logits, d, &mut rest)?;
+                    let rest = backend.download_tensor(&rest)?;
+                    chunk_logits = rest
+                        .chunks_exact(vocab)
+                        .map(<[f32]>::to_vec)
+                        .collect::<Vec<_>>()
+                        .into_iter();
+                }
             }
             for ((chunk, _, stored), complete) in pass.chunks.into_iter().zip(completes) {
                 if !stored {
