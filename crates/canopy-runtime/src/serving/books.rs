@@ -296,14 +296,14 @@ impl Books {
     /// by [`decode`](Self::decode)) if there are such chunks, so that one pass over the weights
     /// serves both; then the chunks without. Returns the passes and the requests that fail (their chunks' rows still
     /// run unstored, so a pass's context views stay whole; the caller ends those requests
-    /// after the passes). An error is the books' own: views of the decode rows that cannot
-    /// be taken.
+    /// after the passes). If the views cannot be taken, the cached chunks fail and the decode
+    /// rows lead no pass.
     pub fn prefill_passes(
         &mut self,
         chunks: &[Chunk],
         ranks: &[usize],
         decode: Option<&DecodeRows>,
-    ) -> Result<(Vec<PrefillPass>, Failed)> {
+    ) -> (Vec<PrefillPass>, Failed) {
         let decode = decode.filter(|d| !d.rows.is_empty());
         let mut failed = Vec::new();
         // Each chunk's tokens and the node its context ends on.
@@ -409,7 +409,7 @@ impl Books {
             }
             passes.push(pass);
         }
-        Ok((passes, failed))
+        (passes, failed)
     }
 
     /// `n` more prompt tokens on request `id`'s own node (forked from its lease at its first
@@ -481,9 +481,7 @@ mod tests {
             ..Step::default()
         };
         assert!(books.begin(&step).is_empty());
-        let (passes, failed) = books
-            .prefill_passes(&[Chunk { id: 1, end: 9 }], &[0], None)
-            .unwrap();
+        let (passes, failed) = books.prefill_passes(&[Chunk { id: 1, end: 9 }], &[0], None);
         assert!(failed.is_empty());
         assert_eq!(passes.len(), 1);
         assert!(passes[0].context.is_none());
@@ -516,7 +514,7 @@ mod tests {
         };
         let (rows, failed) = books.decode(&[row]);
         assert!(failed.is_empty());
-        let (passes, failed) = books.prefill_passes(&chunks, &[0], Some(&rows)).unwrap();
+        let (passes, failed) = books.prefill_passes(&chunks, &[0], Some(&rows));
         assert_eq!(passes.len(), 2);
         let (cached, fresh) = (&passes[0], &passes[1]);
         assert_eq!(cached.decode_rows, 1);

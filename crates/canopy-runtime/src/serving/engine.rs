@@ -163,7 +163,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 .collect();
             let (passes, unplaced) =
                 self.books
-                    .prefill_passes(&wanted, &self.viewers(), Some(&rows))?;
+                    .prefill_passes(&wanted, &self.viewers(), Some(&rows));
             let mixed = passes.first().is_some_and(|p| p.decode_rows > 0);
             let mut decoded = None;
             if !rows.rows.is_empty() && !mixed {

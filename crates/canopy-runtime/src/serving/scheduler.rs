@@ -573,7 +573,7 @@ mod tests {
         assert!(failed.is_empty());
         let logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
         let mut chunks = Vec::new();
-        let (passes, failed) = books.prefill_passes(&step.prefill, &[0], None).unwrap();
+        let (passes, failed) = books.prefill_passes(&step.prefill, &[0], None);
         assert!(failed.is_empty());
         for (chunk, _, stored) in passes.into_iter().flat_map(|p| p.chunks) {
             assert!(stored);
