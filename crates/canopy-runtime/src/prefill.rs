@@ -79,7 +79,8 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
     let mut blocks = ChunkBlocks::new(backend, &shape, rows.positions, chunks)?;
     let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
         let mut states = backend.empty_states(&shape, n)?;
-        blocks.attend(backend, &shape, backend.kv_dtype(cache), qkv, &mut states)?;
+        let dtype = backend.kv_dtype(cache);
+        blocks.attend(backend, &shape, dtype, qkv, rows.positions, &mut states)?;
         if let Some(cached) = cached.as_deref_mut() {
             let q = backend.tensor_queries(&shape, &qkv.q)?;
             backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
@@ -95,8 +96,8 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
 /// chunk's rows at their positions plus one and the others at 0, which sees none of them. A
 /// row that sees no key of a block keeps its state.
 struct ChunkBlocks<B: LayerOps> {
-    /// The rows' positions when one chunk is every row (then `blocks` is empty).
-    whole: Option<Vec<u32>>,
+    /// One chunk is every row (then `blocks` is empty).
+    whole: bool,
     /// Per chunk: its first row, the rows' masking positions, its keys' positions, and room
     /// for its keys and values.
     blocks: Vec<ChunkBlock<B>>,
@@ -134,10 +135,7 @@ impl<B: LayerOps> ChunkBlocks<B> {
                 });
             }
         }
-        Ok(ChunkBlocks {
-            whole: whole.then(|| positions.to_vec()),
-            blocks,
-        })
+        Ok(ChunkBlocks { whole, blocks })
     }
 
     fn attend(
@@ -146,9 +144,10 @@ impl<B: LayerOps> ChunkBlocks<B> {
         shape: &canopy_core::AttnShape,
         dtype: canopy_core::DType,
         qkv: &Qkv<B>,
+        positions: &[u32],
         states: &mut B::States,
     ) -> Result<()> {
-        if let Some(positions) = &self.whole {
+        if self.whole {
             let own = KeyBlock {
                 k: &qkv.k,
                 v: &qkv.v,

@@ -360,12 +360,7 @@ impl Books {
                 match views {
                     Ok(v) => Some(v),
                     Err(e) => {
-                        let e = RuntimeError::from(e);
-                        failed.extend(
-                            group
-                                .iter()
-                                .map(|(c, _, _)| (c.id, protocol(e.to_string()))),
-                        );
+                        failed.extend(group.iter().map(|(c, _, _)| (c.id, e.clone().into())));
                         continue;
                     }
                 }

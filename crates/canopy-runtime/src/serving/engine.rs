@@ -418,13 +418,19 @@ fn narrowed<B: LayerOps>(
     rows: usize,
     reach: Option<usize>,
 ) -> Result<StepLogits> {
-    let vocab = backend.dims(logits).1;
-    let mut head = backend.tensor(rows, vocab)?;
-    backend.copy_rows(logits, 0, &mut head)?;
+    let (all, vocab) = backend.dims(logits);
+    let copied = if rows < all {
+        let mut head = backend.tensor(rows, vocab)?;
+        backend.copy_rows(logits, 0, &mut head)?;
+        Some(head)
+    } else {
+        None
+    };
+    let head = copied.as_ref().unwrap_or(logits);
     Ok(match reach {
         Some(k) => {
             let mut top = backend.tensor(rows, 2 * k)?;
-            backend.top_logits(&head, k, &mut top)?;
+            backend.top_logits(head, k, &mut top)?;
             StepLogits::Top {
                 k,
                 rows: backend.download_tensor(&top)?,
@@ -432,7 +438,7 @@ fn narrowed<B: LayerOps>(
         }
         None => StepLogits::Whole {
             vocab,
-            logits: backend.download_tensor(&head)?,
+            logits: backend.download_tensor(head)?,
         },
     })
 }
