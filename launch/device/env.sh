@@ -29,12 +29,15 @@ nodes_per_level = [$2]
 tokens_per_level = [$3]
 T
 }
-# The carried test binaries: the layer-op tests (the CUDA LayerOps against the CPU), then the
-# replay-equals-eager graph test, one line per test and a result line each, into $OUT/tests.txt.
+# The carried test binaries: the layer-op and attention-block tests (the CUDA LayerOps against
+# the CPU), then the replay-equals-eager graph test, one line per test and a result line each,
+# into $OUT/tests.txt.
 device_tests() {
   {
     log "layer-op tests"
     .device/layer_ops --test-threads 1 2>&1 | grep -E "^test |test result|bit for bit: false|panicked"
+    log "attention-block tests"
+    .device/attention_blocks --test-threads 1 2>&1 | grep -E "^test |test result|max error|panicked"
     log "graph test"
     .device/cuda_graphs 2>&1 | grep -E "^test |test result|panicked"
   } 2>&1 | tee "$OUT/tests.txt"

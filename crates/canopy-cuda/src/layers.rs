@@ -776,15 +776,16 @@ impl LayerOps for CudaBackend {
         Ok(self.empty(shape, rows)?)
     }
 
-    fn causal_attention(
+    fn causal_attention_from(
         &self,
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
+        q_from: Option<&[u32]>,
         keys: KeyBlock<'_, CudaTensor>,
         states: &mut CudaStates,
     ) -> EResult<()> {
-        Ok(self.attend_block(shape, q, q_pos, keys, states)?)
+        Ok(self.attend_block(shape, q, q_pos, q_from, keys, states)?)
     }
 
     fn cached_attention(

@@ -12,7 +12,9 @@
 //! is printed; `CANOPY_TEST_SEED` repeats a run.
 
 mod common;
+mod compare;
 use common::{gpu, rng};
+use compare::{check, poisoned, values};
 
 use canopy_comm::{Collective, ThreadWorld};
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
@@ -21,55 +23,6 @@ use canopy_engine::{Backend, CpuBackend, KeyBlock, LayerOps, ModelNeeds, Result}
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
-
-/// `n` values of magnitude in `[scale / 20, scale)`, of either sign: never zero.
-fn values(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let x = rng.gen_range(0.05f32..1.0) * scale;
-            if rng.gen() {
-                x
-            } else {
-                -x
-            }
-        })
-        .collect()
-}
-
-fn poisoned<B: LayerOps>(b: &B, rows: usize, cols: usize) -> Result<B::Tensor> {
-    b.upload_tensor(&vec![f32::NAN; rows * cols], rows, cols)
-}
-
-/// The largest difference between `got` and `want` over the largest finite magnitude of
-/// `want`: 0 when equal, and infinite where one is NaN or infinite and the other differs (a NaN
-/// is an element never written) or when the lengths differ.
-fn error(got: &[f32], want: &[f32]) -> f64 {
-    if got.len() != want.len() {
-        return f64::INFINITY;
-    }
-    let scale = want
-        .iter()
-        .filter(|w| w.is_finite())
-        .fold(0f64, |m, &w| m.max(f64::from(w).abs()));
-    let mut worst = 0f64;
-    for (&g, &w) in got.iter().zip(want) {
-        if g == w || (g.is_nan() && w.is_nan()) {
-            continue;
-        }
-        if !(g.is_finite() && w.is_finite()) {
-            return f64::INFINITY;
-        }
-        worst = worst.max((f64::from(g) - f64::from(w)).abs());
-    }
-    worst / scale.max(f64::MIN_POSITIVE)
-}
-
-/// Prints one comparison and fails above `tolerance`.
-fn check(op: &str, got: &[f32], want: &[f32], tolerance: f64) {
-    let e = error(got, want);
-    eprintln!("  {op:<44} max error {e:.3e} (tolerance {tolerance:.0e})");
-    assert!(e <= tolerance, "{op}: error {e:e} above {tolerance:e}");
-}
 
 struct DenseInputs {
     dtype: DType,
@@ -348,7 +301,10 @@ fn operand_products(
 
     let positions: Vec<u32> = (0..rows as u32).collect();
     let q = b.upload_tensor(&values(rng, rows * q_cols, 1.0), rows, q_cols)?;
-    let (k, v, _) = block(rng, shape, positions.clone());
+    let (k, v) = (
+        values(rng, rows * shape.kv_token_elems(), 1.0),
+        values(rng, rows * shape.kv_token_elems(), 1.0),
+    );
     let k = b.upload_tensor(&k, rows, shape.kv_token_elems())?;
     let v = b.upload_tensor(&v, rows, shape.kv_token_elems())?;
     let mut states = b.empty_states(shape, rows)?;
@@ -448,157 +404,6 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
             let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             eprintln!("  {dtype} {name:<10} bit for bit: {same}");
             assert!(same, "{dtype} {name}: the fused op differs");
-        }
-    }
-}
-
-/// One block of keys for [`attention`]: K, V and their positions.
-type Block = (Vec<f32>, Vec<f32>, Vec<u32>);
-
-/// The states (and their output) of query rows `q` at `q_pos` after every block of keys, in
-/// order, read as a cache of `dtype` holds them.
-fn attention<B: LayerOps>(
-    b: &B,
-    shape: &AttnShape,
-    q: &[f32],
-    q_pos: &[u32],
-    blocks: &[Block],
-    dtype: DType,
-) -> Result<(AttnStates, Vec<f32>)> {
-    let rows = q_pos.len();
-    let q = b.upload_tensor(q, rows, shape.q_row_elems())?;
-    let mut states = b.empty_states(shape, rows)?;
-    for (k, v, positions) in blocks {
-        let k = b.upload_tensor(k, positions.len(), shape.kv_token_elems())?;
-        let v = b.upload_tensor(v, positions.len(), shape.kv_token_elems())?;
-        let keys = KeyBlock {
-            k: &k,
-            v: &v,
-            positions,
-            dtype,
-        };
-        b.causal_attention(shape, &q, q_pos, keys, &mut states)?;
-    }
-    let mut out = poisoned(b, rows, shape.q_row_elems())?;
-    b.states_output(&states, &mut out)?;
-    Ok((b.download(&states)?, b.download_tensor(&out)?))
-}
-
-/// Random keys and values at `positions`.
-fn block(rng: &mut ChaCha8Rng, shape: &AttnShape, positions: Vec<u32>) -> Block {
-    let n = positions.len() * shape.kv_token_elems();
-    (values(rng, n, 1.0), values(rng, n, 1.0), positions)
-}
-
-/// The rows whose states are empty, exactly (`lse = -inf`, `o = 0`), and every other row's lse
-/// finite.
-fn empty_rows(states: &AttnStates, heads: usize) -> Vec<usize> {
-    let row_elems = heads * states.head_dim;
-    let empty: Vec<usize> = (0..states.rows)
-        .filter(|&r| states.lse[r * heads] == f32::NEG_INFINITY)
-        .collect();
-    for r in 0..states.rows {
-        let (lse, o) = (
-            &states.lse[r * heads..(r + 1) * heads],
-            &states.o[r * row_elems..(r + 1) * row_elems],
-        );
-        if empty.contains(&r) {
-            assert!(
-                lse.iter().all(|&l| l == f32::NEG_INFINITY),
-                "row {r}: {lse:?}"
-            );
-            assert!(
-                o.iter().all(|&x| x == 0.0),
-                "row {r} is empty but has outputs"
-            );
-        } else {
-            assert!(lse.iter().all(|l| l.is_finite()), "row {r}: {lse:?}");
-        }
-    }
-    empty
-}
-
-/// Attention of 7 query rows over two blocks of keys, the later block first (as a prompt's
-/// chunks arrive from other ranks), on the CUDA cores (f32 keys, and head dims the tensor-core
-/// path does not hold): one row sees no key of either block, one sees only the earlier block's
-/// first key.
-#[test]
-fn attention_blocks_merge_like_the_cpu() {
-    let Some(gpu) = gpu("attention_blocks_merge_like_the_cpu") else {
-        return;
-    };
-    let mut rng = rng("attention_blocks_merge_like_the_cpu");
-    let q_pos = [1, 2, 9, 17, 30, 45, 57];
-    for (q_heads, kv_heads, head_dim, dtype) in [
-        (8, 2, 64, DType::F32),
-        (8, 2, 128, DType::F32),
-        (4, 4, 128, DType::F32),
-        (6, 1, 256, DType::F32),
-        (6, 1, 256, DType::Bf16),
-    ] {
-        let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
-        eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?} keys:");
-        let q = values(&mut rng, q_pos.len() * shape.q_row_elems(), 1.0);
-        let blocks = [
-            block(&mut rng, &shape, (20..58).collect()),
-            block(&mut rng, &shape, (2..20).collect()),
-        ];
-        let (got, got_out) = attention(&gpu, &shape, &q, &q_pos, &blocks, dtype).unwrap();
-        let (want, want_out) = attention(&CpuBackend, &shape, &q, &q_pos, &blocks, dtype).unwrap();
-        check("causal_attention o vs cpu", &got.o, &want.o, 1e-5);
-        check("causal_attention lse vs cpu", &got.lse, &want.lse, 1e-5);
-        check("states_output", &got_out, &got.o, 0.0);
-        check("states_output vs cpu", &got_out, &want_out, 1e-5);
-        // Row 0 (position 1) sees no key.
-        assert_eq!(empty_rows(&got, q_heads), [0]);
-    }
-}
-
-/// Causal attention as a prefill runs it with 16-bit KV, on tensor cores, against the CPU
-/// reading the same rounded keys: a chunk of a prompt over itself, then a block of later
-/// positions (which the chunk's first rows do not see) and the earlier context in shuffled
-/// order, none of them whole tiles, for GQA groups of 1, 3, 4 and 8 heads and both head dims.
-/// The GPU also rounds the queries and the softmax's weights to the dtype, hence the tolerances.
-#[test]
-fn prefill_attention_on_tensor_cores_matches_the_cpu() {
-    let test = "prefill_attention_on_tensor_cores_matches_the_cpu";
-    let Some(gpu) = gpu(test) else {
-        return;
-    };
-    let mut rng = rng(test);
-    for dtype in [DType::Bf16, DType::F16] {
-        for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (9, 3, 64), (4, 4, 128), (8, 1, 64)] {
-            let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
-            eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?} keys:");
-            let first = rng.gen_range(100..400u32);
-            let rows = rng.gen_range(150..350u32);
-            let q_pos: Vec<u32> = (first..first + rows).collect();
-            let q = values(&mut rng, q_pos.len() * shape.q_row_elems(), 1.0);
-            let mut earlier: Vec<u32> = (0..first).collect();
-            for i in (1..earlier.len()).rev() {
-                earlier.swap(i, rng.gen_range(0..=i));
-            }
-            let later = first + rows / 2;
-            let blocks = [
-                block(&mut rng, &shape, q_pos.clone()),
-                block(&mut rng, &shape, (later..later + 97).collect()),
-                block(&mut rng, &shape, earlier),
-            ];
-            // After the later block alone, the rows before it have seen nothing.
-            let (alone, _) = attention(&gpu, &shape, &q, &q_pos, &blocks[1..2], dtype).unwrap();
-            let unseen: Vec<usize> = (0..(later - first) as usize).collect();
-            assert_eq!(empty_rows(&alone, q_heads), unseen);
-            let (got, got_out) = attention(&gpu, &shape, &q, &q_pos, &blocks, dtype).unwrap();
-            let (want, _) = attention(&CpuBackend, &shape, &q, &q_pos, &blocks, dtype).unwrap();
-            let (o_tol, lse_tol) = if dtype == DType::Bf16 {
-                (1e-2, 2e-3)
-            } else {
-                (2e-3, 5e-4)
-            };
-            check("prefill attention o vs cpu", &got.o, &want.o, o_tol);
-            check("prefill attention lse vs cpu", &got.lse, &want.lse, lse_tol);
-            check("states_output", &got_out, &got.o, 0.0);
-            assert!(empty_rows(&got, q_heads).is_empty());
         }
     }
 }

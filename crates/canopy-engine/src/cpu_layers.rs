@@ -312,17 +312,21 @@ impl LayerOps for CpuBackend {
         Ok(AttnStates::empty(rows, shape.q_heads, shape.head_dim))
     }
 
-    fn causal_attention(
+    fn causal_attention_from(
         &self,
         shape: &AttnShape,
         q: &HostMatrix,
         q_pos: &[u32],
+        q_from: Option<&[u32]>,
         keys: KeyBlock<'_, HostMatrix>,
         states: &mut AttnStates,
     ) -> Result<()> {
         let op = "causal_attention";
         let (k, v, k_pos) = (keys.k, keys.v, keys.positions);
         expect_size("cpu", op, "the query positions", q_pos.len(), q.rows)?;
+        if let Some(from) = q_from {
+            expect_size("cpu", op, "the query windows' starts", from.len(), q.rows)?;
+        }
         expect_size("cpu", op, "the key positions", k_pos.len(), k.rows)?;
         expect_size("cpu", op, "the size of v", v.data.len(), k.data.len())?;
         expect_size("cpu", op, "the states' rows", states.rows, q.rows)?;
@@ -332,6 +336,7 @@ impl LayerOps for CpuBackend {
         causal_attention(
             &q.data,
             q_pos,
+            q_from,
             &k,
             &v,
             k_pos,

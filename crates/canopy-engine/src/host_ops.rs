@@ -109,12 +109,14 @@ pub fn rope_in_place(x: &mut [f32], positions: &[u32], inv_freq: &[f32]) {
 /// Attention of query rows over one block of keys, as partial states (normalised `o`,
 /// natural-log `lse`) that merge exactly with the states of other blocks. `q` is `rows ×
 /// q_heads × d` at positions `q_pos`, `k`/`v` are `tokens × kv_heads × d` at `k_pos`; a query
-/// sees the keys at or before its own position. Written into `o` (`rows × q_heads × d`) and
-/// `lse` (`rows × q_heads`), which start empty or hold earlier blocks' states to merge with.
+/// sees the keys at or before its own position, and with `q_from` none before `q_from[row]`.
+/// Written into `o` (`rows × q_heads × d`) and `lse` (`rows × q_heads`), which start empty or
+/// hold earlier blocks' states to merge with.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     q: &[f32],
     q_pos: &[u32],
+    q_from: Option<&[u32]>,
     k: &[f32],
     v: &[f32],
     k_pos: &[u32],
@@ -132,8 +134,9 @@ pub fn causal_attention(
             let (row, head) = (cell / q_heads, cell % q_heads);
             let kvh = head / group;
             let qv = &q[cell * d..(cell + 1) * d];
+            let from = q_from.map_or(0, |f| f[row]);
             let seen: Vec<usize> = (0..k_pos.len())
-                .filter(|&t| k_pos[t] <= q_pos[row])
+                .filter(|&t| (from..=q_pos[row]).contains(&k_pos[t]))
                 .collect();
             if seen.is_empty() {
                 return;
@@ -232,12 +235,13 @@ mod tests {
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ([2, 6, 8].to_vec(), (0..9).collect());
         let empty = || (vec![0.0; 3 * h * d], vec![EMPTY_LSE; 3 * h]);
         let (mut o1, mut l1) = empty();
-        causal_attention(&q, &q_pos, &k, &v, &k_pos, &shape, &mut o1, &mut l1);
+        causal_attention(&q, &q_pos, None, &k, &v, &k_pos, &shape, &mut o1, &mut l1);
         let (mut o2, mut l2) = empty();
         let split = 4 * hk * d;
         causal_attention(
             &q,
             &q_pos,
+            None,
             &k[split..],
             &v[split..],
             &k_pos[4..],
@@ -248,6 +252,7 @@ mod tests {
         causal_attention(
             &q,
             &q_pos,
+            None,
             &k[..split],
             &v[..split],
             &k_pos[..4],
@@ -260,6 +265,55 @@ mod tests {
         }
         for (a, b) in l1.iter().zip(&l2) {
             assert!((a - b).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn a_row_from_a_position_sees_only_the_keys_from_it() {
+        let (h, hk, d) = (4, 2, 8);
+        let shape = AttnShape {
+            q_heads: h,
+            kv_heads: hk,
+            head_dim: d,
+            scale: None,
+        };
+        let val = |i: usize| ((i * 7919 % 97) as f32 / 97.0) - 0.5;
+        let q: Vec<f32> = (0..3 * h * d).map(|i| val(i + 5)).collect();
+        let k: Vec<f32> = (0..9 * hk * d).map(|i| val(i * 3 + 1)).collect();
+        let v: Vec<f32> = (0..9 * hk * d).map(|i| val(i * 5 + 2)).collect();
+        let k_pos: Vec<u32> = (0..9).collect();
+        let (q_pos, q_from) = ([2u32, 6, 8], [1u32, 3, 8]);
+        let (mut o, mut lse) = (vec![0.0; 3 * h * d], vec![EMPTY_LSE; 3 * h]);
+        causal_attention(
+            &q,
+            &q_pos,
+            Some(&q_from),
+            &k,
+            &v,
+            &k_pos,
+            &shape,
+            &mut o,
+            &mut lse,
+        );
+        // Each row alone over the keys from its start: the same state.
+        for row in 0..3 {
+            let from = q_from[row] as usize;
+            let (mut want_o, mut want_lse) = (vec![0.0; h * d], vec![EMPTY_LSE; h]);
+            causal_attention(
+                &q[row * h * d..(row + 1) * h * d],
+                &q_pos[row..=row],
+                None,
+                &k[from * hk * d..],
+                &v[from * hk * d..],
+                &k_pos[from..],
+                &shape,
+                &mut want_o,
+                &mut want_lse,
+            );
+            for (a, b) in o[row * h * d..(row + 1) * h * d].iter().zip(&want_o) {
+                assert!((a - b).abs() < 1e-6, "row {row}");
+            }
+            assert_eq!(&lse[row * h..(row + 1) * h], &want_lse[..], "row {row}");
         }
     }
 }

@@ -269,6 +269,21 @@ pub trait LayerOps: MergeOps {
         q_pos: &[u32],
         keys: KeyBlock<'_, Self::Tensor>,
         states: &mut Self::States,
+    ) -> Result<()> {
+        self.causal_attention_from(shape, q, q_pos, None, keys, states)
+    }
+    /// [`LayerOps::causal_attention`] where, with `q_from`, row `r` sees only the keys at
+    /// positions `q_from[r] ..= q_pos[r]`: one block of a pass's keys serves several prompts'
+    /// chunks, each row seeing its own chunk's keys (the pass's rows numbered as positions,
+    /// each row's window starting at its chunk's first row).
+    fn causal_attention_from(
+        &self,
+        shape: &AttnShape,
+        q: &Self::Tensor,
+        q_pos: &[u32],
+        q_from: Option<&[u32]>,
+        keys: KeyBlock<'_, Self::Tensor>,
+        states: &mut Self::States,
     ) -> Result<()>;
     /// The keys and values `kv` holds at physical `slots`, as `slots.len() × kv_heads ·
     /// head_dim` activations (the cache's values, widened).

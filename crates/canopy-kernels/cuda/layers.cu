@@ -271,13 +271,14 @@ extern "C" __global__ void load_kv(const elem_t* __restrict__ kc, const elem_t* 
 // l holds elements l + 32 j of each row's query and output. The warp walks the block's keys in
 // order, loading each key and value once for its rows (the rows share the head's K and V, so
 // the block is read rows / CAUSAL_ROWS times, not once per row), and skips for each row the
-// keys after its position (a warp-uniform test), with an online softmax per row in fp32 on the
-// natural-log scale. Each row's block state (o normalised, lse) then merges into the existing
-// one exactly as canopy_core::merge_state does: a block with no visible key leaves it as it
-// is, and an empty state (lse = -inf) takes the block's as it is, so an empty never meets
-// `-inf - -inf`.
+// keys after its position and, with `q_from` (else null), those before q_from[row]
+// (warp-uniform tests), with an online softmax per row in fp32 on the natural-log scale. Each
+// row's block state (o normalised, lse) then merges into the existing one exactly as
+// canopy_core::merge_state does: a block with no visible key leaves it as it is, and an empty
+// state (lse = -inf) takes the block's as it is, so an empty never meets `-inf - -inf`.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
-causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, const float* __restrict__ k,
+causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, const u32* __restrict__ q_from,
+                 const float* __restrict__ k,
                  const float* __restrict__ v, const u32* __restrict__ k_pos, u32 tokens,
                  float* __restrict__ o, float* __restrict__ lse, u32 rows, u32 q_heads, u32 kv_heads,
                  u32 head_dim, float scale) {
@@ -291,14 +292,18 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
     const int n = (int)(head_dim / 32);
 
     bool live[CAUSAL_ROWS];
-    u32 pos[CAUSAL_ROWS], last = 0;
+    u32 pos[CAUSAL_ROWS], from[CAUSAL_ROWS], last = 0, first = 0xffffffffu;
     float qv[CAUSAL_ROWS][PER_LANE], acc[CAUSAL_ROWS][PER_LANE], m[CAUSAL_ROWS], l[CAUSAL_ROWS];
 #pragma unroll
     for (int r = 0; r < CAUSAL_ROWS; ++r) {
         const u32 row = first_row + r;
         live[r] = row < rows;
         pos[r] = live[r] ? q_pos[row] : 0;
-        if (live[r]) last = max(last, pos[r]);
+        from[r] = live[r] && q_from ? q_from[row] : 0;
+        if (live[r]) {
+            last = max(last, pos[r]);
+            first = min(first, from[r]);
+        }
         const u64 cell = (u64)row * q_heads + head;
 #pragma unroll
         for (int j = 0; j < PER_LANE; ++j) {
@@ -310,7 +315,7 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
     }
     for (u32 t = 0; t < tokens; ++t) {
         const u32 key_pos = k_pos[t];
-        if (key_pos > last) continue;
+        if (key_pos > last || key_pos < first) continue;
         const u64 at = ((u64)t * kv_heads + kvh) * head_dim + lane;
         float kt[PER_LANE], vt[PER_LANE];
 #pragma unroll
@@ -320,7 +325,7 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
         }
 #pragma unroll
         for (int r = 0; r < CAUSAL_ROWS; ++r) {
-            if (!live[r] || key_pos > pos[r]) continue;
+            if (!live[r] || key_pos > pos[r] || key_pos < from[r]) continue;
             float dot = 0.f;
 #pragma unroll
             for (int j = 0; j < PER_LANE; ++j)

@@ -1,8 +1,9 @@
 // The prefill's causal attention on tensor cores, for KV in a 16-bit dtype: query rows at
 // their positions over one block of keys at theirs, merged into the rows' states. The keys may
 // be the rows' own (a prompt's chunk), a chunk from another rank or any earlier block: which key
-// a query sees is decided by the positions alone (key position <= query position), never by
-// where the block sits, so blocks merge exactly in any order.
+// a query sees is decided by the positions alone (key position <= query position and, where
+// the rows have windows, >= the row's q_from), never by where the block sits, so blocks merge
+// exactly in any order.
 //
 // pack_keys: the block's keys and values (fp32 activations, tokens x kv_heads x HEAD_DIM) to
 // the KV dtype, as the cache holds them, head-major and padded with zeros to whole tiles of
@@ -15,8 +16,8 @@
 // shared memory serves every head that reads it. Tiles of PREFILL_TILE keys stream through
 // PREFILL_STAGES shared-memory stages with cp.async. A tile none of the CTA's queries sees is
 // never loaded (with a prompt's positions in order, a block of queries reads the tiles up to
-// its diagonal); a tile every query sees whole is not masked; the others are masked score by
-// score. Heavier CTAs (later queries) are launched first, so the last wave is of light ones.
+// its diagonal, and from its windows' first key); a tile every query sees whole is not masked;
+// the others are masked score by score. Heavier CTAs (later queries) are launched first, so the last wave is of light ones.
 //
 // On Hopper, heads of 128 run on the warpgroup MMA (mma.cuh's wg_qk and wg_pv): the four warps
 // are one warpgroup of 64 rows, and the tiles are laid out with the 128-byte swizzle the MMA
@@ -141,9 +142,10 @@ __device__ __forceinline__ void load_q_rows(u32 (&qa)[KCH][4], const float* q, u
         }
 }
 
-// The first tile from `t` that some query of the CTA sees (`tiles` if none).
-__device__ __forceinline__ u32 next_seen(const u32* bounds, u32 t, u32 tiles, u32 q_max) {
-    while (t < tiles && bounds[2 * t] > q_max) ++t;
+// The first tile from `t` that some query of the CTA may see, one with keys at positions in
+// [from_min, q_max] (`tiles` if none).
+__device__ __forceinline__ u32 next_seen(const u32* bounds, u32 t, u32 tiles, u32 from_min, u32 q_max) {
+    while (t < tiles && (bounds[2 * t] > q_max || bounds[2 * t + 1] < from_min)) ++t;
     return t;
 }
 
@@ -205,7 +207,8 @@ __device__ __forceinline__ void tile_pv(float (&o)[DTILES][4], const float (&s)[
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2)
-prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, u32 queries,
+prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, const u32* __restrict__ q_from,
+                  u32 queries,
                   const u16* __restrict__ kp, const u16* __restrict__ vp, const u32* __restrict__ k_pos,
                   const u32* __restrict__ bounds, u32 tokens, float* __restrict__ o, float* __restrict__ lse,
                   int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
@@ -220,35 +223,43 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, u3
     const int rows = (int)nq * gsz;
     const u32 tiles = (tokens + PREFILL_TILE - 1) / PREFILL_TILE, padded = tiles * PREFILL_TILE;
 
-    // The CTA's first and last query positions, in every warp (at most 64 queries a CTA).
-    u32 q_min = 0xffffffffu, q_max = 0;
+    // The CTA's first and last query positions and window starts (q_from null: 0), in every
+    // warp (at most 64 queries a CTA).
+    u32 q_min = 0xffffffffu, q_max = 0, from_min = 0xffffffffu, from_max = 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const u32 j = lane + 32 * h;
         if (j < nq) {
             q_min = min(q_min, q_pos[q0 + j]);
             q_max = max(q_max, q_pos[q0 + j]);
+            const u32 f = q_from ? q_from[q0 + j] : 0;
+            from_min = min(from_min, f);
+            from_max = max(from_max, f);
         }
     }
     q_min = __reduce_min_sync(0xffffffffu, q_min);
     q_max = __reduce_max_sync(0xffffffffu, q_max);
-    // This thread's two rows' positions (rows past the CTA's are never written).
-    u32 pos[2];
+    from_min = __reduce_min_sync(0xffffffffu, from_min);
+    from_max = __reduce_max_sync(0xffffffffu, from_max);
+    // This thread's two rows' positions and window starts (rows past the CTA's are never
+    // written).
+    u32 pos[2], from[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = warp * 16 + g + 8 * h;
         pos[h] = r < rows ? q_pos[q0 + r / gsz] : 0;
+        from[h] = r < rows && q_from ? q_from[q0 + r / gsz] : 0;
     }
 
     // Tiles in flight, oldest first (`tiles`: none).
     u32 flight[PREFILL_STAGES - 1];
-    u32 ahead = next_seen(bounds, 0, tiles, q_max);
+    u32 ahead = next_seen(bounds, 0, tiles, from_min, q_max);
 #pragma unroll
     for (int s = 0; s + 1 < PREFILL_STAGES; ++s) {
         flight[s] = ahead;
         if (ahead < tiles) {
             issue_tile(stages[s], kp, vp, ahead, padded, kvh);
-            ahead = next_seen(bounds, ahead + 1, tiles, q_max);
+            ahead = next_seen(bounds, ahead + 1, tiles, from_min, q_max);
         }
         cp_async_commit();
     }
@@ -267,7 +278,7 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, u3
         flight[PREFILL_STAGES - 2] = ahead;
         if (ahead < tiles) {
             issue_tile(stages[(it + PREFILL_STAGES - 1) % PREFILL_STAGES], kp, vp, ahead, padded, kvh);
-            ahead = next_seen(bounds, ahead + 1, tiles, q_max);
+            ahead = next_seen(bounds, ahead + 1, tiles, from_min, q_max);
         }
         cp_async_commit();
         asm volatile("cp.async.wait_group %0;\n" ::"n"(PREFILL_STAGES - 1) : "memory");
@@ -283,13 +294,14 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, u3
             float s[NT][4];
             tile_scores(s, st, qa);
             // Masked unless the tile is whole and every query sees all of it.
-            if ((t + 1) * PREFILL_TILE > tokens || bounds[2 * t + 1] > q_min) {
+            if ((t + 1) * PREFILL_TILE > tokens || bounds[2 * t + 1] > q_min || bounds[2 * t] < from_max) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const u32 key = t * PREFILL_TILE + nt * 8 + 2 * tig + (i & 1);
-                        if (key >= tokens || k_pos[key] > pos[i >> 1]) s[nt][i] = NEG_INF;
+                        const u32 at = key < tokens ? k_pos[key] : 0;
+                        if (key >= tokens || at > pos[i >> 1] || at < from[i >> 1]) s[nt][i] = NEG_INF;
                     }
             }
             softmax_step(s, acc, m, l);

@@ -76,11 +76,17 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
 ) -> Result<B::Tensor> {
     let shape = layers.attn_shape();
     let n = rows.ids.len();
-    let mut blocks = ChunkBlocks::new(backend, &shape, rows.positions, chunks)?;
+    let windows = ChunkWindows::new(rows.positions, chunks);
     let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
         let mut states = backend.empty_states(&shape, n)?;
-        let dtype = backend.kv_dtype(cache);
-        blocks.attend(backend, &shape, dtype, qkv, rows.positions, &mut states)?;
+        let own = KeyBlock {
+            k: &qkv.k,
+            v: &qkv.v,
+            positions: &windows.k_pos,
+            dtype: backend.kv_dtype(cache),
+        };
+        let q_from = windows.q_from.as_deref();
+        backend.causal_attention_from(&shape, &qkv.q, &windows.q_pos, q_from, own, &mut states)?;
         if let Some(cached) = cached.as_deref_mut() {
             let q = backend.tensor_queries(&shape, &qkv.q)?;
             backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
@@ -90,84 +96,41 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
     through_layers(backend, layers, caches, rows, attend, &mut |_| {})
 }
 
-/// The causal attention of a pass's chunks, each to its own keys. One chunk of every row is
-/// one block at the rows' positions. Otherwise each chunk is a block: the chunk's keys (copied
-/// out of the pass's) at their positions plus one, attended by every row of the pass, the
-/// chunk's rows at their positions plus one and the others at 0, which sees none of them. A
-/// row that sees no key of a block keeps its state.
-struct ChunkBlocks<B: LayerOps> {
-    /// One chunk is every row (then `blocks` is empty).
-    whole: bool,
-    /// Per chunk: its first row, the rows' masking positions, its keys' positions, and room
-    /// for its keys and values.
-    blocks: Vec<ChunkBlock<B>>,
-}
-
-struct ChunkBlock<B: LayerOps> {
-    first: usize,
+/// The causal attention of a pass's chunks, each to its own keys, as one block of the pass's
+/// keys. One chunk of every row attends at the rows' positions. Otherwise the rows are
+/// numbered from 1 as positions, and each chunk's rows see the keys from the chunk's first row
+/// to their own ([`LayerOps::causal_attention_from`]); a row of no chunk (a decode row) is at
+/// 0 with an empty window, and sees none.
+struct ChunkWindows {
     q_pos: Vec<u32>,
+    /// `None`: one chunk of every row.
+    q_from: Option<Vec<u32>>,
     k_pos: Vec<u32>,
-    k: B::Tensor,
-    v: B::Tensor,
 }
 
-impl<B: LayerOps> ChunkBlocks<B> {
-    fn new(
-        backend: &B,
-        shape: &canopy_core::AttnShape,
-        positions: &[u32],
-        chunks: &[Range<usize>],
-    ) -> Result<Self> {
-        let whole = chunks == [0..positions.len()];
-        let mut blocks = Vec::new();
-        if !whole {
-            for c in chunks {
-                let shifted = |r: usize| positions[r] + 1;
-                let q_pos = (0..positions.len())
-                    .map(|r| if c.contains(&r) { shifted(r) } else { 0 })
-                    .collect();
-                blocks.push(ChunkBlock {
-                    first: c.start,
-                    q_pos,
-                    k_pos: c.clone().map(shifted).collect(),
-                    k: backend.tensor(c.len(), shape.kv_token_elems())?,
-                    v: backend.tensor(c.len(), shape.kv_token_elems())?,
-                });
+impl ChunkWindows {
+    fn new(positions: &[u32], chunks: &[Range<usize>]) -> Self {
+        if chunks == [0..positions.len()] {
+            return ChunkWindows {
+                q_pos: positions.to_vec(),
+                q_from: None,
+                k_pos: positions.to_vec(),
+            };
+        }
+        let numbered = |r: usize| r as u32 + 1;
+        let mut q_pos = vec![0; positions.len()];
+        let mut q_from = vec![u32::MAX; positions.len()];
+        for c in chunks {
+            for r in c.clone() {
+                q_pos[r] = numbered(r);
+                q_from[r] = numbered(c.start);
             }
         }
-        Ok(ChunkBlocks { whole, blocks })
-    }
-
-    fn attend(
-        &mut self,
-        backend: &B,
-        shape: &canopy_core::AttnShape,
-        dtype: canopy_core::DType,
-        qkv: &Qkv<B>,
-        positions: &[u32],
-        states: &mut B::States,
-    ) -> Result<()> {
-        if self.whole {
-            let own = KeyBlock {
-                k: &qkv.k,
-                v: &qkv.v,
-                positions,
-                dtype,
-            };
-            return Ok(backend.causal_attention(shape, &qkv.q, positions, own, states)?);
+        ChunkWindows {
+            q_pos,
+            q_from: Some(q_from),
+            k_pos: (0..positions.len()).map(numbered).collect(),
         }
-        for b in &mut self.blocks {
-            backend.copy_rows(&qkv.k, b.first, &mut b.k)?;
-            backend.copy_rows(&qkv.v, b.first, &mut b.v)?;
-            let keys = KeyBlock {
-                k: &b.k,
-                v: &b.v,
-                positions: &b.k_pos,
-                dtype,
-            };
-            backend.causal_attention(shape, &qkv.q, &b.q_pos, keys, states)?;
-        }
-        Ok(())
     }
 }
 

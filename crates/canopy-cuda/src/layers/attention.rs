@@ -64,15 +64,17 @@ impl CudaBackend {
         Ok(states)
     }
 
-    /// One block of keys merged into `states` ([`LayerOps::causal_attention`]): on tensor
-    /// cores (`prefill.cu`) for KV of a 16-bit dtype and a head dim they hold, else one warp
-    /// per [`CAUSAL_ROWS`] rows of a head (`layers.cu`), reading the keys rounded to their
-    /// dtype. The scale is the shape's (`1/sqrt(head_dim)` unless it sets one).
+    /// One block of keys merged into `states`
+    /// ([`LayerOps::causal_attention_from`](canopy_engine::LayerOps::causal_attention_from)):
+    /// on tensor cores (`prefill.cu`) for KV of a 16-bit dtype and a head dim they hold, else
+    /// one warp per [`CAUSAL_ROWS`] rows of a head (`layers.cu`), reading the keys rounded to
+    /// their dtype. The scale is the shape's (`1/sqrt(head_dim)` unless it sets one).
     pub(super) fn attend_block(
         &self,
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
+        q_from: Option<&[u32]>,
         keys: KeyBlock<'_, CudaTensor>,
         states: &mut CudaStates,
     ) -> Result<()> {
@@ -80,6 +82,9 @@ impl CudaBackend {
         let (k, v) = (keys.k, keys.v);
         check_attention_shape(op, shape)?;
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
+        if let Some(from) = q_from {
+            expect_size("cuda", op, "the query windows' starts", from.len(), q.rows)?;
+        }
         same_dims(op, "k", k, (keys.positions.len(), shape.kv_token_elems()))?;
         same_dims(op, "v", v, (keys.positions.len(), shape.kv_token_elems()))?;
         check_states(op, shape, q, states)?;
@@ -89,7 +94,10 @@ impl CudaBackend {
         let block = Block {
             shape,
             q,
-            q_pos: self.upload_step_input(StepInput::Positions, q_pos)?,
+            q_pos: self.upload_step_input(StepInput::BlockPositions, q_pos)?,
+            q_from: q_from
+                .map(|from| self.upload_step_input(StepInput::BlockFrom, from))
+                .transpose()?,
             keys,
             k_pos: self.upload_step_input(StepInput::KeyPositions, keys.positions)?,
             dims: Dims::of(op, shape, q.rows, k.rows)?,
@@ -112,15 +120,12 @@ impl CudaBackend {
         };
         // SAFETY: k and v hold `tokens` rows of kv_heads × head_dim floats each (checked).
         unsafe { self.launch_packer(rows, &block.k_pos, dims, &mut packed) }?;
-        self.prefill_attention(
-            shape,
-            block.q,
-            &block.q_pos,
-            &block.k_pos,
-            dims,
-            &packed,
-            states,
-        )
+        let rows = BlockRows {
+            q: block.q,
+            q_pos: &block.q_pos,
+            q_from: block.q_from.as_deref(),
+        };
+        self.prefill_attention(shape, rows, &block.k_pos, dims, &packed, states)
     }
 
     /// [`LayerOps::cached_attention`](canopy_engine::LayerOps::cached_attention): for a KV
@@ -154,7 +159,7 @@ impl CudaBackend {
                 positions,
                 dtype: kv.dtype,
             };
-            return self.attend_block(shape, q, q_pos, keys, states);
+            return self.attend_block(shape, q, q_pos, None, keys, states);
         }
         check_attention_shape(op, shape)?;
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
@@ -180,7 +185,12 @@ impl CudaBackend {
         // SAFETY: the pool's K and V hold `pool` tokens of kv_heads × head_dim 16-bit elements
         // (the shape is the pool's), and each of the `tokens` slots is one of them (checked).
         unsafe { self.launch_packer(cache, &k_pos, dims, &mut packed) }?;
-        self.prefill_attention(shape, q, &q_pos, &k_pos, dims, &packed, states)
+        let rows = BlockRows {
+            q,
+            q_pos: &q_pos,
+            q_from: None,
+        };
+        self.prefill_attention(shape, rows, &k_pos, dims, &packed, states)
     }
 
     /// Keys and values of `tokens` tokens of `dtype` in `prefill.cu`'s tiles, and the tiles'
@@ -237,13 +247,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `prefill_attention` of the rows `q` at `q_pos` over packed keys at `k_pos`.
-    #[allow(clippy::too_many_arguments)]
+    /// `prefill_attention` of `rows` over packed keys at `k_pos`.
     fn prefill_attention(
         &self,
         shape: &AttnShape,
-        q: &CudaTensor,
-        q_pos: &CudaSlice<u32>,
+        rows: BlockRows,
         k_pos: &CudaSlice<u32>,
         dims: Dims,
         packed: &PackedKeys,
@@ -270,10 +278,14 @@ impl CudaBackend {
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: narrow(op, prefill_shared_bytes(shape.head_dim))?,
         };
+        let no_windows = 0u64;
         let mut b = self.stream.launch_builder(&attend);
-        b.arg(&q.data)
-            .arg(q_pos)
-            .arg(&dims.rows)
+        b.arg(&rows.q.data).arg(rows.q_pos);
+        match rows.q_from {
+            Some(from) => b.arg(from),
+            None => b.arg(&no_windows),
+        };
+        b.arg(&dims.rows)
             .arg(&packed.k)
             .arg(&packed.v)
             .arg(k_pos)
@@ -286,10 +298,10 @@ impl CudaBackend {
             .arg(&cta_queries_u32)
             .arg(&scale_log2);
         // SAFETY: CTA (x, kvh) holds queries x·cta_queries.. (below `rows`) × the gsz heads of
-        // KV head kvh, at most PREFILL_ROWS rows; q, q_pos and the states hold `rows` rows of
-        // q_heads cells, the packed keys, bounds and k_pos hold `tokens` keys in whole tiles,
-        // and the shared memory is the kernel's stages (the function's maximum was raised to
-        // it).
+        // KV head kvh, at most PREFILL_ROWS rows; q, q_pos, q_from (or null) and the states
+        // hold `rows` rows of q_heads cells, the packed keys, bounds and k_pos hold `tokens`
+        // keys in whole tiles, and the shared memory is the kernel's stages (the function's
+        // maximum was raised to it).
         unsafe { b.launch(cfg) }.ctx("launching prefill_attention")?;
         Ok(())
     }
@@ -299,6 +311,7 @@ impl CudaBackend {
         let op = "causal_attention";
         let (shape, q, keys, dims) = (block.shape, block.q, block.keys, block.dims);
         let (q_pos, k_pos): (&CudaSlice<u32>, &CudaSlice<u32>) = (&block.q_pos, &block.k_pos);
+        let no_windows = 0u64;
         let Dims {
             rows,
             tokens,
@@ -323,9 +336,12 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&q.data)
-            .arg(q_pos)
-            .arg(&k.data)
+        b.arg(&q.data).arg(q_pos);
+        match block.q_from.as_deref() {
+            Some(from) => b.arg(from),
+            None => b.arg(&no_windows),
+        };
+        b.arg(&k.data)
             .arg(&v.data)
             .arg(k_pos)
             .arg(&tokens)
@@ -336,9 +352,10 @@ impl CudaBackend {
             .arg(&kv_heads)
             .arg(&head_dim)
             .arg(&scale);
-        // SAFETY: one warp per CAUSAL_ROWS rows of a head, rows below `rows`; q and the states hold
-        // those cells of head_dim floats (and one lse each), k and v `tokens` rows of kv_heads
-        // heads, and the GQA ratio is whole (checked), so every index is within its buffer.
+        // SAFETY: one warp per CAUSAL_ROWS rows of a head, rows below `rows`; q, q_pos, q_from
+        // (or null) and the states hold those cells of head_dim floats (and one lse each), k
+        // and v `tokens` rows of kv_heads heads, and the GQA ratio is whole (checked), so every
+        // index is within its buffer.
         unsafe { b.launch(cfg) }.ctx("launching causal_attention")?;
         Ok(())
     }
@@ -349,9 +366,19 @@ struct Block<'a> {
     shape: &'a AttnShape,
     q: &'a CudaTensor,
     q_pos: Arc<CudaSlice<u32>>,
+    q_from: Option<Arc<CudaSlice<u32>>>,
     keys: KeyBlock<'a, CudaTensor>,
     k_pos: Arc<CudaSlice<u32>>,
     dims: Dims,
+}
+
+/// The query rows of `prefill_attention`: their positions and, where they have windows, the
+/// windows' starts.
+#[derive(Clone, Copy)]
+struct BlockRows<'a> {
+    q: &'a CudaTensor,
+    q_pos: &'a CudaSlice<u32>,
+    q_from: Option<&'a CudaSlice<u32>>,
 }
 
 /// The sizes one block's attention launches with, checked to fit the kernels' u32s.

@@ -59,8 +59,13 @@ type Uploaded = (Vec<u32>, Arc<CudaSlice<u32>>);
 pub(crate) enum StepInput {
     /// The rows' token ids, for the embedding.
     Ids,
-    /// The rows' positions, for RoPE and as attention's query positions.
+    /// The rows' positions, for RoPE and as a chunked prefill's query positions.
     Positions,
+    /// A block's query positions and the starts of the rows' windows
+    /// ([`LayerOps::causal_attention_from`](canopy_engine::LayerOps::causal_attention_from)):
+    /// a pass of several chunks numbers its rows apart from RoPE's positions.
+    BlockPositions,
+    BlockFrom,
     /// (row, slot) pairs, for the KV store.
     Slots,
     /// The positions of the keys a prefill's attention reads.

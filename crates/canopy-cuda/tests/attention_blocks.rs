@@ -1,0 +1,207 @@
+//! The CUDA backend's causal attention over blocks of keys against the CPU backend's, on fresh
+//! random inputs: the CUDA-core kernel (f32 keys, head dims the tensor cores do not hold) and
+//! the prefill's tensor-core kernel (16-bit keys), blocks merged in any order, and rows with
+//! windows (the keys from a row's start to its position) as a serving pass's chunks attend.
+//!
+//! Without a GPU (no driver, no device, no NVRTC) every test prints why and passes. The seed
+//! is printed; `CANOPY_TEST_SEED` repeats a run.
+
+mod common;
+mod compare;
+use common::{gpu, rng};
+use compare::{check, poisoned, values};
+
+use canopy_core::{AttnShape, AttnStates, DType};
+use canopy_engine::{CpuBackend, KeyBlock, LayerOps, Result};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+/// One block of keys for [`attention`]: K, V and their positions.
+type Block = (Vec<f32>, Vec<f32>, Vec<u32>);
+
+/// The states (and their output) of query rows `q` at `q_pos` (seeing keys from `q_from`, if
+/// given) after every block of keys, in order, read as a cache of `dtype` holds them.
+fn attention<B: LayerOps>(
+    b: &B,
+    shape: &AttnShape,
+    q: &[f32],
+    (q_pos, q_from): (&[u32], Option<&[u32]>),
+    blocks: &[Block],
+    dtype: DType,
+) -> Result<(AttnStates, Vec<f32>)> {
+    let rows = q_pos.len();
+    let q = b.upload_tensor(q, rows, shape.q_row_elems())?;
+    let mut states = b.empty_states(shape, rows)?;
+    for (k, v, positions) in blocks {
+        let k = b.upload_tensor(k, positions.len(), shape.kv_token_elems())?;
+        let v = b.upload_tensor(v, positions.len(), shape.kv_token_elems())?;
+        let keys = KeyBlock {
+            k: &k,
+            v: &v,
+            positions,
+            dtype,
+        };
+        b.causal_attention_from(shape, &q, q_pos, q_from, keys, &mut states)?;
+    }
+    let mut out = poisoned(b, rows, shape.q_row_elems())?;
+    b.states_output(&states, &mut out)?;
+    Ok((b.download(&states)?, b.download_tensor(&out)?))
+}
+
+/// Random keys and values at `positions`.
+fn block(rng: &mut ChaCha8Rng, shape: &AttnShape, positions: Vec<u32>) -> Block {
+    let n = positions.len() * shape.kv_token_elems();
+    (values(rng, n, 1.0), values(rng, n, 1.0), positions)
+}
+
+/// The rows whose states are empty, exactly (`lse = -inf`, `o = 0`), and every other row's lse
+/// finite.
+fn empty_rows(states: &AttnStates, heads: usize) -> Vec<usize> {
+    let row_elems = heads * states.head_dim;
+    let empty: Vec<usize> = (0..states.rows)
+        .filter(|&r| states.lse[r * heads] == f32::NEG_INFINITY)
+        .collect();
+    for r in 0..states.rows {
+        let (lse, o) = (
+            &states.lse[r * heads..(r + 1) * heads],
+            &states.o[r * row_elems..(r + 1) * row_elems],
+        );
+        if empty.contains(&r) {
+            assert!(
+                lse.iter().all(|&l| l == f32::NEG_INFINITY),
+                "row {r}: {lse:?}"
+            );
+            assert!(
+                o.iter().all(|&x| x == 0.0),
+                "row {r} is empty but has outputs"
+            );
+        } else {
+            assert!(lse.iter().all(|l| l.is_finite()), "row {r}: {lse:?}");
+        }
+    }
+    empty
+}
+
+/// Attention of 7 query rows over two blocks of keys, the later block first (as a prompt's
+/// chunks arrive from other ranks), on the CUDA cores (f32 keys, and head dims the tensor-core
+/// path does not hold): one row sees no key of either block, one sees only the earlier block's
+/// first key.
+#[test]
+fn attention_blocks_merge_like_the_cpu() {
+    let Some(gpu) = gpu("attention_blocks_merge_like_the_cpu") else {
+        return;
+    };
+    let mut rng = rng("attention_blocks_merge_like_the_cpu");
+    let q_pos = [1, 2, 9, 17, 30, 45, 57];
+    for (q_heads, kv_heads, head_dim, dtype) in [
+        (8, 2, 64, DType::F32),
+        (8, 2, 128, DType::F32),
+        (4, 4, 128, DType::F32),
+        (6, 1, 256, DType::F32),
+        (6, 1, 256, DType::Bf16),
+    ] {
+        let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
+        eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?} keys:");
+        let q = values(&mut rng, q_pos.len() * shape.q_row_elems(), 1.0);
+        let blocks = [
+            block(&mut rng, &shape, (20..58).collect()),
+            block(&mut rng, &shape, (2..20).collect()),
+        ];
+        let (got, got_out) = attention(&gpu, &shape, &q, (&q_pos, None), &blocks, dtype).unwrap();
+        let (want, want_out) =
+            attention(&CpuBackend, &shape, &q, (&q_pos, None), &blocks, dtype).unwrap();
+        check("causal_attention o vs cpu", &got.o, &want.o, 1e-5);
+        check("causal_attention lse vs cpu", &got.lse, &want.lse, 1e-5);
+        check("states_output", &got_out, &got.o, 0.0);
+        check("states_output vs cpu", &got_out, &want_out, 1e-5);
+        // Row 0 (position 1) sees no key.
+        assert_eq!(empty_rows(&got, q_heads), [0]);
+        // With windows, rows 1 and 6 (starts past their positions) see none either.
+        let rows = (&q_pos[..], Some(&[0, 3, 2, 10, 20, 44, 58][..]));
+        let (got, _) = attention(&gpu, &shape, &q, rows, &blocks, dtype).unwrap();
+        let (want, _) = attention(&CpuBackend, &shape, &q, rows, &blocks, dtype).unwrap();
+        check("windowed attention o vs cpu", &got.o, &want.o, 1e-5);
+        check("windowed attention lse vs cpu", &got.lse, &want.lse, 1e-5);
+        assert_eq!(empty_rows(&got, q_heads), [0, 1, 6]);
+    }
+}
+
+/// Causal attention as a prefill runs it with 16-bit KV, on tensor cores, against the CPU
+/// reading the same rounded keys: a chunk of a prompt over itself, then a block of later
+/// positions (which the chunk's first rows do not see) and the earlier context in shuffled
+/// order, none of them whole tiles, for GQA groups of 1, 3, 4 and 8 heads and both head dims.
+/// The GPU also rounds the queries and the softmax's weights to the dtype, hence the tolerances.
+#[test]
+fn prefill_attention_on_tensor_cores_matches_the_cpu() {
+    let test = "prefill_attention_on_tensor_cores_matches_the_cpu";
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    let mut rng = rng(test);
+    for dtype in [DType::Bf16, DType::F16] {
+        for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (9, 3, 64), (4, 4, 128), (8, 1, 64)] {
+            let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
+            eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?} keys:");
+            let first = rng.gen_range(100..400u32);
+            let rows = rng.gen_range(150..350u32);
+            let q_pos: Vec<u32> = (first..first + rows).collect();
+            let q = values(&mut rng, q_pos.len() * shape.q_row_elems(), 1.0);
+            let mut earlier: Vec<u32> = (0..first).collect();
+            for i in (1..earlier.len()).rev() {
+                earlier.swap(i, rng.gen_range(0..=i));
+            }
+            let later = first + rows / 2;
+            let blocks = [
+                block(&mut rng, &shape, q_pos.clone()),
+                block(&mut rng, &shape, (later..later + 97).collect()),
+                block(&mut rng, &shape, earlier),
+            ];
+            // After the later block alone, the rows before it have seen nothing.
+            let (alone, _) =
+                attention(&gpu, &shape, &q, (&q_pos, None), &blocks[1..2], dtype).unwrap();
+            let unseen: Vec<usize> = (0..(later - first) as usize).collect();
+            assert_eq!(empty_rows(&alone, q_heads), unseen);
+            let (got, got_out) =
+                attention(&gpu, &shape, &q, (&q_pos, None), &blocks, dtype).unwrap();
+            let (want, _) =
+                attention(&CpuBackend, &shape, &q, (&q_pos, None), &blocks, dtype).unwrap();
+            let (o_tol, lse_tol) = if dtype == DType::Bf16 {
+                (1e-2, 2e-3)
+            } else {
+                (2e-3, 5e-4)
+            };
+            check("prefill attention o vs cpu", &got.o, &want.o, o_tol);
+            check("prefill attention lse vs cpu", &got.lse, &want.lse, lse_tol);
+            check("states_output", &got_out, &got.o, 0.0);
+            assert!(empty_rows(&got, q_heads).is_empty());
+            // A serving pass's chunks as one block: rows numbered from 1, each seeing the keys
+            // from its chunk's first row, led by three rows that see none.
+            let mut from = vec![u32::MAX; 3];
+            while from.len() < rows as usize {
+                let (start, left) = (from.len() as u32 + 1, rows - from.len() as u32);
+                from.extend(std::iter::repeat_n(
+                    start,
+                    rng.gen_range(1..80).min(left) as usize,
+                ));
+            }
+            let numbered: Vec<u32> = (0..rows).map(|r| if r < 3 { 0 } else { r + 1 }).collect();
+            let own = [block(&mut rng, &shape, (1..=rows).collect())];
+            let pass = (&numbered[..], Some(&from[..]));
+            let (got, _) = attention(&gpu, &shape, &q, pass, &own, dtype).unwrap();
+            let (want, _) = attention(&CpuBackend, &shape, &q, pass, &own, dtype).unwrap();
+            check(
+                "windowed prefill attention o vs cpu",
+                &got.o,
+                &want.o,
+                o_tol,
+            );
+            check(
+                "windowed prefill attention lse vs cpu",
+                &got.lse,
+                &want.lse,
+                lse_tol,
+            );
+            assert_eq!(empty_rows(&got, q_heads), [0, 1, 2]);
+        }
+    }
+}
