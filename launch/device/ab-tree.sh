@@ -2,7 +2,8 @@
 # An A/B comparison on FastTree's trees, cold L2: for each (tree, heads) the two sides run one
 # after the other, ROUNDS times, alternating, so drift on the machine falls on both. A side is a
 # binary (A_BIN, B_BIN; default the carried one) and environment (A_ENV, B_ENV, e.g.
-# "CANOPY_X=1"). TREES, HEADS, METHODS narrow the run; EXTRA adds `bench tree` options. One line
+# "CANOPY_X=1"). TREES (FastTree's tree numbers, or workload TOMLs), HEADS, METHODS narrow the
+# run; EXTRA adds `bench tree` options. One line
 # per run with each method's median µs; compare the minima over rounds (noise on one plan is up
 # to 11% between runs: BENCHMARKS, session 10).
 set -uo pipefail
@@ -15,11 +16,14 @@ B_BIN=${B_BIN:-$BIN}
       for round in $(seq "${ROUNDS:-2}"); do
         for side in A B; do
           if [ $side = A ]; then bin=$A_BIN; envs=${A_ENV:-}; else bin=$B_BIN; envs=${B_ENV:-}; fi
-          f="$OUT/${side}${round}_ft${t}_${heads}.json"
-          env $envs "$bin" bench tree --workload fasttree-$t --heads 32 --kv-heads $heads --head-dim 128 \
+          w=$t
+          [[ $t =~ ^[0-9]+$ ]] && w=fasttree-$t
+          name=$(basename "$w" .toml)
+          f="$OUT/${side}${round}_${name}_${heads}.json"
+          env $envs "$bin" bench tree --workload $w --heads 32 --kv-heads $heads --head-dim 128 \
             --dtype f16 --method ${METHODS:-q-guided,deft-node,deft-node-chunk,fasttree} --iterations 20 \
-            --check ${CHECK:-false} ${EXTRA:-} --json > "$f" || echo "FAILED: $side ft$t 32/$heads"
-          echo "$side round $round ft$t 32/$heads $(grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*\|"rel_error": [0-9.e-]*' "$f" | sed 's/"method": //;s/"median_us": //;s/"rel_error": /err /' | paste -sd' ')"
+            --check ${CHECK:-false} ${EXTRA:-} --json > "$f" || echo "FAILED: $side $name 32/$heads"
+          echo "$side round $round $name 32/$heads $(grep -o '"method": "[a-z-]*"\|"median_us": [0-9.]*\|"rel_error": [0-9.e-]*' "$f" | sed 's/"method": //;s/"median_us": //;s/"rel_error": /err /' | paste -sd' ')"
         done
       done
     done
