@@ -661,34 +661,37 @@ impl LayerOps for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
-        expect_size("cuda", "matmul", "the weight's columns", w.cols, x.cols)?;
-        same_dims("matmul", "the output", out, (x.rows, w.rows))?;
-        Ok(self.product(x, w, out, Epilogue::Store)?)
+        Ok(self.checked_product(x, w, out, Epilogue::Store)?)
     }
 
     fn matmul_add(&self, x: &CudaTensor, w: &CudaWeight, acc: &mut CudaTensor) -> EResult<()> {
-        expect_size("cuda", "matmul_add", "the weight's columns", w.cols, x.cols)?;
-        same_dims("matmul_add", "the output", acc, (x.rows, w.rows))?;
-        Ok(self.product(x, w, acc, Epilogue::Add)?)
+        Ok(self.checked_product(x, w, acc, Epilogue::Add)?)
     }
 
     fn matmul_swiglu(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) -> EResult<()> {
-        expect_size(
-            "cuda",
-            "matmul_swiglu",
-            "the weight's columns",
-            w.cols,
-            x.cols,
-        )?;
-        if !w.rows.is_multiple_of(2) {
-            return Err(CudaError::Unsupported(format!(
-                "matmul_swiglu: a fused gate|up weight has an even number of rows, not {}",
-                w.rows
-            ))
-            .into());
-        }
-        same_dims("matmul_swiglu", "the output", out, (x.rows, w.rows / 2))?;
-        Ok(self.product(x, w, out, Epilogue::Swiglu)?)
+        Ok(self.checked_product(x, w, out, Epilogue::Swiglu)?)
+    }
+
+    fn rms_norm_matmul(
+        &self,
+        x: &CudaTensor,
+        norm: (&CudaWeight, f32),
+        w: &CudaWeight,
+        normed: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) -> EResult<()> {
+        Ok(self.normed_product(x, norm, w, normed, out, Epilogue::Store)?)
+    }
+
+    fn rms_norm_matmul_swiglu(
+        &self,
+        x: &CudaTensor,
+        norm: (&CudaWeight, f32),
+        w: &CudaWeight,
+        normed: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) -> EResult<()> {
+        Ok(self.normed_product(x, norm, w, normed, out, Epilogue::Swiglu)?)
     }
 
     fn rope_split(

@@ -107,6 +107,31 @@ fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec
     b.matmul_swiglu(&x, &w, &mut act)?;
     out.push(("matmul_swiglu", b.download_tensor(&act)?));
 
+    // The products of a normed activation in one op (which may normalise the rows as the
+    // product reads them): the same bits as rms_norm then the product.
+    for (name, swiglu) in [
+        ("matmul after rms_norm", false),
+        ("matmul_swiglu after it", true),
+    ] {
+        let width = if swiglu { i / 2 } else { i };
+        let (mut scratch, mut fused) = (poisoned(b, rows, h)?, poisoned(b, rows, width)?);
+        let mut two_ops = poisoned(b, rows, width)?;
+        if swiglu {
+            b.rms_norm_matmul_swiglu(&x, (&norm, 1e-5), &w, &mut scratch, &mut fused)?;
+            b.matmul_swiglu(&normed, &w, &mut two_ops)?;
+        } else {
+            b.rms_norm_matmul(&x, (&norm, 1e-5), &w, &mut scratch, &mut fused)?;
+            b.matmul(&normed, &w, &mut two_ops)?;
+        }
+        let (fused, two_ops) = (b.download_tensor(&fused)?, b.download_tensor(&two_ops)?);
+        let same = fused
+            .iter()
+            .zip(&two_ops)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name}: one op differs from two");
+        out.push((name, fused));
+    }
+
     // A fused projection of one q head, one k head and one v head.
     let d = 2 * inp.inv_freq.len();
     let qkv = b.upload_tensor(&inp.heads, rows, 3 * d)?;

@@ -184,6 +184,32 @@ pub trait LayerOps: MergeOps {
         w: &Self::Weight,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+    /// [`LayerOps::rms_norm`] of `x` into `normed`, then [`LayerOps::matmul`] of it into
+    /// `out`. A backend may instead normalise the rows as the product reads them, one pass
+    /// instead of two, and leave `normed` unwritten: it is scratch.
+    fn rms_norm_matmul(
+        &self,
+        x: &Self::Tensor,
+        (norm, eps): (&Self::Weight, f32),
+        w: &Self::Weight,
+        normed: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.rms_norm(x, norm, eps, normed)?;
+        self.matmul(normed, w, out)
+    }
+    /// [`LayerOps::rms_norm_matmul`] with [`LayerOps::matmul_swiglu`] as the product.
+    fn rms_norm_matmul_swiglu(
+        &self,
+        x: &Self::Tensor,
+        (norm, eps): (&Self::Weight, f32),
+        w: &Self::Weight,
+        normed: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.rms_norm(x, norm, eps, normed)?;
+        self.matmul_swiglu(normed, w, out)
+    }
     /// Splits each row `i` of a fused projection `qkv` (`q | k | v`, as wide as the three
     /// outputs) into `q`, `k` and `v`, rotating every head of `q` and `k` (`2 · half`
     /// columns) by `positions[i]`; `inv_freq` is a `1 × half` f32 weight.

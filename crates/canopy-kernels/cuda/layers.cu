@@ -80,22 +80,13 @@ extern "C" __global__ void embed_rows(const elem_t* __restrict__ table, const u3
     }
 }
 
-// One CTA per row: `out = w * (x / sqrt(mean(x²) + eps))`, the host's order of operations,
-// and, unless `rounded` is null, out rounded to the weights' dtype (the operand of the GEMM
-// that reads it). A row of up to RMS_NORM_CHUNKS float4s per thread is read once into
-// registers, every load in flight at once (a decode step's single row is a chain of latencies
-// otherwise); a longer or unaligned row is read twice.
-extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
-rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __restrict__ out,
-         elem_t* __restrict__ rounded, u32 cols, float eps) {
-    let_next_grid_launch();
-    wait_for_previous_grid();
-    __shared__ float warp_sums[LAYER_THREADS / 32];
-    const float* row = x + (u64)blockIdx.x * cols;
-    float* dst = out + (u64)blockIdx.x * cols;
-    elem_t* low = rounded ? rounded + (u64)blockIdx.x * cols : nullptr;
-    const bool held = cols % 4 == 0 && cols <= 4u * LAYER_THREADS * RMS_NORM_CHUNKS;
-    float4 v[RMS_NORM_CHUNKS];
+// 1 / sqrt(mean(x²) + eps) of `row` (cols floats) over a CTA of LAYER_THREADS threads, each
+// thread's float4s of a row it holds (`held`: row_held) left in `v`. rms_norm and the GEMVs
+// that normalise their activation (`gemv_normed`) share this one order of operations, so both
+// give the same bits. `warp_sums` is LAYER_THREADS / 32 floats of shared memory, free again on
+// return.
+__device__ __forceinline__ float row_inv_rms(const float* __restrict__ row, u32 cols, float eps, bool held,
+                                             float4 (&v)[RMS_NORM_CHUNKS], float* warp_sums) {
     float s = 0.f;
     if (held) {
         const float4* row4 = reinterpret_cast<const float4*>(row);
@@ -118,6 +109,32 @@ rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __res
     if (threadIdx.x == 0) warp_sums[0] = s;
     __syncthreads();
     const float inv = 1.f / sqrtf(warp_sums[0] / (float)cols + eps);
+    __syncthreads();
+    return inv;
+}
+
+// Whether a row of `cols` is read once into registers (row_inv_rms's `held`).
+__device__ __forceinline__ bool row_held(u32 cols) {
+    return cols % 4 == 0 && cols <= 4u * LAYER_THREADS * RMS_NORM_CHUNKS;
+}
+
+// One CTA per row: `out = w * (x / sqrt(mean(x²) + eps))`, the host's order of operations,
+// and, unless `rounded` is null, out rounded to the weights' dtype (the operand of the GEMM
+// that reads it). A row of up to RMS_NORM_CHUNKS float4s per thread is read once into
+// registers, every load in flight at once (a decode step's single row is a chain of latencies
+// otherwise); a longer or unaligned row is read twice.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __restrict__ out,
+         elem_t* __restrict__ rounded, u32 cols, float eps) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    __shared__ float warp_sums[LAYER_THREADS / 32];
+    const float* row = x + (u64)blockIdx.x * cols;
+    float* dst = out + (u64)blockIdx.x * cols;
+    elem_t* low = rounded ? rounded + (u64)blockIdx.x * cols : nullptr;
+    const bool held = row_held(cols);
+    float4 v[RMS_NORM_CHUNKS];
+    const float inv = row_inv_rms(row, cols, eps, held, v, warp_sums);
     if (held) {
 #pragma unroll
         for (int j = 0; j < RMS_NORM_CHUNKS; ++j) {
@@ -426,6 +443,31 @@ __device__ __forceinline__ void gemv_load(const elem_t* __restrict__ w, u64 row,
     }
 }
 
+// In every CTA of a normed GEMV (`gemv_normed`), once the kernel that wrote x is done: its
+// `rows` activation rows normalised as rms_norm writes them (`gamma * (x * inv)`, the same
+// bits) and rounded to the weight's dtype, into shared memory (`staged`, rows x k). The host
+// sends only rows that row_held holds.
+__device__ __forceinline__ void gemv_stage_normed(const float* __restrict__ x, const elem_t* __restrict__ gamma,
+                                                  float eps, u32 rows, u32 k, elem_t* staged) {
+    __shared__ float warp_sums[LAYER_THREADS / 32];
+    float4 v[RMS_NORM_CHUNKS];
+    for (u32 m = 0; m < rows; ++m) {
+        const float inv = row_inv_rms(x + (u64)m * k, k, eps, true, v, warp_sums);
+#pragma unroll
+        for (int j = 0; j < RMS_NORM_CHUNKS; ++j) {
+            const u32 c = threadIdx.x + j * LAYER_THREADS;
+            if (c < k / 4) {
+                elem_t* out = staged + (u64)m * k + 4 * c;
+                out[0] = narrow(widen(gamma[4 * c]) * (v[j].x * inv));
+                out[1] = narrow(widen(gamma[4 * c + 1]) * (v[j].y * inv));
+                out[2] = narrow(widen(gamma[4 * c + 2]) * (v[j].z * inv));
+                out[3] = narrow(widen(gamma[4 * c + 3]) * (v[j].w * inv));
+            }
+        }
+    }
+    __syncthreads();
+}
+
 // The activation row's GEMV_LANE_ELEMS elements matching the lane's chunks of `block` (zeros
 // past k).
 __device__ __forceinline__ void gemv_activation(const float* __restrict__ xm, u32 k, u32 block,
@@ -470,14 +512,24 @@ __device__ __forceinline__ void gemv_load_blocks(const elem_t* __restrict__ w, u
             gemv_load(w, n + j * mat_offset, live && base + u * slices < blocks, k, base + u * slices, wc[u][j]);
 }
 
+// A normed GEMV's norm: its weight and epsilon, and the shared memory its CTA stages the
+// normalised rows in (null: a plain GEMV).
+struct GemvNorm {
+    const elem_t* gamma;
+    float eps;
+    elem_t* staged;
+};
+
 // This warp's sums for its column group and slice of k, MATS weight rows per column
 // (`mat_offset` apart), written to `sums[m][c][j]` (row m, column c of the group, matrix j).
 // The first blocks' weights are loaded before `wait_for_previous_grid` (the weights are no
 // kernel's output), so a GEMV launched as a programmatic dependent streams its weight while
-// the kernel before it finishes.
+// the kernel before it finishes. A normed GEMV then stages its rows (gemv_stage_normed) and
+// reads its activation from there, already rounded, instead of from x.
 template <int MATS>
 __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
                                                u32 cols, u32 k, u32 group, u32 slices, u32 slice, u64 mat_offset,
+                                               const GemvNorm& norm,
                                                float (&sums)[GEMV_MAX_ROWS][GEMV_COLS][MATS]) {
     const u32 lane = threadIdx.x % 32;
     const u32 n = group * GEMV_COLS + lane / 4;
@@ -486,6 +538,7 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
     uint4 wc[GEMV_UNROLL][MATS][2];
     gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc);
     wait_for_previous_grid();
+    if (norm.staged) gemv_stage_normed(x, norm.gamma, norm.eps, rows, k, norm.staged);
 #if CANOPY_DTYPE != 0
     // Lane (m, q) = (lane / 4, lane % 4): row m of the activation, columns 2q and 2q + 1 of D.
     const u32 m = lane / 4;
@@ -497,7 +550,19 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
             const u32 block = base + u * slices;
             if (block >= blocks) break;
             u32 a[GEMV_LANE_ELEMS / 2] = {};
-            if (m < rows) {
+            if (m < rows && norm.staged) {
+                // The lane's two chunks, rounded already: pairs in memory order, as pack2's.
+                const u32 first = block * GEMV_BLOCK + (lane % 4) * GEMV_LANE_ELEMS;
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    if (first + h * GEMV_VEC < k) {
+                        const uint4 c = *reinterpret_cast<const uint4*>(norm.staged + (u64)m * k + first + h * GEMV_VEC);
+                        a[4 * h] = c.x;
+                        a[4 * h + 1] = c.y;
+                        a[4 * h + 2] = c.z;
+                        a[4 * h + 3] = c.w;
+                    }
+            } else if (m < rows) {
                 float v[GEMV_LANE_ELEMS];
                 gemv_activation(x + (u64)m * k, k, block, v);
 #pragma unroll
@@ -530,7 +595,14 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
             for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
                 if (m >= (int)rows) break;
                 float v[GEMV_LANE_ELEMS];
-                gemv_activation(x + (u64)m * k, k, block, v);
+                if (norm.staged) {
+                    const u32 first = block * GEMV_BLOCK + (lane % 4) * GEMV_LANE_ELEMS;
+#pragma unroll
+                    for (int e = 0; e < GEMV_LANE_ELEMS; ++e)
+                        v[e] = first + e < k ? norm.staged[(u64)m * k + first + e] : 0.f;
+                } else {
+                    gemv_activation(x + (u64)m * k, k, block, v);
+                }
 #pragma unroll
                 for (int j = 0; j < MATS; ++j) {
                     const uint4 c[2] = {wc[u][j][0], wc[u][j][1]};
@@ -557,14 +629,20 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
 
 // Runs every warp's sums into shared memory, then calls `epilogue(m, n, sum)` once per output
 // (row m, column n < cols) with the slices' sums added in slice order, spread over the CTA.
+// With a norm weight `gamma` (else null), the product is of x's rows RMS-normalised: staged
+// in the CTA's dynamic shared memory (rows x k elements, at most NORMED_GEMV_ROWS rows).
 template <int MATS, typename Epilogue>
 __device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
-                                         u32 cols, u32 k, u32 slices, u64 mat_offset, Epilogue epilogue) {
+                                         u32 cols, u32 k, u32 slices, u64 mat_offset, const elem_t* gamma, float eps,
+                                         Epilogue epilogue) {
+    static_assert(GEMV_WARPS * 32 == LAYER_THREADS, "a normed GEMV's CTA normalises its rows as rms_norm's does");
     __shared__ float sums[GEMV_WARPS][GEMV_MAX_ROWS][GEMV_COLS][MATS];
+    extern __shared__ __align__(16) unsigned char gemv_staged[];
     const u32 warp = threadIdx.x / 32, groups = GEMV_WARPS / slices;
     const u32 first_group = blockIdx.x * groups;
     let_next_grid_launch();
-    gemv_warp_sums<MATS>(w, x, rows, cols, k, first_group + warp / slices, slices, warp % slices, mat_offset,
+    const GemvNorm norm{gamma, eps, gamma ? reinterpret_cast<elem_t*>(gemv_staged) : nullptr};
+    gemv_warp_sums<MATS>(w, x, rows, cols, k, first_group + warp / slices, slices, warp % slices, mat_offset, norm,
                          sums[warp]);
     __syncthreads();
     for (u32 i = threadIdx.x; i < groups * rows * GEMV_COLS; i += blockDim.x) {
@@ -584,22 +662,42 @@ __device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const flo
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows, u32 cols,
      u32 k, u32 slices) {
-    gemv_cta<1>(w, x, rows, cols, k, slices, 0, [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, nullptr, 0.f,
+                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_add(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
          u32 cols, u32 k, u32 slices) {
-    gemv_cta<1>(w, x, rows, cols, k, slices, 0, [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, nullptr, 0.f,
+                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
 }
+
+__device__ __forceinline__ float silu_times(const float (&s)[2]) { return s[0] / (1.f + expf(-s[0])) * s[1]; }
 
 // `cols` is the output's width: the weight has 2 * cols rows, gate's then up's.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
             u32 cols, u32 k, u32 slices) {
-    gemv_cta<2>(w, x, rows, cols, k, slices, cols, [&](u32 m, u32 n, const float (&s)[2]) {
-        out[(u64)m * cols + n] = s[0] / (1.f + expf(-s[0])) * s[1];
-    });
+    gemv_cta<2>(w, x, rows, cols, k, slices, cols, nullptr, 0.f,
+                [&](u32 m, u32 n, const float (&s)[2]) { out[(u64)m * cols + n] = silu_times(s); });
+}
+
+// `gemv` and `gemv_swiglu` of rms_norm(x) with weight `gamma`, in one launch instead of two:
+// each CTA normalises x's rows (at most NORMED_GEMV_ROWS, held whole) into its shared memory,
+// the same bits rms_norm writes, and reads its activation from there.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_normed(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ gamma, float eps,
+            float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, gamma, eps,
+                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_normed_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ gamma,
+                   float eps, float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
+    gemv_cta<2>(w, x, rows, cols, k, slices, cols, gamma, eps,
+                [&](u32 m, u32 n, const float (&s)[2]) { out[(u64)m * cols + n] = silu_times(s); });
 }
 
 #ifndef TOP_ITEMS

@@ -66,6 +66,10 @@ pub const GEMV_COLS: u32 = 8;
 /// Most activation rows `gemv` multiplies at once (each lane keeps an fp32 sum per row and
 /// column); a projection of more rows is a cuBLAS GEMM.
 pub const GEMV_MAX_ROWS: usize = 8;
+/// Most activation rows `gemv_normed` RMS-normalises as it reads them: each of its CTAs reads
+/// the rows whole for their norms, which past a few rows costs more than the `rms_norm`
+/// launch it saves.
+pub const NORMED_GEMV_ROWS: usize = 2;
 /// Query rows of one head each warp of `causal_attention` (`layers.cu`) attends: each key and
 /// value of the block is loaded once for them.
 pub const CAUSAL_ROWS: usize = 4;
@@ -125,6 +129,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("GEMV_WARPS", GEMV_WARPS.to_string()),
         ("GEMV_COLS", GEMV_COLS.to_string()),
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
+        ("NORMED_GEMV_ROWS", NORMED_GEMV_ROWS.to_string()),
         ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("TOP_ITEMS", TOP_ITEMS.to_string()),

@@ -25,8 +25,9 @@ pub use constants::{
     prefill_shared_bytes, shared_defines, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, CTA_PER_HEAD,
     CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS,
     GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS,
-    MMA_ROW_PAD, MMA_THREADS, PREFILL_ROWS, PREFILL_STAGES, PREFILL_TILE, REDUCE_MAX, REDUCE_SUM,
-    TOP_ITEMS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    MMA_ROW_PAD, MMA_THREADS, NORMED_GEMV_ROWS, PREFILL_ROWS, PREFILL_STAGES, PREFILL_TILE,
+    REDUCE_MAX, REDUCE_SUM, RMS_NORM_CHUNKS, TOP_ITEMS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS,
+    WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -138,6 +139,8 @@ impl Id {
                 "gemv",
                 "gemv_add",
                 "gemv_swiglu",
+                "gemv_normed",
+                "gemv_normed_swiglu",
                 "top_logits",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],

@@ -444,13 +444,13 @@ impl<B: LayerOps> ModelLayers<B> {
         let (c, layer) = (&self.config, &self.layers[l]);
         let (rows, h) = b.dims(x);
         let mut normed = b.gemm_operand(rows, h, &layer.qkv)?;
-        b.rms_norm(x, &layer.input_norm, c.rms_norm_eps as f32, &mut normed)?;
         let (qn, kvn) = (
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
         let mut fused = b.tensor(rows, qn + 2 * kvn)?;
-        b.matmul(&normed, &layer.qkv, &mut fused)?;
+        let norm = (&layer.input_norm, c.rms_norm_eps as f32);
+        b.rms_norm_matmul(x, norm, &layer.qkv, &mut normed, &mut fused)?;
         let mut q = b.tensor(rows, qn)?;
         let mut k = b.tensor(rows, kvn)?;
         let mut v = b.tensor(rows, kvn)?;
@@ -483,9 +483,9 @@ impl<B: LayerOps> ModelLayers<B> {
         let (rows, h) = b.dims(x);
         b.matmul_add(attn, &layer.o, x)?;
         let mut normed = b.gemm_operand(rows, h, &layer.gate_up)?;
-        b.rms_norm(x, &layer.post_norm, c.rms_norm_eps as f32, &mut normed)?;
         let mut act = b.gemm_operand(rows, c.intermediate_size, &layer.down)?;
-        b.matmul_swiglu(&normed, &layer.gate_up, &mut act)?;
+        let norm = (&layer.post_norm, c.rms_norm_eps as f32);
+        b.rms_norm_matmul_swiglu(x, norm, &layer.gate_up, &mut normed, &mut act)?;
         b.matmul_add(&act, &layer.down, x)?;
         Ok(())
     }
@@ -512,8 +512,8 @@ impl<B: LayerOps> ModelLayers<B> {
         let rows = rows.len();
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut normed = b.gemm_operand(rows, c.hidden_size, head)?;
-        b.rms_norm(&picked, &self.norm, c.rms_norm_eps as f32, &mut normed)?;
-        b.matmul(&normed, head, out)?;
+        let norm = (&self.norm, c.rms_norm_eps as f32);
+        b.rms_norm_matmul(&picked, norm, head, &mut normed, out)?;
         Ok(())
     }
 }

@@ -22,7 +22,10 @@ use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Params;
 use canopy_core::DType;
-use canopy_kernels::{Kernel, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS};
+use canopy_engine::layer_ops::expect_size;
+use canopy_kernels::{
+    Kernel, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS, LAYER_THREADS, NORMED_GEMV_ROWS, RMS_NORM_CHUNKS,
+};
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
@@ -41,8 +44,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Default)]
 pub(crate) struct LayerState {
     gemm: Mutex<Option<Gemm>>,
-    /// CTAs of each GEMV kernel that fit on one SM at once.
-    gemv_ctas_per_sm: Mutex<HashMap<Kernel, u32>>,
+    /// CTAs of each GEMV kernel (with its dynamic shared memory) that fit on one SM at once.
+    gemv_ctas_per_sm: Mutex<HashMap<(Kernel, u32), u32>>,
     /// The last upload of each [`StepInput`]: every layer of a step passes the same one.
     step_inputs: Mutex<HashMap<StepInput, Uploaded>>,
 }
@@ -126,14 +129,48 @@ pub(crate) enum Epilogue {
 }
 
 impl Epilogue {
-    fn gemv_entry(self) -> &'static str {
+    /// The `LayerOps` op that runs this product.
+    fn op(self) -> &'static str {
         match self {
-            Epilogue::Store => "gemv",
-            Epilogue::Add => "gemv_add",
-            Epilogue::Swiglu => "gemv_swiglu",
+            Epilogue::Store => "matmul",
+            Epilogue::Add => "matmul_add",
+            Epilogue::Swiglu => "matmul_swiglu",
         }
     }
+
+    /// The GEMV's entry point, normalising its activation rows as it reads them when `normed`.
+    fn gemv_entry(self, normed: bool) -> &'static str {
+        match (self, normed) {
+            (Epilogue::Store, false) => "gemv",
+            (Epilogue::Add, _) => "gemv_add",
+            (Epilogue::Swiglu, false) => "gemv_swiglu",
+            (Epilogue::Store, true) => "gemv_normed",
+            (Epilogue::Swiglu, true) => "gemv_normed_swiglu",
+        }
+    }
+
+    /// Refuses a product whose operands do not fit: `w` as wide as `x`, `out` as many rows as
+    /// `x` and as wide as `w` has rows (half of them, gate's then up's, for SwiGLU).
+    fn check(self, x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) -> Result<()> {
+        let op = self.op();
+        expect_size("cuda", op, "the weight's columns", w.cols, x.cols)?;
+        let width = match self {
+            Epilogue::Swiglu if !w.rows.is_multiple_of(2) => {
+                return Err(CudaError::Unsupported(format!(
+                    "{op}: a fused gate|up weight has an even number of rows, not {}",
+                    w.rows
+                )))
+            }
+            Epilogue::Swiglu => w.rows / 2,
+            Epilogue::Store | Epilogue::Add => w.rows,
+        };
+        super::same_dims(op, "the output", out, (x.rows, width))
+    }
 }
+
+/// Most bytes of normalised rows a normed GEMV stages in shared memory: within the 48 KiB a
+/// kernel gets without opting in, and few enough that three CTAs still share an SM.
+const NORMED_STAGE_BYTES: usize = 16 << 10;
 
 /// Whether `gemv` takes this product: few rows, and rows of the weight and of x that start on
 /// 16-byte boundaries (its loads are 16 bytes wide).
@@ -143,6 +180,56 @@ fn gemv_fits(x: &CudaTensor, w: &CudaWeight) -> bool {
 }
 
 impl CudaBackend {
+    /// [`CudaBackend::product`] of operands checked to fit.
+    pub(crate) fn checked_product(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        epilogue: Epilogue,
+    ) -> Result<()> {
+        epilogue.check(x, w, out)?;
+        self.product(x, w, out, epilogue)
+    }
+
+    /// `epilogue`'s product of x RMS-normalised by `norm` (its weight and epsilon): one
+    /// `gemv_normed` launch, whose CTAs each normalise x's rows into their shared memory (the
+    /// same bits as `rms_norm` then the GEMV), where the GEMV takes the product, x has at
+    /// most [`NORMED_GEMV_ROWS`] rows that `rms_norm` holds whole and the norm's weight is in
+    /// the weight's dtype; else `rms_norm` into `normed`, then the product of it.
+    pub(crate) fn normed_product(
+        &self,
+        x: &CudaTensor,
+        (norm, eps): (&CudaWeight, f32),
+        w: &CudaWeight,
+        normed: &mut CudaTensor,
+        out: &mut CudaTensor,
+        epilogue: Epilogue,
+    ) -> Result<()> {
+        let held = x.cols.is_multiple_of(4)
+            && x.cols <= 4 * LAYER_THREADS as usize * RMS_NORM_CHUNKS
+            && x.rows * x.cols * w.dtype.size_bytes() <= NORMED_STAGE_BYTES;
+        let fused = epilogue != Epilogue::Add
+            && x.rows <= NORMED_GEMV_ROWS
+            && norm.dtype == w.dtype
+            && held
+            && gemv_fits(x, w);
+        if !fused || x.rows == 0 || x.cols == 0 || w.rows == 0 {
+            self.rms_norm_rows(x, norm, eps, normed)?;
+            return self.checked_product(normed, w, out, epilogue);
+        }
+        expect_size(
+            "cuda",
+            "rms_norm",
+            "the weight's length",
+            norm.rows * norm.cols,
+            x.cols,
+        )?;
+        epilogue.check(x, w, out)?;
+        out.drop_rounded();
+        self.gemv(x, w, Some((norm, eps)), out, epilogue)
+    }
+
     /// The product `x · wᵀ` into `out` by `epilogue` (shapes checked by the caller): see the
     /// module notes.
     pub(crate) fn product(
@@ -157,7 +244,7 @@ impl CudaBackend {
             return Ok(());
         }
         if gemv_fits(x, w) && x.cols > 0 {
-            return self.gemv(x, w, out, epilogue);
+            return self.gemv(x, w, None, out, epilogue);
         }
         match epilogue {
             Epilogue::Store => self.gemm(x, w, out, false),
@@ -170,10 +257,13 @@ impl CudaBackend {
         }
     }
 
+    /// `layers.cu`'s GEMV for `epilogue`, normalising x's rows by `norm` (its weight and
+    /// epsilon) as it reads them when there is one.
     fn gemv(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
+        norm: Option<(&CudaWeight, f32)>,
         out: &mut CudaTensor,
         epilogue: Epilogue,
     ) -> Result<()> {
@@ -182,21 +272,30 @@ impl CudaBackend {
             super::narrow("matmul", out.cols)?,
             super::narrow("matmul", x.cols)?,
         );
-        let entry = epilogue.gemv_entry();
+        let entry = epilogue.gemv_entry(norm.is_some());
         let kernel = Kernel::Layers(w.dtype, entry);
         let f = self.function(kernel)?;
         // Warps per group of GEMV_COLS columns: the most whose CTAs all run at once, so every
         // warp the GPU can hold streams part of the weight and none waits for a second wave.
         let groups = cols.div_ceil(GEMV_COLS);
-        let wave = self.gpu.multiprocessors * self.gemv_ctas_per_sm(kernel, &f)?;
+        // A normed GEMV stages its rows, normalised, in shared memory.
+        let staged = if norm.is_some() {
+            x.rows * x.cols * w.dtype.size_bytes()
+        } else {
+            0
+        };
+        let staged = super::narrow("matmul", staged)?;
+        let wave = self.gpu.multiprocessors * self.gemv_ctas_per_sm(kernel, &f, staged)?;
         let slices = [GEMV_WARPS, 4, 2]
             .into_iter()
             .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
             .unwrap_or(1);
         let s = &self.stream;
-        let params = Params::default()
-            .buffer(&w.data, s)
-            .buffer(&x.data, s)
+        let mut params = Params::default().buffer(&w.data, s).buffer(&x.data, s);
+        if let Some((norm, eps)) = norm {
+            params = params.buffer(&norm.data, s).f32(eps);
+        }
+        let params = params
             .buffer(&out.data, s)
             .u32(rows)
             .u32(cols)
@@ -205,11 +304,12 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (groups.div_ceil(GEMV_WARPS / slices), 1, 1),
             block_dim: (GEMV_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: staged,
         };
         // SAFETY: w holds (cols, or 2 · cols for SwiGLU) × k elements of its dtype, x rows × k
-        // floats and out rows × cols (the caller checked the shapes); k is a whole number of
-        // 16-byte chunks of both (gemv_fits) and device allocations are 256-byte aligned.
+        // floats, the norm's weight (if any) k elements of w's dtype, and out rows × cols (the
+        // caller checked the shapes); k is a whole number of 16-byte chunks of both
+        // (gemv_fits) and device allocations are 256-byte aligned.
         unsafe { self.launch_dependent(&f, cfg, &params) }.ctx(format!("launching {entry}"))?;
         Ok(())
     }
@@ -251,20 +351,20 @@ impl CudaBackend {
     }
 
     /// CTAs of GEMV `kernel` (loaded as `f`) that fit on one SM at once, queried once.
-    fn gemv_ctas_per_sm(&self, kernel: Kernel, f: &CudaFunction) -> Result<u32> {
+    fn gemv_ctas_per_sm(&self, kernel: Kernel, f: &CudaFunction, shared: u32) -> Result<u32> {
         let mut known = self
             .layers
             .gemv_ctas_per_sm
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Some(&n) = known.get(&kernel) {
+        if let Some(&n) = known.get(&(kernel, shared)) {
             return Ok(n);
         }
         let n = f
-            .occupancy_max_active_blocks_per_multiprocessor(GEMV_WARPS * 32, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(GEMV_WARPS * 32, shared as usize, None)
             .ctx("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
             .max(1);
-        known.insert(kernel, n);
+        known.insert((kernel, shared), n);
         Ok(n)
     }
 
