@@ -4,9 +4,13 @@
 //! A plan is priced as the backend runs it: cut into CTAs by [`cut_for_gpu`] for the slots
 //! [`cut_slots`] gives (fewer for plans of one-warp-per-head CTAs alone); groups of up to
 //! 16 query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger groups
-//! four warps per KV head in pieces of at most 64 rows, all sharing the GPU's CTA slots. A step
-//! costs its bytes over bandwidth, or its CTA work over the slots, or its longest CTA (a CTA's
-//! tiles run in order), whichever is largest, plus a fixed cost for the launch and the merge.
+//! four warps per KV head in pieces of at most 64 rows, all sharing the GPU's CTA slots. Stage
+//! 1 costs its bytes over bandwidth, or its CTA work over the slots, or its longest CTA (a
+//! CTA's tiles run in order), whichever is largest, plus a share of the smaller of bandwidth
+//! and work (the two overlap only in part). The merge is a second kernel after it: it reads
+//! the partials back, and where one warp walks each (query, head) cell's partial rows
+//! ([`merge_is_wide`]), the query with the most rows is a chain of memory latencies. A plan
+//! whose partial rows are its queries has no merge. A fixed cost per step comes on top.
 //!
 //! The model is split in two so that it can be fitted: [`DeviceModel::measure`] counts a
 //! plan's quantities once ([`PlanCost`]), and [`DeviceModel::price`] turns them into
@@ -15,16 +19,15 @@
 //! JSON.
 
 use crate::error::{CoreError, Result};
-use crate::geometry::{cut_for_gpu, cut_slots, runs_per_head, HEADS_PER_CTA};
+use crate::geometry::{cut_for_gpu, cut_slots, merge_is_wide, runs_per_head, HEADS_PER_CTA};
 use crate::plan::Plan;
 use crate::shape::AttnShape;
 use serde::{Deserialize, Serialize};
 
-/// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to
-/// session 12's cold steps on an H100 SXM (FastTree's trees and DeFT's workloads, every
-/// method; docs/BENCHMARKS.md, "session 12"), after session 10 made masked tiles cheaper and
-/// FastTree's planner began folding short leaves under masks; they count the many-row path in
-/// 64-token tiles.
+/// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to one
+/// draw of random trees timed on an H100 SXM (seed 2 of `bench tree --sweep`, 40 trees at six
+/// head configurations, every method, cold L2: docs/device-runs/2026-11-24-s23/sweep/seed2),
+/// and judged on the disjoint draw of seed 3 and on FastTree's public trees.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DeviceModel {
@@ -32,20 +35,31 @@ pub struct DeviceModel {
     /// written and merged) and from L2 (KV re-read by several groups).
     pub bytes_per_us: f64,
     pub l2_bytes_per_us: f64,
-    /// Fixed microseconds of a step (launches, the merge's latency).
+    /// Fixed microseconds of a step (the launches).
     pub us_per_step: f64,
     /// Microseconds of CTA slot time: per CTA and per 64-token tile of the many-row kernel,
-    /// per CTA on the one-warp-per-head path (its tiles cost their bytes).
+    /// per CTA and per 16-token tile on the one-warp-per-head path.
     pub main_cta_us: f64,
     pub main_tile_us: f64,
     pub heads_cta_us: f64,
-    /// Microseconds of one 64-token tile on a CTA's own (latency, not throughput): the
-    /// floor a long group sets, however idle the rest of the GPU is.
+    pub heads_tile_us: f64,
+    /// Microseconds of one tile on a CTA's own (latency, not throughput): the floor a long
+    /// group sets, however idle the rest of the GPU is. Per 64-token tile of the many-row
+    /// kernel, per 16-token tile of the one-warp-per-head path, and per 64-token tile of a
+    /// masked group, whose mask words are loaded and applied in the same chain.
     pub serial_tile_us: f64,
+    pub serial_heads_tile_us: f64,
+    pub serial_masked_tile_us: f64,
     /// Extra microseconds of CTA slot time per 64 tokens × CTA of a masked group (DeFT-Flatten's
     /// blocks across nodes): the mask words loaded and applied.
-    #[serde(default)]
     pub masked_tile_us: f64,
+    /// The share of the smaller of stage 1's streaming and its CTA work that does not overlap
+    /// the larger: a CTA waits on its loads between tiles.
+    pub overlap: f64,
+    /// Fixed microseconds of the merge kernel, where a plan has one.
+    pub merge_us: f64,
+    /// Microseconds per partial row a merge warp walks in order (one cell's rows).
+    pub merge_row_us: f64,
     pub multiprocessors: usize,
     pub ctas_per_sm: usize,
 }
@@ -54,13 +68,19 @@ impl Default for DeviceModel {
     fn default() -> Self {
         DeviceModel {
             bytes_per_us: 2.93e6,
-            l2_bytes_per_us: 6.03e6,
-            us_per_step: 13.1,
-            main_cta_us: 2.63,
-            main_tile_us: 0.853,
-            heads_cta_us: 7.13,
-            serial_tile_us: 1.33,
-            masked_tile_us: 3.90,
+            l2_bytes_per_us: 6.21e6,
+            us_per_step: 10.8,
+            main_cta_us: 4.47,
+            main_tile_us: 2.30,
+            heads_cta_us: 1.6e-6,
+            heads_tile_us: 0.900,
+            serial_tile_us: 1.56,
+            serial_heads_tile_us: 0.0910,
+            serial_masked_tile_us: 2.32,
+            masked_tile_us: 1.51,
+            overlap: 0.135,
+            merge_us: 0.255,
+            merge_row_us: 0.141,
             multiprocessors: 132,
             ctas_per_sm: 3,
         }
@@ -69,25 +89,37 @@ impl Default for DeviceModel {
 
 /// The quantities [`DeviceModel`] prices a plan by.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PlanCost {
-    /// Distinct KV, query and partial bytes; KV bytes re-read.
+    /// Stage 1's distinct KV, query and partial bytes; KV bytes re-read.
     pub bytes: u64,
     pub reread_bytes: u64,
-    /// Many-row CTAs and CTA × tiles; CTAs on the one-warp-per-head path.
+    /// The CTA slots the plan is cut for ([`cut_slots`]).
+    pub slots: u64,
+    /// Many-row CTAs and CTA × 64-token tiles; one-warp-per-head CTAs and CTA × 16-token
+    /// tiles.
     pub main_ctas: u64,
     pub main_tiles: u64,
     pub heads_ctas: u64,
-    /// Tiles of the longest CTA of each kernel: a group's tiles run in order.
+    pub heads_tiles: u64,
+    /// Tiles of the longest CTA of each kernel, and 64-token tiles of the longest masked
+    /// group: a group's tiles run in order.
     pub longest_main_tiles: u64,
     pub longest_heads_tiles: u64,
+    pub longest_masked_tiles: u64,
     /// CTA × 64-token tiles of masked groups, on either path.
-    #[serde(default)]
     pub masked_tiles: u64,
+    /// Merges: 1, or 0 where stage 1 writes the output. The partial bytes the merge reads, and
+    /// the partial rows of the query with the most where one warp walks each cell's rows (0
+    /// where the wide merge does).
+    pub merges: u64,
+    pub merge_bytes: u64,
+    pub merge_rows: u64,
     pub predicted_us: f64,
 }
 
 /// The time constants [`DeviceModel::fit`] adjusts.
-const CONSTANTS: usize = 8;
+const CONSTANTS: usize = 14;
 
 /// One measured step: a plan's quantities and the time it took.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -111,10 +143,6 @@ impl DeviceModel {
         toml::from_str(&text).map_err(|e| fail(e.to_string()))
     }
 
-    fn slots(&self) -> u64 {
-        (self.multiprocessors * self.ctas_per_sm) as u64
-    }
-
     /// The quantities of one decode step of `plan`, and its predicted microseconds.
     pub fn cost(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
         let mut c = self.measure(plan, shape);
@@ -135,9 +163,25 @@ impl DeviceModel {
         let (plan, _) = cut_for_gpu(plan, shape, slots);
         let io = plan.io(shape, crate::DType::F16);
         let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
+        // `partial_bytes` counts the partials written and read back once each.
+        let merged = !plan.rows_are_queries();
+        let partials = if merged { io.partial_bytes / 2 } else { 0 };
+        let cells = plan.num_queries() * shape.q_heads;
+        let merge_rows = if !merged || merge_is_wide(cells, shape.head_dim, self.multiprocessors) {
+            0
+        } else {
+            (0..plan.num_queries())
+                .map(|q| plan.rows_of(q).len())
+                .max()
+                .unwrap_or(0) as u64
+        };
         let mut c = PlanCost {
-            bytes: unique_kv + io.partial_bytes + io.q_bytes,
+            bytes: unique_kv + io.q_bytes + partials,
             reread_bytes: io.kv_bytes - unique_kv,
+            slots: slots as u64,
+            merges: merged as u64,
+            merge_bytes: partials,
+            merge_rows,
             ..PlanCost::default()
         };
         for g in plan.groups() {
@@ -151,10 +195,13 @@ impl DeviceModel {
                     shape.kv_heads
                 };
                 c.masked_tiles += ctas as u64 * tokens.div_ceil(64);
+                c.longest_masked_tiles = c.longest_masked_tiles.max(tokens.div_ceil(64));
             }
             if per_head {
                 let tiles = tokens.div_ceil(16);
-                c.heads_ctas += (shape.kv_heads / HEADS_PER_CTA) as u64;
+                let ctas = (shape.kv_heads / HEADS_PER_CTA) as u64;
+                c.heads_ctas += ctas;
+                c.heads_tiles += ctas * tiles;
                 c.longest_heads_tiles = c.longest_heads_tiles.max(tiles);
             } else {
                 let tiles = tokens.div_ceil(64);
@@ -169,18 +216,22 @@ impl DeviceModel {
 
     /// Microseconds of a step with quantities `c`.
     pub fn price(&self, c: &PlanCost) -> f64 {
-        let work = self.main_cta_us * c.main_ctas as f64
+        let streaming =
+            c.bytes as f64 / self.bytes_per_us + c.reread_bytes as f64 / self.l2_bytes_per_us;
+        let work = (self.main_cta_us * c.main_ctas as f64
             + self.main_tile_us * c.main_tiles as f64
             + self.heads_cta_us * c.heads_ctas as f64
-            + self.masked_tile_us * c.masked_tiles as f64;
-        (c.bytes as f64 / self.bytes_per_us + c.reread_bytes as f64 / self.l2_bytes_per_us)
-            .max(work / self.slots() as f64)
-            // A 16-token tile is a quarter of a 64-token one.
-            .max(
-                self.serial_tile_us
-                    * c.longest_main_tiles.max(c.longest_heads_tiles.div_ceil(4)) as f64,
-            )
-            + self.us_per_step
+            + self.heads_tile_us * c.heads_tiles as f64
+            + self.masked_tile_us * c.masked_tiles as f64)
+            / c.slots.max(1) as f64;
+        let longest = (self.serial_tile_us * c.longest_main_tiles as f64)
+            .max(self.serial_heads_tile_us * c.longest_heads_tiles as f64)
+            .max(self.serial_masked_tile_us * c.longest_masked_tiles as f64);
+        let stage1 = streaming.max(work).max(longest) + self.overlap * streaming.min(work);
+        let merge = self.merge_us * c.merges as f64
+            + (c.merge_bytes as f64 / self.bytes_per_us)
+                .max(self.merge_row_us * c.merge_rows as f64);
+        stage1 + merge + self.us_per_step
     }
 
     /// Root-mean-square of ln(predicted / measured) over `samples`: 0.1 is about 10% off.
@@ -230,14 +281,20 @@ impl DeviceModel {
 
     fn constant_mut(&mut self, i: usize) -> &mut f64 {
         match i {
-            7 => &mut self.masked_tile_us,
             0 => &mut self.bytes_per_us,
             1 => &mut self.l2_bytes_per_us,
             2 => &mut self.us_per_step,
             3 => &mut self.main_cta_us,
             4 => &mut self.main_tile_us,
             5 => &mut self.heads_cta_us,
-            _ => &mut self.serial_tile_us,
+            6 => &mut self.heads_tile_us,
+            7 => &mut self.serial_tile_us,
+            8 => &mut self.serial_heads_tile_us,
+            9 => &mut self.serial_masked_tile_us,
+            10 => &mut self.masked_tile_us,
+            11 => &mut self.overlap,
+            12 => &mut self.merge_us,
+            _ => &mut self.merge_row_us,
         }
     }
 }
@@ -300,20 +357,62 @@ mod tests {
         );
     }
 
+    /// The merge is a kernel after stage 1: a plan whose partial rows are its queries has
+    /// none, and a merged plan pays for reading its partials back and for the longest walk of
+    /// one query's rows, on top of stage 1.
+    #[test]
+    fn the_merge_is_priced_after_stage_1() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let model = DeviceModel::default();
+        let t = fan(16, 400, 16);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let cfg = PlannerConfig::whole_paths();
+        let direct = model.cost(&plan(&view, Method::QGuided, &shape, &cfg).unwrap(), &shape);
+        assert_eq!((direct.merges, direct.merge_bytes), (0, 0));
+
+        // Few queries, each with dozens of partial rows: one warp walks each cell's rows.
+        let t = fan(8000, 10, 100);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let chunked = plan(&view, Method::DeftNodeChunk, &shape, &cfg).unwrap();
+        let merged = model.cost(&chunked, &shape);
+        assert_eq!(merged.merges, 1);
+        assert!(merged.merge_rows > 10, "{merged:?}");
+        let stage1_only = PlanCost {
+            merges: 0,
+            merge_bytes: 0,
+            merge_rows: 0,
+            ..merged
+        };
+        let merge_us = model.price(&merged) - model.price(&stage1_only);
+        let floor = model.merge_us
+            + (merged.merge_bytes as f64 / model.bytes_per_us)
+                .max(model.merge_row_us * merged.merge_rows as f64);
+        assert!(
+            (merge_us - floor).abs() < 1e-9,
+            "{merge_us} against {floor}"
+        );
+    }
+
     /// Samples priced by a known model are fitted back to (nearly) no error from a start
     /// that is off by 2x in every constant, and the fit never ends worse than it started.
     #[test]
     fn fitting_recovers_the_model_that_priced_the_samples() {
-        let shape = AttnShape::new(32, 8, 128).unwrap();
         let truth = DeviceModel::default();
         let mut samples = Vec::new();
-        for (root, leaves, leaf) in [
+        for ((root, leaves, leaf), (q_heads, kv_heads)) in [
             (4000, 50, 200),
             (256, 256, 32),
             (2048, 1024, 32),
             (1, 1, 60000),
             (16, 400, 16),
-        ] {
+            (8000, 10, 100),
+        ]
+        .into_iter()
+        .flat_map(|fan| [(fan, (32, 8)), (fan, (32, 32)), (fan, (16, 1))])
+        {
+            let shape = AttnShape::new(q_heads, kv_heads, 128).unwrap();
             let t = fan(root, leaves, leaf);
             let shard = Shard::whole(&t);
             let view = TreeView::new(&t, &shard);

@@ -36,6 +36,20 @@ pub const CTA_FIXED_WORK: u64 = 32;
 /// 189.8 at 128K; one per SM was within 0.8 µs of two (H100, docs/BENCHMARKS.md, session 15).
 pub const HEADS_ONLY_CTAS_PER_SM: usize = 2;
 
+/// Output elements per CTA of the wide merge (`merge_partials_wide`: a head's dims are split
+/// over `head_dim / WIDE_MERGE_DIMS` CTAs; every supported head dim is a multiple of it).
+pub const WIDE_MERGE_DIMS: usize = 32;
+/// Resident CTAs per SM the wide merge's registers are budgeted for (its launch bounds).
+pub const WIDE_MERGE_CTAS: usize = 4;
+
+/// Whether the merge of `cells` (query, head) cells of `head_dim` elements runs wide on a GPU
+/// of `multiprocessors` SMs: a CTA per cell and block of [`WIDE_MERGE_DIMS`] elements, which
+/// walks the cell's partial rows with all its threads, where those CTAs fit in one wave. Else
+/// one warp walks each cell's rows, a chain of memory latencies as long as the query's rows.
+pub fn merge_is_wide(cells: usize, head_dim: usize, multiprocessors: usize) -> bool {
+    cells * (head_dim / WIDE_MERGE_DIMS) <= multiprocessors * WIDE_MERGE_CTAS
+}
+
 /// Whether a group of `rows` query rows runs on the one-warp-per-head path.
 pub fn runs_per_head(rows: usize, kv_heads: usize) -> bool {
     kv_heads.is_multiple_of(HEADS_PER_CTA) && rows <= HEADS_ROWS

@@ -24,12 +24,12 @@ use crate::kv::{CudaKv, Paging};
 use crate::launch::Params;
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
-use canopy_core::geometry::{cut_for_gpu, cut_slots, CTA_ROWS};
+use canopy_core::geometry::{cut_for_gpu, cut_slots, merge_is_wide, CTA_ROWS};
 use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use canopy_kernels::{
     rows_config, Kernel, MmaPipeline, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, MERGE_WARPS,
-    MMA_HEAD_DIMS, MMA_THREADS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    MMA_HEAD_DIMS, MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
@@ -84,7 +84,7 @@ fn check_pipeline(pipeline: MmaPipeline) -> Result<MmaPipeline> {
 /// queries of a few rows, 8192 CTAs) took 41.6 µs with a first form of it against 20.8 with the
 /// deep merge.
 fn merge_kernel(cells: usize, head_dim: usize, multiprocessors: usize) -> Kernel {
-    if cells * (head_dim / WIDE_MERGE_DIMS) <= multiprocessors * WIDE_MERGE_CTAS {
+    if merge_is_wide(cells, head_dim, multiprocessors) {
         return Kernel::MergeWide;
     }
     Kernel::Merge {

@@ -5,6 +5,7 @@
 //! (`#ifndef NAME` / `#error`), so a source compiled without the registry does not build.
 
 use canopy_core::geometry::{CTA_ROWS, HEADS_PER_CTA, HEADS_ROWS};
+pub use canopy_core::geometry::{WIDE_MERGE_CTAS, WIDE_MERGE_DIMS};
 
 /// u32 words per group descriptor: range_begin, range_count, query_begin, query_count,
 /// partial_base, mask_begin + 1 (0: unmasked), tokens, flags (`decode.cu`).
@@ -31,12 +32,6 @@ pub const MERGE_WARPS: usize = 8;
 pub const DEEP_MERGE_CTAS: usize = 4;
 /// Threads per CTA of `merge_partials_wide`, which walks one cell's rows with all of them.
 pub const WIDE_MERGE_THREADS: usize = 256;
-/// Output elements per CTA of `merge_partials_wide` (a head's dims are split over
-/// `head_dim / WIDE_MERGE_DIMS` CTAs; every supported head dim is a multiple of it).
-pub const WIDE_MERGE_DIMS: usize = 32;
-/// Resident CTAs per SM `merge_partials_wide`'s registers are budgeted for (its launch
-/// bounds); the backend runs it where its grid fits in one wave of them.
-pub const WIDE_MERGE_CTAS: usize = 4;
 // `merge_partials_wide`'s threads are whole warps of whole float4 columns, and a wave of its
 // CTAs fits an SM's 2048 threads.
 const _: () = assert!(
