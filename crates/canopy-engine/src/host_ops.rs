@@ -217,21 +217,27 @@ mod tests {
         assert!((norm - 30.0).abs() < 1e-4);
     }
 
-    #[test]
-    fn causal_attention_in_blocks_equals_one_block() {
+    /// Three query rows of 4 heads over 9 keys of 2 KV heads (positions 0-8), head dim 8 (one
+    /// no backend kernel holds: the host op takes any): the shape, q, k and v.
+    fn three_rows_nine_keys() -> (AttnShape, Vec<f32>, Vec<f32>, Vec<f32>) {
         let (h, hk, d) = (4, 2, 8);
-        // A head dim no backend kernel holds: the host op takes any.
         let shape = AttnShape {
             q_heads: h,
             kv_heads: hk,
             head_dim: d,
             scale: None,
         };
-        let tokens = 9;
         let val = |i: usize| ((i * 7919 % 97) as f32 / 97.0) - 0.5;
         let q: Vec<f32> = (0..3 * h * d).map(|i| val(i + 5)).collect();
-        let k: Vec<f32> = (0..tokens * hk * d).map(|i| val(i * 3 + 1)).collect();
-        let v: Vec<f32> = (0..tokens * hk * d).map(|i| val(i * 5 + 2)).collect();
+        let k: Vec<f32> = (0..9 * hk * d).map(|i| val(i * 3 + 1)).collect();
+        let v: Vec<f32> = (0..9 * hk * d).map(|i| val(i * 5 + 2)).collect();
+        (shape, q, k, v)
+    }
+
+    #[test]
+    fn causal_attention_in_blocks_equals_one_block() {
+        let (shape, q, k, v) = three_rows_nine_keys();
+        let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ([2, 6, 8].to_vec(), (0..9).collect());
         let empty = || (vec![0.0; 3 * h * d], vec![EMPTY_LSE; 3 * h]);
         let (mut o1, mut l1) = empty();
@@ -270,17 +276,8 @@ mod tests {
 
     #[test]
     fn a_row_from_a_position_sees_only_the_keys_from_it() {
-        let (h, hk, d) = (4, 2, 8);
-        let shape = AttnShape {
-            q_heads: h,
-            kv_heads: hk,
-            head_dim: d,
-            scale: None,
-        };
-        let val = |i: usize| ((i * 7919 % 97) as f32 / 97.0) - 0.5;
-        let q: Vec<f32> = (0..3 * h * d).map(|i| val(i + 5)).collect();
-        let k: Vec<f32> = (0..9 * hk * d).map(|i| val(i * 3 + 1)).collect();
-        let v: Vec<f32> = (0..9 * hk * d).map(|i| val(i * 5 + 2)).collect();
+        let (shape, q, k, v) = three_rows_nine_keys();
+        let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
         let k_pos: Vec<u32> = (0..9).collect();
         let (q_pos, q_from) = ([2u32, 6, 8], [1u32, 3, 8]);
         let (mut o, mut lse) = (vec![0.0; 3 * h * d], vec![EMPTY_LSE; 3 * h]);
