@@ -124,7 +124,6 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("GEMV_WARPS", GEMV_WARPS.to_string()),
         ("GEMV_COLS", GEMV_COLS.to_string()),
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
-        ("NORMED_GEMV_ROWS", NORMED_GEMV_ROWS.to_string()),
         ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("TOP_ITEMS", TOP_ITEMS.to_string()),
