@@ -114,6 +114,17 @@ fn same_dims(op: &str, what: &str, t: &CudaTensor, want: (usize, usize)) -> Resu
     }
 }
 
+/// Refuses an RMSNorm weight that is not as long as x's rows.
+fn check_norm_weight(x: &CudaTensor, weight: &CudaWeight) -> Result<()> {
+    Ok(expect_size(
+        "cuda",
+        "rms_norm",
+        "the weight's length",
+        weight.rows * weight.cols,
+        x.cols,
+    )?)
+}
+
 /// A kernel size argument as the kernels' `u32`.
 pub(crate) fn narrow(op: &str, n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| {
@@ -267,13 +278,7 @@ impl CudaBackend {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        expect_size(
-            "cuda",
-            "rms_norm",
-            "the weight's length",
-            weight.rows * weight.cols,
-            x.cols,
-        )?;
+        check_norm_weight(x, weight)?;
         same_dims("rms_norm", "the output", out, (x.rows, x.cols))?;
         if x.rows == 0 || x.cols == 0 {
             return Ok(());

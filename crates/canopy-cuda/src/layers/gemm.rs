@@ -64,10 +64,11 @@ pub(crate) enum StepInput {
     Ids,
     /// The rows' positions, for RoPE and as a chunked prefill's query positions.
     Positions,
-    /// A block's query positions and the starts of the rows' windows
+    /// A block's query positions
     /// ([`LayerOps::causal_attention_from`](canopy_engine::LayerOps::causal_attention_from)):
     /// a pass of several chunks numbers its rows apart from RoPE's positions.
     BlockPositions,
+    /// The first key position each of a block's query rows sees, where the rows have windows.
     BlockFrom,
     /// (row, slot) pairs, for the KV store.
     Slots,
@@ -218,13 +219,7 @@ impl CudaBackend {
             self.rms_norm_rows(x, norm, eps, normed)?;
             return self.checked_product(normed, w, out, epilogue);
         }
-        expect_size(
-            "cuda",
-            "rms_norm",
-            "the weight's length",
-            norm.rows * norm.cols,
-            x.cols,
-        )?;
+        super::check_norm_weight(x, norm)?;
         epilogue.check(x, w, out)?;
         out.drop_rounded();
         self.gemv(x, w, Some((norm, eps)), out, epilogue)
