@@ -14,7 +14,7 @@ DEADLINE=${DEADLINE:-540}
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   log "layer-op tests: the prefill's attention"
-  .device/layer_ops --test-threads 1 prefill 2>&1 | grep -E "^test |test result|panicked"
+  .device/layer_ops --test-threads 1 stored_kv 2>&1 | grep -E "^test |test result|panicked"
   # run ENTRY ARGS...: the entry's binary with its sources, if it names any.
   run() {
     local bin=${1#*=} sources=

@@ -87,7 +87,7 @@ impl CudaBackend {
                 head_dim,
                 entry: "prefill_attention",
                 ..
-            } => Some(canopy_kernels::prefill_shared_bytes(head_dim)),
+            } => Some(canopy_kernels::PrefillLaunch::for_device(&self.arch, head_dim).shared_bytes),
             _ => None,
         };
         if let Some(shared) = shared {
@@ -97,7 +97,7 @@ impl CudaBackend {
                 shared as i32,
             )
             .ctx("cuFuncSetAttribute(max dynamic shared memory)")?;
-            // All of L1 as shared memory, so three CTAs fit on every SM.
+            // All of L1 as shared memory, so the most CTAs fit on every SM.
             f.set_attribute(
                 Attr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 100,

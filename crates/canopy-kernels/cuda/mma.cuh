@@ -59,9 +59,10 @@ __device__ __forceinline__ void clear_state(float (&o)[DTILES][4], float (&m)[2]
 }
 
 // The online softmax over one slice of scores (already in the log2 domain): the running max
-// and sum move, O is rescaled if some row's max did, and the scores become P.
+// and sum move, the scores become P, and alpha is the factor O must be rescaled by (O itself
+// is not touched: a warpgroup MMA may still be accumulating into it).
 template <int NT>
-__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2]) {
+__device__ __forceinline__ void softmax_scores(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
     // Maxima and sums in pairwise trees: chains of dependent instructions as short as they go
     // (the "wait" stall led the tensor-core kernels' profile, BENCHMARKS session 9).
     float part[2][NT];
@@ -78,7 +79,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILE
             part[1][j] = fmaxf(part[1][j], part[1][j + w]);
         }
     float mx[2] = {part[0][0], part[1][0]};
-    float alpha[2], base[2];
+    float base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
@@ -106,7 +107,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILE
         }
     l[0] += part[0][0];
     l[1] += part[1][0];
-    // The running max rarely moves after the first tiles: rescale only when some row's did.
+}
+
+// O rescaled by softmax_scores' alpha: the running max rarely moves after the first tiles, so
+// only when some row's did.
+__device__ __forceinline__ void rescale(float (&o)[DTILES][4], const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int d = 0; d < DTILES; ++d) {
@@ -116,6 +121,14 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILE
             o[d][3] *= alpha[1];
         }
     }
+}
+
+// One online-softmax step: the scores become P, and O is rescaled to the new running max.
+template <int NT>
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2]) {
+    float alpha[2];
+    softmax_scores(s, m, l, alpha);
+    rescale(o, alpha);
 }
 
 // P of 16 tokens (S n-tiles 2c and 2c + 1) as an A fragment of P V.
@@ -200,10 +213,55 @@ __device__ __forceinline__ u64 smem_desc(const u16* p, u32 leading, u32 stride) 
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit_and_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most `Pending` of this warp's committed MMA batches are still running.
+template <int Pending>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
 }
+__device__ __forceinline__ void wg_commit_and_wait() {
+    wg_commit();
+    wg_wait<0>();
+}
+
+// Shared-memory barriers (mbarrier) and bulk copies, for kernels whose loads one thread issues
+// while other warpgroups compute: a copy completes on a barrier by the bytes it lands, so a
+// consumer waits on the barrier's phase and never on the copy itself.
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(u64* bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(arrivals) : "memory");
+}
+// Makes the barriers' initialisation visible to the async proxy (the bulk copies).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Arrives and sets the barrier's phase to also wait for `bytes` of copies.
+__device__ __forceinline__ void mbar_expect_bytes(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Waits for the barrier's phase of parity `parity` to complete.
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+}
+// `bytes` (a multiple of 16, both addresses on 16 bytes) from global to shared memory by the
+// copy engine, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, u32 bytes, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(smem)),
+        "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+// The warpgroup's registers per thread, lowered (for a warpgroup that only issues copies) or
+// raised (for one that computes); ptxas allocates the code that follows within the new count.
+template <u32 Regs>
+__device__ __forceinline__ void regs_lower() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs)); }
+template <u32 Regs>
+__device__ __forceinline__ void regs_raise() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs)); }
 // Keeps the compiler from moving an accumulator's reads or writes across an asynchronous MMA.
 __device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 

@@ -7,28 +7,40 @@
 //
 // pack_keys: the block's keys and values (fp32 activations, tokens x kv_heads x HEAD_DIM) to
 // the KV dtype, as the cache holds them, head-major and padded with zeros to whole tiles of
-// PREFILL_TILE tokens; and each tile's smallest and largest position. gather_keys: the same
-// layout from keys the cache holds, at any physical slots.
+// PREFILL_TILE tokens, each tile laid out as prefill_attention's shared memory holds it; and
+// each tile's smallest and largest position. gather_keys: the same layout from keys the cache
+// holds, at any physical slots.
 //
-// prefill_attention: FlashAttention-2's scheme with the warp pieces of mma.cuh. One CTA per
-// (block of queries, KV head), four warps of 16 rows; a CTA's rows are its queries x the KV
-// head's GQA heads (row r: query r / gsz, head kvh gsz + r % gsz), so each tile of K and V in
-// shared memory serves every head that reads it. Tiles of PREFILL_TILE keys stream through
-// PREFILL_STAGES shared-memory stages with cp.async. A tile none of the CTA's queries sees is
-// never loaded (with a prompt's positions in order, a block of queries reads the tiles up to
-// its diagonal, and from its windows' first key); a tile every query sees whole is not masked;
-// the others are masked score by score. Heavier CTAs (later queries) are launched first, so the last wave is of light ones.
+// prefill_attention: FlashAttention's online softmax over tiles of PREFILL_TILE keys. A CTA's
+// rows are a block of queries x the GQA heads of one KV head (row r: query q0 + r / gsz, head
+// kvh gsz + r % gsz), so each tile of K and V in shared memory serves every head that reads it.
+// A tile none of the CTA's queries sees is never loaded (with a prompt's positions in order, a
+// block of queries reads the tiles up to its diagonal, and from its windows' first key); a tile
+// every query sees whole is not masked; the others are masked score by score. Heavier CTAs
+// (later queries) are launched first, so the last wave is of light ones.
 //
-// On Hopper, heads of 128 run on the warpgroup MMA (mma.cuh's wg_qk and wg_pv): the four warps
-// are one warpgroup of 64 rows, and the tiles are laid out with the 128-byte swizzle the MMA
-// reads them in. Elsewhere each warp multiplies its 16 rows with mma.sync and ldmatrix, from
-// tiles whose rows are padded by MMA_ROW_PAD.
+// On Hopper, heads of 128 run warp-specialised (FlashAttention-3's scheme): one warpgroup
+// only copies K and V tiles into PREFILL_WS_STAGES stages with the copy engine (one bulk copy
+// a tile, which pack_keys laid out in the warpgroup MMA's 128-byte swizzle), and
+// PREFILL_CONSUMERS warpgroups of 64 rows each multiply on the warpgroup MMA (mma.cuh's wg_qk
+// and wg_pv) with the registers the copying warpgroup gives up. Each consumer issues the next
+// tile's Q K^T before this tile's P V and computes the softmax while both run. Stages are
+// handed over by shared-memory barriers, never by the whole CTA.
+//
+// Elsewhere, four warps of 16 rows multiply with mma.sync and ldmatrix from tiles whose rows
+// are padded by MMA_ROW_PAD, streamed through PREFILL_STAGES stages with cp.async.
 
 #ifndef PREFILL_TILE
 #error "PREFILL_TILE must be defined by the kernel registry"
 #endif
 #ifndef PREFILL_STAGES
 #error "PREFILL_STAGES must be defined by the kernel registry"
+#endif
+#ifndef PREFILL_WS_STAGES
+#error "PREFILL_WS_STAGES must be defined by the kernel registry"
+#endif
+#ifndef PREFILL_CONSUMERS
+#error "PREFILL_CONSUMERS must be defined by the kernel registry"
 #endif
 #ifndef MMA_THREADS
 #error "MMA_THREADS must be defined by the kernel registry"
@@ -37,19 +49,21 @@
 #define NT (PREFILL_TILE / 8)                 // n-tiles of scores per tile
 #if HAS_WGMMA
 static_assert(PREFILL_TILE == 64 && MMA_THREADS == 128, "wg_qk multiplies 64 rows by 64 keys");
-#define HALF (PREFILL_TILE * 64)  // elements of one 64-wide half of a swizzled tile
+#define HALF (PREFILL_TILE * 64)              // elements of one 64-wide half of a swizzled tile
+#define TILE_BYTES (PREFILL_TILE * HEAD_DIM * 2)  // one tile of K (or V), one bulk copy
 #endif
 
-// One stage of K and V tiles: padded rows for ldmatrix, or (warpgroup MMA) each tile two
-// swizzled halves of HALF elements, K then V, the stage on 1024 bytes.
-struct PrefillStage {
-    u16 k[PREFILL_TILE][STRIDE];
-    u16 v[PREFILL_TILE][STRIDE];
-};
+// Where element e (of HEAD_DIM) of token t of KV head `head` lies in the packed keys, whose
+// heads hold `padded` tokens each. A tile is contiguous; on Hopper it is two 64-wide halves of
+// 128-byte rows, 16-byte piece p of row r at p ^ (r % 8), the swizzle the warpgroup MMA reads.
+__device__ __forceinline__ u64 packed_at(u32 head, u32 padded, u32 t, u32 e) {
 #if HAS_WGMMA
-static_assert(4 * HALF * 2 <= sizeof(PrefillStage) && sizeof(PrefillStage) % 1024 == 0,
-              "swizzled tiles fit a stage, and every stage starts on 1024 bytes");
+    const u32 row = t % PREFILL_TILE, piece = e % 64 / 8;
+    return ((u64)head * padded + (t - row)) * HEAD_DIM + e / 64 * HALF + row * 64 + ((piece ^ (row % 8)) * 8) + e % 8;
+#else
+    return ((u64)head * padded + t) * HEAD_DIM + e;
 #endif
+}
 
 // Tile blockIdx.x's smallest and largest key position into bounds (its first PREFILL_TILE
 // threads read one key each).
@@ -88,7 +102,7 @@ extern "C" __global__ void pack_keys(const float* __restrict__ k, const float* _
             kx = *reinterpret_cast<const float2*>(k + from);
             vx = *reinterpret_cast<const float2*>(v + from);
         }
-        const u64 to = ((u64)head * padded + t) * HEAD_DIM + e;
+        const u64 to = packed_at(head, padded, t, e);
         *reinterpret_cast<u32*>(kp + to) = pack2(kx.x, kx.y);
         *reinterpret_cast<u32*>(vp + to) = pack2(vx.x, vx.y);
     }
@@ -113,7 +127,7 @@ extern "C" __global__ void gather_keys(const u16* __restrict__ kc, const u16* __
             kx = *reinterpret_cast<const uint4*>(kc + from);
             vx = *reinterpret_cast<const uint4*>(vc + from);
         }
-        const u64 to = ((u64)head * padded + t) * HEAD_DIM + e;
+        const u64 to = packed_at(head, padded, t, e);
         *reinterpret_cast<uint4*>(kp + to) = kx;
         *reinterpret_cast<uint4*>(vp + to) = vx;
     }
@@ -142,190 +156,82 @@ __device__ __forceinline__ void load_q_rows(u32 (&qa)[KCH][4], const float* q, u
         }
 }
 
-// The first tile from `t` that some query of the CTA may see, one with keys at positions in
-// [from_min, q_max] (`tiles` if none).
-__device__ __forceinline__ u32 next_seen(const u32* bounds, u32 t, u32 tiles, u32 from_min, u32 q_max) {
-    while (t < tiles && (bounds[2 * t] > q_max || bounds[2 * t + 1] < from_min)) ++t;
-    return t;
-}
-
-// Tile `t` of KV head `kvh` (kp and vp hold `padded` tokens per head) into a stage.
-__device__ __forceinline__ void issue_tile(PrefillStage& st, const u16* kp, const u16* vp, u32 t, u32 padded,
-                                           int kvh) {
-    const u64 base = ((u64)kvh * padded + (u64)t * PREFILL_TILE) * HEAD_DIM;
-    for (int i = threadIdx.x; i < PIECES; i += MMA_THREADS) {
-        const int row = i / (HEAD_DIM / 8), piece = i % (HEAD_DIM / 8);
-#if HAS_WGMMA
-        // Piece p of a row's half h at position p ^ (row % 8) of that row of half h.
-        u16* k = &st.k[0][0];
-        const int at = (piece / 8) * HALF + row * 64 + ((piece % 8) ^ (row % 8)) * 8;
-        cp_async16(k + at, kp + base + (u64)i * 8, 16, false);
-        cp_async16(k + 2 * HALF + at, vp + base + (u64)i * 8, 16, false);
-#else
-        cp_async16(&st.k[row][piece * 8], kp + base + (u64)i * 8, 16, false);
-        cp_async16(&st.v[row][piece * 8], vp + base + (u64)i * 8, 16, false);
-#endif
+// The positions and window starts (q_from null: 0) of a CTA's `nq` queries from q0, reduced
+// over the warp: the first and last query positions and the smallest and largest window starts.
+struct QueryBounds {
+    u32 q_min, q_max, from_min, from_max;
+};
+__device__ __forceinline__ QueryBounds query_bounds(const u32* q_pos, const u32* q_from, u32 q0, u32 nq) {
+    QueryBounds b{0xffffffffu, 0, 0xffffffffu, 0};
+    for (u32 j = threadIdx.x % 32; j < nq; j += 32) {
+        b.q_min = min(b.q_min, q_pos[q0 + j]);
+        b.q_max = max(b.q_max, q_pos[q0 + j]);
+        const u32 f = q_from ? q_from[q0 + j] : 0;
+        b.from_min = min(b.from_min, f);
+        b.from_max = max(b.from_max, f);
     }
+    b.q_min = __reduce_min_sync(0xffffffffu, b.q_min);
+    b.q_max = __reduce_max_sync(0xffffffffu, b.q_max);
+    b.from_min = __reduce_min_sync(0xffffffffu, b.from_min);
+    b.from_max = __reduce_max_sync(0xffffffffu, b.from_max);
+    return b;
 }
 
-// One tile's scores for a warp's 16 rows of the 64 (S = Q K^T).
-__device__ __forceinline__ void tile_scores(float (&s)[NT][4], const PrefillStage& st, const u32 (&qa)[KCH][4]) {
-#if HAS_WGMMA
-    const u16* k = &st.k[0][0];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
-    wg_fence();
-#pragma unroll
-    for (int c = 0; c < KCH; ++c) wg_qk(s, qa[c], smem_desc(k + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
-    wg_commit_and_wait();
-    wg_pin_all(s);
-#else
-    qk_scores(s, st.k, qa);
-#endif
-}
-
-// O += P V for one tile (P: the scores after softmax_step).
-__device__ __forceinline__ void tile_pv(float (&o)[DTILES][4], const float (&s)[NT][4], const PrefillStage& st) {
-#if HAS_WGMMA
-    const u16* v = &st.k[0][0] + 2 * HALF;
-    wg_pin_all(o);
-    // P's fragments before the fence: registers written between two of a batch's MMAs make
-    // the compiler insert waits.
-    u32 a[NT / 2][4];
-#pragma unroll
-    for (int j = 0; j < NT / 2; ++j) p_fragment(a[j], s, j);
-    wg_fence();
-#pragma unroll
-    for (int j = 0; j < NT / 2; ++j) wg_pv(o, a[j], smem_desc(v + j * 16 * 64, 2 * HALF, 1024));
-    wg_commit_and_wait();
-    wg_pin_all(o);
-#else
-    pv_accumulate(o, s, st.v);
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2)
-prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, const u32* __restrict__ q_from,
-                  u32 queries,
-                  const u16* __restrict__ kp, const u16* __restrict__ vp, const u32* __restrict__ k_pos,
-                  const u32* __restrict__ bounds, u32 tokens, float* __restrict__ o, float* __restrict__ lse,
-                  int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
-    // The stages from the first 1024-byte boundary (the host gives 1 KB more for it).
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const u32 skew = (1024u - ((u32)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u;
-    PrefillStage* stages = reinterpret_cast<PrefillStage*>(smem_raw + skew);
-    const int gsz = q_heads / kv_heads, kvh = blockIdx.y;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
-    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * cta_queries;
-    const u32 nq = min(cta_queries, queries - q0);
-    const int rows = (int)nq * gsz;
-    const u32 tiles = (tokens + PREFILL_TILE - 1) / PREFILL_TILE, padded = tiles * PREFILL_TILE;
-
-    // The CTA's first and last query positions and window starts (q_from null: 0), in every
-    // warp (at most 64 queries a CTA).
-    u32 q_min = 0xffffffffu, q_max = 0, from_min = 0xffffffffu, from_max = 0;
+// This thread's two rows' positions and window starts, of a warp's 16 rows from row0 (rows
+// past the CTA's are never written).
+__device__ __forceinline__ void row_windows(u32 (&pos)[2], u32 (&from)[2], const u32* q_pos, const u32* q_from,
+                                            u32 q0, int rows, int row0, int gsz) {
+    const int g = threadIdx.x % 32 / 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const u32 j = lane + 32 * h;
-        if (j < nq) {
-            q_min = min(q_min, q_pos[q0 + j]);
-            q_max = max(q_max, q_pos[q0 + j]);
-            const u32 f = q_from ? q_from[q0 + j] : 0;
-            from_min = min(from_min, f);
-            from_max = max(from_max, f);
-        }
-    }
-    q_min = __reduce_min_sync(0xffffffffu, q_min);
-    q_max = __reduce_max_sync(0xffffffffu, q_max);
-    from_min = __reduce_min_sync(0xffffffffu, from_min);
-    from_max = __reduce_max_sync(0xffffffffu, from_max);
-    // This thread's two rows' positions and window starts (rows past the CTA's are never
-    // written).
-    u32 pos[2], from[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + g + 8 * h;
+        const int r = row0 + g + 8 * h;
         pos[h] = r < rows ? q_pos[q0 + r / gsz] : 0;
         from[h] = r < rows && q_from ? q_from[q0 + r / gsz] : 0;
     }
+}
 
-    // Tiles in flight, oldest first (`tiles`: none).
-    u32 flight[PREFILL_STAGES - 1];
-    u32 ahead = next_seen(bounds, 0, tiles, from_min, q_max);
+// The first tile from `t` that some query of the CTA may see, one with keys at positions in
+// [from_min, q_max] (`tiles` if none).
+__device__ __forceinline__ u32 next_seen(const u32* bounds, u32 t, u32 tiles, const QueryBounds& b) {
+    while (t < tiles && (bounds[2 * t] > b.q_max || bounds[2 * t + 1] < b.from_min)) ++t;
+    return t;
+}
+
+// Tile t's scores masked to each row's window, unless the tile is whole and every query of the
+// CTA sees all of it.
+__device__ __forceinline__ void mask_tile(float (&s)[NT][4], u32 t, u32 tokens, const u32* k_pos, const u32* bounds,
+                                          const QueryBounds& b, const u32 (&pos)[2], const u32 (&from)[2]) {
+    if ((t + 1) * PREFILL_TILE <= tokens && bounds[2 * t + 1] <= b.q_min && bounds[2 * t] >= b.from_max) return;
+    const int tig = threadIdx.x % 4;
 #pragma unroll
-    for (int s = 0; s + 1 < PREFILL_STAGES; ++s) {
-        flight[s] = ahead;
-        if (ahead < tiles) {
-            issue_tile(stages[s], kp, vp, ahead, padded, kvh);
-            ahead = next_seen(bounds, ahead + 1, tiles, from_min, q_max);
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 key = t * PREFILL_TILE + nt * 8 + 2 * tig + (i & 1);
+            const u32 at = key < tokens ? k_pos[key] : 0;
+            if (key >= tokens || at > pos[i >> 1] || at < from[i >> 1]) s[nt][i] = NEG_INF;
         }
-        cp_async_commit();
-    }
+}
 
-    u32 qa[KCH][4];
-    load_q_rows(qa, q, q0, rows, warp * 16, kvh, gsz, q_heads, scale_log2);
-    float acc[DTILES][4], m[2], l[2];
-    clear_state(acc, m, l);
-
-    for (u32 it = 0; flight[0] < tiles; ++it) {
-        const u32 t = flight[0];
-        // The next tile goes into the stage computed on last (every warp left it at the barrier
-        // that ended the last iteration).
-#pragma unroll
-        for (int s = 0; s + 2 < PREFILL_STAGES; ++s) flight[s] = flight[s + 1];
-        flight[PREFILL_STAGES - 2] = ahead;
-        if (ahead < tiles) {
-            issue_tile(stages[(it + PREFILL_STAGES - 1) % PREFILL_STAGES], kp, vp, ahead, padded, kvh);
-            ahead = next_seen(bounds, ahead + 1, tiles, from_min, q_max);
-        }
-        cp_async_commit();
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(PREFILL_STAGES - 1) : "memory");
-#if HAS_WGMMA
-        // The MMA reads shared memory through the async proxy: this thread's copies must be
-        // visible to it before the barrier.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-        __syncthreads();
-        // (A warpgroup multiplies all 64 rows together; mma.sync warps past the rows rest.)
-        if (HAS_WGMMA || warp * 16 < rows) {
-            const PrefillStage& st = stages[it % PREFILL_STAGES];
-            float s[NT][4];
-            tile_scores(s, st, qa);
-            // Masked unless the tile is whole and every query sees all of it.
-            if ((t + 1) * PREFILL_TILE > tokens || bounds[2 * t + 1] > q_min || bounds[2 * t] < from_max) {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const u32 key = t * PREFILL_TILE + nt * 8 + 2 * tig + (i & 1);
-                        const u32 at = key < tokens ? k_pos[key] : 0;
-                        if (key >= tokens || at > pos[i >> 1] || at < from[i >> 1]) s[nt][i] = NEG_INF;
-                    }
-            }
-            softmax_step(s, acc, m, l);
-            tile_pv(acc, s, st);
-        }
-        __syncthreads();
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-
-    // Each row's block state (normalised o, natural-log lse) merges into its state as
-    // canopy_core::merge_state does; a row that saw no key leaves it as it is.
+// A warp's 16 rows from row0: each row's block state (normalised o, natural-log lse) merges
+// into its state as canopy_core::merge_state does; a row that saw no key leaves it as it is.
+__device__ __forceinline__ void merge_rows(float (&acc)[DTILES][4], const float (&m)[2], float (&l)[2], int row0,
+                                           int rows, u32 q0, int gsz, int kvh, int q_heads, float* __restrict__ o,
+                                           float* __restrict__ lse) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
     finish_l(l);
     float old_lse[2];
     u64 cell[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + g + 8 * h;
+        const int r = row0 + g + 8 * h;
         cell[h] = r < rows ? (u64)(q0 + r / gsz) * q_heads + kvh * gsz + r % gsz : 0;
         old_lse[h] = r < rows ? lse[cell[h]] : NEG_INF;
     }
     __syncwarp();  // the quad has read each lse before its first lane writes it
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + g + 8 * h;
+        const int r = row0 + g + 8 * h;
         if (r >= rows || l[h] == 0.f) continue;
         const float block_lse = (m[h] + __log2f(l[h])) * LN2, inv_l = 1.f / l[h];
         float wa = 0.f, wb = 1.f, inv = 1.f, merged = block_lse;
@@ -351,3 +257,243 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
         if (tig == 0) lse[cell[h]] = merged;
     }
 }
+
+#if HAS_WGMMA
+// The warp-specialised kernel's shared memory: its stages of one K and one V tile (swizzled, on
+// 1024 bytes), and per stage a barrier each for K and V landing and one for the consumers
+// having read both.
+struct WsShared {
+    u16 k[PREFILL_WS_STAGES][PREFILL_TILE * HEAD_DIM];
+    u16 v[PREFILL_WS_STAGES][PREFILL_TILE * HEAD_DIM];
+    u64 k_full[PREFILL_WS_STAGES], v_full[PREFILL_WS_STAGES], empty[PREFILL_WS_STAGES];
+};
+// Registers per thread of the copying warpgroup and of each consumer (65,536 in all).
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240
+static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * PREFILL_CONSUMERS <= 65536, "the SM's register file");
+
+// Issues S (64 rows x 64 keys) = Q K^T for one swizzled K tile, uncommitted.
+__device__ __forceinline__ void issue_scores(float (&s)[NT][4], const u16* k, const u32 (&qa)[KCH][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int c = 0; c < KCH; ++c) wg_qk(s, qa[c], smem_desc(k + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
+}
+
+// Issues O += P V for one swizzled V tile, uncommitted (P: the tile's k-chunks as A fragments).
+__device__ __forceinline__ void issue_pv(float (&o)[DTILES][4], const u32 (&p)[NT / 2][4], const u16* v) {
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) wg_pv(o, p[j], smem_desc(v + j * 16 * 64, 2 * HALF, 1024));
+}
+
+// The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong): consumer c waits
+// on named barrier 2 + c before it issues and lets the next one go after, so one's softmax
+// runs while the other's MMAs do.
+static_assert(PREFILL_CONSUMERS == 2, "two consumers take turns");
+__device__ __forceinline__ void turn_wait(int c) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(2 + c), "n"(PREFILL_CONSUMERS * 128) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int c) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(2 + (c + 1) % PREFILL_CONSUMERS), "n"(PREFILL_CONSUMERS * 128) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__((PREFILL_CONSUMERS + 1) * 128, 1)
+prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, const u32* __restrict__ q_from,
+                  u32 queries,
+                  const u16* __restrict__ kp, const u16* __restrict__ vp, const u32* __restrict__ k_pos,
+                  const u32* __restrict__ bounds, u32 tokens, float* __restrict__ o, float* __restrict__ lse,
+                  int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const u32 skew = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+    WsShared& sh = *reinterpret_cast<WsShared*>(smem_raw + skew);
+    const int gsz = q_heads / kv_heads, kvh = blockIdx.y;
+    const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * cta_queries;
+    const u32 nq = min(cta_queries, queries - q0);
+    const int rows = (int)nq * gsz;
+    const u32 tiles = (tokens + PREFILL_TILE - 1) / PREFILL_TILE, padded = tiles * PREFILL_TILE;
+    const QueryBounds b = query_bounds(q_pos, q_from, q0, nq);
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < PREFILL_WS_STAGES; ++s) {
+            mbar_init(&sh.k_full[s], 1);
+            mbar_init(&sh.v_full[s], 1);
+            mbar_init(&sh.empty[s], PREFILL_CONSUMERS * 4);  // one arrival per consumer warp
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();  // the CTA's last: the copying warpgroup leaves early
+
+    if (wg == 0) {
+        regs_lower<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            u32 it = 0;
+            for (u32 t = next_seen(bounds, 0, tiles, b); t < tiles; t = next_seen(bounds, t + 1, tiles, b), ++it) {
+                const u32 st = it % PREFILL_WS_STAGES;
+                if (it >= PREFILL_WS_STAGES) mbar_wait(&sh.empty[st], (it / PREFILL_WS_STAGES - 1) & 1);
+                const u64 base = ((u64)kvh * padded + (u64)t * PREFILL_TILE) * HEAD_DIM;
+                mbar_expect_bytes(&sh.k_full[st], TILE_BYTES);
+                bulk_copy(sh.k[st], kp + base, TILE_BYTES, &sh.k_full[st]);
+                mbar_expect_bytes(&sh.v_full[st], TILE_BYTES);
+                bulk_copy(sh.v[st], vp + base, TILE_BYTES, &sh.v_full[st]);
+            }
+        }
+        return;
+    }
+    regs_raise<CONSUMER_REGS>();
+
+    const int row0 = (wg - 1) * 64 + (threadIdx.x % 128) / 32 * 16;
+    u32 pos[2], from[2];
+    row_windows(pos, from, q_pos, q_from, q0, rows, row0, gsz);
+    u32 qa[KCH][4];
+    load_q_rows(qa, q, q0, rows, row0, kvh, gsz, q_heads, scale_log2);
+    float acc[DTILES][4], m[2], l[2];
+    clear_state(acc, m, l);
+
+    // Tile t's scores (stage it) are in s: the first tile's alone, then each later tile's
+    // issued before the P V of the tile before it, so that its softmax runs while the tensor
+    // cores work through both.
+    u32 t = next_seen(bounds, 0, tiles, b), it = 0;
+    float s[NT][4];
+    u32 p[NT / 2][4];
+    const int c = wg - 1;
+    if (t < tiles) {
+        if (c == 1) turn_pass(c);  // consumer 0 goes first
+        mbar_wait(&sh.k_full[0], 0);
+        turn_wait(c);
+        issue_scores(s, sh.k[0], qa);
+        wg_commit();
+        turn_pass(c);
+        wg_wait<0>();
+        wg_pin_all(s);
+        mask_tile(s, t, tokens, k_pos, bounds, b, pos, from);
+        softmax_step(s, acc, m, l);
+    }
+    for (u32 next = next_seen(bounds, t + 1, tiles, b); next < tiles; next = next_seen(bounds, t + 1, tiles, b)) {
+        const u32 st = it % PREFILL_WS_STAGES, nst = (it + 1) % PREFILL_WS_STAGES;
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) p_fragment(p[j], s, j);
+        mbar_wait(&sh.k_full[nst], (it + 1) / PREFILL_WS_STAGES & 1);
+        mbar_wait(&sh.v_full[st], it / PREFILL_WS_STAGES & 1);
+        turn_wait(c);
+        issue_scores(s, sh.k[nst], qa);
+        wg_commit();
+        issue_pv(acc, p, sh.v[st]);
+        wg_commit();
+        turn_pass(c);
+        wg_wait<1>();
+        wg_pin_all(s);
+        mask_tile(s, next, tokens, k_pos, bounds, b, pos, from);
+        float alpha[2];
+        softmax_scores(s, m, l, alpha);
+        wg_wait<0>();
+        wg_pin_all(acc);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sh.empty[st]);
+        rescale(acc, alpha);
+        t = next;
+        ++it;
+    }
+    if (t < tiles) {
+        // The last tile's P V (the copying warpgroup waits for no more stages).
+        const u32 st = it % PREFILL_WS_STAGES;
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) p_fragment(p[j], s, j);
+        mbar_wait(&sh.v_full[st], it / PREFILL_WS_STAGES & 1);
+        turn_wait(c);
+        issue_pv(acc, p, sh.v[st]);
+        wg_commit();
+        if (c == 0) turn_pass(c);  // consumer 1 has no turn left to take
+        wg_wait<0>();
+        wg_pin_all(acc);
+    }
+    merge_rows(acc, m, l, row0, rows, q0, gsz, kvh, q_heads, o, lse);
+}
+
+#else
+// One stage of K and V tiles, rows padded for ldmatrix.
+struct PrefillStage {
+    u16 k[PREFILL_TILE][STRIDE];
+    u16 v[PREFILL_TILE][STRIDE];
+};
+
+// Tile `t` of KV head `kvh` (kp and vp hold `padded` tokens per head) into a stage.
+__device__ __forceinline__ void issue_tile(PrefillStage& st, const u16* kp, const u16* vp, u32 t, u32 padded,
+                                           int kvh) {
+    const u64 base = ((u64)kvh * padded + (u64)t * PREFILL_TILE) * HEAD_DIM;
+    for (int i = threadIdx.x; i < PIECES; i += MMA_THREADS) {
+        const int row = i / (HEAD_DIM / 8), piece = i % (HEAD_DIM / 8);
+        cp_async16(&st.k[row][piece * 8], kp + base + (u64)i * 8, 16, false);
+        cp_async16(&st.v[row][piece * 8], vp + base + (u64)i * 8, 16, false);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2)
+prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, const u32* __restrict__ q_from,
+                  u32 queries,
+                  const u16* __restrict__ kp, const u16* __restrict__ vp, const u32* __restrict__ k_pos,
+                  const u32* __restrict__ bounds, u32 tokens, float* __restrict__ o, float* __restrict__ lse,
+                  int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    PrefillStage* stages = reinterpret_cast<PrefillStage*>(smem_raw);
+    const int gsz = q_heads / kv_heads, kvh = blockIdx.y;
+    const int warp = threadIdx.x / 32;
+    const u32 q0 = (gridDim.x - 1 - blockIdx.x) * cta_queries;
+    const u32 nq = min(cta_queries, queries - q0);
+    const int rows = (int)nq * gsz;
+    const u32 tiles = (tokens + PREFILL_TILE - 1) / PREFILL_TILE, padded = tiles * PREFILL_TILE;
+    const QueryBounds b = query_bounds(q_pos, q_from, q0, nq);
+    u32 pos[2], from[2];
+    row_windows(pos, from, q_pos, q_from, q0, rows, warp * 16, gsz);
+
+    // Tiles in flight, oldest first (`tiles`: none).
+    u32 flight[PREFILL_STAGES - 1];
+    u32 ahead = next_seen(bounds, 0, tiles, b);
+#pragma unroll
+    for (int s = 0; s + 1 < PREFILL_STAGES; ++s) {
+        flight[s] = ahead;
+        if (ahead < tiles) {
+            issue_tile(stages[s], kp, vp, ahead, padded, kvh);
+            ahead = next_seen(bounds, ahead + 1, tiles, b);
+        }
+        cp_async_commit();
+    }
+
+    u32 qa[KCH][4];
+    load_q_rows(qa, q, q0, rows, warp * 16, kvh, gsz, q_heads, scale_log2);
+    float acc[DTILES][4], m[2], l[2];
+    clear_state(acc, m, l);
+
+    for (u32 it = 0; flight[0] < tiles; ++it) {
+        const u32 t = flight[0];
+        // The next tile goes into the stage computed on last (every warp left it at the barrier
+        // that ended the last iteration).
+#pragma unroll
+        for (int s = 0; s + 2 < PREFILL_STAGES; ++s) flight[s] = flight[s + 1];
+        flight[PREFILL_STAGES - 2] = ahead;
+        if (ahead < tiles) {
+            issue_tile(stages[(it + PREFILL_STAGES - 1) % PREFILL_STAGES], kp, vp, ahead, padded, kvh);
+            ahead = next_seen(bounds, ahead + 1, tiles, b);
+        }
+        cp_async_commit();
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(PREFILL_STAGES - 1) : "memory");
+        __syncthreads();
+        // Warps past the rows rest.
+        if (warp * 16 < rows) {
+            const PrefillStage& st = stages[it % PREFILL_STAGES];
+            float s[NT][4];
+            qk_scores(s, st.k, qa);
+            mask_tile(s, t, tokens, k_pos, bounds, b, pos, from);
+            softmax_step(s, acc, m, l);
+            pv_accumulate(acc, s, st.v);
+        }
+        __syncthreads();
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    merge_rows(acc, m, l, warp * 16, rows, q0, gsz, kvh, q_heads, o, lse);
+}
+#endif

@@ -74,14 +74,48 @@ pub const PREFILL_TILE: usize = 64;
 /// Shared-memory stages of `prefill_attention`'s K and V stream: one tile in flight while one
 /// is computed.
 pub const PREFILL_STAGES: usize = 2;
-/// Rows (queries × GQA heads) per CTA of `prefill_attention`: 16 per warp of `MMA_THREADS`.
+/// Rows (queries × GQA heads) per CTA of the mma.sync `prefill_attention`: 16 per warp of
+/// `MMA_THREADS`. The warp-specialised kernel takes 64 per consumer warpgroup.
 pub const PREFILL_ROWS: usize = MMA_THREADS as usize / 32 * 16;
+/// Shared-memory stages of the warp-specialised `prefill_attention` (Hopper, heads of 128):
+/// its copying warpgroup keeps up to this many K and V tiles ahead of the consumers.
+pub const PREFILL_WS_STAGES: usize = 4;
+/// Warpgroups of 64 rows that compute in one CTA of the warp-specialised `prefill_attention`,
+/// sharing each K and V tile; one more warpgroup copies the tiles.
+pub const PREFILL_CONSUMERS: usize = 2;
 
-/// Dynamic shared memory of `prefill_attention` at `head_dim`: its stages of a K and a V tile,
-/// 16-bit rows padded by [`MMA_ROW_PAD`] (`PrefillStage` in `prefill.cu`), and 1 KB to start
-/// them on a 1024-byte boundary (the warpgroup MMA's swizzled tiles need it).
-pub fn prefill_shared_bytes(head_dim: usize) -> usize {
-    PREFILL_STAGES * 2 * PREFILL_TILE * (head_dim + MMA_ROW_PAD) * 2 + 1024
+/// How `prefill_attention` is launched: its threads and rows per CTA and its dynamic shared
+/// memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillLaunch {
+    pub threads: u32,
+    pub rows: usize,
+    pub shared_bytes: usize,
+}
+
+impl PrefillLaunch {
+    /// The launch of the kernel that `prefill.cu` compiles for `arch` (e.g. `sm_90a`) and
+    /// `head_dim`: warp-specialised on the warpgroup MMA where `mma.cuh` sets `HAS_WGMMA`
+    /// (Hopper's `sm_90a`, heads of 128), four warps on mma.sync elsewhere.
+    pub fn for_device(arch: &str, head_dim: usize) -> Self {
+        if arch == "sm_90a" && head_dim == 128 {
+            let tile_bytes = PREFILL_TILE * head_dim * 2;
+            // `WsShared`: a K and a V tile and three 8-byte barriers per stage, and 1 KB to
+            // start the tiles on 1024 bytes (the 128-byte swizzle needs it).
+            let stages = PREFILL_WS_STAGES * (2 * tile_bytes + 3 * 8);
+            PrefillLaunch {
+                threads: (PREFILL_CONSUMERS as u32 + 1) * 128,
+                rows: PREFILL_CONSUMERS * 64,
+                shared_bytes: stages + 1024,
+            }
+        } else {
+            PrefillLaunch {
+                threads: MMA_THREADS,
+                rows: PREFILL_ROWS,
+                shared_bytes: PREFILL_STAGES * 2 * PREFILL_TILE * (head_dim + MMA_ROW_PAD) * 2,
+            }
+        }
+    }
 }
 /// Keys each thread of `top_logits` (`layers.cu`) holds in registers: a CTA narrows a
 /// segment of `LAYER_THREADS · TOP_ITEMS` logits (or keys of an earlier pass) to its `k`
@@ -129,7 +163,30 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("TOP_ITEMS", TOP_ITEMS.to_string()),
         ("PREFILL_TILE", PREFILL_TILE.to_string()),
         ("PREFILL_STAGES", PREFILL_STAGES.to_string()),
+        ("PREFILL_WS_STAGES", PREFILL_WS_STAGES.to_string()),
+        ("PREFILL_CONSUMERS", PREFILL_CONSUMERS.to_string()),
         ("REDUCE_SUM", REDUCE_SUM.to_string()),
         ("REDUCE_MAX", REDUCE_MAX.to_string()),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both launches fit an SM (Hopper's 227 KB of shared memory a CTA) and hold every GQA
+    /// group the host sends to `prefill.cu` (up to `PREFILL_ROWS` heads a KV head).
+    #[test]
+    fn prefill_launches_fit_an_sm_and_a_gqa_group() {
+        for (arch, head_dim) in [("sm_90a", 128), ("sm_90a", 64), ("sm_89", 128), ("sm_80", 64)] {
+            let launch = PrefillLaunch::for_device(arch, head_dim);
+            assert!(launch.shared_bytes <= 227 * 1024, "{arch} {head_dim}: {launch:?}");
+            assert!(launch.threads <= 1024 && launch.threads.is_multiple_of(128));
+            assert!(launch.rows >= PREFILL_ROWS && launch.rows.is_multiple_of(16));
+        }
+        let hopper = PrefillLaunch::for_device("sm_90a", 128);
+        assert_eq!(hopper.threads, 128 * (PREFILL_CONSUMERS as u32 + 1));
+        assert_eq!(hopper.rows, 64 * PREFILL_CONSUMERS);
+        assert_eq!(PrefillLaunch::for_device("sm_90a", 64).threads, MMA_THREADS);
+    }
 }

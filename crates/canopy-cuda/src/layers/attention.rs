@@ -13,8 +13,8 @@ use canopy_engine::layer_ops::expect_size;
 use canopy_engine::Backend;
 use canopy_engine::KeyBlock;
 use canopy_kernels::{
-    prefill_shared_bytes, Kernel, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, LAYER_THREADS,
-    MMA_HEAD_DIMS, MMA_THREADS, PREFILL_ROWS, PREFILL_TILE,
+    Kernel, PrefillLaunch, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, LAYER_THREADS, MMA_HEAD_DIMS,
+    PREFILL_ROWS, PREFILL_TILE,
 };
 use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -110,7 +110,7 @@ impl CudaBackend {
     }
 
     /// `prefill.cu`: the keys packed to their dtype in whole tiles, then one CTA per block of
-    /// [`PREFILL_ROWS`] rows (queries × the GQA heads of one KV head).
+    /// [`PrefillLaunch::rows`] rows (queries × the GQA heads of one KV head).
     fn attend_on_tensor_cores(&self, block: &Block, states: &mut CudaStates) -> Result<()> {
         let (shape, keys, dims) = (block.shape, block.keys, block.dims);
         let mut packed = self.packed_keys(shape, keys.dtype, dims.tokens as usize)?;
@@ -263,8 +263,9 @@ impl CudaBackend {
             head_dim: shape.head_dim,
             entry: "prefill_attention",
         };
+        let launch = PrefillLaunch::for_device(&self.arch, shape.head_dim);
         let gsz = shape.q_heads / shape.kv_heads;
-        let cta_queries = PREFILL_ROWS / gsz;
+        let cta_queries = launch.rows / gsz;
         let scale_log2 = shape.softmax_scale() * std::f32::consts::LOG2_E;
         let (q_heads, kv_heads) = (dims.q_heads as i32, dims.kv_heads as i32);
         let cta_queries_u32 = narrow(op, cta_queries)?;
@@ -275,8 +276,8 @@ impl CudaBackend {
                 dims.kv_heads,
                 1,
             ),
-            block_dim: (MMA_THREADS, 1, 1),
-            shared_mem_bytes: narrow(op, prefill_shared_bytes(shape.head_dim))?,
+            block_dim: (launch.threads, 1, 1),
+            shared_mem_bytes: narrow(op, launch.shared_bytes)?,
         };
         let no_windows = 0u64;
         let mut b = self.stream.launch_builder(&attend);
@@ -298,7 +299,7 @@ impl CudaBackend {
             .arg(&cta_queries_u32)
             .arg(&scale_log2);
         // SAFETY: CTA (x, kvh) holds queries x·cta_queries.. (below `rows`) × the gsz heads of
-        // KV head kvh, at most PREFILL_ROWS rows; q, q_pos, q_from (or null) and the states
+        // KV head kvh, at most the launch's rows; q, q_pos, q_from (or null) and the states
         // hold `rows` rows of q_heads cells, the packed keys, bounds and k_pos hold `tokens`
         // keys in whole tiles, and the shared memory is the kernel's stages (the function's
         // maximum was raised to it).
