@@ -63,16 +63,20 @@ __device__ __forceinline__ void clear_state(float (&o)[DTILES][4], float (&m)[2]
 // is not touched: a warpgroup MMA may still be accumulating into it).
 template <int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
-    // Maxima and sums in pairwise trees: chains of dependent instructions as short as they go
-    // (the "wait" stall led the tensor-core kernels' profile, BENCHMARKS session 9).
-    float part[2][NT];
+    // Maxima and sums in pairwise trees over CH partials: chains of dependent instructions as
+    // short as they go (the "wait" stall led the tensor-core kernels' profile, BENCHMARKS
+    // session 9). Past 8 n-tiles the partials first gather NT / CH n-tiles each: the halving
+    // loop of a wider tree is not unrolled, and its partials would live in local memory.
+    constexpr int CH = NT > 8 ? 8 : NT;
+    float part[2][CH];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        part[0][nt] = fmaxf(s[nt][0], s[nt][1]);
-        part[1][nt] = fmaxf(s[nt][2], s[nt][3]);
+        const float lo = fmaxf(s[nt][0], s[nt][1]), hi = fmaxf(s[nt][2], s[nt][3]);
+        part[0][nt % CH] = nt < CH ? lo : fmaxf(part[0][nt % CH], lo);
+        part[1][nt % CH] = nt < CH ? hi : fmaxf(part[1][nt % CH], hi);
     }
 #pragma unroll
-    for (int w = NT / 2; w >= 1; w /= 2)
+    for (int w = CH / 2; w >= 1; w /= 2)
 #pragma unroll
         for (int j = 0; j < w; ++j) {
             part[0][j] = fmaxf(part[0][j], part[0][j + w]);
@@ -95,11 +99,12 @@ __device__ __forceinline__ void softmax_scores(float (&s)[NT][4], float (&m)[2],
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) s[nt][i] = fast_exp2(s[nt][i] - base[i >> 1]);
-        part[0][nt] = s[nt][0] + s[nt][1];
-        part[1][nt] = s[nt][2] + s[nt][3];
+        const float lo = s[nt][0] + s[nt][1], hi = s[nt][2] + s[nt][3];
+        part[0][nt % CH] = nt < CH ? lo : part[0][nt % CH] + lo;
+        part[1][nt % CH] = nt < CH ? hi : part[1][nt % CH] + hi;
     }
 #pragma unroll
-    for (int w = NT / 2; w >= 1; w /= 2)
+    for (int w = CH / 2; w >= 1; w /= 2)
 #pragma unroll
         for (int j = 0; j < w; ++j) {
             part[0][j] += part[0][j + w];
@@ -288,6 +293,23 @@ __device__ __forceinline__ void wg_qk(float (&s)[8][4], const u32 (&a)[4], u64 d
         : WG_ACC4(s, 0), WG_ACC4(s, 1), WG_ACC4(s, 2), WG_ACC4(s, 3), WG_ACC4(s, 4), WG_ACC4(s, 5),
           WG_ACC4(s, 6), WG_ACC4(s, 7)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+// S (64 rows x 128 tokens) (+)= Q (k16 chunk) K^T with both operands in shared memory: A is
+// K-major like B, described as wg_qk's B is.
+__device__ __forceinline__ void wg_qk128_ss(float (&s)[16][4], u64 a_desc, u64 b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_AB "." MMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : WG_ACC4(s, 0), WG_ACC4(s, 1), WG_ACC4(s, 2), WG_ACC4(s, 3), WG_ACC4(s, 4), WG_ACC4(s, 5),
+          WG_ACC4(s, 6), WG_ACC4(s, 7), WG_ACC4(s, 8), WG_ACC4(s, 9), WG_ACC4(s, 10), WG_ACC4(s, 11),
+          WG_ACC4(s, 12), WG_ACC4(s, 13), WG_ACC4(s, 14), WG_ACC4(s, 15)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
 // O (64 rows x 128) += P (k16 chunk of tokens) V: B is MN-major (HEAD_DIM contiguous per

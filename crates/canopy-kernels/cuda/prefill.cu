@@ -42,6 +42,9 @@
 #ifndef PREFILL_CONSUMERS
 #error "PREFILL_CONSUMERS must be defined by the kernel registry"
 #endif
+#ifndef PREFILL_WS_TILES
+#error "PREFILL_WS_TILES must be defined by the kernel registry"
+#endif
 #ifndef MMA_THREADS
 #error "MMA_THREADS must be defined by the kernel registry"
 #endif
@@ -259,35 +262,120 @@ __device__ __forceinline__ void merge_rows(float (&acc)[DTILES][4], const float 
 }
 
 #if HAS_WGMMA
-// The warp-specialised kernel's shared memory: its stages of one K and one V tile (swizzled, on
-// 1024 bytes), and per stage a barrier each for K and V landing and one for the consumers
-// having read both.
-struct WsShared {
-    u16 k[PREFILL_WS_STAGES][PREFILL_TILE * HEAD_DIM];
-    u16 v[PREFILL_WS_STAGES][PREFILL_TILE * HEAD_DIM];
-    u64 k_full[PREFILL_WS_STAGES], v_full[PREFILL_WS_STAGES], empty[PREFILL_WS_STAGES];
+// One step as the copying warpgroup publishes it beside its tiles: the two tiles (a step with
+// one, the last, repeats it as its second, whose scores are all masked; `first` = the tile
+// count ends the sequence) and which of them need masking.
+struct Step {
+    u32 first, second, flags;
 };
+#define STEP_PAIRED 1u
+#define STEP_MASK_FIRST 2u
+#define STEP_MASK_SECOND 4u
+
+// The warp-specialised kernel's shared memory: its stages of one step's two K and two V tiles
+// (swizzled, on 1024 bytes), and per stage barriers for the Ks and the Vs landing and for the
+// consumers having read each: a stage's Ks are free once its Q K^T is done, well before its
+// P V, so the next step's Ks load while the Vs are still read. The Ks are interleaved by half, [K0 dims 0-63][K1 dims 0-63]
+// [K0 dims 64-127][K1 dims 64-127], so that one Q K^T MMA reads the step's 128 keys as rows;
+// the Vs are whole tiles, one after the other.
+static_assert(PREFILL_WS_TILES == 2, "a step is two tiles");
+#define STEP_ELEMS (PREFILL_WS_TILES * PREFILL_TILE * HEAD_DIM)
+struct WsShared {
+    u16 k[PREFILL_WS_STAGES][STEP_ELEMS];
+    u16 v[PREFILL_WS_STAGES][STEP_ELEMS];
+    u16 q[PREFILL_CONSUMERS][64 * HEAD_DIM];  // each consumer's Q, laid out as a K tile
+    u64 k_full[PREFILL_WS_STAGES], v_full[PREFILL_WS_STAGES], k_free[PREFILL_WS_STAGES], v_free[PREFILL_WS_STAGES];
+    Step step[PREFILL_WS_STAGES];  // the step each stage holds, published with its Ks
+};
+#define SNT (PREFILL_WS_TILES * NT)  // n-tiles of scores per step
 // Registers per thread of the copying warpgroup and of each consumer (65,536 in all).
 #define PRODUCER_REGS 24
 #define CONSUMER_REGS 240
 static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * PREFILL_CONSUMERS <= 65536, "the SM's register file");
 
-// Issues S (64 rows x 64 keys) = Q K^T for one swizzled K tile, uncommitted.
-__device__ __forceinline__ void issue_scores(float (&s)[NT][4], const u16* k, const u32 (&qa)[KCH][4]) {
+// Whether some query of the CTA sees only part of tile t (or the tile is not whole).
+__device__ __forceinline__ bool tile_needs_mask(const u32* bounds, u32 t, u32 tokens, const QueryBounds& b) {
+    return (t + 1) * PREFILL_TILE > tokens || bounds[2 * t + 1] > b.q_min || bounds[2 * t] < b.from_max;
+}
+
+// The step of the next two tiles some query of the CTA sees, from `t`.
+__device__ __forceinline__ Step step_from(const u32* bounds, u32 t, u32 tiles, u32 tokens, const QueryBounds& b) {
+    const u32 first = next_seen(bounds, t, tiles, b);
+    if (first >= tiles) return {tiles, tiles, 0};
+    const u32 second = next_seen(bounds, first + 1, tiles, b);
+    if (second >= tiles) return {first, first, tile_needs_mask(bounds, first, tokens, b) ? STEP_MASK_FIRST : 0};
+    return {first, second,
+            STEP_PAIRED | (tile_needs_mask(bounds, first, tokens, b) ? STEP_MASK_FIRST : 0) |
+                (tile_needs_mask(bounds, second, tokens, b) ? STEP_MASK_SECOND : 0)};
+}
+
+// The step's scores masked to each row's window (the second tile's wholly, if it repeats the
+// first).
+__device__ __forceinline__ void mask_step(float (&s)[SNT][4], const Step& st, u32 tokens, const u32* k_pos,
+                                          const u32 (&pos)[2], const u32 (&from)[2]) {
+    const int tig = threadIdx.x % 4;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int h = 0; h < PREFILL_WS_TILES; ++h) {
+        const u32 t = h == 0 ? st.first : st.second;
+        const bool none = h == 1 && !(st.flags & STEP_PAIRED);
+        if (!none && !(st.flags & (h == 0 ? STEP_MASK_FIRST : STEP_MASK_SECOND))) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 key = t * PREFILL_TILE + nt * 8 + 2 * tig + (i & 1);
+                const u32 at = key < tokens ? k_pos[key] : 0;
+                if (none || key >= tokens || at > pos[i >> 1] || at < from[i >> 1]) s[h * NT + nt][i] = NEG_INF;
+            }
+    }
+}
+
+// A consumer's 64 rows of Q (from the CTA's row0), scaled into the log2 domain and rounded,
+// into shared memory as pack_keys lays out a tile (rows past `rows` are zero); its four warps
+// then meet on named barrier 4 + c, and the MMAs may read it.
+__device__ __forceinline__ void store_q(u16* qs, const float* q, u32 q0, int rows, int row0, int kvh, int gsz,
+                                        int q_heads, float scale_log2, int c) {
+    for (int i = threadIdx.x % 128; i < 64 * HEAD_DIM / 8; i += 128) {
+        const int r = i / (HEAD_DIM / 8), e = i % (HEAD_DIM / 8) * 8, row = row0 + r;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (row < rows) {
+            const float* at = q + ((u64)(q0 + row / gsz) * q_heads + kvh * gsz + row % gsz) * HEAD_DIM + e;
+            const float4 a = *reinterpret_cast<const float4*>(at), b = *reinterpret_cast<const float4*>(at + 4);
+            x = make_uint4(pack2(a.x * scale_log2, a.y * scale_log2), pack2(a.z * scale_log2, a.w * scale_log2),
+                           pack2(b.x * scale_log2, b.y * scale_log2), pack2(b.z * scale_log2, b.w * scale_log2));
+        }
+        *reinterpret_cast<uint4*>(qs + packed_at(0, 0, r, e)) = x;
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(4 + c) : "memory");
+}
+
+// Issues S (64 rows x the step's 128 keys) = Q K^T, uncommitted.
+__device__ __forceinline__ void issue_scores(float (&s)[SNT][4], const u16* k, const u16* qs) {
+#pragma unroll
+    for (int nt = 0; nt < SNT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
     wg_fence();
 #pragma unroll
-    for (int c = 0; c < KCH; ++c) wg_qk(s, qa[c], smem_desc(k + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
+    for (int c = 0; c < KCH; ++c)
+        wg_qk128_ss(s, smem_desc(qs + (c / 4) * HALF + (c % 4) * 16, 16, 1024),
+                    smem_desc(k + (c / 4) * PREFILL_WS_TILES * HALF + (c % 4) * 16, 16, 1024), c);
 }
 
-// Issues O += P V for one swizzled V tile, uncommitted (P: the tile's k-chunks as A fragments).
-__device__ __forceinline__ void issue_pv(float (&o)[DTILES][4], const u32 (&p)[NT / 2][4], const u16* v) {
+// Issues O += P V over the step's two V tiles, uncommitted (P: the step's k-chunks as A
+// fragments).
+__device__ __forceinline__ void issue_pv(float (&o)[DTILES][4], const u32 (&p)[SNT / 2][4], const u16* v) {
     wg_fence();
 #pragma unroll
-    for (int j = 0; j < NT / 2; ++j) wg_pv(o, p[j], smem_desc(v + j * 16 * 64, 2 * HALF, 1024));
+    for (int j = 0; j < SNT / 2; ++j)
+        wg_pv(o, p[j], smem_desc(v + (j / 4) * 2 * HALF + (j % 4) * 16 * 64, 2 * HALF, 1024));
+}
+
+// A consumer warp is done reading a stage's Ks or Vs (its MMAs have completed).
+__device__ __forceinline__ void release(u64* free) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(free);
 }
 
 // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong): consumer c waits
@@ -311,7 +399,7 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
     const u32 skew = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
     WsShared& sh = *reinterpret_cast<WsShared*>(smem_raw + skew);
     const int gsz = q_heads / kv_heads, kvh = blockIdx.y;
-    const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+    const int wg = threadIdx.x / 128;
     const u32 q0 = (gridDim.x - 1 - blockIdx.x) * cta_queries;
     const u32 nq = min(cta_queries, queries - q0);
     const int rows = (int)nq * gsz;
@@ -322,7 +410,8 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
         for (int s = 0; s < PREFILL_WS_STAGES; ++s) {
             mbar_init(&sh.k_full[s], 1);
             mbar_init(&sh.v_full[s], 1);
-            mbar_init(&sh.empty[s], PREFILL_CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(&sh.k_free[s], PREFILL_CONSUMERS * 4);  // one arrival per consumer warp
+            mbar_init(&sh.v_free[s], PREFILL_CONSUMERS * 4);
         }
         mbar_init_fence();
     }
@@ -331,78 +420,98 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
     if (wg == 0) {
         regs_lower<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            u32 it = 0;
-            for (u32 t = next_seen(bounds, 0, tiles, b); t < tiles; t = next_seen(bounds, t + 1, tiles, b), ++it) {
+            // Every step, then one whose `first` is the tile count: the consumers' end.
+            u32 it = 0, t = 0;
+            for (;; ++it) {
+                const Step step = step_from(bounds, t, tiles, tokens, b);
                 const u32 st = it % PREFILL_WS_STAGES;
-                if (it >= PREFILL_WS_STAGES) mbar_wait(&sh.empty[st], (it / PREFILL_WS_STAGES - 1) & 1);
-                const u64 base = ((u64)kvh * padded + (u64)t * PREFILL_TILE) * HEAD_DIM;
-                mbar_expect_bytes(&sh.k_full[st], TILE_BYTES);
-                bulk_copy(sh.k[st], kp + base, TILE_BYTES, &sh.k_full[st]);
-                mbar_expect_bytes(&sh.v_full[st], TILE_BYTES);
-                bulk_copy(sh.v[st], vp + base, TILE_BYTES, &sh.v_full[st]);
+                const u32 reused = (it / PREFILL_WS_STAGES - 1) & 1;  // the stage's last phase
+                if (it >= PREFILL_WS_STAGES) mbar_wait(&sh.k_free[st], reused);
+                sh.step[st] = step;
+                if (step.first >= tiles) {
+                    mbar_arrive(&sh.k_full[st]);
+                    break;
+                }
+                const u64 head = (u64)kvh * padded * HEAD_DIM;
+                const u64 at[2] = {head + (u64)step.first * PREFILL_TILE * HEAD_DIM,
+                                   head + (u64)step.second * PREFILL_TILE * HEAD_DIM};
+                mbar_expect_bytes(&sh.k_full[st], PREFILL_WS_TILES * TILE_BYTES);
+#pragma unroll
+                for (int h = 0; h < PREFILL_WS_TILES; ++h)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        bulk_copy(sh.k[st] + (half * PREFILL_WS_TILES + h) * HALF, kp + at[h] + half * HALF, TILE_BYTES / 2,
+                                  &sh.k_full[st]);
+                if (it >= PREFILL_WS_STAGES) mbar_wait(&sh.v_free[st], reused);
+                mbar_expect_bytes(&sh.v_full[st], PREFILL_WS_TILES * TILE_BYTES);
+#pragma unroll
+                for (int h = 0; h < PREFILL_WS_TILES; ++h)
+                    bulk_copy(sh.v[st] + h * 2 * HALF, vp + at[h], TILE_BYTES, &sh.v_full[st]);
+                t = (step.flags & STEP_PAIRED ? step.second : step.first) + 1;
             }
         }
         return;
     }
     regs_raise<CONSUMER_REGS>();
 
-    const int row0 = (wg - 1) * 64 + (threadIdx.x % 128) / 32 * 16;
+    const int c = wg - 1, row0 = c * 64 + (threadIdx.x % 128) / 32 * 16;
     u32 pos[2], from[2];
     row_windows(pos, from, q_pos, q_from, q0, rows, row0, gsz);
-    u32 qa[KCH][4];
-    load_q_rows(qa, q, q0, rows, row0, kvh, gsz, q_heads, scale_log2);
+    const u16* qs = sh.q[c];
+    store_q(sh.q[c], q, q0, rows, c * 64, kvh, gsz, q_heads, scale_log2, c);
     float acc[DTILES][4], m[2], l[2];
     clear_state(acc, m, l);
 
-    // Tile t's scores (stage it) are in s: the first tile's alone, then each later tile's
-    // issued before the P V of the tile before it, so that its softmax runs while the tensor
+    // Step `cur`'s scores (stage it) are in s: the first step's alone, then each later step's
+    // issued before the P V of the step before it, so that its softmax runs while the tensor
     // cores work through both.
-    u32 t = next_seen(bounds, 0, tiles, b), it = 0;
-    float s[NT][4];
-    u32 p[NT / 2][4];
-    const int c = wg - 1;
-    if (t < tiles) {
+    mbar_wait(&sh.k_full[0], 0);
+    Step cur = sh.step[0];
+    u32 it = 0;
+    float s[SNT][4];
+    u32 p[SNT / 2][4];
+    if (cur.first < tiles) {
         if (c == 1) turn_pass(c);  // consumer 0 goes first
-        mbar_wait(&sh.k_full[0], 0);
         turn_wait(c);
-        issue_scores(s, sh.k[0], qa);
+        issue_scores(s, sh.k[0], qs);
         wg_commit();
         turn_pass(c);
         wg_wait<0>();
         wg_pin_all(s);
-        mask_tile(s, t, tokens, k_pos, bounds, b, pos, from);
+        release(&sh.k_free[0]);
+        mask_step(s, cur, tokens, k_pos, pos, from);
         softmax_step(s, acc, m, l);
-    }
-    for (u32 next = next_seen(bounds, t + 1, tiles, b); next < tiles; next = next_seen(bounds, t + 1, tiles, b)) {
-        const u32 st = it % PREFILL_WS_STAGES, nst = (it + 1) % PREFILL_WS_STAGES;
+        for (;;) {
+            const u32 st = it % PREFILL_WS_STAGES, nst = (it + 1) % PREFILL_WS_STAGES;
+            mbar_wait(&sh.k_full[nst], (it + 1) / PREFILL_WS_STAGES & 1);
+            const Step next = sh.step[nst];
+            if (next.first >= tiles) break;
 #pragma unroll
-        for (int j = 0; j < NT / 2; ++j) p_fragment(p[j], s, j);
-        mbar_wait(&sh.k_full[nst], (it + 1) / PREFILL_WS_STAGES & 1);
-        mbar_wait(&sh.v_full[st], it / PREFILL_WS_STAGES & 1);
-        turn_wait(c);
-        issue_scores(s, sh.k[nst], qa);
-        wg_commit();
-        issue_pv(acc, p, sh.v[st]);
-        wg_commit();
-        turn_pass(c);
-        wg_wait<1>();
-        wg_pin_all(s);
-        mask_tile(s, next, tokens, k_pos, bounds, b, pos, from);
-        float alpha[2];
-        softmax_scores(s, m, l, alpha);
-        wg_wait<0>();
-        wg_pin_all(acc);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&sh.empty[st]);
-        rescale(acc, alpha);
-        t = next;
-        ++it;
-    }
-    if (t < tiles) {
-        // The last tile's P V (the copying warpgroup waits for no more stages).
+            for (int j = 0; j < SNT / 2; ++j) p_fragment(p[j], s, j);
+            mbar_wait(&sh.v_full[st], it / PREFILL_WS_STAGES & 1);
+            turn_wait(c);
+            issue_scores(s, sh.k[nst], qs);
+            wg_commit();
+            issue_pv(acc, p, sh.v[st]);
+            wg_commit();
+            turn_pass(c);
+            wg_wait<1>();
+            wg_pin_all(s);
+            release(&sh.k_free[nst]);
+            mask_step(s, next, tokens, k_pos, pos, from);
+            float alpha[2];
+            softmax_scores(s, m, l, alpha);
+            wg_wait<0>();
+            wg_pin_all(acc);
+            release(&sh.v_free[st]);
+            rescale(acc, alpha);
+            cur = next;
+            ++it;
+        }
+        // The last step's P V (the copying warpgroup waits for no more stages).
         const u32 st = it % PREFILL_WS_STAGES;
 #pragma unroll
-        for (int j = 0; j < NT / 2; ++j) p_fragment(p[j], s, j);
+        for (int j = 0; j < SNT / 2; ++j) p_fragment(p[j], s, j);
         mbar_wait(&sh.v_full[st], it / PREFILL_WS_STAGES & 1);
         turn_wait(c);
         issue_pv(acc, p, sh.v[st]);

@@ -77,9 +77,12 @@ pub const PREFILL_STAGES: usize = 2;
 /// Rows (queries × GQA heads) per CTA of the mma.sync `prefill_attention`: 16 per warp of
 /// `MMA_THREADS`. The warp-specialised kernel takes 64 per consumer warpgroup.
 pub const PREFILL_ROWS: usize = MMA_THREADS as usize / 32 * 16;
-/// Shared-memory stages of the warp-specialised `prefill_attention` (Hopper, heads of 128):
-/// its copying warpgroup keeps up to this many K and V tiles ahead of the consumers.
-pub const PREFILL_WS_STAGES: usize = 4;
+/// Tiles of keys the warp-specialised `prefill_attention` (Hopper, heads of 128) takes a step:
+/// its Q K^T MMAs are 128 keys wide, which the warpgroup MMA runs faster than 64.
+pub const PREFILL_WS_TILES: usize = 2;
+/// Shared-memory stages of the warp-specialised `prefill_attention`: its copying warpgroup
+/// keeps up to this many steps of K and V tiles ahead of the consumers.
+pub const PREFILL_WS_STAGES: usize = 2;
 /// Warpgroups of 64 rows that compute in one CTA of the warp-specialised `prefill_attention`,
 /// sharing each K and V tile; one more warpgroup copies the tiles.
 pub const PREFILL_CONSUMERS: usize = 2;
@@ -100,9 +103,11 @@ impl PrefillLaunch {
     pub fn for_device(arch: &str, head_dim: usize) -> Self {
         if arch == "sm_90a" && head_dim == 128 {
             let tile_bytes = PREFILL_TILE * head_dim * 2;
-            // `WsShared`: a K and a V tile and three 8-byte barriers per stage, and 1 KB to
-            // start the tiles on 1024 bytes (the 128-byte swizzle needs it).
-            let stages = PREFILL_WS_STAGES * (2 * tile_bytes + 3 * 8);
+            // `WsShared`: a step's K and V tiles, four 8-byte barriers and the step's 12
+            // bytes per stage, each consumer's 64 rows of Q, and 1 KB to start the tiles on
+            // 1024 bytes (the 128-byte swizzle needs it).
+            let stages = PREFILL_WS_STAGES * (2 * PREFILL_WS_TILES * tile_bytes + 4 * 8 + 12)
+                + PREFILL_CONSUMERS * 64 * head_dim * 2;
             PrefillLaunch {
                 threads: (PREFILL_CONSUMERS as u32 + 1) * 128,
                 rows: PREFILL_CONSUMERS * 64,
@@ -165,6 +170,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("PREFILL_STAGES", PREFILL_STAGES.to_string()),
         ("PREFILL_WS_STAGES", PREFILL_WS_STAGES.to_string()),
         ("PREFILL_CONSUMERS", PREFILL_CONSUMERS.to_string()),
+        ("PREFILL_WS_TILES", PREFILL_WS_TILES.to_string()),
         ("REDUCE_SUM", REDUCE_SUM.to_string()),
         ("REDUCE_MAX", REDUCE_MAX.to_string()),
     ]
@@ -178,9 +184,17 @@ mod tests {
     /// group the host sends to `prefill.cu` (up to `PREFILL_ROWS` heads a KV head).
     #[test]
     fn prefill_launches_fit_an_sm_and_a_gqa_group() {
-        for (arch, head_dim) in [("sm_90a", 128), ("sm_90a", 64), ("sm_89", 128), ("sm_80", 64)] {
+        for (arch, head_dim) in [
+            ("sm_90a", 128),
+            ("sm_90a", 64),
+            ("sm_89", 128),
+            ("sm_80", 64),
+        ] {
             let launch = PrefillLaunch::for_device(arch, head_dim);
-            assert!(launch.shared_bytes <= 227 * 1024, "{arch} {head_dim}: {launch:?}");
+            assert!(
+                launch.shared_bytes <= 227 * 1024,
+                "{arch} {head_dim}: {launch:?}"
+            );
             assert!(launch.threads <= 1024 && launch.threads.is_multiple_of(128));
             assert!(launch.rows >= PREFILL_ROWS && launch.rows.is_multiple_of(16));
         }
