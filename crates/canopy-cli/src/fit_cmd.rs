@@ -7,9 +7,14 @@
 //! the measured medians ([`DeviceModel::fit`]). The report says how well the starting and
 //! the fitted model rank the measured methods of each tree, which is what `auto` needs from
 //! it (its candidates are these methods at these sizes): the regret is the measured time of
-//! the model's pick over the best measured time. `--holdout` runs are not fitted to: the
-//! fitted model's error and regret on them say how it does on trees it was not tuned on.
-//! `--objective picks` goes on from the log-error fit to minimise the regret itself.
+//! the model's pick over the best measured time, beside the share of trees within 1.05x of
+//! the best, the worst, the picks more than 3% slower than `q-guided` and the geomean speedup
+//! over it (issue 25's measures). Picks are `auto`'s ([`DeviceModel::pick`]), and the fitted
+//! model's `q_guided_margin` is its median error against q-guided on the fitted trees
+//! ([`DeviceModel::q_guided_margin`]). `--holdout` runs are not fitted to: the fitted model's
+//! scores on them say how it does on trees it was not tuned on. `--objective picks` goes on
+//! from the log-error fit to minimise the regret itself. To score a model without fitting it,
+//! give it as `--device-model` and read its "start" rows.
 
 use crate::plan_cmd::ShapeArgs;
 use crate::table::Table;
@@ -17,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use canopy_core::random_trees;
 use canopy_core::stats::geomean;
 use canopy_core::{
-    plan, AttnShape, DType, DeviceModel, Method, PlannerConfig, Sample, Shard, TreeView,
+    plan, AttnShape, DType, DeviceModel, Method, PlanCost, PlannerConfig, Sample, Shard, TreeView,
     WorkloadSpec,
 };
 use clap::Args;
@@ -99,20 +104,41 @@ struct TreeFit {
     best: (Method, f64),
     start_pick: (Method, f64),
     fitted_pick: (Method, f64),
+    methods: Vec<MethodFit>,
+}
+
+/// One method's measured step, the quantities the model prices it by, and both models' prices.
+#[derive(Serialize)]
+struct MethodFit {
+    method: Method,
+    measured_us: f64,
+    start_us: f64,
+    fitted_us: f64,
+    cost: PlanCost,
+}
+
+/// How one model does on a set of trees: what `auto` would gain and lose with it.
+#[derive(Serialize)]
+struct Picks {
+    log_error: f64,
+    /// Geometric mean over trees of the measured time of the model's pick over the best.
+    regret: f64,
+    /// The largest pick / best, and the share of trees within 1.05x.
+    worst_regret: f64,
+    within_1_05: f64,
+    /// Trees where the pick measured more than 3% slower than `q-guided`.
+    slower_than_q_guided: usize,
+    /// Geometric mean of `q-guided`'s measured time over the pick's.
+    speedup_over_q_guided: f64,
 }
 
 /// How the starting and the fitted model do on one set of trees.
 #[derive(Serialize)]
 struct Score {
     samples: usize,
-    start_log_error: f64,
-    fitted_log_error: f64,
-    /// Geometric mean over trees of the measured time of the model's pick over the best.
-    start_regret: f64,
-    fitted_regret: f64,
-    /// The largest pick / best of the fitted model, and the share of trees within 1.05x.
-    fitted_worst_regret: f64,
-    fitted_within_1_05: f64,
+    trees: usize,
+    start: Picks,
+    fitted: Picks,
 }
 
 #[derive(Serialize)]
@@ -121,16 +147,21 @@ struct FitOutput {
     fit: Score,
     /// The same on the `--holdout` runs.
     holdout: Option<Score>,
-    fitted: DeviceModel,
+    /// The fitted model, as `--out` writes it.
+    model: DeviceModel,
     trees: Vec<TreeFit>,
 }
 
-/// The (method, measured µs) whose sample `model` prices lowest.
+/// The (method, measured µs) `model` picks, as `auto` would ([`DeviceModel::pick`]).
 fn pick(model: &DeviceModel, tree: &[(Method, Sample)]) -> (Method, f64) {
-    tree.iter()
-        .min_by(|a, b| model.price(&a.1.cost).total_cmp(&model.price(&b.1.cost)))
-        .map(|(m, s)| (*m, s.measured_us))
-        .expect("a tree with measured methods")
+    let predicted: Vec<(Method, f64)> = tree
+        .iter()
+        .map(|(m, s)| (*m, model.price(&s.cost)))
+        .collect();
+    let i = model
+        .pick(&predicted)
+        .expect("a tree with measured methods");
+    (tree[i].0, tree[i].1.measured_us)
 }
 
 /// The geometric mean over `trees` of the measured time of `model`'s pick over the best.
@@ -229,6 +260,34 @@ fn load_all(
     Ok(trees)
 }
 
+/// How `model`'s picks do on `trees`.
+fn picks(model: &DeviceModel, trees: &[Measured], all: &[Sample]) -> Picks {
+    let mut ratios = Vec::new();
+    let mut over_q = Vec::new();
+    for t in trees.iter().filter(|t| !t.samples.is_empty()) {
+        let measured = |m: Method| t.samples.iter().find(|x| x.0 == m).map(|x| x.1.measured_us);
+        let best = t
+            .samples
+            .iter()
+            .map(|x| x.1.measured_us)
+            .fold(f64::INFINITY, f64::min);
+        let pick = pick(model, &t.samples).1;
+        ratios.push(pick / best);
+        if let Some(q) = measured(Method::QGuided) {
+            over_q.push(pick / q);
+        }
+    }
+    Picks {
+        log_error: model.log_error(all),
+        regret: geomean(ratios.iter().copied()),
+        worst_regret: ratios.iter().copied().fold(1.0, f64::max),
+        within_1_05: ratios.iter().filter(|&&r| r <= 1.05).count() as f64
+            / ratios.len().max(1) as f64,
+        slower_than_q_guided: over_q.iter().filter(|&&r| r > 1.03).count(),
+        speedup_over_q_guided: 1.0 / geomean(over_q.iter().copied()),
+    }
+}
+
 /// Each tree's best measured method and both models' picks, and the scores over them.
 fn score(start: &DeviceModel, fitted: &DeviceModel, trees: &[Measured]) -> (Score, Vec<TreeFit>) {
     let all: Vec<Sample> = trees
@@ -250,18 +309,24 @@ fn score(start: &DeviceModel, fitted: &DeviceModel, trees: &[Measured]) -> (Scor
                 .expect("non-empty"),
             start_pick: pick(start, &t.samples),
             fitted_pick: pick(fitted, &t.samples),
+            methods: t
+                .samples
+                .iter()
+                .map(|(m, x)| MethodFit {
+                    method: *m,
+                    measured_us: x.measured_us,
+                    start_us: start.price(&x.cost),
+                    fitted_us: fitted.price(&x.cost),
+                    cost: x.cost,
+                })
+                .collect(),
         })
         .collect();
-    let fitted_ratios: Vec<f64> = fits.iter().map(|t| t.fitted_pick.1 / t.best.1).collect();
     let score = Score {
         samples: all.len(),
-        start_log_error: start.log_error(&all),
-        fitted_log_error: fitted.log_error(&all),
-        start_regret: regret(start, trees),
-        fitted_regret: regret(fitted, trees),
-        fitted_worst_regret: fitted_ratios.iter().copied().fold(1.0, f64::max),
-        fitted_within_1_05: fitted_ratios.iter().filter(|&&r| r <= 1.05).count() as f64
-            / fitted_ratios.len().max(1) as f64,
+        trees: fits.len(),
+        start: picks(start, trees, &all),
+        fitted: picks(fitted, trees, &all),
     };
     (score, fits)
 }
@@ -296,15 +361,20 @@ pub fn run(a: FitArgs) -> Result<()> {
             fitted.fit_by(|m| regret(m, &trees).ln() + PICKS_LOG_ERROR_WEIGHT * m.log_error(&all))
         }
     };
+    // The guard's margin is the fitted model's own error against q-guided on these trees.
+    let fitted = DeviceModel {
+        q_guided_margin: fitted.q_guided_margin(trees.iter().map(|t| t.samples.as_slice())),
+        ..fitted
+    };
     let (fit, fits) = score(&start, &fitted, &trees);
     let holdout = (!held.is_empty()).then(|| score(&start, &fitted, &held).0);
     let out = FitOutput {
         fit,
         holdout,
-        fitted,
+        model: fitted,
         trees: fits,
     };
-    let model_toml = toml::to_string(&out.fitted)?;
+    let model_toml = toml::to_string(&out.model)?;
     if let Some(p) = &a.out {
         std::fs::write(p, &model_toml).with_context(|| format!("writing {}", p.display()))?;
     }
@@ -324,22 +394,34 @@ pub fn run(a: FitArgs) -> Result<()> {
         ]);
     }
     println!("{}", t.render());
-    let line = |what: &str, s: &Score| {
-        println!(
-            "{what}: {} samples; rms log error {:.3} -> {:.3}; regret (geomean of pick / best) {:.3} -> {:.3}; fitted: worst {:.2}x, {:.0}% within 1.05x",
-            s.samples,
-            s.start_log_error,
-            s.fitted_log_error,
-            s.start_regret,
-            s.fitted_regret,
-            s.fitted_worst_regret,
-            100.0 * s.fitted_within_1_05
-        )
-    };
-    line("fit", &out.fit);
-    if let Some(h) = &out.holdout {
-        line("holdout", h);
+    let mut t = Table::new(&[
+        "set",
+        "model",
+        "trees",
+        "rms log error",
+        "regret",
+        "worst",
+        "within 1.05x",
+        "> 1.03x q-guided",
+        "over q-guided",
+    ]);
+    let sets = [("fit", Some(&out.fit)), ("holdout", out.holdout.as_ref())];
+    for (set, s) in sets.into_iter().filter_map(|(n, s)| Some((n, s?))) {
+        for (model, p) in [("start", &s.start), ("fitted", &s.fitted)] {
+            t.row(vec![
+                set.to_string(),
+                model.to_string(),
+                s.trees.to_string(),
+                format!("{:.3}", p.log_error),
+                format!("{:.3}", p.regret),
+                format!("{:.2}x", p.worst_regret),
+                format!("{:.1}%", 100.0 * p.within_1_05),
+                p.slower_than_q_guided.to_string(),
+                format!("{:.2}x", p.speedup_over_q_guided),
+            ]);
+        }
     }
+    println!("{}", t.render());
     println!("fitted model:\n{model_toml}");
     Ok(())
 }

@@ -449,14 +449,14 @@ fn fit_model_refits_the_recorded_h100_run() {
     let v = json(&args);
     assert_eq!(v["samples"], 130);
     let (start, fitted) = (
-        v["start_log_error"].as_f64().unwrap(),
-        v["fitted_log_error"].as_f64().unwrap(),
+        v["start"]["log_error"].as_f64().unwrap(),
+        v["fitted"]["log_error"].as_f64().unwrap(),
     );
     assert!(
         fitted <= start + 1e-9 && fitted < 0.2,
         "{start} -> {fitted}"
     );
-    assert!(v["start_regret"].as_f64().unwrap() < 1.02, "{v}");
+    assert!(v["start"]["regret"].as_f64().unwrap() < 1.02, "{v}");
     let plan = json(&[
         "plan",
         "--workload",

@@ -117,9 +117,13 @@ fn fit_model_reads_sweeps_and_judges_a_disjoint_holdout() {
     assert_eq!(v["samples"].as_u64(), Some(10), "five methods on two trees");
     let h = &v["holdout"];
     assert_eq!(h["samples"].as_u64(), Some(10), "{h}");
-    for k in ["fitted_log_error", "fitted_regret", "fitted_worst_regret"] {
-        assert!(h[k].as_f64().unwrap() >= 0.0, "{k}: {h}");
+    for k in ["log_error", "regret", "worst_regret", "within_1_05"] {
+        assert!(h["fitted"][k].as_f64().unwrap() >= 0.0, "{k}: {h}");
     }
+    assert!(
+        h["start"]["slower_than_q_guided"].as_u64().unwrap() <= 2,
+        "{h}"
+    );
     // Fitted to its picks, the model's regret is reported on both sets.
     let v = json_output(
         canopy()
@@ -129,7 +133,10 @@ fn fit_model_reads_sweeps_and_judges_a_disjoint_holdout() {
             .arg(&held),
     );
     for score in [&v, &v["holdout"]] {
-        assert!(score["fitted_regret"].as_f64().unwrap() >= 1.0, "{score}");
+        assert!(
+            score["fitted"]["regret"].as_f64().unwrap() >= 1.0,
+            "{score}"
+        );
     }
     canopy()
         .arg("fit-model")

@@ -1,16 +1,26 @@
 //! `auto`'s device model: what a plan costs on a GPU, in the shape of canopy's CUDA kernels,
 //! and how its constants are fitted to measured steps.
 //!
-//! A plan is priced as the backend runs it: cut into CTAs by [`cut_for_gpu`] for the slots
-//! [`cut_slots`] gives (fewer for plans of one-warp-per-head CTAs alone); groups of up to
-//! 16 query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger groups
+//! A plan is priced on the kernel the backend runs it on ([`runs_on_tensor_cores`], the rule
+//! the backend's dispatch uses): plans whose groups all have fewer than four query rows (one
+//! query per group at 32/32 heads: Q-guided's paths) run on the CUDA cores, a CTA per group
+//! and KV head, split by [`cut_for_cuda_cores`]; their re-read KV comes from L2 faster than
+//! the tensor-core kernel's. Other plans are cut into CTAs by [`cut_for_gpu`] for the slots
+//! [`cut_slots`] gives (fewer for plans of one-warp-per-head CTAs alone); groups of up to 16
+//! query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger groups
 //! four warps per KV head in pieces of at most 64 rows, all sharing the GPU's CTA slots. Stage
 //! 1 costs its bytes over bandwidth, or its CTA work over the slots, or its longest CTA (a
 //! CTA's tiles run in order), whichever is largest, plus a share of the smaller of bandwidth
-//! and work (the two overlap only in part). The merge is a second kernel after it: it reads
-//! the partials back, and where one warp walks each (query, head) cell's partial rows
-//! ([`merge_is_wide`]), the query with the most rows is a chain of memory latencies. A plan
-//! whose partial rows are its queries has no merge. A fixed cost per step comes on top.
+//! and work (the two overlap only in part), plus a share of what the CTA that streams the most
+//! would take at a fair share of the bandwidth beyond that (a plan of a few long CTAs among
+//! many short ones, as FastTree's greedy grouping leaves, ends on its long ones). The merge is
+//! a second kernel after it: it reads the partials back, and where one warp walks each
+//! (query, head) cell's partial rows ([`merge_is_wide`]), the query with the most rows is a
+//! chain of memory latencies. A plan whose partial rows are its queries has no merge. A fixed
+//! cost per step comes on top.
+//!
+//! `auto` keeps `q-guided`, its baseline, unless another plan is predicted faster by more
+//! than the model's own typical error in that comparison ([`DeviceModel::pick`]).
 //!
 //! The model is split in two so that it can be fitted: [`DeviceModel::measure`] counts a
 //! plan's quantities once ([`PlanCost`]), and [`DeviceModel::price`] turns them into
@@ -19,15 +29,20 @@
 //! JSON.
 
 use crate::error::{CoreError, Result};
-use crate::geometry::{cut_for_gpu, cut_slots, merge_is_wide, runs_per_head, HEADS_PER_CTA};
+use crate::geometry::{
+    cuda_core_slots, cut_for_cuda_cores, cut_for_gpu, cut_slots, max_cta_rows, merge_is_wide,
+    runs_on_tensor_cores, runs_per_head, HEADS_PER_CTA, MAX_CTAS_PER_SM,
+};
 use crate::plan::Plan;
+use crate::planner::Method;
 use crate::shape::AttnShape;
 use serde::{Deserialize, Serialize};
 
-/// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to one
-/// draw of random trees timed on an H100 SXM (seed 2 of `bench tree --sweep`, 40 trees at six
-/// head configurations, every method, cold L2: docs/device-runs/2026-11-24-s23/sweep/seed2),
-/// and judged on the disjoint draw of seed 3 and on FastTree's public trees.
+/// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to two
+/// draws of random trees timed on an H100 SXM (seeds 2 and 3 of `bench tree --sweep`, 40
+/// trees at six head configurations each, every method, cold L2:
+/// docs/device-runs/2026-11-24-s23/sweep), and judged on the disjoint draws of seeds 4 and 5
+/// (docs/device-runs/2026-11-25-s26/sweep-ab) and on FastTree's public trees.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct DeviceModel {
@@ -38,17 +53,25 @@ pub struct DeviceModel {
     /// Fixed microseconds of a step (the launches).
     pub us_per_step: f64,
     /// Microseconds of CTA slot time: per CTA and per 64-token tile of the many-row kernel,
-    /// per CTA and per 16-token tile on the one-warp-per-head path.
+    /// per 16-token tile on the one-warp-per-head path (a per-CTA cost of that path fitted to
+    /// 0 on every draw: its CTAs are the GPU's shortest).
     pub main_cta_us: f64,
     pub main_tile_us: f64,
-    pub heads_cta_us: f64,
     pub heads_tile_us: f64,
+    /// Plans of groups of fewer than four rows run on the CUDA cores
+    /// ([`runs_on_tensor_cores`]): bytes per microsecond of their KV re-read from L2 (the
+    /// one-row kernel loads straight into registers: about 8 TB/s on an H100, against the
+    /// tensor-core kernel's 6), microseconds of CTA slot time per CTA (one per group and KV
+    /// head), and of one 64-token tile on its CTA's own chain.
+    pub cuda_l2_bytes_per_us: f64,
+    pub cuda_cta_us: f64,
+    pub serial_cuda_tile_us: f64,
     /// Microseconds of one tile on a CTA's own (latency, not throughput): the floor a long
     /// group sets, however idle the rest of the GPU is. Per 64-token tile of the many-row
-    /// kernel, per 16-token tile of the one-warp-per-head path, and per 64-token tile of a
-    /// masked group, whose mask words are loaded and applied in the same chain.
+    /// kernel, and per 64-token tile of a masked group, whose mask words are loaded and
+    /// applied in the same chain. (The one-warp-per-head path's chain, four heads' loads in
+    /// flight, never bound a fit: a long CTA of it is priced by [`imbalance`](Self::imbalance).)
     pub serial_tile_us: f64,
-    pub serial_heads_tile_us: f64,
     pub serial_masked_tile_us: f64,
     /// Extra microseconds of CTA slot time per 64 tokens × CTA of a masked group (DeFT-Flatten's
     /// blocks across nodes): the mask words loaded and applied.
@@ -56,33 +79,47 @@ pub struct DeviceModel {
     /// The share of the smaller of stage 1's streaming and its CTA work that does not overlap
     /// the larger: a CTA waits on its loads between tiles.
     pub overlap: f64,
-    /// Fixed microseconds of the merge kernel, where a plan has one.
-    pub merge_us: f64,
+    /// The share of the longest CTA's excess over the rest that shows: the time the longest
+    /// CTA would take streaming at a fair share of the bandwidth (its bytes times the CTAs
+    /// that run beside it) over stage 1's time otherwise. Its neighbours finish early and it
+    /// speeds up, so only part of it.
+    pub imbalance: f64,
     /// Microseconds per partial row a merge warp walks in order (one cell's rows).
     pub merge_row_us: f64,
+    /// How much faster than `q-guided` another plan must be predicted, as a log ratio, to be
+    /// picked instead ([`pick`](Self::pick)): the model's typical error in that very
+    /// comparison on the draws it was fitted to ([`q_guided_margin`](Self::q_guided_margin)),
+    /// not a constant of the time. Q-guided is the baseline `auto` must never lose to.
+    pub q_guided_margin: f64,
     pub multiprocessors: usize,
+    /// Resident CTAs per SM of the tensor-core kernel, and of the one-row CUDA-core kernel
+    /// under the backend's cap ([`MAX_CTAS_PER_SM`]).
     pub ctas_per_sm: usize,
+    pub cuda_core_ctas_per_sm: usize,
 }
 
 impl Default for DeviceModel {
     fn default() -> Self {
         DeviceModel {
-            bytes_per_us: 2.93e6,
-            l2_bytes_per_us: 6.21e6,
-            us_per_step: 10.8,
-            main_cta_us: 4.47,
-            main_tile_us: 2.30,
-            heads_cta_us: 1.6e-6,
-            heads_tile_us: 0.900,
-            serial_tile_us: 1.56,
-            serial_heads_tile_us: 0.0910,
-            serial_masked_tile_us: 2.32,
-            masked_tile_us: 1.51,
-            overlap: 0.135,
-            merge_us: 0.255,
-            merge_row_us: 0.141,
+            bytes_per_us: 2.90e6,
+            l2_bytes_per_us: 5.51e6,
+            us_per_step: 10.59,
+            main_cta_us: 4.79,
+            main_tile_us: 2.39,
+            heads_tile_us: 0.909,
+            cuda_l2_bytes_per_us: 7.84e6,
+            cuda_cta_us: 2.48,
+            serial_cuda_tile_us: 2.41,
+            serial_tile_us: 1.66,
+            serial_masked_tile_us: 2.51,
+            masked_tile_us: 0.765,
+            overlap: 0.113,
+            imbalance: 0.0697,
+            merge_row_us: 0.142,
+            q_guided_margin: 0.0655,
             multiprocessors: 132,
             ctas_per_sm: 3,
+            cuda_core_ctas_per_sm: MAX_CTAS_PER_SM,
         }
     }
 }
@@ -91,22 +128,29 @@ impl Default for DeviceModel {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PlanCost {
-    /// Stage 1's distinct KV, query and partial bytes; KV bytes re-read.
+    /// Stage 1's distinct KV, query and partial bytes; KV bytes re-read by the tensor-core
+    /// kernel, and by the CUDA-core kernel.
     pub bytes: u64,
     pub reread_bytes: u64,
-    /// The CTA slots the plan is cut for ([`cut_slots`]).
+    pub cuda_reread_bytes: u64,
+    /// The CTA slots the plan is cut for ([`cut_slots`], [`cuda_core_slots`]), and its CTAs.
     pub slots: u64,
-    /// Many-row CTAs and CTA × 64-token tiles; one-warp-per-head CTAs and CTA × 16-token
-    /// tiles.
+    pub ctas: u64,
+    /// Many-row CTAs and CTA × 64-token tiles; one-warp-per-head CTA × 16-token tiles;
+    /// CUDA-core CTAs (0 where the plan runs on tensor cores).
     pub main_ctas: u64,
     pub main_tiles: u64,
-    pub heads_ctas: u64,
     pub heads_tiles: u64,
-    /// Tiles of the longest CTA of each kernel, and 64-token tiles of the longest masked
-    /// group: a group's tiles run in order.
+    pub cuda_ctas: u64,
+    /// 64-token tiles of the longest many-row CTA, CUDA-core CTA and masked group: a group's
+    /// tiles run in order.
     pub longest_main_tiles: u64,
-    pub longest_heads_tiles: u64,
+    pub longest_cuda_tiles: u64,
     pub longest_masked_tiles: u64,
+    /// KV bytes the CTA that streams the most streams, and the KV bytes of all CTAs (re-reads
+    /// included).
+    pub longest_cta_bytes: u64,
+    pub kv_bytes: u64,
     /// CTA × 64-token tiles of masked groups, on either path.
     pub masked_tiles: u64,
     /// Merges: 1, or 0 where stage 1 writes the output. The partial bytes the merge reads, and
@@ -119,7 +163,7 @@ pub struct PlanCost {
 }
 
 /// The time constants [`DeviceModel::fit`] adjusts.
-const CONSTANTS: usize = 14;
+const CONSTANTS: usize = 15;
 
 /// One measured step: a plan's quantities and the time it took.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -155,12 +199,21 @@ impl DeviceModel {
         self.cost(plan, shape).predicted_us
     }
 
-    /// The quantities of one decode step of `plan` as the CUDA backend cuts it for this
-    /// model's GPU ([`cut_slots`]; `predicted_us` left at 0).
+    /// The quantities of one decode step of `plan` on the kernel the CUDA backend runs it on
+    /// ([`runs_on_tensor_cores`]), cut as the backend cuts it for this model's GPU
+    /// ([`cut_slots`], [`cuda_core_slots`]; `predicted_us` left at 0).
     pub fn measure(&self, plan: &Plan, shape: &AttnShape) -> PlanCost {
         let gqa = shape.group_size();
-        let slots = cut_slots(plan, shape, self.multiprocessors, self.ctas_per_sm);
-        let (plan, _) = cut_for_gpu(plan, shape, slots);
+        let max_rows = max_cta_rows(plan, shape);
+        let tensor_cores = runs_on_tensor_cores(shape, max_rows);
+        let sms = self.multiprocessors;
+        let (slots, plan) = if tensor_cores {
+            let slots = cut_slots(plan, shape, sms, self.ctas_per_sm);
+            (slots, cut_for_gpu(plan, shape, slots).0)
+        } else {
+            let slots = cuda_core_slots(max_rows, sms, self.cuda_core_ctas_per_sm);
+            (slots, cut_for_cuda_cores(plan, shape, slots))
+        };
         let io = plan.io(shape, crate::DType::F16);
         let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
         // `partial_bytes` counts the partials written and read back once each.
@@ -175,37 +228,44 @@ impl DeviceModel {
                 .max()
                 .unwrap_or(0) as u64
         };
+        let reread = io.kv_bytes - unique_kv;
         let mut c = PlanCost {
             bytes: unique_kv + io.q_bytes + partials,
-            reread_bytes: io.kv_bytes - unique_kv,
+            reread_bytes: if tensor_cores { reread } else { 0 },
+            cuda_reread_bytes: if tensor_cores { 0 } else { reread },
             slots: slots as u64,
             merges: merged as u64,
             merge_bytes: partials,
             merge_rows,
+            kv_bytes: io.kv_bytes,
             ..PlanCost::default()
         };
+        let head_token_bytes = 2 * shape.head_dim as u64 * crate::DType::F16.size_bytes() as u64;
         for g in plan.groups() {
             let rows = g.queries.len() * gqa;
             let tokens = g.tokens() as u64;
-            let per_head = runs_per_head(rows, shape.kv_heads);
-            if g.mask.is_some() {
-                let ctas = if per_head {
-                    shape.kv_heads / HEADS_PER_CTA
-                } else {
-                    shape.kv_heads
-                };
-                c.masked_tiles += ctas as u64 * tokens.div_ceil(64);
-                c.longest_masked_tiles = c.longest_masked_tiles.max(tokens.div_ceil(64));
-            }
-            if per_head {
-                let tiles = tokens.div_ceil(16);
-                let ctas = (shape.kv_heads / HEADS_PER_CTA) as u64;
-                c.heads_ctas += ctas;
-                c.heads_tiles += ctas * tiles;
-                c.longest_heads_tiles = c.longest_heads_tiles.max(tiles);
+            let per_head = tensor_cores && runs_per_head(rows, shape.kv_heads);
+            let (ctas, heads) = if per_head {
+                (shape.kv_heads / HEADS_PER_CTA, HEADS_PER_CTA)
             } else {
-                let tiles = tokens.div_ceil(64);
-                let ctas = shape.kv_heads as u64;
+                (shape.kv_heads, 1)
+            };
+            let ctas = ctas as u64;
+            let tiles = tokens.div_ceil(64);
+            c.ctas += ctas;
+            c.longest_cta_bytes = c
+                .longest_cta_bytes
+                .max(tokens * heads as u64 * head_token_bytes);
+            if g.mask.is_some() {
+                c.masked_tiles += ctas * tiles;
+                c.longest_masked_tiles = c.longest_masked_tiles.max(tiles);
+            }
+            if !tensor_cores {
+                c.cuda_ctas += ctas;
+                c.longest_cuda_tiles = c.longest_cuda_tiles.max(tiles);
+            } else if per_head {
+                c.heads_tiles += ctas * tokens.div_ceil(16);
+            } else {
                 c.main_ctas += ctas;
                 c.main_tiles += ctas * tiles;
                 c.longest_main_tiles = c.longest_main_tiles.max(tiles);
@@ -216,22 +276,67 @@ impl DeviceModel {
 
     /// Microseconds of a step with quantities `c`.
     pub fn price(&self, c: &PlanCost) -> f64 {
-        let streaming =
-            c.bytes as f64 / self.bytes_per_us + c.reread_bytes as f64 / self.l2_bytes_per_us;
+        let streaming = c.bytes as f64 / self.bytes_per_us
+            + c.reread_bytes as f64 / self.l2_bytes_per_us
+            + c.cuda_reread_bytes as f64 / self.cuda_l2_bytes_per_us;
         let work = (self.main_cta_us * c.main_ctas as f64
             + self.main_tile_us * c.main_tiles as f64
-            + self.heads_cta_us * c.heads_ctas as f64
             + self.heads_tile_us * c.heads_tiles as f64
+            + self.cuda_cta_us * c.cuda_ctas as f64
             + self.masked_tile_us * c.masked_tiles as f64)
             / c.slots.max(1) as f64;
         let longest = (self.serial_tile_us * c.longest_main_tiles as f64)
-            .max(self.serial_heads_tile_us * c.longest_heads_tiles as f64)
+            .max(self.serial_cuda_tile_us * c.longest_cuda_tiles as f64)
             .max(self.serial_masked_tile_us * c.longest_masked_tiles as f64);
         let stage1 = streaming.max(work).max(longest) + self.overlap * streaming.min(work);
-        let merge = self.merge_us * c.merges as f64
-            + (c.merge_bytes as f64 / self.bytes_per_us)
-                .max(self.merge_row_us * c.merge_rows as f64);
+        let fair = streaming * c.longest_cta_bytes as f64 * c.ctas.min(c.slots) as f64
+            / c.kv_bytes.max(1) as f64;
+        let stage1 = stage1 + self.imbalance * (fair - stage1).max(0.0);
+        // The merge kernel's launch is in `us_per_step`: a fixed cost of its own fitted to 0.
+        let merge =
+            (c.merge_bytes as f64 / self.bytes_per_us).max(self.merge_row_us * c.merge_rows as f64);
         stage1 + merge + self.us_per_step
+    }
+
+    /// Which of `candidates` (each a method and its predicted microseconds) `auto` runs: the
+    /// fastest predicted, unless `q-guided` is among them and that one is not predicted
+    /// faster than it by [`q_guided_margin`](Self::q_guided_margin). Ties go to the first.
+    pub fn pick(&self, candidates: &[(Method, f64)]) -> Option<usize> {
+        let fastest = (0..candidates.len()).min_by(|&a, &b| {
+            let (a, b) = (candidates[a].1, candidates[b].1);
+            a.total_cmp(&b)
+        })?;
+        let q_guided = candidates.iter().position(|c| c.0 == Method::QGuided);
+        Some(match q_guided {
+            Some(q) if (candidates[q].1 / candidates[fastest].1).ln() <= self.q_guided_margin => q,
+            _ => fastest,
+        })
+    }
+
+    /// The median over `trees` (each its methods' measured steps) and over their methods
+    /// other than `q-guided` of |ln(predicted ratio to q-guided / measured ratio)|: how far
+    /// the model typically misjudges a plan against q-guided, which is what a pick against it
+    /// risks. Trees without a measured q-guided are skipped; 0 where none has one.
+    pub fn q_guided_margin<'a>(
+        &self,
+        trees: impl IntoIterator<Item = &'a [(Method, Sample)]>,
+    ) -> f64 {
+        let mut errors: Vec<f64> = trees
+            .into_iter()
+            .filter_map(|t| Some((t, t.iter().find(|x| x.0 == Method::QGuided)?.1)))
+            .flat_map(|(t, q)| {
+                let (q_predicted, q_measured) = (self.price(&q.cost), q.measured_us);
+                t.iter().filter(|x| x.0 != Method::QGuided).map(move |x| {
+                    let predicted = self.price(&x.1.cost) / q_predicted;
+                    (predicted / (x.1.measured_us / q_measured)).ln().abs()
+                })
+            })
+            .collect();
+        if errors.is_empty() {
+            return 0.0;
+        }
+        errors.sort_by(f64::total_cmp);
+        errors[errors.len() / 2]
     }
 
     /// Root-mean-square of ln(predicted / measured) over `samples`: 0.1 is about 10% off.
@@ -286,15 +391,16 @@ impl DeviceModel {
             2 => &mut self.us_per_step,
             3 => &mut self.main_cta_us,
             4 => &mut self.main_tile_us,
-            5 => &mut self.heads_cta_us,
-            6 => &mut self.heads_tile_us,
-            7 => &mut self.serial_tile_us,
-            8 => &mut self.serial_heads_tile_us,
-            9 => &mut self.serial_masked_tile_us,
-            10 => &mut self.masked_tile_us,
-            11 => &mut self.overlap,
-            12 => &mut self.merge_us,
-            _ => &mut self.merge_row_us,
+            5 => &mut self.heads_tile_us,
+            6 => &mut self.serial_tile_us,
+            7 => &mut self.serial_masked_tile_us,
+            8 => &mut self.masked_tile_us,
+            9 => &mut self.overlap,
+            10 => &mut self.merge_row_us,
+            11 => &mut self.cuda_l2_bytes_per_us,
+            12 => &mut self.cuda_cta_us,
+            13 => &mut self.serial_cuda_tile_us,
+            _ => &mut self.imbalance,
         }
     }
 }
@@ -302,7 +408,7 @@ impl DeviceModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planner::{plan, Method, PlannerConfig};
+    use crate::planner::{plan, PlannerConfig};
     use crate::shard::{Shard, TreeView};
     use crate::tree::fan;
 
@@ -386,13 +492,93 @@ mod tests {
             ..merged
         };
         let merge_us = model.price(&merged) - model.price(&stage1_only);
-        let floor = model.merge_us
-            + (merged.merge_bytes as f64 / model.bytes_per_us)
-                .max(model.merge_row_us * merged.merge_rows as f64);
+        let floor = (merged.merge_bytes as f64 / model.bytes_per_us)
+            .max(model.merge_row_us * merged.merge_rows as f64);
         assert!(
             (merge_us - floor).abs() < 1e-9,
             "{merge_us} against {floor}"
         );
+    }
+
+    /// One query per group at 32/32 heads runs on the CUDA cores (the backend's rule,
+    /// [`runs_on_tensor_cores`]), and the model prices that kernel: its CTAs and its re-reads
+    /// from L2, none of the tensor-core kernel's. The same tree at 32/8 (four rows a group)
+    /// runs on tensor cores.
+    #[test]
+    fn the_model_prices_the_cuda_core_kernel_where_the_backend_runs_it() {
+        let model = DeviceModel::default();
+        let t = fan(2000, 16, 100);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let cfg = PlannerConfig::whole_paths();
+        let mha = AttnShape::new(32, 32, 128).unwrap();
+        let q = plan(&view, Method::QGuided, &mha, &cfg).unwrap();
+        assert!(!runs_on_tensor_cores(&mha, max_cta_rows(&q, &mha)));
+        let c = model.cost(&q, &mha);
+        assert_eq!(c.cuda_ctas, 16 * 32, "a CTA per path and KV head: {c:?}");
+        assert_eq!((c.main_ctas, c.heads_tiles, c.reread_bytes), (0, 0, 0));
+        assert!(c.cuda_reread_bytes > 0 && c.longest_cuda_tiles == 2100u64.div_ceil(64));
+        assert_eq!(c.slots, 132 * MAX_CTAS_PER_SM as u64);
+        // Priced faster than the same quantities re-read at the tensor-core kernel's rate.
+        let as_tensor_cores = PlanCost {
+            reread_bytes: c.cuda_reread_bytes,
+            cuda_reread_bytes: 0,
+            ..c
+        };
+        assert!(model.price(&c) < model.price(&as_tensor_cores));
+
+        let gqa = AttnShape::new(32, 8, 128).unwrap();
+        let q = plan(&view, Method::QGuided, &gqa, &cfg).unwrap();
+        let c = model.cost(&q, &gqa);
+        assert_eq!((c.cuda_ctas, c.cuda_reread_bytes), (0, 0));
+        assert!(c.heads_tiles > 0, "{c:?}");
+    }
+
+    /// `auto` keeps q-guided unless another plan is predicted faster by more than the margin,
+    /// and picks the fastest where q-guided is not a candidate.
+    #[test]
+    fn q_guided_is_kept_within_the_margin() {
+        let model = DeviceModel {
+            q_guided_margin: 0.05,
+            ..DeviceModel::default()
+        };
+        let close = [(Method::QGuided, 100.0), (Method::DeftNode, 96.0)];
+        assert_eq!(model.pick(&close), Some(0));
+        let far = [(Method::DeftNode, 90.0), (Method::QGuided, 100.0)];
+        assert_eq!(model.pick(&far), Some(0));
+        let slower = [(Method::FastTree, 120.0), (Method::QGuided, 100.0)];
+        assert_eq!(model.pick(&slower), Some(1));
+        let none = [(Method::FastTree, 20.0), (Method::DeftNode, 19.0)];
+        assert_eq!(model.pick(&none), Some(1));
+        assert_eq!(model.pick(&[]), None);
+    }
+
+    /// The margin is the median misjudgement of a plan against q-guided: a plan measured 10%
+    /// slower relative to q-guided than predicted counts ln(1.1), whichever way.
+    #[test]
+    fn the_margin_is_the_median_error_against_q_guided() {
+        let model = DeviceModel::default();
+        let t = fan(1000, 8, 50);
+        let shard = Shard::whole(&t);
+        let view = TreeView::new(&t, &shard);
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let cfg = PlannerConfig::whole_paths();
+        let sample = |m: Method, off: f64| {
+            let cost = model.measure(&plan(&view, m, &shape, &cfg).unwrap(), &shape);
+            let measured_us = model.price(&cost) * off;
+            (m, Sample { cost, measured_us })
+        };
+        let trees = [
+            vec![
+                sample(Method::QGuided, 1.0),
+                sample(Method::DeftNode, 1.1),
+                sample(Method::FastTree, 1.0 / 1.3),
+            ],
+            vec![sample(Method::QGuided, 2.0), sample(Method::DeftNode, 2.0)],
+            vec![sample(Method::DeftNode, 5.0)],
+        ];
+        let margin = model.q_guided_margin(trees.iter().map(|t| t.as_slice()));
+        assert!((margin - 1.1f64.ln()).abs() < 1e-9, "{margin}");
     }
 
     /// Samples priced by a known model are fitted back to (nearly) no error from a start

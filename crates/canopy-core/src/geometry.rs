@@ -1,5 +1,10 @@
-//! How canopy's tensor-core kernels cut a plan into CTAs. The CUDA backend launches by these
-//! numbers and `auto`'s [`crate::DeviceModel`] prices plans by them, so they live here, once.
+//! How canopy's kernels cut a plan into CTAs, and which kernel runs it. The CUDA backend
+//! launches by these numbers and `auto`'s [`crate::DeviceModel`] prices plans by them, so they
+//! live here, once.
+//!
+//! By default a plan runs on the tensor cores ([`runs_on_tensor_cores`]) when some group of it
+//! has [`TENSOR_CORE_MIN_ROWS`] query rows or more, and on the CUDA cores otherwise: a CTA per
+//! group and KV head, the plan split by [`cut_for_cuda_cores`] to fill one wave.
 //!
 //! A plan runs as one launch of CTAs of two kinds: many rows of one KV head (groups of more
 //! than [`HEADS_ROWS`] rows, at most [`CTA_ROWS`]) or one warp per KV head
@@ -11,9 +16,32 @@
 use crate::plan::{Group, Plan};
 use crate::shape::AttnShape;
 
-/// Query rows (queries × GQA rows) one CTA of the many-row kernel holds; larger groups are
-/// split by query.
+/// Query rows (queries × GQA rows) one CTA of either kernel holds; larger groups are split by
+/// query (the CUDA-core kernel would otherwise loop over the KV once per 8 rows).
 pub const CTA_ROWS: usize = 64;
+/// Head dimensions the tensor-core kernel is built for (its accumulators for 256 would not fit
+/// in registers beside the score tile).
+pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
+/// The CUDA backend's default choice runs a plan on tensor cores when some group has at least
+/// this many query rows; plans of smaller groups (one query per group at 32/32 heads: Q-guided's
+/// paths, or a tree whose nodes have few queries below them) run on the CUDA cores, which
+/// stream one or a few rows at the copy bandwidth.
+pub const TENSOR_CORE_MIN_ROWS: usize = 4;
+/// Shortest piece the CUDA-core kernel's plans are split into to fill the GPU: below this,
+/// partials and launch costs dominate. At 128 tokens, one query at 9 q / 3 kv heads x 64 and
+/// 8K took 11.8 µs (64 pieces) against 12.9 at 256 (32 pieces) and 12.2 at 64 (128 pieces);
+/// longer contexts fill the GPU before the pieces get this short (H100, session 15).
+pub const CUDA_CORE_MIN_PIECE_TOKENS: u32 = 128;
+/// Resident decode CTAs per SM the CUDA backend allows by default, of either kernel. The
+/// one-row CUDA-core kernel fits 5 at 96 registers, but 4 was faster at every length on H200
+/// (128K: 0.263 vs 0.277 ms; 512K: 0.992 vs 1.023; 1M: 1.967 vs 2.017; twice each,
+/// docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of shared memory each).
+pub const MAX_CTAS_PER_SM: usize = 4;
+/// Resident CUDA-core CTAs per SM a plan of GQA groups (the pipelined kernel, more than one
+/// row) is split for. One bf16 query at 9 q / 3 kv heads x 64 took 157 µs at 512K on three per
+/// SM against 175 on four, 47.3 against 49.9 at 128K, and the same or less at 8K and 32K (H100,
+/// docs/BENCHMARKS.md, session 15).
+pub const CUDA_CORE_GQA_CTAS_PER_SM: usize = 3;
 /// Groups of at most this many rows run one warp per KV head (one m16 tile per warp).
 pub const HEADS_ROWS: usize = 16;
 /// KV heads per CTA on the one-warp-per-head path (one per warp).
@@ -48,6 +76,48 @@ pub const WIDE_MERGE_CTAS: usize = 4;
 /// one warp walks each cell's rows, a chain of memory latencies as long as the query's rows.
 pub fn merge_is_wide(cells: usize, head_dim: usize, multiprocessors: usize) -> bool {
     cells * (head_dim / WIDE_MERGE_DIMS) <= multiprocessors * WIDE_MERGE_CTAS
+}
+
+/// The query rows of `plan`'s largest group once groups are split to [`CTA_ROWS`]: what the
+/// kernel choice goes by.
+pub fn max_cta_rows(plan: &Plan, shape: &AttnShape) -> usize {
+    let gqa = shape.group_size();
+    let queries = plan.groups().iter().map(|g| g.queries.len()).max();
+    queries.unwrap_or(1).min((CTA_ROWS / gqa).max(1)) * gqa
+}
+
+/// Whether the tensor-core kernel is built for `shape`: its head dim, and GQA rows that fit
+/// one CTA.
+pub fn tensor_cores_fit(shape: &AttnShape) -> bool {
+    MMA_HEAD_DIMS.contains(&shape.head_dim) && shape.group_size() <= CTA_ROWS
+}
+
+/// Whether the CUDA backend's default choice runs a plan of 16-bit KV whose largest group has
+/// `max_rows` query rows ([`max_cta_rows`]) on tensor cores.
+pub fn runs_on_tensor_cores(shape: &AttnShape, max_rows: usize) -> bool {
+    tensor_cores_fit(shape) && max_rows >= TENSOR_CORE_MIN_ROWS
+}
+
+/// The CTA slots the CUDA-core kernel's plans are cut for on `multiprocessors` SMs that hold
+/// `ctas_per_sm` of its CTAs each: fewer per SM ([`CUDA_CORE_GQA_CTAS_PER_SM`]) where a group
+/// has more than one row.
+pub fn cuda_core_slots(max_rows: usize, multiprocessors: usize, ctas_per_sm: usize) -> usize {
+    let per_sm = if max_rows > 1 {
+        ctas_per_sm.min(CUDA_CORE_GQA_CTAS_PER_SM)
+    } else {
+        ctas_per_sm
+    };
+    multiprocessors * per_sm.max(1)
+}
+
+/// `plan` as the CUDA-core kernel runs it on a GPU with `slots` resident CTAs (one per group
+/// and KV head): groups split by query to [`CTA_ROWS`] rows, then long groups cut until there
+/// are about a wave's worth, rounded down (one CTA past the resident capacity costs a whole
+/// second wave), none shorter than [`CUDA_CORE_MIN_PIECE_TOKENS`].
+pub fn cut_for_cuda_cores(plan: &Plan, shape: &AttnShape, slots: usize) -> Plan {
+    let target = (slots / shape.kv_heads).max(1);
+    plan.split_queries((CTA_ROWS / shape.group_size()).max(1))
+        .split_for_parallelism(target, CUDA_CORE_MIN_PIECE_TOKENS)
 }
 
 /// Whether a group of `rows` query rows runs on the one-warp-per-head path.
@@ -220,6 +290,36 @@ mod tests {
             "two head CTAs per piece fill 264 slots"
         );
         assert_eq!(items.len(), 264);
+    }
+
+    /// The kernel choice goes by the largest group's rows, split to a CTA's 64; the CUDA-core
+    /// kernel's plans are cut to about one wave of its slots, fewer per SM with GQA rows.
+    #[test]
+    fn the_kernel_choice_and_the_cuda_core_cut() {
+        let mha = shape(32, 32);
+        let paths: Vec<Group> = (0..3u32)
+            .map(|i| Group::unmasked(vec![0..4096], vec![i]))
+            .collect();
+        let one_row = Plan::new(3, paths).unwrap();
+        assert_eq!(max_cta_rows(&one_row, &mha), 1);
+        assert!(!runs_on_tensor_cores(&mha, 1));
+        assert!(runs_on_tensor_cores(&mha, TENSOR_CORE_MIN_ROWS));
+        assert!(!runs_on_tensor_cores(
+            &AttnShape::new(32, 32, 256).unwrap(),
+            64
+        ));
+        let wide = Plan::new(200, vec![Group::unmasked(vec![0..64], (0..200).collect())]).unwrap();
+        assert_eq!(max_cta_rows(&wide, &shape(32, 8)), CTA_ROWS);
+
+        assert_eq!(cuda_core_slots(1, 132, 4), 528);
+        assert_eq!(cuda_core_slots(2, 132, 4), 132 * CUDA_CORE_GQA_CTAS_PER_SM);
+        // 528 slots over 32 KV heads: 16 groups' worth, a third of it (5) per path.
+        let cut = cut_for_cuda_cores(&one_row, &mha, 528);
+        assert_eq!(cut.groups().len(), 15);
+        assert!(cut
+            .groups()
+            .iter()
+            .all(|g| g.tokens() >= CUDA_CORE_MIN_PIECE_TOKENS));
     }
 
     /// A plan that already fills the GPU evenly is not cut.

@@ -232,27 +232,29 @@ pub struct AutoChoice {
     pub plan: Plan,
 }
 
-/// Plans `view` with every candidate and keeps the one `model` predicts fastest.
+/// Plans `view` with every candidate and keeps the one `model` picks ([`DeviceModel::pick`]:
+/// the fastest predicted, unless it is not enough faster than Q-guided).
 pub fn choose(
     view: &TreeView,
     shape: &AttnShape,
     base: &PlannerConfig,
     model: &DeviceModel,
 ) -> Result<AutoChoice> {
-    let mut best: Option<AutoChoice> = None;
+    let mut choices = Vec::new();
     for (method, config) in auto_candidates(base) {
         let plan = plan(view, method, shape, &config)?;
         let predicted_us = model.predict_us(&plan, shape);
-        if best.as_ref().is_none_or(|b| predicted_us < b.predicted_us) {
-            best = Some(AutoChoice {
-                method,
-                config,
-                predicted_us,
-                plan,
-            });
-        }
+        choices.push(AutoChoice {
+            method,
+            config,
+            predicted_us,
+            plan,
+        });
     }
-    Ok(best.expect("auto has candidates"))
+    let predicted: Vec<(Method, f64)> =
+        choices.iter().map(|c| (c.method, c.predicted_us)).collect();
+    let pick = model.pick(&predicted).expect("auto has candidates");
+    Ok(choices.swap_remove(pick))
 }
 
 fn q_guided(view: &TreeView, chunk: u32) -> Vec<Group> {

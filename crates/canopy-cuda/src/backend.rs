@@ -24,12 +24,15 @@ use crate::kv::{CudaKv, Paging};
 use crate::launch::Params;
 use crate::probe::{device_count, nvrtc_present, GpuInfo};
 use canopy_comm::Collective;
-use canopy_core::geometry::{cut_for_gpu, cut_slots, merge_is_wide, CTA_ROWS};
+use canopy_core::geometry::{
+    cuda_core_slots, cut_for_cuda_cores, cut_for_gpu, cut_slots, max_cta_rows, merge_is_wide,
+    runs_on_tensor_cores, tensor_cores_fit, MAX_CTAS_PER_SM,
+};
 use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use canopy_kernels::{
     rows_config, Kernel, MmaPipeline, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, MERGE_WARPS,
-    MMA_HEAD_DIMS, MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
@@ -38,24 +41,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 pub(crate) type EResult<T> = canopy_engine::Result<T>;
-
-/// Resident decode CTAs per SM the planner aims for. The one-row kernel fits 5 at 96 registers,
-/// but 4 was faster at every length on H200 (128K: 0.263 vs 0.277 ms; 512K: 0.992 vs 1.023;
-/// 1M: 1.967 vs 2.017; twice each, docs/BENCHMARKS.md); the GQA kernels fit 4 (48 KB of
-/// shared memory each).
-const DEFAULT_CTAS_PER_SM: u32 = 4;
-/// Resident CUDA-core CTAs per SM a plan of GQA groups (the pipelined kernel, more than one
-/// row) is split for. One bf16 query at 9 q / 3 kv heads x 64 took 157 µs at 512K on three per
-/// SM against 175 on four, 47.3 against 49.9 at 128K, and the same or less at 8K and 32K (H100,
-/// docs/BENCHMARKS.md, session 15).
-const SIMT_GQA_CTAS_PER_SM: u32 = 3;
-/// Shortest piece the CUDA-core kernel's plans are split into to fill the GPU: below this,
-/// partials and launch costs dominate. At 128 tokens, one query at 9 q / 3 kv heads x 64 and
-/// 8K took 11.8 µs (64 pieces) against 12.9 at 256 (32 pieces) and 12.2 at 64 (128 pieces);
-/// longer contexts fill the GPU before the pieces get this short (H100, session 15).
-const SIMT_MIN_SPLIT_TOKENS: u32 = 128;
-/// `auto` runs plans on tensor cores when some group has at least this many query rows.
-const AUTO_MMA_MIN_ROWS: usize = 4;
 
 /// Resident merge warps per SM at the deep variant's occupancy ([`DEEP_MERGE_CTAS`] CTAs of
 /// [`MERGE_WARPS`]). A merge of at most this many cells per SM runs deep: all its warps are
@@ -193,7 +178,7 @@ impl CudaBackend {
             arch,
             functions: Mutex::new(HashMap::new()),
             waves: 1,
-            max_ctas_per_sm: Some(DEFAULT_CTAS_PER_SM),
+            max_ctas_per_sm: Some(MAX_CTAS_PER_SM as u32),
             kernel: KernelChoice::Auto,
             pipeline: MmaPipeline::default(),
             page_size: None,
@@ -247,13 +232,13 @@ impl CudaBackend {
         &self.stream
     }
 
-    /// Whether plans of `shape` run on tensor cores (given 16-bit KV).
+    /// Whether plans of `shape` whose largest group has `max_rows` rows run on tensor cores
+    /// (given 16-bit KV). The default choice is `auto`'s device model's too.
     fn tensor_cores_for(&self, shape: &AttnShape, max_rows: usize) -> bool {
-        let supported = MMA_HEAD_DIMS.contains(&shape.head_dim) && shape.group_size() <= CTA_ROWS;
         match self.kernel {
             KernelChoice::Simt => false,
-            KernelChoice::Mma => supported,
-            KernelChoice::Auto => supported && max_rows >= AUTO_MMA_MIN_ROWS,
+            KernelChoice::Mma => tensor_cores_fit(shape),
+            KernelChoice::Auto => runs_on_tensor_cores(shape, max_rows),
         }
     }
 
@@ -420,22 +405,12 @@ impl Backend for CudaBackend {
 
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> EResult<CudaPlan> {
         self.renew("a plan")?;
-        let gqa = shape.group_size();
-        // A CTA holds at most 64 rows (either kernel: the CUDA-core one would otherwise loop over
-        // the KV once per 8 rows); larger groups become CTAs that read the same KV from L2.
-        let plan = plan.split_queries((CTA_ROWS / gqa).max(1));
-        let max_rows = plan
-            .groups()
-            .iter()
-            .map(|g| g.queries.len())
-            .max()
-            .unwrap_or(1)
-            * gqa;
+        let max_rows = max_cta_rows(plan, shape);
         let tensor_cores = self.tensor_cores_for(shape, max_rows);
         let rows = rows_config(max_rows);
         // One balanced wave: as many CTAs as fit on the GPU at once, or fewer where more measured
-        // slower (`cut_slots`, `SIMT_GQA_CTAS_PER_SM`). The plan is uploaded before it meets its
-        // KV, so the bf16 kernel's occupancy stands for every dtype: the f16 and f32 variants use
+        // slower (`cut_slots`, `cuda_core_slots`). The plan is uploaded before it meets its KV,
+        // so the bf16 kernel's occupancy stands for every dtype: the f16 and f32 variants use
         // the same shared memory and no more registers (compiler resource report), so their true
         // occupancy is never lower and the wave never spills into a second.
         let res = if tensor_cores {
@@ -443,22 +418,17 @@ impl Backend for CudaBackend {
         } else {
             self.decode_resources(DType::Bf16, shape.head_dim, rows)?
         };
-        let mut per_sm = res
+        let per_sm = res
             .ctas_per_sm
             .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
             .max(1) as usize;
-        if !tensor_cores && rows > 1 {
-            per_sm = per_sm.min(SIMT_GQA_CTAS_PER_SM as usize);
-        }
         let sms = self.gpu.multiprocessors as usize;
         let waves = self.waves as usize;
         let (plan, items) = if tensor_cores {
-            cut_for_gpu(&plan, shape, cut_slots(&plan, shape, sms, per_sm) * waves)
+            cut_for_gpu(plan, shape, cut_slots(plan, shape, sms, per_sm) * waves)
         } else {
-            // Round down: one CTA past the resident capacity costs a whole second wave.
-            let target = (sms * per_sm * waves / shape.kv_heads).max(1);
-            let plan = plan.split_for_parallelism(target, SIMT_MIN_SPLIT_TOKENS);
-            (plan, Vec::new())
+            let slots = cuda_core_slots(max_rows, sms, per_sm) * waves;
+            (cut_for_cuda_cores(plan, shape, slots), Vec::new())
         };
         let host = HostPlan::lay_out(&plan, &items);
         // SAFETY: every element is written before the buffer is read.

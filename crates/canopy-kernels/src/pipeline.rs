@@ -2,11 +2,9 @@
 //! shared memory they need.
 
 use crate::constants::{HEADS_STAGES, HEADS_TILE, MMA_ROW_PAD, MMA_THREADS};
+pub use canopy_core::geometry::MMA_HEAD_DIMS;
 use canopy_core::geometry::{CTA_ROWS, HEADS_PER_CTA};
 
-/// Head dimensions the tensor-core kernel is built for (its accumulators for 256 would not fit
-/// in registers beside the score tile).
-pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Tokens per shared-memory KV tile of the tensor-core kernel (`TILE` in `decode_mma.cu`).
 pub const MMA_TILES: [usize; 2] = [32, 64];
 /// Shared-memory stages of the tensor-core kernel's KV pipeline (`STAGES` in `decode_mma.cu`).
