@@ -20,14 +20,19 @@
 #           PREFILL_CONTEXTS, 1 and G ranks, tree and ring; then `canopy generate --context
 #           PREFILL_LONG` (a real prefill) at G ranks.
 # Run from the repository root with the release binary (built with --features mpi) in
-# $DIR/canopy. Results: $OUT/log.txt and $OUT/parts.tgz (JSON, CSV, plots, servers' logs).
+# $DIR/canopy. DEADLINE (seconds, default 570) caps every step's time limit at what is left,
+# and a part that would start with under a minute left is skipped. Results: $OUT/log.txt and
+# $OUT/parts.tgz (JSON, CSV, plots, servers' logs).
 set -uo pipefail
 DIR=${DIR:-.device}
 export CANOPY_BIN=$DIR/canopy
 source "$(dirname "$0")/env.sh"
 PARTS=(${PART:-check decode})
 for part in "${PARTS[@]}"; do mkdir -p "$OUT/$part"; done
-trap 'tar czf "$OUT/parts.tgz" -C "$OUT" "${PARTS[@]}"' EXIT
+trap 'tar czf "$OUT/parts.tgz" -C "$OUT" "${PARTS[@]}" && (cd "$OUT" && rm -rf "${PARTS[@]}")' EXIT
+DEADLINE=${DEADLINE:-570}
+# limit SECONDS: that, or the seconds left before DEADLINE if fewer.
+limit() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }
 # G may be set to run G ranks on fewer GPUs (a smoke test of the parts on one GPU).
 G=${G:-$(nvidia-smi --list-gpus | wc -l)}
 ARCH=(--arch llama-3.1-8b --random-weights)
@@ -39,7 +44,7 @@ decode() {
   local name=$1 limit=$2
   shift 2
   log "bench decode $name: $*"
-  timeout "$limit" "$@" --json --csv "$R/$name.csv" > "$R/$name.json" || log "FAILED or cut off: $name"
+  timeout "$(limit "$limit")" "$@" --json --csv "$R/$name.csv" > "$R/$name.json" || log "FAILED or cut off: $name"
   python3 - "$R/$name.json" <<'PY'
 import json, sys
 try:
@@ -63,10 +68,11 @@ PY
   nvidia-smi topo -m
   for PART in "${PARTS[@]}"; do
     R=$OUT/$PART
+    if [ "$(left)" -lt 60 ]; then log "skipped $PART: $(left) s left"; continue; fi
     case $PART in
     check)
       log "model-check: the tiny fixtures on 1 and $G ranks (one GPU each: NCCL)"
-      OUT=$R/check STAGES=fixtures DEADLINE=${CHECK_DEADLINE:-110} \
+      OUT=$R/check STAGES=fixtures DEADLINE=$(limit ${CHECK_DEADLINE:-110}) \
         FIXTURE_CASES="f32:1:tree f32:$G:tree f32:$G:ring bf16:1:tree bf16:$G:tree bf16:$G:ring" \
         bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
       tail -1 "$R/check/model-check-log.txt"
@@ -80,14 +86,17 @@ PY
         --context 1M --ranks "$G" --strategy tree,ring
       ;;
     mpi)
-      decode ring 60 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-        --context 32K,256K --ranks "$G" --strategy ring
-      decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-        --context 1M --ranks "$G" --strategy tree,ring
       decode mpi 150 "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context-fill random \
         --decode 10 --context 32K,1M --strategy tree,ring
-      log "generate: the longest context ${LONGEST:?set LONGEST} tokens on $G GPUs, random fill"
-      timeout 240 $BIN generate "${ARCH[@]}" --ranks "$G" --context "$LONGEST" \
+      # The longest context: LONGEST, else 99.5% of what the decode part priced at G ranks.
+      longest=${LONGEST:-$(python3 -c "
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(next(int(c['longest_context'] * 0.995) for c in r['capacity'] if c['ranks'] == int(sys.argv[2])))
+      " "$OUT/decode/table.json" "$G" 2>/dev/null)}
+      if [ -z "$longest" ]; then log "no LONGEST and no capacity from the decode part"; continue; fi
+      log "generate: the longest context, $longest tokens, on $G GPUs, random fill"
+      timeout "$(limit 240)" $BIN generate "${ARCH[@]}" --ranks "$G" --context "$longest" \
         --context-fill random --max-tokens 16 --json > "$R/longest.json" || log "FAILED or cut off: longest"
       python3 -c "
 import json, sys
@@ -97,7 +106,7 @@ print({k: d[k] for k in ('ranks', 'strategy', 'prompt_tokens', 'prefill_s', 'ttf
       ;;
     scaling)
       log "bench scaling, the Llama shape, threads"
-      timeout 150 $BIN bench scaling --backend cuda --ranks "1,$G" --heads 32 --kv-heads 8 \
+      timeout "$(limit 150)" $BIN bench scaling --backend cuda --ranks "1,$G" --heads 32 --kv-heads 8 \
         --head-dim 128 --dtype bf16 --seq-lens 131072,1048576,4194304 --iters 10 \
         --check-max-tokens 1048576 --csv "$R/scaling.csv" --json > "$R/scaling.json" \
         || log "FAILED or cut off: scaling"
@@ -114,7 +123,7 @@ print({k: d[k] for k in ('ranks', 'strategy', 'prompt_tokens', 'prefill_s', 'ttf
         url=$(grep -o 'listening on http://[0-9.:]*' "$R/server.log" | head -1 | cut -d' ' -f3)
       done
       log "server at ${url:-nowhere}"
-      timeout 200 python3 - "$url" "$DOC" <<'PY' | tee "$R/long-document.txt"
+      timeout "$(limit 200)" python3 - "$url" "$DOC" <<'PY' | tee "$R/long-document.txt"
 import json, sys, time, urllib.request
 url, n = sys.argv[1], int(sys.argv[2])
 # The stand-in tokenizer reads one token per character.
@@ -130,7 +139,7 @@ for q in (" first question?", " second question?"):
     print(f"long document: {usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} generated, {s:.2f} s end to end")
 PY
       log "bench serve multi-doc against the same server"
-      timeout 200 $BIN bench serve --url "$url" --dataset multi-doc --num-prompts 64 \
+      timeout "$(limit 200)" $BIN bench serve --url "$url" --dataset multi-doc --num-prompts 64 \
         --max-concurrency 16 --output-len 64 --json > "$R/bench-multi-doc.json" || log "FAILED or cut off: bench serve"
       python3 -c "
 import json, sys
@@ -144,7 +153,7 @@ print(json.dumps({k: v for k, v in d.items() if not isinstance(v, (list, dict))}
       decode prefill 420 $BIN bench decode "${ARCH[@]}" --decode 10 \
         --context "${PREFILL_CONTEXTS:-32K,64K,120K}" --ranks "1,$G" --strategy tree,ring
       log "generate: a real prefill of ${PREFILL_LONG:-127K} tokens on $G GPUs"
-      timeout 150 $BIN generate "${ARCH[@]}" --ranks "$G" --context "${PREFILL_LONG:-127K}" \
+      timeout "$(limit 150)" $BIN generate "${ARCH[@]}" --ranks "$G" --context "${PREFILL_LONG:-127K}" \
         --max-tokens 10 --json > "$R/prefill-long.json" || log "FAILED or cut off: prefill-long"
       ;;
     *) log "no part $PART" ;;
