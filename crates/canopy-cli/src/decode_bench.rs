@@ -11,6 +11,8 @@
 //! is priced (the bytes one rank must read: every weight and its share of the KV), and the
 //! rate of a large GEMM, beside the prefill's. Before anything runs, each rank count's
 //! longest context is priced on the device, and a longer one is refused with the numbers.
+//! On a GPU, an untimed short run of every configuration first compiles its kernels, so the
+//! first row does not time NVRTC.
 
 mod cost;
 mod report;
@@ -205,6 +207,9 @@ trait Device: RankThreads {
     /// whose rate does not grow with the rows while its time does.
     const GEMM_ROWS: usize;
     const GEMM_RUNS: usize;
+    /// Whether the backend compiles kernels on their first use (NVRTC), which a warm-up keeps
+    /// out of the timed rows.
+    const COMPILES_KERNELS: bool;
     /// The copy bandwidth (bytes/s) a step's floor is priced at, where it is measured.
     fn copy_bandwidth(&self) -> Result<Option<f64>>;
 }
@@ -212,6 +217,7 @@ trait Device: RankThreads {
 impl Device for CpuBackend {
     const GEMM_ROWS: usize = 256;
     const GEMM_RUNS: usize = 3;
+    const COMPILES_KERNELS: bool = false;
     fn copy_bandwidth(&self) -> Result<Option<f64>> {
         Ok(None)
     }
@@ -220,6 +226,7 @@ impl Device for CpuBackend {
 impl Device for CudaBackend {
     const GEMM_ROWS: usize = 8192;
     const GEMM_RUNS: usize = 20;
+    const COMPILES_KERNELS: bool = true;
     fn copy_bandwidth(&self) -> Result<Option<f64>> {
         Ok(Some(canopy_cuda::bench::measure_copy_bandwidth(self)?))
     }
@@ -373,6 +380,9 @@ fn bench<B: Device>(
         subject.source,
         &needs,
     )?;
+    if B::COMPILES_KERNELS {
+        warm_up(a, &placed, world, config, dtype, on.counts)?;
+    }
     let mut rows = Vec::new();
     let mut device_peaks = false;
     for &context in &a.context {
@@ -417,6 +427,33 @@ fn bench<B: Device>(
     };
     Ok((world.process_rank() == 0)
         .then(|| Report::new(run, capacity, subject.past_positions, rows)))
+}
+
+/// Untimed runs of every strategy at every rank count, each of a short context (one prefill
+/// chunk and a few tokens more, or the shortest context asked for) and two decoded tokens, so
+/// that the kernels a configuration uses are compiled (on a cold kernel cache, seconds)
+/// before any row is timed.
+fn warm_up<B: RankThreads>(
+    a: &DecodeArgs,
+    placed: &Placed<B>,
+    world: &World,
+    config: &LlamaConfig,
+    dtype: DType,
+    rank_counts: &[usize],
+) -> Result<()> {
+    let shortest = a.context.iter().min().copied().unwrap_or(1);
+    let context = shortest.min(a.prefill_chunk + 16);
+    for &ranks in rank_counts {
+        for strategy in strategies(a) {
+            let req = GenerateRequest {
+                max_tokens: 2,
+                ..request(a, config, dtype, context, strategy)
+            };
+            let label = format!("warm-up, p = {ranks}, {}", strategy.name());
+            run_one(placed, world, &req, ranks, &label, config)?;
+        }
+    }
+    Ok(())
 }
 
 /// The strategies to time, in order: the tree with each collective asked for, then the ring.
