@@ -131,8 +131,8 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             _ => shards.iter().map(|s| s.tokens).max().unwrap_or(0),
         };
         let bufs = [
-            backend.alloc_kv(&shape, dtype, room)?,
-            backend.alloc_kv(&shape, dtype, room)?,
+            backend.alloc_kv_contiguous(&shape, dtype, room)?,
+            backend.alloc_kv_contiguous(&shape, dtype, room)?,
         ];
         Ok(RankAttention {
             backend,
@@ -179,13 +179,35 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         }
     }
 
-    /// Follows nodes that grew in place: the plan's groups, rows and buffers stay valid.
-    /// Only the tree strategy plans in place; a ring is built afresh per layout.
+    /// Follows this rank's nodes that grew in place: the plan's groups, rows and buffers
+    /// stay valid. The tree's; a ring follows every shard ([`RankAttention::extend_shards`]).
     pub fn extend(&mut self, tails: &[Tail]) -> Result<()> {
         match &mut self.kind {
             Kind::Tree { plan, .. } => self.backend.extend_plan(plan, tails),
             Kind::Ring { .. } => Err(EngineError::Config(
-                "a ring step is planned afresh for every layout".into(),
+                "a ring follows every shard's growth: extend_shards".into(),
+            )),
+        }
+    }
+
+    /// Follows the nodes that grew in place on every rank (`tails[r]`, rank `r`'s): each
+    /// shard's plan, since every shard passes every rank. A shard's logical tokens do not
+    /// change (growth in place fills addresses it already had), so the ring's receive
+    /// buffers still hold it. The ring's; the tree follows its own rank
+    /// ([`RankAttention::extend`]).
+    pub fn extend_shards(&mut self, tails: &[Vec<Tail>]) -> Result<()> {
+        match &mut self.kind {
+            Kind::Ring { plans, .. } if plans.len() == tails.len() => plans
+                .iter_mut()
+                .zip(tails)
+                .try_for_each(|(plan, t)| self.backend.extend_plan(plan, t)),
+            Kind::Ring { plans, .. } => Err(EngineError::Config(format!(
+                "a ring of {} shards got the growth of {} ranks",
+                plans.len(),
+                tails.len()
+            ))),
+            Kind::Tree { .. } => Err(EngineError::Config(
+                "the tree follows its own rank's growth: extend".into(),
             )),
         }
     }

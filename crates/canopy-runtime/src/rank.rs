@@ -24,7 +24,7 @@ use crate::prefill::{fill_random, prefill};
 use crate::sampling::{step_reach, Sampler, SamplingParams, StepLogits, TopTwo};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
-use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, TreeView};
+use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, Tail, TreeView};
 use canopy_engine::{
     LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard, Transport,
 };
@@ -142,10 +142,9 @@ impl GenerateRequest {
             self.max_tokens,
             self.prefill_chunk,
         )?;
-        Ok(match self.strategy {
-            DecodeStrategy::Tree(_) => layout.with_growth_room(GROWTH_ROOM),
-            DecodeStrategy::Ring => layout,
-        })
+        // Both strategies keep growth room: the tree's rank plan and the ring's plan of every
+        // shard then carry over the steps whose tokens land in it.
+        Ok(layout.with_growth_room(GROWTH_ROOM))
     }
 }
 
@@ -321,34 +320,47 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             .filter(|(_, (r, _))| *r == rank)
             .map(|(row, (_, slot))| (row as u32, *slot))
             .collect();
-        // The tree plans its own rank only and follows growth in place; the ring's shards all
-        // pass every rank, so it plans them all each step.
-        // A layout planned afresh brings this rank's page table; growth in place keeps it,
-        // or brings it again with pages in reserved room.
+        // The tree plans its own rank only; the ring plans every rank's shard, since each
+        // passes every rank. Both follow growth in place, the ring only where every rank's KV
+        // grew in place. A layout planned afresh brings this rank's page table; growth in place
+        // keeps it, or brings it again with pages in reserved room.
         let mut changes = kv.update()?;
         let layout = Instant::now();
-        let table = match (&merge, changes.swap_remove(rank), attention.as_mut()) {
-            (Some(_), RankChange::Grown { tails, table }, Some(a)) => {
-                a.extend(&tails)?;
-                table
-            }
-            (Some((how, nodes)), RankChange::Fresh(view), _) => {
-                let p = plan_view(&view, req, &shape)?;
-                attention = Some(RankAttention::tree(
-                    backend,
-                    comm,
-                    shape,
-                    &p,
-                    *how,
-                    nodes.clone(),
-                )?);
-                Some(view.table)
-            }
-            _ => {
-                let mut views = kv.views();
-                attention = Some(ring_attention(backend, comm, req, &shape, &views)?);
-                Some(views.swap_remove(rank).table)
-            }
+        let table = match (&merge, attention.as_mut()) {
+            (Some((how, nodes)), grown) => match (changes.swap_remove(rank), grown) {
+                (RankChange::Grown { tails, table }, Some(a)) => {
+                    a.extend(&tails)?;
+                    table
+                }
+                (RankChange::Grown { .. }, None) => {
+                    return Err(RuntimeError::Protocol(
+                        "a rank's KV grew before its first plan".into(),
+                    ))
+                }
+                (RankChange::Fresh(view), _) => {
+                    let p = plan_view(&view, req, &shape)?;
+                    attention = Some(RankAttention::tree(
+                        backend,
+                        comm,
+                        shape,
+                        &p,
+                        *how,
+                        nodes.clone(),
+                    )?);
+                    Some(view.table)
+                }
+            },
+            (None, grown) => match (grown_everywhere(changes, rank), grown) {
+                (Some(grown), Some(a)) => {
+                    a.extend_shards(&grown.tails)?;
+                    grown.table
+                }
+                _ => {
+                    let mut views = kv.views();
+                    attention = Some(ring_attention(backend, comm, req, &shape, &views)?);
+                    Some(views.swap_remove(rank).table)
+                }
+            },
         };
         if let Some(table) = table {
             for cache in &mut caches {
@@ -436,6 +448,33 @@ fn plan_view(view: &RankView, req: &GenerateRequest, shape: &AttnShape) -> Resul
         shape,
         &cfg,
     )?)
+}
+
+/// A step in which every rank's KV only grew in place: the ring's plans of every shard carry
+/// over.
+struct GrownEverywhere {
+    /// Every rank's tails, in rank order.
+    tails: Vec<Vec<Tail>>,
+    /// The page table this rank installs, where its pages moved into reserved room.
+    table: Option<Vec<u32>>,
+}
+
+/// The step's changes as [`GrownEverywhere`]; `None` where any rank's layout moved.
+fn grown_everywhere(changes: Vec<RankChange>, rank: usize) -> Option<GrownEverywhere> {
+    let mut grown = GrownEverywhere {
+        tails: Vec::with_capacity(changes.len()),
+        table: None,
+    };
+    for (r, change) in changes.into_iter().enumerate() {
+        let RankChange::Grown { tails, table } = change else {
+            return None;
+        };
+        if r == rank {
+            grown.table = table;
+        }
+        grown.tails.push(tails);
+    }
+    Some(grown)
 }
 
 /// The ring's step: every rank's view planned, since every shard passes every rank.
