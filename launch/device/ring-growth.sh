@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The ring's decode step planned once and carried over the steps that grow in place, on every
 # GPU of the machine (G of them; G=2 on one GPU runs two ranks sharing it): model-check.sh's
-# fixture cases of the ring (and the tree beside it) against transformers and one rank; then
+# fixture cases of the ring (and the tree beside it; 3 ranks share the GPUs) against
+# transformers and one rank; then
 # `bench decode` of the Llama-3.1-8B shape (random weights and context), tree and ring at 1 and
 # G ranks, the tree rows being the control; then a real 32K prefill on one rank, whose row
 # must not count the kernels' compilation (the warm-up). Results: $OUT/log.txt, $OUT/runs.tgz.
@@ -14,7 +15,7 @@ mkdir -p "$OUT/runs"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   log "model-check: the fixtures' ring (and tree) on 1 and $G ranks"
   OUT=$OUT/runs/check STAGES=fixtures DEADLINE=${CHECK_DEADLINE:-100} \
-    FIXTURE_CASES="f32:1:ring f32:$G:ring bf16:$G:ring bf16:$G:tree" \
+    FIXTURE_CASES="f32:1:ring f32:$G:ring bf16:$G:ring bf16:$G:tree f32:3:ring bf16:3:ring" \
     bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
   tail -1 "$OUT/runs/check/model-check-log.txt"
   log "bench decode, random context: tree and ring at 1 and $G ranks"
