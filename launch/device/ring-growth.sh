@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The ring's decode step planned once and carried over the steps that grow in place, on every
-# GPU of the machine (G of them; G=2 on one GPU runs two ranks sharing it): model-check.sh's
-# fixture cases of the ring (and the tree beside it; 3 ranks share the GPUs) against
-# transformers and one rank; then
-# `bench decode` of the Llama-3.1-8B shape (random weights and context), tree and ring at 1 and
-# G ranks, the tree rows being the control; then a real 32K prefill on one rank, whose row
-# must not count the kernels' compilation (the warm-up). Results: $OUT/log.txt, $OUT/runs.tgz.
+# The ring's decode plans carried over the steps whose tokens land in pages the shards had,
+# on every GPU of the machine (G of them; G=2 on one GPU runs two ranks sharing it):
+# model-check.sh's fixture cases of the ring (and the tree beside it; 3 ranks share the
+# GPUs) against transformers and one rank; then `bench decode` of the Llama-3.1-8B shape
+# (random weights and context), tree and ring at 1 and G ranks, the tree rows being the
+# control; then a real 32K prefill on one rank, whose row must not count the kernels'
+# compilation (the warm-up). Results: $OUT/log.txt, $OUT/runs.tgz.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 G=${G:-$(nvidia-smi --list-gpus | wc -l)}

@@ -242,64 +242,6 @@ impl CudaBackend {
         }
     }
 
-    /// Storage for `tokens` tokens of K and V, in pages of `page_size` tokens through a
-    /// shuffled page table, or contiguous (`None`).
-    fn alloc_kv_paged(
-        &self,
-        shape: &AttnShape,
-        dtype: DType,
-        tokens: usize,
-        page_size: Option<u32>,
-    ) -> Result<CudaKv> {
-        self.renew("a KV pool")?;
-        let token_bytes = shape.kv_token_bytes(dtype);
-        let (slots, paging) = match page_size {
-            None => (tokens, None),
-            Some(size) => {
-                let pages = tokens.div_ceil(size as usize);
-                // A fixed shuffle of the physical pages (multiplicative, coprime stride).
-                let stride = (1..=pages.max(1))
-                    .rev()
-                    .find(|s| gcd(*s, pages.max(1)) == 1 && *s * 2 <= pages + 1)
-                    .unwrap_or(1);
-                let host: Vec<u32> = (0..pages)
-                    .map(|i| ((i * stride + 3) % pages.max(1)) as u32)
-                    .collect();
-                let device = self.upload(&host)?;
-                (
-                    pages * size as usize,
-                    Some(Paging {
-                        shift: size.trailing_zeros(),
-                        host,
-                        device,
-                    }),
-                )
-            }
-        };
-        let bytes = slots * token_bytes;
-        let free = self
-            .ctx
-            .mem_get_info()
-            .map(|(free, _)| free)
-            .unwrap_or(usize::MAX);
-        if 2 * bytes > free {
-            return Err(CudaError::Unsupported(format!(
-                "{tokens} tokens of KV need {:.1} GiB but GPU {} has {:.1} GiB free; use more ranks or a shorter context",
-                2.0 * bytes as f64 / (1u64 << 30) as f64,
-                self.gpu.ordinal,
-                free as f64 / (1u64 << 30) as f64
-            )));
-        }
-        Ok(CudaKv {
-            shape: *shape,
-            dtype,
-            tokens,
-            k: self.alloc(bytes)?,
-            v: self.alloc(bytes)?,
-            paging,
-        })
-    }
-
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every buffer is written (upload, kernel or poison) before it is read.
         unsafe { self.stream.alloc::<T>(len.max(1)) }.ctx(format!(
@@ -364,16 +306,54 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> EResult<CudaKv> {
-        Ok(self.alloc_kv_paged(shape, dtype, tokens, self.page_size)?)
-    }
-
-    fn alloc_kv_contiguous(
-        &self,
-        shape: &AttnShape,
-        dtype: DType,
-        tokens: usize,
-    ) -> EResult<CudaKv> {
-        Ok(self.alloc_kv_paged(shape, dtype, tokens, None)?)
+        self.renew("a KV pool")?;
+        let token_bytes = shape.kv_token_bytes(dtype);
+        let (slots, paging) = match self.page_size {
+            None => (tokens, None),
+            Some(size) => {
+                let pages = tokens.div_ceil(size as usize);
+                // A fixed shuffle of the physical pages (multiplicative, coprime stride).
+                let stride = (1..=pages.max(1))
+                    .rev()
+                    .find(|s| gcd(*s, pages.max(1)) == 1 && *s * 2 <= pages + 1)
+                    .unwrap_or(1);
+                let host: Vec<u32> = (0..pages)
+                    .map(|i| ((i * stride + 3) % pages.max(1)) as u32)
+                    .collect();
+                let device = self.upload(&host)?;
+                (
+                    pages * size as usize,
+                    Some(Paging {
+                        shift: size.trailing_zeros(),
+                        host,
+                        device,
+                    }),
+                )
+            }
+        };
+        let bytes = slots * token_bytes;
+        let free = self
+            .ctx
+            .mem_get_info()
+            .map(|(free, _)| free)
+            .unwrap_or(usize::MAX);
+        if 2 * bytes > free {
+            return Err(CudaError::Unsupported(format!(
+                "{tokens} tokens of KV need {:.1} GiB but GPU {} has {:.1} GiB free; use more ranks or a shorter context",
+                2.0 * bytes as f64 / (1u64 << 30) as f64,
+                self.gpu.ordinal,
+                free as f64 / (1u64 << 30) as f64
+            ))
+            .into());
+        }
+        Ok(CudaKv {
+            shape: *shape,
+            dtype,
+            tokens,
+            k: self.alloc(bytes)?,
+            v: self.alloc(bytes)?,
+            paging,
+        })
     }
 
     fn kv_dtype(&self, kv: &CudaKv) -> DType {

@@ -71,17 +71,6 @@ pub trait Backend: Send + Sync {
     /// travels in logical order and lands in whatever pages the receiver's table names; only
     /// `LayerOps::store_kv` addresses physical slots, where the KV manager places tokens.
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv>;
-    /// [`Backend::alloc_kv`] for storage that only ever receives whole shards in logical order
-    /// (the ring's receive buffers): without a page table where the backend pages its pools,
-    /// so that a hand-off lands as it travels, with nothing to scatter. Provided: `alloc_kv`.
-    fn alloc_kv_contiguous(
-        &self,
-        shape: &AttnShape,
-        dtype: DType,
-        tokens: usize,
-    ) -> Result<Self::Kv> {
-        self.alloc_kv(shape, dtype, tokens)
-    }
     /// The dtype `kv` holds its keys and values in.
     fn kv_dtype(&self, kv: &Self::Kv) -> DType;
     /// Writes `k` and `v` (whole tokens, same dtype) at logical tokens `start..`.

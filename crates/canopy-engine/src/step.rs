@@ -131,8 +131,8 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             _ => shards.iter().map(|s| s.tokens).max().unwrap_or(0),
         };
         let bufs = [
-            backend.alloc_kv_contiguous(&shape, dtype, room)?,
-            backend.alloc_kv_contiguous(&shape, dtype, room)?,
+            backend.alloc_kv(&shape, dtype, room)?,
+            backend.alloc_kv(&shape, dtype, room)?,
         ];
         Ok(RankAttention {
             backend,
@@ -192,7 +192,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
 
     /// Follows the nodes that grew in place on every rank (`tails[r]`, rank `r`'s): each
     /// shard's plan, since every shard passes every rank. A shard's logical tokens do not
-    /// change (growth in place fills addresses it already had), so the ring's receive
+    /// change (growth in place fills addresses its pages already had), so the ring's receive
     /// buffers still hold it. The ring's; the tree follows its own rank
     /// ([`RankAttention::extend`]).
     pub fn extend_shards(&mut self, tails: &[Vec<Tail>]) -> Result<()> {

@@ -142,9 +142,13 @@ impl GenerateRequest {
             self.max_tokens,
             self.prefill_chunk,
         )?;
-        // Both strategies keep growth room: the tree's rank plan and the ring's plan of every
-        // shard then carry over the steps whose tokens land in it.
-        Ok(layout.with_growth_room(GROWTH_ROOM))
+        // The ring keeps no growth room: it sends every logical address of a shard, room
+        // included. Its plans still carry over the steps whose tokens land in pages the shards
+        // already had.
+        Ok(match self.strategy {
+            DecodeStrategy::Tree(_) => layout.with_growth_room(GROWTH_ROOM),
+            DecodeStrategy::Ring => layout,
+        })
     }
 }
 
