@@ -323,6 +323,9 @@ fn nccl_error(rank: usize, call: &'static str, e: result::NcclError) -> CudaErro
     }
 }
 
+/// How long a rank may make no progress once another rank of this process has failed.
+const AFTER_A_FAILURE: Duration = Duration::from_secs(10);
+
 /// A failure one rank of this process reported, for the other ranks' watchdog messages.
 static FAILURE: Mutex<Option<String>> = Mutex::new(None);
 
@@ -366,18 +369,21 @@ impl Watchdog {
                 let g = p.lock().unwrap_or_else(|e| e.into_inner());
                 (g.at.elapsed(), g.call)
             };
-            if idle > timeout {
-                let cause = FAILURE
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone()
-                    .map_or(String::new(), |f| format!("; {f}"));
+            let failure = FAILURE.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            // Once a rank of this process has failed, its peers' collectives cannot complete:
+            // a stalled rank waits the grace, not the whole timeout.
+            let limit = match failure {
+                Some(_) => timeout.min(AFTER_A_FAILURE),
+                None => timeout,
+            };
+            if idle > limit {
+                let cause = failure.map_or(String::new(), |f| format!("; {f}"));
                 eprintln!(
                     "error: {}{cause}",
                     CudaError::Watchdog {
                         rank,
                         call,
-                        secs: timeout.as_secs_f64()
+                        secs: idle.as_secs_f64()
                     }
                 );
                 // Not `process::exit`: its exit handlers (the CUDA driver's, NCCL's) wait for
