@@ -82,9 +82,13 @@ pub(crate) type Failed = Vec<(u64, RuntimeError)>;
 pub(crate) enum Layout {
     /// Plan afresh: this rank's snapshot (every rank's, for the ring).
     Fresh(Vec<RankSnapshot>),
-    /// Extend the plan in place by the tails; `new_pages`: install the page table again
-    /// (pages came into reserved room).
-    Grown { tails: Vec<Tail>, new_pages: bool },
+    /// Extend the plans in place by the tails, a list for each rank whose view is planned
+    /// (this rank's for the tree, every rank's for the ring); `new_pages`: install this rank's
+    /// page table again (pages came into reserved room).
+    Grown {
+        tails: Vec<Vec<Tail>>,
+        new_pages: bool,
+    },
 }
 
 /// Every request's KV on one rank's copy of the books.
@@ -256,23 +260,39 @@ impl Books {
     }
 
     /// The decode layout after [`decode`](Self::decode)'s appends, for `rank`.
+    /// The ring plans every rank's view, so it extends in place only where every rank's view
+    /// grew in place.
     pub fn layout(&mut self, rank: usize, ring: bool) -> Result<Layout> {
+        let viewers: Vec<usize> = match ring {
+            true => (0..self.cache.kv().ranks()).collect(),
+            false => vec![rank],
+        };
         let mut updates = self.steps.update(self.cache.kv())?;
-        if ring {
-            let ranks = self.cache.kv().ranks();
-            return Ok(Layout::Fresh(
-                (0..ranks)
-                    .map(|r| self.steps.rank(r).expect("updated above").clone())
-                    .collect(),
-            ));
+        let mut tails = Vec::with_capacity(viewers.len());
+        let mut new_pages = false;
+        for &r in &viewers {
+            match std::mem::replace(
+                &mut updates[r],
+                RankUpdate::Grown {
+                    tails: Vec::new(),
+                    table: None,
+                },
+            ) {
+                RankUpdate::Grown { tails: t, table } => {
+                    new_pages |= r == rank && table.is_some();
+                    tails.push(t);
+                }
+                RankUpdate::Fresh(_) => {
+                    return Ok(Layout::Fresh(
+                        viewers
+                            .iter()
+                            .map(|&v| self.steps.rank(v).expect("updated above").clone())
+                            .collect(),
+                    ))
+                }
+            }
         }
-        Ok(match updates.swap_remove(rank) {
-            RankUpdate::Fresh(snap) => Layout::Fresh(vec![snap.clone()]),
-            RankUpdate::Grown { tails, table } => Layout::Grown {
-                tails,
-                new_pages: table.is_some(),
-            },
-        })
+        Ok(Layout::Grown { tails, new_pages })
     }
 
     /// KV tokens on some decode row's path in `ranks`' shards, as of the last

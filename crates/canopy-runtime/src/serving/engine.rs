@@ -216,12 +216,13 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let fresh = matches!(layout, Layout::Fresh(_));
         match layout {
             Layout::Grown { tails, new_pages } => {
-                self.decode
-                    .as_mut()
-                    .ok_or_else(|| {
-                        RuntimeError::Protocol("a decode plan grew before it was made".into())
-                    })?
-                    .extend(&tails)?;
+                let attention = self.decode.as_mut().ok_or_else(|| {
+                    RuntimeError::Protocol("a decode plan grew before it was made".into())
+                })?;
+                match ring {
+                    true => attention.extend_shards(&tails)?,
+                    false => attention.extend(&tails[0])?,
+                }
                 self.decode_table &= !new_pages;
             }
             Layout::Fresh(views) => {
