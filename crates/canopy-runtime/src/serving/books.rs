@@ -561,4 +561,45 @@ mod tests {
         slots.dedup();
         assert_eq!(slots.len(), n);
     }
+
+    /// The ring's layout extends every rank's plan while every rank's view grows inside its
+    /// pages, and is planned afresh, every rank's view, when a page is taken.
+    #[test]
+    fn the_ring_grows_in_place_only_where_every_rank_does() {
+        // 2 ranks of 8 pages of 4 tokens; no growth room, as the ring's engine keeps.
+        let mut books = Books::new(2, 4, 8, 0).unwrap();
+        let prompt: Vec<u32> = (0..8).collect();
+        let step = Step {
+            admit: vec![admit(1, prompt)],
+            ..Step::default()
+        };
+        assert!(books.begin(&step).is_empty());
+        let (_, failed) = books.prefill_passes(&[Chunk { id: 1, end: 8 }], &[0, 1], None);
+        assert!(failed.is_empty());
+        books.chunk_done(Chunk { id: 1, end: 8 }).unwrap();
+        let mut kinds = Vec::new();
+        for token in 0..6 {
+            let row = Row {
+                id: 1,
+                sample: 0,
+                token,
+            };
+            let (_, failed) = books.decode(&[row]);
+            assert!(failed.is_empty());
+            kinds.push(match books.layout(0, true).unwrap() {
+                Layout::Fresh(views) => {
+                    assert_eq!(views.len(), 2, "every rank's view");
+                    'F'
+                }
+                Layout::Grown { tails, new_pages } => {
+                    assert_eq!(tails.len(), 2, "every rank's tails");
+                    assert!(!new_pages);
+                    'G'
+                }
+            });
+        }
+        // The branch's first token takes a page; the next three fill it; the fifth takes
+        // another.
+        assert_eq!(kinds.iter().collect::<String>(), "FGGGFG");
+    }
 }
