@@ -53,9 +53,20 @@ impl Server {
         }
     }
 
-    /// The metrics, checked to parse as Prometheus text.
+    /// The metrics, checked to parse as Prometheus text. A scrape whose connection is reset
+    /// is made again, up to three times (one was reset in a CI run on two loaded cores).
     fn metrics(&self) -> Vec<(String, f64)> {
-        let reply = self.client.get("/metrics").expect("metrics");
+        let mut resets = 0;
+        let reply = loop {
+            match self.client.get("/metrics") {
+                Ok(reply) => break reply,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && resets < 3 => {
+                    resets += 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => panic!("metrics: {e}"),
+            }
+        };
         assert_eq!(reply.status, 200);
         parse_prometheus(&reply.body)
     }
@@ -184,7 +195,16 @@ fn concurrent_streams_equal_generate(model: &str, prompts: &[Vec<u32>], max_toke
     );
     assert!(value(&m, "canopy_prefix_cache_hit_rate") > 0.0);
     assert_eq!(value(&m, "canopy_time_to_first_token_seconds_count"), 32.0);
-    assert_eq!(value(&m, "canopy_running_requests"), 0.0);
+    // A request's pages are released at the engine's step after its stream's last event, so
+    // the running count reaches 0 shortly after the clients have read every stream.
+    let t0 = Instant::now();
+    while value(&server.metrics(), "canopy_running_requests") != 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "every finished request releases its pages"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]
