@@ -4,14 +4,15 @@
 # configuration cut off by its time limit leaves the others. The first configuration is
 # checked against the f64 oracle on the host (about a minute for 13.5M query-context tokens
 # on 16 cores; CHECK=false times it only); the others time only. DRAWS, SEED, CHECKED, TIMED
-# and LIMIT narrow the run.
+# and LIMIT narrow the run; TREE_ARGS go to every `bench tree` (e.g. --auto-timed).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 draws=${DRAWS:-40}
 seed=${SEED:-1}
 run() { # heads check limit
   timeout "$3" $BIN bench tree --sweep "$draws" --seed "$seed" --heads-configs "$1" \
-    --backend cuda --check "$2" --iterations 20 --json > "$OUT/sweep-${1//\//-}.json" \
+    --backend cuda --check "$2" --iterations 20 ${TREE_ARGS:-} --json \
+    > "$OUT/sweep-${1//\//-}.json" \
     || echo "FAILED or cut off: $1 (check $2)"
 }
 {

@@ -59,6 +59,11 @@ pub struct TreeArgs {
     /// still there).
     #[arg(long, default_value = "cold")]
     cache: Cache,
+    /// One rank: `auto` times the plans its device model cannot tell apart (each five times,
+    /// as `--cache` says) and runs the fastest, instead of taking the model's pick; its
+    /// planning time counts the timing.
+    #[arg(long)]
+    auto_timed: bool,
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) backend: BackendChoice,
     /// CUDA stage-1 kernel: auto (tensor cores for groups with several query rows), simt, mma.
@@ -132,6 +137,9 @@ pub fn run(a: TreeArgs) -> Result<()> {
     let backend = resolve_backend(a.backend)?;
     // The backends split long groups to fill the device; Q-guided keeps each path whole.
     let planner = PlannerConfig::whole_paths();
+    if a.auto_timed && (a.ranks != 1 || a.grow > 0) {
+        bail!("--auto-timed times one rank's plans of one tree: use --ranks 1 without --grow");
+    }
     if a.grow > 0 {
         if backend != BackendKind::Cuda || a.ranks != 1 {
             bail!("--grow runs on one GPU: use --backend cuda and --ranks 1");
@@ -248,6 +256,7 @@ fn bench_on<B: Backend>(
         dtype: spec.dtype,
         planner,
         model: DeviceModel::load_or_default(a.device_model.as_deref())?,
+        auto_timed: a.auto_timed,
         iters: a.iterations,
         cache: a.cache,
     };

@@ -83,6 +83,43 @@ fn sweep_arguments_are_checked() {
         .assert()
         .failure()
         .stderr(contains("--workload"));
+    canopy()
+        .args(["bench", "tree", "--workload", "fasttree-0", "--ranks", "2"])
+        .args(["--auto-timed", "--backend", "cpu"])
+        .assert()
+        .failure()
+        .stderr(contains("--auto-timed times one rank"));
+}
+
+/// `auto` settled by the clock runs a plan of one of its candidates, checked like the rest.
+#[test]
+fn a_sweep_with_auto_timed_checks_its_plans() {
+    let v = json_output(canopy().args([
+        "bench",
+        "tree",
+        "--sweep",
+        "2",
+        "--seed",
+        "3",
+        "--heads-configs",
+        "4/1x64",
+        "--backend",
+        "cpu",
+        "--iterations",
+        "1",
+        "--auto-timed",
+        "--json",
+    ]));
+    for r in v["rows"].as_array().unwrap() {
+        let auto = r["methods"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["method"] == "auto")
+            .expect("an auto row");
+        assert!(auto["rel_error"].as_f64().unwrap() < 2e-3, "{auto}");
+        assert!(auto["chosen"].is_string(), "{auto}");
+    }
 }
 
 /// A tiny CPU sweep's JSON, saved under the system's temporary folder.

@@ -313,6 +313,22 @@ impl DeviceModel {
         })
     }
 
+    /// The candidates the model cannot tell apart from the fastest predicted: those predicted
+    /// within twice [`q_guided_margin`](Self::q_guided_margin) (as a log ratio) of it, and
+    /// [`pick`](Self::pick)'s choice; indices in the candidates' order. One index: the model
+    /// is sure of its pick.
+    pub fn shortlist(&self, candidates: &[(Method, f64)]) -> Vec<usize> {
+        let Some(pick) = self.pick(candidates) else {
+            return Vec::new();
+        };
+        let fastest = candidates.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+        (0..candidates.len())
+            .filter(|&i| {
+                i == pick || (candidates[i].1 / fastest).ln() <= 2.0 * self.q_guided_margin
+            })
+            .collect()
+    }
+
     /// The median over `trees` (each its methods' measured steps) and over their methods
     /// other than `q-guided` of |ln(predicted ratio to q-guided / measured ratio)|: how far
     /// the model typically misjudges a plan against q-guided, which is what a pick against it
@@ -551,6 +567,29 @@ mod tests {
         let none = [(Method::FastTree, 20.0), (Method::DeftNode, 19.0)];
         assert_eq!(model.pick(&none), Some(1));
         assert_eq!(model.pick(&[]), None);
+    }
+
+    /// The shortlist holds the plans predicted within twice the margin of the fastest, and
+    /// the pick even where q-guided's margin keeps it from the fastest.
+    #[test]
+    fn the_shortlist_is_what_the_model_cannot_tell_apart() {
+        let model = DeviceModel {
+            q_guided_margin: 0.05,
+            ..DeviceModel::default()
+        };
+        // Within 2 × 0.05 of 100: up to 110.5.
+        let spread = [
+            (Method::FastTree, 100.0),
+            (Method::DeftNode, 110.0),
+            (Method::DeftFlatten, 111.0),
+            (Method::QGuided, 150.0),
+        ];
+        assert_eq!(model.shortlist(&spread), [0, 1]);
+        let sure = [(Method::FastTree, 50.0), (Method::QGuided, 100.0)];
+        assert_eq!(model.shortlist(&sure), [0]);
+        let kept = [(Method::QGuided, 100.0), (Method::DeftNode, 96.0)];
+        assert_eq!(model.shortlist(&kept), [0, 1]);
+        assert!(model.shortlist(&[]).is_empty());
     }
 
     /// The margin is the median misjudgement of a plan against q-guided: a plan measured 10%

@@ -31,7 +31,8 @@ pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
 pub use plan::{Group, IoReport, Plan, Tail};
 pub use planner::{
-    auto_candidates, choose, plan, AutoChoice, FastTreeParams, Method, PlannerConfig,
+    auto_candidates, auto_choices, choose, plan, predictions, AutoChoice, FastTreeParams, Method,
+    PlannerConfig,
 };
 pub use shape::AttnShape;
 pub use shard::{shard_tree, Shard, TreeView};

@@ -240,21 +240,39 @@ pub fn choose(
     base: &PlannerConfig,
     model: &DeviceModel,
 ) -> Result<AutoChoice> {
-    let mut choices = Vec::new();
-    for (method, config) in auto_candidates(base) {
-        let plan = plan(view, method, shape, &config)?;
-        let predicted_us = model.predict_us(&plan, shape);
-        choices.push(AutoChoice {
-            method,
-            config,
-            predicted_us,
-            plan,
-        });
-    }
-    let predicted: Vec<(Method, f64)> =
-        choices.iter().map(|c| (c.method, c.predicted_us)).collect();
-    let pick = model.pick(&predicted).expect("auto has candidates");
+    let mut choices = auto_choices(view, shape, base, model)?;
+    let pick = model
+        .pick(&predictions(&choices))
+        .expect("auto has candidates");
     Ok(choices.swap_remove(pick))
+}
+
+/// Every candidate of `auto` ([`auto_candidates`]) planned on `view` and priced by `model`,
+/// in the candidates' order.
+pub fn auto_choices(
+    view: &TreeView,
+    shape: &AttnShape,
+    base: &PlannerConfig,
+    model: &DeviceModel,
+) -> Result<Vec<AutoChoice>> {
+    auto_candidates(base)
+        .into_iter()
+        .map(|(method, config)| {
+            let plan = plan(view, method, shape, &config)?;
+            Ok(AutoChoice {
+                method,
+                config,
+                predicted_us: model.predict_us(&plan, shape),
+                plan,
+            })
+        })
+        .collect()
+}
+
+/// Each choice's method and predicted microseconds, for [`DeviceModel::pick`] and
+/// [`DeviceModel::shortlist`].
+pub fn predictions(choices: &[AutoChoice]) -> Vec<(Method, f64)> {
+    choices.iter().map(|c| (c.method, c.predicted_us)).collect()
 }
 
 fn q_guided(view: &TreeView, chunk: u32) -> Vec<Group> {

@@ -12,7 +12,8 @@
 //! - [`strategy`]: the attention benchmark's one rank loop on top of it (every backend and
 //!   transport: threads, MPI, NCCL), its calibration of `auto`, and the thread-per-rank
 //!   driver.
-//! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend.
+//! - [`tree_bench`]: every planning method on one tree, timed and checked on any backend;
+//!   [`timed_auto`]: `auto` settled by timing the plans its device model cannot tell apart.
 //! - [`layer_ops`]: the dense half of a transformer layer on a backend's own tensors, which a
 //!   model drives around [`step`]'s attention.
 //! - [`report`]: the one description of a distributed run, whatever backend and transport ran
@@ -35,6 +36,7 @@ pub mod predict;
 pub mod report;
 pub mod step;
 pub mod strategy;
+pub mod timed_auto;
 pub mod topology;
 pub mod tree_bench;
 

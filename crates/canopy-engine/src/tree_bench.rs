@@ -6,6 +6,7 @@
 //! analytic IO of the host plan is reported beside the time, and speedups are over Q-guided.
 
 use crate::backend::{Backend, Cache};
+use crate::timed_auto::choose_timed;
 use crate::Result;
 use canopy_core::stats::{median, quantile};
 use canopy_core::{
@@ -14,6 +15,9 @@ use canopy_core::{
 };
 use serde::Serialize;
 use std::time::Instant;
+
+/// Timed runs of each plan on `auto`'s shortlist, when the clock settles it.
+const TIMED_AUTO_RUNS: usize = 5;
 
 /// One method's measurement.
 #[derive(Debug, Clone, Serialize)]
@@ -47,6 +51,9 @@ pub struct TreeBench<'a> {
     pub planner: PlannerConfig,
     /// What `auto` prices its candidates with.
     pub model: DeviceModel,
+    /// Whether `auto` times the plans its model cannot tell apart and runs the fastest
+    /// ([`crate::timed_auto`]); its planning time then counts the timing.
+    pub auto_timed: bool,
     pub iters: usize,
     pub cache: Cache,
 }
@@ -75,6 +82,29 @@ impl TreeBench<'_> {
         })
     }
 
+    /// `auto`'s plan settled by the clock over `kv` and `q` ([`choose_timed`]), the timing
+    /// counted in the planning time.
+    fn plan_timed<B: Backend>(&self, backend: &B, kv: &B::Kv, q: &B::Queries) -> Result<TimedPlan> {
+        let t0 = Instant::now();
+        let c = choose_timed(
+            backend,
+            kv,
+            q,
+            self.view,
+            &self.shape,
+            &self.planner,
+            &self.model,
+            TIMED_AUTO_RUNS,
+            self.cache,
+        )?
+        .choice;
+        Ok(TimedPlan {
+            plan: c.plan,
+            plan_ms: t0.elapsed().as_secs_f64() * 1e3,
+            chosen: Some((c.method, c.predicted_us)),
+        })
+    }
+
     /// Runs every method over the same KV and queries; `oracle` is the f64 reference output
     /// (`queries × q_heads × head_dim`) to check against.
     pub fn run<B: Backend>(
@@ -92,7 +122,10 @@ impl TreeBench<'_> {
                 plan: host_plan,
                 plan_ms,
                 chosen,
-            } = self.plan(method)?;
+            } = match (method, self.auto_timed) {
+                (Method::Auto, true) => self.plan_timed(backend, kv, q)?,
+                _ => self.plan(method)?,
+            };
             let dplan = backend.upload_plan(&self.shape, &host_plan)?;
             let mut partials = backend.alloc_partials(&self.shape, &dplan)?;
             let mut states = backend.alloc_states(&self.shape, nq)?;
@@ -153,6 +186,7 @@ mod tests {
 
     #[test]
     fn every_method_matches_the_oracle_on_the_cpu() {
+        // `auto` by its model and by the clock alike.
         let shape = AttnShape::new(4, 2, 64).unwrap();
         let tree = random_tree(11, 30, 40);
         let problem = Problem::random(tree, shape, DType::F32, 5);
@@ -166,24 +200,27 @@ mod tests {
             .write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)
             .unwrap();
         let q = backend.upload_queries(&shape, &problem.data.q).unwrap();
-        let bench = TreeBench {
-            view: &view,
-            shape,
-            dtype: DType::F32,
-            planner: PlannerConfig::default(),
-            model: DeviceModel::default(),
-            iters: 2,
-            cache: Cache::Cold,
-        };
-        let methods = Method::parse_list("all").unwrap();
-        let runs = bench
-            .run(&backend, &kv, &q, &methods, Some(&problem.oracle()))
-            .unwrap();
-        assert_eq!(runs.len(), methods.len());
-        for r in &runs {
-            assert!(r.rel_error.unwrap() < 1e-5, "{:?}", r);
-            assert!(r.speedup_vs_q_guided.unwrap() > 0.0);
+        for auto_timed in [false, true] {
+            let bench = TreeBench {
+                view: &view,
+                shape,
+                dtype: DType::F32,
+                planner: PlannerConfig::default(),
+                model: DeviceModel::default(),
+                auto_timed,
+                iters: 2,
+                cache: Cache::Cold,
+            };
+            let methods = Method::parse_list("all").unwrap();
+            let runs = bench
+                .run(&backend, &kv, &q, &methods, Some(&problem.oracle()))
+                .unwrap();
+            assert_eq!(runs.len(), methods.len());
+            for r in &runs {
+                assert!(r.rel_error.unwrap() < 1e-5, "{:?}", r);
+                assert!(r.speedup_vs_q_guided.unwrap() > 0.0);
+            }
+            assert!(runs.last().unwrap().chosen.is_some());
         }
-        assert!(runs.last().unwrap().chosen.is_some());
     }
 }
