@@ -95,22 +95,26 @@ mod tests {
         let q = backend.upload_queries(&shape, &problem.data.q).unwrap();
         let base = PlannerConfig::default();
 
-        let sure = DeviceModel {
-            q_guided_margin: 0.0,
-            ..DeviceModel::default()
+        let with_margin = |margin| {
+            let model = DeviceModel {
+                q_guided_margin: margin,
+                ..DeviceModel::default()
+            };
+            let t = choose_timed(
+                &backend,
+                &kv,
+                &q,
+                &view,
+                &shape,
+                &base,
+                &model,
+                2,
+                Cache::Warm,
+            );
+            (model, t.unwrap())
         };
-        let t = choose_timed(
-            &backend,
-            &kv,
-            &q,
-            &view,
-            &shape,
-            &base,
-            &sure,
-            2,
-            Cache::Warm,
-        );
-        let t = t.unwrap();
+
+        let (sure, t) = with_margin(0.0);
         let pick = canopy_core::choose(&view, &shape, &base, &sure).unwrap();
         // Ties aside, a margin of 0 leaves the fastest predicted alone on the shortlist.
         let tied = predictions(&auto_choices(&view, &shape, &base, &sure).unwrap())
@@ -123,22 +127,7 @@ mod tests {
         }
 
         // A margin wide enough that the model can tell no candidate apart: all are timed.
-        let unsure = DeviceModel {
-            q_guided_margin: 100.0,
-            ..DeviceModel::default()
-        };
-        let t = choose_timed(
-            &backend,
-            &kv,
-            &q,
-            &view,
-            &shape,
-            &base,
-            &unsure,
-            2,
-            Cache::Warm,
-        );
-        let t = t.unwrap();
+        let (_, t) = with_margin(100.0);
         assert_eq!(t.timed.len(), canopy_core::auto_candidates(&base).len());
         let fastest = t.timed.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
         assert_eq!(t.choice.method, fastest.0);
