@@ -59,9 +59,9 @@ pub struct TreeArgs {
     /// still there).
     #[arg(long, default_value = "cold")]
     cache: Cache,
-    /// One rank: `auto` times the plans its device model cannot tell apart (each five times,
-    /// as `--cache` says) and runs the fastest, instead of taking the model's pick; its
-    /// planning time counts the timing.
+    /// One rank: `auto` times the plans its device model cannot tell apart, and Q-guided (each
+    /// five times, as `--cache` says), and runs the fastest instead of taking the model's pick;
+    /// its planning time counts the timing.
     #[arg(long)]
     auto_timed: bool,
     #[arg(long, value_enum, default_value = "auto")]

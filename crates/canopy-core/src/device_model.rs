@@ -313,10 +313,11 @@ impl DeviceModel {
         })
     }
 
-    /// The candidates the model cannot tell apart from the fastest predicted: those predicted
-    /// within twice [`q_guided_margin`](Self::q_guided_margin) (as a log ratio) of it, and
-    /// [`pick`](Self::pick)'s choice; indices in the candidates' order. One index: the model
-    /// is sure of its pick.
+    /// The candidates to time where the clock settles `auto`: those the model cannot tell
+    /// apart from the fastest predicted (within twice [`q_guided_margin`](Self::q_guided_margin)
+    /// of it, as a log ratio), [`pick`](Self::pick)'s choice, and `q-guided`, the baseline
+    /// `auto` must never lose to; indices in the candidates' order. One index: nothing to
+    /// time.
     pub fn shortlist(&self, candidates: &[(Method, f64)]) -> Vec<usize> {
         let Some(pick) = self.pick(candidates) else {
             return Vec::new();
@@ -324,7 +325,9 @@ impl DeviceModel {
         let fastest = candidates.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
         (0..candidates.len())
             .filter(|&i| {
-                i == pick || (candidates[i].1 / fastest).ln() <= 2.0 * self.q_guided_margin
+                i == pick
+                    || candidates[i].0 == Method::QGuided
+                    || (candidates[i].1 / fastest).ln() <= 2.0 * self.q_guided_margin
             })
             .collect()
     }
@@ -569,8 +572,8 @@ mod tests {
         assert_eq!(model.pick(&[]), None);
     }
 
-    /// The shortlist holds the plans predicted within twice the margin of the fastest, and
-    /// the pick even where q-guided's margin keeps it from the fastest.
+    /// The shortlist holds the plans predicted within twice the margin of the fastest, the
+    /// pick, and q-guided.
     #[test]
     fn the_shortlist_is_what_the_model_cannot_tell_apart() {
         let model = DeviceModel {
@@ -584,9 +587,11 @@ mod tests {
             (Method::DeftFlatten, 111.0),
             (Method::QGuided, 150.0),
         ];
-        assert_eq!(model.shortlist(&spread), [0, 1]);
-        let sure = [(Method::FastTree, 50.0), (Method::QGuided, 100.0)];
+        assert_eq!(model.shortlist(&spread), [0, 1, 3]);
+        let sure = [(Method::FastTree, 50.0), (Method::DeftNode, 100.0)];
         assert_eq!(model.shortlist(&sure), [0]);
+        let baseline = [(Method::FastTree, 50.0), (Method::QGuided, 100.0)];
+        assert_eq!(model.shortlist(&baseline), [0, 1]);
         let kept = [(Method::QGuided, 100.0), (Method::DeftNode, 96.0)];
         assert_eq!(model.shortlist(&kept), [0, 1]);
         assert!(model.shortlist(&[]).is_empty());
