@@ -130,6 +130,17 @@ struct Picks {
     slower_than_q_guided: usize,
     /// Geometric mean of `q-guided`'s measured time over the pick's.
     speedup_over_q_guided: f64,
+    /// Plans timed a tree (the clock's shortlist; 0 for the model's own pick).
+    timed_per_tree: f64,
+}
+
+/// How `auto` settles on a plan with a model: the model's pick, or the fastest measured of
+/// the model's shortlist (`bench tree --auto-timed`; here the sweep's medians stand in for
+/// its timing).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Settle {
+    Model,
+    Clock,
 }
 
 /// How the starting and the fitted model do on one set of trees.
@@ -139,6 +150,9 @@ struct Score {
     trees: usize,
     start: Picks,
     fitted: Picks,
+    /// Each model's shortlist settled by the measured times.
+    start_clock: Picks,
+    fitted_clock: Picks,
 }
 
 #[derive(Serialize)]
@@ -152,16 +166,34 @@ struct FitOutput {
     trees: Vec<TreeFit>,
 }
 
-/// The (method, measured µs) `model` picks, as `auto` would ([`DeviceModel::pick`]).
-fn pick(model: &DeviceModel, tree: &[(Method, Sample)]) -> (Method, f64) {
+/// The (method, measured µs) `auto` runs with `model`, settled as `settle` says
+/// ([`DeviceModel::pick`], or the fastest measured of [`DeviceModel::shortlist`]), and the
+/// plans it timed.
+fn pick(model: &DeviceModel, tree: &[(Method, Sample)], settle: Settle) -> ((Method, f64), usize) {
     let predicted: Vec<(Method, f64)> = tree
         .iter()
         .map(|(m, s)| (*m, model.price(&s.cost)))
         .collect();
-    let i = model
-        .pick(&predicted)
-        .expect("a tree with measured methods");
-    (tree[i].0, tree[i].1.measured_us)
+    let (i, timed) = match settle {
+        Settle::Model => (model.pick(&predicted), 0),
+        Settle::Clock => {
+            let shortlist = model.shortlist(&predicted);
+            let fastest = shortlist
+                .iter()
+                .copied()
+                .min_by(|&a, &b| tree[a].1.measured_us.total_cmp(&tree[b].1.measured_us));
+            (
+                fastest,
+                if shortlist.len() > 1 {
+                    shortlist.len()
+                } else {
+                    0
+                },
+            )
+        }
+    };
+    let i = i.expect("a tree with measured methods");
+    ((tree[i].0, tree[i].1.measured_us), timed)
 }
 
 /// The geometric mean over `trees` of the measured time of `model`'s pick over the best.
@@ -172,7 +204,7 @@ fn regret(model: &DeviceModel, trees: &[Measured]) -> f64 {
             .iter()
             .map(|x| x.1.measured_us)
             .fold(f64::INFINITY, f64::min);
-        pick(model, &t.samples).1 / best
+        pick(model, &t.samples, Settle::Model).0 .1 / best
     }))
 }
 
@@ -260,10 +292,11 @@ fn load_all(
     Ok(trees)
 }
 
-/// How `model`'s picks do on `trees`.
-fn picks(model: &DeviceModel, trees: &[Measured], all: &[Sample]) -> Picks {
+/// How `model`'s picks, settled as `settle` says, do on `trees`.
+fn picks(model: &DeviceModel, trees: &[Measured], all: &[Sample], settle: Settle) -> Picks {
     let mut ratios = Vec::new();
     let mut over_q = Vec::new();
+    let mut timed = 0;
     for t in trees.iter().filter(|t| !t.samples.is_empty()) {
         let measured = |m: Method| t.samples.iter().find(|x| x.0 == m).map(|x| x.1.measured_us);
         let best = t
@@ -271,7 +304,8 @@ fn picks(model: &DeviceModel, trees: &[Measured], all: &[Sample]) -> Picks {
             .iter()
             .map(|x| x.1.measured_us)
             .fold(f64::INFINITY, f64::min);
-        let pick = pick(model, &t.samples).1;
+        let ((_, pick), plans) = pick(model, &t.samples, settle);
+        timed += plans;
         ratios.push(pick / best);
         if let Some(q) = measured(Method::QGuided) {
             over_q.push(pick / q);
@@ -285,6 +319,7 @@ fn picks(model: &DeviceModel, trees: &[Measured], all: &[Sample]) -> Picks {
             / ratios.len().max(1) as f64,
         slower_than_q_guided: over_q.iter().filter(|&&r| r > 1.03).count(),
         speedup_over_q_guided: 1.0 / geomean(over_q.iter().copied()),
+        timed_per_tree: timed as f64 / ratios.len().max(1) as f64,
     }
 }
 
@@ -307,8 +342,8 @@ fn score(start: &DeviceModel, fitted: &DeviceModel, trees: &[Measured]) -> (Scor
                 .map(|(m, x)| (*m, x.measured_us))
                 .min_by(|a, b| a.1.total_cmp(&b.1))
                 .expect("non-empty"),
-            start_pick: pick(start, &t.samples),
-            fitted_pick: pick(fitted, &t.samples),
+            start_pick: pick(start, &t.samples, Settle::Model).0,
+            fitted_pick: pick(fitted, &t.samples, Settle::Model).0,
             methods: t
                 .samples
                 .iter()
@@ -325,8 +360,10 @@ fn score(start: &DeviceModel, fitted: &DeviceModel, trees: &[Measured]) -> (Scor
     let score = Score {
         samples: all.len(),
         trees: fits.len(),
-        start: picks(start, trees, &all),
-        fitted: picks(fitted, trees, &all),
+        start: picks(start, trees, &all, Settle::Model),
+        fitted: picks(fitted, trees, &all, Settle::Model),
+        start_clock: picks(start, trees, &all, Settle::Clock),
+        fitted_clock: picks(fitted, trees, &all, Settle::Clock),
     };
     (score, fits)
 }
@@ -404,10 +441,16 @@ pub fn run(a: FitArgs) -> Result<()> {
         "within 1.05x",
         "> 1.03x q-guided",
         "over q-guided",
+        "timed a tree",
     ]);
     let sets = [("fit", Some(&out.fit)), ("holdout", out.holdout.as_ref())];
     for (set, s) in sets.into_iter().filter_map(|(n, s)| Some((n, s?))) {
-        for (model, p) in [("start", &s.start), ("fitted", &s.fitted)] {
+        for (model, p) in [
+            ("start", &s.start),
+            ("fitted", &s.fitted),
+            ("start, clock", &s.start_clock),
+            ("fitted, clock", &s.fitted_clock),
+        ] {
             t.row(vec![
                 set.to_string(),
                 model.to_string(),
@@ -418,6 +461,7 @@ pub fn run(a: FitArgs) -> Result<()> {
                 format!("{:.1}%", 100.0 * p.within_1_05),
                 p.slower_than_q_guided.to_string(),
                 format!("{:.2}x", p.speedup_over_q_guided),
+                format!("{:.2}", p.timed_per_tree),
             ]);
         }
     }

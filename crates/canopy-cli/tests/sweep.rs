@@ -161,6 +161,18 @@ fn fit_model_reads_sweeps_and_judges_a_disjoint_holdout() {
         h["start"]["slower_than_q_guided"].as_u64().unwrap() <= 2,
         "{h}"
     );
+    // The clock settles among plans that include the model's pick and q-guided: it picks no
+    // worse, and never slower than q-guided.
+    for score in [&v, h] {
+        for (model, clock) in [("start", "start_clock"), ("fitted", "fitted_clock")] {
+            let (m, c) = (&score[model], &score[clock]);
+            let f = |p: &serde_json::Value, k: &str| p[k].as_f64().unwrap();
+            assert!(f(c, "regret") <= f(m, "regret"), "{score}");
+            assert!(f(c, "within_1_05") >= f(m, "within_1_05"), "{score}");
+            assert_eq!(c["slower_than_q_guided"].as_u64(), Some(0), "{score}");
+            assert!(f(c, "timed_per_tree") >= 0.0, "{score}");
+        }
+    }
     // Fitted to its picks, the model's regret is reported on both sets.
     let v = json_output(
         canopy()
