@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # The multi-GPU runs (nvidia-h200-x2 or -x4): the model over every GPU of the machine, G of
-# them. PART lists the parts to run, in order (PART="check prefill scaling"); each writes
-# under $OUT/PART and is one call's worth or less (well inside 10 minutes):
+# them; the tables run at 1 and every power of two up to G ranks (RANKS: 1,2,4 on four).
+# PART lists the parts to run, in order (PART="check prefill scaling"); each writes under
+# $OUT/PART and is one call's worth or less (well inside 10 minutes):
 #   check   the model runtime's correctness with a GPU per rank (NCCL): model-check.sh's
 #           fixture cases on 1 and G ranks, tree and ring, f32 and bf16, against transformers'
 #           references and one rank.
 #   decode  `bench decode` of Llama-3.1-8B with random weights and a random context, threads:
-#           32K…256K at 1 and G ranks, tree (auto) against the ring; every collective at G
-#           ranks; 1M at G ranks (1M does not fit one H200 beside the weights).
-#   mpi     the ring at G ranks (32K, 256K) and 1M at G ranks, threads; the same model under
-#           `mpirun -np G` (one process per GPU), tree and ring; then the longest context the
-#           G GPUs hold (LONGEST tokens, from the decode part's capacity) through `canopy
-#           generate --context-fill random`.
-#   scaling `bench scaling` of the attention engine at 1 and G ranks (the Llama shape,
-#           128K…4M), with its prediction for 8 GPUs.
+#           32K…256K at RANKS, tree (auto) against the ring; every collective at G ranks; 1M
+#           at G ranks (1M does not fit one H200 beside the weights).
+#   mpi     the same model under `mpirun -np G` (one process per GPU), tree and ring, 32K and
+#           1M; then the longest context the G GPUs hold (LONGEST tokens, else 99.5% of the
+#           decode part's capacity) through `canopy generate --context-fill random`.
+#   scaling `bench scaling` of the attention engine at RANKS (the Llama shape, 128K…4M), with
+#           its prediction for 8 GPUs.
 #   serve   `canopy serve --ranks G`: one long-document request (DOC tokens) sharded over the
 #           GPUs, then `bench serve` (multi-doc) beside it.
 #   prefill Table 1 with the prefill included: `bench decode` with a real prefill at
-#           PREFILL_CONTEXTS, 1 and G ranks, tree and ring; then `canopy generate --context
+#           PREFILL_CONTEXTS, RANKS, tree and ring; then `canopy generate --context
 #           PREFILL_LONG` (a real prefill) at G ranks.
 # Run from the repository root with the release binary (built with --features mpi) in
 # $DIR/canopy. DEADLINE (seconds, default 570) caps every step's time limit at what is left,
@@ -35,6 +35,9 @@ DEADLINE=${DEADLINE:-570}
 limit() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }
 # G may be set to run G ranks on fewer GPUs (a smoke test of the parts on one GPU).
 G=${G:-$(nvidia-smi --list-gpus | wc -l)}
+# The rank counts of the tables: 1 and every power of two up to G (1,2,4 on four GPUs).
+RANKS=1
+for ((r = 2; r <= G; r *= 2)); do RANKS=$RANKS,$r; done
 ARCH=(--arch llama-3.1-8b --random-weights)
 MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE)
 
@@ -79,7 +82,7 @@ PY
       ;;
     decode)
       decode table 300 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
-        --context 32K,64K,128K,256K --ranks "1,$G" --strategy tree,ring --plot "$R/table.png"
+        --context 32K,64K,128K,256K --ranks "$RANKS" --strategy tree,ring --plot "$R/table.png"
       decode collectives 120 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
         --context 32K,256K --ranks "$G" --collective allreduce3,allreduce2,allgather
       decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
@@ -106,7 +109,7 @@ print({k: d[k] for k in ('ranks', 'strategy', 'prompt_tokens', 'prefill_s', 'ttf
       ;;
     scaling)
       log "bench scaling, the Llama shape, threads"
-      timeout "$(limit 150)" $BIN bench scaling --backend cuda --ranks "1,$G" --heads 32 --kv-heads 8 \
+      timeout "$(limit 150)" $BIN bench scaling --backend cuda --ranks "$RANKS" --heads 32 --kv-heads 8 \
         --head-dim 128 --dtype bf16 --seq-lens 131072,1048576,4194304 --iters 10 \
         --check-max-tokens 1048576 --csv "$R/scaling.csv" --json > "$R/scaling.json" \
         || log "FAILED or cut off: scaling"
@@ -151,7 +154,7 @@ print(json.dumps({k: v for k, v in d.items() if not isinstance(v, (list, dict))}
       ;;
     prefill)
       decode prefill 420 $BIN bench decode "${ARCH[@]}" --decode 10 \
-        --context "${PREFILL_CONTEXTS:-32K,64K,120K}" --ranks "1,$G" --strategy tree,ring
+        --context "${PREFILL_CONTEXTS:-32K,64K,120K}" --ranks "$RANKS" --strategy tree,ring
       log "generate: a real prefill of ${PREFILL_LONG:-127K} tokens on $G GPUs"
       timeout "$(limit 150)" $BIN generate "${ARCH[@]}" --ranks "$G" --context "${PREFILL_LONG:-127K}" \
         --max-tokens 10 --json > "$R/prefill-long.json" || log "FAILED or cut off: prefill-long"
