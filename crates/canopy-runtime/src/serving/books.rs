@@ -267,30 +267,18 @@ impl Books {
             true => (0..self.cache.kv().ranks()).collect(),
             false => vec![rank],
         };
-        let mut updates = self.steps.update(self.cache.kv())?;
         let mut tails = Vec::with_capacity(viewers.len());
         let mut new_pages = false;
-        for &r in &viewers {
-            match std::mem::replace(
-                &mut updates[r],
-                RankUpdate::Grown {
-                    tails: Vec::new(),
-                    table: None,
-                },
-            ) {
-                RankUpdate::Grown { tails: t, table } => {
-                    new_pages |= r == rank && table.is_some();
-                    tails.push(t);
-                }
-                RankUpdate::Fresh(_) => {
-                    return Ok(Layout::Fresh(
-                        viewers
-                            .iter()
-                            .map(|&v| self.steps.rank(v).expect("updated above").clone())
-                            .collect(),
-                    ))
-                }
-            }
+        let updates = self.steps.update(self.cache.kv())?.into_iter().enumerate();
+        for (r, update) in updates.filter(|(r, _)| viewers.contains(r)) {
+            let RankUpdate::Grown { tails: t, table } = update else {
+                let views = viewers
+                    .iter()
+                    .map(|&v| self.steps.rank(v).expect("updated above"));
+                return Ok(Layout::Fresh(views.cloned().collect()));
+            };
+            new_pages |= r == rank && table.is_some();
+            tails.push(t);
         }
         Ok(Layout::Grown { tails, new_pages })
     }
