@@ -179,37 +179,28 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         }
     }
 
-    /// Follows this rank's nodes that grew in place: the plan's groups, rows and buffers
-    /// stay valid. The tree's; a ring follows every shard ([`RankAttention::extend_shards`]).
-    pub fn extend(&mut self, tails: &[Tail]) -> Result<()> {
-        match &mut self.kind {
-            Kind::Tree { plan, .. } => self.backend.extend_plan(plan, tails),
-            Kind::Ring { .. } => Err(EngineError::Config(
-                "a ring follows every shard's growth: extend_shards".into(),
-            )),
-        }
-    }
-
-    /// Follows the nodes that grew in place on every rank (`tails[r]`, rank `r`'s): each
-    /// shard's plan, since every shard passes every rank. A shard's logical tokens do not
-    /// change (growth in place fills addresses its pages already had), so the ring's receive
-    /// buffers still hold it. The ring's; the tree follows its own rank
-    /// ([`RankAttention::extend`]).
-    pub fn extend_shards(&mut self, tails: &[Vec<Tail>]) -> Result<()> {
-        match &mut self.kind {
-            Kind::Ring { plans, .. } if plans.len() == tails.len() => plans
-                .iter_mut()
-                .zip(tails)
-                .try_for_each(|(plan, t)| self.backend.extend_plan(plan, t)),
-            Kind::Ring { plans, .. } => Err(EngineError::Config(format!(
-                "a ring of {} shards got the growth of {} ranks",
+    /// Follows nodes that grew in place, given as the tails of every rank whose view this
+    /// step plans: this rank's alone for the tree, every rank's in rank order for the ring
+    /// (every shard passes every rank). The plans' groups, rows and buffers stay valid; a
+    /// ring shard's logical tokens do not change (growth in place fills addresses its pages
+    /// already had), so the ring's receive buffers still hold it.
+    pub fn extend(&mut self, tails: &[Vec<Tail>]) -> Result<()> {
+        let backend = self.backend;
+        let plans: Vec<&mut B::Plan> = match &mut self.kind {
+            Kind::Tree { plan, .. } => vec![plan],
+            Kind::Ring { plans, .. } => plans.iter_mut().collect(),
+        };
+        if plans.len() != tails.len() {
+            return Err(EngineError::Config(format!(
+                "a step that plans {} views got the growth of {}",
                 plans.len(),
                 tails.len()
-            ))),
-            Kind::Tree { .. } => Err(EngineError::Config(
-                "the tree follows its own rank's growth: extend".into(),
-            )),
+            )));
         }
+        plans
+            .into_iter()
+            .zip(tails)
+            .try_for_each(|(plan, t)| backend.extend_plan(plan, t))
     }
 
     /// Attention of `q` over `kv` (this rank's storage, laid out as the plans say), merged

@@ -333,7 +333,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         let table = match (&merge, attention.as_mut()) {
             (Some((how, nodes)), grown) => match (changes.swap_remove(rank), grown) {
                 (RankChange::Grown { tails, table }, Some(a)) => {
-                    a.extend(&tails)?;
+                    a.extend(std::slice::from_ref(&tails))?;
                     table
                 }
                 (RankChange::Grown { .. }, None) => {
@@ -356,7 +356,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             },
             (None, grown) => match (grown_everywhere(changes, rank), grown) {
                 (Some(grown), Some(a)) => {
-                    a.extend_shards(&grown.tails)?;
+                    a.extend(&grown.tails)?;
                     grown.table
                 }
                 _ => {

@@ -259,14 +259,10 @@ impl Books {
         }
     }
 
-    /// The decode layout after [`decode`](Self::decode)'s appends, for `rank`.
-    /// The ring plans every rank's view, so it extends in place only where every rank's view
-    /// grew in place.
-    pub fn layout(&mut self, rank: usize, ring: bool) -> Result<Layout> {
-        let viewers: Vec<usize> = match ring {
-            true => (0..self.cache.kv().ranks()).collect(),
-            false => vec![rank],
-        };
+    /// The decode layout after [`decode`](Self::decode)'s appends, for `rank`, whose step
+    /// plans `viewers`' views (its own for the tree, every rank's for the ring): extended in
+    /// place only where every one of them grew in place.
+    pub fn layout(&mut self, rank: usize, viewers: &[usize]) -> Result<Layout> {
         let mut tails = Vec::with_capacity(viewers.len());
         let mut new_pages = false;
         let updates = self.steps.update(self.cache.kv())?.into_iter().enumerate();
@@ -574,7 +570,7 @@ mod tests {
             };
             let (_, failed) = books.decode(&[row]);
             assert!(failed.is_empty());
-            kinds.push(match books.layout(0, true).unwrap() {
+            kinds.push(match books.layout(0, &[0, 1]).unwrap() {
                 Layout::Fresh(views) => {
                     assert_eq!(views.len(), 2, "every rank's view");
                     'F'

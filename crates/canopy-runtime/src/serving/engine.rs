@@ -211,18 +211,15 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         reach: Option<usize>,
     ) -> Result<(StepLogits, u64)> {
         let rank = self.comm.rank();
-        let ring = self.merge.is_none();
-        let layout = self.books.layout(rank, ring)?;
+        let viewers = self.viewers();
+        let layout = self.books.layout(rank, &viewers)?;
         let fresh = matches!(layout, Layout::Fresh(_));
         match layout {
             Layout::Grown { tails, new_pages } => {
                 let attention = self.decode.as_mut().ok_or_else(|| {
                     RuntimeError::Protocol("a decode plan grew before it was made".into())
                 })?;
-                match ring {
-                    true => attention.extend_shards(&tails)?,
-                    false => attention.extend(&tails[0])?,
-                }
+                attention.extend(&tails)?;
                 self.decode_table &= !new_pages;
             }
             Layout::Fresh(views) => {
@@ -235,12 +232,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             self.install(&table)?;
             self.decode_table = true;
         }
-        let read: Vec<usize> = if ring {
-            (0..self.comm.size()).collect()
-        } else {
-            vec![rank]
-        };
-        let kv_bytes = self.books.queried_tokens(&read)
+        let kv_bytes = self.books.queried_tokens(&viewers)
             * self.layers.num_layers() as u64
             * 2
             * self.shape.kv_token_bytes(self.config.kv_dtype) as u64;
