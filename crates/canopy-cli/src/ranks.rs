@@ -160,13 +160,7 @@ impl RankThreads for CudaBackend {
             let layout = NodeLayout::single(ranks);
             let comm =
                 NcclTransport::new(&host, &backends[r], &ids, layout, strategy, RANK_TIMEOUT)?;
-            let out = body(r, &comm);
-            // Its peers may be waiting in collectives it will never join: their watchdogs
-            // end the process soon, with this failure in their message.
-            if let Err(e) = &out {
-                canopy_cuda::nccl::note_failure(format!("rank {r} failed: {e:#}"));
-            }
-            out
+            canopy_cuda::nccl::noting_failure(r, body(r, &comm))
         })
     }
 

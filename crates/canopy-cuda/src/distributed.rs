@@ -18,7 +18,7 @@
 //! rank and the NCCL call, never a hang.
 
 use crate::error::{CudaError, Result};
-use crate::nccl::{connect_at_init, note_failure};
+use crate::nccl::{connect_at_init, noting_failure};
 use crate::nccl_transport::{NcclIds, NcclTransport};
 use crate::{CudaBackend, CudaKv, CudaQueries, KernelChoice};
 use canopy_comm::{Collective, Group, ThreadWorld};
@@ -147,11 +147,7 @@ fn rank<H: Collective>(
         }
         Ok(mine)
     };
-    let out = run();
-    if let Err(e) = &out {
-        note_failure(format!("rank {me} failed: {e}"));
-    }
-    out
+    noting_failure(me, run())
 }
 
 /// The ring's hand-off alone, this rank's shard to the next and the previous rank's in, on

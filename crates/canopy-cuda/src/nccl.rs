@@ -330,9 +330,19 @@ const AFTER_A_FAILURE: Duration = Duration::from_secs(10);
 static FAILURE: Mutex<Option<String>> = Mutex::new(None);
 
 /// Records that a rank of this process failed with `message`.
-pub fn note_failure(message: String) {
+fn note_failure(message: String) {
     let mut f = FAILURE.lock().unwrap_or_else(|p| p.into_inner());
     f.get_or_insert(message);
+}
+
+/// `out`, rank `rank`'s result, noted first if it failed: its peers may be waiting in
+/// collectives it will never join, and their watchdogs then end the process soon, with this
+/// failure in their message.
+pub fn noting_failure<T, E: std::fmt::Display>(rank: usize, out: Result<T, E>) -> Result<T, E> {
+    if let Err(e) = &out {
+        note_failure(format!("rank {rank} failed: {e:#}"));
+    }
+    out
 }
 
 /// What a rank last did: when and in which NCCL call.
