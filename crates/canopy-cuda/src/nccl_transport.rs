@@ -573,6 +573,18 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         Ok(())
     }
 
+    /// The tree's communicators enqueue on the compute stream ([`NcclTransport::new`]); the
+    /// ring's world has a stream of its own.
+    fn merges_on_stream(&self, b: &CudaBackend) -> bool {
+        self.world.stream().cu_stream() == b.stream().cu_stream()
+    }
+
+    fn agree_max(&self, vote: u8) -> EResult<u8> {
+        let mut votes = [vote];
+        self.host.all_reduce(&mut votes, ReduceOp::Max)?;
+        Ok(votes[0])
+    }
+
     fn wait(&self, b: &CudaBackend) -> EResult<()> {
         self.wait_event(&record(b.stream())?)?;
         let world = self.world.stream();

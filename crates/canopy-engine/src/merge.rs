@@ -233,6 +233,22 @@ pub trait Transport<B: MergeOps>: Group {
         self.recv_kv(b, recv, recv_tokens, prev)
     }
 
+    /// Whether the tree's merge over this transport only enqueues work on `b`'s own stream,
+    /// so that a pass running it may be recorded and replayed as one graph. NCCL's does; a
+    /// host transport copies through the host in the middle of a pass. Provided: no.
+    fn merges_on_stream(&self, b: &B) -> bool {
+        let _ = b;
+        false
+    }
+
+    /// The largest of every rank's `vote`, agreed on the host. Ranks that record their steps
+    /// as graphs decide together with it: NCCL requires a collective to be captured on every
+    /// rank or on none. Provided: this rank's own vote, for transports whose steps of several
+    /// ranks are never recorded ([`Transport::merges_on_stream`] is false).
+    fn agree_max(&self, vote: u8) -> Result<u8> {
+        Ok(vote)
+    }
+
     /// Waits until every call this rank enqueued has completed. Provided: nothing to wait for.
     fn wait(&self, b: &B) -> Result<()> {
         let _ = b;

@@ -163,6 +163,19 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         self.comm.size()
     }
 
+    /// Whether a pass that runs this step may be recorded as one graph: a step of one rank,
+    /// or the tree's over a transport whose merge stays on the backend's stream. The ring's
+    /// hand-offs at several ranks use a stream of their own and buffers made per hop.
+    pub fn recordable(&self) -> bool {
+        self.ranks() == 1
+            || matches!(self.kind, Kind::Tree { .. }) && self.comm.merges_on_stream(self.backend)
+    }
+
+    /// The largest of every rank's `vote` ([`Transport::agree_max`]).
+    pub fn agree_max(&self, vote: u8) -> Result<u8> {
+        self.comm.agree_max(vote)
+    }
+
     /// The merge the tree strategy runs (`None` for the ring).
     pub fn merge(&self) -> Option<MergeCollective> {
         match &self.kind {

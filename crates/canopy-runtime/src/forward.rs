@@ -13,8 +13,10 @@
 //! one tensor [`Forward`] keeps. Recording costs a few steps' host time, so it waits for
 //! [`Forward`]'s patience of like steps in a row; a recording dropped before it paid for
 //! itself (a serving batch whose rows or layout keep changing) doubles the patience, one that
-//! paid halves it. A step of several ranks, a timed step, or a backend that records nothing
-//! runs op by op, as does every step after a recording failed.
+//! paid halves it. A step of several ranks is recorded where its merge stays on the backend's
+//! stream (the tree over NCCL: the merge's collectives are nodes of the graph); a ring step
+//! of several ranks, a merge through the host, a timed step, or a backend that records
+//! nothing runs op by op, as does every step after a recording failed.
 //!
 //! A step whose draws reach only each row's most likely tokens (greedy, or cut by `top_k`)
 //! narrows its logits to them on the backend, inside the pass and its recording
@@ -65,25 +67,100 @@ struct Recorder<G> {
 impl<G> Recorder<G> {
     /// Drops the recording (its step is gone), weighing what it paid in the patience.
     fn drop_recording(&mut self) {
-        if let Some(r) = self.recorded.take() {
-            self.patience = if r.replays < PAYBACK_REPLAYS {
-                (self.patience * 2).min(MOST_PATIENCE)
-            } else {
-                (self.patience / 2).max(1)
-            };
+        if self.recorded.is_some() {
+            self.patience = self.patience_after_drop();
+            self.recorded = None;
             self.eager = None;
         }
     }
 
-    /// Whether the step of `key`, not the recorded one, is to be recorded (else run op by op).
-    fn records(&mut self, key: PassKey) -> bool {
+    /// The patience once the recording, if any, is dropped: doubled if it did not pay for
+    /// itself, else halved.
+    fn patience_after_drop(&self) -> usize {
+        match &self.recorded {
+            Some(r) if r.replays < PAYBACK_REPLAYS => (self.patience * 2).min(MOST_PATIENCE),
+            Some(_) => (self.patience / 2).max(1),
+            None => self.patience,
+        }
+    }
+
+    /// What this rank would do with the step of `key`: replay the recording made for it,
+    /// record it (it has run op by op `patience` times in a row), or run it op by op.
+    fn vote(&self, key: PassKey) -> Vote {
+        if self.recorded.as_ref().is_some_and(|r| r.key == key) {
+            return Vote::Replay;
+        }
+        // Dropping a recording forgets the steps run op by op before it.
+        let like = match (&self.recorded, self.eager) {
+            (None, Some((k, before))) if k == key => before + 1,
+            _ => 0,
+        };
+        if like >= self.patience_after_drop() {
+            Vote::Record
+        } else {
+            Vote::Eager
+        }
+    }
+
+    /// Notes that the step of `key`, not the recorded one, is recorded or run op by op.
+    fn passes(&mut self, key: PassKey) {
         self.drop_recording();
         let like = match self.eager {
             Some((k, before)) if k == key => before + 1,
             _ => 0,
         };
         self.eager = Some((key, like));
-        like >= self.patience
+    }
+
+    /// Takes the step of `key` (`None`: not recordable here) the way the ranks agreed, given
+    /// this rank's own vote, and says what this rank does: replay, record, or run op by op. A
+    /// rank whose recording still holds keeps it through a step the others run op by op.
+    fn follow(&mut self, key: Option<PassKey>, mine: Vote, agreed: Vote) -> Vote {
+        match (key, agreed) {
+            (Some(_), Vote::Replay) => {
+                if let Some(r) = self.recorded.as_mut() {
+                    r.replays += 1;
+                    self.replayed += 1;
+                }
+                Vote::Replay
+            }
+            (Some(key), Vote::Record) => {
+                self.passes(key);
+                Vote::Record
+            }
+            (key, _) => {
+                if let Some(key) = key.filter(|_| mine != Vote::Replay) {
+                    self.passes(key);
+                }
+                Vote::Eager
+            }
+        }
+    }
+
+    /// Whether the step of `key`, not the recorded one, is to be recorded (else run op by op).
+    #[cfg(test)]
+    fn records(&mut self, key: PassKey) -> bool {
+        let vote = self.vote(key);
+        self.passes(key);
+        vote == Vote::Record
+    }
+}
+
+/// What a rank does with a step; ranks that record together do the largest of their votes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Vote {
+    Replay = 0,
+    Record = 1,
+    Eager = 2,
+}
+
+impl Vote {
+    fn from_u8(v: u8) -> Vote {
+        match v {
+            0 => Vote::Replay,
+            1 => Vote::Record,
+            _ => Vote::Eager,
+        }
     }
 }
 
@@ -170,6 +247,9 @@ impl<B: LayerOps> Forward<B> {
     }
 
     /// The step's logits left in the kept tensor: replayed, recorded, or run op by op.
+    /// Ranks that record their steps (several ranks of a recordable step) do what the most
+    /// cautious of them votes, and keep a recording only where every rank made one: a
+    /// collective in a graph must be captured, and replayed, on every rank or on none.
     fn step<C: Transport<B>>(
         &mut self,
         backend: &B,
@@ -178,33 +258,49 @@ impl<B: LayerOps> Forward<B> {
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
     ) -> Result<()> {
-        let key = if self.graphs && attention.ranks() == 1 {
+        let recordable = attention.recordable();
+        let together = recordable && attention.ranks() > 1;
+        let key = if self.graphs && recordable {
             stage(backend, rows)?
         } else {
             None
         };
+        let recorder = &mut self.recorder;
+        let mine = key.map_or(Vote::Eager, |k| recorder.vote(k));
+        let vote = agree(attention, together, mine)?;
         let logits = self.logits.as_mut().expect("kept by the caller");
         let mut top = self.top.as_mut();
-        let mut run = || {
+        let mut run = |attention: &mut RankAttention<B, C>| {
             let out = (&mut *logits, top.as_deref_mut());
             pass(backend, layers, caches, attention, rows, None, out).map(drop)
         };
-        let recorder = &mut self.recorder;
-        let Some(key) = key else {
-            return run();
+        let key = match (recorder.follow(key, mine, vote), key) {
+            (Vote::Replay, _) => {
+                let r = recorder
+                    .recorded
+                    .as_ref()
+                    .expect("every rank voted to replay");
+                return Ok(backend.replay(&r.graph)?);
+            }
+            (Vote::Record, Some(key)) => key,
+            _ => return run(attention),
         };
-        if let Some(r) = recorder.recorded.as_mut().filter(|r| r.key == key) {
-            r.replays += 1;
-            recorder.replayed += 1;
-            return Ok(backend.replay(&r.graph)?);
-        }
-        if !recorder.records(key) {
-            return run();
-        }
         backend.begin_capture()?;
-        let ran = run();
-        match (ran, backend.end_capture()) {
-            (Ok(_), Ok(graph)) => {
+        let ran = run(attention);
+        let ended = backend.end_capture();
+        let failed = match (&ran, &ended) {
+            (Err(e), _) => Some(e.to_string()),
+            (Ok(_), Err(e)) => Some(e.to_string()),
+            (Ok(_), Ok(_)) => None,
+        };
+        let mine = if failed.is_some() {
+            Vote::Eager
+        } else {
+            Vote::Record
+        };
+        let everywhere = agree(attention, together, mine)?;
+        match (ended, everywhere) {
+            (Ok(graph), Vote::Record) => {
                 backend.replay(&graph)?;
                 recorder.recorded = Some(Recorded {
                     key,
@@ -213,13 +309,11 @@ impl<B: LayerOps> Forward<B> {
                 });
                 Ok(())
             }
-            (ran, ended) => {
-                let why = (ran.err().map(|e| e.to_string()))
-                    .or_else(|| ended.err().map(|e| e.to_string()))
-                    .unwrap_or_default();
+            _ => {
+                let why = failed.unwrap_or_else(|| "another rank's recording failed".into());
                 tracing::warn!("decode steps run op by op: recording one failed: {why}");
                 self.graphs = false;
-                run()
+                run(attention)
             }
         }
     }
@@ -271,6 +365,18 @@ impl<B: LayerOps> Forward<B> {
         }
         Ok(())
     }
+}
+
+/// The largest vote of the ranks that record `together` (else this rank's own).
+fn agree<B: LayerOps, C: Transport<B>>(
+    attention: &RankAttention<B, C>,
+    together: bool,
+    vote: Vote,
+) -> Result<Vote> {
+    Ok(match together {
+        true => Vote::from_u8(attention.agree_max(vote as u8)?),
+        false => vote,
+    })
 }
 
 /// Stages the step's inputs where a recorded pass reads them and gives the step's key
@@ -374,6 +480,58 @@ mod tests {
         assert!(!r.records(key(0)), "a first sighting runs op by op");
         assert!(r.records(key(0)), "a second is recorded");
         assert!(!r.records(key(1)), "a new epoch starts over");
+    }
+
+    #[test]
+    fn a_rank_keeps_its_recording_through_a_step_the_others_run_op_by_op() {
+        let mut r = recorder();
+        assert_eq!(
+            r.follow(Some(key(0)), Vote::Eager, Vote::Eager),
+            Vote::Eager
+        );
+        assert_eq!(r.vote(key(0)), Vote::Record, "seen once: recorded next");
+        // Another rank is not ready: every rank runs the step op by op.
+        assert_eq!(
+            r.follow(Some(key(0)), Vote::Record, Vote::Eager),
+            Vote::Eager
+        );
+        assert_eq!(
+            r.follow(Some(key(0)), Vote::Record, Vote::Record),
+            Vote::Record
+        );
+        r.recorded = Some(Recorded {
+            key: key(0),
+            graph: (),
+            replays: 0,
+        });
+        assert_eq!(r.vote(key(0)), Vote::Replay);
+        // Another rank's step changed: this one keeps its recording, and replays next time.
+        assert_eq!(
+            r.follow(Some(key(0)), Vote::Replay, Vote::Eager),
+            Vote::Eager
+        );
+        assert_eq!(r.vote(key(0)), Vote::Replay);
+        assert_eq!(
+            r.follow(Some(key(0)), Vote::Replay, Vote::Replay),
+            Vote::Replay
+        );
+        assert_eq!(r.replayed, 1);
+        // Another rank records anew: so does this one, dropping its recording.
+        assert_eq!(
+            r.follow(Some(key(0)), Vote::Replay, Vote::Record),
+            Vote::Record
+        );
+        assert!(r.recorded.is_none());
+        // A rank with nothing to record runs op by op whatever the others vote.
+        assert_eq!(r.follow(None, Vote::Eager, Vote::Eager), Vote::Eager);
+    }
+
+    #[test]
+    fn the_largest_vote_is_the_most_cautious() {
+        assert!(Vote::Replay < Vote::Record && Vote::Record < Vote::Eager);
+        for v in [Vote::Replay, Vote::Record, Vote::Eager] {
+            assert_eq!(Vote::from_u8(v as u8), v);
+        }
     }
 
     #[test]
