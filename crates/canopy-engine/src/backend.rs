@@ -174,9 +174,37 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 }
 
+/// Rounds in which [`time_round_robin`] splits its runs.
+pub const TIMING_ROUNDS: usize = 4;
+
+/// Milliseconds of `runs` runs of each of `steps`, timed round-robin: [`TIMING_ROUNDS`] rounds
+/// (fewer where `runs` is smaller), each timing every step in turn for its share of the runs
+/// ([`Backend::time_steps`]). A drift of the device's clocks or temperature over the timing
+/// then falls on every step alike, where timing one step after another would charge it to
+/// whichever came last. Gives each step's times, in the order of `steps`.
+pub fn time_round_robin<B: Backend, F: FnMut() -> Result<()>>(
+    backend: &B,
+    runs: usize,
+    cache: Cache,
+    steps: &mut [F],
+) -> Result<Vec<Vec<f64>>> {
+    let rounds = TIMING_ROUNDS.min(runs).max(1);
+    let mut times = vec![Vec::with_capacity(runs); steps.len()];
+    for round in 0..rounds {
+        // The runs split as evenly as they go: the first `runs % rounds` rounds take one more.
+        let share = runs / rounds + usize::from(round < runs % rounds);
+        for (step, t) in steps.iter_mut().zip(&mut times) {
+            t.extend(backend.time_steps(share, cache, step)?);
+        }
+    }
+    Ok(times)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Cache;
+    use super::*;
+    use crate::CpuBackend;
+    use std::cell::{Cell, RefCell};
 
     #[test]
     fn cache_states_parse_and_reject_others() {
@@ -188,5 +216,31 @@ mod tests {
             .unwrap_err()
             .contains("cold, cold-clean or warm"));
         assert_eq!(Cache::default(), Cache::Cold);
+    }
+
+    #[test]
+    fn round_robin_times_every_step_its_runs_in_turns() {
+        let order = RefCell::new(Vec::new());
+        let (a, b) = (Cell::new(0), Cell::new(0));
+        let mut step_a = || {
+            a.set(a.get() + 1);
+            order.borrow_mut().push('a');
+            Ok(())
+        };
+        let mut step_b = || {
+            b.set(b.get() + 1);
+            order.borrow_mut().push('b');
+            Ok(())
+        };
+        let mut steps: [&mut dyn FnMut() -> Result<()>; 2] = [&mut step_a, &mut step_b];
+        let times = time_round_robin(&CpuBackend, 10, Cache::Warm, &mut steps).unwrap();
+        assert_eq!(times.iter().map(Vec::len).collect::<Vec<_>>(), [10, 10]);
+        // Each round's call also runs its warm-up.
+        assert_eq!(a.get(), 10 + TIMING_ROUNDS * WARMUP_RUNS);
+        assert_eq!(a.get(), b.get());
+        let turns = order.borrow().windows(2).filter(|w| w[0] != w[1]).count();
+        assert_eq!(turns, 2 * TIMING_ROUNDS - 1, "a then b, round after round");
+        let one = time_round_robin(&CpuBackend, 1, Cache::Warm, &mut [step_a]).unwrap();
+        assert_eq!(one[0].len(), 1);
     }
 }

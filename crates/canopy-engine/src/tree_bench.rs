@@ -1,11 +1,13 @@
 //! Every planning method on one tree, on any [`Backend`]: the body of `canopy bench tree`.
 //!
 //! For each method the tree is planned (timed on the host: planning sits on the decode path of
-//! a growing tree), uploaded, run once into poisoned buffers and checked against the oracle,
-//! then timed with the backend's own clock ([`Backend::time_steps`]: CUDA events on a GPU). The
-//! analytic IO of the host plan is reported beside the time, and speedups are over Q-guided.
+//! a growing tree), uploaded, run once into poisoned buffers and checked against the oracle;
+//! then every method is timed with the backend's own clock ([`Backend::time_steps`]: CUDA
+//! events on a GPU), round-robin, so that two methods (or two runs of one plan) are timed
+//! under the same conditions. The analytic IO of the host plan is reported beside the time,
+//! and speedups are over Q-guided.
 
-use crate::backend::{Backend, Cache};
+use crate::backend::{time_round_robin, Backend, Cache};
 use crate::timed_auto::choose_timed;
 use crate::Result;
 use canopy_core::stats::{median, quantile};
@@ -16,8 +18,9 @@ use canopy_core::{
 use serde::Serialize;
 use std::time::Instant;
 
-/// Timed runs of each plan on `auto`'s shortlist, when the clock settles it.
-const TIMED_AUTO_RUNS: usize = 5;
+/// Timed runs of each plan on `auto`'s shortlist, when the clock settles it: two in each of
+/// the round-robin's rounds.
+const TIMED_AUTO_RUNS: usize = 2 * crate::backend::TIMING_ROUNDS;
 
 /// One method's measurement.
 #[derive(Debug, Clone, Serialize)]
@@ -106,7 +109,9 @@ impl TreeBench<'_> {
     }
 
     /// Runs every method over the same KV and queries; `oracle` is the f64 reference output
-    /// (`queries × q_heads × head_dim`) to check against.
+    /// (`queries × q_heads × head_dim`) to check against. Every method is planned, uploaded
+    /// and checked first, then all are timed round-robin ([`time_round_robin`]), the whole
+    /// step and then stage 1 alone.
     pub fn run<B: Backend>(
         &self,
         backend: &B,
@@ -116,17 +121,13 @@ impl TreeBench<'_> {
         oracle: Option<&[f64]>,
     ) -> Result<Vec<MethodRun>> {
         let nq = self.view.tree.num_queries();
-        let mut out = Vec::with_capacity(methods.len());
+        let mut planned = Vec::with_capacity(methods.len());
         for &method in methods {
-            let TimedPlan {
-                plan: host_plan,
-                plan_ms,
-                chosen,
-            } = match (method, self.auto_timed) {
+            let planned_one = match (method, self.auto_timed) {
                 (Method::Auto, true) => self.plan_timed(backend, kv, q)?,
                 _ => self.plan(method)?,
             };
-            let dplan = backend.upload_plan(&self.shape, &host_plan)?;
+            let dplan = backend.upload_plan(&self.shape, &planned_one.plan)?;
             let mut partials = backend.alloc_partials(&self.shape, &dplan)?;
             let mut states = backend.alloc_states(&self.shape, nq)?;
             backend.poison(&mut partials)?;
@@ -136,27 +137,41 @@ impl TreeBench<'_> {
                 Some(want) => Some(relative_error(&backend.download(&states)?.o, want)),
                 None => None,
             };
-            let times = backend.time_steps(self.iters, self.cache, &mut || {
-                backend.step(kv, q, &dplan, &mut partials, &mut states)
-            })?;
-            let stage1 = backend.time_steps(self.iters, self.cache, &mut || {
-                backend.run_plan(kv, q, &dplan, &mut partials)
-            })?;
-            out.push(MethodRun {
-                method,
-                chosen: chosen.map(|c| c.0),
-                predicted_us: chosen.map(|c| c.1),
-                plan_ms,
-                io: host_plan.io(&self.shape, self.dtype),
-                median_us: median(&times) * 1e3,
-                p10_us: quantile(&times, 0.1) * 1e3,
-                p90_us: quantile(&times, 0.9) * 1e3,
-                stage1_us: Some(median(&stage1) * 1e3),
-                speedup_vs_q_guided: None,
-                kv_vs_q_guided: None,
-                rel_error,
-            });
+            planned.push((planned_one, rel_error, (dplan, partials, states)));
         }
+        let mut steps: Vec<_> = planned
+            .iter_mut()
+            .map(|(_, _, (dplan, partials, states))| {
+                move || backend.step(kv, q, dplan, partials, states)
+            })
+            .collect();
+        let times = time_round_robin(backend, self.iters, self.cache, &mut steps)?;
+        let mut stage1: Vec<_> = planned
+            .iter_mut()
+            .map(|(_, _, (dplan, partials, _))| move || backend.run_plan(kv, q, dplan, partials))
+            .collect();
+        let stage1 = time_round_robin(backend, self.iters, self.cache, &mut stage1)?;
+        let mut out: Vec<MethodRun> = methods
+            .iter()
+            .zip(planned)
+            .zip(times.iter().zip(&stage1))
+            .map(
+                |((&method, (p, rel_error, _)), (times, stage1))| MethodRun {
+                    method,
+                    chosen: p.chosen.map(|c| c.0),
+                    predicted_us: p.chosen.map(|c| c.1),
+                    plan_ms: p.plan_ms,
+                    io: p.plan.io(&self.shape, self.dtype),
+                    median_us: median(times) * 1e3,
+                    p10_us: quantile(times, 0.1) * 1e3,
+                    p90_us: quantile(times, 0.9) * 1e3,
+                    stage1_us: Some(median(stage1) * 1e3),
+                    speedup_vs_q_guided: None,
+                    kv_vs_q_guided: None,
+                    rel_error,
+                },
+            )
+            .collect();
         relate_to_q_guided(&mut out);
         Ok(out)
     }
