@@ -8,8 +8,9 @@
 #   decode  `bench decode` of the 8B shape (random weights and context), tree at 1..G ranks
 #           with graphs, and --eager at G ranks beside them; then the same under
 #           `mpirun -np G`;
-#   serve   `canopy serve --ranks G` and `bench serve` multi-doc (a batch whose rows come and
-#           go: recordings are made and dropped with every rank agreeing).
+#   serve   `canopy serve --ranks G` with graphs and with --eager, `bench serve` multi-doc
+#           against each after a warm-up (a batch whose rows come and go: recordings are made
+#           and dropped with every rank agreeing).
 # PART lists the parts (default: all, in that order). Results: $OUT/log.txt, $OUT/parts.tgz.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -36,7 +37,7 @@ trap 'tar czf "$OUT/parts.tgz" -C "$OUT" parts && rm -rf "$R"' EXIT
           for mode in graphs eager; do
             flag=; [ $mode = eager ] && flag=--eager
             timeout "$(limit 60)" $BIN generate --model "tests/fixtures/tiny/$v" --backend cuda \
-              --dtype bf16 --ranks "$G" --prompt-ids 5,42,79,116,153,190,227,264,301,338,375 \
+              --dtype bf16 --ranks "$G" --prompt-ids 5,42,79,116,153,190,227,264,301,18,55 \
               --max-tokens 60 --n "$1" --temperature "$2" --seed 7 --json --logits $flag \
               > "$R/replay-$v-n$1-$mode.json" 2> "$R/replay-$v-n$1-$mode.log" \
               || log "FAILED or cut off: $v n=$1 $mode"
@@ -50,8 +51,8 @@ except Exception as x:
 same_tokens = [s["tokens"] for s in g["samples"]] == [s["tokens"] for s in e["samples"]]
 gs, es = g["logits"]["steps"], e["logits"]["steps"]
 same_logits = json.dumps(gs) == json.dumps(es)
-print(f"{sys.argv[3]}: {len(gs)} steps, tokens {'same' if same_tokens else 'DIFFER'}, "
-      f"top two logits {'same bits' if same_logits else 'DIFFER'}")
+print(f"{sys.argv[3]}: {len(gs)} steps ({g['replayed_steps']} replayed, {e['replayed_steps']} with --eager), "
+      f"tokens {'same' if same_tokens else 'DIFFER'}, top two logits {'same bits' if same_logits else 'DIFFER'}")
 PY
         done
       done
@@ -91,23 +92,28 @@ for path in sys.argv[1:]:
 PY
       ;;
     serve)
-      $BIN serve "${ARCH[@]}" --backend cuda --ranks "$G" --max-context 66560 \
-        --kv-tokens 262144 --port 0 > "$R/server.log" 2>&1 &
-      server=$! url=
-      until [ -n "$url" ] || ! kill -0 $server 2>/dev/null; do
-        sleep 0.5
-        url=$(grep -o 'listening on http://[0-9.:]*' "$R/server.log" | head -1 | cut -d' ' -f3)
-      done
-      log "server at ${url:-nowhere}; bench serve multi-doc"
-      timeout "$(limit 150)" $BIN bench serve --url "$url" --dataset multi-doc --num-prompts 64 \
-        --max-concurrency 16 --output-len 64 --json > "$R/bench-multi-doc.json" || log "FAILED or cut off: bench serve"
-      python3 -c "
+      for mode in graphs eager; do
+        flag=; [ $mode = eager ] && flag=--eager
+        $BIN serve "${ARCH[@]}" --backend cuda --ranks "$G" --max-context 66560 \
+          --kv-tokens 262144 --port 0 $flag > "$R/server-$mode.log" 2>&1 &
+        server=$! url=
+        until [ -n "$url" ] || ! kill -0 $server 2>/dev/null; do
+          sleep 0.5
+          url=$(grep -o 'listening on http://[0-9.:]*' "$R/server-$mode.log" | head -1 | cut -d' ' -f3)
+        done
+        log "$mode server at ${url:-nowhere}: a warm-up, then bench serve multi-doc"
+        timeout "$(limit 60)" $BIN bench serve --url "$url" --dataset multi-doc --num-prompts 4 \
+          --max-concurrency 4 --output-len 8 --seed 1 --json > /dev/null 2>&1
+        timeout "$(limit 120)" $BIN bench serve --url "$url" --dataset multi-doc --num-prompts 64 \
+          --max-concurrency 16 --output-len 64 --json > "$R/bench-$mode.json" || log "FAILED or cut off: bench serve"
+        python3 -c "
 import json, sys
 d = json.load(open(sys.argv[1]))
-print({k: d[k] for k in ('completed', 'failed', 'duration_s', 'output_throughput', 'prefix_cache_hit_rate')})
-      " "$R/bench-multi-doc.json"
-      kill -TERM $server; wait $server
-      grep -h "op by op" "$R/server.log" | head -3
+print(sys.argv[2], {k: d[k] for k in ('completed', 'failed', 'duration_s', 'output_throughput', 'prefix_cache_hit_rate')})
+        " "$R/bench-$mode.json" $mode
+        kill -TERM $server; wait $server
+        grep -h "op by op" "$R/server-$mode.log" | head -3
+      done
       ;;
     esac
   done

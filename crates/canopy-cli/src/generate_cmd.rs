@@ -112,6 +112,9 @@ struct Report {
     ttft_s: f64,
     decode_ms_per_token: Option<f64>,
     decode_tokens_per_s: Option<f64>,
+    /// Decode steps rank 0 replayed from a recorded graph (0 with `--eager`, or on a backend
+    /// that records none).
+    replayed_steps: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     logits: Option<Logits>,
 }
@@ -240,6 +243,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             .then(|| steps * 1e3 / out.step_s.len() as f64),
         decode_tokens_per_s: (!out.step_s.is_empty())
             .then(|| out.step_s.len() as f64 * a.n as f64 / steps),
+        replayed_steps: out.replayed_steps,
         logits: a.logits.then(|| Logits {
             first: out.first_logits.clone(),
             steps: out.top_two.clone(),
