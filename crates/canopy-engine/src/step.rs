@@ -322,11 +322,56 @@ pub fn ring_buffers<'a, K>(s: usize, own: &'a K, bufs: &'a mut [K; 2]) -> (&'a K
 
 #[cfg(test)]
 mod tests {
+    use super::{RankAttention, RingShard};
     use crate::strategy::{rank_main, Problem, RunConfig, Strategy};
-    use crate::{CpuBackend, MergeCollective};
+    use crate::{CpuBackend, MergeCollective, NodeLayout};
     use canopy_comm::ThreadWorld;
-    use canopy_core::{random_tree, AttnShape, DType, Method, PlannerConfig};
+    use canopy_core::{
+        plan, random_tree, AttnShape, DType, Method, PlannerConfig, Shard, TreeView,
+    };
     use std::time::Duration;
+
+    /// A step runs inside a recorded graph only where nothing in it leaves the backend's
+    /// stream: one rank's step, never the tree's merge over a host transport nor the ring's
+    /// hand-offs at several ranks.
+    #[test]
+    fn only_steps_that_stay_on_the_stream_are_recordable() {
+        let shape = AttnShape::new(4, 2, 64).unwrap();
+        let tree = random_tree(5, 6, 30);
+        let shard = Shard::whole(&tree);
+        let host_plan = plan(
+            &TreeView::new(&tree, &shard),
+            Method::QGuided,
+            &shape,
+            &PlannerConfig::default(),
+        )
+        .unwrap();
+        let tokens = tree.total_tokens() as usize;
+        for ranks in [1, 2] {
+            let recordable = ThreadWorld::run(ranks, Duration::from_secs(60), |comm| {
+                let b = &CpuBackend;
+                let tree = RankAttention::tree(
+                    b,
+                    &comm,
+                    shape,
+                    &host_plan,
+                    MergeCollective::Allgather,
+                    NodeLayout::single(ranks),
+                )?;
+                let shards = (0..ranks)
+                    .map(|_| RingShard {
+                        plan: host_plan.clone(),
+                        tokens,
+                    })
+                    .collect();
+                let ring = RankAttention::ring(b, &comm, shape, DType::F32, shards)?;
+                Ok::<_, crate::EngineError>((tree.recordable(), ring.recordable()))
+            });
+            for r in recordable {
+                assert_eq!(r.unwrap(), (ranks == 1, ranks == 1), "{ranks} rank(s)");
+            }
+        }
+    }
 
     /// Every rank ends a step with the same bits, whichever order the shards pass it in.
     #[test]
