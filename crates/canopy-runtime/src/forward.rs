@@ -258,9 +258,10 @@ impl<B: LayerOps> Forward<B> {
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
     ) -> Result<()> {
-        let recordable = attention.recordable();
+        let recordable = self.graphs && attention.recordable();
+        // `graphs` is the same on every rank: set alike, and cleared only by an agreed failure.
         let together = recordable && attention.ranks() > 1;
-        let key = if self.graphs && recordable {
+        let key = if recordable {
             stage(backend, rows)?
         } else {
             None
