@@ -587,9 +587,13 @@ impl LayerOps for CudaBackend {
         Ok(CudaTensor::new(data, rows, cols))
     }
 
+    fn output_tensor(&self, rows: usize, cols: usize) -> EResult<CudaTensor> {
+        Ok(self.tensor_of(rows, cols)?)
+    }
+
     /// More rows than the GEMV takes run on cuBLAS, whose 16-bit operand the producer writes.
     fn gemm_operand(&self, rows: usize, cols: usize, weight: &CudaWeight) -> EResult<CudaTensor> {
-        let mut t = self.tensor(rows, cols)?;
+        let mut t = self.tensor_of(rows, cols)?;
         if rows > GEMV_MAX_ROWS && weight.dtype != DType::F32 {
             t.operand = Some(weight.dtype);
         }

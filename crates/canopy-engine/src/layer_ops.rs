@@ -117,11 +117,18 @@ pub trait LayerOps: MergeOps {
     fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> Result<Self::Weight>;
     /// A zeroed `rows × cols` activation.
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
-    /// A zeroed `rows × cols` activation that is read by a product with `weight`
-    /// (`matmul`, `matmul_add`, `matmul_swiglu`) and written by `rms_norm`, `matmul_swiglu` or
-    /// `states_output`. A backend may keep it also in the form the product reads (a GPU's
-    /// 16-bit GEMM operand), written by the op that produces it, instead of converting it in
-    /// an op of its own before each product. The values are the same either way.
+    /// A `rows × cols` activation for an op to write in full as its output; what it holds
+    /// until then is unspecified, so a GPU need not clear it (a prefill's activations are
+    /// hundreds of megabytes a layer). Provided: [`LayerOps::tensor`].
+    fn output_tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor> {
+        self.tensor(rows, cols)
+    }
+    /// A `rows × cols` activation that is read by a product with `weight` (`matmul`,
+    /// `matmul_add`, `matmul_swiglu`) and written in full by `rms_norm`, `matmul_swiglu` or
+    /// `states_output` (unspecified until then, as [`LayerOps::output_tensor`]'s). A backend
+    /// may keep it also in the form the product reads (a GPU's 16-bit GEMM operand), written
+    /// by the op that produces it, instead of converting it in an op of its own before each
+    /// product. The values are the same either way.
     fn gemm_operand(
         &self,
         rows: usize,
@@ -129,7 +136,7 @@ pub trait LayerOps: MergeOps {
         weight: &Self::Weight,
     ) -> Result<Self::Tensor> {
         let _ = weight;
-        self.tensor(rows, cols)
+        self.output_tensor(rows, cols)
     }
     fn upload_tensor(&self, data: &[f32], rows: usize, cols: usize) -> Result<Self::Tensor>;
     fn download_tensor(&self, t: &Self::Tensor) -> Result<Vec<f32>>;

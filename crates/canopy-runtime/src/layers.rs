@@ -425,7 +425,7 @@ impl<B: LayerOps> ModelLayers<B> {
 
     /// The embedding rows of `ids`: the hidden states entering layer 0.
     pub fn embed(&self, b: &B, ids: &[u32]) -> Result<B::Tensor> {
-        let mut x = b.tensor(ids.len(), self.config.hidden_size)?;
+        let mut x = b.output_tensor(ids.len(), self.config.hidden_size)?;
         b.embed(&self.embed, ids, &mut x)?;
         Ok(x)
     }
@@ -448,12 +448,12 @@ impl<B: LayerOps> ModelLayers<B> {
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
-        let mut fused = b.tensor(rows, qn + 2 * kvn)?;
+        let mut fused = b.output_tensor(rows, qn + 2 * kvn)?;
         let norm = (&layer.input_norm, c.rms_norm_eps as f32);
         b.rms_norm_matmul(x, norm, &layer.qkv, &mut normed, &mut fused)?;
-        let mut q = b.tensor(rows, qn)?;
-        let mut k = b.tensor(rows, kvn)?;
-        let mut v = b.tensor(rows, kvn)?;
+        let mut q = b.output_tensor(rows, qn)?;
+        let mut k = b.output_tensor(rows, kvn)?;
+        let mut v = b.output_tensor(rows, kvn)?;
         let freq = &self.inv_freq;
         match store {
             Some((cache, rows)) => {
@@ -471,7 +471,7 @@ impl<B: LayerOps> ModelLayers<B> {
         let cols = self.attn_shape().q_row_elems();
         Ok(match self.layers.first() {
             Some(layer) => b.gemm_operand(rows, cols, &layer.o)?,
-            None => b.tensor(rows, cols)?,
+            None => b.output_tensor(rows, cols)?,
         })
     }
 
