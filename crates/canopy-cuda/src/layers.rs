@@ -17,7 +17,7 @@ mod top;
 
 pub(crate) use gemm::LayerState;
 
-use gemm::{Epilogue, StepInput};
+use gemm::{Epilogue, GateUp, StepInput};
 
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::error::{CudaError, DriverContext, Result};
@@ -331,14 +331,12 @@ impl CudaBackend {
         ))
     }
 
-    /// `out = silu(gate) * up` over the two halves of each row of `gate_up`.
-    fn swiglu_halves(&self, gate_up: &CudaTensor, out: &mut CudaTensor) -> Result<()> {
-        same_dims(
-            "matmul_swiglu",
-            "the output",
-            out,
-            (gate_up.rows, gate_up.cols / 2),
-        )?;
+    /// `out = silu(gate) * up` over the two halves of each row of `gate_up` (`out.rows ×
+    /// 2 out.cols`: the caller sized it).
+    fn swiglu_halves(&self, gate_up: GateUp, out: &mut CudaTensor) -> Result<()> {
+        if let GateUp::F32(t) = gate_up {
+            same_dims("matmul_swiglu", "the output", out, (t.rows, t.cols / 2))?;
+        }
         let n = out.rows * out.cols;
         if n == 0 {
             return Ok(());
@@ -348,18 +346,35 @@ impl CudaBackend {
             narrow("matmul_swiglu", out.cols)?,
         );
         let dtype = out.operand.unwrap_or(DType::F32);
-        let f = self.function(Kernel::Layers(dtype, "swiglu"))?;
+        let f = match gate_up {
+            GateUp::F32(_) => self.function(Kernel::Layers(dtype, "swiglu"))?,
+            // Compiled for the product's dtype: the rounded copy, if any, is of the same one
+            // (a 16-bit weight's operand).
+            GateUp::Narrow(_, held) if dtype == DType::F32 || dtype == held => {
+                self.function(Kernel::Layers(held, "swiglu_narrow"))?
+            }
+            GateUp::Narrow(_, held) => {
+                return Err(CudaError::Unsupported(format!(
+                    "matmul_swiglu: a {held} gate|up product cannot feed a {dtype} operand; load every weight in one dtype"
+                )))
+            }
+        };
         let mut rounded = self.rounded_target(out, dtype)?;
         let no_copy = 0u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&gate_up.data).arg(&mut out.data);
+        match gate_up {
+            GateUp::F32(t) => b.arg(&t.data),
+            GateUp::Narrow(held, _) => b.arg(held),
+        };
+        b.arg(&mut out.data);
         match rounded.as_mut() {
             Some(buf) => b.arg(buf),
             None => b.arg(&no_copy),
         };
         b.arg(&rows).arg(&cols);
-        // SAFETY: gate_up holds rows × 2 cols floats, out rows × cols, and the rounded copy,
-        // if there is one, rows × cols elements (checked).
+        // SAFETY: gate_up holds rows × 2 cols elements of the kernel's input type (checked,
+        // or sized by the caller), out rows × cols floats, and the rounded copy, if there is
+        // one, rows × cols elements (checked).
         unsafe { b.launch(self.elementwise(n)) }.ctx("launching swiglu")?;
         out.rounded = rounded;
         Ok(())

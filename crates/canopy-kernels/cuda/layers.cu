@@ -12,8 +12,10 @@
 // residual add or SwiGLU into its output.
 //
 // The element-wise kernels are grid-stride loops over LAYER_THREADS-thread CTAs, so any grid
-// covers any size. Every op follows transformers' Llama in fp32; accurate libm calls (expf,
-// sincosf, logf; no fast-math) keep them within rounding of the host's f32 ops.
+// covers any size. Every op follows transformers' Llama in fp32, but for the gate|up product
+// of a 16-bit GEMM, which cuBLAS stores in the weights' dtype as a 16-bit model does
+// (`swiglu_narrow` reads it); accurate libm calls (expf, sincosf, logf; no fast-math) keep them
+// within rounding of the host's f32 ops.
 
 #ifndef LAYER_THREADS
 #error "LAYER_THREADS must be defined by the kernel registry"
@@ -249,6 +251,47 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate_up, float* __re
         const float y = g / (1.f + expf(-g)) * u;
         out[i] = y;
         if (rounded) rounded[i] = narrow(y);
+    }
+}
+
+// `swiglu` of a gate|up product held in the weights' dtype (a 16-bit GEMM's output, as a
+// 16-bit model keeps it): eight columns a thread with 16-byte loads where `cols` is a multiple
+// of 8, else one.
+extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, float* __restrict__ out,
+                                         elem_t* __restrict__ rounded, u32 rows, u32 cols) {
+    if (cols % 8 != 0) {
+        GRID_STRIDE(i, (u64)rows * cols) {
+            const u64 r = i / cols, c = i % cols;
+            const float g = widen(gate_up[r * 2 * cols + c]), u = widen(gate_up[r * 2 * cols + cols + c]);
+            const float y = g / (1.f + expf(-g)) * u;
+            out[i] = y;
+            if (rounded) rounded[i] = narrow(y);
+        }
+        return;
+    }
+    const u32 groups = cols / 8;
+    GRID_STRIDE(i, (u64)rows * groups) {
+        const u64 r = i / groups, c = (i % groups) * 8, at = r * cols + c;
+        const Raw8* row = reinterpret_cast<const Raw8*>(gate_up + r * 2 * cols + c);
+        float g[8], u[8], y[8];
+        widen8(row[0], g);
+        widen8(row[groups], u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = g[e] / (1.f + expf(-g[e])) * u[e];
+        float4* o = reinterpret_cast<float4*>(out + at);
+        o[0] = make_float4(y[0], y[1], y[2], y[3]);
+        o[1] = make_float4(y[4], y[5], y[6], y[7]);
+        if (rounded) {
+#if CANOPY_DTYPE == 0
+#pragma unroll
+            for (int e = 0; e < 8; ++e) rounded[at + e] = y[e];
+#else
+            u32 packed[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) packed[e] = (u32)narrow(y[2 * e]) | (u32)narrow(y[2 * e + 1]) << 16;
+            *reinterpret_cast<uint4*>(rounded + at) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+#endif
+        }
     }
 }
 

@@ -133,6 +133,7 @@ impl Id {
                 "rope_split",
                 "rope_split_store",
                 "swiglu",
+                "swiglu_narrow",
                 "store_kv",
                 "load_kv",
                 "causal_attention",

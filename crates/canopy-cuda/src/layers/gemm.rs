@@ -7,7 +7,8 @@
 //! chosen from the kernel's occupancy, the most warps that all run at once.
 //!
 //! A 16-bit weight multiplies its activation rounded to the same dtype and accumulates in fp32
-//! into an fp32 output, as a model's bf16 GEMMs do. The rounded copy is the one the op that
+//! into an fp32 output, as a model's bf16 GEMMs do; the gate|up product that SwiGLU reads is
+//! stored in the weight's dtype instead. The rounded copy is the one the op that
 //! wrote the activation made beside it (a GEMM operand, see `CudaTensor`), or else a small
 //! kernel writes it into a scratch buffer kept between calls. An f32 weight runs in pedantic fp32: neither TF32
 //! nor cuBLAS's bf16 emulation of fp32 may round its operands.
@@ -76,6 +77,20 @@ pub(crate) enum StepInput {
     KeyPositions,
     /// The cache slots of the keys a prefill's attention reads.
     KeySlots,
+}
+
+/// Where a GEMM writes its `rows × n` product.
+pub(crate) enum Product<'a> {
+    /// fp32 elements: stored, or added to.
+    F32(&'a mut CudaSlice<f32>),
+    /// Elements of the weight's 16-bit dtype, stored (rounded from the fp32 sums).
+    Narrow(&'a mut CudaSlice<u16>),
+}
+
+/// A gate|up product for `swiglu`: an fp32 activation, or elements of a 16-bit dtype.
+pub(crate) enum GateUp<'a> {
+    F32(&'a CudaTensor),
+    Narrow(&'a CudaSlice<u16>, DType),
 }
 
 struct Gemm {
@@ -242,12 +257,19 @@ impl CudaBackend {
             return self.gemv(x, w, None, out, epilogue);
         }
         match epilogue {
-            Epilogue::Store => self.gemm(x, w, out, false),
-            Epilogue::Add => self.gemm(x, w, out, true),
+            Epilogue::Store => self.gemm(x, w, Product::F32(&mut out.data), false),
+            Epilogue::Add => self.gemm(x, w, Product::F32(&mut out.data), true),
+            // A 16-bit weight's gate|up product is held in its dtype, as a 16-bit model's is:
+            // half the bytes written and read back of the widest activation of a layer.
+            Epilogue::Swiglu if w.dtype != DType::F32 => {
+                let mut gate_up = self.alloc::<u16>((x.rows * w.rows).max(1))?;
+                self.gemm(x, w, Product::Narrow(&mut gate_up), false)?;
+                self.swiglu_halves(GateUp::Narrow(&gate_up, w.dtype), out)
+            }
             Epilogue::Swiglu => {
                 let mut gate_up = self.tensor_of(x.rows, w.rows)?;
-                self.gemm(x, w, &mut gate_up, false)?;
-                self.swiglu_halves(&gate_up, out)
+                self.gemm(x, w, Product::F32(&mut gate_up.data), false)?;
+                self.swiglu_halves(GateUp::F32(&gate_up), out)
             }
         }
     }
@@ -368,7 +390,7 @@ impl CudaBackend {
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
-        out: &mut CudaTensor,
+        mut out: Product,
         accumulate: bool,
     ) -> Result<()> {
         let (rows, k, n) = (x.rows, x.cols, w.rows);
@@ -377,10 +399,11 @@ impl CudaBackend {
         }
         if k == 0 {
             // An empty sum (cuBLAS refuses a leading dimension of 0).
-            return self
-                .stream
-                .memset_zeros(&mut out.data)
-                .ctx("cuMemsetD8Async");
+            let zeroed = match &mut out {
+                Product::F32(c) => self.stream.memset_zeros(*c),
+                Product::Narrow(c) => self.stream.memset_zeros(*c),
+            };
+            return zeroed.ctx("cuMemsetD8Async");
         }
         let (m_, n_, k_) = (
             dim("a weight's rows", n)?,
@@ -442,10 +465,14 @@ impl CudaBackend {
         };
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let (a_ptr, _) = w.data.device_ptr(s);
-        let (c_ptr, _) = out.data.device_ptr_mut(s);
+        let (c_ptr, c_type) = match &mut out {
+            Product::F32(c) => (c.device_ptr_mut(s).0, cudaDataType::CUDA_R_32F),
+            Product::Narrow(c) => (c.device_ptr_mut(s).0, cuda_type(w.dtype)),
+        };
         self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         // SAFETY: A is w's n × k elements of its dtype, B is rows × k elements of the same
-        // dtype (x or its rounded copy), C is out's rows × n floats: the leading dimensions
+        // dtype (x or its rounded copy), C is out's rows × n floats or elements of w's dtype
+        // (the caller sized it): the leading dimensions
         // and sizes of the module notes, within the buffers (the caller checked the shapes).
         // alpha and beta are host floats, cuBLAS's default pointer mode and the scale type of
         // a 32F compute type.
@@ -466,7 +493,7 @@ impl CudaBackend {
                 k_,
                 &beta as *const f32 as *const c_void,
                 c_ptr as *mut c_void,
-                cudaDataType::CUDA_R_32F,
+                c_type,
                 m_,
                 compute,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
