@@ -1,0 +1,73 @@
+"""Where a prefill's wall time goes, from cupti_trace.c's lines.
+
+usage: timeline.py TRACE.tsv [MIN_ATTENTION_LAUNCHES]
+
+The prefill is the last run of at least MIN_ATTENTION_LAUNCHES (default 128) `prefill_attention`
+launches less than a second apart; its window runs from its first attention launch to its last.
+Prints the window's wall time, the time the GPU ran kernels, copies or memsets (their union),
+its idle time in gaps by size, the longest gaps with the work either side and the host driver
+calls over 20 us that overlapped them, GPU time by kernel name, and host time by driver call.
+"""
+
+import sys
+from collections import Counter, defaultdict
+
+
+def main():
+    least = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+    gpu, api = [], []
+    for line in open(sys.argv[1]):
+        kind, start, end, name = line.rstrip("\n").split("\t", 3)
+        (api if kind == "D" else gpu).append((int(start), int(end), name))
+    gpu.sort()
+    api.sort()
+    runs, run = [], []
+    for k in (k for k in gpu if k[2] == "prefill_attention"):
+        if run and k[0] - run[-1][1] > 1e9:
+            runs.append(run)
+            run = []
+        run.append(k)
+    runs = [r for r in runs + [run] if len(r) >= least]
+    if not runs:
+        print(f"no run of {least} prefill_attention launches")
+        return
+    lo, hi = runs[-1][0][0], runs[-1][-1][1]
+    inside = [w for w in gpu if w[0] >= lo and w[1] <= hi]
+    busy, gaps, end, prev = 0, [], lo, "start"
+    for s, e, name in inside:
+        if s > end:
+            gaps.append((s - end, end, s, prev, name))
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+            prev = name
+    wall, idle = hi - lo, sum(g[0] for g in gaps)
+    print(f"window: {len(runs[-1])} attention launches, {wall / 1e6:.1f} ms wall, {busy / 1e6:.1f} ms "
+          f"busy ({100 * busy / wall:.1f}%), {idle / 1e6:.1f} ms idle in {len(gaps)} gaps")
+    for a, b in [(0, 2e3), (2e3, 1e4), (1e4, 1e5), (1e5, 1e6), (1e6, 1e12)]:
+        sel = [g[0] for g in gaps if a <= g[0] < b]
+        print(f"  gaps of {a / 1e3:g}-{b / 1e3:g} us: {len(sel)}, {sum(sel) / 1e6:.2f} ms")
+    slow = [c for c in api if c[1] - c[0] > 20_000]
+    print("longest gaps (us): work before -> after [driver calls over 20 us overlapping]")
+    for d, s, e, before, after in sorted(gaps, reverse=True)[:30]:
+        over = Counter(n for a, b, n in slow if b > s and a < e)
+        calls = ", ".join(f"{n} x{c}" for n, c in over.most_common(4))
+        print(f"  {d / 1e3:9.1f}  {before[:40]} -> {after[:40]}  [{calls}]")
+    per = defaultdict(lambda: [0, 0])
+    for s, e, name in inside:
+        per[name[:60]][0] += 1
+        per[name[:60]][1] += e - s
+    print("GPU time by name in the window (ms, count):")
+    for name, (n, t) in sorted(per.items(), key=lambda x: -x[1][1])[:16]:
+        print(f"  {t / 1e6:9.2f} {n:6d}  {name}")
+    host, longest = Counter(), Counter()
+    for a, b, n in api:
+        if a >= lo and b <= hi:
+            host[n] += b - a
+            longest[n] = max(longest[n], b - a)
+    print("host driver calls in the window (total ms, longest us):")
+    for n, t in host.most_common(14):
+        print(f"  {t / 1e6:9.2f} {longest[n] / 1e3:9.1f}  {n}")
+
+
+main()
