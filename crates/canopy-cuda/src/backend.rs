@@ -287,28 +287,18 @@ impl CudaBackend {
         Ok(self.ctx.mem_get_info().ctx("cuMemGetInfo")?.0 as u64)
     }
 
-    /// Device memory in use on this GPU beyond what was in use when the backend was created
-    /// (buffers, NCCL's, and the kernels'): this rank's footprint while its buffers live.
-    pub fn device_bytes_in_use(&self) -> Result<u64> {
-        let (free, _) = self.ctx.mem_get_info().ctx("cuMemGetInfo")?;
-        Ok(self.free_at_start.saturating_sub(free) as u64)
-    }
-}
-
-impl Backend for CudaBackend {
-    type Kv = CudaKv;
-    type Queries = CudaQueries;
-    type Plan = CudaPlan;
-    type States = CudaStates;
-
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> EResult<CudaKv> {
+    /// K and V storage for `tokens` tokens, in pages of `page_size` tokens behind a shuffled
+    /// table, or contiguous.
+    fn kv_storage(
+        &self,
+        shape: &AttnShape,
+        dtype: DType,
+        tokens: usize,
+        page_size: Option<u32>,
+    ) -> Result<CudaKv> {
         self.renew("a KV pool")?;
         let token_bytes = shape.kv_token_bytes(dtype);
-        let (slots, paging) = match self.page_size {
+        let (slots, paging) = match page_size {
             None => (tokens, None),
             Some(size) => {
                 let pages = tokens.div_ceil(size as usize);
@@ -343,8 +333,7 @@ impl Backend for CudaBackend {
                 2.0 * bytes as f64 / (1u64 << 30) as f64,
                 self.gpu.ordinal,
                 free as f64 / (1u64 << 30) as f64
-            ))
-            .into());
+            )));
         }
         Ok(CudaKv {
             shape: *shape,
@@ -354,6 +343,34 @@ impl Backend for CudaBackend {
             v: self.alloc(bytes)?,
             paging,
         })
+    }
+
+    /// Device memory in use on this GPU beyond what was in use when the backend was created
+    /// (buffers, NCCL's, and the kernels'): this rank's footprint while its buffers live.
+    pub fn device_bytes_in_use(&self) -> Result<u64> {
+        let (free, _) = self.ctx.mem_get_info().ctx("cuMemGetInfo")?;
+        Ok(self.free_at_start.saturating_sub(free) as u64)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Kv = CudaKv;
+    type Queries = CudaQueries;
+    type Plan = CudaPlan;
+    type States = CudaStates;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> EResult<CudaKv> {
+        Ok(self.kv_storage(shape, dtype, tokens, self.page_size)?)
+    }
+
+    /// Contiguous: NCCL moves each of K and V in one piece, with no pages gathered before or
+    /// scattered after.
+    fn alloc_ring_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> EResult<CudaKv> {
+        Ok(self.kv_storage(shape, dtype, tokens, None)?)
     }
 
     fn kv_dtype(&self, kv: &CudaKv) -> DType {

@@ -125,12 +125,15 @@ pub struct NcclTransport<'h, H: Collective> {
     staged: RefCell<Option<Staged>>,
 }
 
-/// Paged KV travels in logical order through contiguous buffers: the shard sent, gathered on
-/// the compute stream before the hand-off, and the one arriving, scattered into the receiving
-/// KV's pages after it.
+/// Paged KV travels in logical order through contiguous buffers: a paged shard sent is gathered
+/// on the compute stream before the hand-off, and one arriving for paged KV is scattered into
+/// its pages after it. Contiguous KV (the ring's own buffers) is sent and received in place.
 struct Staged {
-    sent: (CudaSlice<u8>, CudaSlice<u8>),
-    arriving: (CudaSlice<u8>, CudaSlice<u8>),
+    /// The paged shard sent, gathered; it lives until the compute stream has waited for the
+    /// hand-off.
+    sent: Option<(CudaSlice<u8>, CudaSlice<u8>)>,
+    /// The shard arriving for paged KV, to scatter.
+    arriving: Option<(CudaSlice<u8>, CudaSlice<u8>)>,
     tokens: usize,
 }
 
@@ -275,36 +278,49 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
         })
     }
 
-    /// [`NcclTransport::exchange`] for paged KV: `send`'s tokens gathered into logical order
-    /// on `b`'s stream (before the world's stream waits for it), sent, and the previous
-    /// rank's received into contiguous buffers; returns them, for the finish to scatter.
+    /// [`NcclTransport::exchange`] where either side is paged: a paged `send`'s tokens gathered
+    /// into logical order on `b`'s stream (before the world's stream waits for it), sent, and
+    /// the previous rank's received in place, or into contiguous buffers for a paged `recv`;
+    /// returns what the finish needs.
     fn exchange_staged(
         &self,
         b: &CudaBackend,
         send: &CudaKv,
         send_tokens: usize,
-        recv: &CudaKv,
+        recv: &mut CudaKv,
         recv_tokens: usize,
     ) -> Result<Staged> {
         CudaBackend::check_tokens("the ring's hand-off", recv, 0, recv_tokens)?;
         let (sb, rb) = (send.bytes_of(send_tokens), recv.bytes_of(recv_tokens));
         // One byte at least: an allocation of nothing is refused.
-        let sent = match send_tokens {
-            0 => (b.alloc::<u8>(1)?, b.alloc::<u8>(1)?),
-            n => b.gather_device(send, n)?,
+        let sent = match (&send.paging, send_tokens) {
+            (None, _) => {
+                contiguous_bytes("send_kv", send, send_tokens)?;
+                None
+            }
+            (Some(_), 0) => Some((b.alloc::<u8>(1)?, b.alloc::<u8>(1)?)),
+            (Some(_), n) => Some(b.gather_device(send, n)?),
         };
-        let mut arriving = (b.alloc::<u8>(rb.max(1))?, b.alloc::<u8>(rb.max(1))?);
+        let mut arriving = match &recv.paging {
+            None => {
+                contiguous_bytes("recv_kv", recv, recv_tokens)?;
+                None
+            }
+            Some(_) => Some((b.alloc::<u8>(rb.max(1))?, b.alloc::<u8>(rb.max(1))?)),
+        };
         self.world
             .stream()
             .wait(&record(b.stream())?)
             .ctx("cuStreamWaitEvent")?;
-        self.hand_off(
-            (&sent.0.slice(0..sb), &sent.1.slice(0..sb)),
-            (
-                &mut arriving.0.slice_mut(0..rb),
-                &mut arriving.1.slice_mut(0..rb),
-            ),
-        )?;
+        let (send_k, send_v) = match &sent {
+            Some((k, v)) => (k.slice(0..sb), v.slice(0..sb)),
+            None => (send.k.slice(0..sb), send.v.slice(0..sb)),
+        };
+        let (mut recv_k, mut recv_v) = match &mut arriving {
+            Some((k, v)) => (k.slice_mut(0..rb), v.slice_mut(0..rb)),
+            None => (recv.k.slice_mut(0..rb), recv.v.slice_mut(0..rb)),
+        };
+        self.hand_off((&send_k, &send_v), (&mut recv_k, &mut recv_v))?;
         Ok(Staged {
             sent,
             arriving,
@@ -563,8 +579,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         })?;
         b.stream().wait(&arrived).ctx("cuStreamWaitEvent")?;
         if let Some(staged) = self.staged.borrow_mut().take() {
-            if staged.tokens > 0 {
-                let (k, v) = &staged.arriving;
+            if let (Some((k, v)), 1..) = (&staged.arriving, staged.tokens) {
                 b.scatter_device(recv, 0, staged.tokens, k, v)?;
             }
             // The shard sent lives until the compute stream has waited for the hand-off.

@@ -71,6 +71,12 @@ pub trait Backend: Send + Sync {
     /// travels in logical order and lands in whatever pages the receiver's table names; only
     /// `LayerOps::store_kv` addresses physical slots, where the KV manager places tokens.
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv>;
+    /// Storage the ring receives shards into and passes them on from ([`Backend::alloc_kv`]'s
+    /// logical addressing). Where KV is paged, a backend may make it one contiguous piece, which
+    /// a transport moves without gathering or scattering pages. Provided: [`Backend::alloc_kv`].
+    fn alloc_ring_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv> {
+        self.alloc_kv(shape, dtype, tokens)
+    }
     /// The dtype `kv` holds its keys and values in.
     fn kv_dtype(&self, kv: &Self::Kv) -> DType;
     /// Writes `k` and `v` (whole tokens, same dtype) at logical tokens `start..`.

@@ -131,8 +131,8 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             _ => shards.iter().map(|s| s.tokens).max().unwrap_or(0),
         };
         let bufs = [
-            backend.alloc_kv(&shape, dtype, room)?,
-            backend.alloc_kv(&shape, dtype, room)?,
+            backend.alloc_ring_kv(&shape, dtype, room)?,
+            backend.alloc_ring_kv(&shape, dtype, room)?,
         ];
         Ok(RankAttention {
             backend,
