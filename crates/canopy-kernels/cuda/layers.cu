@@ -56,6 +56,20 @@ __device__ __forceinline__ u16 narrow(float x) { return f32_to_bf16_rn(x); }
 #define GRID_STRIDE(i, n) \
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
+// i / width and i % width, in 32 bits while i fits them: the element-wise kernels divide once an
+// element, and a 64-bit division is a long software sequence (it bound RoPE's kernel).
+struct RowCol {
+    u64 row;
+    u32 col;
+};
+__device__ __forceinline__ RowCol row_col(u64 i, u32 width) {
+    if (i <= 0xffffffffull) {
+        const u32 r = (u32)i / width;
+        return {r, (u32)i - r * width};
+    }
+    return {i / width, (u32)(i % width)};
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -77,8 +91,8 @@ extern "C" __global__ void round_to_elem(const float* __restrict__ x, float* __r
 extern "C" __global__ void embed_rows(const elem_t* __restrict__ table, const u32* __restrict__ ids,
                                       float* __restrict__ out, u32 rows, u32 cols) {
     GRID_STRIDE(i, (u64)rows * cols) {
-        const u64 r = i / cols, c = i % cols;
-        out[i] = widen(table[(u64)ids[r] * cols + c]);
+        const RowCol at = row_col(i, cols);
+        out[i] = widen(table[(u64)ids[at.row] * cols + at.col]);
     }
 }
 
@@ -182,8 +196,9 @@ __device__ __forceinline__ void rope_split_rows(const float* __restrict__ qkv, c
                                                 u32 q_cols, u32 kv_cols, u32 half) {
     const u32 width = q_cols + 2 * kv_cols, pairs = (q_cols + kv_cols) / 2;
     GRID_STRIDE(i, (u64)rows * pairs) {
-        const u64 r = i / pairs;
-        const u32 p = (u32)(i % pairs), head = p / half, j = p % half;
+        const RowCol at = row_col(i, pairs);
+        const u64 r = at.row;
+        const u32 p = at.col, head = p / half, j = p - head * half;
         float s, c;
         sincosf((float)positions[r] * inv_freq[j], &s, &c);
         const u32 col = head * 2 * half;
@@ -194,8 +209,8 @@ __device__ __forceinline__ void rope_split_rows(const float* __restrict__ qkv, c
         dst[j + half] = rotated.y;
     }
     GRID_STRIDE(i, (u64)rows * kv_cols) {
-        const u64 r = i / kv_cols, c = i % kv_cols;
-        v[i] = qkv[r * width + q_cols + kv_cols + c];
+        const RowCol at = row_col(i, kv_cols);
+        v[i] = qkv[at.row * width + q_cols + kv_cols + at.col];
     }
 }
 
@@ -223,8 +238,9 @@ extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const
     rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half);
     const u32 width = q_cols + 2 * kv_cols, kv_pairs = kv_cols / 2;
     GRID_STRIDE(i, (u64)count * kv_pairs) {
-        const u64 p = i / kv_pairs;
-        const u32 pair = (u32)(i % kv_pairs), head = pair / half, j = pair % half;
+        const RowCol at = row_col(i, kv_pairs);
+        const u64 p = at.row;
+        const u32 pair = at.col, head = pair / half, j = pair - head * half;
         const u32 row = pairs[2 * p];
         float s, c;
         sincosf((float)positions[row] * inv_freq[j], &s, &c);
@@ -235,7 +251,8 @@ extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const
         dst[j + half] = narrow(rotated.y);
     }
     GRID_STRIDE(i, (u64)count * kv_cols) {
-        const u64 p = i / kv_cols, c = i % kv_cols;
+        const RowCol at = row_col(i, kv_cols);
+        const u64 p = at.row, c = at.col;
         vc[(u64)pairs[2 * p + 1] * kv_cols + c] = narrow(qkv[(u64)pairs[2 * p] * width + q_cols + kv_cols + c]);
     }
 }
@@ -246,7 +263,8 @@ extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const
 extern "C" __global__ void swiglu(const float* __restrict__ gate_up, float* __restrict__ out,
                                   elem_t* __restrict__ rounded, u32 rows, u32 cols) {
     GRID_STRIDE(i, (u64)rows * cols) {
-        const u64 r = i / cols, c = i % cols;
+        const RowCol at = row_col(i, cols);
+        const u64 r = at.row, c = at.col;
         const float g = gate_up[r * 2 * cols + c], u = gate_up[r * 2 * cols + cols + c];
         const float y = g / (1.f + expf(-g)) * u;
         out[i] = y;
@@ -261,7 +279,8 @@ extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, flo
                                          elem_t* __restrict__ rounded, u32 rows, u32 cols) {
     if (cols % 8 != 0) {
         GRID_STRIDE(i, (u64)rows * cols) {
-            const u64 r = i / cols, c = i % cols;
+            const RowCol at = row_col(i, cols);
+            const u64 r = at.row, c = at.col;
             const float g = widen(gate_up[r * 2 * cols + c]), u = widen(gate_up[r * 2 * cols + cols + c]);
             const float y = g / (1.f + expf(-g)) * u;
             out[i] = y;
@@ -271,7 +290,8 @@ extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, flo
     }
     const u32 groups = cols / 8;
     GRID_STRIDE(i, (u64)rows * groups) {
-        const u64 r = i / groups, c = (i % groups) * 8, at = r * cols + c;
+        const RowCol group = row_col(i, groups);
+        const u64 r = group.row, c = (u64)group.col * 8, at = r * cols + c;
         const Raw8* row = reinterpret_cast<const Raw8*>(gate_up + r * 2 * cols + c);
         float g[8], u[8], y[8];
         widen8(row[0], g);
@@ -304,7 +324,8 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
     let_next_grid_launch();
     wait_for_previous_grid();
     GRID_STRIDE(i, (u64)count * width) {
-        const u64 p = i / width, c = i % width;
+        const RowCol at = row_col(i, width);
+        const u64 p = at.row, c = at.col;
         const u64 from = (u64)pairs[2 * p] * width + c, to = (u64)pairs[2 * p + 1] * width + c;
         kc[to] = narrow(k[from]);
         vc[to] = narrow(v[from]);
@@ -318,7 +339,8 @@ extern "C" __global__ void load_kv(const elem_t* __restrict__ kc, const elem_t* 
                                    const u32* __restrict__ slots, float* __restrict__ k,
                                    float* __restrict__ v, u32 count, u32 width) {
     GRID_STRIDE(i, (u64)count * width) {
-        const u64 from = (u64)slots[i / width] * width + i % width;
+        const RowCol at = row_col(i, width);
+        const u64 from = (u64)slots[at.row] * width + at.col;
         k[i] = widen(kc[from]);
         v[i] = widen(vc[from]);
     }

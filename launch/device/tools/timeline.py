@@ -2,8 +2,9 @@
 
 usage: timeline.py TRACE.tsv [MIN_ATTENTION_LAUNCHES]
 
-The prefill is the last run of at least MIN_ATTENTION_LAUNCHES (default 128) `prefill_attention`
-launches less than a second apart; its window runs from its first attention launch to its last.
+The prefill is the last MIN_ATTENTION_LAUNCHES (default 128: 32 layers of 4 chunks)
+`prefill_attention` launches of the last run of them less than a second apart; its window runs
+from the first of them to the last.
 Prints the window's wall time, the time the GPU ran kernels, copies or memsets (their union),
 its idle time in gaps by size, the longest gaps with the work either side and the host driver
 calls over 20 us that overlapped them, GPU time by kernel name, and host time by driver call.
@@ -31,6 +32,8 @@ def main():
     if not runs:
         print(f"no run of {least} prefill_attention launches")
         return
+    # A warm-up's launches may run into the prefill's: the prefill is the run's last `least`.
+    runs[-1] = runs[-1][-least:]
     lo, hi = runs[-1][0][0], runs[-1][-1][1]
     inside = [w for w in gpu if w[0] >= lo and w[1] <= hi]
     busy, gaps, end, prev = 0, [], lo, "start"
