@@ -42,3 +42,18 @@ device_tests() {
     .device/cuda_graphs 2>&1 | grep -E "^test |test result|panicked"
   } 2>&1 | tee "$OUT/tests.txt"
 }
+# Builds tools/cupti_trace.c against the machine's CUPTI (the header's newest record types) and
+# prints the library's path, or nothing where there is no CUPTI; what it found goes to stderr.
+# A process run with CUDA_INJECTION64_PATH set to it writes its trace to $CUPTI_TRACE_OUT.
+build_tracer() {
+  local header lib newest types
+  header=$(find /usr/local /usr/include /opt -name cupti_activity.h 2>/dev/null | head -1)
+  lib=$(find /usr/local /usr/lib /opt -name "libcupti.so*" 2>/dev/null | head -1)
+  echo "CUPTI: header ${header:-none}, library ${lib:-none}" >&2
+  [ -n "$header" ] && [ -n "$lib" ] || return 0
+  newest() { grep -o "} $1[0-9]*;" "$header" | tr -d '}; ' | sort -V | tail -1; }
+  types="-DKERNEL_T=$(newest CUpti_ActivityKernel) -DMEMCPY_T=$(newest CUpti_ActivityMemcpy) -DMEMSET_T=$(newest CUpti_ActivityMemset)"
+  gcc -O2 -shared -fPIC $types -I"$(dirname "$header")" -I/usr/local/cuda-13.0/include \
+    -o /tmp/cupti_trace.so "$(dirname "${BASH_SOURCE[0]}")/tools/cupti_trace.c" "$lib" \
+    -Wl,-rpath,"$(dirname "$lib")" >&2 && echo /tmp/cupti_trace.so
+}

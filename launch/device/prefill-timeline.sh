@@ -10,21 +10,9 @@ source "$(dirname "$0")/env.sh"
 BINS=${BINS:-new=$BIN}
 CONTEXT=${CONTEXT:-32K}
 CHUNK=${CHUNK:-8K}
-TOOLS=$(dirname "$0")/tools
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  header=$(find /usr/local /usr/include /opt /usr/lib/python3* /usr/local/lib/python3* -name cupti_activity.h 2>/dev/null | head -1)
-  lib=$(find /usr/local /usr/lib /opt /usr/lib/python3* /usr/local/lib/python3* -name "libcupti.so*" 2>/dev/null | head -1)
-  log "CUPTI: header ${header:-none}, library ${lib:-none}"
-  tracer=
-  if [ -n "$header" ] && [ -n "$lib" ]; then
-    newest() { grep -o "} $1[0-9]*;" "$header" | tr -d '}; ' | sort -V | tail -1; }
-    types="-DKERNEL_T=$(newest CUpti_ActivityKernel) -DMEMCPY_T=$(newest CUpti_ActivityMemcpy) -DMEMSET_T=$(newest CUpti_ActivityMemset)"
-    echo "  $types"
-    gcc -O2 -shared -fPIC $types -I"$(dirname "$header")" -I/usr/local/cuda-13.0/include \
-      -o /tmp/cupti_trace.so "$TOOLS/cupti_trace.c" "$lib" -Wl,-rpath,"$(dirname "$lib")" \
-      && tracer=/tmp/cupti_trace.so
-  fi
+  tracer=$(build_tracer)
   for entry in $BINS; do
     name=${entry%%=*} bin=${entry#*=}
     bench() { $bin bench decode --arch llama-3.1-8b --random-weights --context "$CONTEXT" --ranks 1 \
@@ -39,6 +27,6 @@ for x in r["rows"]: print(f"  prefill {x["fill_s"]:.3f} s, {x["prefill_tflops_pe
     [ -z "$tracer" ] && continue
     log "$name: the same, traced"
     CUDA_INJECTION64_PATH=$tracer CUPTI_TRACE_OUT=/tmp/trace-$name.tsv bench
-    python3 "$TOOLS/timeline.py" "/tmp/trace-$name.tsv" 128 | tee "$OUT/timeline-$name.txt"
+    python3 "$(dirname "$0")/tools/timeline.py" "/tmp/trace-$name.tsv" 128 | tee "$OUT/timeline-$name.txt"
   done
 } 2>&1 | tee "$OUT/log.txt"

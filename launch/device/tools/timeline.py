@@ -1,6 +1,11 @@
-"""Where a prefill's wall time goes, from cupti_trace.c's lines.
+"""Where a prefill's (or decode steps') wall time goes, from cupti_trace.c's lines.
 
 usage: timeline.py TRACE.tsv [MIN_ATTENTION_LAUNCHES]
+       timeline.py TRACE.tsv --steps KERNEL N
+
+With --steps, the window is the last N intervals between the ends of KERNEL's launches (a
+decode step's marker, e.g. top_logits, which a step launches twice: two intervals a step); GPU
+time by name is then per interval.
 
 The prefill is the last MIN_ATTENTION_LAUNCHES (default 128: 32 layers of 4 chunks)
 `prefill_attention` launches of the last run of them less than a second apart; its window runs
@@ -15,13 +20,21 @@ from collections import Counter, defaultdict
 
 
 def main():
-    least = int(sys.argv[2]) if len(sys.argv) > 2 else 128
     gpu, api = [], []
     for line in open(sys.argv[1]):
         kind, start, end, name = line.rstrip("\n").split("\t", 3)
         (api if kind == "D" else gpu).append((int(start), int(end), name))
     gpu.sort()
     api.sort()
+    if sys.argv[2:3] == ["--steps"]:
+        marker, n = sys.argv[3], int(sys.argv[4])
+        ends = [e for s, e, name in gpu if name == marker]
+        if len(ends) < n + 1:
+            print(f"fewer than {n + 1} launches of {marker}")
+            return
+        report(gpu, api, ends[-n - 1], ends[-1], n, f"{n} intervals of {marker}")
+        return
+    least = int(sys.argv[2]) if len(sys.argv) > 2 else 128
     runs, run = [], []
     for k in (k for k in gpu if k[2] == "prefill_attention"):
         if run and k[0] - run[-1][1] > 1e9:
@@ -33,8 +46,12 @@ def main():
         print(f"no run of {least} prefill_attention launches")
         return
     # A warm-up's launches may run into the prefill's: the prefill is the run's last `least`.
-    runs[-1] = runs[-1][-least:]
-    lo, hi = runs[-1][0][0], runs[-1][-1][1]
+    run = runs[-1][-least:]
+    report(gpu, api, run[0][0], run[-1][1], 1, f"{len(run)} attention launches")
+
+
+def report(gpu, api, lo, hi, per, what):
+    """The window lo..hi (ns) of `gpu` and `api` records; GPU time by name divided by `per`."""
     inside = [w for w in gpu if w[0] >= lo and w[1] <= hi]
     busy, gaps, end, prev = 0, [], lo, "start"
     for s, e, name in inside:
@@ -45,7 +62,7 @@ def main():
             end = e
             prev = name
     wall, idle = hi - lo, sum(g[0] for g in gaps)
-    print(f"window: {len(runs[-1])} attention launches, {wall / 1e6:.1f} ms wall, {busy / 1e6:.1f} ms "
+    print(f"window: {what}, {wall / 1e6:.1f} ms wall, {busy / 1e6:.1f} ms "
           f"busy ({100 * busy / wall:.1f}%), {idle / 1e6:.1f} ms idle in {len(gaps)} gaps")
     for a, b in [(0, 2e3), (2e3, 1e4), (1e4, 1e5), (1e5, 1e6), (1e6, 1e12)]:
         sel = [g[0] for g in gaps if a <= g[0] < b]
@@ -56,13 +73,13 @@ def main():
         over = Counter(n for a, b, n in slow if b > s and a < e)
         calls = ", ".join(f"{n} x{c}" for n, c in over.most_common(4))
         print(f"  {d / 1e3:9.1f}  {before[:40]} -> {after[:40]}  [{calls}]")
-    per = defaultdict(lambda: [0, 0])
+    by_name = defaultdict(lambda: [0, 0])
     for s, e, name in inside:
-        per[name[:60]][0] += 1
-        per[name[:60]][1] += e - s
-    print("GPU time by name in the window (ms, count):")
-    for name, (n, t) in sorted(per.items(), key=lambda x: -x[1][1])[:16]:
-        print(f"  {t / 1e6:9.2f} {n:6d}  {name}")
+        by_name[name[:60]][0] += 1
+        by_name[name[:60]][1] += e - s
+    print(f"GPU time by name in the window (ms, count; per {per} of the window):")
+    for name, (n, t) in sorted(by_name.items(), key=lambda x: -x[1][1])[:24]:
+        print(f"  {t / 1e6 / per:9.3f} {n / per:8.1f}  {name}")
     host, longest = Counter(), Counter()
     for a, b, n in api:
         if a >= lo and b <= hi:
