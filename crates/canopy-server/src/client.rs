@@ -92,7 +92,12 @@ impl Streamed {
     fn read_head(conn: TcpStream) -> io::Result<Streamed> {
         let mut reader = BufReader::new(conn);
         let mut line = String::new();
-        reader.read_line(&mut line)?;
+        if reader.read_line(&mut line)? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the server closed the connection before replying",
+            ));
+        }
         let status = line
             .split_whitespace()
             .nth(1)
