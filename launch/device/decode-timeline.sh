@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Where a decode step's time goes (issue 23): `bench decode` of the Llama-3.1-8B shape (random
-# weights and context, one rank, tree, DECODE tokens at CONTEXT) for each of BINS ("name=path
-# ..."), under a CUPTI activity trace (tools/cupti_trace.c via env.sh's build_tracer), read by
+# Where a decode step's time goes (issue 23, and the ring's hand-off): `bench decode` of the
+# Llama-3.1-8B shape (random weights and context, RANKS ranks (1), STRATEGY (tree), DECODE
+# tokens at CONTEXT) for each of BINS ("name=path ..."), under a CUPTI activity trace (tools/cupti_trace.c via env.sh's build_tracer), read by
 # tools/timeline.py over the last STEPS intervals between MARKER launches (top_logits: two a
-# step): the GPU's busy share, its gaps, and kernel, copy and memset time by name per interval.
+# step): GPU 0's busy share, its gaps, and kernel, copy and memset time by name per interval.
 # Results: $OUT/steps-NAME.txt, log.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -21,8 +21,9 @@ MARKER=${MARKER:-top_logits}
     $bin compile-kernels > /dev/null 2>&1 || echo "compile-kernels FAILED: $name"
     log "$name: bench decode at $CONTEXT, $DECODE tokens, traced"
     CUDA_INJECTION64_PATH=$tracer CUPTI_TRACE_OUT=/tmp/steps-$name.tsv $bin bench decode \
-      --arch llama-3.1-8b --random-weights --context-fill random --context "$CONTEXT" --ranks 1 \
-      --strategy tree --decode "$DECODE" 2>&1 | grep -E "^ *[0-9]+ +1 " | head -3
+      --arch llama-3.1-8b --random-weights --context-fill random --context "$CONTEXT" \
+      --ranks "${RANKS:-1}" --strategy "${STRATEGY:-tree}" --decode "$DECODE" 2>&1 \
+      | grep -E "^ *[0-9]+ +[0-9]+ " | head -3
     python3 "$(dirname "$0")/tools/timeline.py" "/tmp/steps-$name.tsv" --steps "$MARKER" "$STEPS" \
       | tee "$OUT/steps-$name.txt"
   done

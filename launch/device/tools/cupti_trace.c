@@ -1,6 +1,7 @@
 /* A CUPTI activity tracer loaded into a CUDA process by the driver (CUDA_INJECTION64_PATH):
- * every kernel, copy and memset on the GPU and every driver API call on the host, one line
- * each, "K|C|S|D <tab> start ns <tab> end ns <tab> name", into $CUPTI_TRACE_OUT at exit.
+ * every kernel, copy and memset on a GPU and every driver API call on the host, one line
+ * each, "K|C|S|D <tab> start ns <tab> end ns <tab> name <tab> device" (the device is the
+ * GPU's ordinal, -1 for a host call), into $CUPTI_TRACE_OUT at exit.
  * Built on the device by prefill-timeline.sh, which passes the header's newest record types
  * as KERNEL_T, MEMCPY_T and MEMSET_T. Read by timeline.py. */
 #include <cupti.h>
@@ -32,27 +33,27 @@ static void CUPTIAPI completed(CUcontext ctx, uint32_t stream, uint8_t *buf, siz
     switch (rec->kind) {
     case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
       KERNEL_T *k = (KERNEL_T *)rec;
-      fprintf(out, "K\t%llu\t%llu\t%s\n", (unsigned long long)k->start,
-              (unsigned long long)k->end, k->name);
+      fprintf(out, "K\t%llu\t%llu\t%s\t%u\n", (unsigned long long)k->start,
+              (unsigned long long)k->end, k->name, k->deviceId);
       break;
     }
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
       MEMCPY_T *m = (MEMCPY_T *)rec;
-      fprintf(out, "C\t%llu\t%llu\tmemcpy kind %d, %llu B\n", (unsigned long long)m->start,
-              (unsigned long long)m->end, (int)m->copyKind, (unsigned long long)m->bytes);
+      fprintf(out, "C\t%llu\t%llu\tmemcpy kind %d, %llu B\t%u\n", (unsigned long long)m->start,
+              (unsigned long long)m->end, (int)m->copyKind, (unsigned long long)m->bytes, m->deviceId);
       break;
     }
     case CUPTI_ACTIVITY_KIND_MEMSET: {
       MEMSET_T *m = (MEMSET_T *)rec;
-      fprintf(out, "S\t%llu\t%llu\tmemset %llu B\n", (unsigned long long)m->start,
-              (unsigned long long)m->end, (unsigned long long)m->bytes);
+      fprintf(out, "S\t%llu\t%llu\tmemset %llu B\t%u\n", (unsigned long long)m->start,
+              (unsigned long long)m->end, (unsigned long long)m->bytes, m->deviceId);
       break;
     }
     case CUPTI_ACTIVITY_KIND_DRIVER: {
       CUpti_ActivityAPI *a = (CUpti_ActivityAPI *)rec;
       const char *name = "?";
       cuptiGetCallbackName(CUPTI_CB_DOMAIN_DRIVER_API, a->cbid, &name);
-      fprintf(out, "D\t%llu\t%llu\t%s\n", (unsigned long long)a->start,
+      fprintf(out, "D\t%llu\t%llu\t%s\t-1\n", (unsigned long long)a->start,
               (unsigned long long)a->end, name);
       break;
     }

@@ -10,7 +10,8 @@ time by name is then per interval.
 The prefill is the last MIN_ATTENTION_LAUNCHES (default 128: 32 layers of 4 chunks)
 `prefill_attention` launches of the last run of them less than a second apart; its window runs
 from the first of them to the last.
-Prints the window's wall time, the time the GPU ran kernels, copies or memsets (their union),
+Only GPU 0's work is read (rank 0's, where ranks have a GPU each). Prints the window's wall
+time, the time the GPU ran kernels, copies or memsets (their union),
 its idle time in gaps by size, the longest gaps with the work either side and the host driver
 calls over 20 us that overlapped them, GPU time by kernel name, and host time by driver call.
 """
@@ -22,8 +23,11 @@ from collections import Counter, defaultdict
 def main():
     gpu, api = [], []
     for line in open(sys.argv[1]):
-        kind, start, end, name = line.rstrip("\n").split("\t", 3)
-        (api if kind == "D" else gpu).append((int(start), int(end), name))
+        kind, start, end, name, device = line.rstrip("\n").split("\t")
+        if kind == "D":
+            api.append((int(start), int(end), name))
+        elif device == "0":
+            gpu.append((int(start), int(end), name))
     gpu.sort()
     api.sort()
     if sys.argv[2:3] == ["--steps"]:
