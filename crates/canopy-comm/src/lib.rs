@@ -4,7 +4,7 @@
 //! (all-reduce max/sum, all-gather, point-to-point send/recv, barrier) so that the engine's
 //! strategies are written once and run over any transport.
 //!
-//! [`MpiComm`] (cargo feature `mpi`) is one rank per process under `mpirun` / `srun`, with the
+//! `MpiComm` (cargo feature `mpi`) is one rank per process under `mpirun` / `srun`, with the
 //! same determinism: reductions gather every rank's bytes and fold them in rank order.
 //!
 //! [`ThreadWorld`] runs `p` ranks as threads of one process and exchanges host buffers through

@@ -1,7 +1,7 @@
 //! The attention benchmark across GPUs: the engine's rank loop
 //! ([`canopy_engine::rank_main`]) on one [`CudaBackend`] per GPU over the NCCL transport
 //! ([`NcclTransport`]), as threads of this process ([`run`], the zero-setup default) or as MPI
-//! processes ([`run_mpi`]).
+//! processes (`run_mpi`).
 //!
 //! The engine does the work: each rank's shard, plan and step ([`canopy_engine::RankAttention`],
 //! tree or ring), `auto`'s calibration, the timing and the report. What is CUDA's here:

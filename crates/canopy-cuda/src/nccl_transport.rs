@@ -545,7 +545,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
 
     /// Enqueues the hand-off on the world's stream once the compute stream is done with
     /// `recv` (everything enqueued on it so far), and records its arrival. Paged KV goes
-    /// through contiguous buffers ([`NcclTransport::exchange_staged`]).
+    /// through contiguous buffers (`NcclTransport::exchange_staged`).
     fn start_kv_exchange(
         &self,
         b: &CudaBackend,

@@ -67,7 +67,7 @@ pub trait Backend: Send + Sync {
     /// KV is addressed logically, as plans address it: through the storage's page table when
     /// it has one ([`Backend::set_page_table`]; a paged GPU backend installs a shuffled one at
     /// allocation, to exercise paging), else token `i` is slot `i`. [`Backend::write_kv`] and
-    /// the ring's [`Backend::send_kv`] / [`Backend::recv_kv`] move logical tokens, so a shard
+    /// the ring's [`Transport::send_kv`](crate::Transport::send_kv) / [`Transport::recv_kv`](crate::Transport::recv_kv) move logical tokens, so a shard
     /// travels in logical order and lands in whatever pages the receiver's table names; only
     /// `LayerOps::store_kv` addresses physical slots, where the KV manager places tokens.
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<Self::Kv>;

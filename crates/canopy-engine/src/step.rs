@@ -21,7 +21,7 @@ use std::time::Instant;
 
 /// What one rank knows of a ring's shard: its plan (over the shard's logical addresses) and
 /// how many logical tokens travel. A shard travels in logical order
-/// ([`Backend::send_kv`]), so its plan reads it wherever the receiver's pages put it.
+/// ([`Transport::send_kv`]), so its plan reads it wherever the receiver's pages put it.
 pub struct RingShard {
     pub plan: Plan,
     /// Logical K and V tokens of the shard (what travels).
