@@ -257,6 +257,9 @@ extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const
     }
 }
 
+// silu(g) * u, as transformers' Llama MLP computes it: every SwiGLU here, and the GEMV's.
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
 // `out = silu(gate) * up`, gate and up the two halves of each row of `gate_up` (`rows × 2
 // cols`): the SwiGLU of a fused gate|up projection; and, unless `rounded` is null, out rounded
 // to the weights' dtype (the operand of the GEMM that reads it).
@@ -265,8 +268,7 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate_up, float* __re
     GRID_STRIDE(i, (u64)rows * cols) {
         const RowCol at = row_col(i, cols);
         const u64 r = at.row, c = at.col;
-        const float g = gate_up[r * 2 * cols + c], u = gate_up[r * 2 * cols + cols + c];
-        const float y = g / (1.f + expf(-g)) * u;
+        const float y = silu_mul(gate_up[r * 2 * cols + c], gate_up[r * 2 * cols + cols + c]);
         out[i] = y;
         if (rounded) rounded[i] = narrow(y);
     }
@@ -281,8 +283,7 @@ extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, flo
         GRID_STRIDE(i, (u64)rows * cols) {
             const RowCol at = row_col(i, cols);
             const u64 r = at.row, c = at.col;
-            const float g = widen(gate_up[r * 2 * cols + c]), u = widen(gate_up[r * 2 * cols + cols + c]);
-            const float y = g / (1.f + expf(-g)) * u;
+            const float y = silu_mul(widen(gate_up[r * 2 * cols + c]), widen(gate_up[r * 2 * cols + cols + c]));
             out[i] = y;
             if (rounded) rounded[i] = narrow(y);
         }
@@ -297,7 +298,7 @@ extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, flo
         widen8(row[0], g);
         widen8(row[groups], u);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) y[e] = g[e] / (1.f + expf(-g[e])) * u[e];
+        for (int e = 0; e < 8; ++e) y[e] = silu_mul(g[e], u[e]);
         float4* o = reinterpret_cast<float4*>(out + at);
         o[0] = make_float4(y[0], y[1], y[2], y[3]);
         o[1] = make_float4(y[4], y[5], y[6], y[7]);
@@ -738,7 +739,7 @@ gemv_add(const elem_t* __restrict__ w, const float* __restrict__ x, float* __res
                 [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
 }
 
-__device__ __forceinline__ float silu_times(const float (&s)[2]) { return s[0] / (1.f + expf(-s[0])) * s[1]; }
+__device__ __forceinline__ float silu_times(const float (&s)[2]) { return silu_mul(s[0], s[1]); }
 
 // `cols` is the output's width: the weight has 2 * cols rows, gate's then up's.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
