@@ -121,7 +121,7 @@ pub struct NcclTransport<'h, H: Collective> {
     watchdog: Watchdog,
     /// The ring's arrival event, between [`Transport::start_kv_exchange`] and its finish.
     arrived: RefCell<Option<CudaEvent>>,
-    /// A paged hand-off's contiguous buffers, between its start and its finish.
+    /// A hand-off's buffers for its paged sides, between its start and its finish.
     staged: RefCell<Option<Staged>>,
 }
 
@@ -278,11 +278,11 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
         })
     }
 
-    /// [`NcclTransport::exchange`] where either side is paged: a paged `send`'s tokens gathered
-    /// into logical order on `b`'s stream (before the world's stream waits for it), sent, and
-    /// the previous rank's received in place, or into contiguous buffers for a paged `recv`;
-    /// returns what the finish needs.
-    fn exchange_staged(
+    /// The ring's hand-off once `b`'s stream is done with what it enqueued: a paged `send`'s
+    /// tokens gathered into logical order on `b`'s stream first, a contiguous one sent in
+    /// place, and the previous rank's received in place, or into contiguous buffers for a
+    /// paged `recv`; returns what the finish needs.
+    fn start_hand_off(
         &self,
         b: &CudaBackend,
         send: &CudaKv,
@@ -545,7 +545,8 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
 
     /// Enqueues the hand-off on the world's stream once the compute stream is done with
     /// `recv` (everything enqueued on it so far), and records its arrival. Paged KV goes
-    /// through contiguous buffers (`NcclTransport::exchange_staged`).
+    /// through contiguous buffers; contiguous KV moves in place
+    /// (`NcclTransport::start_hand_off`).
     fn start_kv_exchange(
         &self,
         b: &CudaBackend,
@@ -554,15 +555,9 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         recv: &mut CudaKv,
         recv_tokens: usize,
     ) -> EResult<()> {
-        let stream = self.world.stream();
-        if send.paging.is_none() && recv.paging.is_none() {
-            stream.wait(&record(b.stream())?).ctx("cuStreamWaitEvent")?;
-            self.exchange(send, send_tokens, recv, recv_tokens)?;
-        } else {
-            let staged = self.exchange_staged(b, send, send_tokens, recv, recv_tokens)?;
-            *self.staged.borrow_mut() = Some(staged);
-        }
-        *self.arrived.borrow_mut() = Some(record(stream)?);
+        let staged = self.start_hand_off(b, send, send_tokens, recv, recv_tokens)?;
+        *self.staged.borrow_mut() = Some(staged);
+        *self.arrived.borrow_mut() = Some(record(self.world.stream())?);
         Ok(())
     }
 
