@@ -6,6 +6,10 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export CANOPY_KERNEL_CACHE=/tmp/canopy-kernels
 BIN=${CANOPY_BIN:-.device/canopy}
+# Binaries travel gzipped (the carried tree is limited in size): unpacked once, beside them.
+for packed in .device/*.gz; do
+  [ -f "$packed" ] && [ ! -f "${packed%.gz}" ] && gunzip -k "$packed" && chmod +x "${packed%.gz}"
+done
 # A section's heading with the script's seconds so far, and the seconds left before the
 # script's DEADLINE (each script sets its own).
 log() { echo "== [${SECONDS}s] $*"; }
