@@ -7,7 +7,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::layers::narrow;
 use canopy_core::{AttnShape, DType};
 use canopy_kernels::Kernel;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 /// Device KV: K and V bytes and, when paged, the page table.
 pub struct CudaKv {
@@ -217,7 +217,7 @@ impl CudaBackend {
         kv: &CudaKv,
         start: usize,
         n: usize,
-        flat: (&CudaSlice<u8>, &CudaSlice<u8>),
+        flat: (&CudaView<u8>, &CudaView<u8>),
         scatter: bool,
     ) -> Result<bool> {
         let Some(paging) = &kv.paging else {
@@ -275,11 +275,42 @@ impl CudaBackend {
         Self::check_tokens("gather_device", kv, 0, n)?;
         let bytes = kv.bytes_of(n);
         let (mut k, mut v) = (self.alloc::<u8>(bytes)?, self.alloc::<u8>(bytes)?);
-        if self.copy_pages(kv, 0, n, (&k, &v), false)? {
-            return Ok((k, v));
+        self.gather_tokens(kv, 0..n, (&mut k, &mut v))?;
+        Ok((k, v))
+    }
+
+    /// K and V of logical tokens `tokens` of `kv` into the same tokens' places of contiguous
+    /// device buffers that hold logical order from token 0 (so a shard can be gathered piece
+    /// by piece), on this backend's stream.
+    pub(crate) fn gather_tokens(
+        &self,
+        kv: &CudaKv,
+        tokens: std::ops::Range<usize>,
+        (k, v): (&mut CudaSlice<u8>, &mut CudaSlice<u8>),
+    ) -> Result<()> {
+        let (start, n) = (tokens.start, tokens.len());
+        Self::check_tokens("gather_tokens", kv, start, n)?;
+        let (first, end) = (kv.bytes_of(start), kv.bytes_of(tokens.end));
+        if k.len() < end || v.len() < end {
+            return Err(CudaError::Unsupported(format!(
+                "gather_tokens: K of {} bytes and V of {} bytes for tokens up to {} of {} bytes each",
+                k.len(),
+                v.len(),
+                tokens.end,
+                kv.bytes_of(1)
+            )));
         }
-        for (at, dev) in Self::segments(kv, 0, n) {
-            let len = dev.len();
+        if self.copy_pages(
+            kv,
+            start,
+            n,
+            (&k.slice(first..end), &v.slice(first..end)),
+            false,
+        )? {
+            return Ok(());
+        }
+        for (at, dev) in Self::segments(kv, start, n) {
+            let (at, len) = (first + at, dev.len());
             if len == 0 {
                 continue;
             }
@@ -290,7 +321,7 @@ impl CudaBackend {
                 .memcpy_dtod(&kv.v.slice(dev), &mut v.slice_mut(at..at + len))
                 .ctx("cuMemcpyDtoDAsync (gathering V)")?;
         }
-        Ok((k, v))
+        Ok(())
     }
 
     /// Scatters `n` tokens of contiguous device K and V (logical order, as
@@ -314,7 +345,7 @@ impl CudaBackend {
             )));
         }
         Self::check_tokens("scatter_device", kv, start, n)?;
-        if self.copy_pages(kv, start, n, (k, v), true)? {
+        if self.copy_pages(kv, start, n, (&k.slice(..), &v.slice(..)), true)? {
             return Ok(());
         }
         for (at, dev) in Self::segments(kv, start, n) {

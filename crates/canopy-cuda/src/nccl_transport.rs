@@ -7,10 +7,12 @@
 //!   to their leader as grouped receives, the result back as a broadcast) and the leaders'
 //!   (an in-place all-gather).
 //! - **The ring's hand-off** runs on a stream of its own, double-buffered: the send of the
-//!   shard being computed on and the receive of the next proceed as one NCCL group while the
+//!   shard being computed on and the receive of the next proceed as NCCL groups while the
 //!   backend computes. Events order the two streams: the hand-off starts once the compute
 //!   stream has finished with the buffer it receives into, and the compute stream reads that
-//!   buffer only after the hand-off's arrival event.
+//!   buffer only after the hand-off's arrival event. A large shard goes in pieces, a group
+//!   each, so a rank's own paged shard is gathered piece by piece while the pieces before
+//!   it are sent.
 //! - **Host-side calls** (host names, barriers) go to the host collective the ranks were
 //!   started with ([`canopy_comm::ThreadComm`], or MPI's); traffic counts both.
 //!
@@ -255,33 +257,39 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             contiguous_bytes("recv_kv", recv, recv_tokens)?,
         );
         self.hand_off(
-            (&send.k.slice(0..sb), &send.v.slice(0..sb)),
-            (&mut recv.k.slice_mut(0..rb), &mut recv.v.slice_mut(0..rb)),
+            Some((&send.k.slice(0..sb), &send.v.slice(0..sb))),
+            Some((&mut recv.k.slice_mut(0..rb), &mut recv.v.slice_mut(0..rb))),
         )
     }
 
     /// K and V `send` to the next rank, and the previous rank's into `recv`, as one NCCL
-    /// group on the world's stream.
+    /// group on the world's stream; a side that is `None` has nothing in this group.
     fn hand_off(
         &self,
-        send: (&CudaView<u8>, &CudaView<u8>),
-        recv: (&mut CudaViewMut<u8>, &mut CudaViewMut<u8>),
+        send: Option<(&CudaView<u8>, &CudaView<u8>)>,
+        recv: Option<(&mut CudaViewMut<u8>, &mut CudaViewMut<u8>)>,
     ) -> Result<()> {
         let (rank, p) = (self.world.rank(), self.world.size());
         let (next, prev) = ((rank + 1) % p, (rank + p - 1) % p);
         let comm = &self.world;
         group(rank, || {
-            comm.send("send(K)", send.0, next)?;
-            comm.send("send(V)", send.1, next)?;
-            comm.recv("recv(K)", recv.0, prev)?;
-            comm.recv("recv(V)", recv.1, prev)
+            if let Some((k, v)) = send {
+                comm.send("send(K)", k, next)?;
+                comm.send("send(V)", v, next)?;
+            }
+            if let Some((k, v)) = recv {
+                comm.recv("recv(K)", k, prev)?;
+                comm.recv("recv(V)", v, prev)?;
+            }
+            Ok(())
         })
     }
 
-    /// The ring's hand-off once `b`'s stream is done with what it enqueued: a paged `send`'s
-    /// tokens gathered into logical order on `b`'s stream first, a contiguous one sent in
-    /// place, and the previous rank's received in place, or into contiguous buffers for a
-    /// paged `recv`; returns what the finish needs.
+    /// The ring's hand-off once `b`'s stream is done with what it enqueued, in the pieces of
+    /// [`hand_off_pieces`]: a paged `send` gathered into logical order on `b`'s stream piece by
+    /// piece, each piece sent while the next is gathered, a contiguous one sent in place; the
+    /// previous rank's shard received in place, or into contiguous buffers for a paged `recv`.
+    /// Returns what the finish needs.
     fn start_hand_off(
         &self,
         b: &CudaBackend,
@@ -291,36 +299,59 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
         recv_tokens: usize,
     ) -> Result<Staged> {
         CudaBackend::check_tokens("the ring's hand-off", recv, 0, recv_tokens)?;
-        let (sb, rb) = (send.bytes_of(send_tokens), recv.bytes_of(recv_tokens));
+        CudaBackend::check_tokens("the ring's hand-off", send, 0, send_tokens)?;
         // One byte at least: an allocation of nothing is refused.
-        let sent = match (&send.paging, send_tokens) {
-            (None, _) => {
+        let paged_buffers = |kv: &CudaKv, tokens: usize| -> Result<_> {
+            let bytes = kv.bytes_of(tokens).max(1);
+            Ok((b.alloc::<u8>(bytes)?, b.alloc::<u8>(bytes)?))
+        };
+        let mut sent = match &send.paging {
+            None => {
                 contiguous_bytes("send_kv", send, send_tokens)?;
                 None
             }
-            (Some(_), 0) => Some((b.alloc::<u8>(1)?, b.alloc::<u8>(1)?)),
-            (Some(_), n) => Some(b.gather_device(send, n)?),
+            Some(_) => Some(paged_buffers(send, send_tokens)?),
         };
         let mut arriving = match &recv.paging {
             None => {
                 contiguous_bytes("recv_kv", recv, recv_tokens)?;
                 None
             }
-            Some(_) => Some((b.alloc::<u8>(rb.max(1))?, b.alloc::<u8>(rb.max(1))?)),
+            Some(_) => Some(paged_buffers(recv, recv_tokens)?),
         };
-        self.world
-            .stream()
-            .wait(&record(b.stream())?)
-            .ctx("cuStreamWaitEvent")?;
-        let (send_k, send_v) = match &sent {
-            Some((k, v)) => (k.slice(0..sb), v.slice(0..sb)),
-            None => (send.k.slice(0..sb), send.v.slice(0..sb)),
-        };
-        let (mut recv_k, mut recv_v) = match &mut arriving {
-            Some((k, v)) => (k.slice_mut(0..rb), v.slice_mut(0..rb)),
-            None => (recv.k.slice_mut(0..rb), recv.v.slice_mut(0..rb)),
-        };
-        self.hand_off((&send_k, &send_v), (&mut recv_k, &mut recv_v))?;
+        let sends = hand_off_pieces(send_tokens, send.bytes_of(1));
+        let recvs = hand_off_pieces(recv_tokens, recv.bytes_of(1));
+        for i in 0..sends.len().max(recvs.len()) {
+            let piece = sends
+                .get(i)
+                .map(|t| send.bytes_of(t.start)..send.bytes_of(t.end));
+            if let (Some(tokens), Some((k, v))) = (sends.get(i), sent.as_mut()) {
+                b.gather_tokens(send, tokens.clone(), (k, v))?;
+            }
+            // The first piece waits for everything the compute stream enqueued (it is done
+            // with the buffer received into); each later gathered piece for its gather.
+            if i == 0 || (sent.is_some() && piece.is_some()) {
+                self.world
+                    .stream()
+                    .wait(&record(b.stream())?)
+                    .ctx("cuStreamWaitEvent")?;
+            }
+            let views = piece.map(|bytes| match &sent {
+                Some((k, v)) => (k.slice(bytes.clone()), v.slice(bytes)),
+                None => (send.k.slice(bytes.clone()), send.v.slice(bytes)),
+            });
+            let into = recvs
+                .get(i)
+                .map(|t| recv.bytes_of(t.start)..recv.bytes_of(t.end));
+            let mut into = into.map(|bytes| match &mut arriving {
+                Some((k, v)) => (k.slice_mut(bytes.clone()), v.slice_mut(bytes)),
+                None => (recv.k.slice_mut(bytes.clone()), recv.v.slice_mut(bytes)),
+            });
+            self.hand_off(
+                views.as_ref().map(|(k, v)| (k, v)),
+                into.as_mut().map(|(k, v)| (k, v)),
+            )?;
+        }
         Ok(Staged {
             sent,
             arriving,
@@ -364,6 +395,32 @@ fn nccl_op(op: ReduceOp) -> NcclOp {
         ReduceOp::Sum => NcclOp::Sum,
         ReduceOp::Max => NcclOp::Max,
     }
+}
+
+/// Bytes of K (or V) a piece of the ring's hand-off carries at least: smaller pieces would pay
+/// NCCL's cost per call for little overlap.
+const HAND_OFF_PIECE_BYTES: usize = 64 << 20;
+/// The most pieces a hand-off is cut into. Only the first piece's gather stays exposed, so
+/// four leave a quarter of it.
+const HAND_OFF_PIECES: usize = 4;
+/// Pieces start on multiples of this many tokens, whole pages of any power-of-two page size up
+/// to it, so a paged shard is gathered page by page.
+const PIECE_ALIGN: usize = 1024;
+
+/// The logical token ranges a hand-off of `tokens` tokens of `token_bytes` each (K or V) is
+/// sent in, one NCCL group each. The sender and the receiver cut alike, from the same two
+/// numbers, so each group's sends meet the next rank's receives; no tokens is one empty piece.
+fn hand_off_pieces(tokens: usize, token_bytes: usize) -> Vec<Range<usize>> {
+    let pieces = (tokens * token_bytes / HAND_OFF_PIECE_BYTES).clamp(1, HAND_OFF_PIECES);
+    let per = tokens.div_ceil(pieces).next_multiple_of(PIECE_ALIGN).max(1);
+    let mut out: Vec<Range<usize>> = (0..pieces)
+        .map(|i| (i * per).min(tokens)..((i + 1) * per).min(tokens))
+        .filter(|r| !r.is_empty())
+        .collect();
+    if out.is_empty() {
+        out.push(0..0);
+    }
+    out
 }
 
 /// Bytes of K (or V) of logical tokens `0..tokens` of `kv`, which NCCL moves in one piece:
@@ -624,6 +681,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::{prop_oneof, Just};
 
     /// Ids survive their trip through bytes, in their places; a truncated message is refused.
     #[test]
@@ -637,5 +695,33 @@ mod tests {
         assert_eq!(ids.leaders.internal()[0] as u8, bytes[4 * ID_BYTES]);
         assert!(NcclIds::from_bytes(&bytes[..bytes.len() - 1]).is_err());
         assert!(NcclIds::from_bytes(&bytes[..ID_BYTES]).is_err());
+    }
+
+    proptest::proptest! {
+        /// A hand-off's pieces cover its tokens in order, without gaps or overlap, start on
+        /// whole pages, are at most `HAND_OFF_PIECES`, and are cut only where each carries
+        /// `HAND_OFF_PIECE_BYTES` or more but the last.
+        #[test]
+        fn hand_off_pieces_cover_the_shard_in_order(
+            tokens in 0usize..1 << 22,
+            token_bytes in prop_oneof![Just(16usize), Just(128), 1usize..4096],
+        ) {
+            let pieces = hand_off_pieces(tokens, token_bytes);
+            proptest::prop_assert!(!pieces.is_empty() && pieces.len() <= HAND_OFF_PIECES);
+            proptest::prop_assert_eq!(pieces[0].start, 0);
+            proptest::prop_assert_eq!(pieces[pieces.len() - 1].end, tokens);
+            for w in pieces.windows(2) {
+                proptest::prop_assert_eq!(w[0].end, w[1].start);
+                proptest::prop_assert!(w[1].start.is_multiple_of(PIECE_ALIGN));
+            }
+            if pieces.len() > 1 {
+                for p in &pieces[..pieces.len() - 1] {
+                    proptest::prop_assert!(p.len() * token_bytes >= HAND_OFF_PIECE_BYTES);
+                }
+            }
+            if tokens * token_bytes < 2 * HAND_OFF_PIECE_BYTES {
+                proptest::prop_assert_eq!(pieces.len(), 1);
+            }
+        }
     }
 }
