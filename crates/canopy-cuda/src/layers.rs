@@ -13,7 +13,10 @@
 
 mod attention;
 mod gemm;
+mod tensor;
 mod top;
+
+pub use tensor::{CudaTensor, CudaWeight};
 
 pub(crate) use gemm::LayerState;
 
@@ -41,66 +44,6 @@ const RESERVE_BYTES: u64 = 512 << 20;
 /// allocated when the ranks connect, after the check. Two H200 ranks needed about 0.3 GiB
 /// beyond [`RESERVE_BYTES`].
 const NCCL_BYTES_PER_PEER: u64 = 512 << 20;
-
-/// Activations: a row-major `rows × cols` fp32 matrix in device memory.
-///
-/// A GEMM operand ([`LayerOps::gemm_operand`]) of more rows than a GEMV takes may also hold
-/// its values rounded to the dtype of the weight it feeds, written by the op that produced
-/// them (`rms_norm`, SwiGLU, `states_output`) in the same kernel, so the GEMM needs no rounding
-/// kernel of its own. Every other op that writes the tensor drops that copy, so a copy that is
-/// present is always the rounding of `data`.
-pub struct CudaTensor {
-    pub(crate) data: CudaSlice<f32>,
-    rows: usize,
-    cols: usize,
-    /// The dtype of the weight this tensor feeds, when it keeps a rounded copy for it.
-    operand: Option<DType>,
-    /// `data` rounded to `operand`, or None when the last op to write `data` did not write it.
-    rounded: Option<CudaSlice<u16>>,
-}
-
-impl CudaTensor {
-    fn new(data: CudaSlice<f32>, rows: usize, cols: usize) -> Self {
-        CudaTensor {
-            data,
-            rows,
-            cols,
-            operand: None,
-            rounded: None,
-        }
-    }
-
-    /// `data` rounded to `dtype`, if the op that last wrote `data` also wrote that copy.
-    pub(crate) fn rounded_to(&self, dtype: DType) -> Option<&CudaSlice<u16>> {
-        self.rounded
-            .as_ref()
-            .filter(|_| self.operand == Some(dtype))
-    }
-
-    /// Marks the rounded copy stale: the caller writes `data` without it.
-    pub(crate) fn drop_rounded(&mut self) {
-        self.rounded = None;
-    }
-}
-
-/// A weight: a row-major `rows × cols` matrix in device memory, in the dtype it was uploaded in.
-pub struct CudaWeight {
-    pub(crate) data: CudaSlice<u8>,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
-}
-
-impl CudaWeight {
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// `(rows, cols)`.
-    pub fn dims(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
-}
 
 /// Refuses a tensor whose `(rows, cols)` differ from `want`'s.
 fn same_dims(op: &str, what: &str, t: &CudaTensor, want: (usize, usize)) -> Result<()> {
@@ -287,10 +230,12 @@ impl CudaBackend {
         let f = self.function(Kernel::Layers(weight.dtype, "rms_norm"))?;
         let rounded = self.rounded_target(out, weight.dtype)?;
         let s = &self.stream;
+        // A rounded copy is all a GEMM operand's product reads: its fp32 values are not written.
+        let values = rounded.is_none().then_some(&out.data);
         let params = Params::default()
-            .buffer(&x.data, s)
+            .buffer(x.values("rms_norm")?, s)
             .buffer(&weight.data, s)
-            .buffer(&out.data, s)
+            .optional_buffer(values, s)
             .optional_buffer(rounded.as_ref(), s)
             .u32(cols)
             .f32(eps);
@@ -299,8 +244,9 @@ impl CudaBackend {
             block_dim: (LAYER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one CTA per row of x and out (rows × cols each), and of the rounded copy
-        // (rows × cols elements) if there is one; the weight has cols elements.
+        // SAFETY: one CTA per row of x and out (rows × cols each; out only without a rounded
+        // copy), and of the rounded copy (rows × cols elements) if there is one; the weight has
+        // cols elements.
         unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching rms_norm")?;
         out.rounded = rounded;
         Ok(())
@@ -360,21 +306,26 @@ impl CudaBackend {
             }
         };
         let mut rounded = self.rounded_target(out, dtype)?;
-        let no_copy = 0u64;
-        let mut b = self.stream.launch_builder(&f);
-        match gate_up {
-            GateUp::F32(t) => b.arg(&t.data),
-            GateUp::Narrow(held, _) => b.arg(held),
+        let null = 0u64;
+        let gate_up_values = match gate_up {
+            GateUp::F32(t) => Some(t.values("matmul_swiglu")?),
+            GateUp::Narrow(..) => None,
         };
-        b.arg(&mut out.data);
+        let mut b = self.stream.launch_builder(&f);
+        match (gate_up, gate_up_values) {
+            (_, Some(values)) => b.arg(values),
+            (GateUp::Narrow(held, _), None) => b.arg(held),
+            (GateUp::F32(_), None) => unreachable!("an f32 product's values are read above"),
+        };
+        // A rounded copy is all a GEMM operand's product reads: its fp32 values are not written.
         match rounded.as_mut() {
-            Some(buf) => b.arg(buf),
-            None => b.arg(&no_copy),
+            Some(buf) => b.arg(&null).arg(buf),
+            None => b.arg(&mut out.data).arg(&null),
         };
         b.arg(&rows).arg(&cols);
         // SAFETY: gate_up holds rows × 2 cols elements of the kernel's input type (checked,
-        // or sized by the caller), out rows × cols floats, and the rounded copy, if there is
-        // one, rows × cols elements (checked).
+        // or sized by the caller); the kernel writes rows × cols elements of the rounded copy
+        // where there is one (checked), else of out, which holds them.
         unsafe { b.launch(self.elementwise(n)) }.ctx("launching swiglu")?;
         out.rounded = rounded;
         Ok(())
@@ -439,7 +390,7 @@ impl CudaBackend {
         let positions = self.upload_step_input(StepInput::Positions, positions)?;
         let s = &self.stream;
         let params = Params::default()
-            .buffer(&qkv.data, s)
+            .buffer(qkv.values("rope_split")?, s)
             .buffer(&*positions, s)
             .buffer(&inv_freq.data, s)
             .buffer(&q.data, s)
@@ -627,7 +578,10 @@ impl LayerOps for CudaBackend {
     }
 
     fn download_tensor(&self, t: &CudaTensor) -> EResult<Vec<f32>> {
-        let mut host = self.stream.clone_dtoh(&t.data).ctx("cuMemcpyDtoH")?;
+        let mut host = self
+            .stream
+            .clone_dtoh(t.values("download_tensor")?)
+            .ctx("cuMemcpyDtoH")?;
         self.stream.synchronize().ctx("cuStreamSynchronize")?;
         host.truncate(t.rows * t.cols);
         Ok(host)
@@ -794,7 +748,10 @@ impl LayerOps for CudaBackend {
             shape.q_row_elems(),
         )?;
         Ok(CudaQueries {
-            q: self.stream.clone_dtod(&q.data).ctx("cuMemcpyDtoDAsync")?,
+            q: self
+                .stream
+                .clone_dtod(q.values("tensor_queries")?)
+                .ctx("cuMemcpyDtoDAsync")?,
             rows: q.rows,
         })
     }
@@ -843,12 +800,12 @@ impl LayerOps for CudaBackend {
                 .ctx("cuMemcpyDtoDAsync")?;
             return Ok(());
         };
-        // One kernel copies the output and writes its rounded copy.
+        // The rounded copy alone: it is all the output projection reads.
         let f = self.function(Kernel::Layers(dtype, "round_to_elem"))?;
-        let len = n as u64;
+        let (len, no_copy) = (n as u64, 0u64);
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&states.o).arg(&mut out.data).arg(&mut buf).arg(&len);
-        // SAFETY: the states' o, out and the rounded copy each hold n elements (checked).
+        b.arg(&states.o).arg(&no_copy).arg(&mut buf).arg(&len);
+        // SAFETY: the states' o and the rounded copy each hold n elements (checked).
         unsafe { b.launch(self.elementwise(n)) }.ctx("launching round_to_elem")?;
         out.rounded = Some(buf);
         Ok(())

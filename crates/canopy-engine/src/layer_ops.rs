@@ -126,9 +126,11 @@ pub trait LayerOps: MergeOps {
     /// A `rows × cols` activation that is read by a product with `weight` (`matmul`,
     /// `matmul_add`, `matmul_swiglu`) and written in full by `rms_norm`, `matmul_swiglu` or
     /// `states_output` (unspecified until then, as [`LayerOps::output_tensor`]'s). A backend
-    /// may keep it also in the form the product reads (a GPU's 16-bit GEMM operand), written
-    /// by the op that produces it, instead of converting it in an op of its own before each
-    /// product. The values are the same either way.
+    /// may keep it in the form the product reads instead (a GPU's 16-bit GEMM operand),
+    /// written by the op that produces it, rather than converting it in an op of its own
+    /// before each product; the product's values are the same either way. Such a tensor is
+    /// then read only by products with a weight of `weight`'s dtype: any other read is an
+    /// error.
     fn gemm_operand(
         &self,
         rows: usize,

@@ -136,7 +136,7 @@ __device__ __forceinline__ bool row_held(u32 cols) {
 
 // One CTA per row: `out = w * (x / sqrt(mean(x²) + eps))`, the host's order of operations,
 // and, unless `rounded` is null, out rounded to the weights' dtype (the operand of the GEMM
-// that reads it). A row of up to RMS_NORM_CHUNKS float4s per thread is read once into
+// that reads it). `out` may be null where the rounded copy is all that is read. A row of up to RMS_NORM_CHUNKS float4s per thread is read once into
 // registers, every load in flight at once (a decode step's single row is a chain of latencies
 // otherwise); a longer or unaligned row is read twice.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
@@ -146,7 +146,7 @@ rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __res
     wait_for_previous_grid();
     __shared__ float warp_sums[LAYER_THREADS / 32];
     const float* row = x + (u64)blockIdx.x * cols;
-    float* dst = out + (u64)blockIdx.x * cols;
+    float* dst = out ? out + (u64)blockIdx.x * cols : nullptr;
     elem_t* low = rounded ? rounded + (u64)blockIdx.x * cols : nullptr;
     const bool held = row_held(cols);
     float4 v[RMS_NORM_CHUNKS];
@@ -161,7 +161,7 @@ rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __res
                 o.y = widen(w[4 * c + 1]) * (v[j].y * inv);
                 o.z = widen(w[4 * c + 2]) * (v[j].z * inv);
                 o.w = widen(w[4 * c + 3]) * (v[j].w * inv);
-                reinterpret_cast<float4*>(dst)[c] = o;
+                if (dst) reinterpret_cast<float4*>(dst)[c] = o;
                 if (low) {
                     low[4 * c] = narrow(o.x);
                     low[4 * c + 1] = narrow(o.y);
@@ -173,7 +173,7 @@ rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __res
     } else {
         for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) {
             const float y = widen(w[c]) * (row[c] * inv);
-            dst[c] = y;
+            if (dst) dst[c] = y;
             if (low) low[c] = narrow(y);
         }
     }
@@ -262,21 +262,22 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 
 // `out = silu(gate) * up`, gate and up the two halves of each row of `gate_up` (`rows × 2
 // cols`): the SwiGLU of a fused gate|up projection; and, unless `rounded` is null, out rounded
-// to the weights' dtype (the operand of the GEMM that reads it).
+// to the weights' dtype (the operand of the GEMM that reads it). `out` may be null where the
+// rounded copy is all that is read.
 extern "C" __global__ void swiglu(const float* __restrict__ gate_up, float* __restrict__ out,
                                   elem_t* __restrict__ rounded, u32 rows, u32 cols) {
     GRID_STRIDE(i, (u64)rows * cols) {
         const RowCol at = row_col(i, cols);
         const u64 r = at.row, c = at.col;
         const float y = silu_mul(gate_up[r * 2 * cols + c], gate_up[r * 2 * cols + cols + c]);
-        out[i] = y;
+        if (out) out[i] = y;
         if (rounded) rounded[i] = narrow(y);
     }
 }
 
 // `swiglu` of a gate|up product held in the weights' dtype (a 16-bit GEMM's output, as a
 // 16-bit model keeps it): eight columns a thread with 16-byte loads where `cols` is a multiple
-// of 8, else one.
+// of 8, else one. `out` may be null, as swiglu's.
 extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, float* __restrict__ out,
                                          elem_t* __restrict__ rounded, u32 rows, u32 cols) {
     if (cols % 8 != 0) {
@@ -284,7 +285,7 @@ extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, flo
             const RowCol at = row_col(i, cols);
             const u64 r = at.row, c = at.col;
             const float y = silu_mul(widen(gate_up[r * 2 * cols + c]), widen(gate_up[r * 2 * cols + cols + c]));
-            out[i] = y;
+            if (out) out[i] = y;
             if (rounded) rounded[i] = narrow(y);
         }
         return;
@@ -299,9 +300,11 @@ extern "C" __global__ void swiglu_narrow(const elem_t* __restrict__ gate_up, flo
         widen8(row[groups], u);
 #pragma unroll
         for (int e = 0; e < 8; ++e) y[e] = silu_mul(g[e], u[e]);
-        float4* o = reinterpret_cast<float4*>(out + at);
-        o[0] = make_float4(y[0], y[1], y[2], y[3]);
-        o[1] = make_float4(y[4], y[5], y[6], y[7]);
+        if (out) {
+            float4* o = reinterpret_cast<float4*>(out + at);
+            o[0] = make_float4(y[0], y[1], y[2], y[3]);
+            o[1] = make_float4(y[4], y[5], y[6], y[7]);
+        }
         if (rounded) {
 #if CANOPY_DTYPE == 0
 #pragma unroll

@@ -308,7 +308,9 @@ impl CudaBackend {
             .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
             .unwrap_or(1);
         let s = &self.stream;
-        let mut params = Params::default().buffer(&w.data, s).buffer(&x.data, s);
+        let mut params = Params::default()
+            .buffer(&w.data, s)
+            .buffer(x.values("matmul")?, s);
         if let Some((norm, eps)) = norm {
             params = params.buffer(&norm.data, s).f32(eps);
         }
@@ -430,7 +432,7 @@ impl CudaBackend {
         // that wrote x made one, else x rounded into the scratch.
         let (b_ptr, compute) = match (w.dtype, x.rounded_to(w.dtype)) {
             (DType::F32, _) => (
-                x.data.device_ptr(s).0,
+                x.values("matmul")?.device_ptr(s).0,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
             ),
             (_, Some(rounded)) => (
@@ -452,7 +454,10 @@ impl CudaBackend {
                 let f = self.function(Kernel::Layers(w.dtype, "round_to_elem"))?;
                 let (len, no_copy) = (len as u64, 0u64);
                 let mut b = s.launch_builder(&f);
-                b.arg(&x.data).arg(&no_copy).arg(&mut *scratch).arg(&len);
+                b.arg(x.values("matmul")?)
+                    .arg(&no_copy)
+                    .arg(&mut *scratch)
+                    .arg(&len);
                 // SAFETY: reads `len` floats of x and writes `len` elements of the scratch,
                 // which holds at least that many.
                 unsafe { b.launch(self.elementwise(len as usize)) }
