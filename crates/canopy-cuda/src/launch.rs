@@ -163,6 +163,23 @@ impl CudaBackend {
         cfg: LaunchConfig,
         params: &Params,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        // SAFETY: as this function's.
+        unsafe { self.launch_params(f, cfg, params, true) }
+    }
+
+    /// Launches `f` on the main stream with `params`, as a programmatic dependent of the
+    /// kernel before it where `dependent` (see [`CudaBackend::launch_dependent`]), else once
+    /// that kernel has finished.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::launch_dependent`]'s.
+    pub(crate) unsafe fn launch_params(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &Params,
+        dependent: bool,
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
         use cudarc::driver::sys;
         let mut args: Vec<*mut c_void> = params
             .0
@@ -186,7 +203,7 @@ impl CudaBackend {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(self.gpu.compute_capability.0 >= 9),
+            numAttrs: u32::from(dependent && self.gpu.compute_capability.0 >= 9),
         };
         self.ctx.bind_to_thread()?;
         // SAFETY: `config` and `attr` outlive the call; the caller vouches for `args`.

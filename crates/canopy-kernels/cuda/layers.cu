@@ -478,8 +478,9 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
 //
 // The warps' sums meet in shared memory and the slices' are added in slice order, so the result
 // does not depend on timing; the CTA's threads then apply the epilogue to each (row, column).
-// Launched as a programmatic dependent, a GEMV loads its first blocks of weight before it waits
-// for the kernel before it, and lets the kernel after it launch at once.
+// The host launches a GEMV once the kernel before it has finished (as a programmatic dependent
+// it was slower: BENCHMARKS, session 31); it lets the kernel after it launch at once, and its
+// wait for the kernel before it keeps it correct under either launch.
 // The weight is read once, so its loads skip L1; the activations are read by every warp and
 // stay in L1. The host checks that k is a whole number of 16-byte chunks and that the buffers
 // are 16-byte aligned.
@@ -591,10 +592,10 @@ struct GemvNorm {
 
 // This warp's sums for its column group and slice of k, MATS weight rows per column
 // (`mat_offset` apart), written to `sums[m][c][j]` (row m, column c of the group, matrix j).
-// The first blocks' weights are loaded before `wait_for_previous_grid` (the weights are no
-// kernel's output), so a GEMV launched as a programmatic dependent streams its weight while
-// the kernel before it finishes. A normed GEMV then stages its rows (gemv_stage_normed) and
-// reads its activation from there, already rounded, instead of from x.
+// The first blocks' weights, which are no kernel's output, are loaded before
+// `wait_for_previous_grid`, which returns at once in the host's ordinary launch. A normed
+// GEMV then stages its rows (gemv_stage_normed) and reads its activation from there, already
+// rounded, instead of from x.
 template <int MATS>
 __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
                                                u32 cols, u32 k, u32 group, u32 slices, u32 slice, u64 mat_offset,

@@ -2,9 +2,9 @@
 //! weights in their stored dtype. A product of at most [`GEMV_MAX_ROWS`] rows (a decode step)
 //! is `layers.cu`'s `gemv`, which streams the weight once at close to the memory's bandwidth
 //! (on the tensor cores for a 16-bit weight) and folds the residual add or SwiGLU into its
-//! output; more rows (a prefill) run on cuBLAS. The GEMV is a programmatic dependent launch: its
-//! first weight loads overlap the end of the kernel before it. Its split of k over warps is
-//! chosen from the kernel's occupancy, the most warps that all run at once.
+//! output; more rows (a prefill) run on cuBLAS. The GEMV is an ordinary launch, after the
+//! kernel before it; its split of k over warps is chosen from the kernel's occupancy, the most
+//! warps that all run at once.
 //!
 //! A 16-bit weight multiplies its activation rounded to the same dtype and accumulates in fp32
 //! into an fp32 output, as a model's bf16 GEMMs do; the gate|up product that SwiGLU reads is
@@ -328,8 +328,10 @@ impl CudaBackend {
         // SAFETY: w holds (cols, or 2 · cols for SwiGLU) × k elements of its dtype, x rows × k
         // floats, the norm's weight (if any) k elements of w's dtype, and out rows × cols (the
         // caller checked the shapes); k is a whole number of 16-byte chunks of both
-        // (gemv_fits) and device allocations are 256-byte aligned.
-        unsafe { self.launch_dependent(&f, cfg, &params) }.ctx(format!("launching {entry}"))?;
+        // (gemv_fits) and device allocations are 256-byte aligned. The GEMV starts once the
+        // kernel before it has finished: as a programmatic dependent, whose CTAs wait on SM
+        // slots beside that kernel's, decode steps were 1-3% slower (BENCHMARKS, session 31).
+        unsafe { self.launch_params(&f, cfg, &params, false) }.ctx(format!("launching {entry}"))?;
         Ok(())
     }
 
