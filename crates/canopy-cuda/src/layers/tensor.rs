@@ -13,6 +13,8 @@ use cudarc::driver::CudaSlice;
 /// its own; that op leaves `data` unwritten, since only the product reads the tensor (a
 /// prefill's 8K rows write about 0.9 GB less a layer). Every other op writes `data` and drops
 /// the rounded copy: a tensor holds its values in `data` exactly when it holds no rounded copy.
+///
+/// [`LayerOps::gemm_operand`]: canopy_engine::LayerOps::gemm_operand
 pub struct CudaTensor {
     pub(crate) data: CudaSlice<f32>,
     pub(super) rows: usize,
