@@ -307,15 +307,13 @@ impl CudaBackend {
         };
         let mut rounded = self.rounded_target(out, dtype)?;
         let null = 0u64;
-        let gate_up_values = match gate_up {
-            GateUp::F32(t) => Some(t.values("matmul_swiglu")?),
-            GateUp::Narrow(..) => None,
-        };
+        if let GateUp::F32(t) = gate_up {
+            t.values("matmul_swiglu")?;
+        }
         let mut b = self.stream.launch_builder(&f);
-        match (gate_up, gate_up_values) {
-            (_, Some(values)) => b.arg(values),
-            (GateUp::Narrow(held, _), None) => b.arg(held),
-            (GateUp::F32(_), None) => unreachable!("an f32 product's values are read above"),
+        match gate_up {
+            GateUp::F32(t) => b.arg(&t.data),
+            GateUp::Narrow(held, _) => b.arg(held),
         };
         // A rounded copy is all a GEMM operand's product reads: its fp32 values are not written.
         match rounded.as_mut() {
