@@ -252,9 +252,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The buffer a producer writes `out`'s rounded copy into, in the same kernel as `out`,
-    /// when that kernel rounds to `dtype` and `out` feeds a weight of it; None (and the copy
-    /// dropped) otherwise. The caller sets it back on `out` once the kernel is queued.
+    /// The buffer a producer writes `out`'s values into, rounded, in place of `out`'s fp32
+    /// values, when that kernel rounds to `dtype` and `out` feeds a weight of it; None (and the
+    /// copy dropped: the producer writes `data`) otherwise. The caller sets it back on `out`
+    /// once the kernel is queued.
     fn rounded_target(&self, out: &mut CudaTensor, dtype: DType) -> Result<Option<CudaSlice<u16>>> {
         let kept = out.rounded.take();
         if out.operand != Some(dtype) {

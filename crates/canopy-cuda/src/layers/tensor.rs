@@ -21,7 +21,8 @@ pub struct CudaTensor {
     pub(super) cols: usize,
     /// The dtype of the weight this tensor feeds, when it keeps a rounded copy for it.
     pub(super) operand: Option<DType>,
-    /// `data` rounded to `operand`, or None when the last op to write `data` did not write it.
+    /// The tensor's values rounded to `operand`, held in place of `data` (left unwritten), or
+    /// None when `data` holds the values.
     pub(super) rounded: Option<CudaSlice<u16>>,
 }
 
@@ -36,14 +37,14 @@ impl CudaTensor {
         }
     }
 
-    /// `data` rounded to `dtype`, if the op that last wrote `data` also wrote that copy.
+    /// The tensor's values rounded to `dtype`, if the op that produced them wrote them so.
     pub(crate) fn rounded_to(&self, dtype: DType) -> Option<&CudaSlice<u16>> {
         self.rounded
             .as_ref()
             .filter(|_| self.operand == Some(dtype))
     }
 
-    /// Marks the rounded copy stale: the caller writes `data` without it.
+    /// Marks the rounded copy stale: the caller writes the values into `data`.
     pub(crate) fn drop_rounded(&mut self) {
         self.rounded = None;
     }
