@@ -33,28 +33,52 @@ pub(crate) struct PrefillRows<'a> {
     pub stores: &'a [(u32, u32)],
 }
 
-/// How one layer's queries attend, given the layer's cache and its q, k and v: writes the
-/// rows' attention output (`rows × q_heads · head_dim`) into the last argument.
-type Attend<'a, B> =
-    dyn FnMut(&<B as Backend>::Kv, &Qkv<B>, &mut <B as LayerOps>::Tensor) -> Result<()> + 'a;
+/// How one layer's queries attend, given the layer's cache, its q, k and v, and the rows whose
+/// output is read (`None`: every row): writes those rows' attention output (`rows ×
+/// q_heads · head_dim`, in the order given) into the last argument.
+type Attend<'a, B> = dyn FnMut(
+        &<B as Backend>::Kv,
+        &Qkv<B>,
+        Option<&[usize]>,
+        &mut <B as LayerOps>::Tensor,
+    ) -> Result<()>
+    + 'a;
 
 /// `rows` through every layer, each row's key and value stored in `caches` (one per layer),
-/// each layer's queries attending by `attend(layer's cache, its q, k, v, output)`, and
-/// `on_layer(layers done)` told after each; returns the last layer's hidden rows.
+/// each layer's queries attending by `attend`, and `on_layer(layers done)` told after each.
+/// Returns the last layer's hidden rows: every row's, or with `read` only those rows' (in
+/// that order). The last layer's attention and MLP then run for those rows alone, since no
+/// other row's output is read: a prompt's prefill reads its last row only, and a piece
+/// without it none (its last layer stores keys and values, and nothing more).
 fn through_layers<B: LayerOps>(
     backend: &B,
     layers: &ModelLayers<B>,
     caches: &mut [B::Kv],
     rows: PrefillRows,
+    read: Option<&[usize]>,
     attend: &mut Attend<B>,
     on_layer: &mut dyn FnMut(usize),
 ) -> Result<B::Tensor> {
     let mut x = layers.embed(backend, rows.ids)?;
     let mut attn = layers.attention_output(backend, rows.ids.len())?;
+    let last = caches.len().saturating_sub(1);
     for (l, cache) in caches.iter_mut().enumerate() {
         let qkv = layers.qkv(backend, l, &x, rows.positions, Some((cache, rows.stores)))?;
-        attend(cache, &qkv, &mut attn)?;
-        layers.finish(backend, l, &mut x, &attn)?;
+        match read.filter(|_| l == last) {
+            None => {
+                attend(cache, &qkv, None, &mut attn)?;
+                layers.finish(backend, l, &mut x, &attn)?;
+            }
+            Some([]) => {}
+            Some(read) => {
+                let mut attn = layers.attention_output(backend, read.len())?;
+                attend(cache, &qkv, Some(read), &mut attn)?;
+                let mut kept = backend.output_tensor(read.len(), backend.dims(&x).1)?;
+                backend.gather_rows(&x, read, &mut kept)?;
+                layers.finish(backend, l, &mut kept, &attn)?;
+                x = kept;
+            }
+        }
         on_layer(l + 1);
     }
     Ok(x)
@@ -77,7 +101,7 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
     let shape = layers.attn_shape();
     let n = rows.ids.len();
     let windows = ChunkWindows::new(rows.positions, chunks);
-    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
+    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
         let mut states = backend.empty_states(&shape, n)?;
         let own = KeyBlock {
             k: &qkv.k,
@@ -93,7 +117,7 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
         }
         Ok(backend.states_output(&states, out)?)
     };
-    through_layers(backend, layers, caches, rows, attend, &mut |_| {})
+    through_layers(backend, layers, caches, rows, None, attend, &mut |_| {})
 }
 
 /// The causal attention of a pass's chunks, each to its own keys, as one block of the pass's
@@ -197,51 +221,75 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
             }),
         };
         let held = &held;
-        let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, out: &mut B::Tensor| {
-            let Some(ex) = exchange.as_mut() else {
-                let mut states = backend.empty_states(&shape, width)?;
+        let attend =
+            &mut |cache: &B::Kv, qkv: &Qkv<B>, read: Option<&[usize]>, out: &mut B::Tensor| {
+                let Some(ex) = exchange.as_mut() else {
+                    let (picked, q_pos): (_, Vec<u32>) = match read {
+                        None => (None, positions.clone()),
+                        Some(read) => {
+                            let mut q = backend.output_tensor(read.len(), cols)?;
+                            backend.gather_rows(&qkv.q, read, &mut q)?;
+                            (Some(q), read.iter().map(|&r| positions[r]).collect())
+                        }
+                    };
+                    let mut states = backend.empty_states(&shape, q_pos.len())?;
                 backend.cached_attention(
                     &shape,
-                    &qkv.q,
-                    &positions,
+                    picked.as_ref().unwrap_or(&qkv.q),
+                    &q_pos,
                     cache,
                     &held.slots,
                     &held.positions,
                     &mut states,
                 )?;
                 return Ok(backend.states_output(&states, out)?);
+                };
+                let mine = backend.tensor_buf(&qkv.q);
+                comm.all_gather_buf(
+                    backend,
+                    mine,
+                    width * cols,
+                    backend.tensor_buf_mut(&mut ex.q),
+                )?;
+                let mut states = backend.empty_states(&shape, gathered.len())?;
+                backend.cached_attention(
+                    &shape,
+                    &ex.q,
+                    &gathered,
+                    cache,
+                    &held.slots,
+                    &held.positions,
+                    &mut states,
+                )?;
+                let how = MergeCollective::Allreduce2;
+                ex.merge.run(backend, comm, &mut states, how, &layout)?;
+                backend.states_output(&states, &mut ex.out)?;
+                let own_rows: Vec<usize> = match read {
+                    None => (0..width).map(|r| rank * width + r).collect(),
+                    Some(read) => read.iter().map(|r| rank * width + r).collect(),
+                };
+                Ok(backend.gather_rows(&ex.out, &own_rows, out)?)
             };
-            let mine = backend.tensor_buf(&qkv.q);
-            comm.all_gather_buf(
-                backend,
-                mine,
-                width * cols,
-                backend.tensor_buf_mut(&mut ex.q),
-            )?;
-            let mut states = backend.empty_states(&shape, gathered.len())?;
-            backend.cached_attention(
-                &shape,
-                &ex.q,
-                &gathered,
-                cache,
-                &held.slots,
-                &held.positions,
-                &mut states,
-            )?;
-            let how = MergeCollective::Allreduce2;
-            ex.merge.run(backend, comm, &mut states, how, &layout)?;
-            backend.states_output(&states, &mut ex.out)?;
-            Ok(backend.copy_rows(&ex.out, rank * width, out)?)
-        };
         let rows = PrefillRows {
             ids: &ids,
             positions: &positions,
             stores: &stores,
         };
+        // Only the prompt's last row is read after the last layer. With one rank, that row
+        // alone runs the last layer's attention and MLP; with several, whose attention is one
+        // exchange among them all, the piece that holds it runs the whole last layer.
+        let has_last = piece.contains(&last);
+        let last_row = [last.saturating_sub(own.start)];
+        let read: Option<&[usize]> = match (has_last, ranks) {
+            (false, _) => Some(&[]),
+            (true, 1) => Some(&last_row),
+            (true, _) => None,
+        };
         let on_layer = &mut |l| on_pass(j * num_layers + l, passes);
-        let x = through_layers(backend, layers, caches, rows, attend, on_layer)?;
+        let x = through_layers(backend, layers, caches, rows, read, attend, on_layer)?;
         if own.contains(&last) {
-            logits = layers.logits(backend, &x, &[last - own.start])?;
+            let row = if ranks == 1 { 0 } else { last - own.start };
+            logits = layers.logits(backend, &x, &[row])?;
         }
     }
     comm.all_reduce(&mut logits, ReduceOp::Sum)?;
