@@ -28,7 +28,9 @@ use crate::kv::CudaKv;
 use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedVec};
-use canopy_engine::layer_ops::{check_top_logits, expect_gather, expect_size};
+use canopy_engine::layer_ops::{
+    attention_output_through_states, check_top_logits, expect_gather, expect_size,
+};
 use canopy_engine::{FillRun, KeyBlock, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, GEMV_MAX_ROWS, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -782,6 +784,22 @@ impl LayerOps for CudaBackend {
         states: &mut CudaStates,
     ) -> EResult<()> {
         Ok(self.attend_cached(shape, q, q_pos, kv, slots, positions, states)?)
+    }
+
+    fn cached_attention_output(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &[u32],
+        kv: &CudaKv,
+        slots: &[u32],
+        positions: &[u32],
+        out: &mut CudaTensor,
+    ) -> EResult<()> {
+        if self.attend_cached_into(shape, q, q_pos, kv, slots, positions, out)? {
+            return Ok(());
+        }
+        attention_output_through_states(self, shape, q, q_pos, kv, slots, positions, out)
     }
 
     fn states_output(&self, states: &CudaStates, out: &mut CudaTensor) -> EResult<()> {

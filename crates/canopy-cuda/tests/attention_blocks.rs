@@ -11,7 +11,7 @@ mod compare;
 use common::{gpu, rng};
 use compare::{check, poisoned, values};
 
-use canopy_core::{AttnShape, AttnStates, DType};
+use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
 use canopy_engine::{CpuBackend, KeyBlock, LayerOps, Result};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -204,4 +204,128 @@ fn prefill_attention_on_tensor_cores_matches_the_cpu() {
             assert_eq!(empty_rows(&got, q_heads), [0, 1, 2]);
         }
     }
+}
+
+/// The output of `cached_attention_output` (on tensor cores, stored by the attention kernel
+/// itself, rounded for the output projection) read through a product, against
+/// `cached_attention` into empty states then `states_output`, on the GPU (bit for bit) and on
+/// the CPU: keys in scrambled cache slots, and rows that see no key (their output is zero).
+#[test]
+fn attention_output_stored_by_the_kernel_equals_the_states_path() {
+    let test = "attention_output_stored_by_the_kernel_equals_the_states_path";
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    let mut rng = rng(test);
+    for dtype in DType::ALL {
+        for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (9, 3, 64)] {
+            let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
+            eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?} keys:");
+            let tokens = rng.gen_range(200..400usize);
+            let pool = tokens + 37;
+            let width = shape.kv_token_elems();
+            let (k, v) = (
+                values(&mut rng, pool * width, 1.0),
+                values(&mut rng, pool * width, 1.0),
+            );
+            let mut slots: Vec<u32> = (0..pool as u32).collect();
+            for i in (1..slots.len()).rev() {
+                slots.swap(i, rng.gen_range(0..=i));
+            }
+            slots.truncate(tokens);
+            // Keys from position 10: the rows before it see none.
+            let positions: Vec<u32> = (10..10 + tokens as u32).collect();
+            let rows = rng.gen_range(100..250usize);
+            let q_pos: Vec<u32> = (0..rows as u32).map(|r| r * 2).collect();
+            let q = values(&mut rng, rows * shape.q_row_elems(), 1.0);
+            let cols = shape.q_row_elems();
+            let eye: Vec<f32> = (0..cols * cols)
+                .map(|i| if i / cols == i % cols { 1.0 } else { 0.0 })
+                .collect();
+            let read = |b: &dyn Fn(bool) -> Result<Vec<f32>>| (b(false).unwrap(), b(true).unwrap());
+            let gpu_run = |fused: bool| {
+                output_path(
+                    &gpu,
+                    &shape,
+                    dtype,
+                    (&k, &v, &q),
+                    (&slots, &positions, &q_pos),
+                    &eye,
+                    fused,
+                )
+            };
+            let cpu_run = |fused: bool| {
+                output_path(
+                    &CpuBackend,
+                    &shape,
+                    dtype,
+                    (&k, &v, &q),
+                    (&slots, &positions, &q_pos),
+                    &eye,
+                    fused,
+                )
+            };
+            let (through_states, stored) = read(&gpu_run);
+            let (cpu_states, cpu_stored) = read(&cpu_run);
+            check(
+                "stored output vs states_output",
+                &stored,
+                &through_states,
+                0.0,
+            );
+            check(
+                "cpu: stored output vs states_output",
+                &cpu_stored,
+                &cpu_states,
+                0.0,
+            );
+            let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            check("stored output vs cpu", &stored, &cpu_stored, tolerance);
+            let unseen = (0..rows).filter(|&r| q_pos[r] < 10).count();
+            assert!(
+                stored[..unseen * cols].iter().all(|&x| x == 0.0),
+                "rows that see no key"
+            );
+            assert!(stored[unseen * cols..]
+                .iter()
+                .all(|&x| x != 0.0 && x.is_finite()));
+        }
+    }
+}
+
+/// The attention output of `q` at `q_pos` over the keys `kv` holds at `slots` (K and V
+/// written to the whole pool), as an operand of a `dtype` weight, read by a product with the
+/// identity: by `cached_attention_output` (`fused`), or through states.
+#[allow(clippy::type_complexity)]
+fn output_path<B: LayerOps>(
+    b: &B,
+    shape: &AttnShape,
+    dtype: DType,
+    (k, v, q): (&[f32], &[f32], &[f32]),
+    (slots, positions, q_pos): (&[u32], &[u32], &[u32]),
+    eye: &[f32],
+    fused: bool,
+) -> Result<Vec<f32>> {
+    let (cols, rows) = (shape.q_row_elems(), q_pos.len());
+    let pool = k.len() / shape.kv_token_elems();
+    let mut kv = b.alloc_kv(shape, dtype, pool)?;
+    let typed = |x: &[f32]| TypedVec::from_f32(dtype, x);
+    b.write_kv(&mut kv, 0, &typed(k), &typed(v))?;
+    let q = b.upload_tensor(q, rows, cols)?;
+    let w = b.upload_weight(typed(eye), cols, cols)?;
+    let mut out = b.gemm_operand(rows, cols, &w)?;
+    // Poisoned first: an operand's rounded copy is kept for the op that writes it next.
+    let mut poison = b.empty_states(shape, rows)?;
+    b.poison(&mut poison)?;
+    b.states_output(&poison, &mut out)?;
+    if fused {
+        b.cached_attention_output(shape, &q, q_pos, &kv, slots, positions, &mut out)?;
+    } else {
+        let mut states = b.empty_states(shape, rows)?;
+        b.cached_attention(shape, &q, q_pos, &kv, slots, positions, &mut states)?;
+        b.states_output(&states, &mut out)?;
+    }
+    let mut product = poisoned(b, rows, cols)?;
+    b.matmul(&out, &w, &mut product)?;
+    b.download_tensor(&product)
 }

@@ -353,6 +353,23 @@ pub trait LayerOps: MergeOps {
         };
         self.causal_attention(shape, q, q_pos, keys, states)
     }
+    /// [`LayerOps::cached_attention`] of rows that see no keys but these, its output written
+    /// into `out` (`rows × q_heads · head_dim`) as [`LayerOps::states_output`] writes it:
+    /// a one-rank prefill's queries over every prompt key they see. A backend may store the
+    /// output straight from the attention, with no states between.
+    #[allow(clippy::too_many_arguments)]
+    fn cached_attention_output(
+        &self,
+        shape: &AttnShape,
+        q: &Self::Tensor,
+        q_pos: &[u32],
+        kv: &Self::Kv,
+        slots: &[u32],
+        positions: &[u32],
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        attention_output_through_states(self, shape, q, q_pos, kv, slots, positions, out)
+    }
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
 
@@ -484,6 +501,24 @@ pub fn measure_gemm_rate<B: LayerOps>(
         backend.matmul(&x, &w, &mut out)
     })?;
     Ok(shape.flops() / (canopy_core::stats::median(&times) * 1e-3))
+}
+
+/// [`LayerOps::cached_attention_output`] as `cached_attention` into empty states, then
+/// `states_output`: the trait's default, and a backend's way where it has no other.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_output_through_states<B: LayerOps + ?Sized>(
+    b: &B,
+    shape: &AttnShape,
+    q: &B::Tensor,
+    q_pos: &[u32],
+    kv: &B::Kv,
+    slots: &[u32],
+    positions: &[u32],
+    out: &mut B::Tensor,
+) -> Result<()> {
+    let mut states = b.empty_states(shape, q_pos.len())?;
+    b.cached_attention(shape, q, q_pos, kv, slots, positions, &mut states)?;
+    b.states_output(&states, out)
 }
 
 /// Refuses operands whose sizes disagree: a caller's bug, reported with the op and the

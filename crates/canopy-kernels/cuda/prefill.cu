@@ -17,7 +17,9 @@
 // A tile none of the CTA's queries sees is never loaded (with a prompt's positions in order, a
 // block of queries reads the tiles up to its diagonal, and from its windows' first key); a tile
 // every query sees whole is not masked; the others are masked score by score. Heavier CTAs
-// (later queries) are launched first, so the last wave is of light ones.
+// (later queries) are launched first, so the last wave is of light ones. Each row's result
+// merges into its state (o, lse); where the block is every key the rows see and `out` is
+// given, the normalised output is stored there instead, rounded to the KV dtype.
 //
 // On Hopper, heads of 128 run warp-specialised (FlashAttention-3's scheme): one warpgroup
 // only copies K and V tiles into PREFILL_WS_STAGES stages with the copy engine (one bulk copy
@@ -216,13 +218,36 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], u32 t, u32 tokens, 
         }
 }
 
+// A warp's 16 rows from row0, normalised and rounded to the KV dtype into `out` (rows x
+// q_heads x HEAD_DIM), the attention output itself, when the block is every key the rows see;
+// a row that saw no key is zero, as the output of empty states.
+__device__ __forceinline__ void store_rows(const float (&acc)[DTILES][4], const float (&l)[2], int row0, int rows,
+                                           u32 q0, int gsz, int kvh, int q_heads, u16* __restrict__ out) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + g + 8 * h;
+        if (r >= rows) continue;
+        const u64 cell = (u64)(q0 + r / gsz) * q_heads + kvh * gsz + r % gsz;
+        const float inv_l = l[h] == 0.f ? 0.f : 1.f / l[h];
+        u32* to = reinterpret_cast<u32*>(out + cell * HEAD_DIM + 2 * tig);
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) to[d * 4] = pack2(acc[d][2 * h] * inv_l, acc[d][2 * h + 1] * inv_l);
+    }
+}
+
 // A warp's 16 rows from row0: each row's block state (normalised o, natural-log lse) merges
 // into its state as canopy_core::merge_state does; a row that saw no key leaves it as it is.
+// With `out` (not null) the rows are stored there instead (store_rows).
 __device__ __forceinline__ void merge_rows(float (&acc)[DTILES][4], const float (&m)[2], float (&l)[2], int row0,
                                            int rows, u32 q0, int gsz, int kvh, int q_heads, float* __restrict__ o,
-                                           float* __restrict__ lse) {
+                                           float* __restrict__ lse, u16* __restrict__ out) {
     const int lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
     finish_l(l);
+    if (out) {
+        store_rows(acc, l, row0, rows, q0, gsz, kvh, q_heads, out);
+        return;
+    }
     float old_lse[2];
     u64 cell[2];
 #pragma unroll
@@ -394,7 +419,7 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
                   u32 queries,
                   const u16* __restrict__ kp, const u16* __restrict__ vp, const u32* __restrict__ k_pos,
                   const u32* __restrict__ bounds, u32 tokens, float* __restrict__ o, float* __restrict__ lse,
-                  int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
+                  u16* __restrict__ out, int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 skew = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
     WsShared& sh = *reinterpret_cast<WsShared*>(smem_raw + skew);
@@ -520,7 +545,7 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
         wg_wait<0>();
         wg_pin_all(acc);
     }
-    merge_rows(acc, m, l, row0, rows, q0, gsz, kvh, q_heads, o, lse);
+    merge_rows(acc, m, l, row0, rows, q0, gsz, kvh, q_heads, o, lse, out);
 }
 
 #else
@@ -546,7 +571,7 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
                   u32 queries,
                   const u16* __restrict__ kp, const u16* __restrict__ vp, const u32* __restrict__ k_pos,
                   const u32* __restrict__ bounds, u32 tokens, float* __restrict__ o, float* __restrict__ lse,
-                  int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
+                  u16* __restrict__ out, int q_heads, int kv_heads, u32 cta_queries, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     PrefillStage* stages = reinterpret_cast<PrefillStage*>(smem_raw);
     const int gsz = q_heads / kv_heads, kvh = blockIdx.y;
@@ -603,6 +628,6 @@ prefill_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, co
         __syncthreads();
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-    merge_rows(acc, m, l, warp * 16, rows, q0, gsz, kvh, q_heads, o, lse);
+    merge_rows(acc, m, l, warp * 16, rows, q0, gsz, kvh, q_heads, o, lse, out);
 }
 #endif

@@ -232,17 +232,15 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                             (Some(q), read.iter().map(|&r| positions[r]).collect())
                         }
                     };
-                    let mut states = backend.empty_states(&shape, q_pos.len())?;
-                backend.cached_attention(
-                    &shape,
-                    picked.as_ref().unwrap_or(&qkv.q),
-                    &q_pos,
-                    cache,
-                    &held.slots,
-                    &held.positions,
-                    &mut states,
-                )?;
-                return Ok(backend.states_output(&states, out)?);
+                    return Ok(backend.cached_attention_output(
+                        &shape,
+                        picked.as_ref().unwrap_or(&qkv.q),
+                        &q_pos,
+                        cache,
+                        &held.slots,
+                        &held.positions,
+                        out,
+                    )?);
                 };
                 let mine = backend.tensor_buf(&qkv.q);
                 comm.all_gather_buf(

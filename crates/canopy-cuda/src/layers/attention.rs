@@ -125,7 +125,14 @@ impl CudaBackend {
             q_pos: &block.q_pos,
             q_from: block.q_from.as_deref(),
         };
-        self.prefill_attention(shape, rows, &block.k_pos, dims, &packed, states)
+        self.prefill_attention(
+            shape,
+            rows,
+            &block.k_pos,
+            dims,
+            &packed,
+            Results::States(states),
+        )
     }
 
     /// [`LayerOps::cached_attention`](canopy_engine::LayerOps::cached_attention): for a KV
@@ -161,9 +168,85 @@ impl CudaBackend {
             };
             return self.attend_block(shape, q, q_pos, None, keys, states);
         }
+        check_states(op, shape, q, states)?;
+        self.gather_and_attend(
+            shape,
+            q,
+            q_pos,
+            kv,
+            slots,
+            positions,
+            Results::States(states),
+        )
+    }
+
+    /// [`LayerOps::cached_attention_output`](canopy_engine::LayerOps::cached_attention_output)
+    /// where `prefill_attention` stores the output itself: the tensor cores hold the shape
+    /// and `out` is an operand of the KV's dtype. Returns false, having done nothing, where
+    /// they do not.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_cached_into(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &[u32],
+        kv: &CudaKv,
+        slots: &[u32],
+        positions: &[u32],
+        out: &mut CudaTensor,
+    ) -> Result<bool> {
+        let op = "cached_attention_output";
+        if !on_tensor_cores(shape, kv.dtype) || kv.shape != *shape || out.operand != Some(kv.dtype)
+        {
+            return Ok(false);
+        }
+        expect_size(
+            "cuda",
+            op,
+            "the key positions",
+            positions.len(),
+            slots.len(),
+        )?;
+        same_dims(op, "the output", out, (q.rows, shape.q_row_elems()))?;
+        let Some(mut rounded) = self.rounded_target(out, kv.dtype)? else {
+            return Ok(false);
+        };
+        if slots.is_empty() {
+            // No key: the output of empty states.
+            self.stream
+                .memset_zeros(&mut rounded)
+                .ctx("cuMemsetD8Async")?;
+        } else {
+            self.gather_and_attend(
+                shape,
+                q,
+                q_pos,
+                kv,
+                slots,
+                positions,
+                Results::Output(&mut rounded),
+            )?;
+        }
+        out.rounded = Some(rounded);
+        Ok(true)
+    }
+
+    /// The keys at `slots` of `kv` (a 16-bit dtype, a shape the tensor cores hold) gathered
+    /// into `prefill.cu`'s tiles, and `q` attended to them.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_and_attend(
+        &self,
+        shape: &AttnShape,
+        q: &CudaTensor,
+        q_pos: &[u32],
+        kv: &CudaKv,
+        slots: &[u32],
+        positions: &[u32],
+        results: Results,
+    ) -> Result<()> {
+        let op = "cached_attention";
         check_attention_shape(op, shape)?;
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
-        check_states(op, shape, q, states)?;
         kv.check_slots(op, slots)?;
         if q.rows == 0 || slots.is_empty() {
             return Ok(());
@@ -190,7 +273,7 @@ impl CudaBackend {
             q_pos: &q_pos,
             q_from: None,
         };
-        self.prefill_attention(shape, rows, &k_pos, dims, &packed, states)
+        self.prefill_attention(shape, rows, &k_pos, dims, &packed, results)
     }
 
     /// Keys and values of `tokens` tokens of `dtype` in `prefill.cu`'s tiles, and the tiles'
@@ -255,7 +338,7 @@ impl CudaBackend {
         k_pos: &CudaSlice<u32>,
         dims: Dims,
         packed: &PackedKeys,
-        states: &mut CudaStates,
+        results: Results,
     ) -> Result<()> {
         let op = "causal_attention";
         let kernel = Kernel::Prefill {
@@ -291,18 +374,21 @@ impl CudaBackend {
             .arg(&packed.v)
             .arg(k_pos)
             .arg(&packed.bounds)
-            .arg(&dims.tokens)
-            .arg(&mut states.o)
-            .arg(&mut states.lse)
-            .arg(&q_heads)
+            .arg(&dims.tokens);
+        let null = 0u64;
+        match results {
+            Results::States(states) => b.arg(&mut states.o).arg(&mut states.lse).arg(&null),
+            Results::Output(out) => b.arg(&null).arg(&null).arg(out),
+        };
+        b.arg(&q_heads)
             .arg(&kv_heads)
             .arg(&cta_queries_u32)
             .arg(&scale_log2);
         // SAFETY: CTA (x, kvh) holds queries x·cta_queries.. (below `rows`) × the gsz heads of
         // KV head kvh, at most the launch's rows; q, q_pos, q_from (or null) and the states
-        // hold `rows` rows of q_heads cells, the packed keys, bounds and k_pos hold `tokens`
-        // keys in whole tiles, and the shared memory is the kernel's stages (the function's
-        // maximum was raised to it).
+        // (or the output, with the states null) hold `rows` rows of q_heads cells, the packed
+        // keys, bounds and k_pos hold `tokens` keys in whole tiles, and the shared memory is
+        // the kernel's stages (the function's maximum was raised to it).
         unsafe { b.launch(cfg) }.ctx("launching prefill_attention")?;
         Ok(())
     }
@@ -360,6 +446,15 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.ctx("launching causal_attention")?;
         Ok(())
     }
+}
+
+/// Where `prefill_attention` leaves its rows' results.
+enum Results<'a> {
+    /// Merged into the rows' states.
+    States(&'a mut CudaStates),
+    /// The output itself, `rows × q_heads · head_dim` rounded to the KV dtype: the block is
+    /// every key the rows see.
+    Output(&'a mut CudaSlice<u16>),
 }
 
 /// One block's attention, checked, its positions on the device.
