@@ -286,9 +286,10 @@ fn attention_output_stored_by_the_kernel_equals_the_states_path() {
                 stored[..unseen * cols].iter().all(|&x| x == 0.0),
                 "rows that see no key"
             );
+            // (An element may round to zero in f16; a row that sees keys is not all zero.)
             assert!(stored[unseen * cols..]
-                .iter()
-                .all(|&x| x != 0.0 && x.is_finite()));
+                .chunks(cols)
+                .all(|row| row.iter().all(|x| x.is_finite()) && row.iter().any(|&x| x != 0.0)));
         }
     }
 }
