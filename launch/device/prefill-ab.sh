@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A/B of whole binaries on the prefill (issue 23): the layer-op tests of the prefill's attention
 # first (.device/layer_ops, built from the first binary's sources), then `bench decode` with a
-# real prefill of the Llama-3.1-8B shape (random bf16 weights, one rank, chunks of 8K) for every
-# binary in BINS ("name=path ..."; a path may end in +DIR, a folder of kernel sources the
-# binary then compiles instead of its own, CANOPY_KERNEL_SOURCES), in turn: CONTEXTS in the first round, the first context
-# again in each later round (ROUNDS), so drift shows. Results: $OUT/ab.jsonl (one line per row)
-# and log.txt.
+# real prefill of the Llama-3.1-8B shape (random bf16 weights, one rank, chunks of CHUNK,
+# default 8K) for every binary in BINS ("name=path ..."; a path may end in +DIR, a folder of
+# kernel sources the binary then compiles instead of its own, CANOPY_KERNEL_SOURCES), in turn:
+# CONTEXTS in the first round, the first context again in each later round (ROUNDS), so drift
+# shows. Results: $OUT/ab.jsonl (one line per row) and log.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 BINS=${BINS:-new=$BIN base=.device/canopy-base}
@@ -33,7 +33,7 @@ DEADLINE=${DEADLINE:-540}
       [ "$(left)" -lt 45 ] && { echo "SKIPPED $name round $round (time)"; continue; }
       log "$name, round $round: prefill $contexts"
       run "$entry" bench decode --arch llama-3.1-8b --random-weights --context "$contexts" --ranks 1 \
-        --strategy tree --decode 3 --prefill-chunk 8K --json 2> "$OUT/$name-$round.err" \
+        --strategy tree --decode 3 --prefill-chunk "${CHUNK:-8K}" --json 2> "$OUT/$name-$round.err" \
         | python3 -c 'import json,sys
 r=json.load(sys.stdin); b,k=sys.argv[1:3]
 for x in r["rows"]:

@@ -10,6 +10,9 @@ source "$(dirname "$0")/env.sh"
 BINS=${BINS:-new=$BIN}
 CONTEXT=${CONTEXT:-32K}
 CHUNK=${CHUNK:-8K}
+# The prefill's attention launches: 32 layers of each of its 4 chunks, less the last layer of
+# the first 3 (a piece without the prompt's last row stops at its keys there).
+LAUNCHES=${LAUNCHES:-125}
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   tracer=$(build_tracer)
@@ -27,6 +30,6 @@ for x in r["rows"]: print(f"  prefill {x["fill_s"]:.3f} s, {x["prefill_tflops_pe
     [ -z "$tracer" ] && continue
     log "$name: the same, traced"
     CUDA_INJECTION64_PATH=$tracer CUPTI_TRACE_OUT=/tmp/trace-$name.tsv bench
-    python3 "$(dirname "$0")/tools/timeline.py" "/tmp/trace-$name.tsv" 128 | tee "$OUT/timeline-$name.txt"
+    python3 "$(dirname "$0")/tools/timeline.py" "/tmp/trace-$name.tsv" "$LAUNCHES" | tee "$OUT/timeline-$name.txt"
   done
 } 2>&1 | tee "$OUT/log.txt"

@@ -7,7 +7,8 @@ With --steps, the window is the last N intervals between the ends of KERNEL's la
 decode step's marker, e.g. top_logits, which a step launches twice: two intervals a step); GPU
 time by name is then per interval.
 
-The prefill is the last MIN_ATTENTION_LAUNCHES (default 128: 32 layers of 4 chunks)
+The prefill is the last MIN_ATTENTION_LAUNCHES (default 125: 32 layers of 4 chunks, less
+the last layer of the first 3)
 `prefill_attention` launches of the last run of them less than a second apart; its window runs
 from the first of them to the last.
 Only GPU 0's work is read (rank 0's, where ranks have a GPU each). Prints the window's wall
@@ -38,7 +39,7 @@ def main():
             return
         report(gpu, api, ends[-n - 1], ends[-1], n, f"{n} intervals of {marker}")
         return
-    least = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+    least = int(sys.argv[2]) if len(sys.argv) > 2 else 125
     runs, run = [], []
     for k in (k for k in gpu if k[2] == "prefill_attention"):
         if run and k[0] - run[-1][1] > 1e9:
