@@ -242,31 +242,18 @@ fn attention_output_stored_by_the_kernel_equals_the_states_path() {
             let eye: Vec<f32> = (0..cols * cols)
                 .map(|i| if i / cols == i % cols { 1.0 } else { 0.0 })
                 .collect();
-            let read = |b: &dyn Fn(bool) -> Result<Vec<f32>>| (b(false).unwrap(), b(true).unwrap());
-            let gpu_run = |fused: bool| {
-                output_path(
-                    &gpu,
-                    &shape,
-                    dtype,
-                    (&k, &v, &q),
-                    (&slots, &positions, &q_pos),
-                    &eye,
-                    fused,
-                )
+            let case = OutputCase {
+                shape: &shape,
+                dtype,
+                kvq: (&k, &v, &q),
+                keys: (&slots, &positions, &q_pos),
+                eye: &eye,
             };
-            let cpu_run = |fused: bool| {
-                output_path(
-                    &CpuBackend,
-                    &shape,
-                    dtype,
-                    (&k, &v, &q),
-                    (&slots, &positions, &q_pos),
-                    &eye,
-                    fused,
-                )
+            let run = |fused| {
+                let gpu = output_path(&gpu, &case, fused).unwrap();
+                (gpu, output_path(&CpuBackend, &case, fused).unwrap())
             };
-            let (through_states, stored) = read(&gpu_run);
-            let (cpu_states, cpu_stored) = read(&cpu_run);
+            let ((through_states, cpu_states), (stored, cpu_stored)) = (run(false), run(true));
             check(
                 "stored output vs states_output",
                 &stored,
@@ -294,26 +281,30 @@ fn attention_output_stored_by_the_kernel_equals_the_states_path() {
     }
 }
 
-/// The attention output of `q` at `q_pos` over the keys `kv` holds at `slots` (K and V
-/// written to the whole pool), as an operand of a `dtype` weight, read by a product with the
-/// identity: by `cached_attention_output` (`fused`), or through states.
-#[allow(clippy::type_complexity)]
-fn output_path<B: LayerOps>(
-    b: &B,
-    shape: &AttnShape,
+/// An attention output's inputs: K and V written to a whole pool of the dtype, the queries,
+/// the keys' slots and positions, the queries' positions, and the identity weight that reads
+/// the output.
+struct OutputCase<'a> {
+    shape: &'a AttnShape,
     dtype: DType,
-    (k, v, q): (&[f32], &[f32], &[f32]),
-    (slots, positions, q_pos): (&[u32], &[u32], &[u32]),
-    eye: &[f32],
-    fused: bool,
-) -> Result<Vec<f32>> {
+    kvq: (&'a [f32], &'a [f32], &'a [f32]),
+    keys: (&'a [u32], &'a [u32], &'a [u32]),
+    eye: &'a [f32],
+}
+
+/// The attention output of `c`'s queries over the keys at its slots, as an operand of a weight
+/// of its dtype, read by a product with the identity: by `cached_attention_output` (`fused`),
+/// or through states.
+fn output_path<B: LayerOps>(b: &B, c: &OutputCase, fused: bool) -> Result<Vec<f32>> {
+    let ((k, v, q), (slots, positions, q_pos)) = (c.kvq, c.keys);
+    let (shape, dtype) = (c.shape, c.dtype);
     let (cols, rows) = (shape.q_row_elems(), q_pos.len());
     let pool = k.len() / shape.kv_token_elems();
     let mut kv = b.alloc_kv(shape, dtype, pool)?;
     let typed = |x: &[f32]| TypedVec::from_f32(dtype, x);
     b.write_kv(&mut kv, 0, &typed(k), &typed(v))?;
     let q = b.upload_tensor(q, rows, cols)?;
-    let w = b.upload_weight(typed(eye), cols, cols)?;
+    let w = b.upload_weight(typed(c.eye), cols, cols)?;
     let mut out = b.gemm_operand(rows, cols, &w)?;
     // Poisoned first: an operand's rounded copy is kept for the op that writes it next.
     let mut poison = b.empty_states(shape, rows)?;
