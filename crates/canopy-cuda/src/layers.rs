@@ -31,7 +31,7 @@ use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::layer_ops::{
     attention_output_through_states, check_top_logits, expect_gather, expect_size,
 };
-use canopy_engine::{FillRun, KeyBlock, LayerOps, ModelNeeds};
+use canopy_engine::{CachedKeys, FillRun, KeyBlock, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, GEMV_MAX_ROWS, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -778,12 +778,10 @@ impl LayerOps for CudaBackend {
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
-        kv: &CudaKv,
-        slots: &[u32],
-        positions: &[u32],
+        keys: CachedKeys<'_, CudaKv>,
         states: &mut CudaStates,
     ) -> EResult<()> {
-        Ok(self.attend_cached(shape, q, q_pos, kv, slots, positions, states)?)
+        Ok(self.attend_cached(shape, q, q_pos, keys, states)?)
     }
 
     fn cached_attention_output(
@@ -791,15 +789,13 @@ impl LayerOps for CudaBackend {
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
-        kv: &CudaKv,
-        slots: &[u32],
-        positions: &[u32],
+        keys: CachedKeys<'_, CudaKv>,
         out: &mut CudaTensor,
     ) -> EResult<()> {
-        if self.attend_cached_into(shape, q, q_pos, kv, slots, positions, out)? {
+        if self.attend_cached_into(shape, q, q_pos, keys, out)? {
             return Ok(());
         }
-        attention_output_through_states(self, shape, q, q_pos, kv, slots, positions, out)
+        attention_output_through_states(self, shape, q, q_pos, keys, out)
     }
 
     fn states_output(&self, states: &CudaStates, out: &mut CudaTensor) -> EResult<()> {

@@ -12,7 +12,7 @@ use common::{gpu, rng};
 use compare::{check, poisoned, values};
 
 use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
-use canopy_engine::{CpuBackend, KeyBlock, LayerOps, Result};
+use canopy_engine::{CachedKeys, CpuBackend, KeyBlock, LayerOps, Result};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -310,11 +310,16 @@ fn output_path<B: LayerOps>(b: &B, c: &OutputCase, fused: bool) -> Result<Vec<f3
     let mut poison = b.empty_states(shape, rows)?;
     b.poison(&mut poison)?;
     b.states_output(&poison, &mut out)?;
+    let keys = CachedKeys {
+        kv: &kv,
+        slots,
+        positions,
+    };
     if fused {
-        b.cached_attention_output(shape, &q, q_pos, &kv, slots, positions, &mut out)?;
+        b.cached_attention_output(shape, &q, q_pos, keys, &mut out)?;
     } else {
         let mut states = b.empty_states(shape, rows)?;
-        b.cached_attention(shape, &q, q_pos, &kv, slots, positions, &mut states)?;
+        b.cached_attention(shape, &q, q_pos, keys, &mut states)?;
         b.states_output(&states, &mut out)?;
     }
     let mut product = poisoned(b, rows, cols)?;

@@ -19,7 +19,7 @@ use compare::{check, poisoned, values};
 use canopy_comm::{Collective, ThreadWorld};
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
 use canopy_cuda::CudaBackend;
-use canopy_engine::{Backend, CpuBackend, KeyBlock, LayerOps, ModelNeeds, Result};
+use canopy_engine::{Backend, CachedKeys, CpuBackend, KeyBlock, LayerOps, ModelNeeds, Result};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
@@ -496,7 +496,12 @@ where
     let positions: Vec<u32> = (0..STORED).map(|i| (i * 7 % STORED) as u32).collect();
     let q_pos: Vec<u32> = (0..nq as u32).map(|j| 13 * j).collect();
     let mut cached = b.empty_states(shape, nq)?;
-    b.cached_attention(shape, &q, &q_pos, &kv, &slots, &positions, &mut cached)?;
+    let keys = CachedKeys {
+        kv: &kv,
+        slots: &slots,
+        positions: &positions,
+    };
+    b.cached_attention(shape, &q, &q_pos, keys, &mut cached)?;
     let cached = b.download(&cached)?;
 
     // The pool as stored: identity pages, read by a one-rank world's send to itself.

@@ -323,27 +323,22 @@ pub trait LayerOps: MergeOps {
     /// The keys and values `kv` holds at physical `slots`, as `slots.len() × kv_heads ·
     /// head_dim` activations (the cache's values, widened).
     fn load_kv(&self, kv: &Self::Kv, slots: &[u32]) -> Result<(Self::Tensor, Self::Tensor)>;
-    /// [`LayerOps::causal_attention`] over the keys `kv` holds at physical `slots`, at
-    /// `positions`: a chunked prefill's queries read the prompt's earlier chunks, and their
-    /// own, where the cache keeps them.
-    #[allow(clippy::too_many_arguments)]
+    /// [`LayerOps::causal_attention`] over keys where the cache keeps them: a chunked
+    /// prefill's queries read the prompt's earlier chunks, and their own, from the cache.
     fn cached_attention(
         &self,
         shape: &AttnShape,
         q: &Self::Tensor,
         q_pos: &[u32],
-        kv: &Self::Kv,
-        slots: &[u32],
-        positions: &[u32],
+        keys: CachedKeys<'_, Self::Kv>,
         states: &mut Self::States,
     ) -> Result<()> {
-        expect_size(
-            self.name(),
-            "cached_attention",
-            "the key positions",
-            positions.len(),
-            slots.len(),
-        )?;
+        keys.check(self.name(), "cached_attention")?;
+        let CachedKeys {
+            kv,
+            slots,
+            positions,
+        } = keys;
         let (k, v) = self.load_kv(kv, slots)?;
         let keys = KeyBlock {
             k: &k,
@@ -357,18 +352,15 @@ pub trait LayerOps: MergeOps {
     /// into `out` (`rows × q_heads · head_dim`) as [`LayerOps::states_output`] writes it:
     /// a one-rank prefill's queries over every prompt key they see. A backend may store the
     /// output straight from the attention, with no states between.
-    #[allow(clippy::too_many_arguments)]
     fn cached_attention_output(
         &self,
         shape: &AttnShape,
         q: &Self::Tensor,
         q_pos: &[u32],
-        kv: &Self::Kv,
-        slots: &[u32],
-        positions: &[u32],
+        keys: CachedKeys<'_, Self::Kv>,
         out: &mut Self::Tensor,
     ) -> Result<()> {
-        attention_output_through_states(self, shape, q, q_pos, kv, slots, positions, out)
+        attention_output_through_states(self, shape, q, q_pos, keys, out)
     }
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
@@ -456,6 +448,37 @@ impl<T> Clone for KeyBlock<'_, T> {
 
 impl<T> Copy for KeyBlock<'_, T> {}
 
+/// Keys and values where a KV cache keeps them, for [`LayerOps::cached_attention`]: the
+/// physical `slots` of `kv`, the keys at `positions` (one per slot).
+#[derive(Debug)]
+pub struct CachedKeys<'a, K> {
+    pub kv: &'a K,
+    pub slots: &'a [u32],
+    pub positions: &'a [u32],
+}
+
+// References only, so copies whatever `K` is.
+impl<K> Clone for CachedKeys<'_, K> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<K> Copy for CachedKeys<'_, K> {}
+
+impl<K> CachedKeys<'_, K> {
+    /// Refuses keys whose positions are not one per slot, as `expect_size` does.
+    pub fn check(&self, backend: &'static str, op: &str) -> Result<()> {
+        expect_size(
+            backend,
+            op,
+            "the key positions",
+            self.positions.len(),
+            self.slots.len(),
+        )
+    }
+}
+
 /// The size of one product `out[rows × cols] = x[rows × inner] · w[cols × inner]ᵀ`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemmShape {
@@ -505,19 +528,16 @@ pub fn measure_gemm_rate<B: LayerOps>(
 
 /// [`LayerOps::cached_attention_output`] as `cached_attention` into empty states, then
 /// `states_output`: the trait's default, and a backend's way where it has no other.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_output_through_states<B: LayerOps + ?Sized>(
     b: &B,
     shape: &AttnShape,
     q: &B::Tensor,
     q_pos: &[u32],
-    kv: &B::Kv,
-    slots: &[u32],
-    positions: &[u32],
+    keys: CachedKeys<'_, B::Kv>,
     out: &mut B::Tensor,
 ) -> Result<()> {
     let mut states = b.empty_states(shape, q_pos.len())?;
-    b.cached_attention(shape, q, q_pos, kv, slots, positions, &mut states)?;
+    b.cached_attention(shape, q, q_pos, keys, &mut states)?;
     b.states_output(&states, out)
 }
 

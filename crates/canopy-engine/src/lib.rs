@@ -46,7 +46,8 @@ pub use cpu::CpuBackend;
 pub use cpu_layers::HostMatrix;
 pub use error::{EngineError, Result};
 pub use layer_ops::{
-    measure_gemm_rate, FillRun, GemmShape, KeyBlock, LayerOps, ModelNeeds, TOP_LOGITS_MAX,
+    measure_gemm_rate, CachedKeys, FillRun, GemmShape, KeyBlock, LayerOps, ModelNeeds,
+    TOP_LOGITS_MAX,
 };
 pub use merge::{HostCollective, MergeCollective, MergeOps, StatesMerge, Transport};
 pub use report::{Measured, RunReport};

@@ -19,8 +19,8 @@ use crate::Result;
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::data::splitmix64;
 use canopy_engine::{
-    Backend, FillRun, KeyBlock, LayerOps, MergeCollective, NodeLayout, RankAttention, StatesMerge,
-    Transport,
+    Backend, CachedKeys, FillRun, KeyBlock, LayerOps, MergeCollective, NodeLayout, RankAttention,
+    StatesMerge, Transport,
 };
 use std::ops::Range;
 
@@ -232,15 +232,9 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                             (Some(q), read.iter().map(|&r| positions[r]).collect())
                         }
                     };
-                    return Ok(backend.cached_attention_output(
-                        &shape,
-                        picked.as_ref().unwrap_or(&qkv.q),
-                        &q_pos,
-                        cache,
-                        &held.slots,
-                        &held.positions,
-                        out,
-                    )?);
+                    let q = picked.as_ref().unwrap_or(&qkv.q);
+                    let keys = held.in_cache(cache);
+                    return Ok(backend.cached_attention_output(&shape, q, &q_pos, keys, out)?);
                 };
                 let mine = backend.tensor_buf(&qkv.q);
                 comm.all_gather_buf(
@@ -250,15 +244,8 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                     backend.tensor_buf_mut(&mut ex.q),
                 )?;
                 let mut states = backend.empty_states(&shape, gathered.len())?;
-                backend.cached_attention(
-                    &shape,
-                    &ex.q,
-                    &gathered,
-                    cache,
-                    &held.slots,
-                    &held.positions,
-                    &mut states,
-                )?;
+                let keys = held.in_cache(cache);
+                backend.cached_attention(&shape, &ex.q, &gathered, keys, &mut states)?;
                 let how = MergeCollective::Allreduce2;
                 ex.merge.run(backend, comm, &mut states, how, &layout)?;
                 backend.states_output(&states, &mut ex.out)?;
@@ -307,6 +294,17 @@ struct Exchange<B: LayerOps> {
 struct HeldKeys {
     slots: Vec<u32>,
     positions: Vec<u32>,
+}
+
+impl HeldKeys {
+    /// These keys where `kv`, a layer's cache, keeps them.
+    fn in_cache<'a, K>(&'a self, kv: &'a K) -> CachedKeys<'a, K> {
+        CachedKeys {
+            kv,
+            slots: &self.slots,
+            positions: &self.positions,
+        }
+    }
 }
 
 /// Random keys and values, uniform in ±1, in this rank's slots of the prompt, every layer,

@@ -11,7 +11,7 @@ use crate::kv::CudaKv;
 use canopy_core::{AttnShape, DType};
 use canopy_engine::layer_ops::expect_size;
 use canopy_engine::Backend;
-use canopy_engine::KeyBlock;
+use canopy_engine::{CachedKeys, KeyBlock};
 use canopy_kernels::{
     Kernel, PrefillLaunch, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, LAYER_THREADS, MMA_HEAD_DIMS,
     PREFILL_ROWS, PREFILL_TILE,
@@ -139,25 +139,21 @@ impl CudaBackend {
     /// of a 16-bit dtype and a shape the tensor cores hold, the keys are gathered from the
     /// cache straight into `prefill.cu`'s tiles (`gather_keys`); otherwise they are loaded as
     /// activations and attended as a block.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attend_cached(
         &self,
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
-        kv: &CudaKv,
-        slots: &[u32],
-        positions: &[u32],
+        keys: CachedKeys<'_, CudaKv>,
         states: &mut CudaStates,
     ) -> Result<()> {
         let op = "cached_attention";
-        expect_size(
-            "cuda",
-            op,
-            "the key positions",
-            positions.len(),
-            slots.len(),
-        )?;
+        let CachedKeys {
+            kv,
+            slots,
+            positions,
+        } = keys;
+        keys.check("cuda", op)?;
         if !on_tensor_cores(shape, kv.dtype) || kv.shape != *shape {
             let (k, v) = self.load_rows(kv, slots)?;
             let keys = KeyBlock {
@@ -169,82 +165,60 @@ impl CudaBackend {
             return self.attend_block(shape, q, q_pos, None, keys, states);
         }
         check_states(op, shape, q, states)?;
-        self.gather_and_attend(
-            shape,
-            q,
-            q_pos,
-            kv,
-            slots,
-            positions,
-            Results::States(states),
-        )
+        self.gather_and_attend(shape, q, q_pos, keys, Results::States(states))
     }
 
     /// [`LayerOps::cached_attention_output`](canopy_engine::LayerOps::cached_attention_output)
     /// where `prefill_attention` stores the output itself: the tensor cores hold the shape
     /// and `out` is an operand of the KV's dtype. Returns false, having done nothing, where
     /// they do not.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attend_cached_into(
         &self,
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
-        kv: &CudaKv,
-        slots: &[u32],
-        positions: &[u32],
+        keys: CachedKeys<'_, CudaKv>,
         out: &mut CudaTensor,
     ) -> Result<bool> {
         let op = "cached_attention_output";
+        let kv = keys.kv;
         if !on_tensor_cores(shape, kv.dtype) || kv.shape != *shape || out.operand != Some(kv.dtype)
         {
             return Ok(false);
         }
-        expect_size(
-            "cuda",
-            op,
-            "the key positions",
-            positions.len(),
-            slots.len(),
-        )?;
+        keys.check("cuda", op)?;
         same_dims(op, "the output", out, (q.rows, shape.q_row_elems()))?;
         let Some(mut rounded) = self.rounded_target(out, kv.dtype)? else {
             return Ok(false);
         };
-        if slots.is_empty() {
+        if keys.slots.is_empty() {
             // No key: the output of empty states.
             self.stream
                 .memset_zeros(&mut rounded)
                 .ctx("cuMemsetD8Async")?;
         } else {
-            self.gather_and_attend(
-                shape,
-                q,
-                q_pos,
-                kv,
-                slots,
-                positions,
-                Results::Output(&mut rounded),
-            )?;
+            self.gather_and_attend(shape, q, q_pos, keys, Results::Output(&mut rounded))?;
         }
         out.rounded = Some(rounded);
         Ok(true)
     }
 
-    /// The keys at `slots` of `kv` (a 16-bit dtype, a shape the tensor cores hold) gathered
-    /// into `prefill.cu`'s tiles, and `q` attended to them.
-    #[allow(clippy::too_many_arguments)]
+    /// The keys at `keys.slots` of their cache (a 16-bit dtype, a shape the tensor cores hold)
+    /// gathered into `prefill.cu`'s tiles, and `q` attended to them.
     fn gather_and_attend(
         &self,
         shape: &AttnShape,
         q: &CudaTensor,
         q_pos: &[u32],
-        kv: &CudaKv,
-        slots: &[u32],
-        positions: &[u32],
+        keys: CachedKeys<'_, CudaKv>,
         results: Results,
     ) -> Result<()> {
         let op = "cached_attention";
+        let CachedKeys {
+            kv,
+            slots,
+            positions,
+        } = keys;
         check_attention_shape(op, shape)?;
         same_dims(op, "q", q, (q_pos.len(), shape.q_row_elems()))?;
         kv.check_slots(op, slots)?;
