@@ -273,7 +273,8 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         let on_layer = &mut |l| on_pass(j * num_layers + l, passes);
         let x = through_layers(backend, layers, caches, rows, read, attend, on_layer)?;
         if own.contains(&last) {
-            let row = if ranks == 1 { 0 } else { last - own.start };
+            // x holds the rows read: the last row alone, or every row of this rank's chunk.
+            let row = if read.is_some() { 0 } else { last - own.start };
             logits = layers.logits(backend, &x, &[row])?;
         }
     }
