@@ -154,7 +154,7 @@ impl CudaBackend {
             positions,
         } = keys;
         keys.check("cuda", op)?;
-        if !on_tensor_cores(shape, kv.dtype) || kv.shape != *shape {
+        if !gathers_on_tensor_cores(shape, kv) {
             let (k, v) = self.load_rows(kv, slots)?;
             let keys = KeyBlock {
                 k: &k,
@@ -182,8 +182,7 @@ impl CudaBackend {
     ) -> Result<bool> {
         let op = "cached_attention_output";
         let kv = keys.kv;
-        if !on_tensor_cores(shape, kv.dtype) || kv.shape != *shape || out.operand != Some(kv.dtype)
-        {
+        if !gathers_on_tensor_cores(shape, kv) || out.operand != Some(kv.dtype) {
             return Ok(false);
         }
         keys.check("cuda", op)?;
@@ -529,4 +528,10 @@ fn on_tensor_cores(shape: &AttnShape, dtype: DType) -> bool {
     dtype != DType::F32
         && MMA_HEAD_DIMS.contains(&shape.head_dim)
         && shape.q_heads / shape.kv_heads <= PREFILL_ROWS
+}
+
+/// Whether `gather_and_attend` reads `kv`'s keys for `shape`: the tensor cores hold the shape
+/// and the cache is of it.
+fn gathers_on_tensor_cores(shape: &AttnShape, kv: &CudaKv) -> bool {
+    on_tensor_cores(shape, kv.dtype) && kv.shape == *shape
 }
