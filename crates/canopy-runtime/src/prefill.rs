@@ -22,6 +22,7 @@ use canopy_engine::{
     Backend, CachedKeys, FillRun, KeyBlock, LayerOps, MergeCollective, NodeLayout, RankAttention,
     StatesMerge, Transport,
 };
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// The rows of one prefill pass.
@@ -224,8 +225,8 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         let attend =
             &mut |cache: &B::Kv, qkv: &Qkv<B>, read: Option<&[usize]>, out: &mut B::Tensor| {
                 let Some(ex) = exchange.as_mut() else {
-                    let (picked, q_pos): (_, Vec<u32>) = match read {
-                        None => (None, positions.clone()),
+                    let (picked, q_pos): (_, Cow<[u32]>) = match read {
+                        None => (None, Cow::Borrowed(&positions)),
                         Some(read) => {
                             let mut q = backend.output_tensor(read.len(), cols)?;
                             backend.gather_rows(&qkv.q, read, &mut q)?;
