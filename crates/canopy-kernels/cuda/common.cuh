@@ -58,49 +58,6 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #endif
 
-// The element type of weights, KV and the rounded copies of activations, and its conversions
-// to and from fp32 (round to nearest even).
-#if CANOPY_DTYPE == 0
-typedef float elem_t;
-__device__ __forceinline__ float widen(float x) { return x; }
-__device__ __forceinline__ float narrow(float x) { return x; }
-#elif CANOPY_DTYPE == 1
-typedef u16 elem_t;
-__device__ __forceinline__ float widen(u16 x) { return f16_to_f32(x); }
-__device__ __forceinline__ u16 narrow(float x) { return f32_to_f16_rn(x); }
-#else
-typedef u16 elem_t;
-__device__ __forceinline__ float widen(u16 x) { return __uint_as_float((u32)x << 16); }
-__device__ __forceinline__ u16 narrow(float x) { return f32_to_bf16_rn(x); }
-#endif
-
-// silu(g) * u, as transformers' Llama MLP computes it: every SwiGLU (layers.cu, gemm.cu).
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
-
-// A 16-byte load of data read once (a weight streamed by a product): not kept in L1.
-__device__ __forceinline__ uint4 load_streamed(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-#if CANOPY_DTYPE != 0
-#if CANOPY_DTYPE == 1
-#define MMA_AB "f16"
-#else
-#define MMA_AB "bf16"
-#endif
-
-// C += A B on the tensor cores: A 16 x 16 (row), B 16 x 8 (col), C 16 x 8 in fp32.
-__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-#endif
-
 // Eight consecutive elements of one KV row, raw.
 struct Raw8 {
     uint4 a;

@@ -39,6 +39,20 @@
 #error "RMS_NORM_CHUNKS must be defined by the kernel registry"
 #endif
 
+#if CANOPY_DTYPE == 0
+typedef float elem_t;
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float narrow(float x) { return x; }
+#elif CANOPY_DTYPE == 1
+typedef u16 elem_t;
+__device__ __forceinline__ float widen(u16 x) { return f16_to_f32(x); }
+__device__ __forceinline__ u16 narrow(float x) { return f32_to_f16_rn(x); }
+#else
+typedef u16 elem_t;
+__device__ __forceinline__ float widen(u16 x) { return __uint_as_float((u32)x << 16); }
+__device__ __forceinline__ u16 narrow(float x) { return f32_to_bf16_rn(x); }
+#endif
+
 #define GRID_STRIDE(i, n) \
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
@@ -242,6 +256,9 @@ extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const
         vc[(u64)pairs[2 * p + 1] * kv_cols + c] = narrow(qkv[(u64)pairs[2 * p] * width + q_cols + kv_cols + c]);
     }
 }
+
+// silu(g) * u, as transformers' Llama MLP computes it: every SwiGLU here, and the GEMV's.
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 
 // `out = silu(gate) * up`, gate and up the two halves of each row of `gate_up` (`rows × 2
 // cols`): the SwiGLU of a fused gate|up projection; and, unless `rounded` is null, out rounded
@@ -476,6 +493,14 @@ causal_attention(const float* __restrict__ q, const u32* __restrict__ q_pos, con
 #define GEMV_LANE_ELEMS (2 * GEMV_VEC)
 #define GEMV_BLOCK (4 * GEMV_LANE_ELEMS)
 
+__device__ __forceinline__ uint4 load_streamed(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
 // The lane's two chunks of `block` from weight row `row` (zeros past k or when not `live`).
 __device__ __forceinline__ void gemv_load(const elem_t* __restrict__ w, u64 row, bool live, u32 k, u32 block,
                                           uint4 (&chunk)[2]) {
@@ -530,6 +555,19 @@ __device__ __forceinline__ void gemv_activation(const float* __restrict__ xm, u3
             v[h * GEMV_VEC + e + 3] = t.w;
         }
 }
+
+#if CANOPY_DTYPE != 0
+// d += a · b, m16n8k16 with fp32 accumulators; rows 8-15 of a are zero.
+__device__ __forceinline__ void mma_upper_rows(float (&d)[4], u32 a_lo, u32 a_hi, u32 b_lo, u32 b_hi) {
+#if CANOPY_DTYPE == 1
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a_lo), "r"(0u), "r"(a_hi), "r"(0u), "r"(b_lo), "r"(b_hi));
+}
+#endif
 
 // The lane's chunks of the GEMV_UNROLL blocks from `base` on (`slices` apart) of its column's
 // MATS weight rows (`mat_offset` apart); zeros past the last block, past k or past the columns.
@@ -605,12 +643,7 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
                 const u32 b[8] = {wc[u][j][0].x, wc[u][j][0].y, wc[u][j][0].z, wc[u][j][0].w,
                                   wc[u][j][1].x, wc[u][j][1].y, wc[u][j][1].z, wc[u][j][1].w};
 #pragma unroll
-                // Rows 8-15 of A are zero.
-#pragma unroll
-                for (int t = 0; t < 4; ++t) {
-                    const u32 upper[4] = {a[2 * t], 0u, a[2 * t + 1], 0u};
-                    mma16816(acc[j], upper, b[2 * t], b[2 * t + 1]);
-                }
+                for (int t = 0; t < 4; ++t) mma_upper_rows(acc[j], a[2 * t], a[2 * t + 1], b[2 * t], b[2 * t + 1]);
             }
         }
     }

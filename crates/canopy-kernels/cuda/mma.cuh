@@ -19,6 +19,19 @@
 #define STRIDE (HEAD_DIM + MMA_ROW_PAD)  // elements per shared-memory row
 #define KCH (HEAD_DIM / 16)    // k-chunks of Q K^T
 #define DTILES (HEAD_DIM / 8)  // n-tiles of P V
+#if CANOPY_DTYPE == 1
+#define MMA_AB "f16"
+#else
+#define MMA_AB "bf16"
+#endif
+
+// C += A B on the tensor cores: A 16 x 16 (row), B 16 x 8 (col), C 16 x 8 in fp32.
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB "." MMA_AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Four 8x8 matrices of 16-bit elements from shared memory (transposed with Trans), one
 // register each; lane i gives the address of row i % 8 of matrix i / 8.
 template <bool Trans>

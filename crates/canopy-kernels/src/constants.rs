@@ -65,21 +65,6 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// the rows whole for their norms, which past a few rows costs more than the `rms_norm`
 /// launch it saves.
 pub const NORMED_GEMV_ROWS: usize = 2;
-/// Warps of a `gemm_rows` CTA (`gemm.cu`) along its tile's weight rows, 16 rows each: the
-/// tile is `16 × GEMM_WARPS_N` rows, which share the CTA's staged activation rows.
-pub const GEMM_WARPS_N: u32 = 4;
-/// Warps of a `gemm_rows` CTA along k, one 64-element block of each staged chunk each: a
-/// chunk is `64 × GEMM_WARPS_K` elements of k.
-pub const GEMM_WARPS_K: u32 = 2;
-/// Most activation rows `gemm_rows` multiplies (its A fragments cover them in tiles of 16);
-/// a projection of more rows is a cuBLAS GEMM, of fewer `gemv`'s.
-pub const GEMM_MAX_ROWS: usize = 64;
-/// Elements of k of the activation rows a `gemm_rows` CTA holds in shared memory at once (a
-/// phase): its warps stream a phase's weight blocks with no barrier between them.
-pub const GEMM_PHASE: u32 = 512;
-/// Most CTAs of a `gemm_rows` cluster, which split k and add their partial tiles through
-/// distributed shared memory: the portable cluster size.
-pub const GEMM_MAX_SPLITS: u32 = 8;
 /// Query rows of one head each warp of `causal_attention` (`layers.cu`) attends: each key and
 /// value of the block is loaded once for them.
 pub const CAUSAL_ROWS: usize = 4;
@@ -153,15 +138,6 @@ pub const HEADS_STAGES: usize = 2;
 /// so that ldmatrix's eight row addresses hit distinct banks.
 pub const MMA_ROW_PAD: usize = 8;
 
-/// Dynamic shared memory of a `gemm_rows` CTA: a phase of its activation rows (each row
-/// [`GEMM_PHASE`] elements and 32 of padding, 16-bit), or its partial tile (fp32, each row
-/// padded by 4), whichever is larger (the tile reuses the rows' memory).
-pub fn gemm_shared_bytes() -> usize {
-    let tile = 16 * GEMM_WARPS_N as usize;
-    let phase = GEMM_MAX_ROWS * (GEMM_PHASE as usize + 32) * 2;
-    phase.max(GEMM_MAX_ROWS * (tile + 4) * 4)
-}
-
 /// The shared constants as NVRTC defines, added to every variant's compile.
 pub fn shared_defines() -> Vec<(&'static str, String)> {
     vec![
@@ -187,10 +163,6 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("GEMV_WARPS", GEMV_WARPS.to_string()),
         ("GEMV_COLS", GEMV_COLS.to_string()),
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
-        ("GEMM_WARPS_N", GEMM_WARPS_N.to_string()),
-        ("GEMM_WARPS_K", GEMM_WARPS_K.to_string()),
-        ("GEMM_MAX_ROWS", GEMM_MAX_ROWS.to_string()),
-        ("GEMM_PHASE", GEMM_PHASE.to_string()),
         ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("TOP_ITEMS", TOP_ITEMS.to_string()),

@@ -22,13 +22,12 @@ mod constants;
 mod pipeline;
 
 pub use constants::{
-    gemm_shared_bytes, shared_defines, PrefillLaunch, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS,
-    CTA_PER_HEAD, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, GEMM_MAX_ROWS, GEMM_MAX_SPLITS,
-    GEMM_PHASE, GEMM_WARPS_K, GEMM_WARPS_N, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS,
-    GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS,
-    MMA_ROW_PAD, MMA_THREADS, NORMED_GEMV_ROWS, PREFILL_CONSUMERS, PREFILL_ROWS, PREFILL_STAGES,
-    PREFILL_TILE, PREFILL_WS_STAGES, REDUCE_MAX, REDUCE_SUM, RMS_NORM_CHUNKS, TOP_ITEMS,
-    WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    shared_defines, PrefillLaunch, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, CTA_PER_HEAD, CTA_WORDS,
+    DECODE_THREADS, DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS, GROUP_KV_STREAMED,
+    GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS,
+    NORMED_GEMV_ROWS, PREFILL_CONSUMERS, PREFILL_ROWS, PREFILL_STAGES, PREFILL_TILE,
+    PREFILL_WS_STAGES, REDUCE_MAX, REDUCE_SUM, RMS_NORM_CHUNKS, TOP_ITEMS, WIDE_MERGE_CTAS,
+    WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -67,19 +66,17 @@ pub enum Id {
     Fill,
     Combine,
     Layers,
-    Gemm,
     Prefill,
 }
 
 /// Every source file.
-pub const ALL_IDS: [Id; 8] = [
+pub const ALL_IDS: [Id; 7] = [
     Id::Decode,
     Id::DecodeMma,
     Id::Merge,
     Id::Fill,
     Id::Combine,
     Id::Layers,
-    Id::Gemm,
     Id::Prefill,
 ];
 
@@ -93,7 +90,6 @@ impl Id {
             Id::Fill => "fill.cu",
             Id::Combine => "combine.cu",
             Id::Layers => "layers.cu",
-            Id::Gemm => "gemm.cu",
             Id::Prefill => "prefill.cu",
         }
     }
@@ -107,7 +103,6 @@ impl Id {
             Id::Fill => include_str!("../cuda/fill.cu"),
             Id::Combine => include_str!("../cuda/combine.cu"),
             Id::Layers => include_str!("../cuda/layers.cu"),
-            Id::Gemm => include_str!("../cuda/gemm.cu"),
             Id::Prefill => include_str!("../cuda/prefill.cu"),
         }
     }
@@ -149,7 +144,6 @@ impl Id {
                 "gemv_normed_swiglu",
                 "top_logits",
             ],
-            Id::Gemm => &["gemm_rows", "gemm_rows_add", "gemm_rows_swiglu"],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }
     }
@@ -191,8 +185,6 @@ pub enum Variant {
     Combine,
     /// The dense layers' kernels (fp32 activations) for weights and KV of `dtype`.
     Layers(DType),
-    /// The few-row products on tensor cores, for weights of a 16-bit `dtype`.
-    Gemm(DType),
     /// The prefill's attention on tensor cores, for KV of a 16-bit `dtype`.
     Prefill { dtype: DType, head_dim: usize },
 }
@@ -228,7 +220,6 @@ impl Variant {
             Variant::Fill(_) => Id::Fill,
             Variant::Combine => Id::Combine,
             Variant::Layers(_) => Id::Layers,
-            Variant::Gemm(_) => Id::Gemm,
             Variant::Prefill { .. } => Id::Prefill,
         }
     }
@@ -275,9 +266,7 @@ impl Variant {
             ],
             Variant::Fill(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
             Variant::Combine => vec![("CANOPY_DTYPE", "0".into())],
-            Variant::Layers(dtype) | Variant::Gemm(dtype) => {
-                vec![("CANOPY_DTYPE", dtype_code(dtype).into())]
-            }
+            Variant::Layers(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
             Variant::Prefill { dtype, head_dim } => vec![
                 ("CANOPY_DTYPE", dtype_code(dtype).into()),
                 ("HEAD_DIM", head_dim.to_string()),
@@ -342,8 +331,6 @@ pub enum Kernel {
     /// One of [`Id::Layers`]' entries, by name, for weights or KV of the dtype (the kernels
     /// that touch neither are in every dtype's module).
     Layers(DType, &'static str),
-    /// One of [`Id::Gemm`]'s entries, by name, for weights of the (16-bit) dtype.
-    Gemm(DType, &'static str),
     /// One of [`Id::Prefill`]'s entries, by name.
     Prefill {
         dtype: DType,
@@ -380,7 +367,6 @@ impl Kernel {
             Kernel::Read | Kernel::CopyPages => Variant::Fill(DType::F32),
             Kernel::Combine(_) => Variant::Combine,
             Kernel::Layers(dtype, _) => Variant::Layers(dtype),
-            Kernel::Gemm(dtype, _) => Variant::Gemm(dtype),
             Kernel::Prefill {
                 dtype, head_dim, ..
             } => Variant::Prefill { dtype, head_dim },
@@ -394,7 +380,7 @@ impl Kernel {
             Kernel::DecodeMma { .. } => "decode_partial_mma",
             Kernel::Merge { .. } => "merge_partials",
             Kernel::MergeWide => "merge_partials_wide",
-            Kernel::Combine(name) | Kernel::Layers(_, name) | Kernel::Gemm(_, name) => name,
+            Kernel::Combine(name) | Kernel::Layers(_, name) => name,
             Kernel::Prefill { entry, .. } => entry,
             Kernel::Fill(_) => "fill_random",
             Kernel::Read => "read16",
@@ -429,10 +415,8 @@ pub fn variants() -> impl Iterator<Item = Variant> {
             });
             mma.into_iter().flatten().chain(decode)
         });
-        let gemm = (dtype != DType::F32).then_some(Variant::Gemm(dtype));
         [Variant::Fill(dtype), Variant::Layers(dtype)]
             .into_iter()
-            .chain(gemm)
             .chain(per_head_dim)
     });
     fixed.into_iter().chain(per_dtype)
@@ -531,12 +515,6 @@ mod tests {
                 .entries()
                 .iter()
                 .map(|&e| Kernel::Layers(DType::Bf16, e)),
-        )
-        .chain(
-            Id::Gemm
-                .entries()
-                .iter()
-                .map(|&e| Kernel::Gemm(DType::F16, e)),
         );
         for k in kernels {
             assert!(k.variant().entries().contains(&k.entry()), "{k:?}");
@@ -550,8 +528,8 @@ mod tests {
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len());
         // 3 element types x (fill + layers + 3 head dims x 4 row counts) + 2 x 2 x (decode and
-        // prefill) tensor-core modules + 2 few-row GEMMs + 2 merges + combine.
-        assert_eq!(names.len(), 55);
+        // prefill) tensor-core modules + 2 merges + combine.
+        assert_eq!(names.len(), 53);
     }
 
     #[test]
