@@ -18,7 +18,7 @@
 #define CHECK_BLAS(x) do { int status_ = (int)(x); if (status_ != 0) { \
     std::fprintf(stderr, "%s:%d cublas status %d\n", __FILE__, __LINE__, status_); std::exit(1); } } while (0)
 
-struct Shape { const char* name; int n, k; bool accumulate; };
+struct Shape { const char* name; int n, k; bool accumulate, narrow; };
 
 static float time_it(cudaStream_t s, int iters, const std::function<void(int)>& f) {
     cudaEvent_t a, b;
@@ -46,9 +46,19 @@ __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed) {
 
 int main(int argc, char** argv) {
     const int iters = argc > 1 ? std::atoi(argv[1]) : 50;
+    // Row counts: argv[2], comma-separated, else serving's.
     std::vector<int> row_counts = {16, 32, 64, 128, 256};
-    const Shape shapes[] = {{"qkv", 6144, 4096, false}, {"o", 4096, 4096, true},
-                            {"gate_up", 28672, 4096, false}, {"down", 4096, 14336, true}};
+    if (argc > 2) {
+        row_counts.clear();
+        for (const char* p = argv[2]; *p;) {
+            row_counts.push_back(std::atoi(p));
+            while (*p && *p != ',') ++p;
+            if (*p) ++p;
+        }
+    }
+    // gate|up's product is stored in bf16, as canopy stores a 16-bit weight's.
+    const Shape shapes[] = {{"qkv", 6144, 4096, false, false}, {"o", 4096, 4096, true, false},
+                            {"gate_up", 28672, 4096, false, true}, {"down", 4096, 14336, true, false}};
     cudaStream_t s;
     CHECK_CUDA(cudaStreamCreate(&s));
     cublasHandle_t blas;
@@ -70,8 +80,8 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaFree(src));
     CHECK_CUDA(cudaFree(dst));
     std::printf("copy bandwidth %.0f GB/s\n", bw / 1e9);
-    std::printf("%-8s %5s %10s %10s %10s %10s %6s %s\n", "proj", "rows", "floor us", "default", "lt first", "lt best",
-                "algos", "best/default");
+    std::printf("%-8s %5s %10s %10s %10s %10s %6s %12s %s\n", "proj", "rows", "floor us", "default", "lt first",
+                "lt best", "algos", "best/default", "TFLOP/s default, best");
 
     for (const Shape& sh : shapes) {
         const size_t w_elems = (size_t)sh.n * sh.k;
@@ -86,12 +96,13 @@ int main(int argc, char** argv) {
             float* c;
             CHECK_CUDA(cudaMalloc(&x, (size_t)rows * sh.k * 2));
             CHECK_CUDA(cudaMalloc(&c, (size_t)rows * sh.n * 4));
+            const cudaDataType c_type = sh.narrow ? CUDA_R_16BF : CUDA_R_32F;
             fill<<<256, 256, 0, s>>>(x, (size_t)rows * sh.k, 7);
             CHECK_CUDA(cudaMemsetAsync(c, 0, (size_t)rows * sh.n * 4, s));
             const float alpha = 1.f, beta = sh.accumulate ? 1.f : 0.f;
             const float def = time_it(s, iters, [&](int i) {
                 CHECK_BLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, rows, sh.k, &alpha, w[i % copies],
-                                        CUDA_R_16BF, sh.k, x, CUDA_R_16BF, sh.k, &beta, c, CUDA_R_32F, sh.n,
+                                        CUDA_R_16BF, sh.k, x, CUDA_R_16BF, sh.k, &beta, c, c_type, sh.n,
                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
             });
             cublasLtMatmulDesc_t desc;
@@ -101,7 +112,7 @@ int main(int argc, char** argv) {
             cublasLtMatrixLayout_t la, lb, lc;
             CHECK_BLAS(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, sh.k, sh.n, sh.k));
             CHECK_BLAS(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, sh.k, rows, sh.k));
-            CHECK_BLAS(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, sh.n, rows, sh.n));
+            CHECK_BLAS(cublasLtMatrixLayoutCreate(&lc, c_type, sh.n, rows, sh.n));
             cublasLtMatmulPreference_t pref;
             CHECK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
             CHECK_BLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
@@ -119,8 +130,9 @@ int main(int argc, char** argv) {
                 if (us < best) best = us;
             }
             const double floor_us = (w_elems * 2.0) / bw * 1e6;
-            std::printf("%-8s %5d %10.1f %10.1f %10.1f %10.1f %6d %.3f\n", sh.name, rows, floor_us, def, first, best,
-                        count, best / def);
+            const double flop = 2.0 * rows * sh.n * (double)sh.k;
+            std::printf("%-8s %5d %10.1f %10.1f %10.1f %10.1f %6d %12.3f %.0f, %.0f\n", sh.name, rows, floor_us, def,
+                        first, best, count, best / def, flop / def * 1e-6, flop / best * 1e-6);
             cublasLtMatmulPreferenceDestroy(pref);
             cublasLtMatrixLayoutDestroy(la);
             cublasLtMatrixLayoutDestroy(lb);
