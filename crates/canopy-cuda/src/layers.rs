@@ -510,6 +510,12 @@ impl CudaBackend {
     }
 }
 
+/// `q`'s values as attention queries for `op`: a row of the shape's query width each.
+fn query_values<'a>(op: &str, shape: &AttnShape, q: &'a CudaTensor) -> EResult<&'a CudaSlice<f32>> {
+    expect_size("cuda", op, "the query width", q.cols, shape.q_row_elems())?;
+    Ok(q.values(op)?)
+}
+
 impl LayerOps for CudaBackend {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
@@ -741,18 +747,17 @@ impl LayerOps for CudaBackend {
     }
 
     fn tensor_queries(&self, shape: &AttnShape, q: &CudaTensor) -> EResult<CudaQueries> {
-        expect_size(
-            "cuda",
-            "tensor_queries",
-            "the query width",
-            q.cols,
-            shape.q_row_elems(),
-        )?;
+        let values = query_values("tensor_queries", shape, q)?;
         Ok(CudaQueries {
-            q: self
-                .stream
-                .clone_dtod(q.values("tensor_queries")?)
-                .ctx("cuMemcpyDtoDAsync")?,
+            q: self.stream.clone_dtod(values).ctx("cuMemcpyDtoDAsync")?,
+            rows: q.rows,
+        })
+    }
+
+    fn take_queries(&self, shape: &AttnShape, q: CudaTensor) -> EResult<CudaQueries> {
+        query_values("take_queries", shape, &q)?;
+        Ok(CudaQueries {
+            q: q.data,
             rows: q.rows,
         })
     }

@@ -6,7 +6,7 @@
 //! rounds the activation to the weight's dtype, as the GPU's 16-bit GEMMs do (the CPU
 //! multiplies the f32 activation, so its distance to the GPU is that rounding). The KV store
 //! goes through a paged pool and the decode kernels read it back, so `store_kv`,
-//! `tensor_queries` and the page tables are checked together.
+//! `take_queries` and the page tables are checked together.
 //!
 //! Without a GPU (no driver, no device, no NVRTC) every test prints why and passes. The seed
 //! is printed; `CANOPY_TEST_SEED` repeats a run.
@@ -472,8 +472,9 @@ where
     b.store_kv(&mut kv, &k, &v, &rows)?;
 
     let nq = q.len() / shape.q_row_elems();
+    // The decode reads queries from a tensor given up, as a decode step's are.
+    let queries = b.take_queries(shape, b.upload_tensor(q, nq, shape.q_row_elems())?)?;
     let q = b.upload_tensor(q, nq, shape.q_row_elems())?;
-    let queries = b.tensor_queries(shape, &q)?;
     let plan = Plan::new(
         nq,
         vec![Group::unmasked(

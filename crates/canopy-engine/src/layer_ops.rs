@@ -290,6 +290,12 @@ pub trait LayerOps: MergeOps {
     /// The attention queries held in `q` (`rows × q_heads · head_dim`).
     fn tensor_queries(&self, shape: &AttnShape, q: &Self::Tensor) -> Result<Self::Queries>;
 
+    /// [`LayerOps::tensor_queries`] of a tensor nothing reads after: a backend may keep its
+    /// memory as the queries' instead of copying it (one copy fewer a layer of a decode step).
+    fn take_queries(&self, shape: &AttnShape, q: Self::Tensor) -> Result<Self::Queries> {
+        self.tensor_queries(shape, &q)
+    }
+
     /// `rows` empty states (`o = 0`, `lse = -inf`), for [`LayerOps::causal_attention`] to
     /// merge blocks into.
     fn empty_states(&self, shape: &AttnShape, rows: usize) -> Result<Self::States>;

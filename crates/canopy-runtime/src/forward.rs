@@ -412,7 +412,7 @@ fn pass<B: LayerOps, C: Transport<B>>(
     let mut merge_s: Option<f64> = None;
     for (l, cache) in caches.iter_mut().enumerate() {
         let qkv = layers.qkv(backend, l, &x, rows.positions, Some((cache, rows.stores)))?;
-        let q = backend.tensor_queries(&shape, &qkv.q)?;
+        let q = backend.take_queries(&shape, qkv.q)?;
         let states = match settle {
             None => attention.attend(cache, &q)?,
             Some(settle) => {
