@@ -1,0 +1,255 @@
+// A prototype, for kernel development on the device: a product of up to 64 activation rows
+// with a bf16 weight whose tiles come in by TMA (2-D bulk tensor copies, 128-byte swizzle) and
+// are multiplied by the warpgroup MMA (m64n128k16, both operands in shared memory), timed
+// against cuBLAS as canopy calls it. Session 33 found that streaming the weight into registers
+// with 16-byte loads tops out under cuBLAS at these row counts; this asks whether the copy
+// engine does better. Built by launch/device/gemm-tma-bench.sh with nvcc against the crate's
+// `common.cuh` and `mma.cuh` (the descriptor, mbarrier and wgmma helpers of the prefill).
+//
+// A CTA is four consumer warps (one warpgroup: the 64 rows x 128 weight rows of its tile) and
+// one producer warp, whose lane 0 issues each stage's two copies (128 weight rows x 64 k, and
+// the 64 activation rows x 64 k) on the stage's `full` barrier and waits on its `empty` one.
+// `splits` CTAs split k for one tile and add their sums into the output with atomics (the
+// output is cleared first; the time counts the clearing). Products are checked against
+// cuBLAS's.
+#include <cuda.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "common.cuh"
+#include "mma.cuh"
+
+#define CHECK(call)                                                                               \
+    do {                                                                                          \
+        cudaError_t e_ = (call);                                                                  \
+        if (e_ != cudaSuccess) {                                                                  \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                              \
+        }                                                                                         \
+    } while (0)
+#define CHECK_OK(x)                                                              \
+    do {                                                                         \
+        int s_ = (int)(x);                                                       \
+        if (s_ != 0) {                                                           \
+            fprintf(stderr, "%s:%d status %d: %s\n", __FILE__, __LINE__, s_, #x); \
+            exit(1);                                                             \
+        }                                                                        \
+    } while (0)
+
+#ifndef TMA_STAGES
+#define TMA_STAGES 4
+#endif
+#define BN 128
+#define BK 64
+#define W_TILE_BYTES (BN * BK * 2)
+#define X_TILE_BYTES (64 * BK * 2)
+#define STAGE_BYTES (W_TILE_BYTES + X_TILE_BYTES)
+#define SMEM_BYTES (TMA_STAGES * STAGE_BYTES + 1024)
+
+__device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* map, int c0, int c1, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            (u32)__cvta_generic_to_shared(smem)),
+        "l"((u64)map), "r"(c0), "r"(c1), "r"((u32)__cvta_generic_to_shared(bar))
+        : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(160, 1)
+gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap xmap, float* __restrict__ out,
+         int rows, int cols, int k, int splits) {
+#if HAS_WGMMA
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
+    __shared__ u64 full[TMA_STAGES], empty[TMA_STAGES];
+    const int tile = blockIdx.x / splits, split = blockIdx.x % splits;
+    const int blocks = (k + BK - 1) / BK, per = (blocks + splits - 1) / splits;
+    const int b0 = min(split * per, blocks), n = min(b0 + per, blocks) - b0;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < TMA_STAGES; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 4);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == 4) {
+        if (lane == 0)
+            for (int i = 0; i < n; ++i) {
+                const int s = i % TMA_STAGES;
+                // A fresh barrier's previous phase counts as complete: the first round waits not.
+                mbar_wait(&empty[s], ((i / TMA_STAGES) & 1) ^ 1);
+                mbar_expect_bytes(&full[s], STAGE_BYTES);
+                unsigned char* st = smem + s * STAGE_BYTES;
+                tma_load_2d(st, &wmap, (b0 + i) * BK, tile * BN, &full[s]);
+                tma_load_2d(st + W_TILE_BYTES, &xmap, (b0 + i) * BK, 0, &full[s]);
+            }
+        return;
+    }
+    float acc[16][4];
+#pragma unroll
+    for (int t = 0; t < 16; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+    for (int i = 0; i < n; ++i) {
+        const int s = i % TMA_STAGES;
+        mbar_wait(&full[s], (i / TMA_STAGES) & 1);
+        const u16* w = (const u16*)(smem + s * STAGE_BYTES);
+        const u16* x = (const u16*)(smem + s * STAGE_BYTES + W_TILE_BYTES);
+        wg_fence();
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            wg_qk128_ss(acc, smem_desc(x + c * 16, 16, 1024), smem_desc(w + c * 16, 16, 1024), 1);
+        wg_commit();
+        wg_wait<0>();
+        if (lane == 0) mbar_arrive(&empty[s]);
+    }
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int t = 0; t < 16; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int m = warp * 16 + g + (e / 2) * 8, c = tile * BN + t * 8 + 2 * q + (e % 2);
+            if (m < rows && c < cols) {
+                if (splits > 1) atomicAdd(out + (u64)m * cols + c, acc[t][e]);
+                else out[(u64)m * cols + c] = acc[t][e];
+            }
+        }
+#endif
+}
+
+__global__ void fill_random(u16* w, u64 n, u32 seed, float scale) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u32 h = (u32)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        w[i] = f32_to_bf16_rn(((float)(h & 0xFFFF) / 65536.f - 0.5f) * scale);
+    }
+}
+
+// A 2-D tensor map of a row-major bf16 matrix (rows x k), boxes of box_rows x 64, 128-byte swizzle.
+static CUtensorMap tensor_map(const u16* p, int rows, int k, int box_rows) {
+    CUtensorMap map;
+    const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)k * 2};
+    const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
+    const cuuint32_t elem[2] = {1, 1};
+    CHECK_OK(cuTensorMapEncodeTiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)p, dims, strides, box, elem,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+    return map;
+}
+
+int main(int argc, char** argv) {
+    const int iters = argc > 1 ? atoi(argv[1]) : 100;
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    struct Shape {
+        const char* name;
+        int n, k;
+    };
+    const Shape shapes[] = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 28672, 4096}, {"down", 4096, 14336}};
+    const int row_counts[] = {16, 64};
+    cudaStream_t s;
+    CHECK(cudaStreamCreate(&s));
+    cublasHandle_t blas;
+    CHECK_OK(cublasCreate(&blas));
+    CHECK_OK(cublasSetStream(blas, s));
+    cudaEvent_t t0, t1;
+    CHECK(cudaEventCreate(&t0));
+    CHECK(cudaEventCreate(&t1));
+    auto time_it = [&](auto&& f) {
+        for (int i = 0; i < 3; ++i) f(i);
+        CHECK(cudaEventRecord(t0, s));
+        for (int i = 0; i < iters; ++i) f(i);
+        CHECK(cudaEventRecord(t1, s));
+        CHECK(cudaEventSynchronize(t1));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, t0, t1));
+        return ms * 1000.f / iters;
+    };
+    const size_t copy_bytes = 1ull << 30;
+    void *src, *dst;
+    CHECK(cudaMalloc(&src, copy_bytes));
+    CHECK(cudaMalloc(&dst, copy_bytes));
+    const float copy_us = time_it([&](int) { CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, s)); });
+    const double bw = 2.0 * copy_bytes / (copy_us * 1e-6);
+    CHECK(cudaFree(src));
+    CHECK(cudaFree(dst));
+    CHECK(cudaFuncSetAttribute(gemm_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    int ctas_per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, gemm_tma, 160, SMEM_BYTES));
+    cudaFuncAttributes attr;
+    CHECK(cudaFuncGetAttributes(&attr, gemm_tma));
+    printf("%s, copy bandwidth %.0f GB/s; gemm_tma: %d stages, %d CTAs/SM, %d registers, %zu local bytes\n", prop.name,
+           bw / 1e9, TMA_STAGES, ctas_per_sm, attr.numRegs, attr.localSizeBytes);
+    printf("%-8s %5s %9s %9s %9s %9s %9s %9s %s\n", "proj", "rows", "floor us", "cublas", "s=1", "s=2", "s=4", "s=8",
+           "max rel err (s=1,2,4,8)");
+    const u64 min_bytes = 512ull << 20;
+    for (const Shape& sh : shapes) {
+        const u64 elems = (u64)sh.n * sh.k, bytes = elems * 2;
+        const int copies = (int)((min_bytes + bytes - 1) / bytes);
+        u16* w;
+        CHECK(cudaMalloc(&w, bytes * copies));
+        fill_random<<<1024, 256, 0, s>>>(w, elems * copies, 17u, 0.05f);
+        std::vector<CUtensorMap> wmaps;
+        for (int c = 0; c < copies; ++c) wmaps.push_back(tensor_map(w + (u64)c * elems, sh.n, sh.k, BN));
+        for (int rows : row_counts) {
+            u16* x;
+            float *ref, *out;
+            CHECK(cudaMalloc(&x, (size_t)64 * sh.k * 2));
+            CHECK(cudaMemset(x, 0, (size_t)64 * sh.k * 2));
+            CHECK(cudaMalloc(&ref, (size_t)rows * sh.n * 4));
+            CHECK(cudaMalloc(&out, (size_t)rows * sh.n * 4));
+            fill_random<<<256, 256, 0, s>>>(x, (u64)rows * sh.k, 7u + rows, 2.f);
+            const CUtensorMap xmap = tensor_map(x, 64, sh.k, 64);
+            const float alpha = 1.f, zero = 0.f;
+            CHECK_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, rows, sh.k, &alpha, w, CUDA_R_16BF, sh.k, x,
+                                  CUDA_R_16BF, sh.k, &zero, ref, CUDA_R_32F, sh.n, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+            const float cublas_us = time_it([&](int i) {
+                CHECK_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, rows, sh.k, &alpha,
+                                      w + (u64)(i % copies) * elems, CUDA_R_16BF, sh.k, x, CUDA_R_16BF, sh.k, &zero,
+                                      out, CUDA_R_32F, sh.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            });
+            std::vector<float> want((size_t)rows * sh.n), got(want.size());
+            CHECK(cudaMemcpy(want.data(), ref, want.size() * 4, cudaMemcpyDeviceToHost));
+            double scale = 0;
+            for (float v : want) scale = std::max(scale, (double)fabsf(v));
+            const int tiles = (sh.n + BN - 1) / BN;
+            auto launch = [&](int splits, int copy) {
+                if (splits > 1) CHECK(cudaMemsetAsync(out, 0, (size_t)rows * sh.n * 4, s));
+                gemm_tma<<<tiles * splits, 160, SMEM_BYTES, s>>>(wmaps[copy], xmap, out, rows, sh.n, sh.k, splits);
+            };
+            float us[4];
+            double err[4];
+            for (int si = 0; si < 4; ++si) {
+                const int splits = 1 << si;
+                CHECK(cudaMemset(out, 0xff, (size_t)rows * sh.n * 4));
+                launch(splits, 0);
+                CHECK(cudaStreamSynchronize(s));
+                CHECK(cudaGetLastError());
+                CHECK(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
+                err[si] = 0;
+                for (size_t i = 0; i < got.size(); ++i) {
+                    const double e = std::isfinite(got[i]) ? fabs(got[i] - want[i]) / scale : INFINITY;
+                    err[si] = std::max(err[si], e);
+                }
+                us[si] = time_it([&](int i) { launch(splits, i % copies); });
+            }
+            printf("%-8s %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %.2e %.2e %.2e %.2e\n", sh.name, rows, bytes / bw * 1e6,
+                   cublas_us, us[0], us[1], us[2], us[3], err[0], err[1], err[2], err[3]);
+            CHECK(cudaFree(x));
+            CHECK(cudaFree(ref));
+            CHECK(cudaFree(out));
+        }
+        CHECK(cudaFree(w));
+    }
+    return 0;
+}
