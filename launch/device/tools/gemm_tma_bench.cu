@@ -9,7 +9,8 @@
 // A CTA is four consumer warps (one warpgroup: the 64 rows x 128 weight rows of its tile) and
 // one producer warp, whose lane 0 issues each stage's two copies (128 weight rows x 64 k, and
 // the 64 activation rows x 64 k) on the stage's `full` barrier and waits on its `empty` one.
-// `splits` CTAs split k for one tile and add their sums into the output with atomics (the
+// `splits` CTAs split k for one tile: a cluster whose partial tiles meet in distributed shared
+// memory (CLUSTER, the default), or CTAs that add their sums into the output with atomics (the
 // output is cleared first; the time counts the clearing). Products are checked against
 // cuBLAS's.
 #include <cuda.h>
@@ -50,6 +51,9 @@
 #define X_TILE_BYTES (64 * BK * 2)
 #define STAGE_BYTES (W_TILE_BYTES + X_TILE_BYTES)
 #define SMEM_BYTES (TMA_STAGES * STAGE_BYTES + 1024)
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
 
 __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* map, int c0, int c1, u64* bar) {
     asm volatile(
@@ -59,9 +63,31 @@ __device__ __forceinline__ void tma_load_2d(void* smem, const CUtensorMap* map, 
         : "memory");
 }
 
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The float at `p` in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ float load_cluster(const float* p, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// Partial tiles (64 rows x BN fp32, rows padded by 4) reuse the stages' memory.
+#define RED_LD (BN + 4)
+
 extern "C" __global__ void __launch_bounds__(160, 1)
 gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap xmap, float* __restrict__ out,
-         int rows, int cols, int k, int splits) {
+         int rows, int cols, int k, int splits, int clustered) {
 #if HAS_WGMMA
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
@@ -89,6 +115,11 @@ gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUten
                 tma_load_2d(st, &wmap, (b0 + i) * BK, tile * BN, &full[s]);
                 tma_load_2d(st + W_TILE_BYTES, &xmap, (b0 + i) * BK, 0, &full[s]);
             }
+        // The producer stays for the cluster's barriers.
+        if (clustered) {
+            cluster_sync();
+            cluster_sync();
+        }
         return;
     }
     float acc[16][4];
@@ -110,6 +141,28 @@ gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUten
         if (lane == 0) mbar_arrive(&empty[s]);
     }
     const int g = lane / 4, q = lane % 4;
+    if (clustered) {
+        // The cluster's partial tiles meet in distributed shared memory: each CTA writes its
+        // own, then finishes a share of the outputs, adding the ranks' sums in rank order.
+        float* red = (float*)smem;
+        // Every consumer warp's products are done with the stages before any writes over them.
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+#pragma unroll
+        for (int t = 0; t < 16; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) red[(warp * 16 + g + (e / 2) * 8) * RED_LD + t * 8 + 2 * q + (e % 2)] = acc[t][e];
+        cluster_sync();
+        const int rank = (int)cluster_rank(), total = rows * BN, share = (total + splits - 1) / splits;
+        const int last = min(total, (rank + 1) * share);
+        for (int i = rank * share + (int)threadIdx.x; i < last; i += 128) {
+            const int m = i / BN, c = i % BN, col = tile * BN + c;
+            float sum = 0.f;
+            for (int r = 0; r < splits; ++r) sum += load_cluster(red + m * RED_LD + c, r);
+            if (col < cols) out[(u64)m * cols + col] = sum;
+        }
+        cluster_sync();
+        return;
+    }
 #pragma unroll
     for (int t = 0; t < 16; ++t)
 #pragma unroll
@@ -187,8 +240,9 @@ int main(int argc, char** argv) {
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, gemm_tma, 160, SMEM_BYTES));
     cudaFuncAttributes attr;
     CHECK(cudaFuncGetAttributes(&attr, gemm_tma));
-    printf("%s, copy bandwidth %.0f GB/s; gemm_tma: %d stages, %d CTAs/SM, %d registers, %zu local bytes\n", prop.name,
-           bw / 1e9, TMA_STAGES, ctas_per_sm, attr.numRegs, attr.localSizeBytes);
+    printf("%s, copy bandwidth %.0f GB/s; gemm_tma: %d stages, %d CTAs/SM, %d registers, %zu local bytes, splits %s\n",
+           prop.name, bw / 1e9, TMA_STAGES, ctas_per_sm, attr.numRegs, attr.localSizeBytes,
+           CLUSTER ? "in clusters" : "by atomics");
     printf("%-8s %5s %9s %9s %9s %9s %9s %9s %s\n", "proj", "rows", "floor us", "cublas", "s=1", "s=2", "s=4", "s=8",
            "max rel err (s=1,2,4,8)");
     const u64 min_bytes = 512ull << 20;
@@ -223,9 +277,23 @@ int main(int argc, char** argv) {
             double scale = 0;
             for (float v : want) scale = std::max(scale, (double)fabsf(v));
             const int tiles = (sh.n + BN - 1) / BN;
+            // Splits of a cluster (CLUSTER set) or added with atomics after a clearing.
             auto launch = [&](int splits, int copy) {
-                if (splits > 1) CHECK(cudaMemsetAsync(out, 0, (size_t)rows * sh.n * 4, s));
-                gemm_tma<<<tiles * splits, 160, SMEM_BYTES, s>>>(wmaps[copy], xmap, out, rows, sh.n, sh.k, splits);
+                const int clustered = CLUSTER && splits > 1;
+                if (splits > 1 && !clustered) CHECK(cudaMemsetAsync(out, 0, (size_t)rows * sh.n * 4, s));
+                cudaLaunchAttribute cluster;
+                cluster.id = cudaLaunchAttributeClusterDimension;
+                cluster.val.clusterDim.x = splits;
+                cluster.val.clusterDim.y = 1;
+                cluster.val.clusterDim.z = 1;
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3(tiles * splits);
+                cfg.blockDim = dim3(160);
+                cfg.dynamicSmemBytes = SMEM_BYTES;
+                cfg.stream = s;
+                cfg.attrs = &cluster;
+                cfg.numAttrs = clustered ? 1 : 0;
+                CHECK(cudaLaunchKernelEx(&cfg, gemm_tma, wmaps[copy], xmap, out, rows, sh.n, sh.k, splits, clustered));
             };
             float us[4];
             double err[4];
