@@ -25,14 +25,8 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-#define CHECK(call)                                                                               \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) {                                                                  \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
+#include "bench.cuh"
+
 #define CHECK_OK(x)                                                              \
     do {                                                                         \
         int s_ = (int)(x);                                                       \
@@ -174,16 +168,6 @@ gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUten
             }
         }
 #endif
-}
-
-__global__ void fill_random(u16* w, u64 n, u32 seed, float scale) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        w[i] = f32_to_bf16_rn(((float)(h & 0xFFFF) / 65536.f - 0.5f) * scale);
-    }
 }
 
 // A 2-D tensor map of a row-major bf16 matrix (rows x k), boxes of box_rows x 64, 128-byte swizzle.

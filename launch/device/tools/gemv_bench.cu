@@ -21,23 +21,7 @@
 #include "common.cuh"
 #include "layers.cu"
 
-#define CHECK(call)                                                                        \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
-
-__global__ void fill_random(u16* w, u64 n, u32 seed) {
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-        const float v = ((float)(h & 0xFFFF) / 65536.f - 0.5f) * 0.05f;
-        w[i] = f32_to_bf16_rn(v);
-    }
-}
+#include "bench.cuh"
 
 // A stand-in for the small kernel before a projection in a step (an RMSNorm).
 __global__ void touch(float* x) {
@@ -102,7 +86,7 @@ int main(int argc, char** argv) {
         const int copies = (int)((min_bytes + bytes - 1) / bytes);
         u16* w;
         CHECK(cudaMalloc(&w, bytes * copies));
-        fill_random<<<1024, 256, 0, stream>>>(w, elems * copies, 17u);
+        fill_random<<<1024, 256, 0, stream>>>(w, elems * copies, 17u, 0.05f);
         std::vector<float> hx((size_t)rows * s.k);
         for (size_t i = 0; i < hx.size(); ++i) hx[i] = sinf(0.37f * (float)i + 1.f);
         float *x, *out;
