@@ -409,10 +409,20 @@ fn pass<B: LayerOps, C: Transport<B>>(
     let n = rows.ids.len();
     let mut x = layers.embed(backend, rows.ids)?;
     let mut attn = layers.attention_output(backend, n)?;
+    // No buffer is allocated or freed between a layer's first kernel and its last (see
+    // `QkvScratch`): the activations every layer writes again are the pass's, and a layer's
+    // queries, which become its attention's, are allocated before its first kernel and freed
+    // after its last, between two GEMVs (which launch once the kernel before them is done).
+    let (mut qkv, mut mlp) = (
+        layers.qkv_scratch(backend, n)?,
+        layers.mlp_scratch(backend, n)?,
+    );
     let mut merge_s: Option<f64> = None;
     for (l, cache) in caches.iter_mut().enumerate() {
-        let qkv = layers.qkv(backend, l, &x, rows.positions, Some((cache, rows.stores)))?;
-        let q = backend.take_queries(&shape, qkv.q)?;
+        let mut q = layers.query_rows(backend, n)?;
+        let store = Some((&mut *cache, rows.stores));
+        layers.qkv_with(backend, l, &x, rows.positions, store, &mut qkv, &mut q)?;
+        let q = backend.take_queries(&shape, q)?;
         let states = match settle {
             None => attention.attend(cache, &q)?,
             Some(settle) => {
@@ -424,7 +434,7 @@ fn pass<B: LayerOps, C: Transport<B>>(
             }
         };
         backend.states_output(states, &mut attn)?;
-        layers.finish(backend, l, &mut x, &attn)?;
+        layers.finish_with(backend, l, &mut x, &attn, &mut mlp)?;
     }
     let rows: Vec<usize> = (0..backend.dims(logits).0).collect();
     layers.logits_into(backend, &x, &rows, logits)?;

@@ -51,6 +51,27 @@ pub struct Qkv<B: LayerOps> {
     pub v: B::Tensor,
 }
 
+// A decode pass allocates the activations each layer writes again (`QkvScratch`,
+// `MlpScratch`) once, before its first kernel. In a recorded pass, a buffer allocated or freed
+// between two kernels is a node between them, and the later kernel then cannot launch as the
+// earlier one's programmatic dependent.
+
+/// The q|k|v projection's operand (its rows normalised) and product, and the rotated keys
+/// and values: what [`ModelLayers::qkv_with`] writes besides the queries.
+pub struct QkvScratch<B: LayerOps> {
+    operand: B::Tensor,
+    fused: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+}
+
+/// The gate|up projection's operand and the down projection's (SwiGLU's output): what
+/// [`ModelLayers::finish_with`] writes.
+pub struct MlpScratch<B: LayerOps> {
+    operand: B::Tensor,
+    act: B::Tensor,
+}
+
 /// One matrix of a layer, in the order [`ModelLayers`] uploads them and
 /// [`canopy_model::LayerWeights`] lists them (`Part as usize` indexes that list).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -441,28 +462,73 @@ impl<B: LayerOps> ModelLayers<B> {
         positions: &[u32],
         store: Option<KvStore<'_, B>>,
     ) -> Result<Qkv<B>> {
+        let rows = b.dims(x).0;
+        let mut scratch = self.qkv_scratch(b, rows)?;
+        let mut q = self.query_rows(b, rows)?;
+        self.qkv_with(b, l, x, positions, store, &mut scratch, &mut q)?;
+        let QkvScratch { k, v, .. } = scratch;
+        Ok(Qkv { q, k, v })
+    }
+
+    /// [`ModelLayers::qkv`] into `q` and `scratch` (whose keys and values it leaves there),
+    /// allocating nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_with(
+        &self,
+        b: &B,
+        l: usize,
+        x: &B::Tensor,
+        positions: &[u32],
+        store: Option<KvStore<'_, B>>,
+        scratch: &mut QkvScratch<B>,
+        q: &mut B::Tensor,
+    ) -> Result<()> {
         let (c, layer) = (&self.config, &self.layers[l]);
-        let (rows, h) = b.dims(x);
-        let mut normed = b.gemm_operand(rows, h, &layer.qkv)?;
-        let (qn, kvn) = (
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-        );
-        let mut fused = b.output_tensor(rows, qn + 2 * kvn)?;
+        let s = scratch;
         let norm = (&layer.input_norm, c.rms_norm_eps as f32);
-        b.rms_norm_matmul(x, norm, &layer.qkv, &mut normed, &mut fused)?;
-        let mut q = b.output_tensor(rows, qn)?;
-        let mut k = b.output_tensor(rows, kvn)?;
-        let mut v = b.output_tensor(rows, kvn)?;
+        b.rms_norm_matmul(x, norm, &layer.qkv, &mut s.operand, &mut s.fused)?;
         let freq = &self.inv_freq;
         match store {
             Some((cache, rows)) => {
-                let outputs = (&mut q, &mut k, &mut v);
-                b.rope_split_store(&fused, positions, freq, outputs, cache, rows)?
+                let outputs = (q, &mut s.k, &mut s.v);
+                b.rope_split_store(&s.fused, positions, freq, outputs, cache, rows)?
             }
-            None => b.rope_split(&fused, positions, freq, &mut q, &mut k, &mut v)?,
+            None => b.rope_split(&s.fused, positions, freq, q, &mut s.k, &mut s.v)?,
         }
-        Ok(Qkv { q, k, v })
+        Ok(())
+    }
+
+    /// Query rows (`rows × q_heads · head_dim`) for [`ModelLayers::qkv_with`] to write.
+    pub fn query_rows(&self, b: &B, rows: usize) -> Result<B::Tensor> {
+        Ok(b.output_tensor(rows, self.attn_shape().q_row_elems())?)
+    }
+
+    /// [`ModelLayers::qkv_with`]'s activations of `rows` rows.
+    pub fn qkv_scratch(&self, b: &B, rows: usize) -> Result<QkvScratch<B>> {
+        let c = &self.config;
+        let kvn = c.num_key_value_heads * c.head_dim;
+        let weight = self.layers.first().map_or(&self.norm, |layer| &layer.qkv);
+        Ok(QkvScratch {
+            operand: b.gemm_operand(rows, c.hidden_size, weight)?,
+            fused: b.output_tensor(rows, self.attn_shape().q_row_elems() + 2 * kvn)?,
+            k: b.output_tensor(rows, kvn)?,
+            v: b.output_tensor(rows, kvn)?,
+        })
+    }
+
+    /// [`ModelLayers::finish_with`]'s activations of `rows` rows.
+    pub fn mlp_scratch(&self, b: &B, rows: usize) -> Result<MlpScratch<B>> {
+        let c = &self.config;
+        let (gate_up, down) = self
+            .layers
+            .first()
+            .map_or((&self.norm, &self.norm), |layer| {
+                (&layer.gate_up, &layer.down)
+            });
+        Ok(MlpScratch {
+            operand: b.gemm_operand(rows, c.hidden_size, gate_up)?,
+            act: b.gemm_operand(rows, c.intermediate_size, down)?,
+        })
     }
 
     /// An attention output of `rows` rows for [`ModelLayers::finish`] to read (written by
@@ -479,14 +545,25 @@ impl<B: LayerOps> ModelLayers<B> {
     /// (`rows × q_heads · head_dim`): the output projection and residual, then the MLP and
     /// its residual.
     pub fn finish(&self, b: &B, l: usize, x: &mut B::Tensor, attn: &B::Tensor) -> Result<()> {
+        let mut scratch = self.mlp_scratch(b, b.dims(x).0)?;
+        self.finish_with(b, l, x, attn, &mut scratch)
+    }
+
+    /// [`ModelLayers::finish`] with the MLP's activations in `scratch`, allocating nothing.
+    pub fn finish_with(
+        &self,
+        b: &B,
+        l: usize,
+        x: &mut B::Tensor,
+        attn: &B::Tensor,
+        scratch: &mut MlpScratch<B>,
+    ) -> Result<()> {
         let (c, layer) = (&self.config, &self.layers[l]);
-        let (rows, h) = b.dims(x);
+        let s = scratch;
         b.matmul_add(attn, &layer.o, x)?;
-        let mut normed = b.gemm_operand(rows, h, &layer.gate_up)?;
-        let mut act = b.gemm_operand(rows, c.intermediate_size, &layer.down)?;
         let norm = (&layer.post_norm, c.rms_norm_eps as f32);
-        b.rms_norm_matmul_swiglu(x, norm, &layer.gate_up, &mut normed, &mut act)?;
-        b.matmul_add(&act, &layer.down, x)?;
+        b.rms_norm_matmul_swiglu(x, norm, &layer.gate_up, &mut s.operand, &mut s.act)?;
+        b.matmul_add(&s.act, &layer.down, x)?;
         Ok(())
     }
 
