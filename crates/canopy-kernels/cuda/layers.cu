@@ -186,24 +186,52 @@ __device__ __forceinline__ float2 rotate_pair(float x1, float x2, float s, float
     return make_float2(x1 * c - x2 * s, x2 * c + x1 * s);
 }
 
+// Sine and cosine of row r's RoPE angle for pair j of a head: positions[r] * inv_freq[j], in
+// fp32.
+__device__ __forceinline__ float2 rope_angle(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
+                                             u64 r, u32 j) {
+    float s, c;
+    sincosf((float)positions[r] * inv_freq[j], &s, &c);
+    return make_float2(s, c);
+}
+
+// The angle of item i of `rope_split_rows`' pairs (`pairs` a row, `half` a head).
+__device__ __forceinline__ float2 split_angle(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
+                                              u64 i, u32 pairs, u32 half) {
+    const RowCol at = row_col(i, pairs);
+    return rope_angle(positions, inv_freq, at.row, at.col % half);
+}
+
+// The angle of item i of `rope_split_store`'s stored keys (`kv_pairs` a row).
+__device__ __forceinline__ float2 store_angle(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
+                                              const u32* __restrict__ pairs, u64 i, u32 kv_pairs, u32 half) {
+    const RowCol at = row_col(i, kv_pairs);
+    return rope_angle(positions, inv_freq, pairs[2 * at.row], at.col % half);
+}
+
+// The RoPE kernels launch as programmatic dependents of the projection that writes qkv. Their
+// positions, frequencies and (row, slot) pairs are no kernel's output, so each thread takes
+// the angle of its first item (index `first`: the grid-stride loops' first) before it waits,
+// while the projection still runs: sincosf of a large angle is a long computation.
+__device__ __forceinline__ u64 first_item() { return blockIdx.x * (u64)blockDim.x + threadIdx.x; }
+
 // Splits each row of a fused projection `qkv` (`q_cols | kv_cols | kv_cols`) into q, k and v,
 // rotating every head (2 * half columns) of q and k by positions[r] (rotate_half): one thread
 // per pair (i, i + half) of a q or k head, angle positions[r] * inv_freq[i] in fp32, then one
-// per element of v.
+// per element of v. `first` is the angle of the thread's first pair, if it has one.
 __device__ __forceinline__ void rope_split_rows(const float* __restrict__ qkv, const u32* __restrict__ positions,
                                                 const float* __restrict__ inv_freq, float* __restrict__ q,
                                                 float* __restrict__ k, float* __restrict__ v, u32 rows,
-                                                u32 q_cols, u32 kv_cols, u32 half) {
+                                                u32 q_cols, u32 kv_cols, u32 half, float2 first) {
     const u32 width = q_cols + 2 * kv_cols, pairs = (q_cols + kv_cols) / 2;
     GRID_STRIDE(i, (u64)rows * pairs) {
         const RowCol at = row_col(i, pairs);
         const u64 r = at.row;
         const u32 p = at.col, head = p / half, j = p - head * half;
-        float s, c;
-        sincosf((float)positions[r] * inv_freq[j], &s, &c);
+        const float2 sc = i == first_item() ? first : rope_angle(positions, inv_freq, r, j);
         const u32 col = head * 2 * half;
         const float* h = qkv + r * width + col;
-        const float2 rotated = rotate_pair(h[j], h[j + half], s, c);
+        const float2 rotated = rotate_pair(h[j], h[j + half], sc.x, sc.y);
         float* dst = col < q_cols ? q + r * q_cols + col : k + r * kv_cols + (col - q_cols);
         dst[j] = rotated.x;
         dst[j + half] = rotated.y;
@@ -219,8 +247,11 @@ extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* 
                                       float* __restrict__ k, float* __restrict__ v, u32 rows,
                                       u32 q_cols, u32 kv_cols, u32 half) {
     let_next_grid_launch();
+    const u32 pairs = (q_cols + kv_cols) / 2;
+    const float2 first = first_item() < (u64)rows * pairs ? split_angle(positions, inv_freq, first_item(), pairs, half)
+                                                          : make_float2(0.f, 1.f);
     wait_for_previous_grid();
-    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half);
+    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half, first);
 }
 
 // `rope_split`, and for each of `count` (row, slot) pairs that row's rotated key and its value
@@ -234,18 +265,22 @@ extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const
                                             u32 q_cols, u32 kv_cols, u32 half, const u32* __restrict__ pairs,
                                             elem_t* __restrict__ kc, elem_t* __restrict__ vc, u32 count) {
     let_next_grid_launch();
+    const u32 width = q_cols + 2 * kv_cols, row_pairs = (q_cols + kv_cols) / 2, kv_pairs = kv_cols / 2;
+    const u64 t = first_item();
+    const float2 first = t < (u64)rows * row_pairs ? split_angle(positions, inv_freq, t, row_pairs, half)
+                                                   : make_float2(0.f, 1.f);
+    const float2 first_stored = t < (u64)count * kv_pairs ? store_angle(positions, inv_freq, pairs, t, kv_pairs, half)
+                                                          : make_float2(0.f, 1.f);
     wait_for_previous_grid();
-    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half);
-    const u32 width = q_cols + 2 * kv_cols, kv_pairs = kv_cols / 2;
+    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half, first);
     GRID_STRIDE(i, (u64)count * kv_pairs) {
         const RowCol at = row_col(i, kv_pairs);
         const u64 p = at.row;
         const u32 pair = at.col, head = pair / half, j = pair - head * half;
         const u32 row = pairs[2 * p];
-        float s, c;
-        sincosf((float)positions[row] * inv_freq[j], &s, &c);
+        const float2 sc = i == t ? first_stored : rope_angle(positions, inv_freq, row, j);
         const float* h = qkv + (u64)row * width + q_cols + head * 2 * half;
-        const float2 rotated = rotate_pair(h[j], h[j + half], s, c);
+        const float2 rotated = rotate_pair(h[j], h[j + half], sc.x, sc.y);
         elem_t* dst = kc + (u64)pairs[2 * p + 1] * kv_cols + head * 2 * half;
         dst[j] = narrow(rotated.x);
         dst[j + half] = narrow(rotated.y);
