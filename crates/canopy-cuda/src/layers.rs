@@ -20,7 +20,7 @@ pub use tensor::{CudaTensor, CudaWeight};
 
 pub(crate) use gemm::LayerState;
 
-use gemm::{Epilogue, GateUp, StepInput};
+use gemm::{gemv_fits, Epilogue, GateUp, GemvRows, StepInput};
 
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::error::{CudaError, DriverContext, Result};
@@ -827,6 +827,31 @@ impl LayerOps for CudaBackend {
         unsafe { b.launch(self.elementwise(n)) }.ctx("launching round_to_elem")?;
         out.rounded = Some(buf);
         Ok(())
+    }
+
+    /// A product the GEMV takes reads the outputs where the states hold them: no copy into
+    /// `scratch`, and the same bits.
+    fn states_matmul_add(
+        &self,
+        states: &CudaStates,
+        w: &CudaWeight,
+        scratch: &mut CudaTensor,
+        acc: &mut CudaTensor,
+    ) -> EResult<()> {
+        let (rows, cols) = (states.rows, states.heads * states.head_dim);
+        if !gemv_fits(rows, cols, w) || rows == 0 || cols == 0 || w.rows == 0 {
+            self.states_output(states, scratch)?;
+            return self.matmul_add(scratch, w, acc);
+        }
+        expect_size("cuda", "matmul_add", "the weight's columns", w.cols, cols)?;
+        same_dims("matmul_add", "the output", acc, (rows, w.rows))?;
+        acc.drop_rounded();
+        let x = GemvRows {
+            values: &states.o,
+            rows,
+            cols,
+        };
+        Ok(self.gemv(x, w, None, acc, Epilogue::Add)?)
     }
 
     fn top_logits(&self, logits: &CudaTensor, k: usize, out: &mut CudaTensor) -> EResult<()> {

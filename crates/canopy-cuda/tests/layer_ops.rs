@@ -234,7 +234,8 @@ fn dense_ops_match_the_cpu() {
 /// Every product of a GEMM operand (`gemm_operand`) equals the same product of a plain tensor
 /// holding the same values, bit for bit, whichever op wrote it: `rms_norm`, `matmul_swiglu`
 /// and `states_output` write the operand's rounded copy beside it (more rows than the GEMV
-/// takes), and `copy_rows` into it leaves no stale copy behind.
+/// takes), and `copy_rows` into it leaves no stale copy behind. `states_matmul_add` equals
+/// `states_output` then `matmul_add`, reading the states in place where the GEMV takes them.
 #[test]
 fn gemm_operands_feed_products_like_plain_tensors() {
     let Some(gpu) = gpu("gemm_operands_feed_products_like_plain_tensors") else {
@@ -354,6 +355,15 @@ fn operand_products(
         "states_output, then matmul_add",
         added(b, &inp.x, &attn[0], &w_o)?,
         added(b, &inp.x, &attn[1], &w_o)?,
+    ));
+    // The output projection of the states themselves (the GEMV reads them in place).
+    let mut acc = b.upload_tensor(&inp.x, rows, h)?;
+    let mut scratch = b.gemm_operand(rows, q_cols, &w_o)?;
+    b.states_matmul_add(&states, &w_o, &mut scratch, &mut acc)?;
+    out.push((
+        "states_matmul_add",
+        added(b, &inp.x, &attn[0], &w_o)?,
+        b.download_tensor(&acc)?,
     ));
 
     // An operand overwritten by copy_rows: its product is x's, not the norm's.

@@ -370,6 +370,20 @@ pub trait LayerOps: MergeOps {
     }
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
+    /// `acc += o · wᵀ` for the states' outputs `o` ([`LayerOps::states_output`]'s rows): the
+    /// attention's output projection and residual. `scratch` (`rows × q_heads · head_dim`,
+    /// from [`LayerOps::gemm_operand`] for `w`) holds the outputs where the product cannot
+    /// read them in the states; a backend whose product can skips that copy.
+    fn states_matmul_add(
+        &self,
+        states: &Self::States,
+        w: &Self::Weight,
+        scratch: &mut Self::Tensor,
+        acc: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.states_output(states, scratch)?;
+        self.matmul_add(scratch, w, acc)
+    }
 
     /// Each row's `k` most likely tokens of `logits` (`rows × vocab`), most likely first in
     /// [`canopy_core::logits`]' order, into `out` (`rows × 2k`): the row's `k` logits, then

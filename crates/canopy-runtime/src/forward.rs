@@ -433,8 +433,7 @@ fn pass<B: LayerOps, C: Transport<B>>(
                 states
             }
         };
-        backend.states_output(states, &mut attn)?;
-        layers.finish_with(backend, l, &mut x, &attn, &mut mlp)?;
+        layers.finish_states(backend, l, &mut x, states, &mut attn, &mut mlp)?;
     }
     let rows: Vec<usize> = (0..backend.dims(logits).0).collect();
     layers.logits_into(backend, &x, &rows, logits)?;

@@ -66,7 +66,7 @@ pub struct QkvScratch<B: LayerOps> {
 }
 
 /// The gate|up projection's operand and the down projection's (SwiGLU's output): what
-/// [`ModelLayers::finish_with`] writes.
+/// [`ModelLayers::finish_states`] writes.
 pub struct MlpScratch<B: LayerOps> {
     operand: B::Tensor,
     act: B::Tensor,
@@ -516,7 +516,7 @@ impl<B: LayerOps> ModelLayers<B> {
         })
     }
 
-    /// [`ModelLayers::finish_with`]'s activations of `rows` rows.
+    /// [`ModelLayers::finish_states`]' activations of `rows` rows.
     pub fn mlp_scratch(&self, b: &B, rows: usize) -> Result<MlpScratch<B>> {
         let c = &self.config;
         let (gate_up, down) = self
@@ -546,21 +546,29 @@ impl<B: LayerOps> ModelLayers<B> {
     /// its residual.
     pub fn finish(&self, b: &B, l: usize, x: &mut B::Tensor, attn: &B::Tensor) -> Result<()> {
         let mut scratch = self.mlp_scratch(b, b.dims(x).0)?;
-        self.finish_with(b, l, x, attn, &mut scratch)
+        b.matmul_add(attn, &self.layers[l].o, x)?;
+        self.mlp(b, l, x, &mut scratch)
     }
 
-    /// [`ModelLayers::finish`] with the MLP's activations in `scratch`, allocating nothing.
-    pub fn finish_with(
+    /// [`ModelLayers::finish`] of the attention's states, the MLP's activations in `scratch`:
+    /// the output projection reads the states' outputs, through `attn`
+    /// ([`ModelLayers::attention_output`]'s) where it must.
+    pub fn finish_states(
         &self,
         b: &B,
         l: usize,
         x: &mut B::Tensor,
-        attn: &B::Tensor,
+        states: &B::States,
+        attn: &mut B::Tensor,
         scratch: &mut MlpScratch<B>,
     ) -> Result<()> {
+        b.states_matmul_add(states, &self.layers[l].o, attn, x)?;
+        self.mlp(b, l, x, scratch)
+    }
+
+    /// Layer `l`'s MLP and its residual, in place on `x`.
+    fn mlp(&self, b: &B, l: usize, x: &mut B::Tensor, s: &mut MlpScratch<B>) -> Result<()> {
         let (c, layer) = (&self.config, &self.layers[l]);
-        let s = scratch;
-        b.matmul_add(attn, &layer.o, x)?;
         let norm = (&layer.post_norm, c.rms_norm_eps as f32);
         b.rms_norm_matmul_swiglu(x, norm, &layer.gate_up, &mut s.operand, &mut s.act)?;
         b.matmul_add(&s.act, &layer.down, x)?;

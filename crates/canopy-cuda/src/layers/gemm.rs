@@ -188,11 +188,29 @@ impl Epilogue {
 /// kernel gets without opting in, and few enough that three CTAs still share an SM.
 const NORMED_STAGE_BYTES: usize = 16 << 10;
 
-/// Whether `gemv` takes this product: few rows, and rows of the weight and of x that start on
-/// 16-byte boundaries (its loads are 16 bytes wide).
-fn gemv_fits(x: &CudaTensor, w: &CudaWeight) -> bool {
+/// A GEMV's activation: `rows × cols` fp32 values, a tensor's or a states' outputs.
+#[derive(Clone, Copy)]
+pub(crate) struct GemvRows<'a> {
+    pub(crate) values: &'a CudaSlice<f32>,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+impl<'a> GemvRows<'a> {
+    fn of(x: &'a CudaTensor) -> Result<Self> {
+        Ok(GemvRows {
+            values: x.values("matmul")?,
+            rows: x.rows,
+            cols: x.cols,
+        })
+    }
+}
+
+/// Whether `gemv` takes a product of `rows × cols` activations: few rows, and rows of the
+/// weight and of the activation that start on 16-byte boundaries (its loads are 16 bytes wide).
+pub(crate) fn gemv_fits(rows: usize, cols: usize, w: &CudaWeight) -> bool {
     let chunk = 16 / w.dtype.size_bytes();
-    x.rows <= GEMV_MAX_ROWS && x.cols.is_multiple_of(chunk) && x.cols.is_multiple_of(4)
+    rows <= GEMV_MAX_ROWS && cols.is_multiple_of(chunk) && cols.is_multiple_of(4)
 }
 
 impl CudaBackend {
@@ -229,7 +247,7 @@ impl CudaBackend {
             && x.rows <= NORMED_GEMV_ROWS
             && norm.dtype == w.dtype
             && held
-            && gemv_fits(x, w);
+            && gemv_fits(x.rows, x.cols, w);
         if !fused || x.rows == 0 || x.cols == 0 || w.rows == 0 {
             self.rms_norm_rows(x, norm, eps, normed)?;
             return self.checked_product(normed, w, out, epilogue);
@@ -237,7 +255,7 @@ impl CudaBackend {
         super::check_norm_weight(x, norm)?;
         epilogue.check(x, w, out)?;
         out.drop_rounded();
-        self.gemv(x, w, Some((norm, eps)), out, epilogue)
+        self.gemv(GemvRows::of(x)?, w, Some((norm, eps)), out, epilogue)
     }
 
     /// The product `x · wᵀ` into `out` by `epilogue` (shapes checked by the caller): see the
@@ -253,8 +271,8 @@ impl CudaBackend {
         if x.rows == 0 || w.rows == 0 {
             return Ok(());
         }
-        if gemv_fits(x, w) && x.cols > 0 {
-            return self.gemv(x, w, None, out, epilogue);
+        if gemv_fits(x.rows, x.cols, w) && x.cols > 0 {
+            return self.gemv(GemvRows::of(x)?, w, None, out, epilogue);
         }
         match epilogue {
             Epilogue::Store => self.gemm(x, w, Product::F32(&mut out.data), false),
@@ -276,9 +294,9 @@ impl CudaBackend {
 
     /// `layers.cu`'s GEMV for `epilogue`, normalising x's rows by `norm` (its weight and
     /// epsilon) as it reads them when there is one.
-    fn gemv(
+    pub(crate) fn gemv(
         &self,
-        x: &CudaTensor,
+        x: GemvRows<'_>,
         w: &CudaWeight,
         norm: Option<(&CudaWeight, f32)>,
         out: &mut CudaTensor,
@@ -308,9 +326,7 @@ impl CudaBackend {
             .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
             .unwrap_or(1);
         let s = &self.stream;
-        let mut params = Params::default()
-            .buffer(&w.data, s)
-            .buffer(x.values("matmul")?, s);
+        let mut params = Params::default().buffer(&w.data, s).buffer(x.values, s);
         if let Some((norm, eps)) = norm {
             params = params.buffer(&norm.data, s).f32(eps);
         }
