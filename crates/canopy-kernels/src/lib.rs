@@ -107,6 +107,24 @@ impl Id {
         }
     }
 
+    /// A file compiled after this one as one program, and its text: the decode step's GEMVs
+    /// follow the layer kernels whose helpers they use.
+    pub fn continuation(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Id::Layers => Some(("gemv.cu", include_str!("../cuda/gemv.cu"))),
+            _ => None,
+        }
+    }
+
+    /// The program's own text: the file and its [`Id::continuation`] (without [`COMMON`]).
+    pub fn program_text(self) -> std::borrow::Cow<'static, str> {
+        let own = source_text(self.file_name(), self.source());
+        match self.continuation() {
+            Some((file, text)) => format!("{own}\n{}", source_text(file, text)).into(),
+            None => own,
+        }
+    }
+
     /// Whether [`MMA`] is prepended to the file.
     pub fn uses_mma(self) -> bool {
         matches!(self, Id::DecodeMma | Id::Prefill)
@@ -286,7 +304,7 @@ impl Variant {
         let text = format!(
             "{}\n{mma}\n{}",
             source_text("common.cuh", COMMON),
-            source_text(id.file_name(), id.source())
+            id.program_text()
         );
         let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
         options.extend(self.defines().iter().map(|(k, v)| format!("-D{k}={v}")));
@@ -431,7 +449,7 @@ mod tests {
     #[test]
     fn every_entry_is_defined_in_its_source() {
         for id in ALL_IDS {
-            let text = id.source();
+            let text = id.program_text();
             for entry in id.entries() {
                 let at = text
                     .find(&format!("{entry}("))
