@@ -13,6 +13,7 @@
 
 mod attention;
 mod gemm;
+mod rope;
 mod tensor;
 mod top;
 
@@ -31,7 +32,7 @@ use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::layer_ops::{
     attention_output_through_states, check_top_logits, expect_gather, expect_size,
 };
-use canopy_engine::{CachedKeys, FillRun, KeyBlock, LayerOps, ModelNeeds};
+use canopy_engine::{CachedKeys, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, GEMV_MAX_ROWS, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -332,122 +333,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// [`LayerOps::rope_split`], and with `store` the rotated keys and values of its rows
-    /// written into their slots of the KV pool in the same kernel (`rope_split_store`).
-    fn rope(
-        &self,
-        qkv: &CudaTensor,
-        positions: &[u32],
-        inv_freq: &CudaWeight,
-        (q, k, v): (&mut CudaTensor, &mut CudaTensor, &mut CudaTensor),
-        store: Option<(&mut CudaKv, &[(u32, u32)])>,
-    ) -> Result<()> {
-        let rows = qkv.rows;
-        for t in [&mut *q, &mut *k, &mut *v] {
-            t.drop_rounded();
-        }
-        same_dims("rope_split", "k", k, (rows, k.cols))?;
-        same_dims("rope_split", "q", q, (rows, q.cols))?;
-        same_dims("rope_split", "v", v, (rows, k.cols))?;
-        expect_size(
-            "cuda",
-            "rope_split",
-            "the width of qkv",
-            qkv.cols,
-            q.cols + 2 * k.cols,
-        )?;
-        expect_size(
-            "cuda",
-            "rope_split",
-            "the number of positions",
-            positions.len(),
-            rows,
-        )?;
-        let half = inv_freq.rows * inv_freq.cols;
-        if inv_freq.dtype != DType::F32
-            || half == 0
-            || !q.cols.is_multiple_of(2 * half)
-            || !k.cols.is_multiple_of(2 * half)
-        {
-            return Err(CudaError::Unsupported(format!(
-                "rope_split: rows of {} and {} values are not whole heads of {} (RoPE frequencies must be f32)",
-                q.cols,
-                k.cols,
-                2 * half
-            )));
-        }
-        if let Some((kv, pairs)) = &store {
-            self.check_stores(kv, k, pairs)?;
-        }
-        if rows == 0 {
-            return Ok(());
-        }
-        let (rows_, q_cols, kv_cols, half_) = (
-            narrow("rope_split", rows)?,
-            narrow("rope_split", q.cols)?,
-            narrow("rope_split", k.cols)?,
-            narrow("rope_split", half)?,
-        );
-        let positions = self.upload_step_input(StepInput::Positions, positions)?;
-        let s = &self.stream;
-        let params = Params::default()
-            .buffer(qkv.values("rope_split")?, s)
-            .buffer(&*positions, s)
-            .buffer(&inv_freq.data, s)
-            .buffer(&q.data, s)
-            .buffer(&k.data, s)
-            .buffer(&v.data, s)
-            .u32(rows_)
-            .u32(q_cols)
-            .u32(kv_cols)
-            .u32(half_);
-        let pairs = rows * (q.cols + k.cols) / 2;
-        let mut items = pairs.max(rows * k.cols);
-        let (f, params) = match store {
-            Some((kv, stores)) if !stores.is_empty() => {
-                let count = narrow("rope_split_store", stores.len())?;
-                let slots = self.upload_step_input(StepInput::Slots, &slot_pairs(stores))?;
-                items = items.max(stores.len() * k.cols);
-                let f = self.function(Kernel::Layers(kv.dtype, "rope_split_store"))?;
-                let params = params
-                    .buffer(&*slots, s)
-                    .buffer(&kv.k, s)
-                    .buffer(&kv.v, s)
-                    .u32(count);
-                (f, params)
-            }
-            _ => (
-                self.function(Kernel::Layers(DType::F32, "rope_split"))?,
-                params,
-            ),
-        };
-        // SAFETY: qkv holds rows × (q_cols + 2 kv_cols) floats, q rows × q_cols, k and v rows ×
-        // kv_cols (checked); one position per row and `half` f32 frequencies; every head
-        // lies within q's or k's columns. Every stored row is one of qkv's and every slot one
-        // of the pool's, whose K and V hold tokens of kv_cols elements (check_stores).
-        unsafe { self.launch_dependent(&f, self.elementwise(items), &params) }
-            .ctx("launching rope_split")?;
-        Ok(())
-    }
-
-    /// Refuses a store of rows of `k` into `kv` whose width is not the KV's or whose rows or
-    /// slots are outside `k` or the pool.
-    fn check_stores(&self, kv: &CudaKv, k: &CudaTensor, rows: &[(u32, u32)]) -> Result<()> {
-        let width = kv.shape.kv_token_elems();
-        expect_size("cuda", "store_kv", "the width of k", k.cols, width)?;
-        let pool = kv.pool_tokens();
-        if let Some(&(row, slot)) = rows
-            .iter()
-            .find(|&&(row, slot)| row as usize >= k.rows || slot as usize >= pool)
-        {
-            return Err(CudaError::Unsupported(format!(
-                "store_kv: row {row} to slot {slot} is outside k's {} rows or the KV pool of {pool} tokens",
-                k.rows
-            )));
-        }
-        Ok(())
-    }
-
     fn store_rows(
         &self,
         kv: &mut CudaKv,
@@ -689,6 +574,20 @@ impl LayerOps for CudaBackend {
         v: &mut CudaTensor,
     ) -> EResult<()> {
         Ok(self.rope(qkv, positions, inv_freq, (q, k, v), None)?)
+    }
+
+    fn rms_norm_matmul_rope(
+        &self,
+        x: &CudaTensor,
+        norm: (&CudaWeight, f32),
+        w: &CudaWeight,
+        scratch: (&mut CudaTensor, &mut CudaTensor),
+        positions: &[u32],
+        inv_freq: &CudaWeight,
+        qkv: (&mut CudaTensor, &mut CudaTensor, &mut CudaTensor),
+        store: Option<KvStore<'_, Self>>,
+    ) -> EResult<()> {
+        Ok(self.qkv_rope(x, norm, w, scratch, positions, inv_freq, qkv, store)?)
     }
 
     fn rope_split_store(

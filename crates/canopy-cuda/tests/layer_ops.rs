@@ -446,6 +446,118 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
     }
 }
 
+/// The q|k|v projection with RoPE and the KV append in the GEMV's epilogue
+/// (`rms_norm_matmul_rope`) writes the same q, k and v, and the same cache slots, bit for bit,
+/// as `rms_norm_matmul` then `rope_split_store` (or `rope_split`), for every weight and KV
+/// dtype, both head dims, rows normalised in the GEMV (1 and 2) and before it (5), some rows
+/// not stored and the stored ones in scrambled slots. The projection's own output stays
+/// poisoned: the epilogue ran, not the two ops. Its width (6144 columns) is the Llama-3.1-8B
+/// shape's, which the GEMV takes in slices of 4.
+#[test]
+fn rope_in_the_projection_epilogue_matches_the_two_ops() {
+    let Some(gpu) = gpu("rope_in_the_projection_epilogue_matches_the_two_ops") else {
+        return;
+    };
+    let mut rng = rng("rope_in_the_projection_epilogue_matches_the_two_ops");
+    let (hidden, pool) = (256usize, 64usize);
+    for shape in [
+        AttnShape::new(32, 8, 128).unwrap(),
+        AttnShape::new(64, 16, 64).unwrap(),
+    ] {
+        let (q_cols, kv_cols) = (shape.q_row_elems(), shape.kv_token_elems());
+        let cols = q_cols + 2 * kv_cols;
+        let w = values(&mut rng, cols * hidden, 0.1);
+        let norm = values(&mut rng, hidden, 1.0);
+        let inv_freq: Vec<f32> = (0..shape.head_dim / 2)
+            .map(|i| 500_000f32.powf(-2.0 * i as f32 / shape.head_dim as f32))
+            .collect();
+        for (dtype, rows, stored) in [
+            (DType::Bf16, 1, true),
+            (DType::Bf16, 2, true),
+            (DType::F16, 5, true),
+            (DType::F32, 2, true),
+            (DType::Bf16, 2, false),
+        ] {
+            let x = values(&mut rng, rows * hidden, 1.0);
+            let positions: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..131_072)).collect();
+            let stores: Vec<(u32, u32)> = (0..rows as u32)
+                .filter(|r| r % 3 != 2)
+                .map(|r| (r, (r * 29 + 5) % pool as u32))
+                .collect();
+            let slots: Vec<u32> = stores.iter().map(|&(_, slot)| slot).collect();
+            let run = |epilogue: bool| -> Result<Vec<Vec<f32>>> {
+                let b = &gpu;
+                let typed = |v: &[f32]| TypedVec::from_f32(dtype, v);
+                let w = b.upload_weight(typed(&w), cols, hidden)?;
+                let norm = b.upload_weight(typed(&norm), 1, hidden)?;
+                let inv_freq =
+                    b.upload_weight(TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
+                let x = b.upload_tensor(&x, rows, hidden)?;
+                let mut kv = b.alloc_kv(&shape, dtype, pool)?;
+                let nan = TypedVec::from_f32(dtype, &vec![f32::NAN; pool * kv_cols]);
+                b.write_kv(&mut kv, 0, &nan, &nan)?;
+                let (mut normed, mut fused) =
+                    (poisoned(b, rows, hidden)?, poisoned(b, rows, cols)?);
+                let (mut q, mut k, mut v) = (
+                    poisoned(b, rows, q_cols)?,
+                    poisoned(b, rows, kv_cols)?,
+                    poisoned(b, rows, kv_cols)?,
+                );
+                let outputs = (&mut q, &mut k, &mut v);
+                let store = stored.then_some((&mut kv, &stores[..]));
+                if epilogue {
+                    let scratch = (&mut normed, &mut fused);
+                    b.rms_norm_matmul_rope(
+                        &x,
+                        (&norm, 1e-5),
+                        &w,
+                        scratch,
+                        &positions,
+                        &inv_freq,
+                        outputs,
+                        store,
+                    )?;
+                } else {
+                    b.rms_norm_matmul(&x, (&norm, 1e-5), &w, &mut normed, &mut fused)?;
+                    match store {
+                        Some((kv, pairs)) => {
+                            b.rope_split_store(&fused, &positions, &inv_freq, outputs, kv, pairs)?
+                        }
+                        None => {
+                            b.rope_split(&fused, &positions, &inv_freq, &mut q, &mut k, &mut v)?
+                        }
+                    }
+                }
+                let (kc, vc) = b.load_kv(&kv, &slots)?;
+                [&q, &k, &v, &kc, &vc, &fused]
+                    .into_iter()
+                    .map(|t| b.download_tensor(t))
+                    .collect()
+            };
+            let (two_ops, fused) = (run(false).unwrap(), run(true).unwrap());
+            let case = format!("{shape:?} {dtype} {rows} rows, stored: {stored}");
+            assert!(
+                fused[5].iter().all(|x| x.is_nan()),
+                "{case}: the projection was written, so the epilogue did not run"
+            );
+            let names = ["q", "k", "v", "stored k", "stored v"];
+            for ((name, a), b) in names.iter().zip(&two_ops).zip(&fused) {
+                if name.starts_with("stored") && !stored {
+                    assert!(b.iter().all(|x| x.is_nan()), "{case} {name}: written");
+                    continue;
+                }
+                assert!(
+                    a.iter().all(|x| x.is_finite()),
+                    "{case} {name}: not written"
+                );
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                eprintln!("  {case} {name:<10} bit for bit: {same}");
+                assert!(same, "{case} {name}: the epilogue's differs");
+            }
+        }
+    }
+}
+
 const PAGE: u32 = 16;
 const POOL: usize = 64;
 const STORED: usize = 40;

@@ -93,6 +93,9 @@ impl ModelNeeds {
     }
 }
 
+/// A layer's KV cache and the `(row, slot)` pairs of a pass's rows to store into it.
+pub type KvStore<'a, B> = (&'a mut <B as crate::Backend>::Kv, &'a [(u32, u32)]);
+
 /// Dense layer operations over a backend's own tensors. Every shape mismatch is an error,
 /// never a panic.
 pub trait LayerOps: MergeOps {
@@ -286,6 +289,32 @@ pub trait LayerOps: MergeOps {
     ) -> Result<()> {
         self.rope_split(qkv, positions, inv_freq, q, k, v)?;
         self.store_kv(kv, k, v, rows)
+    }
+    /// [`LayerOps::rms_norm_matmul`] of a fused q|k|v weight into `fused`, then
+    /// [`LayerOps::rope_split_store`] of it (or [`LayerOps::rope_split`] without `store`): a
+    /// layer's rotated queries, keys and values. A backend may rotate and store them in the
+    /// product's epilogue, with the same values, and leave `normed` and `fused` unwritten:
+    /// they are scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul_rope(
+        &self,
+        x: &Self::Tensor,
+        norm: (&Self::Weight, f32),
+        w: &Self::Weight,
+        (normed, fused): (&mut Self::Tensor, &mut Self::Tensor),
+        positions: &[u32],
+        inv_freq: &Self::Weight,
+        qkv: (&mut Self::Tensor, &mut Self::Tensor, &mut Self::Tensor),
+        store: Option<KvStore<'_, Self>>,
+    ) -> Result<()> {
+        self.rms_norm_matmul(x, norm, w, normed, fused)?;
+        match store {
+            Some((kv, rows)) => self.rope_split_store(fused, positions, inv_freq, qkv, kv, rows),
+            None => {
+                let (q, k, v) = qkv;
+                self.rope_split(fused, positions, inv_freq, q, k, v)
+            }
+        }
     }
     /// The attention queries held in `q` (`rows × q_heads · head_dim`).
     fn tensor_queries(&self, shape: &AttnShape, q: &Self::Tensor) -> Result<Self::Queries>;

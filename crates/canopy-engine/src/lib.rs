@@ -46,7 +46,7 @@ pub use cpu::CpuBackend;
 pub use cpu_layers::HostMatrix;
 pub use error::{EngineError, Result};
 pub use layer_ops::{
-    measure_gemm_rate, CachedKeys, FillRun, GemmShape, KeyBlock, LayerOps, ModelNeeds,
+    measure_gemm_rate, CachedKeys, FillRun, GemmShape, KeyBlock, KvStore, LayerOps, ModelNeeds,
     TOP_LOGITS_MAX,
 };
 pub use merge::{HostCollective, MergeCollective, MergeOps, StatesMerge, Transport};

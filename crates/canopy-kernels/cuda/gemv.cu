@@ -247,36 +247,59 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
 #endif
 }
 
-// Runs every warp's sums into shared memory, then calls `epilogue(m, n, sum)` once per output
-// (row m, column n < cols) with the slices' sums added in slice order, spread over the CTA.
-// With a norm weight `gamma` (else null), the product is of x's rows RMS-normalised: staged
-// in the CTA's dynamic shared memory (rows x k elements, at most NORMED_GEMV_ROWS rows).
-template <int MATS, typename Epilogue>
-__device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
-                                         u32 cols, u32 k, u32 slices, u64 mat_offset, const elem_t* gamma, float eps,
-                                         Epilogue epilogue) {
+// A CTA's outputs once its warps' sums are in shared memory: `(g, m, c, j)` is the output of
+// row m, column c of the CTA's column group g, matrix j, the slices' sums added in slice order.
+template <int MATS>
+struct GemvTotals {
+    const float (*sums)[GEMV_MAX_ROWS][GEMV_COLS][MATS];
+    u32 slices;
+    __device__ __forceinline__ float operator()(u32 g, u32 m, u32 c, int j) const {
+        float total = 0.f;
+        for (u32 s = 0; s < slices; ++s) total += sums[g * slices + s][m][c][j];
+        return total;
+    }
+};
+
+// Runs every warp's sums into shared memory, the CTA's column group g being the matrix's
+// `group_of(g)`, then `finish(totals, groups)`. With a norm weight `gamma` (else null), the
+// product is of x's rows RMS-normalised: staged in the CTA's dynamic shared memory (rows x k
+// elements, at most NORMED_GEMV_ROWS rows).
+template <int MATS, typename GroupOf, typename Finish>
+__device__ __forceinline__ void gemv_cta_mapped(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
+                                                u32 cols, u32 k, u32 slices, u64 mat_offset, const elem_t* gamma,
+                                                float eps, GroupOf group_of, Finish finish) {
     static_assert(GEMV_WARPS * 32 == LAYER_THREADS, "a normed GEMV's CTA normalises its rows as rms_norm's does");
     __shared__ float sums[GEMV_WARPS][GEMV_MAX_ROWS][GEMV_COLS][MATS];
     extern __shared__ __align__(16) unsigned char gemv_staged[];
     const u32 warp = threadIdx.x / 32, groups = GEMV_WARPS / slices;
-    const u32 first_group = blockIdx.x * groups;
     let_next_grid_launch();
     const GemvNorm norm{gamma, eps, gamma ? reinterpret_cast<elem_t*>(gemv_staged) : nullptr};
-    gemv_warp_sums<MATS>(w, x, rows, cols, k, first_group + warp / slices, slices, warp % slices, mat_offset, norm,
+    gemv_warp_sums<MATS>(w, x, rows, cols, k, group_of(warp / slices), slices, warp % slices, mat_offset, norm,
                          sums[warp]);
     __syncthreads();
-    for (u32 i = threadIdx.x; i < groups * rows * GEMV_COLS; i += blockDim.x) {
-        const u32 g = i / (rows * GEMV_COLS), m = i / GEMV_COLS % rows, c = i % GEMV_COLS;
-        const u32 n = (first_group + g) * GEMV_COLS + c;
-        if (n >= cols) continue;
-        float total[MATS];
+    finish(GemvTotals<MATS>{sums, slices}, groups);
+}
+
+// `gemv_cta_mapped` over consecutive column groups, calling `epilogue(m, n, sum)` once per output
+// (row m, column n < cols), spread over the CTA.
+template <int MATS, typename Epilogue>
+__device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
+                                         u32 cols, u32 k, u32 slices, u64 mat_offset, const elem_t* gamma, float eps,
+                                         Epilogue epilogue) {
+    const u32 first_group = blockIdx.x * (GEMV_WARPS / slices);
+    gemv_cta_mapped<MATS>(
+        w, x, rows, cols, k, slices, mat_offset, gamma, eps, [=](u32 g) { return first_group + g; },
+        [&](const GemvTotals<MATS>& total, u32 groups) {
+            for (u32 i = threadIdx.x; i < groups * rows * GEMV_COLS; i += blockDim.x) {
+                const u32 g = i / (rows * GEMV_COLS), m = i / GEMV_COLS % rows, c = i % GEMV_COLS;
+                const u32 n = (first_group + g) * GEMV_COLS + c;
+                if (n >= cols) continue;
+                float t[MATS];
 #pragma unroll
-        for (int j = 0; j < MATS; ++j) {
-            total[j] = 0.f;
-            for (u32 s = 0; s < slices; ++s) total[j] += sums[g * slices + s][m][c][j];
-        }
-        epilogue(m, n, total);
-    }
+                for (int j = 0; j < MATS; ++j) t[j] = total(g, m, c, j);
+                epilogue(m, n, t);
+            }
+        });
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
@@ -318,4 +341,55 @@ gemv_normed_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, co
                    float eps, float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
     gemv_cta<2>(w, x, rows, cols, k, slices, cols, gamma, eps,
                 [&](u32 m, u32 n, const float (&s)[2]) { out[(u64)m * cols + n] = silu_times(s); });
+}
+
+// The q|k|v projection of a decode step with RoPE and the KV append in its epilogue: `gemv`
+// (normalising its rows first when `gamma` is not null, as `gemv_normed`) of a fused q|k|v
+// weight, whose outputs are written as `rope_split_store` writes them from the product, the
+// same bits: q and k rotated, v as it is, and for each of `count` (row, slot) pairs that row's
+// key and value narrowed into the pool's `slot`.
+//
+// A CTA's column groups come in pairs, (i, i + half) of one head, so that each of its outputs'
+// rotation partners is its own: the CTA's g-th group is member g % 2 of pair
+// blockIdx.x * groups / 2 + g / 2, where pair p of a head's half / GEMV_COLS holds its
+// groups p and p + half / GEMV_COLS. The host sends slices of at most 4 (two groups a CTA or
+// more), heads of whole groups (half a multiple of GEMV_COLS), q and k of whole heads, and
+// `pairs` checked against the rows and the pool.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_rope(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ gamma, float eps,
+          u32 rows, u32 k, u32 slices, const u32* __restrict__ positions, const float* __restrict__ inv_freq,
+          float* __restrict__ q, float* __restrict__ kk, float* __restrict__ v, u32 q_cols, u32 kv_cols, u32 half,
+          const u32* __restrict__ pairs, elem_t* __restrict__ kc, elem_t* __restrict__ vc, u32 count) {
+    const u32 cols = q_cols + 2 * kv_cols, head_groups = half / GEMV_COLS, first_pair = blockIdx.x * (GEMV_WARPS / slices) / 2;
+    const auto group_of = [=](u32 g) {
+        const u32 pair = first_pair + g / 2;
+        return pair / head_groups * 2 * head_groups + pair % head_groups + g % 2 * head_groups;
+    };
+    gemv_cta_mapped<1>(w, x, rows, cols, k, slices, 0, gamma, eps, group_of, [&](const GemvTotals<1>& total, u32 groups) {
+        for (u32 i = threadIdx.x; i < groups / 2 * rows * GEMV_COLS; i += blockDim.x) {
+            const u32 p = i / (rows * GEMV_COLS), m = i / GEMV_COLS % rows, c = i % GEMV_COLS;
+            const u32 n = group_of(2 * p) * GEMV_COLS + c;  // the pair's first column
+            if (n >= cols) continue;
+            const u32 j = n % (2 * half), head = n - j;
+            float2 out = make_float2(total(2 * p, m, c, 0), total(2 * p + 1, m, c, 0));
+            if (n < q_cols + kv_cols) {
+                const float2 sc = rope_angle(positions, inv_freq, m, j);
+                out = rotate_pair(out.x, out.y, sc.x, sc.y);
+            }
+            float* dst = n < q_cols ? q + (u64)m * q_cols + head
+                                    : (n < q_cols + kv_cols ? kk + (u64)m * kv_cols + head - q_cols
+                                                            : v + (u64)m * kv_cols + head - q_cols - kv_cols);
+            dst[j] = out.x;
+            dst[j + half] = out.y;
+            if (n < q_cols) continue;
+            const bool is_key = n < q_cols + kv_cols;
+            const u32 at = head - q_cols - (is_key ? 0u : kv_cols) + j;
+            for (u32 s = 0; s < count; ++s)
+                if (pairs[2 * s] == m) {
+                    elem_t* cache = (is_key ? kc : vc) + (u64)pairs[2 * s + 1] * kv_cols + at;
+                    cache[0] = narrow(out.x);
+                    cache[half] = narrow(out.y);
+                }
+        }
+    });
 }

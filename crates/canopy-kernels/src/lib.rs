@@ -160,6 +160,7 @@ impl Id {
                 "gemv_swiglu",
                 "gemv_normed",
                 "gemv_normed_swiglu",
+                "gemv_rope",
                 "top_logits",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],

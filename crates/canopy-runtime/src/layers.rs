@@ -10,7 +10,7 @@
 use crate::{Result, RuntimeError};
 use canopy_core::data::splitmix64;
 use canopy_core::{AttnShape, DType, TypedVec};
-use canopy_engine::{Backend, LayerOps, ModelNeeds};
+use canopy_engine::{LayerOps, ModelNeeds};
 use canopy_model::{HostTensor, LlamaConfig, Weights};
 use rayon::prelude::*;
 
@@ -39,8 +39,7 @@ struct LayerWeights<B: LayerOps> {
     down: B::Weight,
 }
 
-/// A layer's KV cache and the `(row, slot)` pairs of a pass's rows to store into it.
-pub type KvStore<'a, B> = (&'a mut <B as Backend>::Kv, &'a [(u32, u32)]);
+pub use canopy_engine::KvStore;
 
 /// The query, key and value rows of one layer for a batch of tokens, rotated.
 pub struct Qkv<B: LayerOps> {
@@ -486,15 +485,12 @@ impl<B: LayerOps> ModelLayers<B> {
         let (c, layer) = (&self.config, &self.layers[l]);
         let s = scratch;
         let norm = (&layer.input_norm, c.rms_norm_eps as f32);
-        b.rms_norm_matmul(x, norm, &layer.qkv, &mut s.operand, &mut s.fused)?;
+        let scratch = (&mut s.operand, &mut s.fused);
+        let outputs = (q, &mut s.k, &mut s.v);
         let freq = &self.inv_freq;
-        match store {
-            Some((cache, rows)) => {
-                let outputs = (q, &mut s.k, &mut s.v);
-                b.rope_split_store(&s.fused, positions, freq, outputs, cache, rows)?
-            }
-            None => b.rope_split(&s.fused, positions, freq, q, &mut s.k, &mut s.v)?,
-        }
+        b.rms_norm_matmul_rope(
+            x, norm, &layer.qkv, scratch, positions, freq, outputs, store,
+        )?;
         Ok(())
     }
 

@@ -188,6 +188,28 @@ impl Epilogue {
 /// kernel gets without opting in, and few enough that three CTAs still share an SM.
 const NORMED_STAGE_BYTES: usize = 16 << 10;
 
+/// Whether the GEMV of `x` and `w` can normalise x's rows by `norm` itself (`gemv_normed`):
+/// at most [`NORMED_GEMV_ROWS`] rows that `rms_norm` holds whole, staged within
+/// [`NORMED_STAGE_BYTES`], and a norm weight of the weight's dtype.
+pub(crate) fn gemv_normalises(x: &CudaTensor, norm: &CudaWeight, w: &CudaWeight) -> bool {
+    x.cols.is_multiple_of(4)
+        && x.cols <= 4 * LAYER_THREADS as usize * RMS_NORM_CHUNKS
+        && x.rows * x.cols * w.dtype.size_bytes() <= NORMED_STAGE_BYTES
+        && x.rows <= NORMED_GEMV_ROWS
+        && norm.dtype == w.dtype
+        && gemv_fits(x.rows, x.cols, w)
+}
+
+/// Dynamic shared memory of a GEMV of `x` and `w`: a normed GEMV stages its rows, normalised.
+pub(crate) fn gemv_staged(x: GemvRows<'_>, w: &CudaWeight, normed: bool) -> Result<u32> {
+    let staged = if normed {
+        x.rows * x.cols * w.dtype.size_bytes()
+    } else {
+        0
+    };
+    super::narrow("matmul", staged)
+}
+
 /// A GEMV's activation: `rows × cols` fp32 values, a tensor's or a states' outputs.
 #[derive(Clone, Copy)]
 pub(crate) struct GemvRows<'a> {
@@ -197,7 +219,7 @@ pub(crate) struct GemvRows<'a> {
 }
 
 impl<'a> GemvRows<'a> {
-    fn of(x: &'a CudaTensor) -> Result<Self> {
+    pub(crate) fn of(x: &'a CudaTensor) -> Result<Self> {
         Ok(GemvRows {
             values: x.values("matmul")?,
             rows: x.rows,
@@ -240,14 +262,7 @@ impl CudaBackend {
         out: &mut CudaTensor,
         epilogue: Epilogue,
     ) -> Result<()> {
-        let held = x.cols.is_multiple_of(4)
-            && x.cols <= 4 * LAYER_THREADS as usize * RMS_NORM_CHUNKS
-            && x.rows * x.cols * w.dtype.size_bytes() <= NORMED_STAGE_BYTES;
-        let fused = epilogue != Epilogue::Add
-            && x.rows <= NORMED_GEMV_ROWS
-            && norm.dtype == w.dtype
-            && held
-            && gemv_fits(x.rows, x.cols, w);
+        let fused = epilogue != Epilogue::Add && gemv_normalises(x, norm, w);
         if !fused || x.rows == 0 || x.cols == 0 || w.rows == 0 {
             self.rms_norm_rows(x, norm, eps, normed)?;
             return self.checked_product(normed, w, out, epilogue);
@@ -310,21 +325,9 @@ impl CudaBackend {
         let entry = epilogue.gemv_entry(norm.is_some());
         let kernel = Kernel::Layers(w.dtype, entry);
         let f = self.function(kernel)?;
-        // Warps per group of GEMV_COLS columns: the most whose CTAs all run at once, so every
-        // warp the GPU can hold streams part of the weight and none waits for a second wave.
         let groups = cols.div_ceil(GEMV_COLS);
-        // A normed GEMV stages its rows, normalised, in shared memory.
-        let staged = if norm.is_some() {
-            x.rows * x.cols * w.dtype.size_bytes()
-        } else {
-            0
-        };
-        let staged = super::narrow("matmul", staged)?;
-        let wave = self.gpu.multiprocessors * self.gemv_ctas_per_sm(kernel, &f, staged)?;
-        let slices = [GEMV_WARPS, 4, 2]
-            .into_iter()
-            .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
-            .unwrap_or(1);
+        let staged = gemv_staged(x, w, norm.is_some())?;
+        let slices = self.gemv_slices(kernel, &f, groups, staged)?;
         let s = &self.stream;
         let mut params = Params::default().buffer(&w.data, s).buffer(x.values, s);
         if let Some((norm, eps)) = norm {
@@ -388,6 +391,23 @@ impl CudaBackend {
     }
 
     /// CTAs of GEMV `kernel` (loaded as `f`) that fit on one SM at once, queried once.
+    /// Warps per group of GEMV_COLS columns of a GEMV of `groups` groups: the most whose CTAs
+    /// all run at once, so every warp the GPU can hold streams part of the weight and none
+    /// waits for a second wave.
+    pub(crate) fn gemv_slices(
+        &self,
+        kernel: Kernel,
+        f: &CudaFunction,
+        groups: u32,
+        staged: u32,
+    ) -> Result<u32> {
+        let wave = self.gpu.multiprocessors * self.gemv_ctas_per_sm(kernel, f, staged)?;
+        Ok([GEMV_WARPS, 4, 2]
+            .into_iter()
+            .find(|&s| groups.div_ceil(GEMV_WARPS / s) <= wave)
+            .unwrap_or(1))
+    }
+
     fn gemv_ctas_per_sm(&self, kernel: Kernel, f: &CudaFunction, shared: u32) -> Result<u32> {
         let mut known = self
             .layers
