@@ -380,6 +380,43 @@ fn operand_products(
     Ok(out)
 }
 
+/// Random positions of `rows` rows, and `(row, slot)` stores of every row but each third,
+/// in scrambled slots of a pool of `pool` tokens, with those slots in order.
+fn rope_rows(
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    pool: usize,
+) -> (Vec<u32>, Vec<(u32, u32)>, Vec<u32>) {
+    let positions = (0..rows).map(|_| rng.gen_range(0..131_072)).collect();
+    let stores: Vec<(u32, u32)> = (0..rows as u32)
+        .filter(|r| r % 3 != 2)
+        .map(|r| (r, (r * 29 + 5) % pool as u32))
+        .collect();
+    let slots = stores.iter().map(|&(_, slot)| slot).collect();
+    (positions, stores, slots)
+}
+
+/// Llama 3's RoPE frequencies for heads of `head_dim`.
+fn rope_frequencies(head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| 500_000f32.powf(-2.0 * i as f32 / head_dim as f32))
+        .collect()
+}
+
+/// The outputs the RoPE tests compare, in the order their runs return them.
+const STORED_QKV: [&str; 5] = ["q", "k", "v", "stored k", "stored v"];
+
+/// Asserts that `got` equals `want`, which is written in full, bit for bit.
+fn same_bits(case: &str, want: &[f32], got: &[f32]) {
+    assert!(want.iter().all(|x| x.is_finite()), "{case}: not written");
+    let same = want
+        .iter()
+        .zip(got)
+        .all(|(x, y)| x.to_bits() == y.to_bits());
+    eprintln!("  {case:<60} bit for bit: {same}");
+    assert!(same, "{case}: the fused op differs");
+}
+
 /// RoPE fused into the KV append (`rope_split_store`) writes the same q, k and v, and the
 /// same cache slots, bit for bit, as `rope_split` then `store_kv`, for every KV dtype, with
 /// some rows not stored and the stored ones in scrambled slots.
@@ -393,16 +430,8 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
     let (rows, pool) = (37usize, 64usize);
     let (q_cols, kv_cols) = (shape.q_row_elems(), shape.kv_token_elems());
     let qkv = values(&mut rng, rows * (q_cols + 2 * kv_cols), 1.0);
-    let positions: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..131_072)).collect();
-    // Every third row is not stored here; the others go to scrambled slots.
-    let stores: Vec<(u32, u32)> = (0..rows as u32)
-        .filter(|r| r % 3 != 2)
-        .map(|r| (r, (r * 29 + 5) % pool as u32))
-        .collect();
-    let slots: Vec<u32> = stores.iter().map(|&(_, slot)| slot).collect();
-    let inv_freq: Vec<f32> = (0..shape.head_dim / 2)
-        .map(|i| 500_000f32.powf(-2.0 * i as f32 / shape.head_dim as f32))
-        .collect();
+    let (positions, stores, slots) = rope_rows(&mut rng, rows, pool);
+    let inv_freq = rope_frequencies(shape.head_dim);
     for dtype in DType::ALL {
         let run = |fused: bool| -> Result<Vec<Vec<f32>>> {
             let b = &gpu;
@@ -430,18 +459,8 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
                 .collect()
         };
         let (two_ops, fused) = (run(false).unwrap(), run(true).unwrap());
-        for ((name, a), b) in ["q", "k", "v", "stored k", "stored v"]
-            .iter()
-            .zip(&two_ops)
-            .zip(&fused)
-        {
-            assert!(
-                a.iter().all(|x| x.is_finite()),
-                "{dtype} {name}: not written"
-            );
-            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            eprintln!("  {dtype} {name:<10} bit for bit: {same}");
-            assert!(same, "{dtype} {name}: the fused op differs");
+        for ((name, a), b) in STORED_QKV.iter().zip(&two_ops).zip(&fused) {
+            same_bits(&format!("{dtype} {name}"), a, b);
         }
     }
 }
@@ -468,9 +487,7 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
         let cols = q_cols + 2 * kv_cols;
         let w = values(&mut rng, cols * hidden, 0.1);
         let norm = values(&mut rng, hidden, 1.0);
-        let inv_freq: Vec<f32> = (0..shape.head_dim / 2)
-            .map(|i| 500_000f32.powf(-2.0 * i as f32 / shape.head_dim as f32))
-            .collect();
+        let inv_freq = rope_frequencies(shape.head_dim);
         for (dtype, rows, stored) in [
             (DType::Bf16, 1, true),
             (DType::Bf16, 2, true),
@@ -479,12 +496,7 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
             (DType::Bf16, 2, false),
         ] {
             let x = values(&mut rng, rows * hidden, 1.0);
-            let positions: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..131_072)).collect();
-            let stores: Vec<(u32, u32)> = (0..rows as u32)
-                .filter(|r| r % 3 != 2)
-                .map(|r| (r, (r * 29 + 5) % pool as u32))
-                .collect();
-            let slots: Vec<u32> = stores.iter().map(|&(_, slot)| slot).collect();
+            let (positions, stores, slots) = rope_rows(&mut rng, rows, pool);
             let run = |epilogue: bool| -> Result<Vec<Vec<f32>>> {
                 let b = &gpu;
                 let typed = |v: &[f32]| TypedVec::from_f32(dtype, v);
@@ -540,19 +552,12 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
                 fused[5].iter().all(|x| x.is_nan()),
                 "{case}: the projection was written, so the epilogue did not run"
             );
-            let names = ["q", "k", "v", "stored k", "stored v"];
-            for ((name, a), b) in names.iter().zip(&two_ops).zip(&fused) {
+            for ((name, a), b) in STORED_QKV.iter().zip(&two_ops).zip(&fused) {
                 if name.starts_with("stored") && !stored {
                     assert!(b.iter().all(|x| x.is_nan()), "{case} {name}: written");
                     continue;
                 }
-                assert!(
-                    a.iter().all(|x| x.is_finite()),
-                    "{case} {name}: not written"
-                );
-                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                eprintln!("  {case} {name:<10} bit for bit: {same}");
-                assert!(same, "{case} {name}: the epilogue's differs");
+                same_bits(&format!("{case} {name}"), a, b);
             }
         }
     }
