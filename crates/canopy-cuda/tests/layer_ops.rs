@@ -470,8 +470,9 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
 /// as `rms_norm_matmul` then `rope_split_store` (or `rope_split`), for every weight and KV
 /// dtype, both head dims, rows normalised in the GEMV (1 and 2) and before it (5), some rows
 /// not stored and the stored ones in scrambled slots. The projection's own output stays
-/// poisoned: the epilogue ran, not the two ops. Its width (6144 columns) is the Llama-3.1-8B
-/// shape's, which the GEMV takes in slices of 4.
+/// poisoned where the epilogue ran, not the two ops: wherever the KV it stores into is of the
+/// weight's dtype. Its width (6144 columns) is the Llama-3.1-8B shape's, which the GEMV takes
+/// in slices of 4.
 #[test]
 fn rope_in_the_projection_epilogue_matches_the_two_ops() {
     let Some(gpu) = gpu("rope_in_the_projection_epilogue_matches_the_two_ops") else {
@@ -488,12 +489,15 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
         let w = values(&mut rng, cols * hidden, 0.1);
         let norm = values(&mut rng, hidden, 1.0);
         let inv_freq = rope_frequencies(shape.head_dim);
-        for (dtype, rows, stored) in [
-            (DType::Bf16, 1, true),
-            (DType::Bf16, 2, true),
-            (DType::F16, 5, true),
-            (DType::F32, 2, true),
-            (DType::Bf16, 2, false),
+        // (weight dtype, KV dtype, rows, stored); a KV of another dtype than the weight's
+        // runs the two ops.
+        for (dtype, kv_dtype, rows, stored) in [
+            (DType::Bf16, DType::Bf16, 1, true),
+            (DType::Bf16, DType::Bf16, 2, true),
+            (DType::F16, DType::F16, 5, true),
+            (DType::F32, DType::F32, 2, true),
+            (DType::Bf16, DType::Bf16, 2, false),
+            (DType::Bf16, DType::F32, 1, true),
         ] {
             let x = values(&mut rng, rows * hidden, 1.0);
             let (positions, stores, slots) = rope_rows(&mut rng, rows, pool);
@@ -505,8 +509,8 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
                 let inv_freq =
                     b.upload_weight(TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
                 let x = b.upload_tensor(&x, rows, hidden)?;
-                let mut kv = b.alloc_kv(&shape, dtype, pool)?;
-                let nan = TypedVec::from_f32(dtype, &vec![f32::NAN; pool * kv_cols]);
+                let mut kv = b.alloc_kv(&shape, kv_dtype, pool)?;
+                let nan = TypedVec::from_f32(kv_dtype, &vec![f32::NAN; pool * kv_cols]);
                 b.write_kv(&mut kv, 0, &nan, &nan)?;
                 let (mut normed, mut fused) =
                     (poisoned(b, rows, hidden)?, poisoned(b, rows, cols)?);
@@ -547,10 +551,12 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
                     .collect()
             };
             let (two_ops, fused) = (run(false).unwrap(), run(true).unwrap());
-            let case = format!("{shape:?} {dtype} {rows} rows, stored: {stored}");
-            assert!(
-                fused[5].iter().all(|x| x.is_nan()),
-                "{case}: the projection was written, so the epilogue did not run"
+            let case = format!("{shape:?} {dtype} ({kv_dtype} KV) {rows} rows, stored: {stored}");
+            let epilogue_ran = fused[5].iter().all(|x| x.is_nan());
+            assert_eq!(
+                epilogue_ran,
+                dtype == kv_dtype || !stored,
+                "{case}: whether the projection was left unwritten (the epilogue ran)"
             );
             for ((name, a), b) in STORED_QKV.iter().zip(&two_ops).zip(&fused) {
                 if name.starts_with("stored") && !stored {

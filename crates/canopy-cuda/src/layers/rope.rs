@@ -153,9 +153,10 @@ impl CudaBackend {
 
     /// [`LayerOps::rms_norm_matmul_rope`](canopy_engine::LayerOps::rms_norm_matmul_rope):
     /// one `gemv_rope` launch where the GEMV takes the product in slices of at most 4 (its
-    /// CTAs then hold both columns of every rotated pair) and the heads are whole groups of
-    /// its columns; its rows normalised in the GEMV where `gemv_normed` would, else by
-    /// `rms_norm` into `normed` first. Otherwise the product into `fused`, then RoPE.
+    /// CTAs then hold both columns of every rotated pair), the heads are whole groups of its
+    /// columns and the KV, if stored into, is of the weight's dtype; its rows normalised in
+    /// the GEMV where `gemv_normed` would, else by `rms_norm` into `normed` first. Otherwise
+    /// the product into `fused`, then RoPE.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn qkv_rope(
         &self,
@@ -177,7 +178,9 @@ impl CudaBackend {
             && w.cols == x.cols
             && gemv_fits(rows, x.cols, w)
             && half > 0
-            && half.is_multiple_of(GEMV_COLS as usize);
+            && half.is_multiple_of(GEMV_COLS as usize)
+            // The kernel stores keys and values in the weight's dtype.
+            && store.as_ref().is_none_or(|(kv, _)| kv.dtype == w.dtype);
         let slices = if shaped {
             let staged = gemv_staged(GemvRows::of(x)?, w, in_gemv)?;
             let groups = narrow("matmul", cols)?.div_ceil(GEMV_COLS);
