@@ -1,6 +1,6 @@
 //! The dense layers' GEMMs: `out = x · wᵀ` (or `out += x · wᵀ`) with fp32 activations and
 //! weights in their stored dtype. A product of at most [`GEMV_MAX_ROWS`] rows (a decode step)
-//! is `layers.cu`'s `gemv`, which streams the weight once at close to the memory's bandwidth
+//! is `gemv.cu`'s `gemv`, which streams the weight once at close to the memory's bandwidth
 //! (on the tensor cores for a 16-bit weight) and folds the residual add or SwiGLU into its
 //! output; more rows (a prefill) run on cuBLAS. The GEMV is an ordinary launch, after the
 //! kernel before it; its split of k over warps is chosen from the kernel's occupancy, the most
@@ -307,7 +307,7 @@ impl CudaBackend {
         }
     }
 
-    /// `layers.cu`'s GEMV for `epilogue`, normalising x's rows by `norm` (its weight and
+    /// `gemv.cu`'s GEMV for `epilogue`, normalising x's rows by `norm` (its weight and
     /// epsilon) as it reads them when there is one.
     pub(crate) fn gemv(
         &self,
@@ -390,7 +390,6 @@ impl CudaBackend {
         Ok(device.clone())
     }
 
-    /// CTAs of GEMV `kernel` (loaded as `f`) that fit on one SM at once, queried once.
     /// Warps per group of GEMV_COLS columns of a GEMV of `groups` groups: the most whose CTAs
     /// all run at once, so every warp the GPU can hold streams part of the weight and none
     /// waits for a second wave.
@@ -408,6 +407,7 @@ impl CudaBackend {
             .unwrap_or(1))
     }
 
+    /// CTAs of GEMV `kernel` (loaded as `f`) that fit on one SM at once, queried once.
     fn gemv_ctas_per_sm(&self, kernel: Kernel, f: &CudaFunction, shared: u32) -> Result<u32> {
         let mut known = self
             .layers
