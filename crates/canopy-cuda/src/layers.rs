@@ -744,8 +744,7 @@ impl LayerOps for CudaBackend {
             self.states_output(states, scratch)?;
             return self.matmul_add(scratch, w, acc);
         }
-        expect_size("cuda", "matmul_add", "the weight's columns", w.cols, cols)?;
-        same_dims("matmul_add", "the output", acc, (rows, w.rows))?;
+        Epilogue::Add.check((rows, cols), w, acc)?;
         acc.drop_rounded();
         let x = GemvRows {
             values: &states.o,

@@ -165,11 +165,17 @@ impl Epilogue {
         }
     }
 
-    /// Refuses a product whose operands do not fit: `w` as wide as `x`, `out` as many rows as
-    /// `x` and as wide as `w` has rows (half of them, gate's then up's, for SwiGLU).
-    fn check(self, x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) -> Result<()> {
+    /// Refuses a product whose operands do not fit: `w` as wide as `x` (`rows × cols`), `out`
+    /// as many rows as `x` and as wide as `w` has rows (half of them, gate's then up's, for
+    /// SwiGLU).
+    pub(crate) fn check(
+        self,
+        (rows, cols): (usize, usize),
+        w: &CudaWeight,
+        out: &CudaTensor,
+    ) -> Result<()> {
         let op = self.op();
-        expect_size("cuda", op, "the weight's columns", w.cols, x.cols)?;
+        expect_size("cuda", op, "the weight's columns", w.cols, cols)?;
         let width = match self {
             Epilogue::Swiglu if !w.rows.is_multiple_of(2) => {
                 return Err(CudaError::Unsupported(format!(
@@ -180,7 +186,7 @@ impl Epilogue {
             Epilogue::Swiglu => w.rows / 2,
             Epilogue::Store | Epilogue::Add => w.rows,
         };
-        super::same_dims(op, "the output", out, (x.rows, width))
+        super::same_dims(op, "the output", out, (rows, width))
     }
 }
 
@@ -244,7 +250,7 @@ impl CudaBackend {
         out: &mut CudaTensor,
         epilogue: Epilogue,
     ) -> Result<()> {
-        epilogue.check(x, w, out)?;
+        epilogue.check((x.rows, x.cols), w, out)?;
         self.product(x, w, out, epilogue)
     }
 
@@ -268,7 +274,7 @@ impl CudaBackend {
             return self.checked_product(normed, w, out, epilogue);
         }
         super::check_norm_weight(x, norm)?;
-        epilogue.check(x, w, out)?;
+        epilogue.check((x.rows, x.cols), w, out)?;
         out.drop_rounded();
         self.gemv(GemvRows::of(x)?, w, Some((norm, eps)), out, epilogue)
     }

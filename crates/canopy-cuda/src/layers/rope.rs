@@ -181,17 +181,16 @@ impl CudaBackend {
             && half.is_multiple_of(GEMV_COLS as usize)
             // The kernel stores keys and values in the weight's dtype.
             && store.as_ref().is_none_or(|(kv, _)| kv.dtype == w.dtype);
-        let slices = if shaped {
+        let launch = if shaped {
+            let f = self.function(kernel)?;
             let staged = gemv_staged(GemvRows::of(x)?, w, in_gemv)?;
             let groups = narrow("matmul", cols)?.div_ceil(GEMV_COLS);
-            Some((
-                self.gemv_slices(kernel, &self.function(kernel)?, groups, staged)?,
-                staged,
-            ))
+            let slices = self.gemv_slices(kernel, &f, groups, staged)?;
+            Some((f, slices, staged))
         } else {
             None
         };
-        let Some((slices, staged)) = slices.filter(|&(slices, _)| slices <= 4) else {
+        let Some((f, slices, staged)) = launch.filter(|&(_, slices, _)| slices <= 4) else {
             self.normed_product(x, (norm, eps), w, normed, fused, Epilogue::Store)?;
             return self.rope(fused, positions, inv_freq, (q, k, v), store);
         };
@@ -248,7 +247,6 @@ impl CudaBackend {
             block_dim: (GEMV_WARPS * 32, 1, 1),
             shared_mem_bytes: staged,
         };
-        let f = self.function(kernel)?;
         // SAFETY: w holds cols × k elements of its dtype and the activation rows × k floats (or
         // their normalised copy is staged, the norm's weight k elements of w's dtype), at most
         // GEMV_MAX_ROWS rows (gemv_fits) and k a whole number of 16-byte chunks; q, k and v
