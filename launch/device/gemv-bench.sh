@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The decode GEMVs timed alone (tools/gemv_bench.cu, built here with nvcc) for every variant
 # folder under $VARIANTS (default .device/variants, as kernel-variants.sh: each holds
-# replacement sources, layers.cu and/or common.cuh; an empty one is the crate's), ROUNDS
-# rounds in turn, at ROWS activation rows.
+# replacement sources, layers.cu, gemv.cu and/or common.cuh; an empty one is the crate's),
+# ROUNDS rounds in turn, at ROWS activation rows.
 # The shared constants come from canopy-kernels' constants.rs, their one source.
 # Results: $OUT/gemv-bench.txt.
 set -uo pipefail

@@ -1,7 +1,7 @@
-// Standalone timing of layers.cu's decode GEMVs on the Llama-3.1-8B projections (bf16, one
+// Standalone timing of gemv.cu's decode GEMVs on the Llama-3.1-8B projections (bf16, one
 // activation row), for kernel development on the device: built by launch/device/gemv-bench.sh
-// with nvcc against the crate's sources or a variant's `layers.cu`, so variants of the kernel
-// are timed alone, apart from a model's step.
+// with nvcc against the crate's sources or a variant's `layers.cu` and `gemv.cu`, so variants
+// of the kernel are timed alone, apart from a model's step.
 //
 // Each projection is timed two ways, cycling through enough copies of its weight that none is
 // read from L2: launched back to back without programmatic dependence ("alone"), and as the
@@ -20,6 +20,7 @@
 
 #include "common.cuh"
 #include "layers.cu"
+#include "gemv.cu"
 
 #include "bench.cuh"
 
