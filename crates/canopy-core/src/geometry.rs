@@ -182,6 +182,10 @@ fn cta_work(tokens: u64, per_token_64ths: u64) -> u64 {
 /// [`MIN_PIECE_TOKENS`] or [`PIECE_TOKENS_PER_ROW`] per row. A caller that counts `slots` as
 /// several waves of resident CTAs gets shorter pieces. Returns the cut
 /// plan and its CTAs in launch order: longest first, ties in group order.
+///
+/// Groups too short to cut take their CTAs whole. Where those push the cut past `slots` while
+/// the plan uncut would fit, the long groups are cut for the slots the others leave them, so
+/// the step stays one wave instead of ending with a few CTAs run after the rest.
 pub fn cut_for_gpu(plan: &Plan, shape: &AttnShape, slots: usize) -> (Plan, Vec<CtaItem>) {
     let plan = plan.split_queries((CTA_ROWS / shape.group_size()).max(1));
     let total: u64 = plan
@@ -192,7 +196,31 @@ pub fn cut_for_gpu(plan: &Plan, shape: &AttnShape, slots: usize) -> (Plan, Vec<C
             ctas * cta_work(g.tokens() as u64, per_token)
         })
         .sum();
-    let piece = (total / slots.max(1) as u64).max(1);
+    let uncut: usize = plan
+        .groups()
+        .iter()
+        .map(|g| cta_shape(g, shape).1 as usize)
+        .sum();
+    let mut shares = slots.max(1);
+    loop {
+        let (cut, items) = cut_into_shares(&plan, shape, total, shares);
+        let over = items.len().saturating_sub(slots);
+        if over == 0 || uncut > slots || shares == 1 {
+            return (cut, items);
+        }
+        shares = shares.saturating_sub(over).max(1);
+    }
+}
+
+/// [`cut_for_gpu`]'s cut of `plan` (split by query already) into pieces of at least one of
+/// `shares` even shares of its `total` work, and the CTAs of the cut, longest first.
+fn cut_into_shares(
+    plan: &Plan,
+    shape: &AttnShape,
+    total: u64,
+    shares: usize,
+) -> (Plan, Vec<CtaItem>) {
+    let piece = (total / shares as u64).max(1);
     let plan = plan.split_groups(|g| {
         let (_, _, per_token) = cta_shape(g, shape);
         let tokens = g.tokens() as u64;
@@ -265,6 +293,30 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), cut.groups().len() * 8);
+    }
+
+    /// A shared prefix over 64 one-query leaves (`bench serve`'s few-shot tree at 64 in
+    /// flight): the leaves' 128 CTAs cannot be cut, so the prefix is cut for the slots they
+    /// leave, and the whole step is one wave of 396 slots, the prefix still in pieces.
+    #[test]
+    fn uncut_groups_keep_the_cut_within_one_wave() {
+        let mut groups = vec![Group::unmasked(vec![0..4096], (0..64).collect())];
+        groups.extend(
+            (0..64u32).map(|i| Group::unmasked(vec![4096 + 128 * i..4224 + 128 * i], vec![i])),
+        );
+        let plan = Plan::new(64, groups).unwrap();
+        let (cut, items) = cut_for_gpu(&plan, &shape(32, 8), 396);
+        assert!(items.len() <= 396, "{} CTAs on 396 slots", items.len());
+        let prefix_pieces = cut
+            .groups()
+            .iter()
+            .filter(|g| g.queries.len() == 16)
+            .count();
+        assert!(
+            prefix_pieces >= 4 * 8,
+            "the prefix is cut ({prefix_pieces} pieces)"
+        );
+        assert_eq!(items.iter().filter(|c| c.per_head).count(), 128);
     }
 
     /// Plans of one-warp-per-head CTAs alone are cut for fewer slots; a plan with one group of
