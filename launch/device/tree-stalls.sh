@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Why a shared-prefix decode attention takes what it takes: Nsight Compute's speed-of-light,
+# occupancy, warp-state and memory sections over one `decode_partial_mma` launch of METHOD
+# (deft-node) on a tree of one PREFIX-token node over LEAVES one-query leaves of LEAF tokens
+# (32/8 heads x 128, f16, one rank; the batch-64 serving pass's shape by default), then the
+# warps' stall reasons per issued instruction and the sampled source lines.
+# Results: $OUT/tree-stalls.txt.
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+tree_toml shared "1, ${LEAVES:-64}" "${PREFIX:-4096}, ${LEAF:-16}"
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  $BIN bench tree --workload /tmp/shared.toml --method "${METHOD:-deft-node}" --iterations 10 2>&1 | tail -3
+  $NCU --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section LaunchStats -k regex:decode_partial_mma \
+    --launch-skip 3 --launch-count 1 $BIN bench tree --workload /tmp/shared.toml \
+    --method "${METHOD:-deft-node}" --iterations 3 --check false 2>&1 | grep -vE "^==PROF==|^ *-+ *$"
+  $NCU --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" --section SourceCounters \
+    -k regex:decode_partial_mma --launch-skip 3 --launch-count 1 $BIN bench tree \
+    --workload /tmp/shared.toml --method "${METHOD:-deft-node}" --iterations 3 --check false 2>&1 \
+    | grep -vE "^==PROF==|^ *-+ *$" | awk '$NF != "0" || !/stalled/'
+} 2>&1 | tee "$OUT/tree-stalls.txt"
