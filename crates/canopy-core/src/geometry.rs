@@ -295,9 +295,9 @@ mod tests {
         assert_eq!(seen.len(), cut.groups().len() * 8);
     }
 
-    /// A shared prefix over 64 one-query leaves (`bench serve`'s few-shot tree at 64 in
-    /// flight): the leaves' 128 CTAs cannot be cut, so the prefix is cut for the slots they
-    /// leave, and the whole step is one wave of 396 slots, the prefix still in pieces.
+    /// A shared prefix over 64 one-query leaves (`configs/workloads/serve-few-shot.toml`):
+    /// the leaves' 128 CTAs cannot be cut, so the prefix is cut for the slots they leave, and
+    /// the whole step is one wave of 396 slots, the prefix still in pieces.
     #[test]
     fn uncut_groups_keep_the_cut_within_one_wave() {
         let mut groups = vec![Group::unmasked(vec![0..4096], (0..64).collect())];
