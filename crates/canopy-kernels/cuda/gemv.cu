@@ -132,6 +132,24 @@ __device__ __forceinline__ void gemv_load_blocks(const elem_t* __restrict__ w, u
             gemv_load(w, n + j * mat_offset, live && base + u * slices < blocks, k, base + u * slices, wc[u][j]);
 }
 
+// The warp's walk over its slice of k: the blocks from `slice` on, `slices` apart, loaded
+// GEMV_UNROLL at a time into `wc` (the first ones by the caller), `body(u, block)` on each as
+// its turn comes.
+template <int MATS, typename Body>
+__device__ __forceinline__ void gemv_walk_blocks(const elem_t* __restrict__ w, u32 n, bool live, u64 mat_offset,
+                                                 u32 k, u32 blocks, u32 slice, u32 slices,
+                                                 uint4 (&wc)[GEMV_UNROLL][MATS][2], Body body) {
+    for (u32 base = slice; base < blocks; base += slices * GEMV_UNROLL) {
+        if (base != slice) gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, base, slices, wc);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const u32 block = base + u * slices;
+            if (block >= blocks) break;
+            body(u, block);
+        }
+    }
+}
+
 // A normed GEMV's norm: its weight and epsilon, and the shared memory its CTA stages the
 // normalised rows in (null: a plain GEMV).
 struct GemvNorm {
@@ -154,7 +172,7 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
     const u32 lane = threadIdx.x % 32;
     const u32 n = group * GEMV_COLS + lane / 4;
     const bool live = n < cols;
-    const u32 blocks = (k + GEMV_BLOCK - 1) / GEMV_BLOCK, step = slices * GEMV_UNROLL;
+    const u32 blocks = (k + GEMV_BLOCK - 1) / GEMV_BLOCK;
     uint4 wc[GEMV_UNROLL][MATS][2];
     gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc);
     wait_for_previous_grid();
@@ -163,40 +181,34 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
     // Lane (m, q) = (lane / 4, lane % 4): row m of the activation, columns 2q and 2q + 1 of D.
     const u32 m = lane / 4;
     float acc[MATS][4] = {};
-    for (u32 base = slice; base < blocks; base += step) {
-        if (base != slice) gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, base, slices, wc);
+    gemv_walk_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc, [&](int u, u32 block) {
+        u32 a[GEMV_LANE_ELEMS / 2] = {};
+        if (m < rows && norm.staged) {
+            // The lane's two chunks, rounded already: pairs in memory order, as pack2's.
+            const u32 first = block * GEMV_BLOCK + (lane % 4) * GEMV_LANE_ELEMS;
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const u32 block = base + u * slices;
-            if (block >= blocks) break;
-            u32 a[GEMV_LANE_ELEMS / 2] = {};
-            if (m < rows && norm.staged) {
-                // The lane's two chunks, rounded already: pairs in memory order, as pack2's.
-                const u32 first = block * GEMV_BLOCK + (lane % 4) * GEMV_LANE_ELEMS;
+            for (int h = 0; h < 2; ++h)
+                if (first + h * GEMV_VEC < k) {
+                    const uint4 c = *reinterpret_cast<const uint4*>(norm.staged + (u64)m * k + first + h * GEMV_VEC);
+                    a[4 * h] = c.x;
+                    a[4 * h + 1] = c.y;
+                    a[4 * h + 2] = c.z;
+                    a[4 * h + 3] = c.w;
+                }
+        } else if (m < rows) {
+            float v[GEMV_LANE_ELEMS];
+            gemv_activation(x + (u64)m * k, k, block, v);
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    if (first + h * GEMV_VEC < k) {
-                        const uint4 c = *reinterpret_cast<const uint4*>(norm.staged + (u64)m * k + first + h * GEMV_VEC);
-                        a[4 * h] = c.x;
-                        a[4 * h + 1] = c.y;
-                        a[4 * h + 2] = c.z;
-                        a[4 * h + 3] = c.w;
-                    }
-            } else if (m < rows) {
-                float v[GEMV_LANE_ELEMS];
-                gemv_activation(x + (u64)m * k, k, block, v);
-#pragma unroll
-                for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack2(v[2 * i], v[2 * i + 1]);
-            }
-#pragma unroll
-            for (int j = 0; j < MATS; ++j) {
-                const u32 b[8] = {wc[u][j][0].x, wc[u][j][0].y, wc[u][j][0].z, wc[u][j][0].w,
-                                  wc[u][j][1].x, wc[u][j][1].y, wc[u][j][1].z, wc[u][j][1].w};
-#pragma unroll
-                for (int t = 0; t < 4; ++t) mma_upper_rows(acc[j], a[2 * t], a[2 * t + 1], b[2 * t], b[2 * t + 1]);
-            }
+            for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack2(v[2 * i], v[2 * i + 1]);
         }
-    }
+#pragma unroll
+        for (int j = 0; j < MATS; ++j) {
+            const u32 b[8] = {wc[u][j][0].x, wc[u][j][0].y, wc[u][j][0].z, wc[u][j][0].w,
+                              wc[u][j][1].x, wc[u][j][1].y, wc[u][j][1].z, wc[u][j][1].w};
+#pragma unroll
+            for (int t = 0; t < 4; ++t) mma_upper_rows(acc[j], a[2 * t], a[2 * t + 1], b[2 * t], b[2 * t + 1]);
+        }
+    });
     if (m < rows)
 #pragma unroll
         for (int j = 0; j < MATS; ++j) {
@@ -205,36 +217,30 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
         }
 #else
     float acc[GEMV_MAX_ROWS][MATS] = {};
-    for (u32 base = slice; base < blocks; base += step) {
-        if (base != slice) gemv_load_blocks<MATS>(w, n, live, mat_offset, k, blocks, base, slices, wc);
+    gemv_walk_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc, [&](int u, u32 block) {
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const u32 block = base + u * slices;
-            if (block >= blocks) break;
+        for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
+            if (m >= (int)rows) break;
+            float v[GEMV_LANE_ELEMS];
+            if (norm.staged) {
+                const u32 first = block * GEMV_BLOCK + (lane % 4) * GEMV_LANE_ELEMS;
 #pragma unroll
-            for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
-                if (m >= (int)rows) break;
-                float v[GEMV_LANE_ELEMS];
-                if (norm.staged) {
-                    const u32 first = block * GEMV_BLOCK + (lane % 4) * GEMV_LANE_ELEMS;
+                for (int e = 0; e < GEMV_LANE_ELEMS; ++e)
+                    v[e] = first + e < k ? norm.staged[(u64)m * k + first + e] : 0.f;
+            } else {
+                gemv_activation(x + (u64)m * k, k, block, v);
+            }
 #pragma unroll
-                    for (int e = 0; e < GEMV_LANE_ELEMS; ++e)
-                        v[e] = first + e < k ? norm.staged[(u64)m * k + first + e] : 0.f;
-                } else {
-                    gemv_activation(x + (u64)m * k, k, block, v);
-                }
+            for (int j = 0; j < MATS; ++j) {
+                const uint4 c[2] = {wc[u][j][0], wc[u][j][1]};
+                const float wf[8] = {__uint_as_float(c[0].x), __uint_as_float(c[0].y), __uint_as_float(c[0].z),
+                                     __uint_as_float(c[0].w), __uint_as_float(c[1].x), __uint_as_float(c[1].y),
+                                     __uint_as_float(c[1].z), __uint_as_float(c[1].w)};
 #pragma unroll
-                for (int j = 0; j < MATS; ++j) {
-                    const uint4 c[2] = {wc[u][j][0], wc[u][j][1]};
-                    const float wf[8] = {__uint_as_float(c[0].x), __uint_as_float(c[0].y), __uint_as_float(c[0].z),
-                                         __uint_as_float(c[0].w), __uint_as_float(c[1].x), __uint_as_float(c[1].y),
-                                         __uint_as_float(c[1].z), __uint_as_float(c[1].w)};
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[m][j] = fmaf(wf[e], v[e], acc[m][j]);
-                }
+                for (int e = 0; e < 8; ++e) acc[m][j] = fmaf(wf[e], v[e], acc[m][j]);
             }
         }
-    }
+    });
 #pragma unroll
     for (int m = 0; m < GEMV_MAX_ROWS; ++m)
 #pragma unroll
