@@ -3,7 +3,9 @@
 # occupancy, warp-state and memory sections over one `decode_partial_mma` launch of METHOD
 # (deft-node) on a tree of one PREFIX-token node over LEAVES one-query leaves of LEAF tokens
 # (32/8 heads x 128, f16, one rank; the batch-64 serving pass's shape by default), then the
-# warps' stall reasons per issued instruction and the sampled source lines.
+# warps' stall reasons per issued instruction and the sampled source lines. SASS=true also
+# writes the sampled stalls of every SASS instruction ($OUT/sass.csv.gz, Nsight Compute's
+# source page).
 # Results: $OUT/tree-stalls.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -21,3 +23,9 @@ tree_toml shared "1, ${LEAVES:-64}" "${PREFIX:-4096}, ${LEAF:-16}"
     --workload /tmp/shared.toml --method "${METHOD:-deft-node}" --iterations 3 --check false 2>&1 \
     | grep -vE "^==PROF==|^ *-+ *$" | awk '$NF != "0" || !/stalled/'
 } 2>&1 | tee "$OUT/tree-stalls.txt"
+if [ "${SASS:-false}" = true ]; then
+  $NCU --section SourceCounters --section WarpStateStats -k regex:decode_partial_mma --launch-skip 3 \
+    --launch-count 1 -f -o /tmp/tree-stalls $BIN bench tree --workload /tmp/shared.toml \
+    --method "${METHOD:-deft-node}" --iterations 3 --check false > /dev/null 2>&1
+  $NCU -i /tmp/tree-stalls.ncu-rep --page source --print-source sass --csv | gzip > "$OUT/sass.csv.gz"
+fi
