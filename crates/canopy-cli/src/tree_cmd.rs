@@ -73,6 +73,10 @@ pub struct TreeArgs {
     /// into more, shorter CTAs).
     #[arg(long, default_value_t = 1)]
     waves: u32,
+    /// CUDA: plan for at most this many resident CTAs per SM (fewer: long groups are cut into
+    /// fewer, longer CTAs); default as many as fit, up to the backend's limit.
+    #[arg(long)]
+    ctas_per_sm: Option<u32>,
     /// CUDA: KV tokens per shared-memory tile of the many-row tensor-core kernel (32 or 64).
     #[arg(long, default_value_t = MmaPipeline::default().tile)]
     mma_tile: usize,
@@ -280,12 +284,16 @@ impl OneRank {
     pub(crate) fn new(a: &TreeArgs, kind: BackendKind) -> Result<OneRank> {
         Ok(match kind {
             BackendKind::Cpu => OneRank::Cpu,
-            BackendKind::Cuda => OneRank::Cuda(Box::new(
-                CudaBackend::new(0)?
+            BackendKind::Cuda => {
+                let mut backend = CudaBackend::new(0)?
                     .with_kernel(a.kernel)
                     .with_waves(a.waves)
-                    .with_mma_pipeline(a.pipeline())?,
-            )),
+                    .with_mma_pipeline(a.pipeline())?;
+                if let Some(n) = a.ctas_per_sm {
+                    backend = backend.with_ctas_per_sm(Some(n));
+                }
+                OneRank::Cuda(Box::new(backend))
+            }
         })
     }
 
