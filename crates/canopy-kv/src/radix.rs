@@ -57,6 +57,16 @@ impl CacheStats {
     }
 }
 
+/// Where a run of tokens leaves the cache ([`PrefixCache::deepest_match`]).
+struct Match {
+    /// The deepest node the tokens cover whole (`None`: not even the first page is cached).
+    node: Option<KvNode>,
+    /// Tokens from the root to the end of `node`.
+    tokens: usize,
+    /// The child of `node` whose first pages (at least one) the tokens repeat and then leave.
+    inside: Option<(KvNode, usize)>,
+}
+
 /// One indexed node.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -132,22 +142,37 @@ impl PrefixCache {
     /// How many leading tokens of `tokens` [`acquire`](Self::acquire) would find cached now,
     /// without taking a lease: what a scheduler prices a request's pages by.
     pub fn cached_len(&self, tokens: &[u32]) -> usize {
+        let m = self.deepest_match(tokens);
+        m.tokens
+            + m.inside
+                .map_or(0, |(_, pages)| pages * self.kv.page_size() as usize)
+    }
+
+    /// How far `tokens` runs along the cache in whole pages: the deepest node it covers
+    /// whole and the tokens up to its end, and the child where the match ends inside one,
+    /// with the pages of it matched. [`cached_len`](Self::cached_len) reads it and
+    /// [`acquire`](Self::acquire) splits that child there.
+    fn deepest_match(&self, tokens: &[u32]) -> Match {
         let ps = self.kv.page_size() as usize;
-        let mut at: Option<KvNode> = None;
-        let mut matched = 0;
-        while let Some(page) = tokens.get(matched..matched + ps) {
-            let Some(&child) = self.index.get(&(at, page.to_vec())) else {
+        let mut m = Match {
+            node: None,
+            tokens: 0,
+            inside: None,
+        };
+        while let Some(page) = tokens.get(m.tokens..m.tokens + ps) {
+            let Some(&child) = self.index.get(&(m.node, page.to_vec())) else {
                 break;
             };
             let cached = &self.entries[&child].tokens;
-            let same = Self::same_pages(cached, &tokens[matched..], ps);
-            matched += same * ps;
+            let same = Self::same_pages(cached, &tokens[m.tokens..], ps);
             if same * ps < cached.len() {
+                m.inside = Some((child, same));
                 break;
             }
-            at = Some(child);
+            m.tokens += cached.len();
+            m.node = Some(child);
         }
-        matched
+        m
     }
 
     /// Whole pages at the start of `cached` that `tokens` repeats.
@@ -163,23 +188,14 @@ impl PrefixCache {
     /// the match ends inside one, and takes a lease on it. Pass the tokens whose KV may be
     /// reused: a prompt without its last token, whose logits its request needs.
     pub fn acquire(&mut self, tokens: &[u32]) -> Result<Prefix> {
-        let ps = self.kv.page_size() as usize;
-        let mut at: Option<KvNode> = None;
-        let mut matched = 0;
-        while let Some(page) = tokens.get(matched..matched + ps) {
-            let Some(&child) = self.index.get(&(at, page.to_vec())) else {
-                break;
-            };
-            let cached = &self.entries[&child].tokens;
-            let same = Self::same_pages(cached, &tokens[matched..], ps);
-            if same * ps < cached.len() {
-                at = Some(self.split(child, same)?);
-                matched += same * ps;
-                break;
-            }
-            matched += cached.len();
-            at = Some(child);
-        }
+        let m = self.deepest_match(tokens);
+        let (at, matched) = match m.inside {
+            Some((child, pages)) => (
+                Some(self.split(child, pages)?),
+                m.tokens + pages * self.kv.page_size() as usize,
+            ),
+            None => (m.node, m.tokens),
+        };
         self.clock += 1;
         self.walk_up(at, |e, clock| {
             e.refs += 1;
