@@ -5,7 +5,7 @@
 # (32/8 heads x 128, f16, one rank; the batch-64 serving pass's shape by default), then the
 # warps' stall reasons per issued instruction and the sampled source lines. SASS=true also
 # writes the sampled stalls of every SASS instruction ($OUT/sass.csv.gz, Nsight Compute's
-# source page).
+# source page) and adds their sum by piece of code (tools/sass_regions.py).
 # Results: $OUT/tree-stalls.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -28,4 +28,5 @@ if [ "${SASS:-false}" = true ]; then
     --launch-count 1 -f -o /tmp/tree-stalls $BIN bench tree --workload /tmp/shared.toml \
     --method "${METHOD:-deft-node}" --iterations 3 --check false > /dev/null 2>&1
   $NCU -i /tmp/tree-stalls.ncu-rep --page source --print-source sass --csv | gzip > "$OUT/sass.csv.gz"
+  python3 "$(dirname "$0")/tools/sass_regions.py" "$OUT/sass.csv.gz" | tee -a "$OUT/tree-stalls.txt"
 fi
