@@ -67,6 +67,13 @@ struct Match {
     inside: Option<(KvNode, usize)>,
 }
 
+impl Match {
+    /// Tokens the match covers, on pages of `page_size` tokens.
+    fn len(&self, page_size: usize) -> usize {
+        self.tokens + self.inside.map_or(0, |(_, pages)| pages * page_size)
+    }
+}
+
 /// One indexed node.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -142,10 +149,7 @@ impl PrefixCache {
     /// How many leading tokens of `tokens` [`acquire`](Self::acquire) would find cached now,
     /// without taking a lease: what a scheduler prices a request's pages by.
     pub fn cached_len(&self, tokens: &[u32]) -> usize {
-        let m = self.deepest_match(tokens);
-        m.tokens
-            + m.inside
-                .map_or(0, |(_, pages)| pages * self.kv.page_size() as usize)
+        self.deepest_match(tokens).len(self.kv.page_size() as usize)
     }
 
     /// How far `tokens` runs along the cache in whole pages: the deepest node it covers
@@ -189,12 +193,10 @@ impl PrefixCache {
     /// reused: a prompt without its last token, whose logits its request needs.
     pub fn acquire(&mut self, tokens: &[u32]) -> Result<Prefix> {
         let m = self.deepest_match(tokens);
-        let (at, matched) = match m.inside {
-            Some((child, pages)) => (
-                Some(self.split(child, pages)?),
-                m.tokens + pages * self.kv.page_size() as usize,
-            ),
-            None => (m.node, m.tokens),
+        let matched = m.len(self.kv.page_size() as usize);
+        let at = match m.inside {
+            Some((child, pages)) => Some(self.split(child, pages)?),
+            None => m.node,
         };
         self.clock += 1;
         self.walk_up(at, |e, clock| {
