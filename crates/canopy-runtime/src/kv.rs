@@ -36,8 +36,17 @@ pub enum RankChange {
 /// ([`KvManager::with_growth_room`]): a rank's plan, page table and recorded decode graph then
 /// carry over the pages its leaves take, and a leaf's own growth replans its rank at most
 /// once in this many steps. The room costs page-table entries, not pages. The ring sends
-/// every logical address of a shard around, so it keeps none.
+/// every logical address of a shard around, so it keeps none. A server's leaves keep this
+/// room; `generate`'s keep [`SEQUENCE_GROWTH_ROOM`].
 pub const GROWTH_ROOM: u32 = 128;
+
+/// [`GROWTH_ROOM`] for `generate`'s requests, whose plans change only when a leaf outgrows
+/// its room (a server's also change with its batch). Between those replans the plan is extended in
+/// place, and a leaf's new tokens all land in the last piece of its group's cut, whose CTAs
+/// then run longest: over 150 tokens of the Llama-3.1-8B shape on an H100, 128 tokens of room
+/// took 6.444 ms/token at 8K and 7.590 at 32K (median), 32 took 6.291 and 7.357
+/// (docs/BENCHMARKS.md, session 37). A replan re-records the step's graph, about 2.5 ms once.
+pub const SEQUENCE_GROWTH_ROOM: u32 = 32;
 
 impl RankView {
     fn of(snap: &RankSnapshot, page_size: u32) -> RankView {

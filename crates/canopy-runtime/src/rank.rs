@@ -18,7 +18,7 @@
 //! and so draws the same tokens.
 
 use crate::forward::{Forward, StepRows};
-use crate::kv::{KvLayout, RankChange, RankView, GROWTH_ROOM};
+use crate::kv::{KvLayout, RankChange, RankView, SEQUENCE_GROWTH_ROOM};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
 use crate::sampling::{step_reach, Sampler, SamplingParams, StepLogits, TopTwo};
@@ -146,7 +146,7 @@ impl GenerateRequest {
         // included. Its plans still carry over the steps whose tokens land in pages the shards
         // already had.
         Ok(match self.strategy {
-            DecodeStrategy::Tree(_) => layout.with_growth_room(GROWTH_ROOM),
+            DecodeStrategy::Tree(_) => layout.with_growth_room(SEQUENCE_GROWTH_ROOM),
             DecodeStrategy::Ring => layout,
         })
     }
