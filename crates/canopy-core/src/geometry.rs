@@ -13,7 +13,7 @@
 //! longest first: the hardware starts CTAs in launch order, so the long ones run in the first
 //! wave and the short ones fill in behind them instead of leaving a tail.
 
-use crate::plan::{Group, Plan};
+use crate::plan::{even_sizes, Group, Plan};
 use crate::shape::AttnShape;
 
 /// Query rows (queries × GQA rows) one CTA of either kernel holds; larger groups are split by
@@ -46,6 +46,16 @@ pub const CUDA_CORE_GQA_CTAS_PER_SM: usize = 3;
 pub const HEADS_ROWS: usize = 16;
 /// KV heads per CTA on the one-warp-per-head path (one per warp).
 pub const HEADS_PER_CTA: usize = 4;
+/// Tokens per KV tile of the one-warp-per-head path (one k-chunk of P V): the shortest tile
+/// any tensor-core CTA streams, so the grain [`cut_for_gpu`] keeps its pieces' tile counts by.
+pub const HEADS_TILE: usize = 16;
+/// Tokens by which [`cut_for_gpu`] leaves each cut group's last piece short, where every other
+/// piece stays within the [`HEADS_TILE`]-token tiles of the even cut's longest, and at most
+/// half a share. Decode extends a plan in place between replans, and a leaf's new tokens land
+/// in the last piece of its group: left short by the room a leaf grows into before its rank
+/// replans (the runtime's `SEQUENCE_GROWTH_ROOM` is this), that piece reaches its share when
+/// the room runs out instead of outrunning every other CTA.
+pub const CUT_TAIL_ROOM: u32 = 32;
 /// Shortest piece a long group is cut into: one 32-token tile of the many-row kernel.
 pub const MIN_PIECE_TOKENS: u32 = 32;
 /// Tokens a piece must have per query row it holds. Each piece costs its queries a partial
@@ -221,13 +231,13 @@ fn cut_into_shares(
     shares: usize,
 ) -> (Plan, Vec<CtaItem>) {
     let piece = (total / shares as u64).max(1);
-    let plan = plan.split_groups(|g| {
+    let plan = plan.split_groups_into(|g| {
         let (_, _, per_token) = cta_shape(g, shape);
         let tokens = g.tokens() as u64;
         let rows = (g.queries.len() * shape.group_size()) as u64;
         let shortest = (PIECE_TOKENS_PER_ROW as u64 * rows).max(MIN_PIECE_TOKENS as u64);
         let want = cta_work(tokens, per_token) / piece;
-        want.min(tokens / shortest) as u32
+        piece_sizes(tokens, want.min(tokens / shortest))
     });
     let mut items = Vec::new();
     for (i, g) in plan.groups().iter().enumerate() {
@@ -247,6 +257,26 @@ fn cut_into_shares(
     // session 7.)
     items.sort_by_key(|c| std::cmp::Reverse(c.work));
     (plan, items)
+}
+
+/// `tokens` cut into `pieces` (at least 1, at most one a token): evenly, but for the last piece,
+/// short by up to [`CUT_TAIL_ROOM`] tokens, and at most half a share. It is short only as far
+/// as no other piece passes the even cut's longest, rounded up to whole [`HEADS_TILE`] tiles.
+pub fn piece_sizes(tokens: u64, pieces: u64) -> Vec<u32> {
+    let pieces = pieces.clamp(1, tokens.max(1));
+    if pieces < 2 {
+        return even_sizes(tokens, pieces);
+    }
+    let share = tokens / pieces;
+    let longest = tokens.div_ceil(pieces).next_multiple_of(HEADS_TILE as u64);
+    let last_at_least = tokens.saturating_sub(longest * (pieces - 1));
+    let short = (CUT_TAIL_ROOM as u64)
+        .min(share / 2)
+        .min(share.saturating_sub(last_at_least));
+    let last = share - short;
+    let mut sizes = even_sizes(tokens - last, pieces - 1);
+    sizes.push(last as u32);
+    sizes
 }
 
 #[cfg(test)]
@@ -384,5 +414,45 @@ mod tests {
         let (cut, items) = cut_for_gpu(&plan, &shape(32, 32), 132 * 3);
         assert_eq!(cut, plan);
         assert_eq!(items.len(), 1024 * 8);
+    }
+
+    /// A batch-1 decode step at 8K on an H100: 132 pieces of one group. The last piece, which
+    /// the step's new tokens extend in place, is left 31 tokens short (half a share), and no
+    /// other piece takes a fifth 16-token tile.
+    #[test]
+    fn the_last_piece_is_left_room_to_grow() {
+        let sizes = piece_sizes(8193, 132);
+        assert_eq!(sizes.len(), 132);
+        assert_eq!(sizes.iter().map(|&n| n as u64).sum::<u64>(), 8193);
+        assert_eq!(*sizes.last().unwrap(), 31);
+        assert!(
+            sizes[..131].iter().all(|&n| (62..=63).contains(&n)),
+            "{sizes:?}"
+        );
+        // At 32K the whole room fits: 248 - 32.
+        assert_eq!(*piece_sizes(32769, 132).last().unwrap(), 216);
+        // One piece, or a share too short to spare tokens without another tile, stays even.
+        assert_eq!(piece_sizes(100, 1), vec![100]);
+        assert_eq!(piece_sizes(64, 4), even_sizes(64, 4));
+    }
+
+    proptest::proptest! {
+        /// The cut covers the group, leaves no piece empty, keeps the even cut's longest
+        /// piece's tile count, and leaves only the last piece short.
+        #[test]
+        fn piece_sizes_keep_the_longest_tiles(tokens in 1u64..200_000, pieces in 0u64..1_000) {
+            let sizes = piece_sizes(tokens, pieces);
+            let even = even_sizes(tokens, pieces);
+            proptest::prop_assert_eq!(sizes.len(), even.len());
+            proptest::prop_assert_eq!(sizes.iter().map(|&n| n as u64).sum::<u64>(), tokens);
+            proptest::prop_assert!(sizes.iter().all(|&n| n >= 1));
+            let tiles = |s: &[u32]| s.iter().max().unwrap().div_ceil(HEADS_TILE as u32);
+            proptest::prop_assert_eq!(tiles(&sizes), tiles(&even));
+            let share = tokens / even.len() as u64;
+            let last = *sizes.last().unwrap() as u64;
+            proptest::prop_assert!(last <= share);
+            proptest::prop_assert!(last + (CUT_TAIL_ROOM as u64).min(share / 2) >= share);
+            proptest::prop_assert!(sizes.iter().all(|&n| n as u64 >= last));
+        }
     }
 }

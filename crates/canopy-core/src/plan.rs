@@ -246,17 +246,25 @@ impl Plan {
     /// order; 0 or 1 keeps the group whole, and no piece is left empty. Pieces keep their
     /// group's queries and their slice of its mask.
     pub fn split_groups(&self, pieces: impl Fn(&Group) -> u32) -> Plan {
+        self.split_groups_into(|g| even_sizes(g.tokens() as u64, pieces(g) as u64))
+    }
+
+    /// Splits each group into consecutive pieces of `sizes(group)` tokens, in token order (a
+    /// group's sizes sum to its tokens, none 0; one size keeps the group whole). Pieces keep
+    /// their group's queries and their slice of its mask.
+    pub fn split_groups_into(&self, sizes: impl Fn(&Group) -> Vec<u32>) -> Plan {
         let mut groups = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
-            let tokens = g.tokens() as u64;
-            let pieces = (pieces(g) as u64).clamp(1, tokens.max(1));
-            if pieces == 1 {
+            let sizes = sizes(g);
+            debug_assert_eq!(
+                sizes.iter().map(|&n| n as usize).sum::<usize>(),
+                g.tokens() as usize,
+                "a group's pieces cover its tokens"
+            );
+            if sizes.len() <= 1 {
                 groups.push(g.clone());
                 continue;
             }
-            let sizes: Vec<u32> = (0..pieces)
-                .map(|i| ((i + 1) * tokens / pieces - i * tokens / pieces) as u32)
-                .collect();
             let words = g.mask_words();
             let mut token = 0usize;
             for kv in split_ranges_into(&g.kv, &sizes) {
@@ -581,6 +589,15 @@ pub struct IoReport {
     pub max_group_tokens: u64,
     /// Max over mean KV tokens per group (1.0 is perfectly even).
     pub balance: f64,
+}
+
+/// `tokens` in `pieces` (nearly) equal counts, in order (`pieces` clamped to 1..=`tokens`, so
+/// that none is empty).
+pub fn even_sizes(tokens: u64, pieces: u64) -> Vec<u32> {
+    let pieces = pieces.clamp(1, tokens.max(1));
+    (0..pieces)
+        .map(|i| ((i + 1) * tokens / pieces - i * tokens / pieces) as u32)
+        .collect()
 }
 
 #[cfg(test)]

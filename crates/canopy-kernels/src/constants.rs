@@ -4,6 +4,7 @@
 //! ([`shared_defines`]); the kernel sources only check that it was given
 //! (`#ifndef NAME` / `#error`), so a source compiled without the registry does not build.
 
+pub use canopy_core::geometry::HEADS_TILE;
 use canopy_core::geometry::{CTA_ROWS, HEADS_PER_CTA, HEADS_ROWS};
 pub use canopy_core::geometry::{WIDE_MERGE_CTAS, WIDE_MERGE_DIMS};
 
@@ -130,8 +131,6 @@ pub const TOP_ITEMS: usize = 16;
 /// RMS_NORM_CHUNKS` values are read once.
 pub const RMS_NORM_CHUNKS: usize = 8;
 
-/// Tokens per KV tile of `decode_partial_mma`'s one-warp-per-head path: one k-chunk of P V.
-pub const HEADS_TILE: usize = 16;
 /// Shared-memory stages of the one-warp-per-head path's KV pipeline.
 pub const HEADS_STAGES: usize = 2;
 /// Elements each shared-memory row of the tensor-core kernel's tiles is padded by (16 bytes),

@@ -41,12 +41,14 @@ pub enum RankChange {
 pub const GROWTH_ROOM: u32 = 128;
 
 /// [`GROWTH_ROOM`] for `generate`'s requests, whose plans change only when a leaf outgrows
-/// its room (a server's also change with its batch). Between those replans the plan is extended in
-/// place, and a leaf's new tokens all land in the last piece of its group's cut, whose CTAs
-/// then run longest: over 150 tokens of the Llama-3.1-8B shape on an H100, 128 tokens of room
-/// took 6.444 ms/token at 8K and 7.590 at 32K (median), 32 took 6.291 and 7.357
+/// its room (a server's also change with its batch). Between those replans the plan is
+/// extended in place, and a leaf's new tokens all land in the last piece of its group's cut,
+/// which the cut leaves this much short
+/// ([`CUT_TAIL_ROOM`](canopy_core::geometry::CUT_TAIL_ROOM)). With 128 tokens of room and an
+/// even cut, that piece's CTAs ran longest: over 150 tokens of the Llama-3.1-8B shape on an
+/// H100, 6.444 ms/token at 8K and 7.590 at 32K (median), against 6.291 and 7.357 with 32
 /// (docs/BENCHMARKS.md, session 37). A replan re-records the step's graph, about 2.5 ms once.
-pub const SEQUENCE_GROWTH_ROOM: u32 = 32;
+pub const SEQUENCE_GROWTH_ROOM: u32 = canopy_core::geometry::CUT_TAIL_ROOM;
 
 impl RankView {
     fn of(snap: &RankSnapshot, page_size: u32) -> RankView {
