@@ -599,6 +599,8 @@ fn row(
         .map(|(s, _)| *s)
         .collect();
     let ms = (!untimed.is_empty()).then(|| median(&untimed) * 1e3);
+    let mean_ms =
+        (!untimed.is_empty()).then(|| untimed.iter().sum::<f64>() / untimed.len() as f64 * 1e3);
     let merges: Vec<f64> = out.merge_s.iter().flatten().copied().collect();
     let kv_bytes = cost::rank_kv_bytes(config, dtype, run.context, run.ranks);
     let floor_ms = bandwidth.map(|bw| (weight_bytes + kv_bytes) as f64 / bw * 1e3);
@@ -616,6 +618,7 @@ fn row(
         }),
         ttft_s,
         decode_ms_per_token: ms,
+        decode_mean_ms_per_token: mean_ms,
         decode_tokens_per_s: ms.map(|ms| 1e3 / ms),
         total_s: ttft_s + out.step_s.iter().sum::<f64>(),
         floor_ms,

@@ -43,6 +43,7 @@ fn every_configuration_is_timed() {
     for row in rows {
         assert_eq!(row["context_fill"], "prefill");
         assert!(row["decode_ms_per_token"].as_f64().unwrap() > 0.0);
+        assert!(row["decode_mean_ms_per_token"].as_f64().unwrap() > 0.0);
         // The CPU has no measured copy bandwidth, so no floor.
         assert!(row["floor_ms"].is_null());
     }
