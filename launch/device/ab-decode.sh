@@ -2,8 +2,10 @@
 # A/B of whole binaries on `bench decode` (random weights and context, one rank, tree): every
 # binary in BINS ("name=path ...", default this build against .device/canopy-base; a path may
 # end in @ and one flag of bench decode, e.g. eager=.device/canopy@--eager) on every
-# shape in ARCHS at CONTEXTS, ROUNDS times in turn so drift shows. Each binary keeps its own
-# kernel cache. Results: $OUT/ab.jsonl (one line per row) and log.txt.
+# shape in ARCHS at CONTEXTS, ROUNDS times in turn so drift shows; DECODE tokens each (20; 150
+# or more covers a leaf's growth room several times, and the mean step counts the replans).
+# Each binary keeps its own kernel cache. Results: $OUT/ab.jsonl (one line per row) and
+# log.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 BINS=${BINS:-new=$BIN base=.device/canopy-base}
@@ -22,7 +24,8 @@ DEADLINE=${DEADLINE:-520}
           | python3 -c 'import json,sys
 r=json.load(sys.stdin); b,a,k=sys.argv[1:4]
 for x in r["rows"]:
-    print(json.dumps(dict(bin=b, arch=a, round=int(k), context=x["context"], ms=x["decode_ms_per_token"], floor=x["floor_ms"])))' "$name" "$arch" "$round" \
+    print(json.dumps(dict(bin=b, arch=a, round=int(k), context=x["context"], ms=x["decode_ms_per_token"],
+                          mean_ms=x.get("decode_mean_ms_per_token"), floor=x["floor_ms"])))' "$name" "$arch" "$round" \
           | tee -a "$OUT/ab.jsonl" || echo "FAILED $name $arch round $round"
       done
     done
