@@ -25,7 +25,7 @@ use crate::bench::{at_least_one, resolve_backend, BackendChoice, BackendKind, La
 use crate::generate_cmd::DecodeChoice;
 use crate::ranks::{Placed, RankThreads, WeightSource};
 use anyhow::{bail, Result};
-use canopy_core::stats::median;
+use canopy_core::stats::{mean, median};
 use canopy_core::{DType, Method};
 use canopy_cuda::CudaBackend;
 use canopy_engine::{
@@ -599,8 +599,7 @@ fn row(
         .map(|(s, _)| *s)
         .collect();
     let ms = (!untimed.is_empty()).then(|| median(&untimed) * 1e3);
-    let mean_ms =
-        (!untimed.is_empty()).then(|| untimed.iter().sum::<f64>() / untimed.len() as f64 * 1e3);
+    let mean_ms = (!untimed.is_empty()).then(|| mean(&untimed) * 1e3);
     let merges: Vec<f64> = out.merge_s.iter().flatten().copied().collect();
     let kv_bytes = cost::rank_kv_bytes(config, dtype, run.context, run.ranks);
     let floor_ms = bandwidth.map(|bw| (weight_bytes + kv_bytes) as f64 / bw * 1e3);

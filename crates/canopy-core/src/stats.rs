@@ -15,6 +15,11 @@ pub fn median(xs: &[f64]) -> f64 {
     quantile(xs, 0.5)
 }
 
+/// The arithmetic mean of `xs`; NaN when empty.
+pub fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len() as f64
+}
+
 /// The geometric mean of `xs` (all positive); 1 when empty.
 pub fn geomean(xs: impl IntoIterator<Item = f64>) -> f64 {
     let (sum, n) = xs
@@ -47,6 +52,12 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0, 5.0], 0.9), 5.0);
         assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn the_mean_counts_every_value() {
+        assert_eq!(mean(&[1.0, 2.0, 9.0]), 4.0);
+        assert!(mean(&[]).is_nan());
     }
 
     #[test]

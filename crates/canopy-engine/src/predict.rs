@@ -128,7 +128,7 @@ impl StepModel {
             .iter()
             .filter_map(|p| both(p).map(|(_, a2)| a2 - 2.0 * all_reduce.at((p - 1) as f64)))
             .collect();
-        let merge_fixed_us = fixed.iter().sum::<f64>() / fixed.len() as f64;
+        let merge_fixed_us = canopy_core::stats::mean(&fixed);
         let ag_points: Vec<_> = ranks
             .iter()
             .filter_map(|&p| {

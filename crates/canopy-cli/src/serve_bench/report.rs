@@ -37,7 +37,7 @@ impl Summary {
             v[lo] + (v[hi] - v[lo]) * (rank - lo as f64)
         };
         Some(Summary {
-            mean: v.iter().sum::<f64>() / v.len() as f64,
+            mean: canopy_core::stats::mean(&v),
             median: at(0.5),
             p99: at(0.99),
         })
