@@ -18,7 +18,7 @@
 //! and launched through [`crate::launch`]; timing is [`crate::timing`].
 
 use crate::compile::arch_for;
-use crate::descriptors::{write_extents, CudaPlan, HostPlan};
+use crate::descriptors::{write_extents, CudaPlan, CutPlan, HostPlan};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::{CudaKv, Paging};
 use crate::launch::Params;
@@ -242,6 +242,43 @@ impl CudaBackend {
         }
     }
 
+    /// `plan` cut for this GPU and laid out as the kernels read it.
+    fn cut_plan(&self, shape: &AttnShape, plan: &Plan) -> Result<CutPlan> {
+        let max_rows = max_cta_rows(plan, shape);
+        let tensor_cores = self.tensor_cores_for(shape, max_rows);
+        let rows = rows_config(max_rows);
+        // One balanced wave: as many CTAs as fit on the GPU at once, or fewer where more measured
+        // slower (`cut_slots`, `cuda_core_slots`). The plan is uploaded before it meets its KV,
+        // so the bf16 kernel's occupancy stands for every dtype: the f16 and f32 variants use
+        // the same shared memory and no more registers (compiler resource report), so their true
+        // occupancy is never lower and the wave never spills into a second.
+        let res = if tensor_cores {
+            self.mma_resources(DType::Bf16, shape.head_dim)?
+        } else {
+            self.decode_resources(DType::Bf16, shape.head_dim, rows)?
+        };
+        let per_sm = res
+            .ctas_per_sm
+            .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
+            .max(1) as usize;
+        let sms = self.gpu.multiprocessors as usize;
+        let waves = self.waves as usize;
+        let (plan, items) = if tensor_cores {
+            cut_for_gpu(plan, shape, cut_slots(plan, shape, sms, per_sm) * waves)
+        } else {
+            let slots = cuda_core_slots(max_rows, sms, per_sm) * waves;
+            (cut_for_cuda_cores(plan, shape, slots), Vec::new())
+        };
+        let host = HostPlan::lay_out(&plan, &items);
+        Ok(CutPlan {
+            plan,
+            items,
+            host,
+            rows,
+            tensor_cores,
+        })
+    }
+
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every buffer is written (upload, kernel or poison) before it is read.
         unsafe { self.stream.alloc::<T>(len.max(1)) }.ctx(format!(
@@ -422,53 +459,55 @@ impl Backend for CudaBackend {
 
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> EResult<CudaPlan> {
         self.renew("a plan")?;
-        let max_rows = max_cta_rows(plan, shape);
-        let tensor_cores = self.tensor_cores_for(shape, max_rows);
-        let rows = rows_config(max_rows);
-        // One balanced wave: as many CTAs as fit on the GPU at once, or fewer where more measured
-        // slower (`cut_slots`, `cuda_core_slots`). The plan is uploaded before it meets its KV,
-        // so the bf16 kernel's occupancy stands for every dtype: the f16 and f32 variants use
-        // the same shared memory and no more registers (compiler resource report), so their true
-        // occupancy is never lower and the wave never spills into a second.
-        let res = if tensor_cores {
-            self.mma_resources(DType::Bf16, shape.head_dim)?
-        } else {
-            self.decode_resources(DType::Bf16, shape.head_dim, rows)?
-        };
-        let per_sm = res
-            .ctas_per_sm
-            .min(self.max_ctas_per_sm.unwrap_or(u32::MAX))
-            .max(1) as usize;
-        let sms = self.gpu.multiprocessors as usize;
-        let waves = self.waves as usize;
-        let (plan, items) = if tensor_cores {
-            cut_for_gpu(plan, shape, cut_slots(plan, shape, sms, per_sm) * waves)
-        } else {
-            let slots = cuda_core_slots(max_rows, sms, per_sm) * waves;
-            (cut_for_cuda_cores(plan, shape, slots), Vec::new())
-        };
-        let host = HostPlan::lay_out(&plan, &items);
+        let cut = self.cut_plan(shape, plan)?;
         // SAFETY: every element is written before the buffer is read.
-        let mut staging = unsafe { self.ctx.alloc_pinned::<u32>(host.words.len().max(1)) }
+        let mut staging = unsafe { self.ctx.alloc_pinned::<u32>(cut.host.words.len().max(1)) }
             .ctx("cuMemHostAlloc")?;
-        staging.as_mut_slice().ctx("cuEventSynchronize")?[..host.words.len()]
-            .copy_from_slice(&host.words);
-        let mut words = self.alloc::<u32>(host.words.len())?;
+        staging.as_mut_slice().ctx("cuEventSynchronize")?[..cut.host.words.len()]
+            .copy_from_slice(&cut.host.words);
+        let mut words = self.alloc::<u32>(cut.host.words.len())?;
         self.stream
             .memcpy_htod(&staging, &mut words)
             .ctx("cuMemcpyHtoD")?;
         Ok(CudaPlan {
-            rows,
-            tensor_cores,
-            direct: plan.rows_are_queries(),
+            rows: cut.rows,
+            tensor_cores: cut.tensor_cores,
+            direct: cut.plan.rows_are_queries(),
             words,
             staging,
-            layout: host.layout,
-            masks: self.upload(&host.masks)?,
-            shared: host.shared,
-            plan,
-            items,
+            layout: cut.host.layout,
+            masks: self.upload(&cut.host.masks)?,
+            shared: cut.host.shared,
+            plan: cut.plan,
+            items: cut.items,
         })
+    }
+
+    fn replan_in_place(&self, shape: &AttnShape, p: &mut CudaPlan, new: &Plan) -> EResult<bool> {
+        self.refuse_while_capturing("a plan")?;
+        let cut = self.cut_plan(shape, new)?;
+        // The kernels take the arrays at the layout's offsets, the CTA count and the rows'
+        // kernel as launch arguments: where all of them match, only the words change.
+        let same = cut.host.layout == p.layout
+            && cut.rows == p.rows
+            && cut.tensor_cores == p.tensor_cores
+            && cut.plan.rows_are_queries() == p.direct
+            && cut.plan.num_queries() == p.plan.num_queries()
+            && cut.plan.num_partial_rows() == p.plan.num_partial_rows();
+        if !same {
+            return Ok(false);
+        }
+        // The wait is for the staging buffer's last copy, long done by now.
+        let staging = p.staging.as_mut_slice().ctx("cuEventSynchronize")?;
+        staging[..cut.host.words.len()].copy_from_slice(&cut.host.words);
+        self.stream
+            .memcpy_htod(&p.staging, &mut p.words)
+            .ctx("cuMemcpyHtoD")?;
+        self.write_or_grow(&cut.host.masks, &mut p.masks, "a plan's masks")?;
+        p.plan = cut.plan;
+        p.items = cut.items;
+        p.shared = cut.host.shared;
+        Ok(true)
     }
 
     fn extend_plan(&self, p: &mut CudaPlan, tails: &[Tail]) -> EResult<()> {

@@ -44,7 +44,7 @@ pub struct CudaPlan {
 
 /// Where each array of a plan lies in [`CudaPlan`]'s word buffer. The arrays an in-place
 /// update rewrites come first, so it rewrites one prefix of the staging buffer.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct WordLayout {
     /// `decode_partial_mma`'s descriptors, [`CTA_WORDS`] per CTA.
     pub(crate) ctas: Range<usize>,
@@ -66,6 +66,17 @@ impl CudaPlan {
     pub fn uses_tensor_cores(&self, dtype: DType) -> bool {
         self.tensor_cores && dtype != DType::F32
     }
+}
+
+/// A plan cut for the GPU ([`cut_for_gpu`](canopy_core::geometry::cut_for_gpu) or the CUDA
+/// cores' cut) and laid out, before it is uploaded or written over an uploaded one.
+pub(crate) struct CutPlan {
+    pub(crate) plan: Plan,
+    pub(crate) items: Vec<CtaItem>,
+    pub(crate) host: HostPlan,
+    /// The CUDA-core kernel's rows variant.
+    pub(crate) rows: usize,
+    pub(crate) tensor_cores: bool,
 }
 
 /// A cut plan's arrays as the kernels read them, on the host.

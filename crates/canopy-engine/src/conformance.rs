@@ -143,7 +143,9 @@ where
             }
         }
     }
-    out.extend(growth_cases(&make(0)?, seed)?);
+    let backend = make(0)?;
+    out.extend(growth_cases(&backend, seed)?);
+    out.extend(replan_cases(&backend, seed)?);
     Ok(out)
 }
 
@@ -215,4 +217,106 @@ pub fn growth_cases<B: Backend>(backend: &B, seed: u64) -> Result<Vec<CaseResult
         }
     }
     Ok(out)
+}
+
+/// Plans written over uploaded ones ([`Backend::replan_in_place`]): a long root under one
+/// leaf, planned and uploaded, then the leaf grows past its pages and the grown tree's plan
+/// replaces the uploaded one, in place where the backend finds that it lays out alike (as a
+/// generation's replans mostly do), else uploaded afresh. The step must match the oracle on
+/// the grown tree, and a plan rewritten in place must give a fresh upload's bits exactly.
+pub fn replan_cases<B: Backend>(backend: &B, seed: u64) -> Result<Vec<CaseResult>> {
+    let build = |leaf: u32| {
+        let mut b = TreeBuilder::new().with_alignment(16);
+        let root = b.add_root(3000);
+        let leaf = b.add_child(root, leaf).expect("parent exists");
+        b.add_query(leaf).expect("node exists");
+        b.build().expect("valid")
+    };
+    let (before, after) = (build(7), build(7 + 40));
+    let shape = AttnShape::new(8, 2, 128)?;
+    let mut out = Vec::new();
+    for (d, dtype) in DType::ALL.into_iter().enumerate() {
+        let problem = Problem::random(after.clone(), shape, dtype, seed ^ (0xBB67 + d as u64));
+        let oracle = problem.oracle();
+        let mut kv = backend.alloc_kv(&shape, dtype, after.total_tokens() as usize)?;
+        backend.write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)?;
+        let q = backend.upload_queries(&shape, &problem.data.q)?;
+        let plan_of = |tree: &KvTree, method| {
+            let shard = Shard::whole(tree);
+            plan(
+                &TreeView::new(tree, &shard),
+                method,
+                &shape,
+                &PlannerConfig::default(),
+            )
+        };
+        let run = |dplan: &B::Plan, partials: &mut B::States| -> Result<_> {
+            let mut states = backend.alloc_states(&shape, after.num_queries())?;
+            backend.poison(partials)?;
+            backend.poison(&mut states)?;
+            backend.step(&kv, &q, dplan, partials, &mut states)?;
+            backend.download(&states)
+        };
+        for method in Method::ALL.into_iter().chain([Method::Auto]) {
+            let grown = plan_of(&after, method)?;
+            let mut dplan = backend.upload_plan(&shape, &plan_of(&before, method)?)?;
+            let mut partials = backend.alloc_partials(&shape, &dplan)?;
+            let in_place = backend.replan_in_place(&shape, &mut dplan, &grown)?;
+            if !in_place {
+                dplan = backend.upload_plan(&shape, &grown)?;
+                partials = backend.alloc_partials(&shape, &dplan)?;
+            }
+            let got = run(&dplan, &mut partials)?;
+            let fresh_plan = backend.upload_plan(&shape, &grown)?;
+            let mut fresh_partials = backend.alloc_partials(&shape, &fresh_plan)?;
+            let fresh = run(&fresh_plan, &mut fresh_partials)?;
+            let same_bits = got
+                .o
+                .iter()
+                .map(|x| x.to_bits())
+                .eq(fresh.o.iter().map(|x| x.to_bits()))
+                && got
+                    .lse
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .eq(fresh.lse.iter().map(|x| x.to_bits()));
+            let err = relative_error(&got.o, &oracle);
+            let tol = tolerance(dtype);
+            out.push(CaseResult {
+                name: format!(
+                    "replanned {dtype} h{}/{}x{} {method} {}",
+                    shape.q_heads,
+                    shape.kv_heads,
+                    shape.head_dim,
+                    if in_place {
+                        "in place"
+                    } else {
+                        "uploaded afresh"
+                    }
+                ),
+                rel_error: err,
+                tolerance: tol,
+                passed: err < tol && same_bits && got.lse.iter().all(|x| !x.is_nan()),
+            });
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replan_cases;
+    use crate::CpuBackend;
+
+    /// The CPU backend rewrites a plan of the same rows in place, and the rewritten plan
+    /// gives the oracle's answer and a fresh upload's bits.
+    #[test]
+    fn the_cpu_replans_in_place_and_matches() {
+        let cases = replan_cases(&CpuBackend, 3).unwrap();
+        assert!(!cases.is_empty());
+        for c in cases {
+            assert!(c.passed, "{} (error {})", c.name, c.rel_error);
+            assert!(c.name.ends_with("in place"), "{}", c.name);
+        }
+    }
 }

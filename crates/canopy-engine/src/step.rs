@@ -38,6 +38,7 @@ pub struct RankAttention<'a, B: MergeOps, C: Transport<B>> {
 
 enum Kind<B: MergeOps> {
     Tree {
+        shape: AttnShape,
         how: MergeCollective,
         layout: NodeLayout,
         plan: B::Plan,
@@ -90,6 +91,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             comm,
             poison: false,
             kind: Kind::Tree {
+                shape,
                 how,
                 layout,
                 plan,
@@ -216,6 +218,32 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             .try_for_each(|(plan, t)| backend.extend_plan(plan, t))
     }
 
+    /// Tree attention over `plan` from now on, in place of the plan it had
+    /// ([`Backend::replan_in_place`](crate::Backend::replan_in_place)) where the new plan lays
+    /// out as the old: then every buffer stays, and a recorded pass of the old plan replays
+    /// the new one. Otherwise the plan is uploaded and its buffers made anew. The ring replans
+    /// every rank's shard: it takes a new [`RankAttention::ring`].
+    pub fn replan(&mut self, new: &Plan) -> Result<()> {
+        let Kind::Tree {
+            shape,
+            how,
+            layout,
+            plan,
+            ..
+        } = &mut self.kind
+        else {
+            return Err(EngineError::Config(
+                "the ring replans with a new RankAttention, one plan per shard".into(),
+            ));
+        };
+        if self.backend.replan_in_place(shape, plan, new)? {
+            return Ok(());
+        }
+        let fresh = Self::tree(self.backend, self.comm, *shape, new, *how, layout.clone())?;
+        *self = fresh.with_poison(self.poison);
+        Ok(())
+    }
+
     /// Attention of `q` over `kv` (this rank's storage, laid out as the plans say), merged
     /// over every rank: each rank gets the same states, in the backend's memory.
     pub fn attend(&mut self, kv: &B::Kv, q: &B::Queries) -> Result<&B::States> {
@@ -259,6 +287,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 partials,
                 local,
                 merge,
+                ..
             } => {
                 run(kv, plan, partials, local)?;
                 let Some(settle) = settle else {
@@ -370,6 +399,53 @@ mod tests {
             for r in recordable {
                 assert_eq!(r.unwrap(), (ranks == 1, ranks == 1), "{ranks} rank(s)");
             }
+        }
+    }
+
+    /// A tree's replan, to a tree of other rows or the same, attends as attention built on the
+    /// new plan does; the ring's replan is refused.
+    #[test]
+    fn a_replan_attends_as_a_fresh_plan_does() {
+        use crate::backend::Backend;
+        let shape = AttnShape::new(4, 2, 64).unwrap();
+        let b = &CpuBackend;
+        let planned = |tree: &canopy_core::KvTree| {
+            let shard = Shard::whole(tree);
+            let view = TreeView::new(tree, &shard);
+            plan(&view, Method::Auto, &shape, &PlannerConfig::default()).unwrap()
+        };
+        let (before, after) = (random_tree(7, 5, 30), random_tree(8, 5, 30));
+        let more_rows = random_tree(9, 7, 30);
+        let attended = ThreadWorld::run(1, Duration::from_secs(60), |comm| {
+            let mut outs = Vec::new();
+            for tree in [&after, &more_rows] {
+                let problem = Problem::random(tree.clone(), shape, DType::F32, 5);
+                let mut kv = b.alloc_kv(&shape, DType::F32, tree.total_tokens() as usize)?;
+                b.write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)?;
+                let q = b.upload_queries(&shape, &problem.data.q)?;
+                let tree_of = |p: &canopy_core::Plan| {
+                    let single = NodeLayout::single(1);
+                    RankAttention::tree(b, &comm, shape, p, MergeCollective::Allgather, single)
+                };
+                let mut replanned = tree_of(&planned(&before))?.with_poison(true);
+                replanned.replan(&planned(tree))?;
+                let mut fresh = tree_of(&planned(tree))?;
+                let got = b.download(replanned.attend(&kv, &q)?)?;
+                outs.push((got, b.download(fresh.attend(&kv, &q)?)?));
+            }
+            let shards = vec![RingShard {
+                plan: planned(&before),
+                tokens: before.total_tokens() as usize,
+            }];
+            let mut ring = RankAttention::ring(b, &comm, shape, DType::F32, shards)?;
+            let refused = ring.replan(&planned(&after)).is_err();
+            Ok::<_, crate::EngineError>((outs, refused))
+        });
+        let (outs, refused) = attended.into_iter().next().unwrap().unwrap();
+        assert!(refused, "the ring's replan must be refused");
+        for (got, want) in outs {
+            assert_eq!(got.o, want.o);
+            assert_eq!(got.lse, want.lse);
         }
     }
 

@@ -47,7 +47,9 @@ pub const GROWTH_ROOM: u32 = 128;
 /// ([`CUT_TAIL_ROOM`](canopy_core::geometry::CUT_TAIL_ROOM)). With 128 tokens of room and an
 /// even cut, that piece's CTAs ran longest: over 150 tokens of the Llama-3.1-8B shape on an
 /// H100, 6.444 ms/token at 8K and 7.590 at 32K (median), against 6.291 and 7.357 with 32
-/// (docs/BENCHMARKS.md, session 37). A replan re-records the step's graph, about 2.5 ms once.
+/// (docs/BENCHMARKS.md, session 37). A replan whose plan lays out as the uploaded one is
+/// written over it and the step's graph still replays; any other re-records the graph, about
+/// 2.5 ms once.
 pub const SEQUENCE_GROWTH_ROOM: u32 = canopy_core::geometry::CUT_TAIL_ROOM;
 
 impl RankView {

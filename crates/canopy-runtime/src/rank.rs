@@ -327,7 +327,8 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         // The tree plans its own rank only; the ring plans every rank's shard, since each
         // passes every rank. Both follow growth in place, the ring only where every rank's KV
         // grew in place. A layout planned afresh brings this rank's page table; growth in place
-        // keeps it, or brings it again with pages in reserved room.
+        // keeps it, or brings it again with pages in reserved room. The tree's new plan is
+        // written over the old where it lays out alike, so a recorded pass still replays.
         let mut changes = kv.update()?;
         let layout = Instant::now();
         let table = match (&merge, attention.as_mut()) {
@@ -341,16 +342,21 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                         "a rank's KV grew before its first plan".into(),
                     ))
                 }
-                (RankChange::Fresh(view), _) => {
+                (RankChange::Fresh(view), planned) => {
                     let p = plan_view(&view, req, &shape)?;
-                    attention = Some(RankAttention::tree(
-                        backend,
-                        comm,
-                        shape,
-                        &p,
-                        *how,
-                        nodes.clone(),
-                    )?);
+                    match planned {
+                        Some(a) => a.replan(&p)?,
+                        None => {
+                            attention = Some(RankAttention::tree(
+                                backend,
+                                comm,
+                                shape,
+                                &p,
+                                *how,
+                                nodes.clone(),
+                            )?)
+                        }
+                    }
                     Some(view.table)
                 }
             },
