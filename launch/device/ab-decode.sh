@@ -25,7 +25,8 @@ DEADLINE=${DEADLINE:-520}
 r=json.load(sys.stdin); b,a,k=sys.argv[1:4]
 for x in r["rows"]:
     print(json.dumps(dict(bin=b, arch=a, round=int(k), context=x["context"], ms=x["decode_ms_per_token"],
-                          mean_ms=x.get("decode_mean_ms_per_token"), floor=x["floor_ms"])))' "$name" "$arch" "$round" \
+                          mean_ms=x.get("decode_mean_ms_per_token"), floor=x["floor_ms"],
+                          replayed=x.get("replayed_steps"))))' "$name" "$arch" "$round" \
           | tee -a "$OUT/ab.jsonl" || echo "FAILED $name $arch round $round"
       done
     done

@@ -619,6 +619,7 @@ fn row(
         decode_ms_per_token: ms,
         decode_mean_ms_per_token: mean_ms,
         decode_tokens_per_s: ms.map(|ms| 1e3 / ms),
+        replayed_steps: out.replayed_steps,
         total_s: ttft_s + out.step_s.iter().sum::<f64>(),
         floor_ms,
         vs_floor: ms.zip(floor_ms).map(|(ms, f)| ms / f),

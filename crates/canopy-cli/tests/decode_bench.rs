@@ -44,6 +44,8 @@ fn every_configuration_is_timed() {
         assert_eq!(row["context_fill"], "prefill");
         assert!(row["decode_ms_per_token"].as_f64().unwrap() > 0.0);
         assert!(row["decode_mean_ms_per_token"].as_f64().unwrap() > 0.0);
+        // The CPU records no graphs.
+        assert_eq!(row["replayed_steps"], 0);
         // The CPU has no measured copy bandwidth, so no floor.
         assert!(row["floor_ms"].is_null());
     }

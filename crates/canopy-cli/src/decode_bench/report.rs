@@ -28,6 +28,9 @@ pub struct Row {
     /// growth room) and record a new graph, which the median leaves out.
     pub decode_mean_ms_per_token: Option<f64>,
     pub decode_tokens_per_s: Option<f64>,
+    /// Decode steps replayed from a recorded graph (a step that records or runs op by op
+    /// costs more: the first, and those after a replan that could not keep the recording).
+    pub replayed_steps: usize,
     /// The paper's time: from the request to the last decoded token.
     pub total_s: f64,
     /// The step's floor on one rank: (weights + the rank's KV) / copy bandwidth.
@@ -307,6 +310,7 @@ pub(crate) mod fixtures {
             decode_ms_per_token: Some(ms),
             decode_mean_ms_per_token: Some(ms),
             decode_tokens_per_s: Some(1e3 / ms),
+            replayed_steps: 0,
             total_s,
             floor_ms: (context > 0).then_some(0.5 * ranks as f64),
             vs_floor: None,
