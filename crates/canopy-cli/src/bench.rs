@@ -611,6 +611,14 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
         }
         _ => run_suite(|_| Ok(CpuBackend), &a.ranks, a.seed, a.cases)?,
     };
+    for r in &results {
+        tracing::debug!(
+            "{} {}: rel error {:.3e}",
+            if r.passed { "pass" } else { "FAIL" },
+            r.name,
+            r.rel_error
+        );
+    }
     let failed: Vec<_> = results.iter().filter(|r| !r.passed).collect();
     let worst = results.iter().map(|r| r.rel_error).fold(0.0, f64::max);
     for f in &failed {
