@@ -6,6 +6,8 @@ set -uo pipefail
 HERE=$(dirname "$0")
 ROOT=${OUT:-out}
 BASE=${BASE:-.device/canopy-base}
+# The carried binaries are unpacked by env.sh, which serve.sh sources only later.
+(OUT=$(mktemp -d) && source "$HERE/env.sh")
 base_dir=$(mktemp -d)
 cp "$BASE" "$base_dir/canopy"
 OUT=$ROOT/new bash "$HERE/serve.sh" > /dev/null 2>&1
