@@ -223,15 +223,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 self.decode_table &= !new_pages;
             }
             Layout::Fresh(views) => {
-                // The tree's new plan is written over the old where it lays out alike (the
-                // same rows: a leaf outgrew its room), so a recorded pass still replays.
-                match (self.merge.is_some(), self.decode.is_some()) {
-                    (true, true) => {
-                        let plan = self.plan_of(&views[0])?;
-                        self.decode.as_mut().expect("tested").replan(&plan)?;
-                    }
-                    _ => self.decode = Some(self.attention(&views)?),
-                }
+                self.decode = Some(self.attention(&views)?);
                 self.decode_table = false;
             }
         }
@@ -364,12 +356,22 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
 
     /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring).
     fn attention(&self, views: &[RankSnapshot]) -> Result<RankAttention<'a, B, C>> {
+        let plan_of = |v: &RankSnapshot| -> Result<canopy_core::Plan> {
+            let shard = Shard::whole(&v.tree);
+            let cfg = PlannerConfig::default();
+            Ok(plan(
+                &TreeView::new(&v.tree, &shard),
+                self.config.method,
+                &self.shape,
+                &cfg,
+            )?)
+        };
         Ok(match &self.merge {
             Some((how, layout)) => RankAttention::tree(
                 self.backend,
                 self.comm,
                 self.shape,
-                &self.plan_of(&views[0])?,
+                &plan_of(&views[0])?,
                 *how,
                 layout.clone(),
             )?,
@@ -382,24 +384,13 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                     .iter()
                     .map(|v| {
                         Ok(RingShard {
-                            plan: self.plan_of(v)?,
+                            plan: plan_of(v)?,
                             tokens: v.table.len() * self.config.page_size as usize,
                         })
                     })
                     .collect::<Result<_>>()?,
             )?,
         })
-    }
-
-    /// The plan of one rank's view, by the server's method.
-    fn plan_of(&self, v: &RankSnapshot) -> Result<canopy_core::Plan> {
-        let shard = Shard::whole(&v.tree);
-        Ok(plan(
-            &TreeView::new(&v.tree, &shard),
-            self.config.method,
-            &self.shape,
-            &PlannerConfig::default(),
-        )?)
     }
 
     /// Every layer's cache reads through `table` from now on.
