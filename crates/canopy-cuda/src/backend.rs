@@ -485,6 +485,9 @@ impl Backend for CudaBackend {
 
     fn replan_in_place(&self, shape: &AttnShape, p: &mut CudaPlan, new: &Plan) -> EResult<bool> {
         self.refuse_while_capturing("a plan")?;
+        if new.num_queries() != p.plan.num_queries() {
+            return Ok(false);
+        }
         let cut = self.cut_plan(shape, new)?;
         // The kernels take the arrays at the layout's offsets, the CTA count and the rows'
         // kernel as launch arguments: where all of them match, only the words change.
@@ -492,7 +495,6 @@ impl Backend for CudaBackend {
             && cut.rows == p.rows
             && cut.tensor_cores == p.tensor_cores
             && cut.plan.rows_are_queries() == p.direct
-            && cut.plan.num_queries() == p.plan.num_queries()
             && cut.plan.num_partial_rows() == p.plan.num_partial_rows();
         if !same {
             return Ok(false);

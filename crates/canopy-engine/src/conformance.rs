@@ -270,16 +270,8 @@ pub fn replan_cases<B: Backend>(backend: &B, seed: u64) -> Result<Vec<CaseResult
             let fresh_plan = backend.upload_plan(&shape, &grown)?;
             let mut fresh_partials = backend.alloc_partials(&shape, &fresh_plan)?;
             let fresh = run(&fresh_plan, &mut fresh_partials)?;
-            let same_bits = got
-                .o
-                .iter()
-                .map(|x| x.to_bits())
-                .eq(fresh.o.iter().map(|x| x.to_bits()))
-                && got
-                    .lse
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .eq(fresh.lse.iter().map(|x| x.to_bits()));
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let same_bits = bits(&got.o) == bits(&fresh.o) && bits(&got.lse) == bits(&fresh.lse);
             let err = relative_error(&got.o, &oracle);
             let tol = tolerance(dtype);
             out.push(CaseResult {
