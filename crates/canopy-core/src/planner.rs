@@ -357,40 +357,51 @@ fn deft_flatten(view: &TreeView, block: u32, query_chunk: Option<u32>) -> Vec<Gr
     groups
 }
 
-/// The group of `pieces` seen by `queries`, with a per-token mask unless all see all.
+/// The group of `pieces` seen by `queries`, with a per-token mask unless all see all. Each
+/// piece's visibility is found once, as mask words; the per-token mask is written only where
+/// it is kept (the planners' trees are mostly pieces every query sees).
 fn masked_group(
     segments: &[Segment],
     pieces: &[(usize, Range<u32>)],
     queries: &[u32],
 ) -> Option<Group> {
     let words = queries.len().div_ceil(64);
-    let mut kv = Vec::new();
-    let mut mask = Vec::new();
+    let mut kv = Vec::with_capacity(pieces.len());
+    let mut seen: Vec<u64> = Vec::with_capacity(pieces.len() * words);
     let mut all_visible = true;
     for (s, range) in pieces {
-        let mut bits = vec![0u64; words];
+        let at = seen.len();
+        seen.resize(at + words, 0);
         for (j, q) in queries.iter().enumerate() {
             if segments[*s].queries.binary_search(q).is_ok() {
-                bits[j / 64] |= 1 << (j % 64);
+                seen[at + j / 64] |= 1 << (j % 64);
             } else {
                 all_visible = false;
             }
         }
-        if bits.iter().all(|&b| b == 0) {
+        if seen[at..].iter().all(|&b| b == 0) {
+            seen.truncate(at);
             continue;
         }
         kv.push(range.clone());
-        for _ in range.clone() {
-            mask.extend_from_slice(&bits);
-        }
     }
     if kv.is_empty() {
         return None;
     }
+    let mask = (!all_visible).then(|| {
+        let tokens: usize = kv.iter().map(|r: &Range<u32>| r.len()).sum();
+        let mut mask = Vec::with_capacity(tokens * words);
+        for (range, bits) in kv.iter().zip(seen.chunks_exact(words)) {
+            for _ in range.clone() {
+                mask.extend_from_slice(bits);
+            }
+        }
+        mask
+    });
     Some(Group {
         kv,
         queries: queries.to_vec(),
-        mask: (!all_visible).then_some(mask),
+        mask,
     })
 }
 
