@@ -279,6 +279,33 @@ impl CudaBackend {
         })
     }
 
+    /// A cut plan uploaded into buffers of its own (a recorded pass that read the plan it
+    /// replaces is stale).
+    fn upload_cut(&self, cut: CutPlan) -> Result<CudaPlan> {
+        self.renew("a plan")?;
+        // SAFETY: every element is written before the buffer is read.
+        let mut staging = unsafe { self.ctx.alloc_pinned::<u32>(cut.host.words.len().max(1)) }
+            .ctx("cuMemHostAlloc")?;
+        staging.as_mut_slice().ctx("cuEventSynchronize")?[..cut.host.words.len()]
+            .copy_from_slice(&cut.host.words);
+        let mut words = self.alloc::<u32>(cut.host.words.len())?;
+        self.stream
+            .memcpy_htod(&staging, &mut words)
+            .ctx("cuMemcpyHtoD")?;
+        Ok(CudaPlan {
+            rows: cut.rows,
+            tensor_cores: cut.tensor_cores,
+            direct: cut.plan.rows_are_queries(),
+            words,
+            staging,
+            layout: cut.host.layout,
+            masks: self.upload(&cut.host.masks)?,
+            shared: cut.host.shared,
+            plan: cut.plan,
+            items: cut.items,
+        })
+    }
+
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every buffer is written (upload, kernel or poison) before it is read.
         unsafe { self.stream.alloc::<T>(len.max(1)) }.ctx(format!(
@@ -458,36 +485,10 @@ impl Backend for CudaBackend {
     }
 
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> EResult<CudaPlan> {
-        self.renew("a plan")?;
-        let cut = self.cut_plan(shape, plan)?;
-        // SAFETY: every element is written before the buffer is read.
-        let mut staging = unsafe { self.ctx.alloc_pinned::<u32>(cut.host.words.len().max(1)) }
-            .ctx("cuMemHostAlloc")?;
-        staging.as_mut_slice().ctx("cuEventSynchronize")?[..cut.host.words.len()]
-            .copy_from_slice(&cut.host.words);
-        let mut words = self.alloc::<u32>(cut.host.words.len())?;
-        self.stream
-            .memcpy_htod(&staging, &mut words)
-            .ctx("cuMemcpyHtoD")?;
-        Ok(CudaPlan {
-            rows: cut.rows,
-            tensor_cores: cut.tensor_cores,
-            direct: cut.plan.rows_are_queries(),
-            words,
-            staging,
-            layout: cut.host.layout,
-            masks: self.upload(&cut.host.masks)?,
-            shared: cut.host.shared,
-            plan: cut.plan,
-            items: cut.items,
-        })
+        Ok(self.upload_cut(self.cut_plan(shape, plan)?)?)
     }
 
-    fn replan_in_place(&self, shape: &AttnShape, p: &mut CudaPlan, new: &Plan) -> EResult<bool> {
-        self.refuse_while_capturing("a plan")?;
-        if new.num_queries() != p.plan.num_queries() {
-            return Ok(false);
-        }
+    fn replan(&self, shape: &AttnShape, p: &mut CudaPlan, new: &Plan) -> EResult<bool> {
         let cut = self.cut_plan(shape, new)?;
         // The kernels take the arrays at the layout's offsets, the CTA count and the rows'
         // kernel as launch arguments: where all of them match, only the words change.
@@ -495,10 +496,13 @@ impl Backend for CudaBackend {
             && cut.rows == p.rows
             && cut.tensor_cores == p.tensor_cores
             && cut.plan.rows_are_queries() == p.direct
+            && cut.plan.num_queries() == p.plan.num_queries()
             && cut.plan.num_partial_rows() == p.plan.num_partial_rows();
         if !same {
+            *p = self.upload_cut(cut)?;
             return Ok(false);
         }
+        self.refuse_while_capturing("a plan")?;
         // The wait is for the staging buffer's last copy, long done by now.
         let staging = p.staging.as_mut_slice().ctx("cuEventSynchronize")?;
         staging[..cut.host.words.len()].copy_from_slice(&cut.host.words);

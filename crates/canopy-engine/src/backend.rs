@@ -97,13 +97,13 @@ pub trait Backend: Send + Sync {
     /// groups, partial rows and merge stay as they were, so buffers allocated for it stay
     /// valid: a decode step that changed no layout costs this instead of a new plan.
     fn extend_plan(&self, plan: &mut Self::Plan, tails: &[Tail]) -> Result<()>;
-    /// Rewrites an uploaded plan as `new` in the buffers it has, where `new` lays out as the
-    /// plan does: the same queries and partial rows, and on a GPU the same CTAs and arrays.
-    /// Every buffer and launch argument a recorded decode pass holds then stays valid, so a
-    /// replanned step replays that recording instead of making a new one. Returns whether it
-    /// did; where it did not, `plan` is as it was and the caller uploads `new`.
-    fn replan_in_place(&self, shape: &AttnShape, plan: &mut Self::Plan, new: &Plan)
-        -> Result<bool>;
+    /// Replaces an uploaded plan by `new`. Where `new` lays out as the plan does (the same
+    /// queries and partial rows, and on a GPU the same CTAs and arrays), it is written into the
+    /// buffers the plan has and this returns true: every buffer and launch argument a recorded
+    /// decode pass holds stays valid, so a replanned step replays that recording instead of
+    /// making a new one. Otherwise `new` is uploaded in its place and this returns false:
+    /// buffers sized for the old plan (its partials) must be made anew.
+    fn replan(&self, shape: &AttnShape, plan: &mut Self::Plan, new: &Plan) -> Result<bool>;
     /// Buffers for `rows` states of `shape`.
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> Result<Self::States>;
     /// Buffers for the uploaded plan's partial rows.

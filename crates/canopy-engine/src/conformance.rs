@@ -219,7 +219,7 @@ pub fn growth_cases<B: Backend>(backend: &B, seed: u64) -> Result<Vec<CaseResult
     Ok(out)
 }
 
-/// Plans written over uploaded ones ([`Backend::replan_in_place`]): a long root under one
+/// Plans written over uploaded ones ([`Backend::replan`]): a long root under one
 /// leaf, planned and uploaded, then the leaf grows past its pages and the grown tree's plan
 /// replaces the uploaded one, in place where the backend finds that it lays out alike (as a
 /// generation's replans mostly do), else uploaded afresh. The step must match the oracle on
@@ -261,9 +261,8 @@ pub fn replan_cases<B: Backend>(backend: &B, seed: u64) -> Result<Vec<CaseResult
             let grown = plan_of(&after, method)?;
             let mut dplan = backend.upload_plan(&shape, &plan_of(&before, method)?)?;
             let mut partials = backend.alloc_partials(&shape, &dplan)?;
-            let in_place = backend.replan_in_place(&shape, &mut dplan, &grown)?;
+            let in_place = backend.replan(&shape, &mut dplan, &grown)?;
             if !in_place {
-                dplan = backend.upload_plan(&shape, &grown)?;
                 partials = backend.alloc_partials(&shape, &dplan)?;
             }
             let got = run(&dplan, &mut partials)?;

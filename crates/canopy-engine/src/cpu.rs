@@ -208,12 +208,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn replan_in_place(&self, _shape: &AttnShape, plan: &mut Plan, new: &Plan) -> Result<bool> {
+    fn replan(&self, _shape: &AttnShape, plan: &mut Plan, new: &Plan) -> Result<bool> {
         let same = plan.num_queries() == new.num_queries()
             && plan.num_partial_rows() == new.num_partial_rows();
-        if same {
-            plan.clone_from(new);
-        }
+        plan.clone_from(new);
         Ok(same)
     }
 

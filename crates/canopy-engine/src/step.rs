@@ -78,14 +78,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         }
         let queries = plan.num_queries();
         let plan = backend.upload_plan(&shape, plan)?;
-        let partials = backend.alloc_partials(&shape, &plan)?;
-        let local = backend.alloc_states(&shape, queries)?;
-        let merge = StatesMerge::new(
-            backend,
-            queries * shape.q_heads,
-            shape.head_dim,
-            comm.size(),
-        )?;
+        let (partials, local, merge) = tree_buffers(backend, comm, &shape, &plan, queries)?;
         Ok(RankAttention {
             backend,
             comm,
@@ -218,17 +211,19 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             .try_for_each(|(plan, t)| backend.extend_plan(plan, t))
     }
 
-    /// Tree attention over `plan` from now on, in place of the plan it had
-    /// ([`Backend::replan_in_place`](crate::Backend::replan_in_place)) where the new plan lays
-    /// out as the old: then every buffer stays, and a recorded pass of the old plan replays
-    /// the new one. Otherwise the plan is uploaded and its buffers made anew. The ring replans
-    /// every rank's shard: it takes a new [`RankAttention::ring`].
+    /// Tree attention over `new` from now on, in place of the plan it had
+    /// ([`Backend::replan`](crate::Backend::replan)). Where the new plan lays out as the old,
+    /// every buffer stays and a recorded pass of the old plan replays the new one; otherwise
+    /// the step's buffers are made anew for it. The ring replans every rank's shard: it takes
+    /// a new [`RankAttention::ring`].
     pub fn replan(&mut self, new: &Plan) -> Result<()> {
+        let (backend, comm) = (self.backend, self.comm);
         let Kind::Tree {
             shape,
-            how,
-            layout,
             plan,
+            partials,
+            local,
+            merge,
             ..
         } = &mut self.kind
         else {
@@ -236,11 +231,10 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 "the ring replans with a new RankAttention, one plan per shard".into(),
             ));
         };
-        if self.backend.replan_in_place(shape, plan, new)? {
-            return Ok(());
+        if !backend.replan(shape, plan, new)? {
+            let queries = new.num_queries();
+            (*partials, *local, *merge) = tree_buffers(backend, comm, shape, plan, queries)?;
         }
-        let fresh = Self::tree(self.backend, self.comm, *shape, new, *how, layout.clone())?;
-        *self = fresh.with_poison(self.poison);
         Ok(())
     }
 
@@ -336,6 +330,28 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             }
         }
     }
+}
+
+/// The tree's step buffers for an uploaded `plan` of `queries` queries: its partials, the
+/// rank's merged states and the cross-rank merge's.
+#[allow(clippy::type_complexity)]
+fn tree_buffers<B: MergeOps, C: Transport<B>>(
+    backend: &B,
+    comm: &C,
+    shape: &AttnShape,
+    plan: &B::Plan,
+    queries: usize,
+) -> Result<(B::States, B::States, StatesMerge<B>)> {
+    Ok((
+        backend.alloc_partials(shape, plan)?,
+        backend.alloc_states(shape, queries)?,
+        StatesMerge::new(
+            backend,
+            queries * shape.q_heads,
+            shape.head_dim,
+            comm.size(),
+        )?,
+    ))
 }
 
 /// The ring's double buffering at step `s`: the shard computed on (`own` at step 0, then the
