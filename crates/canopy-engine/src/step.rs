@@ -334,7 +334,6 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
 
 /// The tree's step buffers for an uploaded `plan` of `queries` queries: its partials, the
 /// rank's merged states and the cross-rank merge's.
-#[allow(clippy::type_complexity)]
 fn tree_buffers<B: MergeOps, C: Transport<B>>(
     backend: &B,
     comm: &C,
