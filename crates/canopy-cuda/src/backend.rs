@@ -306,6 +306,16 @@ impl CudaBackend {
         })
     }
 
+    /// An uploaded plan rewritten in place: its staging buffer (already rewritten) copied
+    /// over its words by one asynchronous copy, and `masks` written over its masks, in place
+    /// while they fit. The plan's buffers keep their addresses.
+    fn send_rewritten(&self, p: &mut CudaPlan, masks: &[u64]) -> Result<()> {
+        self.stream
+            .memcpy_htod(&p.staging, &mut p.words)
+            .ctx("cuMemcpyHtoD")?;
+        self.write_or_grow(masks, &mut p.masks, "a plan's masks")
+    }
+
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every buffer is written (upload, kernel or poison) before it is read.
         unsafe { self.stream.alloc::<T>(len.max(1)) }.ctx(format!(
@@ -506,10 +516,7 @@ impl Backend for CudaBackend {
         // The wait is for the staging buffer's last copy, long done by now.
         let staging = p.staging.as_mut_slice().ctx("cuEventSynchronize")?;
         staging[..cut.host.words.len()].copy_from_slice(&cut.host.words);
-        self.stream
-            .memcpy_htod(&p.staging, &mut p.words)
-            .ctx("cuMemcpyHtoD")?;
-        self.write_or_grow(&cut.host.masks, &mut p.masks, "a plan's masks")?;
+        self.send_rewritten(p, &cut.host.masks)?;
         p.plan = cut.plan;
         p.items = cut.items;
         p.shared = cut.host.shared;
@@ -529,13 +536,8 @@ impl Backend for CudaBackend {
         // long done by now.
         let staging = p.staging.as_mut_slice().ctx("cuEventSynchronize")?;
         let masks = write_extents(&p.plan, &p.shared, &p.items, &p.layout, staging);
-        self.stream
-            .memcpy_htod(&p.staging, &mut p.words)
-            .ctx("cuMemcpyHtoD")?;
-        // A masked group's new tokens set bits in its last block or add blocks: masks that
-        // exist are written again, in place while they fit.
-        self.write_or_grow(&masks, &mut p.masks, "a plan's masks")?;
-        Ok(())
+        // A masked group's new tokens set bits in its last block or add blocks.
+        Ok(self.send_rewritten(p, &masks)?)
     }
 
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> EResult<CudaStates> {
