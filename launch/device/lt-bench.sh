@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The dense layers' GEMMs at serving's row counts: canopy's cublasGemmEx call against every
 # algorithm cuBLASLt's heuristic offers (tools/lt_bench.cu, built here with nvcc), beside the
-# weights' floor. ROWS (comma-separated) picks the row counts (e.g. 8192, a prefill chunk's).
+# weights' floor. ROWS (comma-separated) picks the row counts (e.g. 8192, a prefill chunk's);
+# SEARCH=1 also times every configuration of every algorithm cuBLASLt lists (split-K included).
 # Results: $OUT/lt-bench.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"

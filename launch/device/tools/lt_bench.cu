@@ -3,7 +3,8 @@
 // and down) beside every cuBLASLt algorithm its heuristic offers for the same product, each
 // timed alone over weight copies that do not fit L2. Prints, per (projection, rows), the
 // default's µs, the heuristic's first choice, the fastest of the offered ones, and the weight
-// floor (bytes / the copy bandwidth measured here). Built on the device by lt-bench.sh.
+// floor (bytes / the copy bandwidth measured here); with SEARCH set, every configuration of
+// every listed algorithm too (`search`). Built on the device by lt-bench.sh.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -42,6 +43,76 @@ __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed) {
         h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
         p[i] = __float2bfloat16(((h & 0xffff) / 65536.f - 0.5f) * 0.1f);
     }
+}
+
+// SEARCH=1: every algorithm id cuBLASLt lists for the product, with each tile, stage count,
+// split-K and reduction scheme its capabilities allow and cublasLtMatmulAlgoCheck accepts.
+// A quick pass of 3 launches ranks them; the 12 fastest are timed again over `iters`, and the
+// five fastest printed beside the default's time.
+using Run = std::function<void(int, const cublasLtMatmulAlgo_t*)>;
+static void search(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
+                   cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc, const char* name, int rows, float def,
+                   int iters, cudaStream_t s, const Run& run, cudaDataType c_type, size_t ws_bytes) {
+    struct Found { float us; int id, tile, stages, split; unsigned scheme; cublasLtMatmulAlgo_t algo; };
+    std::vector<Found> all;
+    int ids[256], n_ids = 0;
+    CHECK_BLAS(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, c_type, c_type,
+                                        256, ids, &n_ids));
+    // The listed values of one capability (none: one undefined value, the algorithm's choice).
+    auto cap_list = [](const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr, int undefined) {
+        size_t got = 0;
+        cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &got);
+        std::vector<int> v(got / sizeof(int));
+        if (!v.empty()) cublasLtMatmulAlgoCapGetAttribute(&algo, attr, v.data(), v.size() * sizeof(int), &got);
+        if (v.empty()) v.push_back(undefined);
+        return v;
+    };
+    const int splits[] = {1, 2, 3, 4, 6, 8, 16};
+    for (int ii = 0; ii < n_ids; ++ii) {
+        cublasLtMatmulAlgo_t algo;
+        if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, c_type, c_type, ids[ii],
+                                   &algo) != CUBLAS_STATUS_SUCCESS)
+            continue;
+        const auto tiles = cap_list(algo, CUBLASLT_ALGO_CAP_TILE_IDS, CUBLASLT_MATMUL_TILE_UNDEFINED);
+        const auto stages = cap_list(algo, CUBLASLT_ALGO_CAP_STAGES_IDS, CUBLASLT_MATMUL_STAGES_UNDEFINED);
+        size_t got = 0;
+        int split_ok = 0;
+        cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &split_ok, sizeof(split_ok), &got);
+        unsigned scheme_mask = 0;
+        cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &scheme_mask,
+                                          sizeof(scheme_mask), &got);
+        for (int tile : tiles)
+            for (int stage : stages)
+                for (int split : splits) {
+                    if (split > 1 && !split_ok) continue;
+                    // Scheme 0 (none) without split-K; 1, 2 and 4 (in place, compute type, output
+                    // type) with it, where the mask allows.
+                    for (unsigned scheme = 0; scheme <= 4; scheme = scheme ? scheme * 2 : 1) {
+                        if (split == 1 && scheme) break;
+                        if (split > 1 && !(scheme & scheme_mask)) continue;
+                        cublasLtMatmulAlgo_t a = algo;
+                        cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(int));
+                        cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stage, sizeof(int));
+                        cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof(int));
+                        cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                                             sizeof(scheme));
+                        cublasLtMatmulHeuristicResult_t r{};
+                        if (cublasLtMatmulAlgoCheck(lt, desc, la, lb, lc, lc, &a, &r) != CUBLAS_STATUS_SUCCESS) continue;
+                        if (r.workspaceSize > ws_bytes) continue;
+                        const float us = time_it(s, 3, [&](int i) { run(i, &a); });
+                        all.push_back({us, ids[ii], tile, stage, split, scheme, a});
+                    }
+                }
+    }
+    const size_t searched = all.size();
+    std::sort(all.begin(), all.end(), [](const Found& a, const Found& b) { return a.us < b.us; });
+    if (all.size() > 12) all.resize(12);
+    for (Found& f : all) f.us = time_it(s, iters, [&](int i) { run(i, &f.algo); });
+    std::sort(all.begin(), all.end(), [](const Found& a, const Found& b) { return a.us < b.us; });
+    std::printf("search %s rows %d: default %.1f us; fastest of %zu configurations:\n", name, rows, def, searched);
+    for (size_t i = 0; i < all.size() && i < 5; ++i)
+        std::printf("  %.1f us: algo %d tile %d stages %d split %d scheme %u\n", all[i].us, all[i].id, all[i].tile,
+                    all[i].stages, all[i].split, all[i].scheme);
 }
 
 int main(int argc, char** argv) {
@@ -129,6 +200,10 @@ int main(int argc, char** argv) {
                 if (a == 0) first = us;
                 if (us < best) best = us;
             }
+            if (std::getenv("SEARCH")) search(lt, desc, la, lb, lc, sh.name, rows, def, iters, s, [&](int i, const cublasLtMatmulAlgo_t* a) {
+                CHECK_BLAS(cublasLtMatmul(lt, desc, &alpha, w[i % copies], la, x, lb, &beta, c, lc, c, lc, a, ws,
+                                          ws_bytes, s));
+            }, c_type, ws_bytes);
             const double floor_us = (w_elems * 2.0) / bw * 1e6;
             const double flop = 2.0 * rows * sh.n * (double)sh.k;
             std::printf("%-8s %5d %10.1f %10.1f %10.1f %10.1f %6d %12.3f %.0f, %.0f\n", sh.name, rows, floor_us, def,
