@@ -7,7 +7,9 @@
 # memcheck run prompts 16 tokens, more than the GEMV takes, so the prefill's products run on
 # cuBLAS and read the rounded operands their producers write. (initcheck on that run reports
 # `swiglu`'s reads of cuBLAS's output as uninitialized, on the session-22 build as well:
-# BENCHMARKS, session 23.)
+# BENCHMARKS, session 23.) One memcheck run decodes two samples of 48 tokens (TOKENS), past
+# the 32 tokens of growth room: its replans rewrite the recorded step's plan in place, and
+# its replays read the rewritten plan.
 # Results: $OUT/sanitizer-*.txt and the summary in $OUT/sanitizer.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -18,7 +20,7 @@ check() { # name tool args...
   local name=$1 tool=$2
   shift 2
   "$SAN" --tool "$tool" --error-exitcode 9 --print-limit 20 "$BIN" generate --backend cuda \
-    --prompt-ids "${PROMPT_IDS:-1,5,9,13,2,7,11}" --max-tokens 8 --temperature 0 "$@" \
+    --prompt-ids "${PROMPT_IDS:-1,5,9,13,2,7,11}" --max-tokens "${TOKENS:-8}" --temperature 0 "$@" \
     > "$OUT/sanitizer-$name.txt" 2>&1
   local rc=$?
   runs=$((runs + 1))
@@ -26,6 +28,7 @@ check() { # name tool args...
 }
 {
   "$SAN" --version | head -2
+  TOKENS=48 check llama3-hd128-bf16-r1-replan memcheck --model "$FIX/llama3-hd128" --dtype bf16 --n 2 --json
   for model in gqa-hd64 llama3-hd128 tied-mha-hd64; do
     check "$model-bf16-r1" memcheck --model "$FIX/$model" --dtype bf16
   done
