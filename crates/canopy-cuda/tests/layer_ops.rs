@@ -48,7 +48,10 @@ impl DenseInputs {
         rows: usize,
         (hidden, intermediate): (usize, usize),
     ) -> DenseInputs {
-        let (vocab, head_dim, heads) = (37, 64, 3);
+        // Eight rows take heads of 6 columns: RoPE's kernels then rotate one pair at a time
+        // instead of four.
+        let head_dim = if rows == 8 { 6 } else { 64 };
+        let (vocab, heads) = (37, 3);
         let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| dtype.round(x)).collect() };
         let mut ids: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..vocab as u32)).collect();
         ids[0] = vocab as u32 - 1;

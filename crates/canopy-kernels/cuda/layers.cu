@@ -195,101 +195,214 @@ __device__ __forceinline__ float2 rope_angle(const u32* __restrict__ positions, 
     return make_float2(s, c);
 }
 
-// The angle of item i of `rope_split_rows`' pairs (`pairs` a row, `half` a head).
-__device__ __forceinline__ float2 split_angle(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
-                                              u64 i, u32 pairs, u32 half) {
-    const RowCol at = row_col(i, pairs);
-    return rope_angle(positions, inv_freq, at.row, at.col % half);
+// The index of the thread's first item in a grid-stride loop.
+__device__ __forceinline__ u64 first_item() { return blockIdx.x * (u64)blockDim.x + threadIdx.x; }
+
+// A RoPE thread's item: VEC consecutive pairs (j, j + half) of one row, in `chunk` consecutive
+// heads. VEC is 4 where a head's half width is a multiple of 4 (16-byte loads and stores), else
+// 1. The thread computes its VEC angles once and rotates them in every head of its chunk: a
+// row's heads share their angles, and a chunk of heads is loads enough in flight for the
+// kernel to stream at the memory's rate. The host chunks the heads so that few rows still
+// spread over the GPU. Items run the pairs fastest, then the chunks, then the rows.
+struct RopeItem {
+    u64 row;
+    u32 pair, first_head, end_head;
+};
+__device__ __forceinline__ RopeItem rope_item(u64 i, u32 groups, u32 vec, u32 heads, u32 chunk) {
+    const u32 chunks = (heads + chunk - 1) / chunk;
+    const RowCol at = row_col(i, groups * chunks);
+    const u32 c = at.col / groups, first = c * chunk;
+    return {at.row, (at.col - c * groups) * vec, first, min(first + chunk, heads)};
 }
 
-// The angle of item i of `rope_split_store`'s stored keys (`kv_pairs` a row).
-__device__ __forceinline__ float2 store_angle(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
-                                              const u32* __restrict__ pairs, u64 i, u32 kv_pairs, u32 half) {
-    const RowCol at = row_col(i, kv_pairs);
-    return rope_angle(positions, inv_freq, pairs[2 * at.row], at.col % half);
+// The VEC angles of pairs j.. of a row at `position`: rope_angle's, as every RoPE kernel's.
+template <int VEC>
+__device__ __forceinline__ void rope_angles(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
+                                            u64 row, u32 j, float2 (&sc)[VEC]) {
+#pragma unroll
+    for (int t = 0; t < VEC; ++t) sc[t] = rope_angle(positions, inv_freq, row, j + t);
+}
+
+template <int VEC> __device__ __forceinline__ void load_vec(const float* __restrict__ p, float (&x)[VEC]) {
+    if constexpr (VEC == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+#pragma unroll
+        for (int t = 0; t < VEC; ++t) x[t] = p[t];
+    }
+}
+
+// VEC values stored at p: fp32 as they are (16 bytes at once where VEC is 4), any other type
+// narrowed to the KV's dtype.
+template <typename T> struct IsF32 { static constexpr bool value = false; };
+template <> struct IsF32<float> { static constexpr bool value = true; };
+template <int VEC, typename T> __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&x)[VEC]) {
+    if constexpr (IsF32<T>::value && VEC == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    } else if constexpr (IsF32<T>::value) {
+#pragma unroll
+        for (int t = 0; t < VEC; ++t) p[t] = x[t];
+    } else {
+#pragma unroll
+        for (int t = 0; t < VEC; ++t) p[t] = narrow(x[t]);
+    }
+}
+
+// One head's VEC pairs from `h` (the head's first column) rotated into `dst` (the same place of
+// the output's head).
+template <int VEC, typename Out>
+__device__ __forceinline__ void rotate_head(const float* __restrict__ h, Out* __restrict__ dst, u32 j, u32 half,
+                                            const float2 (&sc)[VEC]) {
+    float x1[VEC], x2[VEC], y1[VEC], y2[VEC];
+    load_vec<VEC>(h + j, x1);
+    load_vec<VEC>(h + j + half, x2);
+#pragma unroll
+    for (int t = 0; t < VEC; ++t) {
+        const float2 r = rotate_pair(x1[t], x2[t], sc[t].x, sc[t].y);
+        y1[t] = r.x, y2[t] = r.y;
+    }
+    store_vec<VEC>(dst + j, y1);
+    store_vec<VEC>(dst + j + half, y2);
+}
+
+// The geometry both RoPE kernels take: a fused projection `qkv` (`q_cols | kv_cols | kv_cols` a
+// row), heads of 2 * half columns, `chunk` heads an item, pairs VEC at a time.
+struct RopeShape {
+    u32 rows, q_cols, kv_cols, half, chunk;
+    __device__ __forceinline__ u32 width() const { return q_cols + 2 * kv_cols; }
+    __device__ __forceinline__ u32 heads() const { return (q_cols + kv_cols) / (2 * half); }
+    __device__ __forceinline__ u32 kv_heads() const { return kv_cols / (2 * half); }
+};
+
+// Splits each row of `qkv` into q, k and v, rotating every head of q and k by positions[r]
+// (rotate_half), angle positions[r] * inv_freq[j] in fp32; then copies v. `first` holds the
+// angles of the thread's first item, computed before the kernel waited for qkv.
+template <int VEC>
+__device__ __forceinline__ void rope_split_rows(const float* __restrict__ qkv, const u32* __restrict__ positions,
+                                                const float* __restrict__ inv_freq, float* __restrict__ q,
+                                                float* __restrict__ k, float* __restrict__ v, const RopeShape& g,
+                                                const float2 (&first)[VEC]) {
+    const u32 groups = g.half / VEC, width = g.width();
+    GRID_STRIDE(i, (u64)g.rows * groups * ((g.heads() + g.chunk - 1) / g.chunk)) {
+        const RopeItem it = rope_item(i, groups, VEC, g.heads(), g.chunk);
+        float2 sc[VEC];
+        if (i == first_item()) {
+#pragma unroll
+            for (int t = 0; t < VEC; ++t) sc[t] = first[t];
+        } else {
+            rope_angles<VEC>(positions, inv_freq, it.row, it.pair, sc);
+        }
+        for (u32 head = it.first_head; head < it.end_head; ++head) {
+            const u32 col = head * 2 * g.half;
+            float* dst = col < g.q_cols ? q + it.row * g.q_cols + col : k + it.row * g.kv_cols + (col - g.q_cols);
+            rotate_head<VEC>(qkv + it.row * width + col, dst, it.pair, g.half, sc);
+        }
+    }
+    GRID_STRIDE(i, (u64)g.rows * (g.kv_cols / VEC)) {
+        const RowCol at = row_col(i, g.kv_cols / VEC);
+        float x[VEC];
+        load_vec<VEC>(qkv + at.row * width + g.q_cols + g.kv_cols + at.col * VEC, x);
+        store_vec<VEC>(v + at.row * g.kv_cols + at.col * VEC, x);
+    }
+}
+
+// The angles of the thread's first item of `rope_split_rows` (or of the stored keys, with
+// `pairs`), before the kernel waits: sincosf of a large angle is a long computation.
+template <int VEC>
+__device__ __forceinline__ void first_angles(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
+                                             const u32* __restrict__ pairs, u64 items, u32 heads, const RopeShape& g,
+                                             float2 (&sc)[VEC]) {
+    const u32 groups = g.half / VEC;
+    const u64 chunks = (heads + g.chunk - 1) / g.chunk;
+#pragma unroll
+    for (int t = 0; t < VEC; ++t) sc[t] = make_float2(0.f, 1.f);
+    if (first_item() >= items * groups * chunks) return;
+    const RopeItem it = rope_item(first_item(), groups, VEC, heads, g.chunk);
+    rope_angles<VEC>(positions, inv_freq, pairs ? pairs[2 * it.row] : it.row, it.pair, sc);
+}
+
+template <int VEC>
+__device__ __forceinline__ void rope_split_kernel(const float* __restrict__ qkv, const u32* __restrict__ positions,
+                                                  const float* __restrict__ inv_freq, float* __restrict__ q,
+                                                  float* __restrict__ k, float* __restrict__ v, const RopeShape& g) {
+    float2 first[VEC];
+    first_angles<VEC>(positions, inv_freq, nullptr, g.rows, g.heads(), g, first);
+    wait_for_previous_grid();
+    rope_split_rows<VEC>(qkv, positions, inv_freq, q, k, v, g, first);
 }
 
 // The RoPE kernels launch as programmatic dependents of the projection that writes qkv. Their
 // positions, frequencies and (row, slot) pairs are no kernel's output, so each thread takes
-// the angle of its first item (index `first`: the grid-stride loops' first) before it waits,
-// while the projection still runs: sincosf of a large angle is a long computation.
-__device__ __forceinline__ u64 first_item() { return blockIdx.x * (u64)blockDim.x + threadIdx.x; }
-
-// Splits each row of a fused projection `qkv` (`q_cols | kv_cols | kv_cols`) into q, k and v,
-// rotating every head (2 * half columns) of q and k by positions[r] (rotate_half): one thread
-// per pair (i, i + half) of a q or k head, angle positions[r] * inv_freq[i] in fp32, then one
-// per element of v. `first` is the angle of the thread's first pair, if it has one.
-__device__ __forceinline__ void rope_split_rows(const float* __restrict__ qkv, const u32* __restrict__ positions,
-                                                const float* __restrict__ inv_freq, float* __restrict__ q,
-                                                float* __restrict__ k, float* __restrict__ v, u32 rows,
-                                                u32 q_cols, u32 kv_cols, u32 half, float2 first) {
-    const u32 width = q_cols + 2 * kv_cols, pairs = (q_cols + kv_cols) / 2;
-    GRID_STRIDE(i, (u64)rows * pairs) {
-        const RowCol at = row_col(i, pairs);
-        const u64 r = at.row;
-        const u32 p = at.col, head = p / half, j = p - head * half;
-        const float2 sc = i == first_item() ? first : rope_angle(positions, inv_freq, r, j);
-        const u32 col = head * 2 * half;
-        const float* h = qkv + r * width + col;
-        const float2 rotated = rotate_pair(h[j], h[j + half], sc.x, sc.y);
-        float* dst = col < q_cols ? q + r * q_cols + col : k + r * kv_cols + (col - q_cols);
-        dst[j] = rotated.x;
-        dst[j + half] = rotated.y;
-    }
-    GRID_STRIDE(i, (u64)rows * kv_cols) {
-        const RowCol at = row_col(i, kv_cols);
-        v[i] = qkv[at.row * width + q_cols + kv_cols + at.col];
-    }
-}
-
+// the angles of its first item before it waits, while the projection still runs.
 extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* __restrict__ positions,
                                       const float* __restrict__ inv_freq, float* __restrict__ q,
                                       float* __restrict__ k, float* __restrict__ v, u32 rows,
-                                      u32 q_cols, u32 kv_cols, u32 half) {
+                                      u32 q_cols, u32 kv_cols, u32 half, u32 vec4, u32 chunk) {
     let_next_grid_launch();
-    const u32 pairs = (q_cols + kv_cols) / 2;
-    const float2 first = first_item() < (u64)rows * pairs ? split_angle(positions, inv_freq, first_item(), pairs, half)
-                                                          : make_float2(0.f, 1.f);
-    wait_for_previous_grid();
-    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half, first);
+    const RopeShape g{rows, q_cols, kv_cols, half, chunk};
+    if (vec4)
+        rope_split_kernel<4>(qkv, positions, inv_freq, q, k, v, g);
+    else
+        rope_split_kernel<1>(qkv, positions, inv_freq, q, k, v, g);
 }
 
 // `rope_split`, and for each of `count` (row, slot) pairs that row's rotated key and its value
 // written into physical token `slot` of the KV pool, narrowed to the KV's dtype: RoPE fused
-// into the KV append. The stored key is rotated again from qkv (no thread waits for another's
-// k), with rope_split's expression, so it is what store_kv would store from k. The host has
-// checked every row and slot.
+// into the KV append, in items of `store_chunk` KV heads. The stored key is rotated again from
+// qkv (no thread waits for another's k), with rope_split's expression, so it is what store_kv
+// would store from k. The host has checked every row and slot.
+template <int VEC>
+__device__ __forceinline__ void rope_split_store_kernel(const float* __restrict__ qkv,
+                                                        const u32* __restrict__ positions,
+                                                        const float* __restrict__ inv_freq, float* __restrict__ q,
+                                                        float* __restrict__ k, float* __restrict__ v,
+                                                        const RopeShape& g, const RopeShape& stored,
+                                                        const u32* __restrict__ pairs, elem_t* __restrict__ kc,
+                                                        elem_t* __restrict__ vc) {
+    float2 first[VEC], first_stored[VEC];
+    first_angles<VEC>(positions, inv_freq, nullptr, g.rows, g.heads(), g, first);
+    first_angles<VEC>(positions, inv_freq, pairs, stored.rows, stored.kv_heads(), stored, first_stored);
+    wait_for_previous_grid();
+    rope_split_rows<VEC>(qkv, positions, inv_freq, q, k, v, g, first);
+    const u32 groups = g.half / VEC, width = g.width(), kv_heads = g.kv_heads();
+    GRID_STRIDE(i, (u64)stored.rows * groups * ((kv_heads + stored.chunk - 1) / stored.chunk)) {
+        const RopeItem it = rope_item(i, groups, VEC, kv_heads, stored.chunk);
+        const u32 row = pairs[2 * it.row];
+        float2 sc[VEC];
+        if (i == first_item()) {
+#pragma unroll
+            for (int t = 0; t < VEC; ++t) sc[t] = first_stored[t];
+        } else {
+            rope_angles<VEC>(positions, inv_freq, row, it.pair, sc);
+        }
+        for (u32 head = it.first_head; head < it.end_head; ++head) {
+            const u32 col = head * 2 * g.half;
+            rotate_head<VEC>(qkv + (u64)row * width + g.q_cols + col, kc + (u64)pairs[2 * it.row + 1] * g.kv_cols + col,
+                             it.pair, g.half, sc);
+        }
+    }
+    GRID_STRIDE(i, (u64)stored.rows * (g.kv_cols / VEC)) {
+        const RowCol at = row_col(i, g.kv_cols / VEC);
+        const u64 p = at.row, c = (u64)at.col * VEC;
+        float x[VEC];
+        load_vec<VEC>(qkv + (u64)pairs[2 * p] * width + g.q_cols + g.kv_cols + c, x);
+        store_vec<VEC>(vc + (u64)pairs[2 * p + 1] * g.kv_cols + c, x);
+    }
+}
+
 extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const u32* __restrict__ positions,
                                             const float* __restrict__ inv_freq, float* __restrict__ q,
                                             float* __restrict__ k, float* __restrict__ v, u32 rows,
-                                            u32 q_cols, u32 kv_cols, u32 half, const u32* __restrict__ pairs,
-                                            elem_t* __restrict__ kc, elem_t* __restrict__ vc, u32 count) {
+                                            u32 q_cols, u32 kv_cols, u32 half, u32 vec4, u32 chunk,
+                                            const u32* __restrict__ pairs, elem_t* __restrict__ kc,
+                                            elem_t* __restrict__ vc, u32 count, u32 store_chunk) {
     let_next_grid_launch();
-    const u32 width = q_cols + 2 * kv_cols, row_pairs = (q_cols + kv_cols) / 2, kv_pairs = kv_cols / 2;
-    const u64 t = first_item();
-    const float2 first = t < (u64)rows * row_pairs ? split_angle(positions, inv_freq, t, row_pairs, half)
-                                                   : make_float2(0.f, 1.f);
-    const float2 first_stored = t < (u64)count * kv_pairs ? store_angle(positions, inv_freq, pairs, t, kv_pairs, half)
-                                                          : make_float2(0.f, 1.f);
-    wait_for_previous_grid();
-    rope_split_rows(qkv, positions, inv_freq, q, k, v, rows, q_cols, kv_cols, half, first);
-    GRID_STRIDE(i, (u64)count * kv_pairs) {
-        const RowCol at = row_col(i, kv_pairs);
-        const u64 p = at.row;
-        const u32 pair = at.col, head = pair / half, j = pair - head * half;
-        const u32 row = pairs[2 * p];
-        const float2 sc = i == t ? first_stored : rope_angle(positions, inv_freq, row, j);
-        const float* h = qkv + (u64)row * width + q_cols + head * 2 * half;
-        const float2 rotated = rotate_pair(h[j], h[j + half], sc.x, sc.y);
-        elem_t* dst = kc + (u64)pairs[2 * p + 1] * kv_cols + head * 2 * half;
-        dst[j] = narrow(rotated.x);
-        dst[j + half] = narrow(rotated.y);
-    }
-    GRID_STRIDE(i, (u64)count * kv_cols) {
-        const RowCol at = row_col(i, kv_cols);
-        const u64 p = at.row, c = at.col;
-        vc[(u64)pairs[2 * p + 1] * kv_cols + c] = narrow(qkv[(u64)pairs[2 * p] * width + q_cols + kv_cols + c]);
-    }
+    const RopeShape g{rows, q_cols, kv_cols, half, chunk}, stored{count, q_cols, kv_cols, half, store_chunk};
+    if (vec4)
+        rope_split_store_kernel<4>(qkv, positions, inv_freq, q, k, v, g, stored, pairs, kc, vc);
+    else
+        rope_split_store_kernel<1>(qkv, positions, inv_freq, q, k, v, g, stored, pairs, kc, vc);
 }
 
 // silu(g) * u, as transformers' Llama MLP computes it: every SwiGLU here, and the GEMV's.

@@ -12,7 +12,7 @@ use crate::launch::Params;
 use canopy_core::DType;
 use canopy_engine::layer_ops::expect_size;
 use canopy_kernels::{Kernel, GEMV_COLS, GEMV_WARPS};
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 impl CudaBackend {
     /// [`LayerOps::rope_split`], and with `store` the rotated keys and values of its rows
@@ -45,8 +45,21 @@ impl CudaBackend {
         );
         let positions = self.upload_step_input(StepInput::Positions, positions)?;
         let s = &self.stream;
+        let values = qkv.values("rope_split")?;
+        let aligned = [values, &q.data, &k.data, &v.data]
+            .iter()
+            .all(|b| b.device_ptr(s).0.is_multiple_of(16));
+        let vec = if aligned && half.is_multiple_of(4) {
+            4
+        } else {
+            1
+        };
+        let lanes = |rows: usize| rows * (half / vec);
+        let threads = self.elementwise_threads();
+        let (heads, kv_heads) = ((q.cols + k.cols) / (2 * half), k.cols / (2 * half));
+        let chunk = head_chunk(lanes(rows), heads, threads);
         let params = Params::default()
-            .buffer(qkv.values("rope_split")?, s)
+            .buffer(values, s)
             .buffer(&*positions, s)
             .buffer(&inv_freq.data, s)
             .buffer(&q.data, s)
@@ -55,20 +68,25 @@ impl CudaBackend {
             .u32(rows_)
             .u32(q_cols)
             .u32(kv_cols)
-            .u32(half_);
-        let pairs = rows * (q.cols + k.cols) / 2;
-        let mut items = pairs.max(rows * k.cols);
+            .u32(half_)
+            .u32(u32::from(vec == 4))
+            .u32(narrow("rope_split", chunk)?);
+        let mut items = (lanes(rows) * heads.div_ceil(chunk)).max(rows * k.cols / vec);
         let (f, params) = match store {
             Some((kv, stores)) if !stores.is_empty() => {
                 let count = narrow("rope_split_store", stores.len())?;
                 let slots = self.upload_step_input(StepInput::Slots, &slot_pairs(stores))?;
-                items = items.max(stores.len() * k.cols);
+                let store_chunk = head_chunk(lanes(stores.len()), kv_heads, threads);
+                items = items
+                    .max(lanes(stores.len()) * kv_heads.div_ceil(store_chunk))
+                    .max(stores.len() * k.cols / vec);
                 let f = self.function(Kernel::Layers(kv.dtype, "rope_split_store"))?;
                 let params = params
                     .buffer(&*slots, s)
                     .buffer(&kv.k, s)
                     .buffer(&kv.v, s)
-                    .u32(count);
+                    .u32(count)
+                    .u32(narrow("rope_split_store", store_chunk)?);
                 (f, params)
             }
             _ => (
@@ -256,5 +274,46 @@ impl CudaBackend {
         // 4 give every CTA whole pairs of groups; the grid covers every pair.
         unsafe { self.launch_params(&f, cfg, &params, false) }.ctx("launching gemv_rope")?;
         Ok(())
+    }
+}
+
+/// Heads a RoPE kernel's item rotates with one set of angles: few enough that `lanes` (rows ×
+/// pair groups) times the chunks fill `threads`, an element-wise grid's threads, so the
+/// loads in flight keep the memory busy (rounded down: the last chunk may be short); all of
+/// them where the rows alone fill it.
+fn head_chunk(lanes: usize, heads: usize, threads: usize) -> usize {
+    let heads = heads.max(1);
+    let chunks = threads.div_ceil(lanes.max(1)).clamp(1, heads);
+    heads / chunks
+}
+
+#[cfg(test)]
+mod head_chunk_tests {
+    use super::head_chunk;
+
+    #[test]
+    fn a_prefill_chunk_shares_angles_over_many_heads_and_a_few_rows_take_one_head_an_item() {
+        let threads = 132 * 8 * 256;
+        // 8,192 rows of 16 groups of 4 pairs, 40 q and k heads: chunks of 13 heads (four).
+        assert_eq!(head_chunk(8192 * 16, 40, threads), 13);
+        // A decode step's 64 rows: one head an item, 40,960 items.
+        assert_eq!(head_chunk(64 * 16, 40, threads), 1);
+        // Rows enough to fill the grid alone: every head in one item.
+        assert_eq!(head_chunk(threads, 40, threads), 40);
+        assert_eq!(head_chunk(0, 0, threads), 1);
+    }
+
+    #[test]
+    fn the_chunks_cover_the_heads_and_fill_the_grid_where_the_heads_allow() {
+        let threads = 1000;
+        for lanes in [1, 7, 100, 999, 1000, 5000] {
+            for heads in 1..50 {
+                let chunk = head_chunk(lanes, heads, threads);
+                let chunks = heads.div_ceil(chunk);
+                assert!((1..=heads).contains(&chunk));
+                assert!(chunks * chunk >= heads);
+                assert!(lanes * chunks >= threads || chunks == heads);
+            }
+        }
     }
 }
