@@ -121,12 +121,12 @@ fn gib(bytes: u64) -> f64 {
 }
 
 impl CudaBackend {
-    /// A grid-stride launch over `n` elements.
     /// The threads of the largest grid [`CudaBackend::elementwise`] launches.
     fn elementwise_threads(&self) -> usize {
         self.gpu.multiprocessors as usize * ELEMENTWISE_CTAS_PER_SM * LAYER_THREADS as usize
     }
 
+    /// A grid-stride launch over `n` elements.
     fn elementwise(&self, n: usize) -> LaunchConfig {
         let most = self.gpu.multiprocessors as usize * ELEMENTWISE_CTAS_PER_SM;
         LaunchConfig {

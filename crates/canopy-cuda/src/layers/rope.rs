@@ -288,13 +288,13 @@ fn head_chunk(lanes: usize, heads: usize, threads: usize) -> usize {
 }
 
 #[cfg(test)]
-mod head_chunk_tests {
+mod tests {
     use super::head_chunk;
 
     #[test]
     fn a_prefill_chunk_shares_angles_over_many_heads_and_a_few_rows_take_one_head_an_item() {
         let threads = 132 * 8 * 256;
-        // 8,192 rows of 16 groups of 4 pairs, 40 q and k heads: chunks of 13 heads (four).
+        // 8,192 rows of 16 groups of 4 pairs, 40 q and k heads: chunks of 13, 13, 13 and 1.
         assert_eq!(head_chunk(8192 * 16, 40, threads), 13);
         // A decode step's 64 rows: one head an item, 40,960 items.
         assert_eq!(head_chunk(64 * 16, 40, threads), 1);
