@@ -199,11 +199,12 @@ __device__ __forceinline__ float2 rope_angle(const u32* __restrict__ positions, 
 __device__ __forceinline__ u64 first_item() { return blockIdx.x * (u64)blockDim.x + threadIdx.x; }
 
 // A RoPE thread's item: VEC consecutive pairs (j, j + half) of one row, in `chunk` consecutive
-// heads. VEC is 4 where a head's half width is a multiple of 4 (16-byte loads and stores), else
-// 1. The thread computes its VEC angles once and rotates them in every head of its chunk: a
-// row's heads share their angles, and a chunk of heads is loads enough in flight for the
-// kernel to stream at the memory's rate. The host chunks the heads so that few rows still
-// spread over the GPU. Items run the pairs fastest, then the chunks, then the rows.
+// heads. VEC is 4 (16-byte loads and stores) where the host found a head's half width a
+// multiple of 4 and the rows 16-byte aligned, else 1. The thread computes its VEC angles once
+// and rotates them in every head of its chunk: a row's heads share their angles, and a chunk of
+// heads puts enough loads in flight for the kernel to stream at the memory's rate. The host
+// chunks the heads so that a few rows still spread over the GPU. Items run the pairs fastest,
+// then the chunks, then the rows.
 struct RopeItem {
     u64 row;
     u32 pair, first_head, end_head;
@@ -215,7 +216,7 @@ __device__ __forceinline__ RopeItem rope_item(u64 i, u32 groups, u32 vec, u32 he
     return {at.row, (at.col - c * groups) * vec, first, min(first + chunk, heads)};
 }
 
-// The VEC angles of pairs j.. of a row at `position`: rope_angle's, as every RoPE kernel's.
+// The angles of pairs j to j + VEC - 1 of `row`: rope_angle's, as every RoPE kernel's.
 template <int VEC>
 __device__ __forceinline__ void rope_angles(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
                                             u64 row, u32 j, float2 (&sc)[VEC]) {
