@@ -8,9 +8,7 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 {
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  tracer=$(build_tracer)
-  [ -z "$tracer" ] && { echo "no CUPTI tracer"; exit 1; }
+  start_traced
   $BIN compile-kernels > /dev/null 2>&1 || echo "compile-kernels FAILED"
   for context in ${CONTEXTS:-8K 32K 128K 500K}; do
     log "bench decode at $context, traced"

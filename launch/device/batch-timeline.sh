@@ -7,9 +7,7 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 {
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  tracer=$(build_tracer)
-  [ -z "$tracer" ] && { echo "no CUPTI tracer"; exit 1; }
+  start_traced
   $BIN compile-kernels > /dev/null 2>&1 || echo "compile-kernels FAILED"
   log "generate --n ${N:-64} at ${CONTEXT:-4K}, ${TOKENS:-24} tokens, traced"
   CUDA_INJECTION64_PATH=$tracer CUPTI_TRACE_OUT=/tmp/batch.tsv $BIN generate --arch llama-3.1-8b \

@@ -13,9 +13,7 @@ DECODE=${DECODE:-30}
 STEPS=${STEPS:-20}
 MARKER=${MARKER:-top_logits}
 {
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  tracer=$(build_tracer)
-  [ -z "$tracer" ] && { echo "no CUPTI tracer"; exit 1; }
+  start_traced
   for entry in $BINS; do
     name=${entry%%=*} bin=${entry#*=}
     $bin compile-kernels > /dev/null 2>&1 || echo "compile-kernels FAILED: $name"

@@ -61,3 +61,10 @@ build_tracer() {
     -o /tmp/cupti_trace.so "$(dirname "${BASH_SOURCE[0]}")/tools/cupti_trace.c" "$lib" \
     -Wl,-rpath,"$(dirname "$lib")" >&2 && echo /tmp/cupti_trace.so
 }
+# A traced script's start: the GPU's name and driver, then the tracer built into $tracer; a
+# machine without CUPTI ends the script.
+start_traced() {
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  tracer=$(build_tracer)
+  [ -n "$tracer" ] || { echo "no CUPTI tracer"; exit 1; }
+}
