@@ -48,15 +48,17 @@ impl CudaBackend {
         let values = qkv.values("rope_split")?;
         // 16-byte loads and stores need every row they touch on 16 bytes: the activations',
         // and the pool's where an fp32 pool takes the stored keys and values whole.
-        let aligned = [values, &q.data, &k.data, &v.data]
-            .iter()
-            .all(|b| b.device_ptr(s).0.is_multiple_of(16));
-        let pool_aligned = store.as_ref().is_none_or(|(kv, _)| {
-            [&kv.k, &kv.v]
-                .iter()
-                .all(|b| b.device_ptr(s).0.is_multiple_of(16))
-        });
-        let vec = if aligned && pool_aligned && half.is_multiple_of(4) {
+        let mut addresses = vec![
+            values.device_ptr(s).0,
+            q.data.device_ptr(s).0,
+            k.data.device_ptr(s).0,
+            v.data.device_ptr(s).0,
+        ];
+        if let Some((kv, _)) = &store {
+            addresses.extend([kv.k.device_ptr(s).0, kv.v.device_ptr(s).0]);
+        }
+        let aligned = addresses.iter().all(|a| a.is_multiple_of(16));
+        let vec = if aligned && half.is_multiple_of(4) {
             4
         } else {
             1
