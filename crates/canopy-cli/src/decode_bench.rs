@@ -15,6 +15,7 @@
 //! first row does not time NVRTC.
 
 mod cost;
+mod predict;
 mod report;
 
 #[cfg(test)]
@@ -90,7 +91,7 @@ pub(crate) fn allow_positions(config: &mut LlamaConfig, longest: usize) -> bool 
 #[derive(Args)]
 pub struct DecodeArgs {
     /// A Hugging Face model directory or a `.gguf` file.
-    #[arg(long, required_unless_present = "arch", conflicts_with = "arch")]
+    #[arg(long, required_unless_present_any = ["arch", "from"], conflicts_with = "arch")]
     model: Option<PathBuf>,
     /// A model shape without weights: llama-3.1-8b, llama-3.2-1b or smollm2-135m (needs
     /// --random-weights).
@@ -99,9 +100,10 @@ pub struct DecodeArgs {
     /// Random weights of the model's shape instead of its own.
     #[arg(long)]
     random_weights: bool,
-    /// Context lengths in tokens (K = 1024, M = 1024²), comma-separated.
-    #[arg(long, value_delimiter = ',', value_parser = parse_tokens, default_value = "8K")]
-    context: Vec<usize>,
+    /// Context lengths in tokens (K = 1024, M = 1024²), comma-separated [default: 8K; with
+    /// --predict, none beyond the runs' own].
+    #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
+    context: Option<Vec<usize>>,
     /// Tokens decoded after the context.
     #[arg(long, default_value_t = 10, value_parser = at_least_one)]
     decode: usize,
@@ -145,6 +147,21 @@ pub struct DecodeArgs {
     /// count's floor (PNG or SVG, by extension).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Predict the decode step at this rank count instead of running, from the `--from` runs'
+    /// rows at fewer ranks (`canopy_engine::predict::DecodeModel`), at their contexts and
+    /// --context's; rows measured at this count are set beside the prediction.
+    #[arg(long, requires = "from")]
+    predict: Option<usize>,
+    /// Saved `bench decode --json` outputs of one model on one kind of GPU, comma-separated,
+    /// for --predict.
+    #[arg(long, value_delimiter = ',', requires = "predict")]
+    from: Vec<PathBuf>,
+}
+
+impl DecodeArgs {
+    fn contexts(&self) -> Vec<usize> {
+        self.context.clone().unwrap_or_else(|| vec![8 << 10])
+    }
 }
 
 /// `8192`, `8K`, `1M`: a token count.
@@ -182,7 +199,7 @@ impl Subject {
             a.seed,
         )?;
         let (name, mut config, source) = (model.name, model.config, model.weights);
-        let longest = a.context.iter().max().copied().unwrap_or(1) + a.decode;
+        let longest = a.contexts().iter().max().copied().unwrap_or(1) + a.decode;
         if longest > config.max_position_embeddings && a.context_fill == FillChoice::Prefill {
             bail!(
                 "a context of {} tokens plus {} decoded exceeds the model's capacity of {} tokens; use shorter --context, or --context-fill random to time decode past it",
@@ -238,6 +255,9 @@ const DEVICE_PEAK: &str = "device memory in use on the busiest rank's GPU beyond
 const HOST_PEAK: &str = "the peak resident memory (VmHWM) of the busiest process: every rank together where the ranks are threads of one process";
 
 pub fn run(a: DecodeArgs) -> Result<()> {
+    if let Some(p) = a.predict {
+        return predict::run(&a.from, p, a.context.as_deref().unwrap_or_default(), a.json);
+    }
     // A plot that cannot be written is refused here, not after the runs.
     if let Some(path) = &a.plot {
         crate::plot::check(path)?;
@@ -368,7 +388,7 @@ fn bench<B: Device>(
     drop(probe);
 
     let most = on.counts.iter().max().copied().unwrap_or(1);
-    let longest = a.context.iter().max().copied().unwrap_or(1);
+    let longest = a.contexts().iter().max().copied().unwrap_or(1);
     let sizing = request(a, config, dtype, longest, DecodeStrategy::Ring);
     let needs = |here: usize| Ok(sizing.needs(config, dtype, most, here)?);
     let placed = Placed::new(
@@ -385,7 +405,7 @@ fn bench<B: Device>(
     }
     let mut rows = Vec::new();
     let mut device_peaks = false;
-    for &context in &a.context {
+    for &context in &a.contexts() {
         for &ranks in on.counts {
             for strategy in strategies(a) {
                 let req = request(a, config, dtype, context, strategy);
@@ -441,7 +461,7 @@ fn warm_up<B: RankThreads>(
     dtype: DType,
     rank_counts: &[usize],
 ) -> Result<()> {
-    let shortest = a.context.iter().min().copied().unwrap_or(1);
+    let shortest = a.contexts().iter().min().copied().unwrap_or(1);
     let context = shortest.min(a.prefill_chunk + 16);
     for &ranks in rank_counts {
         for strategy in strategies(a) {
@@ -645,7 +665,7 @@ fn capacity(
     backend: &str,
     check_model: &dyn Fn(&ModelNeeds) -> Result<()>,
 ) -> Result<Vec<Capacity>> {
-    let longest = a.context.iter().max().copied().unwrap_or(1);
+    let longest = a.contexts().iter().max().copied().unwrap_or(1);
     let search = match a.context_fill {
         FillChoice::Prefill => config.max_position_embeddings.saturating_sub(a.decode),
         FillChoice::Random => SEARCH_TOKENS.max(longest),

@@ -170,9 +170,18 @@ struct Prediction {
 /// A prediction further than this from the measurement is flagged.
 const MISS: f64 = 0.15;
 
+/// A prediction's error against its measurement, as a table cell: `-` without one, flagged
+/// past [`MISS`].
+pub(crate) fn error_cell(error: Option<f64>) -> String {
+    error.map_or("-".into(), |e| {
+        let flag = if e.abs() > MISS { " (miss)" } else { "" };
+        format!("{:+.1}%{flag}", e * 100.0)
+    })
+}
+
 /// The strategy of a row: "tree/allgather", "ring", or "tree/auto (allgather)" for auto with
 /// its choice.
-fn strategy_of(row: &str) -> Option<Strategy> {
+pub(crate) fn strategy_of(row: &str) -> Option<Strategy> {
     let name = row.split(' ').next()?;
     Strategy::every().into_iter().find(|s| s.name() == name)
 }
@@ -282,10 +291,7 @@ fn predict(a: &ScalingArgs, out: &ScalingOutput, p: usize) -> Result<()> {
             r.batch.to_string(),
             format!("{:.4}", r.predicted_ms),
             r.measured_ms.map_or("-".into(), |m| format!("{m:.4}")),
-            r.error.map_or("-".into(), |e| {
-                let flag = if e.abs() > MISS { " (miss)" } else { "" };
-                format!("{:+.1}%{flag}", e * 100.0)
-            }),
+            error_cell(r.error),
         ]);
     }
     println!("{}", t.render());

@@ -226,3 +226,142 @@ fn a_context_beyond_the_memory_is_refused_with_the_numbers() {
             predicates::str::is_match(r"the longest context that fits is \d{4,5} tokens").unwrap(),
         );
 }
+
+/// A saved GPU run whose steps a known model made: one rank reads the weights and its KV at
+/// 4 TB/s plus 1.5 ms; the tree adds 0.6 + 0.05 ms per peer; the ring 2 ms per peer plus each
+/// shard at 250 GB/s.
+fn modelled_run(ranks: &[usize], contexts: &[usize]) -> Value {
+    let (weights, copy_gb_s, kv_per_token) = (16e9, 4000.0, 131072.0);
+    let mut rows = Vec::new();
+    for &p in ranks {
+        for &n in contexts {
+            let kv = n as f64 * kv_per_token / p as f64;
+            let alone = 1.5 + (weights + kv) / 4e12 * 1e3;
+            let peers = (p - 1) as f64;
+            for (strategy, ms) in [
+                (
+                    "tree/auto",
+                    alone + if p > 1 { 0.6 + 0.05 * peers } else { 0.0 },
+                ),
+                ("ring", alone + peers * (2.0 + kv / 250e9 * 1e3)),
+            ] {
+                rows.push(serde_json::json!({
+                    "context": n, "ranks": p, "strategy": strategy, "decode_ms_per_token": ms,
+                    "floor_ms": (weights + kv) / (copy_gb_s * 1e9) * 1e3,
+                }));
+            }
+        }
+    }
+    serde_json::json!({
+        "model": "llama-3.1-8b", "weight_bytes": weights as u64,
+        "copy_bandwidth_gb_s": copy_gb_s, "rows": rows,
+    })
+}
+
+fn predict(dir: &std::path::Path, runs: &[Value], args: &[&str]) -> Command {
+    std::fs::create_dir_all(dir).unwrap();
+    let files: Vec<String> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, run)| {
+            let path = dir.join(format!("run{i}.json"));
+            std::fs::write(&path, run.to_string()).unwrap();
+            path.display().to_string()
+        })
+        .collect();
+    let mut cmd = canopy();
+    cmd.args(["bench", "decode", "--from", &files.join(",")])
+        .args(args);
+    cmd
+}
+
+#[test]
+fn predictions_at_more_ranks_follow_the_runs_model() {
+    let dir = std::env::temp_dir().join(format!("canopy-decode-predict-{}", std::process::id()));
+    let runs = [
+        modelled_run(&[1, 2], &[32 << 10, 128 << 10]),
+        modelled_run(&[4], &[32 << 10, 128 << 10, 1 << 20]),
+    ];
+    let out = predict(
+        &dir,
+        &runs,
+        &["--predict", "8", "--context", "4M", "--json"],
+    )
+    .assert()
+    .success()
+    .get_output()
+    .stdout
+    .clone();
+    let r: Value = serde_json::from_slice(&out).expect("JSON");
+    let rows = r["rows"].as_array().unwrap();
+    // Two strategies at four contexts: the three measured and 4M.
+    assert_eq!(rows.len(), 8);
+    for row in rows {
+        let n = row["context"].as_f64().unwrap();
+        let kv = n * 131072.0 / 8.0;
+        let alone = 1.5 + (16e9 + kv) / 4e12 * 1e3;
+        let want = match row["strategy"].as_str().unwrap() {
+            "tree/auto" => alone + 0.6 + 0.05 * 7.0,
+            _ => alone + 7.0 * (2.0 + kv / 250e9 * 1e3),
+        };
+        let got = row["predicted_ms"].as_f64().unwrap();
+        assert!((got - want).abs() < 1e-6 * want, "{row}: {got} vs {want}");
+        assert!(row["measured_ms"].is_null());
+    }
+    // Predicting a measured count fits the rows below it and sets the measurement beside. One
+    // rank count past one fits the ring's hand-off exactly, and the tree's merges as flat: the
+    // 2-rank merge (0.65 ms) where 4 ranks take 0.75.
+    let out = predict(&dir, &runs, &["--predict", "4", "--json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let r: Value = serde_json::from_slice(&out).expect("JSON");
+    for row in r["rows"].as_array().unwrap() {
+        let (got, measured) = (
+            row["predicted_ms"].as_f64().unwrap(),
+            row["measured_ms"].as_f64().unwrap(),
+        );
+        let want = match row["strategy"].as_str().unwrap() {
+            "tree/auto" => measured - 0.1,
+            _ => measured,
+        };
+        assert!((got - want).abs() < 1e-6 * want, "{row}");
+        assert!((row["error"].as_f64().unwrap() - (got - measured) / measured).abs() < 1e-12);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn predictions_need_gpu_runs_at_several_ranks() {
+    let dir = std::env::temp_dir().join(format!(
+        "canopy-decode-unpredictable-{}",
+        std::process::id()
+    ));
+    let mut cpu = modelled_run(&[1, 2], &[1024, 2048]);
+    cpu["copy_bandwidth_gb_s"] = Value::Null;
+    predict(&dir, &[cpu], &["--predict", "4"])
+        .assert()
+        .failure()
+        .stderr(contains("predict from GPU runs"));
+    let alone = modelled_run(&[1], &[1024, 2048]);
+    predict(&dir, &[alone], &["--predict", "4"])
+        .assert()
+        .failure()
+        .stderr(contains("no rows on 2 to 3 ranks"));
+    predict(
+        &dir,
+        &[modelled_run(&[1, 2], &[1024, 2048])],
+        &["--predict", "2"],
+    )
+    .assert()
+    .failure()
+    .stderr(contains("3 ranks or more"));
+    canopy()
+        .args(["bench", "decode", "--predict", "4"])
+        .assert()
+        .failure()
+        .stderr(contains("--from"));
+    std::fs::remove_dir_all(&dir).ok();
+}
