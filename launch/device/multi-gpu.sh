@@ -8,7 +8,8 @@
 #           references and one rank.
 #   decode  `bench decode` of Llama-3.1-8B with random weights and a random context, threads:
 #           32K…256K at RANKS, tree (auto) against the ring; every collective at G ranks; 1M
-#           at G ranks (1M does not fit one H200 beside the weights).
+#           at G ranks (1M does not fit one H200 beside the weights); then, on 3 GPUs or more,
+#           `bench decode --predict G` from the rows at fewer ranks beside the G-rank rows.
 #   mpi     the same model under `mpirun -np G` (one process per GPU), tree and ring, 32K and
 #           1M; then the longest context the G GPUs hold (LONGEST tokens, else 99.5% of the
 #           decode part's capacity) through `canopy generate --context-fill random`.
@@ -87,6 +88,12 @@ PY
         --context 32K,256K --ranks "$G" --collective allreduce3,allreduce2,allgather
       decode million 150 $BIN bench decode "${ARCH[@]}" --context-fill random --decode 10 \
         --context 1M --ranks "$G" --strategy tree,ring
+      # The G-rank rows beside the model fitted to the rows at fewer ranks (3 GPUs or more).
+      if [ "$G" -ge 3 ]; then
+        log "the decode model at $G ranks, fitted to fewer, beside the $G-rank rows"
+        $BIN bench decode --from "$R/table.json,$R/million.json" --predict "$G" \
+          | tee "$R/predicted.txt" || log "FAILED: the prediction"
+      fi
       ;;
     mpi)
       decode mpi 150 "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context-fill random \
