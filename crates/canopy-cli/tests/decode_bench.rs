@@ -275,6 +275,18 @@ fn predict(dir: &std::path::Path, runs: &[Value], args: &[&str]) -> Command {
     cmd
 }
 
+/// The JSON of a prediction that succeeds.
+fn predicted(dir: &std::path::Path, runs: &[Value], args: &[&str]) -> Value {
+    let out = predict(dir, runs, args)
+        .arg("--json")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    serde_json::from_slice(&out).expect("JSON")
+}
+
 #[test]
 fn predictions_at_more_ranks_follow_the_runs_model() {
     let dir = std::env::temp_dir().join(format!("canopy-decode-predict-{}", std::process::id()));
@@ -282,17 +294,7 @@ fn predictions_at_more_ranks_follow_the_runs_model() {
         modelled_run(&[1, 2], &[32 << 10, 128 << 10]),
         modelled_run(&[4], &[32 << 10, 128 << 10, 1 << 20]),
     ];
-    let out = predict(
-        &dir,
-        &runs,
-        &["--predict", "8", "--context", "4M", "--json"],
-    )
-    .assert()
-    .success()
-    .get_output()
-    .stdout
-    .clone();
-    let r: Value = serde_json::from_slice(&out).expect("JSON");
+    let r = predicted(&dir, &runs, &["--predict", "8", "--context", "4M"]);
     let rows = r["rows"].as_array().unwrap();
     // Two strategies at four contexts: the three measured and 4M.
     assert_eq!(rows.len(), 8);
@@ -311,13 +313,7 @@ fn predictions_at_more_ranks_follow_the_runs_model() {
     // Predicting a measured count fits the rows below it and sets the measurement beside. One
     // rank count past one fits the ring's hand-off exactly, and the tree's merges as flat: the
     // 2-rank merge (0.65 ms) where 4 ranks take 0.75.
-    let out = predict(&dir, &runs, &["--predict", "4", "--json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let r: Value = serde_json::from_slice(&out).expect("JSON");
+    let r = predicted(&dir, &runs, &["--predict", "4"]);
     for row in r["rows"].as_array().unwrap() {
         let (got, measured) = (
             row["predicted_ms"].as_f64().unwrap(),
