@@ -188,21 +188,27 @@ pub fn run(files: &[PathBuf], p: usize, extra: &[usize], json: bool) -> Result<(
             });
         }
     }
+    let out = PredictionOutput {
+        model,
+        ranks: p,
+        fits,
+        rows,
+    };
     if json {
-        let out = PredictionOutput {
-            model,
-            ranks: p,
-            fits,
-            rows,
-        };
         println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+    } else {
+        print(&out, steps.iter().filter(|s| s.ranks < p).count());
     }
+    Ok(())
+}
+
+/// The fits and the table, for the terminal.
+fn print(out: &PredictionOutput, fitted_rows: usize) {
     println!(
-        "{model}: decode at {p} ranks, predicted from {} rows at fewer ranks",
-        steps.iter().filter(|s| s.ranks < p).count()
+        "{}: decode at {} ranks, predicted from {fitted_rows} rows at fewer ranks",
+        out.model, out.ranks
     );
-    for f in &fits {
+    for f in &out.fits {
         let across = match f.strategy {
             Strategy::Ring => format!(
                 "hand-offs {:.3} ms + {:.3} ms per GB of a shard, per peer",
@@ -230,7 +236,7 @@ pub fn run(files: &[PathBuf], p: usize, extra: &[usize], json: bool) -> Result<(
         "measured ms",
         "error",
     ]);
-    for r in &rows {
+    for r in &out.rows {
         t.row(vec![
             r.strategy.clone(),
             r.context.to_string(),
@@ -242,5 +248,4 @@ pub fn run(files: &[PathBuf], p: usize, extra: &[usize], json: bool) -> Result<(
         ]);
     }
     println!("{}", t.render());
-    Ok(())
 }
