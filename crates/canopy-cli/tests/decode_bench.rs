@@ -8,16 +8,18 @@ use common::{canopy, font};
 use predicates::str::contains;
 use serde_json::Value;
 
-fn report(args: &[&str]) -> Value {
-    let out = canopy()
-        .args(["bench", "decode", "--backend", "cpu", "--json"])
-        .args(args)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+/// The JSON a command that succeeds prints.
+fn json_of(cmd: &mut Command) -> Value {
+    let out = cmd.assert().success().get_output().stdout.clone();
     serde_json::from_slice(&out).expect("JSON")
+}
+
+fn report(args: &[&str]) -> Value {
+    json_of(
+        canopy()
+            .args(["bench", "decode", "--backend", "cpu", "--json"])
+            .args(args),
+    )
 }
 
 #[test]
@@ -277,14 +279,7 @@ fn predict(dir: &std::path::Path, runs: &[Value], args: &[&str]) -> Command {
 
 /// The JSON of a prediction that succeeds.
 fn predicted(dir: &std::path::Path, runs: &[Value], args: &[&str]) -> Value {
-    let out = predict(dir, runs, args)
-        .arg("--json")
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    serde_json::from_slice(&out).expect("JSON")
+    json_of(predict(dir, runs, args).arg("--json"))
 }
 
 #[test]
