@@ -7,6 +7,7 @@
 //! A saved row does not carry its KV bytes; its floor does: (weights + the rank's KV) / copy
 //! bandwidth, with both in the run. So every row the fit reads needs a floor (a GPU run).
 
+use super::report::opt;
 use crate::scaling::{error_cell, strategy_of};
 use crate::table::Table;
 use anyhow::{bail, Context, Result};
@@ -243,7 +244,7 @@ fn print(out: &PredictionOutput, fitted_rows: usize) {
             format!("{:.2}", r.predicted_ms),
             format!("{:.2}", r.floor_ms),
             format!("{:.2}", r.predicted_ms / r.floor_ms),
-            r.measured_ms.map_or("-".into(), |m| format!("{m:.2}")),
+            opt(r.measured_ms, 2),
             error_cell(r.error),
         ]);
     }

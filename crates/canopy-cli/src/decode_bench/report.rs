@@ -241,7 +241,8 @@ impl Report {
     }
 }
 
-fn opt(x: Option<f64>, decimals: usize) -> String {
+/// An optional number as a table cell: `-` without one.
+pub(super) fn opt(x: Option<f64>, decimals: usize) -> String {
     x.map_or("-".into(), |x| format!("{x:.decimals$}"))
 }
 
