@@ -182,7 +182,9 @@ pub fn resolve_backend(choice: BackendChoice) -> Result<BackendKind> {
         BackendChoice::Auto => match cuda() {
             Ok(_) => Ok(BackendKind::Cuda),
             Err(e) => {
-                eprintln!("note: running on the CPU backend ({e})");
+                if crate::launcher::prints_notes() {
+                    eprintln!("note: running on the CPU backend ({e})");
+                }
                 Ok(BackendKind::Cpu)
             }
         },

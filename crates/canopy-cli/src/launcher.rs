@@ -42,11 +42,13 @@ impl fmt::Display for Kind {
     }
 }
 
-/// A launcher that started this process, and how many processes it started where known.
+/// A launcher that started this process, how many processes it started and which of them
+/// this one is, where known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Launch {
     pub kind: Kind,
     pub size: Option<usize>,
+    pub rank: Option<usize>,
 }
 
 impl Launch {
@@ -80,10 +82,14 @@ pub fn detect(var: impl Fn(&str) -> Option<String>) -> Option<Launch> {
             .find_map(|name| value(name))
             .and_then(|v| v.trim().parse().ok())
     };
-    let (kind, size) = if set("OMPI_COMM_WORLD_SIZE") || set("OMPI_COMM_WORLD_RANK") {
-        (Kind::OpenMpi, count(&["OMPI_COMM_WORLD_SIZE"]))
+    let (kind, size, rank) = if set("OMPI_COMM_WORLD_SIZE") || set("OMPI_COMM_WORLD_RANK") {
+        (
+            Kind::OpenMpi,
+            count(&["OMPI_COMM_WORLD_SIZE"]),
+            count(&["OMPI_COMM_WORLD_RANK"]),
+        )
     } else if set("PMI_SIZE") || set("PMI_RANK") {
-        (Kind::Pmi, count(&["PMI_SIZE"]))
+        (Kind::Pmi, count(&["PMI_SIZE"]), count(&["PMI_RANK"]))
     } else if set("SLURM_STEP_ID")
         && ["SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]
             .iter()
@@ -91,18 +97,29 @@ pub fn detect(var: impl Fn(&str) -> Option<String>) -> Option<Launch> {
     {
         // `srun` sets the step's task count in both; `SLURM_NTASKS` alone may be the
         // allocation's.
-        (Kind::Srun, count(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]))
+        (
+            Kind::Srun,
+            count(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]),
+            count(&["SLURM_PROCID"]),
+        )
     } else if set("PMIX_RANK") {
-        (Kind::Pmix, None)
+        (Kind::Pmix, None, count(&["PMIX_RANK"]))
     } else {
         return None;
     };
-    Some(Launch { kind, size })
+    Some(Launch { kind, size, rank })
 }
 
 /// The launcher that started this process, from its environment.
 pub fn from_env() -> Option<Launch> {
     detect(|name| std::env::var(name).ok())
+}
+
+/// Whether this process prints notes meant for the user once per job: it was started by no
+/// launcher, or it is the launcher's rank 0 (or its rank is not known). Under `mpirun -np 8`
+/// the others keep quiet, as they do for the job's results.
+pub fn prints_notes() -> bool {
+    from_env().and_then(|l| l.rank).is_none_or(|rank| rank == 0)
 }
 
 /// How `bench attention` and `bench scaling` start their ranks: `flag` (`--launcher`) if
@@ -164,8 +181,8 @@ mod tests {
         })
     }
 
-    fn launch(kind: Kind, size: Option<usize>) -> Option<Launch> {
-        Some(Launch { kind, size })
+    fn launch(kind: Kind, size: Option<usize>, rank: Option<usize>) -> Option<Launch> {
+        Some(Launch { kind, size, rank })
     }
 
     #[test]
@@ -177,21 +194,24 @@ mod tests {
     #[test]
     fn open_mpi_gives_its_world_size() {
         let vars = [("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_RANK", "2")];
-        assert_eq!(detect_in(&vars), launch(Kind::OpenMpi, Some(4)));
+        assert_eq!(detect_in(&vars), launch(Kind::OpenMpi, Some(4), Some(2)));
         // A rank without the size still is a rank; its world size is unknown.
         let vars = [("OMPI_COMM_WORLD_RANK", "0")];
-        assert_eq!(detect_in(&vars), launch(Kind::OpenMpi, None));
+        assert_eq!(detect_in(&vars), launch(Kind::OpenMpi, None, Some(0)));
     }
 
     #[test]
     fn pmi_gives_its_world_size() {
         let vars = [("PMI_SIZE", "8"), ("PMI_RANK", "7")];
-        assert_eq!(detect_in(&vars), launch(Kind::Pmi, Some(8)));
+        assert_eq!(detect_in(&vars), launch(Kind::Pmi, Some(8), Some(7)));
     }
 
     #[test]
     fn pmix_alone_has_no_size() {
-        assert_eq!(detect_in(&[("PMIX_RANK", "1")]), launch(Kind::Pmix, None));
+        assert_eq!(
+            detect_in(&[("PMIX_RANK", "1")]),
+            launch(Kind::Pmix, None, Some(1))
+        );
     }
 
     #[test]
@@ -203,18 +223,18 @@ mod tests {
             ("SLURM_NTASKS", "16"),
             ("SLURM_STEP_NUM_TASKS", "4"),
         ];
-        assert_eq!(detect_in(&vars), launch(Kind::Srun, Some(4)));
+        assert_eq!(detect_in(&vars), launch(Kind::Srun, Some(4), Some(3)));
         let vars = [("SLURM_STEP_ID", "0"), ("SLURM_NTASKS", "2")];
-        assert_eq!(detect_in(&vars), launch(Kind::Srun, Some(2)));
+        assert_eq!(detect_in(&vars), launch(Kind::Srun, Some(2), None));
         let vars = [("SLURM_STEP_ID", "0"), ("SLURM_PROCID", "0")];
-        assert_eq!(detect_in(&vars), launch(Kind::Srun, None));
+        assert_eq!(detect_in(&vars), launch(Kind::Srun, None, Some(0)));
         // srun --mpi=pmix sets PMIx's variables too; srun's give the size.
         let vars = [
             ("SLURM_STEP_ID", "1"),
             ("SLURM_NTASKS", "2"),
             ("PMIX_RANK", "0"),
         ];
-        assert_eq!(detect_in(&vars), launch(Kind::Srun, Some(2)));
+        assert_eq!(detect_in(&vars), launch(Kind::Srun, Some(2), None));
     }
 
     #[test]
@@ -237,7 +257,7 @@ mod tests {
             ("OMPI_COMM_WORLD_SIZE", "16"),
             ("OMPI_COMM_WORLD_RANK", "5"),
         ];
-        assert_eq!(detect_in(&vars), launch(Kind::OpenMpi, Some(16)));
+        assert_eq!(detect_in(&vars), launch(Kind::OpenMpi, Some(16), Some(5)));
     }
 
     #[test]
@@ -245,7 +265,7 @@ mod tests {
         assert_eq!(detect_in(&[("OMPI_COMM_WORLD_SIZE", "")]), None);
         assert_eq!(
             detect_in(&[("PMI_SIZE", "four"), ("PMI_RANK", "0")]),
-            launch(Kind::Pmi, None)
+            launch(Kind::Pmi, None, Some(0))
         );
     }
 
@@ -256,7 +276,7 @@ mod tests {
         let mpi = Some(Launcher::Mpi);
         assert_eq!(choose(mpi, None, true).unwrap(), Launcher::Mpi);
         // One process (mpirun -np 1, an srun shell) counts as no launcher.
-        let one = launch(Kind::Srun, Some(1));
+        let one = launch(Kind::Srun, Some(1), None);
         assert_eq!(choose(None, one, false).unwrap(), Launcher::Threads);
         assert_eq!(
             choose(Some(Launcher::Threads), one, true).unwrap(),
@@ -266,7 +286,7 @@ mod tests {
 
     #[test]
     fn under_a_launcher_mpi_or_a_clear_refusal() {
-        let four = launch(Kind::OpenMpi, Some(4));
+        let four = launch(Kind::OpenMpi, Some(4), Some(0));
         assert_eq!(choose(None, four, true).unwrap(), Launcher::Mpi);
         assert_eq!(
             choose(Some(Launcher::Mpi), four, true).unwrap(),
@@ -282,17 +302,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("Drop `--launcher threads`"), "{e}");
-        let e = choose(Some(Launcher::Threads), launch(Kind::Pmix, None), false)
-            .unwrap_err()
-            .to_string();
+        let e = choose(
+            Some(Launcher::Threads),
+            launch(Kind::Pmix, None, Some(1)),
+            false,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("--features mpi"), "{e}");
     }
 
     #[test]
     fn single_process_commands_are_refused_under_several_processes() {
         assert!(refuse_copies("plan", None).is_ok());
-        assert!(refuse_copies("plan", launch(Kind::Pmi, Some(1))).is_ok());
-        let e = refuse_copies("plan", launch(Kind::Srun, Some(2)))
+        assert!(refuse_copies("plan", launch(Kind::Pmi, Some(1), Some(0))).is_ok());
+        let e = refuse_copies("plan", launch(Kind::Srun, Some(2), Some(1)))
             .unwrap_err()
             .to_string();
         assert!(
