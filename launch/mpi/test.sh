@@ -6,8 +6,8 @@
 #  2. ranks started with different configurations fail with a clear message;
 #  3. killing one rank of a running job ends every rank, non-zero, within the timeout;
 #  4. without --launcher, the binary sees mpirun and runs as its ranks: one document.
-#  5. the model runtime under mpirun: a tiny Llama on 3 processes, tree and ring, decodes the
-#     tokens one process decodes.
+#  5. the model runtime under mpirun: a tiny Llama on 3 processes and on 8, tree and ring,
+#     decodes the tokens one process decodes.
 #  6. `bench decode` under mpirun: one report of the 2-rank runs (every collective asked for
 #     and the ring), from rank 0 alone.
 # Rank processes are found among this script's own mpirun's descendants, never by name, so
@@ -109,20 +109,24 @@ assert d['rows'] and all(r['ranks'] == 2 for r in d['rows']), d['rows']
 print('detected mpirun:', len(d['rows']), 'rows on 2 ranks, one document')
 " "$out"; then ok "mpirun without --launcher runs one 2-rank job"; else bad "mpirun without --launcher: $out"; fi
 
-# 5. The model runtime under mpirun: a tiny Llama sharded over 3 processes, tree and ring,
-#    gives the tokens one process gives.
+# 5. The model runtime under mpirun: a tiny Llama sharded over 3 processes and over 8 (a
+#    DGX node's rank count, some ranks holding few or none of the prompt's tokens), tree and
+#    ring, gives the tokens one process gives.
 MODEL=tests/fixtures/tiny/llama3-hd128
-gen() { "$@" generate --model "$MODEL" --prompt "the quick brown fox jumps" --max-tokens 16 --json; }
-if one=$(gen timeout 120 "$BIN") &&
-   tree=$(gen timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np 3 "$BIN") &&
-   ring=$(timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np 3 "$BIN" generate --model "$MODEL" --prompt "the quick brown fox jumps" --max-tokens 16 --strategy ring --json) &&
-   python3 -c "
+gen() { "$@" generate --model "$MODEL" --prompt "the quick brown fox jumps" --max-tokens 16 --strategy "$strategy" --json; }
+strategy=tree
+one=$(gen timeout 120 "$BIN")
+for np in 3 8; do
+  if tree=$(gen timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np $np "$BIN") &&
+     ring=$(strategy=ring gen timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np $np "$BIN") &&
+     python3 -c "
 import json, sys
-docs = [json.loads(a) for a in sys.argv[1:]]
+docs = [json.loads(a) for a in sys.argv[2:]]
 toks = [d['samples'][0]['tokens'] for d in docs]
 assert len(toks[0]) == 16 and toks[1] == toks[0] and toks[2] == toks[0], toks
-assert docs[1]['ranks'] == 3 and docs[2]['strategy'] == 'ring', docs
-" "$one" "$tree" "$ring"; then ok "generate on 3 MPI ranks (tree and ring) equals one process"; else bad "generate under mpirun"; fi
+assert docs[1]['ranks'] == int(sys.argv[1]) and docs[2]['strategy'] == 'ring', docs
+" $np "$one" "$tree" "$ring"; then ok "generate on $np MPI ranks (tree and ring) equals one process"; else bad "generate under mpirun -np $np"; fi
+done
 
 # 6. bench decode on 2 MPI ranks: rank 0 alone prints one JSON document, with a row per
 #    context and strategy, each timed.
