@@ -30,9 +30,10 @@ pub struct ServeArgs {
     /// The port to listen on (0: any free port; the one taken is printed).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Request bodies larger than this many bytes get 413.
-    #[arg(long, default_value_t = 4 << 20)]
-    max_body: usize,
+    /// Request bodies larger than this many bytes get 413 [default: 32 bytes a token of
+    /// --max-context, at least 4 MiB].
+    #[arg(long)]
+    max_body: Option<usize>,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long)]
     api_key: Option<String>,
@@ -75,7 +76,8 @@ pub struct EngineArgs {
 pub struct HttpOptions {
     pub host: String,
     pub port: u16,
-    pub max_body: usize,
+    /// `None`: [`default_max_body`] of the engine's longest context.
+    pub max_body: Option<usize>,
     pub api_key: Option<String>,
     pub served_model_name: Option<String>,
 }
@@ -86,11 +88,18 @@ impl HttpOptions {
         HttpOptions {
             host: "127.0.0.1".into(),
             port: 0,
-            max_body: 4 << 20,
+            max_body: None,
             api_key: None,
             served_model_name: None,
         }
     }
+}
+
+/// The largest request body a server of `max_context` tokens accepts by default: a prompt
+/// that fills the context, sent as token ids (up to 7 bytes each in a JSON array) or as text
+/// escaped to `\uXXXX` (6 bytes a character), within 32 bytes a token; never under 4 MiB.
+pub fn default_max_body(max_context: usize) -> usize {
+    max_context.saturating_mul(32).max(4 << 20)
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -173,8 +182,9 @@ pub fn serve(
                 created: SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs()),
+                body_limit: http.max_body.unwrap_or(default_max_body(max_context)),
             };
-            Http::start(&http.host, http.port, state, http.max_body, handle.clone())
+            Http::start(&http.host, http.port, state, handle.clone())
         })
         .transpose()?;
     let inbox = Mutex::new(rank0.then_some(inbox));
@@ -262,13 +272,7 @@ struct Http {
 impl Http {
     /// Binds `host:port` and starts serving; requests wait in the engine's queue until the
     /// engine runs.
-    fn start(
-        host: &str,
-        port: u16,
-        state: AppState,
-        max_body: usize,
-        handle: EngineHandle,
-    ) -> Result<Http> {
+    fn start(host: &str, port: u16, state: AppState, handle: EngineHandle) -> Result<Http> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("canopy-http")
@@ -283,7 +287,6 @@ impl Http {
         let server = runtime.spawn(canopy_server::serve(
             listener,
             Arc::new(state),
-            max_body,
             async move {
                 let _ = stopped.wait_for(|&s| s).await;
             },
@@ -344,5 +347,22 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_max_body;
+
+    /// The default body limit admits a prompt that fills the context, as a JSON array of
+    /// token ids of the largest vocabularies, and stays at 4 MiB for short contexts.
+    #[test]
+    fn the_default_body_limit_admits_a_full_context() {
+        assert_eq!(default_max_body(8192), 4 << 20);
+        for context in [131_072usize, 1 << 20, 10 << 20] {
+            let ids = format!("[{}]", vec!["262143"; context].join(","));
+            let body = format!(r#"{{"prompt": {ids}, "max_tokens": 1}}"#);
+            assert!(body.len() <= default_max_body(context), "{context}");
+        }
     }
 }

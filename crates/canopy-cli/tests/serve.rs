@@ -430,7 +430,13 @@ fn every_refusal_gets_its_answer_and_sigterm_drains() {
         );
     }
     let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(10_000));
-    assert_eq!(ok.post("/v1/completions", &huge).unwrap().status, 413);
+    let r = ok.post("/v1/completions", &huge).unwrap();
+    assert_eq!(r.status, 413);
+    let message = error_of(&r)["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("4096 bytes") && message.contains("--max-body"),
+        "{message}"
+    );
     // Unknown fields are ignored.
     let r = ok
         .post(

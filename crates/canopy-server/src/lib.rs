@@ -39,10 +39,9 @@ use std::sync::Arc;
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
-    body_limit: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state, body_limit))
+    axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
 }

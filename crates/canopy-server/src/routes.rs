@@ -33,10 +33,13 @@ pub struct AppState {
     pub metrics: Metrics,
     /// When the server started (Unix seconds).
     pub created: u64,
+    /// Request bodies over this many bytes are refused with 413.
+    pub body_limit: usize,
 }
 
-/// The server's routes over `state`; bodies over `body_limit` bytes are refused.
-pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
+/// The server's routes over `state`; bodies over its `body_limit` bytes are refused.
+pub fn router(state: Arc<AppState>) -> Router {
+    let body_limit = state.body_limit;
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
@@ -116,11 +119,21 @@ fn parse<T: DeserializeOwned>(
             "shutting_down",
         ));
     }
-    let bytes = body.map_err(|r| ApiError {
-        status: r.status(),
-        message: r.body_text(),
-        param: None,
-        code: None,
+    let bytes = body.map_err(|r| match r.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request body is over the server's limit of {} bytes (canopy serve --max-body)",
+                st.body_limit
+            ),
+            "request_too_large",
+        ),
+        status => ApiError {
+            status,
+            message: r.body_text(),
+            param: None,
+            code: None,
+        },
     })?;
     serde_json::from_slice(&bytes).map_err(|e| {
         let what = if e.is_syntax() || e.is_eof() {
