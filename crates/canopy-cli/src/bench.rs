@@ -182,9 +182,7 @@ pub fn resolve_backend(choice: BackendChoice) -> Result<BackendKind> {
         BackendChoice::Auto => match cuda() {
             Ok(_) => Ok(BackendKind::Cuda),
             Err(e) => {
-                if crate::launcher::prints_notes() {
-                    eprintln!("note: running on the CPU backend ({e})");
-                }
+                crate::launcher::note(format_args!("running on the CPU backend ({e})"));
                 Ok(BackendKind::Cpu)
             }
         },

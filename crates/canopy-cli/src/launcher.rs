@@ -115,11 +115,13 @@ pub fn from_env() -> Option<Launch> {
     detect(|name| std::env::var(name).ok())
 }
 
-/// Whether this process prints notes meant for the user once per job: it was started by no
-/// launcher, or it is the launcher's rank 0 (or its rank is not known). Under `mpirun -np 8`
-/// the others keep quiet, as they do for the job's results.
-pub fn prints_notes() -> bool {
-    from_env().and_then(|l| l.rank).is_none_or(|rank| rank == 0)
+/// Prints `note: {message}` to stderr, once a job: from a process no launcher started, or
+/// from the launcher's rank 0 (or a rank it does not number). Under `mpirun -np 8` the other
+/// processes keep quiet, as they do for the job's results.
+pub fn note(message: impl fmt::Display) {
+    if from_env().and_then(|l| l.rank).is_none_or(|rank| rank == 0) {
+        eprintln!("note: {message}");
+    }
 }
 
 /// How `bench attention` and `bench scaling` start their ranks: `flag` (`--launcher`) if

@@ -201,8 +201,8 @@ fn host_threads<B: LayerOps, T: Send>(
 /// (with a note, once per run).
 fn nccl_usable() -> bool {
     let present = canopy_cuda::probe::nccl_present();
-    if !present && crate::launcher::prints_notes() {
-        eprintln!("note: NCCL (libnccl.so.2) could not be loaded: the GPUs' ranks exchange through the host; install NCCL for device-to-device merges");
+    if !present {
+        crate::launcher::note("NCCL (libnccl.so.2) could not be loaded: the GPUs' ranks exchange through the host; install NCCL for device-to-device merges");
     }
     present
 }

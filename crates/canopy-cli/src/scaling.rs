@@ -121,9 +121,9 @@ fn measure(a: &ScalingArgs) -> Result<Option<ScalingOutput>> {
         for &p in &ranks {
             let mut run = a.run.clone();
             if let Some(k) = run.virtual_nodes.filter(|&k| p % k != 0) {
-                if crate::launcher::prints_notes() {
-                    eprintln!("note: {p} ranks do not split into {k} virtual nodes; p={p} runs as one node");
-                }
+                crate::launcher::note(format_args!(
+                    "{p} ranks do not split into {k} virtual nodes; p={p} runs as one node"
+                ));
                 run.virtual_nodes = None;
             }
             match rows(&run, &world, backend, p, n)? {
