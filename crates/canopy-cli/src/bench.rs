@@ -269,6 +269,24 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Parses a sampling temperature: a finite number, at least 0 (0 decodes greedily).
+pub fn temperature(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        Ok(_) => Err("must be a number of at least 0 (0 decodes greedily)".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Parses a nucleus-sampling mass: more than 0, at most 1 (1 keeps every token).
+pub fn probability_mass(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        Ok(_) => Err("must be more than 0 and at most 1 (1 keeps every token)".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// The `long` workload at `seq_len` with the requested shape.
 pub fn long_spec(run: &RunArgs, seq_len: u32) -> Result<WorkloadSpec> {
     let mut spec = WorkloadSpec::load("long")?.with_overrides(Overrides {

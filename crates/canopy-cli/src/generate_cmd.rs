@@ -68,13 +68,13 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 128, value_parser = crate::bench::at_least_one)]
     max_tokens: usize,
     /// Sampling temperature; 0 decodes greedily.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = crate::bench::temperature, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample from the K most likely tokens only (0: all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    /// Sample from the most likely tokens whose probability reaches P.
-    #[arg(long, default_value_t = 1.0)]
+    /// Sample from the most likely tokens whose probability reaches P (0 < P <= 1).
+    #[arg(long, default_value_t = 1.0, value_parser = crate::bench::probability_mass, allow_negative_numbers = true)]
     top_p: f32,
     /// Seed of the sampler; sample i of --n draws from seed + i.
     #[arg(long, default_value_t = 0)]

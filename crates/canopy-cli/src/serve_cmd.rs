@@ -133,7 +133,13 @@ pub fn serve(
     if max_context > capacity {
         bail!("--max-context {max_context} exceeds the model's {capacity} positions");
     }
+    if max_context < 2 {
+        bail!("--max-context {max_context} leaves no room for a request: one needs a prompt token and a token to generate");
+    }
     let kv_tokens = e.kv_tokens.unwrap_or(4 * max_context);
+    if kv_tokens < max_context {
+        bail!("--kv-tokens {kv_tokens} holds less than one request of --max-context {max_context} tokens: raise --kv-tokens or lower --max-context");
+    }
     let config = ServeConfig {
         strategy: e.run.strategy(),
         method: e.method,

@@ -132,6 +132,55 @@ fn zero_iterations_and_zero_lengths_are_refused_by_the_parser() {
         .stderr(contains("0..=").not());
 }
 
+/// Sampling settings outside their range are refused by the parser, as the server refuses
+/// them with a 400, instead of decoding as if another value had been given.
+#[test]
+fn sampling_settings_out_of_range_are_refused_by_the_parser() {
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/tiny/llama3-hd128"
+    );
+    for (flag, value, why) in [
+        ("--temperature", "-1", "at least 0"),
+        ("--temperature", "inf", "at least 0"),
+        ("--top-p", "0", "more than 0"),
+        ("--top-p", "1.5", "at most 1"),
+    ] {
+        canopy()
+            .args(["generate", "--model", model, "--prompt", "hi", flag, value])
+            .assert()
+            .failure()
+            .stderr(contains(format!("invalid value '{value}'")).and(contains(why)));
+    }
+}
+
+/// A server that could admit no request, or not one of its longest context, is refused at
+/// start with the numbers, before it loads the model's weights onto a device.
+#[test]
+fn a_server_that_could_admit_no_request_is_refused_at_start() {
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/tiny/llama3-hd128"
+    );
+    let serve = |extra: &[&str]| {
+        let mut cmd = canopy();
+        cmd.args(["serve", "--model", model, "--port", "0"])
+            .args(extra)
+            .timeout(Duration::from_secs(60));
+        cmd
+    };
+    serve(&["--max-context", "1"])
+        .assert()
+        .failure()
+        .stderr(contains("--max-context 1 leaves no room"));
+    serve(&["--max-context", "64", "--kv-tokens", "16"])
+        .assert()
+        .failure()
+        .stderr(contains(
+            "--kv-tokens 16 holds less than one request of --max-context 64",
+        ));
+}
+
 #[test]
 fn bench_attention_help_gives_every_option_a_description_and_its_default() {
     let out = canopy()
