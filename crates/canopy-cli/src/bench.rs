@@ -287,6 +287,16 @@ pub fn probability_mass(s: &str) -> Result<f32, String> {
     }
 }
 
+/// Parses a stop string: not empty (every text contains the empty string, so a sample would
+/// end before its first token; the server refuses it too).
+pub fn stop_string(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        Err("must not be empty: every text contains the empty string".into())
+    } else {
+        Ok(s.to_owned())
+    }
+}
+
 /// The `long` workload at `seq_len` with the requested shape.
 pub fn long_spec(run: &RunArgs, seq_len: u32) -> Result<WorkloadSpec> {
     let mut spec = WorkloadSpec::load("long")?.with_overrides(Overrides {

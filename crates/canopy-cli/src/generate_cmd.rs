@@ -84,7 +84,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 1, value_parser = crate::bench::at_least_one)]
     n: usize,
     /// End a sample when its text contains this (repeatable); the text stops before it.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::bench::stop_string)]
     stop: Vec<String>,
     /// Planner of each rank's part of the KV tree.
     #[arg(long, default_value = "auto")]

@@ -145,6 +145,7 @@ fn sampling_settings_out_of_range_are_refused_by_the_parser() {
         ("--temperature", "inf", "at least 0"),
         ("--top-p", "0", "more than 0"),
         ("--top-p", "1.5", "at most 1"),
+        ("--stop", "", "must not be empty"),
     ] {
         canopy()
             .args(["generate", "--model", model, "--prompt", "hi", flag, value])
