@@ -136,10 +136,7 @@ fn zero_iterations_and_zero_lengths_are_refused_by_the_parser() {
 /// them with a 400, instead of decoding as if another value had been given.
 #[test]
 fn sampling_settings_out_of_range_are_refused_by_the_parser() {
-    let model = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/tiny/llama3-hd128"
-    );
+    let model = &common::tiny_model("llama3-hd128");
     for (flag, value, why) in [
         ("--temperature", "-1", "at least 0"),
         ("--temperature", "inf", "at least 0"),
@@ -159,10 +156,7 @@ fn sampling_settings_out_of_range_are_refused_by_the_parser() {
 /// start with the numbers, before it loads the model's weights onto a device.
 #[test]
 fn a_server_that_could_admit_no_request_is_refused_at_start() {
-    let model = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/fixtures/tiny/llama3-hd128"
-    );
+    let model = &common::tiny_model("llama3-hd128");
     let serve = |extra: &[&str]| {
         let mut cmd = canopy();
         cmd.args(["serve", "--model", model, "--port", "0"])

@@ -10,12 +10,7 @@ use predicates::prelude::*;
 use predicates::str::contains;
 use serde_json::Value;
 
-fn tiny(variant: &str) -> String {
-    format!(
-        "{}/../../tests/fixtures/tiny/{variant}",
-        env!("CARGO_MANIFEST_DIR")
-    )
-}
+use common::tiny_model as tiny;
 
 fn tokens(args: &[&str]) -> Vec<Value> {
     let out = canopy()

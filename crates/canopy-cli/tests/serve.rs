@@ -3,6 +3,8 @@
 //! refusal gets its status and an OpenAI error body, a client that disconnects frees its
 //! request, `/metrics` parses as Prometheus text, and SIGTERM drains.
 
+mod common;
+
 use canopy_server::client::{Client, Reply};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
@@ -87,10 +89,7 @@ impl Drop for Server {
 }
 
 fn tiny() -> String {
-    format!(
-        "{}/../../tests/fixtures/tiny/gqa-hd64",
-        env!("CARGO_MANIFEST_DIR")
-    )
+    common::tiny_model("gqa-hd64")
 }
 
 /// Prompts (token ids) with their known greedy continuations' gaps: the fixture's.

@@ -3,16 +3,15 @@
 //! counts, latencies and throughputs agree with each other and with what was asked, requests
 //! that share a prefix find it cached, and `--max-concurrency` bounds the server's batch.
 
+mod common;
+
 use assert_cmd::Command;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 
 fn tiny() -> String {
-    format!(
-        "{}/../../tests/fixtures/tiny/gqa-hd64",
-        env!("CARGO_MANIFEST_DIR")
-    )
+    common::tiny_model("gqa-hd64")
 }
 
 fn bench(args: &[&str]) -> Value {

@@ -8,6 +8,14 @@ pub fn canopy() -> Command {
     Command::cargo_bin("canopy").expect("the canopy binary is built")
 }
 
+/// The path of the tiny random Llama `variant` of `tests/fixtures/tiny/`.
+pub fn tiny_model(variant: &str) -> String {
+    format!(
+        "{}/../../tests/fixtures/tiny/{variant}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
 /// What `cmd` prints on success, parsed as JSON.
 pub fn json_output(cmd: &mut Command) -> serde_json::Value {
     let out = cmd.assert().success().get_output().stdout.clone();
