@@ -34,6 +34,7 @@ mod layers;
 mod merge_ops;
 pub mod nccl;
 mod nccl_transport;
+mod peer_merge;
 pub mod probe;
 mod timing;
 
@@ -47,4 +48,5 @@ pub use kv::CudaKv;
 pub use launch::KernelResources;
 pub use layers::{CudaTensor, CudaWeight};
 pub use nccl_transport::{NcclIds, NcclTransport};
+pub use peer_merge::PEER_MERGE_SWITCH;
 pub use probe::{probe, CudaInfo, GpuInfo};

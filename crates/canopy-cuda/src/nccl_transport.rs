@@ -20,10 +20,11 @@
 //! watchdog, which ends the process, naming the rank and the NCCL call, when a peer died or
 //! stalled: a dead peer is an error, never a hang.
 
-use crate::backend::CudaBackend;
+use crate::backend::{CudaBackend, CudaStates};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
+use crate::peer_merge::PeerMerge;
 use canopy_comm::{Collective, Group, HostPart, ReduceOp, Traffic};
 use canopy_engine::layer_ops::expect_room;
 use canopy_engine::{Cache, MergeCollective, NodeLayout, Result as EResult, Strategy, Transport};
@@ -125,6 +126,8 @@ pub struct NcclTransport<'h, H: Collective> {
     arrived: RefCell<Option<CudaEvent>>,
     /// A hand-off's buffers for its paged sides, between its start and its finish.
     staged: RefCell<Option<Staged>>,
+    /// The all-gather merge in one kernel, where the ranks' GPUs map each other's memory.
+    peer: PeerMerge,
 }
 
 /// Paged KV travels in logical order through contiguous buffers: a paged shard sent is gathered
@@ -191,7 +194,14 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             watchdog,
             arrived: RefCell::new(None),
             staged: RefCell::new(None),
+            peer: PeerMerge::new(timeout),
         })
+    }
+
+    /// Whether the tree's all-gather merge runs as one kernel over the peers' memory
+    /// ([`crate::peer_merge`]) rather than through NCCL: `None` until the first such merge.
+    pub fn peer_merge_active(&self) -> Option<bool> {
+        self.peer.active()
     }
 
     fn comms(&self) -> Vec<&NcclComm> {
@@ -501,6 +511,12 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
                 &mut dst.slice_mut(0..len * p),
             )
         })?)
+    }
+
+    /// In one kernel over the peers' mapped memory where every rank's GPU reaches every
+    /// other's ([`crate::peer_merge`]); else NCCL's all-gather between two kernels.
+    fn gather_merge(&self, b: &CudaBackend, states: &mut CudaStates) -> EResult<bool> {
+        Ok(self.peer.merge(self.host, b, states)?)
     }
 
     fn send_buf(

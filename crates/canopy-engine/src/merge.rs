@@ -233,6 +233,15 @@ pub trait Transport<B: MergeOps>: Group {
         self.recv_kv(b, recv, recv_tokens, prev)
     }
 
+    /// The all-gather merge as one step of the transport's own, where it has one: every
+    /// rank's `states` folded in rank order, left in `states` on every rank. `Ok(false)`
+    /// where it has none, agreed by every rank (the call is collective): [`StatesMerge`] then
+    /// packs the states, all-gathers them and folds them. Provided: none.
+    fn gather_merge(&self, b: &B, states: &mut B::States) -> Result<bool> {
+        let _ = (b, states);
+        Ok(false)
+    }
+
     /// Whether the tree's merge over this transport only enqueues work on `b`'s own stream,
     /// so that a pass running it may be recorded and replayed as one graph. NCCL's does; a
     /// host transport copies through the host in the middle of a pass. Provided: no.
@@ -406,6 +415,9 @@ impl<B: MergeOps> StatesMerge<B> {
                 self.all_reduce_merge(b, comm, how == MergeCollective::Allreduce2, states)
             }
             MergeCollective::Allgather => {
+                if comm.gather_merge(b, states)? {
+                    return Ok(());
+                }
                 b.pack_states(states, &mut self.packed, 0)?;
                 let stride = self.stride();
                 self.ensure_gathered(b)?;

@@ -97,3 +97,101 @@ extern "C" __global__ void reduce_slots(const float* __restrict__ slots, u32 cou
         out[i] = acc;
     }
 }
+
+// The all-gather merge as one kernel across GPUs that map each other's memory (canopy-cuda's
+// `peer_merge`). `bases[r]` is rank r's merge memory as this GPU addresses it:
+//   [flags: ranks x flags_per_rank u32, from byte 0 | slots from byte `slots_at`: 2 parities x
+//    ranks packed states [o: cells x d | lse: cells]].
+// CTA b of every rank owns the same cells (one warp a cell: b * warps + w, then a grid
+// stride), so CTAs meet only their namesakes on other GPUs and never wait on a CTA of their
+// own grid. Each call is one epoch, `counters[0]` + 1 (the last CTA to finish stores it; all
+// read it before any finishes). A CTA writes its cells into slot `me` of parity (epoch & 1) on
+// every rank, itself included, raises its flag there (`me`, b) to the epoch (a release at
+// system scope after a system fence), waits until every rank's flag (r, b) here has reached
+// the epoch (acquires at system scope), and folds the ranks' states in rank order with
+// combine_gathered's arithmetic, so every rank writes the same bits. Two parities suffice: a
+// rank starts a call only after its previous call's CTA 0 saw every rank begin that call,
+// i.e. finish the one before, the last to read the parity this call writes. The grid and the
+// cells may change from call to call. Epochs compare by signed difference, so their wrap at
+// 2^32 is harmless. A wait longer than `timeout_ns` (0: none) traps, which fails the context
+// instead of spinning forever on a dead peer.
+__device__ __forceinline__ u32 load_acquire_sys(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_release_sys(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void peer_merge(const u64* __restrict__ bases, u32 me, u32 ranks, u32 flags_per_rank,
+                                      u64 slots_at, u32* __restrict__ counters, float* __restrict__ o,
+                                      float* __restrict__ lse, u32 cells, u32 d, u64 timeout_ns) {
+    __shared__ u32 epoch_shared;
+    if (threadIdx.x == 0) epoch_shared = *(volatile u32*)&counters[0] + 1;
+    __syncthreads();
+    const u32 epoch = epoch_shared;
+    const u32 warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u64 n = (u64)cells * d, stride = n + cells;
+    const u64 parity_at = (u64)(epoch & 1) * ranks * stride;
+    const u32 first = blockIdx.x * warps + warp, step = gridDim.x * warps;
+
+    for (u32 c = first; c < cells; c += step) {
+        for (u32 i = lane; i < d; i += 32) {
+            const float v = o[(u64)c * d + i];
+            for (u32 r = 0; r < ranks; ++r) {
+                float* slot = (float*)(bases[r] + slots_at) + parity_at + (u64)me * stride;
+                slot[(u64)c * d + i] = v;
+            }
+        }
+        if (lane == 0) {
+            const float l = lse[c];
+            for (u32 r = 0; r < ranks; ++r) {
+                float* slot = (float*)(bases[r] + slots_at) + parity_at + (u64)me * stride;
+                slot[n + c] = l;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < ranks) {
+        __threadfence_system();
+        store_release_sys((u32*)bases[threadIdx.x] + (u64)me * flags_per_rank + blockIdx.x, epoch);
+        const u32* mine = (const u32*)bases[me] + (u64)threadIdx.x * flags_per_rank + blockIdx.x;
+        const u64 start = global_ns();
+        while ((int)(load_acquire_sys(mine) - epoch) < 0) {
+            if (timeout_ns != 0 && global_ns() - start > timeout_ns) __trap();
+        }
+    }
+    __syncthreads();
+
+    const float* slots = (const float*)(bases[me] + slots_at) + parity_at;
+    for (u32 c = first; c < cells; c += step) {
+        float M = NEG_INF;
+        for (u32 r = 0; r < ranks; ++r) M = fmaxf(M, __ldcg(slots + r * stride + n + c));
+        for (u32 i = lane; i < d + 1; i += 32) {
+            const bool is_o = i < d;
+            float den = 0.f, num = 0.f;
+            if (M != NEG_INF) {
+                for (u32 r = 0; r < ranks; ++r) {
+                    const float l = __ldcg(slots + r * stride + n + c);
+                    const float w = l == NEG_INF ? 0.f : __expf(l - M);
+                    den += w;
+                    if (is_o) num = fmaf(__ldcg(slots + r * stride + (u64)c * d + i), w, num);
+                }
+            }
+            if (is_o) o[(u64)c * d + i] = den > 0.f ? num / den : 0.f;
+            else lse[c] = den > 0.f ? M + __logf(den) : NEG_INF;
+        }
+    }
+    if (threadIdx.x == 0 && atomicAdd(&counters[1], 1u) == gridDim.x - 1) {
+        counters[1] = 0;
+        counters[0] = epoch;
+    }
+}

@@ -143,6 +143,7 @@ impl Id {
                 "combine_gathered",
                 "combine_pair",
                 "reduce_slots",
+                "peer_merge",
             ],
             Id::Layers => &[
                 "round_to_elem",
