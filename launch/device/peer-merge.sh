@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The tree's all-gather merge as one kernel over the peers' memory (multi-GPU kinds), against
+# the same merge through NCCL (CANOPY_PEER_MERGE=off), on, off, on so drift shows. PART lists
+# the parts, in order (default: all):
+#   test     the peer merge's test binary (.device/peer_merge): against the fold after a
+#            gathered all-gather, bit for bit, eager at three sizes and recorded and replayed;
+#   scaling  `bench scaling` (32/8 heads x 128, bf16) at G ranks, allgather and auto, 128K and
+#            1M, checked against the f64 oracle;
+#   decode   `bench decode` (8B shape, random weights and context) at 1 and G ranks, 32K and
+#            128K, allgather and auto, threads;
+#   mpi      the same at G ranks under `mpirun -np G` at 32K (peers in other processes: the
+#            memory is mapped by IPC handle);
+#   check    model-check's fixtures at G ranks, tree and ring, against transformers and one
+#            rank.
+# Results: $OUT/log.txt, one line a run; the reports in $OUT/runs.tgz.
+set -uo pipefail
+source "$(dirname "$0")/env.sh"
+DEADLINE=${DEADLINE:-560}
+G=${G:-$(nvidia-smi --list-gpus | wc -l)}
+PARTS=(${PART:-test scaling decode mpi check})
+RUNS=$OUT/runs
+mkdir -p "$RUNS"
+trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
+ARCH=(--arch llama-3.1-8b --random-weights --context-fill random --decode 10)
+MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE -x CANOPY_PEER_MERGE)
+# switched NAME SWITCH COMMAND...: COMMAND with CANOPY_PEER_MERGE=SWITCH, its JSON report in
+# $RUNS/NAME-SWITCH.json, summarised on one line a row.
+switched() {
+  local name=$1 sw=$2
+  shift 2
+  [ "$(left)" -lt 45 ] && { log "SKIPPED $name $sw (time)"; return; }
+  CANOPY_PEER_MERGE=$sw timeout $(($(left) - 20)) "$@" --json > "$RUNS/$name-$sw.json" 2>> "$RUNS/err.txt" \
+    || log "FAILED or cut off: $name $sw"
+  python3 - "$RUNS/$name-$sw.json" "$name" "$sw" <<'PY'
+import json, sys
+path, name, sw = sys.argv[1:]
+try:
+    r = json.load(open(path))
+except ValueError:
+    sys.exit(f"{name} {sw}: no report")
+for x in r["rows"]:
+    if "decode_ms_per_token" in x:
+        m = x.get("merge_ms_per_layer")
+        print(f"{name} peer={sw} {x['context']:>7} P={x['ranks']} {x['strategy']:<18} "
+              f"{x['decode_ms_per_token']:7.3f} ms/token  x{x['vs_floor']:.3f} floor  "
+              f"merge {'-' if m is None else f'{m * 1e3:.1f} us/layer'}")
+    else:
+        e = x.get("rel_error")
+        print(f"{name} peer={sw} {x['seq_len']:>8} P={x['ranks']} {x['strategy']:<18} "
+              f"{x['median_ms']:8.4f} ms  error {'-' if e is None else f'{e:.1e}'}")
+PY
+}
+{
+  nvidia-smi --query-gpu=index,name --format=csv,noheader
+  $BIN compile-kernels > /dev/null 2>&1
+  for part in "${PARTS[@]}"; do
+    case $part in
+    test)
+      log "peer merge test"
+      .device/peer_merge --nocapture 2>&1 | grep -E "^test |test result|panicked|p = |skipped|round 0 |round 7 "
+      ;;
+    scaling)
+      for sw in on off on; do
+        switched scaling $sw $BIN bench scaling --backend cuda --ranks "$G" --heads 32 --kv-heads 8 \
+          --head-dim 128 --dtype bf16 --seq-lens 131072,1048576 --iters 20 --collective allgather,auto \
+          --check-max-tokens 1048576
+      done
+      ;;
+    decode)
+      switched decode-1 on $BIN bench decode "${ARCH[@]}" --context 32K,128K --ranks 1
+      for sw in on off on; do
+        switched decode $sw $BIN bench decode "${ARCH[@]}" --context 32K,128K --ranks "$G" \
+          --collective allgather,auto
+      done
+      ;;
+    mpi)
+      for sw in on off; do
+        switched mpi $sw "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context 32K --collective allgather
+      done
+      ;;
+    check)
+      log "model-check: the tiny fixtures on $G ranks (one GPU each: NCCL)"
+      OUT=$RUNS/check STAGES=fixtures DEADLINE=$(($(left) - 10)) \
+        FIXTURE_CASES="f32:1:tree f32:$G:tree f32:$G:ring bf16:$G:tree" \
+        bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
+      tail -1 "$RUNS/check/model-check-log.txt"
+      ;;
+    esac
+  done
+} 2>&1 | tee "$OUT/log.txt"
