@@ -211,9 +211,11 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             .collect()
     }
 
-    /// Bytes this rank's communicators have sent, by the ring-algorithm formulas.
+    /// Bytes this rank's communicators have sent, by the ring-algorithm formulas, and its
+    /// peer merges.
     fn wire_bytes(&self) -> u64 {
-        self.comms().iter().map(|c| c.wire_bytes()).sum()
+        let nccl: u64 = self.comms().iter().map(|c| c.wire_bytes()).sum();
+        nccl + self.peer.bytes_sent()
     }
 
     /// Waits for `event` through the watchdog.

@@ -23,7 +23,7 @@ use canopy_comm::{Collective, ReduceOp};
 use canopy_kernels::Kernel;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaContext, CudaSlice, LaunchConfig, PushKernelArg};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +53,9 @@ const RECORD_WORDS: usize = 14;
 pub(crate) struct PeerMerge {
     timeout_ns: u64,
     state: RefCell<State>,
+    /// Bytes this rank has written into its peers' memory: an all-gather's, `(p - 1)` copies
+    /// of its packed state a merge, as the traffic figures count one.
+    sent: Cell<u64>,
 }
 
 enum State {
@@ -152,6 +155,7 @@ impl PeerMerge {
         PeerMerge {
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
             state: RefCell::new(State::Untried),
+            sent: Cell::new(0),
         }
     }
 
@@ -209,6 +213,11 @@ impl PeerMerge {
         }
     }
 
+    /// Bytes this rank has written into its peers' memory.
+    pub(crate) fn bytes_sent(&self) -> u64 {
+        self.sent.get()
+    }
+
     fn launch(
         &self,
         me: usize,
@@ -243,6 +252,9 @@ impl PeerMerge {
         // packed states of `cells × (d + 1)` floats; `counters` holds two; the states hold
         // `cells` cells of `d`.
         unsafe { l.launch(cfg) }.ctx("launching peer_merge")?;
+        let state_bytes = u64::from(cells) * (u64::from(d) + 1) * 4;
+        self.sent
+            .set(self.sent.get() + u64::from(ranks - 1) * state_bytes);
         Ok(())
     }
 

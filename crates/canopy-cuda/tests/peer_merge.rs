@@ -13,7 +13,7 @@ mod merge_check;
 use common::rng;
 use merge_check::{assert_close, assert_ranks_agree, bits, error, random_states, reference_merge};
 
-use canopy_comm::{Collective, Group, ThreadWorld};
+use canopy_comm::{Collective, Group, HostPart, ThreadWorld};
 use canopy_core::{AttnShape, AttnStates};
 use canopy_cuda::{CudaBackend, CudaStates, NcclIds, NcclTransport};
 use canopy_engine::{
@@ -106,7 +106,10 @@ fn rank<C: Collective>(
     let mine = |round: usize| &inputs[round][comm.rank()];
     let mut rounds = Vec::new();
     let mut round = 0;
+    let mut wrote = 0;
     for (shape, rows) in sizes {
+        // An all-gather's traffic: this rank's packed state to each peer.
+        wrote += (p - 1) * rows * shape.q_heads * (shape.head_dim + 1) * 4;
         let mut merge = StatesMerge::new(&b, rows * shape.q_heads, shape.head_dim, p)?;
         let mut s = b.alloc_states(shape, *rows)?;
         upload(&b, mine(round), &mut s)?;
@@ -121,6 +124,11 @@ fn rank<C: Collective>(
         comm.peer_merge_active(),
         Some(true),
         "the peer merge set up"
+    );
+    assert_eq!(
+        comm.own_traffic().bytes,
+        wrote as u64,
+        "the peer merges' traffic"
     );
     let (shape, rows) = sizes[0];
     let mut merge = StatesMerge::new(&b, rows * shape.q_heads, shape.head_dim, p)?;
