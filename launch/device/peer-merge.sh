@@ -11,13 +11,16 @@
 #   mpi      the same at G ranks under `mpirun -np G` at 32K (peers in other processes: the
 #            memory is mapped by IPC handle);
 #   check    model-check's fixtures at G ranks, tree and ring, against transformers and one
-#            rank.
+#            rank;
+#   stall    the watchdog with the peer merge: rank 1 stops before its first step and the
+#            others must fail within --timeout (5 s), naming the rank and the call, as threads
+#            and under mpirun.
 # Results: $OUT/log.txt, one line a run; the reports in $OUT/runs.tgz.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
 G=${G:-$(nvidia-smi --list-gpus | wc -l)}
-PARTS=(${PART:-test scaling decode mpi check})
+PARTS=(${PART:-test scaling decode mpi check stall})
 RUNS=$OUT/runs
 mkdir -p "$RUNS"
 trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
@@ -76,6 +79,16 @@ PY
     mpi)
       for sw in on off; do
         switched mpi $sw "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context 32K --collective allgather
+      done
+      ;;
+    stall)
+      stall=(bench attention --backend cuda --strategy tree --collective allgather --seq-len 131072 --stall-rank 1 --timeout 5)
+      for how in threads mpi; do
+        log "watchdog, $how, rank 1 stalls, timeout 5 s"
+        if [ $how = threads ]; then cmd=($BIN "${stall[@]}" --ranks "$G"); else cmd=("${MPIRUN[@]}" $BIN "${stall[@]}" --launcher mpi); fi
+        t0=$(date +%s%N); timeout 60 "${cmd[@]}" > "$RUNS/stall-$how.txt" 2>&1; rc=$?
+        echo "exit $rc after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+        grep -m2 -E "error|watchdog" "$RUNS/stall-$how.txt"
       done
       ;;
     check)

@@ -98,6 +98,12 @@ impl NcclComm {
         self.wire_bytes.get()
     }
 
+    /// Names a call of this communicator's ranks made outside NCCL (the peer merge), so that
+    /// the watchdog names it if a peer never answers.
+    pub(crate) fn note_call(&self, name: &'static str) {
+        self.last.set(name);
+    }
+
     fn enqueue(
         &self,
         name: &'static str,

@@ -518,6 +518,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
     /// In one kernel over the peers' mapped memory where every rank's GPU reaches every
     /// other's ([`crate::peer_merge`]); else NCCL's all-gather between two kernels.
     fn gather_merge(&self, b: &CudaBackend, states: &mut CudaStates) -> EResult<bool> {
+        self.world.note_call("the peer merge");
         Ok(self.peer.merge(self.host, b, states)?)
     }
 
