@@ -12,6 +12,8 @@
 #            memory is mapped by IPC handle);
 #   check    model-check's fixtures at G ranks, tree and ring, against transformers and one
 #            rank;
+#   serve    serve.sh's check on G ranks: the tiny model served on the GPUs (batches of up to
+#            12 requests, prefill chunks of 64 tokens) against `canopy generate` on the CPU;
 #   stall    the watchdog with the peer merge: rank 1 stops before its first step and the
 #            others must fail within --timeout (5 s), naming the rank and the call, as threads
 #            and under mpirun.
@@ -20,7 +22,7 @@ set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
 G=${G:-$(nvidia-smi --list-gpus | wc -l)}
-PARTS=(${PART:-test scaling decode mpi check stall})
+PARTS=(${PART:-test scaling decode mpi check serve stall})
 RUNS=$OUT/runs
 mkdir -p "$RUNS"
 trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
@@ -80,6 +82,12 @@ PY
       for sw in on off; do
         switched mpi $sw "${MPIRUN[@]}" $BIN bench decode "${ARCH[@]}" --context 32K --collective allgather
       done
+      ;;
+    serve)
+      log "serve.sh's check on $G ranks"
+      RUST_LOG=canopy_cuda=info CHECK_RANKS=$G DEADLINE=60 OUT=$RUNS bash "$(dirname "$0")/serve.sh" > "$RUNS/serve-log.txt" 2>&1
+      grep -h "check:" "$RUNS/serve-log.txt" | tail -1
+      grep -h "goes through NCCL" "$RUNS"/serve/server-tiny.log | head -2
       ;;
     stall)
       stall=(bench attention --backend cuda --strategy tree --collective allgather --seq-len 131072 --stall-rank 1 --timeout 5)

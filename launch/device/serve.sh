@@ -6,7 +6,7 @@
 # is also the batch-64 decode step beside its floor. Then, beside them: a 16K few-shot prefix
 # with both methods, and short random prompts (a decode pass that is nearly all weights) with
 # auto. First, a check that serving on the GPU gives what `canopy generate` on the CPU gives
-# (the tiny fixture model, f32).
+# (the tiny fixture model, f32, on CHECK_RANKS ranks: 1 by default).
 #
 # Run from the repository root on the device machine with the release binary in $DIR/canopy
 # (DIR defaults to .device). CONCURRENCY, PROMPTS, OUTPUT_LEN, DATASETS, MODEL (the serve
@@ -59,7 +59,8 @@ bench() {
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   log "check: the tiny model served on the GPU (f32) against canopy generate on the CPU"
-  if start_server tiny --model $TINY --backend cuda --dtype f32 --max-batch 12 --prefill-chunk 64; then
+  if start_server tiny --model $TINY --backend cuda --dtype f32 --max-batch 12 --prefill-chunk 64 \
+    --ranks "${CHECK_RANKS:-1}"; then
     timeout 120 python3 - "$URL" "$BIN" "$TINY" <<'PY' 2>&1 | tee "$R/check.txt"
 import json, subprocess, sys, urllib.request
 from concurrent.futures import ThreadPoolExecutor
