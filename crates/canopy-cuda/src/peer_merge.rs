@@ -188,7 +188,14 @@ impl PeerMerge {
             // Growing at least twofold keeps a batch that grows row by row to a few set-ups.
             let bytes = had.map_or(bytes, |had| bytes.max(2 * had));
             match self.set_up(host, b, bytes)? {
-                Ok(x) => *state = State::On(x),
+                Ok(x) => {
+                    tracing::info!(
+                        rank = host.rank(),
+                        bytes,
+                        "the tree's all-gather merge runs as one kernel over the peers' memory"
+                    );
+                    *state = State::On(x)
+                }
                 Err(reason) => {
                     tracing::info!(rank = host.rank(), %reason, "the tree's all-gather merge goes through NCCL");
                     *state = State::Off;
