@@ -69,6 +69,8 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value = "all")]
     pub strategy: StrategyChoice,
     /// Tree merge: allreduce3, allreduce2, allgather, hierarchical, auto, a comma list, or all.
+    /// On GPUs of one host that map each other's memory, allgather runs as one kernel over
+    /// that memory (`CANOPY_PEER_MERGE=off`: NCCL's all-gather).
     #[arg(long, default_value = "all")]
     pub collective: String,
     /// Split the ranks into this many equal virtual nodes for the hierarchical merge (default:

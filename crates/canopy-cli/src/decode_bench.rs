@@ -119,7 +119,9 @@ pub struct DecodeArgs {
     #[arg(long, value_delimiter = ',', value_enum, default_value = "tree")]
     strategy: Vec<DecodeChoice>,
     /// The tree's merges, comma-separated: allreduce3, allreduce2, allgather, hierarchical or
-    /// auto; each is a row of its own.
+    /// auto; each is a row of its own. On GPUs of one host that map each other's memory,
+    /// allgather runs as one kernel over that memory (`CANOPY_PEER_MERGE=off`: NCCL's
+    /// all-gather).
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     collective: Vec<MergeCollective>,
     #[arg(long, value_enum, default_value = "prefill")]

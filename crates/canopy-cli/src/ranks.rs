@@ -365,7 +365,9 @@ pub struct ModelRunArgs {
     /// How ranks combine their attention at decode.
     #[arg(long, value_enum, default_value = "tree")]
     pub strategy: crate::generate_cmd::DecodeChoice,
-    /// The tree's merge: allreduce3, allreduce2, allgather, hierarchical or auto.
+    /// The tree's merge: allreduce3, allreduce2, allgather, hierarchical or auto. On GPUs of
+    /// one host that map each other's memory, allgather runs as one kernel over that memory
+    /// (`CANOPY_PEER_MERGE=off`: NCCL's all-gather).
     #[arg(long, default_value = "auto")]
     pub collective: canopy_engine::MergeCollective,
     /// How ranks are started: threads of this process, or one process per rank (detected
