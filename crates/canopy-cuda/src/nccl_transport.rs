@@ -199,7 +199,7 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
     }
 
     /// Whether the tree's all-gather merge runs as one kernel over the peers' memory
-    /// ([`crate::peer_merge`]) rather than through NCCL: `None` until the first such merge.
+    /// (the `peer_merge` module) rather than through NCCL: `None` until the first such merge.
     pub fn peer_merge_active(&self) -> Option<bool> {
         self.peer.active()
     }
@@ -516,7 +516,8 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
     }
 
     /// In one kernel over the peers' mapped memory where every rank's GPU reaches every
-    /// other's ([`crate::peer_merge`]); else NCCL's all-gather between two kernels.
+    /// other's (the `peer_merge` module); else NCCL's all-gather, between the states' packing and
+    /// their fold.
     fn gather_merge(&self, b: &CudaBackend, states: &mut CudaStates) -> EResult<bool> {
         self.world.note_call("the peer merge");
         Ok(self.peer.merge(self.host, b, states)?)
