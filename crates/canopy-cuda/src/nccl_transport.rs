@@ -3,6 +3,9 @@
 //!
 //! - **Collectives** (the tree's merge) run on the backend's own stream, in order with its
 //!   kernels: no event between a kernel and the all-reduce that reads its output.
+//! - **The all-gather merge** runs as one kernel over the peers' memory where every rank's GPU
+//!   maps every other's (the `peer_merge` module: GPUs of one host), else as NCCL's all-gather
+//!   between the states' packing and their fold.
 //! - **The hierarchical merge** runs on sub-communicators: each node's (the members' states
 //!   to their leader as grouped receives, the result back as a broadcast) and the leaders'
 //!   (an in-place all-gather).
