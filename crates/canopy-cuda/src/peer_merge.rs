@@ -348,11 +348,21 @@ fn allocate(bytes: usize) -> Result<(CUdeviceptr, Option<[u64; 8]>)> {
     let exported = unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }
         .result()
         .is_ok();
-    let words = std::array::from_fn(|i| {
-        let b: [u8; 8] = std::array::from_fn(|j| handle.reserved[8 * i + j] as u8);
-        u64::from_ne_bytes(b)
-    });
-    Ok((ptr, exported.then_some(words)))
+    Ok((ptr, exported.then(|| handle_words(&handle))))
+}
+
+/// An IPC handle's 64 bytes as the words a [`Record`] carries.
+fn handle_words(handle: &sys::CUipcMemHandle) -> [u64; 8] {
+    std::array::from_fn(|i| {
+        u64::from_ne_bytes(std::array::from_fn(|j| handle.reserved[8 * i + j] as u8))
+    })
+}
+
+/// The IPC handle [`handle_words`] wrote.
+fn handle_from_words(words: &[u64; 8]) -> sys::CUipcMemHandle {
+    sys::CUipcMemHandle {
+        reserved: std::array::from_fn(|i| words[i / 8].to_ne_bytes()[i % 8] as _),
+    }
 }
 
 /// Every rank's allocation as this rank's GPU addresses it: its own; a peer thread's
@@ -375,9 +385,7 @@ fn map_peers(all: &[Record], me: usize, m: &mut Mapping) -> Result<Vec<u64>> {
                     "rank {r}'s driver exported no IPC handle for its merge memory"
                 )));
             };
-            let handle = sys::CUipcMemHandle {
-                reserved: std::array::from_fn(|i| words[i / 8].to_ne_bytes()[i % 8] as _),
-            };
+            let handle = handle_from_words(&words);
             let mut ptr: CUdeviceptr = 0;
             let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
             // SAFETY: a handle another process exported for memory it keeps until the world
@@ -451,6 +459,15 @@ mod tests {
                 (r.pid, r.host, r.ordinal, r.willing, r.ptr, r.handle)
             );
         }
+    }
+
+    #[test]
+    fn an_ipc_handle_round_trips_through_its_words() {
+        let handle = sys::CUipcMemHandle {
+            reserved: std::array::from_fn(|i| (i as i32 * 37 - 100) as _),
+        };
+        let back = handle_from_words(&handle_words(&handle));
+        assert_eq!(back.reserved, handle.reserved);
     }
 
     /// A warp a cell up to the grid's cap, and at least one CTA.

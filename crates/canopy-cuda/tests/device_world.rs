@@ -12,7 +12,9 @@
 mod common;
 mod merge_check;
 use common::rng;
-use merge_check::{assert_close, assert_ranks_agree, error, random_states, reference_merge};
+use merge_check::{
+    assert_close, assert_ranks_agree, error, random_states, reference_merge, states_from_host,
+};
 
 use canopy_comm::{Collective, Group, ThreadWorld};
 use canopy_core::{random_tree, AttnShape, AttnStates, DType, Method, PlannerConfig, TypedVec};
@@ -86,17 +88,13 @@ fn merge_all<C: Transport<CudaBackend> + Collective>(
 ) -> Result<(Vec<AttnStates>, u64, u64)> {
     let b = CudaBackend::new(0)?;
     let (cells, d) = (rows * shape.q_heads, shape.head_dim);
-    // The states from the host: one packed state, folded alone, is itself.
-    let mut packed = b.alloc_buf(cells * (d + 1))?;
-    b.buf_from_host(&input.0, &mut packed, 0)?;
-    b.buf_from_host(&input.1, &mut packed, cells * d)?;
     let mut merge = StatesMerge::new(&b, cells, d, comm.size())?;
     let before = comm.traffic();
     let mut out = Vec::new();
     for how in MergeCollective::CONCRETE {
         let mut states = b.alloc_states(shape, rows)?;
         b.poison(&mut states)?;
-        b.combine_gathered(&packed, 1, &mut states)?;
+        states_from_host(&b, input, &mut states)?;
         merge.run(&b, comm, &mut states, how, layout)?;
         out.push(b.download(&states)?);
     }

@@ -11,11 +11,13 @@
 mod common;
 mod merge_check;
 use common::rng;
-use merge_check::{assert_close, assert_ranks_agree, bits, error, random_states, reference_merge};
+use merge_check::{
+    assert_close, assert_ranks_agree, bits, error, random_states, reference_merge, states_from_host,
+};
 
 use canopy_comm::{Collective, Group, HostPart, ThreadWorld};
 use canopy_core::{AttnShape, AttnStates};
-use canopy_cuda::{CudaBackend, CudaStates, NcclIds, NcclTransport};
+use canopy_cuda::{CudaBackend, NcclIds, NcclTransport};
 use canopy_engine::{
     Backend, LayerOps, MergeCollective, MergeOps, NodeLayout, Result, StatesMerge, Strategy,
 };
@@ -58,15 +60,6 @@ fn gpus() -> Option<usize> {
         return None;
     }
     Some(count)
-}
-
-/// States made from `input` on the device: one packed state folded alone is itself.
-fn upload(b: &CudaBackend, input: &(Vec<f32>, Vec<f32>), s: &mut CudaStates) -> Result<()> {
-    let cells = input.1.len();
-    let mut packed = b.alloc_buf(input.0.len() + cells)?;
-    b.buf_from_host(&input.0, &mut packed, 0)?;
-    b.buf_from_host(&input.1, &mut packed, input.0.len())?;
-    b.combine_gathered(&packed, 1, s)
 }
 
 /// The fold after NCCL's all-gather, of every rank's `input` gathered through the host.
@@ -112,7 +105,7 @@ fn rank<C: Collective>(
         wrote += (p - 1) * rows * shape.q_heads * (shape.head_dim + 1) * 4;
         let mut merge = StatesMerge::new(&b, rows * shape.q_heads, shape.head_dim, p)?;
         let mut s = b.alloc_states(shape, *rows)?;
-        upload(&b, mine(round), &mut s)?;
+        states_from_host(&b, mine(round), &mut s)?;
         merge.run(&b, &comm, &mut s, how, &layout)?;
         rounds.push((
             b.download(&s)?,
@@ -139,7 +132,7 @@ fn rank<C: Collective>(
     let graph = b.end_capture()?;
     recorded?;
     for _ in 0..REPLAYS {
-        upload(&b, mine(round), &mut s)?;
+        states_from_host(&b, mine(round), &mut s)?;
         b.replay(&graph)?;
         rounds.push((
             b.download(&s)?,

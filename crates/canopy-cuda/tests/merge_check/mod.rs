@@ -3,6 +3,8 @@
 //! oracle and the other ranks.
 
 use canopy_core::AttnStates;
+use canopy_cuda::{CudaBackend, CudaStates};
+use canopy_engine::{MergeOps, Result};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -124,4 +126,17 @@ pub fn reference_merge(inputs: &[(Vec<f32>, Vec<f32>)], cells: usize, d: usize) 
         o,
         lse,
     }
+}
+
+/// `s` made on the device from one rank's `(o, lse)`: its packed state, folded alone, is itself.
+pub fn states_from_host(
+    b: &CudaBackend,
+    input: &(Vec<f32>, Vec<f32>),
+    s: &mut CudaStates,
+) -> Result<()> {
+    let (o, lse) = input;
+    let mut packed = b.alloc_buf(o.len() + lse.len())?;
+    b.buf_from_host(o, &mut packed, 0)?;
+    b.buf_from_host(lse, &mut packed, o.len())?;
+    b.combine_gathered(&packed, 1, s)
 }
