@@ -34,6 +34,7 @@ mod layers;
 mod merge_ops;
 pub mod nccl;
 mod nccl_transport;
+mod peer_memory;
 mod peer_merge;
 pub mod probe;
 mod timing;
