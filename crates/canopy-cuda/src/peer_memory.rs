@@ -34,21 +34,20 @@ pub(crate) struct PeerMemory {
 impl PeerMemory {
     /// Allocates `bytes` of zeroed memory on this rank and maps every rank's, together with
     /// every rank of `host`'s world. The inner error is the reason, agreed by every rank, that
-    /// the memory is not mapped: `switch` set to `off` on a rank, an allocation that failed,
-    /// ranks on several hosts, or a peer a rank could not map. `what` names the memory in
-    /// errors.
+    /// the memory is not mapped: a rank not `willing` (its user's switch, `switch`, says no, or
+    /// its GPU lacks what the user needs), an allocation that failed, ranks on several hosts,
+    /// or a peer a rank could not map. `what` names the memory in errors.
     pub(crate) fn map<H: Collective>(
         host: &H,
         b: &CudaBackend,
         bytes: usize,
-        switch: &str,
+        (switch, willing): (&str, bool),
         what: &str,
     ) -> Result<std::result::Result<PeerMemory, String>> {
         let (me, ranks) = (host.rank(), host.size());
         let context = b.stream().context().clone();
         context.bind_to_thread().ctx("cuCtxSetCurrent")?;
-        let switched_off = std::env::var(switch).is_ok_and(|v| v == "off");
-        let own = if switched_off {
+        let own = if !willing {
             None
         } else {
             allocate(bytes, what).ok()
@@ -68,7 +67,7 @@ impl PeerMemory {
         let all: Vec<Record> = words.chunks(RECORD_WORDS).map(Record::from_words).collect();
         let refusal = if let Some(r) = all.iter().position(|x| x.willing == 0) {
             Some(format!(
-                "rank {r} has {switch}=off or could not allocate {what}"
+                "rank {r} declined {what} ({switch}, or its GPU) or could not allocate them"
             ))
         } else if all.iter().any(|x| x.host != all[0].host) {
             Some("the ranks are on more than one host".to_string())
@@ -169,7 +168,12 @@ fn allocate(bytes: usize, what: &str) -> Result<(CUdeviceptr, Option<[u64; 8]>)>
     // SAFETY: a fresh allocation of `bytes`, zeroed before anyone can see it.
     let ptr = unsafe { result::malloc_sync(bytes) }.ctx(format!("cuMemAlloc ({what})"))?;
     // SAFETY: `ptr` holds `bytes` bytes.
-    if let Err(e) = unsafe { result::memset_d8_sync(ptr, 0, bytes) } {
+    // The memset runs on the legacy stream, unordered with the ranks' non-blocking streams and
+    // possibly after this call returns: it must be done before a peer can write a flag here.
+    // SAFETY: `ptr` holds `bytes` bytes; the null stream is the context's legacy stream.
+    let zeroed = unsafe { result::memset_d8_sync(ptr, 0, bytes) }
+        .and_then(|()| unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result());
+    if let Err(e) = zeroed {
         // SAFETY: allocated above, freed once.
         let _ = unsafe { result::free_sync(ptr) };
         return Err(e).ctx(format!("cuMemsetD8 ({what})"));
