@@ -68,3 +68,33 @@ start_traced() {
   tracer=$(build_tracer)
   [ -n "$tracer" ] || { echo "no CUPTI tracer"; exit 1; }
 }
+# switched_run VAR DIR NAME SWITCH COMMAND...: COMMAND with VAR=SWITCH (an on/off switch of
+# canopy's), its JSON report in DIR/NAME-SWITCH.json, summarised one line a row (decode rows
+# by ms/token and the floor, scaling rows by median ms and error); skipped with under 45 s of
+# the caller's DEADLINE left.
+switched_run() {
+  local var=$1 dir=$2 name=$3 sw=$4
+  shift 4
+  [ "$(left)" -lt 45 ] && { log "SKIPPED $name $sw (time)"; return; }
+  env "$var=$sw" timeout $(($(left) - 20)) "$@" --json > "$dir/$name-$sw.json" 2>> "$dir/err.txt" \
+    || log "FAILED or cut off: $name $sw"
+  python3 - "$dir/$name-$sw.json" "$name" "$sw" <<'PY'
+import json, sys
+path, name, sw = sys.argv[1:]
+try:
+    r = json.load(open(path))
+except ValueError:
+    sys.exit(f"{name} {sw}: no report")
+for x in r["rows"]:
+    if "decode_ms_per_token" in x:
+        m = x.get("merge_ms_per_layer")
+        print(f"{name} {sw:<3} {x['context']:>7} P={x['ranks']} {x['strategy']:<18} "
+              f"{x['decode_ms_per_token']:7.3f} ms/token  x{x['vs_floor']:.3f} floor  "
+              f"merge {'-' if m is None else f'{m * 1e3:.1f} us/layer'}")
+    else:
+        e, g = x.get("rel_error"), x.get("link_gbps")
+        print(f"{name} {sw:<3} {x['seq_len']:>8} P={x['ranks']} {x['strategy']:<18} "
+              f"{x['median_ms']:8.4f} ms  error {'-' if e is None else f'{e:.1e}'}"
+              f"{'' if g is None else f'  link {g:.0f} GB/s'}")
+PY
+}

@@ -28,33 +28,8 @@ mkdir -p "$RUNS"
 trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
 ARCH=(--arch llama-3.1-8b --random-weights --context-fill random --decode 10)
 MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE -x CANOPY_PEER_MERGE)
-# switched NAME SWITCH COMMAND...: COMMAND with CANOPY_PEER_MERGE=SWITCH, its JSON report in
-# $RUNS/NAME-SWITCH.json, summarised on one line a row.
-switched() {
-  local name=$1 sw=$2
-  shift 2
-  [ "$(left)" -lt 45 ] && { log "SKIPPED $name $sw (time)"; return; }
-  CANOPY_PEER_MERGE=$sw timeout $(($(left) - 20)) "$@" --json > "$RUNS/$name-$sw.json" 2>> "$RUNS/err.txt" \
-    || log "FAILED or cut off: $name $sw"
-  python3 - "$RUNS/$name-$sw.json" "$name" "$sw" <<'PY'
-import json, sys
-path, name, sw = sys.argv[1:]
-try:
-    r = json.load(open(path))
-except ValueError:
-    sys.exit(f"{name} {sw}: no report")
-for x in r["rows"]:
-    if "decode_ms_per_token" in x:
-        m = x.get("merge_ms_per_layer")
-        print(f"{name} peer={sw} {x['context']:>7} P={x['ranks']} {x['strategy']:<18} "
-              f"{x['decode_ms_per_token']:7.3f} ms/token  x{x['vs_floor']:.3f} floor  "
-              f"merge {'-' if m is None else f'{m * 1e3:.1f} us/layer'}")
-    else:
-        e = x.get("rel_error")
-        print(f"{name} peer={sw} {x['seq_len']:>8} P={x['ranks']} {x['strategy']:<18} "
-              f"{x['median_ms']:8.4f} ms  error {'-' if e is None else f'{e:.1e}'}")
-PY
-}
+# switched NAME SWITCH COMMAND...: env.sh's `switched_run` with the peer merge's switch.
+switched() { switched_run CANOPY_PEER_MERGE "$RUNS" "$@"; }
 {
   nvidia-smi --query-gpu=index,name --format=csv,noheader
   $BIN compile-kernels > /dev/null 2>&1

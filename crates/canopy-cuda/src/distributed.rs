@@ -164,14 +164,14 @@ fn link_gbps<H: Collective>(
     let (shape, dtype) = (&cfg.problem.shape, cfg.problem.dtype);
     let send = backend.alloc_kv(shape, dtype, tokens(me))?;
     let mut recv = backend.alloc_kv(shape, dtype, tokens(prev))?;
-    Ok(comm.link_bandwidth(
+    comm.link_bandwidth(
         backend,
         &send,
         tokens(me),
         &mut recv,
         tokens(prev),
         cfg.run.iters,
-    )?)
+    )
 }
 
 /// The node layout of a single-process run: one host, or the requested virtual nodes.

@@ -36,6 +36,7 @@ pub mod nccl;
 mod nccl_transport;
 mod peer_memory;
 mod peer_merge;
+mod peer_ring;
 pub mod probe;
 mod timing;
 
@@ -50,4 +51,5 @@ pub use launch::KernelResources;
 pub use layers::{CudaTensor, CudaWeight};
 pub use nccl_transport::{NcclIds, NcclTransport};
 pub use peer_merge::PEER_MERGE_SWITCH;
+pub use peer_ring::PEER_RING_SWITCH;
 pub use probe::{probe, CudaInfo, GpuInfo};

@@ -28,6 +28,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::nccl::{group, NcclComm, NcclOp, Watchdog};
 use crate::peer_merge::PeerMerge;
+use crate::peer_ring::PeerRing;
 use canopy_comm::{Collective, Group, HostPart, ReduceOp, Traffic};
 use canopy_engine::layer_ops::expect_room;
 use canopy_engine::{Cache, MergeCollective, NodeLayout, Result as EResult, Strategy, Transport};
@@ -131,6 +132,8 @@ pub struct NcclTransport<'h, H: Collective> {
     staged: RefCell<Option<Staged>>,
     /// The all-gather merge in one kernel, where the ranks' GPUs map each other's memory.
     peer: PeerMerge,
+    /// The ring's hand-off on the copy engines, where the ranks' GPUs map each other's memory.
+    ring: PeerRing,
 }
 
 /// Paged KV travels in logical order through contiguous buffers: a paged shard sent is gathered
@@ -198,6 +201,7 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             arrived: RefCell::new(None),
             staged: RefCell::new(None),
             peer: PeerMerge::new(timeout),
+            ring: PeerRing::new(),
         })
     }
 
@@ -205,6 +209,12 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
     /// (the `peer_merge` module) rather than through NCCL: `None` until the first such merge.
     pub fn peer_merge_active(&self) -> Option<bool> {
         self.peer.active()
+    }
+
+    /// Whether the ring's hand-off runs on the copy engines over the peers' memory (the
+    /// `peer_ring` module) rather than through NCCL: `None` until the first hand-off.
+    pub fn peer_ring_active(&self) -> Option<bool> {
+        self.ring.active()
     }
 
     fn comms(&self) -> Vec<&NcclComm> {
@@ -215,10 +225,10 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
     }
 
     /// Bytes this rank's communicators have sent, by the ring-algorithm formulas, and its
-    /// peer merges.
+    /// peer merges and copy-engine hand-offs.
     fn wire_bytes(&self) -> u64 {
         let nccl: u64 = self.comms().iter().map(|c| c.wire_bytes()).sum();
-        nccl + self.peer.bytes_sent()
+        nccl + self.peer.bytes_sent() + self.ring.bytes_sent()
     }
 
     /// Waits for `event` through the watchdog.
@@ -256,25 +266,6 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             ));
         }
         Ok(())
-    }
-
-    /// Sends tokens `0..send_tokens` of `send` to the next rank and receives `recv_tokens`
-    /// tokens from the previous one into `recv`, as one NCCL group on the world's stream.
-    fn exchange(
-        &self,
-        send: &CudaKv,
-        send_tokens: usize,
-        recv: &mut CudaKv,
-        recv_tokens: usize,
-    ) -> Result<()> {
-        let (sb, rb) = (
-            contiguous_bytes("send_kv", send, send_tokens)?,
-            contiguous_bytes("recv_kv", recv, recv_tokens)?,
-        );
-        self.hand_off(
-            Some((&send.k.slice(0..sb), &send.v.slice(0..sb))),
-            Some((&mut recv.k.slice_mut(0..rb), &mut recv.v.slice_mut(0..rb))),
-        )
     }
 
     /// K and V `send` to the next rank, and the previous rank's into `recv`, as one NCCL
@@ -334,8 +325,8 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
             }
             Some(_) => Some(paged_buffers(recv, recv_tokens)?),
         };
-        let sends = hand_off_pieces(send_tokens, send.bytes_of(1));
-        let recvs = hand_off_pieces(recv_tokens, recv.bytes_of(1));
+        let sends = hand_off_pieces(send_tokens, send.bytes_of(1), NCCL_CUT);
+        let recvs = hand_off_pieces(recv_tokens, recv.bytes_of(1), NCCL_CUT);
         for i in 0..sends.len().max(recvs.len()) {
             let piece = sends
                 .get(i)
@@ -374,8 +365,9 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
         })
     }
 
-    /// The ring hand-off alone, `reps` times after one warm-up, between events on the
-    /// hand-off's stream: bytes sent per second, the link bandwidth a ring's floor divides by.
+    /// The ring's hand-off alone, by whichever path the ring takes, `reps` times after one
+    /// warm-up, between events on the compute stream (which waits for each hop's arrival):
+    /// bytes sent per second, the link bandwidth a ring's floor divides by.
     pub fn link_bandwidth(
         &self,
         b: &CudaBackend,
@@ -384,17 +376,19 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
         recv: &mut CudaKv,
         recv_tokens: usize,
         reps: usize,
-    ) -> Result<f64> {
+    ) -> EResult<f64> {
         use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-        let stream = self.world.stream();
-        stream.wait(&record(b.stream())?).ctx("cuStreamWaitEvent")?;
-        self.exchange(send, send_tokens, recv, recv_tokens)?;
+        let hop = |recv: &mut CudaKv| -> EResult<()> {
+            self.start_kv_exchange(b, send, send_tokens, recv, recv_tokens)?;
+            self.finish_kv_exchange(b, recv, recv_tokens)
+        };
+        hop(recv)?;
         let timed = |s: &CudaStream| s.record_event(Some(CU_EVENT_DEFAULT)).ctx("cuEventRecord");
-        let start = timed(stream)?;
+        let start = timed(b.stream())?;
         for _ in 0..reps.max(1) {
-            self.exchange(send, send_tokens, recv, recv_tokens)?;
+            hop(recv)?;
         }
-        let end = timed(stream)?;
+        let end = timed(b.stream())?;
         self.wait_event(&end)?;
         let ms = start.elapsed_ms(&end).ctx("cuEventElapsedTime")? as f64 / reps.max(1) as f64;
         Ok(2.0 * send.bytes_of(send_tokens) as f64 / (ms * 1e-3))
@@ -412,21 +406,30 @@ fn nccl_op(op: ReduceOp) -> NcclOp {
     }
 }
 
-/// Bytes of K (or V) a piece of the ring's hand-off carries at least: smaller pieces would pay
-/// NCCL's cost per call for little overlap.
-const HAND_OFF_PIECE_BYTES: usize = 64 << 20;
-/// The most pieces a hand-off is cut into. Only the first piece's gather stays exposed, so
-/// four leave a quarter of it.
-const HAND_OFF_PIECES: usize = 4;
+/// How a hand-off is cut into pieces: each of at least `min_bytes` of K (or V) but the last,
+/// at most `max_pieces` of them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Cut {
+    pub(crate) min_bytes: usize,
+    pub(crate) max_pieces: usize,
+}
+
+/// NCCL's hand-off: pieces of 64 MB or more (smaller ones would pay NCCL's cost per call for
+/// little overlap), at most four. Only the first piece's gather stays exposed, so four leave a
+/// quarter of it.
+const NCCL_CUT: Cut = Cut {
+    min_bytes: 64 << 20,
+    max_pieces: 4,
+};
 /// Pieces start on multiples of this many tokens, whole pages of any power-of-two page size up
 /// to it, so a paged shard is gathered page by page.
 const PIECE_ALIGN: usize = 1024;
 
 /// The logical token ranges a hand-off of `tokens` tokens of `token_bytes` each (K or V) is
-/// sent in, one NCCL group each. The sender and the receiver cut alike, from the same two
-/// numbers, so each group's sends meet the next rank's receives; no tokens is one empty piece.
-fn hand_off_pieces(tokens: usize, token_bytes: usize) -> Vec<Range<usize>> {
-    let pieces = (tokens * token_bytes / HAND_OFF_PIECE_BYTES).clamp(1, HAND_OFF_PIECES);
+/// sent in, cut by `cut`. The sender and the receiver cut alike, from the same numbers, so each
+/// piece sent meets the next rank's receive; no tokens is one empty piece.
+pub(crate) fn hand_off_pieces(tokens: usize, token_bytes: usize, cut: Cut) -> Vec<Range<usize>> {
+    let pieces = (tokens * token_bytes / cut.min_bytes).clamp(1, cut.max_pieces);
     let per = tokens.div_ceil(pieces).next_multiple_of(PIECE_ALIGN).max(1);
     let mut out: Vec<Range<usize>> = (0..pieces)
         .map(|i| (i * per).min(tokens)..((i + 1) * per).min(tokens))
@@ -623,9 +626,10 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         Ok(node.broadcast_in_place("broadcast(node)", &mut buf.slice_mut(0..len), 0)?)
     }
 
-    /// Enqueues the hand-off on the world's stream once the compute stream is done with
-    /// `recv` (everything enqueued on it so far), and records its arrival. Paged KV goes
-    /// through contiguous buffers; contiguous KV moves in place
+    /// Enqueues the hand-off once the compute stream is done with `recv` (everything enqueued
+    /// on it so far), and records its arrival: on the copy engines over the peers' memory where
+    /// every rank maps every other's (the `peer_ring` module), else through NCCL on the world's
+    /// stream, where paged KV goes through contiguous buffers and contiguous KV moves in place
     /// (`NcclTransport::start_hand_off`).
     fn start_kv_exchange(
         &self,
@@ -635,9 +639,27 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         recv: &mut CudaKv,
         recv_tokens: usize,
     ) -> EResult<()> {
-        let staged = self.start_hand_off(b, send, send_tokens, recv, recv_tokens)?;
+        self.world.note_call("the ring's copy-engine hand-off");
+        let idle = |e: &CudaEvent| self.wait_event(e);
+        let hop = self
+            .ring
+            .start(self.host, b, (send, send_tokens), (recv, recv_tokens), idle)?;
+        let (staged, arrived) = match hop {
+            Some(hop) => (
+                Staged {
+                    sent: hop.gathered,
+                    arriving: None,
+                    tokens: recv_tokens,
+                },
+                hop.done,
+            ),
+            None => (
+                self.start_hand_off(b, send, send_tokens, recv, recv_tokens)?,
+                record(self.world.stream())?,
+            ),
+        };
         *self.staged.borrow_mut() = Some(staged);
-        *self.arrived.borrow_mut() = Some(record(self.world.stream())?);
+        *self.arrived.borrow_mut() = Some(arrived);
         Ok(())
     }
 
@@ -704,7 +726,7 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::{prop_oneof, Just};
+    use proptest::prelude::{prop_oneof, Just, Strategy as _};
 
     /// Ids survive their trip through bytes, in their places; a truncated message is refused.
     #[test]
@@ -722,15 +744,20 @@ mod tests {
 
     proptest::proptest! {
         /// A hand-off's pieces cover its tokens in order, without gaps or overlap, start on
-        /// whole pages, are at most `HAND_OFF_PIECES`, and are cut only where each carries
-        /// `HAND_OFF_PIECE_BYTES` or more but the last.
+        /// whole pages, are at most the cut's count, and are cut only where each carries the
+        /// cut's bytes or more but the last; NCCL's cut and the copy engines' alike.
         #[test]
         fn hand_off_pieces_cover_the_shard_in_order(
             tokens in 0usize..1 << 22,
             token_bytes in prop_oneof![Just(16usize), Just(128), 1usize..4096],
+            cut in prop_oneof![
+                Just(NCCL_CUT),
+                Just(crate::peer_ring::PEER_CUT),
+                (1usize..1 << 24, 1usize..12).prop_map(|(min_bytes, max_pieces)| Cut { min_bytes, max_pieces }),
+            ],
         ) {
-            let pieces = hand_off_pieces(tokens, token_bytes);
-            proptest::prop_assert!(!pieces.is_empty() && pieces.len() <= HAND_OFF_PIECES);
+            let pieces = hand_off_pieces(tokens, token_bytes, cut);
+            proptest::prop_assert!(!pieces.is_empty() && pieces.len() <= cut.max_pieces);
             proptest::prop_assert_eq!(pieces[0].start, 0);
             proptest::prop_assert_eq!(pieces[pieces.len() - 1].end, tokens);
             for w in pieces.windows(2) {
@@ -739,10 +766,10 @@ mod tests {
             }
             if pieces.len() > 1 {
                 for p in &pieces[..pieces.len() - 1] {
-                    proptest::prop_assert!(p.len() * token_bytes >= HAND_OFF_PIECE_BYTES);
+                    proptest::prop_assert!(p.len() * token_bytes >= cut.min_bytes);
                 }
             }
-            if tokens * token_bytes < 2 * HAND_OFF_PIECE_BYTES {
+            if tokens * token_bytes < 2 * cut.min_bytes {
                 proptest::prop_assert_eq!(pieces.len(), 1);
             }
         }

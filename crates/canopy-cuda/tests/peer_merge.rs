@@ -10,6 +10,7 @@
 
 mod common;
 mod merge_check;
+mod peers;
 use common::rng;
 use merge_check::{
     assert_close, assert_ranks_agree, bits, error, random_states, reference_merge, states_from_host,
@@ -28,39 +29,6 @@ const TEST: &str = "peer_merge";
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// Replays of the recorded merge, each on new states.
 const REPLAYS: usize = 5;
-
-/// The GPUs this test may use (up to 4), or `None` with the reason it cannot run here.
-fn gpus() -> Option<usize> {
-    common::gpu(TEST)?;
-    let count = match canopy_cuda::probe::device_count() {
-        Ok(n) => n.min(4),
-        Err(e) => {
-            eprintln!("{TEST}: skipped, no GPU ({e})");
-            return None;
-        }
-    };
-    if count < 2 || !canopy_cuda::probe::nccl_present() {
-        eprintln!("{TEST}: skipped, it needs two GPUs and NCCL ({count} GPUs visible)");
-        return None;
-    }
-    let peer = |a: usize, b: usize| {
-        let (da, db) = (
-            cudarc::driver::result::device::get(a as i32).expect("a visible GPU"),
-            cudarc::driver::result::device::get(b as i32).expect("a visible GPU"),
-        );
-        let mut can = 0;
-        // SAFETY: two valid devices; `can` is written.
-        unsafe { cudarc::driver::sys::cuDeviceCanAccessPeer(&mut can, da, db) }
-            .result()
-            .expect("cuDeviceCanAccessPeer");
-        can != 0
-    };
-    if !(0..count).all(|a| (0..count).all(|b| a == b || peer(a, b))) {
-        eprintln!("{TEST}: skipped, these GPUs do not reach each other's memory");
-        return None;
-    }
-    Some(count)
-}
 
 /// The fold after NCCL's all-gather, of every rank's `input` gathered through the host.
 fn gathered_fold<C: Collective>(
@@ -145,7 +113,7 @@ fn rank<C: Collective>(
 
 #[test]
 fn the_peer_merge_matches_the_gathered_fold_eager_and_replayed() {
-    let Some(gpus) = gpus() else {
+    let Some(gpus) = peers::gpus(TEST) else {
         return;
     };
     let mut rng = rng(TEST);
