@@ -66,6 +66,8 @@ pub struct RunArgs {
     pub batch: u32,
     #[command(flatten)]
     pub shape: ShapeArgs,
+    /// Tree, ring or both. The ring hands its shards off through NCCL, or on the copy engines
+    /// over the peers' memory with `CANOPY_PEER_RING=on` (GPUs of one host).
     #[arg(long, value_enum, default_value = "all")]
     pub strategy: StrategyChoice,
     /// Tree merge: allreduce3, allreduce2, allgather, hierarchical, auto, a comma list, or all.

@@ -24,7 +24,8 @@ use std::time::Instant;
 pub enum DecodeChoice {
     /// Tree Attention: partial attention on every rank, merged by collectives.
     Tree,
-    /// The ring baseline: every rank's KV passes every rank.
+    /// The ring baseline: every rank's KV passes every rank, through NCCL, or on the copy
+    /// engines over the peers' memory with `CANOPY_PEER_RING=on` (GPUs of one host).
     Ring,
 }
 
