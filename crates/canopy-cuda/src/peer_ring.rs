@@ -40,6 +40,7 @@ use cudarc::driver::{result, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Set to `on` (on every rank) to hand the ring's shards off on the copy engines; otherwise
 /// they go through NCCL. Opt-in: a model's ring at 4 ranks has not yet passed its checks on
@@ -52,6 +53,8 @@ const ARRIVED_AT: u64 = 0;
 const FREED_AT: u64 = 128;
 /// Bytes before the landing slots.
 const FLAGS_BYTES: usize = 256;
+/// How long a ring being dropped waits for the next rank's last release of its slot.
+const RELEASE_WAIT: Duration = Duration::from_secs(10);
 /// The least bytes of K (or V) a slot holds: a model's small shards, which grow token by
 /// token, set up once.
 const MIN_SLOT_BYTES: usize = 4 << 20;
@@ -86,6 +89,8 @@ enum State {
 /// The landing slots, mapped on every rank, and the two streams that fill and empty them.
 struct Slots {
     memory: PeerMemory,
+    /// This rank's place in `memory.bases`.
+    rank: usize,
     /// Bytes of K (and of V) one slot holds.
     slot_bytes: usize,
     push: Arc<CudaStream>,
@@ -96,6 +101,34 @@ impl Slots {
     /// Where K (`0`) or V (`1`) of slot `parity` begins in the memory at `base`.
     fn slot(&self, base: u64, parity: u64, side: u64) -> u64 {
         base + slot_offset(self.slot_bytes, parity, side)
+    }
+
+    /// Whether the next rank has released the slot of the last of `hops` hops, within
+    /// [`RELEASE_WAIT`]. That release is the one write into this rank's memory its own hops
+    /// never wait for.
+    fn released(&self, hops: u64) -> bool {
+        if hops == 0 {
+            return true;
+        }
+        let own = self.memory.bases[self.rank];
+        let waited = self
+            .push
+            .context()
+            .bind_to_thread()
+            .ctx("cuCtxSetCurrent")
+            .and_then(|()| wait_value(&self.push, own + FREED_AT, hops))
+            .and_then(|()| record(&self.push));
+        let Ok(event) = waited else {
+            return false;
+        };
+        let deadline = Instant::now() + RELEASE_WAIT;
+        while Instant::now() < deadline {
+            if event.is_complete() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        false
     }
 }
 
@@ -207,6 +240,7 @@ impl PeerRing {
                 slot_bytes,
                 push,
                 land,
+                ..
             }) => {
                 idle(&record(&push)?)?;
                 idle(&record(&land)?)?;
@@ -237,6 +271,7 @@ impl PeerRing {
                 };
                 State::On(Slots {
                     memory,
+                    rank: host.rank(),
                     slot_bytes,
                     push,
                     land,
@@ -326,6 +361,19 @@ impl PeerRing {
             }
         }
         write_value(&slots.land, prev + FREED_AT, hop + 1)
+    }
+}
+
+impl Drop for PeerRing {
+    /// The slots are freed once the next rank has released the last one filled; a peer that
+    /// never does (it failed) may still write into them, so they are then left to the
+    /// process's end rather than freed under it.
+    fn drop(&mut self) {
+        if let State::On(slots) = std::mem::replace(self.state.get_mut(), State::Off) {
+            if !slots.released(self.hops.get()) {
+                std::mem::forget(slots);
+            }
+        }
     }
 }
 
