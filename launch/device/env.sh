@@ -98,3 +98,19 @@ for x in r["rows"]:
               f"{'' if g is None else f'  link {g:.0f} GB/s'}")
 PY
 }
+# stall_runs DIR ARGS...: `bench attention --backend cuda ARGS --seq-len 131072 --stall-rank 1
+# --timeout 5` on the machine's G GPUs, as threads and under "${MPIRUN[@]}" (the caller's):
+# rank 1 stops before its first step, and the others must fail within the timeout, naming the
+# rank or the watchdog. Each run's output in DIR/stall-{threads,mpi}.txt.
+stall_runs() {
+  local dir=$1 how t0 rc
+  shift
+  local stall=(bench attention --backend cuda "$@" --seq-len 131072 --stall-rank 1 --timeout 5)
+  for how in threads mpi; do
+    log "watchdog, $how, rank 1 stalls, timeout 5 s"
+    if [ $how = threads ]; then cmd=($BIN "${stall[@]}" --ranks "$G"); else cmd=("${MPIRUN[@]}" $BIN "${stall[@]}" --launcher mpi); fi
+    t0=$(date +%s%N); timeout 60 "${cmd[@]}" > "$dir/stall-$how.txt" 2>&1; rc=$?
+    echo "exit $rc after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+    grep -m2 -E "error|watchdog" "$dir/stall-$how.txt"
+  done
+}

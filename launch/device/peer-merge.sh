@@ -65,14 +65,7 @@ switched() { switched_run CANOPY_PEER_MERGE "$RUNS" "$@"; }
       grep -h -m2 -E "goes through NCCL|runs as one kernel" "$RUNS"/serve/server-tiny.log || echo "the server logged no merge path"
       ;;
     stall)
-      stall=(bench attention --backend cuda --strategy tree --collective allgather --seq-len 131072 --stall-rank 1 --timeout 5)
-      for how in threads mpi; do
-        log "watchdog, $how, rank 1 stalls, timeout 5 s"
-        if [ $how = threads ]; then cmd=($BIN "${stall[@]}" --ranks "$G"); else cmd=("${MPIRUN[@]}" $BIN "${stall[@]}" --launcher mpi); fi
-        t0=$(date +%s%N); timeout 60 "${cmd[@]}" > "$RUNS/stall-$how.txt" 2>&1; rc=$?
-        echo "exit $rc after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
-        grep -m2 -E "error|watchdog" "$RUNS/stall-$how.txt"
-      done
+      stall_runs "$RUNS" --strategy tree --collective allgather
       ;;
     check)
       log "model-check: the tiny fixtures on $G ranks (one GPU each: NCCL)"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The ring's hand-off on the copy engines over the peers' memory (multi-GPU kinds), against the
-# same hand-off through NCCL (CANOPY_PEER_RING=off), on, off, on so drift shows. PART lists the
+# The ring's hand-off on the copy engines over the peers' memory (multi-GPU kinds; opt-in,
+# CANOPY_PEER_RING=on), against the same hand-off through NCCL (off), on, off, on so drift
+# shows. PART lists the
 # parts, in order (default: all):
 #   test     the peer ring's test binary (.device/peer_ring): shards round the ring at 2 to G
 #            ranks, every arrival bit for bit, contiguous and paged, growing slots;
@@ -11,7 +12,7 @@
 #   mpi      the same at G ranks under `mpirun -np G` at 32K (peers in other processes: the
 #            slots are mapped by IPC handle);
 #   check    model-check's fixtures on the ring at 2 and G ranks, against transformers and one
-#            rank;
+#            rank, the copy engines on;
 #   stall    the watchdog with the copy engines: rank 1 stops before its first step and the
 #            others must fail within --timeout (5 s), as threads and under mpirun.
 # SWITCHES (default "on off on") orders the A/B of scaling and decode; CHECK_CASES the check's
@@ -58,20 +59,13 @@ switched() { switched_run CANOPY_PEER_RING "$RUNS" "$@"; }
       ;;
     check)
       log "model-check: the tiny fixtures on the ring (one GPU a rank)"
-      OUT=$RUNS/check STAGES=fixtures DEADLINE=$(($(left) - 10)) \
+      CANOPY_PEER_RING=on OUT=$RUNS/check STAGES=fixtures DEADLINE=$(($(left) - 10)) \
         FIXTURE_CASES="$CHECK_CASES" \
         bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
       tail -1 "$RUNS/check/model-check-log.txt"
       ;;
     stall)
-      stall=(bench attention --backend cuda --strategy ring --seq-len 131072 --stall-rank 1 --timeout 5)
-      for how in threads mpi; do
-        log "watchdog, $how, rank 1 stalls, timeout 5 s"
-        if [ $how = threads ]; then cmd=($BIN "${stall[@]}" --ranks "$G"); else cmd=("${MPIRUN[@]}" $BIN "${stall[@]}" --launcher mpi); fi
-        t0=$(date +%s%N); timeout 60 "${cmd[@]}" > "$RUNS/stall-$how.txt" 2>&1; rc=$?
-        echo "exit $rc after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
-        grep -m2 -E "error|watchdog" "$RUNS/stall-$how.txt"
-      done
+      (export CANOPY_PEER_RING=on; stall_runs "$RUNS" --strategy ring)
       ;;
     esac
   done

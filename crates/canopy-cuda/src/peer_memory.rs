@@ -100,6 +100,25 @@ impl PeerMemory {
     }
 }
 
+/// A path over peer memory on one rank: not tried yet, off for the world (every rank agreed
+/// it does not run), or set up with what it runs on.
+pub(crate) enum PeerState<T> {
+    Untried,
+    Off,
+    On(T),
+}
+
+impl<T> PeerState<T> {
+    /// Whether the path runs: `None` until every rank has set it up or agreed it cannot.
+    pub(crate) fn active(&self) -> Option<bool> {
+        match self {
+            PeerState::Untried => None,
+            PeerState::Off => Some(false),
+            PeerState::On(_) => Some(true),
+        }
+    }
+}
+
 /// What a rank tells the others about its allocation.
 #[derive(Clone, Copy)]
 struct Record {

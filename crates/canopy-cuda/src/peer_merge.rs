@@ -17,7 +17,7 @@
 
 use crate::backend::{CudaBackend, CudaStates};
 use crate::error::{DriverContext, Result};
-use crate::peer_memory::PeerMemory;
+use crate::peer_memory::{PeerMemory, PeerState};
 use canopy_comm::Collective;
 use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -45,17 +45,10 @@ const FLAGS_BYTES: usize = MAX_RANKS * MAX_CTAS * 4;
 /// memory for the largest states merged so far.
 pub(crate) struct PeerMerge {
     timeout_ns: u64,
-    state: RefCell<State>,
+    state: RefCell<PeerState<Buffers>>,
     /// Bytes this rank has written into its peers' memory: an all-gather's, `(p - 1)` copies
     /// of its packed state a merge, as the traffic figures count one.
     sent: Cell<u64>,
-}
-
-enum State {
-    Untried,
-    /// Every rank agreed the peer path does not run.
-    Off,
-    On(Buffers),
 }
 
 /// The merge memory, mapped on every rank, and the calls' counters.
@@ -83,7 +76,7 @@ impl PeerMerge {
     pub(crate) fn new(timeout: Duration) -> PeerMerge {
         PeerMerge {
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
-            state: RefCell::new(State::Untried),
+            state: RefCell::new(PeerState::Untried),
             sent: Cell::new(0),
         }
     }
@@ -105,15 +98,15 @@ impl PeerMerge {
         let mut state = self.state.borrow_mut();
         let bytes = merge_bytes(cells, d, host.size());
         let had = match &*state {
-            State::Off => return Ok(false),
-            State::On(x) => Some(x.memory.bytes),
-            State::Untried => None,
+            PeerState::Off => return Ok(false),
+            PeerState::On(x) => Some(x.memory.bytes),
+            PeerState::Untried => None,
         };
         if had.is_none_or(|had| had < bytes) {
             // Every rank is here at the same call: the old memory's last merge has ended on
             // every rank once it has on this one (each waited for all the others' writes).
             b.stream().synchronize().ctx("cuStreamSynchronize")?;
-            *state = State::Untried;
+            *state = PeerState::Untried;
             // Growing at least twofold keeps a batch that grows row by row to a few set-ups.
             let bytes = had.map_or(bytes, |had| bytes.max(2 * had));
             match self.set_up(host, b, bytes)? {
@@ -123,16 +116,16 @@ impl PeerMerge {
                         bytes,
                         "the tree's all-gather merge runs as one kernel over the peers' memory"
                     );
-                    *state = State::On(x)
+                    *state = PeerState::On(x)
                 }
                 Err(reason) => {
                     tracing::info!(rank = host.rank(), %reason, "the tree's all-gather merge goes through NCCL");
-                    *state = State::Off;
+                    *state = PeerState::Off;
                     return Ok(false);
                 }
             }
         }
-        let State::On(x) = &*state else {
+        let PeerState::On(x) = &*state else {
             unreachable!("set up above")
         };
         self.launch(host.rank(), host.size(), b, x, s)?;
@@ -142,11 +135,7 @@ impl PeerMerge {
     /// Whether the all-gather merge runs as one kernel over the peers' memory: `None` until
     /// the world's first all-gather merge has set it up or agreed it cannot.
     pub(crate) fn active(&self) -> Option<bool> {
-        match &*self.state.borrow() {
-            State::Untried => None,
-            State::Off => Some(false),
-            State::On(_) => Some(true),
-        }
+        self.state.borrow().active()
     }
 
     /// Bytes this rank has written into its peers' memory.

@@ -33,7 +33,7 @@ use crate::backend::CudaBackend;
 use crate::error::{DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::nccl_transport::{hand_off_pieces, Cut};
-use crate::peer_memory::PeerMemory;
+use crate::peer_memory::{PeerMemory, PeerState};
 use canopy_comm::{Collective, ReduceOp};
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaEvent, CudaSlice, CudaStream, DevicePtr};
@@ -70,20 +70,13 @@ pub(crate) const PEER_CUT: Cut = Cut {
 /// One rank's ring hand-off by the copy engines: not tried yet, off for the world, or set up
 /// with slots for the largest shard so far.
 pub(crate) struct PeerRing {
-    state: RefCell<State>,
+    state: RefCell<PeerState<Slots>>,
     /// Hops started since the slots were set up; every rank starts the same ones.
     hops: Cell<u64>,
     /// Bytes this rank has copied into the next rank's slots.
     sent: Cell<u64>,
     /// Slots outgrown, freed with the ring.
     retired: RefCell<Vec<PeerMemory>>,
-}
-
-enum State {
-    Untried,
-    /// Every rank agreed the copy engines do not hand off.
-    Off,
-    On(Slots),
 }
 
 /// The landing slots, mapped on every rank, and the two streams that fill and empty them.
@@ -148,7 +141,7 @@ pub(crate) struct PeerHop {
 impl PeerRing {
     pub(crate) fn new() -> PeerRing {
         PeerRing {
-            state: RefCell::new(State::Untried),
+            state: RefCell::new(PeerState::Untried),
             hops: Cell::new(0),
             sent: Cell::new(0),
             retired: RefCell::new(Vec::new()),
@@ -170,7 +163,7 @@ impl PeerRing {
     ) -> Result<Option<PeerHop>> {
         CudaBackend::check_tokens("the ring's hand-off", send, 0, send_tokens)?;
         CudaBackend::check_tokens("the ring's hand-off", recv, 0, recv_tokens)?;
-        if host.size() < 2 || matches!(*self.state.borrow(), State::Off) {
+        if host.size() < 2 || matches!(*self.state.borrow(), PeerState::Off) {
             return Ok(None);
         }
         // Every rank's largest side, and whether any receives into paged KV (which goes
@@ -185,11 +178,11 @@ impl PeerRing {
             return Ok(None);
         }
         let slot_bytes = need[0] as usize;
-        if !matches!(&*self.state.borrow(), State::On(s) if s.slot_bytes >= slot_bytes) {
+        if !matches!(&*self.state.borrow(), PeerState::On(s) if s.slot_bytes >= slot_bytes) {
             self.set_up(host, b, slot_bytes, &idle)?;
         }
         let state = self.state.borrow();
-        let State::On(slots) = &*state else {
+        let PeerState::On(slots) = &*state else {
             return Ok(None);
         };
         let hop = self.hops.get();
@@ -211,11 +204,7 @@ impl PeerRing {
 
     /// Whether the copy engines hand the ring's shards off: `None` until the first hand-off.
     pub(crate) fn active(&self) -> Option<bool> {
-        match &*self.state.borrow() {
-            State::Untried => None,
-            State::Off => Some(false),
-            State::On(_) => Some(true),
-        }
+        self.state.borrow().active()
     }
 
     /// Bytes this rank has copied into its peers' memory.
@@ -233,9 +222,9 @@ impl PeerRing {
         slot_bytes: usize,
         idle: &impl Fn(&CudaEvent) -> Result<()>,
     ) -> Result<()> {
-        let old = std::mem::replace(&mut *self.state.borrow_mut(), State::Untried);
+        let old = std::mem::replace(&mut *self.state.borrow_mut(), PeerState::Untried);
         let (streams, had) = match old {
-            State::On(Slots {
+            PeerState::On(Slots {
                 memory,
                 slot_bytes,
                 push,
@@ -269,7 +258,7 @@ impl PeerRing {
                     Some(streams) => streams,
                     None => (new_stream()?, new_stream()?),
                 };
-                State::On(Slots {
+                PeerState::On(Slots {
                     memory,
                     rank: host.rank(),
                     slot_bytes,
@@ -279,7 +268,7 @@ impl PeerRing {
             }
             Err(reason) => {
                 tracing::info!(rank = host.rank(), %reason, "the ring's hand-off goes through NCCL");
-                State::Off
+                PeerState::Off
             }
         };
         *self.state.borrow_mut() = state;
@@ -369,7 +358,7 @@ impl Drop for PeerRing {
     /// never does (it failed) may still write into them, so they are then left to the
     /// process's end rather than freed under it.
     fn drop(&mut self) {
-        if let State::On(slots) = std::mem::replace(self.state.get_mut(), State::Off) {
+        if let PeerState::On(slots) = std::mem::replace(self.state.get_mut(), PeerState::Off) {
             if !slots.released(self.hops.get()) {
                 std::mem::forget(slots);
             }

@@ -10,8 +10,10 @@
 //! is printed; `CANOPY_TEST_SEED` repeats a run.
 
 mod common;
+mod kv_io;
 mod merge_check;
 use common::rng;
+use kv_io::{random_kv, read_kv};
 use merge_check::{
     assert_close, assert_ranks_agree, error, random_states, reference_merge, states_from_host,
 };
@@ -26,7 +28,6 @@ use canopy_engine::{
 };
 use canopy_kernels::{MmaPipeline, Variant, DECODE_ROWS};
 use rand::Rng;
-use rand_chacha::ChaCha8Rng;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -165,38 +166,6 @@ fn every_merge_matches_the_host_staged_transport() {
             );
         }
     }
-}
-
-/// Random K and V of `tokens` tokens of `shape` in `dtype`.
-fn random_kv(
-    rng: &mut ChaCha8Rng,
-    shape: &AttnShape,
-    dtype: DType,
-    tokens: usize,
-) -> [TypedVec; 2] {
-    let n = tokens * shape.kv_token_elems();
-    [(); 2].map(|_| {
-        let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-        TypedVec::from_f32(dtype, &x)
-    })
-}
-
-/// Logical tokens `0..tokens` of `kv`, read through the host (a send to this rank itself).
-fn read_kv<C: Collective>(
-    b: &CudaBackend,
-    comm: &C,
-    kv: &canopy_cuda::CudaKv,
-    tokens: usize,
-    token_bytes: usize,
-) -> Result<(Vec<u8>, Vec<u8>)> {
-    b.send_kv(kv, tokens, comm, comm.rank())?;
-    let (mut k, mut v) = (
-        vec![0u8; tokens * token_bytes],
-        vec![0u8; tokens * token_bytes],
-    );
-    comm.recv(&mut k, comm.rank())?;
-    comm.recv(&mut v, comm.rank())?;
-    Ok((k, v))
 }
 
 #[test]

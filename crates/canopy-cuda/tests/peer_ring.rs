@@ -10,12 +10,14 @@
 //! passes. The seed is printed; `CANOPY_TEST_SEED` repeats a run.
 
 mod common;
+mod kv_io;
 mod peers;
 use common::rng;
+use kv_io::{random_kv, read_kv};
 
 use canopy_comm::{Collective, HostPart, ThreadWorld};
 use canopy_core::{AttnShape, DType, TypedVec};
-use canopy_cuda::{CudaBackend, CudaKv, NcclIds, NcclTransport};
+use canopy_cuda::{CudaBackend, NcclIds, NcclTransport};
 use canopy_engine::step::ring_buffers;
 use canopy_engine::{Backend, NodeLayout, Result, Strategy, Transport};
 use rand::Rng;
@@ -29,40 +31,6 @@ const PAGE: u32 = 64;
 struct Round {
     tokens: Vec<usize>,
     paged: bool,
-}
-
-/// K and V bytes of `tokens` tokens.
-type Bytes = (Vec<u8>, Vec<u8>);
-
-fn random_bytes(
-    rng: &mut impl Rng,
-    shape: &AttnShape,
-    dtype: DType,
-    tokens: usize,
-) -> [TypedVec; 2] {
-    let n = tokens * shape.kv_token_elems();
-    [(); 2].map(|_| {
-        let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-        TypedVec::from_f32(dtype, &x)
-    })
-}
-
-/// Logical tokens `0..tokens` of `kv`, read through the host (a send to this rank itself).
-fn read<C: Collective>(
-    b: &CudaBackend,
-    host: &C,
-    kv: &CudaKv,
-    tokens: usize,
-    token_bytes: usize,
-) -> Result<Bytes> {
-    b.send_kv(kv, tokens, host, host.rank())?;
-    let (mut k, mut v) = (
-        vec![0u8; tokens * token_bytes],
-        vec![0u8; tokens * token_bytes],
-    );
-    host.recv(&mut k, host.rank())?;
-    host.recv(&mut v, host.rank())?;
-    Ok((k, v))
 }
 
 /// One rank: each round's shards round the ring; every arrival checked. Returns the bytes
@@ -116,7 +84,7 @@ fn rank<C: Collective>(
             comm.start_kv_exchange(&flat, cur, out_tokens, spare, in_tokens)?;
             comm.finish_kv_exchange(&flat, spare, in_tokens)?;
             sent += 2 * (out_tokens * token_bytes) as u64;
-            let (k, v) = read(&flat, host, spare, room, token_bytes)?;
+            let (k, v) = read_kv(&flat, host, spare, room, token_bytes)?;
             let split = in_tokens * token_bytes;
             let [wk, wv] = &shards[n][from];
             let want = &mut held[s % 2];
@@ -171,7 +139,7 @@ fn shards_arrive_bit_for_bit_round_the_ring() {
         .collect();
         rounds[1].tokens[p - 1] = 0;
         let room = |r: &Round| r.tokens.iter().copied().max().unwrap_or(0);
-        let mut random = |tokens: usize| random_bytes(&mut rng, &shape, DType::Bf16, tokens);
+        let mut random = |tokens: usize| random_kv(&mut rng, &shape, DType::Bf16, tokens);
         let shards: Vec<Vec<[TypedVec; 2]>> = rounds
             .iter()
             .map(|r| r.tokens.iter().map(|&t| random(t)).collect())
