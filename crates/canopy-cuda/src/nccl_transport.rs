@@ -15,7 +15,9 @@
 //!   stream has finished with the buffer it receives into, and the compute stream reads that
 //!   buffer only after the hand-off's arrival event. A large shard goes in pieces, a group
 //!   each, so a rank's own paged shard is gathered piece by piece while the pieces before
-//!   it are sent.
+//!   it are sent. With `CANOPY_PEER_RING=on` on every rank, where every rank's GPU maps every
+//!   other's, the copy engines carry it instead (the `peer_ring` module), on streams of
+//!   their own, ordered with the compute stream the same way.
 //! - **Host-side calls** (host names, barriers) go to the host collective the ranks were
 //!   started with ([`canopy_comm::ThreadComm`], or MPI's); traffic counts both.
 //!
