@@ -308,24 +308,19 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
     ) -> Result<Staged> {
         CudaBackend::check_tokens("the ring's hand-off", recv, 0, recv_tokens)?;
         CudaBackend::check_tokens("the ring's hand-off", send, 0, send_tokens)?;
-        // One byte at least: an allocation of nothing is refused.
-        let paged_buffers = |kv: &CudaKv, tokens: usize| -> Result<_> {
-            let bytes = kv.bytes_of(tokens).max(1);
-            Ok((b.alloc::<u8>(bytes)?, b.alloc::<u8>(bytes)?))
-        };
         let mut sent = match &send.paging {
             None => {
                 contiguous_bytes("send_kv", send, send_tokens)?;
                 None
             }
-            Some(_) => Some(paged_buffers(send, send_tokens)?),
+            Some(_) => Some(staging(b, send, send_tokens)?),
         };
         let mut arriving = match &recv.paging {
             None => {
                 contiguous_bytes("recv_kv", recv, recv_tokens)?;
                 None
             }
-            Some(_) => Some(paged_buffers(recv, recv_tokens)?),
+            Some(_) => Some(staging(b, recv, recv_tokens)?),
         };
         let sends = hand_off_pieces(send_tokens, send.bytes_of(1), NCCL_CUT);
         let recvs = hand_off_pieces(recv_tokens, recv.bytes_of(1), NCCL_CUT);
@@ -397,8 +392,20 @@ impl<'h, H: Collective> NcclTransport<'h, H> {
     }
 }
 
-fn record(stream: &CudaStream) -> Result<CudaEvent> {
+pub(crate) fn record(stream: &CudaStream) -> Result<CudaEvent> {
     stream.record_event(None).ctx("cuEventRecord")
+}
+
+/// Contiguous K and V buffers on `b`'s stream for logical tokens `0..tokens` of paged `kv`,
+/// which a hand-off gathers into or scatters from; one byte at least, as an allocation of
+/// nothing is refused.
+pub(crate) fn staging(
+    b: &CudaBackend,
+    kv: &CudaKv,
+    tokens: usize,
+) -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+    let bytes = kv.bytes_of(tokens).max(1);
+    Ok((b.alloc::<u8>(bytes)?, b.alloc::<u8>(bytes)?))
 }
 
 fn nccl_op(op: ReduceOp) -> NcclOp {

@@ -32,7 +32,7 @@
 use crate::backend::CudaBackend;
 use crate::error::{DriverContext, Result};
 use crate::kv::CudaKv;
-use crate::nccl_transport::{hand_off_pieces, Cut};
+use crate::nccl_transport::{hand_off_pieces, record, staging, Cut};
 use crate::peer_memory::{PeerMemory, PeerState};
 use canopy_comm::{Collective, ReduceOp};
 use cudarc::driver::sys::{self, CUdeviceptr};
@@ -190,8 +190,8 @@ impl PeerRing {
         let ready = record(b.stream())?;
         slots.push.wait(&ready).ctx("cuStreamWaitEvent")?;
         slots.land.wait(&ready).ctx("cuStreamWaitEvent")?;
-        let gathered = self.push(host, b, slots, hop, send, send_tokens)?;
-        self.land(host, slots, hop, recv, recv_tokens)?;
+        let gathered = self.push(b, slots, hop, send, send_tokens)?;
+        self.land(slots, hop, recv, recv_tokens)?;
         slots
             .land
             .wait(&record(&slots.push)?)
@@ -279,16 +279,15 @@ impl PeerRing {
     /// Hop `hop`'s push: once the next rank has freed the slot, each piece of the shard into
     /// it (a paged shard gathered piece by piece on `b`'s stream first), each followed by the
     /// next rank's arrival flag.
-    fn push<H: Collective>(
+    fn push(
         &self,
-        host: &H,
         b: &CudaBackend,
         slots: &Slots,
         hop: u64,
         send: &CudaKv,
         tokens: usize,
     ) -> Result<Option<(CudaSlice<u8>, CudaSlice<u8>)>> {
-        let (me, p) = (host.rank(), host.size());
+        let (me, p) = (slots.rank, slots.memory.bases.len());
         let next = slots.memory.bases[(me + 1) % p];
         let own = slots.memory.bases[me];
         let parity = hop % 2;
@@ -296,10 +295,7 @@ impl PeerRing {
         // hop - 1.
         wait_value(&slots.push, own + FREED_AT, hop.saturating_sub(1))?;
         let mut gathered = match send.paging {
-            Some(_) => {
-                let bytes = send.bytes_of(tokens).max(1);
-                Some((b.alloc::<u8>(bytes)?, b.alloc::<u8>(bytes)?))
-            }
+            Some(_) => Some(staging(b, send, tokens)?),
             None => None,
         };
         let token_bytes = send.bytes_of(1);
@@ -328,15 +324,8 @@ impl PeerRing {
 
     /// Hop `hop`'s landing: each piece out of this rank's slot into `recv` as its flag rises,
     /// then the previous rank's `freed` raised for the slot.
-    fn land<H: Collective>(
-        &self,
-        host: &H,
-        slots: &Slots,
-        hop: u64,
-        recv: &mut CudaKv,
-        tokens: usize,
-    ) -> Result<()> {
-        let (me, p) = (host.rank(), host.size());
+    fn land(&self, slots: &Slots, hop: u64, recv: &mut CudaKv, tokens: usize) -> Result<()> {
+        let (me, p) = (slots.rank, slots.memory.bases.len());
         let (own, prev) = (slots.memory.bases[me], slots.memory.bases[(me + p - 1) % p]);
         let parity = hop % 2;
         let token_bytes = recv.bytes_of(1);
@@ -385,10 +374,6 @@ fn memory_ops_64(b: &CudaBackend) -> Result<bool> {
     let can = unsafe { result::device::get_attribute(device, attribute) }
         .ctx("cuDeviceGetAttribute (64-bit stream memory operations)")?;
     Ok(can != 0)
-}
-
-fn record(stream: &CudaStream) -> Result<CudaEvent> {
-    stream.record_event(None).ctx("cuEventRecord")
 }
 
 /// `s`'s device address, for copies the driver orders on `stream`.
