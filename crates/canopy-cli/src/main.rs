@@ -71,6 +71,16 @@ enum Command {
 }
 
 impl Command {
+    /// Whether the command serves or loads a server over TCP (`serve`, `bench serve`): a peer
+    /// that closes its connection must end that connection, not the process, so these keep
+    /// Rust's ignored SIGPIPE (a vectored write to a closed socket raises it).
+    fn uses_sockets(&self) -> bool {
+        matches!(
+            self,
+            Command::Serve(_) | Command::Bench(bench::BenchCommand::Serve(_))
+        )
+    }
+
     /// The command's name if it has no MPI path: it runs whole in every process it is started
     /// in, so under mpirun or srun each process would print its own copy. `info` runs
     /// anywhere: it describes the machine each process is on.
@@ -96,18 +106,22 @@ impl Command {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
     // A reader that stops early (`canopy plan | head`) ends the output quietly, as with other
-    // Unix tools, instead of a panic in `println!` on the broken pipe.
+    // Unix tools, instead of a panic in `println!` on the broken pipe. Not for the commands
+    // that talk over sockets: a client that disconnects while the server writes to it must
+    // cost its own request, not the process.
     #[cfg(unix)]
-    // SAFETY: restoring the default action of one signal, before any thread is started.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    if !cli.command.uses_sockets() {
+        // SAFETY: restoring the default action of one signal, before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
     }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let allowed = match cli.command.without_mpi() {
         Some(name) => launcher::refuse_copies(name, launcher::from_env()),
         None => Ok(()),
