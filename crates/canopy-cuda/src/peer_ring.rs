@@ -26,7 +26,9 @@
 //!
 //! Setting up is collective, as is growing the slots when a larger shard comes: every hop the
 //! ranks agree, over the host collective, on the largest shard, so every rank sets up at the
-//! same hop or none does. Unless every rank has `CANOPY_PEER_RING=on`, maps every peer and has
+//! same hop or none does. A set-up ends with every path between GPUs taken once and a barrier,
+//! as the driver's set-up of a path at its first use may wait for the peer GPU, whose streams
+//! in a hop wait on this rank. Unless every rank has `CANOPY_PEER_RING=on`, maps every peer and has
 //! 64-bit stream memory operations, every rank hands off through NCCL.
 
 use crate::backend::CudaBackend;
@@ -44,7 +46,7 @@ use std::time::{Duration, Instant};
 
 /// Set to `on` (on every rank) to hand the ring's shards off on the copy engines; otherwise
 /// they go through NCCL. Opt-in: a model's ring at 4 ranks has not yet passed its checks on
-/// this path (`docs/BENCHMARKS.md`, session 43).
+/// this path (`docs/BENCHMARKS.md`, sessions 43 and 44).
 pub const PEER_RING_SWITCH: &str = "CANOPY_PEER_RING";
 
 /// Where a rank's flags sit in its memory, a cache line apart: `arrived` (written by the
@@ -94,6 +96,32 @@ impl Slots {
     /// Where K (`0`) or V (`1`) of slot `parity` begins in the memory at `base`.
     fn slot(&self, base: u64, parity: u64, side: u64) -> u64 {
         base + slot_offset(self.slot_bytes, parity, side)
+    }
+
+    /// Takes every path the hops take, once, and waits for it: a copy and a flag write into
+    /// the next rank's memory on the push stream; a copy within this rank's memory and a flag
+    /// write into the previous rank's on the landing stream; a wait on this rank's flags on
+    /// each. The driver sets a path between GPUs up at its first use, and that may wait for
+    /// the peer GPU's streams; in a hop those streams wait on flags this rank raises after the
+    /// first use, so a first use in a hop can wait for ever (seen on four H200s: a rank's host
+    /// blocked in its first hop's push, with every GPU idle). The caller's barrier then keeps
+    /// every rank from its first hop until every rank has taken every path. The flags written
+    /// are still zero, and each is written by this rank alone, before its hops raise it.
+    fn warm_up(&self, idle: &impl Fn(&CudaEvent) -> Result<()>) -> Result<()> {
+        let (me, p) = (self.rank, self.memory.bases.len());
+        let bases = &self.memory.bases;
+        let (own, next, prev) = (bases[me], bases[(me + 1) % p], bases[(me + p - 1) % p]);
+        let bytes = 0..FLAGS_BYTES.min(self.slot_bytes);
+        wait_value(&self.push, own + FREED_AT, 0)?;
+        let (into, from) = (self.slot(next, 0, 0), self.slot(own, 0, 0));
+        copy(&self.push, into, from, bytes.clone(), "the ring's warm-up")?;
+        write_value(&self.push, next + ARRIVED_AT, 0)?;
+        wait_value(&self.land, own + ARRIVED_AT, 0)?;
+        let (into, from) = (self.slot(own, 1, 0), self.slot(own, 0, 0));
+        copy(&self.land, into, from, bytes, "the ring's warm-up")?;
+        write_value(&self.land, prev + FREED_AT, 0)?;
+        idle(&record(&self.push)?)?;
+        idle(&record(&self.land)?)
     }
 
     /// Whether the next rank has released the slot of the last of `hops` hops, within
@@ -187,6 +215,14 @@ impl PeerRing {
         };
         let hop = self.hops.get();
         self.hops.set(hop + 1);
+        tracing::debug!(
+            rank = slots.rank,
+            hop,
+            send_tokens,
+            recv_tokens,
+            slot_bytes = slots.slot_bytes,
+            "the ring's hop on the copy engines"
+        );
         let ready = record(b.stream())?;
         slots.push.wait(&ready).ctx("cuStreamWaitEvent")?;
         slots.land.wait(&ready).ctx("cuStreamWaitEvent")?;
@@ -258,13 +294,16 @@ impl PeerRing {
                     Some(streams) => streams,
                     None => (new_stream()?, new_stream()?),
                 };
-                PeerState::On(Slots {
+                let slots = Slots {
                     memory,
                     rank: host.rank(),
                     slot_bytes,
                     push,
                     land,
-                })
+                };
+                slots.warm_up(idle)?;
+                host.barrier().map_err(canopy_engine::EngineError::from)?;
+                PeerState::On(slots)
             }
             Err(reason) => {
                 tracing::info!(rank = host.rank(), %reason, "the ring's hand-off goes through NCCL");
@@ -348,7 +387,14 @@ impl Drop for PeerRing {
     /// process's end rather than freed under it.
     fn drop(&mut self) {
         if let PeerState::On(slots) = std::mem::replace(self.state.get_mut(), PeerState::Off) {
-            if !slots.released(self.hops.get()) {
+            let released = slots.released(self.hops.get());
+            tracing::debug!(
+                rank = slots.rank,
+                hops = self.hops.get(),
+                released,
+                "the ring's slots dropped"
+            );
+            if !released {
                 std::mem::forget(slots);
             }
         }
