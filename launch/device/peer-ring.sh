@@ -12,7 +12,11 @@
 #   mpi      the same at G ranks under `mpirun -np G` at 32K (peers in other processes: the
 #            slots are mapped by IPC handle);
 #   check    model-check's fixtures on the ring at 2 and G ranks, against transformers and one
-#            rank, the copy engines on;
+#            rank, the copy engines on (CHECK_JOBS cases at once, default 4); every case not
+#            passed is listed;
+#   same     `canopy generate` on the committed tiny models, ring at G ranks as threads and
+#            under mpirun, f32 and bf16, copy engines on against off at once: tokens and logits
+#            must be the same bits;
 #   stall    the watchdog with the copy engines: rank 1 stops before its first step and the
 #            others must fail within --timeout (5 s), as threads and under mpirun.
 # SWITCHES (default "on off on") orders the A/B of scaling and decode; CHECK_CASES the check's
@@ -21,7 +25,7 @@ set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
 G=${G:-$(nvidia-smi --list-gpus | wc -l)}
-PARTS=(${PART:-test scaling decode mpi check stall})
+PARTS=(${PART:-test scaling decode mpi check same stall})
 RUNS=$OUT/runs
 mkdir -p "$RUNS"
 trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
@@ -31,6 +35,34 @@ RANKS=$( [ "$G" -gt 2 ] && echo "2,$G" || echo 2 )
 SWITCHES=${SWITCHES:-on off on}
 CHECK_CASES=${CHECK_CASES:-f32:1:tree f32:2:ring f32:$G:ring bf16:$G:ring}
 switched() { switched_run CANOPY_PEER_RING "$RUNS" "$@"; }
+# same_bits DIR: each tiny model, f32 and bf16, a 33-token prompt, 32 tokens greedy: the ring
+# at G ranks as threads and under mpirun, with the copy engines on and off at once; one line a
+# pair, "same" where the samples (tokens and logits) are equal.
+same_bits() {
+  local dir=$1 model dtype how
+  mkdir -p "$dir"
+  for model in gqa-hd64 llama3-hd128 tied-mha-hd64; do for dtype in f32 bf16; do for how in threads mpi; do
+    [ "$(left)" -lt 30 ] && { log "SKIPPED the rest (time)"; return; }
+    local name=$model-$dtype-$how args=(generate --backend cuda --model tests/fixtures/tiny/$model
+      --strategy ring --dtype $dtype --prompt-ids "$(seq -s, 3 35)" --max-tokens 32 --temperature 0
+      --json --logits)
+    for sw in on off; do
+      if [ $how = threads ]; then cmd=($BIN "${args[@]}" --ranks "$G")
+      else cmd=("${MPIRUN[@]}" $BIN "${args[@]}"); fi
+      CANOPY_PEER_RING=$sw timeout 60 "${cmd[@]}" > "$dir/$name-$sw.json" 2> "$dir/$name-$sw.err" &
+    done
+    wait
+    python3 - "$dir/$name" <<'PY'
+import json, sys
+stem = sys.argv[1]
+try:
+    on, off = (json.load(open(f"{stem}-{sw}.json"))["samples"] for sw in ("on", "off"))
+except (ValueError, KeyError, OSError) as e:
+    sys.exit(f"{stem.split('/')[-1]}: no report ({e})")
+print(f"{stem.split('/')[-1]}: {'same' if on == off else 'DIFFER'}")
+PY
+  done; done; done
+}
 {
   nvidia-smi --query-gpu=index,name --format=csv,noheader
   $BIN compile-kernels > /dev/null 2>&1
@@ -60,9 +92,14 @@ switched() { switched_run CANOPY_PEER_RING "$RUNS" "$@"; }
     check)
       log "model-check: the tiny fixtures on the ring (one GPU a rank)"
       CANOPY_PEER_RING=on OUT=$RUNS/check STAGES=fixtures DEADLINE=$(($(left) - 10)) \
-        FIXTURE_CASES="$CHECK_CASES" \
+        FIXTURE_CASES="$CHECK_CASES" JOBS=${CHECK_JOBS:-4} \
         bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
+      grep -E "^reference|^ranks" "$RUNS/check/model-check-log.txt" | grep -v " pass " | head -40
       tail -1 "$RUNS/check/model-check-log.txt"
+      ;;
+    same)
+      log "the tiny models' tokens and logits, copy engines on against off"
+      same_bits "$RUNS/same"
       ;;
     stall)
       (export CANOPY_PEER_RING=on; stall_runs "$RUNS" --strategy ring)
