@@ -35,6 +35,29 @@ RANKS=$( [ "$G" -gt 2 ] && echo "2,$G" || echo 2 )
 SWITCHES=${SWITCHES:-on off on}
 CHECK_CASES=${CHECK_CASES:-f32:1:tree f32:2:ring f32:$G:ring bf16:$G:ring}
 switched() { switched_run CANOPY_PEER_RING "$RUNS" "$@"; }
+# last_hops LOG: for each canopy call in model-check's stderr log that failed, each rank's last
+# event of the ring's copy-engine path (its debug events: a hop starts, is enqueued; slots
+# dropped), so that a hang shows which rank stopped where.
+last_hops() {
+  python3 - "$1" <<'PY'
+import re, sys
+case, failed, last = None, False, {}
+def report():
+    if case and failed:
+        print(f"   {case}: " + ("; ".join(f"rank {r}: {last[r]}" for r in sorted(last)) or "no ring events"))
+for line in open(sys.argv[1], errors="replace"):
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+    head = re.match(r"=== (\S+) \(exit, seconds: (\d+)", line)
+    if head:
+        report()
+        case, failed, last = head[1], head[2] != "0", {}
+        continue
+    event = re.search(r"peer_ring: (.*?) rank=(\d+)(.*)", line)
+    if event:
+        last[int(event[2])] = (event[1] + event[3]).strip()[:90]
+report()
+PY
+}
 # same_bits DIR: each tiny model, f32 and bf16, a 33-token prompt, 32 tokens greedy: the ring
 # at G ranks as threads and under mpirun, with the copy engines on and off at once; one line a
 # pair, "same" where the samples (tokens and logits) are equal.
@@ -91,11 +114,12 @@ PY
       ;;
     check)
       log "model-check: the tiny fixtures on the ring (one GPU a rank)"
-      CANOPY_PEER_RING=on OUT=$RUNS/check STAGES=fixtures DEADLINE=$(($(left) - 10)) \
-        FIXTURE_CASES="$CHECK_CASES" JOBS=${CHECK_JOBS:-4} \
+      CANOPY_PEER_RING=on RUST_LOG=canopy_cuda::peer_ring=debug OUT=$RUNS/check STAGES=fixtures \
+        DEADLINE=$(($(left) - 10)) FIXTURE_CASES="$CHECK_CASES" JOBS=${CHECK_JOBS:-4} \
         bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
       grep -E "^reference|^ranks" "$RUNS/check/model-check-log.txt" | grep -v " pass " | head -40
       tail -1 "$RUNS/check/model-check-log.txt"
+      last_hops "$RUNS/check/canopy-stderr.log"
       ;;
     same)
       log "the tiny models' tokens and logits, copy engines on against off"

@@ -221,7 +221,7 @@ impl PeerRing {
             send_tokens,
             recv_tokens,
             slot_bytes = slots.slot_bytes,
-            "the ring's hop on the copy engines"
+            "the ring's hop on the copy engines starts"
         );
         let ready = record(b.stream())?;
         slots.push.wait(&ready).ctx("cuStreamWaitEvent")?;
@@ -232,6 +232,7 @@ impl PeerRing {
             .land
             .wait(&record(&slots.push)?)
             .ctx("cuStreamWaitEvent")?;
+        tracing::debug!(rank = slots.rank, hop, "the ring's hop enqueued");
         Ok(Some(PeerHop {
             gathered,
             done: record(&slots.land)?,
