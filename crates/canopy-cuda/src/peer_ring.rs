@@ -28,8 +28,8 @@
 //! ranks agree, over the host collective, on the largest shard, so every rank sets up at the
 //! same hop or none does. A set-up ends with every path between GPUs taken once and a barrier,
 //! as the driver's set-up of a path at its first use may wait for the peer GPU, whose streams
-//! in a hop wait on this rank. Unless every rank has `CANOPY_PEER_RING=on`, maps every peer and has
-//! 64-bit stream memory operations, every rank hands off through NCCL.
+//! in a hop wait on this rank. Unless every rank has `CANOPY_PEER_RING=on`, maps every peer and
+//! has 64-bit stream memory operations, every rank hands off through NCCL.
 
 use crate::backend::CudaBackend;
 use crate::error::{DriverContext, Result};
