@@ -68,6 +68,19 @@ start_traced() {
   tracer=$(build_tracer)
   [ -n "$tracer" ] || { echo "no CUPTI tracer"; exit 1; }
 }
+# switch_ab VAR: the set-up of a script that runs canopy with its switch VAR on and off: G (the
+# machine's GPUs unless set), RUNS ($OUT/runs, archived into $OUT/runs.tgz at exit), MPIRUN
+# (mpirun on G ranks, passing VAR on) and `switched NAME SWITCH COMMAND...`, switched_run's
+# call with VAR and RUNS.
+switch_ab() {
+  AB_SWITCH=$1
+  G=${G:-$(nvidia-smi --list-gpus | wc -l)}
+  RUNS=$OUT/runs
+  mkdir -p "$RUNS"
+  trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
+  MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE -x "$AB_SWITCH")
+}
+switched() { switched_run "$AB_SWITCH" "$RUNS" "$@"; }
 # switched_run VAR DIR NAME SWITCH COMMAND...: COMMAND with VAR=SWITCH (an on/off switch of
 # canopy's), its JSON report in DIR/NAME-SWITCH.json, summarised one line a row (decode rows
 # by ms/token and the floor, scaling rows by median ms and error); skipped with under 45 s of

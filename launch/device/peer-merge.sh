@@ -21,15 +21,9 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
-G=${G:-$(nvidia-smi --list-gpus | wc -l)}
+switch_ab CANOPY_PEER_MERGE
 PARTS=(${PART:-test scaling decode mpi check serve stall})
-RUNS=$OUT/runs
-mkdir -p "$RUNS"
-trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
 ARCH=(--arch llama-3.1-8b --random-weights --context-fill random --decode 10)
-MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE -x CANOPY_PEER_MERGE)
-# switched NAME SWITCH COMMAND...: env.sh's `switched_run` with the peer merge's switch.
-switched() { switched_run CANOPY_PEER_MERGE "$RUNS" "$@"; }
 {
   nvidia-smi --query-gpu=index,name --format=csv,noheader
   $BIN compile-kernels > /dev/null 2>&1

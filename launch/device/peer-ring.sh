@@ -24,17 +24,12 @@
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
-G=${G:-$(nvidia-smi --list-gpus | wc -l)}
+switch_ab CANOPY_PEER_RING
 PARTS=(${PART:-test scaling decode mpi check same stall})
-RUNS=$OUT/runs
-mkdir -p "$RUNS"
-trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT
 ARCH=(--arch llama-3.1-8b --random-weights --context-fill random --decode 10 --strategy ring)
-MPIRUN=(mpirun --allow-run-as-root -np "$G" -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x CANOPY_KERNEL_CACHE -x CANOPY_PEER_RING)
 RANKS=$( [ "$G" -gt 2 ] && echo "2,$G" || echo 2 )
 SWITCHES=${SWITCHES:-on off on}
 CHECK_CASES=${CHECK_CASES:-f32:1:tree f32:2:ring f32:$G:ring bf16:$G:ring}
-switched() { switched_run CANOPY_PEER_RING "$RUNS" "$@"; }
 # last_hops LOG: for each canopy call in model-check's stderr log that failed, each rank's last
 # event of the ring's copy-engine path (its debug events: a hop starts, is enqueued; slots
 # dropped), so that a hang shows which rank stopped where.
