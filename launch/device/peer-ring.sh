@@ -12,11 +12,14 @@
 #   mpi      the same at G ranks under `mpirun -np G` at 32K (peers in other processes: the
 #            slots are mapped by IPC handle);
 #   check    model-check's fixtures on the ring at 2 and G ranks, against transformers and one
-#            rank, the copy engines on (CHECK_JOBS cases at once, default 4); every case not
-#            passed is listed;
+#            rank, the copy engines on (CHECK_JOBS cases at once, default 4), with the rest of
+#            the deadline as the phase's limit; every case not passed (failed, errored or not
+#            reached for time) is listed, with the phase's count of cases run and skipped;
 #   same     `canopy generate` on the committed tiny models, ring at G ranks as threads and
 #            under mpirun, f32 and bf16, copy engines on against off at once: tokens and logits
-#            must be the same bits;
+#            must be the same bits, and the "on" run must have logged the copy engines' set-up;
+# check and same need a GPU a rank (G at most the machine's GPUs): ranks that share a GPU
+# exchange through the GPU's own streams or the host, never the copy engines' path.
 #   stall    the watchdog with the copy engines: rank 1 stops before its first step and the
 #            others must fail within --timeout (5 s), as threads and under mpirun.
 # SWITCHES (default "on off on") orders the A/B of scaling and decode; CHECK_CASES the check's
@@ -25,6 +28,13 @@ set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
 switch_ab CANOPY_PEER_RING
+GPUS=$(nvidia-smi --list-gpus | wc -l)
+# one_gpu_a_rank PART: true where G ranks get a GPU each, else says why PART is skipped.
+one_gpu_a_rank() {
+  [ "$G" -le "$GPUS" ] && return 0
+  log "SKIPPED $1: $G ranks on $GPUS GPU(s) share GPUs, and shared GPUs never take the copy engines' path"
+  return 1
+}
 PARTS=(${PART:-test scaling decode mpi check same stall})
 ARCH=(--arch llama-3.1-8b --random-weights --context-fill random --decode 10 --strategy ring)
 RANKS=$( [ "$G" -gt 2 ] && echo "2,$G" || echo 2 )
@@ -55,7 +65,8 @@ PY
 }
 # same_bits DIR: each tiny model, f32 and bf16, a 33-token prompt, 32 tokens greedy: the ring
 # at G ranks as threads and under mpirun, with the copy engines on and off at once; one line a
-# pair, "same" where the samples (tokens and logits) are equal.
+# pair, "same" where the samples (tokens and logits) are equal, and "NOT ENGAGED" where the "on"
+# run did not log the copy engines' set-up (its comparison then proves nothing).
 same_bits() {
   local dir=$1 model dtype how
   mkdir -p "$dir"
@@ -67,7 +78,8 @@ same_bits() {
     for sw in on off; do
       if [ $how = threads ]; then cmd=($BIN "${args[@]}" --ranks "$G")
       else cmd=("${MPIRUN[@]}" $BIN "${args[@]}"); fi
-      CANOPY_PEER_RING=$sw timeout 60 "${cmd[@]}" > "$dir/$name-$sw.json" 2> "$dir/$name-$sw.err" &
+      CANOPY_PEER_RING=$sw RUST_LOG=canopy_cuda::peer_ring=info timeout 60 "${cmd[@]}" \
+        > "$dir/$name-$sw.json" 2> "$dir/$name-$sw.err" &
     done
     wait
     python3 - "$dir/$name" <<'PY'
@@ -77,7 +89,9 @@ try:
     on, off = (json.load(open(f"{stem}-{sw}.json"))["samples"] for sw in ("on", "off"))
 except (ValueError, KeyError, OSError) as e:
     sys.exit(f"{stem.split('/')[-1]}: no report ({e})")
-print(f"{stem.split('/')[-1]}: {'same' if on == off else 'DIFFER'}")
+engaged = "runs on the copy engines" in open(f"{stem}-on.err", errors="replace").read()
+print(f"{stem.split('/')[-1]}: {'same' if on == off else 'DIFFER'}"
+      f"{'' if engaged else ' (NOT ENGAGED: the on run did not set the copy engines up)'}")
 PY
   done; done; done
 }
@@ -108,15 +122,18 @@ PY
       done
       ;;
     check)
+      one_gpu_a_rank check || continue
       log "model-check: the tiny fixtures on the ring (one GPU a rank)"
       CANOPY_PEER_RING=on RUST_LOG=canopy_cuda::peer_ring=debug OUT=$RUNS/check STAGES=fixtures \
-        DEADLINE=$(($(left) - 10)) FIXTURE_CASES="$CHECK_CASES" JOBS=${CHECK_JOBS:-4} \
-        bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
-      grep -E "^reference|^ranks" "$RUNS/check/model-check-log.txt" | grep -v " pass " | head -40
+        DEADLINE=$(($(left) - 10)) FIXTURE_LIMIT=$(($(left) - 30)) FIXTURE_CASES="$CHECK_CASES" \
+        JOBS=${CHECK_JOBS:-4} bash "$(dirname "$0")/model-check.sh" > /dev/null 2>&1
+      grep -E "^reference|^ranks|fixtures done in|case\(s\) \(counted" \
+        "$RUNS/check/model-check-log.txt" | grep -v " pass " | head -40
       tail -1 "$RUNS/check/model-check-log.txt"
       last_hops "$RUNS/check/canopy-stderr.log"
       ;;
     same)
+      one_gpu_a_rank same || continue
       log "the tiny models' tokens and logits, copy engines on against off"
       same_bits "$RUNS/same"
       ;;
