@@ -147,6 +147,9 @@ impl RankThreads for CudaBackend {
                 body(canopy_comm::Group::rank(&comm), &comm)
             });
         }
+        if ranks > devices {
+            note_outnumbered(ranks, devices, "or all of them on one GPU ");
+        }
         if ranks == 1 || ranks > devices || !nccl_usable() {
             return host_threads(ranks, body);
         }
@@ -176,7 +179,11 @@ impl RankThreads for CudaBackend {
         // NCCL needs a GPU per rank: the busiest node's ranks must not outnumber its GPUs.
         let mut on_busiest_node = [comm.local_rank() as u64 + 1];
         comm.all_reduce(&mut on_busiest_node, ReduceOp::Max)?;
-        if comm.size() == 1 || on_busiest_node[0] > devices as u64 || !nccl_usable() {
+        let busiest = on_busiest_node[0] as usize;
+        if comm.size() > 1 && busiest > devices {
+            note_outnumbered(busiest, devices, "");
+        }
+        if comm.size() == 1 || busiest > devices || !nccl_usable() {
             return body(comm);
         }
         canopy_cuda::nccl::connect_at_init();
@@ -195,6 +202,15 @@ fn host_threads<B: LayerOps, T: Send>(
     ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
         body(canopy_comm::Group::rank(&comm), &comm)
     })
+}
+
+/// Tells the user why `ranks` ranks on a node of `devices` GPUs stage their buffers through
+/// the host (NCCL takes one rank a GPU), and what to run instead (`also`: the other layouts
+/// that keep the exchanges on the devices, with a trailing space).
+fn note_outnumbered(ranks: usize, devices: usize, also: &str) {
+    crate::launcher::note(format_args!(
+        "{ranks} ranks on {devices} GPU(s): NCCL takes one rank a GPU, so the ranks exchange through the host; run at most {devices} ranks {also}to exchange on the devices"
+    ));
 }
 
 /// Whether NCCL can be loaded; without it, GPUs' ranks stage their buffers through the host
