@@ -148,7 +148,9 @@ impl RankThreads for CudaBackend {
             });
         }
         if ranks > devices {
-            note_outnumbered(ranks, devices, "or all of them on one GPU ");
+            crate::launcher::note(format_args!(
+                "{ranks} ranks on {devices} GPUs: NCCL takes one rank a GPU, so the ranks exchange through the host; run at most {devices} ranks, or all of them on one GPU (CUDA_VISIBLE_DEVICES), to exchange on the devices"
+            ));
         }
         if ranks == 1 || ranks > devices || !nccl_usable() {
             return host_threads(ranks, body);
@@ -181,7 +183,9 @@ impl RankThreads for CudaBackend {
         comm.all_reduce(&mut on_busiest_node, ReduceOp::Max)?;
         let busiest = on_busiest_node[0] as usize;
         if comm.size() > 1 && busiest > devices {
-            note_outnumbered(busiest, devices, "");
+            crate::launcher::note(format_args!(
+                "{busiest} processes on a node of {devices} GPU(s): NCCL takes one process a GPU, so the ranks exchange through MPI on the host; start at most {devices} a node, or run the ranks as threads of one process (--ranks), to exchange on the devices"
+            ));
         }
         if comm.size() == 1 || busiest > devices || !nccl_usable() {
             return body(comm);
@@ -202,15 +206,6 @@ fn host_threads<B: LayerOps, T: Send>(
     ThreadWorld::run(ranks, RANK_TIMEOUT, |comm| {
         body(canopy_comm::Group::rank(&comm), &comm)
     })
-}
-
-/// Tells the user why `ranks` ranks on a node of `devices` GPUs stage their buffers through
-/// the host (NCCL takes one rank a GPU), and what to run instead (`also`: the other layouts
-/// that keep the exchanges on the devices, with a trailing space).
-fn note_outnumbered(ranks: usize, devices: usize, also: &str) {
-    crate::launcher::note(format_args!(
-        "{ranks} ranks on {devices} GPU(s): NCCL takes one rank a GPU, so the ranks exchange through the host; run at most {devices} ranks {also}to exchange on the devices"
-    ));
 }
 
 /// Whether NCCL can be loaded; without it, GPUs' ranks stage their buffers through the host
