@@ -254,6 +254,18 @@ impl World {
         }
     }
 
+    /// The most ranks one device holds when `ranks` ranks run on nodes of `devices` devices,
+    /// each rank on device `r % devices` of its node by its rank `r` there: threads are one
+    /// node; under MPI the busiest node decides (a collective: every process calls it).
+    pub fn ranks_per_device(&self, ranks: usize, devices: usize) -> Result<usize> {
+        let on_node = match self {
+            World::Threads => ranks,
+            #[cfg(feature = "mpi")]
+            World::Mpi(c) => self.max_over_processes(c.local_rank() as u64 + 1)? as usize,
+        };
+        Ok(on_node.div_ceil(devices.max(1)))
+    }
+
     /// The MPI world size, if this is an MPI rank.
     pub fn mpi_size(&self) -> Option<usize> {
         match self {

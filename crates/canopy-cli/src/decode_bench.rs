@@ -8,12 +8,14 @@
 //! token to the next on rank 0), the time to the last token (the paper's Table 1 sets the
 //! tree's against the ring's), the tree's merge per layer, and the peak memory of the busiest
 //! rank. Beside them, measured in the same run: the copy bandwidth, at which a step's floor
-//! is priced (the bytes one rank must read: every weight and its share of the KV), and the
-//! rate of a large GEMM, beside the prefill's. Before anything runs, each rank count's
-//! longest context is priced on the device, and a longer one is refused with the numbers.
+//! is priced (the bytes the busiest device must read: every weight and a share of the KV for
+//! each rank on it), and the rate of a large GEMM, beside the prefill's. Before anything
+//! runs, each rank count's longest context is priced on the device (`capacity`), and a longer
+//! one is refused with the numbers.
 //! On a GPU, an untimed short run of every configuration first compiles its kernels, so the
 //! first row does not time NVRTC.
 
+mod capacity;
 mod cost;
 mod predict;
 mod report;
@@ -38,7 +40,7 @@ use canopy_runtime::{
     DEFAULT_PREFILL_CHUNK,
 };
 use clap::{Args, ValueEnum};
-use report::{Capacity, Row, RunInfo};
+use report::{Row, RunInfo};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -386,7 +388,12 @@ fn bench<B: Device>(
     // Priced after the measurements, whose freed buffers the device's memory pool may keep:
     // as much is free here as when the ranks' backends check the same needs.
     let check = |needs: &ModelNeeds| Ok(probe.check_model(needs)?);
-    let capacity = capacity(a, on.counts, config, dtype, devices, probe.name(), &check)?;
+    let per_device = on
+        .counts
+        .iter()
+        .map(|&ranks| Ok((ranks, world.ranks_per_device(ranks, devices)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let capacity = capacity::price(a, &per_device, config, dtype, probe.name(), &check)?;
     drop(probe);
 
     let most = on.counts.iter().max().copied().unwrap_or(1);
@@ -408,7 +415,7 @@ fn bench<B: Device>(
     let mut rows = Vec::new();
     let mut device_peaks = false;
     for &context in &a.contexts() {
-        for &ranks in on.counts {
+        for &(ranks, per_device) in &per_device {
             for strategy in strategies(a) {
                 let req = request(a, config, dtype, context, strategy);
                 let name = strategy.name();
@@ -428,7 +435,7 @@ fn bench<B: Device>(
                 let run = RunShape {
                     context,
                     ranks,
-                    devices: ranks.min(devices),
+                    per_device,
                     strategy: name,
                     fill: a.context_fill,
                 };
@@ -589,8 +596,8 @@ impl<B: Backend> Watch for RunWatch<'_, B> {
 struct RunShape {
     context: usize,
     ranks: usize,
-    /// Devices the ranks ran on.
-    devices: usize,
+    /// Ranks on the busiest device.
+    per_device: usize,
     strategy: String,
     fill: FillChoice,
 }
@@ -602,7 +609,8 @@ struct Measured<'a> {
 }
 
 /// The row of one run: its timings, set against the floor at `bandwidth` (bytes/s) and the
-/// prefill's FLOPs.
+/// prefill's FLOPs. Ranks that share a device each read every weight and their share of the
+/// KV through its one memory, so the floor counts every rank on the busiest device.
 fn row(
     config: &LlamaConfig,
     dtype: DType,
@@ -624,7 +632,9 @@ fn row(
     let mean_ms = (!untimed.is_empty()).then(|| mean(&untimed) * 1e3);
     let merges: Vec<f64> = out.merge_s.iter().flatten().copied().collect();
     let kv_bytes = cost::rank_kv_bytes(config, dtype, run.context, run.ranks);
-    let floor_ms = bandwidth.map(|bw| (weight_bytes + kv_bytes) as f64 / bw * 1e3);
+    let device_bytes = run.per_device as u64 * (weight_bytes + kv_bytes);
+    let floor_ms = bandwidth.map(|bw| device_bytes as f64 / bw * 1e3);
+    let devices = run.ranks.div_ceil(run.per_device);
     let prefilled = run.fill == FillChoice::Prefill;
     let ttft_s = out.first_token_s.unwrap_or(out.prefill_s);
     Row {
@@ -635,7 +645,7 @@ fn row(
         fill_s: out.prefill_s,
         prefill_tokens_per_s: prefilled.then(|| run.context as f64 / out.prefill_s),
         prefill_tflops_per_device: prefilled.then(|| {
-            cost::prefill_flops(config, run.context) / out.prefill_s / run.devices as f64 / 1e12
+            cost::prefill_flops(config, run.context) / out.prefill_s / devices as f64 / 1e12
         }),
         ttft_s,
         decode_ms_per_token: ms,
@@ -643,96 +653,13 @@ fn row(
         decode_tokens_per_s: ms.map(|ms| 1e3 / ms),
         replayed_steps: out.replayed_steps,
         total_s: ttft_s + out.step_s.iter().sum::<f64>(),
+        ranks_per_device: run.per_device,
         floor_ms,
         vs_floor: ms.zip(floor_ms).map(|(ms, f)| ms / f),
         merge_ms_per_layer: (!merges.is_empty())
             .then(|| median(&merges) * 1e3 / config.num_hidden_layers as f64),
         peak_bytes: m.peak_bytes,
     }
-}
-
-/// Contexts the capacity search tries at most: beyond any device's memory, short of a
-/// pricing that would itself take memory (the KV books list every page).
-const SEARCH_TOKENS: usize = 1 << 28;
-
-/// The longest context device 0 (of `backend`) holds at each rank count, priced by
-/// `check_model` (its backend's, as the runs will be); a requested context that does not fit
-/// is refused here with the numbers, before anything is allocated.
-fn capacity(
-    a: &DecodeArgs,
-    rank_counts: &[usize],
-    config: &LlamaConfig,
-    dtype: DType,
-    devices: usize,
-    backend: &str,
-    check_model: &dyn Fn(&ModelNeeds) -> Result<()>,
-) -> Result<Vec<Capacity>> {
-    let longest = a.contexts().iter().max().copied().unwrap_or(1);
-    let search = match a.context_fill {
-        FillChoice::Prefill => config.max_position_embeddings.saturating_sub(a.decode),
-        FillChoice::Random => SEARCH_TOKENS.max(longest),
-    };
-    // The prompt's ids do not matter to the price, only its length.
-    let pricing = request(a, config, dtype, 1, DecodeStrategy::Ring);
-    let mut out = Vec::new();
-    for &ranks in rank_counts {
-        let here = ranks.div_ceil(devices);
-        let check = |context: usize| -> Result<()> {
-            let needs = pricing.needs_at(context, config, dtype, ranks, here)?;
-            check_model(&needs.on_device_holding(here, ranks))
-        };
-        let fits = longest_fitting(search, |c| check(c).is_ok());
-        if let Err(e) = check(longest) {
-            let at_most = fits.map_or(
-                "not even one token fits beside the weights".to_string(),
-                |n| format!("the longest context that fits is {n} tokens"),
-            );
-            let hint = match a.context_fill {
-                FillChoice::Prefill => "; --context-fill random needs no prefill activations",
-                FillChoice::Random => "",
-            };
-            bail!(
-                "a context of {longest} tokens at {ranks} rank(s) ({}) does not fit {} device 0: {e:#}; at {ranks} rank(s) {at_most}{hint}",
-                a.context_fill.name(),
-                backend
-            );
-        }
-        out.push(Capacity {
-            ranks,
-            context_fill: a.context_fill.name(),
-            longest_context: fits,
-            bound_by: match (fits, a.context_fill) {
-                (Some(n), FillChoice::Prefill) if n == search => "positions",
-                (Some(n), FillChoice::Random) if n == search => "the search's limit",
-                _ => "memory",
-            },
-        });
-    }
-    Ok(out)
-}
-
-/// The largest `n` in `1..=most` with `fits(n)`, for a `fits` that holds up to some length and
-/// not beyond: doubling, then bisection. `None` when not even 1 fits.
-fn longest_fitting(most: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
-    if most == 0 || !fits(1) {
-        return None;
-    }
-    let (mut lo, mut hi) = (1, 2);
-    while hi <= most && fits(hi) {
-        lo = hi;
-        hi *= 2;
-    }
-    // fits(lo); hi does not fit, or is past `most`.
-    let mut hi = hi.min(most + 1);
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if fits(mid) {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    Some(lo)
 }
 
 #[cfg(test)]
@@ -748,7 +675,7 @@ mod tests {
         assert!(parse_tokens("lots").unwrap_err().contains("token count"));
     }
 
-    fn parse(args: &[&str]) -> DecodeArgs {
+    pub(super) fn parse(args: &[&str]) -> DecodeArgs {
         #[derive(clap::Parser)]
         struct Command {
             #[command(flatten)]
@@ -785,68 +712,46 @@ mod tests {
         assert_eq!(names, ["tree/auto", "tree/allgather", "ring"]);
     }
 
+    /// Ranks that share a GPU each read every weight and their KV through it: the floor
+    /// counts every rank on the busiest device, and the prefill's rate is per device used.
     #[test]
-    fn the_longest_fitting_context_is_found_exactly() {
-        for limit in [1, 2, 3, 1000, 131_071, 900_001] {
-            let found = longest_fitting(SEARCH_TOKENS, |n| n <= limit);
-            assert_eq!(found, Some(limit));
-        }
-        assert_eq!(longest_fitting(500, |n| n <= 1000), Some(500), "capped");
-        assert_eq!(longest_fitting(500, |_| false), None);
-        assert_eq!(longest_fitting(0, |_| true), None);
-    }
-
-    #[test]
-    fn a_context_beyond_the_device_is_refused_with_the_numbers() {
-        let a = parse(&[
-            "--arch",
-            "llama-3.1-8b",
-            "--random-weights",
-            "--context",
-            "64,1M",
-            "--context-fill",
-            "random",
-            "--ranks",
-            "1",
-        ]);
-        let config = canopy_model::presets::preset("llama-3.1-8b").unwrap();
-        // A device with 40 GiB free for the KV cache.
-        let calls = std::cell::Cell::new(0);
-        let check = |needs: &ModelNeeds| {
-            calls.set(calls.get() + 1);
-            let (need, free) = (needs.kv_bytes(), 40u64 << 30);
-            match need <= free {
-                true => Ok(()),
-                false => bail!("the KV cache needs {need} bytes but {free} are free"),
-            }
+    fn the_floor_counts_every_rank_on_the_busiest_device() {
+        let config = canopy_model::presets::preset("llama-3.2-1b").unwrap();
+        let dtype = DType::Bf16;
+        let weights = config.weight_bytes(dtype);
+        let out = Generated {
+            samples: vec![vec![1; 4]],
+            stopped: vec![false],
+            prefill_s: 2.0,
+            first_token_s: Some(2.5),
+            step_s: vec![0.010; 4],
+            merge_s: vec![None; 4],
+            first_logits: Vec::new(),
+            top_two: Vec::new(),
+            replayed_steps: 0,
         };
-        let err = capacity(&a, &[1], &config, DType::Bf16, 1, "test", &check)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("a context of 1048576 tokens at 1 rank(s)"),
-            "{err}"
-        );
-        assert!(
-            err.contains("the KV cache needs 137443147776 bytes"),
-            "{err}"
-        );
-        // 128 KiB of bf16 KV a token in pages of 16, and two pages for the decoded tokens:
-        // 40 GiB hold 20480 pages, so 20478 pages of context.
-        assert!(
-            err.contains("the longest context that fits is 327648 tokens"),
-            "{err}"
-        );
-        assert!(calls.get() < 80, "{} prices", calls.get());
-        let a = parse(&[
-            "--arch",
-            "llama-3.1-8b",
-            "--random-weights",
-            "--context-fill",
-            "random",
-        ]);
-        let fits = capacity(&a, &[1], &config, DType::Bf16, 1, "test", &check).unwrap();
-        assert_eq!(fits[0].longest_context, Some(327648));
-        assert_eq!(fits[0].bound_by, "memory");
+        let bandwidth = 4e12;
+        let row_at = |ranks, per_device| {
+            let run = RunShape {
+                context: 1 << 20,
+                ranks,
+                per_device,
+                strategy: "tree/auto".into(),
+                fill: FillChoice::Prefill,
+            };
+            let measured = Measured {
+                out: &out,
+                peak_bytes: None,
+            };
+            row(&config, dtype, weights, Some(bandwidth), run, measured)
+        };
+        let kv = cost::rank_kv_bytes(&config, dtype, 1 << 20, 8) as f64;
+        let (own, shared) = (row_at(8, 1), row_at(8, 4));
+        let floor = (weights as f64 + kv) / bandwidth * 1e3;
+        assert!((own.floor_ms.unwrap() - floor).abs() < 1e-9 * floor);
+        assert!((shared.floor_ms.unwrap() - 4.0 * floor).abs() < 1e-9 * floor);
+        assert_eq!((own.ranks_per_device, shared.ranks_per_device), (1, 4));
+        let rate = |r: &Row| r.prefill_tflops_per_device.unwrap();
+        assert!((rate(&shared) - 4.0 * rate(&own)).abs() < 1e-9 * rate(&shared));
     }
 }

@@ -324,6 +324,36 @@ fn predictions_at_more_ranks_follow_the_runs_model() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Rows whose ranks shared a GPU took turns on it: a prediction neither fits them nor sets
+/// them beside its rows as measured.
+#[test]
+fn rows_of_ranks_sharing_a_gpu_are_not_fitted() {
+    let dir = std::env::temp_dir().join(format!("canopy-decode-shared-{}", std::process::id()));
+    let contexts = [32 << 10, 128 << 10];
+    let mut shared = modelled_run(&[4], &contexts);
+    for row in shared["rows"].as_array_mut().unwrap() {
+        row["ranks_per_device"] = 4.into();
+        row["decode_ms_per_token"] = (10.0 * row["decode_ms_per_token"].as_f64().unwrap()).into();
+    }
+    let alone = predicted(
+        &dir,
+        &[modelled_run(&[1, 2], &contexts)],
+        &["--predict", "4"],
+    );
+    let beside = predicted(
+        &dir,
+        &[modelled_run(&[1, 2], &contexts), shared],
+        &["--predict", "4"],
+    );
+    assert_eq!(beside["rows"], alone["rows"]);
+    assert!(beside["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|row| row["measured_ms"].is_null()));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn predictions_need_gpu_runs_at_several_ranks() {
     let dir = std::env::temp_dir().join(format!(

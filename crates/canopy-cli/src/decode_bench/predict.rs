@@ -5,7 +5,9 @@
 //! it did not see.
 //!
 //! A saved row does not carry its KV bytes; its floor does: (weights + the rank's KV) / copy
-//! bandwidth, with both in the run. So every row the fit reads needs a floor (a GPU run).
+//! bandwidth, with both in the run. So every row the fit reads needs a floor (a GPU run). Rows
+//! whose ranks shared a GPU are left out: their ranks took turns on one device, which more
+//! GPUs would not.
 
 use super::report::opt;
 use crate::scaling::{error_cell, strategy_of};
@@ -33,6 +35,13 @@ struct SavedRow {
     strategy: String,
     decode_ms_per_token: Option<f64>,
     floor_ms: Option<f64>,
+    /// Absent from runs saved before rows carried it, whose floors priced one rank: read as 1.
+    #[serde(default = "one_rank_per_device")]
+    ranks_per_device: usize,
+}
+
+fn one_rank_per_device() -> usize {
+    1
 }
 
 /// A saved row as the fit and the floors read it.
@@ -95,7 +104,7 @@ fn read(files: &[PathBuf]) -> Result<(String, Vec<Step>)> {
             );
         };
         let copy_bytes_per_s = gb_s * 1e9;
-        for row in &run.rows {
+        for row in run.rows.iter().filter(|r| r.ranks_per_device == 1) {
             let (Some(strategy), Some(ms), Some(floor)) = (
                 strategy_of(&row.strategy),
                 row.decode_ms_per_token,

@@ -33,7 +33,10 @@ pub struct Row {
     pub replayed_steps: usize,
     /// The paper's time: from the request to the last decoded token.
     pub total_s: f64,
-    /// The step's floor on one rank: (weights + the rank's KV) / copy bandwidth.
+    /// Ranks on the busiest device: more than one where ranks share a GPU.
+    pub ranks_per_device: usize,
+    /// The step's floor on the busiest device: (weights + a rank's KV) for each rank on it,
+    /// over the copy bandwidth.
     pub floor_ms: Option<f64>,
     pub vs_floor: Option<f64>,
     /// The tree's cross-rank merge per layer: the median over the timed steps of their
@@ -313,6 +316,7 @@ pub(crate) mod fixtures {
             decode_tokens_per_s: Some(1e3 / ms),
             replayed_steps: 0,
             total_s,
+            ranks_per_device: 1,
             floor_ms: (context > 0).then_some(0.5 * ranks as f64),
             vs_floor: None,
             merge_ms_per_layer: None,
