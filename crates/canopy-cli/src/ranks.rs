@@ -148,9 +148,9 @@ impl RankThreads for CudaBackend {
             });
         }
         if ranks > devices {
-            crate::launcher::note(format_args!(
+            HOST_STAGING.call_once(|| crate::launcher::note(format_args!(
                 "{ranks} ranks on {devices} GPUs: NCCL takes one rank a GPU, so the ranks exchange through the host; run at most {devices} ranks, or all of them on one GPU (CUDA_VISIBLE_DEVICES), to exchange on the devices"
-            ));
+            )));
         }
         if ranks == 1 || ranks > devices || !nccl_usable() {
             return host_threads(ranks, body);
@@ -183,9 +183,9 @@ impl RankThreads for CudaBackend {
         comm.all_reduce(&mut on_busiest_node, ReduceOp::Max)?;
         let busiest = on_busiest_node[0] as usize;
         if comm.size() > 1 && busiest > devices {
-            crate::launcher::note(format_args!(
+            HOST_STAGING.call_once(|| crate::launcher::note(format_args!(
                 "{busiest} processes on a node of {devices} GPU(s): NCCL takes one process a GPU, so the ranks exchange through MPI on the host; start at most {devices} a node, or run the ranks as threads of one process (--ranks), to exchange on the devices"
-            ));
+            )));
         }
         if comm.size() == 1 || busiest > devices || !nccl_usable() {
             return body(comm);
@@ -208,12 +208,16 @@ fn host_threads<B: LayerOps, T: Send>(
     })
 }
 
+/// Why GPUs' ranks stage their buffers through the host is noted once a process: a bench runs
+/// its ranks several times (warm-ups, rank counts), for one reason.
+static HOST_STAGING: std::sync::Once = std::sync::Once::new();
+
 /// Whether NCCL can be loaded; without it, GPUs' ranks stage their buffers through the host
-/// (with a note, once per run).
+/// (with a note, once a process).
 fn nccl_usable() -> bool {
     let present = canopy_cuda::probe::nccl_present();
     if !present {
-        crate::launcher::note("NCCL (libnccl.so.2) could not be loaded: the GPUs' ranks exchange through the host; install NCCL for device-to-device merges");
+        HOST_STAGING.call_once(|| crate::launcher::note("NCCL (libnccl.so.2) could not be loaded: the GPUs' ranks exchange through the host; install NCCL for device-to-device merges"));
     }
     present
 }
