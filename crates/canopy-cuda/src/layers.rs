@@ -183,8 +183,13 @@ impl CudaBackend {
                 0 => String::new(),
                 peers => format!(" with NCCL's buffers for {peers} peer GPUs"),
             };
+            // Only f32 weights or KV have a smaller dtype to offer.
+            let halve = match (needs.weight_dtype, needs.kv_dtype) {
+                (DType::F32, _) | (_, DType::F32) => "16-bit weights and KV (--dtype bf16), ",
+                _ => "",
+            };
             return Err(CudaError::Unsupported(format!(
-                "the model needs {:.2} GiB on GPU {} (weights {:.2}, KV cache {:.2}, activations {:.2}, reserve {:.2}{nccl}) but {:.2} GiB are free; use 16-bit weights, fewer tokens (a shorter prompt or --max-tokens), fewer samples (--n), or more ranks to share the KV cache",
+                "the model needs {:.2} GiB on GPU {} (weights {:.2}, KV cache {:.2}, activations {:.2}, reserve {:.2}{nccl}) but {:.2} GiB are free; use {halve}fewer tokens (a shorter prompt or --max-tokens), fewer samples (--n), or more ranks to share the KV cache",
                 gib(total),
                 self.gpu.ordinal,
                 gib(weights),
