@@ -11,8 +11,9 @@
 # compare` then checks first logits, decode-step logits, greedy tokens, and P ranks against one
 # rank (tolerances in its docstring). Results under $OUT: model-check.json and .txt, this output
 # (model-check-log.txt), every canopy call's stderr (canopy-stderr.log), reference.log, and the raw
-# outputs with the references (model-check-runs.tgz). The last line is ALL PASS or FAILURES: n
-# (cases skipped for time count); the exit status is 0 only for ALL PASS.
+# outputs with the references (model-check-runs.tgz). The last line is ALL PASS or FAILURES: n,
+# with how many failed, errored or were not run for time (all three count); the exit status is
+# 0 only for ALL PASS.
 # Knobs: STAGES ("fixtures device"), VARIANTS, FIXTURE_CASES, TINY_CASES, BIG_CASES (each a list
 # of DTYPE:RANKS:STRATEGY), NUM_LAYERS, SEED, JOBS (tiny cases at once), DEADLINE (no canopy call
 # runs past it), the *_LIMIT caps, WORK (scratch, wiped at the start: models, references, raw

@@ -675,9 +675,20 @@ def read_timings(work):
     return [dict(phase=phase, seconds=int(seconds), note=note) for phase, seconds, note in lines]
 
 
+def failure_kinds(records):
+    """What the failures of `records` were, so that cases not reached for time are not read
+    as cases that failed: "2 failed, 1 errored, 20 not run for time"."""
+    failed = [r for r in records if not r["pass"]]
+    count = lambda status: sum(r["status"] == status for r in failed)  # noqa: E731
+    not_run, errored = count("skipped"), count("error")
+    return (f"{len(failed) - not_run - errored} failed, {errored} errored, "
+            f"{not_run} not run for time")
+
+
 def compare_main(args):
     """Writes OUT/model-check.json and .txt, prints the table, ends with ALL PASS or
-    FAILURES: n (skipped and errored cases count), and returns the exit status."""
+    FAILURES: n (how many failed, errored, or were not run for time: all three count), and
+    returns the exit status."""
     rows = []
     for group in GROUP_ORDER:
         path = os.path.join(args.work, f"plan-{group}.tsv")
@@ -690,7 +701,7 @@ def compare_main(args):
     if not records:
         records.append(error_record("-", "no case was planned"))
     failures = sum(not r["pass"] for r in records)
-    verdict = "ALL PASS" if failures == 0 else f"FAILURES: {failures}"
+    verdict = "ALL PASS" if failures == 0 else f"FAILURES: {failures} ({failure_kinds(records)})"
     timings = read_timings(args.work)
     refs = {}
     for group in DEVICE_GROUPS:
@@ -820,7 +831,9 @@ def selftest_main(_args):
         written = load_json(os.path.join(out, "model-check.json"))
         with open(os.path.join(out, "model-check.txt")) as f:
             last = f.read().splitlines()[-1]
-        assert status == 1 and last == f"FAILURES: {written['failures']}", (status, last)
+        kinds = failure_kinds(written["cases"])
+        assert status == 1 and last == f"FAILURES: {written['failures']} ({kinds})", (status, last)
+        assert kinds.endswith(" not run for time") and " 0 not run" not in kinds, kinds
         assert written["cases"][-1]["name"] == "tiny-device" and not written["cases"][-1]["pass"]
         # A clean run passes.
         for name in os.listdir(runs):
