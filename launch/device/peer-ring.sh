@@ -18,10 +18,10 @@
 #   same     `canopy generate` on the committed tiny models, ring at G ranks as threads and
 #            under mpirun, f32 and bf16, copy engines on against off at once: tokens and logits
 #            must be the same bits, and the "on" run must have logged the copy engines' set-up;
-# check and same need a GPU a rank (G at most the machine's GPUs): ranks that share a GPU
-# exchange through the GPU's own streams or the host, never the copy engines' path.
 #   stall    the watchdog with the copy engines: rank 1 stops before its first step and the
 #            others must fail within --timeout (5 s), as threads and under mpirun.
+# check and same need a GPU a rank (G at most the machine's GPUs): ranks that share a GPU
+# exchange through the GPU's own streams or the host, never the copy engines' path.
 # SWITCHES (default "on off on") orders the A/B of scaling and decode; CHECK_CASES the check's
 # fixture cases. Results: $OUT/log.txt, one line a run; the reports in $OUT/runs.tgz.
 set -uo pipefail
