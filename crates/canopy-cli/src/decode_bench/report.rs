@@ -160,6 +160,10 @@ impl Report {
         if self.rows.iter().any(|r| r.merge_ms_per_layer.is_some()) {
             println!("merge ms/layer: the tree's cross-rank merge, timed with the device synchronised on every second decode step (steps left out of ms/token)");
         }
+        let gpu = r.copy_bandwidth_gb_s.is_some();
+        if gpu && self.rows.iter().any(|row| row.ranks_per_device > 1) {
+            println!("ranks that share a GPU each read every weight and their KV through it: their floor counts every rank on the busiest GPU, and their times measure that sharing, not what more GPUs would do");
+        }
         if self.rows.iter().any(|row| row.context_fill == "random") {
             println!(
                 "the context's KV was filled at random, not prefilled: the tokens mean nothing"
