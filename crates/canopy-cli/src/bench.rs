@@ -261,7 +261,7 @@ impl World {
         let on_node = match self {
             World::Threads => ranks,
             #[cfg(feature = "mpi")]
-            World::Mpi(c) => self.max_over_processes(c.local_rank() as u64 + 1)? as usize,
+            World::Mpi(c) => c.busiest_node_ranks()?,
         };
         Ok(on_node.div_ceil(devices.max(1)))
     }

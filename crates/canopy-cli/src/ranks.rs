@@ -177,11 +177,9 @@ impl RankThreads for CudaBackend {
         strategy: Strategy,
         body: &dyn Fn(&dyn RankComm<Self>) -> Result<T>,
     ) -> Result<T> {
-        use canopy_comm::{Collective, Group, ReduceOp};
+        use canopy_comm::Group;
         // NCCL needs a GPU per rank: the busiest node's ranks must not outnumber its GPUs.
-        let mut on_busiest_node = [comm.local_rank() as u64 + 1];
-        comm.all_reduce(&mut on_busiest_node, ReduceOp::Max)?;
-        let busiest = on_busiest_node[0] as usize;
+        let busiest = comm.busiest_node_ranks()?;
         if comm.size() > 1 && busiest > devices {
             HOST_STAGING.call_once(|| crate::launcher::note(format_args!(
                 "{busiest} processes on a node of {devices} GPU(s): NCCL takes one process a GPU, so the ranks exchange through MPI on the host; start at most {devices} a node, or run the ranks as threads of one process (--ranks), to exchange on the devices"

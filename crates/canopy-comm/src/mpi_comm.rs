@@ -58,6 +58,14 @@ impl MpiComm {
         self.world.split_shared(0).rank() as usize
     }
 
+    /// The most ranks any one node holds (collective: every rank calls it), which is what
+    /// decides how many ranks share the busiest node's GPUs.
+    pub fn busiest_node_ranks(&self) -> Result<usize> {
+        let mut ranks = [self.local_rank() as u64 + 1];
+        self.all_reduce(&mut ranks, ReduceOp::Max)?;
+        Ok(ranks[0] as usize)
+    }
+
     fn count(&self, bytes: u64) {
         self.bytes.set(self.bytes.get() + bytes);
         self.calls.set(self.calls.get() + 1);
