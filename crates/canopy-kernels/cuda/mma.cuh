@@ -58,9 +58,18 @@ __device__ __forceinline__ void clear_state(float (&o)[DTILES][4], float (&m)[2]
     }
 }
 
-// The online softmax over one slice of scores (already in the log2 domain): the running max
-// and sum move, the scores become P, and alpha is the factor O must be rescaled by (O itself
-// is not touched: a warpgroup MMA may still be accumulating into it).
+// How far (log2 units) a row's scores may rise past the max its state is scaled to before the
+// state moves to the new max: until then P = exp2(s - m) stays at most 2^RESCALE_SLACK, which
+// fp32 sums and 16-bit P hold as well as values up to 1, and O is not rescaled. A state is exact
+// for any m (o and l are sums of exp2(s - m), lse is m + log2 l), so the slack changes rounding
+// only. A max that followed every score would have O rescaled on nearly every tile of a short
+// split: some row of a warp's 16 finds a new max on most of a CTA's first tiles.
+#define RESCALE_SLACK 8.f
+
+// The online softmax over one slice of scores (already in the log2 domain): the state's max
+// moves where a score passes it by more than RESCALE_SLACK, the scores become P, and alpha is
+// the factor O must be rescaled by, 1 where the max held (O itself is not touched: a
+// warpgroup MMA may still be accumulating into it).
 template <int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
     // Maxima and sums in pairwise trees over CH partials: chains of dependent instructions as
@@ -88,12 +97,15 @@ __device__ __forceinline__ void softmax_scores(float (&s)[NT][4], float (&m)[2],
     for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        const float mnew = fmaxf(m[h], mx[h]);
+        // (Also the first finite score of a row: alpha = exp2(-inf) = 0 clears its empty state.)
+        alpha[h] = 1.f;
+        if (mx[h] > m[h] + RESCALE_SLACK) {
+            alpha[h] = fast_exp2(m[h] - mx[h]);
+            m[h] = mx[h];
+            l[h] *= alpha[h];
+        }
         // A row with nothing seen yet subtracts 0 instead of -inf (exp2(-inf) = 0 follows).
-        base[h] = mnew == NEG_INF ? 0.f : mnew;
-        alpha[h] = fast_exp2(m[h] - base[h]);
-        m[h] = mnew;
-        l[h] *= alpha[h];
+        base[h] = m[h] == NEG_INF ? 0.f : m[h];
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -114,8 +126,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[NT][4], float (&m)[2],
     l[1] += part[1][0];
 }
 
-// O rescaled by softmax_scores' alpha: the running max rarely moves after the first tiles, so
-// only when some row's did.
+// O rescaled by softmax_scores' alpha: a state's max moves on a row's first scores and then
+// only where one passes it by more than RESCALE_SLACK, so only when some row's did.
 __device__ __forceinline__ void rescale(float (&o)[DTILES][4], const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
