@@ -464,10 +464,13 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
     load_q(qa, q, group_queries, cd, rows, row0, kvh, gsz, q_heads, scale_log2);
     float o[DTILES][4], m[2], l[2];
     clear_state(o, m, l);
+    // Stage 0's descriptors; stage 1's lie 8 * HALF bytes on.
+    const u64 k_desc0 = smem_desc(k_of(0), 16, 1024), v_desc0 = smem_desc(v_of(0), 2 * HALF, 1024);
     for (u32 tile = 0; tile < tiles; ++tile) {
         // The next tile goes into the other stage, which every warp finished with before the
         // barrier that ended the previous tile; then this tile is waited for.
         const int st = tile % 2;
+        const u64 k_desc = desc_plus(k_desc0, st * 8 * HALF), v_desc = desc_plus(v_desc0, st * 8 * HALF);
         kv.issue_or_skip(k_of(st ^ 1), v_of(st ^ 1), tile + 1, tiles);
         asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         // The MMA reads shared memory through the async proxy: this thread's copies must be
@@ -478,7 +481,7 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
         wg_fence();
 #pragma unroll
         for (int c = 0; c < KCH; ++c)
-            wg_qk(s, qa[c], smem_desc(k_of(st) + (c / 4) * HALF + (c % 4) * 16, 16, 1024), c);
+            wg_qk(s, qa[c], desc_plus(k_desc, ((c / 4) * HALF + (c % 4) * 16) * 2), c);
         wg_commit_and_wait();
         wg_pin_all(s);
         if (mask || tile * WT + WT > cd.tokens) {
@@ -495,7 +498,7 @@ __device__ __forceinline__ void attend_rows_wg(STAGE1_PARAMS, const GroupDesc& c
         for (int j = 0; j < 4; ++j) p_fragment(a[j], s, j);
         wg_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) wg_pv(o, a[j], smem_desc(v_of(st) + j * 16 * 64, 2 * HALF, 1024));
+        for (int j = 0; j < 4; ++j) wg_pv(o, a[j], desc_plus(v_desc, j * 16 * 64 * 2));
         wg_commit_and_wait();
         wg_pin_all(o);
         __syncthreads();

@@ -229,6 +229,18 @@ __device__ __forceinline__ u64 smem_desc(const u16* p, u32 leading, u32 stride) 
     return (u64)((a & 0x3ffffu) >> 4) | (u64)(leading >> 4) << 16 | (u64)(stride >> 4) << 32 | 1ull << 62;
 }
 
+// The descriptor of the same layout `bytes` further on (a multiple of 16): one add to the low
+// word, whose start-address field (bits 0-13, in 16-byte units) takes it with no carry, since a
+// CTA's shared memory lies in its window's first 256 KB. The decode kernel's warpgroup path
+// makes each stage's descriptors once and steps them per MMA so: built afresh from an address,
+// a descriptor costs about ten instructions an MMA (mask, shift, or, moves to the uniform
+// registers), and that path, bound by its instructions' latency, took 1-5% less on the serving
+// trees. The prefill kernel, bound by the tensor cores, was no faster so (BENCHMARKS, session
+// 46).
+__device__ __forceinline__ u64 desc_plus(u64 desc, u32 bytes) {
+    return (desc & ~0xffffffffull) | (u32)((u32)desc + (bytes >> 4));
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most `Pending` of this warp's committed MMA batches are still running.
