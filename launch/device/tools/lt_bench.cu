@@ -127,9 +127,12 @@ int main(int argc, char** argv) {
             if (*p) ++p;
         }
     }
-    // gate|up's product is stored in bf16, as canopy stores a 16-bit weight's.
-    const Shape shapes[] = {{"qkv", 6144, 4096, false, false}, {"o", 4096, 4096, true, false},
-                            {"gate_up", 28672, 4096, false, true}, {"down", 4096, 14336, true, false}};
+    // gate|up's product is stored in bf16, as canopy stores a 16-bit weight's. `o-store` and
+    // `down-store` are o and down storing their product (beta 0), where the residual would be
+    // added by the kernel after them.
+    const Shape shapes[] = {{"qkv", 6144, 4096, false, false},     {"o", 4096, 4096, true, false},
+                            {"o-store", 4096, 4096, false, false}, {"gate_up", 28672, 4096, false, true},
+                            {"down", 4096, 14336, true, false},   {"down-store", 4096, 14336, false, false}};
     cudaStream_t s;
     CHECK_CUDA(cudaStreamCreate(&s));
     cublasHandle_t blas;
