@@ -25,7 +25,8 @@ use crate::launch::Params;
 use canopy_core::DType;
 use canopy_engine::layer_ops::expect_size;
 use canopy_kernels::{
-    Kernel, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS, LAYER_THREADS, NORMED_GEMV_ROWS, RMS_NORM_CHUNKS,
+    Kernel, GEMV_COLS, GEMV_MAX_ROWS, GEMV_ROW_TILE, GEMV_WARPS, LAYER_THREADS, NORMED_GEMV_ROWS,
+    RMS_NORM_CHUNKS,
 };
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
@@ -154,14 +155,19 @@ impl Epilogue {
         }
     }
 
-    /// The GEMV's entry point, normalising its activation rows as it reads them when `normed`.
-    fn gemv_entry(self, normed: bool) -> &'static str {
-        match (self, normed) {
-            (Epilogue::Store, false) => "gemv",
-            (Epilogue::Add, _) => "gemv_add",
-            (Epilogue::Swiglu, false) => "gemv_swiglu",
-            (Epilogue::Store, true) => "gemv_normed",
-            (Epilogue::Swiglu, true) => "gemv_normed_swiglu",
+    /// The GEMV's entry point for `rows` rows, normalising them as it reads them when `normed`
+    /// (at most [`NORMED_GEMV_ROWS`], which the build for up to [`GEMV_ROW_TILE`] rows takes).
+    fn gemv_entry(self, normed: bool, rows: usize) -> &'static str {
+        let rows16 = rows > GEMV_ROW_TILE;
+        match (self, normed, rows16) {
+            (Epilogue::Store, false, false) => "gemv",
+            (Epilogue::Store, false, true) => "gemv_rows16",
+            (Epilogue::Add, _, false) => "gemv_add",
+            (Epilogue::Add, _, true) => "gemv_add_rows16",
+            (Epilogue::Swiglu, false, false) => "gemv_swiglu",
+            (Epilogue::Swiglu, false, true) => "gemv_swiglu_rows16",
+            (Epilogue::Store, true, _) => "gemv_normed",
+            (Epilogue::Swiglu, true, _) => "gemv_normed_swiglu",
         }
     }
 
@@ -328,7 +334,7 @@ impl CudaBackend {
             super::narrow("matmul", out.cols)?,
             super::narrow("matmul", x.cols)?,
         );
-        let entry = epilogue.gemv_entry(norm.is_some());
+        let entry = epilogue.gemv_entry(norm.is_some(), x.rows);
         let kernel = Kernel::Layers(w.dtype, entry);
         let f = self.function(kernel)?;
         let groups = cols.div_ceil(GEMV_COLS);

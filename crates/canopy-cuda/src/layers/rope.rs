@@ -11,7 +11,7 @@ use crate::kv::CudaKv;
 use crate::launch::Params;
 use canopy_core::DType;
 use canopy_engine::layer_ops::expect_size;
-use canopy_kernels::{Kernel, GEMV_COLS, GEMV_WARPS};
+use canopy_kernels::{Kernel, GEMV_COLS, GEMV_ROW_TILE, GEMV_WARPS};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 impl CudaBackend {
@@ -199,7 +199,12 @@ impl CudaBackend {
         let (rows, half) = (x.rows, inv_freq.rows * inv_freq.cols);
         let cols = q.cols + 2 * k.cols;
         let in_gemv = gemv_normalises(x, norm, w);
-        let kernel = Kernel::Layers(w.dtype, "gemv_rope");
+        let entry = if rows > GEMV_ROW_TILE {
+            "gemv_rope_rows16"
+        } else {
+            "gemv_rope"
+        };
+        let kernel = Kernel::Layers(w.dtype, entry);
         let shaped = rows > 0
             && w.rows == cols
             && w.cols == x.cols
