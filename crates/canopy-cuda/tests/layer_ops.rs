@@ -473,11 +473,10 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
 /// The q|k|v projection with RoPE and the KV append in the GEMV's epilogue
 /// (`rms_norm_matmul_rope`) writes the same q, k and v, and the same cache slots, bit for bit,
 /// as `rms_norm_matmul` then `rope_split_store` (or `rope_split`), for every weight and KV
-/// dtype, both head dims, rows normalised in the GEMV (1 and 2) and before it (5, and 12 and 16
-/// in the GEMV's build for 16 rows), some rows not stored and the stored ones in scrambled
-/// slots. The projection's own output stays
-/// poisoned where the epilogue ran, not the two ops: wherever the KV it stores into is of the
-/// weight's dtype. Its width (6144 columns) is the Llama-3.1-8B shape's, which the GEMV takes
+/// dtype, both head dims, rows normalised in the GEMV (1 and 2) and before it (5, and 11, 12 and
+/// 16 in the GEMV's build for 16 rows), some rows not stored and the stored ones in scrambled
+/// slots. The projection's own output stays poisoned where the epilogue ran, not the two ops:
+/// wherever the KV it stores into is of the weight's dtype. Its width (6144 columns) is the Llama-3.1-8B shape's, which the GEMV takes
 /// in slices of 4.
 #[test]
 fn rope_in_the_projection_epilogue_matches_the_two_ops() {

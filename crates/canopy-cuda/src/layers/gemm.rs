@@ -99,6 +99,12 @@ struct Gemm {
     scratch: Option<CudaSlice<u16>>,
 }
 
+/// Whether a GEMV of `rows` rows takes its kernel's `_rows16` build (more rows than the first
+/// build's [`GEMV_ROW_TILE`]).
+pub(super) fn in_rows16_build(rows: usize) -> bool {
+    rows > GEMV_ROW_TILE
+}
+
 /// Whether libcublas can be loaded (never panics: cudarc panics on first use otherwise).
 pub(crate) fn cublas_present() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -158,8 +164,7 @@ impl Epilogue {
     /// The GEMV's entry point for `rows` rows, normalising them as it reads them when `normed`
     /// (at most [`NORMED_GEMV_ROWS`], which the build for up to [`GEMV_ROW_TILE`] rows takes).
     fn gemv_entry(self, normed: bool, rows: usize) -> &'static str {
-        let rows16 = rows > GEMV_ROW_TILE;
-        match (self, normed, rows16) {
+        match (self, normed, in_rows16_build(rows)) {
             (Epilogue::Store, false, false) => "gemv",
             (Epilogue::Store, false, true) => "gemv_rows16",
             (Epilogue::Add, _, false) => "gemv_add",
