@@ -562,3 +562,34 @@ impl CudaBackend {
         .map_err(|e| cublas_failed("cublasGemmEx", e))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use canopy_kernels::Id;
+
+    /// Every GEMV entry a product launches, for every row count the GEMV takes, is a kernel of
+    /// the layers module, and a build that holds the rows: the `_rows16` build from
+    /// GEMV_ROW_TILE + 1 rows on, the first build below it (the normed ones, at most
+    /// NORMED_GEMV_ROWS rows, have only the first).
+    #[test]
+    fn each_row_count_launches_a_gemv_build_that_holds_it() {
+        let entries = Id::Layers.entries();
+        for epilogue in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
+            for rows in 1..=GEMV_MAX_ROWS {
+                let plain = epilogue.gemv_entry(false, rows);
+                assert!(entries.contains(&plain), "{plain} is not a kernel");
+                assert_eq!(
+                    plain.ends_with("_rows16"),
+                    rows > GEMV_ROW_TILE,
+                    "{plain}, {rows} rows"
+                );
+            }
+            for rows in 1..=NORMED_GEMV_ROWS {
+                let normed = epilogue.gemv_entry(true, rows);
+                assert!(entries.contains(&normed), "{normed} is not a kernel");
+                assert!(!normed.ends_with("_rows16"), "{normed}, {rows} rows");
+            }
+        }
+    }
+}
