@@ -6,8 +6,8 @@
 //! every step's top two logits and every sample's tokens are compared exactly. The runs cross
 //! several KV pages, which come into the leaves' reserved room: the replayed passes read
 //! pages written into the page table after they were recorded. They decode one row, three
-//! parallel samples (three rows sharing the prompt), twelve (the GEMV's build for up to 16
-//! rows) and twenty (more rows than the GEMV takes: the projections run on cuBLAS).
+//! parallel samples (three rows sharing the prompt) and twelve (more rows than the GEMV
+//! takes: the projections run on cuBLAS).
 //!
 //! Without a GPU (no driver, no device, no NVRTC) the test prints why and passes.
 
@@ -60,7 +60,7 @@ fn replayed_decode_steps_equal_eager_ones() {
         let vocab = model.config.vocab_size as u32;
         // 21 prompt tokens, then 60 decoded: the KV crosses four page boundaries.
         let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % vocab).collect();
-        for (samples, temperature) in [(1, 0.0), (3, 0.9), (12, 0.9), (20, 0.9)] {
+        for (samples, temperature) in [(1, 0.0), (3, 0.9), (12, 0.9)] {
             let mut req = GenerateRequest {
                 prompt: prompt.clone(),
                 max_tokens: 60,

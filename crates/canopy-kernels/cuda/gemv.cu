@@ -18,17 +18,13 @@
 //
 // A 16-bit weight is multiplied on the tensor cores: each block is four mma.m16n8k16 whose B
 // operand (k16 × n8) is the weight as loaded, the lane's 32-bit words in place, and whose A
-// operand (m16 × k16) holds the activation's rows lane / 4 and lane / 4 + 8, rounded to the
-// weight's dtype as a cuBLAS GEMM on a rounded copy would be. A dot product does not depend on
-// the order of k, so k is renumbered within the block to put each lane's 16 contiguous elements
-// where the fragment layout wants them (the same renumbering for the activation), and neither
-// operand is unpacked. Each lane's accumulators are the sums of its two activation rows for two
-// columns. Every plain entry comes in two builds: for up to GEMV_ROW_TILE rows, whose A
-// operand's rows 8-15 are the zero register (no registers or loads for them, as a decode step
-// of one row wants), and `_rows16` for up to GEMV_MAX_ROWS (parallel samples, a serving
-// batch); the normed ones, for at most NORMED_GEMV_ROWS rows, only the first. An f32 weight is
-// multiplied with fp32 FMAs, each lane summing its 8 elements for every row, the column's four
-// lanes then adding theirs.
+// operand (m16 × k16) holds the activation's rows m < 8 (lane / 4), rounded to the weight's
+// dtype as a cuBLAS GEMM on a rounded copy would be, zeros in rows 8-15. A dot product does not
+// depend on the order of k, so k is renumbered within the block to put each lane's 16
+// contiguous elements where the fragment layout wants them (the same renumbering for the
+// activation), and neither operand is unpacked. Each lane's accumulators are the sums of one
+// activation row for two columns. An f32 weight is multiplied with fp32 FMAs, each lane
+// summing its 8 elements for every row, the column's four lanes then adding theirs.
 //
 // The warps' sums meet in shared memory and the slices' are added in slice order, so the result
 // does not depend on timing; the CTA's threads then apply the epilogue to each (row, column).
@@ -43,8 +39,6 @@
 // connection), `gemv_swiglu` computes columns n and n + cols of a fused gate|up weight (two
 // weight rows per column, MATS = 2) and stores silu(gate) * up.
 #define GEMV_UNROLL 2
-static_assert(GEMV_MAX_ROWS == 2 * GEMV_ROW_TILE, "the _rows16 build fills the m16 tile");
-#define GEMV_ROWS(ROWS16) ((ROWS16) ? GEMV_MAX_ROWS : GEMV_ROW_TILE)
 #define GEMV_VEC (16 / (int)sizeof(elem_t))
 #define GEMV_LANE_ELEMS (2 * GEMV_VEC)
 #define GEMV_BLOCK (4 * GEMV_LANE_ELEMS)
@@ -113,18 +107,15 @@ __device__ __forceinline__ void gemv_activation(const float* __restrict__ xm, u3
 }
 
 #if CANOPY_DTYPE != 0
-// d += a · b, m16n8k16 with fp32 accumulators: rows g of a are (a_lo, a_hi), rows g + 8
-// (a8_lo, a8_hi), which are zero unless ROWS16.
-template <bool ROWS16>
-__device__ __forceinline__ void mma_rows(float (&d)[4], u32 a_lo, u32 a_hi, u32 a8_lo, u32 a8_hi, u32 b_lo,
-                                         u32 b_hi) {
+// d += a · b, m16n8k16 with fp32 accumulators; rows 8-15 of a are zero.
+__device__ __forceinline__ void mma_upper_rows(float (&d)[4], u32 a_lo, u32 a_hi, u32 b_lo, u32 b_hi) {
 #if CANOPY_DTYPE == 1
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
 #else
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
 #endif
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a_lo), "r"(ROWS16 ? a8_lo : 0u), "r"(a_hi), "r"(ROWS16 ? a8_hi : 0u), "r"(b_lo), "r"(b_hi));
+        : "r"(a_lo), "r"(0u), "r"(a_hi), "r"(0u), "r"(b_lo), "r"(b_hi));
 }
 #endif
 
@@ -167,47 +158,17 @@ struct GemvNorm {
     elem_t* staged;
 };
 
-#if CANOPY_DTYPE != 0
-// The lane's A operand words of activation row `row` in `block`: its two chunks rounded to the
-// weight's dtype, pairs in memory order as pack2's, read from the normed rows staged in shared
-// memory (already rounded) or from x; zeros for a row past `rows` or past k.
-__device__ __forceinline__ void gemv_row_operand(const float* __restrict__ x, const GemvNorm& norm, u32 rows, u32 k,
-                                                 u32 row, u32 block, u32 (&a)[GEMV_LANE_ELEMS / 2]) {
-#pragma unroll
-    for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = 0u;
-    if (row >= rows) return;
-    if (norm.staged) {
-        const u32 first = block * GEMV_BLOCK + (threadIdx.x % 4) * GEMV_LANE_ELEMS;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            if (first + h * GEMV_VEC < k) {
-                const uint4 c = *reinterpret_cast<const uint4*>(norm.staged + (u64)row * k + first + h * GEMV_VEC);
-                a[4 * h] = c.x;
-                a[4 * h + 1] = c.y;
-                a[4 * h + 2] = c.z;
-                a[4 * h + 3] = c.w;
-            }
-    } else {
-        float v[GEMV_LANE_ELEMS];
-        gemv_activation(x + (u64)row * k, k, block, v);
-#pragma unroll
-        for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack2(v[2 * i], v[2 * i + 1]);
-    }
-}
-#endif
-
 // This warp's sums for its column group and slice of k, MATS weight rows per column
-// (`mat_offset` apart), written to `sums[m][c][j]` (row m, column c of the group, matrix j), for
-// up to GEMV_ROWS(ROWS16) rows.
+// (`mat_offset` apart), written to `sums[m][c][j]` (row m, column c of the group, matrix j).
 // The first blocks' weights, which are no kernel's output, are loaded before
 // `wait_for_previous_grid`, which returns at once in the host's ordinary launch. A normed
 // GEMV then stages its rows (gemv_stage_normed) and reads its activation from there, already
 // rounded, instead of from x.
-template <int MATS, bool ROWS16>
+template <int MATS>
 __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
                                                u32 cols, u32 k, u32 group, u32 slices, u32 slice, u64 mat_offset,
                                                const GemvNorm& norm,
-                                               float (&sums)[GEMV_ROWS(ROWS16)][GEMV_COLS][MATS]) {
+                                               float (&sums)[GEMV_MAX_ROWS][GEMV_COLS][MATS]) {
     const u32 lane = threadIdx.x % 32;
     const u32 n = group * GEMV_COLS + lane / 4;
     const bool live = n < cols;
@@ -217,38 +178,48 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
     wait_for_previous_grid();
     if (norm.staged) gemv_stage_normed(x, norm.gamma, norm.eps, rows, k, norm.staged);
 #if CANOPY_DTYPE != 0
-    // Lane (m, q) = (lane / 4, lane % 4): rows m and m + 8 of the activation, columns 2q and
-    // 2q + 1 of D.
+    // Lane (m, q) = (lane / 4, lane % 4): row m of the activation, columns 2q and 2q + 1 of D.
     const u32 m = lane / 4;
     float acc[MATS][4] = {};
     gemv_walk_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc, [&](int u, u32 block) {
-        u32 a[GEMV_LANE_ELEMS / 2], a8[GEMV_LANE_ELEMS / 2] = {};
-        gemv_row_operand(x, norm, rows, k, m, block, a);
-        if constexpr (ROWS16) gemv_row_operand(x, norm, rows, k, m + GEMV_ROW_TILE, block, a8);
+        u32 a[GEMV_LANE_ELEMS / 2] = {};
+        if (m < rows && norm.staged) {
+            // The lane's two chunks, rounded already: pairs in memory order, as pack2's.
+            const u32 first = block * GEMV_BLOCK + (lane % 4) * GEMV_LANE_ELEMS;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (first + h * GEMV_VEC < k) {
+                    const uint4 c = *reinterpret_cast<const uint4*>(norm.staged + (u64)m * k + first + h * GEMV_VEC);
+                    a[4 * h] = c.x;
+                    a[4 * h + 1] = c.y;
+                    a[4 * h + 2] = c.z;
+                    a[4 * h + 3] = c.w;
+                }
+        } else if (m < rows) {
+            float v[GEMV_LANE_ELEMS];
+            gemv_activation(x + (u64)m * k, k, block, v);
+#pragma unroll
+            for (int i = 0; i < GEMV_LANE_ELEMS / 2; ++i) a[i] = pack2(v[2 * i], v[2 * i + 1]);
+        }
 #pragma unroll
         for (int j = 0; j < MATS; ++j) {
             const u32 b[8] = {wc[u][j][0].x, wc[u][j][0].y, wc[u][j][0].z, wc[u][j][0].w,
                               wc[u][j][1].x, wc[u][j][1].y, wc[u][j][1].z, wc[u][j][1].w};
 #pragma unroll
-            for (int t = 0; t < 4; ++t)
-                mma_rows<ROWS16>(acc[j], a[2 * t], a[2 * t + 1], a8[2 * t], a8[2 * t + 1], b[2 * t], b[2 * t + 1]);
+            for (int t = 0; t < 4; ++t) mma_upper_rows(acc[j], a[2 * t], a[2 * t + 1], b[2 * t], b[2 * t + 1]);
         }
     });
+    if (m < rows)
 #pragma unroll
-    for (int h = 0; h < (ROWS16 ? 2 : 1); ++h) {
-        const u32 row = m + h * GEMV_ROW_TILE;
-        if (row < rows)
-#pragma unroll
-            for (int j = 0; j < MATS; ++j) {
-                sums[row][2 * (lane % 4)][j] = acc[j][2 * h];
-                sums[row][2 * (lane % 4) + 1][j] = acc[j][2 * h + 1];
-            }
-    }
+        for (int j = 0; j < MATS; ++j) {
+            sums[m][2 * (lane % 4)][j] = acc[j][0];
+            sums[m][2 * (lane % 4) + 1][j] = acc[j][1];
+        }
 #else
-    float acc[GEMV_ROWS(ROWS16)][MATS] = {};
+    float acc[GEMV_MAX_ROWS][MATS] = {};
     gemv_walk_blocks<MATS>(w, n, live, mat_offset, k, blocks, slice, slices, wc, [&](int u, u32 block) {
 #pragma unroll
-        for (int m = 0; m < GEMV_ROWS(ROWS16); ++m) {
+        for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
             if (m >= (int)rows) break;
             float v[GEMV_LANE_ELEMS];
             if (norm.staged) {
@@ -271,7 +242,7 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
         }
     });
 #pragma unroll
-    for (int m = 0; m < GEMV_ROWS(ROWS16); ++m)
+    for (int m = 0; m < GEMV_MAX_ROWS; ++m)
 #pragma unroll
         for (int j = 0; j < MATS; ++j) {
             float s = acc[m][j];
@@ -284,9 +255,9 @@ __device__ __forceinline__ void gemv_warp_sums(const elem_t* __restrict__ w, con
 
 // A CTA's outputs once its warps' sums are in shared memory: `(g, m, c, j)` is the output of
 // row m, column c of the CTA's column group g, matrix j, the slices' sums added in slice order.
-template <int MATS, bool ROWS16>
+template <int MATS>
 struct GemvTotals {
-    const float (*sums)[GEMV_ROWS(ROWS16)][GEMV_COLS][MATS];
+    const float (*sums)[GEMV_MAX_ROWS][GEMV_COLS][MATS];
     u32 slices;
     __device__ __forceinline__ float operator()(u32 g, u32 m, u32 c, int j) const {
         float total = 0.f;
@@ -299,32 +270,32 @@ struct GemvTotals {
 // `group_of(g)`, then `finish(totals, groups)`. With a norm weight `gamma` (else null), the
 // product is of x's rows RMS-normalised: staged in the CTA's dynamic shared memory (rows x k
 // elements, at most NORMED_GEMV_ROWS rows).
-template <int MATS, bool ROWS16, typename GroupOf, typename Finish>
+template <int MATS, typename GroupOf, typename Finish>
 __device__ __forceinline__ void gemv_cta_mapped(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
                                                 u32 cols, u32 k, u32 slices, u64 mat_offset, const elem_t* gamma,
                                                 float eps, GroupOf group_of, Finish finish) {
     static_assert(GEMV_WARPS * 32 == LAYER_THREADS, "a normed GEMV's CTA normalises its rows as rms_norm's does");
-    __shared__ float sums[GEMV_WARPS][GEMV_ROWS(ROWS16)][GEMV_COLS][MATS];
+    __shared__ float sums[GEMV_WARPS][GEMV_MAX_ROWS][GEMV_COLS][MATS];
     extern __shared__ __align__(16) unsigned char gemv_staged[];
     const u32 warp = threadIdx.x / 32, groups = GEMV_WARPS / slices;
     let_next_grid_launch();
     const GemvNorm norm{gamma, eps, gamma ? reinterpret_cast<elem_t*>(gemv_staged) : nullptr};
-    gemv_warp_sums<MATS, ROWS16>(w, x, rows, cols, k, group_of(warp / slices), slices, warp % slices, mat_offset,
-                                 norm, sums[warp]);
+    gemv_warp_sums<MATS>(w, x, rows, cols, k, group_of(warp / slices), slices, warp % slices, mat_offset, norm,
+                         sums[warp]);
     __syncthreads();
-    finish(GemvTotals<MATS, ROWS16>{sums, slices}, groups);
+    finish(GemvTotals<MATS>{sums, slices}, groups);
 }
 
 // `gemv_cta_mapped` over consecutive column groups, calling `epilogue(m, n, sum)` once per output
 // (row m, column n < cols), spread over the CTA.
-template <int MATS, bool ROWS16, typename Epilogue>
+template <int MATS, typename Epilogue>
 __device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const float* __restrict__ x, u32 rows,
                                          u32 cols, u32 k, u32 slices, u64 mat_offset, const elem_t* gamma, float eps,
                                          Epilogue epilogue) {
     const u32 first_group = blockIdx.x * (GEMV_WARPS / slices);
-    gemv_cta_mapped<MATS, ROWS16>(
+    gemv_cta_mapped<MATS>(
         w, x, rows, cols, k, slices, mat_offset, gamma, eps, [=](u32 g) { return first_group + g; },
-        [&](const GemvTotals<MATS, ROWS16>& total, u32 groups) {
+        [&](const GemvTotals<MATS>& total, u32 groups) {
             for (u32 i = threadIdx.x; i < groups * rows * GEMV_COLS; i += blockDim.x) {
                 const u32 g = i / (rows * GEMV_COLS), m = i / GEMV_COLS % rows, c = i % GEMV_COLS;
                 const u32 n = (first_group + g) * GEMV_COLS + c;
@@ -337,49 +308,28 @@ __device__ __forceinline__ void gemv_cta(const elem_t* __restrict__ w, const flo
         });
 }
 
-// The plain GEMVs' parameters. Each comes in two builds: up to GEMV_ROW_TILE rows, and
-// `_rows16`.
-#define GEMV_PARAMS                                                                                  \
-    const elem_t *__restrict__ w, const float *__restrict__ x, float *__restrict__ out, u32 rows, u32 cols, \
-        u32 k, u32 slices
-
-template <bool ROWS16>
-__device__ __forceinline__ void gemv_body(GEMV_PARAMS) {
-    gemv_cta<1, ROWS16>(w, x, rows, cols, k, slices, 0, nullptr, 0.f,
-                        [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(GEMV_PARAMS) {
-    gemv_body<false>(w, x, out, rows, cols, k, slices);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rows16(GEMV_PARAMS) {
-    gemv_body<true>(w, x, out, rows, cols, k, slices);
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows, u32 cols,
+     u32 k, u32 slices) {
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, nullptr, 0.f,
+                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
 }
 
-template <bool ROWS16>
-__device__ __forceinline__ void gemv_add_body(GEMV_PARAMS) {
-    gemv_cta<1, ROWS16>(w, x, rows, cols, k, slices, 0, nullptr, 0.f,
-                        [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_add(GEMV_PARAMS) {
-    gemv_add_body<false>(w, x, out, rows, cols, k, slices);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_add_rows16(GEMV_PARAMS) {
-    gemv_add_body<true>(w, x, out, rows, cols, k, slices);
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_add(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
+         u32 cols, u32 k, u32 slices) {
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, nullptr, 0.f,
+                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] += s[0]; });
 }
 
 __device__ __forceinline__ float silu_times(const float (&s)[2]) { return silu_mul(s[0], s[1]); }
 
 // `cols` is the output's width: the weight has 2 * cols rows, gate's then up's.
-template <bool ROWS16>
-__device__ __forceinline__ void gemv_swiglu_body(GEMV_PARAMS) {
-    gemv_cta<2, ROWS16>(w, x, rows, cols, k, slices, cols, nullptr, 0.f,
-                        [&](u32 m, u32 n, const float (&s)[2]) { out[(u64)m * cols + n] = silu_times(s); });
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_swiglu(GEMV_PARAMS) {
-    gemv_swiglu_body<false>(w, x, out, rows, cols, k, slices);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_swiglu_rows16(GEMV_PARAMS) {
-    gemv_swiglu_body<true>(w, x, out, rows, cols, k, slices);
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, u32 rows,
+            u32 cols, u32 k, u32 slices) {
+    gemv_cta<2>(w, x, rows, cols, k, slices, cols, nullptr, 0.f,
+                [&](u32 m, u32 n, const float (&s)[2]) { out[(u64)m * cols + n] = silu_times(s); });
 }
 
 // `gemv` and `gemv_swiglu` of rms_norm(x) with weight `gamma`, in one launch instead of two:
@@ -388,15 +338,15 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_swiglu_rows16
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_normed(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ gamma, float eps,
             float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
-    gemv_cta<1, false>(w, x, rows, cols, k, slices, 0, gamma, eps,
-                       [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
+    gemv_cta<1>(w, x, rows, cols, k, slices, 0, gamma, eps,
+                [&](u32 m, u32 n, const float (&s)[1]) { out[(u64)m * cols + n] = s[0]; });
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_normed_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ gamma,
                    float eps, float* __restrict__ out, u32 rows, u32 cols, u32 k, u32 slices) {
-    gemv_cta<2, false>(w, x, rows, cols, k, slices, cols, gamma, eps,
-                       [&](u32 m, u32 n, const float (&s)[2]) { out[(u64)m * cols + n] = silu_times(s); });
+    gemv_cta<2>(w, x, rows, cols, k, slices, cols, gamma, eps,
+                [&](u32 m, u32 n, const float (&s)[2]) { out[(u64)m * cols + n] = silu_times(s); });
 }
 
 // The q|k|v projection of a decode step with RoPE and the KV append in its epilogue: `gemv`
@@ -410,21 +360,18 @@ gemv_normed_swiglu(const elem_t* __restrict__ w, const float* __restrict__ x, co
 // blockIdx.x * groups / 2 + g / 2, where pair p of a head's half / GEMV_COLS holds its
 // groups p and p + half / GEMV_COLS. The host sends slices of at most 4 (two groups a CTA or
 // more), heads of whole groups (half a multiple of GEMV_COLS), q and k of whole heads, and
-// `pairs` checked against the rows and the pool. Built as the plain GEMVs are (`_rows16`).
-#define GEMV_ROPE_PARAMS                                                                                      \
-    const elem_t *__restrict__ w, const float *__restrict__ x, const elem_t *__restrict__ gamma, float eps,     \
-        u32 rows, u32 k, u32 slices, const u32 *__restrict__ positions, const float *__restrict__ inv_freq,     \
-        float *__restrict__ q, float *__restrict__ kk, float *__restrict__ v, u32 q_cols, u32 kv_cols, u32 half, \
-        const u32 *__restrict__ pairs, elem_t *__restrict__ kc, elem_t *__restrict__ vc, u32 count
-template <bool ROWS16>
-__device__ __forceinline__ void gemv_rope_body(GEMV_ROPE_PARAMS) {
+// `pairs` checked against the rows and the pool.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_rope(const elem_t* __restrict__ w, const float* __restrict__ x, const elem_t* __restrict__ gamma, float eps,
+          u32 rows, u32 k, u32 slices, const u32* __restrict__ positions, const float* __restrict__ inv_freq,
+          float* __restrict__ q, float* __restrict__ kk, float* __restrict__ v, u32 q_cols, u32 kv_cols, u32 half,
+          const u32* __restrict__ pairs, elem_t* __restrict__ kc, elem_t* __restrict__ vc, u32 count) {
     const u32 cols = q_cols + 2 * kv_cols, head_groups = half / GEMV_COLS, first_pair = blockIdx.x * (GEMV_WARPS / slices) / 2;
     const auto group_of = [=](u32 g) {
         const u32 pair = first_pair + g / 2;
         return pair / head_groups * 2 * head_groups + pair % head_groups + g % 2 * head_groups;
     };
-    gemv_cta_mapped<1, ROWS16>(w, x, rows, cols, k, slices, 0, gamma, eps, group_of,
-                               [&](const GemvTotals<1, ROWS16>& total, u32 groups) {
+    gemv_cta_mapped<1>(w, x, rows, cols, k, slices, 0, gamma, eps, group_of, [&](const GemvTotals<1>& total, u32 groups) {
         for (u32 i = threadIdx.x; i < groups / 2 * rows * GEMV_COLS; i += blockDim.x) {
             const u32 p = i / (rows * GEMV_COLS), m = i / GEMV_COLS % rows, c = i % GEMV_COLS;
             const u32 n = group_of(2 * p) * GEMV_COLS + c;  // the pair's first column
@@ -451,12 +398,4 @@ __device__ __forceinline__ void gemv_rope_body(GEMV_ROPE_PARAMS) {
                 }
         }
     });
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope(GEMV_ROPE_PARAMS) {
-    gemv_rope_body<false>(w, x, gamma, eps, rows, k, slices, positions, inv_freq, q, kk, v, q_cols, kv_cols, half,
-                          pairs, kc, vc, count);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope_rows16(GEMV_ROPE_PARAMS) {
-    gemv_rope_body<true>(w, x, gamma, eps, rows, k, slices, positions, inv_freq, q, kk, v, q_cols, kv_cols, half,
-                         pairs, kc, vc, count);
 }

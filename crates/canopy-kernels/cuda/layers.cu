@@ -32,9 +32,6 @@
 #ifndef GEMV_MAX_ROWS
 #error "GEMV_MAX_ROWS must be defined by the kernel registry"
 #endif
-#ifndef GEMV_ROW_TILE
-#error "GEMV_ROW_TILE must be defined by the kernel registry"
-#endif
 #ifndef CAUSAL_ROWS
 #error "CAUSAL_ROWS must be defined by the kernel registry"
 #endif

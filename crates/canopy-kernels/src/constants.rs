@@ -59,15 +59,9 @@ pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 pub const GEMV_WARPS: u32 = 8;
 /// Output columns per warp of `gemv`: the n of its m16n8k16 tensor-core products.
 pub const GEMV_COLS: u32 = 8;
-/// Most activation rows `gemv` multiplies at once: the m of its m16n8k16 tensor-core products
-/// (each lane keeps an fp32 sum per row and column). Its kernels come in a build for up to 8
-/// rows, which leaves the tile's lower half as the zero register, and one for up to 16
-/// (`_rows16`). A projection of more rows is a cuBLAS GEMM.
-pub const GEMV_MAX_ROWS: usize = 16;
-/// Most activation rows the first build of `gemv`'s kernels takes: the upper half of the m16
-/// tile. The normed GEMVs have this build only.
-pub const GEMV_ROW_TILE: usize = 8;
-const _: () = assert!(GEMV_MAX_ROWS == 2 * GEMV_ROW_TILE && NORMED_GEMV_ROWS <= GEMV_ROW_TILE);
+/// Most activation rows `gemv` multiplies at once (each lane keeps an fp32 sum per row and
+/// column); a projection of more rows is a cuBLAS GEMM.
+pub const GEMV_MAX_ROWS: usize = 8;
 /// Most activation rows `gemv_normed` RMS-normalises as it reads them: each of its CTAs reads
 /// the rows whole for their norms, which past a few rows costs more than the `rms_norm`
 /// launch it saves.
@@ -168,7 +162,6 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("GEMV_WARPS", GEMV_WARPS.to_string()),
         ("GEMV_COLS", GEMV_COLS.to_string()),
         ("GEMV_MAX_ROWS", GEMV_MAX_ROWS.to_string()),
-        ("GEMV_ROW_TILE", GEMV_ROW_TILE.to_string()),
         ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("TOP_ITEMS", TOP_ITEMS.to_string()),

@@ -23,11 +23,11 @@ mod pipeline;
 
 pub use constants::{
     shared_defines, PrefillLaunch, ATTENTION_MAX_HEAD_DIM, CAUSAL_ROWS, CTA_PER_HEAD, CTA_WORDS,
-    DECODE_THREADS, DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_ROW_TILE, GEMV_WARPS,
-    GROUP_KV_STREAMED, GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS,
-    MMA_ROW_PAD, MMA_THREADS, NORMED_GEMV_ROWS, PREFILL_CONSUMERS, PREFILL_ROWS, PREFILL_STAGES,
-    PREFILL_TILE, PREFILL_WS_STAGES, REDUCE_MAX, REDUCE_SUM, RMS_NORM_CHUNKS, TOP_ITEMS,
-    WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    DECODE_THREADS, DEEP_MERGE_CTAS, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS, GROUP_KV_STREAMED,
+    GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS,
+    NORMED_GEMV_ROWS, PREFILL_CONSUMERS, PREFILL_ROWS, PREFILL_STAGES, PREFILL_TILE,
+    PREFILL_WS_STAGES, REDUCE_MAX, REDUCE_SUM, RMS_NORM_CHUNKS, TOP_ITEMS, WIDE_MERGE_CTAS,
+    WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -157,15 +157,11 @@ impl Id {
                 "load_kv",
                 "causal_attention",
                 "gemv",
-                "gemv_rows16",
                 "gemv_add",
-                "gemv_add_rows16",
                 "gemv_swiglu",
-                "gemv_swiglu_rows16",
                 "gemv_normed",
                 "gemv_normed_swiglu",
                 "gemv_rope",
-                "gemv_rope_rows16",
                 "top_logits",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],

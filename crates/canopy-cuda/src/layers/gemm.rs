@@ -25,8 +25,7 @@ use crate::launch::Params;
 use canopy_core::DType;
 use canopy_engine::layer_ops::expect_size;
 use canopy_kernels::{
-    Kernel, GEMV_COLS, GEMV_MAX_ROWS, GEMV_ROW_TILE, GEMV_WARPS, LAYER_THREADS, NORMED_GEMV_ROWS,
-    RMS_NORM_CHUNKS,
+    Kernel, GEMV_COLS, GEMV_MAX_ROWS, GEMV_WARPS, LAYER_THREADS, NORMED_GEMV_ROWS, RMS_NORM_CHUNKS,
 };
 use cudarc::cublas::result::CublasError;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
@@ -99,12 +98,6 @@ struct Gemm {
     scratch: Option<CudaSlice<u16>>,
 }
 
-/// Whether a GEMV of `rows` rows takes its kernel's `_rows16` build (more rows than the first
-/// build's [`GEMV_ROW_TILE`]).
-pub(super) fn in_rows16_build(rows: usize) -> bool {
-    rows > GEMV_ROW_TILE
-}
-
 /// Whether libcublas can be loaded (never panics: cudarc panics on first use otherwise).
 pub(crate) fn cublas_present() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -161,18 +154,14 @@ impl Epilogue {
         }
     }
 
-    /// The GEMV's entry point for `rows` rows, normalising them as it reads them when `normed`
-    /// (at most [`NORMED_GEMV_ROWS`], which the build for up to [`GEMV_ROW_TILE`] rows takes).
-    fn gemv_entry(self, normed: bool, rows: usize) -> &'static str {
-        match (self, normed, in_rows16_build(rows)) {
-            (Epilogue::Store, false, false) => "gemv",
-            (Epilogue::Store, false, true) => "gemv_rows16",
-            (Epilogue::Add, _, false) => "gemv_add",
-            (Epilogue::Add, _, true) => "gemv_add_rows16",
-            (Epilogue::Swiglu, false, false) => "gemv_swiglu",
-            (Epilogue::Swiglu, false, true) => "gemv_swiglu_rows16",
-            (Epilogue::Store, true, _) => "gemv_normed",
-            (Epilogue::Swiglu, true, _) => "gemv_normed_swiglu",
+    /// The GEMV's entry point, normalising its activation rows as it reads them when `normed`.
+    fn gemv_entry(self, normed: bool) -> &'static str {
+        match (self, normed) {
+            (Epilogue::Store, false) => "gemv",
+            (Epilogue::Add, _) => "gemv_add",
+            (Epilogue::Swiglu, false) => "gemv_swiglu",
+            (Epilogue::Store, true) => "gemv_normed",
+            (Epilogue::Swiglu, true) => "gemv_normed_swiglu",
         }
     }
 
@@ -339,7 +328,7 @@ impl CudaBackend {
             super::narrow("matmul", out.cols)?,
             super::narrow("matmul", x.cols)?,
         );
-        let entry = epilogue.gemv_entry(norm.is_some(), x.rows);
+        let entry = epilogue.gemv_entry(norm.is_some());
         let kernel = Kernel::Layers(w.dtype, entry);
         let f = self.function(kernel)?;
         let groups = cols.div_ceil(GEMV_COLS);
@@ -560,36 +549,5 @@ impl CudaBackend {
             )
         }
         .map_err(|e| cublas_failed("cublasGemmEx", e))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use canopy_kernels::Id;
-
-    /// Every GEMV entry a product launches, for every row count the GEMV takes, is a kernel of
-    /// the layers module, and a build that holds the rows: the `_rows16` build from
-    /// GEMV_ROW_TILE + 1 rows on, the first build below it (the normed ones, at most
-    /// NORMED_GEMV_ROWS rows, have only the first).
-    #[test]
-    fn each_row_count_launches_a_gemv_build_that_holds_it() {
-        let entries = Id::Layers.entries();
-        for epilogue in [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu] {
-            for rows in 1..=GEMV_MAX_ROWS {
-                let plain = epilogue.gemv_entry(false, rows);
-                assert!(entries.contains(&plain), "{plain} is not a kernel");
-                assert_eq!(
-                    plain.ends_with("_rows16"),
-                    rows > GEMV_ROW_TILE,
-                    "{plain}, {rows} rows"
-                );
-            }
-            for rows in 1..=NORMED_GEMV_ROWS {
-                let normed = epilogue.gemv_entry(true, rows);
-                assert!(entries.contains(&normed), "{normed} is not a kernel");
-                assert!(!normed.ends_with("_rows16"), "{normed}, {rows} rows");
-            }
-        }
     }
 }

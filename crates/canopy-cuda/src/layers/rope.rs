@@ -3,9 +3,7 @@
 //! (`rope_split_store`), and all of it as the epilogue of a decode step's q|k|v GEMV
 //! (`gemv_rope`), which spares the step a launch and a kernel that waits on the GEMV.
 
-use super::gemm::{
-    gemv_fits, gemv_normalises, gemv_staged, in_rows16_build, Epilogue, GemvRows, StepInput,
-};
+use super::gemm::{gemv_fits, gemv_normalises, gemv_staged, Epilogue, GemvRows, StepInput};
 use super::{narrow, same_dims, slot_pairs, CudaTensor, CudaWeight};
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
@@ -201,12 +199,7 @@ impl CudaBackend {
         let (rows, half) = (x.rows, inv_freq.rows * inv_freq.cols);
         let cols = q.cols + 2 * k.cols;
         let in_gemv = gemv_normalises(x, norm, w);
-        let entry = if in_rows16_build(rows) {
-            "gemv_rope_rows16"
-        } else {
-            "gemv_rope"
-        };
-        let kernel = Kernel::Layers(w.dtype, entry);
+        let kernel = Kernel::Layers(w.dtype, "gemv_rope");
         let shaped = rows > 0
             && w.rows == cols
             && w.cols == x.cols
