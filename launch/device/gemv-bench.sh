@@ -2,7 +2,8 @@
 # The decode GEMVs timed alone (tools/gemv_bench.cu, built here with nvcc) for every variant
 # folder under $VARIANTS (default .device/variants, as kernel-variants.sh: each holds
 # replacement sources, layers.cu, gemv.cu and/or common.cuh; an empty one is the crate's),
-# ROUNDS rounds in turn, at ROWS activation rows.
+# ROUNDS rounds in turn, at each of ROWS (a list) activation rows, with each of SLICES
+# (comma-separated warps per column group; unset: the backend's choice).
 # The shared constants come from canopy-kernels' constants.rs, their one source.
 # Results: $OUT/gemv-bench.txt.
 set -uo pipefail
@@ -23,7 +24,9 @@ DEFS=(-DCANOPY_DTYPE=2 $(grep -oP 'pub const \K(\w+): \w+ = \d+(?=;)' crates/can
   for round in $(seq "${ROUNDS:-2}"); do
     for name in "${names[@]}"; do
       echo "== $name, round $round"
-      "/tmp/gemv-bench/$name" "${ITERS:-200}" "${ROWS:-1}"
+      for rows in ${ROWS:-1}; do
+        "/tmp/gemv-bench/$name" "${ITERS:-200}" "$rows" ${SLICES:+"$SLICES"}
+      done
     done
   done
 } 2>&1 | tee "$OUT/gemv-bench.txt"
