@@ -35,7 +35,7 @@ use canopy_engine::layer_ops::{
     attention_output_through_states, check_top_logits, expect_gather, expect_size,
 };
 use canopy_engine::{CachedKeys, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
-use canopy_kernels::{Kernel, GEMV_MAX_ROWS, LAYER_THREADS, PREFILL_TILE};
+use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Grid-stride CTAs per SM of the element-wise kernels: enough resident warps to hide memory
@@ -461,10 +461,11 @@ impl LayerOps for CudaBackend {
         Ok(self.tensor_of(rows, cols)?)
     }
 
-    /// More rows than the GEMV takes run on cuBLAS, whose 16-bit operand the producer writes.
+    /// A product the GEMV does not take runs on cuBLAS, whose 16-bit operand the producer
+    /// writes.
     fn gemm_operand(&self, rows: usize, cols: usize, weight: &CudaWeight) -> EResult<CudaTensor> {
         let mut t = self.tensor_of(rows, cols)?;
-        if rows > GEMV_MAX_ROWS && weight.dtype != DType::F32 {
+        if !gemm::gemv_fits(rows, cols, weight) && weight.dtype != DType::F32 {
             t.operand = Some(weight.dtype);
         }
         Ok(t)

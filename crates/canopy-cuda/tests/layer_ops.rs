@@ -471,11 +471,11 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
 /// The q|k|v projection with RoPE and the KV append in the GEMV's epilogue
 /// (`rms_norm_matmul_rope`) writes the same q, k and v, and the same cache slots, bit for bit,
 /// as `rms_norm_matmul` then `rope_split_store` (or `rope_split`), for every weight and KV
-/// dtype, both head dims, rows normalised in the GEMV (1 and 2) and before it (5), some rows
-/// not stored and the stored ones in scrambled slots. The projection's own output stays
-/// poisoned where the epilogue ran, not the two ops: wherever the KV it stores into is of the
-/// weight's dtype. Its width (6144 columns) is the Llama-3.1-8B shape's, which the GEMV takes
-/// in slices of 4.
+/// dtype, both head dims, rows normalised in the GEMV (1 and 2) and before it (5 rows, and a
+/// norm weight in f32 beside f16 weights, as GGUF files hold norms), some rows not stored and
+/// the stored ones in scrambled slots. The projection's own output stays poisoned where the
+/// epilogue ran, not the two ops: wherever the KV it stores into is of the weight's dtype. Its
+/// width (6144 columns) is the Llama-3.1-8B shape's, which the GEMV takes in slices of 4.
 #[test]
 fn rope_in_the_projection_epilogue_matches_the_two_ops() {
     let Some(gpu) = gpu("rope_in_the_projection_epilogue_matches_the_two_ops") else {
@@ -492,23 +492,23 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
         let w = values(&mut rng, cols * hidden, 0.1);
         let norm = values(&mut rng, hidden, 1.0);
         let inv_freq = rope_frequencies(shape.head_dim);
-        // (weight dtype, KV dtype, rows, stored); a KV of another dtype than the weight's
-        // runs the two ops.
-        for (dtype, kv_dtype, rows, stored) in [
-            (DType::Bf16, DType::Bf16, 1, true),
-            (DType::Bf16, DType::Bf16, 2, true),
-            (DType::F16, DType::F16, 5, true),
-            (DType::F32, DType::F32, 2, true),
-            (DType::Bf16, DType::Bf16, 2, false),
-            (DType::Bf16, DType::F32, 1, true),
+        // (weight dtype, KV dtype, norm weight dtype, rows, stored); a KV of another dtype
+        // than the weight's runs the two ops.
+        for (dtype, kv_dtype, norm_dtype, rows, stored) in [
+            (DType::Bf16, DType::Bf16, DType::Bf16, 1, true),
+            (DType::Bf16, DType::Bf16, DType::Bf16, 2, true),
+            (DType::F16, DType::F16, DType::F16, 5, true),
+            (DType::F16, DType::F16, DType::F32, 2, true),
+            (DType::F32, DType::F32, DType::F32, 2, true),
+            (DType::Bf16, DType::Bf16, DType::Bf16, 2, false),
+            (DType::Bf16, DType::F32, DType::Bf16, 1, true),
         ] {
             let x = values(&mut rng, rows * hidden, 1.0);
             let (positions, stores, slots) = rope_rows(&mut rng, rows, pool);
             let run = |epilogue: bool| -> Result<Vec<Vec<f32>>> {
                 let b = &gpu;
-                let typed = |v: &[f32]| TypedVec::from_f32(dtype, v);
-                let w = b.upload_weight(typed(&w), cols, hidden)?;
-                let norm = b.upload_weight(typed(&norm), 1, hidden)?;
+                let w = b.upload_weight(TypedVec::from_f32(dtype, &w), cols, hidden)?;
+                let norm = b.upload_weight(TypedVec::from_f32(norm_dtype, &norm), 1, hidden)?;
                 let inv_freq =
                     b.upload_weight(TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
                 let x = b.upload_tensor(&x, rows, hidden)?;
@@ -554,7 +554,9 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
                     .collect()
             };
             let (two_ops, fused) = (run(false).unwrap(), run(true).unwrap());
-            let case = format!("{shape:?} {dtype} ({kv_dtype} KV) {rows} rows, stored: {stored}");
+            let case = format!(
+                "{shape:?} {dtype} ({kv_dtype} KV, {norm_dtype} norm) {rows} rows, stored: {stored}"
+            );
             let epilogue_ran = fused[5].iter().all(|x| x.is_nan());
             assert_eq!(
                 epilogue_ran,

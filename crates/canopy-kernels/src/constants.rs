@@ -60,7 +60,8 @@ pub const GEMV_WARPS: u32 = 8;
 /// Output columns per warp of `gemv`: the n of its m16n8k16 tensor-core products.
 pub const GEMV_COLS: u32 = 8;
 /// Most activation rows `gemv` multiplies at once (each lane keeps an fp32 sum per row and
-/// column); a projection of more rows is a cuBLAS GEMM.
+/// column); a projection of more rows is a cuBLAS GEMM, as is one of more than two rows of a
+/// large weight (the CUDA backend's `gemv_takes_rows`).
 pub const GEMV_MAX_ROWS: usize = 8;
 /// Most activation rows `gemv_normed` RMS-normalises as it reads them: each of its CTAs reads
 /// the rows whole for their norms, which past a few rows costs more than the `rms_norm`

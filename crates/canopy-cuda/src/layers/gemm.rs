@@ -234,11 +234,34 @@ impl<'a> GemvRows<'a> {
     }
 }
 
-/// Whether `gemv` takes a product of `rows × cols` activations: few rows, and rows of the
-/// weight and of the activation that start on 16-byte boundaries (its loads are 16 bytes wide).
+/// Whether `gemv` takes a product of `rows × cols` activations: few rows for the weight's
+/// size ([`gemv_takes_rows`]), and rows of the weight and of the activation that start on
+/// 16-byte boundaries (its loads are 16 bytes wide).
 pub(crate) fn gemv_fits(rows: usize, cols: usize, w: &CudaWeight) -> bool {
     let chunk = 16 / w.dtype.size_bytes();
-    rows <= GEMV_MAX_ROWS && cols.is_multiple_of(chunk) && cols.is_multiple_of(4)
+    gemv_takes_rows(rows, w.rows * w.cols * w.dtype.size_bytes())
+        && cols.is_multiple_of(chunk)
+        && cols.is_multiple_of(4)
+}
+
+/// Rows up to which the GEMV takes a product of any weight.
+const GEMV_ANY_WEIGHT_ROWS: usize = 2;
+
+/// The largest weight (bytes) the GEMV takes at more rows than [`GEMV_ANY_WEIGHT_ROWS`].
+const GEMV_SMALL_WEIGHT_BYTES: usize = 16 << 20;
+
+/// Whether the GEMV takes `rows` rows of a product with a weight of `weight_bytes` (else
+/// cuBLAS does). Each of its warps reads every row's activation for its eight columns, so its
+/// time grows with the rows by a share of the weight's streaming time, while cuBLAS's hardly
+/// does; cuBLAS costs instead the launches the GEMV's epilogues spare (RMSNorm, RoPE,
+/// SwiGLU, the split-k reduction), a few microseconds a product. So the GEMV keeps one or two
+/// rows of any weight, and up to [`GEMV_MAX_ROWS`] of a weight whose stream is as short as
+/// those launches. On an H200, replayed passes of 4 and 8 rows ran 15-17% faster on the GEMV
+/// than on cuBLAS for SmolLM2-135M (weights of at most 3.5 MB), and 11-19% slower for
+/// Llama-3.1-8B (33-235 MB), 3 rows 7% slower (BENCHMARKS, session 48).
+fn gemv_takes_rows(rows: usize, weight_bytes: usize) -> bool {
+    rows <= GEMV_ANY_WEIGHT_ROWS
+        || (rows <= GEMV_MAX_ROWS && weight_bytes <= GEMV_SMALL_WEIGHT_BYTES)
 }
 
 impl CudaBackend {
@@ -549,5 +572,24 @@ impl CudaBackend {
             )
         }
         .map_err(|e| cublas_failed("cublasGemmEx", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{gemv_takes_rows, GEMV_MAX_ROWS};
+
+    const MIB: usize = 1 << 20;
+
+    /// Llama-3.1-8B's smallest bf16 weight (o, 32 MiB) and SmolLM2-135M's largest (gate|up,
+    /// 3.4 MiB).
+    #[test]
+    fn the_gemv_keeps_few_rows_of_a_large_weight_and_more_of_a_small_one() {
+        for rows in 1..=2 {
+            assert!(gemv_takes_rows(rows, 32 * MIB));
+        }
+        assert!(!gemv_takes_rows(3, 32 * MIB));
+        assert!(gemv_takes_rows(GEMV_MAX_ROWS, 3 * MIB + MIB / 2));
+        assert!(!gemv_takes_rows(GEMV_MAX_ROWS + 1, 3 * MIB));
     }
 }
