@@ -189,11 +189,12 @@ fn dense_ops_match_the_cpu() {
     };
     let mut rng = rng("dense_ops_match_the_cpu");
     for dtype in DType::ALL {
-        // Up to GEMV_MAX_ROWS rows take the GEMV kernels, more take cuBLAS. Widths that are
-        // not whole blocks of the GEMV's k or groups of its columns, and one long enough
-        // (4160) for every warp of a sliced GEMV to load several rounds of blocks. On cuBLAS,
-        // a 16-bit gate|up product of 116 columns a half takes SwiGLU's one-column path, of
-        // 128 its eight-column path.
+        // Up to GEMV_MAX_ROWS rows of these small weights take the GEMV kernels, more take
+        // cuBLAS (a large weight's products run on cuBLAS from 3 rows: `gemv_takes_rows`).
+        // Widths that are not whole blocks of the GEMV's k or groups of its columns, and one
+        // long enough (4160) for every warp of a sliced GEMV to load several rounds of blocks.
+        // On cuBLAS, a 16-bit gate|up product of 116 columns a half takes SwiGLU's one-column
+        // path, of 128 its eight-column path.
         let shapes = [
             (1, (160, 232)),
             (5, (160, 232)),
