@@ -252,13 +252,13 @@ const GEMV_SMALL_WEIGHT_BYTES: usize = 16 << 20;
 
 /// Whether the GEMV takes `rows` rows of a product with a weight of `weight_bytes` (else
 /// cuBLAS does). Each of its warps reads every row's activation for its eight columns, so its
-/// time grows with the rows by a share of the weight's streaming time, while cuBLAS's hardly
-/// does; cuBLAS costs instead the launches the GEMV's epilogues spare (RMSNorm, RoPE,
+/// time grows with the rows by a share of the weight's streaming time, while cuBLAS's time
+/// hardly does; cuBLAS costs instead the launches the GEMV's epilogues spare (RMSNorm, RoPE,
 /// SwiGLU, the split-k reduction), a few microseconds a product. So the GEMV keeps one or two
-/// rows of any weight, and up to [`GEMV_MAX_ROWS`] of a weight whose stream is as short as
-/// those launches. On an H200, replayed passes of 4 and 8 rows ran 15-17% faster on the GEMV
-/// than on cuBLAS for SmolLM2-135M (weights of at most 3.5 MB), and 11-19% slower for
-/// Llama-3.1-8B (33-235 MB), 3 rows 7% slower (BENCHMARKS, session 48).
+/// rows of any weight, and up to [`GEMV_MAX_ROWS`] of a weight whose stream is about as short
+/// as those launches. On an H200, replayed passes of 4 and 8 rows took 14-17% less time on
+/// the GEMV than on cuBLAS for SmolLM2-135M (weights of at most 3.5 MB), and 12-24% more for
+/// Llama-3.1-8B (33-235 MB), 8% more at 3 rows (BENCHMARKS, session 48).
 fn gemv_takes_rows(rows: usize, weight_bytes: usize) -> bool {
     rows <= GEMV_ANY_WEIGHT_ROWS
         || (rows <= GEMV_MAX_ROWS && weight_bytes <= GEMV_SMALL_WEIGHT_BYTES)
