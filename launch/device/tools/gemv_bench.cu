@@ -25,6 +25,12 @@
 
 #include "bench.cuh"
 
+// Dynamic shared memory a GEMV of MATS weight rows a column takes: a variant's own (the
+// crate's plain GEMVs take none).
+#ifndef GEMV_RING_BYTES
+#define GEMV_RING_BYTES(MATS) 0
+#endif
+
 // A stand-in for the small kernel before a projection in a step (an RMSNorm).
 __global__ void touch(float* x) {
     let_next_grid_launch();
@@ -99,8 +105,11 @@ int main(int argc, char** argv) {
         CHECK(cudaMalloc(&out, (size_t)rows * s.cols * 4));
         CHECK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
 
+        const int dynamic_smem = GEMV_RING_BYTES((int)s.mats);
+        if (dynamic_smem > 0)
+            CHECK(cudaFuncSetAttribute(s.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem));
         int ctas_per_sm = 0;
-        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, s.kernel, GEMV_WARPS * 32, 0));
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, s.kernel, GEMV_WARPS * 32, dynamic_smem));
         const u32 groups = (s.cols + GEMV_COLS - 1) / GEMV_COLS, wave = prop.multiProcessorCount * ctas_per_sm;
         u32 chosen = 1;
         for (u32 c : {(u32)GEMV_WARPS, 4u, 2u})
@@ -123,6 +132,7 @@ int main(int argc, char** argv) {
             touch_cfg.blockDim = dim3(256);
             touch_cfg.attrs = &pdl;
             touch_cfg.numAttrs = 1;
+            cfg.dynamicSmemBytes = dynamic_smem;
             auto launch = [&](int i, bool chained) {
                 cfg.attrs = chained ? &pdl : nullptr;
                 cfg.numAttrs = chained ? 1 : 0;
