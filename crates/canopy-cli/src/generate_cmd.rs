@@ -8,6 +8,7 @@ use crate::bench::BackendKind;
 use crate::decode_bench::FillChoice;
 use crate::ranks::{ModelSource, Placed, RankComm};
 use anyhow::{bail, Result};
+use canopy_core::stats::median;
 use canopy_core::Method;
 use canopy_cuda::CudaBackend;
 use canopy_engine::{CpuBackend, LayerOps};
@@ -111,7 +112,11 @@ struct Report {
     prefill_s: f64,
     prefill_tokens_per_s: f64,
     ttft_s: f64,
+    /// The mean decode step: it counts the steps that record a graph or run op by op, and a
+    /// first use of a library (cuBLAS) or a kernel.
     decode_ms_per_token: Option<f64>,
+    /// The median decode step: the steady step, which a short run's first steps do not move.
+    decode_median_step_ms: Option<f64>,
     decode_tokens_per_s: Option<f64>,
     /// Decode steps rank 0 replayed from a recorded graph (0 with `--eager`, or on a backend
     /// that records none).
@@ -242,6 +247,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         ttft_s: first_token_s,
         decode_ms_per_token: (!out.step_s.is_empty())
             .then(|| steps * 1e3 / out.step_s.len() as f64),
+        decode_median_step_ms: (!out.step_s.is_empty()).then(|| median(&out.step_s) * 1e3),
         decode_tokens_per_s: (!out.step_s.is_empty())
             .then(|| out.step_s.len() as f64 * a.n as f64 / steps),
         replayed_steps: out.replayed_steps,
@@ -271,8 +277,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         report.prefill_s,
         report.prefill_tokens_per_s,
         report.ttft_s,
-        match (report.decode_ms_per_token, report.decode_tokens_per_s) {
-            (Some(ms), Some(tps)) => format!("{ms:.1} ms/token ({tps:.1} tokens/s)"),
+        match (
+            report.decode_ms_per_token,
+            report.decode_median_step_ms,
+            report.decode_tokens_per_s,
+        ) {
+            (Some(ms), Some(median), Some(tps)) => {
+                format!("{ms:.1} ms/token, median step {median:.1} ms ({tps:.1} tokens/s)")
+            }
             _ => "no steps".into(),
         },
         ranks,

@@ -71,6 +71,38 @@ fn every_rank_count_and_strategy_generates_the_same_tokens() {
     }
 }
 
+/// The timing gives the mean decode step and the median one, in the JSON and on stderr.
+#[test]
+fn the_timing_reports_the_mean_and_the_median_step() {
+    let model = tiny("gqa-hd64");
+    let args = [
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        "the quick brown fox",
+    ];
+    let out = canopy()
+        .args(args)
+        .args(["--max-tokens", "8", "--json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v: Value = serde_json::from_slice(&out).expect("JSON");
+    for field in ["decode_ms_per_token", "decode_median_step_ms"] {
+        let ms = v[field].as_f64().unwrap_or(f64::NAN);
+        assert!(ms.is_finite() && ms > 0.0, "{field}: {}", v[field]);
+    }
+    canopy()
+        .args(args)
+        .args(["--max-tokens", "4"])
+        .assert()
+        .success()
+        .stderr(contains("ms/token, median step"));
+}
+
 /// A random context is a function of its positions alone: one rank, the tree over 2 and 3
 /// ranks, and the ring decode the same greedy tokens after it.
 #[test]
