@@ -12,7 +12,8 @@ use serde_json::Value;
 
 use common::tiny_model as tiny;
 
-fn tokens(args: &[&str]) -> Vec<Value> {
+/// The `--json` report of `args`.
+fn report(args: &[&str]) -> Value {
     let out = canopy()
         .args(args)
         .arg("--json")
@@ -21,8 +22,11 @@ fn tokens(args: &[&str]) -> Vec<Value> {
         .get_output()
         .stdout
         .clone();
-    let v: Value = serde_json::from_slice(&out).expect("JSON");
-    v["samples"].as_array().unwrap().clone()
+    serde_json::from_slice(&out).expect("JSON")
+}
+
+fn tokens(args: &[&str]) -> Vec<Value> {
+    report(args)["samples"].as_array().unwrap().clone()
 }
 
 /// `base` with `extra` after it.
@@ -82,15 +86,7 @@ fn the_timing_reports_the_mean_and_the_median_step() {
         "--prompt",
         "the quick brown fox",
     ];
-    let out = canopy()
-        .args(args)
-        .args(["--max-tokens", "8", "--json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let v: Value = serde_json::from_slice(&out).expect("JSON");
+    let v = report(&with(&args, &["--max-tokens", "8"]));
     for field in ["decode_ms_per_token", "decode_median_step_ms"] {
         let ms = v[field].as_f64().unwrap_or(f64::NAN);
         assert!(ms.is_finite() && ms > 0.0, "{field}: {}", v[field]);
@@ -276,32 +272,24 @@ fn prompt_ids_and_logits_reproduce_the_reference() {
         .iter()
         .map(|x| x.to_string())
         .collect();
+    let ids = ids.join(",");
     let run = |dtype: &str| -> Value {
-        let out = canopy()
-            .args([
-                "generate",
-                "--model",
-                &model,
-                "--backend",
-                "cpu",
-                "--dtype",
-                dtype,
-            ])
-            .args([
-                "--prompt-ids",
-                &ids.join(","),
-                "--max-tokens",
-                "8",
-                "--ranks",
-                "2",
-            ])
-            .args(["--json", "--logits"])
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
-        serde_json::from_slice(&out).expect("JSON")
+        report(&[
+            "generate",
+            "--model",
+            &model,
+            "--backend",
+            "cpu",
+            "--dtype",
+            dtype,
+            "--prompt-ids",
+            &ids,
+            "--max-tokens",
+            "8",
+            "--ranks",
+            "2",
+            "--logits",
+        ])
     };
     let floats = |v: &Value| -> Vec<f64> {
         v.as_array()
