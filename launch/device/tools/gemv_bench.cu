@@ -115,24 +115,56 @@ int main(int argc, char** argv) {
         for (u32 c : {(u32)GEMV_WARPS, 4u, 2u})
             if ((groups + GEMV_WARPS / c - 1) / (GEMV_WARPS / c) <= wave) { chosen = c; break; }
         const std::vector<u32> choices = slice_choices.empty() ? std::vector<u32>{chosen} : slice_choices;
+        cudaFuncAttributes attr;
+        CHECK(cudaFuncGetAttributes(&attr, s.kernel));
+
+        cudaLaunchAttribute pdl;
+        pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        pdl.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.blockDim = dim3(GEMV_WARPS * 32);
+        cfg.stream = stream;
+        cudaLaunchConfig_t touch_cfg = cfg;
+        touch_cfg.gridDim = dim3(1);
+        touch_cfg.blockDim = dim3(256);
+        touch_cfg.attrs = &pdl;
+        touch_cfg.numAttrs = 1;
+        cfg.dynamicSmemBytes = dynamic_smem;
+        auto time_us = [&](auto&& body) {
+            for (int i = 0; i < 20; ++i) body(i);
+            CHECK(cudaEventRecord(t0, stream));
+            for (int i = 0; i < iters; ++i) body(i);
+            CHECK(cudaEventRecord(t1, stream));
+            CHECK(cudaEventSynchronize(t1));
+            float ms;
+            CHECK(cudaEventElapsedTime(&ms, t0, t1));
+            return 1000.0 * ms / iters;
+        };
+        const double touch_us = time_us([&](int) { CHECK(cudaLaunchKernelEx(&touch_cfg, touch, x)); });
+        // The ceiling: the same bytes read by a plain grid-stride stream.
+        const double read_us = time_us([&](int i) {
+            read_all<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(
+                reinterpret_cast<const uint4*>(w + (u64)(i % copies) * elems), bytes / 16, sink);
+        });
+
+        // The f64 products of copy 0 at the checked (column, row) pairs.
+        std::vector<double> want;
+        for (u32 c = 0; c < s.cols; c += s.cols / 61) {
+            for (u32 m = 0; m < rows; ++m) {
+                double acc[2] = {0, 0};
+                for (u32 j = 0; j < s.mats; ++j) {
+                    std::vector<u16> wrow(s.k);
+                    CHECK(cudaMemcpy(wrow.data(), w + ((u64)j * s.cols + c) * s.k, s.k * 2, cudaMemcpyDeviceToHost));
+                    for (u32 e = 0; e < s.k; ++e)
+                        acc[j] += (double)bf16_to_f32(wrow[e]) * (double)bf16_to_f32(round_bf16(hx[(size_t)m * s.k + e]));
+                }
+                want.push_back(s.mats == 2 ? acc[0] / (1.0 + exp(-acc[0])) * acc[1] : acc[0]);
+            }
+        }
+
         for (const u32 slices : choices) {
             const u32 grid = (groups + GEMV_WARPS / slices - 1) / (GEMV_WARPS / slices);
-            cudaFuncAttributes attr;
-            CHECK(cudaFuncGetAttributes(&attr, s.kernel));
-
-            cudaLaunchAttribute pdl;
-            pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            pdl.val.programmaticStreamSerializationAllowed = 1;
-            cudaLaunchConfig_t cfg = {};
             cfg.gridDim = dim3(grid);
-            cfg.blockDim = dim3(GEMV_WARPS * 32);
-            cfg.stream = stream;
-            cudaLaunchConfig_t touch_cfg = cfg;
-            touch_cfg.gridDim = dim3(1);
-            touch_cfg.blockDim = dim3(256);
-            touch_cfg.attrs = &pdl;
-            touch_cfg.numAttrs = 1;
-            cfg.dynamicSmemBytes = dynamic_smem;
             auto launch = [&](int i, bool chained) {
                 cfg.attrs = chained ? &pdl : nullptr;
                 cfg.numAttrs = chained ? 1 : 0;
@@ -140,30 +172,8 @@ int main(int argc, char** argv) {
                 CHECK(cudaLaunchKernelEx(&cfg, s.kernel, (const u16*)(w + (u64)(i % copies) * elems), (const float*)x,
                                          out, rows, s.cols, s.k, slices));
             };
-            auto time_us = [&](auto&& body) {
-                for (int i = 0; i < 20; ++i) body(i);
-                CHECK(cudaEventRecord(t0, stream));
-                for (int i = 0; i < iters; ++i) body(i);
-                CHECK(cudaEventRecord(t1, stream));
-                CHECK(cudaEventSynchronize(t1));
-                float ms;
-                CHECK(cudaEventElapsedTime(&ms, t0, t1));
-                return 1000.0 * ms / iters;
-            };
             const double us = time_us([&](int i) { launch(i, false); });
-            const double touch_us = time_us([&](int) { CHECK(cudaLaunchKernelEx(&touch_cfg, touch, x)); });
             const double chained_us = time_us([&](int i) { launch(i, true); }) - touch_us;
-
-            // The ceiling: the same bytes read by a plain grid-stride stream.
-            CHECK(cudaEventRecord(t0, stream));
-            for (int i = 0; i < iters; ++i)
-                read_all<<<prop.multiProcessorCount * 8, 512, 0, stream>>>(
-                    reinterpret_cast<const uint4*>(w + (u64)(i % copies) * elems), bytes / 16, sink);
-            CHECK(cudaEventRecord(t1, stream));
-            CHECK(cudaEventSynchronize(t1));
-            float read_ms;
-            CHECK(cudaEventElapsedTime(&read_ms, t0, t1));
-            const double read_us = 1000.0 * read_ms / iters;
 
             // A fresh product of copy 0 for the check (the add epilogue adds into zeros).
             CHECK(cudaMemsetAsync(out, 0, (size_t)rows * s.cols * 4, stream));
@@ -172,19 +182,12 @@ int main(int argc, char** argv) {
             std::vector<float> hout((size_t)rows * s.cols);
             CHECK(cudaMemcpy(hout.data(), out, hout.size() * 4, cudaMemcpyDeviceToHost));
             double worst = 0;
-            for (u32 c = 0; c < s.cols; c += s.cols / 61) {
+            size_t checked = 0;
+            for (u32 c = 0; c < s.cols; c += s.cols / 61)
                 for (u32 m = 0; m < rows; ++m) {
-                    double acc[2] = {0, 0};
-                    for (u32 j = 0; j < s.mats; ++j) {
-                        std::vector<u16> wrow(s.k);
-                        CHECK(cudaMemcpy(wrow.data(), w + ((u64)j * s.cols + c) * s.k, s.k * 2, cudaMemcpyDeviceToHost));
-                        for (u32 e = 0; e < s.k; ++e)
-                            acc[j] += (double)bf16_to_f32(wrow[e]) * (double)bf16_to_f32(round_bf16(hx[(size_t)m * s.k + e]));
-                    }
-                    const double want = s.mats == 2 ? acc[0] / (1.0 + exp(-acc[0])) * acc[1] : acc[0];
-                    worst = fmax(worst, fabs(hout[(size_t)m * s.cols + c] - want) / (fabs(want) + 1e-2));
+                    const double v = want[checked++];
+                    worst = fmax(worst, fabs(hout[(size_t)m * s.cols + c] - v) / (fabs(v) + 1e-2));
                 }
-            }
             printf("%-8s cols %5u k %5u  grid %4u slices %u regs %3d ctas/sm %d  alone %7.2f us %5.0f GB/s  chained %7.2f us %5.0f GB/s  read %7.2f us %5.0f GB/s  worst rel err %.2e\n",
                    s.name, s.cols * s.mats, s.k, grid, slices, attr.numRegs, ctas_per_sm, us, bytes / us / 1e3, chained_us,
                    bytes / chained_us / 1e3, read_us, bytes / read_us / 1e3, worst);
