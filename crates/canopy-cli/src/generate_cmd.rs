@@ -8,7 +8,7 @@ use crate::bench::BackendKind;
 use crate::decode_bench::FillChoice;
 use crate::ranks::{ModelSource, Placed, RankComm};
 use anyhow::{bail, Result};
-use canopy_core::stats::median;
+use canopy_core::stats::{mean, median};
 use canopy_core::Method;
 use canopy_cuda::CudaBackend;
 use canopy_engine::{CpuBackend, LayerOps};
@@ -233,7 +233,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let Some((out, texts, first_token_s)) = done else {
         return Ok(()); // an MPI rank other than 0
     };
-    let steps: f64 = out.step_s.iter().sum();
+    let (steps, stepped): (f64, bool) = (out.step_s.iter().sum(), !out.step_s.is_empty());
     let report = Report {
         model: path.map_or(name, |p| p.display().to_string()),
         backend: kind.to_string(),
@@ -245,11 +245,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prefill_s: out.prefill_s,
         prefill_tokens_per_s: req.prompt.len() as f64 / out.prefill_s,
         ttft_s: first_token_s,
-        decode_ms_per_token: (!out.step_s.is_empty())
-            .then(|| steps * 1e3 / out.step_s.len() as f64),
-        decode_median_step_ms: (!out.step_s.is_empty()).then(|| median(&out.step_s) * 1e3),
-        decode_tokens_per_s: (!out.step_s.is_empty())
-            .then(|| out.step_s.len() as f64 * a.n as f64 / steps),
+        decode_ms_per_token: stepped.then(|| mean(&out.step_s) * 1e3),
+        decode_median_step_ms: stepped.then(|| median(&out.step_s) * 1e3),
+        decode_tokens_per_s: stepped.then(|| out.step_s.len() as f64 * a.n as f64 / steps),
         replayed_steps: out.replayed_steps,
         logits: a.logits.then(|| Logits {
             first: out.first_logits.clone(),
