@@ -4,13 +4,13 @@
 // of the kernel are timed alone, apart from a model's step.
 //
 // Each projection is timed two ways, cycling through enough copies of its weight that none is
-// read from L2: launched back to back without programmatic dependence ("alone"), and as the
-// model's step runs it, a programmatic dependent after a one-CTA kernel ("chained", less that
-// kernel's own chain). The
-// slices per column group are chosen as the backend chooses them (the most whose CTAs fit one
-// wave), or are each of the `slices` argument's (comma-separated) in turn. A plain streaming
-// read of the same bytes gives the ceiling. A few output columns are checked against an f64
-// product on the host.
+// read from L2: launched back to back without programmatic dependence ("alone", as the step
+// launches its GEMVs), and as a programmatic dependent after a one-CTA kernel ("chained", less
+// that kernel's own chain). gate|up is timed plain and normed (`gate_up_n`, RMSNorm in each
+// CTA, as the step runs it). The slices per column group are chosen as the backend chooses them
+// (the most whose CTAs fit one wave), or are each of the `slices` argument's (comma-separated)
+// in turn. A plain streaming read of the same bytes gives the ceiling. A few output columns are
+// checked against an f64 product on the host.
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdlib>
@@ -24,12 +24,6 @@
 #include "gemv.cu"
 
 #include "bench.cuh"
-
-// Dynamic shared memory a GEMV of MATS weight rows a column takes: a variant's own (the
-// crate's plain GEMVs take none).
-#ifndef GEMV_RING_BYTES
-#define GEMV_RING_BYTES(MATS) 0
-#endif
 
 // A stand-in for the small kernel before a projection in a step (an RMSNorm).
 __global__ void touch(float* x) {
@@ -48,11 +42,16 @@ __global__ void read_all(const uint4* p, u64 n, u32* sink) {
 }
 
 typedef void (*GemvKernel)(const u16*, const float*, float*, u32, u32, u32, u32);
+typedef void (*NormedGemvKernel)(const u16*, const float*, const u16*, float, float*, u32, u32, u32, u32);
 
+// A projection: `kernel`, or `normed` (the other null), which RMS-normalises the rows first as
+// the step's gate|up does. The layer's total counts the shapes `in_layer`: gate|up once, normed.
 struct Shape {
     const char* name;
     GemvKernel kernel;
     u32 cols, k, mats;
+    bool in_layer;
+    NormedGemvKernel normed;
 };
 
 static float bf16_to_f32(u16 x) {
@@ -78,10 +77,11 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
     const Shape shapes[] = {
-        {"qkv", gemv, 6144, 4096, 1},
-        {"o", gemv_add, 4096, 4096, 1},
-        {"gate_up", gemv_swiglu, 14336, 4096, 2},
-        {"down", gemv_add, 4096, 14336, 1},
+        {"qkv", gemv, 6144, 4096, 1, true},
+        {"o", gemv_add, 4096, 4096, 1, true},
+        {"gate_up", gemv_swiglu, 14336, 4096, 2, false},
+        {"gate_up_n", nullptr, 14336, 4096, 2, true, gemv_normed_swiglu},
+        {"down", gemv_add, 4096, 14336, 1, true},
     };
     const u64 min_bytes = 512ull << 20;  // cycled weights: ten times the L2
     cudaStream_t stream;
@@ -104,19 +104,39 @@ int main(int argc, char** argv) {
         CHECK(cudaMalloc(&x, hx.size() * 4));
         CHECK(cudaMalloc(&out, (size_t)rows * s.cols * 4));
         CHECK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+        // The norm's weight near 1, and the activation the product sees: rms_norm's rows rounded
+        // to bf16 (normed), else x rounded.
+        const float eps = 1e-5f;
+        std::vector<u16> hgamma(s.k);
+        for (u32 e = 0; e < s.k; ++e) hgamma[e] = round_bf16(1.f + 0.1f * sinf(0.11f * (float)e));
+        u16* gamma;
+        CHECK(cudaMalloc(&gamma, s.k * 2));
+        CHECK(cudaMemcpy(gamma, hgamma.data(), s.k * 2, cudaMemcpyHostToDevice));
+        std::vector<float> act(hx.size());
+        for (u32 m = 0; m < rows; ++m) {
+            double sq = 0;
+            for (u32 e = 0; e < s.k; ++e) sq += (double)hx[(size_t)m * s.k + e] * hx[(size_t)m * s.k + e];
+            const float inv = (float)(1.0 / sqrt(sq / s.k + eps));
+            for (u32 e = 0; e < s.k; ++e) {
+                const float v = hx[(size_t)m * s.k + e];
+                act[(size_t)m * s.k + e] = bf16_to_f32(round_bf16(s.normed ? bf16_to_f32(hgamma[e]) * (v * inv) : v));
+            }
+        }
 
-        const int dynamic_smem = GEMV_RING_BYTES((int)s.mats);
+        const void* kernel = s.normed ? (const void*)s.normed : (const void*)s.kernel;
+        // A normed GEMV stages its normalised rows in dynamic shared memory.
+        const int dynamic_smem = s.normed ? (int)(rows * s.k * 2) : 0;
         if (dynamic_smem > 0)
-            CHECK(cudaFuncSetAttribute(s.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem));
+            CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem));
         int ctas_per_sm = 0;
-        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, s.kernel, GEMV_WARPS * 32, dynamic_smem));
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, GEMV_WARPS * 32, dynamic_smem));
         const u32 groups = (s.cols + GEMV_COLS - 1) / GEMV_COLS, wave = prop.multiProcessorCount * ctas_per_sm;
         u32 chosen = 1;
         for (u32 c : {(u32)GEMV_WARPS, 4u, 2u})
             if ((groups + GEMV_WARPS / c - 1) / (GEMV_WARPS / c) <= wave) { chosen = c; break; }
         const std::vector<u32> choices = slice_choices.empty() ? std::vector<u32>{chosen} : slice_choices;
         cudaFuncAttributes attr;
-        CHECK(cudaFuncGetAttributes(&attr, s.kernel));
+        CHECK(cudaFuncGetAttributes(&attr, kernel));
 
         cudaLaunchAttribute pdl;
         pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -156,7 +176,7 @@ int main(int argc, char** argv) {
                     std::vector<u16> wrow(s.k);
                     CHECK(cudaMemcpy(wrow.data(), w + ((u64)j * s.cols + c) * s.k, s.k * 2, cudaMemcpyDeviceToHost));
                     for (u32 e = 0; e < s.k; ++e)
-                        acc[j] += (double)bf16_to_f32(wrow[e]) * (double)bf16_to_f32(round_bf16(hx[(size_t)m * s.k + e]));
+                        acc[j] += (double)bf16_to_f32(wrow[e]) * (double)act[(size_t)m * s.k + e];
                 }
                 want.push_back(s.mats == 2 ? acc[0] / (1.0 + exp(-acc[0])) * acc[1] : acc[0]);
             }
@@ -169,8 +189,12 @@ int main(int argc, char** argv) {
                 cfg.attrs = chained ? &pdl : nullptr;
                 cfg.numAttrs = chained ? 1 : 0;
                 if (chained) CHECK(cudaLaunchKernelEx(&touch_cfg, touch, x));
-                CHECK(cudaLaunchKernelEx(&cfg, s.kernel, (const u16*)(w + (u64)(i % copies) * elems), (const float*)x,
-                                         out, rows, s.cols, s.k, slices));
+                const u16* wi = w + (u64)(i % copies) * elems;
+                if (s.normed)
+                    CHECK(cudaLaunchKernelEx(&cfg, s.normed, wi, (const float*)x, (const u16*)gamma, eps, out, rows,
+                                             s.cols, s.k, slices));
+                else
+                    CHECK(cudaLaunchKernelEx(&cfg, s.kernel, wi, (const float*)x, out, rows, s.cols, s.k, slices));
             };
             const double us = time_us([&](int i) { launch(i, false); });
             const double chained_us = time_us([&](int i) { launch(i, true); }) - touch_us;
@@ -191,7 +215,7 @@ int main(int argc, char** argv) {
             printf("%-8s cols %5u k %5u  grid %4u slices %u regs %3d ctas/sm %d  alone %7.2f us %5.0f GB/s  chained %7.2f us %5.0f GB/s  read %7.2f us %5.0f GB/s  worst rel err %.2e\n",
                    s.name, s.cols * s.mats, s.k, grid, slices, attr.numRegs, ctas_per_sm, us, bytes / us / 1e3, chained_us,
                    bytes / chained_us / 1e3, read_us, bytes / read_us / 1e3, worst);
-            if (slices == choices[0]) {
+            if (slices == choices[0] && s.in_layer) {
                 total_us += chained_us;
                 total_bytes += bytes;
             }
@@ -199,6 +223,7 @@ int main(int argc, char** argv) {
         CHECK(cudaFree(w));
         CHECK(cudaFree(x));
         CHECK(cudaFree(out));
+        CHECK(cudaFree(gamma));
     }
     printf("layer (the first slices), chained: %.2f us for %.1f MB: %.0f GB/s\n", total_us, total_bytes / 1e6, total_bytes / total_us / 1e3);
     return 0;
