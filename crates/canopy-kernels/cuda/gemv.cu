@@ -13,8 +13,10 @@
 // any, so every lane keeps that many loads in flight. Two blocks keep the registers few enough
 // for many warps per SM; on an H100, more warps streamed the Llama-3.1-8B projections faster
 // than more loads per warp (four or eight blocks, or fewer registers forced by launch bounds,
-// were slower: BENCHMARKS session 16). Cutting k into slices gives a matrix of
-// few columns enough warps to fill the GPU.
+// were slower: BENCHMARKS session 16). Streaming the weight through a per-warp ring in shared
+// memory instead, fed by each lane's cp.async or by the copy engine's bulk copies, was slower
+// too (sessions 48 and 49). Cutting k into slices gives a matrix of few columns enough warps
+// to fill the GPU.
 //
 // A 16-bit weight is multiplied on the tensor cores: each block is four mma.m16n8k16 whose B
 // operand (k16 × n8) is the weight as loaded, the lane's 32-bit words in place, and whose A
