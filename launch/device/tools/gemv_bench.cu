@@ -104,14 +104,16 @@ int main(int argc, char** argv) {
         CHECK(cudaMalloc(&x, hx.size() * 4));
         CHECK(cudaMalloc(&out, (size_t)rows * s.cols * 4));
         CHECK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
-        // The norm's weight near 1, and the activation the product sees: rms_norm's rows rounded
-        // to bf16 (normed), else x rounded.
+        // A normed product's norm weight, near 1 (else none), and the activation the product
+        // sees: rms_norm's rows rounded to bf16 (normed), else x rounded.
         const float eps = 1e-5f;
         std::vector<u16> hgamma(s.k);
         for (u32 e = 0; e < s.k; ++e) hgamma[e] = round_bf16(1.f + 0.1f * sinf(0.11f * (float)e));
-        u16* gamma;
-        CHECK(cudaMalloc(&gamma, s.k * 2));
-        CHECK(cudaMemcpy(gamma, hgamma.data(), s.k * 2, cudaMemcpyHostToDevice));
+        u16* gamma = nullptr;
+        if (s.normed) {
+            CHECK(cudaMalloc(&gamma, s.k * 2));
+            CHECK(cudaMemcpy(gamma, hgamma.data(), s.k * 2, cudaMemcpyHostToDevice));
+        }
         std::vector<float> act(hx.size());
         for (u32 m = 0; m < rows; ++m) {
             double sq = 0;
