@@ -34,7 +34,8 @@ pub struct CaseResult {
 }
 
 /// The suite's trees: random ones of every kind plus small versions of the named workloads.
-pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree)> {
+/// The shapes cycle over the trees, but for the one a tree names.
+pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree, Option<AttnShape>)> {
     let mut trees: Vec<(String, KvTree)> = (0..random_cases as u64)
         .map(|i| {
             (
@@ -75,6 +76,22 @@ pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree)> {
             .expect("built-in workload builds");
         trees.push((name.to_string(), tree));
     }
+    let mut trees: Vec<_> = trees.into_iter().map(|(n, t)| (n, t, None)).collect();
+    // A prompt shared by 72 sequences at GQA 4 with heads of 128: its queries split into blocks
+    // of 64 rows over the same KV (the tensor-core kernel's many-row CTAs, on the warpgroup MMA
+    // on Hopper), and its 300 tokens end inside a 64-token tile.
+    let mut prompt = TreeBuilder::new();
+    let root = prompt.add_root(300);
+    for i in 0..72u32 {
+        let leaf = prompt.add_child(root, i % 4 + 1).expect("parent exists");
+        prompt.add_query(leaf).expect("node exists");
+    }
+    let gqa4 = AttnShape::new(8, 2, 128).expect("valid shape");
+    trees.push((
+        "prompt-72".into(),
+        prompt.build().expect("valid"),
+        Some(gqa4),
+    ));
     trees
 }
 
@@ -95,8 +112,10 @@ where
         AttnShape::new(4, 1, 256)?,
     ];
     let mut out = Vec::new();
-    for (t, (tree_name, tree)) in suite_trees(seed, random_cases).into_iter().enumerate() {
-        let shape = shapes[t % shapes.len()];
+    for (t, (tree_name, tree, named_shape)) in
+        suite_trees(seed, random_cases).into_iter().enumerate()
+    {
+        let shape = named_shape.unwrap_or(shapes[t % shapes.len()]);
         let dtype = DType::ALL[t % 3];
         let problem = Problem::random(tree, shape, dtype, seed.wrapping_add(t as u64));
         let oracle = problem.oracle();
