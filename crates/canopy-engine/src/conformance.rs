@@ -33,8 +33,8 @@ pub struct CaseResult {
     pub passed: bool,
 }
 
-/// The suite's trees: random ones of every kind plus small versions of the named workloads.
-/// The shapes cycle over the trees, but for the one a tree names.
+/// The suite's trees: random ones of every kind plus small versions of the named workloads,
+/// each with the shape it must run at, if any (the others take the suite's shapes in turn).
 pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree, Option<AttnShape>)> {
     let mut trees: Vec<(String, KvTree)> = (0..random_cases as u64)
         .map(|i| {
