@@ -233,7 +233,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let Some((out, texts, first_token_s)) = done else {
         return Ok(()); // an MPI rank other than 0
     };
-    let (steps, stepped): (f64, bool) = (out.step_s.iter().sum(), !out.step_s.is_empty());
+    let stepped = !out.step_s.is_empty();
     let report = Report {
         model: path.map_or(name, |p| p.display().to_string()),
         backend: kind.to_string(),
@@ -247,7 +247,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         ttft_s: first_token_s,
         decode_ms_per_token: stepped.then(|| mean(&out.step_s) * 1e3),
         decode_median_step_ms: stepped.then(|| median(&out.step_s) * 1e3),
-        decode_tokens_per_s: stepped.then(|| out.step_s.len() as f64 * a.n as f64 / steps),
+        decode_tokens_per_s: stepped.then(|| a.n as f64 / mean(&out.step_s)),
         replayed_steps: out.replayed_steps,
         logits: a.logits.then(|| Logits {
             first: out.first_logits.clone(),
