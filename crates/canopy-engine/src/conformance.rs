@@ -36,11 +36,12 @@ pub struct CaseResult {
 /// The suite's trees: random ones of every kind plus small versions of the named workloads,
 /// each with the shape it must run at, if any (the others take the suite's shapes in turn).
 pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree, Option<AttnShape>)> {
-    let mut trees: Vec<(String, KvTree)> = (0..random_cases as u64)
+    let mut trees: Vec<(String, KvTree, Option<AttnShape>)> = (0..random_cases as u64)
         .map(|i| {
             (
                 format!("random-{i}"),
                 random_tree(seed ^ (i * 0x9E37), 24, 48),
+                None,
             )
         })
         .collect();
@@ -49,14 +50,12 @@ pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree, Optio
     let mut single = TreeBuilder::new();
     let root = single.add_root(37);
     single.add_query(root).expect("node exists");
-    trees.push(("single-node".into(), single.build().expect("valid")));
-    let mut wide = TreeBuilder::new();
-    let root = wide.add_root(40);
-    for i in 0..1100u32 {
-        let leaf = wide.add_child(root, i % 3 + 1).expect("parent exists");
-        wide.add_query(leaf).expect("node exists");
-    }
-    trees.push(("fan-1100".into(), wide.build().expect("valid")));
+    trees.push(("single-node".into(), single.build().expect("valid"), None));
+    trees.push((
+        "fan-1100".into(),
+        fan(40, (0..1100).map(|i| i % 3 + 1)),
+        None,
+    ));
     // Small versions of the named workloads: FastTree's smallest tree as is, the DeFT ones with
     // a 300-token prompt.
     let named = [
@@ -74,25 +73,29 @@ pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree, Optio
         let tree = spec
             .and_then(|s| s.build_tree())
             .expect("built-in workload builds");
-        trees.push((name.to_string(), tree));
+        trees.push((name.to_string(), tree, None));
     }
-    let mut trees: Vec<_> = trees.into_iter().map(|(n, t)| (n, t, None)).collect();
     // A prompt shared by 72 sequences at GQA 4 with heads of 128: its queries split into blocks
     // of 64 rows over the same KV (the tensor-core kernel's many-row CTAs, on the warpgroup MMA
     // on Hopper), and its 300 tokens end inside a 64-token tile.
-    let mut prompt = TreeBuilder::new();
-    let root = prompt.add_root(300);
-    for i in 0..72u32 {
-        let leaf = prompt.add_child(root, i % 4 + 1).expect("parent exists");
-        prompt.add_query(leaf).expect("node exists");
-    }
     let gqa4 = AttnShape::new(8, 2, 128).expect("valid shape");
     trees.push((
         "prompt-72".into(),
-        prompt.build().expect("valid"),
+        fan(300, (0..72).map(|i| i % 4 + 1)),
         Some(gqa4),
     ));
     trees
+}
+
+/// A root of `root_len` tokens with one leaf per length of `leaf_lens`, a query on each leaf.
+fn fan(root_len: u32, leaf_lens: impl Iterator<Item = u32>) -> KvTree {
+    let mut b = TreeBuilder::new();
+    let root = b.add_root(root_len);
+    for len in leaf_lens {
+        let leaf = b.add_child(root, len).expect("parent exists");
+        b.add_query(leaf).expect("node exists");
+    }
+    b.build().expect("valid")
 }
 
 /// Runs every method × strategy × dtype × shape on `ranks` ranks of `make`'s backend.
