@@ -13,6 +13,12 @@
 // memory (CLUSTER, the default), or CTAs that add their sums into the output with atomics (the
 // output is cleared first; the time counts the clearing). Products are checked against
 // cuBLAS's.
+//
+// Each product is timed three ways: alone; after `norm_rows`, the kernel that writes its
+// activation in a decode step; and chained, both launched as programmatic dependents, the
+// producer asking for its first stages' weight tiles before it waits for the norm. KB boxes of
+// 64 k make a stage (KB * 128 bytes of each weight row). NO_X and NO_MMA leave out the
+// activation's copies and the MMAs, for diagnosis: the products are then wrong.
 #include <cuda.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -41,9 +47,22 @@
 #endif
 #define BN 128
 #define BK 64
-#define W_TILE_BYTES (BN * BK * 2)
-#define X_TILE_BYTES (64 * BK * 2)
+// Boxes of BK along k a stage (KB): each weight row then gives KB * 128 consecutive bytes.
+#ifndef KB
+#define KB 1
+#endif
+#define W_BOX_BYTES (BN * BK * 2)
+#define X_BOX_BYTES (64 * BK * 2)
+#define W_TILE_BYTES (KB * W_BOX_BYTES)
+#define X_TILE_BYTES (KB * X_BOX_BYTES)
+#ifndef NO_X
+#define NO_X 0
+#endif
+#ifndef NO_MMA
+#define NO_MMA 0
+#endif
 #define STAGE_BYTES (W_TILE_BYTES + X_TILE_BYTES)
+#define LOAD_BYTES (NO_X ? W_TILE_BYTES : STAGE_BYTES)
 #define SMEM_BYTES (TMA_STAGES * STAGE_BYTES + 1024)
 #ifndef CLUSTER
 #define CLUSTER 1
@@ -81,13 +100,13 @@ __device__ __forceinline__ float load_cluster(const float* p, u32 rank) {
 
 extern "C" __global__ void __launch_bounds__(160, 1)
 gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap xmap, float* __restrict__ out,
-         int rows, int cols, int k, int splits, int clustered) {
+         int rows, int cols, int k, int splits, int clustered, int chained) {
 #if HAS_WGMMA
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = (unsigned char*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
     __shared__ u64 full[TMA_STAGES], empty[TMA_STAGES];
     const int tile = blockIdx.x / splits, split = blockIdx.x % splits;
-    const int blocks = (k + BK - 1) / BK, per = (blocks + splits - 1) / splits;
+    const int blocks = (k + BK * KB - 1) / (BK * KB), per = (blocks + splits - 1) / splits;
     const int b0 = min(split * per, blocks), n = min(b0 + per, blocks) - b0;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
@@ -98,17 +117,34 @@ gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUten
         mbar_init_fence();
     }
     __syncthreads();
+    if (chained) let_next_grid_launch();
     if (warp == 4) {
-        if (lane == 0)
+        if (lane == 0) {
+            // Chained (a programmatic dependent of the kernel that writes the activation): the
+            // weight is no kernel's output, so the first stages' weight tiles are asked for
+            // before the wait, while that kernel still runs; their activation tiles after it.
+            const int early = chained ? min(n, TMA_STAGES) : 0;
+            for (int i = 0; i < early; ++i) {
+                mbar_expect_bytes(&full[i], LOAD_BYTES);
+                for (int b = 0; b < KB; ++b)
+                    tma_load_2d(smem + i * STAGE_BYTES + b * W_BOX_BYTES, &wmap, ((b0 + i) * KB + b) * BK, tile * BN,
+                                &full[i]);
+            }
+            if (chained) wait_for_previous_grid();
             for (int i = 0; i < n; ++i) {
                 const int s = i % TMA_STAGES;
-                // A fresh barrier's previous phase counts as complete: the first round waits not.
-                mbar_wait(&empty[s], ((i / TMA_STAGES) & 1) ^ 1);
-                mbar_expect_bytes(&full[s], STAGE_BYTES);
                 unsigned char* st = smem + s * STAGE_BYTES;
-                tma_load_2d(st, &wmap, (b0 + i) * BK, tile * BN, &full[s]);
-                tma_load_2d(st + W_TILE_BYTES, &xmap, (b0 + i) * BK, 0, &full[s]);
+                if (i >= early) {
+                    // A fresh barrier's previous phase counts as complete: the first round waits not.
+                    mbar_wait(&empty[s], ((i / TMA_STAGES) & 1) ^ 1);
+                    mbar_expect_bytes(&full[s], LOAD_BYTES);
+                    for (int b = 0; b < KB; ++b)
+                        tma_load_2d(st + b * W_BOX_BYTES, &wmap, ((b0 + i) * KB + b) * BK, tile * BN, &full[s]);
+                }
+                for (int b = 0; b < (NO_X ? 0 : KB); ++b)
+                    tma_load_2d(st + W_TILE_BYTES + b * X_BOX_BYTES, &xmap, ((b0 + i) * KB + b) * BK, 0, &full[s]);
             }
+        }
         // The producer stays for the cluster's barriers.
         if (clustered) {
             cluster_sync();
@@ -128,12 +164,15 @@ gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUten
         const u16* x = (const u16*)(smem + s * STAGE_BYTES + W_TILE_BYTES);
         wg_fence();
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-            wg_qk128_ss(acc, smem_desc(x + c * 16, 16, 1024), smem_desc(w + c * 16, 16, 1024), 1);
+        for (int c = 0; c < (NO_MMA ? 0 : 4 * KB); ++c)
+            wg_qk128_ss(acc, smem_desc(x + (c / 4) * (X_BOX_BYTES / 2) + (c % 4) * 16, 16, 1024),
+                        smem_desc(w + (c / 4) * (W_BOX_BYTES / 2) + (c % 4) * 16, 16, 1024), 1);
         wg_commit();
         wg_wait<0>();
         if (lane == 0) mbar_arrive(&empty[s]);
     }
+    // The output may still be read by the kernels before this one.
+    if (chained) wait_for_previous_grid();
     const int g = lane / 4, q = lane % 4;
     if (clustered) {
         // The cluster's partial tiles meet in distributed shared memory: each CTA writes its
@@ -170,6 +209,30 @@ gemm_tma(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUten
 #endif
 }
 
+// The kernel that stands for what writes a GEMM's activation in a decode step (an RMSNorm):
+// each CTA scales one row of `res` (k bf16) by the inverse of its root mean square into `x`. It
+// lets the next grid launch at once and waits for the previous one before it writes `x`, which
+// that grid (a GEMM) reads.
+__global__ void norm_rows(const u16* __restrict__ res, u16* __restrict__ x, int k) {
+    let_next_grid_launch();
+    __shared__ float part[32];
+    const u16* r = res + (u64)blockIdx.x * k;
+    float sq = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        const float v = __uint_as_float((u32)r[i] << 16);
+        sq += v * v;
+    }
+    for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = sq;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < (int)blockDim.x / 32; ++w) total += part[w];
+    const float scale = rsqrtf(total / k + 1e-5f);
+    wait_for_previous_grid();
+    for (int i = threadIdx.x; i < k; i += blockDim.x)
+        x[(u64)blockIdx.x * k + i] = f32_to_bf16_rn(__uint_as_float((u32)r[i] << 16) * scale);
+}
+
 // A 2-D tensor map of a row-major bf16 matrix (rows x k), boxes of box_rows x 64, 128-byte swizzle.
 static CUtensorMap tensor_map(const u16* p, int rows, int k, int box_rows) {
     CUtensorMap map;
@@ -192,7 +255,7 @@ int main(int argc, char** argv) {
         int n, k;
     };
     const Shape shapes[] = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 28672, 4096}, {"down", 4096, 14336}};
-    const int row_counts[] = {16, 64};
+    const int row_counts[] = {64};
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s));
     cublasHandle_t blas;
@@ -224,11 +287,11 @@ int main(int argc, char** argv) {
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, gemm_tma, 160, SMEM_BYTES));
     cudaFuncAttributes attr;
     CHECK(cudaFuncGetAttributes(&attr, gemm_tma));
-    printf("%s, copy bandwidth %.0f GB/s; gemm_tma: %d stages, %d CTAs/SM, %d registers, %zu local bytes, splits %s\n",
-           prop.name, bw / 1e9, TMA_STAGES, ctas_per_sm, attr.numRegs, attr.localSizeBytes,
+    printf("%s, copy bandwidth %.0f GB/s; gemm_tma: %d stages of %d boxes, %d CTAs/SM, %d registers, %zu local bytes, splits %s\n",
+           prop.name, bw / 1e9, TMA_STAGES, KB, ctas_per_sm, attr.numRegs, attr.localSizeBytes,
            CLUSTER ? "in clusters" : "by atomics");
-    printf("%-8s %5s %9s %9s %9s %9s %9s %9s %s\n", "proj", "rows", "floor us", "cublas", "s=1", "s=2", "s=4", "s=8",
-           "max rel err (s=1,2,4,8)");
+    printf("Each column: the product alone / after the norm kernel (pair minus the norm alone) / the same pair "
+           "chained (both programmatic dependents, the weight asked for before the wait), us\n");
     const u64 min_bytes = 512ull << 20;
     for (const Shape& sh : shapes) {
         const u64 elems = (u64)sh.n * sh.k, bytes = elems * 2;
@@ -239,22 +302,42 @@ int main(int argc, char** argv) {
         std::vector<CUtensorMap> wmaps;
         for (int c = 0; c < copies; ++c) wmaps.push_back(tensor_map(w + (u64)c * elems, sh.n, sh.k, BN));
         for (int rows : row_counts) {
-            u16* x;
+            u16 *x, *res;
             float *ref, *out;
             CHECK(cudaMalloc(&x, (size_t)64 * sh.k * 2));
+            CHECK(cudaMalloc(&res, (size_t)64 * sh.k * 2));
             CHECK(cudaMemset(x, 0, (size_t)64 * sh.k * 2));
             CHECK(cudaMalloc(&ref, (size_t)rows * sh.n * 4));
             CHECK(cudaMalloc(&out, (size_t)rows * sh.n * 4));
-            fill_random<<<256, 256, 0, s>>>(x, (u64)rows * sh.k, 7u + rows, 2.f);
+            fill_random<<<256, 256, 0, s>>>(res, (u64)rows * sh.k, 7u + rows, 2.f);
+            norm_rows<<<rows, 256, 0, s>>>(res, x, sh.k);
             const CUtensorMap xmap = tensor_map(x, 64, sh.k, 64);
             const float alpha = 1.f, zero = 0.f;
+            auto cublas = [&](int copy) {
+                CHECK_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, rows, sh.k, &alpha,
+                                      w + (u64)copy * elems, CUDA_R_16BF, sh.k, x, CUDA_R_16BF, sh.k, &zero, out,
+                                      CUDA_R_32F, sh.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            };
+            cudaLaunchAttribute pdl;
+            pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            pdl.val.programmaticStreamSerializationAllowed = 1;
+            auto norm = [&](int chained) {
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3(rows);
+                cfg.blockDim = dim3(256);
+                cfg.stream = s;
+                cfg.attrs = &pdl;
+                cfg.numAttrs = chained;
+                CHECK(cudaLaunchKernelEx(&cfg, norm_rows, (const u16*)res, x, sh.k));
+            };
             CHECK_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, rows, sh.k, &alpha, w, CUDA_R_16BF, sh.k, x,
                                   CUDA_R_16BF, sh.k, &zero, ref, CUDA_R_32F, sh.n, CUBLAS_COMPUTE_32F,
                                   CUBLAS_GEMM_DEFAULT));
-            const float cublas_us = time_it([&](int i) {
-                CHECK_OK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, rows, sh.k, &alpha,
-                                      w + (u64)(i % copies) * elems, CUDA_R_16BF, sh.k, x, CUDA_R_16BF, sh.k, &zero,
-                                      out, CUDA_R_32F, sh.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            const float norm_us = time_it([&](int) { norm(0); });
+            const float cublas_us = time_it([&](int i) { cublas(i % copies); });
+            const float cublas_pair = time_it([&](int i) {
+                norm(0);
+                cublas(i % copies);
             });
             std::vector<float> want((size_t)rows * sh.n), got(want.size());
             CHECK(cudaMemcpy(want.data(), ref, want.size() * 4, cudaMemcpyDeviceToHost));
@@ -262,42 +345,61 @@ int main(int argc, char** argv) {
             for (float v : want) scale = std::max(scale, (double)fabsf(v));
             const int tiles = (sh.n + BN - 1) / BN;
             // Splits of a cluster (CLUSTER set) or added with atomics after a clearing.
-            auto launch = [&](int splits, int copy) {
+            auto launch = [&](int splits, int copy, int chained) {
                 const int clustered = CLUSTER && splits > 1;
                 if (splits > 1 && !clustered) CHECK(cudaMemsetAsync(out, 0, (size_t)rows * sh.n * 4, s));
-                cudaLaunchAttribute cluster;
-                cluster.id = cudaLaunchAttributeClusterDimension;
-                cluster.val.clusterDim.x = splits;
-                cluster.val.clusterDim.y = 1;
-                cluster.val.clusterDim.z = 1;
+                cudaLaunchAttribute attrs[2];
+                int count = 0;
+                if (clustered) {
+                    attrs[count].id = cudaLaunchAttributeClusterDimension;
+                    attrs[count].val.clusterDim.x = splits;
+                    attrs[count].val.clusterDim.y = 1;
+                    attrs[count].val.clusterDim.z = 1;
+                    ++count;
+                }
+                if (chained) attrs[count++] = pdl;
                 cudaLaunchConfig_t cfg = {};
                 cfg.gridDim = dim3(tiles * splits);
                 cfg.blockDim = dim3(160);
                 cfg.dynamicSmemBytes = SMEM_BYTES;
                 cfg.stream = s;
-                cfg.attrs = &cluster;
-                cfg.numAttrs = clustered ? 1 : 0;
-                CHECK(cudaLaunchKernelEx(&cfg, gemm_tma, wmaps[copy], xmap, out, rows, sh.n, sh.k, splits, clustered));
+                cfg.attrs = attrs;
+                cfg.numAttrs = count;
+                CHECK(cudaLaunchKernelEx(&cfg, gemm_tma, wmaps[copy], xmap, out, rows, sh.n, sh.k, splits, clustered,
+                                         chained));
             };
-            float us[4];
-            double err[4];
+            printf("%-8s rows %d: floor %.1f, norm alone %.1f, cuBLAS %.1f / %.1f\n", sh.name, rows,
+                   bytes / bw * 1e6, norm_us, cublas_us, cublas_pair - norm_us);
             for (int si = 0; si < 4; ++si) {
                 const int splits = 1 << si;
-                CHECK(cudaMemset(out, 0xff, (size_t)rows * sh.n * 4));
-                launch(splits, 0);
-                CHECK(cudaStreamSynchronize(s));
-                CHECK(cudaGetLastError());
-                CHECK(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
-                err[si] = 0;
-                for (size_t i = 0; i < got.size(); ++i) {
-                    const double e = std::isfinite(got[i]) ? fabs(got[i] - want[i]) / scale : INFINITY;
-                    err[si] = std::max(err[si], e);
+                double err[2];
+                for (int chained = 0; chained < 2; ++chained) {
+                    CHECK(cudaMemset(out, 0xff, (size_t)rows * sh.n * 4));
+                    norm(chained);
+                    launch(splits, 0, chained);
+                    CHECK(cudaStreamSynchronize(s));
+                    CHECK(cudaGetLastError());
+                    CHECK(cudaMemcpy(got.data(), out, got.size() * 4, cudaMemcpyDeviceToHost));
+                    err[chained] = 0;
+                    for (size_t i = 0; i < got.size(); ++i) {
+                        const double e = std::isfinite(got[i]) ? fabs(got[i] - want[i]) / scale : INFINITY;
+                        err[chained] = std::max(err[chained], e);
+                    }
                 }
-                us[si] = time_it([&](int i) { launch(splits, i % copies); });
+                const float alone = time_it([&](int i) { launch(splits, i % copies, 0); });
+                const float pair = time_it([&](int i) {
+                    norm(0);
+                    launch(splits, i % copies, 0);
+                });
+                const float chain = time_it([&](int i) {
+                    norm(1);
+                    launch(splits, i % copies, 1);
+                });
+                printf("  split %d: %.1f / %.1f / %.1f   max rel err %.2e, chained %.2e\n", splits, alone,
+                       pair - norm_us, chain - norm_us, err[0], err[1]);
             }
-            printf("%-8s %5d %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %.2e %.2e %.2e %.2e\n", sh.name, rows, bytes / bw * 1e6,
-                   cublas_us, us[0], us[1], us[2], us[3], err[0], err[1], err[2], err[3]);
             CHECK(cudaFree(x));
+            CHECK(cudaFree(res));
             CHECK(cudaFree(ref));
             CHECK(cudaFree(out));
         }
