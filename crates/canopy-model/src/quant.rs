@@ -1,20 +1,28 @@
 //! ggml's tensor types and the dequantization of those canopy reads.
 //!
-//! Quantized types store blocks of 32 consecutive elements of a row (ggml's `QK4_0`,
-//! `QK4_1`, `QK8_0`), each block with its own scale:
+//! Quantized types store a row in blocks, each with its own scales. The 32-element types
+//! (ggml's `QK4_0` family):
 //!
 //! | type | block bytes | layout | element `i` |
 //! |---|---|---|---|
 //! | Q8_0 | 34 | f16 `d`, 32 × i8 `q` | `q[i] * d` |
 //! | Q4_0 | 18 | f16 `d`, 16 bytes of nibbles | `(nibble(i) - 8) * d` |
 //! | Q4_1 | 20 | f16 `d`, f16 `m`, 16 bytes of nibbles | `nibble(i) * d + m` |
+//! | Q5_0 | 22 | f16 `d`, 32 fifth bits, 16 bytes of nibbles | `(nibble(i) + 16 · bit(i) - 16) * d` |
+//! | Q5_1 | 24 | f16 `d`, f16 `m`, 32 fifth bits, 16 bytes of nibbles | `(nibble(i) + 16 · bit(i)) * d + m` |
 //!
 //! where `nibble(i)` is the low nibble of byte `i` for `i < 16` and the high nibble of byte
-//! `i - 16` otherwise. Every type converts straight into the requested [`DType`], one block at
-//! a time, so no full-size f32 copy of a tensor is ever held.
+//! `i - 16` otherwise. The K-quants (`Q2_K` to `Q6_K`, the types of llama.cpp's `Q4_K_M` and
+//! similar mixes) hold 256 elements a block in sub-blocks of 16 or 32, each with a small
+//! integer scale (and for Q2_K, Q4_K and Q5_K a minimum) that the block's f16 scales
+//! multiply; [`decode_k_block`] documents each layout. Every type converts straight into the
+//! requested [`DType`], one block at a time, so no full-size f32 copy of a tensor is ever held.
 
 use canopy_core::{DType, TypedVec};
 use half::{bf16, f16};
+
+/// Elements of a K-quant block (ggml's `QK_K`).
+const QK_K: usize = 256;
 
 /// A ggml tensor type id, as stored in a GGUF tensor info.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,7 +33,14 @@ impl GgmlType {
     pub const F16: GgmlType = GgmlType(1);
     pub const Q4_0: GgmlType = GgmlType(2);
     pub const Q4_1: GgmlType = GgmlType(3);
+    pub const Q5_0: GgmlType = GgmlType(6);
+    pub const Q5_1: GgmlType = GgmlType(7);
     pub const Q8_0: GgmlType = GgmlType(8);
+    pub const Q2_K: GgmlType = GgmlType(10);
+    pub const Q3_K: GgmlType = GgmlType(11);
+    pub const Q4_K: GgmlType = GgmlType(12);
+    pub const Q5_K: GgmlType = GgmlType(13);
+    pub const Q6_K: GgmlType = GgmlType(14);
     pub const BF16: GgmlType = GgmlType(30);
 
     /// ggml's name for the type, for error messages; ids retired from ggml read `type N`.
@@ -49,7 +64,14 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => Some((1, 2)),
             GgmlType::Q4_0 => Some((32, 18)),
             GgmlType::Q4_1 => Some((32, 20)),
+            GgmlType::Q5_0 => Some((32, 22)),
+            GgmlType::Q5_1 => Some((32, 24)),
             GgmlType::Q8_0 => Some((32, 34)),
+            GgmlType::Q2_K => Some((QK_K as u64, 84)),
+            GgmlType::Q3_K => Some((QK_K as u64, 110)),
+            GgmlType::Q4_K => Some((QK_K as u64, 144)),
+            GgmlType::Q5_K => Some((QK_K as u64, 176)),
+            GgmlType::Q6_K => Some((QK_K as u64, 210)),
             _ => None,
         }
     }
@@ -107,10 +129,10 @@ pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<Typ
         _ => {}
     }
     let mut sink = Sink::with_capacity(dtype, len);
-    let mut block = [0f32; 32];
+    let mut block = [0f32; QK_K];
     match ggml_type {
         GgmlType::F32 => {
-            for chunk in bytes.chunks(4 * 32) {
+            for chunk in bytes.chunks(4 * QK_K) {
                 let n = chunk.len() / 4;
                 for (x, b) in block.iter_mut().zip(chunk.chunks_exact(4)) {
                     *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -124,7 +146,7 @@ pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<Typ
             } else {
                 |b: [u8; 2]| bf16::from_le_bytes(b).to_f32()
             };
-            for chunk in bytes.chunks(2 * 32) {
+            for chunk in bytes.chunks(2 * QK_K) {
                 let n = chunk.len() / 2;
                 for (x, b) in block.iter_mut().zip(chunk.chunks_exact(2)) {
                     *x = to_f32([b[0], b[1]]);
@@ -132,41 +154,178 @@ pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<Typ
                 sink.extend(&block[..n]);
             }
         }
-        GgmlType::Q8_0 => {
-            for raw in bytes.chunks_exact(34) {
-                let d = f16_at(raw);
-                for (x, &q) in block.iter_mut().zip(&raw[2..]) {
-                    *x = f32::from(q as i8) * d;
+        _ => {
+            let values = &mut block[..block_elems as usize];
+            for raw in bytes.chunks_exact(block_bytes as usize) {
+                if block_elems as usize == QK_K {
+                    decode_k_block(ggml_type, raw, values);
+                } else {
+                    decode_block(ggml_type, raw, values);
                 }
-                sink.extend(&block);
+                sink.extend(values);
             }
         }
-        GgmlType::Q4_0 => {
-            for raw in bytes.chunks_exact(18) {
-                let d = f16_at(raw);
-                unpack_nibbles(&raw[2..], &mut block, |q| (f32::from(q) - 8.0) * d);
-                sink.extend(&block);
-            }
-        }
-        GgmlType::Q4_1 => {
-            for raw in bytes.chunks_exact(20) {
-                let d = f16_at(raw);
-                let m = f16_at(&raw[2..]);
-                unpack_nibbles(&raw[4..], &mut block, |q| f32::from(q) * d + m);
-                sink.extend(&block);
-            }
-        }
-        _ => return None,
     }
     Some(sink.out)
 }
 
-/// Elements 0..16 are the low nibbles of the 16 bytes, elements 16..32 the high nibbles.
-fn unpack_nibbles(packed: &[u8], block: &mut [f32; 32], value: impl Fn(u8) -> f32) {
+/// One block of a 32-element type (the table at the top of the module) into `out`.
+fn decode_block(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
+    let d = f16_at(raw);
+    match ggml_type {
+        GgmlType::Q8_0 => {
+            for (x, &q) in out.iter_mut().zip(&raw[2..]) {
+                *x = f32::from(q as i8) * d;
+            }
+        }
+        GgmlType::Q4_0 => unpack_nibbles(&raw[2..], out, |q, _| (f32::from(q) - 8.0) * d),
+        GgmlType::Q4_1 => {
+            let m = f16_at(&raw[2..]);
+            unpack_nibbles(&raw[4..], out, |q, _| f32::from(q) * d + m);
+        }
+        GgmlType::Q5_0 => {
+            let high = u32::from_le_bytes([raw[2], raw[3], raw[4], raw[5]]);
+            unpack_nibbles(&raw[6..], out, |q, i| {
+                (f32::from(q | fifth_bit(high, i)) - 16.0) * d
+            });
+        }
+        GgmlType::Q5_1 => {
+            let m = f16_at(&raw[2..]);
+            let high = u32::from_le_bytes([raw[4], raw[5], raw[6], raw[7]]);
+            unpack_nibbles(&raw[8..], out, |q, i| {
+                f32::from(q | fifth_bit(high, i)) * d + m
+            });
+        }
+        _ => unreachable!("decode_block is called for the 32-element types only"),
+    }
+}
+
+/// Bit `i` of a Q5 block's fifth bits, as the value 16 or 0.
+fn fifth_bit(high: u32, i: usize) -> u8 {
+    (((high >> i) & 1) << 4) as u8
+}
+
+/// Elements 0..16 are the low nibbles of the 16 bytes, elements 16..32 the high nibbles;
+/// `value` gets each nibble and its element's index.
+fn unpack_nibbles(packed: &[u8], block: &mut [f32], value: impl Fn(u8, usize) -> f32) {
     let (low, high) = block.split_at_mut(16);
-    for ((lo, hi), &byte) in low.iter_mut().zip(high.iter_mut()).zip(packed) {
-        *lo = value(byte & 0x0f);
-        *hi = value(byte >> 4);
+    for (j, ((lo, hi), &byte)) in low.iter_mut().zip(high.iter_mut()).zip(packed).enumerate() {
+        *lo = value(byte & 0x0f, j);
+        *hi = value(byte >> 4, j + 16);
+    }
+}
+
+/// One K-quant block of [`QK_K`] elements into `out`, in the order of ggml's
+/// `dequantize_row_q*_K`. The f16 fields `d` and `dmin` scale a sub-block's small integer
+/// scale and minimum into its step and offset.
+///
+/// | type | bytes | layout | sub-blocks |
+/// |---|---|---|---|
+/// | Q2_K | 84 | 16 scale bytes (low nibble scale, high nibble minimum), 64 bytes of 2-bit values, `d`, `dmin` | 16 of 16 |
+/// | Q3_K | 110 | 32 bytes of high-bit masks, 64 bytes of 2-bit values, 12 bytes of 16 packed 6-bit scales, `d` | 16 of 16 |
+/// | Q4_K | 144 | `d`, `dmin`, 12 bytes of 8 packed 6-bit scales and 8 minimums, 128 bytes of nibbles | 8 of 32 |
+/// | Q5_K | 176 | as Q4_K, with 32 bytes of fifth bits before the nibbles | 8 of 32 |
+/// | Q6_K | 210 | 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 i8 scales, `d` | 16 of 16 |
+fn decode_k_block(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
+    match ggml_type {
+        GgmlType::Q2_K => decode_q2_k(raw, out),
+        GgmlType::Q3_K => decode_q3_k(raw, out),
+        GgmlType::Q4_K | GgmlType::Q5_K => decode_q45_k(ggml_type == GgmlType::Q5_K, raw, out),
+        GgmlType::Q6_K => decode_q6_k(raw, out),
+        _ => unreachable!("decode_k_block is called for the K-quants only"),
+    }
+}
+
+/// Q2_K and Q3_K order their 2-bit values the same way: element `128 h + 32 j + 16 p + l`
+/// (`h < 2`, `j < 4`, `p < 2`, `l < 16`) is bits `2 j` of value byte `32 h + 16 p + l`, in
+/// sub-block `8 h + 2 j + p`. `value` gets `(element, value byte, sub-block, 2-bit value)`.
+fn for_each_2bit(values: &[u8], out: &mut [f32], value: impl Fn(usize, usize, usize, u8) -> f32) {
+    for (e, x) in out.iter_mut().enumerate() {
+        let (h, j, p, l) = (e / 128, e / 32 % 4, e / 16 % 2, e % 16);
+        let byte = 32 * h + 16 * p + l;
+        *x = value(e, byte, 8 * h + 2 * j + p, (values[byte] >> (2 * j)) & 3);
+    }
+}
+
+fn decode_q2_k(raw: &[u8], out: &mut [f32]) {
+    let (scales, values) = (&raw[..16], &raw[16..80]);
+    let (d, dmin) = (f16_at(&raw[80..]), f16_at(&raw[82..]));
+    for_each_2bit(values, out, |_, _, sub, q| {
+        let step = d * f32::from(scales[sub] & 0x0f);
+        let offset = dmin * f32::from(scales[sub] >> 4);
+        step * f32::from(q) - offset
+    });
+}
+
+fn decode_q3_k(raw: &[u8], out: &mut [f32]) {
+    let (masks, values, packed) = (&raw[..32], &raw[32..96], &raw[96..108]);
+    let d = f16_at(&raw[108..]);
+    // Scale i: its low four bits are a nibble of byte i % 8 (the low one for i < 8), its high
+    // two are bits 2 (i / 4) of byte 8 + i % 4; stored offset by 32.
+    let scale = |i: usize| {
+        let low = if i < 8 {
+            packed[i] & 0x0f
+        } else {
+            packed[i - 8] >> 4
+        };
+        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+        f32::from(low | high << 4) - 32.0
+    };
+    for_each_2bit(values, out, |e, byte, sub, q| {
+        // A clear mask bit (bit 4 h + j of byte byte % 32) takes 4 off the value.
+        let bit = 4 * (e / 128) + e / 32 % 4;
+        let high = (masks[byte % 32] >> bit) & 1;
+        d * scale(sub) * (f32::from(q) - if high == 1 { 0.0 } else { 4.0 })
+    });
+}
+
+/// Q4_K and Q5_K: element `64 c + 32 k + l` (`c < 4`, `k < 2`, `l < 32`) is the low (`k = 0`)
+/// or high nibble of byte `32 c + l`, in sub-block `2 c + k`; for Q5_K, bit `2 c + k` of fifth-bit
+/// byte `l` adds 16.
+fn decode_q45_k(fifth_bits: bool, raw: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(raw), f16_at(&raw[2..]));
+    let packed = &raw[4..16];
+    let (high, nibbles) = if fifth_bits {
+        (&raw[16..48], &raw[48..176])
+    } else {
+        (&raw[..0], &raw[16..144])
+    };
+    // Sub-block i's 6-bit scale and minimum: bytes i and i + 4 for i < 4; else a nibble of
+    // byte i + 4 and the top two bits of bytes i - 4 and i.
+    let scale_min = |i: usize| {
+        if i < 4 {
+            (packed[i] & 63, packed[i + 4] & 63)
+        } else {
+            (
+                (packed[i + 4] & 0x0f) | (packed[i - 4] >> 6) << 4,
+                (packed[i + 4] >> 4) | (packed[i] >> 6) << 4,
+            )
+        }
+    };
+    for (e, x) in out.iter_mut().enumerate() {
+        let (c, k, l) = (e / 64, e / 32 % 2, e % 32);
+        let sub = 2 * c + k;
+        let mut q = (nibbles[32 * c + l] >> (4 * k)) & 0x0f;
+        if fifth_bits {
+            q |= ((high[l] >> sub) & 1) << 4;
+        }
+        let (scale, min) = scale_min(sub);
+        *x = d * f32::from(scale) * f32::from(q) - dmin * f32::from(min);
+    }
+}
+
+/// Q6_K: element `128 h + 32 k + l` (`h < 2`, `k < 4`, `l < 32`) has its low four bits from
+/// nibble `k / 2` of byte `64 h + 32 (k % 2) + l`, its high two from bits `2 k` of byte
+/// `32 h + l` of the pairs, and scale `8 h + 2 k + l / 16`; stored offset by 32.
+fn decode_q6_k(raw: &[u8], out: &mut [f32]) {
+    let (low, pairs, scales) = (&raw[..128], &raw[128..192], &raw[192..208]);
+    let d = f16_at(&raw[208..]);
+    for (e, x) in out.iter_mut().enumerate() {
+        let (h, k, l) = (e / 128, e / 32 % 4, e % 32);
+        let nibble = (low[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f;
+        let q = nibble | ((pairs[32 * h + l] >> (2 * k)) & 3) << 4;
+        let scale = scales[8 * h + 2 * k + l / 16] as i8;
+        *x = d * f32::from(scale) * (f32::from(q) - 32.0);
     }
 }
 
@@ -245,8 +404,8 @@ mod tests {
 
     #[test]
     fn unknown_types_are_named_and_refused() {
-        assert_eq!(GgmlType(13).name(), "Q5_K");
+        assert_eq!(GgmlType(23).name(), "IQ4_XS");
         assert_eq!(GgmlType(4).name(), "type 4");
-        assert!(dequantize(GgmlType(13), &[0; 176], DType::F32).is_none());
+        assert!(dequantize(GgmlType(23), &[0; 136], DType::F32).is_none());
     }
 }

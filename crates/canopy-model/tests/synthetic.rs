@@ -1,13 +1,16 @@
 //! Tiny models written by the tests themselves: a GGUF file (with llama.cpp's Q/K row
 //! permutation and F32, F16, Q8_0, Q4_0 and Q4_1 tensors) and the same model as a Hugging
-//! Face safetensors directory, which must load to identical weights; and every kind of bad
-//! input the loader must refuse with a clear error instead of a panic.
+//! Face safetensors directory, which must load to identical weights; every quantized type
+//! read as the `gguf` package reads it (`tests/fixtures/quant/`); and every kind of bad input
+//! the loader must refuse with a clear error instead of a panic.
+
+mod gguf_writer;
 
 use std::path::{Path, PathBuf};
 
 use canopy_core::{DType, TypedVec};
 use canopy_model::{GgmlType, GgufFile, HostTensor, Model, ModelError};
-use half::f16;
+use gguf_writer::{expected_dequantized, GgufWriter, Meta};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
@@ -40,214 +43,6 @@ const TOKENS: [&str; 16] = [
 ];
 const MERGES: [&str; 6] = ["a b", "h i", "Ġ hi", "Ġ a", "Ġa b", "h o"];
 const VOCAB: usize = TOKENS.len();
-
-// ---------------------------------------------------------------------------------------
-// A minimal GGUF writer (version 3, little-endian) and ggml's reference quantizers.
-
-enum Meta {
-    U32(u32),
-    F32(f32),
-    Bool(bool),
-    Str(String),
-    Strs(Vec<String>),
-    I32s(Vec<i32>),
-}
-
-struct Tensor {
-    name: String,
-    /// ggml order: innermost first.
-    dims: Vec<u64>,
-    ggml_type: u32,
-    bytes: Vec<u8>,
-}
-
-#[derive(Default)]
-struct GgufWriter {
-    metadata: Vec<(String, Meta)>,
-    tensors: Vec<Tensor>,
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s.as_bytes());
-}
-
-impl GgufWriter {
-    fn meta(&mut self, key: &str, value: Meta) {
-        self.metadata.retain(|(k, _)| k != key);
-        self.metadata.push((key.to_string(), value));
-    }
-
-    /// Adds a row-major `[rows, cols]` (or `[cols]`) tensor stored as `ggml_type`.
-    fn tensor(&mut self, name: &str, shape: &[usize], ggml_type: GgmlType, values: &[f32]) {
-        let bytes = match ggml_type {
-            GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            GgmlType::F16 => values
-                .iter()
-                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            GgmlType::Q8_0 => values.chunks(32).flat_map(quantize_q8_0).collect(),
-            GgmlType::Q4_0 => values.chunks(32).flat_map(quantize_q4_0).collect(),
-            GgmlType::Q4_1 => values.chunks(32).flat_map(quantize_q4_1).collect(),
-            other => panic!("the test writer does not quantize {}", other.name()),
-        };
-        self.raw_tensor(name, shape, ggml_type.0, bytes);
-    }
-
-    fn raw_tensor(&mut self, name: &str, shape: &[usize], ggml_type: u32, bytes: Vec<u8>) {
-        self.tensors.retain(|t| t.name != name);
-        self.tensors.push(Tensor {
-            name: name.to_string(),
-            dims: shape.iter().rev().map(|&d| d as u64).collect(),
-            ggml_type,
-            bytes,
-        });
-    }
-
-    fn to_bytes(&self) -> Vec<u8> {
-        const ALIGNMENT: usize = 32;
-        let mut out = b"GGUF".to_vec();
-        out.extend(3u32.to_le_bytes());
-        out.extend((self.tensors.len() as u64).to_le_bytes());
-        out.extend((self.metadata.len() as u64).to_le_bytes());
-        for (key, value) in &self.metadata {
-            put_str(&mut out, key);
-            match value {
-                Meta::U32(v) => {
-                    out.extend(4u32.to_le_bytes());
-                    out.extend(v.to_le_bytes());
-                }
-                Meta::F32(v) => {
-                    out.extend(6u32.to_le_bytes());
-                    out.extend(v.to_le_bytes());
-                }
-                Meta::Bool(v) => {
-                    out.extend(7u32.to_le_bytes());
-                    out.push(u8::from(*v));
-                }
-                Meta::Str(s) => {
-                    out.extend(8u32.to_le_bytes());
-                    put_str(&mut out, s);
-                }
-                Meta::Strs(items) => {
-                    out.extend(9u32.to_le_bytes());
-                    out.extend(8u32.to_le_bytes());
-                    out.extend((items.len() as u64).to_le_bytes());
-                    items.iter().for_each(|s| put_str(&mut out, s));
-                }
-                Meta::I32s(items) => {
-                    out.extend(9u32.to_le_bytes());
-                    out.extend(5u32.to_le_bytes());
-                    out.extend((items.len() as u64).to_le_bytes());
-                    items.iter().for_each(|v| out.extend(v.to_le_bytes()));
-                }
-            }
-        }
-        let mut offset = 0usize;
-        let mut offsets = Vec::new();
-        for tensor in &self.tensors {
-            put_str(&mut out, &tensor.name);
-            out.extend((tensor.dims.len() as u32).to_le_bytes());
-            tensor.dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
-            out.extend(tensor.ggml_type.to_le_bytes());
-            out.extend((offset as u64).to_le_bytes());
-            offsets.push(offset);
-            offset = (offset + tensor.bytes.len()).div_ceil(ALIGNMENT) * ALIGNMENT;
-        }
-        out.resize(out.len().div_ceil(ALIGNMENT) * ALIGNMENT, 0);
-        let data_start = out.len();
-        for (tensor, offset) in self.tensors.iter().zip(offsets) {
-            out.resize(data_start + offset, 0);
-            out.extend(&tensor.bytes);
-        }
-        out
-    }
-
-    fn write(&self, path: &Path) {
-        std::fs::write(path, self.to_bytes()).unwrap();
-    }
-}
-
-fn f16_round(x: f32) -> f32 {
-    f16::from_f32(x).to_f32()
-}
-
-/// ggml's `quantize_row_q8_0_ref`: `d = amax / 127`, `q = round(x / d)`.
-fn quantize_q8_0(block: &[f32]) -> Vec<u8> {
-    let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let d = amax / 127.0;
-    let inverse = if d == 0.0 { 0.0 } else { 1.0 / d };
-    let mut out = f16::from_f32(d).to_le_bytes().to_vec();
-    out.extend(block.iter().map(|x| (x * inverse).round() as i8 as u8));
-    out
-}
-
-/// ggml's `quantize_row_q4_0_ref`: `d = max / -8` for the value of largest magnitude.
-fn quantize_q4_0(block: &[f32]) -> Vec<u8> {
-    let max = block
-        .iter()
-        .fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
-    let d = max / -8.0;
-    let inverse = if d == 0.0 { 0.0 } else { 1.0 / d };
-    let q = |x: f32| ((x * inverse + 8.5) as u8).min(15);
-    let mut out = f16::from_f32(d).to_le_bytes().to_vec();
-    out.extend((0..16).map(|j| q(block[j]) | q(block[j + 16]) << 4));
-    out
-}
-
-/// ggml's `quantize_row_q4_1_ref`: `d = (max - min) / 15`, `m = min`.
-fn quantize_q4_1(block: &[f32]) -> Vec<u8> {
-    let min = block.iter().copied().fold(f32::INFINITY, f32::min);
-    let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let d = (max - min) / 15.0;
-    let inverse = if d == 0.0 { 0.0 } else { 1.0 / d };
-    let q = |x: f32| (((x - min) * inverse + 0.5) as u8).min(15);
-    let mut out = f16::from_f32(d).to_le_bytes().to_vec();
-    out.extend(f16::from_f32(min).to_le_bytes());
-    out.extend((0..16).map(|j| q(block[j]) | q(block[j + 16]) << 4));
-    out
-}
-
-/// What each stored block decodes to, computed from its fields by the formulas of
-/// ggml's `dequantize_row_*` (independently of the crate's dequantizer).
-fn expected_dequantized(ggml_type: GgmlType, values: &[f32]) -> Vec<f32> {
-    let half = |b: &[u8]| f16::from_le_bytes([b[0], b[1]]).to_f32();
-    let mut out = Vec::new();
-    for block in values.chunks(32) {
-        match ggml_type {
-            GgmlType::F32 => out.extend(block),
-            GgmlType::F16 => out.extend(block.iter().map(|&x| f16_round(x))),
-            GgmlType::Q8_0 => {
-                let raw = quantize_q8_0(block);
-                out.extend(raw[2..].iter().map(|&q| f32::from(q as i8) * half(&raw)));
-            }
-            GgmlType::Q4_0 => {
-                let raw = quantize_q4_0(block);
-                let nib = |i: usize| {
-                    if i < 16 {
-                        raw[2 + i] & 15
-                    } else {
-                        raw[2 + i - 16] >> 4
-                    }
-                };
-                out.extend((0..32).map(|i| (f32::from(nib(i)) - 8.0) * half(&raw)));
-            }
-            GgmlType::Q4_1 => {
-                let raw = quantize_q4_1(block);
-                let nib = |i: usize| {
-                    if i < 16 {
-                        raw[4 + i] & 15
-                    } else {
-                        raw[4 + i - 16] >> 4
-                    }
-                };
-                out.extend((0..32).map(|i| f32::from(nib(i)) * half(&raw) + half(&raw[2..])));
-            }
-            other => panic!("no reference for {}", other.name()),
-        }
-    }
-    out
-}
 
 /// Deterministic values in about [-1, 1], different for every seed and index.
 fn values(seed: usize, len: usize) -> Vec<f32> {
@@ -556,6 +351,72 @@ fn quantized_tensors_dequantize_to_ggml_reference_values() {
     }
 }
 
+/// The fixture's blocks of `ggml_type` (`tests/fixtures/make_quant_blocks.py`) and their
+/// values as the `gguf` package dequantizes them.
+fn fixture_blocks(ggml_type: GgmlType) -> (Vec<u8>, Vec<f32>) {
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("../../../tests/fixtures/quant/blocks.json")).unwrap();
+    let entry = &fixture[&ggml_type.name()];
+    let hex = entry["bytes"].as_str().unwrap();
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    let values = entry["values"].as_array().unwrap();
+    (
+        bytes,
+        values.iter().map(|v| v.as_f64().unwrap() as f32).collect(),
+    )
+}
+
+/// Every quantized type canopy reads, among them the K-quants of llama.cpp's mixes
+/// (`Q4_K_M` is Q4_K and Q6_K), read from a GGUF file as the `gguf` package dequantizes the
+/// same blocks: to the bit in f32, and rounded once in bf16.
+#[test]
+fn quantized_tensors_read_as_the_gguf_package_dequantizes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("blocks.gguf");
+    let mut w = GgufWriter::default();
+    let types: Vec<GgmlType> = (0..40)
+        .map(GgmlType)
+        .filter(|t| t.block_layout().is_some_and(|(elements, _)| elements > 1))
+        .collect();
+    let names: Vec<String> = types.iter().map(|t| t.name()).collect();
+    assert_eq!(
+        names,
+        ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    );
+    for &ggml_type in &types {
+        let (bytes, values) = fixture_blocks(ggml_type);
+        let row = ggml_type.block_layout().unwrap().0 as usize;
+        w.raw_tensor(
+            &ggml_type.name(),
+            &[values.len() / row, row],
+            ggml_type.0,
+            bytes,
+        );
+    }
+    w.write(&path);
+    let gguf = GgufFile::open(&path).unwrap();
+    for &ggml_type in &types {
+        let (_, want) = fixture_blocks(ggml_type);
+        let tensor = gguf.read_tensor(&ggml_type.name(), DType::F32).unwrap();
+        let got = tensor.data.to_f32_vec();
+        assert_eq!(got.len(), want.len(), "{}", ggml_type.name());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // The same f32 products in the same order: equal to the bit.
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{} element {i}: {g} against {w}",
+                ggml_type.name()
+            );
+        }
+        let bf16 = gguf.read_tensor(&ggml_type.name(), DType::Bf16).unwrap();
+        assert_eq!(bf16.data, TypedVec::from_f32(DType::Bf16, &want));
+    }
+}
+
 #[test]
 fn gguf_and_safetensors_load_identical_weights() {
     for tied in [false, true] {
@@ -713,19 +574,21 @@ fn truncated_and_corrupt_gguf_files_are_refused() {
 #[test]
 fn unsupported_quantization_names_type_and_tensor() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("q5k.gguf");
+    let path = dir.path().join("iq4xs.gguf");
     let mut w = llama_gguf(false);
-    // Q5_K (ggml type 13): 176 bytes per 256 elements.
+    // IQ4_XS (ggml type 23): 136 bytes per 256 elements.
     w.raw_tensor(
         "blk.0.attn_q.weight",
         &[HEADS * HEAD_DIM, HIDDEN],
-        13,
-        vec![0; 176 * 16],
+        23,
+        vec![0; 136 * 16],
     );
     w.write(&path);
     assert_eq!(
         load_err(&path),
-        "unsupported quantization Q5_K in tensor blk.0.attn_q.weight; canopy reads F32, F16, BF16, Q8_0, Q4_0, Q4_1"
+        "unsupported quantization IQ4_XS in tensor blk.0.attn_q.weight; canopy reads F32, F16, \
+         BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K-Q6_K (convert the file with llama.cpp's \
+         llama-quantize to one of them)"
     );
 }
 
