@@ -72,7 +72,7 @@ pub enum ModelError {
         #[source]
         source: tokenizers::Error,
     },
-    #[error("the GGUF tokenizer model `{model}` in {path} is not supported; canopy builds byte-level BPE (`gpt2`) tokenizers from GGUF. Use a Hugging Face directory with tokenizer.json instead")]
+    #[error("the GGUF tokenizer model `{model}` in {path} is not supported; canopy builds byte-level BPE (`gpt2`) and sentencepiece BPE (`llama`) tokenizers from GGUF. Use a Hugging Face directory with tokenizer.json instead")]
     UnsupportedTokenizer { path: PathBuf, model: String },
     #[error("a shape with {vocab} token ids is too small for the code-point stand-in tokenizer, which needs ASCII's 128; time this shape with token ids instead of text")]
     SmallVocabulary { vocab: usize },

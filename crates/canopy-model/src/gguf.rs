@@ -308,40 +308,43 @@ impl GgufFile {
             .transpose()
     }
 
-    /// An array of strings that may be absent.
-    pub fn get_strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
+    /// An array that may be absent, each item read by `item`; `what` names the array's type
+    /// for the error when an item does not read.
+    fn get_array<'a, T>(
+        &'a self,
+        key: &str,
+        what: &'static str,
+        item: impl Fn(&'a GgufValue) -> Option<T>,
+    ) -> Result<Option<Vec<T>>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
         value
             .as_array()
-            .and_then(|items| {
-                items
-                    .iter()
-                    .map(GgufValue::as_str)
-                    .collect::<Option<Vec<_>>>()
-            })
+            .and_then(|items| items.iter().map(item).collect::<Option<Vec<_>>>())
             .map(Some)
-            .ok_or_else(|| self.wrong_type(key, "an array of strings"))
+            .ok_or_else(|| self.wrong_type(key, what))
+    }
+
+    /// An array of strings that may be absent.
+    pub fn get_strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
+        self.get_array(key, "an array of strings", GgufValue::as_str)
     }
 
     /// An array of integers (of any width and sign) that may be absent.
     pub fn get_ints(&self, key: &str) -> Result<Option<Vec<i64>>> {
-        let Some(value) = self.get(key) else {
-            return Ok(None);
-        };
-        let as_i64 = |v: &GgufValue| match *v {
+        self.get_array(key, "an array of integers", |v| match *v {
             GgufValue::I8(x) => Some(x.into()),
             GgufValue::I16(x) => Some(x.into()),
             GgufValue::I32(x) => Some(x.into()),
             GgufValue::I64(x) => Some(x),
             _ => v.as_u64().and_then(|x| i64::try_from(x).ok()),
-        };
-        value
-            .as_array()
-            .and_then(|items| items.iter().map(as_i64).collect::<Option<Vec<_>>>())
-            .map(Some)
-            .ok_or_else(|| self.wrong_type(key, "an array of integers"))
+        })
+    }
+
+    /// An array of numbers that may be absent, as f64.
+    pub fn get_floats(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        self.get_array(key, "an array of numbers", GgufValue::as_f64)
     }
 
     /// The bytes of one tensor, after checking that they lie inside the file.

@@ -1,22 +1,34 @@
 //! Text to token ids and back, with the `tokenizers` crate.
 //!
 //! A Hugging Face directory ships its tokenizer whole (`tokenizer.json`). A GGUF file ships
-//! only the parts — vocabulary, merges, token types, the name of its pre-tokenizer — and the
-//! tokenizer is assembled here the way transformers' GGUF converter and llama.cpp do for
-//! byte-level BPE (`tokenizer.ggml.model = "gpt2"`): a BPE model over GPT-2's byte-to-unicode
-//! alphabet, the pre-tokenizer split its vocabulary was trained with, and every control token
-//! (`token_type` 3) registered as a special token so that it is matched whole in text.
+//! only the parts — vocabulary, merges or scores, token types, the name of its pre-tokenizer —
+//! and the tokenizer is assembled here as llama.cpp and transformers' GGUF converter do, for
+//! the two kinds Llama-family files use:
+//! - byte-level BPE (`tokenizer.ggml.model = "gpt2"`: Llama 3, SmolLM2): a BPE model over
+//!   GPT-2's byte-to-unicode alphabet and the pre-tokenizer split its vocabulary was trained
+//!   with;
+//! - sentencepiece BPE (`"llama"`: Llama 2, TinyLlama, Mistral): merges derived from the
+//!   pieces' scores, spaces as `▁`, bytes for characters outside the vocabulary.
+//!
+//! In both, every control token (`token_type` 3) is registered as a special token, so that it
+//! is matched whole in text.
 
 use std::path::Path;
 
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel;
 use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::{Merges, Vocab, BPE};
 use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::NormalizerWrapper;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::error::{ModelError, Result};
@@ -55,12 +67,6 @@ impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes (`tokenizer.ggml.*`).
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
         let model = gguf.require_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(ModelError::UnsupportedTokenizer {
-                path: gguf.path().to_path_buf(),
-                model: model.to_string(),
-            });
-        }
         let corrupt = |reason: String| gguf.corrupt(format!("tokenizer: {reason}"));
         let tokens = gguf.get_strings("tokenizer.ggml.tokens")?.ok_or_else(|| {
             ModelError::MissingMetadata {
@@ -68,52 +74,21 @@ impl Tokenizer {
                 key: "tokenizer.ggml.tokens".into(),
             }
         })?;
-        let merges: Merges = gguf
-            .get_strings("tokenizer.ggml.merges")?
-            .unwrap_or_default()
-            .into_iter()
-            .map(|merge| {
-                merge
-                    .split_once(' ')
-                    .map(|(left, right)| (left.to_string(), right.to_string()))
-                    .ok_or_else(|| {
-                        corrupt(format!(
-                            "merge {merge:?} is not two tokens separated by a space"
-                        ))
-                    })
-            })
-            .collect::<Result<_>>()?;
         let vocab: Vocab = tokens
             .iter()
             .enumerate()
             .map(|(id, token)| (token.to_string(), id as u32))
             .collect();
-        let pre = gguf.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
-        let is_llama3_family = matches!(
-            pre,
-            "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3" | "dbrx"
-        );
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            // Llama 3's tokenizer.json (and llama.cpp for it) takes a whole pre-token that is
-            // itself in the vocabulary before trying any merge.
-            .ignore_merges(is_llama3_family)
-            .build()
-            .map_err(|e| corrupt(e.to_string()))?;
-
-        let add_prefix_space = gguf
-            .get_bool("tokenizer.ggml.add_space_prefix")?
-            .unwrap_or(false);
-        let pre_tokenizer =
-            gpt2_pre_tokenizer(pre, is_llama3_family, add_prefix_space).map_err(|source| {
-                ModelError::Tokenizer {
+        let (mut inner, bos_by_default) = match model {
+            "gpt2" => (byte_level_bpe(gguf, vocab)?, false),
+            "llama" => (sentencepiece_bpe(gguf, &tokens, vocab)?, true),
+            _ => {
+                return Err(ModelError::UnsupportedTokenizer {
                     path: gguf.path().to_path_buf(),
-                    source,
-                }
-            })?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevel::default()));
+                    model: model.to_string(),
+                })
+            }
+        };
 
         if let Some(token_types) = gguf.get_ints("tokenizer.ggml.token_type")? {
             let control: Vec<AddedToken> = tokens
@@ -127,7 +102,7 @@ impl Tokenizer {
 
         if gguf
             .get_bool("tokenizer.ggml.add_bos_token")?
-            .unwrap_or(false)
+            .unwrap_or(bos_by_default)
         {
             let bos_id = gguf
                 .get_u64("tokenizer.ggml.bos_token_id")?
@@ -227,6 +202,154 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// A byte-level BPE (`tokenizer.ggml.model = "gpt2"`) from its vocabulary and merges.
+fn byte_level_bpe(gguf: &GgufFile, vocab: Vocab) -> Result<tokenizers::Tokenizer> {
+    let corrupt = |reason: String| gguf.corrupt(format!("tokenizer: {reason}"));
+    let merges: Merges = gguf
+        .get_strings("tokenizer.ggml.merges")?
+        .unwrap_or_default()
+        .into_iter()
+        .map(|merge| {
+            merge
+                .split_once(' ')
+                .map(|(left, right)| (left.to_string(), right.to_string()))
+                .ok_or_else(|| {
+                    corrupt(format!(
+                        "merge {merge:?} is not two tokens separated by a space"
+                    ))
+                })
+        })
+        .collect::<Result<_>>()?;
+    let pre = gguf.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
+    let is_llama3_family = matches!(
+        pre,
+        "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3" | "dbrx"
+    );
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        // Llama 3's tokenizer.json (and llama.cpp for it) takes a whole pre-token that is
+        // itself in the vocabulary before trying any merge.
+        .ignore_merges(is_llama3_family)
+        .build()
+        .map_err(|e| corrupt(e.to_string()))?;
+    let add_prefix_space = gguf
+        .get_bool("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(false);
+    let pre_tokenizer =
+        gpt2_pre_tokenizer(pre, is_llama3_family, add_prefix_space).map_err(|source| {
+            ModelError::Tokenizer {
+                path: gguf.path().to_path_buf(),
+                source,
+            }
+        })?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(ByteLevel::default()));
+    Ok(inner)
+}
+
+/// sentencepiece's word boundary: a space, as the vocabulary spells it.
+const SPM_SPACE: &str = "\u{2581}";
+
+/// A sentencepiece BPE vocabulary (`tokenizer.ggml.model = "llama"`: Llama 2, TinyLlama,
+/// Mistral) as the BPE it encodes like. sentencepiece merges the adjacent pair whose joined
+/// piece scores highest; the merges below are every pair of pieces that joins into a piece,
+/// ranked by that piece's score (ties: the pair of higher-scoring halves first), as
+/// transformers' GGUF converter derives them. Characters outside the vocabulary fall back to
+/// their UTF-8 bytes (`<0xNN>` pieces).
+///
+/// The text's spaces become `▁`, and each stretch of text between control tokens gets one more
+/// at its front (sentencepiece's dummy prefix, which llama.cpp adds the same way) unless the
+/// file sets `tokenizer.ggml.add_space_prefix` false. transformers 5.17 adds neither that
+/// prefix nor BOS for such a file, unlike the model's own sentencepiece tokenizer and
+/// llama.cpp, which this follows (`tests/fixtures/spm/`).
+fn sentencepiece_bpe(
+    gguf: &GgufFile,
+    tokens: &[&str],
+    vocab: Vocab,
+) -> Result<tokenizers::Tokenizer> {
+    let corrupt = |reason: String| gguf.corrupt(format!("tokenizer: {reason}"));
+    let scores =
+        gguf.get_floats("tokenizer.ggml.scores")?
+            .ok_or_else(|| ModelError::MissingMetadata {
+                path: gguf.path().to_path_buf(),
+                key: "tokenizer.ggml.scores".into(),
+            })?;
+    if scores.len() != tokens.len() {
+        return Err(corrupt(format!(
+            "{} scores for {} tokens",
+            scores.len(),
+            tokens.len()
+        )));
+    }
+    let unk =
+        match gguf.get_u64("tokenizer.ggml.unknown_token_id")? {
+            Some(id) => Some(tokens.get(id as usize).ok_or_else(|| {
+                corrupt(format!("unknown token id {id} is outside the vocabulary"))
+            })?),
+            None => None,
+        };
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, sentencepiece_merges(tokens, &scores))
+        .fuse_unk(true)
+        .byte_fallback(true);
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk.to_string());
+    }
+    let bpe = builder.build().map_err(|e| corrupt(e.to_string()))?;
+    let add_space_prefix = gguf
+        .get_bool("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(true);
+    let tokenizer_error = |source| ModelError::Tokenizer {
+        path: gguf.path().to_path_buf(),
+        source,
+    };
+    let spaces = NormalizerWrapper::from(Replace::new(" ", SPM_SPACE).map_err(tokenizer_error)?);
+    let mut decoders = vec![
+        DecoderWrapper::from(Replace::new(SPM_SPACE, " ").map_err(tokenizer_error)?),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    let normalizer = if add_space_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+        NormalizerSequence::new(vec![Prepend::new(SPM_SPACE.into()).into(), spaces]).into()
+    } else {
+        spaces
+    };
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_normalizer(Some(normalizer));
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(inner)
+}
+
+/// The merges of a sentencepiece BPE vocabulary (see [`sentencepiece_bpe`]): for each piece in
+/// vocabulary order, every split of it into two pieces, higher-scoring halves first; then all
+/// of them ordered by the joined piece's score, highest first, keeping that order among ties.
+fn sentencepiece_merges(tokens: &[&str], scores: &[f64]) -> Merges {
+    let score: std::collections::HashMap<&str, f64> =
+        tokens.iter().copied().zip(scores.iter().copied()).collect();
+    let mut merges: Vec<(&str, &str, f64)> = Vec::new();
+    for &piece in tokens {
+        let start = merges.len();
+        for (at, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(at);
+            if score.contains_key(left) && score.contains_key(right) {
+                merges.push((left, right, score[piece]));
+            }
+        }
+        merges[start..].sort_by(|a, b| {
+            (score[b.0], score[b.1])
+                .partial_cmp(&(score[a.0], score[a.1]))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+    }
+    merges.sort_by(|a, b| b.2.partial_cmp(&a.2).unwrap_or(std::cmp::Ordering::Equal));
+    merges
+        .into_iter()
+        .map(|(left, right, _)| (left.to_string(), right.to_string()))
+        .collect()
 }
 
 /// The pre-tokenizer of a byte-level BPE vocabulary named `pre` by llama.cpp: the regex split
