@@ -1,9 +1,9 @@
 //! The runtime against transformers on the tiny random Llamas of `tests/fixtures/tiny`
-//! (GQA with head dim 64, llama3-scaled RoPE with head dim 128 and tied embeddings, MHA):
-//! the prompt's last logits within 1e-4 relative and 32 greedy tokens identical — on one
-//! rank, on 2 to 4 ranks (threads) with the tree merges and the ring, with uneven chunks and
-//! ranks that hold no prompt tokens — and `n` parallel samples at temperature 0 all equal to
-//! the greedy text.
+//! (GQA with head dim 64, llama3-scaled RoPE with head dim 128 and tied embeddings, MHA; and a
+//! GGUF file in K-quants with a sentencepiece tokenizer): the prompt's last logits within 1e-4
+//! relative and the greedy tokens identical — on one rank, on 2 to 4 ranks (threads) with the
+//! tree merges and the ring, with uneven chunks and ranks that hold no prompt tokens — and `n`
+//! parallel samples at temperature 0 all equal to the greedy text.
 
 use canopy_comm::ThreadWorld;
 use canopy_core::{DType, Method};
@@ -106,6 +106,33 @@ fn one_rank_matches_transformers() {
             );
             let out = run(&layers, &req, 1);
             let what = format!("{variant}, prompt of {}", p["length"]);
+            assert_close(&out.first_logits, &floats(&p["logits_last"]), &what);
+            assert_eq!(out.samples[0], ids(&p["greedy_tokens"]), "{what}");
+        }
+    }
+}
+
+/// A GGUF file as llama.cpp's K-quant mixes store a Llama 2-style model (weights in Q2_K to
+/// Q6_K and Q8_0, a sentencepiece tokenizer): its logits and greedy tokens as transformers
+/// computes them from the same file, on one rank and on three.
+#[test]
+fn a_k_quant_gguf_matches_transformers() {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/kquant-spm");
+    let model = Model::load(&dir.join("model.gguf"), DType::F32).expect("the fixture loads");
+    let text = std::fs::read_to_string(dir.join("reference.json")).expect("its reference");
+    let reference: Value = serde_json::from_str(&text).expect("JSON");
+    let layers = layers(&model);
+    for ranks in [1, 3] {
+        for p in reference["prompts"].as_array().unwrap() {
+            let mut req = request(
+                ids(&p["token_ids"]),
+                1,
+                DecodeStrategy::Tree(MergeCollective::Allreduce2),
+            );
+            req.max_tokens = ids(&p["greedy_tokens"]).len();
+            let out = run(&layers, &req, ranks);
+            let what = format!("K-quant GGUF on {ranks} ranks, prompt of {}", p["length"]);
             assert_close(&out.first_logits, &floats(&p["logits_last"]), &what);
             assert_eq!(out.samples[0], ids(&p["greedy_tokens"]), "{what}");
         }
