@@ -127,7 +127,9 @@ fn read_json(path: &Path) -> Result<Value> {
 }
 
 /// Refuses a `config.json` that does not describe a Llama model, before its fields are read,
-/// so that e.g. a Mistral or GPT-2 directory gets an architecture error, not a missing field.
+/// so that e.g. a Qwen or GPT-2 directory gets an architecture error, not a missing field.
+/// Mistral's is Llama's but for a sliding attention window: one without a window (Mistral 7B
+/// v0.2 and later) is read as Llama.
 fn check_hf_architecture(config: &Value) -> Result<()> {
     let architectures: Vec<&str> = config
         .get("architectures")
@@ -137,6 +139,12 @@ fn check_hf_architecture(config: &Value) -> Result<()> {
     let model_type = config.get("model_type").and_then(Value::as_str);
     if architectures.contains(&"LlamaForCausalLM") || model_type == Some("llama") {
         return Ok(());
+    }
+    if architectures.contains(&"MistralForCausalLM") || model_type == Some("mistral") {
+        return match config.get("sliding_window").and_then(Value::as_u64) {
+            None => Ok(()),
+            Some(window) => Err(ModelError::SlidingWindow { window }),
+        };
     }
     let found = architectures
         .first()
@@ -654,12 +662,29 @@ mod tests {
     #[test]
     fn other_architectures_are_named() {
         let mut json = llama31_json();
-        json["architectures"] = json!(["MistralForCausalLM"]);
-        json["model_type"] = json!("mistral");
+        json["architectures"] = json!(["Qwen2ForCausalLM"]);
+        json["model_type"] = json!("qwen2");
         let err = LlamaConfig::from_hf_json(&json).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unsupported architecture MistralForCausalLM; canopy runs Llama-family models (LlamaForCausalLM, or GGUF with general.architecture = llama)"
+            "unsupported architecture Qwen2ForCausalLM; canopy runs Llama-family models (LlamaForCausalLM, MistralForCausalLM without a sliding window, or GGUF with general.architecture = llama)"
+        );
+    }
+
+    /// Mistral's config is Llama's with `sliding_window`: read as Llama where it is null, refused
+    /// where it bounds attention.
+    #[test]
+    fn mistral_without_a_window_reads_as_llama() {
+        let mut json = llama31_json();
+        json["architectures"] = json!(["MistralForCausalLM"]);
+        json["model_type"] = json!("mistral");
+        json["sliding_window"] = Value::Null;
+        let mistral = LlamaConfig::from_hf_json(&json).unwrap();
+        assert_eq!(mistral, LlamaConfig::from_hf_json(&llama31_json()).unwrap());
+        json["sliding_window"] = json!(4096);
+        assert_eq!(
+            LlamaConfig::from_hf_json(&json).unwrap_err().to_string(),
+            "this Mistral model attends through a sliding window of 4096 tokens, which canopy does not run; Mistral models without one (sliding_window null: Mistral 7B v0.2 and later) load as Llama"
         );
     }
 

@@ -24,8 +24,10 @@ pub enum ModelError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("unsupported architecture {found}; canopy runs Llama-family models (LlamaForCausalLM, or GGUF with general.architecture = llama)")]
+    #[error("unsupported architecture {found}; canopy runs Llama-family models (LlamaForCausalLM, MistralForCausalLM without a sliding window, or GGUF with general.architecture = llama)")]
     UnsupportedArchitecture { found: String },
+    #[error("this Mistral model attends through a sliding window of {window} tokens, which canopy does not run; Mistral models without one (sliding_window null: Mistral 7B v0.2 and later) load as Llama")]
+    SlidingWindow { window: u64 },
     #[error("unknown architecture `{name}`; the presets are {}", crate::presets::PRESETS.join(", "))]
     UnknownPreset { name: String },
     #[error("invalid model configuration: {0}")]

@@ -1,6 +1,6 @@
-//! The runtime against transformers on the tiny random Llamas of `tests/fixtures/tiny`
-//! (GQA with head dim 64, llama3-scaled RoPE with head dim 128 and tied embeddings, MHA; and a
-//! GGUF file in K-quants with a sentencepiece tokenizer): the prompt's last logits within 1e-4
+//! The runtime against transformers on the tiny random Llamas of `tests/fixtures/tiny` (GQA
+//! with head dim 64, llama3-scaled RoPE with head dim 128 and tied embeddings, MHA) and of
+//! `tests/fixtures/kquant` (a GGUF file in K-quants with a sentencepiece tokenizer): the prompt's last logits within 1e-4
 //! relative and the greedy tokens identical — on one rank, on 2 to 4 ranks (threads) with the
 //! tree merges and the ring, with uneven chunks and ranks that hold no prompt tokens — and `n`
 //! parallel samples at temperature 0 all equal to the greedy text.
@@ -117,8 +117,7 @@ fn one_rank_matches_transformers() {
 /// computes them from the same file, on one rank and on three.
 #[test]
 fn a_k_quant_gguf_matches_transformers() {
-    let dir =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/kquant-spm");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kquant");
     let model = Model::load(&dir.join("model.gguf"), DType::F32).expect("the fixture loads");
     let text = std::fs::read_to_string(dir.join("reference.json")).expect("its reference");
     let reference: Value = serde_json::from_str(&text).expect("JSON");
