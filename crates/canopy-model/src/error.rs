@@ -46,7 +46,7 @@ pub enum ModelError {
     },
     #[error("{path} is not a readable GGUF file: {reason}")]
     CorruptGguf { path: PathBuf, reason: String },
-    #[error("unsupported quantization {ggml_type} in tensor {tensor}; canopy reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K-Q6_K (convert the file with llama.cpp's llama-quantize to one of them)")]
+    #[error("unsupported quantization {ggml_type} in tensor {tensor}; canopy reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL and IQ4_XS (convert the file with llama.cpp's llama-quantize to one of them)")]
     UnsupportedQuantization { ggml_type: String, tensor: String },
     #[error("{path} is not a readable safetensors file: {source}")]
     Safetensors {

@@ -10,11 +10,12 @@
 //! | Q4_1 | 20 | f16 `d`, f16 `m`, 16 bytes of nibbles | `nibble(i) * d + m` |
 //! | Q5_0 | 22 | f16 `d`, 32 fifth bits, 16 bytes of nibbles | `(nibble(i) + 16 · bit(i) - 16) * d` |
 //! | Q5_1 | 24 | f16 `d`, f16 `m`, 32 fifth bits, 16 bytes of nibbles | `(nibble(i) + 16 · bit(i)) * d + m` |
+//! | IQ4_NL | 18 | f16 `d`, 16 bytes of nibbles | `IQ4_VALUES[nibble(i)] * d` |
 //!
 //! where `nibble(i)` is the low nibble of byte `i` for `i < 16` and the high nibble of byte
 //! `i - 16` otherwise. The K-quants (`Q2_K` to `Q6_K`, the types of llama.cpp's `Q4_K_M` and
-//! similar mixes) hold 256 elements a block in sub-blocks of 16 or 32, each with a small
-//! integer scale (and for Q2_K, Q4_K and Q5_K a minimum) that the block's f16 scales
+//! similar mixes) and IQ4_XS hold 256 elements a block in sub-blocks of 16 or 32, each with a
+//! small integer scale (and for Q2_K, Q4_K and Q5_K a minimum) that the block's f16 scales
 //! multiply; [`decode_k_block`] documents each layout. Every type converts straight into the
 //! requested [`DType`], one block at a time, so no full-size f32 copy of a tensor is ever held.
 
@@ -41,6 +42,8 @@ impl GgmlType {
     pub const Q4_K: GgmlType = GgmlType(12);
     pub const Q5_K: GgmlType = GgmlType(13);
     pub const Q6_K: GgmlType = GgmlType(14);
+    pub const IQ4_NL: GgmlType = GgmlType(20);
+    pub const IQ4_XS: GgmlType = GgmlType(23);
     pub const BF16: GgmlType = GgmlType(30);
 
     /// ggml's name for the type, for error messages; ids retired from ggml read `type N`.
@@ -72,6 +75,8 @@ impl GgmlType {
             GgmlType::Q4_K => Some((QK_K as u64, 144)),
             GgmlType::Q5_K => Some((QK_K as u64, 176)),
             GgmlType::Q6_K => Some((QK_K as u64, 210)),
+            GgmlType::IQ4_NL => Some((32, 18)),
+            GgmlType::IQ4_XS => Some((QK_K as u64, 136)),
             _ => None,
         }
     }
@@ -196,9 +201,18 @@ fn decode_block(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
                 f32::from(q | fifth_bit(high, i)) * d + m
             });
         }
+        GgmlType::IQ4_NL => {
+            unpack_nibbles(&raw[2..], out, |q, _| f32::from(IQ4_VALUES[q as usize]) * d)
+        }
         _ => unreachable!("decode_block is called for the 32-element types only"),
     }
 }
+
+/// The 16 values a 4-bit index of IQ4_NL and IQ4_XS stands for (ggml's `kvalues_iq4nl`): a
+/// non-uniform grid, denser near zero, that a block's scale multiplies.
+const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 /// Bit `i` of a Q5 block's fifth bits, as the value 16 or 0.
 fn fifth_bit(high: u32, i: usize) -> u8 {
@@ -215,7 +229,7 @@ fn unpack_nibbles(packed: &[u8], block: &mut [f32], value: impl Fn(u8, usize) ->
     }
 }
 
-/// One K-quant block of [`QK_K`] elements into `out`, in the order of ggml's
+/// One block of [`QK_K`] elements (a K-quant or IQ4_XS) into `out`, in the order of ggml's
 /// `dequantize_row_q*_K`. The f16 fields `d` and `dmin` scale a sub-block's small integer
 /// scale and minimum into its step and offset.
 ///
@@ -226,13 +240,15 @@ fn unpack_nibbles(packed: &[u8], block: &mut [f32], value: impl Fn(u8, usize) ->
 /// | Q4_K | 144 | `d`, `dmin`, 12 bytes of 8 packed 6-bit scales and 8 minimums, 128 bytes of nibbles | 8 of 32 |
 /// | Q5_K | 176 | as Q4_K, with 32 bytes of fifth bits before the nibbles | 8 of 32 |
 /// | Q6_K | 210 | 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 i8 scales, `d` | 16 of 16 |
+/// | IQ4_XS | 136 | `d`, 2 bytes of scales' high bits, 4 of their low nibbles, 128 bytes of nibbles | 8 of 32 |
 fn decode_k_block(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
     match ggml_type {
         GgmlType::Q2_K => decode_q2_k(raw, out),
         GgmlType::Q3_K => decode_q3_k(raw, out),
         GgmlType::Q4_K | GgmlType::Q5_K => decode_q45_k(ggml_type == GgmlType::Q5_K, raw, out),
         GgmlType::Q6_K => decode_q6_k(raw, out),
-        _ => unreachable!("decode_k_block is called for the K-quants only"),
+        GgmlType::IQ4_XS => decode_iq4_xs(raw, out),
+        _ => unreachable!("decode_k_block is called for the 256-element types only"),
     }
 }
 
@@ -311,6 +327,22 @@ fn decode_q45_k(fifth_bits: bool, raw: &[u8], out: &mut [f32]) {
         }
         let (scale, min) = scale_min(sub);
         *x = d * f32::from(scale) * f32::from(q) - dmin * f32::from(min);
+    }
+}
+
+/// IQ4_XS: `d`, two bytes of the sub-blocks' scales' high bits, four of their low nibbles, then
+/// eight sub-blocks of 32 in IQ4_NL's nibble order. Sub-block `b`'s 6-bit scale is nibble
+/// `b % 2` of byte `b / 2` below bits `2 b` of the high bits, stored offset by 32.
+fn decode_iq4_xs(raw: &[u8], out: &mut [f32]) {
+    let d = f16_at(raw);
+    let high = u16::from_le_bytes([raw[2], raw[3]]);
+    let (low, nibbles) = (&raw[4..8], &raw[8..136]);
+    for (b, sub) in out.chunks_exact_mut(32).enumerate() {
+        let scale = ((low[b / 2] >> (4 * (b % 2))) & 0x0f) | (((high >> (2 * b)) & 3) as u8) << 4;
+        let step = d * (f32::from(scale) - 32.0);
+        unpack_nibbles(&nibbles[16 * b..16 * (b + 1)], sub, |q, _| {
+            step * f32::from(IQ4_VALUES[q as usize])
+        });
     }
 }
 
@@ -404,8 +436,8 @@ mod tests {
 
     #[test]
     fn unknown_types_are_named_and_refused() {
-        assert_eq!(GgmlType(23).name(), "IQ4_XS");
+        assert_eq!(GgmlType(16).name(), "IQ2_XXS");
         assert_eq!(GgmlType(4).name(), "type 4");
-        assert!(dequantize(GgmlType(23), &[0; 136], DType::F32).is_none());
+        assert!(dequantize(GgmlType(16), &[0; 66], DType::F32).is_none());
     }
 }

@@ -369,7 +369,7 @@ fn fixture_blocks(ggml_type: GgmlType) -> (Vec<u8>, Vec<f32>) {
     )
 }
 
-/// Every quantized type canopy reads, among them the K-quants of llama.cpp's mixes
+/// Every quantized type canopy reads, among them the K-quants and IQ4 types of llama.cpp's mixes
 /// (`Q4_K_M` is Q4_K and Q6_K), read from a GGUF file as the `gguf` package dequantizes the
 /// same blocks: to the bit in f32, and rounded once in bf16.
 #[test]
@@ -384,7 +384,10 @@ fn quantized_tensors_read_as_the_gguf_package_dequantizes_them() {
     let names: Vec<String> = types.iter().map(|t| t.name()).collect();
     assert_eq!(
         names,
-        ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+        [
+            "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ4_NL", "IQ4_XS"
+        ]
     );
     for &ggml_type in &types {
         let (bytes, values) = fixture_blocks(ggml_type);
@@ -574,21 +577,21 @@ fn truncated_and_corrupt_gguf_files_are_refused() {
 #[test]
 fn unsupported_quantization_names_type_and_tensor() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("iq4xs.gguf");
+    let path = dir.path().join("iq2xxs.gguf");
     let mut w = llama_gguf(false);
-    // IQ4_XS (ggml type 23): 136 bytes per 256 elements.
+    // IQ2_XXS (ggml type 16): 66 bytes per 256 elements.
     w.raw_tensor(
         "blk.0.attn_q.weight",
         &[HEADS * HEAD_DIM, HIDDEN],
-        23,
-        vec![0; 136 * 16],
+        16,
+        vec![0; 66 * 16],
     );
     w.write(&path);
     assert_eq!(
         load_err(&path),
-        "unsupported quantization IQ4_XS in tensor blk.0.attn_q.weight; canopy reads F32, F16, \
-         BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K-Q6_K (convert the file with llama.cpp's \
-         llama-quantize to one of them)"
+        "unsupported quantization IQ2_XXS in tensor blk.0.attn_q.weight; canopy reads F32, F16, \
+         BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL and IQ4_XS (convert the file with \
+         llama.cpp's llama-quantize to one of them)"
     );
 }
 
