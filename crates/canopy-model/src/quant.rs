@@ -21,6 +21,7 @@
 
 use canopy_core::{DType, TypedVec};
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// Elements of a K-quant block (ggml's `QK_K`).
 const QK_K: usize = 256;
@@ -86,37 +87,18 @@ impl GgmlType {
     }
 }
 
-/// Appends f32 values to typed storage, rounding to the storage type.
-struct Sink {
-    out: TypedVec,
-}
-
-impl Sink {
-    fn with_capacity(dtype: DType, len: usize) -> Self {
-        let out = match dtype {
-            DType::F32 => TypedVec::F32(Vec::with_capacity(len)),
-            DType::F16 => TypedVec::F16(Vec::with_capacity(len)),
-            DType::Bf16 => TypedVec::Bf16(Vec::with_capacity(len)),
-        };
-        Sink { out }
-    }
-
-    fn extend(&mut self, values: &[f32]) {
-        match &mut self.out {
-            TypedVec::F32(v) => v.extend_from_slice(values),
-            TypedVec::F16(v) => v.extend(values.iter().map(|&x| f16::from_f32(x))),
-            TypedVec::Bf16(v) => v.extend(values.iter().map(|&x| bf16::from_f32(x))),
-        }
-    }
-}
-
 /// The f16 stored little-endian at `bytes[0..2]`.
 fn f16_at(bytes: &[u8]) -> f32 {
     f16::from_le_bytes([bytes[0], bytes[1]]).to_f32()
 }
 
+/// Elements one parallel task of [`dequantize`] converts: enough that its work outweighs its
+/// scheduling.
+const TASK_ELEMENTS: usize = 1 << 16;
+
 /// Dequantizes `bytes` (whole blocks of `ggml_type`) into `dtype`; `None` for a type canopy
-/// does not read. The caller has checked that `bytes` holds whole blocks.
+/// does not read. The caller has checked that `bytes` holds whole blocks. Large tensors are
+/// converted by several threads, each its own run of blocks.
 pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<TypedVec> {
     let (block_elems, block_bytes) = ggml_type.block_layout()?;
     let len = bytes.len() / block_bytes as usize * block_elems as usize;
@@ -133,45 +115,66 @@ pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<Typ
         }
         _ => {}
     }
-    let mut sink = Sink::with_capacity(dtype, len);
-    let mut block = [0f32; QK_K];
+    // A unit of decoding: a block, or QK_K elements of an unquantized type.
+    let unit = if block_elems == 1 {
+        (QK_K, QK_K * block_bytes as usize)
+    } else {
+        (block_elems as usize, block_bytes as usize)
+    };
+    Some(match dtype {
+        DType::F32 => TypedVec::F32(decode_units(ggml_type, bytes, len, unit, |x| x)),
+        DType::F16 => TypedVec::F16(decode_units(ggml_type, bytes, len, unit, f16::from_f32)),
+        DType::Bf16 => TypedVec::Bf16(decode_units(ggml_type, bytes, len, unit, bf16::from_f32)),
+    })
+}
+
+/// `len` values of `ggml_type` from `bytes`, decoded `unit` (elements, bytes) at a time and
+/// each rounded by `convert`; runs of whole units go to parallel tasks.
+fn decode_units<T: Copy + Default + Send>(
+    ggml_type: GgmlType,
+    bytes: &[u8],
+    len: usize,
+    (unit_elems, unit_bytes): (usize, usize),
+    convert: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    let mut out = vec![T::default(); len];
+    let units = (TASK_ELEMENTS / unit_elems).max(1);
+    out.par_chunks_mut(units * unit_elems)
+        .zip(bytes.par_chunks(units * unit_bytes))
+        .for_each(|(out, bytes)| {
+            let mut values = [0f32; QK_K];
+            for (out, raw) in out.chunks_mut(unit_elems).zip(bytes.chunks(unit_bytes)) {
+                let values = &mut values[..out.len()];
+                decode_unit(ggml_type, raw, values);
+                for (o, &v) in out.iter_mut().zip(values.iter()) {
+                    *o = convert(v);
+                }
+            }
+        });
+    out
+}
+
+/// One unit (see [`decode_units`]) into `out`.
+fn decode_unit(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
     match ggml_type {
         GgmlType::F32 => {
-            for chunk in bytes.chunks(4 * QK_K) {
-                let n = chunk.len() / 4;
-                for (x, b) in block.iter_mut().zip(chunk.chunks_exact(4)) {
-                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-                sink.extend(&block[..n]);
+            for (x, b) in out.iter_mut().zip(raw.chunks_exact(4)) {
+                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
-        GgmlType::F16 | GgmlType::BF16 => {
-            let to_f32: fn([u8; 2]) -> f32 = if ggml_type == GgmlType::F16 {
-                |b: [u8; 2]| f16::from_le_bytes(b).to_f32()
-            } else {
-                |b: [u8; 2]| bf16::from_le_bytes(b).to_f32()
-            };
-            for chunk in bytes.chunks(2 * QK_K) {
-                let n = chunk.len() / 2;
-                for (x, b) in block.iter_mut().zip(chunk.chunks_exact(2)) {
-                    *x = to_f32([b[0], b[1]]);
-                }
-                sink.extend(&block[..n]);
+        GgmlType::F16 => {
+            for (x, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
+                *x = f16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        _ => {
-            let values = &mut block[..block_elems as usize];
-            for raw in bytes.chunks_exact(block_bytes as usize) {
-                if block_elems as usize == QK_K {
-                    decode_k_block(ggml_type, raw, values);
-                } else {
-                    decode_block(ggml_type, raw, values);
-                }
-                sink.extend(values);
+        GgmlType::BF16 => {
+            for (x, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
+                *x = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
+        _ if out.len() == QK_K => decode_k_block(ggml_type, raw, out),
+        _ => decode_block(ggml_type, raw, out),
     }
-    Some(sink.out)
 }
 
 /// One block of a 32-element type (the table at the top of the module) into `out`.
@@ -254,22 +257,30 @@ fn decode_k_block(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
 
 /// Q2_K and Q3_K order their 2-bit values the same way: element `128 h + 32 j + 16 p + l`
 /// (`h < 2`, `j < 4`, `p < 2`, `l < 16`) is bits `2 j` of value byte `32 h + 16 p + l`, in
-/// sub-block `8 h + 2 j + p`. `value` gets `(element, value byte, sub-block, 2-bit value)`.
-fn for_each_2bit(values: &[u8], out: &mut [f32], value: impl Fn(usize, usize, usize, u8) -> f32) {
-    for (e, x) in out.iter_mut().enumerate() {
-        let (h, j, p, l) = (e / 128, e / 32 % 4, e / 16 % 2, e % 16);
-        let byte = 32 * h + 16 * p + l;
-        *x = value(e, byte, 8 * h + 2 * j + p, (values[byte] >> (2 * j)) & 3);
+/// sub-block `8 h + 2 j + p`. `sub_block(sub-block, 4 h + j)` gives the function of a
+/// sub-block's elements: of the 2-bit value and of its value byte's index modulo 32.
+fn for_each_2bit<F: Fn(u8, usize) -> f32>(
+    values: &[u8],
+    out: &mut [f32],
+    sub_block: impl Fn(usize, usize) -> F,
+) {
+    for (s, sub_out) in out.chunks_exact_mut(16).enumerate() {
+        let (h, j, p) = (s / 8, s / 2 % 4, s % 2);
+        let value = sub_block(8 * h + 2 * j + p, 4 * h + j);
+        for (l, x) in sub_out.iter_mut().enumerate() {
+            let byte = 32 * h + 16 * p + l;
+            *x = value((values[byte] >> (2 * j)) & 3, byte % 32);
+        }
     }
 }
 
 fn decode_q2_k(raw: &[u8], out: &mut [f32]) {
     let (scales, values) = (&raw[..16], &raw[16..80]);
     let (d, dmin) = (f16_at(&raw[80..]), f16_at(&raw[82..]));
-    for_each_2bit(values, out, |_, _, sub, q| {
+    for_each_2bit(values, out, |sub, _| {
         let step = d * f32::from(scales[sub] & 0x0f);
         let offset = dmin * f32::from(scales[sub] >> 4);
-        step * f32::from(q) - offset
+        move |q, _| step * f32::from(q) - offset
     });
 }
 
@@ -287,11 +298,13 @@ fn decode_q3_k(raw: &[u8], out: &mut [f32]) {
         let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
         f32::from(low | high << 4) - 32.0
     };
-    for_each_2bit(values, out, |e, byte, sub, q| {
-        // A clear mask bit (bit 4 h + j of byte byte % 32) takes 4 off the value.
-        let bit = 4 * (e / 128) + e / 32 % 4;
-        let high = (masks[byte % 32] >> bit) & 1;
-        d * scale(sub) * (f32::from(q) - if high == 1 { 0.0 } else { 4.0 })
+    for_each_2bit(values, out, |sub, plane| {
+        let step = d * scale(sub);
+        // A clear bit `plane` of the value's mask byte takes 4 off the value.
+        move |q, byte| {
+            let high = (masks[byte] >> plane) & 1;
+            step * (f32::from(q) - if high == 1 { 0.0 } else { 4.0 })
+        }
     });
 }
 
@@ -318,15 +331,17 @@ fn decode_q45_k(fifth_bits: bool, raw: &[u8], out: &mut [f32]) {
             )
         }
     };
-    for (e, x) in out.iter_mut().enumerate() {
-        let (c, k, l) = (e / 64, e / 32 % 2, e % 32);
-        let sub = 2 * c + k;
-        let mut q = (nibbles[32 * c + l] >> (4 * k)) & 0x0f;
-        if fifth_bits {
-            q |= ((high[l] >> sub) & 1) << 4;
-        }
+    for (sub, sub_out) in out.chunks_exact_mut(32).enumerate() {
+        let (c, k) = (sub / 2, sub % 2);
         let (scale, min) = scale_min(sub);
-        *x = d * f32::from(scale) * f32::from(q) - dmin * f32::from(min);
+        let (step, offset) = (d * f32::from(scale), dmin * f32::from(min));
+        for (l, x) in sub_out.iter_mut().enumerate() {
+            let mut q = (nibbles[32 * c + l] >> (4 * k)) & 0x0f;
+            if fifth_bits {
+                q |= ((high[l] >> sub) & 1) << 4;
+            }
+            *x = step * f32::from(q) - offset;
+        }
     }
 }
 
@@ -352,12 +367,15 @@ fn decode_iq4_xs(raw: &[u8], out: &mut [f32]) {
 fn decode_q6_k(raw: &[u8], out: &mut [f32]) {
     let (low, pairs, scales) = (&raw[..128], &raw[128..192], &raw[192..208]);
     let d = f16_at(&raw[208..]);
-    for (e, x) in out.iter_mut().enumerate() {
-        let (h, k, l) = (e / 128, e / 32 % 4, e % 32);
-        let nibble = (low[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f;
-        let q = nibble | ((pairs[32 * h + l] >> (2 * k)) & 3) << 4;
-        let scale = scales[8 * h + 2 * k + l / 16] as i8;
-        *x = d * f32::from(scale) * (f32::from(q) - 32.0);
+    for (s, sub_out) in out.chunks_exact_mut(16).enumerate() {
+        let (h, k, half) = (s / 8, s / 2 % 4, s % 2);
+        let step = d * f32::from(scales[8 * h + 2 * k + half] as i8);
+        for (i, x) in sub_out.iter_mut().enumerate() {
+            let l = 16 * half + i;
+            let nibble = (low[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f;
+            let q = nibble | ((pairs[32 * h + l] >> (2 * k)) & 3) << 4;
+            *x = step * (f32::from(q) - 32.0);
+        }
     }
 }
 
