@@ -255,19 +255,18 @@ impl<B: RankThreads> Placed<B> {
             .iter()
             .map(|&r| backend(r % devices))
             .collect::<Result<Vec<B>>>()?;
-        // One source per device: the loaded weights move to the last, copies go to the others.
-        let sources = match weights {
-            WeightSource::Loaded(w) => {
-                let mut v: Vec<_> = (1..used.len())
-                    .map(|_| WeightSource::Loaded(w.clone()))
-                    .collect();
-                v.push(WeightSource::Loaded(w));
-                v
-            }
-            random => vec![random; used.len()],
-        };
+        // One source per device: a copy for each device but the last, made as its upload
+        // starts and dropped as it ends, and the weights themselves for the last. So the host
+        // holds at most two copies, however many devices.
+        let mut weights = Some(weights);
         let mut layers = Vec::new();
-        for (&device, source) in used.iter().zip(sources) {
+        for (i, &device) in used.iter().enumerate() {
+            let source = if i + 1 == used.len() {
+                weights.take()
+            } else {
+                weights.clone()
+            }
+            .expect("the weights are taken by the last device only");
             let here = local.iter().filter(|&&r| r % devices == device).count();
             let first = local
                 .iter()
