@@ -26,7 +26,7 @@ pub use report::Report;
 
 use crate::bench::{at_least_one, resolve_backend, BackendChoice, BackendKind, Launcher, World};
 use crate::generate_cmd::DecodeChoice;
-use crate::ranks::{Placed, RankThreads, WeightSource};
+use crate::ranks::{Placed, RankThreads, Weights};
 use anyhow::{bail, Result};
 use canopy_core::stats::{mean, median};
 use canopy_core::{DType, Method};
@@ -189,7 +189,7 @@ struct Subject {
     name: String,
     /// The model's shape; a random fill past its positions raises them to the longest context.
     config: LlamaConfig,
-    source: WeightSource,
+    source: Weights,
     past_positions: bool,
 }
 
@@ -406,7 +406,7 @@ fn bench<B: Device>(
         devices,
         backend,
         config,
-        subject.source,
+        subject.source.as_ref(),
         &needs,
     )?;
     if B::COMPILES_KERNELS {

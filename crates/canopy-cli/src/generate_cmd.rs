@@ -212,7 +212,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 1,
                 &|_| Ok(CpuBackend),
                 &config,
-                source,
+                source.as_ref(),
                 &needs,
             )?;
             placed.run(&world, ranks, req.strategy, &|b, l, comm| {
@@ -224,7 +224,15 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             let backend = |ordinal: usize| -> Result<CudaBackend> {
                 Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
             };
-            let placed = Placed::new(&world, ranks, gpus, &backend, &config, source, &needs)?;
+            let placed = Placed::new(
+                &world,
+                ranks,
+                gpus,
+                &backend,
+                &config,
+                source.as_ref(),
+                &needs,
+            )?;
             placed.run(&world, ranks, req.strategy, &|b, l, comm| {
                 run.rank(b, l, &tokenizer, comm)
             })?

@@ -11,25 +11,18 @@ use anyhow::Result;
 use canopy_comm::{Collective, ThreadWorld};
 use canopy_cuda::{CudaBackend, DeviceWorld, NcclIds, NcclTransport};
 use canopy_engine::{CpuBackend, LayerOps, ModelNeeds, NodeLayout, Strategy, Transport};
-use canopy_model::{LlamaConfig, Weights};
+use canopy_model::{LlamaConfig, WeightSource};
 use canopy_runtime::serving::{Front, ServeConfig};
-use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers, Watch};
+use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers, RandomWeights, Watch};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a rank waits for its peers before giving up.
 const RANK_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Where a model's weights come from.
-#[derive(Clone)]
-pub enum WeightSource {
-    /// Read from disk (moved to the last device, copied to the others).
-    Loaded(Weights),
-    /// Drawn at random on the host per matrix, for timing a shape without its weights.
-    Random {
-        dtype: canopy_core::DType,
-        seed: u64,
-    },
-}
+/// Where a model's weights come from: its file, read a matrix at a time for each device's
+/// upload, or values drawn at random per matrix, for timing a shape without its weights.
+pub type Weights = Arc<dyn WeightSource>;
 
 /// One rank thread's view of its world: the calls a rank makes with whichever transport
 /// the world gives it.
@@ -237,7 +230,7 @@ impl<B: RankThreads> Placed<B> {
         devices: usize,
         backend: &dyn Fn(usize) -> Result<B>,
         config: &LlamaConfig,
-        weights: WeightSource,
+        weights: &dyn WeightSource,
         needs: &dyn Fn(usize) -> Result<ModelNeeds>,
     ) -> Result<Placed<B>> {
         let devices = devices.max(1);
@@ -255,18 +248,8 @@ impl<B: RankThreads> Placed<B> {
             .iter()
             .map(|&r| backend(r % devices))
             .collect::<Result<Vec<B>>>()?;
-        // One source per device: a copy for each device but the last, made as its upload
-        // starts and dropped as it ends, and the weights themselves for the last. So the host
-        // holds at most two copies, however many devices.
-        let mut weights = Some(weights);
         let mut layers = Vec::new();
-        for (i, &device) in used.iter().enumerate() {
-            let source = if i + 1 == used.len() {
-                weights.take()
-            } else {
-                weights.clone()
-            }
-            .expect("the weights are taken by the last device only");
+        for &device in &used {
             let here = local.iter().filter(|&&r| r % devices == device).count();
             let first = local
                 .iter()
@@ -276,12 +259,7 @@ impl<B: RankThreads> Placed<B> {
             b.check_model(&needs(here)?.on_device_holding(here, ranks))?;
             let bar = upload_bar(config.num_hidden_layers, b.name(), device);
             let mut tick = |_| bar.inc(1);
-            let uploaded = match source {
-                WeightSource::Loaded(w) => ModelLayers::upload(b, config, w, &mut tick)?,
-                WeightSource::Random { dtype, seed } => {
-                    ModelLayers::random(b, config, dtype, seed, &mut tick)?
-                }
-            };
+            let uploaded = ModelLayers::upload(b, config, weights, &mut tick)?;
             bar.finish_and_clear();
             layers.push((device, uploaded));
         }
@@ -405,7 +383,7 @@ pub struct ModelSource {
     /// Where it was read from (`None` for a shape).
     pub path: Option<std::path::PathBuf>,
     pub config: LlamaConfig,
-    pub weights: WeightSource,
+    pub weights: Weights,
     pub tokenizer: canopy_model::Tokenizer,
     pub chat_template: Option<canopy_model::ChatTemplate>,
 }
@@ -422,7 +400,6 @@ impl ModelSource {
         seed: u64,
     ) -> Result<ModelSource> {
         use anyhow::Context;
-        let random_source = WeightSource::Random { dtype, seed };
         if let Some(arch) = arch {
             anyhow::ensure!(
                 random,
@@ -430,11 +407,11 @@ impl ModelSource {
             );
             let config = canopy_model::preset(arch)?;
             return Ok(ModelSource {
+                weights: Arc::new(RandomWeights::new(&config, dtype, seed)),
                 name: arch.to_string(),
                 path: None,
                 tokenizer: canopy_model::Tokenizer::code_points(config.vocab_size)?,
                 config,
-                weights: random_source,
                 chat_template: None,
             });
         }
@@ -444,17 +421,18 @@ impl ModelSource {
         };
         let model = canopy_model::Model::load(&path, dtype)
             .with_context(|| format!("loading the model at {}", path.display()))?;
+        let weights: Weights = if random {
+            Arc::new(RandomWeights::new(&model.config, dtype, seed))
+        } else {
+            Arc::new(model.weights)
+        };
         Ok(ModelSource {
             name: path
                 .file_name()
                 .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
             path: Some(path),
             config: model.config,
-            weights: if random {
-                random_source
-            } else {
-                WeightSource::Loaded(model.weights)
-            },
+            weights,
             tokenizer: model.tokenizer,
             chat_template: model.chat_template,
         })

@@ -209,13 +209,29 @@ pub fn serve(
     let served = match kind {
         BackendKind::Cpu => {
             let backend = |_| Ok(CpuBackend);
-            let placed = Placed::new(&world, ranks, 1, &backend, &model_config, source, &needs)?;
+            let placed = Placed::new(
+                &world,
+                ranks,
+                1,
+                &backend,
+                &model_config,
+                source.as_ref(),
+                &needs,
+            )?;
             ready();
             rank.serve(&world, ranks, &placed)
         }
         BackendKind::Cuda => {
             let gpus = canopy_cuda::probe::device_count()?;
-            let placed = Placed::new(&world, ranks, gpus, &cuda, &model_config, source, &needs)?;
+            let placed = Placed::new(
+                &world,
+                ranks,
+                gpus,
+                &cuda,
+                &model_config,
+                source.as_ref(),
+                &needs,
+            )?;
             ready();
             rank.serve(&world, ranks, &placed)
         }

@@ -55,7 +55,7 @@ fn replayed_decode_steps_equal_eager_ones() {
             .join("../../tests/fixtures/tiny")
             .join(variant);
         let model = Model::load(&dir, DType::Bf16).expect("the fixture loads");
-        let layers = ModelLayers::upload(&backend, &model.config, model.weights, &mut |_| {})
+        let layers = ModelLayers::upload(&backend, &model.config, &model.weights, &mut |_| {})
             .expect("the weights upload");
         let vocab = model.config.vocab_size as u32;
         // 21 prompt tokens, then 60 decoded: the KV crosses four page boundaries.

@@ -17,7 +17,7 @@ use memmap2::Mmap;
 
 use crate::error::{ModelError, Result};
 use crate::quant::{self, GgmlType};
-use crate::weights::{HostTensor, Layout, Role, TensorSource};
+use crate::weights::{HostTensor, LayerPart, Layout, TensorSource, WeightId};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -249,6 +249,15 @@ impl GgufFile {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
 
+    /// [`GgufFile::tensor_info`], or the error naming the missing tensor.
+    fn info_of(&self, name: &str) -> Result<&GgufTensorInfo> {
+        self.tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+            })
+    }
+
     pub(crate) fn corrupt(&self, reason: String) -> ModelError {
         ModelError::CorruptGguf {
             path: self.path.clone(),
@@ -389,23 +398,22 @@ impl GgufFile {
     /// Reads tensor `name` into host memory as `dtype`, dequantizing as it goes, in
     /// row-major shape (ggml's dims reversed).
     pub fn read_tensor(&self, name: &str, dtype: DType) -> Result<HostTensor> {
-        let info = self
-            .tensor_info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                path: self.path.clone(),
-                tensor: name.to_string(),
-            })?;
+        let info = self.info_of(name)?;
         let bytes = self.tensor_bytes(info)?;
-        let data = quant::dequantize(info.ggml_type, bytes, dtype).ok_or_else(|| {
-            ModelError::UnsupportedQuantization {
-                ggml_type: info.ggml_type.name(),
-                tensor: info.name.clone(),
-            }
-        })?;
+        let data =
+            quant::dequantize(info.ggml_type, bytes, dtype).ok_or_else(|| unsupported(info))?;
         Ok(HostTensor {
             shape: info.shape(),
             data,
         })
+    }
+}
+
+/// The error for a tensor of a type canopy does not read.
+fn unsupported(info: &GgufTensorInfo) -> ModelError {
+    ModelError::UnsupportedQuantization {
+        ggml_type: info.ggml_type.name(),
+        tensor: info.name.clone(),
     }
 }
 
@@ -523,21 +531,25 @@ impl<'a> Cursor<'a> {
 }
 
 /// llama.cpp's tensor names for a Llama model.
-fn gguf_name(role: Role, layer: usize) -> String {
-    let in_block = |suffix: &str| format!("blk.{layer}.{suffix}.weight");
-    match role {
-        Role::Embed => "token_embd.weight".into(),
-        Role::InputNorm => in_block("attn_norm"),
-        Role::Q => in_block("attn_q"),
-        Role::K => in_block("attn_k"),
-        Role::V => in_block("attn_v"),
-        Role::O => in_block("attn_output"),
-        Role::PostAttentionNorm => in_block("ffn_norm"),
-        Role::Gate => in_block("ffn_gate"),
-        Role::Up => in_block("ffn_up"),
-        Role::Down => in_block("ffn_down"),
-        Role::FinalNorm => "output_norm.weight".into(),
-        Role::LmHead => "output.weight".into(),
+fn gguf_name(id: WeightId) -> String {
+    match id {
+        WeightId::Embed => "token_embd.weight".into(),
+        WeightId::Layer(layer, part) => {
+            let suffix = match part {
+                LayerPart::InputNorm => "attn_norm",
+                LayerPart::Q => "attn_q",
+                LayerPart::K => "attn_k",
+                LayerPart::V => "attn_v",
+                LayerPart::O => "attn_output",
+                LayerPart::PostNorm => "ffn_norm",
+                LayerPart::Gate => "ffn_gate",
+                LayerPart::Up => "ffn_up",
+                LayerPart::Down => "ffn_down",
+            };
+            format!("blk.{layer}.{suffix}.weight")
+        }
+        WeightId::FinalNorm => "output_norm.weight".into(),
+        WeightId::LmHead => "output.weight".into(),
     }
 }
 
@@ -554,6 +566,15 @@ impl TensorSource for GgufFile {
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         self.tensor_info(name).map(GgufTensorInfo::shape)
+    }
+
+    fn check_readable(&self, name: &str) -> Result<()> {
+        let info = self.info_of(name)?;
+        self.tensor_bytes(info)?;
+        match info.ggml_type.block_layout() {
+            Some(_) => Ok(()),
+            None => Err(unsupported(info)),
+        }
     }
 
     fn read(&self, name: &str, dtype: DType) -> Result<HostTensor> {

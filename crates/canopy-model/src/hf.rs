@@ -9,33 +9,37 @@ use std::path::{Path, PathBuf};
 
 use canopy_core::DType;
 use memmap2::Mmap;
-use safetensors::tensor::Metadata;
+use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 use crate::quant::{self, GgmlType};
-use crate::weights::{HostTensor, Layout, Role, TensorSource};
+use crate::weights::{HostTensor, LayerPart, Layout, TensorSource, WeightId};
 
 /// The bytes before a safetensors header: its length as a little-endian u64.
 const HEADER_LENGTH_BYTES: usize = 8;
 
 /// transformers' tensor names for a `LlamaForCausalLM`.
-fn hf_name(role: Role, layer: usize) -> String {
-    let in_layer = |suffix: &str| format!("model.layers.{layer}.{suffix}.weight");
-    match role {
-        Role::Embed => "model.embed_tokens.weight".into(),
-        Role::InputNorm => in_layer("input_layernorm"),
-        Role::Q => in_layer("self_attn.q_proj"),
-        Role::K => in_layer("self_attn.k_proj"),
-        Role::V => in_layer("self_attn.v_proj"),
-        Role::O => in_layer("self_attn.o_proj"),
-        Role::PostAttentionNorm => in_layer("post_attention_layernorm"),
-        Role::Gate => in_layer("mlp.gate_proj"),
-        Role::Up => in_layer("mlp.up_proj"),
-        Role::Down => in_layer("mlp.down_proj"),
-        Role::FinalNorm => "model.norm.weight".into(),
-        Role::LmHead => "lm_head.weight".into(),
+fn hf_name(id: WeightId) -> String {
+    match id {
+        WeightId::Embed => "model.embed_tokens.weight".into(),
+        WeightId::Layer(layer, part) => {
+            let suffix = match part {
+                LayerPart::InputNorm => "input_layernorm",
+                LayerPart::Q => "self_attn.q_proj",
+                LayerPart::K => "self_attn.k_proj",
+                LayerPart::V => "self_attn.v_proj",
+                LayerPart::O => "self_attn.o_proj",
+                LayerPart::PostNorm => "post_attention_layernorm",
+                LayerPart::Gate => "mlp.gate_proj",
+                LayerPart::Up => "mlp.up_proj",
+                LayerPart::Down => "mlp.down_proj",
+            };
+            format!("model.layers.{layer}.{suffix}.weight")
+        }
+        WeightId::FinalNorm => "model.norm.weight".into(),
+        WeightId::LmHead => "lm_head.weight".into(),
     }
 }
 
@@ -127,25 +131,16 @@ impl SafetensorsSource {
     fn shard(&self, name: &str) -> Option<&Shard> {
         self.shard_of_tensor.get(name).map(|&i| &self.shards[i])
     }
-}
 
-impl TensorSource for SafetensorsSource {
-    fn path(&self) -> &Path {
-        &self.dir
-    }
-
-    fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        Some(self.shard(name)?.metadata.info(name)?.shape.clone())
-    }
-
-    fn read(&self, name: &str, dtype: DType) -> Result<HostTensor> {
+    /// Tensor `name`'s shard and entry, and its element type as ggml names it: safetensors'
+    /// unquantized floats are stored exactly as ggml's F32, F16 and BF16.
+    fn stored_type(&self, name: &str) -> Result<(&Shard, &TensorInfo, GgmlType)> {
         let missing = || ModelError::MissingTensor {
             path: self.dir.clone(),
             tensor: name.to_string(),
         };
         let shard = self.shard(name).ok_or_else(missing)?;
         let info = shard.metadata.info(name).ok_or_else(missing)?;
-        // Safetensors' unquantized floats are stored exactly as ggml's F32, F16 and BF16.
         let stored = match info.dtype {
             Dtype::F32 => GgmlType::F32,
             Dtype::F16 => GgmlType::F16,
@@ -158,6 +153,25 @@ impl TensorSource for SafetensorsSource {
                 })
             }
         };
+        Ok((shard, info, stored))
+    }
+}
+
+impl TensorSource for SafetensorsSource {
+    fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        Some(self.shard(name)?.metadata.info(name)?.shape.clone())
+    }
+
+    fn check_readable(&self, name: &str) -> Result<()> {
+        self.stored_type(name).map(|_| ())
+    }
+
+    fn read(&self, name: &str, dtype: DType) -> Result<HostTensor> {
+        let (shard, info, stored) = self.stored_type(name)?;
         let (begin, end) = info.data_offsets;
         let data_start = HEADER_LENGTH_BYTES + shard.header_len;
         // read_metadata checked the offsets against the file; `get` keeps that a non-panic.
@@ -168,7 +182,13 @@ impl TensorSource for SafetensorsSource {
                 path: shard.path.clone(),
                 source: safetensors::SafeTensorError::InvalidOffset(name.to_string()),
             })?;
-        let data = quant::dequantize(stored, bytes, dtype).ok_or_else(missing)?;
+        let data = quant::dequantize(stored, bytes, dtype).ok_or_else(|| {
+            ModelError::UnsupportedDtype {
+                path: shard.path.clone(),
+                tensor: name.to_string(),
+                dtype: format!("{:?}", info.dtype),
+            }
+        })?;
         Ok(HostTensor {
             shape: info.shape.clone(),
             data,

@@ -1,8 +1,8 @@
 //! # canopy-model
 //!
-//! Everything about a model except running it: reading a Llama-family model from disk into
-//! host memory, with its configuration, tokenizer and chat template, and fetching the default
-//! model.
+//! Everything about a model except running it: opening a Llama-family model on disk, with its
+//! configuration, tokenizer and chat template, reading its weights as a backend asks for them,
+//! and fetching the default model.
 //!
 //! A model is a Hugging Face directory (`config.json`, `tokenizer.json`,
 //! `model.safetensors` or shards, optionally `generation_config.json` and
@@ -11,10 +11,11 @@
 //!
 //! - [`LlamaConfig`]: the hyperparameters, checked by [`LlamaConfig::validate`], and the RoPE
 //!   frequencies they imply ([`LlamaConfig::rope_inv_freq`]), which CPU and GPU code share.
-//! - [`Weights`]: every tensor in Hugging Face layout (`[out_features, in_features]`,
-//!   row-major) and in the compute dtype asked for, converted (and dequantized) as each
-//!   tensor is read. GGUF's Q and K rows, which llama.cpp stores permuted for its RoPE, are
-//!   put back in transformers' order, so both sources give identical tensors.
+//! - [`Weights`]: every tensor's shape checked when the model is opened, and each tensor read
+//!   when a backend asks for it ([`WeightSource`], by [`WeightId`]), in Hugging Face layout
+//!   (`[out_features, in_features]`, row-major) and in the compute dtype asked for, converted
+//!   (and dequantized) as it is read. GGUF's Q and K rows, which llama.cpp stores permuted for
+//!   its RoPE, are put back in transformers' order, so both sources give identical tensors.
 //! - [`Tokenizer`], with an [`IncrementalDecoder`] for streaming, and [`ChatTemplate`].
 //!
 //! Nothing here computes with the weights: the forward pass belongs to the engine's
@@ -37,6 +38,7 @@ mod tokenizer;
 mod weights;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use canopy_core::DType;
 
@@ -48,9 +50,9 @@ pub use gguf::GgufFile;
 pub use presets::{preset, PRESETS};
 pub use quant::GgmlType;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
-pub use weights::{progress_bar, HostTensor, LayerWeights, Weights};
+pub use weights::{progress_bar, HostTensor, LayerPart, WeightId, WeightSource, Weights};
 
-/// A model read from disk, ready to be uploaded to a backend.
+/// A model opened on disk, ready to be uploaded to a backend.
 pub struct Model {
     /// The directory or file it was read from.
     pub path: PathBuf,
@@ -63,8 +65,8 @@ pub struct Model {
 }
 
 impl Model {
-    /// Reads a Hugging Face model directory or a `.gguf` file, with weights as `dtype`
-    /// (F32 for the CPU backend, Bf16 for GPUs).
+    /// Opens a Hugging Face model directory or a `.gguf` file, whose weights will be read as
+    /// `dtype` (F32 for the CPU backend, Bf16 for GPUs).
     pub fn load(path: &Path, dtype: DType) -> Result<Self> {
         if path.is_dir() {
             Self::load_hf_dir(path, dtype)
@@ -94,8 +96,8 @@ impl Model {
         let bos = token_text(config.bos_token_id);
         let eos = token_text(config.eos_token_ids.first().copied());
         let chat_template = ChatTemplate::from_hf_dir(dir, (&bos, &eos))?;
-        let source = hf::SafetensorsSource::open(dir)?;
-        let weights = weights::load_weights(&source, &hf::HF_LAYOUT, &config, dtype)?;
+        let source = Arc::new(hf::SafetensorsSource::open(dir)?);
+        let weights = Weights::open(source, &hf::HF_LAYOUT, &config, dtype)?;
         Ok(Model {
             path: dir.to_path_buf(),
             config,
@@ -107,12 +109,12 @@ impl Model {
     }
 
     fn load_gguf(path: &Path, dtype: DType) -> Result<Self> {
-        let gguf = GgufFile::open(path)?;
+        let gguf = Arc::new(GgufFile::open(path)?);
         let config = LlamaConfig::from_gguf(&gguf)?;
         config.validate()?;
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let chat_template = ChatTemplate::from_gguf(&gguf)?;
-        let weights = weights::load_weights(&gguf, &gguf::GGUF_LAYOUT, &config, dtype)?;
+        let weights = Weights::open(gguf, &gguf::GGUF_LAYOUT, &config, dtype)?;
         Ok(Model {
             path: path.to_path_buf(),
             config,

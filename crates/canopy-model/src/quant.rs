@@ -379,16 +379,29 @@ fn decode_q6_k(raw: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Reads a slice of little-endian `N`-byte values.
-fn decode_le<T, const N: usize>(bytes: &[u8], from_le: fn([u8; N]) -> T) -> Vec<T> {
-    bytes
-        .chunks_exact(N)
-        .map(|chunk| {
-            let mut raw = [0u8; N];
-            raw.copy_from_slice(chunk);
-            from_le(raw)
-        })
-        .collect()
+/// Reads a slice of little-endian `N`-byte values: on a little-endian host a copy, split over
+/// threads (a weight is hundreds of megabytes), else a byte swap per value.
+fn decode_le<T: bytemuck::Pod + Send, const N: usize>(
+    bytes: &[u8],
+    from_le: fn([u8; N]) -> T,
+) -> Vec<T> {
+    let mut out: Vec<T> = bytemuck::zeroed_vec(bytes.len() / N);
+    let task_bytes = TASK_ELEMENTS * N;
+    let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+    out_bytes
+        .par_chunks_mut(task_bytes)
+        .zip(bytes.par_chunks(task_bytes))
+        .for_each(|(out, bytes)| {
+            if cfg!(target_endian = "little") {
+                out.copy_from_slice(&bytes[..out.len()]);
+            } else {
+                for (out, raw) in out.chunks_exact_mut(N).zip(bytes.chunks_exact(N)) {
+                    let value = from_le(raw.try_into().expect("chunks of N bytes"));
+                    out.copy_from_slice(bytemuck::bytes_of(&value));
+                }
+            }
+        });
+    out
 }
 
 #[cfg(test)]

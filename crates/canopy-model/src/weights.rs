@@ -1,11 +1,16 @@
-//! A Llama model's weights in host memory, in Hugging Face layout whatever file they came from.
+//! A Llama model's weights, in Hugging Face layout whatever file they came from, read tensor
+//! by tensor as a backend asks for them.
 //!
 //! Both readers (safetensors, GGUF) answer the same two questions — a tensor's shape, and its
-//! data converted to the compute dtype — so assembling the model, checking every shape
-//! against the configuration and reporting progress happen once, here.
+//! data converted to the compute dtype — so checking every shape against the configuration
+//! happens once, here, when the model is opened. Nothing is read then: [`Weights`] keeps the
+//! mapped file and converts (or dequantizes) one tensor at a time. The host therefore never
+//! holds a whole model (an 8B model is 16 GB in bf16), each device and each rank reads the
+//! same mapped pages, and the page cache is shared by every process of a node.
 
 use std::io::IsTerminal;
 use std::path::Path;
+use std::sync::Arc;
 
 use canopy_core::{DType, TypedVec};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -35,222 +40,277 @@ impl HostTensor {
     }
 }
 
-/// The weights of one decoder layer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerWeights {
+/// One tensor of a decoder layer, in the order the layer uses them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerPart {
     /// RMSNorm weight before attention, `[hidden]`.
-    pub input_norm: HostTensor,
+    InputNorm,
     /// `[heads * head_dim, hidden]`.
-    pub q_proj: HostTensor,
+    Q,
     /// `[kv_heads * head_dim, hidden]`.
-    pub k_proj: HostTensor,
+    K,
     /// `[kv_heads * head_dim, hidden]`.
-    pub v_proj: HostTensor,
+    V,
     /// `[hidden, heads * head_dim]`.
-    pub o_proj: HostTensor,
+    O,
     /// RMSNorm weight before the MLP, `[hidden]`.
-    pub post_attention_norm: HostTensor,
+    PostNorm,
     /// `[intermediate, hidden]`.
-    pub gate_proj: HostTensor,
+    Gate,
     /// `[intermediate, hidden]`.
-    pub up_proj: HostTensor,
+    Up,
     /// `[hidden, intermediate]`.
-    pub down_proj: HostTensor,
+    Down,
 }
 
-/// All of a Llama model's weights.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Weights {
+impl LayerPart {
+    pub const ALL: [LayerPart; 9] = [
+        LayerPart::InputNorm,
+        LayerPart::Q,
+        LayerPart::K,
+        LayerPart::V,
+        LayerPart::O,
+        LayerPart::PostNorm,
+        LayerPart::Gate,
+        LayerPart::Up,
+        LayerPart::Down,
+    ];
+}
+
+/// One of a Llama model's weights, whatever a file format calls it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightId {
     /// `[vocab, hidden]`.
-    pub embed_tokens: HostTensor,
-    pub layers: Vec<LayerWeights>,
+    Embed,
+    Layer(usize, LayerPart),
     /// Final RMSNorm weight, `[hidden]`.
-    pub norm: HostTensor,
-    /// `[vocab, hidden]`; `None` when the output projection is tied to `embed_tokens`.
-    pub lm_head: Option<HostTensor>,
+    FinalNorm,
+    /// `[vocab, hidden]`; absent when the output projection is tied to the embedding.
+    LmHead,
 }
 
-impl Weights {
-    /// The output projection: `lm_head`, or the embedding matrix when they are tied.
-    pub fn output_projection(&self) -> &HostTensor {
-        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+impl WeightId {
+    /// Every weight of `config`'s model: the embedding, the layers', the final norm and,
+    /// unless tied, the output projection.
+    pub fn all(config: &LlamaConfig) -> Vec<WeightId> {
+        let mut ids = vec![WeightId::Embed];
+        ids.extend(
+            (0..config.num_hidden_layers)
+                .flat_map(|l| LayerPart::ALL.map(|p| WeightId::Layer(l, p))),
+        );
+        ids.push(WeightId::FinalNorm);
+        if !config.tie_word_embeddings {
+            ids.push(WeightId::LmHead);
+        }
+        ids
     }
 
-    /// Bytes of host memory the weights occupy.
-    pub fn size_bytes(&self) -> usize {
-        let layer_bytes: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| {
-                [
-                    &l.input_norm,
-                    &l.q_proj,
-                    &l.k_proj,
-                    &l.v_proj,
-                    &l.o_proj,
-                    &l.post_attention_norm,
-                    &l.gate_proj,
-                    &l.up_proj,
-                    &l.down_proj,
-                ]
-            })
-            .map(|t| t.data.as_bytes().len())
-            .sum();
-        layer_bytes
-            + self.embed_tokens.data.as_bytes().len()
-            + self.norm.data.as_bytes().len()
-            + self.lm_head.as_ref().map_or(0, |t| t.data.as_bytes().len())
+    /// The name errors use.
+    pub fn name(self) -> String {
+        let part = |p| match p {
+            LayerPart::InputNorm => "input norm",
+            LayerPart::Q => "q_proj",
+            LayerPart::K => "k_proj",
+            LayerPart::V => "v_proj",
+            LayerPart::O => "o_proj",
+            LayerPart::PostNorm => "post-attention norm",
+            LayerPart::Gate => "gate_proj",
+            LayerPart::Up => "up_proj",
+            LayerPart::Down => "down_proj",
+        };
+        match self {
+            WeightId::Embed => "embed_tokens".into(),
+            WeightId::Layer(l, p) => format!("layer {l} {}", part(p)),
+            WeightId::FinalNorm => "norm".into(),
+            WeightId::LmHead => "lm_head".into(),
+        }
     }
+
+    /// A number of its own, whatever the model's depth.
+    pub fn ordinal(self) -> u64 {
+        match self {
+            WeightId::Embed => 0,
+            WeightId::FinalNorm => 1,
+            WeightId::LmHead => 2,
+            WeightId::Layer(l, p) => 3 + (l * LayerPart::ALL.len() + p as usize) as u64,
+        }
+    }
+
+    /// An RMSNorm weight (a vector), not a matrix.
+    pub fn is_norm(self) -> bool {
+        matches!(
+            self,
+            WeightId::FinalNorm | WeightId::Layer(_, LayerPart::InputNorm | LayerPart::PostNorm)
+        )
+    }
+
+    /// `(rows, cols)` as `c` implies (a vector is `1 × len`).
+    pub fn matrix_shape(self, c: &LlamaConfig) -> (usize, usize) {
+        let (h, f) = (c.hidden_size, c.intermediate_size);
+        let (qn, kvn) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        match self {
+            WeightId::Embed | WeightId::LmHead => (c.vocab_size, h),
+            WeightId::FinalNorm => (1, h),
+            WeightId::Layer(_, p) => match p {
+                LayerPart::InputNorm | LayerPart::PostNorm => (1, h),
+                LayerPart::Q => (qn, h),
+                LayerPart::K | LayerPart::V => (kvn, h),
+                LayerPart::O => (h, qn),
+                LayerPart::Gate | LayerPart::Up => (f, h),
+                LayerPart::Down => (h, f),
+            },
+        }
+    }
+
+    /// The shape a file stores it in, as `c` implies: norms are vectors.
+    fn file_shape(self, c: &LlamaConfig) -> Vec<usize> {
+        match self.matrix_shape(c) {
+            (rows, cols) if self.is_norm() => vec![rows * cols],
+            (rows, cols) => vec![rows, cols],
+        }
+    }
+}
+
+/// Where a model's weights come from when a backend uploads them: a model on disk
+/// ([`Weights`]), or values drawn for timing a shape without its weights.
+pub trait WeightSource: Send + Sync {
+    /// Whether the model has an output projection of its own, rather than the embedding's.
+    fn has_lm_head(&self) -> bool;
+    /// Weight `id`'s data, row-major in its [`WeightId::matrix_shape`]; called once per
+    /// weight and upload, from any thread.
+    fn read(&self, id: WeightId) -> Result<TypedVec>;
 }
 
 /// A file (or set of shards) that tensors can be read from by name.
-pub(crate) trait TensorSource {
+pub(crate) trait TensorSource: Send + Sync {
     /// The file named in errors about missing tensors.
     fn path(&self) -> &Path;
     /// The row-major shape of tensor `name`, `None` if the source has no such tensor.
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
+    /// Whether tensor `name` can be read: its type is one canopy converts, and its bytes are
+    /// inside the file. So a model that opens can be uploaded.
+    fn check_readable(&self, name: &str) -> Result<()>;
     /// Tensor `name`, converted to `dtype`.
     fn read(&self, name: &str, dtype: DType) -> Result<HostTensor>;
 }
 
-/// What a tensor is, independent of how a file format names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Role {
-    Embed,
-    InputNorm,
-    Q,
-    K,
-    V,
-    O,
-    PostAttentionNorm,
-    Gate,
-    Up,
-    Down,
-    FinalNorm,
-    LmHead,
-}
-
 /// How a format names tensors, and whether its Q and K rows are in llama.cpp's order.
 pub(crate) struct Layout {
-    pub name: fn(Role, usize) -> String,
+    pub name: fn(WeightId) -> String,
     pub qk_rows_permuted: bool,
 }
 
-impl Role {
-    /// The HF-layout shape the configuration implies.
-    fn expected_shape(self, c: &LlamaConfig) -> Vec<usize> {
-        let q_width = c.num_attention_heads * c.head_dim;
-        let kv_width = c.num_key_value_heads * c.head_dim;
-        match self {
-            Role::Embed | Role::LmHead => vec![c.vocab_size, c.hidden_size],
-            Role::InputNorm | Role::PostAttentionNorm | Role::FinalNorm => vec![c.hidden_size],
-            Role::Q => vec![q_width, c.hidden_size],
-            Role::K | Role::V => vec![kv_width, c.hidden_size],
-            Role::O => vec![c.hidden_size, q_width],
-            Role::Gate | Role::Up => vec![c.intermediate_size, c.hidden_size],
-            Role::Down => vec![c.hidden_size, c.intermediate_size],
-        }
+/// A model file's weights, every shape checked against the configuration, each tensor read
+/// in the compute dtype when asked for. Clones share the mapped file.
+#[derive(Clone)]
+pub struct Weights {
+    source: Arc<dyn TensorSource>,
+    layout: &'static Layout,
+    config: LlamaConfig,
+    dtype: DType,
+}
+
+impl std::fmt::Debug for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Weights")
+            .field("path", &self.source.path())
+            .field("dtype", &self.dtype)
+            .finish_non_exhaustive()
     }
 }
 
-/// Checks every tensor's shape against `config` before anything is read, then reads them
-/// all as `dtype`, with a progress bar on a terminal.
-pub(crate) fn load_weights(
-    source: &dyn TensorSource,
-    layout: &Layout,
-    config: &LlamaConfig,
-    dtype: DType,
-) -> Result<Weights> {
-    let layer_roles = [
-        Role::InputNorm,
-        Role::Q,
-        Role::K,
-        Role::V,
-        Role::O,
-        Role::PostAttentionNorm,
-        Role::Gate,
-        Role::Up,
-        Role::Down,
-    ];
-    // A tied checkpoint may still store a copy of the embedding as lm_head; it is not read.
-    let read_lm_head = !config.tie_word_embeddings;
-    let mut wanted: Vec<(Role, usize)> = vec![(Role::Embed, 0)];
-    for layer in 0..config.num_hidden_layers {
-        wanted.extend(layer_roles.iter().map(|&role| (role, layer)));
-    }
-    wanted.push((Role::FinalNorm, 0));
-    if read_lm_head {
-        wanted.push((Role::LmHead, 0));
-    }
-    for &(role, layer) in &wanted {
-        let name = (layout.name)(role, layer);
-        let found = source
-            .shape(&name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                path: source.path().to_path_buf(),
-                tensor: name.clone(),
-            })?;
-        let expected = role.expected_shape(config);
-        if found != expected {
-            return Err(ModelError::ShapeMismatch {
-                tensor: name,
-                expected,
-                found,
-            });
+impl Weights {
+    /// Checks every tensor `config` needs against `source`'s shapes; reads nothing.
+    pub(crate) fn open(
+        source: Arc<dyn TensorSource>,
+        layout: &'static Layout,
+        config: &LlamaConfig,
+        dtype: DType,
+    ) -> Result<Weights> {
+        // A tied checkpoint may still store a copy of the embedding as lm_head; it is not read.
+        for id in WeightId::all(config) {
+            let name = (layout.name)(id);
+            let found = source
+                .shape(&name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    path: source.path().to_path_buf(),
+                    tensor: name.clone(),
+                })?;
+            let expected = id.file_shape(config);
+            if found != expected {
+                return Err(ModelError::ShapeMismatch {
+                    tensor: name,
+                    expected,
+                    found,
+                });
+            }
+            source.check_readable(&name)?;
         }
+        Ok(Weights {
+            source,
+            layout,
+            config: config.clone(),
+            dtype,
+        })
     }
 
-    let file = source
-        .path()
-        .file_name()
-        .unwrap_or(source.path().as_os_str());
-    let progress = progress_bar(
-        wanted.len() as u64,
-        format!("loading {}", file.to_string_lossy()),
-    );
-    let read = |role: Role, layer: usize| -> Result<HostTensor> {
-        let name = (layout.name)(role, layer);
-        progress.set_message(name.clone());
-        let mut tensor = source.read(&name, dtype)?;
-        if layout.qk_rows_permuted {
-            match role {
-                Role::Q => unpermute_rows(&mut tensor, config.num_attention_heads),
-                Role::K => unpermute_rows(&mut tensor, config.num_key_value_heads),
+    /// Whether the model has an output projection of its own, rather than the embedding's.
+    pub fn has_lm_head(&self) -> bool {
+        !self.config.tie_word_embeddings
+    }
+
+    /// The dtype every tensor is read as.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes the weights take in their compute dtype.
+    pub fn size_bytes(&self) -> usize {
+        WeightId::all(&self.config)
+            .into_iter()
+            .map(|id| {
+                let (rows, cols) = id.matrix_shape(&self.config);
+                rows * cols * self.dtype.size_bytes()
+            })
+            .sum()
+    }
+
+    /// Weight `id` with its shape as the file stores it (norms are vectors), in HF layout.
+    pub fn tensor(&self, id: WeightId) -> Result<HostTensor> {
+        let name = (self.layout.name)(id);
+        if id == WeightId::LmHead && self.config.tie_word_embeddings {
+            return Err(ModelError::MissingTensor {
+                path: self.source.path().to_path_buf(),
+                tensor: name,
+            });
+        }
+        let mut tensor = self.source.read(&name, self.dtype)?;
+        if self.layout.qk_rows_permuted {
+            match id {
+                WeightId::Layer(_, LayerPart::Q) => {
+                    unpermute_rows(&mut tensor, self.config.num_attention_heads)
+                }
+                WeightId::Layer(_, LayerPart::K) => {
+                    unpermute_rows(&mut tensor, self.config.num_key_value_heads)
+                }
                 _ => {}
             }
         }
-        progress.inc(1);
         Ok(tensor)
-    };
-    let embed_tokens = read(Role::Embed, 0)?;
-    let layers = (0..config.num_hidden_layers)
-        .map(|layer| {
-            Ok(LayerWeights {
-                input_norm: read(Role::InputNorm, layer)?,
-                q_proj: read(Role::Q, layer)?,
-                k_proj: read(Role::K, layer)?,
-                v_proj: read(Role::V, layer)?,
-                o_proj: read(Role::O, layer)?,
-                post_attention_norm: read(Role::PostAttentionNorm, layer)?,
-                gate_proj: read(Role::Gate, layer)?,
-                up_proj: read(Role::Up, layer)?,
-                down_proj: read(Role::Down, layer)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let norm = read(Role::FinalNorm, 0)?;
-    let lm_head = if read_lm_head {
-        Some(read(Role::LmHead, 0)?)
-    } else {
-        None
-    };
-    progress.finish_and_clear();
-    Ok(Weights {
-        embed_tokens,
-        layers,
-        norm,
-        lm_head,
-    })
+    }
+}
+
+impl WeightSource for Weights {
+    fn has_lm_head(&self) -> bool {
+        Weights::has_lm_head(self)
+    }
+
+    fn read(&self, id: WeightId) -> Result<TypedVec> {
+        Ok(self.tensor(id)?.data)
+    }
 }
 
 /// A progress bar on stderr of `len` steps labelled `prefix` (hidden when stderr is not a

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use canopy_core::DType;
 use canopy_model::{
-    cache_dir, default_model, ChatMessage, Model, ModelError, Tokenizer, DEFAULT_MODEL_FILE,
+    cache_dir, default_model, ChatMessage, LayerPart, Model, ModelError, Tokenizer, WeightId,
+    DEFAULT_MODEL_FILE,
 };
 use serde_json::Value;
 
@@ -91,13 +92,14 @@ fn smollm2_loads_with_its_config_tokenizer_and_template() {
     assert_eq!((c.vocab_size, c.max_position_embeddings), (49152, 8192));
     assert_eq!(c.rope_theta, 100_000.0);
     assert!((c.rms_norm_eps - 1e-5).abs() < 1e-12);
-    assert!(c.tie_word_embeddings && model.weights.lm_head.is_none());
+    assert!(c.tie_word_embeddings && !model.weights.has_lm_head());
     assert_eq!(
         (c.bos_token_id, c.eos_token_ids.as_slice()),
         (Some(1), &[2][..])
     );
-    assert_eq!(model.weights.embed_tokens.shape, [49152, 576]);
-    assert_eq!(model.weights.layers[29].k_proj.shape, [192, 576]);
+    let shape = |id| model.weights.tensor(id).unwrap().shape;
+    assert_eq!(shape(WeightId::Embed), [49152, 576]);
+    assert_eq!(shape(WeightId::Layer(29, LayerPart::K)), [192, 576]);
 
     let text = "The capital of France is Paris. 1234 ünïcödé 🦀";
     let ids = model.tokenizer.encode(text, true).unwrap();
@@ -131,18 +133,19 @@ fn smollm2_loads_with_its_config_tokenizer_and_template() {
 fn smollm2_weights_match_gguf_py() {
     let Some(path) = smollm2() else { return };
     let weights = Model::load(&path, DType::F32).unwrap().weights;
-    let layers = &weights.layers;
+    let tensor = |id| weights.tensor(id).unwrap();
+    let layer = |l, part| tensor(WeightId::Layer(l, part));
     // Values are exact f32 numbers, written in full (as f64) to compare bit for bit.
     struct Case<'a> {
         name: &'a str,
-        tensor: &'a canopy_model::HostTensor,
+        tensor: canopy_model::HostTensor,
         elements: [(usize, usize, f64); 3],
         row_sums: [f64; 3],
     }
     let cases = [
         Case {
             name: "blk.0.attn_q",
-            tensor: &layers[0].q_proj,
+            tensor: layer(0, LayerPart::Q),
             elements: [
                 (1, 0, -0.1591796875),
                 (33, 5, -0.06280517578125),
@@ -152,7 +155,7 @@ fn smollm2_weights_match_gguf_py() {
         },
         Case {
             name: "blk.0.attn_k",
-            tensor: &layers[0].k_proj,
+            tensor: layer(0, LayerPart::K),
             elements: [
                 (1, 0, 0.203369140625),
                 (33, 5, 0.22955322265625),
@@ -162,7 +165,7 @@ fn smollm2_weights_match_gguf_py() {
         },
         Case {
             name: "blk.29.attn_k",
-            tensor: &layers[29].k_proj,
+            tensor: layer(29, LayerPart::K),
             elements: [
                 (1, 0, 0.05859375),
                 (33, 5, -0.012451171875),
@@ -172,7 +175,7 @@ fn smollm2_weights_match_gguf_py() {
         },
         Case {
             name: "token_embd",
-            tensor: &weights.embed_tokens,
+            tensor: tensor(WeightId::Embed),
             elements: [
                 (1, 0, -0.0238037109375),
                 (33, 5, -0.059051513671875),
@@ -182,7 +185,7 @@ fn smollm2_weights_match_gguf_py() {
         },
         Case {
             name: "blk.3.ffn_down",
-            tensor: &layers[3].down_proj,
+            tensor: layer(3, LayerPart::Down),
             elements: [
                 (1, 0, -0.50390625),
                 (33, 5, -0.060516357421875),
@@ -218,7 +221,7 @@ fn smollm2_weights_match_gguf_py() {
             );
         }
     }
-    let norm = weights.norm.data.to_f32_vec();
+    let norm = tensor(WeightId::FinalNorm).data.to_f32_vec();
     assert_eq!(
         (norm[0], norm[100], norm[575]),
         (1.7578125, 2.09375, 1.984375)
@@ -320,9 +323,9 @@ fn tiny_fixture_models_match_transformers_reference() {
             c.rope_scaling.is_some(),
             expected.get("rope_scaling").is_some_and(|s| !s.is_null())
         );
-        assert_eq!(c.tie_word_embeddings, model.weights.lm_head.is_none());
+        assert_eq!(c.tie_word_embeddings, !model.weights.has_lm_head());
         assert_eq!(
-            model.weights.embed_tokens.shape,
+            model.weights.tensor(WeightId::Embed).unwrap().shape,
             [
                 reference["vocab_size"].as_u64().unwrap() as usize,
                 c.hidden_size

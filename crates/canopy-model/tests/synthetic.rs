@@ -9,7 +9,7 @@ mod gguf_writer;
 use std::path::{Path, PathBuf};
 
 use canopy_core::{DType, TypedVec};
-use canopy_model::{GgmlType, GgufFile, HostTensor, Model, ModelError};
+use canopy_model::{GgmlType, GgufFile, HostTensor, LayerPart, Model, ModelError, WeightId};
 use gguf_writer::{expected_dequantized, GgufWriter, Meta};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -420,6 +420,14 @@ fn quantized_tensors_read_as_the_gguf_package_dequantizes_them() {
     }
 }
 
+/// Every weight of `model`, read.
+fn every_tensor(model: &Model) -> Vec<(WeightId, HostTensor)> {
+    WeightId::all(&model.config)
+        .into_iter()
+        .map(|id| (id, model.weights.tensor(id).unwrap()))
+        .collect()
+}
+
 #[test]
 fn gguf_and_safetensors_load_identical_weights() {
     for tied in [false, true] {
@@ -427,13 +435,20 @@ fn gguf_and_safetensors_load_identical_weights() {
         let from_gguf = Model::load(&fixture.gguf, DType::F32).unwrap();
         let from_hf = Model::load(&fixture.hf, DType::F32).unwrap();
         assert_eq!(from_gguf.config.tie_word_embeddings, tied);
-        assert_eq!(from_gguf.weights.lm_head.is_none(), tied);
-        let layer = &from_gguf.weights.layers[1];
-        assert_eq!(layer.q_proj.shape, [HEADS * HEAD_DIM, HIDDEN]);
-        assert_eq!(layer.k_proj.shape, [KV_HEADS * HEAD_DIM, HIDDEN]);
-        assert_eq!(layer.down_proj.shape, [HIDDEN, INTERMEDIATE]);
+        assert_eq!(from_gguf.weights.has_lm_head(), !tied);
+        let shape = |part| {
+            let tensor = from_gguf.weights.tensor(WeightId::Layer(1, part));
+            tensor.unwrap().shape
+        };
+        assert_eq!(shape(LayerPart::Q), [HEADS * HEAD_DIM, HIDDEN]);
+        assert_eq!(shape(LayerPart::K), [KV_HEADS * HEAD_DIM, HIDDEN]);
+        assert_eq!(shape(LayerPart::Down), [HIDDEN, INTERMEDIATE]);
         // Q and K come back in HF row order (unpermuted), every other tensor as stored.
-        assert_eq!(from_gguf.weights, from_hf.weights, "tied = {tied}");
+        assert_eq!(
+            every_tensor(&from_gguf),
+            every_tensor(&from_hf),
+            "tied = {tied}"
+        );
         assert_eq!(
             from_gguf.config.weight_bytes(DType::F32),
             from_gguf.weights.size_bytes() as u64,
@@ -454,16 +469,12 @@ fn bf16_loading_converts_every_tensor() {
     let fixture = fixture(false);
     let model = Model::load(&fixture.gguf, DType::Bf16).unwrap();
     let f32_model = Model::load(&fixture.gguf, DType::F32).unwrap();
-    assert_eq!(model.weights.layers[0].q_proj.dtype(), DType::Bf16);
     let convert = |t: &HostTensor| TypedVec::from_f32(DType::Bf16, &t.data.to_f32_vec());
-    assert_eq!(
-        model.weights.embed_tokens.data,
-        convert(&f32_model.weights.embed_tokens)
-    );
-    assert_eq!(
-        model.weights.layers[1].k_proj.data,
-        convert(&f32_model.weights.layers[1].k_proj)
-    );
+    for (id, tensor) in every_tensor(&f32_model) {
+        let bf16 = model.weights.tensor(id).unwrap();
+        assert_eq!(bf16.dtype(), DType::Bf16, "{}", id.name());
+        assert_eq!(bf16.data, convert(&tensor), "{}", id.name());
+    }
     assert_eq!(
         model.weights.size_bytes() * 2,
         f32_model.weights.size_bytes()
@@ -697,8 +708,8 @@ fn sharded_safetensors_load_like_one_file() {
     )
     .unwrap();
     assert_eq!(
-        Model::load(&fixture.hf, DType::F32).unwrap().weights,
-        whole.weights
+        every_tensor(&Model::load(&fixture.hf, DType::F32).unwrap()),
+        every_tensor(&whole)
     );
 }
 

@@ -2,17 +2,16 @@
 //! [`LayerOps`]: everything a token's hidden state goes through except the attention itself,
 //! which depends on where the KV lives (the engine's business, see [`crate::rank`]).
 //!
-//! The weights are uploaded once per device ([`ModelLayers::upload`], or drawn at random with
-//! the model's shapes by [`ModelLayers::random`], to time a model without its weights) and
-//! shared by every rank on it; each call takes the calling rank's backend, whose stream
-//! orders its work.
+//! The weights are uploaded once per device ([`ModelLayers::upload`], from a model's file or
+//! drawn at random with its shapes by [`crate::RandomWeights`], to time a model without its
+//! weights) and shared by every rank on it; each call takes the calling rank's backend, whose
+//! stream orders its work.
 
 use crate::{Result, RuntimeError};
-use canopy_core::data::splitmix64;
 use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::{LayerOps, ModelNeeds};
-use canopy_model::{HostTensor, LlamaConfig, Weights};
-use rayon::prelude::*;
+use canopy_model::{LayerPart, LlamaConfig, WeightId, WeightSource};
+use std::time::Instant;
 
 /// A model's weights on a backend, checked once against its config, and its RoPE
 /// frequencies.
@@ -71,198 +70,6 @@ pub struct MlpScratch<B: LayerOps> {
     act: B::Tensor,
 }
 
-/// One matrix of a layer, in the order [`ModelLayers`] uploads them and
-/// [`canopy_model::LayerWeights`] lists them (`Part as usize` indexes that list).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Part {
-    InputNorm,
-    Q,
-    K,
-    V,
-    O,
-    PostNorm,
-    Gate,
-    Up,
-    Down,
-}
-
-const PARTS: [Part; 9] = [
-    Part::InputNorm,
-    Part::Q,
-    Part::K,
-    Part::V,
-    Part::O,
-    Part::PostNorm,
-    Part::Gate,
-    Part::Up,
-    Part::Down,
-];
-
-/// One of a model's weights. Both sources of weights answer to it: a loaded model finds its
-/// tensor by it, random weights seed their values with its [`WeightId::ordinal`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum WeightId {
-    Embed,
-    Layer(usize, Part),
-    FinalNorm,
-    LmHead,
-}
-
-impl WeightId {
-    /// The name errors use.
-    fn name(self) -> String {
-        let part = |p| match p {
-            Part::InputNorm => "input norm",
-            Part::Q => "q_proj",
-            Part::K => "k_proj",
-            Part::V => "v_proj",
-            Part::O => "o_proj",
-            Part::PostNorm => "post-attention norm",
-            Part::Gate => "gate_proj",
-            Part::Up => "up_proj",
-            Part::Down => "down_proj",
-        };
-        match self {
-            WeightId::Embed => "embed_tokens".into(),
-            WeightId::Layer(l, p) => format!("layer {l} {}", part(p)),
-            WeightId::FinalNorm => "norm".into(),
-            WeightId::LmHead => "lm_head".into(),
-        }
-    }
-
-    /// A number of its own, whatever the model's depth.
-    fn ordinal(self) -> u64 {
-        match self {
-            WeightId::Embed => 0,
-            WeightId::FinalNorm => 1,
-            WeightId::LmHead => 2,
-            WeightId::Layer(l, p) => 3 + (l * PARTS.len() + p as usize) as u64,
-        }
-    }
-
-    fn is_norm(self) -> bool {
-        matches!(
-            self,
-            WeightId::FinalNorm | WeightId::Layer(_, Part::InputNorm | Part::PostNorm)
-        )
-    }
-
-    /// `(rows, cols)` as `c` implies (a vector is `1 × len`).
-    fn shape(self, c: &LlamaConfig) -> (usize, usize) {
-        let (h, f) = (c.hidden_size, c.intermediate_size);
-        let (qn, kvn) = (
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-        );
-        match self {
-            WeightId::Embed | WeightId::LmHead => (c.vocab_size, h),
-            WeightId::FinalNorm => (1, h),
-            WeightId::Layer(_, p) => match p {
-                Part::InputNorm | Part::PostNorm => (1, h),
-                Part::Q => (qn, h),
-                Part::K | Part::V => (kvn, h),
-                Part::O => (h, qn),
-                Part::Gate | Part::Up => (f, h),
-                Part::Down => (h, f),
-            },
-        }
-    }
-}
-
-/// Hands out each weight's host data when [`ModelLayers::build`] asks for it (once each),
-/// given the `rows × cols` shape the config implies.
-type HostSource<'a> = dyn FnMut(WeightId, usize, usize) -> Result<TypedVec> + 'a;
-
-/// The half-width of the uniform distribution of matrix entries: a standard deviation of
-/// 0.02 (`half_width / √3`), transformers' `initializer_range` for Llama, keeps activations
-/// in the range real weights give, so the timed kernels see ordinary numbers.
-const MATRIX_HALF_WIDTH: f32 = 0.02 * 1.732_050_8;
-/// RMSNorm weights are `1 ± 0.1`: near the identity, as trained ones mostly are.
-const NORM_HALF_WIDTH: f32 = 0.1;
-/// Elements per parallel task: big enough to amortize rayon's scheduling, small enough to
-/// spread one matrix over every core.
-const RANDOM_CHUNK: usize = 1 << 16;
-
-/// `len` values of `center ± half_width` (uniform) in `dtype`, elements `2j` and `2j + 1`
-/// from the two halves of one hash of `(key, j)`, so any element can be regenerated alone and
-/// the result does not depend on the number of threads.
-fn random_values(dtype: DType, len: usize, key: u64, center: f32, half_width: f32) -> TypedVec {
-    match dtype {
-        DType::F32 => TypedVec::F32(fill_random(len, key, center, half_width, |x| x)),
-        DType::F16 => TypedVec::F16(fill_random(len, key, center, half_width, |x| {
-            bytemuck::cast(f16_bits(x))
-        })),
-        DType::Bf16 => TypedVec::Bf16(fill_random(len, key, center, half_width, |x| {
-            bytemuck::cast(bf16_bits(x))
-        })),
-    }
-}
-
-/// [`random_values`] with each value stored by `convert`.
-fn fill_random<T: bytemuck::Pod + Send>(
-    len: usize,
-    key: u64,
-    center: f32,
-    half_width: f32,
-    convert: impl Fn(f32) -> T + Sync,
-) -> Vec<T> {
-    // 24 of a half's 32 random bits to a value in (-1, 1), symmetric about 0.
-    let scale = half_width / (1u32 << 23) as f32;
-    let value =
-        |half: u32| convert(center + (((half >> 8) as i32 - (1 << 23)) as f32 + 0.5) * scale);
-    let mut out: Vec<T> = bytemuck::zeroed_vec(len);
-    out.par_chunks_mut(RANDOM_CHUNK)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            // Chunks hold an even number of elements, so pair `j` never straddles two.
-            let mut pairs = chunk.chunks_exact_mut(2);
-            let first = (c * RANDOM_CHUNK / 2) as u64;
-            let mut j = first;
-            for pair in &mut pairs {
-                let h = splitmix64(key ^ j);
-                pair[0] = value((h >> 32) as u32);
-                pair[1] = value(h as u32);
-                j += 1;
-            }
-            if let [last] = pairs.into_remainder() {
-                *last = value((splitmix64(key ^ j) >> 32) as u32);
-            }
-        });
-    out
-}
-
-/// The bits of the bf16 nearest to `x` (ties to even), which must be finite: `half`'s
-/// conversion less its NaN branch, so that the generating loop stays branch-free.
-fn bf16_bits(x: f32) -> u16 {
-    let bits = x.to_bits();
-    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
-}
-
-/// The bits of the f16 nearest to `x` (ties to even; past 65520, infinity), which must be
-/// finite: Fabian Giesen's `float_to_half_fast3_rtne`, with both paths computed and one
-/// picked, so that the generating loop stays branch-free (`half` dispatches at run time for
-/// each value, which takes longer than drawing it).
-fn f16_bits(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    let abs = bits & 0x7fff_ffff;
-    // Normal: rebias the exponent (127 to 15), round the 13 dropped bits to nearest even.
-    let odd = (abs >> 13) & 1;
-    let normal = abs.wrapping_sub(112 << 23).wrapping_add(0xfff + odd) >> 13;
-    // Subnormal or zero: adding 0.5 lines the 10 mantissa bits up at the bottom of an f32,
-    // rounded to nearest even by the addition itself.
-    let subnormal = (f32::from_bits(abs) + 0.5)
-        .to_bits()
-        .wrapping_sub(0.5f32.to_bits());
-    let magnitude = if abs < 0x3880_0000 { subnormal } else { normal };
-    let magnitude = if abs >= 0x4780_0000 {
-        0x7c00
-    } else {
-        magnitude
-    };
-    sign | magnitude as u16
-}
-
 /// `parts` (matrices of the same columns) as one, their rows in order, in the first part's
 /// dtype.
 fn stack_rows(mut parts: Vec<TypedVec>) -> TypedVec {
@@ -284,154 +91,145 @@ fn stack_rows(mut parts: Vec<TypedVec>) -> TypedVec {
     out
 }
 
-/// The random data of weight `id` (`len` elements) for `seed`.
-fn random_weight(dtype: DType, seed: u64, id: WeightId, len: usize) -> TypedVec {
-    let key = splitmix64(splitmix64(seed) ^ id.ordinal());
-    if id.is_norm() {
-        random_values(dtype, len, key, 1.0, NORM_HALF_WIDTH)
-    } else {
-        random_values(dtype, len, key, 0.0, MATRIX_HALF_WIDTH)
+/// The weights [`ModelLayers`] uploads as one matrix, in upload order: a layer's (the
+/// projections that read the same input stacked), then the embedding, the output projection
+/// (unless tied) and the final norm.
+fn upload_groups(config: &LlamaConfig, with_lm_head: bool) -> Vec<Vec<WeightId>> {
+    use LayerPart::*;
+    let mut groups = Vec::new();
+    for l in 0..config.num_hidden_layers {
+        for parts in [
+            &[InputNorm][..],
+            &[Q, K, V],
+            &[O],
+            &[PostNorm],
+            &[Gate, Up],
+            &[Down],
+        ] {
+            groups.push(parts.iter().map(|&p| WeightId::Layer(l, p)).collect());
+        }
     }
+    groups.push(vec![WeightId::Embed]);
+    if with_lm_head {
+        groups.push(vec![WeightId::LmHead]);
+    }
+    groups.push(vec![WeightId::FinalNorm]);
+    groups
 }
 
+/// Host data of one upload group, its rows stacked: `(data, rows, cols)`.
+type HostMatrix = (TypedVec, usize, usize);
+
+/// Reads `ids` from `weights` and stacks them (they share their columns), each checked
+/// against the shape `config` implies.
+fn read_group(
+    weights: &dyn WeightSource,
+    config: &LlamaConfig,
+    ids: &[WeightId],
+) -> Result<HostMatrix> {
+    let (mut rows, mut cols, mut parts) = (0, 0, Vec::with_capacity(ids.len()));
+    for &id in ids {
+        let (r, c) = id.matrix_shape(config);
+        let data = weights.read(id)?;
+        if data.len() != r * c {
+            return Err(RuntimeError::WeightShape {
+                name: id.name(),
+                shape: vec![data.len()],
+                expected: vec![r, c],
+            });
+        }
+        parts.push(data);
+        (rows, cols) = (rows + r, c);
+    }
+    Ok((stack_rows(parts), rows, cols))
+}
+
+/// Host data the reader may have made ahead of the upload: one group waits while the next
+/// is read, so the host holds at most about three groups (an 8B model's largest, gate|up,
+/// is 235 MB in bf16).
+const GROUPS_AHEAD: usize = 1;
+
 impl<B: LayerOps> ModelLayers<B> {
-    /// Uploads `weights` (shaped as `config` says) through `backend`, moving each tensor.
-    /// `on_layer` is called after each layer, for progress.
+    /// Uploads `config`'s model through `backend`, each weight read from `weights` as its
+    /// upload nears: a thread reads (converts, dequantizes or draws) the next matrix while
+    /// this one is copied. `on_layer` is called after each layer, for progress.
     pub fn upload(
         backend: &B,
         config: &LlamaConfig,
-        weights: Weights,
-        on_layer: &mut dyn FnMut(usize),
-    ) -> Result<ModelLayers<B>> {
-        let Weights {
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-        } = weights;
-        if layers.len() != config.num_hidden_layers {
-            return Err(RuntimeError::WeightShape {
-                name: "model.layers".into(),
-                shape: vec![layers.len()],
-                expected: vec![config.num_hidden_layers],
-            });
-        }
-        let with_lm_head = lm_head.is_some();
-        let (mut embed, mut norm, mut lm_head) = (Some(embed_tokens), Some(norm), lm_head);
-        // Each tensor is taken out when asked for, so it is freed (or kept, by a backend
-        // whose memory is the host's) as soon as it is uploaded.
-        let mut layers: Vec<[Option<HostTensor>; 9]> = layers
-            .into_iter()
-            .map(|l| {
-                [
-                    l.input_norm,
-                    l.q_proj,
-                    l.k_proj,
-                    l.v_proj,
-                    l.o_proj,
-                    l.post_attention_norm,
-                    l.gate_proj,
-                    l.up_proj,
-                    l.down_proj,
-                ]
-                .map(Some)
-            })
-            .collect();
-        let mut source = |id: WeightId, rows: usize, cols: usize| {
-            let tensor = match id {
-                WeightId::Embed => embed.take(),
-                WeightId::Layer(l, p) => layers.get_mut(l).and_then(|l| l[p as usize].take()),
-                WeightId::FinalNorm => norm.take(),
-                WeightId::LmHead => lm_head.take(),
-            };
-            match tensor {
-                Some(t) if t.len() == rows * cols => Ok(t.data),
-                t => Err(RuntimeError::WeightShape {
-                    name: id.name(),
-                    shape: t.map(|t| t.shape).unwrap_or_default(),
-                    expected: vec![rows, cols],
-                }),
-            }
-        };
-        Self::build(backend, config, with_lm_head, &mut source, on_layer)
-    }
-
-    /// Uploads random weights of `config`'s shapes as `dtype`, for timing a model without its
-    /// weights. Each matrix is drawn on the host (on every core) just before its upload, so
-    /// the host holds at most one beyond what the backend keeps: an 8B model never needs its
-    /// 16 GB there at once. The values depend on `seed` alone, so every device, rank and
-    /// thread count gets the same model.
-    pub fn random(
-        backend: &B,
-        config: &LlamaConfig,
-        dtype: DType,
-        seed: u64,
+        weights: &dyn WeightSource,
         on_layer: &mut dyn FnMut(usize),
     ) -> Result<ModelLayers<B>> {
         config.validate()?;
-        let mut source = |id: WeightId, rows: usize, cols: usize| {
-            Ok(random_weight(dtype, seed, id, rows * cols))
-        };
-        Self::build(
-            backend,
-            config,
-            !config.tie_word_embeddings,
-            &mut source,
-            on_layer,
-        )
-    }
-
-    /// Uploads every weight `source` gives, in layer order, then the embedding, the final
-    /// norm and, `with_lm_head`, the output projection (else it is tied to the embedding).
-    fn build(
-        backend: &B,
-        config: &LlamaConfig,
-        with_lm_head: bool,
-        source: &mut HostSource,
-        on_layer: &mut dyn FnMut(usize),
-    ) -> Result<ModelLayers<B>> {
-        // Weights with the same columns, their rows stacked in the order given.
-        let mut upload = |ids: &[WeightId]| -> Result<B::Weight> {
-            let (mut rows, mut cols, mut parts) = (0, 0, Vec::with_capacity(ids.len()));
-            for &id in ids {
-                let (r, c) = id.shape(config);
-                parts.push(source(id, r, c)?);
-                (rows, cols) = (rows + r, c);
-            }
-            Ok(backend.upload_weight(stack_rows(parts), rows, cols)?)
-        };
-        let mut layers = Vec::with_capacity(config.num_hidden_layers);
-        for l in 0..config.num_hidden_layers {
-            let mut parts = |ps: &[Part]| {
-                let ids: Vec<WeightId> = ps.iter().map(|&p| WeightId::Layer(l, p)).collect();
-                upload(&ids)
-            };
-            layers.push(LayerWeights {
-                input_norm: parts(&[Part::InputNorm])?,
-                qkv: parts(&[Part::Q, Part::K, Part::V])?,
-                o: parts(&[Part::O])?,
-                post_norm: parts(&[Part::PostNorm])?,
-                gate_up: parts(&[Part::Gate, Part::Up])?,
-                down: parts(&[Part::Down])?,
+        let with_lm_head = weights.has_lm_head();
+        let groups = upload_groups(config, with_lm_head);
+        let started = Instant::now();
+        let (mut read_s, mut upload_s, mut bytes) = (0.0, 0.0, 0usize);
+        let layers = std::thread::scope(|scope| -> Result<ModelLayers<B>> {
+            let (sender, matrices) = std::sync::mpsc::sync_channel(GROUPS_AHEAD);
+            scope.spawn(move || {
+                for ids in &groups {
+                    let t0 = Instant::now();
+                    let matrix = read_group(weights, config, ids);
+                    let failed = matrix.is_err();
+                    // The uploader has stopped when the send fails: so does the reader.
+                    if sender.send((matrix, t0.elapsed())).is_err() || failed {
+                        break;
+                    }
+                }
             });
-            on_layer(l);
-        }
-        let inv_freq: Vec<f32> = config
-            .rope_inv_freq()
-            .into_iter()
-            .map(|f| f as f32)
-            .collect();
-        let half = inv_freq.len();
-        Ok(ModelLayers {
-            config: config.clone(),
-            embed: upload(&[WeightId::Embed])?,
-            lm_head: with_lm_head
-                .then(|| upload(&[WeightId::LmHead]))
-                .transpose()?,
-            norm: upload(&[WeightId::FinalNorm])?,
-            layers,
-            inv_freq: backend.upload_weight(TypedVec::F32(inv_freq), 1, half)?,
-        })
+            let mut next = || -> Result<B::Weight> {
+                let (matrix, reading) = matrices
+                    .recv()
+                    .expect("the reader sends every group or an error first");
+                let (data, rows, cols) = matrix?;
+                read_s += reading.as_secs_f64();
+                bytes += data.as_bytes().len();
+                let t0 = Instant::now();
+                let weight = backend.upload_weight(data, rows, cols)?;
+                upload_s += t0.elapsed().as_secs_f64();
+                Ok(weight)
+            };
+            let mut layers = Vec::with_capacity(config.num_hidden_layers);
+            for l in 0..config.num_hidden_layers {
+                layers.push(LayerWeights {
+                    input_norm: next()?,
+                    qkv: next()?,
+                    o: next()?,
+                    post_norm: next()?,
+                    gate_up: next()?,
+                    down: next()?,
+                });
+                on_layer(l);
+            }
+            let embed = next()?;
+            let lm_head = with_lm_head.then(&mut next).transpose()?;
+            let norm = next()?;
+            let inv_freq: Vec<f32> = config
+                .rope_inv_freq()
+                .into_iter()
+                .map(|f| f as f32)
+                .collect();
+            let half = inv_freq.len();
+            Ok(ModelLayers {
+                config: config.clone(),
+                embed,
+                lm_head,
+                norm,
+                layers,
+                inv_freq: backend.upload_weight(TypedVec::F32(inv_freq), 1, half)?,
+            })
+        })?;
+        let seconds = started.elapsed().as_secs_f64();
+        tracing::info!(
+            backend = backend.name(),
+            gb = bytes as f64 / 1e9,
+            seconds,
+            gb_per_s = bytes as f64 / 1e9 / seconds,
+            read_s,
+            upload_s,
+            "weights uploaded"
+        );
+        Ok(layers)
     }
 
     /// The attention shape every layer shares.
@@ -632,8 +430,8 @@ pub(crate) fn model_needs(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::RandomWeights;
     use canopy_engine::CpuBackend;
-    use canopy_model::LayerWeights as HostLayer;
 
     /// A small GQA model: 2 layers, 4 query heads on 2 KV heads of 16.
     pub(crate) fn tiny(tied: bool) -> LlamaConfig {
@@ -669,7 +467,8 @@ pub(crate) mod tests {
     }
 
     fn random(config: &LlamaConfig, dtype: DType, seed: u64) -> ModelLayers<CpuBackend> {
-        ModelLayers::random(&CpuBackend, config, dtype, seed, &mut |_| {}).unwrap()
+        let weights = RandomWeights::new(config, dtype, seed);
+        ModelLayers::upload(&CpuBackend, config, &weights, &mut |_| {}).unwrap()
     }
 
     #[test]
@@ -677,9 +476,9 @@ pub(crate) mod tests {
         for tied in [false, true] {
             let config = tiny(tied);
             let mut seen = Vec::new();
+            let weights = RandomWeights::new(&config, DType::F32, 7);
             let layers =
-                ModelLayers::random(&CpuBackend, &config, DType::F32, 7, &mut |l| seen.push(l))
-                    .unwrap();
+                ModelLayers::upload(&CpuBackend, &config, &weights, &mut |l| seen.push(l)).unwrap();
             assert_eq!(seen, [0, 1]);
             assert_eq!(layers.lm_head.is_some(), !tied);
             let a = logits(&layers);
@@ -694,142 +493,75 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn random_refuses_an_invalid_config() {
+    fn upload_refuses_an_invalid_config() {
         let mut config = tiny(false);
         config.num_key_value_heads = 3;
-        let err =
-            ModelLayers::<CpuBackend>::random(&CpuBackend, &config, DType::F32, 0, &mut |_| {})
-                .err()
-                .unwrap();
+        let weights = RandomWeights::new(&config, DType::F32, 0);
+        let err = ModelLayers::<CpuBackend>::upload(&CpuBackend, &config, &weights, &mut |_| {})
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("shared evenly"), "{err}");
     }
 
-    /// Random values are centred where asked, spread as asked and rounded as `dtype` rounds.
-    #[test]
-    fn random_values_have_their_distribution() {
-        let n = 1 << 18;
-        let values = random_values(DType::F32, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
-        let mean = values.iter().sum::<f32>() / n as f32;
-        let std = (values.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / n as f32).sqrt();
-        assert!(mean.abs() < 5e-4, "mean {mean}");
-        assert!((std - 0.02).abs() < 2e-4, "std {std}");
-        assert!(values.iter().all(|x| x.abs() < MATRIX_HALF_WIDTH));
-        let norms = random_values(DType::F32, n, 3, 1.0, NORM_HALF_WIDTH).to_f32_vec();
-        assert!(norms.iter().all(|x| (0.9..=1.1).contains(x)));
-        for dtype in [DType::F16, DType::Bf16] {
-            let rounded = random_values(dtype, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
-            let want: Vec<f32> = values.iter().map(|&x| dtype.round(x)).collect();
-            assert_eq!(rounded, want, "{dtype}");
+    /// Random weights with one weight replaced by `swap`'s answer, and every read counted.
+    struct Tampered {
+        weights: RandomWeights,
+        swap: fn(WeightId) -> Option<canopy_model::Result<TypedVec>>,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl WeightSource for Tampered {
+        fn has_lm_head(&self) -> bool {
+            self.weights.has_lm_head()
+        }
+
+        fn read(&self, id: WeightId) -> canopy_model::Result<TypedVec> {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (self.swap)(id).unwrap_or_else(|| self.weights.read(id))
         }
     }
 
-    /// The branch-free conversions agree bit for bit with `half`'s on finite values: normal,
-    /// subnormal, ties, overflow to infinity, both signs.
-    #[test]
-    fn conversions_match_half() {
-        let values: Vec<f32> = (0..=u32::MAX)
-            .step_by(4093)
-            .map(f32::from_bits)
-            .chain([
-                0.0,
-                -0.0,
-                65504.0,
-                65519.99,
-                65520.0,
-                1e-8,
-                2.0f32.powi(-25),
-                1.0 + 2.0f32.powi(-11),
-            ])
-            .filter(|x| x.is_finite())
-            .collect();
-        for (dtype, ours) in [
-            (DType::F16, f16_bits as fn(f32) -> u16),
-            (DType::Bf16, bf16_bits),
-        ] {
-            let want = TypedVec::from_f32(dtype, &values);
-            let want: &[u16] = bytemuck::cast_slice(want.as_bytes());
-            for (x, &w) in values.iter().zip(want) {
-                assert_eq!(ours(*x), w, "{dtype} of {x:e}");
-            }
-        }
-    }
-
-    /// The host weights `random` draws for `config`, as a loaded model would hold them.
-    fn host_weights(config: &LlamaConfig, seed: u64) -> Weights {
-        let tensor = |id: WeightId| {
-            let (rows, cols) = id.shape(config);
-            HostTensor {
-                shape: if rows == 1 {
-                    vec![cols]
-                } else {
-                    vec![rows, cols]
-                },
-                data: random_weight(DType::F32, seed, id, rows * cols),
-            }
-        };
-        let layers = (0..config.num_hidden_layers)
-            .map(|l| {
-                let part = |p| tensor(WeightId::Layer(l, p));
-                HostLayer {
-                    input_norm: part(Part::InputNorm),
-                    q_proj: part(Part::Q),
-                    k_proj: part(Part::K),
-                    v_proj: part(Part::V),
-                    o_proj: part(Part::O),
-                    post_attention_norm: part(Part::PostNorm),
-                    gate_proj: part(Part::Gate),
-                    up_proj: part(Part::Up),
-                    down_proj: part(Part::Down),
-                }
-            })
-            .collect();
-        Weights {
-            embed_tokens: tensor(WeightId::Embed),
-            layers,
-            norm: tensor(WeightId::FinalNorm),
-            lm_head: (!config.tie_word_embeddings).then(|| tensor(WeightId::LmHead)),
-        }
-    }
-
-    /// Both sources go through one builder: the same tensors give the same model.
-    #[test]
-    fn upload_puts_each_tensor_where_random_does() {
-        for tied in [false, true] {
-            let config = tiny(tied);
-            let mut seen = Vec::new();
-            let uploaded =
-                ModelLayers::upload(&CpuBackend, &config, host_weights(&config, 11), &mut |l| {
-                    seen.push(l)
-                })
-                .unwrap();
-            assert_eq!(seen, [0, 1]);
-            assert_eq!(
-                logits(&uploaded),
-                logits(&random(&config, DType::F32, 11)),
-                "tied {tied}"
-            );
-        }
-    }
-
-    #[test]
-    fn upload_refuses_a_misshapen_tensor_or_missing_layer() {
+    fn upload_tampered(
+        swap: fn(WeightId) -> Option<canopy_model::Result<TypedVec>>,
+    ) -> (String, usize) {
         let config = tiny(false);
-        let mut weights = host_weights(&config, 0);
-        weights.layers[1].k_proj = weights.layers[1].q_proj.clone();
-        let err = ModelLayers::<CpuBackend>::upload(&CpuBackend, &config, weights, &mut |_| {})
+        let weights = Tampered {
+            weights: RandomWeights::new(&config, DType::F32, 0),
+            swap,
+            reads: Default::default(),
+        };
+        let err = ModelLayers::<CpuBackend>::upload(&CpuBackend, &config, &weights, &mut |_| {})
             .err()
             .unwrap()
             .to_string();
+        (err, weights.reads.into_inner())
+    }
+
+    #[test]
+    fn upload_refuses_a_misshapen_tensor_and_stops_reading() {
+        let (err, reads) = upload_tampered(|id| {
+            (id == WeightId::Layer(1, LayerPart::K)).then(|| Ok(TypedVec::F32(vec![0.0; 64 * 64])))
+        });
         assert!(
-            err.contains("layer 1 k_proj has shape [64, 64]") && err.contains("[32, 64]"),
+            err.contains("layer 1 k_proj has shape [4096]") && err.contains("[32, 64]"),
             "{err}"
         );
-        let mut weights = host_weights(&config, 0);
-        weights.layers.pop();
-        let err = ModelLayers::<CpuBackend>::upload(&CpuBackend, &config, weights, &mut |_| {})
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("model.layers has shape [1]"), "{err}");
+        // Layer 0's nine weights, then layer 1's input norm, q and k: nothing after the bad one.
+        assert_eq!(reads, 12);
+    }
+
+    #[test]
+    fn a_read_error_ends_the_upload_with_it() {
+        let (err, reads) = upload_tampered(|id| {
+            (id == WeightId::Layer(0, LayerPart::Down)).then(|| {
+                Err(canopy_model::ModelError::MissingTensor {
+                    path: "model.gguf".into(),
+                    tensor: "blk.0.ffn_down.weight".into(),
+                })
+            })
+        });
+        assert!(err.contains("blk.0.ffn_down.weight"), "{err}");
+        assert_eq!(reads, 9);
     }
 }

@@ -5,9 +5,10 @@
 //! layer's attention merged across ranks by the tree collectives (or the ring baseline).
 //!
 //! - [`layers`]: a decoder's layers around attention (embedding, RMSNorm, the projections,
-//!   RoPE, SwiGLU, the LM head), from a [`canopy_model::Model`]'s weights, uploaded once to
-//!   any backend that implements [`canopy_engine::LayerOps`] (the CPU's f32 arithmetic, or a
-//!   GPU's) and shared by every rank on that device.
+//!   RoPE, SwiGLU, the LM head), from a [`canopy_model::Model`]'s weights or
+//!   [`RandomWeights`], read a matrix at a time and uploaded once to any backend that
+//!   implements [`canopy_engine::LayerOps`] (the CPU's f32 arithmetic, or a GPU's) and shared
+//!   by every rank on that device.
 //! - [`kv`]: where each token's KV lives, on the KV-cache manager ([`canopy_kv`]): the prompt
 //!   in contiguous chunks, one per rank; samples as branches that share the prompt's pages.
 //! - [`forward`]: one decode step's pass through every layer, shared by every decode loop.
@@ -24,6 +25,7 @@ pub mod forward;
 pub mod kv;
 pub mod layers;
 mod prefill;
+mod random_weights;
 pub mod rank;
 pub mod sampling;
 pub mod serving;
@@ -31,6 +33,7 @@ pub mod serving;
 pub use error::{Result, RuntimeError};
 pub use forward::{Forward, StepRows};
 pub use layers::ModelLayers;
+pub use random_weights::RandomWeights;
 pub use rank::{
     generate, ContextFill, DecodeStrategy, GenerateRequest, Generated, Watch, DEFAULT_PREFILL_CHUNK,
 };

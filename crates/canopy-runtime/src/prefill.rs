@@ -368,7 +368,8 @@ mod tests {
     fn chunks_in_one_pass_give_what_each_gives_alone() {
         let b = &CpuBackend;
         let config = crate::layers::tests::tiny(false);
-        let layers = ModelLayers::random(b, &config, DType::F32, 11, &mut |_| {}).unwrap();
+        let weights = crate::RandomWeights::new(&config, DType::F32, 11);
+        let layers = ModelLayers::upload(b, &config, &weights, &mut |_| {}).unwrap();
         let shape = layers.attn_shape();
         let caches = || -> Vec<_> {
             (0..layers.num_layers())

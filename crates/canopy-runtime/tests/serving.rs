@@ -173,13 +173,8 @@ fn with_engine(
 #[test]
 fn concurrent_requests_get_what_each_prompt_gets_alone() {
     let (model, prompts) = fixture();
-    let layers = ModelLayers::upload(
-        &CpuBackend,
-        &model.config,
-        model.weights.clone(),
-        &mut |_| {},
-    )
-    .expect("the weights upload");
+    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
+        .expect("the weights upload");
     for (ranks, strategy) in [
         (1, DecodeStrategy::Tree(MergeCollective::Auto)),
         (2, DecodeStrategy::Tree(MergeCollective::Allreduce2)),
@@ -255,13 +250,8 @@ fn concurrent_requests_get_what_each_prompt_gets_alone() {
 #[test]
 fn a_small_cache_evicts_and_still_serves_everything() {
     let (model, prompts) = fixture();
-    let layers = ModelLayers::upload(
-        &CpuBackend,
-        &model.config,
-        model.weights.clone(),
-        &mut |_| {},
-    )
-    .expect("the weights upload");
+    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
+        .expect("the weights upload");
     // 12 pages: the 100-token prompt and 32 tokens take 9, so requests wait for each other
     // and cached prefixes are evicted.
     let cfg = ServeConfig {

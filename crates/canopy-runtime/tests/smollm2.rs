@@ -43,7 +43,7 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
     let Model {
         config, weights, ..
     } = model;
-    let layers = ModelLayers::upload(&CpuBackend, &config, weights, &mut |_| {}).unwrap();
+    let layers = ModelLayers::upload(&CpuBackend, &config, &weights, &mut |_| {}).unwrap();
     let prompts = reference["prompts"].as_array().unwrap();
     assert!(prompts.len() >= 8);
     for (i, p) in prompts.iter().enumerate() {

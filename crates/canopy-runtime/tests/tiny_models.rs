@@ -62,13 +62,8 @@ fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> Genera
 }
 
 fn layers(model: &Model) -> ModelLayers<CpuBackend> {
-    ModelLayers::upload(
-        &CpuBackend,
-        &model.config,
-        model.weights.clone(),
-        &mut |_| {},
-    )
-    .expect("the weights upload")
+    ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
+        .expect("the weights upload")
 }
 
 /// `req` on `ranks` threads; every rank must end with the same tokens.

@@ -1,0 +1,190 @@
+//! Weights drawn at random with a model's shapes, to time a model without its weights, as
+//! other engines' dummy load formats do.
+//!
+//! Every value is a hash of the seed, the weight and its index, so any element can be made
+//! again alone: the model is the same on every device, rank and thread count, and each matrix
+//! is drawn on every core just before its upload.
+
+use canopy_core::data::splitmix64;
+use canopy_core::{DType, TypedVec};
+use canopy_model::{LlamaConfig, ModelError, WeightId, WeightSource};
+use rayon::prelude::*;
+
+/// Random weights of one model's shapes.
+#[derive(Debug, Clone)]
+pub struct RandomWeights {
+    config: LlamaConfig,
+    dtype: DType,
+    seed: u64,
+}
+
+impl RandomWeights {
+    /// Weights of `config`'s shapes in `dtype`, drawn from `seed`.
+    pub fn new(config: &LlamaConfig, dtype: DType, seed: u64) -> RandomWeights {
+        RandomWeights {
+            config: config.clone(),
+            dtype,
+            seed,
+        }
+    }
+}
+
+impl WeightSource for RandomWeights {
+    fn has_lm_head(&self) -> bool {
+        !self.config.tie_word_embeddings
+    }
+
+    fn read(&self, id: WeightId) -> Result<TypedVec, ModelError> {
+        let (rows, cols) = id.matrix_shape(&self.config);
+        let key = splitmix64(splitmix64(self.seed) ^ id.ordinal());
+        Ok(if id.is_norm() {
+            random_values(self.dtype, rows * cols, key, 1.0, NORM_HALF_WIDTH)
+        } else {
+            random_values(self.dtype, rows * cols, key, 0.0, MATRIX_HALF_WIDTH)
+        })
+    }
+}
+
+/// The half-width of the uniform distribution of matrix entries: a standard deviation of
+/// 0.02 (`half_width / √3`), transformers' `initializer_range` for Llama, keeps activations
+/// in the range real weights give, so the timed kernels see ordinary numbers.
+const MATRIX_HALF_WIDTH: f32 = 0.02 * 1.732_050_8;
+/// RMSNorm weights are `1 ± 0.1`: near the identity, as trained ones mostly are.
+const NORM_HALF_WIDTH: f32 = 0.1;
+/// Elements per parallel task: big enough to amortize rayon's scheduling, small enough to
+/// spread one matrix over every core.
+const RANDOM_CHUNK: usize = 1 << 16;
+
+/// `len` values of `center ± half_width` (uniform) in `dtype`, elements `2j` and `2j + 1`
+/// from the two halves of one hash of `(key, j)`, so any element can be regenerated alone and
+/// the result does not depend on the number of threads.
+fn random_values(dtype: DType, len: usize, key: u64, center: f32, half_width: f32) -> TypedVec {
+    match dtype {
+        DType::F32 => TypedVec::F32(fill_random(len, key, center, half_width, |x| x)),
+        DType::F16 => TypedVec::F16(fill_random(len, key, center, half_width, |x| {
+            bytemuck::cast(f16_bits(x))
+        })),
+        DType::Bf16 => TypedVec::Bf16(fill_random(len, key, center, half_width, |x| {
+            bytemuck::cast(bf16_bits(x))
+        })),
+    }
+}
+
+/// [`random_values`] with each value stored by `convert`.
+fn fill_random<T: bytemuck::Pod + Send>(
+    len: usize,
+    key: u64,
+    center: f32,
+    half_width: f32,
+    convert: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    // 24 of a half's 32 random bits to a value in (-1, 1), symmetric about 0.
+    let scale = half_width / (1u32 << 23) as f32;
+    let value =
+        |half: u32| convert(center + (((half >> 8) as i32 - (1 << 23)) as f32 + 0.5) * scale);
+    let mut out: Vec<T> = bytemuck::zeroed_vec(len);
+    out.par_chunks_mut(RANDOM_CHUNK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            // Chunks hold an even number of elements, so pair `j` never straddles two.
+            let mut pairs = chunk.chunks_exact_mut(2);
+            let first = (c * RANDOM_CHUNK / 2) as u64;
+            let mut j = first;
+            for pair in &mut pairs {
+                let h = splitmix64(key ^ j);
+                pair[0] = value((h >> 32) as u32);
+                pair[1] = value(h as u32);
+                j += 1;
+            }
+            if let [last] = pairs.into_remainder() {
+                *last = value((splitmix64(key ^ j) >> 32) as u32);
+            }
+        });
+    out
+}
+
+/// The bits of the bf16 nearest to `x` (ties to even), which must be finite: `half`'s
+/// conversion less its NaN branch, so that the generating loop stays branch-free.
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// The bits of the f16 nearest to `x` (ties to even; past 65520, infinity), which must be
+/// finite: Fabian Giesen's `float_to_half_fast3_rtne`, with both paths computed and one
+/// picked, so that the generating loop stays branch-free (`half` dispatches at run time for
+/// each value, which takes longer than drawing it).
+fn f16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let abs = bits & 0x7fff_ffff;
+    // Normal: rebias the exponent (127 to 15), round the 13 dropped bits to nearest even.
+    let odd = (abs >> 13) & 1;
+    let normal = abs.wrapping_sub(112 << 23).wrapping_add(0xfff + odd) >> 13;
+    // Subnormal or zero: adding 0.5 lines the 10 mantissa bits up at the bottom of an f32,
+    // rounded to nearest even by the addition itself.
+    let subnormal = (f32::from_bits(abs) + 0.5)
+        .to_bits()
+        .wrapping_sub(0.5f32.to_bits());
+    let magnitude = if abs < 0x3880_0000 { subnormal } else { normal };
+    let magnitude = if abs >= 0x4780_0000 {
+        0x7c00
+    } else {
+        magnitude
+    };
+    sign | magnitude as u16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_values_have_their_distribution() {
+        let n = 1 << 18;
+        let values = random_values(DType::F32, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
+        let mean = values.iter().sum::<f32>() / n as f32;
+        let std = (values.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / n as f32).sqrt();
+        assert!(mean.abs() < 5e-4, "mean {mean}");
+        assert!((std - 0.02).abs() < 2e-4, "std {std}");
+        assert!(values.iter().all(|x| x.abs() < MATRIX_HALF_WIDTH));
+        let norms = random_values(DType::F32, n, 3, 1.0, NORM_HALF_WIDTH).to_f32_vec();
+        assert!(norms.iter().all(|x| (0.9..=1.1).contains(x)));
+        for dtype in [DType::F16, DType::Bf16] {
+            let rounded = random_values(dtype, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
+            let want: Vec<f32> = values.iter().map(|&x| dtype.round(x)).collect();
+            assert_eq!(rounded, want, "{dtype}");
+        }
+    }
+
+    /// The branch-free conversions agree bit for bit with `half`'s on finite values: normal,
+    /// subnormal, ties, overflow to infinity, both signs.
+    #[test]
+    fn conversions_match_half() {
+        let values: Vec<f32> = (0..=u32::MAX)
+            .step_by(4093)
+            .map(f32::from_bits)
+            .chain([
+                0.0,
+                -0.0,
+                65504.0,
+                65519.99,
+                65520.0,
+                1e-8,
+                2.0f32.powi(-25),
+                1.0 + 2.0f32.powi(-11),
+            ])
+            .filter(|x| x.is_finite())
+            .collect();
+        for (dtype, ours) in [
+            (DType::F16, f16_bits as fn(f32) -> u16),
+            (DType::Bf16, bf16_bits),
+        ] {
+            let want = TypedVec::from_f32(dtype, &values);
+            let want: &[u16] = bytemuck::cast_slice(want.as_bytes());
+            for (x, &w) in values.iter().zip(want) {
+                assert_eq!(ours(*x), w, "{dtype} of {x:e}");
+            }
+        }
+    }
+}
