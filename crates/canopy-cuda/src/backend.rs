@@ -135,6 +135,8 @@ pub struct CudaBackend {
     pub(crate) layers: crate::layers::LayerState,
     /// Recording decode passes: whether one is being captured, and the epoch of what they read.
     pub(crate) graph: crate::graph::GraphState,
+    /// The page-locked buffers weights are uploaded through, made on first use.
+    pub(crate) staging: Mutex<Option<crate::staging::Staging>>,
 }
 
 pub struct CudaQueries {
@@ -185,6 +187,7 @@ impl CudaBackend {
             flush: Mutex::new(None),
             layers: Default::default(),
             graph: Default::default(),
+            staging: Mutex::new(None),
         })
     }
 

@@ -429,8 +429,9 @@ impl LayerOps for CudaBackend {
         Ok(self.check_model_needs(needs)?)
     }
 
-    /// Waits for the copy, so that backends on other streams of the device (ranks sharing
-    /// the GPU) may read the weight as soon as this returns.
+    /// Copies through page-locked buffers (`staging`), and waits for the copy, so that
+    /// backends on other streams of the device (ranks sharing the GPU) may read the weight as
+    /// soon as this returns.
     fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> EResult<CudaWeight> {
         expect_size(
             "cuda",
@@ -439,14 +440,12 @@ impl LayerOps for CudaBackend {
             data.len(),
             rows * cols,
         )?;
-        let weight = CudaWeight {
-            data: self.upload(data.as_bytes())?,
+        Ok(CudaWeight {
+            data: self.upload_staged(data.as_bytes())?,
             dtype: data.dtype(),
             rows,
             cols,
-        };
-        self.stream.synchronize().ctx("cuStreamSynchronize")?;
-        Ok(weight)
+        })
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> EResult<CudaTensor> {

@@ -38,6 +38,7 @@ mod peer_memory;
 mod peer_merge;
 mod peer_ring;
 pub mod probe;
+mod staging;
 mod timing;
 
 pub use backend::{CudaBackend, CudaQueries, CudaStates, KernelChoice};
