@@ -97,6 +97,36 @@ impl KvElement for bf16 {
     }
 }
 
+/// Elements of a [`TypedVec`], borrowed to be written in place.
+#[derive(Debug)]
+pub enum TypedSliceMut<'a> {
+    F32(&'a mut [f32]),
+    F16(&'a mut [f16]),
+    Bf16(&'a mut [bf16]),
+}
+
+impl TypedSliceMut<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            TypedSliceMut::F32(_) => DType::F32,
+            TypedSliceMut::F16(_) => DType::F16,
+            TypedSliceMut::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            TypedSliceMut::F32(v) => v.len(),
+            TypedSliceMut::F16(v) => v.len(),
+            TypedSliceMut::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Owned, typed storage for one tensor of KV elements.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TypedVec {
@@ -165,6 +195,26 @@ impl TypedVec {
         let width = self.dtype().size_bytes();
         let bytes = src.as_bytes();
         self.as_bytes_mut()[offset * width..offset * width + bytes.len()].copy_from_slice(bytes);
+    }
+
+    /// Elements `range`, to be written in place.
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> TypedSliceMut<'_> {
+        match self {
+            TypedVec::F32(v) => TypedSliceMut::F32(&mut v[range]),
+            TypedVec::F16(v) => TypedSliceMut::F16(&mut v[range]),
+            TypedVec::Bf16(v) => TypedSliceMut::Bf16(&mut v[range]),
+        }
+    }
+
+    /// Makes this `len` elements of `dtype`, keeping the allocation where the dtype stays: a
+    /// buffer reused for data of many sizes. The elements kept hold what they held.
+    pub fn resize(&mut self, dtype: DType, len: usize) {
+        match self {
+            TypedVec::F32(v) if dtype == DType::F32 => v.resize(len, 0.0),
+            TypedVec::F16(v) if dtype == DType::F16 => v.resize(len, f16::ZERO),
+            TypedVec::Bf16(v) if dtype == DType::Bf16 => v.resize(len, bf16::ZERO),
+            _ => *self = TypedVec::zeros(dtype, len),
+        }
     }
 
     /// A copy of elements `range`.

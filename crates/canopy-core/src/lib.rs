@@ -26,7 +26,7 @@ pub mod workload;
 
 pub use data::{HashedKv, KvSource, PagedKv, ProblemData, SliceKv};
 pub use device_model::{DeviceModel, PlanCost, Sample};
-pub use dtype::{DType, KvElement, TypedVec};
+pub use dtype::{DType, KvElement, TypedSliceMut, TypedVec};
 pub use error::{CoreError, Result};
 pub use math::{merge_state, reference_attention, relative_error, AttnStates, EMPTY_LSE};
 pub use plan::{Group, IoReport, Plan, Tail};

@@ -432,7 +432,7 @@ impl LayerOps for CudaBackend {
     /// Copies through page-locked buffers (`staging`), and waits for the copy, so that
     /// backends on other streams of the device (ranks sharing the GPU) may read the weight as
     /// soon as this returns.
-    fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> EResult<CudaWeight> {
+    fn upload_weight(&self, data: &TypedVec, rows: usize, cols: usize) -> EResult<CudaWeight> {
         expect_size(
             "cuda",
             "upload_weight",

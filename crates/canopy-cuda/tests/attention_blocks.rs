@@ -304,7 +304,7 @@ fn output_path<B: LayerOps>(b: &B, c: &OutputCase, fused: bool) -> Result<Vec<f3
     let typed = |x: &[f32]| TypedVec::from_f32(dtype, x);
     b.write_kv(&mut kv, 0, &typed(k), &typed(v))?;
     let q = b.upload_tensor(q, rows, cols)?;
-    let w = b.upload_weight(typed(c.eye), cols, cols)?;
+    let w = b.upload_weight(&typed(c.eye), cols, cols)?;
     let mut out = b.gemm_operand(rows, cols, &w)?;
     // Poisoned first: an operand's rounded copy is kept for the op that writes it next.
     let mut poison = b.empty_states(shape, rows)?;

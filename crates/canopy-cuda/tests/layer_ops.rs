@@ -82,9 +82,9 @@ impl DenseInputs {
 fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec<f32>)>> {
     let (rows, h, i) = (inp.rows, inp.hidden, inp.intermediate);
     let typed = |v: &[f32]| TypedVec::from_f32(inp.dtype, v);
-    let table = b.upload_weight(typed(&inp.table), inp.vocab, h)?;
-    let norm = b.upload_weight(typed(&inp.norm), 1, h)?;
-    let w = b.upload_weight(typed(&inp.w), i, h)?;
+    let table = b.upload_weight(&typed(&inp.table), inp.vocab, h)?;
+    let norm = b.upload_weight(&typed(&inp.norm), 1, h)?;
+    let w = b.upload_weight(&typed(&inp.w), i, h)?;
     let x = b.upload_tensor(&inp.x, rows, h)?;
     let mut out = Vec::new();
 
@@ -138,7 +138,7 @@ fn dense<B: LayerOps>(b: &B, inp: &DenseInputs) -> Result<Vec<(&'static str, Vec
     // A fused projection of one q head, one k head and one v head.
     let d = 2 * inp.inv_freq.len();
     let qkv = b.upload_tensor(&inp.heads, rows, 3 * d)?;
-    let inv_freq = b.upload_weight(TypedVec::F32(inp.inv_freq.clone()), 1, d / 2)?;
+    let inv_freq = b.upload_weight(&TypedVec::F32(inp.inv_freq.clone()), 1, d / 2)?;
     let (mut q, mut k, mut v) = (
         poisoned(b, rows, d)?,
         poisoned(b, rows, d)?,
@@ -296,11 +296,11 @@ fn operand_products(
 ) -> Result<Products> {
     let (rows, h, i) = (inp.rows, inp.hidden, inp.intermediate);
     let typed = |v: &[f32]| TypedVec::from_f32(inp.dtype, v);
-    let norm = b.upload_weight(typed(&inp.norm), 1, h)?;
-    let w = b.upload_weight(typed(&inp.w), i, h)?;
-    let w_back = b.upload_weight(typed(&inp.w[..h * i / 2]), h, i / 2)?;
+    let norm = b.upload_weight(&typed(&inp.norm), 1, h)?;
+    let w = b.upload_weight(&typed(&inp.w), i, h)?;
+    let w_back = b.upload_weight(&typed(&inp.w[..h * i / 2]), h, i / 2)?;
     let q_cols = shape.q_row_elems();
-    let w_o = b.upload_weight(typed(&inp.w[..h * q_cols]), h, q_cols)?;
+    let w_o = b.upload_weight(&typed(&inp.w[..h * q_cols]), h, q_cols)?;
     let x = b.upload_tensor(&inp.x, rows, h)?;
     let mut out = Vec::new();
 
@@ -440,7 +440,7 @@ fn rope_fused_into_the_kv_append_matches_the_two_ops() {
         let run = |fused: bool| -> Result<Vec<Vec<f32>>> {
             let b = &gpu;
             let fused_qkv = b.upload_tensor(&qkv, rows, q_cols + 2 * kv_cols)?;
-            let inv_freq = b.upload_weight(TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
+            let inv_freq = b.upload_weight(&TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
             let mut kv = b.alloc_kv(&shape, dtype, pool)?;
             let nan = TypedVec::from_f32(dtype, &vec![f32::NAN; pool * kv_cols]);
             b.write_kv(&mut kv, 0, &nan, &nan)?;
@@ -508,10 +508,10 @@ fn rope_in_the_projection_epilogue_matches_the_two_ops() {
             let (positions, stores, slots) = rope_rows(&mut rng, rows, pool);
             let run = |epilogue: bool| -> Result<Vec<Vec<f32>>> {
                 let b = &gpu;
-                let w = b.upload_weight(TypedVec::from_f32(dtype, &w), cols, hidden)?;
-                let norm = b.upload_weight(TypedVec::from_f32(norm_dtype, &norm), 1, hidden)?;
+                let w = b.upload_weight(&TypedVec::from_f32(dtype, &w), cols, hidden)?;
+                let norm = b.upload_weight(&TypedVec::from_f32(norm_dtype, &norm), 1, hidden)?;
                 let inv_freq =
-                    b.upload_weight(TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
+                    b.upload_weight(&TypedVec::F32(inv_freq.clone()), 1, inv_freq.len())?;
                 let x = b.upload_tensor(&x, rows, hidden)?;
                 let mut kv = b.alloc_kv(&shape, kv_dtype, pool)?;
                 let nan = TypedVec::from_f32(kv_dtype, &vec![f32::NAN; pool * kv_cols]);
@@ -764,7 +764,7 @@ fn bad_operands_are_errors() {
         .is_ok());
 
     let w = gpu
-        .upload_weight(TypedVec::from_f32(DType::Bf16, &[0.5; 12]), 3, 4)
+        .upload_weight(&TypedVec::from_f32(DType::Bf16, &[0.5; 12]), 3, 4)
         .unwrap();
     let x = gpu.upload_tensor(&[1.0; 10], 2, 5).unwrap();
     let mut out = gpu.tensor(2, 3).unwrap();
@@ -773,7 +773,7 @@ fn bad_operands_are_errors() {
     let mut none = gpu.tensor(0, 3).unwrap();
     gpu.matmul(&gpu.tensor(0, 4).unwrap(), &w, &mut none)
         .unwrap();
-    let w0 = gpu.upload_weight(TypedVec::F32(Vec::new()), 3, 0).unwrap();
+    let w0 = gpu.upload_weight(&TypedVec::F32(Vec::new()), 3, 0).unwrap();
     let mut zeros = gpu.upload_tensor(&[f32::NAN; 6], 2, 3).unwrap();
     gpu.matmul(&gpu.tensor(2, 0).unwrap(), &w0, &mut zeros)
         .unwrap();
@@ -782,8 +782,8 @@ fn bad_operands_are_errors() {
     let mut row = gpu.tensor(1, 4).unwrap();
     assert!(message(gpu.embed(&w, &[3], &mut row)).contains("token id 3"));
     let (one, three) = (
-        gpu.upload_weight(TypedVec::F32(vec![1.0]), 1, 1).unwrap(),
-        gpu.upload_weight(TypedVec::F32(vec![1.0; 3]), 1, 3)
+        gpu.upload_weight(&TypedVec::F32(vec![1.0]), 1, 1).unwrap(),
+        gpu.upload_weight(&TypedVec::F32(vec![1.0; 3]), 1, 3)
             .unwrap(),
     );
     let qkv = gpu.tensor(1, 12).unwrap();

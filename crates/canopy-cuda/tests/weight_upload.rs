@@ -35,7 +35,7 @@ fn a_weight_larger_than_the_staging_buffers_lands_whole() {
     for dtype in [DType::F32, DType::Bf16, DType::F16] {
         let data = TypedVec::from_f32(dtype, &table);
         let want_all = data.to_f32_vec();
-        let weight = b.upload_weight(data, rows, cols).unwrap();
+        let weight = b.upload_weight(&data, rows, cols).unwrap();
         let poison = vec![f32::NAN; ids.len() * cols];
         let mut out = b.upload_tensor(&poison, ids.len(), cols).unwrap();
         b.embed(&weight, &ids, &mut out).unwrap();

@@ -81,7 +81,7 @@ impl LayerOps for CpuBackend {
         )
     }
 
-    fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> Result<HostMatrix> {
+    fn upload_weight(&self, data: &TypedVec, rows: usize, cols: usize) -> Result<HostMatrix> {
         expect_size(
             "cpu",
             "upload_weight",
@@ -89,11 +89,11 @@ impl LayerOps for CpuBackend {
             data.len(),
             rows * cols,
         )?;
-        let data = match data {
-            TypedVec::F32(v) => v,
-            other => other.to_f32_vec(),
-        };
-        Ok(HostMatrix { rows, cols, data })
+        Ok(HostMatrix {
+            rows,
+            cols,
+            data: data.to_f32_vec(),
+        })
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<HostMatrix> {
@@ -489,7 +489,7 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("row 2 of a tensor of 2 rows"));
-        assert!(b.upload_weight(TypedVec::F32(vec![0.0; 5]), 2, 3).is_err());
+        assert!(b.upload_weight(&TypedVec::F32(vec![0.0; 5]), 2, 3).is_err());
     }
 
     #[test]
@@ -523,7 +523,7 @@ mod tests {
     fn weights_widen_to_f32_and_rows_copy_and_gather() {
         let b = CpuBackend;
         let w = b
-            .upload_weight(TypedVec::from_f32(DType::Bf16, &[1.5, -2.0]), 1, 2)
+            .upload_weight(&TypedVec::from_f32(DType::Bf16, &[1.5, -2.0]), 1, 2)
             .unwrap();
         assert_eq!(w.data, vec![1.5, -2.0]);
         let x = matrix(3, 4, 7);

@@ -113,11 +113,11 @@ pub trait LayerOps: MergeOps {
     /// ratios and memory, all checked here and nowhere else.
     fn check_model(&self, needs: &ModelNeeds) -> Result<()>;
 
-    /// Uploads a `rows × cols` weight, keeping its dtype. It takes the host copy, so a backend
-    /// whose memory is the host's keeps it without a copy. Weights uploaded through one
+    /// Uploads a `rows × cols` weight, keeping its dtype. `data` is borrowed: a model's upload
+    /// reads every weight into a few host buffers it reuses. Weights uploaded through one
     /// backend serve every backend on the same device (ranks sharing a GPU share them), once
     /// the upload has finished.
-    fn upload_weight(&self, data: TypedVec, rows: usize, cols: usize) -> Result<Self::Weight>;
+    fn upload_weight(&self, data: &TypedVec, rows: usize, cols: usize) -> Result<Self::Weight>;
     /// A zeroed `rows × cols` activation.
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// A `rows × cols` activation for an op to write in full as its output; what it holds
@@ -563,7 +563,7 @@ pub fn measure_gemm_rate<B: LayerOps>(
     };
     let GemmShape { rows, cols, inner } = shape;
     let w = backend.upload_weight(
-        TypedVec::from_f32(dtype, &values(cols * inner, 0)),
+        &TypedVec::from_f32(dtype, &values(cols * inner, 0)),
         cols,
         inner,
     )?;

@@ -48,6 +48,12 @@ pub enum ModelError {
     CorruptGguf { path: PathBuf, reason: String },
     #[error("unsupported quantization {ggml_type} in tensor {tensor}; canopy reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL and IQ4_XS (convert the file with llama.cpp's llama-quantize to one of them)")]
     UnsupportedQuantization { ggml_type: String, tensor: String },
+    #[error("reading tensor {tensor} needs {needed}, but its buffer holds {given}")]
+    BufferMismatch {
+        tensor: String,
+        needed: String,
+        given: String,
+    },
     #[error("{path} is not a readable safetensors file: {source}")]
     Safetensors {
         path: PathBuf,

@@ -568,16 +568,12 @@ impl TensorSource for GgufFile {
         self.tensor_info(name).map(GgufTensorInfo::shape)
     }
 
-    fn check_readable(&self, name: &str) -> Result<()> {
+    fn stored(&self, name: &str) -> Result<(GgmlType, &[u8])> {
         let info = self.info_of(name)?;
-        self.tensor_bytes(info)?;
+        let bytes = self.tensor_bytes(info)?;
         match info.ggml_type.block_layout() {
-            Some(_) => Ok(()),
+            Some(_) => Ok((info.ggml_type, bytes)),
             None => Err(unsupported(info)),
         }
-    }
-
-    fn read(&self, name: &str, dtype: DType) -> Result<HostTensor> {
-        self.read_tensor(name, dtype)
     }
 }

@@ -7,15 +7,14 @@ use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use canopy_core::DType;
 use memmap2::Mmap;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
-use crate::quant::{self, GgmlType};
-use crate::weights::{HostTensor, LayerPart, Layout, TensorSource, WeightId};
+use crate::quant::GgmlType;
+use crate::weights::{LayerPart, Layout, TensorSource, WeightId};
 
 /// The bytes before a safetensors header: its length as a little-endian u64.
 const HEADER_LENGTH_BYTES: usize = 8;
@@ -166,11 +165,7 @@ impl TensorSource for SafetensorsSource {
         Some(self.shard(name)?.metadata.info(name)?.shape.clone())
     }
 
-    fn check_readable(&self, name: &str) -> Result<()> {
-        self.stored_type(name).map(|_| ())
-    }
-
-    fn read(&self, name: &str, dtype: DType) -> Result<HostTensor> {
+    fn stored(&self, name: &str) -> Result<(GgmlType, &[u8])> {
         let (shard, info, stored) = self.stored_type(name)?;
         let (begin, end) = info.data_offsets;
         let data_start = HEADER_LENGTH_BYTES + shard.header_len;
@@ -182,16 +177,6 @@ impl TensorSource for SafetensorsSource {
                 path: shard.path.clone(),
                 source: safetensors::SafeTensorError::InvalidOffset(name.to_string()),
             })?;
-        let data = quant::dequantize(stored, bytes, dtype).ok_or_else(|| {
-            ModelError::UnsupportedDtype {
-                path: shard.path.clone(),
-                tensor: name.to_string(),
-                dtype: format!("{:?}", info.dtype),
-            }
-        })?;
-        Ok(HostTensor {
-            shape: info.shape.clone(),
-            data,
-        })
+        Ok((stored, bytes))
     }
 }

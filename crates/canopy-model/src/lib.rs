@@ -50,7 +50,9 @@ pub use gguf::GgufFile;
 pub use presets::{preset, PRESETS};
 pub use quant::GgmlType;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
-pub use weights::{progress_bar, HostTensor, LayerPart, WeightId, WeightSource, Weights};
+pub use weights::{
+    check_buffer, progress_bar, HostTensor, LayerPart, WeightId, WeightSource, Weights,
+};
 
 /// A model opened on disk, ready to be uploaded to a backend.
 pub struct Model {

@@ -19,7 +19,7 @@
 //! multiply; [`decode_k_block`] documents each layout. Every type converts straight into the
 //! requested [`DType`], one block at a time, so no full-size f32 copy of a tensor is ever held.
 
-use canopy_core::{DType, TypedVec};
+use canopy_core::{DType, TypedSliceMut, TypedVec};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -97,47 +97,48 @@ fn f16_at(bytes: &[u8]) -> f32 {
 const TASK_ELEMENTS: usize = 1 << 16;
 
 /// Dequantizes `bytes` (whole blocks of `ggml_type`) into `dtype`; `None` for a type canopy
-/// does not read. The caller has checked that `bytes` holds whole blocks. Large tensors are
-/// converted by several threads, each its own run of blocks.
+/// does not read. The caller has checked that `bytes` holds whole blocks.
 pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<TypedVec> {
     let (block_elems, block_bytes) = ggml_type.block_layout()?;
     let len = bytes.len() / block_bytes as usize * block_elems as usize;
-    // Unquantized sources of the same width as the target are copied bit for bit.
-    match (ggml_type, dtype) {
-        (GgmlType::F32, DType::F32) => {
-            return Some(TypedVec::F32(decode_le(bytes, f32::from_le_bytes)))
-        }
-        (GgmlType::F16, DType::F16) => {
-            return Some(TypedVec::F16(decode_le(bytes, f16::from_le_bytes)))
-        }
-        (GgmlType::BF16, DType::Bf16) => {
-            return Some(TypedVec::Bf16(decode_le(bytes, bf16::from_le_bytes)))
-        }
-        _ => {}
-    }
+    let mut out = TypedVec::zeros(dtype, len);
+    dequantize_into(ggml_type, bytes, out.slice_mut(0..len))?;
+    Some(out)
+}
+
+/// Dequantizes `bytes` (whole blocks of `ggml_type`, as many elements as `out` holds) into
+/// `out`, in its dtype; `None` for a type canopy does not read. A model's weights are read
+/// into buffers sized from their checked shapes, and reused. Large tensors are converted by
+/// several threads, each its own run of blocks.
+pub fn dequantize_into(ggml_type: GgmlType, bytes: &[u8], out: TypedSliceMut) -> Option<()> {
+    let (block_elems, block_bytes) = ggml_type.block_layout()?;
     // A unit of decoding: a block, or QK_K elements of an unquantized type.
     let unit = if block_elems == 1 {
         (QK_K, QK_K * block_bytes as usize)
     } else {
         (block_elems as usize, block_bytes as usize)
     };
-    Some(match dtype {
-        DType::F32 => TypedVec::F32(decode_units(ggml_type, bytes, len, unit, |x| x)),
-        DType::F16 => TypedVec::F16(decode_units(ggml_type, bytes, len, unit, f16::from_f32)),
-        DType::Bf16 => TypedVec::Bf16(decode_units(ggml_type, bytes, len, unit, bf16::from_f32)),
-    })
+    match (ggml_type, out) {
+        // Unquantized sources of the same width as the target are copied bit for bit.
+        (GgmlType::F32, TypedSliceMut::F32(v)) => copy_le(bytes, v, f32::from_le_bytes),
+        (GgmlType::F16, TypedSliceMut::F16(v)) => copy_le(bytes, v, f16::from_le_bytes),
+        (GgmlType::BF16, TypedSliceMut::Bf16(v)) => copy_le(bytes, v, bf16::from_le_bytes),
+        (_, TypedSliceMut::F32(v)) => decode_units(ggml_type, bytes, v, unit, |x| x),
+        (_, TypedSliceMut::F16(v)) => decode_units(ggml_type, bytes, v, unit, f16::from_f32),
+        (_, TypedSliceMut::Bf16(v)) => decode_units(ggml_type, bytes, v, unit, bf16::from_f32),
+    }
+    Some(())
 }
 
-/// `len` values of `ggml_type` from `bytes`, decoded `unit` (elements, bytes) at a time and
-/// each rounded by `convert`; runs of whole units go to parallel tasks.
-fn decode_units<T: Copy + Default + Send>(
+/// `out.len()` values of `ggml_type` from `bytes`, decoded `unit` (elements, bytes) at a time
+/// and each rounded by `convert`; runs of whole units go to parallel tasks.
+fn decode_units<T: Copy + Send>(
     ggml_type: GgmlType,
     bytes: &[u8],
-    len: usize,
+    out: &mut [T],
     (unit_elems, unit_bytes): (usize, usize),
     convert: impl Fn(f32) -> T + Sync,
-) -> Vec<T> {
-    let mut out = vec![T::default(); len];
+) {
     let units = (TASK_ELEMENTS / unit_elems).max(1);
     out.par_chunks_mut(units * unit_elems)
         .zip(bytes.par_chunks(units * unit_bytes))
@@ -151,7 +152,6 @@ fn decode_units<T: Copy + Default + Send>(
                 }
             }
         });
-    out
 }
 
 /// One unit (see [`decode_units`]) into `out`.
@@ -379,15 +379,15 @@ fn decode_q6_k(raw: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Reads a slice of little-endian `N`-byte values: on a little-endian host a copy, split over
+/// Reads little-endian `N`-byte values into `out`: on a little-endian host a copy, split over
 /// threads (a weight is hundreds of megabytes), else a byte swap per value.
-fn decode_le<T: bytemuck::Pod + Send, const N: usize>(
+fn copy_le<T: bytemuck::Pod + Send, const N: usize>(
     bytes: &[u8],
+    out: &mut [T],
     from_le: fn([u8; N]) -> T,
-) -> Vec<T> {
-    let mut out: Vec<T> = bytemuck::zeroed_vec(bytes.len() / N);
+) {
     let task_bytes = TASK_ELEMENTS * N;
-    let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+    let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
     out_bytes
         .par_chunks_mut(task_bytes)
         .zip(bytes.par_chunks(task_bytes))
@@ -401,7 +401,6 @@ fn decode_le<T: bytemuck::Pod + Send, const N: usize>(
                 }
             }
         });
-    out
 }
 
 #[cfg(test)]

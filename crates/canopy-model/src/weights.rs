@@ -12,11 +12,12 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::Arc;
 
-use canopy_core::{DType, TypedVec};
+use canopy_core::{DType, TypedSliceMut, TypedVec};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::quant::{self, GgmlType};
 
 /// One tensor in host memory: row-major, outermost dimension first. A linear layer's weight
 /// is `[out_features, in_features]`, as transformers stores it.
@@ -179,9 +180,12 @@ impl WeightId {
 pub trait WeightSource: Send + Sync {
     /// Whether the model has an output projection of its own, rather than the embedding's.
     fn has_lm_head(&self) -> bool;
-    /// Weight `id`'s data, row-major in its [`WeightId::matrix_shape`]; called once per
-    /// weight and upload, from any thread.
-    fn read(&self, id: WeightId) -> Result<TypedVec>;
+    /// The dtype every weight is read as.
+    fn dtype(&self) -> DType;
+    /// Writes weight `id`, row-major in its [`WeightId::matrix_shape`], into `out`: exactly
+    /// its elements, in [`WeightSource::dtype`]. An upload reuses its buffers, and stacks the
+    /// weights that share an input into one. Called from any thread.
+    fn read_into(&self, id: WeightId, out: TypedSliceMut) -> Result<()>;
 }
 
 /// A file (or set of shards) that tensors can be read from by name.
@@ -190,11 +194,9 @@ pub(crate) trait TensorSource: Send + Sync {
     fn path(&self) -> &Path;
     /// The row-major shape of tensor `name`, `None` if the source has no such tensor.
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
-    /// Whether tensor `name` can be read: its type is one canopy converts, and its bytes are
-    /// inside the file. So a model that opens can be uploaded.
-    fn check_readable(&self, name: &str) -> Result<()>;
-    /// Tensor `name`, converted to `dtype`.
-    fn read(&self, name: &str, dtype: DType) -> Result<HostTensor>;
+    /// Tensor `name`'s stored type and bytes, checked to lie inside the file; an error for a
+    /// type canopy does not convert.
+    fn stored(&self, name: &str) -> Result<(GgmlType, &[u8])>;
 }
 
 /// How a format names tensors, and whether its Q and K rows are in llama.cpp's order.
@@ -247,7 +249,7 @@ impl Weights {
                     found,
                 });
             }
-            source.check_readable(&name)?;
+            source.stored(&name)?;
         }
         Ok(Weights {
             source,
@@ -280,26 +282,13 @@ impl Weights {
 
     /// Weight `id` with its shape as the file stores it (norms are vectors), in HF layout.
     pub fn tensor(&self, id: WeightId) -> Result<HostTensor> {
-        let name = (self.layout.name)(id);
-        if id == WeightId::LmHead && self.config.tie_word_embeddings {
-            return Err(ModelError::MissingTensor {
-                path: self.source.path().to_path_buf(),
-                tensor: name,
-            });
-        }
-        let mut tensor = self.source.read(&name, self.dtype)?;
-        if self.layout.qk_rows_permuted {
-            match id {
-                WeightId::Layer(_, LayerPart::Q) => {
-                    unpermute_rows(&mut tensor, self.config.num_attention_heads)
-                }
-                WeightId::Layer(_, LayerPart::K) => {
-                    unpermute_rows(&mut tensor, self.config.num_key_value_heads)
-                }
-                _ => {}
-            }
-        }
-        Ok(tensor)
+        let (rows, cols) = id.matrix_shape(&self.config);
+        let mut data = TypedVec::zeros(self.dtype, rows * cols);
+        self.read_into(id, data.slice_mut(0..rows * cols))?;
+        Ok(HostTensor {
+            shape: id.file_shape(&self.config),
+            data,
+        })
     }
 }
 
@@ -308,8 +297,64 @@ impl WeightSource for Weights {
         Weights::has_lm_head(self)
     }
 
-    fn read(&self, id: WeightId) -> Result<TypedVec> {
-        Ok(self.tensor(id)?.data)
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn read_into(&self, id: WeightId, out: TypedSliceMut) -> Result<()> {
+        let name = (self.layout.name)(id);
+        if id == WeightId::LmHead && self.config.tie_word_embeddings {
+            return Err(ModelError::MissingTensor {
+                path: self.source.path().to_path_buf(),
+                tensor: name,
+            });
+        }
+        let (stored, bytes) = self.source.stored(&name)?;
+        let (rows, cols) = id.matrix_shape(&self.config);
+        check_buffer(id, rows * cols, self.dtype, &out)?;
+        let unsupported = || ModelError::UnsupportedQuantization {
+            ggml_type: stored.name(),
+            tensor: name.clone(),
+        };
+        let heads = match id {
+            WeightId::Layer(_, LayerPart::Q) => self.config.num_attention_heads,
+            WeightId::Layer(_, LayerPart::K) => self.config.num_key_value_heads,
+            _ => 0,
+        };
+        if self.layout.qk_rows_permuted && heads > 0 {
+            // llama.cpp's rows are put back in HF order through a copy of this one matrix.
+            let mut permuted = TypedVec::zeros(self.dtype, rows * cols);
+            quant::dequantize_into(stored, bytes, permuted.slice_mut(0..rows * cols))
+                .ok_or_else(unsupported)?;
+            let order = stored_row_of_hf_row(rows, heads);
+            copy_into(out, &gather_rows(&permuted, cols, &order));
+        } else {
+            quant::dequantize_into(stored, bytes, out).ok_or_else(unsupported)?;
+        }
+        Ok(())
+    }
+}
+
+/// Refuses a buffer that is not `len` elements of `dtype`: what [`WeightSource::read_into`]
+/// must be given for weight `id`.
+pub fn check_buffer(id: WeightId, len: usize, dtype: DType, out: &TypedSliceMut) -> Result<()> {
+    if out.dtype() == dtype && out.len() == len {
+        return Ok(());
+    }
+    Err(ModelError::BufferMismatch {
+        tensor: id.name(),
+        needed: format!("{len} elements of {dtype}"),
+        given: format!("{} elements of {}", out.len(), out.dtype()),
+    })
+}
+
+/// `src` copied into `out`, of the same dtype and length.
+fn copy_into(out: TypedSliceMut, src: &TypedVec) {
+    match (out, src) {
+        (TypedSliceMut::F32(o), TypedVec::F32(s)) => o.copy_from_slice(s),
+        (TypedSliceMut::F16(o), TypedVec::F16(s)) => o.copy_from_slice(s),
+        (TypedSliceMut::Bf16(o), TypedVec::Bf16(s)) => o.copy_from_slice(s),
+        _ => unreachable!("one dtype: both made from the weights' dtype"),
     }
 }
 
@@ -345,15 +390,6 @@ fn stored_row_of_hf_row(rows: usize, n_head: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Undoes llama.cpp's row permutation of a Q or K weight (`n_head` heads; for K the
-/// key-value head count), so the tensor equals transformers' own.
-pub(crate) fn unpermute_rows(tensor: &mut HostTensor, n_head: usize) {
-    let rows = tensor.shape[0];
-    let cols = tensor.len() / rows.max(1);
-    let order = stored_row_of_hf_row(rows, n_head);
-    tensor.data = gather_rows(&tensor.data, cols, &order);
-}
-
 /// Row `r` of the result is row `order[r]` of `data`.
 fn gather_rows(data: &TypedVec, cols: usize, order: &[usize]) -> TypedVec {
     fn gather<T: Copy>(src: &[T], cols: usize, order: &[usize]) -> Vec<T> {
@@ -373,6 +409,15 @@ fn gather_rows(data: &TypedVec, cols: usize, order: &[usize]) -> TypedVec {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// Undoes llama.cpp's row permutation of a Q or K weight (`n_head` heads; for K the
+    /// key-value head count), so the tensor equals transformers' own.
+    fn unpermute_rows(tensor: &mut HostTensor, n_head: usize) {
+        let rows = tensor.shape[0];
+        let cols = tensor.len() / rows.max(1);
+        let order = stored_row_of_hf_row(rows, n_head);
+        tensor.data = gather_rows(&tensor.data, cols, &order);
+    }
 
     /// llama.cpp's `permute`, written from its description: rows reshaped to
     /// `[n_head, 2, head_dim / 2]`, axes 1 and 2 swapped.

@@ -12,12 +12,6 @@ pub enum RuntimeError {
     Comm(#[from] canopy_comm::CommError),
     #[error(transparent)]
     Core(#[from] canopy_core::CoreError),
-    #[error("weight {name} has shape {shape:?} but the config implies {expected:?}; the model's files disagree with its config.json")]
-    WeightShape {
-        name: String,
-        shape: Vec<usize>,
-        expected: Vec<usize>,
-    },
     #[error("{0}")]
     Protocol(String),
     #[error("the prompt is empty; give at least one token of text")]

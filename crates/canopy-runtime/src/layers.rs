@@ -7,7 +7,7 @@
 //! weights) and shared by every rank on it; each call takes the calling rank's backend, whose
 //! stream orders its work.
 
-use crate::{Result, RuntimeError};
+use crate::Result;
 use canopy_core::{AttnShape, DType, TypedVec};
 use canopy_engine::{LayerOps, ModelNeeds};
 use canopy_model::{LayerPart, LlamaConfig, WeightId, WeightSource};
@@ -70,27 +70,6 @@ pub struct MlpScratch<B: LayerOps> {
     act: B::Tensor,
 }
 
-/// `parts` (matrices of the same columns) as one, their rows in order, in the first part's
-/// dtype.
-fn stack_rows(mut parts: Vec<TypedVec>) -> TypedVec {
-    if parts.len() == 1 {
-        return parts.pop().expect("one part");
-    }
-    let dtype = parts[0].dtype();
-    let mut out = TypedVec::zeros(dtype, parts.iter().map(TypedVec::len).sum());
-    let mut at = 0;
-    for part in parts {
-        let part = if part.dtype() == dtype {
-            part
-        } else {
-            TypedVec::from_f32(dtype, &part.to_f32_vec())
-        };
-        out.copy_from(at, &part);
-        at += part.len();
-    }
-    out
-}
-
 /// The weights [`ModelLayers`] uploads as one matrix, in upload order: a layer's (the
 /// projections that read the same input stacked), then the embedding, the output projection
 /// (unless tied) and the final norm.
@@ -117,36 +96,29 @@ fn upload_groups(config: &LlamaConfig, with_lm_head: bool) -> Vec<Vec<WeightId>>
     groups
 }
 
-/// Host data of one upload group, its rows stacked: `(data, rows, cols)`.
-type HostMatrix = (TypedVec, usize, usize);
-
-/// Reads `ids` from `weights` and stacks them (they share their columns), each checked
-/// against the shape `config` implies.
+/// Reads `ids` (weights that share their columns) from `weights` into `buffer`, their rows
+/// stacked in order; returns the stack's `(rows, cols)`.
 fn read_group(
     weights: &dyn WeightSource,
     config: &LlamaConfig,
     ids: &[WeightId],
-) -> Result<HostMatrix> {
-    let (mut rows, mut cols, mut parts) = (0, 0, Vec::with_capacity(ids.len()));
-    for &id in ids {
-        let (r, c) = id.matrix_shape(config);
-        let data = weights.read(id)?;
-        if data.len() != r * c {
-            return Err(RuntimeError::WeightShape {
-                name: id.name(),
-                shape: vec![data.len()],
-                expected: vec![r, c],
-            });
-        }
-        parts.push(data);
-        (rows, cols) = (rows + r, c);
+    buffer: &mut TypedVec,
+) -> Result<(usize, usize)> {
+    let shapes: Vec<(usize, usize)> = ids.iter().map(|id| id.matrix_shape(config)).collect();
+    let rows = shapes.iter().map(|&(r, _)| r).sum();
+    let cols = shapes.first().map_or(0, |&(_, c)| c);
+    buffer.resize(weights.dtype(), rows * cols);
+    let mut at = 0;
+    for (&id, &(r, c)) in ids.iter().zip(&shapes) {
+        weights.read_into(id, buffer.slice_mut(at..at + r * c))?;
+        at += r * c;
     }
-    Ok((stack_rows(parts), rows, cols))
+    Ok((rows, cols))
 }
 
-/// Host data the reader may have made ahead of the upload: one group waits while the next
-/// is read, so the host holds at most about three groups (an 8B model's largest, gate|up,
-/// is 235 MB in bf16).
+/// Groups the reader may have read ahead of the upload: one waits while the next is read, so
+/// about three buffers circulate between the reader and the upload (an 8B model's largest
+/// group, gate|up, is 235 MB in bf16), each reused, so the host's pages are faulted in once.
 const GROUPS_AHEAD: usize = 1;
 
 impl<B: LayerOps> ModelLayers<B> {
@@ -166,10 +138,13 @@ impl<B: LayerOps> ModelLayers<B> {
         let (mut read_s, mut upload_s, mut bytes) = (0.0, 0.0, 0usize);
         let layers = std::thread::scope(|scope| -> Result<ModelLayers<B>> {
             let (sender, matrices) = std::sync::mpsc::sync_channel(GROUPS_AHEAD);
+            let (give_back, spent) = std::sync::mpsc::channel::<TypedVec>();
             scope.spawn(move || {
                 for ids in &groups {
                     let t0 = Instant::now();
-                    let matrix = read_group(weights, config, ids);
+                    let mut buffer = spent.try_recv().unwrap_or(TypedVec::F32(Vec::new()));
+                    let matrix = read_group(weights, config, ids, &mut buffer)
+                        .map(|(rows, cols)| (buffer, rows, cols));
                     let failed = matrix.is_err();
                     // The uploader has stopped when the send fails: so does the reader.
                     if sender.send((matrix, t0.elapsed())).is_err() || failed {
@@ -185,8 +160,10 @@ impl<B: LayerOps> ModelLayers<B> {
                 read_s += reading.as_secs_f64();
                 bytes += data.as_bytes().len();
                 let t0 = Instant::now();
-                let weight = backend.upload_weight(data, rows, cols)?;
+                let weight = backend.upload_weight(&data, rows, cols)?;
                 upload_s += t0.elapsed().as_secs_f64();
+                // The reader has finished when this fails, and needs no buffer.
+                let _ = give_back.send(data);
                 Ok(weight)
             };
             let mut layers = Vec::with_capacity(config.num_hidden_layers);
@@ -216,7 +193,7 @@ impl<B: LayerOps> ModelLayers<B> {
                 lm_head,
                 norm,
                 layers,
-                inv_freq: backend.upload_weight(TypedVec::F32(inv_freq), 1, half)?,
+                inv_freq: backend.upload_weight(&TypedVec::F32(inv_freq), 1, half)?,
             })
         })?;
         let seconds = started.elapsed().as_secs_f64();
@@ -431,6 +408,7 @@ pub(crate) fn model_needs(
 pub(crate) mod tests {
     use super::*;
     use crate::RandomWeights;
+    use canopy_core::TypedSliceMut;
     use canopy_engine::CpuBackend;
 
     /// A small GQA model: 2 layers, 4 query heads on 2 KV heads of 16.
@@ -503,65 +481,72 @@ pub(crate) mod tests {
         assert!(err.to_string().contains("shared evenly"), "{err}");
     }
 
-    /// Random weights with one weight replaced by `swap`'s answer, and every read counted.
-    struct Tampered {
+    /// Random weights but for one read that fails, every read counted.
+    struct Failing {
         weights: RandomWeights,
-        swap: fn(WeightId) -> Option<canopy_model::Result<TypedVec>>,
+        fails: WeightId,
         reads: std::sync::atomic::AtomicUsize,
     }
 
-    impl WeightSource for Tampered {
+    impl WeightSource for Failing {
         fn has_lm_head(&self) -> bool {
             self.weights.has_lm_head()
         }
 
-        fn read(&self, id: WeightId) -> canopy_model::Result<TypedVec> {
+        fn dtype(&self) -> DType {
+            self.weights.dtype()
+        }
+
+        fn read_into(&self, id: WeightId, out: TypedSliceMut) -> canopy_model::Result<()> {
             self.reads
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            (self.swap)(id).unwrap_or_else(|| self.weights.read(id))
+            if id == self.fails {
+                return Err(canopy_model::ModelError::MissingTensor {
+                    path: "model.gguf".into(),
+                    tensor: id.name(),
+                });
+            }
+            self.weights.read_into(id, out)
         }
     }
 
-    fn upload_tampered(
-        swap: fn(WeightId) -> Option<canopy_model::Result<TypedVec>>,
-    ) -> (String, usize) {
+    #[test]
+    fn a_read_error_ends_the_upload_and_the_reading() {
         let config = tiny(false);
-        let weights = Tampered {
+        let weights = Failing {
             weights: RandomWeights::new(&config, DType::F32, 0),
-            swap,
+            fails: WeightId::Layer(1, LayerPart::K),
             reads: Default::default(),
         };
         let err = ModelLayers::<CpuBackend>::upload(&CpuBackend, &config, &weights, &mut |_| {})
             .err()
             .unwrap()
             .to_string();
-        (err, weights.reads.into_inner())
-    }
-
-    #[test]
-    fn upload_refuses_a_misshapen_tensor_and_stops_reading() {
-        let (err, reads) = upload_tampered(|id| {
-            (id == WeightId::Layer(1, LayerPart::K)).then(|| Ok(TypedVec::F32(vec![0.0; 64 * 64])))
-        });
-        assert!(
-            err.contains("layer 1 k_proj has shape [4096]") && err.contains("[32, 64]"),
-            "{err}"
-        );
+        assert!(err.contains("layer 1 k_proj"), "{err}");
         // Layer 0's nine weights, then layer 1's input norm, q and k: nothing after the bad one.
-        assert_eq!(reads, 12);
+        assert_eq!(weights.reads.into_inner(), 12);
     }
 
+    /// Weights read into reused buffers of other sizes and dtypes come out as read alone.
     #[test]
-    fn a_read_error_ends_the_upload_with_it() {
-        let (err, reads) = upload_tampered(|id| {
-            (id == WeightId::Layer(0, LayerPart::Down)).then(|| {
-                Err(canopy_model::ModelError::MissingTensor {
-                    path: "model.gguf".into(),
-                    tensor: "blk.0.ffn_down.weight".into(),
-                })
-            })
-        });
-        assert!(err.contains("blk.0.ffn_down.weight"), "{err}");
-        assert_eq!(reads, 9);
+    fn reused_buffers_hold_each_weight_as_read_alone() {
+        let config = tiny(false);
+        let f32s = RandomWeights::new(&config, DType::F32, 3);
+        let bf16s = RandomWeights::new(&config, DType::Bf16, 3);
+        let mut buffer = TypedVec::F32(Vec::new());
+        for ids in upload_groups(&config, true) {
+            for weights in [&bf16s, &f32s] {
+                let (rows, cols) = read_group(weights, &config, &ids, &mut buffer).unwrap();
+                let mut alone = Vec::new();
+                for &id in &ids {
+                    let (r, c) = id.matrix_shape(&config);
+                    let mut one = TypedVec::zeros(weights.dtype(), r * c);
+                    weights.read_into(id, one.slice_mut(0..r * c)).unwrap();
+                    alone.extend(one.to_f32_vec());
+                }
+                assert_eq!(buffer.dtype(), weights.dtype());
+                assert_eq!((rows * cols, buffer.to_f32_vec()), (alone.len(), alone));
+            }
+        }
     }
 }

@@ -6,8 +6,8 @@
 //! is drawn on every core just before its upload.
 
 use canopy_core::data::splitmix64;
-use canopy_core::{DType, TypedVec};
-use canopy_model::{LlamaConfig, ModelError, WeightId, WeightSource};
+use canopy_core::{DType, TypedSliceMut};
+use canopy_model::{check_buffer, LlamaConfig, ModelError, WeightId, WeightSource};
 use rayon::prelude::*;
 
 /// Random weights of one model's shapes.
@@ -34,14 +34,21 @@ impl WeightSource for RandomWeights {
         !self.config.tie_word_embeddings
     }
 
-    fn read(&self, id: WeightId) -> Result<TypedVec, ModelError> {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn read_into(&self, id: WeightId, mut out: TypedSliceMut) -> Result<(), ModelError> {
         let (rows, cols) = id.matrix_shape(&self.config);
+        check_buffer(id, rows * cols, self.dtype, &out)?;
         let key = splitmix64(splitmix64(self.seed) ^ id.ordinal());
-        Ok(if id.is_norm() {
-            random_values(self.dtype, rows * cols, key, 1.0, NORM_HALF_WIDTH)
+        let (center, half_width) = if id.is_norm() {
+            (1.0, NORM_HALF_WIDTH)
         } else {
-            random_values(self.dtype, rows * cols, key, 0.0, MATRIX_HALF_WIDTH)
-        })
+            (0.0, MATRIX_HALF_WIDTH)
+        };
+        random_values(&mut out, key, center, half_width);
+        Ok(())
     }
 }
 
@@ -55,34 +62,33 @@ const NORM_HALF_WIDTH: f32 = 0.1;
 /// spread one matrix over every core.
 const RANDOM_CHUNK: usize = 1 << 16;
 
-/// `len` values of `center ± half_width` (uniform) in `dtype`, elements `2j` and `2j + 1`
+/// `out` filled with values of `center ± half_width` (uniform), elements `2j` and `2j + 1`
 /// from the two halves of one hash of `(key, j)`, so any element can be regenerated alone and
 /// the result does not depend on the number of threads.
-fn random_values(dtype: DType, len: usize, key: u64, center: f32, half_width: f32) -> TypedVec {
-    match dtype {
-        DType::F32 => TypedVec::F32(fill_random(len, key, center, half_width, |x| x)),
-        DType::F16 => TypedVec::F16(fill_random(len, key, center, half_width, |x| {
-            bytemuck::cast(f16_bits(x))
-        })),
-        DType::Bf16 => TypedVec::Bf16(fill_random(len, key, center, half_width, |x| {
-            bytemuck::cast(bf16_bits(x))
-        })),
+fn random_values(out: &mut TypedSliceMut, key: u64, center: f32, half_width: f32) {
+    match out {
+        TypedSliceMut::F32(v) => fill_random(v, key, center, half_width, |x| x),
+        TypedSliceMut::F16(v) => {
+            fill_random(v, key, center, half_width, |x| bytemuck::cast(f16_bits(x)))
+        }
+        TypedSliceMut::Bf16(v) => {
+            fill_random(v, key, center, half_width, |x| bytemuck::cast(bf16_bits(x)))
+        }
     }
 }
 
 /// [`random_values`] with each value stored by `convert`.
 fn fill_random<T: bytemuck::Pod + Send>(
-    len: usize,
+    out: &mut [T],
     key: u64,
     center: f32,
     half_width: f32,
     convert: impl Fn(f32) -> T + Sync,
-) -> Vec<T> {
+) {
     // 24 of a half's 32 random bits to a value in (-1, 1), symmetric about 0.
     let scale = half_width / (1u32 << 23) as f32;
     let value =
         |half: u32| convert(center + (((half >> 8) as i32 - (1 << 23)) as f32 + 0.5) * scale);
-    let mut out: Vec<T> = bytemuck::zeroed_vec(len);
     out.par_chunks_mut(RANDOM_CHUNK)
         .enumerate()
         .for_each(|(c, chunk)| {
@@ -100,7 +106,6 @@ fn fill_random<T: bytemuck::Pod + Send>(
                 *last = value((splitmix64(key ^ j) >> 32) as u32);
             }
         });
-    out
 }
 
 /// The bits of the bf16 nearest to `x` (ties to even), which must be finite: `half`'s
@@ -138,20 +143,28 @@ fn f16_bits(x: f32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use canopy_core::TypedVec;
+
+    /// [`random_values`] into a new buffer.
+    fn drawn(dtype: DType, len: usize, key: u64, center: f32, half_width: f32) -> TypedVec {
+        let mut out = TypedVec::zeros(dtype, len);
+        random_values(&mut out.slice_mut(0..len), key, center, half_width);
+        out
+    }
 
     #[test]
     fn random_values_have_their_distribution() {
         let n = 1 << 18;
-        let values = random_values(DType::F32, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
+        let values = drawn(DType::F32, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
         let mean = values.iter().sum::<f32>() / n as f32;
         let std = (values.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / n as f32).sqrt();
         assert!(mean.abs() < 5e-4, "mean {mean}");
         assert!((std - 0.02).abs() < 2e-4, "std {std}");
         assert!(values.iter().all(|x| x.abs() < MATRIX_HALF_WIDTH));
-        let norms = random_values(DType::F32, n, 3, 1.0, NORM_HALF_WIDTH).to_f32_vec();
+        let norms = drawn(DType::F32, n, 3, 1.0, NORM_HALF_WIDTH).to_f32_vec();
         assert!(norms.iter().all(|x| (0.9..=1.1).contains(x)));
         for dtype in [DType::F16, DType::Bf16] {
-            let rounded = random_values(dtype, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
+            let rounded = drawn(dtype, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
             let want: Vec<f32> = values.iter().map(|&x| dtype.round(x)).collect();
             assert_eq!(rounded, want, "{dtype}");
         }
