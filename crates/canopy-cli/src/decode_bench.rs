@@ -26,7 +26,7 @@ pub use report::Report;
 
 use crate::bench::{at_least_one, resolve_backend, BackendChoice, BackendKind, Launcher, World};
 use crate::generate_cmd::DecodeChoice;
-use crate::ranks::{Placed, RankThreads, Weights};
+use crate::ranks::{ModelWeights, Placed, RankThreads};
 use anyhow::{bail, Result};
 use canopy_core::stats::{mean, median};
 use canopy_core::{DType, Method};
@@ -189,7 +189,7 @@ struct Subject {
     name: String,
     /// The model's shape; a random fill past its positions raises them to the longest context.
     config: LlamaConfig,
-    source: Weights,
+    source: ModelWeights,
     past_positions: bool,
 }
 

@@ -14,7 +14,6 @@ use canopy_engine::{CpuBackend, LayerOps, ModelNeeds, NodeLayout, Strategy, Tran
 use canopy_model::{LlamaConfig, WeightSource};
 use canopy_runtime::serving::{Front, ServeConfig};
 use canopy_runtime::{generate, GenerateRequest, Generated, ModelLayers, RandomWeights, Watch};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a rank waits for its peers before giving up.
@@ -22,7 +21,7 @@ const RANK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Where a model's weights come from: its file, read a matrix at a time for each device's
 /// upload, or values drawn at random per matrix, for timing a shape without its weights.
-pub type Weights = Arc<dyn WeightSource>;
+pub type ModelWeights = Box<dyn WeightSource>;
 
 /// One rank thread's view of its world: the calls a rank makes with whichever transport
 /// the world gives it.
@@ -383,7 +382,7 @@ pub struct ModelSource {
     /// Where it was read from (`None` for a shape).
     pub path: Option<std::path::PathBuf>,
     pub config: LlamaConfig,
-    pub weights: Weights,
+    pub weights: ModelWeights,
     pub tokenizer: canopy_model::Tokenizer,
     pub chat_template: Option<canopy_model::ChatTemplate>,
 }
@@ -407,7 +406,7 @@ impl ModelSource {
             );
             let config = canopy_model::preset(arch)?;
             return Ok(ModelSource {
-                weights: Arc::new(RandomWeights::new(&config, dtype, seed)),
+                weights: Box::new(RandomWeights::new(&config, dtype, seed)),
                 name: arch.to_string(),
                 path: None,
                 tokenizer: canopy_model::Tokenizer::code_points(config.vocab_size)?,
@@ -421,10 +420,10 @@ impl ModelSource {
         };
         let model = canopy_model::Model::load(&path, dtype)
             .with_context(|| format!("loading the model at {}", path.display()))?;
-        let weights: Weights = if random {
-            Arc::new(RandomWeights::new(&model.config, dtype, seed))
+        let weights: ModelWeights = if random {
+            Box::new(RandomWeights::new(&model.config, dtype, seed))
         } else {
-            Arc::new(model.weights)
+            Box::new(model.weights)
         };
         Ok(ModelSource {
             name: path
