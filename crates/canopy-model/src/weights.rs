@@ -264,11 +264,6 @@ impl Weights {
         !self.config.tie_word_embeddings
     }
 
-    /// The dtype every tensor is read as.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
     /// Bytes the weights take in their compute dtype.
     pub fn size_bytes(&self) -> usize {
         WeightId::all(&self.config)
@@ -326,8 +321,7 @@ impl WeightSource for Weights {
             let mut permuted = TypedVec::zeros(self.dtype, rows * cols);
             quant::dequantize_into(stored, bytes, permuted.slice_mut(0..rows * cols))
                 .ok_or_else(unsupported)?;
-            let order = stored_row_of_hf_row(rows, heads);
-            copy_into(out, &gather_rows(&permuted, cols, &order));
+            gather_rows(&permuted, cols, &stored_row_of_hf_row(rows, heads), out);
         } else {
             quant::dequantize_into(stored, bytes, out).ok_or_else(unsupported)?;
         }
@@ -346,16 +340,6 @@ pub fn check_buffer(id: WeightId, len: usize, dtype: DType, out: &TypedSliceMut)
         needed: format!("{len} elements of {dtype}"),
         given: format!("{} elements of {}", out.len(), out.dtype()),
     })
-}
-
-/// `src` copied into `out`, of the same dtype and length.
-fn copy_into(out: TypedSliceMut, src: &TypedVec) {
-    match (out, src) {
-        (TypedSliceMut::F32(o), TypedVec::F32(s)) => o.copy_from_slice(s),
-        (TypedSliceMut::F16(o), TypedVec::F16(s)) => o.copy_from_slice(s),
-        (TypedSliceMut::Bf16(o), TypedVec::Bf16(s)) => o.copy_from_slice(s),
-        _ => unreachable!("one dtype: both made from the weights' dtype"),
-    }
 }
 
 /// A progress bar on stderr of `len` steps labelled `prefix` (hidden when stderr is not a
@@ -390,19 +374,18 @@ fn stored_row_of_hf_row(rows: usize, n_head: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Row `r` of the result is row `order[r]` of `data`.
-fn gather_rows(data: &TypedVec, cols: usize, order: &[usize]) -> TypedVec {
-    fn gather<T: Copy>(src: &[T], cols: usize, order: &[usize]) -> Vec<T> {
-        order
-            .iter()
-            .flat_map(|&row| &src[row * cols..(row + 1) * cols])
-            .copied()
-            .collect()
+/// Writes row `order[r]` of `data` as row `r` of `out` (same dtype, as many rows as `order`).
+fn gather_rows(data: &TypedVec, cols: usize, order: &[usize], out: TypedSliceMut) {
+    fn gather<T: Copy>(src: &[T], cols: usize, order: &[usize], out: &mut [T]) {
+        for (to, &row) in out.chunks_exact_mut(cols).zip(order) {
+            to.copy_from_slice(&src[row * cols..(row + 1) * cols]);
+        }
     }
-    match data {
-        TypedVec::F32(v) => TypedVec::F32(gather(v, cols, order)),
-        TypedVec::F16(v) => TypedVec::F16(gather(v, cols, order)),
-        TypedVec::Bf16(v) => TypedVec::Bf16(gather(v, cols, order)),
+    match (data, out) {
+        (TypedVec::F32(v), TypedSliceMut::F32(o)) => gather(v, cols, order, o),
+        (TypedVec::F16(v), TypedSliceMut::F16(o)) => gather(v, cols, order, o),
+        (TypedVec::Bf16(v), TypedSliceMut::Bf16(o)) => gather(v, cols, order, o),
+        _ => unreachable!("one dtype: both made from the weights' dtype"),
     }
 }
 
@@ -416,7 +399,9 @@ pub(crate) mod tests {
         let rows = tensor.shape[0];
         let cols = tensor.len() / rows.max(1);
         let order = stored_row_of_hf_row(rows, n_head);
-        tensor.data = gather_rows(&tensor.data, cols, &order);
+        let mut hf = TypedVec::zeros(tensor.dtype(), tensor.len());
+        gather_rows(&tensor.data, cols, &order, hf.slice_mut(0..tensor.len()));
+        tensor.data = hf;
     }
 
     /// llama.cpp's `permute`, written from its description: rows reshaped to
