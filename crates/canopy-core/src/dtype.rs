@@ -125,6 +125,15 @@ impl TypedSliceMut<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The elements' bytes, in the host's order, to be written in place.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            TypedSliceMut::F32(v) => bytemuck::cast_slice_mut(v),
+            TypedSliceMut::F16(v) => bytemuck::cast_slice_mut(v),
+            TypedSliceMut::Bf16(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
 }
 
 /// Owned, typed storage for one tensor of KV elements.

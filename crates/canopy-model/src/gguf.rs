@@ -17,7 +17,7 @@ use memmap2::Mmap;
 
 use crate::error::{ModelError, Result};
 use crate::quant::{self, GgmlType};
-use crate::weights::{HostTensor, LayerPart, Layout, TensorSource, WeightId};
+use crate::weights::{read_span, will_need, HostTensor, LayerPart, Layout, TensorSource, WeightId};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -113,6 +113,7 @@ impl GgufTensorInfo {
 /// A parsed, memory-mapped GGUF file.
 pub struct GgufFile {
     path: PathBuf,
+    file: File,
     mmap: Mmap,
     version: u32,
     metadata: HashMap<String, GgufValue>,
@@ -127,10 +128,10 @@ impl GgufFile {
         // SAFETY: the map is read-only; canopy never writes model files, and a file truncated
         // by another process while mapped is outside what any mmap-based reader can guard.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
-        Self::parse(path.to_path_buf(), mmap)
+        Self::parse(path.to_path_buf(), file, mmap)
     }
 
-    fn parse(path: PathBuf, mmap: Mmap) -> Result<Self> {
+    fn parse(path: PathBuf, file: File, mmap: Mmap) -> Result<Self> {
         let corrupt = |reason: String| ModelError::CorruptGguf {
             path: path.clone(),
             reason,
@@ -203,6 +204,7 @@ impl GgufFile {
         let gguf = GgufFile {
             data_start: data_start as usize,
             path,
+            file,
             mmap,
             version,
             metadata,
@@ -575,5 +577,19 @@ impl TensorSource for GgufFile {
             Some(_) => Ok((info.ggml_type, bytes)),
             None => Err(unsupported(info)),
         }
+    }
+
+    fn prefetch(&self, name: &str) {
+        if let Some(bytes) = self
+            .tensor_info(name)
+            .and_then(|i| self.tensor_bytes(i).ok())
+        {
+            will_need(&self.mmap, bytes);
+        }
+    }
+
+    fn read_stored(&self, name: &str, out: &mut [u8]) -> Result<()> {
+        let (_, bytes) = self.stored(name)?;
+        read_span(&self.file, &self.mmap, bytes, out, &self.path)
     }
 }

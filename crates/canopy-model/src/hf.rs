@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 use crate::quant::GgmlType;
-use crate::weights::{LayerPart, Layout, TensorSource, WeightId};
+use crate::weights::{read_span, will_need, LayerPart, Layout, TensorSource, WeightId};
 
 /// The bytes before a safetensors header: its length as a little-endian u64.
 const HEADER_LENGTH_BYTES: usize = 8;
@@ -50,6 +50,7 @@ pub(crate) const HF_LAYOUT: Layout = Layout {
 
 struct Shard {
     path: PathBuf,
+    file: File,
     mmap: Mmap,
     header_len: usize,
     metadata: Metadata,
@@ -115,6 +116,7 @@ impl SafetensorsSource {
             }
             shards.push(Shard {
                 path,
+                file,
                 mmap,
                 header_len,
                 metadata,
@@ -178,5 +180,17 @@ impl TensorSource for SafetensorsSource {
                 source: safetensors::SafeTensorError::InvalidOffset(name.to_string()),
             })?;
         Ok((stored, bytes))
+    }
+
+    fn prefetch(&self, name: &str) {
+        if let (Ok((_, bytes)), Some(shard)) = (self.stored(name), self.shard(name)) {
+            will_need(&shard.mmap, bytes);
+        }
+    }
+
+    fn read_stored(&self, name: &str, out: &mut [u8]) -> Result<()> {
+        let (_, bytes) = self.stored(name)?;
+        let shard = self.shard(name).expect("stored found its shard");
+        read_span(&shard.file, &shard.mmap, bytes, out, &shard.path)
     }
 }

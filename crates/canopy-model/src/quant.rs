@@ -106,6 +106,18 @@ pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<Typ
     Some(out)
 }
 
+/// Whether `ggml_type`'s stored bytes are, on this host, values of `dtype` as they are: an
+/// unquantized type of the same width, little-endian.
+pub(crate) fn copies_bit_for_bit(ggml_type: GgmlType, dtype: DType) -> bool {
+    cfg!(target_endian = "little")
+        && matches!(
+            (ggml_type, dtype),
+            (GgmlType::F32, DType::F32)
+                | (GgmlType::F16, DType::F16)
+                | (GgmlType::BF16, DType::Bf16)
+        )
+}
+
 /// Dequantizes `bytes` (whole blocks of `ggml_type`, as many elements as `out` holds) into
 /// `out`, in its dtype; `None` for a type canopy does not read. A model's weights are read
 /// into buffers sized from their checked shapes, and reused. Large tensors are converted by

@@ -186,6 +186,12 @@ pub trait WeightSource: Send + Sync {
     /// its elements, in [`WeightSource::dtype`]. An upload reuses its buffers, and stacks the
     /// weights that share an input into one. Called from any thread.
     fn read_into(&self, id: WeightId, out: TypedSliceMut) -> Result<()>;
+    /// A hint that weight `id` is read soon: a file starts coming in from the disk while the
+    /// weights before it are read, so a cold read waits on the disk's rate rather than on one
+    /// page fault at a time. Does nothing by default.
+    fn prefetch(&self, id: WeightId) {
+        let _ = id;
+    }
 }
 
 /// A file (or set of shards) that tensors can be read from by name.
@@ -197,6 +203,59 @@ pub(crate) trait TensorSource: Send + Sync {
     /// Tensor `name`'s stored type and bytes, checked to lie inside the file; an error for a
     /// type canopy does not convert.
     fn stored(&self, name: &str) -> Result<(GgmlType, &[u8])>;
+    /// Starts reading tensor `name` into the page cache, if the source has it.
+    fn prefetch(&self, name: &str);
+    /// Copies tensor `name`'s stored bytes into `out`, as many as it has, from the file
+    /// ([`read_span`]).
+    fn read_stored(&self, name: &str, out: &mut [u8]) -> Result<()>;
+}
+
+/// Bytes a thread reads from a file at once in [`read_span`].
+const READ_PIECE_BYTES: usize = 4 << 20;
+
+/// Copies `bytes`, a part of `map` (the mapping of `file`, at `path`), into `out` by reads of
+/// the file in pieces on every core. From a cold page cache each piece is a request of its
+/// own, so the disk has many in flight; from a warm one the kernel copies, where reading
+/// through the mapping takes a page fault per 4 KB page.
+pub(crate) fn read_span(
+    file: &std::fs::File,
+    map: &memmap2::Mmap,
+    bytes: &[u8],
+    out: &mut [u8],
+    path: &Path,
+) -> Result<()> {
+    debug_assert_eq!(bytes.len(), out.len());
+    #[cfg(unix)]
+    {
+        use rayon::prelude::*;
+        use std::os::unix::fs::FileExt;
+        let offset = (bytes.as_ptr() as usize - map.as_ptr() as usize) as u64;
+        out.par_chunks_mut(READ_PIECE_BYTES)
+            .enumerate()
+            .try_for_each(|(i, piece)| {
+                file.read_exact_at(piece, offset + (i * READ_PIECE_BYTES) as u64)
+            })
+            .map_err(|e| ModelError::io(path, e))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (file, map, path);
+        out.copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// Asks the kernel to read `bytes`, a part of `map`, from the disk now, without waiting for it
+/// (`madvise(MADV_WILLNEED)`). A hint: where it fails, page faults read the bytes as they are
+/// touched.
+pub(crate) fn will_need(map: &memmap2::Mmap, bytes: &[u8]) {
+    #[cfg(unix)]
+    {
+        let offset = bytes.as_ptr() as usize - map.as_ptr() as usize;
+        let _ = map.advise_range(memmap2::Advice::WillNeed, offset, bytes.len());
+    }
+    #[cfg(not(unix))]
+    let _ = (map, bytes);
 }
 
 /// How a format names tensors, and whether its Q and K rows are in llama.cpp's order.
@@ -296,6 +355,10 @@ impl WeightSource for Weights {
         self.dtype
     }
 
+    fn prefetch(&self, id: WeightId) {
+        self.source.prefetch(&(self.layout.name)(id));
+    }
+
     fn read_into(&self, id: WeightId, out: TypedSliceMut) -> Result<()> {
         let name = (self.layout.name)(id);
         if id == WeightId::LmHead && self.config.tie_word_embeddings {
@@ -322,6 +385,9 @@ impl WeightSource for Weights {
             quant::dequantize_into(stored, bytes, permuted.slice_mut(0..rows * cols))
                 .ok_or_else(unsupported)?;
             gather_rows(&permuted, cols, &stored_row_of_hf_row(rows, heads), out);
+        } else if quant::copies_bit_for_bit(stored, self.dtype) {
+            let mut out = out;
+            self.source.read_stored(&name, out.as_bytes_mut())?;
         } else {
             quant::dequantize_into(stored, bytes, out).ok_or_else(unsupported)?;
         }
@@ -452,4 +518,24 @@ pub(crate) mod tests {
         );
         assert_eq!(stored_row_of_hf_row(8, 1), [0, 2, 4, 6, 1, 3, 5, 7]);
     }
+
+    /// A span read from the file in pieces equals the mapping's bytes: a span that starts
+    /// off any alignment and ends inside its third piece, and an empty one.
+    #[test]
+    fn spans_read_from_the_file_equal_the_mapping() {
+        use std::io::Write;
+        let len = 2 * READ_PIECE_BYTES + 12_345;
+        let data: Vec<u8> = (0..len + 100).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(&data).unwrap();
+        // SAFETY: a private temporary file, not written while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        for (start, n) in [(37, len), (0, 0), (5, 3)] {
+            let bytes = &map[start..start + n];
+            let mut out = vec![0u8; n];
+            read_span(&file, &map, bytes, &mut out, Path::new("test")).unwrap();
+            assert_eq!(out, bytes, "{n} bytes from {start}");
+        }
+    }
 }
+

@@ -9,7 +9,9 @@ mod gguf_writer;
 use std::path::{Path, PathBuf};
 
 use canopy_core::{DType, TypedVec};
-use canopy_model::{GgmlType, GgufFile, HostTensor, LayerPart, Model, ModelError, WeightId};
+use canopy_model::{
+    GgmlType, GgufFile, HostTensor, LayerPart, Model, ModelError, WeightId, WeightSource,
+};
 use gguf_writer::{expected_dequantized, GgufWriter, Meta};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -440,6 +442,14 @@ fn gguf_and_safetensors_load_identical_weights() {
             let tensor = from_gguf.weights.tensor(WeightId::Layer(1, part));
             tensor.unwrap().shape
         };
+        // A prefetch hint reads nothing into the weights; a tied model's lm_head is none of
+        // its tensors, and is skipped.
+        for weights in [&from_gguf.weights, &from_hf.weights] {
+            for id in WeightId::all(&from_gguf.config) {
+                WeightSource::prefetch(weights, id);
+            }
+            WeightSource::prefetch(weights, WeightId::LmHead);
+        }
         assert_eq!(shape(LayerPart::Q), [HEADS * HEAD_DIM, HIDDEN]);
         assert_eq!(shape(LayerPart::K), [KV_HEADS * HEAD_DIM, HIDDEN]);
         assert_eq!(shape(LayerPart::Down), [HIDDEN, INTERMEDIATE]);

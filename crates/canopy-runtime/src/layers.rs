@@ -116,6 +116,64 @@ fn read_group(
     Ok((rows, cols))
 }
 
+/// Bytes of the groups after the one being read that the reader has asked its source to bring
+/// in from the disk ([`WeightSource::prefetch`]): two of an 8B model's layers, so the disk
+/// always has reads queued while the reader copies.
+const PREFETCH_BYTES: usize = 512 << 20;
+
+/// Asks a source for the groups ahead of the reader, each once, `budget` bytes ahead.
+struct Prefetcher<'a> {
+    weights: &'a dyn WeightSource,
+    groups: &'a [Vec<WeightId>],
+    bytes: Vec<usize>,
+    budget: usize,
+    /// Groups before this one have been asked for.
+    asked: usize,
+}
+
+impl<'a> Prefetcher<'a> {
+    fn new(
+        weights: &'a dyn WeightSource,
+        config: &LlamaConfig,
+        groups: &'a [Vec<WeightId>],
+        budget: usize,
+    ) -> Self {
+        let size = weights.dtype().size_bytes();
+        let bytes = groups
+            .iter()
+            .map(|ids| {
+                ids.iter()
+                    .map(|id| {
+                        let (rows, cols) = id.matrix_shape(config);
+                        rows * cols * size
+                    })
+                    .sum()
+            })
+            .collect();
+        Prefetcher {
+            weights,
+            groups,
+            bytes,
+            budget,
+            asked: 0,
+        }
+    }
+
+    /// Before group `reading` is read: it, and the groups after it until they hold `budget`
+    /// bytes.
+    fn ahead_of(&mut self, reading: usize) {
+        while self.asked < self.groups.len()
+            && (self.asked <= reading
+                || self.bytes[reading + 1..self.asked].iter().sum::<usize>() < self.budget)
+        {
+            for &id in &self.groups[self.asked] {
+                self.weights.prefetch(id);
+            }
+            self.asked += 1;
+        }
+    }
+}
+
 /// Groups the reader may have read ahead of the upload: one waits while the next is read, so
 /// about three buffers circulate between the reader and the upload (an 8B model's largest
 /// group, gate|up, is 235 MB in bf16), each reused, so the host's pages are faulted in once.
@@ -139,9 +197,12 @@ impl<B: LayerOps> ModelLayers<B> {
         let layers = std::thread::scope(|scope| -> Result<ModelLayers<B>> {
             let (sender, matrices) = std::sync::mpsc::sync_channel(GROUPS_AHEAD);
             let (give_back, spent) = std::sync::mpsc::channel::<TypedVec>();
+            let groups = &groups;
             scope.spawn(move || {
-                for ids in &groups {
+                let mut prefetcher = Prefetcher::new(weights, config, groups, PREFETCH_BYTES);
+                for (i, ids) in groups.iter().enumerate() {
                     let t0 = Instant::now();
+                    prefetcher.ahead_of(i);
                     let mut buffer = spent.try_recv().unwrap_or(TypedVec::F32(Vec::new()));
                     let matrix = read_group(weights, config, ids, &mut buffer)
                         .map(|(rows, cols)| (buffer, rows, cols));
@@ -548,5 +609,63 @@ pub(crate) mod tests {
                 assert_eq!((rows * cols, buffer.to_f32_vec()), (alone.len(), alone));
             }
         }
+    }
+
+    /// Random weights that record the prefetch hints they are given.
+    struct Recording {
+        weights: RandomWeights,
+        asked: std::sync::Mutex<Vec<WeightId>>,
+    }
+
+    impl WeightSource for Recording {
+        fn has_lm_head(&self) -> bool {
+            self.weights.has_lm_head()
+        }
+
+        fn dtype(&self) -> DType {
+            self.weights.dtype()
+        }
+
+        fn read_into(&self, id: WeightId, out: TypedSliceMut) -> canopy_model::Result<()> {
+            self.weights.read_into(id, out)
+        }
+
+        fn prefetch(&self, id: WeightId) {
+            self.asked.lock().unwrap().push(id);
+        }
+    }
+
+    /// Before each group is read, it and the fewest groups after it that hold the budget have
+    /// been asked for; every weight is asked for once, in upload order.
+    #[test]
+    fn the_reader_asks_for_each_weight_once_a_budget_ahead() {
+        let config = tiny(false);
+        let source = Recording {
+            weights: RandomWeights::new(&config, DType::F32, 1),
+            asked: Default::default(),
+        };
+        let groups = upload_groups(&config, true);
+        let budget = 2 * config.intermediate_size * config.hidden_size * 4;
+        let mut prefetcher = Prefetcher::new(&source, &config, &groups, budget);
+        for i in 0..groups.len() {
+            prefetcher.ahead_of(i);
+            let asked = prefetcher.asked;
+            let after = |end: usize| prefetcher.bytes[i + 1..end].iter().sum::<usize>();
+            assert!(asked > i, "group {i} is asked for before it is read");
+            assert!(asked == groups.len() || after(asked) >= budget, "group {i}");
+            assert!(
+                asked == i + 1 || after(asked - 1) < budget,
+                "group {i}: no more than needed"
+            );
+        }
+        let flat: Vec<WeightId> = groups.iter().flatten().copied().collect();
+        assert_eq!(*source.asked.lock().unwrap(), flat);
+
+        let upload = Recording {
+            weights: RandomWeights::new(&config, DType::F32, 1),
+            asked: Default::default(),
+        };
+        ModelLayers::upload(&CpuBackend, &config, &upload, &mut |_| {}).unwrap();
+        assert_eq!(upload.asked.into_inner().unwrap(), flat);
     }
 }
