@@ -8,7 +8,9 @@
 #                gguf wheel in .device/wheels).
 # Each binary of BINS (default: .device/canopy) runs `generate` RUNS times on each file
 # (8 prompt tokens, 16 new, on the GPU), timed by /usr/bin/time; RUST_LOG=info prints each
-# upload's own account where the binary has one. Results: $OUT/load-times.txt.
+# upload's own account where the binary has one. COLD=1 first drops each file from the page
+# cache (posix_fadvise DONTNEED, after an fsync), so a run reads it from the disk; `fincore`
+# then says how much of it stayed cached. Results: $OUT/load-times.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 BINS=${BINS:-$BIN}
@@ -80,7 +82,16 @@ for bin in $BINS; do
     model=$WORK/hf
     [ "$file" = gguf ] && model=$WORK/big.gguf
     for run in $(seq "$RUNS"); do
-      log "$bin $file run $run"
+      if [ "${COLD:-0}" = 1 ]; then
+        find "$model" -type f -size +1M -exec python3 -c 'import os, sys
+for path in sys.argv[1:]:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)' {} +
+        fincore -b "$model" "$model"/* 2>/dev/null | awk 'NR > 1 {cached += $1} END {print "cached after the drop: " cached + 0 " bytes"}'
+      fi
+      log "$bin $file run $run${COLD:+ (cold: $COLD)}"
       RUST_LOG=canopy_runtime=info /usr/bin/time -f "time: %e s wall, %U s user, %S s sys, %M KB peak" \
         "$bin" generate --model "$model" --prompt-ids 5,6,7,8,9,10,11,12 --max-tokens 16 \
         --backend cuda 2>&1 >/dev/null | grep -E 'uploaded|first token|time:|rror'
