@@ -538,4 +538,3 @@ pub(crate) mod tests {
         }
     }
 }
-
