@@ -542,14 +542,27 @@ pub(crate) mod tests {
         assert!(err.to_string().contains("shared evenly"), "{err}");
     }
 
-    /// Random weights but for one read that fails, every read counted.
-    struct Failing {
+    /// Random weights that count their reads, fail the read of `fails` if given, and record
+    /// the prefetch hints they are given.
+    struct Watched {
         weights: RandomWeights,
-        fails: WeightId,
+        fails: Option<WeightId>,
         reads: std::sync::atomic::AtomicUsize,
+        asked: std::sync::Mutex<Vec<WeightId>>,
     }
 
-    impl WeightSource for Failing {
+    impl Watched {
+        fn new(config: &LlamaConfig, fails: Option<WeightId>) -> Watched {
+            Watched {
+                weights: RandomWeights::new(config, DType::F32, 0),
+                fails,
+                reads: Default::default(),
+                asked: Default::default(),
+            }
+        }
+    }
+
+    impl WeightSource for Watched {
         fn has_lm_head(&self) -> bool {
             self.weights.has_lm_head()
         }
@@ -561,7 +574,7 @@ pub(crate) mod tests {
         fn read_into(&self, id: WeightId, out: TypedSliceMut) -> canopy_model::Result<()> {
             self.reads
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if id == self.fails {
+            if Some(id) == self.fails {
                 return Err(canopy_model::ModelError::MissingTensor {
                     path: "model.gguf".into(),
                     tensor: id.name(),
@@ -569,16 +582,16 @@ pub(crate) mod tests {
             }
             self.weights.read_into(id, out)
         }
+
+        fn prefetch(&self, id: WeightId) {
+            self.asked.lock().unwrap().push(id);
+        }
     }
 
     #[test]
     fn a_read_error_ends_the_upload_and_the_reading() {
         let config = tiny(false);
-        let weights = Failing {
-            weights: RandomWeights::new(&config, DType::F32, 0),
-            fails: WeightId::Layer(1, LayerPart::K),
-            reads: Default::default(),
-        };
+        let weights = Watched::new(&config, Some(WeightId::Layer(1, LayerPart::K)));
         let err = ModelLayers::<CpuBackend>::upload(&CpuBackend, &config, &weights, &mut |_| {})
             .err()
             .unwrap()
@@ -611,39 +624,12 @@ pub(crate) mod tests {
         }
     }
 
-    /// Random weights that record the prefetch hints they are given.
-    struct Recording {
-        weights: RandomWeights,
-        asked: std::sync::Mutex<Vec<WeightId>>,
-    }
-
-    impl WeightSource for Recording {
-        fn has_lm_head(&self) -> bool {
-            self.weights.has_lm_head()
-        }
-
-        fn dtype(&self) -> DType {
-            self.weights.dtype()
-        }
-
-        fn read_into(&self, id: WeightId, out: TypedSliceMut) -> canopy_model::Result<()> {
-            self.weights.read_into(id, out)
-        }
-
-        fn prefetch(&self, id: WeightId) {
-            self.asked.lock().unwrap().push(id);
-        }
-    }
-
     /// Before each group is read, it and the fewest groups after it that hold the budget have
     /// been asked for; every weight is asked for once, in upload order.
     #[test]
     fn the_reader_asks_for_each_weight_once_a_budget_ahead() {
         let config = tiny(false);
-        let source = Recording {
-            weights: RandomWeights::new(&config, DType::F32, 1),
-            asked: Default::default(),
-        };
+        let source = Watched::new(&config, None);
         let groups = upload_groups(&config, true);
         let budget = 2 * config.intermediate_size * config.hidden_size * 4;
         let mut prefetcher = Prefetcher::new(&source, &config, &groups, budget);
@@ -661,10 +647,7 @@ pub(crate) mod tests {
         let flat: Vec<WeightId> = groups.iter().flatten().copied().collect();
         assert_eq!(*source.asked.lock().unwrap(), flat);
 
-        let upload = Recording {
-            weights: RandomWeights::new(&config, DType::F32, 1),
-            asked: Default::default(),
-        };
+        let upload = Watched::new(&config, None);
         ModelLayers::upload(&CpuBackend, &config, &upload, &mut |_| {}).unwrap();
         assert_eq!(upload.asked.into_inner().unwrap(), flat);
     }
