@@ -4,9 +4,11 @@
 //! Both readers (safetensors, GGUF) answer the same two questions — a tensor's shape, and its
 //! data converted to the compute dtype — so checking every shape against the configuration
 //! happens once, here, when the model is opened. Nothing is read then: [`Weights`] keeps the
-//! mapped file and converts (or dequantizes) one tensor at a time. The host therefore never
-//! holds a whole model (an 8B model is 16 GB in bf16), each device and each rank reads the
-//! same mapped pages, and the page cache is shared by every process of a node.
+//! open, mapped file and reads one tensor at a time. A tensor stored in the compute dtype is
+//! read from the file in pieces on every core ([`read_span`]); others are converted or
+//! dequantized from the mapping. The host therefore never holds a whole model (an 8B model is
+//! 16 GB in bf16), and each device, each rank and every process of a node reads the same pages
+//! of the page cache.
 
 use std::io::IsTerminal;
 use std::path::Path;
