@@ -17,7 +17,7 @@ use memmap2::Mmap;
 
 use crate::error::{ModelError, Result};
 use crate::quant::{self, GgmlType};
-use crate::weights::{read_span, will_need, HostTensor, LayerPart, Layout, TensorSource, WeightId};
+use crate::weights::{HostTensor, LayerPart, Layout, TensorFile, TensorSource, WeightId};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -579,17 +579,11 @@ impl TensorSource for GgufFile {
         }
     }
 
-    fn prefetch(&self, name: &str) {
-        if let Some(bytes) = self
-            .tensor_info(name)
-            .and_then(|i| self.tensor_bytes(i).ok())
-        {
-            will_need(&self.mmap, bytes);
-        }
-    }
-
-    fn read_stored(&self, name: &str, out: &mut [u8]) -> Result<()> {
-        let (_, bytes) = self.stored(name)?;
-        read_span(&self.file, &self.mmap, bytes, out, &self.path)
+    fn file_of(&self, name: &str) -> Option<TensorFile<'_>> {
+        self.tensor_info(name).map(|_| TensorFile {
+            file: &self.file,
+            map: &self.mmap,
+            path: &self.path,
+        })
     }
 }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 use crate::quant::GgmlType;
-use crate::weights::{read_span, will_need, LayerPart, Layout, TensorSource, WeightId};
+use crate::weights::{LayerPart, Layout, TensorFile, TensorSource, WeightId};
 
 /// The bytes before a safetensors header: its length as a little-endian u64.
 const HEADER_LENGTH_BYTES: usize = 8;
@@ -182,15 +182,11 @@ impl TensorSource for SafetensorsSource {
         Ok((stored, bytes))
     }
 
-    fn prefetch(&self, name: &str) {
-        if let (Ok((_, bytes)), Some(shard)) = (self.stored(name), self.shard(name)) {
-            will_need(&shard.mmap, bytes);
-        }
-    }
-
-    fn read_stored(&self, name: &str, out: &mut [u8]) -> Result<()> {
-        let (_, bytes) = self.stored(name)?;
-        let shard = self.shard(name).expect("stored found its shard");
-        read_span(&shard.file, &shard.mmap, bytes, out, &shard.path)
+    fn file_of(&self, name: &str) -> Option<TensorFile<'_>> {
+        self.shard(name).map(|shard| TensorFile {
+            file: &shard.file,
+            map: &shard.mmap,
+            path: &shard.path,
+        })
     }
 }

@@ -5,7 +5,7 @@
 //! data converted to the compute dtype — so checking every shape against the configuration
 //! happens once, here, when the model is opened. Nothing is read then: [`Weights`] keeps the
 //! open, mapped file and reads one tensor at a time. A tensor stored in the compute dtype is
-//! read from the file in pieces on every core ([`read_span`]); others are converted or
+//! read from the file in pieces on every core ([`TensorFile::read_span`]); others are converted or
 //! dequantized from the mapping. The host therefore never holds a whole model (an 8B model is
 //! 16 GB in bf16), and each device, each rank and every process of a node reads the same pages
 //! of the page cache.
@@ -205,59 +205,67 @@ pub(crate) trait TensorSource: Send + Sync {
     /// Tensor `name`'s stored type and bytes, checked to lie inside the file; an error for a
     /// type canopy does not convert.
     fn stored(&self, name: &str) -> Result<(GgmlType, &[u8])>;
-    /// Starts reading tensor `name` into the page cache, if the source has it.
-    fn prefetch(&self, name: &str);
-    /// Copies tensor `name`'s stored bytes into `out`, as many as it has, from the file
-    /// ([`read_span`]).
-    fn read_stored(&self, name: &str, out: &mut [u8]) -> Result<()>;
+    /// The file tensor `name`'s stored bytes lie in, `None` if the source has no such tensor.
+    fn file_of(&self, name: &str) -> Option<TensorFile<'_>>;
 }
 
-/// Bytes a thread reads from a file at once in [`read_span`].
+/// An open model file: its mapping, which [`TensorSource::stored`]'s bytes are a part of, and
+/// its path, for errors.
+pub(crate) struct TensorFile<'a> {
+    pub file: &'a std::fs::File,
+    pub map: &'a memmap2::Mmap,
+    pub path: &'a Path,
+}
+
+/// Bytes a thread reads from a file at once in [`TensorFile::read_span`].
 const READ_PIECE_BYTES: usize = 4 << 20;
 
-/// Copies `bytes`, a part of `map` (the mapping of `file`, at `path`), into `out` by reads of
-/// the file in pieces on every core. From a cold page cache each piece is a request of its
-/// own, so the disk has many in flight; from a warm one the kernel copies, where reading
-/// through the mapping takes a page fault per 4 KB page.
-pub(crate) fn read_span(
-    file: &std::fs::File,
-    map: &memmap2::Mmap,
-    bytes: &[u8],
-    out: &mut [u8],
-    path: &Path,
-) -> Result<()> {
-    debug_assert_eq!(bytes.len(), out.len());
-    #[cfg(unix)]
-    {
-        use rayon::prelude::*;
-        use std::os::unix::fs::FileExt;
-        let offset = (bytes.as_ptr() as usize - map.as_ptr() as usize) as u64;
-        out.par_chunks_mut(READ_PIECE_BYTES)
-            .enumerate()
-            .try_for_each(|(i, piece)| {
-                file.read_exact_at(piece, offset + (i * READ_PIECE_BYTES) as u64)
-            })
-            .map_err(|e| ModelError::io(path, e))
+impl TensorFile<'_> {
+    /// Where `bytes`, a part of the mapping, start in the file.
+    fn offset_of(&self, bytes: &[u8]) -> usize {
+        bytes.as_ptr() as usize - self.map.as_ptr() as usize
     }
-    #[cfg(not(unix))]
-    {
-        let _ = (file, map, path);
-        out.copy_from_slice(bytes);
-        Ok(())
-    }
-}
 
-/// Asks the kernel to read `bytes`, a part of `map`, from the disk now, without waiting for it
-/// (`madvise(MADV_WILLNEED)`). A hint: where it fails, page faults read the bytes as they are
-/// touched.
-pub(crate) fn will_need(map: &memmap2::Mmap, bytes: &[u8]) {
-    #[cfg(unix)]
-    {
-        let offset = bytes.as_ptr() as usize - map.as_ptr() as usize;
-        let _ = map.advise_range(memmap2::Advice::WillNeed, offset, bytes.len());
+    /// Copies `bytes`, a part of the mapping, into `out` by reads of the file in pieces on
+    /// every core. From a cold page cache each piece is a request of its own, so the disk has
+    /// many in flight; from a warm one the kernel copies, where reading through the mapping
+    /// takes a page fault per 4 KB page.
+    fn read_span(&self, bytes: &[u8], out: &mut [u8]) -> Result<()> {
+        debug_assert_eq!(bytes.len(), out.len());
+        #[cfg(unix)]
+        {
+            use rayon::prelude::*;
+            use std::os::unix::fs::FileExt;
+            let offset = self.offset_of(bytes) as u64;
+            out.par_chunks_mut(READ_PIECE_BYTES)
+                .enumerate()
+                .try_for_each(|(i, piece)| {
+                    self.file
+                        .read_exact_at(piece, offset + (i * READ_PIECE_BYTES) as u64)
+                })
+                .map_err(|e| ModelError::io(self.path, e))
+        }
+        #[cfg(not(unix))]
+        {
+            out.copy_from_slice(bytes);
+            Ok(())
+        }
     }
-    #[cfg(not(unix))]
-    let _ = (map, bytes);
+
+    /// Asks the kernel to read `bytes`, a part of the mapping, from the disk now, without
+    /// waiting for it (`madvise(MADV_WILLNEED)`). A hint: where it fails, page faults read the
+    /// bytes as they are touched.
+    fn will_need(&self, bytes: &[u8]) {
+        #[cfg(unix)]
+        {
+            let advice = memmap2::Advice::WillNeed;
+            let _ = self
+                .map
+                .advise_range(advice, self.offset_of(bytes), bytes.len());
+        }
+        #[cfg(not(unix))]
+        let _ = bytes;
+    }
 }
 
 /// How a format names tensors, and whether its Q and K rows are in llama.cpp's order.
@@ -358,7 +366,12 @@ impl WeightSource for Weights {
     }
 
     fn prefetch(&self, id: WeightId) {
-        self.source.prefetch(&(self.layout.name)(id));
+        let name = (self.layout.name)(id);
+        if let (Ok((_, bytes)), Some(file)) =
+            (self.source.stored(&name), self.source.file_of(&name))
+        {
+            file.will_need(bytes);
+        }
     }
 
     fn read_into(&self, id: WeightId, out: TypedSliceMut) -> Result<()> {
@@ -387,9 +400,13 @@ impl WeightSource for Weights {
             quant::dequantize_into(stored, bytes, permuted.slice_mut(0..rows * cols))
                 .ok_or_else(unsupported)?;
             gather_rows(&permuted, cols, &stored_row_of_hf_row(rows, heads), out);
-        } else if quant::copies_bit_for_bit(stored, self.dtype) {
+        } else if let Some(file) = self
+            .source
+            .file_of(&name)
+            .filter(|_| quant::copies_bit_for_bit(stored, self.dtype))
+        {
             let mut out = out;
-            self.source.read_stored(&name, out.as_bytes_mut())?;
+            file.read_span(bytes, out.as_bytes_mut())?;
         } else {
             quant::dequantize_into(stored, bytes, out).ok_or_else(unsupported)?;
         }
@@ -532,10 +549,15 @@ pub(crate) mod tests {
         file.write_all(&data).unwrap();
         // SAFETY: a private temporary file, not written while mapped.
         let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let tensors = TensorFile {
+            file: &file,
+            map: &map,
+            path: Path::new("test"),
+        };
         for (start, n) in [(37, len), (0, 0), (5, 3)] {
             let bytes = &map[start..start + n];
             let mut out = vec![0u8; n];
-            read_span(&file, &map, bytes, &mut out, Path::new("test")).unwrap();
+            tensors.read_span(bytes, &mut out).unwrap();
             assert_eq!(out, bytes, "{n} bytes from {start}");
         }
     }
