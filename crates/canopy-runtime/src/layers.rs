@@ -116,9 +116,10 @@ fn read_group(
     Ok((rows, cols))
 }
 
-/// Bytes of the groups after the one being read that the reader has asked its source to bring
-/// in from the disk ([`WeightSource::prefetch`]): two of an 8B model's layers, so the disk
-/// always has reads queued while the reader copies.
+/// Bytes (in the compute dtype) of the groups after the one being read that the reader has
+/// asked its source to bring in from the disk ([`WeightSource::prefetch`]): two of an 8B
+/// model's layers in bf16, so the disk always has reads queued while the reader copies. A
+/// quantized file's share of them is smaller.
 const PREFETCH_BYTES: usize = 512 << 20;
 
 /// Asks a source for the groups ahead of the reader, each once, `budget` bytes ahead.
