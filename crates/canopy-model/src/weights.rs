@@ -374,7 +374,7 @@ impl WeightSource for Weights {
         }
     }
 
-    fn read_into(&self, id: WeightId, out: TypedSliceMut) -> Result<()> {
+    fn read_into(&self, id: WeightId, mut out: TypedSliceMut) -> Result<()> {
         let name = (self.layout.name)(id);
         if id == WeightId::LmHead && self.config.tie_word_embeddings {
             return Err(ModelError::MissingTensor {
@@ -405,7 +405,6 @@ impl WeightSource for Weights {
             .file_of(&name)
             .filter(|_| quant::copies_bit_for_bit(stored, self.dtype))
         {
-            let mut out = out;
             file.read_span(bytes, out.as_bytes_mut())?;
         } else {
             quant::dequantize_into(stored, bytes, out).ok_or_else(unsupported)?;

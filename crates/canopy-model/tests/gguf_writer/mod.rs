@@ -170,6 +170,15 @@ fn quantize_q4_1(block: &[f32]) -> Vec<u8> {
     out
 }
 
+/// Element `i` of a block's 16 packed bytes: low nibbles first, then high nibbles.
+fn nibble(packed: &[u8], i: usize) -> u8 {
+    if i < 16 {
+        packed[i] & 15
+    } else {
+        packed[i - 16] >> 4
+    }
+}
+
 /// What each stored block decodes to, computed from its fields by the formulas of
 /// ggml's `dequantize_row_*` (independently of the crate's dequantizer).
 pub fn expected_dequantized(ggml_type: GgmlType, values: &[f32]) -> Vec<f32> {
@@ -185,24 +194,12 @@ pub fn expected_dequantized(ggml_type: GgmlType, values: &[f32]) -> Vec<f32> {
             }
             GgmlType::Q4_0 => {
                 let raw = quantize_q4_0(block);
-                let nib = |i: usize| {
-                    if i < 16 {
-                        raw[2 + i] & 15
-                    } else {
-                        raw[2 + i - 16] >> 4
-                    }
-                };
+                let nib = |i| nibble(&raw[2..], i);
                 out.extend((0..32).map(|i| (f32::from(nib(i)) - 8.0) * half(&raw)));
             }
             GgmlType::Q4_1 => {
                 let raw = quantize_q4_1(block);
-                let nib = |i: usize| {
-                    if i < 16 {
-                        raw[4 + i] & 15
-                    } else {
-                        raw[4 + i - 16] >> 4
-                    }
-                };
+                let nib = |i| nibble(&raw[4..], i);
                 out.extend((0..32).map(|i| f32::from(nib(i)) * half(&raw) + half(&raw[2..])));
             }
             other => panic!("no reference for {}", other.name()),
