@@ -136,6 +136,38 @@ impl TypedSliceMut<'_> {
     }
 }
 
+impl<'a> TypedSliceMut<'a> {
+    /// `bytes` as elements of `dtype`, to be written in place: memory that is not a typed
+    /// vector's (a device's page-locked upload buffer). `None` where `bytes` is not a whole
+    /// number of elements, or not aligned for them.
+    pub fn from_bytes_mut(dtype: DType, bytes: &'a mut [u8]) -> Option<TypedSliceMut<'a>> {
+        Some(match dtype {
+            DType::F32 => TypedSliceMut::F32(bytemuck::try_cast_slice_mut(bytes).ok()?),
+            DType::F16 => TypedSliceMut::F16(bytemuck::try_cast_slice_mut(bytes).ok()?),
+            DType::Bf16 => TypedSliceMut::Bf16(bytemuck::try_cast_slice_mut(bytes).ok()?),
+        })
+    }
+
+    /// The elements before `mid`, and those from it on: parts written by different readers.
+    /// Panics if `mid > self.len()`, as `split_at_mut` does.
+    pub fn split_at_mut(self, mid: usize) -> (TypedSliceMut<'a>, TypedSliceMut<'a>) {
+        match self {
+            TypedSliceMut::F32(v) => {
+                let (a, b) = v.split_at_mut(mid);
+                (TypedSliceMut::F32(a), TypedSliceMut::F32(b))
+            }
+            TypedSliceMut::F16(v) => {
+                let (a, b) = v.split_at_mut(mid);
+                (TypedSliceMut::F16(a), TypedSliceMut::F16(b))
+            }
+            TypedSliceMut::Bf16(v) => {
+                let (a, b) = v.split_at_mut(mid);
+                (TypedSliceMut::Bf16(a), TypedSliceMut::Bf16(b))
+            }
+        }
+    }
+}
+
 /// Owned, typed storage for one tensor of KV elements.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TypedVec {
@@ -247,6 +279,28 @@ impl TypedVec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_views_and_splits_write_the_elements_they_cover() {
+        for dtype in DType::ALL {
+            let mut v = TypedVec::zeros(dtype, 6);
+            let bytes = v.as_bytes_mut();
+            let width = dtype.size_bytes();
+            let view = TypedSliceMut::from_bytes_mut(dtype, &mut bytes[width..]).unwrap();
+            let (mut a, mut b) = view.split_at_mut(2);
+            assert_eq!((a.len(), b.len()), (2, 3), "{dtype}");
+            a.as_bytes_mut()
+                .copy_from_slice(TypedVec::from_f32(dtype, &[1.0, 2.0]).as_bytes());
+            b.as_bytes_mut()
+                .copy_from_slice(TypedVec::from_f32(dtype, &[3.0, 4.0, 5.0]).as_bytes());
+            assert_eq!(v.to_f32_vec(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "{dtype}");
+            let mut odd = vec![0u8; 4 * width + 1];
+            assert!(
+                TypedSliceMut::from_bytes_mut(dtype, &mut odd).is_none(),
+                "{dtype}"
+            );
+        }
+    }
 
     #[test]
     fn rounding_matches_storage() {

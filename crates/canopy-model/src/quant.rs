@@ -106,6 +106,35 @@ pub fn dequantize(ggml_type: GgmlType, bytes: &[u8], dtype: DType) -> Option<Typ
     Some(out)
 }
 
+/// Elements `first..first + out.len()` of `bytes` (whole blocks of `ggml_type`) into `out`, in
+/// its dtype; `None` for a type canopy does not read. A part that starts or ends inside a
+/// block decodes its covering blocks into a temporary first. The caller has checked that the
+/// part lies inside `bytes`.
+pub fn dequantize_part(
+    ggml_type: GgmlType,
+    bytes: &[u8],
+    first: usize,
+    mut out: TypedSliceMut,
+) -> Option<()> {
+    let (block_elems, block_bytes) = ggml_type.block_layout()?;
+    let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
+    let end = first + out.len();
+    let (first_block, end_block) = (first / block_elems, end.div_ceil(block_elems));
+    let blocks = &bytes[first_block * block_bytes..end_block * block_bytes];
+    if first.is_multiple_of(block_elems) && end.is_multiple_of(block_elems) {
+        return dequantize_into(ggml_type, blocks, out);
+    }
+    let covered = (end_block - first_block) * block_elems;
+    let mut whole = TypedVec::zeros(out.dtype(), covered);
+    dequantize_into(ggml_type, blocks, whole.slice_mut(0..covered))?;
+    let width = out.dtype().size_bytes();
+    let skip = (first - first_block * block_elems) * width;
+    let len = out.len() * width;
+    out.as_bytes_mut()
+        .copy_from_slice(&whole.as_bytes()[skip..skip + len]);
+    Some(())
+}
+
 /// Whether `ggml_type`'s stored bytes are, on this host, values of `dtype` as they are: an
 /// unquantized type of the same width, little-endian.
 pub(crate) fn copies_bit_for_bit(ggml_type: GgmlType, dtype: DType) -> bool {
@@ -474,6 +503,49 @@ mod tests {
             panic!("bf16 storage expected");
         };
         assert_eq!(values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), bits);
+    }
+
+    /// A part of a tensor, aligned to its blocks or not, decodes to the same elements as the
+    /// whole: every type's block layout, with bytes whose f16 scales are finite.
+    #[test]
+    fn parts_decode_as_the_whole_does() {
+        for ggml_type in [
+            GgmlType::F32,
+            GgmlType::BF16,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::IQ4_XS,
+        ] {
+            let (block_elems, block_bytes) = ggml_type.block_layout().unwrap();
+            let blocks = 3 * 256 / block_elems as usize;
+            // Small bytes keep every f16 and f32 finite and small.
+            let bytes: Vec<u8> = (0..blocks * block_bytes as usize)
+                .map(|i| (i * 37 % 59) as u8 & 0x3b)
+                .collect();
+            let whole = dequantize(ggml_type, &bytes, DType::Bf16).unwrap();
+            let len = whole.len();
+            for (first, n) in [
+                (0, len),
+                (0, 1),
+                (5, 300),
+                (31, 2),
+                (256, 256),
+                (len - 7, 7),
+            ] {
+                let mut part = TypedVec::zeros(DType::Bf16, n);
+                dequantize_part(ggml_type, &bytes, first, part.slice_mut(0..n)).unwrap();
+                assert_eq!(
+                    part,
+                    whole.slice(first..first + n),
+                    "{} at {first}",
+                    ggml_type.name()
+                );
+            }
+        }
     }
 
     #[test]
