@@ -30,11 +30,11 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
-use canopy_core::{AttnShape, DType, TypedVec};
+use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use canopy_engine::layer_ops::{
     attention_output_through_states, check_top_logits, expect_gather, expect_size,
 };
-use canopy_engine::{CachedKeys, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
+use canopy_engine::{CachedKeys, EngineError, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -440,9 +440,26 @@ impl LayerOps for CudaBackend {
             data.len(),
             rows * cols,
         )?;
+        let (bytes, width) = (data.as_bytes(), data.dtype().size_bytes());
+        self.upload_weight_with(data.dtype(), (rows, cols), &mut |first, mut part| {
+            let to = part.as_bytes_mut();
+            to.copy_from_slice(&bytes[first * width..first * width + to.len()]);
+            Ok::<(), EngineError>(())
+        })
+    }
+
+    /// `fill` writes each part into a page-locked buffer that is then copied, while `fill`
+    /// writes the next into the other; returns once the copy has landed, as
+    /// [`LayerOps::upload_weight`] does.
+    fn upload_weight_with<E: From<EngineError>>(
+        &self,
+        dtype: DType,
+        (rows, cols): (usize, usize),
+        fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
+    ) -> Result<CudaWeight, E> {
         Ok(CudaWeight {
-            data: self.upload_staged(data.as_bytes())?,
-            dtype: data.dtype(),
+            data: self.upload_filled(dtype, rows * cols, fill)?,
+            dtype,
             rows,
             cols,
         })

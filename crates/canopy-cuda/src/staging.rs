@@ -1,23 +1,24 @@
-//! Host-to-device copies of large buffers (a model's weights) through two page-locked
-//! buffers.
+//! Host-to-device copies of a model's weights through two page-locked buffers.
 //!
 //! A copy from pageable memory makes the driver stage it itself, one piece at a time, and the
-//! call returns only when the last piece has landed. Here the host fills one page-locked
-//! buffer (on every core) while the copy engine empties the other, so the transfer runs at the
-//! link's rate and the host's copying hides behind it.
+//! call returns only when the last piece has landed. Here the weight's reader writes one
+//! page-locked buffer (on every core) while the copy engine empties the other, so the host's
+//! reading hides behind the transfer, or the transfer behind the reading, whichever is
+//! shorter. The reader writes straight into the buffer the copy engine reads: a weight read
+//! from a file crosses the host's memory once, from the page cache into this buffer.
 
 use crate::backend::CudaBackend;
-use crate::error::{DriverContext, Result};
+use crate::error::{CudaError, DriverContext};
+use canopy_core::{DType, TypedSliceMut};
+use canopy_engine::EngineError;
 use cudarc::driver::{CudaEvent, CudaSlice, DevicePtrMut, PinnedHostSlice};
-use rayon::prelude::*;
 
-/// Bytes of each staging buffer: big enough that a copy's fixed cost (microseconds) is small
-/// beside its transfer (a third of a millisecond at 50 GB/s), small enough that two of them
-/// per rank stay a small part of the host's page-locked memory.
-pub(crate) const STAGE_BYTES: usize = 16 << 20;
-
-/// Bytes a host thread copies at once while a staging buffer is filled.
-const FILL_TASK_BYTES: usize = 1 << 20;
+/// Bytes of each staging buffer: a part big enough to spread its reading over every core,
+/// and that a copy's fixed cost (microseconds) is small beside its transfer (about a
+/// millisecond at 30-50 GB/s); small enough that two of them per rank stay a small part of
+/// the host's page-locked memory, and that the copy of a weight's last part, which nothing
+/// overlaps, is short.
+pub(crate) const STAGE_BYTES: usize = 32 << 20;
 
 /// The two page-locked buffers, and the copy each was last emptied by.
 pub(crate) struct Staging {
@@ -26,55 +27,72 @@ pub(crate) struct Staging {
 }
 
 impl CudaBackend {
-    /// A device buffer holding `host`; through the staging buffers where `host` is larger than
-    /// one of them, else by one ordinary copy. Returns once every byte has landed.
-    pub(crate) fn upload_staged(&self, host: &[u8]) -> Result<CudaSlice<u8>> {
-        if host.len() <= STAGE_BYTES {
-            let data = self.upload(host)?;
-            self.stream.synchronize().ctx("cuStreamSynchronize")?;
-            return Ok(data);
-        }
-        self.refuse_while_capturing("a weight upload")?;
-        let mut device = self.alloc::<u8>(host.len())?;
+    /// A device buffer of `len` elements of `dtype` that `fill` writes a part at a time
+    /// ([`canopy_engine::LayerOps::upload_weight_with`]), each part into a staging buffer
+    /// that is copied to the device while `fill` writes the next. Returns once every byte has
+    /// landed; an error from `fill` is returned as it is, once the copies already queued
+    /// have ended.
+    pub(crate) fn upload_filled<E: From<EngineError>>(
+        &self,
+        dtype: DType,
+        len: usize,
+        fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
+    ) -> Result<CudaSlice<u8>, E> {
+        let cuda = |e: CudaError| E::from(EngineError::from(e));
+        self.refuse_while_capturing("a weight upload")
+            .map_err(cuda)?;
+        let width = dtype.size_bytes();
+        let mut device = self.alloc::<u8>(len * width).map_err(cuda)?;
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         if staging.is_none() {
             // SAFETY: the buffers are written before any copy reads them.
             let buffer = || unsafe { self.ctx.alloc_pinned::<u8>(STAGE_BYTES) };
+            let page_locked = "allocating page-locked host memory";
             *staging = Some(Staging {
                 buffers: [
-                    buffer().ctx("allocating page-locked host memory")?,
-                    buffer().ctx("allocating page-locked host memory")?,
+                    buffer().ctx(page_locked).map_err(cuda)?,
+                    buffer().ctx(page_locked).map_err(cuda)?,
                 ],
                 emptied: [None, None],
             });
         }
         let staging = staging.as_mut().expect("made above");
+        let part_len = STAGE_BYTES / width;
         let (base, guard) = device.device_ptr_mut(&self.stream);
-        for (i, piece) in host.chunks(STAGE_BYTES).enumerate() {
-            let which = i % 2;
-            if let Some(copy) = staging.emptied[which].take() {
-                copy.synchronize().ctx("cuEventSynchronize")?;
+        let mut copy_parts = || -> Result<(), E> {
+            for (i, first) in (0..len).step_by(part_len).enumerate() {
+                let which = i % 2;
+                if let Some(copy) = staging.emptied[which].take() {
+                    copy.synchronize().ctx("cuEventSynchronize").map_err(cuda)?;
+                }
+                let buffer = staging.buffers[which]
+                    .as_mut_slice()
+                    .ctx("cuEventSynchronize")
+                    .map_err(cuda)?;
+                let bytes = &mut buffer[..part_len.min(len - first) * width];
+                let part = TypedSliceMut::from_bytes_mut(dtype, bytes)
+                    .expect("page-locked memory is page-aligned and parts are whole elements");
+                fill(first, part)?;
+                let at = base + (first * width) as u64;
+                // SAFETY: `at..at + bytes.len()` lies inside `device`, and the buffer is not
+                // written again before the event recorded after this copy has completed.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(at, &*bytes, self.stream.cu_stream())
+                }
+                .ctx("cuMemcpyHtoDAsync")
+                .map_err(cuda)?;
+                let copied = self.stream.record_event(None).ctx("cuEventRecord");
+                staging.emptied[which] = Some(copied.map_err(cuda)?);
             }
-            let buffer = staging.buffers[which]
-                .as_mut_slice()
-                .ctx("cuEventSynchronize")?;
-            let buffer = &mut buffer[..piece.len()];
-            buffer
-                .par_chunks_mut(FILL_TASK_BYTES)
-                .zip(piece.par_chunks(FILL_TASK_BYTES))
-                .for_each(|(to, from)| to.copy_from_slice(from));
-            let at = base + (i * STAGE_BYTES) as u64;
-            // SAFETY: `at..at + piece.len()` lies inside `device`, and the buffer is not
-            // written again before the event recorded after this copy has completed.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(at, buffer, self.stream.cu_stream())
-            }
-            .ctx("cuMemcpyHtoDAsync")?;
-            staging.emptied[which] = Some(self.stream.record_event(None).ctx("cuEventRecord")?);
-        }
-        self.stream.synchronize().ctx("cuStreamSynchronize")?;
+            Ok(())
+        };
+        let copied = copy_parts();
+        // The copies queued read the staging buffers and write `device`: both outlive them.
+        let landed = self.stream.synchronize().ctx("cuStreamSynchronize");
         staging.emptied = [None, None];
         drop(guard);
+        copied?;
+        landed.map_err(cuda)?;
         Ok(device)
     }
 }

@@ -16,7 +16,7 @@
 use crate::merge::MergeOps;
 use crate::{EngineError, Result};
 use canopy_core::data::{hash_uniform, KV_AMPLITUDE, STREAM_K, STREAM_V};
-use canopy_core::{AttnShape, DType, TypedVec};
+use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use rayon::prelude::*;
 
 /// Consecutive positions whose keys and values go to consecutive slots of a KV cache
@@ -113,11 +113,26 @@ pub trait LayerOps: MergeOps {
     /// ratios and memory, all checked here and nowhere else.
     fn check_model(&self, needs: &ModelNeeds) -> Result<()>;
 
-    /// Uploads a `rows × cols` weight, keeping its dtype. `data` is borrowed: a model's upload
-    /// reads every weight into a few host buffers it reuses. Weights uploaded through one
+    /// Uploads a `rows × cols` weight, keeping its dtype. Weights uploaded through one
     /// backend serve every backend on the same device (ranks sharing a GPU share them), once
     /// the upload has finished.
     fn upload_weight(&self, data: &TypedVec, rows: usize, cols: usize) -> Result<Self::Weight>;
+    /// Uploads a `rows × cols` weight of `dtype` whose elements `fill` writes a part at a
+    /// time: `fill(first, part)` writes elements `first..first + part.len()`, row-major. The
+    /// parts cover the weight in order, each written before the next is asked for, so a
+    /// GPU can have `fill` write into the page-locked memory it copies from, and copy one
+    /// part while the next is read: a model's weights then cross the host's memory once.
+    /// Provided: the whole weight as one part, through [`LayerOps::upload_weight`].
+    fn upload_weight_with<E: From<EngineError>>(
+        &self,
+        dtype: DType,
+        (rows, cols): (usize, usize),
+        fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
+    ) -> Result<Self::Weight, E> {
+        let mut data = TypedVec::zeros(dtype, rows * cols);
+        fill(0, data.slice_mut(0..rows * cols))?;
+        Ok(self.upload_weight(&data, rows, cols)?)
+    }
     /// A zeroed `rows × cols` activation.
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// A `rows × cols` activation for an op to write in full as its output; what it holds

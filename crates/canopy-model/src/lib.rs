@@ -51,7 +51,7 @@ pub use presets::{preset, PRESETS};
 pub use quant::GgmlType;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::{
-    check_buffer, progress_bar, HostTensor, LayerPart, WeightId, WeightSource, Weights,
+    check_part, progress_bar, HostTensor, LayerPart, WeightId, WeightSource, Weights,
 };
 
 /// A model opened on disk, ready to be uploaded to a backend.

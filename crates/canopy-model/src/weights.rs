@@ -184,10 +184,12 @@ pub trait WeightSource: Send + Sync {
     fn has_lm_head(&self) -> bool;
     /// The dtype every weight is read as.
     fn dtype(&self) -> DType;
-    /// Writes weight `id`, row-major in its [`WeightId::matrix_shape`], into `out`: exactly
-    /// its elements, in [`WeightSource::dtype`]. An upload reuses its buffers, and stacks the
-    /// weights that share an input into one. Called from any thread.
-    fn read_into(&self, id: WeightId, out: TypedSliceMut) -> Result<()>;
+    /// Writes elements `first..first + out.len()` of weight `id`, row-major in its
+    /// [`WeightId::matrix_shape`] and in [`WeightSource::dtype`], into `out`. An upload reads
+    /// each weight a part at a time, straight into the memory the device copies from, and
+    /// stacks the weights that share an input into one; a part may start and end anywhere.
+    /// Called from any thread.
+    fn read_part(&self, id: WeightId, first: usize, out: TypedSliceMut) -> Result<()>;
     /// A hint that weight `id` is read soon: a file starts coming in from the disk while the
     /// weights before it are read, so a cold read waits on the disk's rate rather than on one
     /// page fault at a time. Does nothing by default.
@@ -217,8 +219,9 @@ pub(crate) struct TensorFile<'a> {
     pub path: &'a Path,
 }
 
-/// Bytes a thread reads from a file at once in [`TensorFile::read_span`].
-const READ_PIECE_BYTES: usize = 4 << 20;
+/// Bytes a thread reads from a file at once in [`TensorFile::read_span`]: an upload's part
+/// (tens of megabytes) is then read by every core, with as many requests in flight.
+const READ_PIECE_BYTES: usize = 1 << 20;
 
 impl TensorFile<'_> {
     /// Where `bytes`, a part of the mapping, start in the file.
@@ -348,7 +351,7 @@ impl Weights {
     pub fn tensor(&self, id: WeightId) -> Result<HostTensor> {
         let (rows, cols) = id.matrix_shape(&self.config);
         let mut data = TypedVec::zeros(self.dtype, rows * cols);
-        self.read_into(id, data.slice_mut(0..rows * cols))?;
+        self.read_part(id, 0, data.slice_mut(0..rows * cols))?;
         Ok(HostTensor {
             shape: id.file_shape(&self.config),
             data,
@@ -374,7 +377,7 @@ impl WeightSource for Weights {
         }
     }
 
-    fn read_into(&self, id: WeightId, mut out: TypedSliceMut) -> Result<()> {
+    fn read_part(&self, id: WeightId, first: usize, mut out: TypedSliceMut) -> Result<()> {
         let name = (self.layout.name)(id);
         if id == WeightId::LmHead && self.config.tie_word_embeddings {
             return Err(ModelError::MissingTensor {
@@ -384,7 +387,7 @@ impl WeightSource for Weights {
         }
         let (stored, bytes) = self.source.stored(&name)?;
         let (rows, cols) = id.matrix_shape(&self.config);
-        check_buffer(id, rows * cols, self.dtype, &out)?;
+        check_part(id, rows * cols, first, self.dtype, &out)?;
         let unsupported = || ModelError::UnsupportedQuantization {
             ggml_type: stored.name(),
             tensor: name.clone(),
@@ -395,33 +398,72 @@ impl WeightSource for Weights {
             _ => 0,
         };
         if self.layout.qk_rows_permuted && heads > 0 {
-            // llama.cpp's rows are put back in HF order through a copy of this one matrix.
-            let mut permuted = TypedVec::zeros(self.dtype, rows * cols);
-            quant::dequantize_into(stored, bytes, permuted.slice_mut(0..rows * cols))
+            read_rows_unpermuted(stored, bytes, (rows, cols), heads, first, out)
                 .ok_or_else(unsupported)?;
-            gather_rows(&permuted, cols, &stored_row_of_hf_row(rows, heads), out);
         } else if let Some(file) = self
             .source
             .file_of(&name)
             .filter(|_| quant::copies_bit_for_bit(stored, self.dtype))
         {
-            file.read_span(bytes, out.as_bytes_mut())?;
+            let width = self.dtype.size_bytes();
+            let span = &bytes[first * width..(first + out.len()) * width];
+            file.read_span(span, out.as_bytes_mut())?;
         } else {
-            quant::dequantize_into(stored, bytes, out).ok_or_else(unsupported)?;
+            quant::dequantize_part(stored, bytes, first, out).ok_or_else(unsupported)?;
         }
         Ok(())
     }
 }
 
-/// Refuses a buffer that is not `len` elements of `dtype`: what [`WeightSource::read_into`]
-/// must be given for weight `id`.
-pub fn check_buffer(id: WeightId, len: usize, dtype: DType, out: &TypedSliceMut) -> Result<()> {
-    if out.dtype() == dtype && out.len() == len {
+/// Elements `first..first + out.len()` of a Q or K weight of `heads` heads in HF row order,
+/// from `bytes`, its rows as llama.cpp stores them (whole blocks of `stored` each). The rows
+/// are decoded in parallel, each from its stored row straight into its place in `out`.
+fn read_rows_unpermuted(
+    stored: GgmlType,
+    bytes: &[u8],
+    (rows, cols): (usize, usize),
+    heads: usize,
+    first: usize,
+    out: TypedSliceMut,
+) -> Option<()> {
+    use rayon::prelude::*;
+    if out.is_empty() {
+        return Some(());
+    }
+    let order = stored_row_of_hf_row(rows, heads);
+    let row_bytes = bytes.len() / rows;
+    let end = first + out.len();
+    // Each HF row's part of `out`: where it starts in the row, and the elements.
+    let mut pieces = Vec::new();
+    let mut rest = out;
+    for row in first / cols..end.div_ceil(cols) {
+        let from = first.max(row * cols);
+        let to = end.min((row + 1) * cols);
+        let (piece, after) = rest.split_at_mut(to - from);
+        pieces.push((row, from - row * cols, piece));
+        rest = after;
+    }
+    pieces.into_par_iter().try_for_each(|(row, within, piece)| {
+        let stored_row = &bytes[order[row] * row_bytes..(order[row] + 1) * row_bytes];
+        quant::dequantize_part(stored, stored_row, within, piece)
+    })
+}
+
+/// Refuses a part that is not of `dtype`, or that ends past weight `id`'s `len` elements:
+/// what [`WeightSource::read_part`] may be given.
+pub fn check_part(
+    id: WeightId,
+    len: usize,
+    first: usize,
+    dtype: DType,
+    out: &TypedSliceMut,
+) -> Result<()> {
+    if out.dtype() == dtype && first.checked_add(out.len()).is_some_and(|end| end <= len) {
         return Ok(());
     }
     Err(ModelError::BufferMismatch {
         tensor: id.name(),
-        needed: format!("{len} elements of {dtype}"),
+        needed: format!("at most {len} elements of {dtype}, from element {first}"),
         given: format!("{} elements of {}", out.len(), out.dtype()),
     })
 }
@@ -458,35 +500,9 @@ fn stored_row_of_hf_row(rows: usize, n_head: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Writes row `order[r]` of `data` as row `r` of `out` (same dtype, as many rows as `order`).
-fn gather_rows(data: &TypedVec, cols: usize, order: &[usize], out: TypedSliceMut) {
-    fn gather<T: Copy>(src: &[T], cols: usize, order: &[usize], out: &mut [T]) {
-        for (to, &row) in out.chunks_exact_mut(cols).zip(order) {
-            to.copy_from_slice(&src[row * cols..(row + 1) * cols]);
-        }
-    }
-    match (data, out) {
-        (TypedVec::F32(v), TypedSliceMut::F32(o)) => gather(v, cols, order, o),
-        (TypedVec::F16(v), TypedSliceMut::F16(o)) => gather(v, cols, order, o),
-        (TypedVec::Bf16(v), TypedSliceMut::Bf16(o)) => gather(v, cols, order, o),
-        _ => unreachable!("one dtype: both made from the weights' dtype"),
-    }
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-
-    /// Undoes llama.cpp's row permutation of a Q or K weight (`n_head` heads; for K the
-    /// key-value head count), so the tensor equals transformers' own.
-    fn unpermute_rows(tensor: &mut HostTensor, n_head: usize) {
-        let rows = tensor.shape[0];
-        let cols = tensor.len() / rows.max(1);
-        let order = stored_row_of_hf_row(rows, n_head);
-        let mut hf = TypedVec::zeros(tensor.dtype(), tensor.len());
-        gather_rows(&tensor.data, cols, &order, hf.slice_mut(0..tensor.len()));
-        tensor.data = hf;
-    }
 
     /// llama.cpp's `permute`, written from its description: rows reshaped to
     /// `[n_head, 2, head_dim / 2]`, axes 1 and 2 swapped.
@@ -504,23 +520,31 @@ pub(crate) mod tests {
         out
     }
 
-    fn tensor_of(rows: &[Vec<f32>]) -> HostTensor {
-        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
-        HostTensor {
-            shape: vec![rows.len(), rows[0].len()],
-            data: TypedVec::F32(flat),
-        }
-    }
-
+    /// Reading a permuted matrix's rows back, whole or in parts that start and end inside
+    /// rows, gives transformers' order.
     #[test]
-    fn unpermute_inverts_llama_cpp_permute() {
-        for (n_head, head_dim) in [(1, 2), (3, 4), (2, 8), (9, 64)] {
+    fn unpermuted_reads_invert_llama_cpp_permute() {
+        for (n_head, head_dim, cols) in [(1, 2, 2), (3, 4, 3), (2, 8, 5), (9, 64, 2)] {
             let rows: Vec<Vec<f32>> = (0..n_head * head_dim)
-                .map(|r| vec![r as f32, -(r as f32)])
+                .map(|r| (0..cols).map(|c| (r * cols + c) as f32).collect())
                 .collect();
-            let mut tensor = tensor_of(&llama_cpp_permute(&rows, n_head));
-            unpermute_rows(&mut tensor, n_head);
-            assert_eq!(tensor, tensor_of(&rows), "{n_head} heads of {head_dim}");
+            let stored: Vec<u8> = llama_cpp_permute(&rows, n_head)
+                .iter()
+                .flatten()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            let hf: Vec<f32> = rows.iter().flatten().copied().collect();
+            let shape = (rows.len(), cols);
+            for (first, n) in [(0, hf.len()), (1, hf.len() - 2), (cols - 1, cols), (3, 0)] {
+                let mut out = TypedVec::zeros(DType::F32, n);
+                let part = out.slice_mut(0..n);
+                read_rows_unpermuted(GgmlType::F32, &stored, shape, n_head, first, part).unwrap();
+                assert_eq!(
+                    out.to_f32_vec(),
+                    hf[first..first + n],
+                    "{n_head} heads of {head_dim}, {n} from {first}"
+                );
+            }
         }
     }
 

@@ -474,6 +474,46 @@ fn gguf_and_safetensors_load_identical_weights() {
     }
 }
 
+/// Any part of a weight reads as the same elements of the whole: parts that start and end
+/// inside quantization blocks and rows, from both formats, in f32 and bf16. A part that
+/// runs past the weight's end is refused.
+#[test]
+fn parts_of_weights_read_as_the_whole() {
+    let fixture = fixture(false);
+    for path in [&fixture.gguf, &fixture.hf] {
+        for dtype in [DType::F32, DType::Bf16] {
+            let model = Model::load(path, dtype).unwrap();
+            for id in WeightId::all(&model.config) {
+                let whole = model.weights.tensor(id).unwrap().data;
+                let len = whole.len();
+                let parts = [
+                    (0, len),
+                    (1, len - 1),
+                    (len / 3, len / 2),
+                    (17, 33),
+                    (len - 1, 1),
+                    (len, 0),
+                ];
+                for (first, n) in parts {
+                    let mut part = TypedVec::zeros(dtype, n);
+                    model
+                        .weights
+                        .read_part(id, first, part.slice_mut(0..n))
+                        .unwrap();
+                    let at = format!("{} from {path:?}, {n} from {first}", id.name());
+                    assert_eq!(part, whole.slice(first..first + n), "{at}");
+                }
+                let mut over = TypedVec::zeros(dtype, 2);
+                let err = model
+                    .weights
+                    .read_part(id, len - 1, over.slice_mut(0..2))
+                    .unwrap_err();
+                assert!(matches!(err, ModelError::BufferMismatch { .. }), "{err}");
+            }
+        }
+    }
+}
+
 #[test]
 fn bf16_loading_converts_every_tensor() {
     let fixture = fixture(false);

@@ -8,7 +8,7 @@
 //! stream orders its work.
 
 use crate::Result;
-use canopy_core::{AttnShape, DType, TypedVec};
+use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use canopy_engine::{LayerOps, ModelNeeds};
 use canopy_model::{LayerPart, LlamaConfig, WeightId, WeightSource};
 use std::time::Instant;
@@ -96,24 +96,35 @@ fn upload_groups(config: &LlamaConfig, with_lm_head: bool) -> Vec<Vec<WeightId>>
     groups
 }
 
-/// Reads `ids` (weights that share their columns) from `weights` into `buffer`, their rows
-/// stacked in order; returns the stack's `(rows, cols)`.
-fn read_group(
+/// The `(rows, cols)` of `ids` (weights that share their columns) stacked in order.
+fn stack_shape(config: &LlamaConfig, ids: &[WeightId]) -> (usize, usize) {
+    let shapes = ids.iter().map(|id| id.matrix_shape(config));
+    let rows = shapes.clone().map(|(r, _)| r).sum();
+    (rows, shapes.map(|(_, c)| c).next().unwrap_or(0))
+}
+
+/// Writes elements `first..first + out.len()` of the stack of `ids` (their rows in order)
+/// from `weights` into `out`: the part of each weight that the range covers.
+fn read_stack_part(
     weights: &dyn WeightSource,
     config: &LlamaConfig,
     ids: &[WeightId],
-    buffer: &mut TypedVec,
-) -> Result<(usize, usize)> {
-    let shapes: Vec<(usize, usize)> = ids.iter().map(|id| id.matrix_shape(config)).collect();
-    let rows = shapes.iter().map(|&(r, _)| r).sum();
-    let cols = shapes.first().map_or(0, |&(_, c)| c);
-    buffer.resize(weights.dtype(), rows * cols);
-    let mut at = 0;
-    for (&id, &(r, c)) in ids.iter().zip(&shapes) {
-        weights.read_into(id, buffer.slice_mut(at..at + r * c))?;
-        at += r * c;
+    first: usize,
+    out: TypedSliceMut,
+) -> Result<()> {
+    let end = first + out.len();
+    let (mut rest, mut start) = (out, 0);
+    for &id in ids {
+        let (rows, cols) = id.matrix_shape(config);
+        let (from, to) = (first.max(start), end.min(start + rows * cols));
+        if from < to {
+            let (part, after) = rest.split_at_mut(to - from);
+            weights.read_part(id, from - start, part)?;
+            rest = after;
+        }
+        start += rows * cols;
     }
-    Ok((rows, cols))
+    Ok(())
 }
 
 /// Bytes (in the compute dtype) of the groups after the one being read that the reader has
@@ -175,15 +186,11 @@ impl<'a> Prefetcher<'a> {
     }
 }
 
-/// Groups the reader may have read ahead of the upload: one waits while the next is read, so
-/// about three buffers circulate between the reader and the upload (an 8B model's largest
-/// group, gate|up, is 235 MB in bf16), each reused, so the host's pages are faulted in once.
-const GROUPS_AHEAD: usize = 1;
-
 impl<B: LayerOps> ModelLayers<B> {
-    /// Uploads `config`'s model through `backend`, each weight read from `weights` as its
-    /// upload nears: a thread reads (converts, dequantizes or draws) the next matrix while
-    /// this one is copied. `on_layer` is called after each layer, for progress.
+    /// Uploads `config`'s model through `backend`, each weight read from `weights` a part at
+    /// a time, straight into the memory the backend copies from
+    /// ([`LayerOps::upload_weight_with`]), while the disk reads ahead
+    /// ([`WeightSource::prefetch`]). `on_layer` is called after each layer, for progress.
     pub fn upload(
         backend: &B,
         config: &LlamaConfig,
@@ -194,39 +201,22 @@ impl<B: LayerOps> ModelLayers<B> {
         let with_lm_head = weights.has_lm_head();
         let groups = upload_groups(config, with_lm_head);
         let started = Instant::now();
-        let (mut read_s, mut upload_s, mut bytes) = (0.0, 0.0, 0usize);
-        let layers = std::thread::scope(|scope| -> Result<ModelLayers<B>> {
-            let (sender, matrices) = std::sync::mpsc::sync_channel(GROUPS_AHEAD);
-            let (give_back, spent) = std::sync::mpsc::channel::<TypedVec>();
-            let groups = &groups;
-            scope.spawn(move || {
-                let mut prefetcher = Prefetcher::new(weights, config, groups, PREFETCH_BYTES);
-                for (i, ids) in groups.iter().enumerate() {
-                    let t0 = Instant::now();
-                    prefetcher.ahead_of(i);
-                    let mut buffer = spent.try_recv().unwrap_or(TypedVec::F32(Vec::new()));
-                    let matrix = read_group(weights, config, ids, &mut buffer)
-                        .map(|(rows, cols)| (buffer, rows, cols));
-                    let failed = matrix.is_err();
-                    // The uploader has stopped when the send fails: so does the reader.
-                    if sender.send((matrix, t0.elapsed())).is_err() || failed {
-                        break;
-                    }
-                }
-            });
+        let (mut read_s, mut bytes) = (0.0, 0usize);
+        let layers = {
+            let mut prefetcher = Prefetcher::new(weights, config, &groups, PREFETCH_BYTES);
+            let mut group = 0;
             let mut next = || -> Result<B::Weight> {
-                let (matrix, reading) = matrices
-                    .recv()
-                    .expect("the reader sends every group or an error first");
-                let (data, rows, cols) = matrix?;
-                read_s += reading.as_secs_f64();
-                bytes += data.as_bytes().len();
-                let t0 = Instant::now();
-                let weight = backend.upload_weight(&data, rows, cols)?;
-                upload_s += t0.elapsed().as_secs_f64();
-                // The reader has finished when this fails, and needs no buffer.
-                let _ = give_back.send(data);
-                Ok(weight)
+                prefetcher.ahead_of(group);
+                let ids = &groups[group];
+                group += 1;
+                let shape = stack_shape(config, ids);
+                bytes += shape.0 * shape.1 * weights.dtype().size_bytes();
+                backend.upload_weight_with(weights.dtype(), shape, &mut |first, part| {
+                    let t0 = Instant::now();
+                    let read = read_stack_part(weights, config, ids, first, part);
+                    read_s += t0.elapsed().as_secs_f64();
+                    read
+                })
             };
             let mut layers = Vec::with_capacity(config.num_hidden_layers);
             for l in 0..config.num_hidden_layers {
@@ -249,15 +239,15 @@ impl<B: LayerOps> ModelLayers<B> {
                 .map(|f| f as f32)
                 .collect();
             let half = inv_freq.len();
-            Ok(ModelLayers {
+            ModelLayers {
                 config: config.clone(),
                 embed,
                 lm_head,
                 norm,
                 layers,
                 inv_freq: backend.upload_weight(&TypedVec::F32(inv_freq), 1, half)?,
-            })
-        })?;
+            }
+        };
         let seconds = started.elapsed().as_secs_f64();
         tracing::info!(
             backend = backend.name(),
@@ -265,7 +255,6 @@ impl<B: LayerOps> ModelLayers<B> {
             seconds,
             gb_per_s = bytes as f64 / 1e9 / seconds,
             read_s,
-            upload_s,
             "weights uploaded"
         );
         Ok(layers)
@@ -572,7 +561,12 @@ pub(crate) mod tests {
             self.weights.dtype()
         }
 
-        fn read_into(&self, id: WeightId, out: TypedSliceMut) -> canopy_model::Result<()> {
+        fn read_part(
+            &self,
+            id: WeightId,
+            first: usize,
+            out: TypedSliceMut,
+        ) -> canopy_model::Result<()> {
             self.reads
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if Some(id) == self.fails {
@@ -581,7 +575,7 @@ pub(crate) mod tests {
                     tensor: id.name(),
                 });
             }
-            self.weights.read_into(id, out)
+            self.weights.read_part(id, first, out)
         }
 
         fn prefetch(&self, id: WeightId) {
@@ -602,25 +596,34 @@ pub(crate) mod tests {
         assert_eq!(weights.reads.into_inner(), 12);
     }
 
-    /// Weights read into reused buffers of other sizes and dtypes come out as read alone.
+    /// A stack read in parts of any size, which cross the weights' boundaries, holds each
+    /// weight as read alone.
     #[test]
-    fn reused_buffers_hold_each_weight_as_read_alone() {
+    fn stacks_read_in_parts_hold_each_weight_as_read_alone() {
         let config = tiny(false);
-        let f32s = RandomWeights::new(&config, DType::F32, 3);
-        let bf16s = RandomWeights::new(&config, DType::Bf16, 3);
-        let mut buffer = TypedVec::F32(Vec::new());
-        for ids in upload_groups(&config, true) {
-            for weights in [&bf16s, &f32s] {
-                let (rows, cols) = read_group(weights, &config, &ids, &mut buffer).unwrap();
+        for dtype in [DType::Bf16, DType::F32] {
+            let weights = RandomWeights::new(&config, dtype, 3);
+            for ids in upload_groups(&config, true) {
                 let mut alone = Vec::new();
                 for &id in &ids {
                     let (r, c) = id.matrix_shape(&config);
-                    let mut one = TypedVec::zeros(weights.dtype(), r * c);
-                    weights.read_into(id, one.slice_mut(0..r * c)).unwrap();
+                    let mut one = TypedVec::zeros(dtype, r * c);
+                    weights.read_part(id, 0, one.slice_mut(0..r * c)).unwrap();
                     alone.extend(one.to_f32_vec());
                 }
-                assert_eq!(buffer.dtype(), weights.dtype());
-                assert_eq!((rows * cols, buffer.to_f32_vec()), (alone.len(), alone));
+                let (rows, cols) = stack_shape(&config, &ids);
+                assert_eq!(rows * cols, alone.len());
+                for part_len in [1, 7, 1000, alone.len()] {
+                    let mut stack = TypedVec::zeros(dtype, alone.len());
+                    let mut first = 0;
+                    while first < alone.len() {
+                        let n = part_len.min(alone.len() - first);
+                        let part = stack.slice_mut(first..first + n);
+                        read_stack_part(&weights, &config, &ids, first, part).unwrap();
+                        first += n;
+                    }
+                    assert_eq!(stack.to_f32_vec(), alone, "{ids:?} in parts of {part_len}");
+                }
             }
         }
     }

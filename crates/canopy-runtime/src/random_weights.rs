@@ -7,7 +7,7 @@
 
 use canopy_core::data::splitmix64;
 use canopy_core::{DType, TypedSliceMut};
-use canopy_model::{check_buffer, LlamaConfig, ModelError, WeightId, WeightSource};
+use canopy_model::{check_part, LlamaConfig, ModelError, WeightId, WeightSource};
 use rayon::prelude::*;
 
 /// Random weights of one model's shapes.
@@ -38,16 +38,21 @@ impl WeightSource for RandomWeights {
         self.dtype
     }
 
-    fn read_into(&self, id: WeightId, mut out: TypedSliceMut) -> Result<(), ModelError> {
+    fn read_part(
+        &self,
+        id: WeightId,
+        first: usize,
+        mut out: TypedSliceMut,
+    ) -> Result<(), ModelError> {
         let (rows, cols) = id.matrix_shape(&self.config);
-        check_buffer(id, rows * cols, self.dtype, &out)?;
+        check_part(id, rows * cols, first, self.dtype, &out)?;
         let key = splitmix64(splitmix64(self.seed) ^ id.ordinal());
         let (center, half_width) = if id.is_norm() {
             (1.0, NORM_HALF_WIDTH)
         } else {
             (0.0, MATRIX_HALF_WIDTH)
         };
-        random_values(&mut out, key, center, half_width);
+        random_values(&mut out, first, key, center, half_width);
         Ok(())
     }
 }
@@ -62,24 +67,26 @@ const NORM_HALF_WIDTH: f32 = 0.1;
 /// spread one matrix over every core.
 const RANDOM_CHUNK: usize = 1 << 16;
 
-/// `out` filled with values of `center ± half_width` (uniform), elements `2j` and `2j + 1`
-/// from the two halves of one hash of `(key, j)`, so any element can be regenerated alone and
-/// the result does not depend on the number of threads.
-fn random_values(out: &mut TypedSliceMut, key: u64, center: f32, half_width: f32) {
+/// `out`, elements `first..first + out.len()` of a weight, filled with values of
+/// `center ± half_width` (uniform), elements `2j` and `2j + 1` from the two halves of one
+/// hash of `(key, j)`, so any element can be regenerated alone and the result depends neither
+/// on the number of threads nor on how the weight is cut into parts.
+fn random_values(out: &mut TypedSliceMut, first: usize, key: u64, center: f32, half_width: f32) {
     match out {
-        TypedSliceMut::F32(v) => fill_random(v, key, center, half_width, |x| x),
-        TypedSliceMut::F16(v) => {
-            fill_random(v, key, center, half_width, |x| bytemuck::cast(f16_bits(x)))
-        }
-        TypedSliceMut::Bf16(v) => {
-            fill_random(v, key, center, half_width, |x| bytemuck::cast(bf16_bits(x)))
-        }
+        TypedSliceMut::F32(v) => fill_random(v, first, key, center, half_width, |x| x),
+        TypedSliceMut::F16(v) => fill_random(v, first, key, center, half_width, |x| {
+            bytemuck::cast(f16_bits(x))
+        }),
+        TypedSliceMut::Bf16(v) => fill_random(v, first, key, center, half_width, |x| {
+            bytemuck::cast(bf16_bits(x))
+        }),
     }
 }
 
 /// [`random_values`] with each value stored by `convert`.
 fn fill_random<T: bytemuck::Pod + Send>(
     out: &mut [T],
+    first: usize,
     key: u64,
     center: f32,
     half_width: f32,
@@ -89,13 +96,18 @@ fn fill_random<T: bytemuck::Pod + Send>(
     let scale = half_width / (1u32 << 23) as f32;
     let value =
         |half: u32| convert(center + (((half >> 8) as i32 - (1 << 23)) as f32 + 0.5) * scale);
+    // An odd first element is the low half of its pair; the rest then starts a pair.
+    let (lead, out) = out.split_at_mut((first % 2).min(out.len()));
+    if let [x] = lead {
+        *x = value(splitmix64(key ^ (first / 2) as u64) as u32);
+    }
+    let first_pair = first.div_ceil(2);
     out.par_chunks_mut(RANDOM_CHUNK)
         .enumerate()
         .for_each(|(c, chunk)| {
             // Chunks hold an even number of elements, so pair `j` never straddles two.
             let mut pairs = chunk.chunks_exact_mut(2);
-            let first = (c * RANDOM_CHUNK / 2) as u64;
-            let mut j = first;
+            let mut j = (first_pair + c * RANDOM_CHUNK / 2) as u64;
             for pair in &mut pairs {
                 let h = splitmix64(key ^ j);
                 pair[0] = value((h >> 32) as u32);
@@ -148,7 +160,7 @@ mod tests {
     /// [`random_values`] into a new buffer.
     fn drawn(dtype: DType, len: usize, key: u64, center: f32, half_width: f32) -> TypedVec {
         let mut out = TypedVec::zeros(dtype, len);
-        random_values(&mut out.slice_mut(0..len), key, center, half_width);
+        random_values(&mut out.slice_mut(0..len), 0, key, center, half_width);
         out
     }
 
@@ -167,6 +179,29 @@ mod tests {
             let rounded = drawn(dtype, n, 3, 0.0, MATRIX_HALF_WIDTH).to_f32_vec();
             let want: Vec<f32> = values.iter().map(|&x| dtype.round(x)).collect();
             assert_eq!(rounded, want, "{dtype}");
+        }
+    }
+
+    /// A part of a weight, even or odd at either end, holds the whole's elements.
+    #[test]
+    fn parts_draw_the_wholes_elements() {
+        let len = 2 * RANDOM_CHUNK + 7;
+        for dtype in DType::ALL {
+            let whole = drawn(dtype, len, 9, 0.0, MATRIX_HALF_WIDTH);
+            for (first, n) in [
+                (1, len - 1),
+                (2, 5),
+                (RANDOM_CHUNK - 1, RANDOM_CHUNK + 3),
+                (7, 0),
+            ] {
+                let mut part = TypedVec::zeros(dtype, n);
+                random_values(&mut part.slice_mut(0..n), first, 9, 0.0, MATRIX_HALF_WIDTH);
+                assert_eq!(
+                    part,
+                    whole.slice(first..first + n),
+                    "{dtype}, {n} from {first}"
+                );
+            }
         }
     }
 
