@@ -441,16 +441,18 @@ impl LayerOps for CudaBackend {
             rows * cols,
         )?;
         let (bytes, width) = (data.as_bytes(), data.dtype().size_bytes());
-        self.upload_weight_with(data.dtype(), (rows, cols), &mut |first, mut part| {
-            let to = part.as_bytes_mut();
-            to.copy_from_slice(&bytes[first * width..first * width + to.len()]);
-            Ok::<(), EngineError>(())
-        })
+        let weight =
+            self.upload_weight_with(data.dtype(), (rows, cols), &mut |first, mut part| {
+                let to = part.as_bytes_mut();
+                to.copy_from_slice(&bytes[first * width..first * width + to.len()]);
+                Ok::<(), EngineError>(())
+            })?;
+        self.finish_uploads()?;
+        Ok(weight)
     }
 
     /// `fill` writes each part into a page-locked buffer that is then copied, while `fill`
-    /// writes the next into the other; returns once the copy has landed, as
-    /// [`LayerOps::upload_weight`] does.
+    /// writes the next into the other.
     fn upload_weight_with<E: From<EngineError>>(
         &self,
         dtype: DType,
@@ -463,6 +465,10 @@ impl LayerOps for CudaBackend {
             rows,
             cols,
         })
+    }
+
+    fn finish_uploads(&self) -> EResult<()> {
+        Ok(CudaBackend::finish_uploads(self)?)
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> EResult<CudaTensor> {

@@ -29,9 +29,11 @@ pub(crate) struct Staging {
 impl CudaBackend {
     /// A device buffer of `len` elements of `dtype` that `fill` writes a part at a time
     /// ([`canopy_engine::LayerOps::upload_weight_with`]), each part into a staging buffer
-    /// that is copied to the device while `fill` writes the next. Returns once every byte has
-    /// landed; an error from `fill` is returned as it is, once the copies already queued
-    /// have ended.
+    /// that is copied to the device while `fill` writes the next. Returns once the last part
+    /// is queued, so that the next weight's first part is read while this one's last is
+    /// copied: the buffer is ready in this backend's stream order, and on other streams after
+    /// [`CudaBackend::finish_uploads`]. An error from `fill` is returned as it is, once the
+    /// copies already queued have ended.
     pub(crate) fn upload_filled<E: From<EngineError>>(
         &self,
         dtype: DType,
@@ -86,13 +88,22 @@ impl CudaBackend {
             }
             Ok(())
         };
-        let copied = copy_parts();
-        // The copies queued read the staging buffers and write `device`: both outlive them.
-        let landed = self.stream.synchronize().ctx("cuStreamSynchronize");
-        staging.emptied = [None, None];
+        if let Err(e) = copy_parts() {
+            // `device` is freed on return: the copies into it end first.
+            let _ = self.stream.synchronize();
+            return Err(e);
+        }
         drop(guard);
-        copied?;
-        landed.map_err(cuda)?;
         Ok(device)
+    }
+
+    /// Waits for every copy [`CudaBackend::upload_filled`] has queued.
+    pub(crate) fn finish_uploads(&self) -> crate::error::Result<()> {
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        self.stream.synchronize().ctx("cuStreamSynchronize")?;
+        if let Some(staging) = staging.as_mut() {
+            staging.emptied = [None, None];
+        }
+        Ok(())
     }
 }

@@ -1,8 +1,8 @@
 //! Weights larger than the upload's page-locked staging buffers land whole: every row of an
 //! embedding table that spans several buffers (and ends inside one) is read back by the
 //! embedding lookup, bit for bit, in every dtype, whether the upload copies a host vector or
-//! asks its reader for the parts. A reader's error comes back as it was, and the next upload
-//! works.
+//! asks its reader for the parts (then read on another backend's stream once the uploads have
+//! finished). A reader's error comes back as it was, and the next upload works.
 //!
 //! Without a GPU every test prints why and passes. The seed is printed; `CANOPY_TEST_SEED`
 //! repeats a run.
@@ -18,7 +18,9 @@ use rand::Rng;
 #[test]
 fn a_weight_larger_than_the_staging_buffers_lands_whole() {
     let test = "a_weight_larger_than_the_staging_buffers_lands_whole";
-    let Some(b) = gpu(test) else { return };
+    let (Some(b), Some(other)) = (gpu(test), gpu(test)) else {
+        return;
+    };
     let mut rng = rng(test);
     // 100 MiB and a row in f32: three whole 32 MiB buffers and a part of a fourth, whose
     // last piece ends in the middle of a row.
@@ -43,15 +45,19 @@ fn a_weight_larger_than_the_staging_buffers_lands_whole() {
     ] {
         let data = TypedVec::from_f32(dtype, &table);
         let want_all = data.to_f32_vec();
-        let weight = if by_parts {
-            upload_by_parts(&b, &data, rows, cols)
+        // Uploaded by parts, the weight is read on another backend's stream once the uploads
+        // have finished, as a rank sharing the GPU reads it.
+        let (weight, reader) = if by_parts {
+            let weight = upload_by_parts(&b, &data, rows, cols);
+            b.finish_uploads().unwrap();
+            (weight, &other)
         } else {
-            b.upload_weight(&data, rows, cols).unwrap()
+            (b.upload_weight(&data, rows, cols).unwrap(), &b)
         };
         let poison = vec![f32::NAN; ids.len() * cols];
-        let mut out = b.upload_tensor(&poison, ids.len(), cols).unwrap();
-        b.embed(&weight, &ids, &mut out).unwrap();
-        let got = b.download_tensor(&out).unwrap();
+        let mut out = reader.upload_tensor(&poison, ids.len(), cols).unwrap();
+        reader.embed(&weight, &ids, &mut out).unwrap();
+        let got = reader.download_tensor(&out).unwrap();
         for (i, &id) in ids.iter().enumerate() {
             let row = id as usize;
             assert_eq!(

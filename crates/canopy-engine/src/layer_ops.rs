@@ -122,7 +122,9 @@ pub trait LayerOps: MergeOps {
     /// parts cover the weight in order, each written before the next is asked for, so a
     /// GPU can have `fill` write into the page-locked memory it copies from, and copy one
     /// part while the next is read: a model's weights then cross the host's memory once.
-    /// Provided: the whole weight as one part, through [`LayerOps::upload_weight`].
+    /// The copies may still be under way when this returns: this backend's own work is
+    /// ordered after them, other backends' after [`LayerOps::finish_uploads`]. Provided: the
+    /// whole weight as one part, through [`LayerOps::upload_weight`].
     fn upload_weight_with<E: From<EngineError>>(
         &self,
         dtype: DType,
@@ -132,6 +134,12 @@ pub trait LayerOps: MergeOps {
         let mut data = TypedVec::zeros(dtype, rows * cols);
         fill(0, data.slice_mut(0..rows * cols))?;
         Ok(self.upload_weight(&data, rows, cols)?)
+    }
+    /// Waits until the weights uploaded by [`LayerOps::upload_weight_with`] have landed, so
+    /// that every backend on the device (ranks sharing a GPU) may read them. Provided: nothing
+    /// to wait for.
+    fn finish_uploads(&self) -> Result<()> {
+        Ok(())
     }
     /// A zeroed `rows × cols` activation.
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;

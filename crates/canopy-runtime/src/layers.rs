@@ -190,7 +190,8 @@ impl<B: LayerOps> ModelLayers<B> {
     /// Uploads `config`'s model through `backend`, each weight read from `weights` a part at
     /// a time, straight into the memory the backend copies from
     /// ([`LayerOps::upload_weight_with`]), while the disk reads ahead
-    /// ([`WeightSource::prefetch`]). `on_layer` is called after each layer, for progress.
+    /// ([`WeightSource::prefetch`]); returns once every weight has landed. `on_layer` is
+    /// called after each layer, for progress.
     pub fn upload(
         backend: &B,
         config: &LlamaConfig,
@@ -239,6 +240,7 @@ impl<B: LayerOps> ModelLayers<B> {
                 .map(|f| f as f32)
                 .collect();
             let half = inv_freq.len();
+            backend.finish_uploads()?;
             ModelLayers {
                 config: config.clone(),
                 embed,
