@@ -3,6 +3,7 @@
 # host memory it holds, from two files written here with random weights:
 #   safetensors  a Hugging Face directory in four bf16 shards (16.06 GB), with the tiny
 #                llama3-hd128 fixture's tokenizer;
+#   f16          the same in f16 (as many older checkpoints are), which a bf16 run converts;
 #   gguf         the K-quant and Q8_0 mix of tests/fixtures/make_kquant_llama.py at the 8B
 #                shape (about 4 GB), with the fixture's sentencepiece vocabulary (needs the
 #                gguf wheel in .device/wheels).
@@ -20,19 +21,22 @@ WORK=${WORK:-/tmp/canopy-load}
 mkdir -p "$WORK"
 has() { [[ " $FILES " == *" $1 "* ]]; }
 
-if has safetensors && [ ! -f "$WORK/hf/config.json" ]; then
-  log "writing the safetensors model"
-  python3 - "$WORK/hf" <<'PY'
+for file in safetensors f16; do
+  dir=$WORK/hf dtype=bfloat16
+  [ "$file" = f16 ] && dir=$WORK/hf16 dtype=float16
+  has "$file" && [ ! -f "$dir/config.json" ] || continue
+  log "writing the $file model"
+  python3 - "$dir" "$dtype" <<'PY'
 import json, os, shutil, sys
 import torch
 from safetensors.torch import save_file
-out = sys.argv[1]
+out, dtype = sys.argv[1], sys.argv[2]
 os.makedirs(out, exist_ok=True)
 fixture = "tests/fixtures/tiny/llama3-hd128"
 config = json.load(open(f"{fixture}/config.json"))
 config.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-              vocab_size=128256, tie_word_embeddings=False, torch_dtype="bfloat16")
+              vocab_size=128256, tie_word_embeddings=False, torch_dtype=dtype)
 json.dump(config, open(f"{out}/config.json", "w"), indent=1)
 for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]:
     shutil.copy(f"{fixture}/{f}", out)
@@ -51,14 +55,14 @@ weight_map = {}
 g = torch.Generator(device="cuda").manual_seed(0)
 for i, part in enumerate(shards):
     file = f"model-{i + 1:05d}-of-00004.safetensors"
-    tensors = {n: (torch.randn(shapes[n], generator=g, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+    tensors = {n: (torch.randn(shapes[n], generator=g, device="cuda") * 0.02).to(getattr(torch, dtype)).cpu()
                for n in part}
     save_file(tensors, f"{out}/{file}", metadata={"format": "pt"})
     weight_map.update({n: file for n in part})
 json.dump({"metadata": {}, "weight_map": weight_map}, open(f"{out}/model.safetensors.index.json", "w"))
 PY
-  du -sh "$WORK/hf"
-fi
+  du -sh "$dir"
+done
 
 if has gguf && [ ! -f "$WORK/big.gguf" ]; then
   log "writing the GGUF model"
@@ -81,6 +85,7 @@ for bin in $BINS; do
   for file in $FILES; do
     model=$WORK/hf
     [ "$file" = gguf ] && model=$WORK/big.gguf
+    [ "$file" = f16 ] && model=$WORK/hf16
     for run in $(seq "$RUNS"); do
       if [ "${COLD:-0}" = 1 ]; then
         find "$model" -type f -size +1M -exec python3 -c 'import os, sys

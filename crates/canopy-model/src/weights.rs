@@ -255,6 +255,63 @@ impl TensorFile<'_> {
         }
     }
 
+    /// Elements `first..first + out.len()` of the tensor stored in `bytes` (a part of the
+    /// mapping, whole blocks of `stored`, a type canopy reads), decoded into `out`'s dtype.
+    /// The blocks are read from the file in pieces on every core, each piece decoded by the
+    /// thread that read it into a buffer of its own, so a warm read takes no page faults, as
+    /// [`TensorFile::read_span`]'s does not.
+    fn read_decoded(
+        &self,
+        stored: GgmlType,
+        bytes: &[u8],
+        first: usize,
+        out: TypedSliceMut,
+        unsupported: &(dyn Fn() -> ModelError + Sync),
+    ) -> Result<()> {
+        #[cfg(unix)]
+        {
+            use rayon::prelude::*;
+            use std::cell::RefCell;
+            use std::os::unix::fs::FileExt;
+            thread_local! {
+                static PIECE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+            }
+            let (block_elems, block_bytes) = stored.block_layout().ok_or_else(unsupported)?;
+            let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
+            let piece_elems = (READ_PIECE_BYTES / block_bytes).max(1) * block_elems;
+            let end = first + out.len();
+            // Each piece's first element, and its part of `out`.
+            let mut pieces = Vec::new();
+            let mut rest = out;
+            let mut at = first;
+            while at < end {
+                let to = end.min((at / piece_elems + 1) * piece_elems);
+                let (piece, after) = rest.split_at_mut(to - at);
+                pieces.push((at, piece));
+                rest = after;
+                at = to;
+            }
+            let offset = self.offset_of(bytes) as u64;
+            pieces.into_par_iter().try_for_each(|(at, piece)| {
+                let first_block = at / block_elems;
+                let blocks = (at + piece.len()).div_ceil(block_elems) - first_block;
+                PIECE.with_borrow_mut(|raw| {
+                    raw.resize(blocks * block_bytes, 0);
+                    let from = offset + (first_block * block_bytes) as u64;
+                    self.file
+                        .read_exact_at(raw, from)
+                        .map_err(|e| ModelError::io(self.path, e))?;
+                    quant::dequantize_part(stored, raw, at - first_block * block_elems, piece)
+                        .ok_or_else(unsupported)
+                })
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            quant::dequantize_part(stored, bytes, first, out).ok_or_else(unsupported)
+        }
+    }
+
     /// Asks the kernel to read `bytes`, a part of the mapping, from the disk now, without
     /// waiting for it (`madvise(MADV_WILLNEED)`). A hint: where it fails, page faults read the
     /// bytes as they are touched.
@@ -397,19 +454,20 @@ impl WeightSource for Weights {
             WeightId::Layer(_, LayerPart::K) => self.config.num_key_value_heads,
             _ => 0,
         };
-        if self.layout.qk_rows_permuted && heads > 0 {
-            read_rows_unpermuted(stored, bytes, (rows, cols), heads, first, out)
-                .ok_or_else(unsupported)?;
-        } else if let Some(file) = self
-            .source
-            .file_of(&name)
-            .filter(|_| quant::copies_bit_for_bit(stored, self.dtype))
-        {
-            let width = self.dtype.size_bytes();
-            let span = &bytes[first * width..(first + out.len()) * width];
-            file.read_span(span, out.as_bytes_mut())?;
-        } else {
-            quant::dequantize_part(stored, bytes, first, out).ok_or_else(unsupported)?;
+        match self.source.file_of(&name) {
+            _ if self.layout.qk_rows_permuted && heads > 0 => {
+                read_rows_unpermuted(stored, bytes, (rows, cols), heads, first, out)
+                    .ok_or_else(unsupported)?;
+            }
+            Some(file) if quant::copies_bit_for_bit(stored, self.dtype) => {
+                let width = self.dtype.size_bytes();
+                let span = &bytes[first * width..(first + out.len()) * width];
+                file.read_span(span, out.as_bytes_mut())?;
+            }
+            Some(file) => file.read_decoded(stored, bytes, first, out, &unsupported)?,
+            None => {
+                quant::dequantize_part(stored, bytes, first, out).ok_or_else(unsupported)?;
+            }
         }
         Ok(())
     }
@@ -559,6 +617,49 @@ pub(crate) mod tests {
             [0., 4., 1., 5., 2., 6., 3., 7., 8., 12., 9., 13., 10., 14., 11., 15.]
         );
         assert_eq!(stored_row_of_hf_row(8, 1), [0, 2, 4, 6, 1, 3, 5, 7]);
+    }
+
+    /// Blocks read from the file in pieces and decoded there give what decoding the mapping
+    /// gives: parts across pieces, inside blocks, and tensors that start off any alignment,
+    /// for a quantized type and an unquantized one converted.
+    #[test]
+    fn decoded_reads_equal_the_mappings_decoding() {
+        use std::io::Write;
+        for (stored, block_bytes) in [(GgmlType::Q8_0, 34), (GgmlType::F32, 4)] {
+            let blocks = 3 * READ_PIECE_BYTES / block_bytes + 5;
+            // Small bytes keep every f16 scale and f32 finite.
+            let data: Vec<u8> = (0..blocks * block_bytes + 100)
+                .map(|i| (i * 37 % 61) as u8 & 0x3b)
+                .collect();
+            let mut file = tempfile::tempfile().unwrap();
+            file.write_all(&data).unwrap();
+            // SAFETY: a private temporary file, not written while mapped.
+            let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+            let tensors = TensorFile {
+                file: &file,
+                map: &map,
+                path: Path::new("test"),
+            };
+            let bytes = &map[7..7 + blocks * block_bytes];
+            let len = blocks * stored.block_layout().unwrap().0 as usize;
+            let piece = READ_PIECE_BYTES / block_bytes * (len / blocks);
+            for (first, n) in [
+                (0, len),
+                (3, len - 9),
+                (piece - 5, 10),
+                (2 * piece, 1),
+                (9, 0),
+            ] {
+                let mut want = TypedVec::zeros(DType::Bf16, n);
+                quant::dequantize_part(stored, bytes, first, want.slice_mut(0..n)).unwrap();
+                let mut got = TypedVec::zeros(DType::Bf16, n);
+                let unsupported = || unreachable!("both types are read");
+                tensors
+                    .read_decoded(stored, bytes, first, got.slice_mut(0..n), &unsupported)
+                    .unwrap();
+                assert_eq!(got, want, "{} from {first}", stored.name());
+            }
+        }
     }
 
     /// A span read from the file in pieces equals the mapping's bytes: a span that starts
