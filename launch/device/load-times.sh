@@ -99,7 +99,7 @@ for path in sys.argv[1:]:
       log "$bin $file run $run${COLD:+ (cold: $COLD)}"
       RUST_LOG=canopy_runtime=info /usr/bin/time -f "time: %e s wall, %U s user, %S s sys, %M KB peak" \
         "$bin" generate --model "$model" --prompt-ids 5,6,7,8,9,10,11,12 --max-tokens 16 \
-        --backend cuda 2>&1 >/dev/null | grep -E 'uploaded|first token|time:|rror'
+        --backend cuda 2>&1 >/dev/null | grep -E 'uploaded|first token|time:|rror|panicked|already'
     done
   done
 done 2>&1 | tee "$OUT/load-times.txt"

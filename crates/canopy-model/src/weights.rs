@@ -259,7 +259,9 @@ impl TensorFile<'_> {
     /// mapping, whole blocks of `stored`, a type canopy reads), decoded into `out`'s dtype.
     /// The blocks are read from the file in pieces on every core, each piece decoded by the
     /// thread that read it into a buffer of its own, so a warm read takes no page faults, as
-    /// [`TensorFile::read_span`]'s does not.
+    /// [`TensorFile::read_span`]'s does not. A thread keeps its buffer between pieces; one
+    /// that takes up another piece while it decodes (rayon's work stealing) reads that one
+    /// into a buffer of its own.
     fn read_decoded(
         &self,
         stored: GgmlType,
@@ -271,10 +273,10 @@ impl TensorFile<'_> {
         #[cfg(unix)]
         {
             use rayon::prelude::*;
-            use std::cell::RefCell;
+            use std::cell::Cell;
             use std::os::unix::fs::FileExt;
             thread_local! {
-                static PIECE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+                static PIECE: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
             }
             let (block_elems, block_bytes) = stored.block_layout().ok_or_else(unsupported)?;
             let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
@@ -295,15 +297,18 @@ impl TensorFile<'_> {
             pieces.into_par_iter().try_for_each(|(at, piece)| {
                 let first_block = at / block_elems;
                 let blocks = (at + piece.len()).div_ceil(block_elems) - first_block;
-                PIECE.with_borrow_mut(|raw| {
-                    raw.resize(blocks * block_bytes, 0);
-                    let from = offset + (first_block * block_bytes) as u64;
-                    self.file
-                        .read_exact_at(raw, from)
-                        .map_err(|e| ModelError::io(self.path, e))?;
-                    quant::dequantize_part(stored, raw, at - first_block * block_elems, piece)
-                        .ok_or_else(unsupported)
-                })
+                let mut raw = PIECE.take();
+                raw.resize(blocks * block_bytes, 0);
+                let from = offset + (first_block * block_bytes) as u64;
+                let decoded = match self.file.read_exact_at(&mut raw, from) {
+                    Ok(()) => {
+                        quant::dequantize_part(stored, &raw, at - first_block * block_elems, piece)
+                            .ok_or_else(unsupported)
+                    }
+                    Err(e) => Err(ModelError::io(self.path, e)),
+                };
+                PIECE.set(raw);
+                decoded
             })
         }
         #[cfg(not(unix))]
@@ -621,12 +626,21 @@ pub(crate) mod tests {
 
     /// Blocks read from the file in pieces and decoded there give what decoding the mapping
     /// gives: parts across pieces, inside blocks, and tensors that start off any alignment,
-    /// for a quantized type and an unquantized one converted.
+    /// for a quantized type and an unquantized one converted. More threads than this host's
+    /// cores make them take up pieces while they decode others.
     #[test]
     fn decoded_reads_equal_the_mappings_decoding() {
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(16)
+            .build()
+            .unwrap();
+        threads.install(decoded_reads_equal_decoding_of_the_mapping);
+    }
+
+    fn decoded_reads_equal_decoding_of_the_mapping() {
         use std::io::Write;
         for (stored, block_bytes) in [(GgmlType::Q8_0, 34), (GgmlType::F32, 4)] {
-            let blocks = 3 * READ_PIECE_BYTES / block_bytes + 5;
+            let blocks = 16 * READ_PIECE_BYTES / block_bytes + 5;
             // Small bytes keep every f16 scale and f32 finite.
             let data: Vec<u8> = (0..blocks * block_bytes + 100)
                 .map(|i| (i * 37 % 61) as u8 & 0x3b)
