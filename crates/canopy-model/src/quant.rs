@@ -93,8 +93,8 @@ fn f16_at(bytes: &[u8]) -> f32 {
 }
 
 /// Elements one parallel task of [`dequantize`] converts: enough that its work outweighs its
-/// scheduling.
-const TASK_ELEMENTS: usize = 1 << 16;
+/// scheduling. A file's tensors are read in pieces of as many elements, one task each.
+pub(crate) const TASK_ELEMENTS: usize = 1 << 16;
 
 /// Dequantizes `bytes` (whole blocks of `ggml_type`) into `dtype`; `None` for a type canopy
 /// does not read. The caller has checked that `bytes` holds whole blocks.

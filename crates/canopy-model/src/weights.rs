@@ -258,7 +258,7 @@ impl TensorFile<'_> {
     /// Elements `first..first + out.len()` of the tensor stored in `bytes` (a part of the
     /// mapping, whole blocks of `stored`, a type canopy reads), decoded into `out`'s dtype.
     /// The blocks are read from the file in pieces on every core, each piece decoded by the
-    /// thread that read it into a buffer of its own, so a warm read takes no page faults, as
+    /// thread that read it from a buffer of its own, so a warm read takes no page faults, as
     /// [`TensorFile::read_span`]'s does not. A thread keeps its buffer between pieces; one
     /// that takes up another piece while it decodes (rayon's work stealing) reads that one
     /// into a buffer of its own.
@@ -280,7 +280,9 @@ impl TensorFile<'_> {
             }
             let (block_elems, block_bytes) = stored.block_layout().ok_or_else(unsupported)?;
             let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
-            let piece_elems = (READ_PIECE_BYTES / block_bytes).max(1) * block_elems;
+            // One of the decoder's parallel tasks a piece: the thread that reads it decodes
+            // it, and a part (tens of megabytes of output) has hundreds to spread.
+            let piece_elems = (quant::TASK_ELEMENTS / block_elems).max(1) * block_elems;
             let end = first + out.len();
             // Each piece's first element, and its part of `out`.
             let mut pieces = Vec::new();
@@ -656,7 +658,8 @@ pub(crate) mod tests {
             };
             let bytes = &map[7..7 + blocks * block_bytes];
             let len = blocks * stored.block_layout().unwrap().0 as usize;
-            let piece = READ_PIECE_BYTES / block_bytes * (len / blocks);
+            let block_elems = len / blocks;
+            let piece = quant::TASK_ELEMENTS / block_elems * block_elems;
             for (first, n) in [
                 (0, len),
                 (3, len - 9),
