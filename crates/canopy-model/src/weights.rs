@@ -639,18 +639,24 @@ pub(crate) mod tests {
         threads.install(decoded_reads_equal_decoding_of_the_mapping);
     }
 
-    fn decoded_reads_equal_decoding_of_the_mapping() {
+    /// A temporary file holding `data`, and its mapping.
+    fn mapped(data: &[u8]) -> (std::fs::File, memmap2::Mmap) {
         use std::io::Write;
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(data).unwrap();
+        // SAFETY: a private temporary file, not written while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        (file, map)
+    }
+
+    fn decoded_reads_equal_decoding_of_the_mapping() {
         for (stored, block_bytes) in [(GgmlType::Q8_0, 34), (GgmlType::F32, 4)] {
             let blocks = 16 * READ_PIECE_BYTES / block_bytes + 5;
             // Small bytes keep every f16 scale and f32 finite.
             let data: Vec<u8> = (0..blocks * block_bytes + 100)
                 .map(|i| (i * 37 % 61) as u8 & 0x3b)
                 .collect();
-            let mut file = tempfile::tempfile().unwrap();
-            file.write_all(&data).unwrap();
-            // SAFETY: a private temporary file, not written while mapped.
-            let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+            let (file, map) = mapped(&data);
             let tensors = TensorFile {
                 file: &file,
                 map: &map,
@@ -683,13 +689,9 @@ pub(crate) mod tests {
     /// off any alignment and ends inside its third piece, and an empty one.
     #[test]
     fn spans_read_from_the_file_equal_the_mapping() {
-        use std::io::Write;
         let len = 2 * READ_PIECE_BYTES + 12_345;
         let data: Vec<u8> = (0..len + 100).map(|i| (i * 7 + i / 251) as u8).collect();
-        let mut file = tempfile::tempfile().unwrap();
-        file.write_all(&data).unwrap();
-        // SAFETY: a private temporary file, not written while mapped.
-        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let (file, map) = mapped(&data);
         let tensors = TensorFile {
             file: &file,
             map: &map,
