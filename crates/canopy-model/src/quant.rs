@@ -165,22 +165,28 @@ pub fn dequantize_into(ggml_type: GgmlType, bytes: &[u8], out: TypedSliceMut) ->
         (GgmlType::F32, TypedSliceMut::F32(v)) => copy_le(bytes, v, f32::from_le_bytes),
         (GgmlType::F16, TypedSliceMut::F16(v)) => copy_le(bytes, v, f16::from_le_bytes),
         (GgmlType::BF16, TypedSliceMut::Bf16(v)) => copy_le(bytes, v, bf16::from_le_bytes),
-        (_, TypedSliceMut::F32(v)) => {
-            decode_units(ggml_type, bytes, v, unit, |x, o| o.copy_from_slice(x))
-        }
+        // f32 stores and bf16's rounding need no CPU feature: inlined a value at a time,
+        // they are faster than half's slice form, which f16 takes.
+        (_, TypedSliceMut::F32(v)) => decode_units(ggml_type, bytes, v, unit, |x, o| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = x;
+            }
+        }),
         (_, TypedSliceMut::F16(v)) => decode_units(ggml_type, bytes, v, unit, |x, o| {
             o.convert_from_f32_slice(x)
         }),
         (_, TypedSliceMut::Bf16(v)) => decode_units(ggml_type, bytes, v, unit, |x, o| {
-            o.convert_from_f32_slice(x)
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = bf16::from_f32(x);
+            }
         }),
     }
     Some(())
 }
 
 /// `out.len()` values of `ggml_type` from `bytes`, decoded `unit` (elements, bytes) at a time
-/// and each unit's values rounded into `out` by `convert`, a slice at once (half's slice
-/// conversions take eight values an instruction where the CPU can, and check for it once a
+/// and each unit's values rounded into `out` by `convert`, a slice at once (half's f16 slice
+/// conversion takes eight values an instruction where the CPU can, and checks for it once a
 /// slice, not once a value); runs of whole units go to parallel tasks.
 fn decode_units<T: Copy + Send>(
     ggml_type: GgmlType,
