@@ -283,19 +283,8 @@ impl TensorFile<'_> {
             // One of the decoder's parallel tasks a piece: the thread that reads it decodes
             // it, and a part (tens of megabytes of output) has hundreds to spread.
             let piece_elems = (quant::TASK_ELEMENTS / block_elems).max(1) * block_elems;
-            let end = first + out.len();
-            // Each piece's first element, and its part of `out`.
-            let mut pieces = Vec::new();
-            let mut rest = out;
-            let mut at = first;
-            while at < end {
-                let to = end.min((at / piece_elems + 1) * piece_elems);
-                let (piece, after) = rest.split_at_mut(to - at);
-                pieces.push((at, piece));
-                rest = after;
-                at = to;
-            }
             let offset = self.offset_of(bytes) as u64;
+            let pieces = cut_at_multiples(out, first, piece_elems);
             pieces.into_par_iter().try_for_each(|(at, piece)| {
                 let first_block = at / block_elems;
                 let blocks = (at + piece.len()).div_ceil(block_elems) - first_block;
@@ -481,10 +470,10 @@ impl WeightSource for Weights {
 }
 
 /// Elements `first..first + out.len()` of a Q or K weight of `heads` heads in HF row order,
-/// from `bytes`, its rows as llama.cpp stores them (whole blocks of `stored` each). The rows
+/// from `bytes`, its rows as llama.cpp stores them (whole blocks of `stored_type` each). The rows
 /// are decoded in parallel, each from its stored row straight into its place in `out`.
 fn read_rows_unpermuted(
-    stored: GgmlType,
+    stored_type: GgmlType,
     bytes: &[u8],
     (rows, cols): (usize, usize),
     heads: usize,
@@ -497,21 +486,27 @@ fn read_rows_unpermuted(
     }
     let order = stored_row_of_hf_row(rows, heads);
     let row_bytes = bytes.len() / rows;
-    let end = first + out.len();
-    // Each HF row's part of `out`: where it starts in the row, and the elements.
-    let mut pieces = Vec::new();
-    let mut rest = out;
-    for row in first / cols..end.div_ceil(cols) {
-        let from = first.max(row * cols);
-        let to = end.min((row + 1) * cols);
-        let (piece, after) = rest.split_at_mut(to - from);
-        pieces.push((row, from - row * cols, piece));
-        rest = after;
-    }
-    pieces.into_par_iter().try_for_each(|(row, within, piece)| {
-        let stored_row = &bytes[order[row] * row_bytes..(order[row] + 1) * row_bytes];
-        quant::dequantize_part(stored, stored_row, within, piece)
+    let pieces = cut_at_multiples(out, first, cols);
+    pieces.into_par_iter().try_for_each(|(at, piece)| {
+        let stored = order[at / cols];
+        let stored_row = &bytes[stored * row_bytes..(stored + 1) * row_bytes];
+        quant::dequantize_part(stored_type, stored_row, at % cols, piece)
     })
+}
+
+/// `out`, elements `first..first + out.len()` of a tensor, cut wherever the element index
+/// crosses a multiple of `every` (a row's end, a piece's): each part with its first element.
+fn cut_at_multiples(out: TypedSliceMut, first: usize, every: usize) -> Vec<(usize, TypedSliceMut)> {
+    let end = first + out.len();
+    let mut parts = Vec::with_capacity((end.div_ceil(every) - first / every).max(1));
+    let (mut rest, mut at) = (out, first);
+    while at < end {
+        let to = end.min((at / every + 1) * every);
+        let (part, after) = rest.split_at_mut(to - at);
+        parts.push((at, part));
+        (rest, at) = (after, to);
+    }
+    parts
 }
 
 /// Refuses a part that is not of `dtype`, or that ends past weight `id`'s `len` elements:
