@@ -9,7 +9,7 @@ use crate::layer_ops::{
 };
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::top_tokens;
-use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
+use canopy_core::{AttnShape, AttnStates, DType, TypedSliceMut, TypedVec};
 
 /// A row-major `rows × cols` f32 matrix on the host: the CPU's activations and weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,6 +94,23 @@ impl LayerOps for CpuBackend {
             cols,
             data: data.to_f32_vec(),
         })
+    }
+
+    /// The CPU computes in f32: a weight read in f32 is kept as read, with no copy; one read
+    /// in a 16-bit dtype is widened once.
+    fn upload_weight_with<E: From<EngineError>>(
+        &self,
+        dtype: DType,
+        (rows, cols): (usize, usize),
+        fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
+    ) -> Result<HostMatrix, E> {
+        let mut data = TypedVec::zeros(dtype, rows * cols);
+        fill(0, data.slice_mut(0..rows * cols))?;
+        let data = match data {
+            TypedVec::F32(values) => values,
+            other => other.to_f32_vec(),
+        };
+        Ok(HostMatrix { rows, cols, data })
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<HostMatrix> {
@@ -526,6 +543,20 @@ mod tests {
             .upload_weight(&TypedVec::from_f32(DType::Bf16, &[1.5, -2.0]), 1, 2)
             .unwrap();
         assert_eq!(w.data, vec![1.5, -2.0]);
+        for dtype in [DType::Bf16, DType::F32] {
+            let mut parts = Vec::new();
+            let filled = b
+                .upload_weight_with(dtype, (2, 2), &mut |first, mut part| {
+                    parts.push((first, part.len()));
+                    let values = TypedVec::from_f32(dtype, &[0.5, -1.0, 3.0, 4.0]);
+                    part.as_bytes_mut().copy_from_slice(values.as_bytes());
+                    Ok::<(), EngineError>(())
+                })
+                .unwrap();
+            assert_eq!(parts, [(0, 4)], "{dtype}: one part, the whole weight");
+            assert_eq!((filled.rows, filled.cols), (2, 2));
+            assert_eq!(filled.data, [0.5, -1.0, 3.0, 4.0], "{dtype}");
+        }
         let x = matrix(3, 4, 7);
         let mut last = b.tensor(1, 4).unwrap();
         b.copy_rows(&x, 2, &mut last).unwrap();
