@@ -96,8 +96,8 @@ impl LayerOps for CpuBackend {
         })
     }
 
-    /// The CPU computes in f32: a weight read in f32 is kept as read, with no copy; one read
-    /// in a 16-bit dtype is widened once.
+    /// The whole weight as one part. The CPU computes in f32: a weight read in f32 is kept as
+    /// read, with no copy; one read in a 16-bit dtype is widened once.
     fn upload_weight_with<E: From<EngineError>>(
         &self,
         dtype: DType,

@@ -123,18 +123,13 @@ pub trait LayerOps: MergeOps {
     /// GPU can have `fill` write into the page-locked memory it copies from, and copy one
     /// part while the next is read: a model's weights then cross the host's memory once.
     /// The copies may still be under way when this returns: this backend's own work is
-    /// ordered after them, other backends' after [`LayerOps::finish_uploads`]. Provided: the
-    /// whole weight as one part, through [`LayerOps::upload_weight`].
+    /// ordered after them, other backends' after [`LayerOps::finish_uploads`].
     fn upload_weight_with<E: From<EngineError>>(
         &self,
         dtype: DType,
-        (rows, cols): (usize, usize),
+        shape: (usize, usize),
         fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
-    ) -> Result<Self::Weight, E> {
-        let mut data = TypedVec::zeros(dtype, rows * cols);
-        fill(0, data.slice_mut(0..rows * cols))?;
-        Ok(self.upload_weight(&data, rows, cols)?)
-    }
+    ) -> Result<Self::Weight, E>;
     /// Waits until the weights uploaded by [`LayerOps::upload_weight_with`] have landed, so
     /// that every backend on the device (ranks sharing a GPU) may read them. Provided: nothing
     /// to wait for.

@@ -154,12 +154,8 @@ impl<'a> Prefetcher<'a> {
         let bytes = groups
             .iter()
             .map(|ids| {
-                ids.iter()
-                    .map(|id| {
-                        let (rows, cols) = id.matrix_shape(config);
-                        rows * cols * size
-                    })
-                    .sum()
+                let (rows, cols) = stack_shape(config, ids);
+                rows * cols * size
             })
             .collect();
         Prefetcher {
