@@ -29,7 +29,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::NormalizerWrapper;
-use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, Decoder, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -202,6 +202,82 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+
+    /// The bytes token `id` stands for in the middle of a text, as a client that reads tokens
+    /// one at a time (log-probabilities) needs them: a byte-level piece may end inside a
+    /// character, and decoding a piece alone would drop the space a sequence's first piece
+    /// loses. A special token stands for its own text; an id outside the vocabulary for none.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        if self.inner.get_added_tokens_decoder().contains_key(&id) {
+            return piece.into_bytes();
+        }
+        let mut decoders = Vec::new();
+        flatten_decoders(self.inner.get_decoder(), &mut decoders);
+        let has = |f: fn(&DecoderWrapper) -> bool| decoders.iter().any(|d| f(d));
+        if has(|d| matches!(d, DecoderWrapper::ByteLevel(_))) {
+            if let Some(bytes) = piece.chars().map(byte_level_byte).collect() {
+                return bytes;
+            }
+        }
+        if has(|d| matches!(d, DecoderWrapper::ByteFallback(_))) {
+            if let Some(byte) = fallback_byte(&piece) {
+                return vec![byte];
+            }
+        }
+        // Each decoder's rewriting of the piece behind another (`Strip` trims a whole text's
+        // ends, not a piece's).
+        let mut chain = vec![PIECE_BEFORE.to_string(), piece.clone()];
+        for d in decoders
+            .iter()
+            .filter(|d| !matches!(d, DecoderWrapper::Strip(_)))
+        {
+            match d.decode_chain(chain.clone()) {
+                Ok(next) => chain = next,
+                Err(_) => return piece.into_bytes(),
+            }
+        }
+        let text = chain.concat();
+        text.strip_prefix(PIECE_BEFORE)
+            .map_or_else(|| piece.into_bytes(), |rest| rest.as_bytes().to_vec())
+    }
+}
+
+/// A piece every decoder leaves as it is, put before the piece [`Tokenizer::token_bytes`]
+/// decodes so that the piece is not a text's first.
+const PIECE_BEFORE: &str = "a";
+
+/// `decoder` as the list of decoders it applies in order.
+fn flatten_decoders<'a>(decoder: Option<&'a DecoderWrapper>, out: &mut Vec<&'a DecoderWrapper>) {
+    match decoder {
+        Some(DecoderWrapper::Sequence(seq)) => seq
+            .get_decoders()
+            .iter()
+            .for_each(|d| flatten_decoders(Some(d), out)),
+        Some(d) => out.push(d),
+        None => {}
+    }
+}
+
+/// The byte that character `c` of GPT-2's byte-level alphabet stands for. The alphabet spells
+/// the printable Latin-1 bytes (`!`-`~`, `¡`-`¬`, `®`-`ÿ`) as themselves and the 68 others,
+/// in byte order, as U+0100 onwards.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    match u32::from(c) {
+        b @ 0..=0xFF => u8::try_from(b).ok().filter(|&b| printable(b)),
+        n => (0..=u8::MAX)
+            .filter(|&b| !printable(b))
+            .nth(usize::try_from(n - 0x100).ok()?),
+    }
+}
+
+/// The byte of a sentencepiece byte piece (`<0x0A>`).
+fn fallback_byte(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
 }
 
 /// A byte-level BPE (`tokenizer.ggml.model = "gpt2"`) from its vocabulary and merges.
@@ -446,6 +522,37 @@ impl IncrementalDecoder<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_byte_level_alphabet_spells_each_byte_once() {
+        let alphabet = ('!'..='~')
+            .chain('\u{A1}'..='\u{AC}')
+            .chain('\u{AE}'..='\u{FF}')
+            .chain('\u{100}'..='\u{143}');
+        let mut bytes: Vec<u8> = alphabet.map(|c| byte_level_byte(c).unwrap()).collect();
+        bytes.sort_unstable();
+        assert!(bytes.iter().copied().eq(0..=u8::MAX));
+        assert_eq!(byte_level_byte('Ġ'), Some(b' '));
+        assert_eq!(byte_level_byte('Ċ'), Some(b'\n'));
+        assert_eq!(
+            (byte_level_byte(' '), byte_level_byte('\u{144}')),
+            (None, None)
+        );
+        assert_eq!(fallback_byte("<0xE2>"), Some(0xE2));
+        assert_eq!(
+            (fallback_byte("<0xE>"), fallback_byte("0xE2")),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn a_code_point_token_stands_for_its_character() {
+        let t = Tokenizer::code_points(10_000).unwrap();
+        assert_eq!(t.token_bytes(65), b"A");
+        // sentencepiece's word boundary is an ordinary character here.
+        assert_eq!(t.token_bytes(0x2581), "\u{2581}".as_bytes());
+        assert!(t.token_bytes(20_000).is_empty());
+    }
 
     #[test]
     fn code_points_are_one_token_per_character_and_every_id_has_text() {

@@ -105,6 +105,14 @@ fn smollm2_loads_with_its_config_tokenizer_and_template() {
     let ids = model.tokenizer.encode(text, true).unwrap();
     assert_eq!(model.tokenizer.decode(&ids, false).unwrap(), text);
     check_streaming(&model.tokenizer, &ids, false);
+    // Token by token, the pieces' bytes spell the text, though the crab's pieces are no
+    // characters alone.
+    let pieces: Vec<Vec<u8>> = ids
+        .iter()
+        .map(|&id| model.tokenizer.token_bytes(id))
+        .collect();
+    assert_eq!(pieces.concat(), text.as_bytes());
+    assert!(pieces.iter().any(|p| std::str::from_utf8(p).is_err()));
 
     let conversation = [
         ChatMessage::new("system", "You are terse."),

@@ -84,3 +84,22 @@ fn decodes_text_back_whole_and_streamed() {
         assert_eq!(text, case.text, "streamed {:?}", case.text);
     }
 }
+
+#[test]
+fn each_piece_stands_for_its_bytes() {
+    let tok = tokenizer();
+    for case in cases().iter().filter(|c| !c.text.contains("<s>")) {
+        let bytes: Vec<u8> = case
+            .ids_plain
+            .iter()
+            .flat_map(|&id| tok.token_bytes(id))
+            .collect();
+        // The pieces hold the dummy prefix's space, which decoding a whole text strips.
+        let text = String::from_utf8(bytes).expect("whole pieces are whole characters");
+        assert!(
+            text == case.text || text.strip_prefix(' ') == Some(&case.text),
+            "{text:?} for {:?}",
+            case.text
+        );
+    }
+}
