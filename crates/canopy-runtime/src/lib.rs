@@ -37,4 +37,6 @@ pub use random_weights::RandomWeights;
 pub use rank::{
     generate, ContextFill, DecodeStrategy, GenerateRequest, Generated, Watch, DEFAULT_PREFILL_CHUNK,
 };
-pub use sampling::{step_reach, RowLogits, Sampler, SamplingParams, StepLogits, TopTwo};
+pub use sampling::{
+    step_reach, RowLogits, Sampler, SamplingParams, StepLogits, TokenLogprobs, TopTwo, LOGPROBS_MAX,
+};

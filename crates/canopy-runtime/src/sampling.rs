@@ -188,6 +188,40 @@ impl Sampler {
     }
 }
 
+/// The most alternatives [`TokenLogprobs::of`] reports beside a token (OpenAI's limit for
+/// `top_logprobs`).
+pub const LOGPROBS_MAX: usize = 20;
+
+/// A drawn token's log-probability under the model, and the most likely tokens' beside it.
+///
+/// The probabilities are the softmax of the row's logits as the model computed them, before
+/// the draw's temperature or cuts, as other OpenAI-compatible servers report them: a token's
+/// log-probability does not depend on how it was drawn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// `token`'s log-probability in `logits`, a whole row, with the row's `top` most likely
+    /// tokens (at most [`LOGPROBS_MAX`]).
+    pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+        let log_total = max as f64 + sum.ln();
+        let logprob = |t: u32| (logits[t as usize] as f64 - log_total) as f32;
+        TokenLogprobs {
+            logprob: logprob(token),
+            top: top_tokens(logits, top.min(LOGPROBS_MAX))
+                .into_iter()
+                .map(|t| (t, logprob(t)))
+                .collect(),
+        }
+    }
+}
+
 /// The two most likely tokens of one step's logits.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct TopTwo {
@@ -234,6 +268,27 @@ mod tests {
         let mut rows: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
         rows.extend(tokens.iter().map(|&t| f32::from_bits(t)));
         StepLogits::Top { k, rows }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_the_top_come_in_order() {
+        let logits = [1.0f32, 4.0, -2.0, 4.0, 0.5, 300.0];
+        let total: f64 = logits.iter().map(|&x| (x as f64 - 300.0).exp()).sum();
+        let lp = TokenLogprobs::of(&logits, 3, 3);
+        let expect = |t: usize| ((logits[t] as f64 - 300.0) - total.ln()) as f32;
+        assert_eq!(lp.logprob, expect(3));
+        let tokens: Vec<u32> = lp.top.iter().map(|&(t, _)| t).collect();
+        assert_eq!(tokens, [5, 1, 3]);
+        for &(t, x) in &lp.top {
+            assert!((x - expect(t as usize)).abs() <= 1e-6, "{t}: {x}");
+        }
+        // The most likely token of a row this peaked holds almost all of its probability.
+        assert!(lp.top[0].1.abs() < 1e-6 && lp.top[1].1 < -290.0);
+        assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
+        assert_eq!(
+            TokenLogprobs::of(&[0.0; 64], 7, 100).top.len(),
+            LOGPROBS_MAX
+        );
     }
 
     #[test]

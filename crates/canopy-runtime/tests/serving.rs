@@ -23,11 +23,15 @@ use std::time::Duration;
 /// A prompt's token ids and transformers' greedy continuation of it.
 type Reference = (Vec<u32>, Vec<u32>);
 
-fn fixture() -> (Model, Vec<Reference>) {
+fn fixture_model() -> (Model, Value) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny/gqa-hd64");
     let model = Model::load(&dir, DType::F32).expect("the fixture loads");
     let text = std::fs::read_to_string(dir.join("reference.json")).expect("its reference");
-    let reference: Value = serde_json::from_str(&text).expect("JSON");
+    (model, serde_json::from_str(&text).expect("JSON"))
+}
+
+fn fixture() -> (Model, Vec<Reference>) {
+    let (model, reference) = fixture_model();
     let ids = |v: &Value| -> Vec<u32> {
         v.as_array()
             .unwrap()
@@ -78,6 +82,17 @@ fn submit(
     samples: usize,
     leave_after: Option<usize>,
 ) -> Receiver<Event> {
+    submit_with(handle, prompt, max_tokens, samples, leave_after, None)
+}
+
+fn submit_with(
+    handle: &EngineHandle,
+    prompt: &[u32],
+    max_tokens: usize,
+    samples: usize,
+    leave_after: Option<usize>,
+    logprobs: Option<usize>,
+) -> Receiver<Event> {
     let (tx, rx) = std::sync::mpsc::channel();
     let sink = Client {
         tx,
@@ -94,6 +109,7 @@ fn submit(
             seed: 0,
             stop: Vec::new(),
             ignore_eos: false,
+            logprobs,
             sink: Box::new(sink),
         })
         .expect("the request is accepted");
@@ -273,4 +289,79 @@ fn a_small_cache_evicts_and_still_serves_everything() {
     let st = handle.status();
     assert!(st.pages_used <= 12);
     assert_eq!(st.running, 0);
+}
+
+#[test]
+fn log_probabilities_are_the_models_beside_requests_without_them() {
+    let (model, reference) = fixture_model();
+    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
+        .expect("the weights upload");
+    let cfg = config(DecodeStrategy::Tree(MergeCollective::Auto));
+    let case = &reference["prompts"][2];
+    let prompt: Vec<u32> = serde_json::from_value(case["token_ids"].clone()).unwrap();
+    let greedy: Vec<u32> = serde_json::from_value(case["greedy_tokens"].clone()).unwrap();
+    let logits: Vec<f64> = serde_json::from_value(case["logits_last"].clone()).unwrap();
+    let log_total = logits.iter().map(|x| x.exp()).sum::<f64>().ln();
+    with_engine(&model, &layers, 1, &cfg, |h| {
+        let plain = submit(h, &prompt[..5], 12, 1, None);
+        let with = submit_with(h, &prompt, 12, 2, None, Some(4));
+        let mut drawn = vec![Vec::new(); 2];
+        let mut finished = 0;
+        while finished < 2 {
+            match with
+                .recv_timeout(Duration::from_secs(120))
+                .expect("an event")
+            {
+                Event::Token {
+                    sample,
+                    token,
+                    logprobs,
+                    ..
+                } => drawn[sample].push((token, logprobs.expect("asked for"))),
+                Event::Finished { .. } => finished += 1,
+                Event::Started { .. } => {}
+                Event::Failed(e) => panic!("{e}"),
+            }
+        }
+        for sample in &drawn {
+            let tokens: Vec<u32> = sample.iter().map(|(t, _)| *t).collect();
+            assert_eq!(tokens, greedy[..12]);
+            // The first token's against transformers' logits of the prompt's last row.
+            let first = &sample[0].1;
+            assert_eq!(first.top.len(), 4);
+            for &(t, lp) in &first.top {
+                let want = logits[t as usize] - log_total;
+                assert!(
+                    (f64::from(lp) - want).abs() < 1e-4,
+                    "{t}: {lp} against {want}"
+                );
+            }
+            let mut by_logit: Vec<usize> = (0..logits.len()).collect();
+            by_logit.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+            let top: Vec<usize> = first.top.iter().map(|&(t, _)| t as usize).collect();
+            assert_eq!(top, by_logit[..4]);
+            // A greedy token is its row's most likely, and probabilities are at most 1.
+            for (token, lp) in sample {
+                assert_eq!((lp.top[0].0, lp.top[0].1), (*token, lp.logprob));
+                assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1 && w[0].1 <= 0.0));
+            }
+        }
+        // The request beside them reports none.
+        let mut plain_tokens = 0;
+        loop {
+            match plain
+                .recv_timeout(Duration::from_secs(120))
+                .expect("an event")
+            {
+                Event::Token { logprobs, .. } => {
+                    assert!(logprobs.is_none());
+                    plain_tokens += 1;
+                }
+                Event::Finished { .. } => break,
+                Event::Started { .. } => {}
+                Event::Failed(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(plain_tokens, 12);
+    });
 }

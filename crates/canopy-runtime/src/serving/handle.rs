@@ -5,7 +5,9 @@
 //! come back through its [`EventSink`], which also tells the engine when the client has gone
 //! (the request is then cancelled and its pages freed).
 
-use crate::sampling::SamplingParams;
+#[cfg(doc)]
+use crate::sampling::LOGPROBS_MAX;
+use crate::sampling::{SamplingParams, TokenLogprobs};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -27,6 +29,10 @@ pub struct ServeRequest {
     /// Draw past the model's end-of-sequence tokens (stop strings still end a sample): every
     /// sample runs to `max_tokens`, as a benchmark needs of a model whose EOS comes at random.
     pub ignore_eos: bool,
+    /// Report each drawn token's log-probability with this many of the most likely tokens
+    /// beside it (at most [`LOGPROBS_MAX`]; `None`: none). A step with such a request reads
+    /// its rows' whole logits from the backend.
+    pub logprobs: Option<usize>,
     /// Where the request's events go.
     pub sink: Box<dyn EventSink>,
 }
@@ -43,6 +49,8 @@ pub enum Event {
         sample: usize,
         token: u32,
         text: String,
+        /// The token's log-probability, if the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// A sample ended; `text` is what it held back, now released.
     Finished {

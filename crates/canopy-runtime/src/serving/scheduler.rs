@@ -18,7 +18,7 @@ use super::books::{Books, DecodeRows};
 use super::handle::{Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, Submitted};
 use super::step::{Admit, Chunk, Row, Step};
 use super::stop::StopText;
-use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits};
+use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits, TokenLogprobs};
 use crate::RuntimeError;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
@@ -171,12 +171,17 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        step.reach = step_reach(
-            step.decode
-                .iter()
-                .map(|row| self.running[&row.id].submitted.request.sampling),
-            1,
-        );
+        let request = |row: &Row| &self.running[&row.id].submitted.request;
+        // A token's log-probability needs its whole row.
+        step.reach = if step
+            .decode
+            .iter()
+            .any(|row| request(row).logprobs.is_some())
+        {
+            None
+        } else {
+            step_reach(step.decode.iter().map(|row| request(row).sampling), 1)
+        };
         let mut budget = self.prefill_chunk;
         for (&id, r) in &self.running {
             if budget == 0 {
@@ -370,6 +375,11 @@ impl<'t> Scheduler<'t> {
         let eos_ends = !request.ignore_eos;
         let s = &mut r.samples[sample];
         let token = s.sampler.sample(logits);
+        let logprobs = match (request.logprobs, logits) {
+            (Some(top), RowLogits::Whole(row)) => Some(TokenLogprobs::of(row, token, top)),
+            // Not met: a step with a row that reports log-probabilities reads whole rows.
+            (Some(_), RowLogits::Top { .. }) | (None, _) => None,
+        };
         s.drawn += 1;
         self.status.generated_tokens += 1;
         // A token the tokenizer cannot decode adds no text; the ids are still the output.
@@ -384,6 +394,7 @@ impl<'t> Scheduler<'t> {
             sample,
             token,
             text,
+            logprobs,
         });
         let s = &mut r.samples[sample];
         match reason {
@@ -541,6 +552,7 @@ mod tests {
             seed: 0,
             stop: Vec::new(),
             ignore_eos,
+            logprobs: None,
             sink,
         })
         .unwrap();
