@@ -277,6 +277,182 @@ fn ignore_eos_runs_past_the_end_of_sequence_on_smollm2() {
     }
 }
 
+/// A choice's `logprobs` gathered over a stream's chunks of one choice.
+fn streamed_logprobs(client: &Client, path: &str, body: Value) -> Vec<Value> {
+    let mut s = client.stream(path, &body.to_string()).unwrap();
+    assert_eq!(s.status, 200);
+    let mut parts = Vec::new();
+    while let Some(data) = s.next_event().unwrap() {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        if let Some(lp) = chunk["choices"].get(0).map(|c| &c["logprobs"]) {
+            parts.push(lp.clone());
+        }
+    }
+    parts
+}
+
+/// Concatenates each list field of `parts` (JSON objects of lists).
+fn joined(parts: &[Value], fields: &[&str]) -> Value {
+    let mut out = serde_json::Map::new();
+    for f in fields {
+        let all: Vec<Value> = parts
+            .iter()
+            .filter(|p| !p.is_null())
+            .flat_map(|p| p[*f].as_array().unwrap().clone())
+            .collect();
+        out.insert(f.to_string(), Value::Array(all));
+    }
+    Value::Object(out)
+}
+
+/// `a` and `b` alike, their numbers within 1e-4: a request that finds its prompt cached
+/// computes its logits in another order than one that prefills it.
+fn assert_close(a: &Value, b: &Value) {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-4, "{x} against {y}");
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            assert_eq!(x.len(), y.len(), "{a} against {b}");
+            x.iter().zip(y).for_each(|(x, y)| assert_close(x, y));
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            assert!(x.keys().eq(y.keys()), "{a} against {b}");
+            x.values()
+                .zip(y.values())
+                .for_each(|(x, y)| assert_close(x, y));
+        }
+        _ => assert_eq!(a, b),
+    }
+}
+
+#[test]
+fn log_probabilities_and_echo_answer_as_openai_does() {
+    let server = Server::start(&tiny(), &[]);
+    let c = &server.client;
+    let prompt = &tiny_prompts()[2];
+    // A completion: each token's text, log-probability, its 3 most likely and offset.
+    let body = json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3});
+    let r = c.post("/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let choice = &v["choices"][0];
+    let lp = &choice["logprobs"];
+    let n = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let text = choice["text"].as_str().unwrap();
+    for f in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[f].as_array().unwrap().len(), n, "{f}");
+    }
+    let mut offset = 0;
+    for i in 0..n {
+        let (token, x) = (lp["tokens"][i].as_str().unwrap(), &lp["token_logprobs"][i]);
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        // Greedy: the drawn token is the likeliest of the three.
+        assert_eq!(top.len(), 3, "{top:?}");
+        assert_eq!(&top[token], x);
+        let best = top
+            .values()
+            .map(|y| y.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert_eq!(x.as_f64().unwrap(), best);
+        assert!(best <= 0.0);
+        let at = lp["text_offset"][i].as_u64().unwrap() as usize;
+        assert!(at >= offset && at <= text.chars().count());
+        offset = at;
+    }
+    // Streamed, the chunks carry the same tokens in pieces.
+    let streamed = streamed_logprobs(
+        c,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3, "stream": true}),
+    );
+    let fields = ["tokens", "token_logprobs", "top_logprobs", "text_offset"];
+    assert_close(
+        &joined(&streamed, &fields),
+        &joined(std::slice::from_ref(lp), &fields),
+    );
+    // A chat: each token's bytes spell the answer.
+    let chat = json!({
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+    });
+    let r = c.post("/v1/chat/completions", &chat.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let bytes: Vec<u8> = content
+        .iter()
+        .flat_map(|t| serde_json::from_value::<Vec<u8>>(t["bytes"].clone()).unwrap())
+        .collect();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    // The answer leaves out a last character its tokens did not finish.
+    let spelled = String::from_utf8_lossy(&bytes);
+    let unfinished = spelled
+        .strip_prefix(answer)
+        .expect("the bytes spell the answer");
+    assert!(unfinished.chars().all(|c| c == '\u{FFFD}'), "{spelled:?}");
+    for t in content {
+        assert_eq!(t["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(t["top_logprobs"][0]["logprob"], t["logprob"]);
+    }
+    let mut streamed_chat = chat.clone();
+    streamed_chat["stream"] = json!(true);
+    let streamed = streamed_logprobs(c, "/v1/chat/completions", streamed_chat);
+    assert_close(
+        &joined(&streamed, &["content"]),
+        &json!({"content": content}),
+    );
+    // Echo repeats the prompt; with logprobs it would need the prompt's, and is refused.
+    let r = c
+        .post(
+            "/v1/completions",
+            r#"{"prompt": "Once upon", "max_tokens": 2, "echo": true}"#,
+        )
+        .unwrap();
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert!(
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("Once upon"),
+        "{v}"
+    );
+    for (path, body, param) in [
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "echo": true, "logprobs": 1}"#,
+            "echo",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "logprobs": 21}"#,
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "logprobs": true}"#,
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}"#,
+            "top_logprobs",
+        ),
+    ] {
+        let r = c.post(path, body).unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(error_of(&r)["param"], param, "{body}");
+    }
+}
+
 fn value(metrics: &[(String, f64)], name: &str) -> f64 {
     metrics
         .iter()

@@ -2,6 +2,7 @@
 //! ignore fields they do not know (clients send many); a field of the wrong type is an error
 //! that names it.
 
+use crate::logprobs::{ChatLogprobs, TextLogprobs};
 use serde::{Deserialize, Serialize};
 
 /// `prompt`: a text, or token ids; a list of one of either.
@@ -37,6 +38,14 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// `logprobs`: a chat asks with `true`, a completion with a number of most likely tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Logprobs {
+    Flag(bool),
+    Count(u32),
+}
+
 /// The sampling fields both endpoints share.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Sampling {
@@ -56,11 +65,17 @@ pub struct Sampling {
     pub stream_options: Option<StreamOptions>,
     /// Not OpenAI's: draw past the end-of-sequence tokens, to `max_tokens`.
     pub ignore_eos: Option<bool>,
+    pub logprobs: Option<Logprobs>,
+    /// The chat's count of most likely tokens beside each drawn one.
+    pub top_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: Prompt,
+    /// Put the prompt's text before each choice's.
+    #[serde(default)]
+    pub echo: bool,
     #[serde(flatten)]
     pub sampling: Sampling,
 }
@@ -111,7 +126,7 @@ pub struct Usage {
 pub struct TextChoice {
     pub index: usize,
     pub text: String,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<TextLogprobs>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -125,7 +140,7 @@ pub struct ChatMessage {
 pub struct ChatChoice {
     pub index: usize,
     pub message: ChatMessage,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -142,7 +157,7 @@ pub struct Delta {
 pub struct DeltaChoice {
     pub index: usize,
     pub delta: Delta,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -199,6 +214,17 @@ mod tests {
         let r: CompletionRequest =
             serde_json::from_str(r#"{"prompt": "a", "ignore_eos": true}"#).unwrap();
         assert_eq!(r.sampling.ignore_eos, Some(true));
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": "a", "logprobs": 2, "echo": true}"#).unwrap();
+        assert_eq!(
+            (r.sampling.logprobs, r.echo),
+            (Some(Logprobs::Count(2)), true)
+        );
+        let r: ChatRequest =
+            serde_json::from_str(r#"{"messages": [], "logprobs": true, "top_logprobs": 3}"#)
+                .unwrap();
+        assert_eq!(r.sampling.logprobs, Some(Logprobs::Flag(true)));
+        assert_eq!(r.sampling.top_logprobs, Some(3));
         let e =
             serde_json::from_str::<CompletionRequest>(r#"{"prompt": "a", "max_tokens": "many"}"#)
                 .unwrap_err();

@@ -8,6 +8,7 @@ use crate::api::{
     Usage,
 };
 use crate::error::ApiError;
+use crate::logprobs::{self, ChatLogprobs, Entry, TextLogprobs};
 use crate::metrics::Outcome;
 use crate::routes::AppState;
 use axum::http::StatusCode;
@@ -60,6 +61,10 @@ pub struct Job {
     samples: usize,
     stream: bool,
     include_usage: bool,
+    /// Whether the choices report their tokens' log-probabilities.
+    logprobs: bool,
+    /// The prompt's text, put before each choice's (a completion's `echo`).
+    echo: Option<String>,
     prompt_tokens: usize,
     events: UnboundedReceiver<Event>,
     state: Progress,
@@ -70,6 +75,12 @@ struct Progress {
     arrived: Instant,
     cached_tokens: usize,
     texts: Vec<String>,
+    /// Characters in each of `texts`.
+    chars: Vec<usize>,
+    /// Each sample's tokens with their log-probabilities, if the request asked for them.
+    entries: Vec<Vec<Entry>>,
+    /// Entries of each sample already streamed.
+    streamed: Vec<usize>,
     tokens: Vec<usize>,
     finished: Vec<Option<FinishReason>>,
     last_token: Vec<Option<Instant>>,
@@ -79,12 +90,14 @@ struct Progress {
 }
 
 impl Job {
-    /// Checks `sampling` and submits `prompt` to the engine.
+    /// Checks `sampling` and submits `prompt` to the engine; each choice's text follows
+    /// `echo`, if given.
     pub fn submit(
         st: &Arc<AppState>,
         kind: Kind,
         prompt: Vec<u32>,
         sampling: Sampling,
+        echo: Option<String>,
     ) -> Result<Job, ApiError> {
         if let Some(model) = sampling.model.as_deref().filter(|m| *m != st.model) {
             return Err(ApiError {
@@ -135,6 +148,17 @@ impl Job {
                 Some("stop"),
             ));
         }
+        let logprobs = match kind {
+            Kind::Text => logprobs::completion_request(sampling.logprobs)?,
+            Kind::Chat => logprobs::chat_request(sampling.logprobs, sampling.top_logprobs)?,
+        };
+        if echo.is_some() && logprobs.is_some() {
+            return Err(ApiError::invalid(
+                "echo with logprobs asks for the prompt's log-probabilities, which canopy does \
+                 not compute; ask for one or the other",
+                Some("echo"),
+            ));
+        }
         let samples = sampling.n.unwrap_or(1) as usize;
         let seed = sampling.seed.unwrap_or_else(|| {
             SystemTime::now()
@@ -155,8 +179,10 @@ impl Job {
             seed,
             stop,
             ignore_eos: sampling.ignore_eos.unwrap_or(false),
+            logprobs,
             sink: Box::new(Sink(tx)),
         })?;
+        let echoed = echo.clone().unwrap_or_default();
         Ok(Job {
             st: st.clone(),
             kind,
@@ -164,12 +190,17 @@ impl Job {
             samples,
             stream: sampling.stream,
             include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
+            logprobs: logprobs.is_some(),
+            echo,
             prompt_tokens,
             events,
             state: Progress {
                 arrived: Instant::now(),
                 cached_tokens: 0,
-                texts: vec![String::new(); samples],
+                chars: vec![echoed.chars().count(); samples],
+                texts: vec![echoed; samples],
+                entries: vec![Vec::new(); samples],
+                streamed: vec![0; samples],
                 tokens: vec![0; samples],
                 finished: vec![None; samples],
                 last_token: vec![None; samples],
@@ -216,7 +247,7 @@ impl Job {
                 self.texts_as(|index, text, reason| TextChoice {
                     index,
                     text,
-                    logprobs: None,
+                    logprobs: self.text_logprobs(index, 0),
                     finish_reason: reason,
                 }),
                 usage,
@@ -230,7 +261,7 @@ impl Job {
                         role: "assistant",
                         content: text,
                     },
-                    logprobs: None,
+                    logprobs: self.chat_logprobs(index, 0),
                     finish_reason: reason,
                 }),
                 usage,
@@ -282,9 +313,21 @@ impl Job {
         })
     }
 
-    /// The chunk an event makes (`None`: nothing to send).
-    fn chunk(&self, event: &Event) -> Option<String> {
+    /// The chunk an event makes (`None`: nothing to send); a sample's chunk carries the
+    /// log-probabilities of its tokens since its last chunk.
+    fn chunk(&mut self, event: &Event) -> Option<String> {
         let (sample, text, reason) = match event {
+            Event::Started { .. } if self.echo.is_some() => {
+                let choices = (0..self.samples)
+                    .map(|index| TextChoice {
+                        index,
+                        text: self.echo.clone().unwrap_or_default(),
+                        logprobs: None,
+                        finish_reason: None,
+                    })
+                    .collect();
+                return Some(self.json(self.response(self.chunk_object(), choices, None)));
+            }
             Event::Started { .. } if self.kind == Kind::Chat => {
                 let choices = (0..self.samples)
                     .map(|index| DeltaChoice {
@@ -307,13 +350,15 @@ impl Job {
             } => (*sample, text.clone(), Some(reason.name())),
             _ => return None,
         };
+        let since = self.state.streamed[sample];
+        self.state.streamed[sample] = self.state.entries[sample].len();
         Some(match self.kind {
             Kind::Text => self.json(self.response(
                 self.chunk_object(),
                 vec![TextChoice {
                     index: sample,
                     text,
-                    logprobs: None,
+                    logprobs: self.text_logprobs(sample, since),
                     finish_reason: reason,
                 }],
                 None,
@@ -326,12 +371,24 @@ impl Job {
                         role: None,
                         content: (!text.is_empty()).then_some(text),
                     },
-                    logprobs: None,
+                    logprobs: self.chat_logprobs(sample, since),
                     finish_reason: reason,
                 }],
                 None,
             )),
         })
+    }
+
+    /// A completion choice's log-probabilities of sample `sample`'s tokens from `since` on.
+    fn text_logprobs(&self, sample: usize, since: usize) -> Option<TextLogprobs> {
+        self.logprobs
+            .then(|| TextLogprobs::of(&self.st.tokenizer, &self.state.entries[sample][since..]))
+    }
+
+    /// A chat choice's log-probabilities of sample `sample`'s tokens from `since` on.
+    fn chat_logprobs(&self, sample: usize, since: usize) -> Option<ChatLogprobs> {
+        self.logprobs
+            .then(|| ChatLogprobs::of(&self.st.tokenizer, &self.state.entries[sample][since..]))
     }
 
     fn json<C: serde::Serialize>(&self, r: Response<C>) -> String {
@@ -394,7 +451,12 @@ impl Progress {
     fn see(&mut self, st: &AppState, event: &Event) {
         match event {
             Event::Started { cached_tokens } => self.cached_tokens = *cached_tokens,
-            Event::Token { sample, text, .. } => {
+            Event::Token {
+                sample,
+                token,
+                text,
+                logprobs,
+            } => {
                 let now = Instant::now();
                 if !self.first_token {
                     self.first_token = true;
@@ -407,18 +469,30 @@ impl Progress {
                 }
                 self.last_token[*sample] = Some(now);
                 self.tokens[*sample] += 1;
-                self.texts[*sample].push_str(text);
+                if let Some(logprobs) = logprobs {
+                    self.entries[*sample].push(Entry {
+                        token: *token,
+                        logprobs: logprobs.clone(),
+                        text_offset: self.chars[*sample],
+                    });
+                }
+                self.push_text(*sample, text);
             }
             Event::Finished {
                 sample,
                 reason,
                 text,
             } => {
-                self.texts[*sample].push_str(text);
+                self.push_text(*sample, text);
                 self.finished[*sample] = Some(*reason);
             }
             Event::Failed(_) => {}
         }
+    }
+
+    fn push_text(&mut self, sample: usize, text: &str) {
+        self.texts[sample].push_str(text);
+        self.chars[sample] += text.chars().count();
     }
 
     fn done(&self) -> bool {

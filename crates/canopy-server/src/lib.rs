@@ -7,8 +7,10 @@
 //!   events ending with `data: [DONE]`, with `usage` (and the prompt tokens found in the
 //!   prefix cache); `GET /v1/models` (with canopy's `max_model_len` and `vocab_size`); `GET
 //!   /health`; `GET /metrics` in Prometheus' text format.
-//! - Besides OpenAI's fields a request may set `ignore_eos` (as other engines do): its samples
-//!   run to `max_tokens` past the model's end-of-sequence tokens, which a benchmark needs.
+//! - Tokens' log-probabilities ([`logprobs`]) and a completion's `echo` come in OpenAI's
+//!   forms. Besides OpenAI's fields a request may set `ignore_eos` (as other engines do): its
+//!   samples run to `max_tokens` past the model's end-of-sequence tokens, which a benchmark
+//!   needs.
 //! - Requests are parsed here (unknown fields ignored, a wrong type a 400 in OpenAI's error
 //!   body), tokenized (a chat through the model's template), checked against the engine's
 //!   limits (a prompt and `max_tokens` beyond the context a 400 that states it) and handed to
@@ -24,6 +26,7 @@ mod api;
 pub mod client;
 mod error;
 mod job;
+mod logprobs;
 mod metrics;
 mod routes;
 

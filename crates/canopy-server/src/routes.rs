@@ -82,8 +82,12 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let job = parse::<CompletionRequest>(&st, body).and_then(|r| {
-        let prompt = prompt_ids(&st, r.prompt)?;
-        Job::submit(&st, Kind::Text, prompt, r.sampling)
+        let prompt = prompt_ids(&st, &r.prompt)?;
+        let echo = r
+            .echo
+            .then(|| echo_text(&st, &r.prompt, &prompt))
+            .transpose()?;
+        Job::submit(&st, Kind::Text, prompt, r.sampling, echo)
     });
     respond(st, job).await
 }
@@ -91,7 +95,7 @@ async fn completions(
 async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let job = parse::<ChatRequest>(&st, body).and_then(|r| {
         let prompt = chat_ids(&st, &r)?;
-        Job::submit(&st, Kind::Chat, prompt, r.sampling)
+        Job::submit(&st, Kind::Chat, prompt, r.sampling, None)
     });
     respond(st, job).await
 }
@@ -147,7 +151,7 @@ fn parse<T: DeserializeOwned>(
 
 /// A completion's prompt as token ids: text is tokenized (with the model's special tokens);
 /// ids must be in the vocabulary.
-fn prompt_ids(st: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+fn prompt_ids(st: &AppState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
     let one = |n: usize| {
         (n == 1).then_some(()).ok_or_else(|| {
             ApiError::invalid(
@@ -157,15 +161,15 @@ fn prompt_ids(st: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
         })
     };
     let ids = match prompt {
-        Prompt::Text(text) => encode(st, &text, true)?,
-        Prompt::Texts(mut texts) => {
+        Prompt::Text(text) => encode(st, text, true)?,
+        Prompt::Texts(texts) => {
             one(texts.len())?;
-            encode(st, &texts.swap_remove(0), true)?
+            encode(st, &texts[0], true)?
         }
-        Prompt::Ids(ids) => ids,
-        Prompt::IdLists(mut lists) => {
+        Prompt::Ids(ids) => ids.clone(),
+        Prompt::IdLists(lists) => {
             one(lists.len())?;
-            lists.swap_remove(0)
+            lists[0].clone()
         }
     };
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= st.vocab) {
@@ -178,6 +182,20 @@ fn prompt_ids(st: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
         ));
     }
     Ok(ids)
+}
+
+/// A completion's prompt as `echo` repeats it: the text given, or its `ids` decoded.
+fn echo_text(st: &AppState, prompt: &Prompt, ids: &[u32]) -> Result<String, ApiError> {
+    match prompt {
+        Prompt::Text(text) => Ok(text.clone()),
+        Prompt::Texts(texts) => Ok(texts.concat()),
+        Prompt::Ids(_) | Prompt::IdLists(_) => st.tokenizer.decode(ids, false).map_err(|e| {
+            ApiError::invalid(
+                format!("the prompt's ids could not be decoded: {e}"),
+                Some("prompt"),
+            )
+        }),
+    }
 }
 
 fn encode(st: &AppState, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
