@@ -259,7 +259,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     let first_logits = logits;
 
     let mut samplers: Vec<Sampler> = (0..req.samples)
-        .map(|i| Sampler::new(req.sampling, req.seed.wrapping_add(i as u64)))
+        .map(|i| Sampler::new(req.sampling, req.seed.wrapping_add(i as u64), &req.prompt))
         .collect();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); req.samples];
     let mut stopped = vec![false; req.samples];

@@ -3,8 +3,12 @@
 //! reaches `top_p`, drawn from a seeded generator. Every rank holds the same logits and the
 //! same generator, so every rank draws the same token.
 //!
-//! A draw reaches only a row's most likely tokens when it is greedy or cut by `top_k`
-//! ([`SamplingParams::reach`]). Such rows are narrowed on the backend
+//! Before the draw, penalties may lower the logits of tokens a sample repeats: OpenAI's
+//! `frequency_penalty` and `presence_penalty` over the tokens the sample drew, and
+//! transformers' `repetition_penalty` over those and the prompt's.
+//!
+//! A draw without penalties reaches only a row's most likely tokens when it is greedy or cut
+//! by `top_k` ([`SamplingParams::reach`]). Such rows are narrowed on the backend
 //! ([`canopy_engine::LayerOps::top_logits`]) and the host reads `k` tokens a row instead of the
 //! vocabulary; the tokens come in [`canopy_core::logits`]' order, which the draw from a whole
 //! row follows too, so both draw the same token.
@@ -13,6 +17,7 @@ use canopy_core::logits::{most_likely, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::collections::{HashMap, HashSet};
 
 /// How tokens are drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -23,6 +28,13 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the most likely tokens until their probability reaches `top_p` (1: all).
     pub top_p: f32,
+    /// Taken from a token's logit once for each time the sample drew it (0: none).
+    pub frequency_penalty: f32,
+    /// Taken from a token's logit once the sample has drawn it (0: none).
+    pub presence_penalty: f32,
+    /// Divides the positive logit, and multiplies the negative one, of a token the prompt
+    /// holds or the sample drew (1: none).
+    pub repetition_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -31,15 +43,28 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
         }
     }
 }
 
 impl SamplingParams {
+    /// Whether a draw changes logits by the tokens seen before it.
+    pub fn penalizes(&self) -> bool {
+        self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
+
     /// How many of a row's most likely tokens a draw may reach, if the backend can narrow a
-    /// row to that many (`None`: the draw reads the whole row).
+    /// row to that many (`None`: the draw reads the whole row, as a penalised one does: a
+    /// penalty can lift any token into the lead).
     pub fn reach(&self) -> Option<usize> {
-        if self.temperature <= 0.0 {
+        if self.penalizes() {
+            None
+        } else if self.temperature <= 0.0 {
             Some(1)
         } else {
             Some(self.top_k).filter(|&k| (1..=TOP_LOGITS_MAX).contains(&k))
@@ -119,19 +144,76 @@ impl StepLogits {
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
+    /// How often the sample drew each token, kept while a penalty reads it.
+    drawn: HashMap<u32, u32>,
+    /// The prompt's tokens, kept while `repetition_penalty` reads them.
+    prompt: HashSet<u32>,
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams, seed: u64) -> Sampler {
+    /// A sample of `prompt` (which only `repetition_penalty` reads).
+    pub fn new(params: SamplingParams, seed: u64, prompt: &[u32]) -> Sampler {
         Sampler {
             params,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            drawn: HashMap::new(),
+            prompt: match params.repetition_penalty != 1.0 {
+                true => prompt.iter().copied().collect(),
+                false => HashSet::new(),
+            },
         }
     }
 
     /// The next token from one row of logits: whole, or narrowed to at least
-    /// [`SamplingParams::reach`] tokens.
+    /// [`SamplingParams::reach`] tokens (never, with penalties).
     pub fn sample(&mut self, row: RowLogits) -> u32 {
+        if !self.params.penalizes() {
+            return self.sample_row(row);
+        }
+        let token = match row {
+            RowLogits::Whole(logits) => {
+                let penalized = self.penalized(logits);
+                self.sample_row(RowLogits::Whole(&penalized))
+            }
+            // Not met: a penalised draw reaches the whole row.
+            RowLogits::Top { .. } => self.sample_row(row),
+        };
+        *self.drawn.entry(token).or_default() += 1;
+        token
+    }
+
+    /// `logits` with the sample's penalties taken: the repetition penalty, then the frequency
+    /// and presence penalties, in the order other OpenAI-compatible servers take them.
+    fn penalized(&self, logits: &[f32]) -> Vec<f32> {
+        let p = self.params;
+        let mut row = logits.to_vec();
+        if p.repetition_penalty != 1.0 {
+            let seen: HashSet<u32> = self
+                .prompt
+                .iter()
+                .chain(self.drawn.keys())
+                .copied()
+                .collect();
+            for t in seen {
+                if let Some(x) = row.get_mut(t as usize) {
+                    *x = if *x > 0.0 {
+                        *x / p.repetition_penalty
+                    } else {
+                        *x * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        for (&t, &n) in &self.drawn {
+            if let Some(x) = row.get_mut(t as usize) {
+                *x -= p.frequency_penalty * n as f32 + p.presence_penalty;
+            }
+        }
+        row
+    }
+
+    /// The next token from one row of logits, without penalties.
+    fn sample_row(&mut self, row: RowLogits) -> u32 {
         let p = self.params;
         match row {
             RowLogits::Whole(logits) => {
@@ -187,6 +269,9 @@ impl Sampler {
         tokens[probs.len() - 1]
     }
 }
+
+/// The frequency and presence penalties OpenAI's API takes.
+pub const PENALTY_RANGE: std::ops::RangeInclusive<f32> = -2.0..=2.0;
 
 /// The most alternatives [`TokenLogprobs::of`] reports beside a token (OpenAI's limit for
 /// `top_logprobs`).
@@ -303,7 +388,7 @@ mod tests {
     #[test]
     fn temperature_zero_is_the_likeliest_lower_of_equals() {
         let logits = [0.1, 3.0, 2.0, 3.0];
-        let mut s = Sampler::new(SamplingParams::default(), 1);
+        let mut s = Sampler::new(SamplingParams::default(), 1, &[]);
         assert_eq!(s.sample(RowLogits::Whole(&logits)), 1);
         assert_eq!(s.sample(narrowed(&logits, 1).row(0)), 1);
     }
@@ -316,16 +401,18 @@ mod tests {
             temperature: 0.8,
             top_k: 1,
             top_p: 1.0,
+            ..SamplingParams::default()
         };
         let whole = RowLogits::Whole(&logits);
-        assert_eq!(Sampler::new(params, 3).sample(whole), greedy);
+        assert_eq!(Sampler::new(params, 3, &[]).sample(whole), greedy);
         let params = SamplingParams {
             temperature: 1.0,
             top_k: 0,
             top_p: 0.9,
+            ..SamplingParams::default()
         };
         let draw = |seed| {
-            let mut s = Sampler::new(params, seed);
+            let mut s = Sampler::new(params, seed, &[]);
             (0..20).map(|_| s.sample(whole)).collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
@@ -344,11 +431,12 @@ mod tests {
                 temperature,
                 top_k,
                 top_p,
+                ..SamplingParams::default()
             };
             let k = params.reach().unwrap();
             for extra in [0, 7] {
                 let top = narrowed(&logits, k + extra);
-                let (mut a, mut b) = (Sampler::new(params, 11), Sampler::new(params, 11));
+                let (mut a, mut b) = (Sampler::new(params, 11, &[]), Sampler::new(params, 11, &[]));
                 for _ in 0..50 {
                     assert_eq!(
                         a.sample(RowLogits::Whole(&logits)),
@@ -368,6 +456,7 @@ mod tests {
             temperature: 1.0,
             top_k,
             top_p: 1.0,
+            ..SamplingParams::default()
         };
         assert_eq!(step_reach([greedy, greedy], 1), Some(1));
         assert_eq!(step_reach([greedy], 2), Some(2));
@@ -382,6 +471,47 @@ mod tests {
     }
 
     #[test]
+    fn penalties_lower_what_a_sample_repeats() {
+        let greedy = |penalties: (f32, f32, f32), prompt: &[u32], logits: &[f32], steps| {
+            let (frequency_penalty, presence_penalty, repetition_penalty) = penalties;
+            let params = SamplingParams {
+                frequency_penalty,
+                presence_penalty,
+                repetition_penalty,
+                ..SamplingParams::default()
+            };
+            assert_eq!(params.reach(), None, "a penalised draw reads whole rows");
+            let mut s = Sampler::new(params, 0, prompt);
+            (0..steps)
+                .map(|_| s.sample(RowLogits::Whole(logits)))
+                .collect::<Vec<u32>>()
+        };
+        let logits = [3.0, 2.5, 0.0];
+        // The frequency penalty grows with each draw, the presence penalty does not.
+        assert_eq!(greedy((0.4, 0.0, 1.0), &[], &logits, 5), [0, 0, 1, 0, 1]);
+        assert_eq!(greedy((0.0, 1.0, 1.0), &[], &logits, 5), [0, 1, 0, 0, 0]);
+        assert_eq!(greedy((0.01, 0.0, 1.0), &[], &logits, 3), [0, 0, 0]);
+        // The repetition penalty divides a positive logit and multiplies a negative one, of a
+        // token in the prompt as of one drawn, once however often it came.
+        assert_eq!(greedy((0.0, 0.0, 1.25), &[0, 0, 0], &logits, 3), [1, 0, 0]);
+        assert_eq!(greedy((0.0, 0.0, 1.25), &[], &logits, 3), [0, 1, 0]);
+        assert_eq!(greedy((0.0, 0.0, 1.25), &[0], &[-1.0, -1.1], 1), [1]);
+        assert_eq!(
+            step_reach(
+                [
+                    SamplingParams::default(),
+                    SamplingParams {
+                        presence_penalty: 0.5,
+                        ..SamplingParams::default()
+                    }
+                ],
+                1
+            ),
+            None
+        );
+    }
+
+    #[test]
     fn top_p_keeps_only_the_likely_head() {
         let mut logits = vec![-10.0f32; 10];
         logits[4] = 5.0;
@@ -389,8 +519,9 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 0.5,
+            ..SamplingParams::default()
         };
-        let mut s = Sampler::new(params, 9);
+        let mut s = Sampler::new(params, 9, &[]);
         assert!((0..50).all(|_| s.sample(RowLogits::Whole(&logits)) == 4));
     }
 }

@@ -239,6 +239,7 @@ fn each_seeded_sample_equals_its_seed_decoded_alone() {
         temperature: 0.9,
         top_k: 40,
         top_p: 0.95,
+        ..SamplingParams::default()
     };
     let strategy = DecodeStrategy::Tree(MergeCollective::Allreduce2);
     let together = run(

@@ -287,7 +287,7 @@ impl<'t> Scheduler<'t> {
         });
         let samples = (0..r.samples)
             .map(|i| Sample {
-                sampler: Sampler::new(r.sampling, r.seed.wrapping_add(i as u64)),
+                sampler: Sampler::new(r.sampling, r.seed.wrapping_add(i as u64), &r.prompt),
                 decoder: self.tokenizer.incremental_decoder(true),
                 text: StopText::default(),
                 drawn: 0,
