@@ -303,6 +303,29 @@ pub fn probability_mass(s: &str) -> Result<f32, String> {
     }
 }
 
+/// Parses a frequency or presence penalty: OpenAI's range.
+pub fn penalty(s: &str) -> Result<f32, String> {
+    let range = canopy_runtime::PENALTY_RANGE;
+    match s.parse::<f32>() {
+        Ok(p) if range.contains(&p) => Ok(p),
+        Ok(_) => Err(format!(
+            "must be from {} to {} (0: none)",
+            range.start(),
+            range.end()
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Parses a repetition penalty: more than 0 (1: none).
+pub fn repetition_penalty(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p.is_finite() && p > 0.0 => Ok(p),
+        Ok(_) => Err("must be more than 0 (1: none; above 1 discourages repeats)".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Parses a stop string: not empty (every text contains the empty string, so a sample would
 /// end before its first token; the server refuses it too).
 pub fn stop_string(s: &str) -> Result<String, String> {

@@ -78,6 +78,16 @@ pub struct GenerateArgs {
     /// Sample from the most likely tokens whose probability reaches P (0 < P <= 1).
     #[arg(long, default_value_t = 1.0, value_parser = crate::bench::probability_mass, allow_negative_numbers = true)]
     top_p: f32,
+    /// Taken from a token's logit for each time the sample drew it (-2 to 2).
+    #[arg(long, default_value_t = 0.0, value_parser = crate::bench::penalty, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Taken from a token's logit once the sample has drawn it (-2 to 2).
+    #[arg(long, default_value_t = 0.0, value_parser = crate::bench::penalty, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Divides the positive logits, and multiplies the negative ones, of tokens the prompt
+    /// holds or the sample drew (1: none).
+    #[arg(long, default_value_t = 1.0, value_parser = crate::bench::repetition_penalty)]
+    repetition_penalty: f32,
     /// Seed of the sampler; sample i of --n draws from seed + i.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -175,6 +185,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             temperature: a.temperature,
             top_k: a.top_k,
             top_p: a.top_p,
+            frequency_penalty: a.frequency_penalty,
+            presence_penalty: a.presence_penalty,
+            repetition_penalty: a.repetition_penalty,
         },
         seed: a.seed,
         // A stand-in prompt's run is a timing: it decodes every token asked for.

@@ -106,6 +106,11 @@ fn tiny_prompts() -> Vec<Vec<u32>> {
 
 /// `canopy generate` alone: the greedy text of `prompt`.
 fn generate_alone(model: &str, prompt: &[u32], max_tokens: usize) -> String {
+    generate_alone_with(model, prompt, max_tokens, &[])
+}
+
+/// `canopy generate` alone with `extra` options.
+fn generate_alone_with(model: &str, prompt: &[u32], max_tokens: usize, extra: &[&str]) -> String {
     let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
     let out = Command::new(assert_cmd::cargo::cargo_bin("canopy"))
         .args(["generate", "--model", model, "--backend", "cpu", "--json"])
@@ -115,6 +120,7 @@ fn generate_alone(model: &str, prompt: &[u32], max_tokens: usize) -> String {
             "--max-tokens",
             &max_tokens.to_string(),
         ])
+        .args(extra)
         .output()
         .expect("canopy generate runs");
     assert!(
@@ -327,6 +333,60 @@ fn assert_close(a: &Value, b: &Value) {
                 .for_each(|(x, y)| assert_close(x, y));
         }
         _ => assert_eq!(a, b),
+    }
+}
+
+#[test]
+fn penalties_draw_what_generate_draws_with_them() {
+    let server = Server::start(&tiny(), &[]);
+    let (model, prompt) = (tiny(), tiny_prompts()[3].clone());
+    let complete = |penalties: Value| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(penalties.as_object().unwrap().clone());
+        let r = server
+            .client
+            .post("/v1/completions", &body.to_string())
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let plain = complete(json!({}));
+    let options = [
+        "--frequency-penalty",
+        "0.5",
+        "--presence-penalty",
+        "-0.25",
+        "--repetition-penalty",
+        "1.3",
+    ];
+    let penalised = complete(json!({
+        "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.3,
+    }));
+    assert_eq!(
+        penalised,
+        generate_alone_with(&model, &prompt, 24, &options)
+    );
+    assert_ne!(penalised, plain, "the penalties change what is drawn");
+    for (body, param) in [
+        (
+            r#"{"prompt": "a", "frequency_penalty": 2.5}"#,
+            "frequency_penalty",
+        ),
+        (
+            r#"{"prompt": "a", "presence_penalty": -3}"#,
+            "presence_penalty",
+        ),
+        (
+            r#"{"prompt": "a", "repetition_penalty": 0}"#,
+            "repetition_penalty",
+        ),
+    ] {
+        let r = server.client.post("/v1/completions", body).unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(error_of(&r)["param"], param, "{body}");
     }
 }
 

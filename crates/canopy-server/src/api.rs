@@ -65,6 +65,10 @@ pub struct Sampling {
     pub stream_options: Option<StreamOptions>,
     /// Not OpenAI's: draw past the end-of-sequence tokens, to `max_tokens`.
     pub ignore_eos: Option<bool>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    /// Not OpenAI's (transformers' and other engines'): 1 is none.
+    pub repetition_penalty: Option<f32>,
     pub logprobs: Option<Logprobs>,
     /// The chat's count of most likely tokens beside each drawn one.
     pub top_logprobs: Option<u32>,

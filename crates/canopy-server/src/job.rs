@@ -141,6 +141,25 @@ impl Job {
             }
             k => k.max(0) as usize,
         };
+        let penalty = |value: Option<f32>, name: &'static str| {
+            let range = canopy_runtime::PENALTY_RANGE;
+            match value.unwrap_or(0.0) {
+                p if range.contains(&p) => Ok(p),
+                _ => Err(ApiError::invalid(
+                    format!("{name} must be from {} to {}", range.start(), range.end()),
+                    Some(name),
+                )),
+            }
+        };
+        let frequency_penalty = penalty(sampling.frequency_penalty, "frequency_penalty")?;
+        let presence_penalty = penalty(sampling.presence_penalty, "presence_penalty")?;
+        let repetition_penalty = sampling.repetition_penalty.unwrap_or(1.0);
+        if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
+            return Err(ApiError::invalid(
+                "repetition_penalty must be more than 0 (1: none)",
+                Some("repetition_penalty"),
+            ));
+        }
         let stop = sampling.stop.map(|s| s.into_vec()).unwrap_or_default();
         if stop.len() > MAX_STOPS || stop.iter().any(String::is_empty) {
             return Err(ApiError::invalid(
@@ -175,6 +194,9 @@ impl Job {
                 temperature,
                 top_k,
                 top_p,
+                frequency_penalty,
+                presence_penalty,
+                repetition_penalty,
             },
             seed,
             stop,
