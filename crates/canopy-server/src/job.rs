@@ -39,32 +39,40 @@ const KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Stop strings of one request, at most.
 const MAX_STOPS: usize = 16;
 
-/// The engine's events for one request go to its job through a channel; the job's end
+/// The engine's events for one of a job's prompts go to the job through its channel, their
+/// samples numbered as the job's choices (the prompt's first at `first_choice`); the job's end
 /// closes it, which the engine sees.
-struct Sink(UnboundedSender<Event>);
+struct Sink {
+    tx: UnboundedSender<Event>,
+    first_choice: usize,
+}
 
 impl EventSink for Sink {
-    fn send(&mut self, event: Event) -> bool {
-        self.0.send(event).is_ok()
+    fn send(&mut self, mut event: Event) -> bool {
+        if let Event::Token { sample, .. } | Event::Finished { sample, .. } = &mut event {
+            *sample += self.first_choice;
+        }
+        self.tx.send(event).is_ok()
     }
 
     fn is_closed(&self) -> bool {
-        self.0.is_closed()
+        self.tx.is_closed()
     }
 }
 
-/// A submitted request.
+/// A submitted request: one engine request per prompt.
 pub struct Job {
     st: Arc<AppState>,
     kind: Kind,
-    id: u64,
+    ids: Vec<u64>,
+    /// Choices: `n` per prompt, prompt by prompt.
     samples: usize,
     stream: bool,
     include_usage: bool,
     /// Whether the choices report their tokens' log-probabilities.
     logprobs: bool,
-    /// The prompt's text, put before each choice's (a completion's `echo`).
-    echo: Option<String>,
+    /// Each choice's prompt's text, put before its own (a completion's `echo`).
+    echo: Option<Vec<String>>,
     prompt_tokens: usize,
     events: UnboundedReceiver<Event>,
     state: Progress,
@@ -73,6 +81,8 @@ pub struct Job {
 /// What the engine has said of a job so far.
 struct Progress {
     arrived: Instant,
+    /// The job's engine requests admitted so far.
+    started: usize,
     cached_tokens: usize,
     texts: Vec<String>,
     /// Characters in each of `texts`.
@@ -90,14 +100,14 @@ struct Progress {
 }
 
 impl Job {
-    /// Checks `sampling` and submits `prompt` to the engine; each choice's text follows
-    /// `echo`, if given.
+    /// Checks `sampling` and submits each of `prompts` to the engine; the choices of prompt
+    /// `i` follow `echo[i]`, if given.
     pub fn submit(
         st: &Arc<AppState>,
         kind: Kind,
-        prompt: Vec<u32>,
+        prompts: Vec<Vec<u32>>,
         sampling: Sampling,
-        echo: Option<String>,
+        echo: Option<Vec<String>>,
     ) -> Result<Job, ApiError> {
         if let Some(model) = sampling.model.as_deref().filter(|m| *m != st.model) {
             return Err(ApiError {
@@ -118,7 +128,7 @@ impl Job {
             None if kind == Kind::Text => COMPLETION_MAX_TOKENS,
             None => limits
                 .max_context
-                .saturating_sub(prompt.len())
+                .saturating_sub(prompts.iter().map(Vec::len).max().unwrap_or(0))
                 .clamp(1, CHAT_MAX_TOKENS),
         };
         let temperature = sampling.temperature.unwrap_or(1.0);
@@ -185,47 +195,69 @@ impl Job {
                 .map_or(0, |d| d.as_nanos() as u64)
         });
         let (tx, events) = unbounded_channel();
-        let prompt_tokens = prompt.len();
-        let id = st.engine.submit(ServeRequest {
-            prompt,
-            max_tokens,
-            samples,
-            sampling: SamplingParams {
-                temperature,
-                top_k,
-                top_p,
-                frequency_penalty,
-                presence_penalty,
-                repetition_penalty,
-            },
-            seed,
-            stop,
-            ignore_eos: sampling.ignore_eos.unwrap_or(false),
-            logprobs,
-            sink: Box::new(Sink(tx)),
-        })?;
-        let echoed = echo.clone().unwrap_or_default();
+        let prompt_tokens = prompts.iter().map(Vec::len).sum();
+        let choices = prompts.len() * samples;
+        let mut ids = Vec::with_capacity(prompts.len());
+        for (i, prompt) in prompts.into_iter().enumerate() {
+            let submitted = st.engine.submit(ServeRequest {
+                prompt,
+                max_tokens,
+                samples,
+                sampling: SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    frequency_penalty,
+                    presence_penalty,
+                    repetition_penalty,
+                },
+                seed,
+                stop: stop.clone(),
+                ignore_eos: sampling.ignore_eos.unwrap_or(false),
+                logprobs,
+                sink: Box::new(Sink {
+                    tx: tx.clone(),
+                    first_choice: i * samples,
+                }),
+            });
+            match submitted {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    ids.iter().for_each(|&id| st.engine.cancel(id));
+                    return Err(e.into());
+                }
+            }
+        }
+        // Each choice's echo, and where its own text begins.
+        let echoes: Vec<String> = match &echo {
+            Some(texts) => texts
+                .iter()
+                .flat_map(|t| std::iter::repeat_n(t.clone(), samples))
+                .collect(),
+            None => vec![String::new(); choices],
+        };
         Ok(Job {
             st: st.clone(),
             kind,
-            id,
-            samples,
+            ids,
+            samples: choices,
             stream: sampling.stream,
             include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
             logprobs: logprobs.is_some(),
-            echo,
+            echo: echo.map(|_| echoes.clone()),
             prompt_tokens,
             events,
             state: Progress {
                 arrived: Instant::now(),
+                started: 0,
                 cached_tokens: 0,
-                chars: vec![echoed.chars().count(); samples],
-                texts: vec![echoed; samples],
-                entries: vec![Vec::new(); samples],
-                streamed: vec![0; samples],
-                tokens: vec![0; samples],
-                finished: vec![None; samples],
-                last_token: vec![None; samples],
+                chars: echoes.iter().map(|t| t.chars().count()).collect(),
+                texts: echoes,
+                entries: vec![Vec::new(); choices],
+                streamed: vec![0; choices],
+                tokens: vec![0; choices],
+                finished: vec![None; choices],
+                last_token: vec![None; choices],
                 first_token: false,
                 outcome: None,
             },
@@ -338,12 +370,16 @@ impl Job {
     /// The chunk an event makes (`None`: nothing to send); a sample's chunk carries the
     /// log-probabilities of its tokens since its last chunk.
     fn chunk(&mut self, event: &Event) -> Option<String> {
+        let first_started = self.state.started == 1;
         let (sample, text, reason) = match event {
+            Event::Started { .. } if !first_started => return None,
             Event::Started { .. } if self.echo.is_some() => {
-                let choices = (0..self.samples)
-                    .map(|index| TextChoice {
+                let echoes = self.echo.iter().flatten();
+                let choices = echoes
+                    .enumerate()
+                    .map(|(index, text)| TextChoice {
                         index,
-                        text: self.echo.clone().unwrap_or_default(),
+                        text: text.clone(),
                         logprobs: None,
                         finish_reason: None,
                     })
@@ -432,8 +468,8 @@ impl Job {
     ) -> Response<C> {
         Response {
             id: match self.kind {
-                Kind::Text => format!("cmpl-{}", self.id),
-                Kind::Chat => format!("chatcmpl-{}", self.id),
+                Kind::Text => format!("cmpl-{}", self.ids[0]),
+                Kind::Chat => format!("chatcmpl-{}", self.ids[0]),
             },
             object,
             created: SystemTime::now()
@@ -472,7 +508,10 @@ impl Progress {
     /// Takes in an event; times the tokens.
     fn see(&mut self, st: &AppState, event: &Event) {
         match event {
-            Event::Started { cached_tokens } => self.cached_tokens = *cached_tokens,
+            Event::Started { cached_tokens } => {
+                self.started += 1;
+                self.cached_tokens += cached_tokens;
+            }
             Event::Token {
                 sample,
                 token,
@@ -550,7 +589,7 @@ impl Drop for Job {
         if self.state.outcome.is_none() {
             self.end(Outcome::Cancelled);
             self.events.close();
-            self.st.engine.cancel(self.id);
+            self.ids.iter().for_each(|&id| self.st.engine.cancel(id));
         }
     }
 }

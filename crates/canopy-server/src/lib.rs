@@ -7,8 +7,9 @@
 //!   events ending with `data: [DONE]`, with `usage` (and the prompt tokens found in the
 //!   prefix cache); `GET /v1/models` (with canopy's `max_model_len` and `vocab_size`); `GET
 //!   /health`; `GET /metrics` in Prometheus' text format.
-//! - Tokens' log-probabilities ([`logprobs`]) and a completion's `echo` come in OpenAI's
-//!   forms. Besides OpenAI's fields a request may set `ignore_eos` (as other engines do): its
+//! - A completion may list several prompts: each is an engine request of its own, and their
+//!   choices come in one response, prompt by prompt. Tokens' log-probabilities ([`logprobs`])
+//!   and a completion's `echo` come in OpenAI's forms. Besides OpenAI's fields a request may set `ignore_eos` (as other engines do): its
 //!   samples run to `max_tokens` past the model's end-of-sequence tokens, which a benchmark
 //!   needs.
 //! - Requests are parsed here (unknown fields ignored, a wrong type a 400 in OpenAI's error

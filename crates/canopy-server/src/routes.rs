@@ -82,12 +82,12 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let job = parse::<CompletionRequest>(&st, body).and_then(|r| {
-        let prompt = prompt_ids(&st, &r.prompt)?;
+        let prompts = prompt_ids(&st, &r.prompt)?;
         let echo = r
             .echo
-            .then(|| echo_text(&st, &r.prompt, &prompt))
+            .then(|| echo_texts(&st, &r.prompt, &prompts))
             .transpose()?;
-        Job::submit(&st, Kind::Text, prompt, r.sampling, echo)
+        Job::submit(&st, Kind::Text, prompts, r.sampling, echo)
     });
     respond(st, job).await
 }
@@ -95,7 +95,7 @@ async fn completions(
 async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let job = parse::<ChatRequest>(&st, body).and_then(|r| {
         let prompt = chat_ids(&st, &r)?;
-        Job::submit(&st, Kind::Chat, prompt, r.sampling, None)
+        Job::submit(&st, Kind::Chat, vec![prompt], r.sampling, None)
     });
     respond(st, job).await
 }
@@ -149,30 +149,30 @@ fn parse<T: DeserializeOwned>(
     })
 }
 
-/// A completion's prompt as token ids: text is tokenized (with the model's special tokens);
-/// ids must be in the vocabulary.
-fn prompt_ids(st: &AppState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
-    let one = |n: usize| {
-        (n == 1).then_some(()).ok_or_else(|| {
-            ApiError::invalid(
-                format!("give one prompt per request ({n} given); send several requests at once instead"),
-                Some("prompt"),
-            )
-        })
+/// A completion's prompts as token ids: text is tokenized (with the model's special
+/// tokens); ids must be in the vocabulary. A request lists at most as many prompts as the
+/// engine's queue holds, since each waits there as a request of its own.
+fn prompt_ids(st: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, ApiError> {
+    let prompts = match prompt {
+        Prompt::Text(text) => vec![encode(st, text, true)?],
+        Prompt::Texts(texts) => texts
+            .iter()
+            .map(|t| encode(st, t, true))
+            .collect::<Result<_, _>>()?,
+        Prompt::Ids(ids) => vec![ids.clone()],
+        Prompt::IdLists(lists) => lists.clone(),
     };
-    let ids = match prompt {
-        Prompt::Text(text) => encode(st, text, true)?,
-        Prompt::Texts(texts) => {
-            one(texts.len())?;
-            encode(st, &texts[0], true)?
-        }
-        Prompt::Ids(ids) => ids.clone(),
-        Prompt::IdLists(lists) => {
-            one(lists.len())?;
-            lists[0].clone()
-        }
-    };
-    if let Some(bad) = ids.iter().find(|&&t| t as usize >= st.vocab) {
+    let most = st.engine.queue_capacity();
+    if prompts.is_empty() || prompts.len() > most {
+        return Err(ApiError::invalid(
+            format!(
+                "a request lists 1 to {most} prompts (the server's --max-queue); this one lists {}",
+                prompts.len()
+            ),
+            Some("prompt"),
+        ));
+    }
+    if let Some(bad) = prompts.iter().flatten().find(|&&t| t as usize >= st.vocab) {
         return Err(ApiError::invalid(
             format!(
                 "token id {bad} is not in the model's vocabulary of {} tokens",
@@ -181,20 +181,25 @@ fn prompt_ids(st: &AppState, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
             Some("prompt"),
         ));
     }
-    Ok(ids)
+    Ok(prompts)
 }
 
-/// A completion's prompt as `echo` repeats it: the text given, or its `ids` decoded.
-fn echo_text(st: &AppState, prompt: &Prompt, ids: &[u32]) -> Result<String, ApiError> {
+/// A completion's prompts as `echo` repeats them: the texts given, or their `ids` decoded.
+fn echo_texts(st: &AppState, prompt: &Prompt, ids: &[Vec<u32>]) -> Result<Vec<String>, ApiError> {
     match prompt {
-        Prompt::Text(text) => Ok(text.clone()),
-        Prompt::Texts(texts) => Ok(texts.concat()),
-        Prompt::Ids(_) | Prompt::IdLists(_) => st.tokenizer.decode(ids, false).map_err(|e| {
-            ApiError::invalid(
-                format!("the prompt's ids could not be decoded: {e}"),
-                Some("prompt"),
-            )
-        }),
+        Prompt::Text(text) => Ok(vec![text.clone()]),
+        Prompt::Texts(texts) => Ok(texts.clone()),
+        Prompt::Ids(_) | Prompt::IdLists(_) => ids
+            .iter()
+            .map(|ids| {
+                st.tokenizer.decode(ids, false).map_err(|e| {
+                    ApiError::invalid(
+                        format!("the prompt's ids could not be decoded: {e}"),
+                        Some("prompt"),
+                    )
+                })
+            })
+            .collect(),
     }
 }
 

@@ -302,6 +302,11 @@ impl EngineHandle {
         self.shared.limits
     }
 
+    /// Requests that may wait for admission at once.
+    pub fn queue_capacity(&self) -> usize {
+        self.shared.queue
+    }
+
     /// Queues `request` unless it could never run, the queue is full or the engine is
     /// draining; returns its id, for [`cancel`](Self::cancel).
     pub fn submit(&self, request: ServeRequest) -> Result<u64, RequestError> {
