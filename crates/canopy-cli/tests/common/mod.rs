@@ -35,3 +35,4 @@ pub fn font() -> bool {
         .into_iter()
         .any(|f| std::path::Path::new(f).exists())
 }
+pub mod serve;

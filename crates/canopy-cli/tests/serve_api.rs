@@ -1,0 +1,297 @@
+//! `canopy serve`'s OpenAI request fields beyond plain generation, end to end on the tiny
+//! fixture model: several prompts in one request, the penalties, tokens' log-probabilities
+//! and `echo`.
+
+mod common;
+
+use canopy_server::client::Client;
+use common::serve::{error_of, generate_alone, generate_alone_with, tiny, tiny_prompts, Server};
+use serde_json::{json, Value};
+
+/// A choice's `logprobs` gathered over a stream's chunks of one choice.
+fn streamed_logprobs(client: &Client, path: &str, body: Value) -> Vec<Value> {
+    let mut s = client.stream(path, &body.to_string()).unwrap();
+    assert_eq!(s.status, 200);
+    let mut parts = Vec::new();
+    while let Some(data) = s.next_event().unwrap() {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        if let Some(lp) = chunk["choices"].get(0).map(|c| &c["logprobs"]) {
+            parts.push(lp.clone());
+        }
+    }
+    parts
+}
+
+/// Concatenates each list field of `parts` (JSON objects of lists).
+fn joined(parts: &[Value], fields: &[&str]) -> Value {
+    let mut out = serde_json::Map::new();
+    for f in fields {
+        let all: Vec<Value> = parts
+            .iter()
+            .filter(|p| !p.is_null())
+            .flat_map(|p| p[*f].as_array().unwrap().clone())
+            .collect();
+        out.insert(f.to_string(), Value::Array(all));
+    }
+    Value::Object(out)
+}
+
+/// `a` and `b` alike, their numbers within 1e-4: a request that finds its prompt cached
+/// computes its logits in another order than one that prefills it.
+fn assert_close(a: &Value, b: &Value) {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-4, "{x} against {y}");
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            assert_eq!(x.len(), y.len(), "{a} against {b}");
+            x.iter().zip(y).for_each(|(x, y)| assert_close(x, y));
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            assert!(x.keys().eq(y.keys()), "{a} against {b}");
+            x.values()
+                .zip(y.values())
+                .for_each(|(x, y)| assert_close(x, y));
+        }
+        _ => assert_eq!(a, b),
+    }
+}
+
+#[test]
+fn several_prompts_in_one_request_answer_as_each_alone() {
+    let server = Server::start(&tiny(), &["--max-queue", "4"]);
+    let prompts = tiny_prompts();
+    let c = &server.client;
+    let alone: Vec<String> = prompts[..3]
+        .iter()
+        .map(|p| generate_alone(&tiny(), p, 6))
+        .collect();
+    let body = json!({"prompt": &prompts[..3], "max_tokens": 6, "temperature": 0, "n": 2});
+    let r = c.post("/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["text"], alone[i / 2], "choice {i}");
+    }
+    let prompt_tokens: usize = prompts[..3].iter().map(Vec::len).sum();
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    // Streamed, each choice's chunks carry its index.
+    let mut s = c
+        .stream(
+            "/v1/completions",
+            &json!({"prompt": &prompts[..3], "max_tokens": 6, "temperature": 0, "stream": true})
+                .to_string(),
+        )
+        .unwrap();
+    let mut texts = vec![String::new(); 3];
+    while let Some(data) = s.next_event().unwrap() {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        for choice in chunk["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            texts[index].push_str(choice["text"].as_str().unwrap());
+        }
+    }
+    assert_eq!(texts, alone);
+    // Echo repeats each prompt before its own choices.
+    let body = json!({"prompt": ["One", "Two"], "max_tokens": 2, "echo": true});
+    let v: Value =
+        serde_json::from_str(&c.post("/v1/completions", &body.to_string()).unwrap().body).unwrap();
+    assert!(v["choices"][0]["text"].as_str().unwrap().starts_with("One"));
+    assert!(v["choices"][1]["text"].as_str().unwrap().starts_with("Two"));
+    // More prompts than the queue holds could never all wait, and none is empty.
+    for body in [
+        json!({"prompt": vec!["a"; 5]}),
+        json!({"prompt": Vec::<String>::new()}),
+    ] {
+        let r = c.post("/v1/completions", &body.to_string()).unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(error_of(&r)["param"], "prompt");
+    }
+}
+
+#[test]
+fn penalties_draw_what_generate_draws_with_them() {
+    let server = Server::start(&tiny(), &[]);
+    let (model, prompt) = (tiny(), tiny_prompts()[3].clone());
+    let complete = |penalties: Value| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(penalties.as_object().unwrap().clone());
+        let r = server
+            .client
+            .post("/v1/completions", &body.to_string())
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let plain = complete(json!({}));
+    let options = [
+        "--frequency-penalty",
+        "0.5",
+        "--presence-penalty",
+        "-0.25",
+        "--repetition-penalty",
+        "1.3",
+    ];
+    let penalised = complete(json!({
+        "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.3,
+    }));
+    assert_eq!(
+        penalised,
+        generate_alone_with(&model, &prompt, 24, &options)
+    );
+    assert_ne!(penalised, plain, "the penalties change what is drawn");
+    for (body, param) in [
+        (
+            r#"{"prompt": "a", "frequency_penalty": 2.5}"#,
+            "frequency_penalty",
+        ),
+        (
+            r#"{"prompt": "a", "presence_penalty": -3}"#,
+            "presence_penalty",
+        ),
+        (
+            r#"{"prompt": "a", "repetition_penalty": 0}"#,
+            "repetition_penalty",
+        ),
+    ] {
+        let r = server.client.post("/v1/completions", body).unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(error_of(&r)["param"], param, "{body}");
+    }
+}
+
+#[test]
+fn log_probabilities_and_echo_answer_as_openai_does() {
+    let server = Server::start(&tiny(), &[]);
+    let c = &server.client;
+    let prompt = &tiny_prompts()[2];
+    // A completion: each token's text, log-probability, its 3 most likely and offset.
+    let body = json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3});
+    let r = c.post("/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let choice = &v["choices"][0];
+    let lp = &choice["logprobs"];
+    let n = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let text = choice["text"].as_str().unwrap();
+    for f in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[f].as_array().unwrap().len(), n, "{f}");
+    }
+    let mut offset = 0;
+    for i in 0..n {
+        let (token, x) = (lp["tokens"][i].as_str().unwrap(), &lp["token_logprobs"][i]);
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        // Greedy: the drawn token is the likeliest of the three.
+        assert_eq!(top.len(), 3, "{top:?}");
+        assert_eq!(&top[token], x);
+        let best = top
+            .values()
+            .map(|y| y.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert_eq!(x.as_f64().unwrap(), best);
+        assert!(best <= 0.0);
+        let at = lp["text_offset"][i].as_u64().unwrap() as usize;
+        assert!(at >= offset && at <= text.chars().count());
+        offset = at;
+    }
+    // Streamed, the chunks carry the same tokens in pieces.
+    let streamed = streamed_logprobs(
+        c,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3, "stream": true}),
+    );
+    let fields = ["tokens", "token_logprobs", "top_logprobs", "text_offset"];
+    assert_close(
+        &joined(&streamed, &fields),
+        &joined(std::slice::from_ref(lp), &fields),
+    );
+    // A chat: each token's bytes spell the answer.
+    let chat = json!({
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+    });
+    let r = c.post("/v1/chat/completions", &chat.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let bytes: Vec<u8> = content
+        .iter()
+        .flat_map(|t| serde_json::from_value::<Vec<u8>>(t["bytes"].clone()).unwrap())
+        .collect();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    // The answer leaves out a last character its tokens did not finish.
+    let spelled = String::from_utf8_lossy(&bytes);
+    let unfinished = spelled
+        .strip_prefix(answer)
+        .expect("the bytes spell the answer");
+    assert!(unfinished.chars().all(|c| c == '\u{FFFD}'), "{spelled:?}");
+    for t in content {
+        assert_eq!(t["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(t["top_logprobs"][0]["logprob"], t["logprob"]);
+    }
+    let mut streamed_chat = chat.clone();
+    streamed_chat["stream"] = json!(true);
+    let streamed = streamed_logprobs(c, "/v1/chat/completions", streamed_chat);
+    assert_close(
+        &joined(&streamed, &["content"]),
+        &json!({"content": content}),
+    );
+    // Echo repeats the prompt; with logprobs it would need the prompt's, and is refused.
+    let r = c
+        .post(
+            "/v1/completions",
+            r#"{"prompt": "Once upon", "max_tokens": 2, "echo": true}"#,
+        )
+        .unwrap();
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert!(
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("Once upon"),
+        "{v}"
+    );
+    for (path, body, param) in [
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "echo": true, "logprobs": 1}"#,
+            "echo",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "logprobs": 21}"#,
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "a", "logprobs": true}"#,
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}"#,
+            "top_logprobs",
+        ),
+    ] {
+        let r = c.post(path, body).unwrap();
+        assert_eq!(r.status, 400, "{body}");
+        assert_eq!(error_of(&r)["param"], param, "{body}");
+    }
+}
