@@ -270,7 +270,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     };
     let mut step_logits: Vec<StepLogits> = vec![first; req.samples];
     // Sample 0's top two are reported, so every step keeps at least two tokens a row.
-    let reach = step_reach([req.sampling], 2);
+    let reach = step_reach(samplers.iter().map(Sampler::reach), 2);
     let mut step_s = Vec::new();
     let mut merge_s = Vec::new();
     let mut first_token_s = None;

@@ -5,7 +5,8 @@
 //!
 //! Before the draw, penalties may lower the logits of tokens a sample repeats: OpenAI's
 //! `frequency_penalty` and `presence_penalty` over the tokens the sample drew, and
-//! transformers' `repetition_penalty` over those and the prompt's.
+//! transformers' `repetition_penalty` over those and the prompt's; and fixed biases
+//! (OpenAI's `logit_bias`) may be added to chosen tokens' logits.
 //!
 //! A draw without penalties reaches only a row's most likely tokens when it is greedy or cut
 //! by `top_k` ([`SamplingParams::reach`]). Such rows are narrowed on the backend
@@ -72,14 +73,12 @@ impl SamplingParams {
     }
 }
 
-/// The tokens a step's rows are narrowed to: enough for every row's draw, `None` if some row
-/// needs its whole logits. `at_least` raises the count (a caller that reports the top two).
-pub fn step_reach(
-    rows: impl IntoIterator<Item = SamplingParams>,
-    at_least: usize,
-) -> Option<usize> {
+/// The tokens a step's rows are narrowed to: enough for every row's reach (`None`: a row
+/// needs its whole logits, and so the step does). `at_least` raises the count (a caller that
+/// reports the top two).
+pub fn step_reach(rows: impl IntoIterator<Item = Option<usize>>, at_least: usize) -> Option<usize> {
     rows.into_iter()
-        .try_fold(at_least.max(1), |k, p| p.reach().map(|r| k.max(r)))
+        .try_fold(at_least.max(1), |k, reach| reach.map(|r| k.max(r)))
         .filter(|&k| k <= TOP_LOGITS_MAX)
 }
 
@@ -148,6 +147,8 @@ pub struct Sampler {
     drawn: HashMap<u32, u32>,
     /// The prompt's tokens, kept while `repetition_penalty` reads them.
     prompt: HashSet<u32>,
+    /// Added to these tokens' logits before each draw.
+    bias: Vec<(u32, f32)>,
 }
 
 impl Sampler {
@@ -161,30 +162,49 @@ impl Sampler {
                 true => prompt.iter().copied().collect(),
                 false => HashSet::new(),
             },
+            bias: Vec::new(),
+        }
+    }
+
+    /// The sampler with `bias` added to its tokens' logits before each draw.
+    pub fn with_bias(mut self, bias: &[(u32, f32)]) -> Sampler {
+        self.bias = bias.to_vec();
+        self
+    }
+
+    /// How many of a row's most likely tokens this sampler's draws may reach (`None`: the
+    /// whole row, as a draw that changes logits needs).
+    pub fn reach(&self) -> Option<usize> {
+        match self.bias.is_empty() {
+            true => self.params.reach(),
+            false => None,
         }
     }
 
     /// The next token from one row of logits: whole, or narrowed to at least
-    /// [`SamplingParams::reach`] tokens (never, with penalties).
+    /// [`Sampler::reach`] tokens.
     pub fn sample(&mut self, row: RowLogits) -> u32 {
-        if !self.params.penalizes() {
+        if !self.params.penalizes() && self.bias.is_empty() {
             return self.sample_row(row);
         }
         let token = match row {
             RowLogits::Whole(logits) => {
-                let penalized = self.penalized(logits);
-                self.sample_row(RowLogits::Whole(&penalized))
+                let adjusted = self.adjusted(logits);
+                self.sample_row(RowLogits::Whole(&adjusted))
             }
-            // Not met: a penalised draw reaches the whole row.
+            // Not met: a draw that changes logits reaches the whole row.
             RowLogits::Top { .. } => self.sample_row(row),
         };
-        *self.drawn.entry(token).or_default() += 1;
+        if self.params.penalizes() {
+            *self.drawn.entry(token).or_default() += 1;
+        }
         token
     }
 
-    /// `logits` with the sample's penalties taken: the repetition penalty, then the frequency
-    /// and presence penalties, in the order other OpenAI-compatible servers take them.
-    fn penalized(&self, logits: &[f32]) -> Vec<f32> {
+    /// `logits` with the sample's penalties taken and the biases added: the repetition
+    /// penalty, then the frequency and presence penalties, in the order other
+    /// OpenAI-compatible servers take them, then the biases.
+    fn adjusted(&self, logits: &[f32]) -> Vec<f32> {
         let p = self.params;
         let mut row = logits.to_vec();
         if p.repetition_penalty != 1.0 {
@@ -207,6 +227,11 @@ impl Sampler {
         for (&t, &n) in &self.drawn {
             if let Some(x) = row.get_mut(t as usize) {
                 *x -= p.frequency_penalty * n as f32 + p.presence_penalty;
+            }
+        }
+        for &(t, b) in &self.bias {
+            if let Some(x) = row.get_mut(t as usize) {
+                *x += b;
             }
         }
         row
@@ -458,20 +483,35 @@ mod tests {
             top_p: 1.0,
             ..SamplingParams::default()
         };
-        assert_eq!(step_reach([greedy, greedy], 1), Some(1));
-        assert_eq!(step_reach([greedy], 2), Some(2));
-        assert_eq!(step_reach([greedy, top(40)], 1), Some(40));
         assert_eq!(
-            step_reach([greedy, top(0)], 1),
+            step_reach([greedy, greedy].map(|p: SamplingParams| p.reach()), 1),
+            Some(1)
+        );
+        assert_eq!(
+            step_reach([greedy].map(|p: SamplingParams| p.reach()), 2),
+            Some(2)
+        );
+        assert_eq!(
+            step_reach([greedy, top(40)].map(|p: SamplingParams| p.reach()), 1),
+            Some(40)
+        );
+        assert_eq!(
+            step_reach([greedy, top(0)].map(|p: SamplingParams| p.reach()), 1),
             None,
             "a draw over the whole row"
         );
-        assert_eq!(step_reach([top(TOP_LOGITS_MAX + 1)], 1), None);
-        assert_eq!(step_reach([], 2), Some(2));
+        assert_eq!(
+            step_reach(
+                [top(TOP_LOGITS_MAX + 1)].map(|p: SamplingParams| p.reach()),
+                1
+            ),
+            None
+        );
+        assert_eq!(step_reach([None; 0], 2), Some(2));
     }
 
     #[test]
-    fn penalties_lower_what_a_sample_repeats() {
+    fn penalties_and_biases_move_the_draw() {
         let greedy = |penalties: (f32, f32, f32), prompt: &[u32], logits: &[f32], steps| {
             let (frequency_penalty, presence_penalty, repetition_penalty) = penalties;
             let params = SamplingParams {
@@ -496,6 +536,13 @@ mod tests {
         assert_eq!(greedy((0.0, 0.0, 1.25), &[0, 0, 0], &logits, 3), [1, 0, 0]);
         assert_eq!(greedy((0.0, 0.0, 1.25), &[], &logits, 3), [0, 1, 0]);
         assert_eq!(greedy((0.0, 0.0, 1.25), &[0], &[-1.0, -1.1], 1), [1]);
+        // A bias lifts a token into the lead, or takes one out of it.
+        let mut s =
+            Sampler::new(SamplingParams::default(), 0, &[]).with_bias(&[(2, 3.5), (0, -100.0)]);
+        assert_eq!(s.reach(), None);
+        assert_eq!(s.sample(RowLogits::Whole(&logits)), 2);
+        let mut s = Sampler::new(SamplingParams::default(), 0, &[]).with_bias(&[(0, -1.0)]);
+        assert_eq!(s.sample(RowLogits::Whole(&logits)), 1);
         assert_eq!(
             step_reach(
                 [
@@ -504,7 +551,8 @@ mod tests {
                         presence_penalty: 0.5,
                         ..SamplingParams::default()
                     }
-                ],
+                ]
+                .map(|p| p.reach()),
                 1
             ),
             None

@@ -110,6 +110,7 @@ fn submit_with(
             stop: Vec::new(),
             ignore_eos: false,
             logprobs,
+            logit_bias: Vec::new(),
             sink: Box::new(sink),
         })
         .expect("the request is accepted");

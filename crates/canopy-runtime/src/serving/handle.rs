@@ -33,6 +33,8 @@ pub struct ServeRequest {
     /// beside it (at most [`LOGPROBS_MAX`]; `None`: none). A step with such a request reads
     /// its rows' whole logits from the backend.
     pub logprobs: Option<usize>,
+    /// Added to these tokens' logits before each draw (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
     /// Where the request's events go.
     pub sink: Box<dyn EventSink>,
 }

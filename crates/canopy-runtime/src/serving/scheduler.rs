@@ -171,17 +171,15 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        let request = |row: &Row| &self.running[&row.id].submitted.request;
         // A token's log-probability needs its whole row.
-        step.reach = if step
-            .decode
-            .iter()
-            .any(|row| request(row).logprobs.is_some())
-        {
-            None
-        } else {
-            step_reach(step.decode.iter().map(|row| request(row).sampling), 1)
+        let reach = |row: &Row| {
+            let r = &self.running[&row.id];
+            match r.submitted.request.logprobs {
+                Some(_) => None,
+                None => r.samples[row.sample as usize].sampler.reach(),
+            }
         };
+        step.reach = step_reach(step.decode.iter().map(reach), 1);
         let mut budget = self.prefill_chunk;
         for (&id, r) in &self.running {
             if budget == 0 {
@@ -287,7 +285,8 @@ impl<'t> Scheduler<'t> {
         });
         let samples = (0..r.samples)
             .map(|i| Sample {
-                sampler: Sampler::new(r.sampling, r.seed.wrapping_add(i as u64), &r.prompt),
+                sampler: Sampler::new(r.sampling, r.seed.wrapping_add(i as u64), &r.prompt)
+                    .with_bias(&r.logit_bias),
                 decoder: self.tokenizer.incremental_decoder(true),
                 text: StopText::default(),
                 drawn: 0,
@@ -553,6 +552,7 @@ mod tests {
             stop: Vec::new(),
             ignore_eos,
             logprobs: None,
+            logit_bias: Vec::new(),
             sink,
         })
         .unwrap();
