@@ -174,6 +174,54 @@ fn penalties_draw_what_generate_draws_with_them() {
 }
 
 #[test]
+fn a_logit_bias_draws_or_bars_its_tokens() {
+    let server = Server::start(&tiny(), &[]);
+    let prompt = &tiny_prompts()[2];
+    let tokens = |bias: Value| {
+        let body = json!({
+            "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 0,
+            "logit_bias": bias,
+        });
+        let r = server
+            .client
+            .post("/v1/completions", &body.to_string())
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        v["choices"][0]["logprobs"]["tokens"].clone()
+    };
+    let vocab = canopy_model::Tokenizer::from_file(std::path::Path::new(&format!(
+        "{}/tokenizer.json",
+        tiny()
+    )))
+    .unwrap();
+    let id = |text: &str| vocab.token_to_id(text).unwrap().to_string();
+    let plain = tokens(json!({}));
+    assert_eq!(tokens(json!({id("A"): 100})), json!(["A", "A", "A", "A"]));
+    // Barring the plain first token changes the draw; a bias on tokens not drawn does not.
+    let first = plain[0].as_str().unwrap();
+    assert_ne!(tokens(json!({id(first): -100})), plain);
+    let others: Vec<&str> = ["A", "B"]
+        .into_iter()
+        .filter(|t| !plain.as_array().unwrap().contains(&json!(t)))
+        .collect();
+    let mut bias = serde_json::Map::new();
+    others.iter().for_each(|t| {
+        bias.insert(id(t), json!(-100));
+    });
+    assert_eq!(tokens(Value::Object(bias)), plain);
+    for bias in [json!({"x": 1}), json!({"65": 101}), json!({"99999": 1})] {
+        let body = json!({"prompt": "a", "logit_bias": bias});
+        let r = server
+            .client
+            .post("/v1/completions", &body.to_string())
+            .unwrap();
+        assert_eq!(r.status, 400, "{bias}");
+        assert_eq!(error_of(&r)["param"], "logit_bias");
+    }
+}
+
+#[test]
 fn log_probabilities_and_echo_answer_as_openai_does() {
     let server = Server::start(&tiny(), &[]);
     let c = &server.client;

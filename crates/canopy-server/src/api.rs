@@ -69,6 +69,8 @@ pub struct Sampling {
     pub presence_penalty: Option<f32>,
     /// Not OpenAI's (transformers' and other engines'): 1 is none.
     pub repetition_penalty: Option<f32>,
+    /// Token id (as text) to a bias added to its logit, -100 to 100.
+    pub logit_bias: Option<std::collections::HashMap<String, f32>>,
     pub logprobs: Option<Logprobs>,
     /// The chat's count of most likely tokens beside each drawn one.
     pub top_logprobs: Option<u32>,

@@ -60,6 +60,35 @@ impl EventSink for Sink {
     }
 }
 
+/// Biases of a request's `logit_bias` (token ids as text, each below `vocab`), in token order.
+fn logit_bias(
+    bias: Option<std::collections::HashMap<String, f32>>,
+    vocab: usize,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = bias
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(token, b)| {
+            let id = token
+                .parse::<u32>()
+                .ok()
+                .filter(|&id| (id as usize) < vocab);
+            match (id, b) {
+                (Some(id), b) if (-100.0..=100.0).contains(&b) => Ok((id, b)),
+                _ => Err(ApiError::invalid(
+                    format!(
+                        "logit_bias maps token ids below {vocab} to biases from -100 to 100; \
+                         {token:?}: {b} is not one"
+                    ),
+                    Some("logit_bias"),
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    out.sort_unstable_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
 /// A submitted request: one engine request per prompt.
 pub struct Job {
     st: Arc<AppState>,
@@ -170,6 +199,7 @@ impl Job {
                 Some("repetition_penalty"),
             ));
         }
+        let logit_bias = logit_bias(sampling.logit_bias, st.vocab)?;
         let stop = sampling.stop.map(|s| s.into_vec()).unwrap_or_default();
         if stop.len() > MAX_STOPS || stop.iter().any(String::is_empty) {
             return Err(ApiError::invalid(
@@ -215,6 +245,7 @@ impl Job {
                 stop: stop.clone(),
                 ignore_eos: sampling.ignore_eos.unwrap_or(false),
                 logprobs,
+                logit_bias: logit_bias.clone(),
                 sink: Box::new(Sink {
                     tx: tx.clone(),
                     first_choice: i * samples,
