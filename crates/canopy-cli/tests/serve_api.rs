@@ -1,6 +1,6 @@
 //! `canopy serve`'s OpenAI request fields beyond plain generation, end to end on the tiny
-//! fixture model: several prompts in one request, the penalties, tokens' log-probabilities
-//! and `echo`.
+//! fixture model: the model card by its id, several prompts in one request, the penalties
+//! and biases, tokens' log-probabilities and `echo`.
 
 mod common;
 
@@ -117,6 +117,21 @@ fn several_prompts_in_one_request_answer_as_each_alone() {
         assert_eq!(r.status, 400, "{body}");
         assert_eq!(error_of(&r)["param"], "prompt");
     }
+}
+
+#[test]
+fn the_model_is_listed_and_found_by_its_id() {
+    let server = Server::start(&tiny(), &[]);
+    let c = &server.client;
+    let list: Value = serde_json::from_str(&c.get("/v1/models").unwrap().body).unwrap();
+    let card = &list["data"][0];
+    let id = card["id"].as_str().unwrap();
+    let r = c.get(&format!("/v1/models/{id}")).unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(&serde_json::from_str::<Value>(&r.body).unwrap(), card);
+    let r = c.get("/v1/models/gpt-9").unwrap();
+    assert_eq!(r.status, 404);
+    assert_eq!(error_of(&r)["code"], "model_not_found");
 }
 
 #[test]

@@ -51,6 +51,18 @@ impl ApiError {
         }
     }
 
+    /// 404: a request names model `asked`, and this server serves only `served`.
+    pub fn unknown_model(asked: &str, served: &str) -> ApiError {
+        ApiError {
+            param: Some("model"),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("the model `{asked}` does not exist; this server serves `{served}`"),
+                "model_not_found",
+            )
+        }
+    }
+
     /// OpenAI's `type` for this status.
     fn kind(&self) -> &'static str {
         match self.status {

@@ -139,17 +139,7 @@ impl Job {
         echo: Option<Vec<String>>,
     ) -> Result<Job, ApiError> {
         if let Some(model) = sampling.model.as_deref().filter(|m| *m != st.model) {
-            return Err(ApiError {
-                param: Some("model"),
-                ..ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!(
-                        "the model `{model}` does not exist; this server serves `{}`",
-                        st.model
-                    ),
-                    "model_not_found",
-                )
-            });
+            return Err(ApiError::unknown_model(model, &st.model));
         }
         let limits = st.engine.limits();
         let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {

@@ -7,7 +7,7 @@ use crate::job::{Job, Kind};
 use crate::metrics::{Metrics, Outcome};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -44,6 +44,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(health))
@@ -246,18 +247,31 @@ fn chat_ids(st: &AppState, r: &ChatRequest) -> Result<Vec<u32>, ApiError> {
     encode(st, &text, false)
 }
 
+fn card(st: &AppState) -> ModelCard {
+    ModelCard {
+        id: st.model.clone(),
+        object: "model",
+        created: st.created,
+        owned_by: "canopy",
+        max_model_len: st.engine.limits().max_context,
+        vocab_size: st.vocab,
+    }
+}
+
 async fn models(State(st): State<Arc<AppState>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: st.model.clone(),
-            object: "model",
-            created: st.created,
-            owned_by: "canopy",
-            max_model_len: st.engine.limits().max_context,
-            vocab_size: st.vocab,
-        }],
+        data: vec![card(&st)],
     })
+}
+
+/// The model card of `id`, the one model this server serves.
+async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if id == st.model {
+        Json(card(&st)).into_response()
+    } else {
+        ApiError::unknown_model(&id, &st.model).into_response()
+    }
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
