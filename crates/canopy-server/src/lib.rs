@@ -3,15 +3,16 @@
 //! An OpenAI-compatible HTTP server (tokio + axum) over canopy's continuous-batching engine
 //! ([`canopy_runtime::serving`]).
 //!
-//! - `POST /v1/completions` and `POST /v1/chat/completions`, whole or streamed as server-sent
-//!   events ending with `data: [DONE]`, with `usage` (and the prompt tokens found in the
-//!   prefix cache); `GET /v1/models` and `GET /v1/models/{id}` (with canopy's `max_model_len` and `vocab_size`); `GET
-//!   /health`; `GET /metrics` in Prometheus' text format.
+//! - `POST /v1/completions` and `POST /v1/chat/completions`, whole or streamed as
+//!   server-sent events ending with `data: [DONE]`, with `usage` (and the prompt tokens
+//!   found in the prefix cache); `GET /v1/models` and `GET /v1/models/{id}` (with canopy's
+//!   `max_model_len` and `vocab_size`); `GET /health`; `GET /metrics` in Prometheus' text
+//!   format.
 //! - A completion may list several prompts: each is an engine request of its own, and their
-//!   choices come in one response, prompt by prompt. Tokens' log-probabilities ([`logprobs`])
-//!   and a completion's `echo` come in OpenAI's forms. Besides OpenAI's fields a request may set `ignore_eos` (as other engines do): its
-//!   samples run to `max_tokens` past the model's end-of-sequence tokens, which a benchmark
-//!   needs.
+//!   choices come in one response, prompt by prompt. Tokens' log-probabilities
+//!   (`logprobs.rs`) and a completion's `echo` come in OpenAI's forms. Besides OpenAI's
+//!   fields a request may set `ignore_eos` (as other engines do): its samples run to
+//!   `max_tokens` past the model's end-of-sequence tokens, which a benchmark needs.
 //! - Requests are parsed here (unknown fields ignored, a wrong type a 400 in OpenAI's error
 //!   body), tokenized (a chat through the model's template), checked against the engine's
 //!   limits (a prompt and `max_tokens` beyond the context a 400 that states it) and handed to
