@@ -26,6 +26,7 @@ use crate::layers::ModelLayers;
 use crate::sampling::StepLogits;
 use crate::Result;
 use canopy_engine::{LayerOps, RankAttention, Transport};
+use std::collections::BTreeMap;
 
 /// The rows of one decode step.
 #[derive(Debug, Clone, Copy)]
@@ -232,12 +233,18 @@ impl<B: LayerOps> Forward<B> {
         self.download(backend, layers)
     }
 
+    /// The last pass's logits on the device (`rows × vocab`), until the next pass.
+    pub fn logits(&self) -> Option<&B::Tensor> {
+        self.logits.as_ref()
+    }
+
     /// The kept logits, narrowed or whole, on the host.
     fn download(&self, backend: &B, layers: &ModelLayers<B>) -> Result<StepLogits> {
         Ok(match &self.top {
             Some(top) => StepLogits::Top {
                 k: backend.dims(top).1 / 2,
                 rows: backend.download_tensor(top)?,
+                whole: BTreeMap::new(),
             },
             None => StepLogits::Whole {
                 vocab: layers.config.vocab_size,

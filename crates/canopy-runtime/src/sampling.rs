@@ -18,7 +18,7 @@ use canopy_core::logits::{most_likely, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// How tokens are drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -95,16 +95,29 @@ pub enum RowLogits<'a> {
 }
 
 /// A step's logits on the host: each row whole, or narrowed on the backend to its `k` most
-/// likely tokens.
+/// likely tokens, with some rows also read whole.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StepLogits {
-    Whole { vocab: usize, logits: Vec<f32> },
-    Top { k: usize, rows: Vec<f32> },
+    Whole {
+        vocab: usize,
+        logits: Vec<f32>,
+    },
+    Top {
+        k: usize,
+        rows: Vec<f32>,
+        /// Rows read whole as well, by row: those whose draw needs more than `k` tokens.
+        whole: BTreeMap<usize, Vec<f32>>,
+    },
 }
 
 impl StepLogits {
-    /// Row `r`.
+    /// Row `r`: whole where it was read whole.
     pub fn row(&self, r: usize) -> RowLogits<'_> {
+        if let StepLogits::Top { whole, .. } = self {
+            if let Some(row) = whole.get(&r) {
+                return RowLogits::Whole(row);
+            }
+        }
         let row = self.span(r);
         match self {
             StepLogits::Whole { .. } => RowLogits::Whole(row),
@@ -121,10 +134,16 @@ impl StepLogits {
 
     /// Row `r`, owned: what a caller keeps past the step.
     pub fn row_owned(&self, r: usize) -> StepLogits {
-        let row = self.span(r).to_vec();
-        match *self {
-            StepLogits::Whole { vocab, .. } => StepLogits::Whole { vocab, logits: row },
-            StepLogits::Top { k, .. } => StepLogits::Top { k, rows: row },
+        match self.row(r) {
+            RowLogits::Whole(row) => StepLogits::Whole {
+                vocab: row.len(),
+                logits: row.to_vec(),
+            },
+            RowLogits::Top { logits, .. } => StepLogits::Top {
+                k: logits.len(),
+                rows: self.span(r).to_vec(),
+                whole: BTreeMap::new(),
+            },
         }
     }
 
@@ -132,7 +151,7 @@ impl StepLogits {
     fn span(&self, r: usize) -> &[f32] {
         let (width, data) = match self {
             StepLogits::Whole { vocab, logits } => (*vocab, logits),
-            StepLogits::Top { k, rows } => (2 * k, rows),
+            StepLogits::Top { k, rows, .. } => (2 * k, rows),
         };
         &data[r * width..(r + 1) * width]
     }
@@ -319,7 +338,8 @@ impl TokenLogprobs {
     /// tokens (at most [`LOGPROBS_MAX`]).
     pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+        // Each term to f32's precision, their sum to f64's.
+        let sum: f64 = logits.iter().map(|&x| f64::from((x - max).exp())).sum();
         let log_total = max as f64 + sum.ln();
         let logprob = |t: u32| (logits[t as usize] as f64 - log_total) as f32;
         TokenLogprobs {
@@ -377,7 +397,11 @@ mod tests {
         let tokens = top_tokens(logits, k);
         let mut rows: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
         rows.extend(tokens.iter().map(|&t| f32::from_bits(t)));
-        StepLogits::Top { k, rows }
+        StepLogits::Top {
+            k,
+            rows,
+            whole: BTreeMap::new(),
+        }
     }
 
     #[test]

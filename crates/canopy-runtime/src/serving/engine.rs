@@ -33,6 +33,7 @@ use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
 use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
 use canopy_kv::RankSnapshot;
 use canopy_model::Tokenizer;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// Rank 0's front: the handles' commands, and what turns tokens into text and ends samples.
@@ -165,14 +166,17 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 self.books
                     .prefill_passes(&wanted, &self.viewers(), Some(&rows));
             let mixed = passes.first().is_some_and(|p| p.decode_rows > 0);
+            let whole: Vec<usize> = (0..rows.rows.len())
+                .filter(|&i| step.whole.contains(&(rows.rows[i].id, rows.rows[i].sample)))
+                .collect();
             let mut decoded = None;
             if !rows.rows.is_empty() && !mixed {
                 let started = Instant::now();
-                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach)?;
+                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach, &whole)?;
                 decoded = Some((logits, Some((started.elapsed().as_secs_f64(), kv_bytes))));
             }
             let prefilling = Instant::now();
-            let (chunks, mixed_logits) = self.prefill(passes, step.reach)?;
+            let (chunks, mixed_logits) = self.prefill(passes, step.reach, &whole)?;
             for (id, _) in &unplaced {
                 self.books.end(*id);
             }
@@ -203,12 +207,13 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     }
 
     /// The decode rows through every layer: their logits, in the rows' order, each narrowed to
-    /// its `reach` most likely tokens (`None`: whole), and the distinct KV bytes their attention
-    /// reads on this rank (every rank's shard, for the ring).
+    /// its `reach` most likely tokens (`None`: whole) and rows `whole` also whole, and the
+    /// distinct KV bytes their attention reads on this rank (every rank's shard, for the ring).
     fn decode_pass(
         &mut self,
         rows: &super::books::DecodeRows,
         reach: Option<usize>,
+        whole: &[usize],
     ) -> Result<(StepLogits, u64)> {
         let rank = self.comm.rank();
         let viewers = self.viewers();
@@ -239,7 +244,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let stores = mine(rows.placed.iter().map(Some), rank);
         let attention = self.decode.as_mut().expect("planned above");
         let replayed = self.forward.replayed();
-        let logits = self.forward.decode(
+        let mut logits = self.forward.decode(
             self.backend,
             self.layers,
             &mut self.caches,
@@ -251,6 +256,9 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 reach,
             },
         )?;
+        if let Some(kept) = self.forward.logits() {
+            read_whole(self.backend, kept, whole, &mut logits)?;
+        }
         tracing::debug!(
             rows = rows.ids.len(),
             fresh,
@@ -262,12 +270,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
 
     /// The step's prefill passes ([`Books::prefill_passes`]): each stored chunk, with the
     /// logits of its last row if it completes its prompt, and the logits of the decode rows
-    /// that lead a pass, each narrowed to its `reach` most likely tokens (`None`: whole).
+    /// that lead a pass, each narrowed to its `reach` most likely tokens (`None`: whole) and
+    /// rows `whole` also whole.
     #[allow(clippy::type_complexity)]
     fn prefill(
         &mut self,
         passes: Vec<PrefillPass>,
         reach: Option<usize>,
+        whole: &[usize],
     ) -> Result<(Vec<(Chunk, Option<Vec<f32>>)>, Option<StepLogits>)> {
         let rank = self.comm.rank();
         let (backend, vocab) = (self.backend, self.layers.config.vocab_size);
@@ -329,7 +339,9 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 self.layers
                     .logits_into(backend, &x, &logit_rows, &mut logits)?;
                 if d > 0 {
-                    decoded = Some(narrowed(backend, &logits, d, reach)?);
+                    let mut rows = narrowed(backend, &logits, d, reach)?;
+                    read_whole(backend, &logits, whole, &mut rows)?;
+                    decoded = Some(rows);
                 }
                 if logit_rows.len() > d {
                     let mut rest = backend.tensor(logit_rows.len() - d, vocab)?;
@@ -427,6 +439,7 @@ fn narrowed<B: LayerOps>(
             StepLogits::Top {
                 k,
                 rows: backend.download_tensor(&top)?,
+                whole: BTreeMap::new(),
             }
         }
         None => StepLogits::Whole {
@@ -434,6 +447,26 @@ fn narrowed<B: LayerOps>(
             logits: backend.download_tensor(head)?,
         },
     })
+}
+
+/// Rows `rows` of `logits` read whole into `step` beside their narrowed form (a step read
+/// whole holds them already).
+fn read_whole<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    rows: &[usize],
+    step: &mut StepLogits,
+) -> Result<()> {
+    let StepLogits::Top { whole, .. } = step else {
+        return Ok(());
+    };
+    let vocab = backend.dims(logits).1;
+    for &r in rows {
+        let mut row = backend.tensor(1, vocab)?;
+        backend.copy_rows(logits, r, &mut row)?;
+        whole.insert(r, backend.download_tensor(&row)?);
+    }
+    Ok(())
 }
 
 /// The rows whose KV this rank stores, `(row, physical slot)`, of the rows' `(rank, slot)`

@@ -21,12 +21,16 @@ use super::stop::StopText;
 use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits, TokenLogprobs};
 use crate::RuntimeError;
 use canopy_model::{IncrementalDecoder, Tokenizer};
-use std::collections::{BTreeMap, VecDeque};
+use rayon::prelude::*;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// How long an idle engine waits for a command before a heartbeat step (which keeps the other
 /// ranks from timing out while the server has no requests).
 const HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// A drawn token and its log-probabilities.
+type Drawn = (u32, Option<TokenLogprobs>);
 
 /// One sample of a running request.
 struct Sample<'t> {
@@ -179,7 +183,19 @@ impl<'t> Scheduler<'t> {
                 None => r.samples[row.sample as usize].sampler.reach(),
             }
         };
-        step.reach = step_reach(step.decode.iter().map(reach), 1);
+        let (narrow, whole): (Vec<&Row>, Vec<&Row>) = step
+            .decode
+            .iter()
+            .partition(|row| step_reach([reach(row)], 1).is_some());
+        // Rows that all need their whole logits are read whole at once.
+        step.reach = match narrow.is_empty() && !whole.is_empty() {
+            true => None,
+            false => step_reach(narrow.into_iter().map(reach), 1),
+        };
+        step.whole = match step.reach {
+            Some(_) => whole.iter().map(|row| (row.id, row.sample)).collect(),
+            None => Vec::new(),
+        };
         let mut budget = self.prefill_chunk;
         for (&id, r) in &self.running {
             if budget == 0 {
@@ -327,19 +343,22 @@ impl<'t> Scheduler<'t> {
                 r.send(Event::Failed(e.to_string()));
             }
         }
-        if let Some(d) = decoded {
-            let rows = &d.rows.rows;
-            self.status.batch = rows.len();
+        // The rows to draw: each decode row, then each sample of a prompt completed.
+        let mut rows: Vec<(u64, usize, RowLogits)> = Vec::new();
+        if let Some(d) = &decoded {
+            let decode = &d.rows.rows;
+            self.status.batch = decode.len();
             if let Some((seconds, kv_bytes)) = d.cost {
                 self.status
                     .decode
-                    .entry(rows.len())
+                    .entry(decode.len())
                     .or_default()
                     .add(seconds, kv_bytes);
             }
-            for (i, row) in rows.iter().enumerate() {
-                self.draw(row.id, row.sample as usize, d.logits.row(i));
-            }
+            rows.extend(
+                (decode.iter().enumerate())
+                    .map(|(i, row)| (row.id, row.sample as usize, d.logits.row(i))),
+            );
         } else {
             self.status.batch = 0;
         }
@@ -351,9 +370,13 @@ impl<'t> Scheduler<'t> {
             r.prefilled = books.seq(chunk.id).map_or(r.prefilled, |s| s.computed);
             self.status.prefill_tokens += (r.prefilled - before) as u64;
             if let (true, Some(logits)) = (r.prefilled == r.prompt_len(), logits) {
-                for sample in 0..r.samples.len() {
-                    self.draw(chunk.id, sample, RowLogits::Whole(logits));
-                }
+                rows.extend((0..r.samples.len()).map(|s| (chunk.id, s, RowLogits::Whole(logits))));
+            }
+        }
+        let drawn = self.draw_rows(&rows);
+        for ((id, sample, _), drawn) in rows.iter().zip(drawn) {
+            if let Some((token, logprobs)) = drawn {
+                self.tell(*id, *sample, token, logprobs);
             }
         }
         if let Some(c) = clock {
@@ -364,8 +387,40 @@ impl<'t> Scheduler<'t> {
         self.publish(books);
     }
 
-    /// Draws sample `sample` of request `id`'s next token from `logits` and tells its client.
-    fn draw(&mut self, id: u64, sample: usize, logits: RowLogits) {
+    /// Each row's token (sample `.1` of request `.0`, drawn from logits `.2`) with its
+    /// log-probabilities where the request asks for them (`None`: the request has ended).
+    /// Rows are drawn in parallel where some are whole, a pass over the vocabulary each.
+    fn draw_rows(&mut self, rows: &[(u64, usize, RowLogits)]) -> Vec<Option<Drawn>> {
+        let mut samplers: HashMap<(u64, usize), (&mut Sampler, Option<usize>)> = HashMap::new();
+        for (&id, r) in self.running.iter_mut() {
+            let logprobs = r.submitted.request.logprobs;
+            for (i, s) in r.samples.iter_mut().enumerate() {
+                samplers.insert((id, i), (&mut s.sampler, logprobs));
+            }
+        }
+        let mut work: Vec<_> = rows
+            .iter()
+            .map(|&(id, sample, row)| (samplers.remove(&(id, sample)), row))
+            .collect();
+        let draw = |(sampler, row): &mut (Option<(&mut Sampler, Option<usize>)>, RowLogits)| {
+            let (sampler, logprobs) = sampler.as_mut()?;
+            let token = sampler.sample(*row);
+            let logprobs = match (*logprobs, *row) {
+                (Some(top), RowLogits::Whole(row)) => Some(TokenLogprobs::of(row, token, top)),
+                // Not met: a row that reports log-probabilities is read whole.
+                (Some(_), RowLogits::Top { .. }) | (None, _) => None,
+            };
+            Some((token, logprobs))
+        };
+        let whole = |(_, row): &(_, RowLogits)| matches!(row, RowLogits::Whole(_));
+        match work.iter().filter(|w| whole(w)).count() > 1 {
+            true => work.par_iter_mut().map(draw).collect(),
+            false => work.iter_mut().map(draw).collect(),
+        }
+    }
+
+    /// Takes sample `sample` of request `id`'s drawn `token` and tells its client.
+    fn tell(&mut self, id: u64, sample: usize, token: u32, logprobs: Option<TokenLogprobs>) {
         let Some(r) = self.running.get_mut(&id) else {
             return;
         };
@@ -373,12 +428,6 @@ impl<'t> Scheduler<'t> {
         let (max_tokens, stops) = (request.max_tokens, request.stop.clone());
         let eos_ends = !request.ignore_eos;
         let s = &mut r.samples[sample];
-        let token = s.sampler.sample(logits);
-        let logprobs = match (request.logprobs, logits) {
-            (Some(top), RowLogits::Whole(row)) => Some(TokenLogprobs::of(row, token, top)),
-            // Not met: a step with a row that reports log-probabilities reads whole rows.
-            (Some(_), RowLogits::Top { .. }) | (None, _) => None,
-        };
         s.drawn += 1;
         self.status.generated_tokens += 1;
         // A token the tokenizer cannot decode adds no text; the ids are still the output.
@@ -574,7 +623,11 @@ mod tests {
             .unwrap();
         let mut top = backend.tensor(rows, 2 * k).unwrap();
         backend.top_logits(&logits, k, &mut top).unwrap();
-        StepLogits::Top { k, rows: top.data }
+        StepLogits::Top {
+            k,
+            rows: top.data,
+            whole: Default::default(),
+        }
     }
 
     /// Runs `step` on `books` as every rank would, without a model: every chunk stored, every
@@ -583,7 +636,14 @@ mod tests {
         assert!(books.begin(step).is_empty());
         let (rows, failed) = books.decode(&step.decode);
         assert!(failed.is_empty());
-        let logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
+        let mut logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
+        if let StepLogits::Top { whole, .. } = &mut logits {
+            for (i, row) in rows.rows.iter().enumerate() {
+                if step.whole.contains(&(row.id, row.sample)) {
+                    whole.insert(i, pick(token, 1));
+                }
+            }
+        }
         let mut chunks = Vec::new();
         let (passes, failed) = books.prefill_passes(&step.prefill, &[0], None);
         assert!(failed.is_empty());
@@ -650,6 +710,54 @@ mod tests {
         assert_eq!(st.decode.into_iter().collect::<Vec<_>>(), [(1, one)]);
         assert_eq!((st.busy_steps, st.prefill_seconds), (3, 0.75));
         assert!(st.busy_seconds > 0.0);
+    }
+
+    #[test]
+    fn only_the_rows_that_need_them_are_read_whole() {
+        let (h, inbox, mut books, tokenizer) = engine();
+        let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 64);
+        let reported = Arc::new(Mutex::new(Vec::new()));
+        let wants_logprobs = |prompt: Vec<u32>| {
+            h.submit(ServeRequest {
+                prompt,
+                max_tokens: 4,
+                samples: 1,
+                sampling: SamplingParams::default(),
+                seed: 0,
+                stop: Vec::new(),
+                ignore_eos: false,
+                logprobs: Some(2),
+                logit_bias: Vec::new(),
+                sink: Box::new(Keep(reported.clone())),
+            })
+            .unwrap()
+        };
+        let plain = submit(&h, vec![7; 5], 4, false);
+        let first = s.next_step(&books);
+        run(&mut s, &mut books, &first, 20);
+        // One greedy row: narrowed to its likeliest token, none whole.
+        let step = s.next_step(&books);
+        assert_eq!((step.reach, step.whole.len()), (Some(1), 0));
+        run(&mut s, &mut books, &step, 20);
+        let id = wants_logprobs(vec![8; 5]);
+        let step = s.next_step(&books);
+        run(&mut s, &mut books, &step, 20);
+        // Beside it now, a row that reports log-probabilities is read whole.
+        let step = s.next_step(&books);
+        assert_eq!((step.reach, step.whole.clone()), (Some(1), vec![(id, 0)]));
+        run(&mut s, &mut books, &step, 20);
+        let tokens = |events: &Mutex<Vec<Event>>| {
+            let events = events.lock().unwrap();
+            events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Token { logprobs, .. } => Some(logprobs.is_some()),
+                    _ => None,
+                })
+                .collect::<Vec<bool>>()
+        };
+        assert_eq!(tokens(&plain), [false; 4]);
+        assert_eq!(tokens(&reported), [true; 2]);
     }
 
     #[test]

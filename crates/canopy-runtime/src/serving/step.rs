@@ -39,8 +39,12 @@ pub(crate) struct Step {
     pub admit: Vec<Admit>,
     pub decode: Vec<Row>,
     /// The most likely tokens each decode row's logits are narrowed to on the backend, enough
-    /// for every row's draw (`None`: whole rows).
+    /// for every row's draw but those of `whole` (`None`: whole rows).
     pub reach: Option<usize>,
+    /// Decode rows (request, sample) whose draw needs their whole logits, read whole beside
+    /// the narrowed rows: those that report log-probabilities, change logits or draw from
+    /// more tokens than the backend narrows to.
+    pub whole: Vec<(u64, u32)>,
     pub prefill: Vec<Chunk>,
     /// The engine stops after this step.
     pub stop: bool,
@@ -97,6 +101,7 @@ mod tests {
                 token: 9,
             }],
             reach: Some(40),
+            whole: vec![(4, 0)],
             prefill: vec![Chunk { id: 7, end: 3 }],
             stop: false,
         };
