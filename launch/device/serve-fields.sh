@@ -5,14 +5,16 @@
 #    alike (serve_fields.py check);
 # 2. the 8B shape with random weights (bf16) under CONCURRENCY streamed completions, timed
 #    with none, one or all of them asking for log-probabilities, and all penalised
-#    (serve_fields.py load).
+#    (serve_fields.py load), for each binary of BINS (name=path; default this build alone).
 # Run from the repository root on the device machine with the release binary in .device/.
-# Results: $OUT/fields.txt, $OUT/load.jsonl and the servers' logs.
+# Results: $OUT/fields.txt, $OUT/load.jsonl, the decode passes' metrics and the servers' logs.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-480}
 TINY=tests/fixtures/tiny/gqa-hd64
 PY=launch/device/serve_fields.py
+# The servers' logs travel as one archive.
+trap 'tar czf "$OUT/server-logs.tgz" -C "$OUT" $(cd "$OUT" && ls server-*.log) && rm -f "$OUT"/server-*.log' EXIT
 
 # start_server NAME ARGS...: `canopy serve` on a free port; sets SERVER (its pid) and URL.
 start_server() {
@@ -41,11 +43,14 @@ stop_server() { kill -TERM "$1" 2>/dev/null; wait "$1" 2>/dev/null; }
   stop_server "$CPU_PID"
 } 2>&1 | tee "$OUT/fields.txt"
 
-{
-  start_server gpu-8b --arch llama-3.1-8b --random-weights --backend cuda --max-batch 64 \
-    --max-context 4096 --kv-tokens 131072
-  log "load"
-  timeout $(( DEADLINE - SECONDS )) python3 $PY load "$URL" | tee "$OUT/load.jsonl"
-  curl -s "$URL/metrics" | grep -E "^canopy_decode_" > "$OUT/decode-passes.txt"
+BINS=${BINS:-new=$BIN}
+for entry in $BINS; do
+  name=${entry%%=*} BIN=${entry#*=}
+  start_server "gpu-8b-$name" --arch llama-3.1-8b --random-weights --backend cuda \
+    --max-batch 64 --max-context 4096 --kv-tokens 131072
+  log "load, $name"
+  timeout $(( DEADLINE - SECONDS )) python3 $PY load "$URL" | sed "s/^{/{\"bin\": \"$name\", /" \
+    | tee -a "$OUT/load.jsonl"
+  curl -s "$URL/metrics" | grep -E "^canopy_decode_" > "$OUT/decode-passes-$name.txt"
   stop_server "$SERVER"
-} 2>&1 | tee -a "$OUT/fields.txt"
+done 2>&1 | tee -a "$OUT/fields.txt"

@@ -5,8 +5,9 @@ bias, several prompts, a streamed chat) to a server on the GPU and one on the CP
 must be equal and the log-probabilities within 2e-3. Prints one line per request and ALL PASS
 or FAILED.
 
-load URL: CONCURRENCY streamed completions at once (random token ids, ignore_eos), timed, in
-the variants named by VARIANTS: none ask for log-probabilities, one does, all do, all are
+load URL: CONCURRENCY streamed completions at once (the same random token ids each time, so
+that after the first run every prompt is found cached; ignore_eos), timed, in the variants
+named by VARIANTS: a warm-up, none ask for log-probabilities, one does, all do, all are
 penalised. Prints one JSON line per variant.
 """
 import json
@@ -78,7 +79,7 @@ def load(url):
     concurrency = int(os.environ.get("CONCURRENCY", "32"))
     tokens = int(os.environ.get("OUTPUT_LEN", "64"))
     vocab = int(os.environ.get("VOCAB", "128000"))
-    variants = os.environ.get("VARIANTS", "none one all penalties none").split()
+    variants = os.environ.get("VARIANTS", "warm none one all penalties none one").split()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, vocab) for _ in range(256)] for _ in range(concurrency)]
     for variant in variants:
