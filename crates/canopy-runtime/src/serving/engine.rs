@@ -460,12 +460,18 @@ fn read_whole<B: LayerOps>(
     let StepLogits::Top { whole, .. } = step else {
         return Ok(());
     };
-    let vocab = backend.dims(logits).1;
-    for &r in rows {
-        let mut row = backend.tensor(1, vocab)?;
-        backend.copy_rows(logits, r, &mut row)?;
-        whole.insert(r, backend.download_tensor(&row)?);
+    if rows.is_empty() {
+        return Ok(());
     }
+    let vocab = backend.dims(logits).1;
+    let mut gathered = backend.output_tensor(rows.len(), vocab)?;
+    backend.gather_rows(logits, rows, &mut gathered)?;
+    let data = backend.download_tensor(&gathered)?;
+    whole.extend(
+        rows.iter()
+            .zip(data.chunks_exact(vocab))
+            .map(|(&r, row)| (r, row.to_vec())),
+    );
     Ok(())
 }
 
