@@ -205,12 +205,7 @@ fn a_logit_bias_draws_or_bars_its_tokens() {
         let v: Value = serde_json::from_str(&r.body).unwrap();
         v["choices"][0]["logprobs"]["tokens"].clone()
     };
-    let vocab = canopy_model::Tokenizer::from_file(std::path::Path::new(&format!(
-        "{}/tokenizer.json",
-        tiny()
-    )))
-    .unwrap();
-    let id = |text: &str| vocab.token_to_id(text).unwrap().to_string();
+    let id = |text: &str| tiny_vocab_id(text).to_string();
     let plain = tokens(json!({}));
     assert_eq!(tokens(json!({id("A"): 100})), json!(["A", "A", "A", "A"]));
     // Barring the plain first token changes the draw; a bias on tokens not drawn does not.
@@ -234,6 +229,67 @@ fn a_logit_bias_draws_or_bars_its_tokens() {
         assert_eq!(r.status, 400, "{bias}");
         assert_eq!(error_of(&r)["param"], "logit_bias");
     }
+}
+
+/// An evaluation harness's request: a prompt echoed with its tokens' log-probabilities, and
+/// one token drawn.
+#[test]
+fn an_echoed_prompt_reports_its_tokens_log_probabilities() {
+    let server = Server::start(&tiny(), &["--prefill-chunk", "16"]);
+    let c = &server.client;
+    let prompt = tiny_prompts()[2].clone();
+    let ask = |prompt: &[u32], echo: bool, stream: bool| {
+        let body = json!({
+            "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": echo,
+            "stream": stream,
+        });
+        match stream {
+            false => {
+                let r = c.post("/v1/completions", &body.to_string()).unwrap();
+                assert_eq!(r.status, 200, "{}", r.body);
+                let v: Value = serde_json::from_str(&r.body).unwrap();
+                v["choices"][0]["logprobs"].clone()
+            }
+            true => joined(
+                &streamed_logprobs(c, "/v1/completions", body),
+                &["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+            ),
+        }
+    };
+    let drawn = ask(&prompt, false, false);
+    let echoed = ask(&prompt, true, false);
+    let n = prompt.len();
+    let lps = echoed["token_logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), n + 1);
+    assert!(lps[0].is_null() && echoed["top_logprobs"][0].is_null());
+    assert!(lps[1..].iter().all(|x| x.as_f64().unwrap() <= 0.0));
+    let offsets: Vec<u64> = serde_json::from_value(echoed["text_offset"].clone()).unwrap();
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+    // The drawn token as when the prompt is not echoed.
+    assert_close(&lps[n], &drawn["token_logprobs"][0]);
+    assert_eq!(echoed["tokens"][n], drawn["tokens"][0]);
+    // A prompt token's log-probability is the one decoding gives the token at its place.
+    let greedy: u32 = tiny_vocab_id(drawn["tokens"][0].as_str().unwrap());
+    let longer = [&prompt[..], &[greedy]].concat();
+    let longer_echoed = ask(&longer, true, false);
+    assert_close(
+        &longer_echoed["token_logprobs"][n],
+        &drawn["token_logprobs"][0],
+    );
+    assert_close(&longer_echoed["top_logprobs"][n], &drawn["top_logprobs"][0]);
+    // Streamed, the echo comes once its log-probabilities are in, before the drawn token.
+    assert_close(&ask(&prompt, true, true), &echoed);
+}
+
+/// The tiny fixture model's tokenizer.
+fn tiny_tokenizer() -> canopy_model::Tokenizer {
+    let path = format!("{}/tokenizer.json", tiny());
+    canopy_model::Tokenizer::from_file(std::path::Path::new(&path)).unwrap()
+}
+
+/// The id of token `text` in the tiny fixture model's vocabulary.
+fn tiny_vocab_id(text: &str) -> u32 {
+    tiny_tokenizer().token_to_id(text).unwrap()
 }
 
 #[test]
@@ -316,7 +372,7 @@ fn log_probabilities_and_echo_answer_as_openai_does() {
         &joined(&streamed, &["content"]),
         &json!({"content": content}),
     );
-    // Echo repeats the prompt; with logprobs it would need the prompt's, and is refused.
+    // Echo repeats the prompt.
     let r = c
         .post(
             "/v1/completions",
@@ -332,11 +388,6 @@ fn log_probabilities_and_echo_answer_as_openai_does() {
         "{v}"
     );
     for (path, body, param) in [
-        (
-            "/v1/completions",
-            r#"{"prompt": "a", "echo": true, "logprobs": 1}"#,
-            "echo",
-        ),
         (
             "/v1/completions",
             r#"{"prompt": "a", "logprobs": 21}"#,

@@ -82,7 +82,14 @@ fn submit(
     samples: usize,
     leave_after: Option<usize>,
 ) -> Receiver<Event> {
-    submit_with(handle, prompt, max_tokens, samples, leave_after, None)
+    submit_with(
+        handle,
+        prompt,
+        max_tokens,
+        samples,
+        leave_after,
+        (None, None),
+    )
 }
 
 fn submit_with(
@@ -91,7 +98,7 @@ fn submit_with(
     max_tokens: usize,
     samples: usize,
     leave_after: Option<usize>,
-    logprobs: Option<usize>,
+    (logprobs, prompt_logprobs): (Option<usize>, Option<usize>),
 ) -> Receiver<Event> {
     let (tx, rx) = std::sync::mpsc::channel();
     let sink = Client {
@@ -110,6 +117,7 @@ fn submit_with(
             stop: Vec::new(),
             ignore_eos: false,
             logprobs,
+            prompt_logprobs,
             logit_bias: Vec::new(),
             sink: Box::new(sink),
         })
@@ -127,6 +135,7 @@ fn collect(rx: &Receiver<Event>, samples: usize) -> (Vec<Vec<u32>>, Vec<FinishRe
             Event::Started { cached_tokens } => cached = cached_tokens,
             Event::Token { sample, token, .. } => tokens[sample].push(token),
             Event::Finished { reason, .. } => reasons.push(reason),
+            Event::PromptLogprobs { .. } => panic!("not asked for"),
             Event::Failed(e) => panic!("the request failed: {e}"),
         }
     }
@@ -305,7 +314,7 @@ fn log_probabilities_are_the_models_beside_requests_without_them() {
     let log_total = logits.iter().map(|x| x.exp()).sum::<f64>().ln();
     with_engine(&model, &layers, 1, &cfg, |h| {
         let plain = submit(h, &prompt[..5], 12, 1, None);
-        let with = submit_with(h, &prompt, 12, 2, None, Some(4));
+        let with = submit_with(h, &prompt, 12, 2, None, (Some(4), None));
         let mut drawn = vec![Vec::new(); 2];
         let mut finished = 0;
         while finished < 2 {
@@ -320,7 +329,7 @@ fn log_probabilities_are_the_models_beside_requests_without_them() {
                     ..
                 } => drawn[sample].push((token, logprobs.expect("asked for"))),
                 Event::Finished { .. } => finished += 1,
-                Event::Started { .. } => {}
+                Event::Started { .. } | Event::PromptLogprobs { .. } => {}
                 Event::Failed(e) => panic!("{e}"),
             }
         }
@@ -360,9 +369,46 @@ fn log_probabilities_are_the_models_beside_requests_without_them() {
                 }
                 Event::Finished { .. } => break,
                 Event::Started { .. } => {}
+                Event::PromptLogprobs { .. } => panic!("not asked for"),
                 Event::Failed(e) => panic!("{e}"),
             }
         }
         assert_eq!(plain_tokens, 12);
+        // The prompt's own log-probabilities, computed whole although the prompt is cached,
+        // in chunks of the prefill; the first against transformers' logits of row 0.
+        let whole = submit_with(h, &prompt, 2, 1, None, (None, Some(3)));
+        let (mut cached, mut reported) = (None, Vec::new());
+        loop {
+            match whole
+                .recv_timeout(Duration::from_secs(120))
+                .expect("an event")
+            {
+                Event::Started { cached_tokens } => cached = Some(cached_tokens),
+                Event::PromptLogprobs { sample, logprobs } => {
+                    assert_eq!(sample, 0);
+                    reported.extend(logprobs);
+                }
+                Event::Token { logprobs, .. } => {
+                    assert!(logprobs.is_none());
+                    assert_eq!(
+                        reported.len(),
+                        prompt.len() - 1,
+                        "all before the first token"
+                    );
+                }
+                Event::Finished { .. } => break,
+                Event::Failed(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(cached, Some(0));
+        let row0: Vec<f64> = serde_json::from_value(case["logits_pos0"].clone()).unwrap();
+        let total0 = row0.iter().map(|x| x.exp()).sum::<f64>().ln();
+        let want = row0[prompt[1] as usize] - total0;
+        assert!((f64::from(reported[0].logprob) - want).abs() < 1e-4);
+        for (lp, &next) in reported.iter().zip(&prompt[1..]) {
+            assert_eq!(lp.top.len(), 3);
+            assert!(lp.logprob <= lp.top[0].1 + 1e-6, "{next}: {lp:?}");
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        }
     });
 }

@@ -49,7 +49,10 @@ struct Sink {
 
 impl EventSink for Sink {
     fn send(&mut self, mut event: Event) -> bool {
-        if let Event::Token { sample, .. } | Event::Finished { sample, .. } = &mut event {
+        if let Event::Token { sample, .. }
+        | Event::Finished { sample, .. }
+        | Event::PromptLogprobs { sample, .. } = &mut event
+        {
             *sample += self.first_choice;
         }
         self.tx.send(event).is_ok()
@@ -96,6 +99,8 @@ pub struct Job {
     ids: Vec<u64>,
     /// Choices: `n` per prompt, prompt by prompt.
     samples: usize,
+    /// Each prompt's tokens.
+    prompt_lens: Vec<usize>,
     stream: bool,
     include_usage: bool,
     /// Whether the choices report their tokens' log-probabilities.
@@ -120,6 +125,12 @@ struct Progress {
     entries: Vec<Vec<Entry>>,
     /// Entries of each sample already streamed.
     streamed: Vec<usize>,
+    /// `n`: the choices of each prompt.
+    per_prompt: usize,
+    /// Each choice's next prompt entry to take its log-probabilities (the first has none).
+    filled: Vec<usize>,
+    /// Whether each prompt's echo was streamed.
+    echoed: Vec<bool>,
     tokens: Vec<usize>,
     finished: Vec<Option<FinishReason>>,
     last_token: Vec<Option<Instant>>,
@@ -201,13 +212,8 @@ impl Job {
             Kind::Text => logprobs::completion_request(sampling.logprobs)?,
             Kind::Chat => logprobs::chat_request(sampling.logprobs, sampling.top_logprobs)?,
         };
-        if echo.is_some() && logprobs.is_some() {
-            return Err(ApiError::invalid(
-                "echo with logprobs asks for the prompt's log-probabilities, which canopy does \
-                 not compute; ask for one or the other",
-                Some("echo"),
-            ));
-        }
+        // An echoed prompt's tokens are reported too.
+        let prompt_logprobs = logprobs.filter(|_| echo.is_some());
         let samples = sampling.n.unwrap_or(1) as usize;
         let seed = sampling.seed.unwrap_or_else(|| {
             SystemTime::now()
@@ -217,6 +223,16 @@ impl Job {
         let (tx, events) = unbounded_channel();
         let prompt_tokens = prompts.iter().map(Vec::len).sum();
         let choices = prompts.len() * samples;
+        // Each choice's entries start with its echoed prompt's tokens, whose log-probabilities
+        // come as the prompt is computed.
+        let mut entries = vec![Vec::new(); choices];
+        if prompt_logprobs.is_some() {
+            for (i, prompt) in prompts.iter().enumerate() {
+                let echoed = logprobs::prompt_entries(&st.tokenizer, prompt);
+                entries[i * samples..(i + 1) * samples].fill(echoed);
+            }
+        }
+        let prompt_lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
         let mut ids = Vec::with_capacity(prompts.len());
         for (i, prompt) in prompts.into_iter().enumerate() {
             let submitted = st.engine.submit(ServeRequest {
@@ -235,6 +251,7 @@ impl Job {
                 stop: stop.clone(),
                 ignore_eos: sampling.ignore_eos.unwrap_or(false),
                 logprobs,
+                prompt_logprobs,
                 logit_bias: logit_bias.clone(),
                 sink: Box::new(Sink {
                     tx: tx.clone(),
@@ -262,6 +279,7 @@ impl Job {
             kind,
             ids,
             samples: choices,
+            prompt_lens,
             stream: sampling.stream,
             include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
             logprobs: logprobs.is_some(),
@@ -274,7 +292,10 @@ impl Job {
                 cached_tokens: 0,
                 chars: echoes.iter().map(|t| t.chars().count()).collect(),
                 texts: echoes,
-                entries: vec![Vec::new(); choices],
+                per_prompt: samples,
+                entries,
+                filled: vec![1; choices],
+                echoed: vec![false; choices / samples.max(1)],
                 streamed: vec![0; choices],
                 tokens: vec![0; choices],
                 finished: vec![None; choices],
@@ -393,21 +414,10 @@ impl Job {
     fn chunk(&mut self, event: &Event) -> Option<String> {
         let first_started = self.state.started == 1;
         let (sample, text, reason) = match event {
-            Event::Started { .. } if !first_started => return None,
-            Event::Started { .. } if self.echo.is_some() => {
-                let echoes = self.echo.iter().flatten();
-                let choices = echoes
-                    .enumerate()
-                    .map(|(index, text)| TextChoice {
-                        index,
-                        text: text.clone(),
-                        logprobs: None,
-                        finish_reason: None,
-                    })
-                    .collect();
-                return Some(self.json(self.response(self.chunk_object(), choices, None)));
+            Event::Started { .. } | Event::PromptLogprobs { .. } if self.echo.is_some() => {
+                return self.echo_chunk()
             }
-            Event::Started { .. } if self.kind == Kind::Chat => {
+            Event::Started { .. } if self.kind == Kind::Chat && first_started => {
                 let choices = (0..self.samples)
                     .map(|index| DeltaChoice {
                         index,
@@ -456,6 +466,32 @@ impl Job {
                 None,
             )),
         })
+    }
+
+    /// The echo of each prompt not yet streamed whose tokens' log-probabilities are all in (at
+    /// once, where none are asked for), as one chunk.
+    fn echo_chunk(&mut self) -> Option<String> {
+        let echo = self.echo.as_ref()?;
+        let n = self.state.per_prompt;
+        let mut choices = Vec::new();
+        for (p, &len) in self.prompt_lens.iter().enumerate() {
+            let first = p * n;
+            let complete = !self.logprobs || self.state.filled[first] >= len;
+            if self.state.echoed[p] || !complete {
+                continue;
+            }
+            self.state.echoed[p] = true;
+            for (c, text) in echo.iter().enumerate().skip(first).take(n) {
+                choices.push(TextChoice {
+                    index: c,
+                    text: text.clone(),
+                    logprobs: self.text_logprobs(c, 0),
+                    finish_reason: None,
+                });
+                self.state.streamed[c] = self.state.entries[c].len();
+            }
+        }
+        (!choices.is_empty()).then(|| self.json(self.response(self.chunk_object(), choices, None)))
     }
 
     /// A completion choice's log-probabilities of sample `sample`'s tokens from `since` on.
@@ -554,11 +590,21 @@ impl Progress {
                 if let Some(logprobs) = logprobs {
                     self.entries[*sample].push(Entry {
                         token: *token,
-                        logprobs: logprobs.clone(),
+                        logprobs: Some(logprobs.clone()),
                         text_offset: self.chars[*sample],
                     });
                 }
                 self.push_text(*sample, text);
+            }
+            Event::PromptLogprobs { sample, logprobs } => {
+                for c in *sample..*sample + self.per_prompt {
+                    for lp in logprobs {
+                        if let Some(e) = self.entries[c].get_mut(self.filled[c]) {
+                            e.logprobs = Some(lp.clone());
+                            self.filled[c] += 1;
+                        }
+                    }
+                }
             }
             Event::Finished {
                 sample,

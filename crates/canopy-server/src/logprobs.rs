@@ -3,7 +3,8 @@
 //! - `/v1/completions`: `logprobs: N` (0-20). Each choice gets `tokens`, `token_logprobs`,
 //!   `top_logprobs` (the `N` most likely tokens, and the drawn one where it is not among
 //!   them) and `text_offset` (where each token's text begins in the choice's text, in
-//!   characters).
+//!   characters). With `echo`, the prompt's tokens come first, the first of them with no
+//!   log-probability (`null`), as evaluation harnesses read them.
 //! - `/v1/chat/completions`: `logprobs: true` and `top_logprobs: N` (0-20). Each choice gets
 //!   `content`: per token its text, log-probability, bytes and the `N` most likely tokens.
 //!
@@ -19,13 +20,34 @@ use canopy_runtime::{TokenLogprobs, LOGPROBS_MAX};
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
-/// One drawn token as a choice reports it.
+/// One token as a choice reports it: drawn, or of an echoed prompt.
 #[derive(Debug, Clone)]
 pub struct Entry {
     pub token: u32,
-    pub logprobs: TokenLogprobs,
+    /// `None`: a prompt's first token, or a prompt token not yet computed.
+    pub logprobs: Option<TokenLogprobs>,
     /// Characters of the choice's text before this token's.
     pub text_offset: usize,
+}
+
+/// The entries of an echoed `prompt`, before their log-probabilities come: each token's text
+/// begins where the texts of the tokens before it end.
+pub fn prompt_entries(tokenizer: &Tokenizer, prompt: &[u32]) -> Vec<Entry> {
+    let mut offset = 0;
+    prompt
+        .iter()
+        .map(|&token| {
+            let entry = Entry {
+                token,
+                logprobs: None,
+                text_offset: offset,
+            };
+            offset += String::from_utf8_lossy(&tokenizer.token_bytes(token))
+                .chars()
+                .count();
+            entry
+        })
+        .collect()
 }
 
 /// How many alternatives a completion request asks for beside each token (`None`: no
@@ -99,8 +121,8 @@ impl Serialize for TopMap {
 #[derive(Debug, Clone, Serialize)]
 pub struct TextLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<TopMap>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<TopMap>>,
     pub text_offset: Vec<usize>,
 }
 
@@ -109,17 +131,20 @@ impl TextLogprobs {
         let text = |t: u32| token_text(&tokenizer.token_bytes(t));
         TextLogprobs {
             tokens: entries.iter().map(|e| text(e.token)).collect(),
-            token_logprobs: entries.iter().map(|e| e.logprobs.logprob).collect(),
+            token_logprobs: entries
+                .iter()
+                .map(|e| e.logprobs.as_ref().map(|lp| lp.logprob))
+                .collect(),
             top_logprobs: entries
                 .iter()
                 .map(|e| {
-                    let lp = &e.logprobs;
+                    let lp = e.logprobs.as_ref()?;
                     let mut top: Vec<(String, f32)> =
                         lp.top.iter().map(|&(t, x)| (text(t), x)).collect();
                     if !lp.top.iter().any(|&(t, _)| t == e.token) {
                         top.push((text(e.token), lp.logprob));
                     }
-                    TopMap(top)
+                    Some(TopMap(top))
                 })
                 .collect(),
             text_offset: entries.iter().map(|e| e.text_offset).collect(),
@@ -161,9 +186,12 @@ impl ChatLogprobs {
         ChatLogprobs {
             content: entries
                 .iter()
-                .map(|e| ChatTokenLogprobs {
-                    drawn: token(e.token, e.logprobs.logprob),
-                    top_logprobs: e.logprobs.top.iter().map(|&(t, x)| token(t, x)).collect(),
+                .filter_map(|e| {
+                    let lp = e.logprobs.as_ref()?;
+                    Some(ChatTokenLogprobs {
+                        drawn: token(e.token, lp.logprob),
+                        top_logprobs: lp.top.iter().map(|&(t, x)| token(t, x)).collect(),
+                    })
                 })
                 .collect(),
         }
@@ -220,18 +248,18 @@ mod tests {
         let entries = [
             Entry {
                 token: u32::from(b'a'),
-                logprobs: TokenLogprobs {
+                logprobs: Some(TokenLogprobs {
                     logprob: -0.5,
                     top: vec![(u32::from(b'a'), -0.5), (u32::from(b'b'), -1.0)],
-                },
+                }),
                 text_offset: 0,
             },
             Entry {
                 token: u32::from(b'c'),
-                logprobs: TokenLogprobs {
+                logprobs: Some(TokenLogprobs {
                     logprob: -3.0,
                     top: vec![(u32::from(b'b'), -0.25)],
-                },
+                }),
                 text_offset: 1,
             },
         ];

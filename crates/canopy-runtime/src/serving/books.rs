@@ -9,7 +9,7 @@
 //! and marks exactly the rows' branches live, so the live KV tree's queries are the rows, in
 //! branch order.
 
-use super::step::{Chunk, Row, Step};
+use super::step::{Admit, Chunk, Row, Step};
 use crate::{Result, RuntimeError};
 use canopy_core::Tail;
 use canopy_kv::{KvManager, KvNode, PrefixCache, RankSnapshot, RankUpdate, StepLayout};
@@ -32,6 +32,8 @@ pub(crate) struct Seq {
     lease: Option<KvNode>,
     /// Prompt tokens found cached at admission (the path to the lease).
     pub cached: usize,
+    /// Likeliest tokens reported beside each prompt token's log-probability (`None`: none).
+    pub prompt_logprobs: Option<u32>,
     /// The prompt's rest, once its first chunk is placed.
     own: Option<KvNode>,
     /// Prompt tokens whose KV is stored.
@@ -140,8 +142,10 @@ impl Books {
         }
         let mut failed = Vec::new();
         for a in &step.admit {
-            let reusable = &a.prompt[..a.prompt.len().saturating_sub(1)];
-            match self.cache.acquire(reusable) {
+            match self
+                .cache
+                .acquire(Admit::reusable(&a.prompt, a.prompt_logprobs))
+            {
                 Ok(prefix) => {
                     self.seqs.insert(
                         a.id,
@@ -149,6 +153,7 @@ impl Books {
                             prompt: a.prompt.clone(),
                             lease: prefix.node,
                             cached: prefix.tokens,
+                            prompt_logprobs: a.prompt_logprobs,
                             own: None,
                             computed: prefix.tokens,
                             branches: vec![Branch::Unborn; a.samples as usize],
@@ -464,6 +469,7 @@ mod tests {
             id,
             prompt,
             samples: 1,
+            prompt_logprobs: None,
         }
     }
 

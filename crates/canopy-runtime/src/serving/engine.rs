@@ -18,7 +18,7 @@
 
 use super::books::{Books, Layout, PrefillPass};
 use super::handle::EngineInbox;
-use super::scheduler::{Decoded, Scheduler, StepClock};
+use super::scheduler::{ChunkDone, Decoded, Scheduler, StepClock};
 use super::step::{Chunk, Step};
 use super::ServeConfig;
 use crate::forward::{Forward, StepRows};
@@ -26,15 +26,21 @@ use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
 use crate::rank::resolve_merge;
-use crate::sampling::StepLogits;
+use crate::sampling::{StepLogits, TokenLogprobs};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
 use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
 use canopy_kv::RankSnapshot;
 use canopy_model::Tokenizer;
+use rayon::prelude::*;
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::time::Instant;
+
+/// Prompt rows whose logits are computed and read at once for their log-probabilities: 128 MB
+/// of fp32 logits at a vocabulary of 128K.
+const PROMPT_LOGITS_ROWS: usize = 256;
 
 /// Rank 0's front: the handles' commands, and what turns tokens into text and ends samples.
 pub struct Front<'t> {
@@ -278,7 +284,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         passes: Vec<PrefillPass>,
         reach: Option<usize>,
         whole: &[usize],
-    ) -> Result<(Vec<(Chunk, Option<Vec<f32>>)>, Option<StepLogits>)> {
+    ) -> Result<(Vec<ChunkDone>, Option<StepLogits>)> {
         let rank = self.comm.rank();
         let (backend, vocab) = (self.backend, self.layers.config.vocab_size);
         let mut done = Vec::new();
@@ -354,16 +360,60 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                         .into_iter();
                 }
             }
-            for ((chunk, _, stored), complete) in pass.chunks.into_iter().zip(completes) {
+            for ((chunk, rows, stored), complete) in pass.chunks.into_iter().zip(completes) {
                 if !stored {
                     continue;
                 }
                 let logits = if complete { chunk_logits.next() } else { None };
+                let prompt_logprobs = match rank {
+                    0 => self.prompt_logprobs(&x, &pass.positions, chunk.id, rows)?,
+                    _ => Vec::new(),
+                };
                 self.books.chunk_done(chunk)?;
-                done.push((chunk, logits));
+                done.push(ChunkDone {
+                    chunk,
+                    logits,
+                    prompt_logprobs,
+                });
             }
         }
         Ok((done, decoded))
+    }
+
+    /// The log-probabilities of the prompt tokens after `rows` of `x` (a pass's last hidden
+    /// rows, at `positions`) where request `id` asks for them (else none): the prompt's next
+    /// token after each row, with its likeliest tokens. Their logits are computed and read a
+    /// group of rows at a time.
+    fn prompt_logprobs(
+        &self,
+        x: &B::Tensor,
+        positions: &[u32],
+        id: u64,
+        rows: Range<usize>,
+    ) -> Result<Vec<TokenLogprobs>> {
+        let Some(seq) = self.books.seq(id) else {
+            return Ok(Vec::new());
+        };
+        let Some(top) = seq.prompt_logprobs else {
+            return Ok(Vec::new());
+        };
+        // Row `r` predicts the prompt's token after its own position.
+        let next = |r: usize| seq.prompt.get(positions[r] as usize + 1).map(|&t| (r, t));
+        let wanted: Vec<(usize, u32)> = rows.filter_map(next).collect();
+        let vocab = self.layers.config.vocab_size;
+        let mut out = Vec::with_capacity(wanted.len());
+        for group in wanted.chunks(PROMPT_LOGITS_ROWS) {
+            let read: Vec<usize> = group.iter().map(|&(r, _)| r).collect();
+            let mut logits = self.backend.output_tensor(read.len(), vocab)?;
+            self.layers
+                .logits_into(self.backend, x, &read, &mut logits)?;
+            let host = self.backend.download_tensor(&logits)?;
+            let lp: Vec<TokenLogprobs> = (host.par_chunks_exact(vocab).zip(group))
+                .map(|(row, &(_, token))| TokenLogprobs::of(row, token, top as usize))
+                .collect();
+            out.extend(lp);
+        }
+        Ok(out)
     }
 
     /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring).

@@ -33,6 +33,10 @@ pub struct ServeRequest {
     /// beside it (at most [`LOGPROBS_MAX`]; `None`: none). A step with such a request reads
     /// its rows' whole logits from the backend.
     pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability (from the second on) with this many of the
+    /// most likely tokens beside it (at most [`LOGPROBS_MAX`]; `None`: none). Such a prompt is
+    /// computed whole, never read from the prefix cache, and its rows' logits are read.
+    pub prompt_logprobs: Option<usize>,
     /// Added to these tokens' logits before each draw (OpenAI's `logit_bias`).
     pub logit_bias: Vec<(u32, f32)>,
     /// Where the request's events go.
@@ -45,6 +49,13 @@ pub struct ServeRequest {
 pub enum Event {
     /// The request was admitted; `cached_tokens` of its prompt were found in the prefix cache.
     Started { cached_tokens: usize },
+    /// The log-probabilities of the next prompt tokens, in order from the prompt's second, as
+    /// a chunk of the prompt is computed (before the first `Token`; `sample` is 0, the first
+    /// of the prompt's samples, which a sink may number otherwise).
+    PromptLogprobs {
+        sample: usize,
+        logprobs: Vec<TokenLogprobs>,
+    },
     /// A token of a sample and the text it completes (empty while a character or a possible
     /// stop string is unfinished).
     Token {

@@ -15,10 +15,12 @@
 //! that arrive together behind one long prompt share it from their first step.
 
 use super::books::{Books, DecodeRows};
-use super::handle::{Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, Submitted};
+use super::handle::{
+    Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, ServeRequest, Submitted,
+};
 use super::step::{Admit, Chunk, Row, Step};
 use super::stop::StopText;
-use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits, TokenLogprobs};
+use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits, TokenLogprobs, LOGPROBS_MAX};
 use crate::RuntimeError;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use rayon::prelude::*;
@@ -28,6 +30,11 @@ use std::time::{Duration, Instant};
 /// How long an idle engine waits for a command before a heartbeat step (which keeps the other
 /// ranks from timing out while the server has no requests).
 const HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// A request's `prompt_logprobs` as a step says it.
+fn prompt_logprobs(r: &ServeRequest) -> Option<u32> {
+    r.prompt_logprobs.map(|n| n.min(LOGPROBS_MAX) as u32)
+}
 
 /// A drawn token and its log-probabilities.
 type Drawn = (u32, Option<TokenLogprobs>);
@@ -80,6 +87,15 @@ impl Running<'_> {
 pub(crate) struct StepClock {
     pub began: Instant,
     pub prefill_seconds: f64,
+}
+
+/// A prompt chunk stored in a step: the logits of its last row where it completes its
+/// prompt, and the log-probabilities of the prompt tokens after its rows where its request
+/// asks for them.
+pub(crate) struct ChunkDone {
+    pub chunk: Chunk,
+    pub logits: Option<Vec<f32>>,
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// One decode pass as the scheduler sees it.
@@ -253,7 +269,7 @@ impl<'t> Scheduler<'t> {
         let mut at = 0;
         while let Some(next) = self.waiting.get(at) {
             let r = &next.request;
-            let reusable = &r.prompt[..r.prompt.len() - 1];
+            let reusable = Admit::reusable(&r.prompt, prompt_logprobs(r));
             let cached = cache.cached_len(reusable);
             if self.prefilling_extends(reusable, cached) {
                 at += 1;
@@ -298,6 +314,7 @@ impl<'t> Scheduler<'t> {
             id: submitted.id,
             prompt: r.prompt.clone(),
             samples: r.samples as u32,
+            prompt_logprobs: prompt_logprobs(r),
         });
         let samples = (0..r.samples)
             .map(|i| Sample {
@@ -334,7 +351,7 @@ impl<'t> Scheduler<'t> {
         &mut self,
         books: &Books,
         decoded: Option<Decoded<'_>>,
-        chunks: &[(Chunk, Option<Vec<f32>>)],
+        chunks: &[ChunkDone],
         failed: Vec<(u64, RuntimeError)>,
         clock: Option<StepClock>,
     ) {
@@ -362,10 +379,21 @@ impl<'t> Scheduler<'t> {
         } else {
             self.status.batch = 0;
         }
-        for (chunk, logits) in chunks {
+        for done in chunks {
+            let (chunk, logits) = (&done.chunk, &done.logits);
             let Some(r) = self.running.get_mut(&chunk.id) else {
                 continue;
             };
+            if !done.prompt_logprobs.is_empty() {
+                let logprobs = done.prompt_logprobs.clone();
+                if !r.send(Event::PromptLogprobs {
+                    sample: 0,
+                    logprobs,
+                }) {
+                    self.cancel(chunk.id);
+                    continue;
+                }
+            }
             let before = r.prefilled;
             r.prefilled = books.seq(chunk.id).map_or(r.prefilled, |s| s.computed);
             self.status.prefill_tokens += (r.prefilled - before) as u64;
@@ -601,6 +629,7 @@ mod tests {
             stop: Vec::new(),
             ignore_eos,
             logprobs: None,
+            prompt_logprobs: None,
             logit_bias: Vec::new(),
             sink,
         })
@@ -650,7 +679,11 @@ mod tests {
         for (chunk, _, stored) in passes.into_iter().flat_map(|p| p.chunks) {
             assert!(stored);
             books.chunk_done(chunk).unwrap();
-            chunks.push((chunk, Some(pick(token, 1))));
+            chunks.push(ChunkDone {
+                chunk,
+                logits: Some(pick(token, 1)),
+                prompt_logprobs: Vec::new(),
+            });
         }
         let decoded = (!rows.rows.is_empty()).then_some(Decoded {
             rows: &rows,
@@ -727,6 +760,7 @@ mod tests {
                 stop: Vec::new(),
                 ignore_eos: false,
                 logprobs: Some(2),
+                prompt_logprobs: None,
                 logit_bias: Vec::new(),
                 sink: Box::new(Keep(reported.clone())),
             })

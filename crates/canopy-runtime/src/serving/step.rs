@@ -12,6 +12,20 @@ pub(crate) struct Admit {
     pub id: u64,
     pub prompt: Vec<u32>,
     pub samples: u32,
+    /// Report each prompt token's log-probability with this many likeliest tokens beside it
+    /// (`None`: none). Such a prompt is computed whole, never read from the prefix cache.
+    pub prompt_logprobs: Option<u32>,
+}
+
+impl Admit {
+    /// The prompt's tokens that may be read from the prefix cache: all but the last, of a
+    /// prompt whose rows' logits are not asked for.
+    pub fn reusable(prompt: &[u32], prompt_logprobs: Option<u32>) -> &[u32] {
+        match prompt_logprobs {
+            Some(_) => &[],
+            None => &prompt[..prompt.len().saturating_sub(1)],
+        }
+    }
 }
 
 /// One decode row: a sample of a request and the token it decodes (the one drawn last).
@@ -94,6 +108,7 @@ mod tests {
                 id: 7,
                 prompt: vec![1, 2, 3],
                 samples: 2,
+                prompt_logprobs: Some(1),
             }],
             decode: vec![Row {
                 id: 4,
