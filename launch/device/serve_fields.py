@@ -1,14 +1,16 @@
 """Requests for serve-fields.sh, with the standard library alone.
 
 check GPU_URL CPU_URL PROMPTS_JSON: the same requests (log-probabilities, penalties, a logit
-bias, several prompts, a streamed chat) to a server on the GPU and one on the CPU; the texts
-must be equal and the log-probabilities within 2e-3. Prints one line per request and ALL PASS
+bias, several prompts, a streamed chat, echoed prompts with their log-probabilities) to a
+server on the GPU and one on the CPU; the texts must be equal and the log-probabilities within
+2e-3. Prints one line per request and ALL PASS
 or FAILED.
 
 load URL: CONCURRENCY streamed completions at once (the same random token ids each time, so
 that after the first run every prompt is found cached; ignore_eos), timed, in the variants
 named by VARIANTS: a warm-up, none ask for log-probabilities, one does, all do, all are
-penalised. Prints one JSON line per variant.
+penalised, all echo their prompts with their log-probabilities. Prints one JSON line per
+variant.
 """
 import json
 import os
@@ -54,6 +56,11 @@ def check(gpu, cpu, prompts):
          {"prompt": p[1], "max_tokens": 8, "temperature": 0, "logit_bias": {"65": 5, "66": -100}}),
         ("several prompts, n=2", "/v1/completions",
          {"prompt": p[:3], "max_tokens": 12, "temperature": 0, "n": 2, "logprobs": 1}),
+        ("echo with logprobs", "/v1/completions",
+         {"prompt": p[3], "max_tokens": 2, "temperature": 0, "logprobs": 2, "echo": True}),
+        ("echo with logprobs, streamed, two prompts", "/v1/completions",
+         {"prompt": p[2:4], "max_tokens": 2, "temperature": 0, "logprobs": 1, "echo": True,
+          "stream": True}),
         ("chat logprobs, streamed", "/v1/chat/completions",
          {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 12,
           "temperature": 0, "logprobs": True, "top_logprobs": 3, "stream": True}),
@@ -79,7 +86,7 @@ def load(url):
     concurrency = int(os.environ.get("CONCURRENCY", "32"))
     tokens = int(os.environ.get("OUTPUT_LEN", "64"))
     vocab = int(os.environ.get("VOCAB", "128000"))
-    variants = os.environ.get("VARIANTS", "warm none one all penalties none one").split()
+    variants = os.environ.get("VARIANTS", "warm none one all penalties echo none one").split()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, vocab) for _ in range(256)] for _ in range(concurrency)]
     for variant in variants:
@@ -90,6 +97,8 @@ def load(url):
                 body["logprobs"] = 5
             if variant == "penalties":
                 body["repetition_penalty"] = 1.1
+            if variant == "echo":
+                body.update(logprobs=1, echo=True)
             t = time.perf_counter()
             chunks = post(url, "/v1/completions", body)
             return time.perf_counter() - t, len(chunks)
