@@ -17,6 +17,23 @@ left() { echo $((DEADLINE - SECONDS)); }
 # Plot labels need a TrueType font: matplotlib's DejaVu Sans where the machine has no other.
 export CANOPY_FONT=${CANOPY_FONT:-$(python3 -c 'import matplotlib, os
 print(os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data/fonts/ttf/DejaVuSans.ttf"))' 2>/dev/null)}
+# start_server NAME ARGS...: `canopy serve` on a free port, its log in
+# $SERVER_LOGS/server-NAME.log ($OUT by default); sets SERVER (its pid) and URL.
+start_server() {
+  local name=$1 logs=${SERVER_LOGS:-$OUT}
+  shift
+  $BIN serve --port 0 "$@" > "$logs/server-$name.log" 2>&1 &
+  SERVER=$!
+  URL=
+  while [ -z "$URL" ]; do
+    kill -0 $SERVER 2>/dev/null || { log "server $name died:"; tail -5 "$logs/server-$name.log"; return 1; }
+    sleep 0.5
+    URL=$(grep -o 'listening on http://[0-9.:]*' "$logs/server-$name.log" | head -1 | cut -d' ' -f3)
+  done
+  log "server $name at $URL"
+}
+# stop_server [PID]: drains the server (default $SERVER) and waits for it.
+stop_server() { kill -TERM "${1:-$SERVER}" 2>/dev/null; wait "${1:-$SERVER}" 2>/dev/null; }
 # A FastTree-shaped workload at 32/8 heads x 128, fp16, as /tmp/NAME.toml (for ncu runs on
 # trees of one part: a root alone, leaves alone): tree_toml NAME NODES_PER_LEVEL TOKENS_PER_LEVEL.
 tree_toml() {

@@ -16,22 +16,6 @@ PY=launch/device/serve_fields.py
 # The servers' logs travel as one archive.
 trap 'tar czf "$OUT/server-logs.tgz" -C "$OUT" $(cd "$OUT" && ls server-*.log) && rm -f "$OUT"/server-*.log' EXIT
 
-# start_server NAME ARGS...: `canopy serve` on a free port; sets SERVER (its pid) and URL.
-start_server() {
-  local name=$1
-  shift
-  $BIN serve --port 0 "$@" > "$OUT/server-$name.log" 2>&1 &
-  SERVER=$!
-  URL=
-  while [ -z "$URL" ]; do
-    kill -0 $SERVER 2>/dev/null || { log "server $name died:"; tail -5 "$OUT/server-$name.log"; return 1; }
-    sleep 0.5
-    URL=$(grep -o 'listening on http://[0-9.:]*' "$OUT/server-$name.log" | head -1 | cut -d' ' -f3)
-  done
-  log "server $name at $URL"
-}
-stop_server() { kill -TERM "$1" 2>/dev/null; wait "$1" 2>/dev/null; }
-
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import json; print(json.dumps([p['token_ids'] for p in json.load(open('$TINY/reference.json'))['prompts']]))" > /tmp/prompts.json

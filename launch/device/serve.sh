@@ -20,6 +20,7 @@ CANOPY_BIN=$DIR/canopy
 source "$(dirname "$0")/env.sh"
 R=$OUT/serve
 mkdir -p "$R"
+SERVER_LOGS=$R
 trap 'tar czf "$OUT/serve.tgz" -C "$OUT" serve' EXIT
 C=${CONCURRENCY:-64}
 N=${PROMPTS:-128}
@@ -32,21 +33,6 @@ MAX_CONTEXT=${MAX_CONTEXT:-20480}
 DEADLINE=${DEADLINE:-480}
 TINY=tests/fixtures/tiny/gqa-hd64
 
-# start_server NAME ARGS...: `canopy serve` on a free port; sets SERVER (its pid) and URL.
-start_server() {
-  local name=$1
-  shift
-  $BIN serve --port 0 "$@" > "$R/server-$name.log" 2>&1 &
-  SERVER=$!
-  URL=
-  while [ -z "$URL" ]; do
-    kill -0 $SERVER 2>/dev/null || { log "server $name died:"; tail -5 "$R/server-$name.log"; return 1; }
-    sleep 0.5
-    URL=$(grep -o 'listening on http://[0-9.:]*' "$R/server-$name.log" | head -1 | cut -d' ' -f3)
-  done
-  log "server $name at $URL"
-}
-stop_server() { kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; }
 
 # bench NAME LIMIT ARGS...: `canopy bench serve` against $URL, its report in bench-NAME.json.
 bench() {

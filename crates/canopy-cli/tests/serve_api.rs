@@ -8,6 +8,13 @@ use canopy_server::client::Client;
 use common::serve::{error_of, generate_alone, generate_alone_with, tiny, tiny_prompts, Server};
 use serde_json::{json, Value};
 
+/// The answer to `body` at `path`, which must succeed.
+fn answer(client: &Client, path: &str, body: &Value) -> Value {
+    let r = client.post(path, &body.to_string()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    serde_json::from_str(&r.body).unwrap()
+}
+
 /// A choice's `logprobs` gathered over a stream's chunks of one choice.
 fn streamed_logprobs(client: &Client, path: &str, body: Value) -> Vec<Value> {
     let mut s = client.stream(path, &body.to_string()).unwrap();
@@ -71,9 +78,7 @@ fn several_prompts_in_one_request_answer_as_each_alone() {
         .map(|p| generate_alone(&tiny(), p, 6))
         .collect();
     let body = json!({"prompt": &prompts[..3], "max_tokens": 6, "temperature": 0, "n": 2});
-    let r = c.post("/v1/completions", &body.to_string()).unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let v = answer(c, "/v1/completions", &body);
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 6);
     for (i, choice) in choices.iter().enumerate() {
@@ -143,12 +148,7 @@ fn penalties_draw_what_generate_draws_with_them() {
         body.as_object_mut()
             .unwrap()
             .extend(penalties.as_object().unwrap().clone());
-        let r = server
-            .client
-            .post("/v1/completions", &body.to_string())
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.body);
-        let v: Value = serde_json::from_str(&r.body).unwrap();
+        let v = answer(&server.client, "/v1/completions", &body);
         v["choices"][0]["text"].as_str().unwrap().to_string()
     };
     let plain = complete(json!({}));
@@ -197,12 +197,7 @@ fn a_logit_bias_draws_or_bars_its_tokens() {
             "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 0,
             "logit_bias": bias,
         });
-        let r = server
-            .client
-            .post("/v1/completions", &body.to_string())
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.body);
-        let v: Value = serde_json::from_str(&r.body).unwrap();
+        let v = answer(&server.client, "/v1/completions", &body);
         v["choices"][0]["logprobs"]["tokens"].clone()
     };
     let id = |text: &str| tiny_vocab_id(text).to_string();
@@ -244,12 +239,7 @@ fn an_echoed_prompt_reports_its_tokens_log_probabilities() {
             "stream": stream,
         });
         match stream {
-            false => {
-                let r = c.post("/v1/completions", &body.to_string()).unwrap();
-                assert_eq!(r.status, 200, "{}", r.body);
-                let v: Value = serde_json::from_str(&r.body).unwrap();
-                v["choices"][0]["logprobs"].clone()
-            }
+            false => answer(c, "/v1/completions", &body)["choices"][0]["logprobs"].clone(),
             true => joined(
                 &streamed_logprobs(c, "/v1/completions", body),
                 &["tokens", "token_logprobs", "top_logprobs", "text_offset"],
@@ -299,9 +289,7 @@ fn log_probabilities_and_echo_answer_as_openai_does() {
     let prompt = &tiny_prompts()[2];
     // A completion: each token's text, log-probability, its 3 most likely and offset.
     let body = json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 3});
-    let r = c.post("/v1/completions", &body.to_string()).unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let v = answer(c, "/v1/completions", &body);
     let choice = &v["choices"][0];
     let lp = &choice["logprobs"];
     let n = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
@@ -342,9 +330,7 @@ fn log_probabilities_and_echo_answer_as_openai_does() {
         "messages": [{"role": "user", "content": "Hi there"}],
         "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2,
     });
-    let r = c.post("/v1/chat/completions", &chat.to_string()).unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v: Value = serde_json::from_str(&r.body).unwrap();
+    let v = answer(c, "/v1/chat/completions", &chat);
     let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
     assert_eq!(
         content.len() as u64,
