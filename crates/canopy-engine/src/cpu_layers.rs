@@ -5,7 +5,8 @@
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
 use crate::layer_ops::{
-    check_top_logits, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
+    check_logprob_terms, check_top_logits, expect_gather, expect_size, KeyBlock, LayerOps,
+    ModelNeeds,
 };
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::top_tokens;
@@ -411,6 +412,33 @@ impl LayerOps for CpuBackend {
                 values[i] = row[t as usize];
                 ids[i] = f32::from_bits(t);
             }
+        }
+        Ok(())
+    }
+
+    /// The log-normaliser in f64, rounded once: the oracle the GPU's fp32 sum is held to.
+    fn logprob_terms(
+        &self,
+        logits: &HostMatrix,
+        targets: &[u32],
+        out: &mut HostMatrix,
+    ) -> Result<()> {
+        check_logprob_terms(
+            "cpu",
+            (logits.rows, logits.cols),
+            targets,
+            (out.rows, out.cols),
+        )?;
+        for ((row, &t), out) in logits
+            .data
+            .chunks_exact(logits.cols.max(1))
+            .zip(targets)
+            .zip(out.data.chunks_exact_mut(2))
+        {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+            out[0] = (f64::from(max) + sum.ln()) as f32;
+            out[1] = row[t as usize];
         }
         Ok(())
     }

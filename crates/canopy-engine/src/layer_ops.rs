@@ -440,6 +440,19 @@ pub trait LayerOps: MergeOps {
     /// ([`check_top_logits`]).
     fn top_logits(&self, logits: &Self::Tensor, k: usize, out: &mut Self::Tensor) -> Result<()>;
 
+    /// What the log-probability of token `targets[r]` in each row `r` of `logits` (`rows ×
+    /// vocab`) needs, into `out` (`rows × 2`): the row's log-normaliser `ln Σ exp(logit)`, then
+    /// the target's logit; its log-probability is their difference. With
+    /// [`top_logits`](Self::top_logits) beside it, the host reads a few numbers a row for a
+    /// token's log-probability and the likeliest tokens', not the vocabulary
+    /// ([`check_logprob_terms`]).
+    fn logprob_terms(
+        &self,
+        logits: &Self::Tensor,
+        targets: &[u32],
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+
     /// Whether this backend records passes as graphs (`None`: it does not), and if so the
     /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
     /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is
@@ -492,6 +505,25 @@ pub fn check_top_logits(
     }
     expect_size(backend, "top_logits", "the output's rows", out.0, rows)?;
     expect_size(backend, "top_logits", "the output's columns", out.1, 2 * k)
+}
+
+/// Refuses a [`LayerOps::logprob_terms`] call without a target per row, with a target past the
+/// row, or whose output is not `rows × 2`.
+pub fn check_logprob_terms(
+    backend: &'static str,
+    (rows, vocab): (usize, usize),
+    targets: &[u32],
+    out: (usize, usize),
+) -> Result<()> {
+    expect_size(backend, "logprob_terms", "the targets", targets.len(), rows)?;
+    if let Some(t) = targets.iter().find(|&&t| t as usize >= vocab) {
+        return Err(EngineError::Backend {
+            backend,
+            message: format!("logprob_terms: target {t} is past the {vocab} logits of a row"),
+        });
+    }
+    expect_size(backend, "logprob_terms", "the output's rows", out.0, rows)?;
+    expect_size(backend, "logprob_terms", "the output's columns", out.1, 2)
 }
 
 /// A block of keys and values for [`LayerOps::causal_attention`]: `k` and `v` are `tokens ×

@@ -672,3 +672,39 @@ top_logits(const float* __restrict__ logits, const u64* __restrict__ keys_in, u3
         }
     }
 }
+
+// A CTA's reduction of one float per thread by `op` (max or sum), the result in every thread;
+// `part` is LAYER_THREADS / 32 floats of shared memory, free again on return.
+template <typename Op> __device__ __forceinline__ float block_reduce(float x, float* part, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = part[0];
+#pragma unroll
+    for (int w = 1; w < LAYER_THREADS / 32; ++w) x = op(x, part[w]);
+    __syncthreads();
+    return x;
+}
+
+// One CTA per row of `logits` (rows x cols): the row's log-normaliser ln sum exp(x) (its max,
+// then the sum of exp(x - max), in fp32) and the logit of its target token, into out[2 row]
+// and out[2 row + 1] (the host checked every target against cols).
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+logprob_terms(const float* __restrict__ logits, const u32* __restrict__ targets, u32 cols,
+              float* __restrict__ out) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    __shared__ float part[LAYER_THREADS / 32];
+    const float* row = logits + (u64)blockIdx.x * cols;
+    float m = NEG_INF;
+    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) m = fmaxf(m, row[c]);
+    m = block_reduce(m, part, [](float a, float b) { return fmaxf(a, b); });
+    float s = 0.f;
+    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) s += expf(row[c] - m);
+    s = block_reduce(s, part, [](float a, float b) { return a + b; });
+    if (threadIdx.x == 0) {
+        out[2 * (u64)blockIdx.x] = m + logf(s);
+        out[2 * (u64)blockIdx.x + 1] = row[targets[blockIdx.x]];
+    }
+}

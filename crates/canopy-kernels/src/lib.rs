@@ -163,6 +163,7 @@ impl Id {
                 "gemv_normed_swiglu",
                 "gemv_rope",
                 "top_logits",
+                "logprob_terms",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }

@@ -2,7 +2,8 @@
 //! `top_logits` narrows each row of logits to its `k` most likely tokens in passes, each
 //! taking segments of `LAYER_THREADS · TOP_ITEMS` entries to `k` keys apiece, until one
 //! segment is left, whose pass writes the row's logits and tokens. A vocabulary of 128K
-//! takes two passes at any `k`; the logits never leave the device.
+//! takes two passes at any `k`; the logits never leave the device. `logprob_terms` reduces
+//! each row to its log-normaliser and a target's logit, one CTA a row.
 
 use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
@@ -18,6 +19,36 @@ const SEGMENT: usize = LAYER_THREADS as usize * TOP_ITEMS;
 const MOST_ROWS: usize = 65_535;
 
 impl CudaBackend {
+    /// Each row's log-normaliser and the logit of its target into `out` (`rows × 2`; the
+    /// caller checked the shapes and every target).
+    pub(super) fn logprob_rows(
+        &self,
+        logits: &CudaTensor,
+        targets: &[u32],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        out.drop_rounded();
+        if logits.rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(Kernel::Layers(DType::F32, "logprob_terms"))?;
+        let s = &self.stream;
+        let targets = self.upload(targets)?;
+        let params = Params::default()
+            .buffer(&logits.data, s)
+            .buffer(&targets, s)
+            .u32(narrow("logprob_terms", logits.cols)?)
+            .buffer(&out.data, s);
+        let cfg = LaunchConfig {
+            grid_dim: (narrow("logprob_terms", logits.rows)?, 1, 1),
+            block_dim: (LAYER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: CTA `row` reads row `row` of logits (rows × cols) and its target (below
+        // cols, checked by the caller), and writes two floats of row `row` of out (rows × 2).
+        unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching logprob_terms")
+    }
+
     /// Each row of `logits` narrowed to its `k` most likely tokens in `out` (`rows × 2k`; the
     /// caller checked both shapes and `k`).
     pub(super) fn top_rows(

@@ -1,5 +1,7 @@
 //! How the GPU tests that hold an op to the CPU's compare them: random inputs that are never
 //! zero, outputs poisoned with NaN, and an error relative to the largest magnitude wanted.
+//! Each test file uses some of them.
+#![allow(dead_code)]
 
 use canopy_engine::{LayerOps, Result};
 use rand::Rng;

@@ -33,13 +33,12 @@ use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
 use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
 use canopy_kv::RankSnapshot;
 use canopy_model::Tokenizer;
-use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::Instant;
 
-/// Prompt rows whose logits are computed and read at once for their log-probabilities: 128 MB
-/// of fp32 logits at a vocabulary of 128K.
+/// Prompt rows whose logits are computed at once for their log-probabilities: 128 MB of fp32
+/// logits on the backend at a vocabulary of 128K.
 const PROMPT_LOGITS_ROWS: usize = 256;
 
 /// Rank 0's front: the handles' commands, and what turns tokens into text and ends samples.
@@ -382,8 +381,9 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
 
     /// The log-probabilities of the prompt tokens after `rows` of `x` (a pass's last hidden
     /// rows, at `positions`) where request `id` asks for them (else none): the prompt's next
-    /// token after each row, with its likeliest tokens. Their logits are computed and read a
-    /// group of rows at a time.
+    /// token after each row, with its likeliest tokens. A group of rows at a time, their logits
+    /// are computed and reduced on the backend to what the host reads: each row's likeliest
+    /// tokens, its log-normaliser and its next token's logit.
     fn prompt_logprobs(
         &self,
         x: &B::Tensor,
@@ -394,24 +394,41 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let Some(seq) = self.books.seq(id) else {
             return Ok(Vec::new());
         };
-        let Some(top) = seq.prompt_logprobs else {
+        let Some(top) = seq.prompt_logprobs.map(|n| n as usize) else {
             return Ok(Vec::new());
         };
         // Row `r` predicts the prompt's token after its own position.
         let next = |r: usize| seq.prompt.get(positions[r] as usize + 1).map(|&t| (r, t));
         let wanted: Vec<(usize, u32)> = rows.filter_map(next).collect();
-        let vocab = self.layers.config.vocab_size;
+        let (backend, vocab) = (self.backend, self.layers.config.vocab_size);
+        // `top_logits` narrows to one token at least.
+        let k = top.clamp(1, vocab);
         let mut out = Vec::with_capacity(wanted.len());
         for group in wanted.chunks(PROMPT_LOGITS_ROWS) {
-            let read: Vec<usize> = group.iter().map(|&(r, _)| r).collect();
-            let mut logits = self.backend.output_tensor(read.len(), vocab)?;
-            self.layers
-                .logits_into(self.backend, x, &read, &mut logits)?;
-            let host = self.backend.download_tensor(&logits)?;
-            let lp: Vec<TokenLogprobs> = (host.par_chunks_exact(vocab).zip(group))
-                .map(|(row, &(_, token))| TokenLogprobs::of(row, token, top as usize))
-                .collect();
-            out.extend(lp);
+            let (read, targets): (Vec<usize>, Vec<u32>) = group.iter().copied().unzip();
+            let mut logits = backend.output_tensor(read.len(), vocab)?;
+            self.layers.logits_into(backend, x, &read, &mut logits)?;
+            let mut likeliest = backend.output_tensor(read.len(), 2 * k)?;
+            backend.top_logits(&logits, k, &mut likeliest)?;
+            let mut terms = backend.output_tensor(read.len(), 2)?;
+            backend.logprob_terms(&logits, &targets, &mut terms)?;
+            let likeliest = backend.download_tensor(&likeliest)?;
+            let terms = backend.download_tensor(&terms)?;
+            out.extend(
+                likeliest
+                    .chunks_exact(2 * k)
+                    .zip(terms.chunks_exact(2))
+                    .map(|(row, terms)| {
+                        let (logits, tokens) = row.split_at(k);
+                        let lse = terms[0];
+                        TokenLogprobs {
+                            logprob: terms[1] - lse,
+                            top: (tokens.iter().zip(logits).take(top))
+                                .map(|(t, &x)| (t.to_bits(), x - lse))
+                                .collect(),
+                        }
+                    }),
+            );
         }
         Ok(out)
     }

@@ -1,0 +1,95 @@
+//! The CUDA backend's ops on logits against the CPU backend's, on fresh random rows with
+//! ties, signed zeros and infinities: the narrowing to each row's likeliest tokens bit for bit,
+//! and each row's log-normaliser and a target's logit (the CPU sums in f64).
+//!
+//! Without a GPU every test prints why and passes. The seed is printed; `CANOPY_TEST_SEED`
+//! repeats a run.
+
+mod common;
+mod compare;
+use common::{gpu, rng};
+use compare::poisoned;
+
+use canopy_engine::{CpuBackend, LayerOps, Result};
+use rand::Rng;
+
+/// `logits` (`rows × vocab`) narrowed to `k` tokens a row on `b`, into a poisoned output.
+fn top<B: LayerOps>(b: &B, logits: &[f32], rows: usize, k: usize) -> Result<Vec<f32>> {
+    let t = b.upload_tensor(logits, rows, logits.len() / rows)?;
+    let mut out = poisoned(b, rows, 2 * k)?;
+    b.top_logits(&t, k, &mut out)?;
+    b.download_tensor(&out)
+}
+
+#[test]
+fn top_logits_match_the_cpu_bit_for_bit() {
+    let Some(gpu) = gpu("top_logits_match_the_cpu_bit_for_bit") else {
+        return;
+    };
+    let mut rng = rng("top_logits_match_the_cpu_bit_for_bit");
+    // Vocabularies of one segment, one past it, SmolLM2's and Llama 3's (two passes), and
+    // one small enough that k reaches most of it.
+    for (rows, vocab) in [(3, 4096), (2, 4097), (5, 49152), (64, 128256), (1, 130)] {
+        // Few distinct values, so most of a row's likeliest tie: the lower token must win.
+        // Signed zeros and infinities sit among them.
+        let mut logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| rng.gen_range(-64i32..64) as f32 * 0.125)
+            .collect();
+        for _ in 0..rows * 4 {
+            let at = rng.gen_range(0..logits.len());
+            logits[at] = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY][rng.gen_range(0..4)];
+        }
+        for k in [1, 2, 40, 128] {
+            let got = top(&gpu, &logits, rows, k).unwrap();
+            let want = top(&CpuBackend, &logits, rows, k).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{rows} rows of {vocab}, k = {k}");
+            eprintln!("  top_logits {rows} × {vocab}, k = {k}: equal");
+        }
+    }
+}
+
+/// Each row's log-normaliser and its target's logit on `b`, into a poisoned output.
+fn terms<B: LayerOps>(b: &B, logits: &[f32], rows: usize, targets: &[u32]) -> Result<Vec<f32>> {
+    let t = b.upload_tensor(logits, rows, logits.len() / rows)?;
+    let mut out = poisoned(b, rows, 2)?;
+    b.logprob_terms(&t, targets, &mut out)?;
+    b.download_tensor(&out)
+}
+
+#[test]
+fn logprob_terms_match_the_cpu() {
+    let Some(gpu) = gpu("logprob_terms_match_the_cpu") else {
+        return;
+    };
+    let mut rng = rng("logprob_terms_match_the_cpu");
+    for (rows, vocab) in [(3, 4096), (2, 4097), (5, 49152), (64, 128256), (1, 130)] {
+        // Logits of a model's spread, one row in ten peaked on a token.
+        let mut logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| rng.gen_range(-12.0f32..12.0))
+            .collect();
+        for r in (0..rows).step_by(10) {
+            logits[r * vocab + rng.gen_range(0..vocab)] = 80.0;
+        }
+        let targets: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..vocab as u32)).collect();
+        let got = terms(&gpu, &logits, rows, &targets).unwrap();
+        let want = terms(&CpuBackend, &logits, rows, &targets).unwrap();
+        for (r, (g, w)) in got.chunks(2).zip(want.chunks(2)).enumerate() {
+            // fp32 sums of up to 128K terms against f64's: a few parts in 10^6.
+            assert!(
+                (g[0] - w[0]).abs() <= 2e-5 * w[0].abs().max(1.0),
+                "row {r}: {g:?} {w:?}"
+            );
+            assert_eq!(
+                g[1].to_bits(),
+                w[1].to_bits(),
+                "row {r}: the target's logit"
+            );
+        }
+        eprintln!("  logprob_terms {rows} × {vocab}: within 2e-5");
+    }
+    // A target past the row is refused.
+    let t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
+    let mut out = poisoned(&gpu, 2, 2).unwrap();
+    assert!(gpu.logprob_terms(&t, &[1, 4], &mut out).is_err());
+}
