@@ -26,7 +26,6 @@ use crate::layers::ModelLayers;
 use crate::sampling::StepLogits;
 use crate::Result;
 use canopy_engine::{LayerOps, RankAttention, Transport};
-use std::collections::BTreeMap;
 
 /// The rows of one decode step.
 #[derive(Debug, Clone, Copy)]
@@ -241,11 +240,7 @@ impl<B: LayerOps> Forward<B> {
     /// The kept logits, narrowed or whole, on the host.
     fn download(&self, backend: &B, layers: &ModelLayers<B>) -> Result<StepLogits> {
         Ok(match &self.top {
-            Some(top) => StepLogits::Top {
-                k: backend.dims(top).1 / 2,
-                rows: backend.download_tensor(top)?,
-                whole: BTreeMap::new(),
-            },
+            Some(top) => StepLogits::top(backend.dims(top).1 / 2, backend.download_tensor(top)?),
             None => StepLogits::Whole {
                 vocab: layers.config.vocab_size,
                 logits: backend.download_tensor(self.logits.as_ref().expect("kept"))?,

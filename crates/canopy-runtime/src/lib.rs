@@ -38,6 +38,6 @@ pub use rank::{
     generate, ContextFill, DecodeStrategy, GenerateRequest, Generated, Watch, DEFAULT_PREFILL_CHUNK,
 };
 pub use sampling::{
-    step_reach, RowLogits, Sampler, SamplingParams, StepLogits, TokenLogprobs, TopTwo,
+    step_reach, RowLogits, RowTerms, Sampler, SamplingParams, StepLogits, TokenLogprobs, TopTwo,
     LOGPROBS_MAX, PENALTY_RANGE,
 };

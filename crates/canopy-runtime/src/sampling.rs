@@ -107,10 +107,52 @@ pub enum StepLogits {
         rows: Vec<f32>,
         /// Rows read whole as well, by row: those whose draw needs more than `k` tokens.
         whole: BTreeMap<usize, Vec<f32>>,
+        /// Rows' log-normalisers and likeliest tokens, by row: those that report their drawn
+        /// token's log-probability.
+        terms: BTreeMap<usize, RowTerms>,
     },
 }
 
+/// What a row's log-probabilities need, reduced on the backend: its log-normaliser
+/// ([`canopy_engine::LayerOps::logprob_terms`]) and its likeliest tokens with their logits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowTerms {
+    pub lse: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl RowTerms {
+    /// The log-probability of a token whose logit is `logit`, with the row's `n` likeliest.
+    pub fn logprobs(&self, logit: f32, n: usize) -> TokenLogprobs {
+        TokenLogprobs {
+            logprob: logit - self.lse,
+            top: (self.top.iter().take(n))
+                .map(|&(t, x)| (t, x - self.lse))
+                .collect(),
+        }
+    }
+}
+
 impl StepLogits {
+    /// Rows narrowed to `k` tokens each (`rows`: each row's `k` logits, then its `k` tokens
+    /// as bit patterns), none read whole.
+    pub fn top(k: usize, rows: Vec<f32>) -> StepLogits {
+        StepLogits::Top {
+            k,
+            rows,
+            whole: BTreeMap::new(),
+            terms: BTreeMap::new(),
+        }
+    }
+
+    /// Row `r`'s log-normaliser and likeliest tokens, where they were read.
+    pub fn terms(&self, r: usize) -> Option<&RowTerms> {
+        match self {
+            StepLogits::Top { terms, .. } => terms.get(&r),
+            StepLogits::Whole { .. } => None,
+        }
+    }
+
     /// Row `r`: whole where it was read whole.
     pub fn row(&self, r: usize) -> RowLogits<'_> {
         if let StepLogits::Top { whole, .. } = self {
@@ -139,11 +181,7 @@ impl StepLogits {
                 vocab: row.len(),
                 logits: row.to_vec(),
             },
-            RowLogits::Top { logits, .. } => StepLogits::Top {
-                k: logits.len(),
-                rows: self.span(r).to_vec(),
-                whole: BTreeMap::new(),
-            },
+            RowLogits::Top { logits, .. } => StepLogits::top(logits.len(), self.span(r).to_vec()),
         }
     }
 
@@ -397,11 +435,7 @@ mod tests {
         let tokens = top_tokens(logits, k);
         let mut rows: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
         rows.extend(tokens.iter().map(|&t| f32::from_bits(t)));
-        StepLogits::Top {
-            k,
-            rows,
-            whole: BTreeMap::new(),
-        }
+        StepLogits::top(k, rows)
     }
 
     #[test]

@@ -19,21 +19,20 @@
 use super::books::{Books, Layout, PrefillPass};
 use super::handle::EngineInbox;
 use super::scheduler::{ChunkDone, Decoded, Scheduler, StepClock};
-use super::step::{Chunk, Step};
+use super::step::{Chunk, Row, Step};
 use super::ServeConfig;
 use crate::forward::{Forward, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
 use crate::rank::resolve_merge;
-use crate::sampling::{StepLogits, TokenLogprobs};
+use crate::sampling::{RowTerms, StepLogits, TokenLogprobs, LOGPROBS_MAX};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
 use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
 use canopy_kv::RankSnapshot;
 use canopy_model::Tokenizer;
-use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -171,17 +170,15 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 self.books
                     .prefill_passes(&wanted, &self.viewers(), Some(&rows));
             let mixed = passes.first().is_some_and(|p| p.decode_rows > 0);
-            let whole: Vec<usize> = (0..rows.rows.len())
-                .filter(|&i| step.whole.contains(&(rows.rows[i].id, rows.rows[i].sample)))
-                .collect();
+            let reads = RowReads::new(&step, &rows.rows);
             let mut decoded = None;
             if !rows.rows.is_empty() && !mixed {
                 let started = Instant::now();
-                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach, &whole)?;
+                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach, &reads)?;
                 decoded = Some((logits, Some((started.elapsed().as_secs_f64(), kv_bytes))));
             }
             let prefilling = Instant::now();
-            let (chunks, mixed_logits) = self.prefill(passes, step.reach, &whole)?;
+            let (chunks, mixed_logits) = self.prefill(passes, step.reach, &reads)?;
             for (id, _) in &unplaced {
                 self.books.end(*id);
             }
@@ -212,13 +209,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     }
 
     /// The decode rows through every layer: their logits, in the rows' order, each narrowed to
-    /// its `reach` most likely tokens (`None`: whole) and rows `whole` also whole, and the
-    /// distinct KV bytes their attention reads on this rank (every rank's shard, for the ring).
+    /// its `reach` most likely tokens (`None`: whole) and some rows read further (`reads`),
+    /// and the distinct KV bytes their attention reads on this rank (every rank's shard, for
+    /// the ring).
     fn decode_pass(
         &mut self,
         rows: &super::books::DecodeRows,
         reach: Option<usize>,
-        whole: &[usize],
+        reads: &RowReads,
     ) -> Result<(StepLogits, u64)> {
         let rank = self.comm.rank();
         let viewers = self.viewers();
@@ -262,7 +260,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             },
         )?;
         if let Some(kept) = self.forward.logits() {
-            read_whole(self.backend, kept, whole, &mut logits)?;
+            reads.read(self.backend, kept, &mut logits)?;
         }
         tracing::debug!(
             rows = rows.ids.len(),
@@ -276,13 +274,13 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     /// The step's prefill passes ([`Books::prefill_passes`]): each stored chunk, with the
     /// logits of its last row if it completes its prompt, and the logits of the decode rows
     /// that lead a pass, each narrowed to its `reach` most likely tokens (`None`: whole) and
-    /// rows `whole` also whole.
+    /// some read further (`reads`).
     #[allow(clippy::type_complexity)]
     fn prefill(
         &mut self,
         passes: Vec<PrefillPass>,
         reach: Option<usize>,
-        whole: &[usize],
+        reads: &RowReads,
     ) -> Result<(Vec<ChunkDone>, Option<StepLogits>)> {
         let rank = self.comm.rank();
         let (backend, vocab) = (self.backend, self.layers.config.vocab_size);
@@ -345,7 +343,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                     .logits_into(backend, &x, &logit_rows, &mut logits)?;
                 if d > 0 {
                     let mut rows = narrowed(backend, &logits, d, reach)?;
-                    read_whole(backend, &logits, whole, &mut rows)?;
+                    reads.read(backend, &logits, &mut rows)?;
                     decoded = Some(rows);
                 }
                 if logit_rows.len() > d {
@@ -401,34 +399,13 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let next = |r: usize| seq.prompt.get(positions[r] as usize + 1).map(|&t| (r, t));
         let wanted: Vec<(usize, u32)> = rows.filter_map(next).collect();
         let (backend, vocab) = (self.backend, self.layers.config.vocab_size);
-        // `top_logits` narrows to one token at least.
-        let k = top.clamp(1, vocab);
         let mut out = Vec::with_capacity(wanted.len());
         for group in wanted.chunks(PROMPT_LOGITS_ROWS) {
             let (read, targets): (Vec<usize>, Vec<u32>) = group.iter().copied().unzip();
             let mut logits = backend.output_tensor(read.len(), vocab)?;
             self.layers.logits_into(backend, x, &read, &mut logits)?;
-            let mut likeliest = backend.output_tensor(read.len(), 2 * k)?;
-            backend.top_logits(&logits, k, &mut likeliest)?;
-            let mut terms = backend.output_tensor(read.len(), 2)?;
-            backend.logprob_terms(&logits, &targets, &mut terms)?;
-            let likeliest = backend.download_tensor(&likeliest)?;
-            let terms = backend.download_tensor(&terms)?;
-            out.extend(
-                likeliest
-                    .chunks_exact(2 * k)
-                    .zip(terms.chunks_exact(2))
-                    .map(|(row, terms)| {
-                        let (logits, tokens) = row.split_at(k);
-                        let lse = terms[0];
-                        TokenLogprobs {
-                            logprob: terms[1] - lse,
-                            top: (tokens.iter().zip(logits).take(top))
-                                .map(|(t, &x)| (t.to_bits(), x - lse))
-                                .collect(),
-                        }
-                    }),
-            );
+            let terms = row_terms(backend, &logits, top, &targets)?;
+            out.extend(terms.iter().map(|(t, logit)| t.logprobs(*logit, top)));
         }
         Ok(out)
     }
@@ -503,17 +480,101 @@ fn narrowed<B: LayerOps>(
         Some(k) => {
             let mut top = backend.tensor(rows, 2 * k)?;
             backend.top_logits(head, k, &mut top)?;
-            StepLogits::Top {
-                k,
-                rows: backend.download_tensor(&top)?,
-                whole: BTreeMap::new(),
-            }
+            StepLogits::top(k, backend.download_tensor(&top)?)
         }
         None => StepLogits::Whole {
             vocab,
             logits: backend.download_tensor(head)?,
         },
     })
+}
+
+/// The decode rows of a step read beyond their narrowed form, by their place in the step's
+/// rows: whole ([`Step::whole`]), or reduced for their log-probabilities ([`Step::terms`]).
+struct RowReads {
+    whole: Vec<usize>,
+    terms: Vec<usize>,
+}
+
+impl RowReads {
+    fn new(step: &Step, rows: &[Row]) -> RowReads {
+        let places = |listed: &[(u64, u32)]| {
+            (rows.iter().enumerate())
+                .filter(|(_, r)| listed.contains(&(r.id, r.sample)))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        RowReads {
+            whole: places(&step.whole),
+            terms: places(&step.terms),
+        }
+    }
+
+    /// The reads of `logits` (the step's rows on the backend) into `step`.
+    fn read<B: LayerOps>(
+        &self,
+        backend: &B,
+        logits: &B::Tensor,
+        step: &mut StepLogits,
+    ) -> Result<()> {
+        read_whole(backend, logits, &self.whole, step)?;
+        read_terms(backend, logits, &self.terms, step)
+    }
+}
+
+/// Each row of `logits` reduced on the backend to its log-normaliser and `n` likeliest tokens
+/// ([`RowTerms`]), with the logit of its token of `targets`.
+fn row_terms<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    n: usize,
+    targets: &[u32],
+) -> Result<Vec<(RowTerms, f32)>> {
+    let (rows, vocab) = backend.dims(logits);
+    // `top_logits` narrows to one token at least.
+    let k = n.clamp(1, vocab);
+    let mut likeliest = backend.output_tensor(rows, 2 * k)?;
+    backend.top_logits(logits, k, &mut likeliest)?;
+    let mut terms = backend.output_tensor(rows, 2)?;
+    backend.logprob_terms(logits, targets, &mut terms)?;
+    let likeliest = backend.download_tensor(&likeliest)?;
+    let terms = backend.download_tensor(&terms)?;
+    Ok((likeliest.chunks_exact(2 * k).zip(terms.chunks_exact(2)))
+        .map(|(row, terms)| {
+            let (logits, tokens) = row.split_at(k);
+            let top = (tokens.iter().zip(logits).take(n))
+                .map(|(t, &x)| (t.to_bits(), x))
+                .collect();
+            (RowTerms { lse: terms[0], top }, terms[1])
+        })
+        .collect())
+}
+
+/// Rows `rows` of `logits` reduced into `step` for their drawn tokens' log-probabilities
+/// ([`row_terms`], the [`LOGPROBS_MAX`] likeliest), beside their narrowed form (a step read
+/// whole holds them already).
+fn read_terms<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    rows: &[usize],
+    step: &mut StepLogits,
+) -> Result<()> {
+    let StepLogits::Top { terms, .. } = step else {
+        return Ok(());
+    };
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut gathered = backend.output_tensor(rows.len(), backend.dims(logits).1)?;
+    backend.gather_rows(logits, rows, &mut gathered)?;
+    // The drawn token's logit comes from the narrowed row; the target is a stand-in.
+    let reduced = row_terms(backend, &gathered, LOGPROBS_MAX, &vec![0; rows.len()])?;
+    terms.extend(
+        rows.iter()
+            .copied()
+            .zip(reduced.into_iter().map(|(t, _)| t)),
+    );
+    Ok(())
 }
 
 /// Rows `rows` of `logits` read whole into `step` beside their narrowed form (a step read

@@ -15,17 +15,17 @@
 //! that arrive together behind one long prompt share it from their first step.
 
 use super::books::{Books, DecodeRows};
-use super::handle::{
-    Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, ServeRequest, Submitted,
-};
+use super::handle::{Command, EngineInbox, EngineStatus, Event, Limits, ServeRequest, Submitted};
 use super::step::{Admit, Chunk, Row, Step};
 use super::stop::StopText;
 use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits, TokenLogprobs, LOGPROBS_MAX};
 use crate::RuntimeError;
 use canopy_model::{IncrementalDecoder, Tokenizer};
-use rayon::prelude::*;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use draw::DrawRow;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
+
+mod draw;
 
 /// How long an idle engine waits for a command before a heartbeat step (which keeps the other
 /// ranks from timing out while the server has no requests).
@@ -35,9 +35,6 @@ const HEARTBEAT: Duration = Duration::from_secs(2);
 fn prompt_logprobs(r: &ServeRequest) -> Option<u32> {
     r.prompt_logprobs.map(|n| n.min(LOGPROBS_MAX) as u32)
 }
-
-/// A drawn token and its log-probabilities.
-type Drawn = (u32, Option<TokenLogprobs>);
 
 /// One sample of a running request.
 struct Sample<'t> {
@@ -191,14 +188,12 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        // A token's log-probability needs its whole row.
         let reach = |row: &Row| {
-            let r = &self.running[&row.id];
-            match r.submitted.request.logprobs {
-                Some(_) => None,
-                None => r.samples[row.sample as usize].sampler.reach(),
-            }
+            self.running[&row.id].samples[row.sample as usize]
+                .sampler
+                .reach()
         };
+        let reports = |row: &&&Row| self.running[&row.id].submitted.request.logprobs.is_some();
         let (narrow, whole): (Vec<&Row>, Vec<&Row>) = step
             .decode
             .iter()
@@ -206,11 +201,18 @@ impl<'t> Scheduler<'t> {
         // Rows that all need their whole logits are read whole at once.
         step.reach = match narrow.is_empty() && !whole.is_empty() {
             true => None,
-            false => step_reach(narrow.into_iter().map(reach), 1),
+            false => step_reach(narrow.iter().map(|row| reach(row)), 1),
         };
-        step.whole = match step.reach {
-            Some(_) => whole.iter().map(|row| (row.id, row.sample)).collect(),
-            None => Vec::new(),
+        // A narrowed row that reports its token's log-probability has its row's
+        // log-normaliser and likeliest tokens read beside it.
+        (step.whole, step.terms) = match step.reach {
+            Some(_) => (
+                whole.iter().map(|row| (row.id, row.sample)).collect(),
+                (narrow.iter().filter(reports))
+                    .map(|row| (row.id, row.sample))
+                    .collect(),
+            ),
+            None => (Vec::new(), Vec::new()),
         };
         let mut budget = self.prefill_chunk;
         for (&id, r) in &self.running {
@@ -361,7 +363,7 @@ impl<'t> Scheduler<'t> {
             }
         }
         // The rows to draw: each decode row, then each sample of a prompt completed.
-        let mut rows: Vec<(u64, usize, RowLogits)> = Vec::new();
+        let mut rows: Vec<DrawRow> = Vec::new();
         if let Some(d) = &decoded {
             let decode = &d.rows.rows;
             self.status.batch = decode.len();
@@ -372,10 +374,12 @@ impl<'t> Scheduler<'t> {
                     .or_default()
                     .add(seconds, kv_bytes);
             }
-            rows.extend(
-                (decode.iter().enumerate())
-                    .map(|(i, row)| (row.id, row.sample as usize, d.logits.row(i))),
-            );
+            rows.extend((decode.iter().enumerate()).map(|(i, row)| DrawRow {
+                id: row.id,
+                sample: row.sample as usize,
+                logits: d.logits.row(i),
+                terms: d.logits.terms(i),
+            }));
         } else {
             self.status.batch = 0;
         }
@@ -398,13 +402,18 @@ impl<'t> Scheduler<'t> {
             r.prefilled = books.seq(chunk.id).map_or(r.prefilled, |s| s.computed);
             self.status.prefill_tokens += (r.prefilled - before) as u64;
             if let (true, Some(logits)) = (r.prefilled == r.prompt_len(), logits) {
-                rows.extend((0..r.samples.len()).map(|s| (chunk.id, s, RowLogits::Whole(logits))));
+                rows.extend((0..r.samples.len()).map(|sample| DrawRow {
+                    id: chunk.id,
+                    sample,
+                    logits: RowLogits::Whole(logits),
+                    terms: None,
+                }));
             }
         }
         let drawn = self.draw_rows(&rows);
-        for ((id, sample, _), drawn) in rows.iter().zip(drawn) {
+        for (row, drawn) in rows.iter().zip(drawn) {
             if let Some((token, logprobs)) = drawn {
-                self.tell(*id, *sample, token, logprobs);
+                self.tell(row.id, row.sample, token, logprobs);
             }
         }
         if let Some(c) = clock {
@@ -413,90 +422,6 @@ impl<'t> Scheduler<'t> {
             self.status.prefill_seconds += c.prefill_seconds;
         }
         self.publish(books);
-    }
-
-    /// Each row's token (sample `.1` of request `.0`, drawn from logits `.2`) with its
-    /// log-probabilities where the request asks for them (`None`: the request has ended).
-    /// Rows are drawn in parallel where some are whole, a pass over the vocabulary each.
-    fn draw_rows(&mut self, rows: &[(u64, usize, RowLogits)]) -> Vec<Option<Drawn>> {
-        let mut samplers: HashMap<(u64, usize), (&mut Sampler, Option<usize>)> = HashMap::new();
-        for (&id, r) in self.running.iter_mut() {
-            let logprobs = r.submitted.request.logprobs;
-            for (i, s) in r.samples.iter_mut().enumerate() {
-                samplers.insert((id, i), (&mut s.sampler, logprobs));
-            }
-        }
-        let mut work: Vec<_> = rows
-            .iter()
-            .map(|&(id, sample, row)| (samplers.remove(&(id, sample)), row))
-            .collect();
-        let draw = |(sampler, row): &mut (Option<(&mut Sampler, Option<usize>)>, RowLogits)| {
-            let (sampler, logprobs) = sampler.as_mut()?;
-            let token = sampler.sample(*row);
-            let logprobs = match (*logprobs, *row) {
-                (Some(top), RowLogits::Whole(row)) => Some(TokenLogprobs::of(row, token, top)),
-                // Not met: a row that reports log-probabilities is read whole.
-                (Some(_), RowLogits::Top { .. }) | (None, _) => None,
-            };
-            Some((token, logprobs))
-        };
-        let whole = |(_, row): &(_, RowLogits)| matches!(row, RowLogits::Whole(_));
-        match work.iter().filter(|w| whole(w)).count() > 1 {
-            true => work.par_iter_mut().map(draw).collect(),
-            false => work.iter_mut().map(draw).collect(),
-        }
-    }
-
-    /// Takes sample `sample` of request `id`'s drawn `token` and tells its client.
-    fn tell(&mut self, id: u64, sample: usize, token: u32, logprobs: Option<TokenLogprobs>) {
-        let Some(r) = self.running.get_mut(&id) else {
-            return;
-        };
-        let request = &r.submitted.request;
-        let (max_tokens, stops) = (request.max_tokens, request.stop.clone());
-        let eos_ends = !request.ignore_eos;
-        let s = &mut r.samples[sample];
-        s.drawn += 1;
-        self.status.generated_tokens += 1;
-        // A token the tokenizer cannot decode adds no text; the ids are still the output.
-        let piece = s.decoder.push(token).unwrap_or_default();
-        let (text, stop_string) = s.text.push(&piece, &stops);
-        let reason = if stop_string || (eos_ends && self.stop_tokens.contains(&token)) {
-            Some(FinishReason::Stop)
-        } else {
-            (s.drawn >= max_tokens).then_some(FinishReason::Length)
-        };
-        let mut alive = r.send(Event::Token {
-            sample,
-            token,
-            text,
-            logprobs,
-        });
-        let s = &mut r.samples[sample];
-        match reason {
-            None => s.next = Some(token),
-            Some(reason) => {
-                let text = s.text.finish();
-                s.next = None;
-                s.done = true;
-                alive &= r.send(Event::Finished {
-                    sample,
-                    reason,
-                    text,
-                });
-                if r.samples.iter().all(|s| s.done) {
-                    self.running.remove(&id);
-                    self.ending.push(id);
-                    return;
-                }
-                if r.samples[sample].drawn > 1 {
-                    self.ended_samples.push((id, sample as u32));
-                }
-            }
-        }
-        if !alive {
-            self.cancel(id);
-        }
     }
 
     fn publish(&mut self, books: &Books) {
@@ -546,7 +471,10 @@ impl<'t> Scheduler<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serving::handle::{channel, DecodePasses, EngineHandle, EventSink, ServeRequest};
+    use crate::sampling::RowTerms;
+    use crate::serving::handle::{
+        channel, DecodePasses, EngineHandle, EventSink, FinishReason, ServeRequest,
+    };
     use crate::SamplingParams;
     use std::sync::{Arc, Mutex};
 
@@ -652,11 +580,7 @@ mod tests {
             .unwrap();
         let mut top = backend.tensor(rows, 2 * k).unwrap();
         backend.top_logits(&logits, k, &mut top).unwrap();
-        StepLogits::Top {
-            k,
-            rows: top.data,
-            whole: Default::default(),
-        }
+        StepLogits::top(k, top.data)
     }
 
     /// Runs `step` on `books` as every rank would, without a model: every chunk stored, every
@@ -666,10 +590,16 @@ mod tests {
         let (rows, failed) = books.decode(&step.decode);
         assert!(failed.is_empty());
         let mut logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
-        if let StepLogits::Top { whole, .. } = &mut logits {
+        if let StepLogits::Top { whole, terms, .. } = &mut logits {
             for (i, row) in rows.rows.iter().enumerate() {
                 if step.whole.contains(&(row.id, row.sample)) {
                     whole.insert(i, pick(token, 1));
+                }
+                if step.terms.contains(&(row.id, row.sample)) {
+                    // `pick`'s row: one logit of 1, the others 0 (the lowest of them next).
+                    let lse = ((VOCAB - 1) as f64 + 1f64.exp()).ln() as f32;
+                    let top = vec![(token, 1.0), (u32::from(token == 0), 0.0)];
+                    terms.insert(i, RowTerms { lse, top });
                 }
             }
         }
@@ -746,11 +676,14 @@ mod tests {
     }
 
     #[test]
-    fn only_the_rows_that_need_them_are_read_whole() {
+    fn only_the_rows_that_need_them_are_read_further() {
         let (h, inbox, mut books, tokenizer) = engine();
         let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 64);
-        let reported = Arc::new(Mutex::new(Vec::new()));
-        let wants_logprobs = |prompt: Vec<u32>| {
+        let (reported, biased) = (
+            Arc::new(Mutex::new(Vec::new())),
+            Arc::new(Mutex::new(Vec::new())),
+        );
+        let submit_with = |prompt: Vec<u32>, logprobs, logit_bias, events: &Arc<_>| {
             h.submit(ServeRequest {
                 prompt,
                 max_tokens: 4,
@@ -759,39 +692,55 @@ mod tests {
                 seed: 0,
                 stop: Vec::new(),
                 ignore_eos: false,
-                logprobs: Some(2),
+                logprobs,
                 prompt_logprobs: None,
-                logit_bias: Vec::new(),
-                sink: Box::new(Keep(reported.clone())),
+                logit_bias,
+                sink: Box::new(Keep(Arc::clone(events))),
             })
             .unwrap()
         };
         let plain = submit(&h, vec![7; 5], 4, false);
         let first = s.next_step(&books);
         run(&mut s, &mut books, &first, 20);
-        // One greedy row: narrowed to its likeliest token, none whole.
+        // One greedy row: narrowed to its likeliest token, read no further.
         let step = s.next_step(&books);
-        assert_eq!((step.reach, step.whole.len()), (Some(1), 0));
+        assert_eq!(
+            (step.reach, step.whole.len(), step.terms.len()),
+            (Some(1), 0, 0)
+        );
         run(&mut s, &mut books, &step, 20);
-        let id = wants_logprobs(vec![8; 5]);
+        let reports = submit_with(vec![8; 5], Some(2), Vec::new(), &reported);
+        let bias = submit_with(vec![9; 5], None, vec![(3, 1.5)], &biased);
         let step = s.next_step(&books);
         run(&mut s, &mut books, &step, 20);
-        // Beside it now, a row that reports log-probabilities is read whole.
+        // Beside it now: a greedy row that reports log-probabilities has its row's terms read,
+        // and a biased row is read whole.
         let step = s.next_step(&books);
-        assert_eq!((step.reach, step.whole.clone()), (Some(1), vec![(id, 0)]));
+        assert_eq!(step.reach, Some(1));
+        assert_eq!(
+            (step.terms.clone(), step.whole.clone()),
+            (vec![(reports, 0)], vec![(bias, 0)])
+        );
         run(&mut s, &mut books, &step, 20);
-        let tokens = |events: &Mutex<Vec<Event>>| {
+        let logprobs = |events: &Mutex<Vec<Event>>| {
             let events = events.lock().unwrap();
             events
                 .iter()
                 .filter_map(|e| match e {
-                    Event::Token { logprobs, .. } => Some(logprobs.is_some()),
+                    Event::Token { logprobs, .. } => Some(logprobs.clone()),
                     _ => None,
                 })
-                .collect::<Vec<bool>>()
+                .collect::<Vec<_>>()
         };
-        assert_eq!(tokens(&plain), [false; 4]);
-        assert_eq!(tokens(&reported), [true; 2]);
+        assert_eq!(logprobs(&plain), [None, None, None, None]);
+        assert_eq!(logprobs(&biased), [None, None]);
+        // The token drawn from the narrowed row, its log-probability from the row's terms.
+        let lse = ((VOCAB - 1) as f64 + 1f64.exp()).ln() as f32;
+        let want = TokenLogprobs {
+            logprob: 1.0 - lse,
+            top: vec![(20, 1.0 - lse), (0, -lse)],
+        };
+        assert_eq!(logprobs(&reported), [Some(want.clone()), Some(want)]);
     }
 
     #[test]

@@ -59,6 +59,9 @@ pub(crate) struct Step {
     /// the narrowed rows: those that report log-probabilities, change logits or draw from
     /// more tokens than the backend narrows to.
     pub whole: Vec<(u64, u32)>,
+    /// Narrowed decode rows (request, sample) that report their drawn token's
+    /// log-probability: their log-normalisers and likeliest tokens are read beside them.
+    pub terms: Vec<(u64, u32)>,
     pub prefill: Vec<Chunk>,
     /// The engine stops after this step.
     pub stop: bool,
@@ -117,6 +120,7 @@ mod tests {
             }],
             reach: Some(40),
             whole: vec![(4, 0)],
+            terms: vec![(4, 1)],
             prefill: vec![Chunk { id: 7, end: 3 }],
             stop: false,
         };
