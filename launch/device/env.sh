@@ -51,8 +51,8 @@ tokens_per_level = [$3]
 T
 }
 # The carried test binaries: the layer-op and attention-block tests (the CUDA LayerOps against
-# the CPU), then the replay-equals-eager graph test and the staged weight upload, one line per
-# test and a result line each, into $OUT/tests.txt.
+# the CPU), then the replay-equals-eager graph test, the staged weight upload and the ops on
+# logits, one line per test and a result line each, into $OUT/tests.txt.
 device_tests() {
   {
     log "layer-op tests"
@@ -63,6 +63,8 @@ device_tests() {
     .device/cuda_graphs 2>&1 | grep -E "^test |test result|panicked"
     log "weight-upload test"
     .device/weight_upload 2>&1 | grep -E "^test |test result|panicked"
+    log "logit-op tests"
+    .device/logit_ops --test-threads 1 2>&1 | grep -E "^test |test result|panicked"
   } 2>&1 | tee "$OUT/tests.txt"
 }
 # Builds tools/cupti_trace.c against the machine's CUPTI (the header's newest record types) and
