@@ -381,6 +381,11 @@ fn log_probabilities_and_echo_answer_as_openai_does() {
         ),
         (
             "/v1/completions",
+            r#"{"prompt": ["a", "b"], "n": 4000000000, "echo": true, "logprobs": 1}"#,
+            "n",
+        ),
+        (
+            "/v1/completions",
             r#"{"prompt": "a", "logprobs": true}"#,
             "logprobs",
         ),

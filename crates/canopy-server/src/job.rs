@@ -225,13 +225,12 @@ impl Job {
         let choices = prompts.len() * samples;
         // Each choice's entries start with its echoed prompt's tokens, whose log-probabilities
         // come as the prompt is computed.
-        let mut entries = vec![Vec::new(); choices];
-        if prompt_logprobs.is_some() {
-            for (i, prompt) in prompts.iter().enumerate() {
-                let echoed = logprobs::prompt_entries(&st.tokenizer, prompt);
-                entries[i * samples..(i + 1) * samples].fill(echoed);
-            }
-        }
+        let echoed: Vec<Vec<Entry>> = match prompt_logprobs {
+            Some(_) => (prompts.iter())
+                .map(|p| logprobs::prompt_entries(&st.tokenizer, p))
+                .collect(),
+            None => vec![Vec::new(); prompts.len()],
+        };
         let prompt_lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
         let mut ids = Vec::with_capacity(prompts.len());
         for (i, prompt) in prompts.into_iter().enumerate() {
@@ -266,7 +265,10 @@ impl Job {
                 }
             }
         }
-        // Each choice's echo, and where its own text begins.
+        // The engine took `samples` per prompt: each choice's entries and echo.
+        let entries: Vec<Vec<Entry>> = (echoed.iter())
+            .flat_map(|e| std::iter::repeat_n(e.clone(), samples))
+            .collect();
         let echoes: Vec<String> = match &echo {
             Some(texts) => texts
                 .iter()
