@@ -12,14 +12,18 @@
 //!   and KV pages allow (one whose prefix is being prefilled for another waits until it is
 //!   cached), ends finished and cancelled ones, and describes the next step: the
 //!   decode rows of every running sample and chunks of the prompts still to prefill (a token
-//!   budget per step, so a long prompt does not stall the streams). After the step it draws
-//!   each row's token (per-request sampling, seeded per sample), decodes the text, and finds
+//!   budget per step, so a long prompt does not stall the streams). It says which rows are
+//!   read beyond their likeliest tokens: whole for a draw that changes logits (penalties,
+//!   biases) or reaches past the narrowing, reduced to their log-normalisers for a request
+//!   that reports log-probabilities. After the step it draws each row's token (per-request
+//!   sampling, seeded per sample; rows read whole in parallel), decodes the text, and finds
 //!   stop tokens, stop strings and token limits.
 //! - `engine` (every rank): the step loop. Rank 0 sends each step's description to the other
 //!   ranks over the world's point-to-point calls; each rank applies it, runs the decode rows
 //!   through [`crate::Forward::decode`] with attention planned over the live requests' whole KV
 //!   tree (shared prefix pages read once per step), and each prompt chunk through the chunked
-//!   prefill (causal within the chunk, the cached context through the paged pools). Each
+//!   prefill (causal within the chunk, the cached context through the paged pools; an
+//!   echoed prompt's rows reduced on rank 0 for their tokens' log-probabilities). Each
 //!   decode pass is timed on rank 0 beside the distinct KV bytes it must read
 //!   ([`DecodePasses`], by batch size), the measure a step's floor is priced from.
 
