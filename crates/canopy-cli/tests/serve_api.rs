@@ -269,6 +269,23 @@ fn an_echoed_prompt_reports_its_tokens_log_probabilities() {
     assert_close(&longer_echoed["top_logprobs"][n], &drawn["top_logprobs"][0]);
     // Streamed, the echo comes once its log-probabilities are in, before the drawn token.
     assert_close(&ask(&prompt, true, true), &echoed);
+    // With max_tokens 0 the prompt alone is scored, and no token drawn.
+    let body = json!({"prompt": prompt, "max_tokens": 0, "logprobs": 2, "echo": true});
+    let scored = answer(c, "/v1/completions", &body);
+    assert_eq!(scored["usage"]["completion_tokens"], 0);
+    assert_eq!(scored["choices"][0]["finish_reason"], "length");
+    let lps = &scored["choices"][0]["logprobs"]["token_logprobs"];
+    assert_close(
+        lps,
+        &Value::Array(echoed["token_logprobs"].as_array().unwrap()[..n].to_vec()),
+    );
+    let r = c
+        .post("/v1/completions", r#"{"prompt": "a", "max_tokens": 0}"#)
+        .unwrap();
+    assert_eq!(
+        (r.status, error_of(&r)["param"].clone()),
+        (400, json!("max_tokens"))
+    );
 }
 
 /// The tiny fixture model's tokenizer.

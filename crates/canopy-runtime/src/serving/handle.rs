@@ -17,7 +17,8 @@ use std::time::Duration;
 /// One client request: a prompt and how to continue it.
 pub struct ServeRequest {
     pub prompt: Vec<u32>,
-    /// New tokens per sample, at most.
+    /// New tokens per sample, at most; 0 (with `prompt_logprobs`) draws none, and the request
+    /// ends once its prompt is computed.
     pub max_tokens: usize,
     /// Samples of the prompt, decoded as branches of one tree; sample `i` draws from
     /// `seed + i`.
@@ -107,7 +108,10 @@ pub trait EventSink: Send {
 pub enum RequestError {
     #[error("the prompt is empty; give at least one token of text")]
     EmptyPrompt,
-    #[error("max_tokens must be at least 1")]
+    #[error(
+        "max_tokens must be at least 1 (0 only where the prompt's own log-probabilities are \
+         asked for: echo with logprobs)"
+    )]
     NoTokens,
     #[error("n must be between 1 and {max}, the server's batch (--max-batch)")]
     Samples { max: usize },
@@ -168,9 +172,6 @@ impl Limits {
     ) -> Result<(), RequestError> {
         if prompt == 0 {
             return Err(RequestError::EmptyPrompt);
-        }
-        if max_tokens == 0 {
-            return Err(RequestError::NoTokens);
         }
         if samples == 0 || samples > self.max_samples {
             return Err(RequestError::Samples {
@@ -329,6 +330,10 @@ impl EngineHandle {
         }
         s.limits
             .check(request.prompt.len(), request.max_tokens, request.samples)?;
+        // A prompt scored for its own tokens may draw none.
+        if request.max_tokens == 0 && request.prompt_logprobs.is_none() {
+            return Err(RequestError::NoTokens);
+        }
         let queued = s.queued.fetch_add(1, Ordering::SeqCst);
         if queued >= s.queue {
             s.queued.fetch_sub(1, Ordering::SeqCst);
@@ -416,7 +421,7 @@ mod tests {
         );
         assert!(e.to_string().contains("90 prompt tokens"), "{e}");
         assert_eq!(LIMITS.check(0, 1, 1), Err(RequestError::EmptyPrompt));
-        assert_eq!(LIMITS.check(1, 0, 1), Err(RequestError::NoTokens));
+        assert_eq!(LIMITS.check(1, 0, 1), Ok(()));
         assert_eq!(LIMITS.check(1, 1, 5), Err(RequestError::Samples { max: 4 }));
         // 2 + 1 prompt pages, 4 samples of 3 + 1 pages each.
         assert!(matches!(

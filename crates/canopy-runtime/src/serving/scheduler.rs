@@ -15,7 +15,9 @@
 //! that arrive together behind one long prompt share it from their first step.
 
 use super::books::{Books, DecodeRows};
-use super::handle::{Command, EngineInbox, EngineStatus, Event, Limits, ServeRequest, Submitted};
+use super::handle::{
+    Command, EngineInbox, EngineStatus, Event, FinishReason, Limits, ServeRequest, Submitted,
+};
 use super::step::{Admit, Chunk, Row, Step};
 use super::stop::StopText;
 use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits, TokenLogprobs, LOGPROBS_MAX};
@@ -401,6 +403,19 @@ impl<'t> Scheduler<'t> {
             let before = r.prefilled;
             r.prefilled = books.seq(chunk.id).map_or(r.prefilled, |s| s.computed);
             self.status.prefill_tokens += (r.prefilled - before) as u64;
+            if r.prefilled == r.prompt_len() && r.submitted.request.max_tokens == 0 {
+                // A prompt scored for its own tokens draws none: it ends here.
+                for sample in 0..r.samples.len() {
+                    r.send(Event::Finished {
+                        sample,
+                        reason: FinishReason::Length,
+                        text: String::new(),
+                    });
+                }
+                self.running.remove(&chunk.id);
+                self.ending.push(chunk.id);
+                continue;
+            }
             if let (true, Some(logits)) = (r.prefilled == r.prompt_len(), logits) {
                 rows.extend((0..r.samples.len()).map(|sample| DrawRow {
                     id: chunk.id,
@@ -472,9 +487,7 @@ impl<'t> Scheduler<'t> {
 mod tests {
     use super::*;
     use crate::sampling::RowTerms;
-    use crate::serving::handle::{
-        channel, DecodePasses, EngineHandle, EventSink, FinishReason, ServeRequest,
-    };
+    use crate::serving::handle::{channel, DecodePasses, EngineHandle, EventSink, ServeRequest};
     use crate::SamplingParams;
     use std::sync::{Arc, Mutex};
 
