@@ -1,6 +1,6 @@
 //! `canopy serve`'s OpenAI request fields beyond plain generation, end to end on the tiny
-//! fixture model: the model card by its id, several prompts in one request, the penalties
-//! and biases, tokens' log-probabilities and `echo`.
+//! fixture model: the model card by its id, tokenizing, several prompts in one request, the
+//! penalties and biases, tokens' log-probabilities and `echo`.
 
 mod common;
 
@@ -137,6 +137,47 @@ fn the_model_is_listed_and_found_by_its_id() {
     let r = c.get("/v1/models/gpt-9").unwrap();
     assert_eq!(r.status, 404);
     assert_eq!(error_of(&r)["code"], "model_not_found");
+}
+
+#[test]
+fn prompts_and_chats_tokenize_as_the_endpoints_take_them() {
+    let server = Server::start(&tiny(), &[]);
+    let c = &server.client;
+    let text = "Once upon a time, 12345.";
+    let t = answer(c, "/tokenize", &json!({"prompt": text}));
+    let want = tiny_tokenizer().encode(text, true).unwrap();
+    assert_eq!(t["tokens"], json!(want));
+    assert_eq!(t["count"], want.len());
+    let models = serde_json::from_str::<Value>(&c.get("/v1/models").unwrap().body).unwrap();
+    assert_eq!(t["max_model_len"], models["data"][0]["max_model_len"]);
+    let back = answer(c, "/detokenize", &json!({"tokens": want}));
+    assert_eq!(back["prompt"], text);
+    // Messages count as the chat endpoint counts its prompt.
+    let messages = json!([{"role": "user", "content": "Hi there"}]);
+    let t = answer(c, "/tokenize", &json!({"messages": messages}));
+    let chat = json!({"messages": messages, "max_tokens": 1});
+    let usage = &answer(c, "/v1/chat/completions", &chat)["usage"];
+    assert_eq!(t["count"], usage["prompt_tokens"]);
+    for (path, body, status, param) in [
+        (
+            "/tokenize",
+            json!({"prompt": "a", "messages": messages}),
+            400,
+            "prompt",
+        ),
+        ("/tokenize", json!({}), 400, "prompt"),
+        ("/detokenize", json!({"tokens": [1, 999999]}), 400, "tokens"),
+        (
+            "/detokenize",
+            json!({"tokens": [1], "model": "gpt-9"}),
+            404,
+            "model",
+        ),
+    ] {
+        let r = c.post(path, &body.to_string()).unwrap();
+        assert_eq!(r.status, status, "{body}");
+        assert_eq!(error_of(&r)["param"], param, "{body}");
+    }
 }
 
 #[test]

@@ -114,6 +114,36 @@ pub struct ChatRequest {
     pub sampling: Sampling,
 }
 
+/// `POST /tokenize` (other engines' extension): a prompt, or chat messages rendered by the
+/// model's template.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<Message>>,
+    /// Whether a prompt gets the tokenizer's special tokens (a BOS); true unless given.
+    pub add_special_tokens: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Tokenized {
+    pub count: usize,
+    pub max_model_len: usize,
+    pub tokens: Vec<u32>,
+}
+
+/// `POST /detokenize` (other engines' extension): token ids back to text.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Detokenized {
+    pub prompt: String,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct PromptDetails {
     pub cached_tokens: usize,

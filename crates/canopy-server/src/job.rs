@@ -149,9 +149,6 @@ impl Job {
         sampling: Sampling,
         echo: Option<Vec<String>>,
     ) -> Result<Job, ApiError> {
-        if let Some(model) = sampling.model.as_deref().filter(|m| *m != st.model) {
-            return Err(ApiError::unknown_model(model, &st.model));
-        }
         let limits = st.engine.limits();
         let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {
             Some(n) => n as usize,

@@ -6,8 +6,8 @@
 //! - `POST /v1/completions` and `POST /v1/chat/completions`, whole or streamed as
 //!   server-sent events ending with `data: [DONE]`, with `usage` (and the prompt tokens
 //!   found in the prefix cache); `GET /v1/models` and `GET /v1/models/{id}` (with canopy's
-//!   `max_model_len` and `vocab_size`); `GET /health`; `GET /metrics` in Prometheus' text
-//!   format.
+//!   `max_model_len` and `vocab_size`); `POST /tokenize` and `POST /detokenize`, as other
+//!   engines have them; `GET /health`; `GET /metrics` in Prometheus' text format.
 //! - A completion may list several prompts: each is an engine request of its own, and their
 //!   choices come in one response, prompt by prompt. Tokens' log-probabilities
 //!   (`logprobs.rs`) and a completion's `echo` come in OpenAI's forms. Besides OpenAI's

@@ -1,7 +1,10 @@
 //! The routes: the two generation endpoints, the model list, health and metrics, behind a
 //! bearer key (all but `/health`) and a body size limit.
 
-use crate::api::{ChatRequest, CompletionRequest, Content, ModelCard, ModelList, Prompt};
+use crate::api::{
+    ChatRequest, CompletionRequest, Content, DetokenizeRequest, Detokenized, Message, ModelCard,
+    ModelList, Prompt, TokenizeRequest, Tokenized,
+};
 use crate::error::ApiError;
 use crate::job::{Job, Kind};
 use crate::metrics::{Metrics, Outcome};
@@ -45,6 +48,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(health))
@@ -83,6 +88,7 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let job = parse::<CompletionRequest>(&st, body).and_then(|r| {
+        served(&st, r.sampling.model.as_deref())?;
         let prompts = prompt_ids(&st, &r.prompt)?;
         let echo = r
             .echo
@@ -95,7 +101,8 @@ async fn completions(
 
 async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let job = parse::<ChatRequest>(&st, body).and_then(|r| {
-        let prompt = chat_ids(&st, &r)?;
+        served(&st, r.sampling.model.as_deref())?;
+        let prompt = chat_ids(&st, &r.messages)?;
         Job::submit(&st, Kind::Chat, vec![prompt], r.sampling, None)
     });
     respond(st, job).await
@@ -173,16 +180,24 @@ fn prompt_ids(st: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, ApiError>
             Some("prompt"),
         ));
     }
-    if let Some(bad) = prompts.iter().flatten().find(|&&t| t as usize >= st.vocab) {
-        return Err(ApiError::invalid(
+    for prompt in &prompts {
+        in_vocabulary(st, prompt, "prompt")?;
+    }
+    Ok(prompts)
+}
+
+/// Refuses token ids (the request's field `param`) outside the model's vocabulary.
+fn in_vocabulary(st: &AppState, ids: &[u32], param: &'static str) -> Result<(), ApiError> {
+    match ids.iter().find(|&&t| t as usize >= st.vocab) {
+        Some(bad) => Err(ApiError::invalid(
             format!(
                 "token id {bad} is not in the model's vocabulary of {} tokens",
                 st.vocab
             ),
-            Some("prompt"),
-        ));
+            Some(param),
+        )),
+        None => Ok(()),
     }
-    Ok(prompts)
 }
 
 /// A completion's prompts as `echo` repeats them: the texts given, or their `ids` decoded.
@@ -214,18 +229,17 @@ fn encode(st: &AppState, text: &str, special: bool) -> Result<Vec<u32>, ApiError
 }
 
 /// The messages rendered by the model's chat template, then tokenized.
-fn chat_ids(st: &AppState, r: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+fn chat_ids(st: &AppState, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
     let template = st.template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; use /v1/completions with a prompt",
             Some("messages"),
         )
     })?;
-    if r.messages.is_empty() {
+    if messages.is_empty() {
         return Err(ApiError::invalid("messages is empty", Some("messages")));
     }
-    let messages: Vec<ChatMessage> = r
-        .messages
+    let messages: Vec<ChatMessage> = messages
         .iter()
         .map(|m| {
             let text = match &m.content {
@@ -245,6 +259,63 @@ fn chat_ids(st: &AppState, r: &ChatRequest) -> Result<Vec<u32>, ApiError> {
     })?;
     // A chat rendering carries its own special tokens.
     encode(st, &text, false)
+}
+
+/// Refuses a request that names a model this server does not serve.
+fn served(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model.filter(|m| *m != st.model) {
+        Some(m) => Err(ApiError::unknown_model(m, &st.model)),
+        None => Ok(()),
+    }
+}
+
+/// A prompt's token ids, or chat messages' as the model's template renders them, as the
+/// generation endpoints would take them.
+async fn tokenize(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let tokens = parse::<TokenizeRequest>(&st, body).and_then(|r| {
+        served(&st, r.model.as_deref())?;
+        match (&r.prompt, &r.messages) {
+            (Some(prompt), None) => encode(&st, prompt, r.add_special_tokens.unwrap_or(true)),
+            (None, Some(messages)) => chat_ids(&st, messages),
+            _ => Err(ApiError::invalid(
+                "give a prompt or messages, one of them",
+                Some("prompt"),
+            )),
+        }
+    });
+    match tokens {
+        Ok(tokens) => Json(Tokenized {
+            count: tokens.len(),
+            max_model_len: st.engine.limits().max_context,
+            tokens,
+        })
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Token ids back to text, special tokens included.
+async fn detokenize(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let text = parse::<DetokenizeRequest>(&st, body).and_then(|r| {
+        served(&st, r.model.as_deref())?;
+        in_vocabulary(&st, &r.tokens, "tokens")?;
+        st.tokenizer.decode(&r.tokens, false).map_err(|e| {
+            ApiError::invalid(
+                format!("the tokens could not be decoded: {e}"),
+                Some("tokens"),
+            )
+        })
+    });
+    match text {
+        Ok(prompt) => Json(Detokenized { prompt }).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 fn card(st: &AppState) -> ModelCard {
