@@ -58,6 +58,8 @@ def check(gpu, cpu, prompts):
          {"prompt": p[:3], "max_tokens": 12, "temperature": 0, "n": 2, "logprobs": 1}),
         ("echo with logprobs", "/v1/completions",
          {"prompt": p[3], "max_tokens": 2, "temperature": 0, "logprobs": 2, "echo": True}),
+        ("echo with logprobs, max_tokens 0", "/v1/completions",
+         {"prompt": p[3], "max_tokens": 0, "logprobs": 3, "echo": True}),
         ("echo with logprobs, streamed, two prompts", "/v1/completions",
          {"prompt": p[2:4], "max_tokens": 2, "temperature": 0, "logprobs": 1, "echo": True,
           "stream": True}),
