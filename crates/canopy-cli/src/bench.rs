@@ -326,6 +326,16 @@ pub fn repetition_penalty(s: &str) -> Result<f32, String> {
     }
 }
 
+/// Parses how many likeliest tokens a log-probability reports beside its token.
+pub fn logprobs_count(s: &str) -> Result<usize, String> {
+    let most = canopy_runtime::LOGPROBS_MAX;
+    match s.parse::<usize>() {
+        Ok(n) if n <= most => Ok(n),
+        Ok(_) => Err(format!("must be from 0 to {most}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Parses a stop string: not empty (every text contains the empty string, so a sample would
 /// end before its first token; the server refuses it too).
 pub fn stop_string(s: &str) -> Result<String, String> {

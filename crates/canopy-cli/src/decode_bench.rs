@@ -357,6 +357,7 @@ fn request(
         context_fill: a.context_fill.context_fill(a.seed),
         prefill_chunk: a.prefill_chunk,
         graphs: !a.eager,
+        logprobs: None,
     }
 }
 
@@ -729,6 +730,7 @@ mod tests {
             first_logits: Vec::new(),
             top_two: Vec::new(),
             replayed_steps: 0,
+            logprobs: Vec::new(),
         };
         let bandwidth = 4e12;
         let row_at = |ranks, per_device| {

@@ -14,7 +14,8 @@ use canopy_cuda::CudaBackend;
 use canopy_engine::{CpuBackend, LayerOps};
 use canopy_model::{ChatMessage, Tokenizer};
 use canopy_runtime::{
-    GenerateRequest, Generated, ModelLayers, SamplingParams, TopTwo, DEFAULT_PREFILL_CHUNK,
+    GenerateRequest, Generated, ModelLayers, SamplingParams, TokenLogprobs, TopTwo,
+    DEFAULT_PREFILL_CHUNK,
 };
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -108,6 +109,11 @@ pub struct GenerateArgs {
     /// tokens of each step of sample 0.
     #[arg(long, requires = "json")]
     logits: bool,
+    /// With --json: each sample's tokens' log-probabilities (the model's own, before the
+    /// temperature and cuts), each with its N likeliest tokens (0 to 20). Every step then
+    /// reads its rows' whole logits.
+    #[arg(long, requires = "json", value_parser = crate::bench::logprobs_count)]
+    logprobs: Option<usize>,
 }
 
 #[derive(Serialize)]
@@ -148,6 +154,9 @@ struct SampleText {
     tokens: Vec<u32>,
     /// `stop` (a stop token or string) or `length` (the token limit).
     finish_reason: &'static str,
+    /// Each token's log-probability and its row's likeliest tokens, with `--logprobs`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -202,6 +211,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         context_fill: a.context_fill.context_fill(a.seed),
         prefill_chunk: a.prefill_chunk,
         graphs: !a.eager,
+        logprobs: a.logprobs,
     };
     let run = Run {
         args: &a,
@@ -383,10 +393,15 @@ impl Run<'_> {
             .iter()
             .zip(&out.stopped)
             .zip(texts)
-            .map(|((tokens, &stopped), text)| SampleText {
+            .enumerate()
+            .map(|(i, ((tokens, &stopped), text))| SampleText {
                 text,
                 tokens: tokens.clone(),
                 finish_reason: if stopped { "stop" } else { "length" },
+                logprobs: self
+                    .args
+                    .logprobs
+                    .and_then(|_| out.logprobs.get(i).cloned()),
             })
             .collect::<Vec<_>>();
         if stream && printed[0] < samples[0].text.len() {

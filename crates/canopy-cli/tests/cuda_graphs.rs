@@ -78,6 +78,7 @@ fn replayed_decode_steps_equal_eager_ones() {
                 context_fill: canopy_runtime::ContextFill::Prefill,
                 prefill_chunk: canopy_runtime::DEFAULT_PREFILL_CHUNK,
                 graphs: false,
+                logprobs: None,
             };
             let eager = run(&backend, &layers, &req);
             req.graphs = true;

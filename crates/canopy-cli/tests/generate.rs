@@ -327,3 +327,52 @@ fn prompt_ids_and_logits_reproduce_the_reference() {
     let err = worst(&floats(&bf16_run["logits"]["first"]));
     assert!(err > 0.0 && err < 5e-2, "bf16 error {err}");
 }
+
+#[test]
+fn log_probabilities_come_with_the_same_tokens() {
+    let model = tiny("gqa-hd64");
+    let base = [
+        "generate",
+        "--model",
+        &model,
+        "--backend",
+        "cpu",
+        "--prompt-ids",
+        "5,9,14,2,33",
+        "--max-tokens",
+        "6",
+        "--n",
+        "2",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "5",
+    ];
+    let plain = tokens(&base);
+    let with_logprobs = report(&with(&base, &["--logprobs", "3", "--logits"]));
+    let samples = with_logprobs["samples"].as_array().unwrap();
+    // The first logits, for the first token's log-probability.
+    let first: Vec<f64> = serde_json::from_value(with_logprobs["logits"]["first"].clone()).unwrap();
+    let max = first.iter().copied().fold(f64::MIN, f64::max);
+    let log_total = max + first.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    for (got, want) in samples.iter().zip(&plain) {
+        assert_eq!(got["tokens"], want["tokens"], "the same draws");
+        let tokens = got["tokens"].as_array().unwrap();
+        let lps = got["logprobs"].as_array().unwrap();
+        assert_eq!(lps.len(), tokens.len());
+        let token = tokens[0].as_u64().unwrap() as usize;
+        let lp = lps[0]["logprob"].as_f64().unwrap();
+        assert!((lp - (first[token] - log_total)).abs() < 1e-4, "{lp}");
+        for lp in lps {
+            let top = lp["top"].as_array().unwrap();
+            assert_eq!(top.len(), 3);
+            assert!(lp["logprob"].as_f64().unwrap() <= top[0][1].as_f64().unwrap() + 1e-6);
+        }
+    }
+    assert!(plain[0].get("logprobs").is_none());
+    canopy()
+        .args(with(&base, &["--json", "--logprobs", "21"]))
+        .assert()
+        .failure()
+        .stderr(contains("from 0 to 20"));
+}

@@ -21,7 +21,9 @@ use crate::forward::{Forward, StepRows};
 use crate::kv::{KvLayout, RankChange, RankView, SEQUENCE_GROWTH_ROOM};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
-use crate::sampling::{step_reach, Sampler, SamplingParams, StepLogits, TopTwo};
+use crate::sampling::{
+    step_reach, RowLogits, Sampler, SamplingParams, StepLogits, TokenLogprobs, TopTwo,
+};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, Tail, TreeView};
@@ -61,6 +63,9 @@ pub struct GenerateRequest {
     /// Whether decode steps may replay a recorded pass where the backend records graphs
     /// (CUDA, one rank); `false` runs every step op by op.
     pub graphs: bool,
+    /// Report each drawn token's log-probability with this many of its row's likeliest
+    /// tokens (`None`: none); every step then reads its rows whole.
+    pub logprobs: Option<usize>,
 }
 
 /// [`GenerateRequest::prefill_chunk`] unless set: large enough that the GEMMs run at their
@@ -204,6 +209,8 @@ pub struct Generated {
     pub top_two: Vec<TopTwo>,
     /// Decode steps replayed from a recorded pass ([`GenerateRequest::graphs`]).
     pub replayed_steps: usize,
+    /// Each sample's tokens' log-probabilities, where [`GenerateRequest::logprobs`] asks.
+    pub logprobs: Vec<Vec<TokenLogprobs>>,
 }
 
 /// Runs `req` on this rank of `comm`. Every rank of the world calls it with the same request;
@@ -269,8 +276,13 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         logits: first_logits.clone(),
     };
     let mut step_logits: Vec<StepLogits> = vec![first; req.samples];
-    // Sample 0's top two are reported, so every step keeps at least two tokens a row.
-    let reach = step_reach(samplers.iter().map(Sampler::reach), 2);
+    // Sample 0's top two are reported, so every step keeps at least two tokens a row; a
+    // token's log-probability needs its whole row.
+    let reach = match req.logprobs {
+        Some(_) => None,
+        None => step_reach(samplers.iter().map(Sampler::reach), 2),
+    };
+    let mut logprobs = vec![Vec::new(); req.samples];
     let mut step_s = Vec::new();
     let mut merge_s = Vec::new();
     let mut first_token_s = None;
@@ -294,6 +306,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                 top_two.push(TopTwo::of(step_logits[s].row(0)));
             }
             let token = samplers[s].sample(step_logits[s].row(0));
+            if let (Some(n), RowLogits::Whole(row)) = (req.logprobs, step_logits[s].row(0)) {
+                logprobs[s].push(TokenLogprobs::of(row, token, n));
+            }
             first_token_s.get_or_insert_with(|| called.elapsed().as_secs_f64());
             out[s].push(token);
             let go_on = watch.token(s, token);
@@ -417,6 +432,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         merge_s,
         first_logits,
         top_two,
+        logprobs,
         replayed_steps: forward.replayed(),
     })
 }

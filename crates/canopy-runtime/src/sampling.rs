@@ -364,7 +364,7 @@ pub const LOGPROBS_MAX: usize = 20;
 /// The probabilities are the softmax of the row's logits as the model computed them, before
 /// the draw's temperature or cuts, as other OpenAI-compatible servers report them: a token's
 /// log-probability does not depend on how it was drawn.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TokenLogprobs {
     pub logprob: f32,
     /// The most likely tokens and their log-probabilities, most likely first.

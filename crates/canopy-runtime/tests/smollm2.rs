@@ -61,6 +61,7 @@ fn greedy_continuations_match_transformers_on_one_and_two_ranks() {
             context_fill: canopy_runtime::ContextFill::Prefill,
             prefill_chunk: canopy_runtime::DEFAULT_PREFILL_CHUNK,
             graphs: true,
+            logprobs: None,
         };
         // Every other prompt sharded over two ranks.
         let ranks = 1 + i % 2;

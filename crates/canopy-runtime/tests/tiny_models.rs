@@ -58,6 +58,7 @@ fn request(prompt: Vec<u32>, samples: usize, strategy: DecodeStrategy) -> Genera
         context_fill: canopy_runtime::ContextFill::Prefill,
         prefill_chunk: canopy_runtime::DEFAULT_PREFILL_CHUNK,
         graphs: true,
+        logprobs: None,
     }
 }
 
