@@ -8,11 +8,14 @@
 //! transformers' `repetition_penalty` over those and the prompt's; and fixed biases
 //! (OpenAI's `logit_bias`) may be added to chosen tokens' logits.
 //!
-//! A draw without penalties reaches only a row's most likely tokens when it is greedy or cut
-//! by `top_k` ([`SamplingParams::reach`]). Such rows are narrowed on the backend
-//! ([`canopy_engine::LayerOps::top_logits`]) and the host reads `k` tokens a row instead of the
-//! vocabulary; the tokens come in [`canopy_core::logits`]' order, which the draw from a whole
-//! row follows too, so both draw the same token.
+//! A draw that changes no logits (no penalty, no bias) reaches only a row's most likely tokens
+//! when it is greedy or cut by `top_k` ([`Sampler::reach`]). Such rows are narrowed on the
+//! backend ([`canopy_engine::LayerOps::top_logits`]) and the host reads `k` tokens a row
+//! instead of the vocabulary; the tokens come in [`canopy_core::logits`]' order, which the draw
+//! from a whole row follows too, so both draw the same token.
+//!
+//! A drawn token's log-probability ([`TokenLogprobs`]) comes from its whole row, or from the
+//! row's log-normaliser and likeliest tokens reduced on the backend ([`RowTerms`]).
 
 use canopy_core::logits::{most_likely, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
