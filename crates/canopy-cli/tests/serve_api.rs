@@ -209,6 +209,16 @@ fn penalties_draw_what_generate_draws_with_them() {
         generate_alone_with(&model, &prompt, 24, &options)
     );
     assert_ne!(penalised, plain, "the penalties change what is drawn");
+    // Penalties that only lower logits draw from rows narrowed to their sampler's reach; a
+    // bias too small to move a logit, but above 0, has the same draw read whole rows.
+    let lowering = json!({"frequency_penalty": 0.7, "presence_penalty": 0.3});
+    let narrowed = complete(lowering.clone());
+    let mut read_whole = lowering;
+    read_whole["logit_bias"] = json!({"0": 1e-30});
+    assert_eq!(narrowed, complete(read_whole));
+    let options = ["--frequency-penalty", "0.7", "--presence-penalty", "0.3"];
+    assert_eq!(narrowed, generate_alone_with(&model, &prompt, 24, &options));
+    assert_ne!(narrowed, plain);
     for (body, param) in [
         (
             r#"{"prompt": "a", "frequency_penalty": 2.5}"#,

@@ -276,12 +276,6 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         logits: first_logits.clone(),
     };
     let mut step_logits: Vec<StepLogits> = vec![first; req.samples];
-    // Sample 0's top two are reported, so every step keeps at least two tokens a row; a
-    // token's log-probability needs its whole row.
-    let reach = match req.logprobs {
-        Some(_) => None,
-        None => step_reach(samplers.iter().map(Sampler::reach), 2),
-    };
     let mut logprobs = vec![Vec::new(); req.samples];
     let mut step_s = Vec::new();
     let mut merge_s = Vec::new();
@@ -395,6 +389,13 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         let attention = attention.as_mut().expect("planned above");
         let passed = Instant::now();
         let replayed = forward.replayed();
+        // Sample 0's top two are reported, so every step keeps at least two tokens a row; a
+        // token's log-probability needs its whole row. A penalised sample's reach grows as it
+        // draws.
+        let reach = match req.logprobs {
+            Some(_) => None,
+            None => step_reach(live.iter().map(|&s| samplers[s].reach()), 2),
+        };
         let rows = StepRows {
             ids: &ids,
             positions: &positions,

@@ -17,7 +17,7 @@
 //! A drawn token's log-probability ([`TokenLogprobs`]) comes from its whole row, or from the
 //! row's log-normaliser and likeliest tokens reduced on the backend ([`RowTerms`]).
 
-use canopy_core::logits::{most_likely, top_tokens};
+use canopy_core::logits::{likelier, most_likely, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -62,13 +62,10 @@ impl SamplingParams {
             || self.repetition_penalty != 1.0
     }
 
-    /// How many of a row's most likely tokens a draw may reach, if the backend can narrow a
-    /// row to that many (`None`: the draw reads the whole row, as a penalised one does: a
-    /// penalty can lift any token into the lead).
+    /// How many of a row's most likely tokens a draw that changes no logits may reach, if the
+    /// backend can narrow a row to that many (`None`: the draw reads the whole row).
     pub fn reach(&self) -> Option<usize> {
-        if self.penalizes() {
-            None
-        } else if self.temperature <= 0.0 {
+        if self.temperature <= 0.0 {
             Some(1)
         } else {
             Some(self.top_k).filter(|&k| (1..=TOP_LOGITS_MAX).contains(&k))
@@ -77,11 +74,14 @@ impl SamplingParams {
 }
 
 /// The tokens a step's rows are narrowed to: enough for every row's reach (`None`: a row
-/// needs its whole logits, and so the step does). `at_least` raises the count (a caller that
-/// reports the top two).
+/// needs its whole logits, and so the step does), rounded up to a power of two, so that a
+/// reach that grows step by step (a penalised sample's) changes the step's shape, and a
+/// recorded graph, a few times only. `at_least` raises the count (a caller that reports the
+/// top two).
 pub fn step_reach(rows: impl IntoIterator<Item = Option<usize>>, at_least: usize) -> Option<usize> {
     rows.into_iter()
         .try_fold(at_least.max(1), |k, reach| reach.map(|r| k.max(r)))
+        .map(usize::next_power_of_two)
         .filter(|&k| k <= TOP_LOGITS_MAX)
 }
 
@@ -229,16 +229,33 @@ impl Sampler {
     /// The sampler with `bias` added to its tokens' logits before each draw.
     pub fn with_bias(mut self, bias: &[(u32, f32)]) -> Sampler {
         self.bias = bias.to_vec();
+        self.bias.sort_unstable_by_key(|&(t, _)| t);
         self
     }
 
-    /// How many of a row's most likely tokens this sampler's draws may reach (`None`: the
-    /// whole row, as a draw that changes logits needs).
+    /// How many of a row's most likely tokens this sampler's next draw may reach (`None`: the
+    /// whole row).
+    ///
+    /// Penalties of these signs and biases below 0 only lower logits, and only those of the
+    /// tokens the prompt holds or the sample drew, or the biased ones. Of a row's `k + m`
+    /// most likely tokens, where `m` tokens are lowered, at least `k` keep their logits, and
+    /// each is at least as likely as any token past them: so the `k` most likely after the
+    /// penalties are among those `k + m`. A penalty of the other sign, or a bias above 0, can
+    /// lift any token into the lead, and such a draw reads the whole row.
     pub fn reach(&self) -> Option<usize> {
-        match self.bias.is_empty() {
-            true => self.params.reach(),
-            false => None,
+        let k = self.params.reach()?;
+        let p = self.params;
+        let lowers = p.frequency_penalty >= 0.0
+            && p.presence_penalty >= 0.0
+            && p.repetition_penalty >= 1.0
+            && self.bias.iter().all(|&(_, b)| b <= 0.0);
+        if !lowers {
+            return None;
         }
+        let prompt_only = (self.prompt.iter())
+            .filter(|t| !self.drawn.contains_key(t))
+            .count();
+        Some(k + self.drawn.len() + prompt_only + self.bias.len())
     }
 
     /// The next token from one row of logits: whole, or narrowed to at least
@@ -252,8 +269,18 @@ impl Sampler {
                 let adjusted = self.adjusted(logits);
                 self.sample_row(RowLogits::Whole(&adjusted))
             }
-            // Not met: a draw that changes logits reaches the whole row.
-            RowLogits::Top { .. } => self.sample_row(row),
+            RowLogits::Top { tokens, logits } => {
+                // The narrowed tokens adjusted, then put in order again.
+                let mut adjusted: Vec<(u32, f32)> = (tokens.iter().zip(logits))
+                    .map(|(&t, &x)| (t, self.adjust(t, x)))
+                    .collect();
+                adjusted.sort_unstable_by(|&(a, x), &(b, y)| likelier(a, x, b, y));
+                let (tokens, logits): (Vec<u32>, Vec<f32>) = adjusted.into_iter().unzip();
+                self.sample_row(RowLogits::Top {
+                    tokens: &tokens,
+                    logits: &logits,
+                })
+            }
         };
         if self.params.penalizes() {
             *self.drawn.entry(token).or_default() += 1;
@@ -261,37 +288,37 @@ impl Sampler {
         token
     }
 
-    /// `logits` with the sample's penalties taken and the biases added: the repetition
-    /// penalty, then the frequency and presence penalties, in the order other
-    /// OpenAI-compatible servers take them, then the biases.
-    fn adjusted(&self, logits: &[f32]) -> Vec<f32> {
+    /// Token `t`'s logit `x` with the sample's penalties taken and its bias added: the
+    /// repetition penalty, then the frequency and presence penalties, in the order other
+    /// OpenAI-compatible servers take them, then the bias.
+    fn adjust(&self, t: u32, mut x: f32) -> f32 {
         let p = self.params;
+        let drawn = self.drawn.get(&t).copied().unwrap_or(0);
+        if p.repetition_penalty != 1.0 && (drawn > 0 || self.prompt.contains(&t)) {
+            x = if x > 0.0 {
+                x / p.repetition_penalty
+            } else {
+                x * p.repetition_penalty
+            };
+        }
+        if drawn > 0 {
+            x -= p.frequency_penalty * drawn as f32 + p.presence_penalty;
+        }
+        if let Ok(i) = self.bias.binary_search_by_key(&t, |&(u, _)| u) {
+            x += self.bias[i].1;
+        }
+        x
+    }
+
+    /// A whole row adjusted ([`Sampler::adjust`]) where a penalty or a bias reaches.
+    fn adjusted(&self, logits: &[f32]) -> Vec<f32> {
         let mut row = logits.to_vec();
-        if p.repetition_penalty != 1.0 {
-            let seen: HashSet<u32> = self
-                .prompt
-                .iter()
-                .chain(self.drawn.keys())
-                .copied()
-                .collect();
-            for t in seen {
-                if let Some(x) = row.get_mut(t as usize) {
-                    *x = if *x > 0.0 {
-                        *x / p.repetition_penalty
-                    } else {
-                        *x * p.repetition_penalty
-                    };
-                }
-            }
-        }
-        for (&t, &n) in &self.drawn {
+        let reached: HashSet<u32> = (self.prompt.iter().chain(self.drawn.keys()).copied())
+            .chain(self.bias.iter().map(|&(t, _)| t))
+            .collect();
+        for t in reached {
             if let Some(x) = row.get_mut(t as usize) {
-                *x -= p.frequency_penalty * n as f32 + p.presence_penalty;
-            }
-        }
-        for &(t, b) in &self.bias {
-            if let Some(x) = row.get_mut(t as usize) {
-                *x += b;
+                *x = self.adjust(t, *x);
             }
         }
         row
@@ -554,7 +581,8 @@ mod tests {
         );
         assert_eq!(
             step_reach([greedy, top(40)].map(|p: SamplingParams| p.reach()), 1),
-            Some(40)
+            Some(64),
+            "a power of two"
         );
         assert_eq!(
             step_reach([greedy, top(0)].map(|p: SamplingParams| p.reach()), 1),
@@ -581,7 +609,6 @@ mod tests {
                 repetition_penalty,
                 ..SamplingParams::default()
             };
-            assert_eq!(params.reach(), None, "a penalised draw reads whole rows");
             let mut s = Sampler::new(params, 0, prompt);
             (0..steps)
                 .map(|_| s.sample(RowLogits::Whole(logits)))
@@ -603,21 +630,68 @@ mod tests {
         assert_eq!(s.reach(), None);
         assert_eq!(s.sample(RowLogits::Whole(&logits)), 2);
         let mut s = Sampler::new(SamplingParams::default(), 0, &[]).with_bias(&[(0, -1.0)]);
+        assert_eq!(s.reach(), Some(2), "its likeliest and the one it lowers");
         assert_eq!(s.sample(RowLogits::Whole(&logits)), 1);
+        // A penalty that lifts reads the whole row; one that lowers reaches one token further
+        // for each token it may lower.
+        let lifts = SamplingParams {
+            presence_penalty: -0.5,
+            ..SamplingParams::default()
+        };
+        assert_eq!(Sampler::new(lifts, 0, &[]).reach(), None);
+        let lowers = SamplingParams {
+            repetition_penalty: 1.2,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(lowers, 0, &[4, 4, 5]);
+        assert_eq!(s.reach(), Some(3));
+        s.sample(RowLogits::Whole(&logits));
         assert_eq!(
-            step_reach(
-                [
-                    SamplingParams::default(),
-                    SamplingParams {
-                        presence_penalty: 0.5,
-                        ..SamplingParams::default()
-                    }
-                ]
-                .map(|p| p.reach()),
-                1
-            ),
-            None
+            s.reach(),
+            Some(4),
+            "the prompt's two tokens and the one drawn"
         );
+    }
+
+    proptest::proptest! {
+        /// A draw that only lowers logits, from a row narrowed to its sampler's reach, is the
+        /// draw from the whole row, step after step, on rows with many ties.
+        #[test]
+        fn a_lowering_draw_from_its_reach_is_the_whole_rows(
+            seed in 0u64..1000,
+            greedy in proptest::bool::ANY,
+            top_k in 1usize..6,
+            frequency in 0.0f32..1.5,
+            presence in 0.0f32..1.5,
+            repetition in 1.0f32..2.0,
+            prompt in proptest::collection::vec(0u32..60, 0..12),
+            bias in proptest::collection::vec((0u32..60, -5.0f32..0.0), 0..3),
+        ) {
+            let params = SamplingParams {
+                temperature: if greedy { 0.0 } else { 0.9 },
+                top_k,
+                top_p: 0.9,
+                frequency_penalty: frequency,
+                presence_penalty: presence,
+                repetition_penalty: repetition,
+            };
+            let mut bias = bias;
+            bias.sort_unstable_by_key(|&(t, _)| t);
+            bias.dedup_by_key(|&mut (t, _)| t);
+            let (mut whole, mut narrow) = (
+                Sampler::new(params, seed, &prompt).with_bias(&bias),
+                Sampler::new(params, seed, &prompt).with_bias(&bias),
+            );
+            for step in 0..12u64 {
+                let logits: Vec<f32> = (0..60u64)
+                    .map(|i| ((i * 7 + step * 13 + seed) % 9) as f32 * 0.5)
+                    .collect();
+                let k = narrow.reach().expect("it lowers only");
+                let a = whole.sample(RowLogits::Whole(&logits));
+                let b = narrow.sample(narrowed(&logits, k.min(60)).row(0));
+                proptest::prop_assert_eq!(a, b, "step {}, reach {}", step, k);
+            }
+        }
     }
 
     #[test]
