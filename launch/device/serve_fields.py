@@ -9,7 +9,9 @@ or FAILED.
 load URL: CONCURRENCY streamed completions at once (the same random token ids each time, so
 that after the first run every prompt is found cached; ignore_eos), timed, in the variants
 named by VARIANTS: a warm-up, none ask for log-probabilities, one does, all do, all are
-penalised, all echo their prompts with their log-probabilities. Prints one JSON line per
+penalised (by repetition, over their prompts), all are penalised by frequency and presence
+(which only lower the logits of tokens drawn), all echo their prompts with their
+log-probabilities. Prints one JSON line per
 variant.
 """
 import json
@@ -88,7 +90,7 @@ def load(url):
     concurrency = int(os.environ.get("CONCURRENCY", "32"))
     tokens = int(os.environ.get("OUTPUT_LEN", "64"))
     vocab = int(os.environ.get("VOCAB", "128000"))
-    variants = os.environ.get("VARIANTS", "warm none one all penalties echo none one").split()
+    variants = os.environ.get("VARIANTS", "warm none one all penalties lowering echo none one").split()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, vocab) for _ in range(256)] for _ in range(concurrency)]
     for variant in variants:
@@ -99,6 +101,8 @@ def load(url):
                 body["logprobs"] = 5
             if variant == "penalties":
                 body["repetition_penalty"] = 1.1
+            if variant == "lowering":
+                body.update(frequency_penalty=0.5, presence_penalty=0.5)
             if variant == "echo":
                 body.update(logprobs=1, echo=True)
             t = time.perf_counter()
