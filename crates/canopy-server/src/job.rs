@@ -105,8 +105,8 @@ pub struct Job {
     include_usage: bool,
     /// Whether the choices report their tokens' log-probabilities.
     logprobs: bool,
-    /// Each choice's prompt's text, put before its own (a completion's `echo`).
-    echo: Option<Vec<String>>,
+    /// Whether each choice's text starts with its prompt's (a completion's `echo`).
+    echo: bool,
     prompt_tokens: usize,
     events: UnboundedReceiver<Event>,
     state: Progress,
@@ -282,7 +282,7 @@ impl Job {
             stream: sampling.stream,
             include_usage: sampling.stream_options.is_some_and(|o| o.include_usage),
             logprobs: logprobs.is_some(),
-            echo: echo.map(|_| echoes.clone()),
+            echo: echo.is_some(),
             prompt_tokens,
             events,
             state: Progress {
@@ -413,7 +413,7 @@ impl Job {
     fn chunk(&mut self, event: &Event) -> Option<String> {
         let first_started = self.state.started == 1;
         let (sample, text, reason) = match event {
-            Event::Started { .. } | Event::PromptLogprobs { .. } if self.echo.is_some() => {
+            Event::Started { .. } | Event::PromptLogprobs { .. } if self.echo => {
                 return self.echo_chunk()
             }
             Event::Started { .. } if self.kind == Kind::Chat && first_started => {
@@ -468,9 +468,9 @@ impl Job {
     }
 
     /// The echo of each prompt not yet streamed whose tokens' log-probabilities are all in (at
-    /// once, where none are asked for), as one chunk.
+    /// once, where none are asked for), as one chunk: its choices' texts, which nothing drawn
+    /// has joined yet.
     fn echo_chunk(&mut self) -> Option<String> {
-        let echo = self.echo.as_ref()?;
         let n = self.state.per_prompt;
         let mut choices = Vec::new();
         for (p, &len) in self.prompt_lens.iter().enumerate() {
@@ -480,10 +480,10 @@ impl Job {
                 continue;
             }
             self.state.echoed[p] = true;
-            for (c, text) in echo.iter().enumerate().skip(first).take(n) {
+            for c in first..first + n {
                 choices.push(TextChoice {
                     index: c,
-                    text: text.clone(),
+                    text: self.state.texts[c].clone(),
                     logprobs: self.text_logprobs(c, 0),
                     finish_reason: None,
                 });
