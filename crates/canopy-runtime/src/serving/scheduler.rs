@@ -22,6 +22,7 @@ use super::step::{Admit, Chunk, Row, Step};
 use super::stop::StopText;
 use crate::sampling::{step_reach, RowLogits, Sampler, StepLogits, TokenLogprobs, LOGPROBS_MAX};
 use crate::RuntimeError;
+use canopy_engine::TOP_LOGITS_MAX;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use draw::DrawRow;
 use std::collections::{BTreeMap, VecDeque};
@@ -190,32 +191,33 @@ impl<'t> Scheduler<'t> {
                 }
             }
         }
-        let reach = |row: &Row| {
-            self.running[&row.id].samples[row.sample as usize]
-                .sampler
-                .reach()
-        };
-        let reports = |row: &&&Row| self.running[&row.id].submitted.request.logprobs.is_some();
-        let (narrow, whole): (Vec<&Row>, Vec<&Row>) = step
-            .decode
-            .iter()
-            .partition(|row| step_reach([reach(row)], 1).is_some());
+        // Each row's reach, once: narrowed to its likeliest tokens, or `None`, read whole.
+        let reaches: Vec<Option<usize>> = (step.decode.iter())
+            .map(|row| {
+                let sampler = &self.running[&row.id].samples[row.sample as usize].sampler;
+                sampler.reach().filter(|&k| k <= TOP_LOGITS_MAX)
+            })
+            .collect();
         // Rows that all need their whole logits are read whole at once.
-        step.reach = match narrow.is_empty() && !whole.is_empty() {
+        let all_whole = !reaches.is_empty() && reaches.iter().all(Option::is_none);
+        step.reach = match all_whole {
             true => None,
-            false => step_reach(narrow.iter().map(|row| reach(row)), 1),
+            false => step_reach(reaches.iter().flatten().map(|&k| Some(k)), 1),
         };
         // A narrowed row that reports its token's log-probability has its row's
         // log-normaliser and likeliest tokens read beside it.
-        (step.whole, step.terms) = match step.reach {
-            Some(_) => (
-                whole.iter().map(|row| (row.id, row.sample)).collect(),
-                (narrow.iter().filter(reports))
-                    .map(|row| (row.id, row.sample))
-                    .collect(),
-            ),
-            None => (Vec::new(), Vec::new()),
-        };
+        if step.reach.is_some() {
+            for (row, reach) in step.decode.iter().zip(&reaches) {
+                let place = (row.id, row.sample);
+                match reach {
+                    None => step.whole.push(place),
+                    Some(_) if self.running[&row.id].submitted.request.logprobs.is_some() => {
+                        step.terms.push(place)
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
         let mut budget = self.prefill_chunk;
         for (&id, r) in &self.running {
             if budget == 0 {
