@@ -252,10 +252,15 @@ impl Sampler {
         if !lowers {
             return None;
         }
+        // Past what a backend narrows to, the prompt is not counted token by token each step.
+        let lowered = self.drawn.len() + self.bias.len();
+        if k + lowered + self.prompt.len().saturating_sub(lowered) > TOP_LOGITS_MAX {
+            return None;
+        }
         let prompt_only = (self.prompt.iter())
             .filter(|t| !self.drawn.contains_key(t))
             .count();
-        Some(k + self.drawn.len() + prompt_only + self.bias.len())
+        Some(k + lowered + prompt_only)
     }
 
     /// The next token from one row of logits: whole, or narrowed to at least
