@@ -63,13 +63,12 @@ impl EventSink for Sink {
     }
 }
 
-/// Biases of a request's `logit_bias` (token ids as text, each below `vocab`), in token order.
+/// Biases of a request's `logit_bias` (token ids as text, each below `vocab`).
 fn logit_bias(
     bias: Option<std::collections::HashMap<String, f32>>,
     vocab: usize,
 ) -> Result<Vec<(u32, f32)>, ApiError> {
-    let mut out = bias
-        .unwrap_or_default()
+    bias.unwrap_or_default()
         .into_iter()
         .map(|(token, b)| {
             let id = token
@@ -87,9 +86,7 @@ fn logit_bias(
                 )),
             }
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    out.sort_unstable_by_key(|&(id, _)| id);
-    Ok(out)
+        .collect()
 }
 
 /// A submitted request: one engine request per prompt.
