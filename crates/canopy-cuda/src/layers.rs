@@ -32,8 +32,8 @@ use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use canopy_engine::layer_ops::{
-    attention_output_through_states, check_logprob_terms, check_top_logits, expect_gather,
-    expect_size,
+    attention_output_through_states, check_logprob_terms, check_softmax_totals, check_top_logits,
+    expect_gather, expect_size,
 };
 use canopy_engine::{CachedKeys, EngineError, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
@@ -803,6 +803,16 @@ impl LayerOps for CudaBackend {
         let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
         check_logprob_terms("cuda", dims.0, targets, dims.1)?;
         Ok(self.logprob_rows(logits, targets, out)?)
+    }
+
+    fn softmax_totals(
+        &self,
+        logits: &CudaTensor,
+        temperatures: &[f32],
+        out: &mut CudaTensor,
+    ) -> EResult<()> {
+        check_softmax_totals("cuda", logits.rows, temperatures, (out.rows, out.cols))?;
+        Ok(self.total_rows(logits, temperatures, out)?)
     }
 
     fn graph_epoch(&self) -> Option<u64> {

@@ -1,6 +1,7 @@
 //! The CUDA backend's ops on logits against the CPU backend's, on fresh random rows with
 //! ties, signed zeros and infinities: the narrowing to each row's likeliest tokens bit for bit,
-//! and each row's log-normaliser and a target's logit (the CPU sums in f64).
+//! each row's log-normaliser and a target's logit, and each row's softmax total at its
+//! temperature (the CPU sums in f64).
 //!
 //! Without a GPU every test prints why and passes. The seed is printed; `CANOPY_TEST_SEED`
 //! repeats a run.
@@ -92,4 +93,54 @@ fn logprob_terms_match_the_cpu() {
     let t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
     let mut out = poisoned(&gpu, 2, 2).unwrap();
     assert!(gpu.logprob_terms(&t, &[1, 4], &mut out).is_err());
+}
+
+/// Each row's softmax total at its temperature on `b`, into a poisoned output.
+fn totals<B: LayerOps>(
+    b: &B,
+    logits: &[f32],
+    rows: usize,
+    temperatures: &[f32],
+) -> Result<Vec<f32>> {
+    let t = b.upload_tensor(logits, rows, logits.len() / rows)?;
+    let mut out = poisoned(b, rows, 1)?;
+    b.softmax_totals(&t, temperatures, &mut out)?;
+    b.download_tensor(&out)
+}
+
+#[test]
+fn softmax_totals_match_the_cpu() {
+    let Some(gpu) = gpu("softmax_totals_match_the_cpu") else {
+        return;
+    };
+    let mut rng = rng("softmax_totals_match_the_cpu");
+    for (rows, vocab) in [(3, 4096), (2, 4097), (5, 49152), (64, 128256), (1, 130)] {
+        // Logits of a model's spread, one row in ten peaked on a token, some -inf.
+        let mut logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| rng.gen_range(-12.0f32..12.0))
+            .collect();
+        for r in (0..rows).step_by(10) {
+            logits[r * vocab + rng.gen_range(0..vocab)] = 80.0;
+        }
+        for _ in 0..rows {
+            logits[rng.gen_range(0..rows * vocab)] = f32::NEG_INFINITY;
+        }
+        let temperatures: Vec<f32> = (0..rows).map(|_| rng.gen_range(0.05f32..2.0)).collect();
+        let got = totals(&gpu, &logits, rows, &temperatures).unwrap();
+        let want = totals(&CpuBackend, &logits, rows, &temperatures).unwrap();
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            // fp32 sums of up to 128K terms against f64's: a few parts in 10^6.
+            assert!(
+                (g - w).abs() <= 2e-5 * w.abs(),
+                "row {r} at {}: {g} {w}",
+                temperatures[r]
+            );
+            assert!(*w >= 1.0, "the row's largest term is 1");
+        }
+        eprintln!("  softmax_totals {rows} × {vocab}: within 2e-5");
+    }
+    // A temperature of 0 is refused.
+    let t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
+    let mut out = poisoned(&gpu, 2, 1).unwrap();
+    assert!(gpu.softmax_totals(&t, &[1.0, 0.0], &mut out).is_err());
 }

@@ -5,8 +5,8 @@
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
 use crate::layer_ops::{
-    check_logprob_terms, check_top_logits, expect_gather, expect_size, KeyBlock, LayerOps,
-    ModelNeeds,
+    check_logprob_terms, check_softmax_totals, check_top_logits, expect_gather, expect_size,
+    KeyBlock, LayerOps, ModelNeeds,
 };
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::top_tokens;
@@ -439,6 +439,24 @@ impl LayerOps for CpuBackend {
             let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
             out[0] = (f64::from(max) + sum.ln()) as f32;
             out[1] = row[t as usize];
+        }
+        Ok(())
+    }
+
+    fn softmax_totals(
+        &self,
+        logits: &HostMatrix,
+        temperatures: &[f32],
+        out: &mut HostMatrix,
+    ) -> Result<()> {
+        check_softmax_totals("cpu", logits.rows, temperatures, (out.rows, out.cols))?;
+        let rows = logits.data.chunks_exact(logits.cols.max(1));
+        for ((row, &t), out) in rows.zip(temperatures).zip(&mut out.data) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            *out = row
+                .iter()
+                .map(|&x| f64::from((x - max) / t).exp())
+                .sum::<f64>() as f32;
         }
         Ok(())
     }

@@ -453,6 +453,18 @@ pub trait LayerOps: MergeOps {
         out: &mut Self::Tensor,
     ) -> Result<()>;
 
+    /// Each row's softmax total at its temperature: `Σ exp((logit - max) / temperatures[r])`
+    /// over row `r` of `logits` (`rows × vocab`), `max` the row's largest logit, into `out`
+    /// (`rows × 1`). With [`top_logits`](Self::top_logits) beside it, a draw at a temperature
+    /// over the whole vocabulary reads a row's likeliest tokens and this total, and the whole
+    /// row only when it lands past them ([`check_softmax_totals`]).
+    fn softmax_totals(
+        &self,
+        logits: &Self::Tensor,
+        temperatures: &[f32],
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+
     /// Whether this backend records passes as graphs (`None`: it does not), and if so the
     /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
     /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is
@@ -524,6 +536,31 @@ pub fn check_logprob_terms(
     }
     expect_size(backend, "logprob_terms", "the output's rows", out.0, rows)?;
     expect_size(backend, "logprob_terms", "the output's columns", out.1, 2)
+}
+
+/// Refuses a [`LayerOps::softmax_totals`] call without a temperature per row, with one that
+/// is not a finite number above 0, or whose output is not `rows × 1`.
+pub fn check_softmax_totals(
+    backend: &'static str,
+    rows: usize,
+    temperatures: &[f32],
+    out: (usize, usize),
+) -> Result<()> {
+    expect_size(
+        backend,
+        "softmax_totals",
+        "the temperatures",
+        temperatures.len(),
+        rows,
+    )?;
+    if let Some(t) = temperatures.iter().find(|t| !(t.is_finite() && **t > 0.0)) {
+        return Err(EngineError::Backend {
+            backend,
+            message: format!("softmax_totals: temperature {t} must be a finite number above 0"),
+        });
+    }
+    expect_size(backend, "softmax_totals", "the output's rows", out.0, rows)?;
+    expect_size(backend, "softmax_totals", "the output's columns", out.1, 1)
 }
 
 /// A block of keys and values for [`LayerOps::causal_attention`]: `k` and `v` are `tokens ×

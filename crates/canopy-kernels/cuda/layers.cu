@@ -687,6 +687,18 @@ template <typename Op> __device__ __forceinline__ float block_reduce(float x, fl
     return x;
 }
 
+// A row's largest logit `m` and the sum of exp((x - m) * scale) over its `cols` logits, in
+// fp32, by the whole CTA; the results are in every thread.
+__device__ __forceinline__ float row_softmax_sum(const float* row, u32 cols, float scale, float* part,
+                                                 float& m) {
+    m = NEG_INF;
+    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) m = fmaxf(m, row[c]);
+    m = block_reduce(m, part, [](float a, float b) { return fmaxf(a, b); });
+    float s = 0.f;
+    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) s += expf((row[c] - m) * scale);
+    return block_reduce(s, part, [](float a, float b) { return a + b; });
+}
+
 // One CTA per row of `logits` (rows x cols): the row's log-normaliser ln sum exp(x) (its max,
 // then the sum of exp(x - max), in fp32) and the logit of its target token, into out[2 row]
 // and out[2 row + 1] (the host checked every target against cols).
@@ -697,14 +709,24 @@ logprob_terms(const float* __restrict__ logits, const u32* __restrict__ targets,
     wait_for_previous_grid();
     __shared__ float part[LAYER_THREADS / 32];
     const float* row = logits + (u64)blockIdx.x * cols;
-    float m = NEG_INF;
-    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) m = fmaxf(m, row[c]);
-    m = block_reduce(m, part, [](float a, float b) { return fmaxf(a, b); });
-    float s = 0.f;
-    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) s += expf(row[c] - m);
-    s = block_reduce(s, part, [](float a, float b) { return a + b; });
+    float m;
+    const float s = row_softmax_sum(row, cols, 1.f, part, m);
     if (threadIdx.x == 0) {
         out[2 * (u64)blockIdx.x] = m + logf(s);
         out[2 * (u64)blockIdx.x + 1] = row[targets[blockIdx.x]];
     }
+}
+
+// One CTA per row of `logits` (rows x cols): the sum of exp((x - max) / T) over the row, T
+// the row's temperature (the host checked each is above 0), into out[row].
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+softmax_totals(const float* __restrict__ logits, const float* __restrict__ temperatures, u32 cols,
+               float* __restrict__ out) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    __shared__ float part[LAYER_THREADS / 32];
+    float m;
+    const float s = row_softmax_sum(logits + (u64)blockIdx.x * cols, cols,
+                                    1.f / temperatures[blockIdx.x], part, m);
+    if (threadIdx.x == 0) out[blockIdx.x] = s;
 }

@@ -164,6 +164,7 @@ impl Id {
                 "gemv_rope",
                 "top_logits",
                 "logprob_terms",
+                "softmax_totals",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }

@@ -3,7 +3,8 @@
 //! taking segments of `LAYER_THREADS · TOP_ITEMS` entries to `k` keys apiece, until one
 //! segment is left, whose pass writes the row's logits and tokens. A vocabulary of 128K
 //! takes two passes at any `k`; the logits never leave the device. `logprob_terms` reduces
-//! each row to its log-normaliser and a target's logit, one CTA a row.
+//! each row to its log-normaliser and a target's logit, and `softmax_totals` each row to its
+//! softmax total at a temperature, one CTA a row.
 
 use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
@@ -27,26 +28,50 @@ impl CudaBackend {
         targets: &[u32],
         out: &mut CudaTensor,
     ) -> Result<()> {
+        self.row_reduction("logprob_terms", logits, targets, out)
+    }
+
+    /// Each row's softmax total at its temperature into `out` (`rows × 1`; the caller
+    /// checked the shapes and every temperature).
+    pub(super) fn total_rows(
+        &self,
+        logits: &CudaTensor,
+        temperatures: &[f32],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        self.row_reduction("softmax_totals", logits, temperatures, out)
+    }
+
+    /// `layers.cu`'s `kernel`, one CTA a row of `logits`, each reading its own entry of
+    /// `per_row` and writing its row of `out`.
+    fn row_reduction<T: cudarc::driver::DeviceRepr>(
+        &self,
+        kernel: &'static str,
+        logits: &CudaTensor,
+        per_row: &[T],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
         out.drop_rounded();
         if logits.rows == 0 {
             return Ok(());
         }
-        let f = self.function(Kernel::Layers(DType::F32, "logprob_terms"))?;
+        let f = self.function(Kernel::Layers(DType::F32, kernel))?;
         let s = &self.stream;
-        let targets = self.upload(targets)?;
+        let per_row = self.upload(per_row)?;
         let params = Params::default()
             .buffer(&logits.data, s)
-            .buffer(&targets, s)
-            .u32(narrow("logprob_terms", logits.cols)?)
+            .buffer(&per_row, s)
+            .u32(narrow(kernel, logits.cols)?)
             .buffer(&out.data, s);
         let cfg = LaunchConfig {
-            grid_dim: (narrow("logprob_terms", logits.rows)?, 1, 1),
+            grid_dim: (narrow(kernel, logits.rows)?, 1, 1),
             block_dim: (LAYER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: CTA `row` reads row `row` of logits (rows × cols) and its target (below
-        // cols, checked by the caller), and writes two floats of row `row` of out (rows × 2).
-        unsafe { self.launch_dependent(&f, cfg, &params) }.ctx("launching logprob_terms")
+        // SAFETY: CTA `row` reads row `row` of logits (rows × cols, and for `logprob_terms`
+        // the logit of a target below cols, checked by the caller) and entry `row` of
+        // per_row (rows long), and writes its own row of out (rows × 2 or rows × 1).
+        unsafe { self.launch_dependent(&f, cfg, &params) }.ctx(format!("launching {kernel}"))
     }
 
     /// Each row of `logits` narrowed to its `k` most likely tokens in `out` (`rows × 2k`; the
