@@ -5,7 +5,9 @@
 mod common;
 
 use canopy_server::client::Client;
-use common::serve::{error_of, generate_alone, generate_alone_with, tiny, tiny_prompts, Server};
+use common::serve::{
+    error_of, generate_alone, generate_alone_with, tiny, tiny_prompts, value, Server,
+};
 use serde_json::{json, Value};
 
 /// The answer to `body` at `path`, which must succeed.
@@ -178,6 +180,58 @@ fn prompts_and_chats_tokenize_as_the_endpoints_take_them() {
         assert_eq!(r.status, status, "{body}");
         assert_eq!(error_of(&r)["param"], param, "{body}");
     }
+}
+
+/// Draws at a temperature over the whole vocabulary (no `top_k`, as OpenAI's clients send
+/// them) read narrowed rows and their softmax totals, and rows whole where a draw lands past
+/// them: several requests in flight at once, with log-probabilities asked for or not, draw
+/// what `generate` draws from the same seed.
+#[test]
+fn draws_over_the_whole_vocabulary_are_generates() {
+    let server = Server::start(&tiny(), &[]);
+    let (model, prompts) = (tiny(), tiny_prompts());
+    for (temperature, top_p) in [(1.0, 1.0), (0.8, 0.9)] {
+        let (t, p) = (temperature.to_string(), top_p.to_string());
+        let options = ["--temperature", &t, "--top-p", &p, "--seed", "7"];
+        let texts: Vec<Vec<String>> = std::thread::scope(|scope| {
+            let asked: Vec<_> = (prompts.iter())
+                .map(|prompt| {
+                    [None, Some(2)].map(|logprobs| {
+                        let body = json!({
+                            "prompt": prompt, "max_tokens": 16, "temperature": temperature,
+                            "top_p": top_p, "seed": 7, "logprobs": logprobs,
+                        });
+                        let client = &server.client;
+                        scope.spawn(move || answer(client, "/v1/completions", &body))
+                    })
+                })
+                .collect();
+            (asked.into_iter())
+                .map(|pair| {
+                    pair.map(|h| {
+                        h.join().unwrap()["choices"][0]["text"]
+                            .as_str()
+                            .unwrap()
+                            .to_string()
+                    })
+                    .to_vec()
+                })
+                .collect()
+        });
+        for (prompt, got) in prompts.iter().zip(&texts) {
+            let want = generate_alone_with(&model, prompt, 16, &options);
+            assert_eq!(got, &[want.clone(), want], "temperature {t}, top_p {p}");
+        }
+    }
+    // Some draws landed past their narrowed rows and read them whole; the others read only
+    // their likeliest tokens and totals.
+    let m = server.metrics();
+    let whole = value(&m, "canopy_rows_read_whole_total");
+    let drawn = value(&m, "canopy_generation_tokens_total");
+    assert!(
+        whole > 0.0 && whole < drawn,
+        "{whole} of {drawn} rows read whole"
+    );
 }
 
 #[test]

@@ -359,7 +359,8 @@ impl<B: LayerOps> Forward<B> {
     ) -> Result<()> {
         let vocab = layers.config.vocab_size;
         let dims = |t: &Option<B::Tensor>| t.as_ref().map(|t| backend.dims(t));
-        let top = reach.map(|k| (rows, 2 * k));
+        // A vocabulary smaller than the reach is narrowed to all of it, in order.
+        let top = reach.map(|k| (rows, 2 * k.min(vocab)));
         if dims(&self.logits) != Some((rows, vocab)) || dims(&self.top) != top {
             self.recorder.drop_recording();
             self.recorder.eager = None;
@@ -444,6 +445,40 @@ fn pass<B: LayerOps, C: Transport<B>>(
         backend.top_logits(logits, k, top)?;
     }
     Ok(merge_s)
+}
+
+/// Rows `rows` of `logits` (a pass's, on the backend) whole on the host.
+pub(crate) fn download_rows<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    rows: &[usize],
+) -> Result<Vec<Vec<f32>>> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let vocab = backend.dims(logits).1;
+    let mut gathered = backend.output_tensor(rows.len(), vocab)?;
+    backend.gather_rows(logits, rows, &mut gathered)?;
+    let data = backend.download_tensor(&gathered)?;
+    Ok(data.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+}
+
+/// The softmax totals of rows of `logits` (a pass's, on the backend), each `(row,
+/// temperature)` of `rows` ([`LayerOps::softmax_totals`]).
+pub(crate) fn softmax_totals<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    rows: &[(usize, f32)],
+) -> Result<Vec<f32>> {
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (places, temperatures): (Vec<usize>, Vec<f32>) = rows.iter().copied().unzip();
+    let mut gathered = backend.output_tensor(rows.len(), backend.dims(logits).1)?;
+    backend.gather_rows(logits, &places, &mut gathered)?;
+    let mut totals = backend.output_tensor(rows.len(), 1)?;
+    backend.softmax_totals(&gathered, &temperatures, &mut totals)?;
+    Ok(backend.download_tensor(&totals)?)
 }
 
 #[cfg(test)]

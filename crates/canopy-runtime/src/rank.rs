@@ -17,7 +17,7 @@
 //! tree collectives or gathered by the ring. Every rank ends each step with the same logits,
 //! and so draws the same tokens.
 
-use crate::forward::{Forward, StepRows};
+use crate::forward::{download_rows, softmax_totals, Forward, StepRows};
 use crate::kv::{KvLayout, RankChange, RankView, SEQUENCE_GROWTH_ROOM};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
@@ -276,6 +276,10 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         logits: first_logits.clone(),
     };
     let mut step_logits: Vec<StepLogits> = vec![first; req.samples];
+    // Each sample's row in the last pass, and its softmax total there where its draw reads one
+    // (the first token's is drawn from its whole row).
+    let mut pass_rows = vec![0; req.samples];
+    let mut totals: Vec<Option<f32>> = vec![None; req.samples];
     let mut logprobs = vec![Vec::new(); req.samples];
     let mut step_s = Vec::new();
     let mut merge_s = Vec::new();
@@ -299,7 +303,23 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             if s == 0 {
                 top_two.push(TopTwo::of(step_logits[s].row(0)));
             }
-            let token = samplers[s].sample(step_logits[s].row(0));
+            let token = match samplers[s].sample(step_logits[s].row(0), totals[s]) {
+                Some(token) => token,
+                // A draw by total that landed past the narrowed row goes on over the whole row.
+                None => {
+                    let kept = forward.logits().ok_or_else(|| {
+                        RuntimeError::Protocol("a narrowed row without its pass's logits".into())
+                    })?;
+                    let row = download_rows(backend, kept, &[pass_rows[s]])?;
+                    step_logits[s] = StepLogits::Whole {
+                        vocab,
+                        logits: row.concat(),
+                    };
+                    (samplers[s].sample(step_logits[s].row(0), totals[s])).ok_or_else(|| {
+                        RuntimeError::Protocol("a draw over a whole row did not end".into())
+                    })?
+                }
+            };
             if let (Some(n), RowLogits::Whole(row)) = (req.logprobs, step_logits[s].row(0)) {
                 logprobs[s].push(TokenLogprobs::of(row, token, n));
             }
@@ -412,6 +432,17 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         };
         for (row, &s) in live.iter().enumerate() {
             step_logits[s] = logits.row_owned(row);
+            pass_rows[s] = row;
+        }
+        // Draws over the whole vocabulary read their rows' softmax totals.
+        let by_total: Vec<(usize, f32)> = (live.iter().enumerate())
+            .filter_map(|(row, &s)| samplers[s].total_temperature().map(|t| (row, t)))
+            .collect();
+        if let (Some(kept), false) = (forward.logits(), by_total.is_empty()) {
+            let read = softmax_totals(backend, kept, &by_total)?;
+            for (&(row, _), total) in by_total.iter().zip(read) {
+                totals[live[row]] = Some(total);
+            }
         }
         tracing::debug!(
             rows = live.len(),

@@ -14,6 +14,14 @@
 //! instead of the vocabulary; the tokens come in [`canopy_core::logits`]' order, which the draw
 //! from a whole row follows too, so both draw the same token.
 //!
+//! A draw at a temperature over the whole vocabulary (no `top_k`) is narrowed too, with its
+//! row's softmax total summed on the backend ([`canopy_engine::LayerOps::softmax_totals`]):
+//! the draw walks the likeliest tokens in order, each's probability its term over that total,
+//! and needs the whole row only when it lands past them ([`Sampler::sample`]). Past them it
+//! walks the rest of the row by token id, a pass with no sort (in order only where `top_p`
+//! must find its cut). The walk over a narrowed row is the start of the walk over the whole
+//! one, so the token depends on the row, its total and the seed alone.
+//!
 //! A drawn token's log-probability ([`TokenLogprobs`]) comes from its whole row, or from the
 //! row's log-normaliser and likeliest tokens reduced on the backend ([`RowTerms`]).
 
@@ -62,13 +70,23 @@ impl SamplingParams {
             || self.repetition_penalty != 1.0
     }
 
+    /// Whether a draw is over the whole vocabulary at a temperature (no `top_k`): one that
+    /// reads its row's softmax total ([`Sampler::total_temperature`]).
+    fn draws_by_total(&self) -> bool {
+        self.temperature > 0.0 && self.top_k == 0
+    }
+
     /// How many of a row's most likely tokens a draw that changes no logits may reach, if the
-    /// backend can narrow a row to that many (`None`: the draw reads the whole row).
+    /// backend can narrow a row to that many (`None`: the draw reads the whole row). A draw
+    /// over the whole vocabulary reads as many as a backend narrows to, beside its row's
+    /// total, and its whole row where it lands past them.
     pub fn reach(&self) -> Option<usize> {
         if self.temperature <= 0.0 {
             Some(1)
+        } else if self.draws_by_total() {
+            Some(TOP_LOGITS_MAX)
         } else {
-            Some(self.top_k).filter(|&k| (1..=TOP_LOGITS_MAX).contains(&k))
+            Some(self.top_k).filter(|&k| k <= TOP_LOGITS_MAX)
         }
     }
 }
@@ -113,6 +131,9 @@ pub enum StepLogits {
         /// Rows' log-normalisers and likeliest tokens, by row: those that report their drawn
         /// token's log-probability.
         terms: BTreeMap<usize, RowTerms>,
+        /// Rows' softmax totals at their temperatures, by row: those whose draw is over the
+        /// whole vocabulary ([`Sampler::total_temperature`]).
+        totals: BTreeMap<usize, f32>,
     },
 }
 
@@ -145,6 +166,15 @@ impl StepLogits {
             rows,
             whole: BTreeMap::new(),
             terms: BTreeMap::new(),
+            totals: BTreeMap::new(),
+        }
+    }
+
+    /// Row `r`'s softmax total at its sampler's temperature, where it was read.
+    pub fn total(&self, r: usize) -> Option<f32> {
+        match self {
+            StepLogits::Top { totals, .. } => totals.get(&r).copied(),
+            StepLogits::Whole { .. } => None,
         }
     }
 
@@ -198,6 +228,10 @@ impl StepLogits {
     }
 }
 
+/// The likeliest tokens of a row a draw by total walks in order before the rest: as many as a
+/// backend narrows a row to.
+const BY_TOTAL_HEAD: usize = TOP_LOGITS_MAX;
+
 /// One sample's generator: sample `i` of a run seeded with `seed` draws from `seed + i`, so
 /// it equals the same seed's sample decoded alone.
 pub struct Sampler {
@@ -209,6 +243,9 @@ pub struct Sampler {
     prompt: HashSet<u32>,
     /// Added to these tokens' logits before each draw.
     bias: Vec<(u32, f32)>,
+    /// The uniform number of a draw by total that landed past its narrowed row: the draw
+    /// from the whole row goes on with it.
+    pending: Option<f64>,
 }
 
 impl Sampler {
@@ -223,6 +260,7 @@ impl Sampler {
                 false => HashSet::new(),
             },
             bias: Vec::new(),
+            pending: None,
         }
     }
 
@@ -245,6 +283,13 @@ impl Sampler {
     pub fn reach(&self) -> Option<usize> {
         let k = self.params.reach()?;
         let p = self.params;
+        if !p.penalizes() && self.bias.is_empty() {
+            return Some(k);
+        }
+        // A total summed on the backend is the unchanged row's.
+        if p.draws_by_total() {
+            return None;
+        }
         let lowers = p.frequency_penalty >= 0.0
             && p.presence_penalty >= 0.0
             && p.repetition_penalty >= 1.0
@@ -263,9 +308,137 @@ impl Sampler {
         Some(k + lowered + prompt_only)
     }
 
+    /// The temperature at which this sampler's draws read their row's softmax total
+    /// ([`canopy_engine::LayerOps::softmax_totals`]), if they do: draws over the whole
+    /// vocabulary that change no logits.
+    pub fn total_temperature(&self) -> Option<f32> {
+        let p = self.params;
+        (p.draws_by_total() && !p.penalizes() && self.bias.is_empty()).then_some(p.temperature)
+    }
+
     /// The next token from one row of logits: whole, or narrowed to at least
-    /// [`Sampler::reach`] tokens.
-    pub fn sample(&mut self, row: RowLogits) -> u32 {
+    /// [`Sampler::reach`] tokens, with the row's softmax `total` at the sampler's
+    /// temperature where it was read ([`Sampler::total_temperature`]).
+    ///
+    /// `None`: a draw by total landed past the narrowed row. The sampler keeps the draw, and
+    /// the next call, with the same row whole and the same total, finishes it.
+    pub fn sample(&mut self, row: RowLogits, total: Option<f32>) -> Option<u32> {
+        match total {
+            Some(total) if self.total_temperature().is_some() => self.sample_by_total(row, total),
+            _ => Some(self.sample_adjusted(row)),
+        }
+    }
+
+    /// A draw by total ([`Sampler::sample`]), from a row narrowed or whole.
+    fn sample_by_total(&mut self, row: RowLogits, total: f32) -> Option<u32> {
+        let u = match self.pending.take() {
+            Some(u) => u,
+            None => self.rng.gen::<f64>(),
+        };
+        let drawn = match row {
+            RowLogits::Top { tokens, logits } => {
+                let n = tokens.len().min(BY_TOTAL_HEAD);
+                self.by_total(u, (&tokens[..n], &logits[..n]), total, None)
+            }
+            RowLogits::Whole(row) => {
+                let head = top_tokens(row, BY_TOTAL_HEAD);
+                let logits: Vec<f32> = head.iter().map(|&t| row[t as usize]).collect();
+                self.by_total(u, (&head, &logits), total, Some(row))
+            }
+        };
+        if drawn.is_none() {
+            self.pending = Some(u);
+        }
+        drawn
+    }
+
+    /// Where the uniform `u` lands among a row's tokens, each's probability `exp((logit -
+    /// max) / T) / total`: over the `head` (the row's [`BY_TOTAL_HEAD`] likeliest, or all of
+    /// them, most likely first, with their logits), then over the rest of the `whole` row by
+    /// token id, or in order where `top_p` cuts them. `None`: past the head of a row not given
+    /// whole. A walk past every token (the total's rounding) ends at the last it could take.
+    fn by_total(
+        &self,
+        u: f64,
+        (head, logits): (&[u32], &[f32]),
+        total: f32,
+        whole: Option<&[f32]>,
+    ) -> Option<u32> {
+        let p = self.params;
+        let max = *logits.first()?;
+        let prob = |x: f32| (((x - max) / p.temperature) as f64).exp() / total as f64;
+        let complete = |n: usize| whole.is_some_and(|w| w.len() == n);
+        if p.top_p < 1.0 {
+            // The cut needs the tokens in order: wider heads of the whole row, until it falls.
+            if let Some(t) = self.cut_walk(u, (head, logits), &prob, complete(head.len())) {
+                return Some(t);
+            }
+            let whole = whole?;
+            return std::iter::successors(Some(16 * BY_TOTAL_HEAD), |k| {
+                (*k < whole.len()).then_some(k * 16)
+            })
+            .find_map(|k| {
+                let tokens = top_tokens(whole, k);
+                let logits: Vec<f32> = tokens.iter().map(|&t| whole[t as usize]).collect();
+                self.cut_walk(u, (&tokens, &logits), &prob, complete(tokens.len()))
+            });
+        }
+        let mut target = u;
+        let mut last = head[0];
+        let mut take = |t: u32, x: f32| {
+            let q = prob(x);
+            if target < q {
+                return true;
+            }
+            target -= q;
+            if q > 0.0 {
+                last = t;
+            }
+            false
+        };
+        if let Some(&t) = (head.iter().zip(logits)).find_map(|(t, &x)| take(*t, x).then_some(t)) {
+            return Some(t);
+        }
+        let whole = whole?;
+        let in_head: HashSet<u32> = head.iter().copied().collect();
+        let past = (0..whole.len() as u32)
+            .filter(|t| !in_head.contains(t))
+            .find(|&t| take(t, whole[t as usize]));
+        Some(past.unwrap_or(last))
+    }
+
+    /// `u`'s draw among the smallest head of `tokens` (most likely first, with their
+    /// `logits`) whose probability (`prob`) reaches `top_p`. `None`: the head is not among
+    /// them, unless they are `complete`; then the draw is among them all.
+    fn cut_walk(
+        &self,
+        u: f64,
+        (tokens, logits): (&[u32], &[f32]),
+        prob: &dyn Fn(f32) -> f64,
+        complete: bool,
+    ) -> Option<u32> {
+        let mut acc = 0.0;
+        let head = match logits.iter().position(|&x| {
+            acc += prob(x);
+            acc >= self.params.top_p as f64
+        }) {
+            Some(i) => i + 1,
+            None if complete => tokens.len(),
+            None => return None,
+        };
+        let mut target = u * acc;
+        for (&t, &x) in tokens[..head].iter().zip(logits) {
+            let q = prob(x);
+            if target < q {
+                return Some(t);
+            }
+            target -= q;
+        }
+        Some(tokens[head - 1])
+    }
+
+    /// The next token from one row of logits, the sample's penalties taken and its bias added.
+    fn sample_adjusted(&mut self, row: RowLogits) -> u32 {
         if !self.params.penalizes() && self.bias.is_empty() {
             return self.sample_row(row);
         }
@@ -343,11 +516,16 @@ impl Sampler {
                 self.draw(&tokens, &values)
             }
             RowLogits::Top { tokens, logits } => {
-                debug_assert!(p.reach().is_some_and(|k| k <= tokens.len()));
+                // At least the reach, or the whole vocabulary in order; a draw over the whole
+                // vocabulary reads its row's total beside these.
+                debug_assert!(!p.draws_by_total(), "a narrowed row without its total");
                 if p.temperature <= 0.0 {
                     return tokens[0];
                 }
-                let keep = p.top_k.min(tokens.len());
+                let keep = match p.top_k {
+                    0 => tokens.len(),
+                    k => k.min(tokens.len()),
+                };
                 self.draw(&tokens[..keep], &logits[..keep])
             }
         }
@@ -507,8 +685,8 @@ mod tests {
     fn temperature_zero_is_the_likeliest_lower_of_equals() {
         let logits = [0.1, 3.0, 2.0, 3.0];
         let mut s = Sampler::new(SamplingParams::default(), 1, &[]);
-        assert_eq!(s.sample(RowLogits::Whole(&logits)), 1);
-        assert_eq!(s.sample(narrowed(&logits, 1).row(0)), 1);
+        assert_eq!(s.sample(RowLogits::Whole(&logits), None).unwrap(), 1);
+        assert_eq!(s.sample(narrowed(&logits, 1).row(0), None).unwrap(), 1);
     }
 
     #[test]
@@ -522,7 +700,10 @@ mod tests {
             ..SamplingParams::default()
         };
         let whole = RowLogits::Whole(&logits);
-        assert_eq!(Sampler::new(params, 3, &[]).sample(whole), greedy);
+        assert_eq!(
+            Sampler::new(params, 3, &[]).sample(whole, None).unwrap(),
+            greedy
+        );
         let params = SamplingParams {
             temperature: 1.0,
             top_k: 0,
@@ -531,7 +712,9 @@ mod tests {
         };
         let draw = |seed| {
             let mut s = Sampler::new(params, seed, &[]);
-            (0..20).map(|_| s.sample(whole)).collect::<Vec<_>>()
+            (0..20)
+                .map(|_| s.sample(whole, None).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));
@@ -557,8 +740,8 @@ mod tests {
                 let (mut a, mut b) = (Sampler::new(params, 11, &[]), Sampler::new(params, 11, &[]));
                 for _ in 0..50 {
                     assert_eq!(
-                        a.sample(RowLogits::Whole(&logits)),
-                        b.sample(top.row(0)),
+                        a.sample(RowLogits::Whole(&logits), None).unwrap(),
+                        b.sample(top.row(0), None).unwrap(),
                         "{params:?}, narrowed to {}",
                         k + extra
                     );
@@ -591,8 +774,8 @@ mod tests {
         );
         assert_eq!(
             step_reach([greedy, top(0)].map(|p: SamplingParams| p.reach()), 1),
-            None,
-            "a draw over the whole row"
+            Some(TOP_LOGITS_MAX),
+            "a draw over the whole vocabulary reads as many as a backend narrows to"
         );
         assert_eq!(
             step_reach(
@@ -616,7 +799,7 @@ mod tests {
             };
             let mut s = Sampler::new(params, 0, prompt);
             (0..steps)
-                .map(|_| s.sample(RowLogits::Whole(logits)))
+                .map(|_| s.sample(RowLogits::Whole(logits), None).unwrap())
                 .collect::<Vec<u32>>()
         };
         let logits = [3.0, 2.5, 0.0];
@@ -633,10 +816,10 @@ mod tests {
         let mut s =
             Sampler::new(SamplingParams::default(), 0, &[]).with_bias(&[(2, 3.5), (0, -100.0)]);
         assert_eq!(s.reach(), None);
-        assert_eq!(s.sample(RowLogits::Whole(&logits)), 2);
+        assert_eq!(s.sample(RowLogits::Whole(&logits), None).unwrap(), 2);
         let mut s = Sampler::new(SamplingParams::default(), 0, &[]).with_bias(&[(0, -1.0)]);
         assert_eq!(s.reach(), Some(2), "its likeliest and the one it lowers");
-        assert_eq!(s.sample(RowLogits::Whole(&logits)), 1);
+        assert_eq!(s.sample(RowLogits::Whole(&logits), None).unwrap(), 1);
         // A penalty that lifts reads the whole row; one that lowers reaches one token further
         // for each token it may lower.
         let lifts = SamplingParams {
@@ -650,7 +833,7 @@ mod tests {
         };
         let mut s = Sampler::new(lowers, 0, &[4, 4, 5]);
         assert_eq!(s.reach(), Some(3));
-        s.sample(RowLogits::Whole(&logits));
+        s.sample(RowLogits::Whole(&logits), None).unwrap();
         assert_eq!(
             s.reach(),
             Some(4),
@@ -692,11 +875,127 @@ mod tests {
                     .map(|i| ((i * 7 + step * 13 + seed) % 9) as f32 * 0.5)
                     .collect();
                 let k = narrow.reach().expect("it lowers only");
-                let a = whole.sample(RowLogits::Whole(&logits));
-                let b = narrow.sample(narrowed(&logits, k.min(60)).row(0));
+                let a = whole.sample(RowLogits::Whole(&logits), None).unwrap();
+                let b = narrow.sample(narrowed(&logits, k.min(60)).row(0), None).unwrap();
                 proptest::prop_assert_eq!(a, b, "step {}, reach {}", step, k);
             }
         }
+    }
+
+    /// A row's softmax total at `temperature`, as a backend sums it.
+    fn total(logits: &[f32], temperature: f32) -> f32 {
+        use canopy_engine::LayerOps;
+        let b = canopy_engine::CpuBackend;
+        let row = b.upload_tensor(logits, 1, logits.len()).unwrap();
+        let mut out = b.tensor(1, 1).unwrap();
+        b.softmax_totals(&row, &[temperature], &mut out).unwrap();
+        out.data[0]
+    }
+
+    /// A draw by total from a narrowed row, and from the whole row where it lands past it.
+    fn draw_by_total(s: &mut Sampler, logits: &[f32], k: usize, total: f32) -> (u32, bool) {
+        match s.sample(narrowed(logits, k).row(0), Some(total)) {
+            Some(t) => (t, false),
+            None => (
+                s.sample(RowLogits::Whole(logits), Some(total)).unwrap(),
+                true,
+            ),
+        }
+    }
+
+    proptest::proptest! {
+        /// A draw over the whole vocabulary by its row's total is the same from a row
+        /// narrowed to any width, read whole where the draw lands past it, as from the whole
+        /// row: at any temperature and `top_p`, on rows peaked or flat.
+        #[test]
+        fn a_draw_by_total_is_the_same_at_every_narrowing(
+            seed in 0u64..1000,
+            temperature in 0.2f32..2.0,
+            top_p in proptest::prop_oneof![proptest::strategy::Just(1.0f32), 0.3f32..1.0],
+            spread in 0.5f32..12.0,
+            vocab in 10usize..3000,
+            k in 1usize..=TOP_LOGITS_MAX,
+        ) {
+            let params = SamplingParams { temperature, top_p, ..SamplingParams::default() };
+            let logits: Vec<f32> = (0..vocab as u64)
+                .map(|i| ((i * 7919 + seed * 31) % 997) as f32 / 997.0 * spread)
+                .collect();
+            let z = total(&logits, temperature);
+            let (mut whole, mut narrow) = (Sampler::new(params, seed, &[]), Sampler::new(params, seed, &[]));
+            proptest::prop_assert_eq!(whole.total_temperature(), Some(temperature));
+            for draw in 0..8 {
+                let a = whole.sample(RowLogits::Whole(&logits), Some(z)).unwrap();
+                let (b, _) = draw_by_total(&mut narrow, &logits, k.min(vocab), z);
+                proptest::prop_assert_eq!(a, b, "draw {}, narrowed to {}", draw, k);
+            }
+        }
+    }
+
+    /// Draws by total land on each token as often as its probability says, and past a narrow
+    /// row as often as the tokens past it weigh.
+    #[test]
+    fn draws_by_total_follow_the_softmax() {
+        let logits: Vec<f32> = (0..200).map(|i| -(i as f32) * 0.05).collect();
+        let temperature = 0.8;
+        let params = SamplingParams {
+            temperature,
+            ..SamplingParams::default()
+        };
+        let z = total(&logits, temperature);
+        let prob = |t: usize| (f64::from(logits[t] - logits[0]) / 0.8).exp() / f64::from(z);
+        let (k, draws) = (16, 40_000);
+        let mut s = Sampler::new(params, 5, &[]);
+        let mut counts = vec![0usize; logits.len()];
+        let mut past = 0;
+        for _ in 0..draws {
+            let (t, short) = draw_by_total(&mut s, &logits, k, z);
+            counts[t as usize] += 1;
+            past += usize::from(short);
+        }
+        let past_mass: f64 = (k..logits.len()).map(prob).sum();
+        let seen = past as f64 / draws as f64;
+        assert!(
+            (seen - past_mass).abs() < 0.015,
+            "{seen} past the row against {past_mass}"
+        );
+        for t in [0, 1, 5, 15, 16, 40, 100] {
+            let seen = counts[t] as f64 / draws as f64;
+            // Five standard deviations of a binomial share.
+            let bound = 5.0 * (prob(t) * (1.0 - prob(t)) / draws as f64).sqrt() + 1e-4;
+            assert!(
+                (seen - prob(t)).abs() < bound,
+                "token {t}: {seen} against {}",
+                prob(t)
+            );
+        }
+    }
+
+    #[test]
+    fn only_unchanged_draws_over_the_whole_vocabulary_read_totals() {
+        let at = |temperature, top_k| SamplingParams {
+            temperature,
+            top_k,
+            ..SamplingParams::default()
+        };
+        assert_eq!(
+            Sampler::new(at(0.7, 0), 0, &[]).total_temperature(),
+            Some(0.7)
+        );
+        assert_eq!(
+            Sampler::new(at(0.7, 0), 0, &[]).reach(),
+            Some(TOP_LOGITS_MAX)
+        );
+        assert_eq!(Sampler::new(at(0.0, 0), 0, &[]).total_temperature(), None);
+        assert_eq!(Sampler::new(at(0.7, 40), 0, &[]).total_temperature(), None);
+        // A penalty or a bias changes the row its total was summed over.
+        let penalised = SamplingParams {
+            presence_penalty: 0.5,
+            ..at(0.7, 0)
+        };
+        assert_eq!(Sampler::new(penalised, 0, &[]).total_temperature(), None);
+        assert_eq!(Sampler::new(penalised, 0, &[]).reach(), None);
+        let biased = Sampler::new(at(0.7, 0), 0, &[]).with_bias(&[(3, -1.0)]);
+        assert_eq!((biased.total_temperature(), biased.reach()), (None, None));
     }
 
     #[test]
@@ -710,6 +1009,6 @@ mod tests {
             ..SamplingParams::default()
         };
         let mut s = Sampler::new(params, 9, &[]);
-        assert!((0..50).all(|_| s.sample(RowLogits::Whole(&logits)) == 4));
+        assert!((0..50).all(|_| s.sample(RowLogits::Whole(&logits), None).unwrap() == 4));
     }
 }

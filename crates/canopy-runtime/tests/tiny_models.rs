@@ -231,43 +231,55 @@ fn parallel_samples_at_temperature_zero_are_the_greedy_text() {
     }
 }
 
+/// Each seeded sample draws what its seed draws alone, on one rank or two, whether its
+/// steps read narrowed rows or whole ones (log-probabilities asked for): cut by `top_k`, and
+/// over the whole vocabulary, whose draws read their rows' softmax totals and, where they land
+/// past the narrowed rows, the rows whole.
 #[test]
 fn each_seeded_sample_equals_its_seed_decoded_alone() {
     let (model, reference) = fixture("tied-mha-hd64");
     let layers = layers(&model);
     let prompt = ids(&reference["prompts"].as_array().unwrap()[1]["token_ids"]);
-    let sampling = SamplingParams {
-        temperature: 0.9,
-        top_k: 40,
-        top_p: 0.95,
-        ..SamplingParams::default()
-    };
     let strategy = DecodeStrategy::Tree(MergeCollective::Allreduce2);
-    let together = run(
-        &layers,
-        &GenerateRequest {
-            sampling,
-            seed: 11,
-            ..request(prompt.clone(), 4, strategy)
-        },
-        2,
-    );
-    for (i, s) in together.samples.iter().enumerate() {
-        let alone = run(
+    for (temperature, top_k, top_p) in [(0.9, 40, 0.95), (1.0, 0, 1.0), (1.5, 0, 0.9)] {
+        let sampling = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            ..SamplingParams::default()
+        };
+        let together = run(
             &layers,
             &GenerateRequest {
                 sampling,
-                seed: 11 + i as u64,
-                ..request(prompt.clone(), 1, strategy)
+                seed: 11,
+                ..request(prompt.clone(), 4, strategy)
             },
-            1,
+            2,
         );
-        assert_eq!(s, &alone.samples[0], "sample {i}");
+        for (i, s) in together.samples.iter().enumerate() {
+            for logprobs in [None, Some(1)] {
+                let alone = run(
+                    &layers,
+                    &GenerateRequest {
+                        sampling,
+                        seed: 11 + i as u64,
+                        logprobs,
+                        ..request(prompt.clone(), 1, strategy)
+                    },
+                    1,
+                );
+                assert_eq!(
+                    s, &alone.samples[0],
+                    "{sampling:?}, sample {i}, {logprobs:?}"
+                );
+            }
+        }
+        assert!(
+            together.samples.windows(2).any(|w| w[0] != w[1]),
+            "seeds differ"
+        );
     }
-    assert!(
-        together.samples.windows(2).any(|w| w[0] != w[1]),
-        "seeds differ"
-    );
 }
 
 /// A watch that follows the fill and times the merges.

@@ -265,6 +265,12 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "canopy_rows_read_whole_total",
+            "Decode rows whose whole logits came to the host for their draws (the others read their likeliest tokens).",
+            &s.rows_read_whole,
+        );
+        counter(
+            &mut out,
             "canopy_prefill_tokens_total",
             "Prompt tokens computed (not found in the prefix cache).",
             &s.prefill_tokens,

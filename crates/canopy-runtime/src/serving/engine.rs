@@ -18,10 +18,10 @@
 
 use super::books::{Books, Layout, PrefillPass};
 use super::handle::EngineInbox;
-use super::scheduler::{ChunkDone, Decoded, Scheduler, StepClock};
+use super::scheduler::{ChunkDone, Decoded, ReadWhole, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
 use super::ServeConfig;
-use crate::forward::{Forward, StepRows};
+use crate::forward::{download_rows, softmax_totals, Forward, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
@@ -183,12 +183,21 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 self.books.end(*id);
             }
             failed.extend(unplaced);
-            decoded = decoded.or(mixed_logits.map(|logits| (logits, None)));
+            let (mixed_rows, mixed_tensor) = mixed_logits.unzip();
+            decoded = decoded.or(mixed_rows.map(|logits| (logits, None)));
+            // Where the decode rows' logits are on the backend, to be read whole.
+            let pass_logits = mixed_tensor.as_ref().or(self.forward.logits());
+            let backend = self.backend;
+            let read_whole: ReadWhole = &|places| match pass_logits {
+                Some(logits) => download_rows(backend, logits, places),
+                None => Err(RuntimeError::Protocol("no pass's logits to read".into())),
+            };
             if let Some(s) = scheduler.as_mut() {
                 let decoded = decoded.as_ref().map(|(logits, cost)| Decoded {
                     rows: &rows,
                     logits,
                     cost: *cost,
+                    read_whole,
                 });
                 let clock = StepClock {
                     began,
@@ -274,14 +283,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     /// The step's prefill passes ([`Books::prefill_passes`]): each stored chunk, with the
     /// logits of its last row if it completes its prompt, and the logits of the decode rows
     /// that lead a pass, each narrowed to its `reach` most likely tokens (`None`: whole) and
-    /// some read further (`reads`).
+    /// some read further (`reads`), beside the backend's tensor of them.
     #[allow(clippy::type_complexity)]
     fn prefill(
         &mut self,
         passes: Vec<PrefillPass>,
         reach: Option<usize>,
         reads: &RowReads,
-    ) -> Result<(Vec<ChunkDone>, Option<StepLogits>)> {
+    ) -> Result<(Vec<ChunkDone>, Option<(StepLogits, B::Tensor)>)> {
         let rank = self.comm.rank();
         let (backend, vocab) = (self.backend, self.layers.config.vocab_size);
         let mut done = Vec::new();
@@ -341,20 +350,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 let mut logits = backend.tensor(logit_rows.len(), vocab)?;
                 self.layers
                     .logits_into(backend, &x, &logit_rows, &mut logits)?;
+                if logit_rows.len() > d {
+                    let rest: Vec<usize> = (d..logit_rows.len()).collect();
+                    chunk_logits = download_rows(backend, &logits, &rest)?.into_iter();
+                }
                 if d > 0 {
                     let mut rows = narrowed(backend, &logits, d, reach)?;
                     reads.read(backend, &logits, &mut rows)?;
-                    decoded = Some(rows);
-                }
-                if logit_rows.len() > d {
-                    let mut rest = backend.tensor(logit_rows.len() - d, vocab)?;
-                    backend.copy_rows(&logits, d, &mut rest)?;
-                    let rest = backend.download_tensor(&rest)?;
-                    chunk_logits = rest
-                        .chunks_exact(vocab)
-                        .map(<[f32]>::to_vec)
-                        .collect::<Vec<_>>()
-                        .into_iter();
+                    decoded = Some((rows, logits));
                 }
             }
             for ((chunk, rows, stored), complete) in pass.chunks.into_iter().zip(completes) {
@@ -478,6 +481,7 @@ fn narrowed<B: LayerOps>(
     let head = copied.as_ref().unwrap_or(logits);
     Ok(match reach {
         Some(k) => {
+            let k = k.min(vocab);
             let mut top = backend.tensor(rows, 2 * k)?;
             backend.top_logits(head, k, &mut top)?;
             StepLogits::top(k, backend.download_tensor(&top)?)
@@ -494,19 +498,24 @@ fn narrowed<B: LayerOps>(
 struct RowReads {
     whole: Vec<usize>,
     terms: Vec<usize>,
+    /// With each row's temperature.
+    totals: Vec<(usize, f32)>,
 }
 
 impl RowReads {
     fn new(step: &Step, rows: &[Row]) -> RowReads {
+        let place = |listed: &(u64, u32)| (rows.iter()).position(|r| (r.id, r.sample) == *listed);
         let places = |listed: &[(u64, u32)]| {
-            (rows.iter().enumerate())
-                .filter(|(_, r)| listed.contains(&(r.id, r.sample)))
-                .map(|(i, _)| i)
-                .collect()
+            let mut places: Vec<usize> = listed.iter().filter_map(place).collect();
+            places.sort_unstable();
+            places
         };
         RowReads {
             whole: places(&step.whole),
             terms: places(&step.terms),
+            totals: (step.totals.iter())
+                .filter_map(|(listed, t)| place(listed).map(|p| (p, *t)))
+                .collect(),
         }
     }
 
@@ -518,7 +527,12 @@ impl RowReads {
         step: &mut StepLogits,
     ) -> Result<()> {
         read_whole(backend, logits, &self.whole, step)?;
-        read_terms(backend, logits, &self.terms, step)
+        read_terms(backend, logits, &self.terms, step)?;
+        if let StepLogits::Top { totals, .. } = step {
+            let read = softmax_totals(backend, logits, &self.totals)?;
+            totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
+        }
+        Ok(())
     }
 }
 
@@ -591,14 +605,10 @@ fn read_whole<B: LayerOps>(
     if rows.is_empty() {
         return Ok(());
     }
-    let vocab = backend.dims(logits).1;
-    let mut gathered = backend.output_tensor(rows.len(), vocab)?;
-    backend.gather_rows(logits, rows, &mut gathered)?;
-    let data = backend.download_tensor(&gathered)?;
     whole.extend(
         rows.iter()
-            .zip(data.chunks_exact(vocab))
-            .map(|(&r, row)| (r, row.to_vec())),
+            .copied()
+            .zip(download_rows(backend, logits, rows)?),
     );
     Ok(())
 }

@@ -226,6 +226,9 @@ pub struct EngineStatus {
     pub busy_seconds: f64,
     /// Tokens drawn, over all samples.
     pub generated_tokens: u64,
+    /// Decode rows whose whole logits came to the host for their draws: rows a step read
+    /// whole, and draws by total that landed past their narrowed rows.
+    pub rows_read_whole: u64,
     pub steps: u64,
     /// The decode passes so far, by their rows.
     pub decode: BTreeMap<usize, DecodePasses>,

@@ -25,6 +25,7 @@ use crate::RuntimeError;
 use canopy_engine::TOP_LOGITS_MAX;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use draw::DrawRow;
+pub(crate) use draw::ReadWhole;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -106,6 +107,8 @@ pub(crate) struct Decoded<'a> {
     /// [`DecodePasses`](super::handle::DecodePasses)); `None` when the rows ran in a prefill
     /// pass, whose time counts as prefill.
     pub cost: Option<(f64, u64)>,
+    /// Reads the pass's rows whole, by their places among `rows`.
+    pub read_whole: ReadWhole<'a>,
 }
 
 pub(crate) struct Scheduler<'t> {
@@ -205,16 +208,21 @@ impl<'t> Scheduler<'t> {
             false => step_reach(reaches.iter().flatten().map(|&k| Some(k)), 1),
         };
         // A narrowed row that reports its token's log-probability has its row's
-        // log-normaliser and likeliest tokens read beside it.
+        // log-normaliser and likeliest tokens read beside it, and one drawn over the whole
+        // vocabulary its softmax total.
         if step.reach.is_some() {
             for (row, reach) in step.decode.iter().zip(&reaches) {
                 let place = (row.id, row.sample);
-                match reach {
-                    None => step.whole.push(place),
-                    Some(_) if self.running[&row.id].submitted.request.logprobs.is_some() => {
-                        step.terms.push(place)
-                    }
-                    Some(_) => {}
+                let r = &self.running[&row.id];
+                if reach.is_none() {
+                    step.whole.push(place);
+                    continue;
+                }
+                if r.submitted.request.logprobs.is_some() {
+                    step.terms.push(place);
+                }
+                if let Some(t) = r.samples[row.sample as usize].sampler.total_temperature() {
+                    step.totals.push((place, t));
                 }
             }
         }
@@ -383,6 +391,8 @@ impl<'t> Scheduler<'t> {
                 sample: row.sample as usize,
                 logits: d.logits.row(i),
                 terms: d.logits.terms(i),
+                total: d.logits.total(i),
+                place: Some(i),
             }));
         } else {
             self.status.batch = 0;
@@ -424,10 +434,12 @@ impl<'t> Scheduler<'t> {
                     sample,
                     logits: RowLogits::Whole(logits),
                     terms: None,
+                    total: None,
+                    place: None,
                 }));
             }
         }
-        let drawn = self.draw_rows(&rows);
+        let drawn = self.draw_rows(&rows, decoded.as_ref().map(|d| d.read_whole));
         for (row, drawn) in rows.iter().zip(drawn) {
             if let Some((token, logprobs)) = drawn {
                 self.tell(row.id, row.sample, token, logprobs);
@@ -605,7 +617,13 @@ mod tests {
         let (rows, failed) = books.decode(&step.decode);
         assert!(failed.is_empty());
         let mut logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
-        if let StepLogits::Top { whole, terms, .. } = &mut logits {
+        if let StepLogits::Top {
+            whole,
+            terms,
+            totals,
+            ..
+        } = &mut logits
+        {
             for (i, row) in rows.rows.iter().enumerate() {
                 if step.whole.contains(&(row.id, row.sample)) {
                     whole.insert(i, pick(token, 1));
@@ -615,6 +633,10 @@ mod tests {
                     let lse = ((VOCAB - 1) as f64 + 1f64.exp()).ln() as f32;
                     let top = vec![(token, 1.0), (u32::from(token == 0), 0.0)];
                     terms.insert(i, RowTerms { lse, top });
+                }
+                if let Some(&(_, t)) = step.totals.iter().find(|(p, _)| *p == (row.id, row.sample))
+                {
+                    totals.insert(i, 1.0 + (VOCAB - 1) as f32 * (-1.0 / t).exp());
                 }
             }
         }
@@ -630,10 +652,12 @@ mod tests {
                 prompt_logprobs: Vec::new(),
             });
         }
+        let read_whole = |places: &[usize]| Ok(places.iter().map(|_| pick(token, 1)).collect());
         let decoded = (!rows.rows.is_empty()).then_some(Decoded {
             rows: &rows,
             logits: &logits,
             cost: Some((0.5, 10)),
+            read_whole: &read_whole,
         });
         let clock = StepClock {
             began: Instant::now(),

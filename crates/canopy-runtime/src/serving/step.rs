@@ -62,6 +62,9 @@ pub(crate) struct Step {
     /// Narrowed decode rows (request, sample) that report their drawn token's
     /// log-probability: their log-normalisers and likeliest tokens are read beside them.
     pub terms: Vec<(u64, u32)>,
+    /// Narrowed decode rows (request, sample) drawn over the whole vocabulary, with their
+    /// temperatures: their softmax totals are read beside them.
+    pub totals: Vec<((u64, u32), f32)>,
     pub prefill: Vec<Chunk>,
     /// The engine stops after this step.
     pub stop: bool,
@@ -121,6 +124,7 @@ mod tests {
             reach: Some(40),
             whole: vec![(4, 0)],
             terms: vec![(4, 1)],
+            totals: vec![((4, 1), 0.7)],
             prefill: vec![Chunk { id: 7, end: 3 }],
             stop: false,
         };

@@ -4,27 +4,74 @@
 use super::Scheduler;
 use crate::sampling::{RowLogits, RowTerms, Sampler, TokenLogprobs};
 use crate::serving::handle::{Event, FinishReason};
+use crate::Result;
 use rayon::prelude::*;
 use std::collections::HashMap;
 
 /// One row to draw: sample `sample` of request `id`, from its `logits`, with its row's
-/// reduced `terms` where they were read.
+/// reduced `terms` and its softmax `total` where they were read.
 pub(super) struct DrawRow<'a> {
     pub id: u64,
     pub sample: usize,
     pub logits: RowLogits<'a>,
     pub terms: Option<&'a RowTerms>,
+    pub total: Option<f32>,
+    /// The row's place among the step's decode rows (`None`: a prompt's first token, drawn
+    /// from its whole row).
+    pub place: Option<usize>,
 }
+
+/// Reads decode rows of the step whole, by their places: for draws by total that land past
+/// their narrowed rows.
+pub(crate) type ReadWhole<'a> = &'a dyn Fn(&[usize]) -> Result<Vec<Vec<f32>>>;
 
 /// A drawn token and its log-probabilities.
 pub(super) type Drawn = (u32, Option<TokenLogprobs>);
 
+/// What one row's draw came to.
+enum Outcome {
+    /// Its request has ended.
+    Ended,
+    /// It landed past its narrowed row: the whole row finishes it.
+    Short,
+    Drawn(Drawn),
+}
+
+/// Sample `sampler`'s token from `row` (its logits may stand in for the row's own), with
+/// its log-probabilities where `logprobs` asks: from a whole row, or from the row's reduced
+/// terms and the drawn token's logit.
+fn draw_one(
+    (sampler, logprobs): &mut (&mut Sampler, Option<usize>),
+    row: &DrawRow,
+    logits: RowLogits,
+) -> Outcome {
+    let Some(token) = sampler.sample(logits, row.total) else {
+        return Outcome::Short;
+    };
+    let logit = |t: u32| match logits {
+        RowLogits::Whole(logits) => logits.get(t as usize).copied(),
+        RowLogits::Top { tokens, logits } => tokens.iter().position(|&u| u == t).map(|i| logits[i]),
+    };
+    let logprobs = logprobs.and_then(|n| match (row.terms, logits) {
+        (Some(terms), _) => logit(token).map(|x| terms.logprobs(x, n)),
+        (None, RowLogits::Whole(logits)) => Some(TokenLogprobs::of(logits, token, n)),
+        // Not met: a row that reports log-probabilities is read whole or reduced.
+        (None, RowLogits::Top { .. }) => None,
+    });
+    Outcome::Drawn((token, logprobs))
+}
+
 impl Scheduler<'_> {
     /// Each row's token with its log-probabilities where its request asks for them (`None`:
-    /// the request has ended): from a whole row, or from the row's reduced terms and the
-    /// drawn token's logit in its narrowed row. Rows are drawn in parallel where some are
-    /// whole, a pass over the vocabulary each.
-    pub(super) fn draw_rows(&mut self, rows: &[DrawRow]) -> Vec<Option<Drawn>> {
+    /// the request has ended, or its row could not be read whole). Rows are drawn in parallel
+    /// where some are whole, a pass over the vocabulary each; draws by total that land past
+    /// their narrowed rows read those rows whole (`read_whole`, where the step decoded) and go
+    /// on over them.
+    pub(super) fn draw_rows(
+        &mut self,
+        rows: &[DrawRow],
+        read_whole: Option<ReadWhole>,
+    ) -> Vec<Option<Drawn>> {
         let mut samplers: HashMap<(u64, usize), (&mut Sampler, Option<usize>)> = HashMap::new();
         for (&id, r) in self.running.iter_mut() {
             let logprobs = r.submitted.request.logprobs;
@@ -37,23 +84,75 @@ impl Scheduler<'_> {
             .map(|row| (samplers.remove(&(row.id, row.sample)), row))
             .collect();
         let draw = |(sampler, row): &mut (Option<(&mut Sampler, Option<usize>)>, &DrawRow)| {
-            let (sampler, logprobs) = sampler.as_mut()?;
-            let token = sampler.sample(row.logits);
-            let logprobs = match (*logprobs, row.logits, row.terms) {
-                (Some(n), RowLogits::Whole(logits), _) => Some(TokenLogprobs::of(logits, token, n)),
-                (Some(n), RowLogits::Top { tokens, logits }, Some(terms)) => (tokens.iter())
-                    .position(|&t| t == token)
-                    .map(|i| terms.logprobs(logits[i], n)),
-                // Not met: a row that reports log-probabilities is read whole or reduced.
-                (Some(_), RowLogits::Top { .. }, None) | (None, ..) => None,
-            };
-            Some((token, logprobs))
+            match sampler {
+                Some(sampler) => draw_one(sampler, row, row.logits),
+                None => Outcome::Ended,
+            }
         };
         let whole = |(_, row): &(_, &DrawRow)| matches!(row.logits, RowLogits::Whole(_));
-        match work.iter().filter(|w| whole(w)).count() > 1 {
+        let mut outcomes: Vec<Outcome> = match work.iter().filter(|w| whole(w)).count() > 1 {
             true => work.par_iter_mut().map(draw).collect(),
             false => work.iter_mut().map(draw).collect(),
+        };
+        let read_whole_before = (rows.iter())
+            .filter(|r| r.place.is_some() && matches!(r.logits, RowLogits::Whole(_)))
+            .count();
+        let short: Vec<usize> = (outcomes.iter().enumerate())
+            .filter(|(_, o)| matches!(o, Outcome::Short))
+            .map(|(i, _)| i)
+            .collect();
+        let places: Vec<usize> = short.iter().filter_map(|&i| rows[i].place).collect();
+        let read = match (read_whole, places.len() == short.len()) {
+            _ if short.is_empty() => Ok(Vec::new()),
+            (Some(read_whole), true) => read_whole(&places),
+            _ => Err(crate::RuntimeError::Protocol(
+                "a draw landed past a row that cannot be read whole".into(),
+            )),
+        };
+        self.status.rows_read_whole += (read_whole_before + short.len()) as u64;
+        let mut failed = Vec::new();
+        match read {
+            Ok(read) => {
+                let mut again: Vec<_> = (work.iter_mut().enumerate())
+                    .filter(|(i, _)| matches!(outcomes[*i], Outcome::Short))
+                    .zip(&read)
+                    .collect();
+                let redraw = |((i, (sampler, row)), whole): &mut (
+                    (usize, &mut (_, &DrawRow)),
+                    &Vec<f32>,
+                )| {
+                    let outcome = match sampler {
+                        Some(sampler) => draw_one(sampler, row, RowLogits::Whole(whole)),
+                        None => Outcome::Ended,
+                    };
+                    (*i, outcome)
+                };
+                let redrawn: Vec<(usize, Outcome)> = match again.len() > 1 {
+                    true => again.par_iter_mut().map(redraw).collect(),
+                    false => again.iter_mut().map(redraw).collect(),
+                };
+                for (i, outcome) in redrawn {
+                    outcomes[i] = outcome;
+                }
+            }
+            Err(e) => {
+                tracing::error!("reading rows whole for their draws: {e}");
+                failed.extend(short.iter().map(|&i| (rows[i].id, e.to_string())));
+            }
         }
+        drop(work);
+        for (id, e) in failed {
+            if let Some(mut r) = self.running.remove(&id) {
+                r.send(Event::Failed(e));
+                self.ending.push(id);
+            }
+        }
+        (outcomes.into_iter())
+            .map(|o| match o {
+                Outcome::Drawn(drawn) => Some(drawn),
+                Outcome::Ended | Outcome::Short => None,
+            })
+            .collect()
     }
 
     /// Takes sample `sample` of request `id`'s drawn `token` and tells its client.
