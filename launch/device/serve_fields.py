@@ -6,17 +6,25 @@ server on the GPU and one on the CPU; the texts must be equal and the log-probab
 2e-3. Prints one line per request and ALL PASS
 or FAILED.
 
+sampled URL BIN MODEL PROMPTS_JSON: seeded completions at a temperature over the whole
+vocabulary (no top_k), all in flight at once, against `BIN generate` on the GPU with the same
+seed and prompt: the texts must be equal. Prints one line per request and ALL PASS or FAILED.
+
 load URL: CONCURRENCY streamed completions at once (the same random token ids each time, so
 that after the first run every prompt is found cached; ignore_eos), timed, in the variants
 named by VARIANTS: a warm-up, none ask for log-probabilities, one does, all do, all are
 penalised (by repetition, over their prompts), all are penalised by frequency and presence
 (which only lower the logits of tokens drawn), all echo their prompts with their
-log-probabilities. Prints one JSON line per
-variant.
+log-probabilities; `greedy` (as `none`), and draws seeded by request at temperature 1 (`t1`),
+at 0.1 (`t01`), at 1 cut by top_p 0.9 (`top-p`) or by top_k 40 (`top-k`). Prints one JSON
+line per variant, with the decode rows read whole for their draws where the server counts
+them.
 """
 import json
 import os
 import random
+import re
+import subprocess
 import sys
 import time
 import urllib.request
@@ -86,6 +94,38 @@ def check(gpu, cpu, prompts):
     print("ALL PASS" if ok else "FAILED")
 
 
+def sampled(url, binary, model, prompts):
+    cases = [(i, t, p) for i in range(len(prompts)) for t, p in [(1.0, 1.0), (0.8, 0.9)]]
+
+    def served(case):
+        i, t, p = case
+        body = {"prompt": prompts[i], "max_tokens": 16, "temperature": t, "top_p": p, "seed": 7}
+        return post(url, "/v1/completions", body)["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(cases)) as ex:
+        got = list(ex.map(served, cases))
+    ok = True
+    for (i, t, p), text in zip(cases, got):
+        ids = ",".join(map(str, prompts[i]))
+        out = subprocess.run([binary, "generate", "--model", model, "--backend", "cuda", "--dtype", "f32",
+                              "--prompt-ids", ids, "--max-tokens", "16", "--temperature", str(t),
+                              "--top-p", str(p), "--seed", "7", "--json"],
+                             capture_output=True, text=True, check=True)
+        want = json.loads(out.stdout)["samples"][0]["text"]
+        same = text == want
+        ok &= same
+        print(f"prompt {i}, temperature {t}, top_p {p}: {'same' if same else 'DIFFERENT'} {text!r}")
+        if not same:
+            print("  generate:", repr(want))
+    print("ALL PASS" if ok else "FAILED")
+
+
+def rows_read_whole(url):
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        m = re.search(r"^canopy_rows_read_whole_total (\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else None
+
+
 def load(url):
     concurrency = int(os.environ.get("CONCURRENCY", "32"))
     tokens = int(os.environ.get("OUTPUT_LEN", "64"))
@@ -105,21 +145,32 @@ def load(url):
                 body.update(frequency_penalty=0.5, presence_penalty=0.5)
             if variant == "echo":
                 body.update(logprobs=1, echo=True)
+            draws = {"t1": (1.0, 1.0, 0), "t01": (0.1, 1.0, 0), "top-p": (1.0, 0.9, 0),
+                     "top-k": (1.0, 1.0, 40)}
+            if variant in draws:
+                t, p, k = draws[variant]
+                body.update(temperature=t, top_p=p, top_k=k, seed=i)
             t = time.perf_counter()
             chunks = post(url, "/v1/completions", body)
             return time.perf_counter() - t, len(chunks)
+        whole_before = rows_read_whole(url)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as ex:
             done = list(ex.map(one, range(concurrency)))
         wall = time.perf_counter() - t0
+        whole_after = rows_read_whole(url)
         print(json.dumps({"variant": variant, "concurrency": concurrency, "output_len": tokens,
                           "wall_s": round(wall, 3),
                           "output_tokens_per_s": round(concurrency * tokens / wall, 1),
-                          "slowest_request_s": round(max(d[0] for d in done), 3)}), flush=True)
+                          "slowest_request_s": round(max(d[0] for d in done), 3),
+                          "rows_read_whole": None if whole_before is None else whole_after - whole_before}),
+              flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "check":
         check(sys.argv[2], sys.argv[3], json.load(open(sys.argv[4])))
+    elif sys.argv[1] == "sampled":
+        sampled(sys.argv[2], sys.argv[3], sys.argv[4], json.load(open(sys.argv[5])))
     else:
         load(sys.argv[2])
