@@ -31,6 +31,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+mod by_total;
+mod logprobs;
+
+pub use logprobs::{RowTerms, TokenLogprobs, TopTwo, LOGPROBS_MAX};
+
 /// How tokens are drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
@@ -137,26 +142,6 @@ pub enum StepLogits {
     },
 }
 
-/// What a row's log-probabilities need, reduced on the backend: its log-normaliser
-/// ([`canopy_engine::LayerOps::logprob_terms`]) and its likeliest tokens with their logits.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RowTerms {
-    pub lse: f32,
-    pub top: Vec<(u32, f32)>,
-}
-
-impl RowTerms {
-    /// The log-probability of a token whose logit is `logit`, with the row's `n` likeliest.
-    pub fn logprobs(&self, logit: f32, n: usize) -> TokenLogprobs {
-        TokenLogprobs {
-            logprob: logit - self.lse,
-            top: (self.top.iter().take(n))
-                .map(|&(t, x)| (t, x - self.lse))
-                .collect(),
-        }
-    }
-}
-
 impl StepLogits {
     /// Rows narrowed to `k` tokens each (`rows`: each row's `k` logits, then its `k` tokens
     /// as bit patterns), none read whole.
@@ -227,10 +212,6 @@ impl StepLogits {
         &data[r * width..(r + 1) * width]
     }
 }
-
-/// The likeliest tokens of a row a draw by total walks in order before the rest: as many as a
-/// backend narrows a row to.
-const BY_TOTAL_HEAD: usize = TOP_LOGITS_MAX;
 
 /// One sample's generator: sample `i` of a run seeded with `seed` draws from `seed + i`, so
 /// it equals the same seed's sample decoded alone.
@@ -327,114 +308,6 @@ impl Sampler {
             Some(total) if self.total_temperature().is_some() => self.sample_by_total(row, total),
             _ => Some(self.sample_adjusted(row)),
         }
-    }
-
-    /// A draw by total ([`Sampler::sample`]), from a row narrowed or whole.
-    fn sample_by_total(&mut self, row: RowLogits, total: f32) -> Option<u32> {
-        let u = match self.pending.take() {
-            Some(u) => u,
-            None => self.rng.gen::<f64>(),
-        };
-        let drawn = match row {
-            RowLogits::Top { tokens, logits } => {
-                let n = tokens.len().min(BY_TOTAL_HEAD);
-                self.by_total(u, (&tokens[..n], &logits[..n]), total, None)
-            }
-            RowLogits::Whole(row) => {
-                let head = top_tokens(row, BY_TOTAL_HEAD);
-                let logits: Vec<f32> = head.iter().map(|&t| row[t as usize]).collect();
-                self.by_total(u, (&head, &logits), total, Some(row))
-            }
-        };
-        if drawn.is_none() {
-            self.pending = Some(u);
-        }
-        drawn
-    }
-
-    /// Where the uniform `u` lands among a row's tokens, each's probability `exp((logit -
-    /// max) / T) / total`: over the `head` (the row's [`BY_TOTAL_HEAD`] likeliest, or all of
-    /// them, most likely first, with their logits), then over the rest of the `whole` row by
-    /// token id, or in order where `top_p` cuts them. `None`: past the head of a row not given
-    /// whole. A walk past every token (the total's rounding) ends at the last it could take.
-    fn by_total(
-        &self,
-        u: f64,
-        (head, logits): (&[u32], &[f32]),
-        total: f32,
-        whole: Option<&[f32]>,
-    ) -> Option<u32> {
-        let p = self.params;
-        let max = *logits.first()?;
-        let prob = |x: f32| (((x - max) / p.temperature) as f64).exp() / total as f64;
-        let complete = |n: usize| whole.is_some_and(|w| w.len() == n);
-        if p.top_p < 1.0 {
-            // The cut needs the tokens in order: wider heads of the whole row, until it falls.
-            if let Some(t) = self.cut_walk(u, (head, logits), &prob, complete(head.len())) {
-                return Some(t);
-            }
-            let whole = whole?;
-            return std::iter::successors(Some(16 * BY_TOTAL_HEAD), |k| {
-                (*k < whole.len()).then_some(k * 16)
-            })
-            .find_map(|k| {
-                let tokens = top_tokens(whole, k);
-                let logits: Vec<f32> = tokens.iter().map(|&t| whole[t as usize]).collect();
-                self.cut_walk(u, (&tokens, &logits), &prob, complete(tokens.len()))
-            });
-        }
-        let mut target = u;
-        let mut last = head[0];
-        let mut take = |t: u32, x: f32| {
-            let q = prob(x);
-            if target < q {
-                return true;
-            }
-            target -= q;
-            if q > 0.0 {
-                last = t;
-            }
-            false
-        };
-        if let Some(&t) = (head.iter().zip(logits)).find_map(|(t, &x)| take(*t, x).then_some(t)) {
-            return Some(t);
-        }
-        let whole = whole?;
-        let in_head: HashSet<u32> = head.iter().copied().collect();
-        let past = (0..whole.len() as u32)
-            .filter(|t| !in_head.contains(t))
-            .find(|&t| take(t, whole[t as usize]));
-        Some(past.unwrap_or(last))
-    }
-
-    /// `u`'s draw among the smallest head of `tokens` (most likely first, with their
-    /// `logits`) whose probability (`prob`) reaches `top_p`. `None`: the head is not among
-    /// them, unless they are `complete`; then the draw is among them all.
-    fn cut_walk(
-        &self,
-        u: f64,
-        (tokens, logits): (&[u32], &[f32]),
-        prob: &dyn Fn(f32) -> f64,
-        complete: bool,
-    ) -> Option<u32> {
-        let mut acc = 0.0;
-        let head = match logits.iter().position(|&x| {
-            acc += prob(x);
-            acc >= self.params.top_p as f64
-        }) {
-            Some(i) => i + 1,
-            None if complete => tokens.len(),
-            None => return None,
-        };
-        let mut target = u * acc;
-        for (&t, &x) in tokens[..head].iter().zip(logits) {
-            let q = prob(x);
-            if target < q {
-                return Some(t);
-            }
-            target -= q;
-        }
-        Some(tokens[head - 1])
     }
 
     /// The next token from one row of logits, the sample's penalties taken and its bias added.
@@ -568,117 +441,17 @@ impl Sampler {
 /// The frequency and presence penalties OpenAI's API takes.
 pub const PENALTY_RANGE: std::ops::RangeInclusive<f32> = -2.0..=2.0;
 
-/// The most alternatives [`TokenLogprobs::of`] reports beside a token (OpenAI's limit for
-/// `top_logprobs`).
-pub const LOGPROBS_MAX: usize = 20;
-
-/// A drawn token's log-probability under the model, and the most likely tokens' beside it.
-///
-/// The probabilities are the softmax of the row's logits as the model computed them, before
-/// the draw's temperature or cuts, as other OpenAI-compatible servers report them: a token's
-/// log-probability does not depend on how it was drawn.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct TokenLogprobs {
-    pub logprob: f32,
-    /// The most likely tokens and their log-probabilities, most likely first.
-    pub top: Vec<(u32, f32)>,
-}
-
-impl TokenLogprobs {
-    /// `token`'s log-probability in `logits`, a whole row, with the row's `top` most likely
-    /// tokens (at most [`LOGPROBS_MAX`]).
-    pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // Each term to f32's precision, their sum to f64's.
-        let sum: f64 = logits.iter().map(|&x| f64::from((x - max).exp())).sum();
-        let log_total = max as f64 + sum.ln();
-        let logprob = |t: u32| (logits[t as usize] as f64 - log_total) as f32;
-        TokenLogprobs {
-            logprob: logprob(token),
-            top: top_tokens(logits, top.min(LOGPROBS_MAX))
-                .into_iter()
-                .map(|t| (t, logprob(t)))
-                .collect(),
-        }
-    }
-}
-
-/// The two most likely tokens of one step's logits.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct TopTwo {
-    pub token: u32,
-    pub logit: f32,
-    pub second_token: u32,
-    pub second_logit: f32,
-}
-
-impl TopTwo {
-    /// The two most likely tokens of `row` (whole, or narrowed to at least two).
-    pub fn of(row: RowLogits) -> TopTwo {
-        let (tokens, logits): (Vec<u32>, Vec<f32>) = match row {
-            RowLogits::Whole(logits) => top_tokens(logits, 2)
-                .into_iter()
-                .map(|t| (t, logits[t as usize]))
-                .unzip(),
-            RowLogits::Top { tokens, logits } => (tokens.to_vec(), logits.to_vec()),
-        };
-        let at = |i: usize| {
-            (
-                tokens.get(i).copied().unwrap_or(0),
-                logits.get(i).copied().unwrap_or(f32::NEG_INFINITY),
-            )
-        };
-        let ((token, logit), (second_token, second_logit)) = (at(0), at(1));
-        TopTwo {
-            token,
-            logit,
-            second_token,
-            second_logit,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// `logits` narrowed to their `k` most likely tokens, as a backend's `top_logits` leaves
     /// them.
-    fn narrowed(logits: &[f32], k: usize) -> StepLogits {
+    pub(super) fn narrowed(logits: &[f32], k: usize) -> StepLogits {
         let tokens = top_tokens(logits, k);
         let mut rows: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
         rows.extend(tokens.iter().map(|&t| f32::from_bits(t)));
         StepLogits::top(k, rows)
-    }
-
-    #[test]
-    fn logprobs_are_the_log_softmax_and_the_top_come_in_order() {
-        let logits = [1.0f32, 4.0, -2.0, 4.0, 0.5, 300.0];
-        let total: f64 = logits.iter().map(|&x| (x as f64 - 300.0).exp()).sum();
-        let lp = TokenLogprobs::of(&logits, 3, 3);
-        let expect = |t: usize| ((logits[t] as f64 - 300.0) - total.ln()) as f32;
-        assert_eq!(lp.logprob, expect(3));
-        let tokens: Vec<u32> = lp.top.iter().map(|&(t, _)| t).collect();
-        assert_eq!(tokens, [5, 1, 3]);
-        for &(t, x) in &lp.top {
-            assert!((x - expect(t as usize)).abs() <= 1e-6, "{t}: {x}");
-        }
-        // The most likely token of a row this peaked holds almost all of its probability.
-        assert!(lp.top[0].1.abs() < 1e-6 && lp.top[1].1 < -290.0);
-        assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
-        assert_eq!(
-            TokenLogprobs::of(&[0.0; 64], 7, 100).top.len(),
-            LOGPROBS_MAX
-        );
-    }
-
-    #[test]
-    fn top_two_names_the_two_largest() {
-        let logits = [0.5, 3.0, -1.0, 2.5, 3.0];
-        let t = TopTwo::of(RowLogits::Whole(&logits));
-        assert_eq!((t.token, t.logit), (1, 3.0));
-        assert_eq!((t.second_token, t.second_logit), (4, 3.0));
-        assert_eq!(TopTwo::of(narrowed(&logits, 2).row(0)), t);
     }
 
     #[test]
@@ -880,122 +653,6 @@ mod tests {
                 proptest::prop_assert_eq!(a, b, "step {}, reach {}", step, k);
             }
         }
-    }
-
-    /// A row's softmax total at `temperature`, as a backend sums it.
-    fn total(logits: &[f32], temperature: f32) -> f32 {
-        use canopy_engine::LayerOps;
-        let b = canopy_engine::CpuBackend;
-        let row = b.upload_tensor(logits, 1, logits.len()).unwrap();
-        let mut out = b.tensor(1, 1).unwrap();
-        b.softmax_totals(&row, &[temperature], &mut out).unwrap();
-        out.data[0]
-    }
-
-    /// A draw by total from a narrowed row, and from the whole row where it lands past it.
-    fn draw_by_total(s: &mut Sampler, logits: &[f32], k: usize, total: f32) -> (u32, bool) {
-        match s.sample(narrowed(logits, k).row(0), Some(total)) {
-            Some(t) => (t, false),
-            None => (
-                s.sample(RowLogits::Whole(logits), Some(total)).unwrap(),
-                true,
-            ),
-        }
-    }
-
-    proptest::proptest! {
-        /// A draw over the whole vocabulary by its row's total is the same from a row
-        /// narrowed to any width, read whole where the draw lands past it, as from the whole
-        /// row: at any temperature and `top_p`, on rows peaked or flat.
-        #[test]
-        fn a_draw_by_total_is_the_same_at_every_narrowing(
-            seed in 0u64..1000,
-            temperature in 0.2f32..2.0,
-            top_p in proptest::prop_oneof![proptest::strategy::Just(1.0f32), 0.3f32..1.0],
-            spread in 0.5f32..12.0,
-            vocab in 10usize..3000,
-            k in 1usize..=TOP_LOGITS_MAX,
-        ) {
-            let params = SamplingParams { temperature, top_p, ..SamplingParams::default() };
-            let logits: Vec<f32> = (0..vocab as u64)
-                .map(|i| ((i * 7919 + seed * 31) % 997) as f32 / 997.0 * spread)
-                .collect();
-            let z = total(&logits, temperature);
-            let (mut whole, mut narrow) = (Sampler::new(params, seed, &[]), Sampler::new(params, seed, &[]));
-            proptest::prop_assert_eq!(whole.total_temperature(), Some(temperature));
-            for draw in 0..8 {
-                let a = whole.sample(RowLogits::Whole(&logits), Some(z)).unwrap();
-                let (b, _) = draw_by_total(&mut narrow, &logits, k.min(vocab), z);
-                proptest::prop_assert_eq!(a, b, "draw {}, narrowed to {}", draw, k);
-            }
-        }
-    }
-
-    /// Draws by total land on each token as often as its probability says, and past a narrow
-    /// row as often as the tokens past it weigh.
-    #[test]
-    fn draws_by_total_follow_the_softmax() {
-        let logits: Vec<f32> = (0..200).map(|i| -(i as f32) * 0.05).collect();
-        let temperature = 0.8;
-        let params = SamplingParams {
-            temperature,
-            ..SamplingParams::default()
-        };
-        let z = total(&logits, temperature);
-        let prob = |t: usize| (f64::from(logits[t] - logits[0]) / 0.8).exp() / f64::from(z);
-        let (k, draws) = (16, 40_000);
-        let mut s = Sampler::new(params, 5, &[]);
-        let mut counts = vec![0usize; logits.len()];
-        let mut past = 0;
-        for _ in 0..draws {
-            let (t, short) = draw_by_total(&mut s, &logits, k, z);
-            counts[t as usize] += 1;
-            past += usize::from(short);
-        }
-        let past_mass: f64 = (k..logits.len()).map(prob).sum();
-        let seen = past as f64 / draws as f64;
-        assert!(
-            (seen - past_mass).abs() < 0.015,
-            "{seen} past the row against {past_mass}"
-        );
-        for t in [0, 1, 5, 15, 16, 40, 100] {
-            let seen = counts[t] as f64 / draws as f64;
-            // Five standard deviations of a binomial share.
-            let bound = 5.0 * (prob(t) * (1.0 - prob(t)) / draws as f64).sqrt() + 1e-4;
-            assert!(
-                (seen - prob(t)).abs() < bound,
-                "token {t}: {seen} against {}",
-                prob(t)
-            );
-        }
-    }
-
-    #[test]
-    fn only_unchanged_draws_over_the_whole_vocabulary_read_totals() {
-        let at = |temperature, top_k| SamplingParams {
-            temperature,
-            top_k,
-            ..SamplingParams::default()
-        };
-        assert_eq!(
-            Sampler::new(at(0.7, 0), 0, &[]).total_temperature(),
-            Some(0.7)
-        );
-        assert_eq!(
-            Sampler::new(at(0.7, 0), 0, &[]).reach(),
-            Some(TOP_LOGITS_MAX)
-        );
-        assert_eq!(Sampler::new(at(0.0, 0), 0, &[]).total_temperature(), None);
-        assert_eq!(Sampler::new(at(0.7, 40), 0, &[]).total_temperature(), None);
-        // A penalty or a bias changes the row its total was summed over.
-        let penalised = SamplingParams {
-            presence_penalty: 0.5,
-            ..at(0.7, 0)
-        };
-        assert_eq!(Sampler::new(penalised, 0, &[]).total_temperature(), None);
-        assert_eq!(Sampler::new(penalised, 0, &[]).reach(), None);
-        let biased = Sampler::new(at(0.7, 0), 0, &[]).with_bias(&[(3, -1.0)]);
-        assert_eq!((biased.total_temperature(), biased.reach()), (None, None));
     }
 
     #[test]
