@@ -3,7 +3,7 @@
 //! tokens, in order, then over the rest of the row by token id ([`Sampler::sample`]).
 
 use super::{RowLogits, Sampler};
-use canopy_core::logits::top_tokens;
+use canopy_core::logits::{likelier, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::Rng;
 
@@ -38,8 +38,11 @@ impl Sampler {
     /// Where the uniform `u` lands among a row's tokens, each's probability `exp((logit -
     /// max) / T) / total`: over the `head` (the row's [`BY_TOTAL_HEAD`] likeliest, or all of
     /// them, most likely first, with their logits), then over the rest of the `whole` row by
-    /// token id, or in order where `top_p` cuts them. `None`: past the head of a row not given
-    /// whole. A walk past every token (the total's rounding) ends at the last it could take.
+    /// token id. A `top_p` that cuts the head, summed in order as over a narrowed row, keeps
+    /// the draw in it; one past the head keeps the fewest likeliest of the rest that reach it,
+    /// found by selection, not a sort. `None`: past the head of a row not given whole. A walk
+    /// past every token it may take (the total's rounding) ends at the last it took a step
+    /// over.
     fn by_total(
         &self,
         u: f64,
@@ -50,20 +53,35 @@ impl Sampler {
         let p = self.params;
         let max = *logits.first()?;
         let prob = |x: f32| (((x - max) / p.temperature) as f64).exp() / total as f64;
-        let complete = |n: usize| whole.is_some_and(|w| w.len() == n);
+        let (mut head_len, mut target, mut past_head) = (head.len(), u, true);
+        let mut acc = 0.0;
         if p.top_p < 1.0 {
-            // The cut needs the tokens in order: wider heads of the whole row, until it falls.
-            if let Some(t) = self.cut_walk(u, (head, logits), &prob, complete(head.len())) {
-                return Some(t);
+            if let Some(i) = logits.iter().position(|&x| {
+                acc += prob(x);
+                acc >= p.top_p as f64
+            }) {
+                (head_len, past_head) = (i + 1, false);
             }
-            let whole = whole?;
-            return [16 * BY_TOTAL_HEAD, whole.len()].into_iter().find_map(|k| {
-                let tokens = top_tokens(whole, k);
-                let logits: Vec<f32> = tokens.iter().map(|&t| whole[t as usize]).collect();
-                self.cut_walk(u, (&tokens, &logits), &prob, complete(tokens.len()))
-            });
+            target = u * acc;
         }
-        let mut target = u;
+        // Past the head, the tokens a draw cut by `top_p` may take: the likeliest of the rest
+        // that bring the head's probability to it, which set the draw's scale.
+        let mut kept: Option<Vec<bool>> = None;
+        if past_head && p.top_p < 1.0 {
+            let whole = whole?;
+            let mut marked = past(head, whole.len());
+            let mut tail: Vec<(u32, f32, f64)> = (0..whole.len() as u32)
+                .filter(|&t| marked[t as usize])
+                .map(|t| (t, whole[t as usize], prob(whole[t as usize])))
+                .collect();
+            let m = likeliest_reaching(&mut tail, p.top_p as f64 - acc);
+            target = u * (acc + tail[..m].iter().map(|&(_, _, q)| q).sum::<f64>());
+            marked.iter_mut().for_each(|m| *m = false);
+            tail[..m]
+                .iter()
+                .for_each(|&(t, _, _)| marked[t as usize] = true);
+            kept = Some(marked);
+        }
         let mut last = head[0];
         let mut take = |t: u32, x: f32| {
             let q = prob(x);
@@ -76,47 +94,53 @@ impl Sampler {
             }
             false
         };
-        if let Some(&t) = (head.iter().zip(logits)).find_map(|(t, &x)| take(*t, x).then_some(t)) {
+        if let Some(&t) =
+            (head[..head_len].iter().zip(logits)).find_map(|(t, &x)| take(*t, x).then_some(t))
+        {
             return Some(t);
         }
+        if !past_head {
+            return Some(last);
+        }
         let whole = whole?;
-        let mut in_head = vec![false; whole.len()];
-        head.iter().for_each(|&t| in_head[t as usize] = true);
+        let kept = kept.unwrap_or_else(|| past(head, whole.len()));
         let past = (0..whole.len() as u32)
-            .filter(|&t| !in_head[t as usize])
+            .filter(|&t| kept[t as usize])
             .find(|&t| take(t, whole[t as usize]));
         Some(past.unwrap_or(last))
     }
+}
 
-    /// `u`'s draw among the smallest head of `tokens` (most likely first, with their
-    /// `logits`) whose probability (`prob`) reaches `top_p`. `None`: the head is not among
-    /// them, unless they are `complete`; then the draw is among them all.
-    fn cut_walk(
-        &self,
-        u: f64,
-        (tokens, logits): (&[u32], &[f32]),
-        prob: &dyn Fn(f32) -> f64,
-        complete: bool,
-    ) -> Option<u32> {
-        let mut acc = 0.0;
-        let head = match logits.iter().position(|&x| {
-            acc += prob(x);
-            acc >= self.params.top_p as f64
-        }) {
-            Some(i) => i + 1,
-            None if complete => tokens.len(),
-            None => return None,
-        };
-        let mut target = u * acc;
-        for (&t, &x) in tokens[..head].iter().zip(logits) {
-            let q = prob(x);
-            if target < q {
-                return Some(t);
-            }
-            target -= q;
+/// Which of a vocabulary's tokens are past its `head`.
+fn past(head: &[u32], vocab: usize) -> Vec<bool> {
+    let mut past = vec![true; vocab];
+    head.iter().for_each(|&t| past[t as usize] = false);
+    past
+}
+
+/// Puts first, in no order, the fewest of the most likely `items` (token, logit,
+/// probability) whose probabilities reach `need`, and returns how many (all, where they do not
+/// reach it): a selection that halves the range each round, linear in the items on average.
+fn likeliest_reaching(items: &mut [(u32, f32, f64)], mut need: f64) -> usize {
+    let (mut lo, mut hi) = (0, items.len());
+    while lo < hi {
+        // The range's likelier half before its middle item.
+        let mid = (hi - lo) / 2;
+        items[lo..hi].select_nth_unstable_by(mid, |a, b| likelier(a.0, a.1, b.0, b.1));
+        let upper: f64 = items[lo..lo + mid].iter().map(|&(_, _, q)| q).sum();
+        if mid > 0 && upper >= need {
+            hi = lo + mid;
+            continue;
         }
-        Some(tokens[head - 1])
+        need -= upper;
+        let q = items[lo + mid].2;
+        if q >= need {
+            return lo + mid + 1;
+        }
+        need -= q;
+        lo += mid + 1;
     }
+    lo
 }
 
 #[cfg(test)]
@@ -174,42 +198,97 @@ mod tests {
         }
     }
 
-    /// Draws by total land on each token as often as its probability says, and past a narrow
-    /// row as often as the tokens past it weigh.
+    /// Draws by total land on each token as often as its probability says (within the
+    /// smallest head that reaches `top_p`, renormalised), and past a narrow row as often as
+    /// the tokens past it weigh.
     #[test]
     fn draws_by_total_follow_the_softmax() {
-        let logits: Vec<f32> = (0..200).map(|i| -(i as f32) * 0.05).collect();
+        // Ties, which the order breaks by token id, and a cut at top_p 0.8 past the 128
+        // likeliest.
+        let logits: Vec<f32> = (0..2000).map(|i| -((i / 2) as f32) * 0.01).collect();
         let temperature = 0.8;
-        let params = SamplingParams {
-            temperature,
-            ..SamplingParams::default()
-        };
         let z = total(&logits, temperature);
         let prob = |t: usize| (f64::from(logits[t] - logits[0]) / 0.8).exp() / f64::from(z);
-        let (k, draws) = (16, 40_000);
-        let mut s = Sampler::new(params, 5, &[]);
-        let mut counts = vec![0usize; logits.len()];
-        let mut past = 0;
-        for _ in 0..draws {
-            let (t, short) = draw_by_total(&mut s, &logits, k, z);
-            counts[t as usize] += 1;
-            past += usize::from(short);
+        for top_p in [1.0, 0.8] {
+            let params = SamplingParams {
+                temperature,
+                top_p,
+                ..SamplingParams::default()
+            };
+            // The smallest head that reaches top_p, and its mass.
+            let mut mass = 0.0;
+            let head = (0..logits.len())
+                .position(|t| {
+                    mass += prob(t);
+                    mass >= f64::from(top_p)
+                })
+                .map_or(logits.len(), |i| i + 1);
+            let want = |t: usize| if t < head { prob(t) / mass } else { 0.0 };
+            let (k, draws) = (16, 40_000);
+            let mut s = Sampler::new(params, 5, &[]);
+            let mut counts = vec![0usize; logits.len()];
+            let mut past = 0;
+            for _ in 0..draws {
+                let (t, short) = draw_by_total(&mut s, &logits, k, z);
+                counts[t as usize] += 1;
+                past += usize::from(short);
+            }
+            if top_p == 1.0 {
+                let past_mass: f64 = (k..logits.len()).map(prob).sum();
+                let seen = past as f64 / draws as f64;
+                assert!(
+                    (seen - past_mass).abs() < 0.015,
+                    "{seen} past the row, not {past_mass}"
+                );
+            } else {
+                assert!(
+                    head > BY_TOTAL_HEAD && past == draws,
+                    "the cut lies past the head"
+                );
+            }
+            let tokens = [0, 1, 5, 15, 16, 40, 127, 128, head - 1, head, 1500];
+            for t in tokens.into_iter().filter(|&t| t < logits.len()) {
+                let seen = counts[t] as f64 / draws as f64;
+                // Five standard deviations of a binomial share.
+                let bound = 5.0 * (want(t) * (1.0 - want(t)) / draws as f64).sqrt() + 1e-4;
+                assert!(
+                    (seen - want(t)).abs() < bound,
+                    "top_p {top_p}, token {t}: {seen}, not {}",
+                    want(t)
+                );
+            }
         }
-        let past_mass: f64 = (k..logits.len()).map(prob).sum();
-        let seen = past as f64 / draws as f64;
-        assert!(
-            (seen - past_mass).abs() < 0.015,
-            "{seen} past the row against {past_mass}"
-        );
-        for t in [0, 1, 5, 15, 16, 40, 100] {
-            let seen = counts[t] as f64 / draws as f64;
-            // Five standard deviations of a binomial share.
-            let bound = 5.0 * (prob(t) * (1.0 - prob(t)) / draws as f64).sqrt() + 1e-4;
-            assert!(
-                (seen - prob(t)).abs() < bound,
-                "token {t}: {seen} against {}",
-                prob(t)
-            );
+    }
+
+    proptest::proptest! {
+        /// The selection keeps what a sort would: the fewest likeliest items whose
+        /// probabilities reach the need (sums exact in f64: multiples of 1/1024).
+        #[test]
+        fn the_selection_keeps_the_likeliest_that_reach_the_need(
+            items in proptest::collection::vec((0i32..6, 1u32..64), 0..300),
+            need in 0u32..20_000,
+        ) {
+            let mut items: Vec<(u32, f32, f64)> = (items.iter().enumerate())
+                .map(|(t, &(logit, weight))| (t as u32, logit as f32, weight as f64 / 1024.0))
+                .collect();
+            let need = need as f64 / 1024.0;
+            let mut sorted = items.clone();
+            sorted.sort_by(|a, b| likelier(a.0, a.1, b.0, b.1));
+            let mut acc = 0.0;
+            let want = sorted
+                .iter()
+                .position(|&(_, _, q)| {
+                    acc += q;
+                    acc >= need
+                })
+                .map_or(sorted.len(), |i| i + 1);
+            let m = likeliest_reaching(&mut items, need);
+            proptest::prop_assert_eq!(m, want);
+            let mut kept: Vec<u32> = items[..m].iter().map(|i| i.0).collect();
+            let mut wanted: Vec<u32> = sorted[..m].iter().map(|i| i.0).collect();
+            kept.sort_unstable();
+            wanted.sort_unstable();
+            proptest::prop_assert_eq!(kept, wanted);
         }
     }
 
