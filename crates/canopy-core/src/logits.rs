@@ -3,6 +3,8 @@
 //! larger logit first, as [`f32::total_cmp`] orders them, and among equal logits the lower
 //! token. A draw made from a row's `k` most likely tokens in this order is then the same draw
 //! as from the whole row, on any backend.
+//!
+//! A row's softmax total at a temperature ([`softmax_total`]) is summed here for the host.
 
 use std::cmp::Ordering;
 
@@ -49,6 +51,17 @@ pub fn top_tokens(row: &[f32], k: usize) -> Vec<u32> {
 /// The most likely token of `row` (`None` for an empty row).
 pub fn most_likely(row: &[f32]) -> Option<u32> {
     (0..row.len() as u32).min_by(|&a, &b| likelier(a, row[a as usize], b, row[b as usize]))
+}
+
+/// The sum of `exp((x - max) / temperature)` over `row`, `max` its largest logit: each term to
+/// f32's quotient, the sum in f64 in the row's order.
+pub fn softmax_total(row: &[f32], temperature: f32) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row
+        .iter()
+        .map(|&x| f64::from((x - max) / temperature).exp())
+        .sum();
+    sum as f32
 }
 
 #[cfg(test)]

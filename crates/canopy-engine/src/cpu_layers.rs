@@ -452,11 +452,7 @@ impl LayerOps for CpuBackend {
         check_softmax_totals("cpu", logits.rows, temperatures, (out.rows, out.cols))?;
         let rows = logits.data.chunks_exact(logits.cols.max(1));
         for ((row, &t), out) in rows.zip(temperatures).zip(&mut out.data) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            *out = row
-                .iter()
-                .map(|&x| f64::from((x - max) / t).exp())
-                .sum::<f64>() as f32;
+            *out = canopy_core::logits::softmax_total(row, t);
         }
         Ok(())
     }

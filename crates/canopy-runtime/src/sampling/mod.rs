@@ -25,7 +25,7 @@
 //! A drawn token's log-probability ([`TokenLogprobs`]) comes from its whole row, or from the
 //! row's log-normaliser and likeliest tokens reduced on the backend ([`RowTerms`]).
 
-use canopy_core::logits::{likelier, most_likely, top_tokens};
+use canopy_core::logits::{likelier, most_likely, softmax_total, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -302,7 +302,10 @@ impl Sampler {
     /// temperature where it was read ([`Sampler::total_temperature`]).
     ///
     /// `None`: a draw by total landed past the narrowed row. The sampler keeps the draw, and
-    /// the next call, with the same row whole and the same total, finishes it.
+    /// the next call, with the same row whole and the same total, finishes it. A whole row
+    /// drawn over the whole vocabulary without its total (a prompt's last, or a row whose
+    /// logits the penalties changed) has it summed on the host
+    /// ([`canopy_core::logits::softmax_total`]).
     pub fn sample(&mut self, row: RowLogits, total: Option<f32>) -> Option<u32> {
         match total {
             Some(total) if self.total_temperature().is_some() => self.sample_by_total(row, total),
@@ -383,8 +386,11 @@ impl Sampler {
                 if p.temperature <= 0.0 {
                     return most_likely(logits).unwrap_or(0);
                 }
-                let k = if p.top_k > 0 { p.top_k } else { logits.len() };
-                let tokens = top_tokens(logits, k);
+                if p.draws_by_total() {
+                    let total = softmax_total(logits, p.temperature);
+                    return self.sample_by_total(row, total).unwrap_or(0);
+                }
+                let tokens = top_tokens(logits, p.top_k);
                 let values: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
                 self.draw(&tokens, &values)
             }
