@@ -34,6 +34,23 @@ start_server() {
 }
 # stop_server [PID]: drains the server (default $SERVER) and waits for it.
 stop_server() { kill -TERM "${1:-$SERVER}" 2>/dev/null; wait "${1:-$SERVER}" 2>/dev/null; }
+# load_each_bin PY: for each binary of BINS (name=path; default $BIN alone), the 8B shape with
+# random weights served on the GPU and `python3 PY load` run against it until DEADLINE; its
+# JSON lines, tagged with the binary's name, into $OUT/load.jsonl, and the server's decode
+# passes into $OUT/decode-passes-NAME.txt.
+load_each_bin() {
+  local entry name
+  for entry in ${BINS:-new=$BIN}; do
+    name=${entry%%=*} BIN=${entry#*=}
+    start_server "gpu-8b-$name" --arch llama-3.1-8b --random-weights --backend cuda \
+      --max-batch 64 --max-context 4096 --kv-tokens 131072 || continue
+    log "load, $name"
+    timeout $(( DEADLINE - SECONDS )) python3 "$1" load "$URL" | sed "s/^{/{\"bin\": \"$name\", /" \
+      | tee -a "$OUT/load.jsonl"
+    curl -s "$URL/metrics" | grep -E "^canopy_decode_" > "$OUT/decode-passes-$name.txt"
+    stop_server "$SERVER"
+  done
+}
 # A FastTree-shaped workload at 32/8 heads x 128, fp16, as /tmp/NAME.toml (for ncu runs on
 # trees of one part: a root alone, leaves alone): tree_toml NAME NODES_PER_LEVEL TOKENS_PER_LEVEL.
 tree_toml() {

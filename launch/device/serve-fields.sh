@@ -27,14 +27,4 @@ trap 'tar czf "$OUT/server-logs.tgz" -C "$OUT" $(cd "$OUT" && ls server-*.log) &
   stop_server "$CPU_PID"
 } 2>&1 | tee "$OUT/fields.txt"
 
-BINS=${BINS:-new=$BIN}
-for entry in $BINS; do
-  name=${entry%%=*} BIN=${entry#*=}
-  start_server "gpu-8b-$name" --arch llama-3.1-8b --random-weights --backend cuda \
-    --max-batch 64 --max-context 4096 --kv-tokens 131072
-  log "load, $name"
-  timeout $(( DEADLINE - SECONDS )) python3 $PY load "$URL" | sed "s/^{/{\"bin\": \"$name\", /" \
-    | tee -a "$OUT/load.jsonl"
-  curl -s "$URL/metrics" | grep -E "^canopy_decode_" > "$OUT/decode-passes-$name.txt"
-  stop_server "$SERVER"
-done 2>&1 | tee -a "$OUT/fields.txt"
+load_each_bin $PY 2>&1 | tee -a "$OUT/fields.txt"

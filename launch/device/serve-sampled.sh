@@ -9,7 +9,8 @@
 #    VARIANTS (serve_fields.py load: greedy, temperature 1, 0.1, top_p 0.9, top_k 40), for each
 #    binary of BINS (name=path; default this build alone).
 # Run from the repository root on the device machine with the release binary in .device/.
-# Results: $OUT/sampled.txt, $OUT/tests.txt, $OUT/load.jsonl and the servers' logs.
+# Results: $OUT/sampled.txt, $OUT/tests.txt, $OUT/load.jsonl, the decode passes' metrics and
+# the servers' logs.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-480}
@@ -28,13 +29,4 @@ trap 'tar czf "$OUT/server-logs.tgz" -C "$OUT" $(cd "$OUT" && ls server-*.log) &
   stop_server
 } 2>&1 | tee "$OUT/sampled.txt"
 
-BINS=${BINS:-new=$BIN}
-for entry in $BINS; do
-  name=${entry%%=*} BIN=${entry#*=}
-  start_server "gpu-8b-$name" --arch llama-3.1-8b --random-weights --backend cuda \
-    --max-batch 64 --max-context 4096 --kv-tokens 131072
-  log "load, $name"
-  timeout $(( DEADLINE - SECONDS )) python3 $PY load "$URL" | sed "s/^{/{\"bin\": \"$name\", /" \
-    | tee -a "$OUT/load.jsonl"
-  stop_server "$SERVER"
-done 2>&1 | tee -a "$OUT/sampled.txt"
+load_each_bin $PY 2>&1 | tee -a "$OUT/sampled.txt"

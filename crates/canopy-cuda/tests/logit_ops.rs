@@ -50,6 +50,17 @@ fn top_logits_match_the_cpu_bit_for_bit() {
     }
 }
 
+/// `rows × vocab` logits of a model's spread, one row in ten peaked on a token.
+fn model_rows(rng: &mut impl Rng, rows: usize, vocab: usize) -> Vec<f32> {
+    let mut logits: Vec<f32> = (0..rows * vocab)
+        .map(|_| rng.gen_range(-12.0f32..12.0))
+        .collect();
+    for r in (0..rows).step_by(10) {
+        logits[r * vocab + rng.gen_range(0..vocab)] = 80.0;
+    }
+    logits
+}
+
 /// Each row's log-normaliser and its target's logit on `b`, into a poisoned output.
 fn terms<B: LayerOps>(b: &B, logits: &[f32], rows: usize, targets: &[u32]) -> Result<Vec<f32>> {
     let t = b.upload_tensor(logits, rows, logits.len() / rows)?;
@@ -65,13 +76,7 @@ fn logprob_terms_match_the_cpu() {
     };
     let mut rng = rng("logprob_terms_match_the_cpu");
     for (rows, vocab) in [(3, 4096), (2, 4097), (5, 49152), (64, 128256), (1, 130)] {
-        // Logits of a model's spread, one row in ten peaked on a token.
-        let mut logits: Vec<f32> = (0..rows * vocab)
-            .map(|_| rng.gen_range(-12.0f32..12.0))
-            .collect();
-        for r in (0..rows).step_by(10) {
-            logits[r * vocab + rng.gen_range(0..vocab)] = 80.0;
-        }
+        let logits = model_rows(&mut rng, rows, vocab);
         let targets: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..vocab as u32)).collect();
         let got = terms(&gpu, &logits, rows, &targets).unwrap();
         let want = terms(&CpuBackend, &logits, rows, &targets).unwrap();
@@ -115,13 +120,8 @@ fn softmax_totals_match_the_cpu() {
     };
     let mut rng = rng("softmax_totals_match_the_cpu");
     for (rows, vocab) in [(3, 4096), (2, 4097), (5, 49152), (64, 128256), (1, 130)] {
-        // Logits of a model's spread, one row in ten peaked on a token, some -inf.
-        let mut logits: Vec<f32> = (0..rows * vocab)
-            .map(|_| rng.gen_range(-12.0f32..12.0))
-            .collect();
-        for r in (0..rows).step_by(10) {
-            logits[r * vocab + rng.gen_range(0..vocab)] = 80.0;
-        }
+        // Some -inf among them.
+        let mut logits = model_rows(&mut rng, rows, vocab);
         for _ in 0..rows {
             logits[rng.gen_range(0..rows * vocab)] = f32::NEG_INFINITY;
         }
