@@ -83,18 +83,18 @@ impl Scheduler<'_> {
             .iter()
             .map(|row| (samplers.remove(&(row.id, row.sample)), row))
             .collect();
-        let draw = |(sampler, row): &mut (Option<(&mut Sampler, Option<usize>)>, &DrawRow)| {
-            match sampler {
-                Some(sampler) => draw_one(sampler, row, row.logits),
-                None => Outcome::Ended,
-            }
+        // A row's draw from `logits`, its own or its whole row read since.
+        type Work<'s, 'r> = (Option<(&'s mut Sampler, Option<usize>)>, &'r DrawRow<'r>);
+        let draw = |(sampler, row): &mut Work, logits: RowLogits| match sampler {
+            Some(sampler) => draw_one(sampler, row, logits),
+            None => Outcome::Ended,
         };
         let whole = |(_, row): &(_, &DrawRow)| matches!(row.logits, RowLogits::Whole(_));
         let mut outcomes: Vec<Outcome> = match work.iter().filter(|w| whole(w)).count() > 1 {
-            true => work.par_iter_mut().map(draw).collect(),
-            false => work.iter_mut().map(draw).collect(),
+            true => work.par_iter_mut().map(|w| draw(w, w.1.logits)).collect(),
+            false => work.iter_mut().map(|w| draw(w, w.1.logits)).collect(),
         };
-        let read_whole_before = (rows.iter())
+        let asked_whole = (rows.iter())
             .filter(|r| r.place.is_some() && matches!(r.logits, RowLogits::Whole(_)))
             .count();
         let short: Vec<usize> = (outcomes.iter().enumerate())
@@ -109,7 +109,7 @@ impl Scheduler<'_> {
                 "a draw landed past a row that cannot be read whole".into(),
             )),
         };
-        self.status.rows_read_whole += (read_whole_before + short.len()) as u64;
+        self.status.rows_read_whole += (asked_whole + short.len()) as u64;
         let mut failed = Vec::new();
         match read {
             Ok(read) => {
@@ -117,15 +117,8 @@ impl Scheduler<'_> {
                     .filter(|(i, _)| matches!(outcomes[*i], Outcome::Short))
                     .zip(&read)
                     .collect();
-                let redraw = |((i, (sampler, row)), whole): &mut (
-                    (usize, &mut (_, &DrawRow)),
-                    &Vec<f32>,
-                )| {
-                    let outcome = match sampler {
-                        Some(sampler) => draw_one(sampler, row, RowLogits::Whole(whole)),
-                        None => Outcome::Ended,
-                    };
-                    (*i, outcome)
+                let redraw = |((i, w), whole): &mut ((usize, &mut Work), &Vec<f32>)| {
+                    (*i, draw(w, RowLogits::Whole(whole)))
                 };
                 let redrawn: Vec<(usize, Outcome)> = match again.len() > 1 {
                     true => again.par_iter_mut().map(redraw).collect(),
