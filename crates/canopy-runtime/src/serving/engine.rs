@@ -170,7 +170,11 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 self.books
                     .prefill_passes(&wanted, &self.viewers(), Some(&rows));
             let mixed = passes.first().is_some_and(|p| p.decode_rows > 0);
-            let reads = RowReads::new(&step, &rows.rows);
+            // Rank 0 draws: the other ranks read nothing beyond the narrowed rows.
+            let reads = match scheduler {
+                Some(_) => RowReads::new(&step, &rows.rows),
+                None => RowReads::default(),
+            };
             let mut decoded = None;
             if !rows.rows.is_empty() && !mixed {
                 let started = Instant::now();
@@ -495,6 +499,7 @@ fn narrowed<B: LayerOps>(
 
 /// The decode rows of a step read beyond their narrowed form, by their place in the step's
 /// rows: whole ([`Step::whole`]), or reduced for their log-probabilities ([`Step::terms`]).
+#[derive(Default)]
 struct RowReads {
     whole: Vec<usize>,
     terms: Vec<usize>,
