@@ -18,9 +18,10 @@
 //! row's softmax total summed on the backend ([`canopy_engine::LayerOps::softmax_totals`]):
 //! the draw walks the likeliest tokens in order, each's probability its term over that total,
 //! and needs the whole row only when it lands past them ([`Sampler::sample`]). Past them it
-//! walks the rest of the row by token id, a pass with no sort (in order only where `top_p`
-//! must find its cut). The walk over a narrowed row is the start of the walk over the whole
-//! one, so the token depends on the row, its total and the seed alone.
+//! walks the rest of the row by token id, a pass with no sort; a `top_p` cut past them is
+//! found by selection. The walk over a narrowed row is the start of the walk over the whole
+//! one, so the token depends on the row, its total and the seed alone. A whole row drawn so
+//! without a backend's total (a prompt's last) has it summed on the host.
 //!
 //! A drawn token's log-probability ([`TokenLogprobs`]) comes from its whole row, or from the
 //! row's log-normaliser and likeliest tokens reduced on the backend ([`RowTerms`]).
