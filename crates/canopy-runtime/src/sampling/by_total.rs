@@ -68,7 +68,9 @@ impl Sampler {
         // that bring the head's probability to it, which set the draw's scale.
         let mut kept: Option<Vec<bool>> = None;
         if past_head && p.top_p < 1.0 {
-            let whole = whole?;
+            let Some(whole) = whole else {
+                return land_between(u, (head, logits), &prob, p.top_p as f64);
+            };
             let mut marked = past(head, whole.len());
             let mut tail: Vec<(u32, f32, f64)> = (0..whole.len() as u32)
                 .filter(|&t| marked[t as usize])
@@ -109,6 +111,35 @@ impl Sampler {
             .find(|&t| take(t, whole[t as usize]));
         Some(past.unwrap_or(last))
     }
+}
+
+/// The head token a draw cut by `top_p` past the `head` lands on wherever the cut falls, if
+/// one does (`None`: it depends on the rest of the row). The tokens kept weigh `top_p` at
+/// least, and less than `top_p` and the head's last token's probability (no token past the
+/// head weighs more), so the draw's target lies between `u` times each. Where the walk of
+/// both ends over the head lands on one token, the walk of the target does too: the walks
+/// take the same steps, and each step keeps the targets in order.
+fn land_between(
+    u: f64,
+    (head, logits): (&[u32], &[f32]),
+    prob: &dyn Fn(f32) -> f64,
+    top_p: f64,
+) -> Option<u32> {
+    // Room for the kept mass's rounding, summed in another order.
+    const SLACK: f64 = 1e-12;
+    let land = |mut target: f64| {
+        for (&t, &x) in head.iter().zip(logits) {
+            let q = prob(x);
+            if target < q {
+                return Some(t);
+            }
+            target -= q;
+        }
+        None
+    };
+    let last = prob(*logits.last()?);
+    let low = land(u * top_p * (1.0 - SLACK))?;
+    (land(u * (top_p + last) * (1.0 + SLACK)) == Some(low)).then_some(low)
 }
 
 /// Which of a vocabulary's tokens are past its `head`.
@@ -233,19 +264,15 @@ mod tests {
                 counts[t as usize] += 1;
                 past += usize::from(short);
             }
-            if top_p == 1.0 {
-                let past_mass: f64 = (k..logits.len()).map(prob).sum();
-                let seen = past as f64 / draws as f64;
-                assert!(
-                    (seen - past_mass).abs() < 0.015,
-                    "{seen} past the row, not {past_mass}"
-                );
-            } else {
-                assert!(
-                    head > BY_TOTAL_HEAD && past == draws,
-                    "the cut lies past the head"
-                );
-            }
+            // A draw reads its row whole where it lands past the narrowed tokens, also where
+            // its cut lies past the whole row's head.
+            assert!(top_p == 1.0 || head > BY_TOTAL_HEAD);
+            let past_share = 1.0 - (0..k).map(prob).sum::<f64>() / mass;
+            let seen = past as f64 / draws as f64;
+            assert!(
+                (seen - past_share).abs() < 0.015,
+                "top_p {top_p}: {seen} past the row, not {past_share}"
+            );
             let tokens = [0, 1, 5, 15, 16, 40, 127, 128, head - 1, head, 1500];
             for t in tokens.into_iter().filter(|&t| t < logits.len()) {
                 let seen = counts[t] as f64 / draws as f64;
