@@ -40,7 +40,8 @@ impl Sampler {
     /// them, most likely first, with their logits), then over the rest of the `whole` row by
     /// token id. A `top_p` that cuts the head, summed in order as over a narrowed row, keeps
     /// the draw in it; one past the head keeps the fewest likeliest of the rest that reach it,
-    /// found by selection, not a sort. `None`: past the head of a row not given whole. A walk
+    /// found by selection, not a sort ([`land_between`] where the row is not given whole).
+    /// `None`: past the head of a row not given whole. A walk
     /// past every token it may take (the total's rounding) ends at the last it took a step
     /// over.
     fn by_total(

@@ -18,8 +18,9 @@
 //! row's softmax total summed on the backend ([`canopy_engine::LayerOps::softmax_totals`]):
 //! the draw walks the likeliest tokens in order, each's probability its term over that total,
 //! and needs the whole row only when it lands past them ([`Sampler::sample`]). Past them it
-//! walks the rest of the row by token id, a pass with no sort; a `top_p` cut past them is
-//! found by selection. The walk over a narrowed row is the start of the walk over the whole
+//! walks the rest of the row by token id, a pass with no sort. A `top_p` cut past them is
+//! found by selection; a draw that lands on one of them wherever that cut falls needs no more
+//! of the row. The walk over a narrowed row is the start of the walk over the whole
 //! one, so the token depends on the row, its total and the seed alone. A whole row drawn so
 //! without a backend's total (a prompt's last) has it summed on the host.
 //!
