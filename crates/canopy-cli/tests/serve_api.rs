@@ -184,54 +184,61 @@ fn prompts_and_chats_tokenize_as_the_endpoints_take_them() {
 
 /// Draws at a temperature over the whole vocabulary (no `top_k`, as OpenAI's clients send
 /// them) read narrowed rows and their softmax totals, and rows whole where a draw lands past
-/// them: several requests in flight at once, with log-probabilities asked for or not, draw
-/// what `generate` draws from the same seed.
+/// them: several requests in flight at once, with log-probabilities asked for or not, on one
+/// rank or two (of which rank 0 alone reads rows beyond their narrowing), draw what `generate`
+/// draws from the same seed.
 #[test]
 fn draws_over_the_whole_vocabulary_are_generates() {
-    let server = Server::start(&tiny(), &[]);
-    let (model, prompts) = (tiny(), tiny_prompts());
-    for (temperature, top_p) in [(1.0, 1.0), (0.8, 0.9)] {
-        let (t, p) = (temperature.to_string(), top_p.to_string());
-        let options = ["--temperature", &t, "--top-p", &p, "--seed", "7"];
-        let texts: Vec<Vec<String>> = std::thread::scope(|scope| {
-            let asked: Vec<_> = (prompts.iter())
-                .map(|prompt| {
-                    [None, Some(2)].map(|logprobs| {
-                        let body = json!({
-                            "prompt": prompt, "max_tokens": 16, "temperature": temperature,
-                            "top_p": top_p, "seed": 7, "logprobs": logprobs,
-                        });
-                        let client = &server.client;
-                        scope.spawn(move || answer(client, "/v1/completions", &body))
+    for ranks in ["1", "2"] {
+        let server = Server::start(&tiny(), &["--ranks", ranks]);
+        let (model, prompts) = (tiny(), tiny_prompts());
+        for (temperature, top_p) in [(1.0, 1.0), (0.8, 0.9)] {
+            let (t, p) = (temperature.to_string(), top_p.to_string());
+            let options = ["--temperature", &t, "--top-p", &p, "--seed", "7"];
+            let texts: Vec<Vec<String>> = std::thread::scope(|scope| {
+                let asked: Vec<_> = (prompts.iter())
+                    .map(|prompt| {
+                        [None, Some(2)].map(|logprobs| {
+                            let body = json!({
+                                "prompt": prompt, "max_tokens": 16, "temperature": temperature,
+                                "top_p": top_p, "seed": 7, "logprobs": logprobs,
+                            });
+                            let client = &server.client;
+                            scope.spawn(move || answer(client, "/v1/completions", &body))
+                        })
                     })
-                })
-                .collect();
-            (asked.into_iter())
-                .map(|pair| {
-                    pair.map(|h| {
-                        h.join().unwrap()["choices"][0]["text"]
-                            .as_str()
-                            .unwrap()
-                            .to_string()
+                    .collect();
+                (asked.into_iter())
+                    .map(|pair| {
+                        pair.map(|h| {
+                            h.join().unwrap()["choices"][0]["text"]
+                                .as_str()
+                                .unwrap()
+                                .to_string()
+                        })
+                        .to_vec()
                     })
-                    .to_vec()
-                })
-                .collect()
-        });
-        for (prompt, got) in prompts.iter().zip(&texts) {
-            let want = generate_alone_with(&model, prompt, 16, &options);
-            assert_eq!(got, &[want.clone(), want], "temperature {t}, top_p {p}");
+                    .collect()
+            });
+            for (prompt, got) in prompts.iter().zip(&texts) {
+                let want = generate_alone_with(&model, prompt, 16, &options);
+                assert_eq!(
+                    got,
+                    &[want.clone(), want],
+                    "{ranks} ranks, temperature {t}, top_p {p}"
+                );
+            }
         }
+        // Some draws landed past their narrowed rows and read them whole; the others read
+        // only their likeliest tokens and totals.
+        let m = server.metrics();
+        let whole = value(&m, "canopy_rows_read_whole_total");
+        let drawn = value(&m, "canopy_generation_tokens_total");
+        assert!(
+            whole > 0.0 && whole < drawn,
+            "{ranks} ranks: {whole} of {drawn} rows read whole"
+        );
     }
-    // Some draws landed past their narrowed rows and read them whole; the others read only
-    // their likeliest tokens and totals.
-    let m = server.metrics();
-    let whole = value(&m, "canopy_rows_read_whole_total");
-    let drawn = value(&m, "canopy_generation_tokens_total");
-    assert!(
-        whole > 0.0 && whole < drawn,
-        "{whole} of {drawn} rows read whole"
-    );
 }
 
 #[test]
