@@ -110,8 +110,8 @@ pub struct GenerateArgs {
     #[arg(long, requires = "json")]
     logits: bool,
     /// With --json: each sample's tokens' log-probabilities (the model's own, before the
-    /// temperature and cuts), each with its N likeliest tokens (0 to 20). Every step then
-    /// reads its rows' whole logits.
+    /// temperature and cuts), each with its N likeliest tokens (0 to 20), reduced from each
+    /// step's rows on the device.
     #[arg(long, requires = "json", value_parser = crate::bench::logprobs_count)]
     logprobs: Option<usize>,
 }

@@ -23,7 +23,7 @@
 //! ([`LayerOps::top_logits`]); the host then reads `2k` numbers a row, not the vocabulary.
 
 use crate::layers::ModelLayers;
-use crate::sampling::StepLogits;
+use crate::sampling::{RowTerms, StepLogits};
 use crate::Result;
 use canopy_engine::{LayerOps, RankAttention, Transport};
 
@@ -479,6 +479,34 @@ pub(crate) fn softmax_totals<B: LayerOps>(
     let mut totals = backend.output_tensor(rows.len(), 1)?;
     backend.softmax_totals(&gathered, &temperatures, &mut totals)?;
     Ok(backend.download_tensor(&totals)?)
+}
+
+/// Each row of `logits` reduced on the backend to its log-normaliser and `n` likeliest tokens
+/// ([`RowTerms`]), with the logit of its token of `targets`.
+pub(crate) fn row_terms<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    n: usize,
+    targets: &[u32],
+) -> Result<Vec<(RowTerms, f32)>> {
+    let (rows, vocab) = backend.dims(logits);
+    // `top_logits` narrows to one token at least.
+    let k = n.clamp(1, vocab);
+    let mut likeliest = backend.output_tensor(rows, 2 * k)?;
+    backend.top_logits(logits, k, &mut likeliest)?;
+    let mut terms = backend.output_tensor(rows, 2)?;
+    backend.logprob_terms(logits, targets, &mut terms)?;
+    let likeliest = backend.download_tensor(&likeliest)?;
+    let terms = backend.download_tensor(&terms)?;
+    Ok((likeliest.chunks_exact(2 * k).zip(terms.chunks_exact(2)))
+        .map(|(row, terms)| {
+            let (logits, tokens) = row.split_at(k);
+            let top = (tokens.iter().zip(logits).take(n))
+                .map(|(t, &x)| (t.to_bits(), x))
+                .collect();
+            (RowTerms { lse: terms[0], top }, terms[1])
+        })
+        .collect())
 }
 
 #[cfg(test)]

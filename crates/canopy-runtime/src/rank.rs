@@ -17,12 +17,13 @@
 //! tree collectives or gathered by the ring. Every rank ends each step with the same logits,
 //! and so draws the same tokens.
 
-use crate::forward::{download_rows, softmax_totals, Forward, StepRows};
+use crate::forward::{download_rows, row_terms, softmax_totals, Forward, StepRows};
 use crate::kv::{KvLayout, RankChange, RankView, SEQUENCE_GROWTH_ROOM};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
 use crate::sampling::{
-    step_reach, RowLogits, Sampler, SamplingParams, StepLogits, TokenLogprobs, TopTwo,
+    step_reach, token_logprobs, RowTerms, Sampler, SamplingParams, StepLogits, TokenLogprobs,
+    TopTwo,
 };
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
@@ -280,6 +281,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     // (the first token's is drawn from its whole row).
     let mut pass_rows = vec![0; req.samples];
     let mut totals: Vec<Option<f32>> = vec![None; req.samples];
+    // Each sample's row of the last pass reduced for its token's log-probability, where
+    // `logprobs` asks (the first token's comes from its whole row).
+    let mut terms: Vec<Option<RowTerms>> = vec![None; req.samples];
     let mut logprobs = vec![Vec::new(); req.samples];
     let mut step_s = Vec::new();
     let mut merge_s = Vec::new();
@@ -320,8 +324,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                     })?
                 }
             };
-            if let (Some(n), RowLogits::Whole(row)) = (req.logprobs, step_logits[s].row(0)) {
-                logprobs[s].push(TokenLogprobs::of(row, token, n));
+            if let Some(n) = req.logprobs {
+                let row = step_logits[s].row(0);
+                logprobs[s].extend(token_logprobs(row, terms[s].as_ref(), token, n));
             }
             first_token_s.get_or_insert_with(|| called.elapsed().as_secs_f64());
             out[s].push(token);
@@ -409,13 +414,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         let attention = attention.as_mut().expect("planned above");
         let passed = Instant::now();
         let replayed = forward.replayed();
-        // Sample 0's top two are reported, so every step keeps at least two tokens a row; a
-        // token's log-probability needs its whole row. A penalised sample's reach grows as it
-        // draws.
-        let reach = match req.logprobs {
-            Some(_) => None,
-            None => step_reach(live.iter().map(|&s| samplers[s].reach()), 2),
-        };
+        // Sample 0's top two are reported, so every step keeps at least two tokens a row. A
+        // penalised sample's reach grows as it draws.
+        let reach = step_reach(live.iter().map(|&s| samplers[s].reach()), 2);
         let rows = StepRows {
             ids: &ids,
             positions: &positions,
@@ -434,14 +435,27 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             step_logits[s] = logits.row_owned(row);
             pass_rows[s] = row;
         }
-        // Draws over the whole vocabulary read their rows' softmax totals.
+        // Draws over the whole vocabulary read their rows' softmax totals, and reported
+        // log-probabilities the rows reduced on the backend.
         let by_total: Vec<(usize, f32)> = (live.iter().enumerate())
             .filter_map(|(row, &s)| samplers[s].total_temperature().map(|t| (row, t)))
             .collect();
-        if let (Some(kept), false) = (forward.logits(), by_total.is_empty()) {
+        if let Some(kept) = forward.logits() {
             let read = softmax_totals(backend, kept, &by_total)?;
             for (&(row, _), total) in by_total.iter().zip(read) {
                 totals[live[row]] = Some(total);
+            }
+            // A step read whole reports from its rows (`TokenLogprobs::of`).
+            let reduced = match (req.logprobs, &logits) {
+                (Some(n), StepLogits::Top { .. }) => {
+                    // The drawn token's logit comes from its row; the target is a stand-in.
+                    let read = row_terms(backend, kept, n, &vec![0; live.len()])?;
+                    read.into_iter().map(|(t, _)| Some(t)).collect()
+                }
+                _ => vec![None; live.len()],
+            };
+            for (&s, t) in live.iter().zip(reduced) {
+                terms[s] = t;
             }
         }
         tracing::debug!(

@@ -59,6 +59,28 @@ impl TokenLogprobs {
     }
 }
 
+/// `token`'s log-probabilities with its row's `n` likeliest: from the row's reduced `terms`
+/// and the token's logit in `row`, or from `row` whole (`None`: a narrowed row without its
+/// terms, or one without the token).
+pub fn token_logprobs(
+    row: RowLogits,
+    terms: Option<&RowTerms>,
+    token: u32,
+    n: usize,
+) -> Option<TokenLogprobs> {
+    let logit = match row {
+        RowLogits::Whole(logits) => logits.get(token as usize).copied(),
+        RowLogits::Top { tokens, logits } => {
+            tokens.iter().position(|&t| t == token).map(|i| logits[i])
+        }
+    };
+    match (terms, row) {
+        (Some(terms), _) => logit.map(|x| terms.logprobs(x, n)),
+        (None, RowLogits::Whole(logits)) => Some(TokenLogprobs::of(logits, token, n)),
+        (None, RowLogits::Top { .. }) => None,
+    }
+}
+
 /// The two most likely tokens of one step's logits.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct TopTwo {

@@ -36,7 +36,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 mod by_total;
 mod logprobs;
 
-pub use logprobs::{RowTerms, TokenLogprobs, TopTwo, LOGPROBS_MAX};
+pub use logprobs::{token_logprobs, RowTerms, TokenLogprobs, TopTwo, LOGPROBS_MAX};
 
 /// How tokens are drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]

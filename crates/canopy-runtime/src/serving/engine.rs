@@ -21,12 +21,12 @@ use super::handle::EngineInbox;
 use super::scheduler::{ChunkDone, Decoded, ReadWhole, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
 use super::ServeConfig;
-use crate::forward::{download_rows, softmax_totals, Forward, StepRows};
+use crate::forward::{download_rows, row_terms, softmax_totals, Forward, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
 use crate::rank::resolve_merge;
-use crate::sampling::{RowTerms, StepLogits, TokenLogprobs, LOGPROBS_MAX};
+use crate::sampling::{StepLogits, TokenLogprobs, LOGPROBS_MAX};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
@@ -539,34 +539,6 @@ impl RowReads {
         }
         Ok(())
     }
-}
-
-/// Each row of `logits` reduced on the backend to its log-normaliser and `n` likeliest tokens
-/// ([`RowTerms`]), with the logit of its token of `targets`.
-fn row_terms<B: LayerOps>(
-    backend: &B,
-    logits: &B::Tensor,
-    n: usize,
-    targets: &[u32],
-) -> Result<Vec<(RowTerms, f32)>> {
-    let (rows, vocab) = backend.dims(logits);
-    // `top_logits` narrows to one token at least.
-    let k = n.clamp(1, vocab);
-    let mut likeliest = backend.output_tensor(rows, 2 * k)?;
-    backend.top_logits(logits, k, &mut likeliest)?;
-    let mut terms = backend.output_tensor(rows, 2)?;
-    backend.logprob_terms(logits, targets, &mut terms)?;
-    let likeliest = backend.download_tensor(&likeliest)?;
-    let terms = backend.download_tensor(&terms)?;
-    Ok((likeliest.chunks_exact(2 * k).zip(terms.chunks_exact(2)))
-        .map(|(row, terms)| {
-            let (logits, tokens) = row.split_at(k);
-            let top = (tokens.iter().zip(logits).take(n))
-                .map(|(t, &x)| (t.to_bits(), x))
-                .collect();
-            (RowTerms { lse: terms[0], top }, terms[1])
-        })
-        .collect())
 }
 
 /// Rows `rows` of `logits` reduced into `step` for their drawn tokens' log-probabilities

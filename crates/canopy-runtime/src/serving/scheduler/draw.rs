@@ -2,7 +2,7 @@
 //! request asks for them, then the token told to its client.
 
 use super::Scheduler;
-use crate::sampling::{RowLogits, RowTerms, Sampler, TokenLogprobs};
+use crate::sampling::{token_logprobs, RowLogits, RowTerms, Sampler, TokenLogprobs};
 use crate::serving::handle::{Event, FinishReason};
 use crate::Result;
 use rayon::prelude::*;
@@ -48,16 +48,8 @@ fn draw_one(
     let Some(token) = sampler.sample(logits, row.total) else {
         return Outcome::Short;
     };
-    let logit = |t: u32| match logits {
-        RowLogits::Whole(logits) => logits.get(t as usize).copied(),
-        RowLogits::Top { tokens, logits } => tokens.iter().position(|&u| u == t).map(|i| logits[i]),
-    };
-    let logprobs = logprobs.and_then(|n| match (row.terms, logits) {
-        (Some(terms), _) => logit(token).map(|x| terms.logprobs(x, n)),
-        (None, RowLogits::Whole(logits)) => Some(TokenLogprobs::of(logits, token, n)),
-        // Not met: a row that reports log-probabilities is read whole or reduced.
-        (None, RowLogits::Top { .. }) => None,
-    });
+    // A row that reports log-probabilities is read whole or reduced.
+    let logprobs = logprobs.and_then(|n| token_logprobs(logits, row.terms, token, n));
     Outcome::Drawn((token, logprobs))
 }
 
