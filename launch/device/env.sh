@@ -35,7 +35,8 @@ start_server() {
 # stop_server [PID]: drains the server (default $SERVER) and waits for it.
 stop_server() { kill -TERM "${1:-$SERVER}" 2>/dev/null; wait "${1:-$SERVER}" 2>/dev/null; }
 # load_each_bin PY: for each binary of BINS (name=path; default $BIN alone), the 8B shape with
-# random weights served on the GPU and `python3 PY load` run against it until DEADLINE; its
+# random weights served on the GPU (on RANKS ranks, default 1) and `python3 PY load` run
+# against it until DEADLINE; its
 # JSON lines, tagged with the binary's name, into $OUT/load.jsonl, and the server's decode
 # passes into $OUT/decode-passes-NAME.txt.
 load_each_bin() {
@@ -43,7 +44,7 @@ load_each_bin() {
   for entry in ${BINS:-new=$BIN}; do
     name=${entry%%=*} BIN=${entry#*=}
     start_server "gpu-8b-$name" --arch llama-3.1-8b --random-weights --backend cuda \
-      --max-batch 64 --max-context 4096 --kv-tokens 131072 || continue
+      --max-batch 64 --max-context 4096 --kv-tokens 131072 --ranks "${RANKS:-1}" || continue
     log "load, $name"
     timeout $(( DEADLINE - SECONDS )) python3 "$1" load "$URL" | sed "s/^{/{\"bin\": \"$name\", /" \
       | tee -a "$OUT/load.jsonl"

@@ -8,6 +8,8 @@
 # 3. the 8B shape with random weights (bf16) under CONCURRENCY streamed completions, timed in
 #    VARIANTS (serve_fields.py load: greedy, temperature 1, 0.1, top_p 0.9, top_k 40), for each
 #    binary of BINS (name=path; default this build alone).
+# RANKS (default 1) sets the ranks of every server and of `generate`: one a GPU where the machine
+# has them.
 # Run from the repository root on the device machine with the release binary in .device/.
 # Results: $OUT/sampled.txt, $OUT/tests.txt, $OUT/load.jsonl, the decode passes' metrics and
 # the servers' logs.
@@ -23,7 +25,7 @@ trap 'tar czf "$OUT/server-logs.tgz" -C "$OUT" $(cd "$OUT" && ls server-*.log) &
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   device_tests
   python3 -c "import json; print(json.dumps([p['token_ids'] for p in json.load(open('$TINY/reference.json'))['prompts']]))" > /tmp/prompts.json
-  start_server gpu-tiny --model $TINY --backend cuda --dtype f32
+  start_server gpu-tiny --model $TINY --backend cuda --dtype f32 --ranks "${RANKS:-1}"
   log "sampled: served against generate, on the GPU"
   python3 $PY sampled "$URL" "$BIN" $TINY /tmp/prompts.json
   stop_server

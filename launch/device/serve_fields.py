@@ -7,8 +7,9 @@ server on the GPU and one on the CPU; the texts must be equal and the log-probab
 or FAILED.
 
 sampled URL BIN MODEL PROMPTS_JSON: seeded completions at a temperature over the whole
-vocabulary (no top_k), all in flight at once, against `BIN generate` on the GPU with the same
-seed and prompt: the texts must be equal. Prints one line per request and ALL PASS or FAILED.
+vocabulary (no top_k), all in flight at once, against `BIN generate` on the GPU (on RANKS ranks,
+default 1) with the same seed and prompt: the texts must be equal. Prints one line per request
+and ALL PASS or FAILED.
 
 load URL: CONCURRENCY streamed completions at once (the same random token ids each time, so
 that after the first run every prompt is found cached; ignore_eos), timed, in the variants
@@ -109,7 +110,8 @@ def sampled(url, binary, model, prompts):
         ids = ",".join(map(str, prompts[i]))
         out = subprocess.run([binary, "generate", "--model", model, "--backend", "cuda", "--dtype", "f32",
                               "--prompt-ids", ids, "--max-tokens", "16", "--temperature", str(t),
-                              "--top-p", str(p), "--seed", "7", "--json"],
+                              "--top-p", str(p), "--seed", "7", "--json",
+                              "--ranks", os.environ.get("RANKS", "1")],
                              capture_output=True, text=True, check=True)
         want = json.loads(out.stdout)["samples"][0]["text"]
         same = text == want
