@@ -21,9 +21,11 @@
 //! A step whose draws reach only each row's most likely tokens (greedy, or cut by `top_k`)
 //! narrows its logits to them on the backend, inside the pass and its recording
 //! ([`LayerOps::top_logits`]); the host then reads `2k` numbers a row, not the vocabulary.
+//! Rows whose draws need more are read further after the pass, as `generate` and the server
+//! both ask (`RowReads`): whole, reduced for log-probabilities, or to their softmax totals.
 
 use crate::layers::ModelLayers;
-use crate::sampling::{RowTerms, StepLogits};
+use crate::sampling::{RowTerms, StepLogits, LOGPROBS_MAX};
 use crate::Result;
 use canopy_engine::{LayerOps, RankAttention, Transport};
 
@@ -447,6 +449,84 @@ fn pass<B: LayerOps, C: Transport<B>>(
     Ok(merge_s)
 }
 
+/// The rows of a pass read beyond their narrowed form, by their place among its rows: whole,
+/// reduced for their drawn tokens' log-probabilities, or reduced to their softmax totals at
+/// their temperatures (draws over the whole vocabulary).
+#[derive(Default)]
+pub(crate) struct RowReads {
+    pub whole: Vec<usize>,
+    pub terms: Vec<usize>,
+    /// With each row's temperature.
+    pub totals: Vec<(usize, f32)>,
+}
+
+impl RowReads {
+    /// The reads of `logits` (the pass's rows on the backend) into `step`.
+    pub(crate) fn read<B: LayerOps>(
+        &self,
+        backend: &B,
+        logits: &B::Tensor,
+        step: &mut StepLogits,
+    ) -> Result<()> {
+        read_whole(backend, logits, &self.whole, step)?;
+        read_terms(backend, logits, &self.terms, step)?;
+        if let StepLogits::Top { totals, .. } = step {
+            let read = softmax_totals(backend, logits, &self.totals)?;
+            totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
+        }
+        Ok(())
+    }
+}
+
+/// Rows `rows` of `logits` reduced into `step` for their drawn tokens' log-probabilities
+/// ([`row_terms`], the [`LOGPROBS_MAX`] likeliest), beside their narrowed form (a step read
+/// whole holds them already).
+fn read_terms<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    rows: &[usize],
+    step: &mut StepLogits,
+) -> Result<()> {
+    let StepLogits::Top { terms, .. } = step else {
+        return Ok(());
+    };
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut gathered = backend.output_tensor(rows.len(), backend.dims(logits).1)?;
+    backend.gather_rows(logits, rows, &mut gathered)?;
+    // The drawn token's logit comes from the narrowed row; the target is a stand-in.
+    let reduced = row_terms(backend, &gathered, LOGPROBS_MAX, &vec![0; rows.len()])?;
+    terms.extend(
+        rows.iter()
+            .copied()
+            .zip(reduced.into_iter().map(|(t, _)| t)),
+    );
+    Ok(())
+}
+
+/// Rows `rows` of `logits` read whole into `step` beside their narrowed form (a step read
+/// whole holds them already).
+fn read_whole<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    rows: &[usize],
+    step: &mut StepLogits,
+) -> Result<()> {
+    let StepLogits::Top { whole, .. } = step else {
+        return Ok(());
+    };
+    if rows.is_empty() {
+        return Ok(());
+    }
+    whole.extend(
+        rows.iter()
+            .copied()
+            .zip(download_rows(backend, logits, rows)?),
+    );
+    Ok(())
+}
+
 /// Rows `rows` of `logits` (a pass's, on the backend) whole on the host.
 pub(crate) fn download_rows<B: LayerOps>(
     backend: &B,
@@ -465,7 +545,7 @@ pub(crate) fn download_rows<B: LayerOps>(
 
 /// The softmax totals of rows of `logits` (a pass's, on the backend), each `(row,
 /// temperature)` of `rows` ([`LayerOps::softmax_totals`]).
-pub(crate) fn softmax_totals<B: LayerOps>(
+fn softmax_totals<B: LayerOps>(
     backend: &B,
     logits: &B::Tensor,
     rows: &[(usize, f32)],

@@ -17,12 +17,12 @@
 //! tree collectives or gathered by the ring. Every rank ends each step with the same logits,
 //! and so draws the same tokens.
 
-use crate::forward::{download_rows, row_terms, softmax_totals, Forward, StepRows};
+use crate::forward::{download_rows, Forward, RowReads, StepRows};
 use crate::kv::{KvLayout, RankChange, RankView, SEQUENCE_GROWTH_ROOM};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
 use crate::sampling::{
-    step_reach, token_logprobs, RowTerms, Sampler, SamplingParams, StepLogits, TokenLogprobs,
+    step_reach, token_logprobs, RowLogits, Sampler, SamplingParams, StepLogits, TokenLogprobs,
     TopTwo,
 };
 use crate::{Result, RuntimeError};
@@ -277,13 +277,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         logits: first_logits.clone(),
     };
     let mut step_logits: Vec<StepLogits> = vec![first; req.samples];
-    // Each sample's row in the last pass, and its softmax total there where its draw reads one
-    // (the first token's is drawn from its whole row).
+    // Each sample's row in the last pass, where a draw that lands past its narrowed row reads
+    // it whole.
     let mut pass_rows = vec![0; req.samples];
-    let mut totals: Vec<Option<f32>> = vec![None; req.samples];
-    // Each sample's row of the last pass reduced for its token's log-probability, where
-    // `logprobs` asks (the first token's comes from its whole row).
-    let mut terms: Vec<Option<RowTerms>> = vec![None; req.samples];
     let mut logprobs = vec![Vec::new(); req.samples];
     let mut step_s = Vec::new();
     let mut merge_s = Vec::new();
@@ -307,26 +303,28 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             if s == 0 {
                 top_two.push(TopTwo::of(step_logits[s].row(0)));
             }
-            let token = match samplers[s].sample(step_logits[s].row(0), totals[s]) {
+            let total = step_logits[s].total(0);
+            let mut read_whole = None;
+            let token = match samplers[s].sample(step_logits[s].row(0), total) {
                 Some(token) => token,
                 // A draw by total that landed past the narrowed row goes on over the whole row.
                 None => {
                     let kept = forward.logits().ok_or_else(|| {
                         RuntimeError::Protocol("a narrowed row without its pass's logits".into())
                     })?;
-                    let row = download_rows(backend, kept, &[pass_rows[s]])?;
-                    step_logits[s] = StepLogits::Whole {
-                        vocab,
-                        logits: row.concat(),
-                    };
-                    (samplers[s].sample(step_logits[s].row(0), totals[s])).ok_or_else(|| {
+                    let row =
+                        read_whole.insert(download_rows(backend, kept, &[pass_rows[s]])?.concat());
+                    (samplers[s].sample(RowLogits::Whole(row), total)).ok_or_else(|| {
                         RuntimeError::Protocol("a draw over a whole row did not end".into())
                     })?
                 }
             };
             if let Some(n) = req.logprobs {
-                let row = step_logits[s].row(0);
-                logprobs[s].extend(token_logprobs(row, terms[s].as_ref(), token, n));
+                let row = match &read_whole {
+                    Some(row) => RowLogits::Whole(row),
+                    None => step_logits[s].row(0),
+                };
+                logprobs[s].extend(token_logprobs(row, step_logits[s].terms(0), token, n));
             }
             first_token_s.get_or_insert_with(|| called.elapsed().as_secs_f64());
             out[s].push(token);
@@ -424,39 +422,31 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             reach,
         };
         let probe = watch.time_merges() && ranks > 1 && step_s.len() % 2 == 1;
-        let (logits, merged) = if probe {
+        let (mut logits, merged) = if probe {
             let settle = || Ok(comm.barrier()?);
             forward.decode_timed(backend, layers, &mut caches, attention, rows, &settle)?
         } else {
             let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
             (logits, None)
         };
+        // Draws over the whole vocabulary read their rows' softmax totals, and reported
+        // log-probabilities the rows reduced on the backend (a step read whole has its rows).
+        let reads = RowReads {
+            whole: Vec::new(),
+            terms: match req.logprobs {
+                Some(_) => (0..live.len()).collect(),
+                None => Vec::new(),
+            },
+            totals: (live.iter().enumerate())
+                .filter_map(|(row, &s)| samplers[s].total_temperature().map(|t| (row, t)))
+                .collect(),
+        };
+        if let Some(kept) = forward.logits() {
+            reads.read(backend, kept, &mut logits)?;
+        }
         for (row, &s) in live.iter().enumerate() {
             step_logits[s] = logits.row_owned(row);
             pass_rows[s] = row;
-        }
-        // Draws over the whole vocabulary read their rows' softmax totals, and reported
-        // log-probabilities the rows reduced on the backend.
-        let by_total: Vec<(usize, f32)> = (live.iter().enumerate())
-            .filter_map(|(row, &s)| samplers[s].total_temperature().map(|t| (row, t)))
-            .collect();
-        if let Some(kept) = forward.logits() {
-            let read = softmax_totals(backend, kept, &by_total)?;
-            for (&(row, _), total) in by_total.iter().zip(read) {
-                totals[live[row]] = Some(total);
-            }
-            // A step read whole reports from its rows (`TokenLogprobs::of`).
-            let reduced = match (req.logprobs, &logits) {
-                (Some(n), StepLogits::Top { .. }) => {
-                    // The drawn token's logit comes from its row; the target is a stand-in.
-                    let read = row_terms(backend, kept, n, &vec![0; live.len()])?;
-                    read.into_iter().map(|(t, _)| Some(t)).collect()
-                }
-                _ => vec![None; live.len()],
-            };
-            for (&s, t) in live.iter().zip(reduced) {
-                terms[s] = t;
-            }
         }
         tracing::debug!(
             rows = live.len(),

@@ -194,14 +194,21 @@ impl StepLogits {
         }
     }
 
-    /// Row `r`, owned: what a caller keeps past the step.
+    /// Row `r`, owned, as row 0 with its terms and total where they were read: what a caller
+    /// keeps past the step.
     pub fn row_owned(&self, r: usize) -> StepLogits {
         match self.row(r) {
             RowLogits::Whole(row) => StepLogits::Whole {
                 vocab: row.len(),
                 logits: row.to_vec(),
             },
-            RowLogits::Top { logits, .. } => StepLogits::top(logits.len(), self.span(r).to_vec()),
+            RowLogits::Top { logits, .. } => StepLogits::Top {
+                k: logits.len(),
+                rows: self.span(r).to_vec(),
+                whole: BTreeMap::new(),
+                terms: self.terms(r).map(|t| (0, t.clone())).into_iter().collect(),
+                totals: self.total(r).map(|t| (0, t)).into_iter().collect(),
+            },
         }
     }
 

@@ -21,12 +21,12 @@ use super::handle::EngineInbox;
 use super::scheduler::{ChunkDone, Decoded, ReadWhole, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
 use super::ServeConfig;
-use crate::forward::{download_rows, row_terms, softmax_totals, Forward, StepRows};
+use crate::forward::{download_rows, row_terms, Forward, RowReads, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
 use crate::rank::resolve_merge;
-use crate::sampling::{StepLogits, TokenLogprobs, LOGPROBS_MAX};
+use crate::sampling::{StepLogits, TokenLogprobs};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
 use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
@@ -172,7 +172,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             let mixed = passes.first().is_some_and(|p| p.decode_rows > 0);
             // Rank 0 draws: the other ranks read nothing beyond the narrowed rows.
             let reads = match scheduler {
-                Some(_) => RowReads::new(&step, &rows.rows),
+                Some(_) => step_reads(&step, &rows.rows),
                 None => RowReads::default(),
             };
             let mut decoded = None;
@@ -497,97 +497,21 @@ fn narrowed<B: LayerOps>(
     })
 }
 
-/// The decode rows of a step read beyond their narrowed form, by their place in the step's
-/// rows: whole ([`Step::whole`]), or reduced for their log-probabilities ([`Step::terms`]).
-#[derive(Default)]
-struct RowReads {
-    whole: Vec<usize>,
-    terms: Vec<usize>,
-    /// With each row's temperature.
-    totals: Vec<(usize, f32)>,
-}
-
-impl RowReads {
-    fn new(step: &Step, rows: &[Row]) -> RowReads {
-        let place = |listed: &(u64, u32)| (rows.iter()).position(|r| (r.id, r.sample) == *listed);
-        let places = |listed: &[(u64, u32)]| {
-            let mut places: Vec<usize> = listed.iter().filter_map(place).collect();
-            places.sort_unstable();
-            places
-        };
-        RowReads {
-            whole: places(&step.whole),
-            terms: places(&step.terms),
-            totals: (step.totals.iter())
-                .filter_map(|(listed, t)| place(listed).map(|p| (p, *t)))
-                .collect(),
-        }
-    }
-
-    /// The reads of `logits` (the step's rows on the backend) into `step`.
-    fn read<B: LayerOps>(
-        &self,
-        backend: &B,
-        logits: &B::Tensor,
-        step: &mut StepLogits,
-    ) -> Result<()> {
-        read_whole(backend, logits, &self.whole, step)?;
-        read_terms(backend, logits, &self.terms, step)?;
-        if let StepLogits::Top { totals, .. } = step {
-            let read = softmax_totals(backend, logits, &self.totals)?;
-            totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
-        }
-        Ok(())
-    }
-}
-
-/// Rows `rows` of `logits` reduced into `step` for their drawn tokens' log-probabilities
-/// ([`row_terms`], the [`LOGPROBS_MAX`] likeliest), beside their narrowed form (a step read
-/// whole holds them already).
-fn read_terms<B: LayerOps>(
-    backend: &B,
-    logits: &B::Tensor,
-    rows: &[usize],
-    step: &mut StepLogits,
-) -> Result<()> {
-    let StepLogits::Top { terms, .. } = step else {
-        return Ok(());
+/// The decode rows of `step` read beyond their narrowed form, by their place among `rows`.
+fn step_reads(step: &Step, rows: &[Row]) -> RowReads {
+    let place = |listed: &(u64, u32)| (rows.iter()).position(|r| (r.id, r.sample) == *listed);
+    let places = |listed: &[(u64, u32)]| {
+        let mut places: Vec<usize> = listed.iter().filter_map(place).collect();
+        places.sort_unstable();
+        places
     };
-    if rows.is_empty() {
-        return Ok(());
+    RowReads {
+        whole: places(&step.whole),
+        terms: places(&step.terms),
+        totals: (step.totals.iter())
+            .filter_map(|(listed, t)| place(listed).map(|p| (p, *t)))
+            .collect(),
     }
-    let mut gathered = backend.output_tensor(rows.len(), backend.dims(logits).1)?;
-    backend.gather_rows(logits, rows, &mut gathered)?;
-    // The drawn token's logit comes from the narrowed row; the target is a stand-in.
-    let reduced = row_terms(backend, &gathered, LOGPROBS_MAX, &vec![0; rows.len()])?;
-    terms.extend(
-        rows.iter()
-            .copied()
-            .zip(reduced.into_iter().map(|(t, _)| t)),
-    );
-    Ok(())
-}
-
-/// Rows `rows` of `logits` read whole into `step` beside their narrowed form (a step read
-/// whole holds them already).
-fn read_whole<B: LayerOps>(
-    backend: &B,
-    logits: &B::Tensor,
-    rows: &[usize],
-    step: &mut StepLogits,
-) -> Result<()> {
-    let StepLogits::Top { whole, .. } = step else {
-        return Ok(());
-    };
-    if rows.is_empty() {
-        return Ok(());
-    }
-    whole.extend(
-        rows.iter()
-            .copied()
-            .zip(download_rows(backend, logits, rows)?),
-    );
-    Ok(())
 }
 
 /// The rows whose KV this rank stores, `(row, physical slot)`, of the rows' `(rank, slot)`
