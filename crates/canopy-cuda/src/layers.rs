@@ -32,8 +32,8 @@ use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use canopy_engine::layer_ops::{
-    attention_output_through_states, check_logprob_terms, check_softmax_totals, check_top_logits,
-    expect_gather, expect_size,
+    attention_output_through_states, check_logprob_terms, check_pick_logits, check_softmax_totals,
+    check_top_logits, expect_gather, expect_size,
 };
 use canopy_engine::{CachedKeys, EngineError, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
@@ -813,6 +813,17 @@ impl LayerOps for CudaBackend {
     ) -> EResult<()> {
         check_softmax_totals("cuda", logits.rows, temperatures, (out.rows, out.cols))?;
         Ok(self.total_rows(logits, temperatures, out)?)
+    }
+
+    fn pick_logits(
+        &self,
+        logits: &CudaTensor,
+        picks: &[(u32, u32)],
+        out: &mut CudaTensor,
+    ) -> EResult<()> {
+        let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
+        check_pick_logits("cuda", dims.0, picks, dims.1)?;
+        Ok(self.pick_rows(logits, picks, out)?)
     }
 
     fn graph_epoch(&self) -> Option<u64> {

@@ -1,7 +1,7 @@
 //! The CUDA backend's ops on logits against the CPU backend's, on fresh random rows with
 //! ties, signed zeros and infinities: the narrowing to each row's likeliest tokens bit for bit,
-//! each row's log-normaliser and a target's logit, and each row's softmax total at its
-//! temperature (the CPU sums in f64).
+//! each row's log-normaliser and a target's logit, each row's softmax total at its
+//! temperature (the CPU sums in f64), and single logits picked bit for bit.
 //!
 //! Without a GPU every test prints why and passes. The seed is printed; `CANOPY_TEST_SEED`
 //! repeats a run.
@@ -143,4 +143,48 @@ fn softmax_totals_match_the_cpu() {
     let t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
     let mut out = poisoned(&gpu, 2, 1).unwrap();
     assert!(gpu.softmax_totals(&t, &[1.0, 0.0], &mut out).is_err());
+}
+
+/// The logits at `picks` on `b`, into a poisoned output.
+fn picked<B: LayerOps>(
+    b: &B,
+    logits: &[f32],
+    rows: usize,
+    picks: &[(u32, u32)],
+) -> Result<Vec<f32>> {
+    let t = b.upload_tensor(logits, rows, logits.len() / rows)?;
+    let mut out = poisoned(b, picks.len(), 1)?;
+    b.pick_logits(&t, picks, &mut out)?;
+    b.download_tensor(&out)
+}
+
+#[test]
+fn pick_logits_match_the_cpu_bit_for_bit() {
+    let Some(gpu) = gpu("pick_logits_match_the_cpu_bit_for_bit") else {
+        return;
+    };
+    let mut rng = rng("pick_logits_match_the_cpu_bit_for_bit");
+    for (rows, vocab, n) in [(3, 4096, 1), (64, 128256, 5000), (1, 130, 130)] {
+        let logits = model_rows(&mut rng, rows, vocab);
+        // Repeats among them, and the last entry of the last row.
+        let mut picks: Vec<(u32, u32)> = (0..n)
+            .map(|_| {
+                (
+                    rng.gen_range(0..rows) as u32,
+                    rng.gen_range(0..vocab) as u32,
+                )
+            })
+            .collect();
+        picks.push(picks[0]);
+        picks.push((rows as u32 - 1, vocab as u32 - 1));
+        let got = picked(&gpu, &logits, rows, &picks).unwrap();
+        let want = picked(&CpuBackend, &logits, rows, &picks).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{rows} rows of {vocab}");
+        eprintln!("  pick_logits {} of {rows} × {vocab}: equal", picks.len());
+    }
+    // A pick past the row is refused.
+    let t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
+    let mut out = poisoned(&gpu, 1, 1).unwrap();
+    assert!(gpu.pick_logits(&t, &[(1, 4)], &mut out).is_err());
 }

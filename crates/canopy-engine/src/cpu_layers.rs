@@ -5,8 +5,8 @@
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
 use crate::layer_ops::{
-    check_logprob_terms, check_softmax_totals, check_top_logits, expect_gather, expect_size,
-    KeyBlock, LayerOps, ModelNeeds,
+    check_logprob_terms, check_pick_logits, check_softmax_totals, check_top_logits, expect_gather,
+    expect_size, KeyBlock, LayerOps, ModelNeeds,
 };
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::top_tokens;
@@ -457,6 +457,20 @@ impl LayerOps for CpuBackend {
         Ok(())
     }
 
+    fn pick_logits(
+        &self,
+        logits: &HostMatrix,
+        picks: &[(u32, u32)],
+        out: &mut HostMatrix,
+    ) -> Result<()> {
+        let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
+        check_pick_logits("cpu", dims.0, picks, dims.1)?;
+        for (&(r, t), out) in picks.iter().zip(&mut out.data) {
+            *out = logits.data[r as usize * logits.cols + t as usize];
+        }
+        Ok(())
+    }
+
     fn end_capture(&self) -> Result<Self::Graph> {
         Err(err("the cpu backend records no graphs".into()))
     }
@@ -576,6 +590,22 @@ mod tests {
             b.top_logits(&logits, 1, &mut out).is_err(),
             "2 × 4 is not 2 × 2"
         );
+    }
+
+    #[test]
+    fn pick_logits_reads_each_pick_and_refuses_one_past_the_logits() {
+        let b = CpuBackend;
+        let logits = matrix(3, 5, 4);
+        let mut out = b.tensor(3, 1).unwrap();
+        b.pick_logits(&logits, &[(2, 4), (0, 0), (2, 4)], &mut out)
+            .unwrap();
+        assert_eq!(out.data, [logits.data[14], logits.data[0], logits.data[14]]);
+        let mut one = b.tensor(1, 1).unwrap();
+        for pick in [(3, 0), (0, 5)] {
+            let e = b.pick_logits(&logits, &[pick], &mut one).unwrap_err();
+            assert!(e.to_string().contains("past logits of 3 rows × 5"), "{e}");
+        }
+        assert!(b.pick_logits(&logits, &[(0, 0)], &mut out).is_err());
     }
 
     #[test]

@@ -465,6 +465,17 @@ pub trait LayerOps: MergeOps {
         out: &mut Self::Tensor,
     ) -> Result<()>;
 
+    /// The logits at `picks`, each a `(row, token)` of `logits` (`rows × vocab`), into `out`
+    /// (`picks × 1`). A draw that changes some tokens' logits (penalties, biases) reads theirs
+    /// beside its row narrowed by [`top_logits`](Self::top_logits), not its whole row
+    /// ([`check_pick_logits`]).
+    fn pick_logits(
+        &self,
+        logits: &Self::Tensor,
+        picks: &[(u32, u32)],
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+
     /// Whether this backend records passes as graphs (`None`: it does not), and if so the
     /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
     /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is
@@ -561,6 +572,31 @@ pub fn check_softmax_totals(
     }
     expect_size(backend, "softmax_totals", "the output's rows", out.0, rows)?;
     expect_size(backend, "softmax_totals", "the output's columns", out.1, 1)
+}
+
+/// Refuses a [`LayerOps::pick_logits`] call with a pick past `logits` (`rows × vocab`), or
+/// whose output is not `picks × 1`.
+pub fn check_pick_logits(
+    backend: &'static str,
+    (rows, vocab): (usize, usize),
+    picks: &[(u32, u32)],
+    out: (usize, usize),
+) -> Result<()> {
+    let past = |&&(r, t): &&(u32, u32)| r as usize >= rows || t as usize >= vocab;
+    if let Some((r, t)) = picks.iter().find(past) {
+        return Err(EngineError::Backend {
+            backend,
+            message: format!("pick_logits: ({r}, {t}) is past logits of {rows} rows × {vocab}"),
+        });
+    }
+    expect_size(
+        backend,
+        "pick_logits",
+        "the output's rows",
+        out.0,
+        picks.len(),
+    )?;
+    expect_size(backend, "pick_logits", "the output's columns", out.1, 1)
 }
 
 /// A block of keys and values for [`LayerOps::causal_attention`]: `k` and `v` are `tokens ×

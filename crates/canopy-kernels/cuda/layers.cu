@@ -730,3 +730,13 @@ softmax_totals(const float* __restrict__ logits, const float* __restrict__ tempe
                                     1.f / temperatures[blockIdx.x], part, m);
     if (threadIdx.x == 0) out[blockIdx.x] = s;
 }
+
+// out[i] = the logit at picks[i] = (row, token) of `logits` (rows x cols; the host checked
+// every pick against both).
+extern "C" __global__ void pick_logits(const float* __restrict__ logits, const uint2* __restrict__ picks,
+                                       u32 n, u32 cols, float* __restrict__ out) {
+    GRID_STRIDE(i, (u64)n) {
+        const uint2 p = picks[i];
+        out[i] = logits[(u64)p.x * cols + p.y];
+    }
+}

@@ -165,6 +165,7 @@ impl Id {
                 "top_logits",
                 "logprob_terms",
                 "softmax_totals",
+                "pick_logits",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }

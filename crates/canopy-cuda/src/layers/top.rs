@@ -4,7 +4,8 @@
 //! segment is left, whose pass writes the row's logits and tokens. A vocabulary of 128K
 //! takes two passes at any `k`; the logits never leave the device. `logprob_terms` reduces
 //! each row to its log-normaliser and a target's logit, and `softmax_totals` each row to its
-//! softmax total at a temperature, one CTA a row.
+//! softmax total at a temperature, one CTA a row; `pick_logits` reads single logits, a
+//! thread each.
 
 use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
@@ -12,7 +13,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Params;
 use canopy_core::DType;
 use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS};
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Entries one CTA of `top_logits` narrows to `k`.
 const SEGMENT: usize = LAYER_THREADS as usize * TOP_ITEMS;
@@ -40,6 +41,35 @@ impl CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         self.row_reduction("softmax_totals", logits, temperatures, out)
+    }
+
+    /// The logits at `picks` into `out` (`picks × 1`; the caller checked the shapes and
+    /// every pick).
+    pub(super) fn pick_rows(
+        &self,
+        logits: &CudaTensor,
+        picks: &[(u32, u32)],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        out.drop_rounded();
+        if picks.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Kernel::Layers(DType::F32, "pick_logits"))?;
+        let flat: Vec<u32> = picks.iter().flat_map(|&(r, t)| [r, t]).collect();
+        let flat = self.upload(&flat)?;
+        let n = narrow("pick_logits", picks.len())?;
+        let cols = narrow("pick_logits", logits.cols)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&logits.data)
+            .arg(&flat)
+            .arg(&n)
+            .arg(&cols)
+            .arg(&mut out.data);
+        // SAFETY: each pick is a (row, token) inside logits (rows × cols, checked by the
+        // caller), and out holds one float a pick.
+        unsafe { b.launch(self.elementwise(picks.len())) }.ctx("launching pick_logits")?;
+        Ok(())
     }
 
     /// `layers.cu`'s `kernel`, one CTA a row of `logits`, each reading its own entry of
