@@ -28,6 +28,7 @@ use crate::layers::ModelLayers;
 use crate::sampling::{RowTerms, StepLogits, LOGPROBS_MAX};
 use crate::Result;
 use canopy_engine::{LayerOps, RankAttention, Transport};
+use std::collections::BTreeMap;
 
 /// The rows of one decode step.
 #[derive(Debug, Clone, Copy)]
@@ -450,14 +451,17 @@ fn pass<B: LayerOps, C: Transport<B>>(
 }
 
 /// The rows of a pass read beyond their narrowed form, by their place among its rows: whole,
-/// reduced for their drawn tokens' log-probabilities, or reduced to their softmax totals at
-/// their temperatures (draws over the whole vocabulary).
+/// reduced for their drawn tokens' log-probabilities, reduced to their softmax totals at
+/// their temperatures (draws over the whole vocabulary), or with some tokens' logits picked
+/// (draws that change them).
 #[derive(Default)]
 pub(crate) struct RowReads {
     pub whole: Vec<usize>,
     pub terms: Vec<usize>,
     /// With each row's temperature.
     pub totals: Vec<(usize, f32)>,
+    /// With each row's tokens.
+    pub picks: Vec<(usize, Vec<u32>)>,
 }
 
 impl RowReads {
@@ -470,12 +474,50 @@ impl RowReads {
     ) -> Result<()> {
         read_whole(backend, logits, &self.whole, step)?;
         read_terms(backend, logits, &self.terms, step)?;
-        if let StepLogits::Top { totals, .. } = step {
+        if let StepLogits::Top { totals, picked, .. } = step {
             let read = softmax_totals(backend, logits, &self.totals)?;
             totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
+            pick_logits(backend, logits, &self.picks, picked)?;
         }
         Ok(())
     }
+}
+
+/// The logits of each `(row, tokens)` of `picks` in `logits` (a pass's, on the backend) into
+/// `picked`, with their tokens, by row, in one [`LayerOps::pick_logits`]. Tokens past the
+/// vocabulary are left out: they change no logit.
+fn pick_logits<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    picks: &[(usize, Vec<u32>)],
+    picked: &mut BTreeMap<usize, Vec<(u32, f32)>>,
+) -> Result<()> {
+    let vocab = backend.dims(logits).1;
+    let picks: Vec<(usize, Vec<u32>)> = (picks.iter())
+        .map(|(r, tokens)| {
+            (
+                *r,
+                tokens
+                    .iter()
+                    .copied()
+                    .filter(|&t| (t as usize) < vocab)
+                    .collect(),
+            )
+        })
+        .collect();
+    let flat: Vec<(u32, u32)> = (picks.iter())
+        .flat_map(|(r, tokens)| tokens.iter().map(move |&t| (*r as u32, t)))
+        .collect();
+    if flat.is_empty() {
+        return Ok(());
+    }
+    let mut out = backend.output_tensor(flat.len(), 1)?;
+    backend.pick_logits(logits, &flat, &mut out)?;
+    let mut values = backend.download_tensor(&out)?.into_iter();
+    for (r, tokens) in picks {
+        picked.insert(r, tokens.into_iter().zip(values.by_ref()).collect());
+    }
+    Ok(())
 }
 
 /// Rows `rows` of `logits` reduced into `step` for their drawn tokens' log-probabilities

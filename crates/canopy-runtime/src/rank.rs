@@ -429,8 +429,9 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
             (logits, None)
         };
-        // Draws over the whole vocabulary read their rows' softmax totals, and reported
-        // log-probabilities the rows reduced on the backend (a step read whole has its rows).
+        // Draws over the whole vocabulary read their rows' softmax totals, draws that change
+        // logits those tokens' logits, and reported log-probabilities the rows reduced on the
+        // backend (a step read whole has its rows).
         let reads = RowReads {
             whole: Vec::new(),
             terms: match req.logprobs {
@@ -439,6 +440,10 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             },
             totals: (live.iter().enumerate())
                 .filter_map(|(row, &s)| samplers[s].total_temperature().map(|t| (row, t)))
+                .collect(),
+            picks: (live.iter().enumerate())
+                .map(|(row, &s)| (row, samplers[s].picks()))
+                .filter(|(_, picks)| !picks.is_empty())
                 .collect(),
         };
         if let Some(kept) = forward.logits() {

@@ -9,26 +9,39 @@ use rand::Rng;
 
 /// The likeliest tokens of a row a draw by total walks in order before the rest: as many as a
 /// backend narrows a row to.
-const BY_TOTAL_HEAD: usize = TOP_LOGITS_MAX;
+pub(super) const BY_TOTAL_HEAD: usize = TOP_LOGITS_MAX;
 
 impl Sampler {
     /// A draw by total ([`Sampler::sample`]), from a row narrowed or whole.
     pub(super) fn sample_by_total(&mut self, row: RowLogits, total: f32) -> Option<u32> {
-        let u = match self.pending.take() {
-            Some(u) => u,
-            None => self.rng.gen::<f64>(),
-        };
-        let drawn = match row {
-            RowLogits::Top { tokens, logits } => {
+        match row {
+            RowLogits::Top { tokens, logits, .. } => {
                 let n = tokens.len().min(BY_TOTAL_HEAD);
-                self.by_total(u, (&tokens[..n], &logits[..n]), total, None)
+                self.walk_by_total((&tokens[..n], &logits[..n]), total.into(), None)
             }
             RowLogits::Whole(row) => {
                 let head = top_tokens(row, BY_TOTAL_HEAD);
                 let logits: Vec<f32> = head.iter().map(|&t| row[t as usize]).collect();
-                self.by_total(u, (&head, &logits), total, Some(row))
+                self.walk_by_total((&head, &logits), total.into(), Some(row))
             }
+        }
+    }
+
+    /// The walk of a draw by total over a row's `head` (its likeliest, in order, with their
+    /// logits) and the rest of its `whole` row where given ([`Sampler::by_total`]), with the
+    /// draw's uniform number: the one kept from a walk that landed past its narrowed row, or
+    /// a new one.
+    pub(super) fn walk_by_total(
+        &mut self,
+        head: (&[u32], &[f32]),
+        total: f64,
+        whole: Option<&[f32]>,
+    ) -> Option<u32> {
+        let u = match self.pending.take() {
+            Some(u) => u,
+            None => self.rng.gen::<f64>(),
         };
+        let drawn = self.by_total(u, head, total, whole);
         if drawn.is_none() {
             self.pending = Some(u);
         }
@@ -48,12 +61,12 @@ impl Sampler {
         &self,
         u: f64,
         (head, logits): (&[u32], &[f32]),
-        total: f32,
+        total: f64,
         whole: Option<&[f32]>,
     ) -> Option<u32> {
         let p = self.params;
         let max = *logits.first()?;
-        let prob = |x: f32| (((x - max) / p.temperature) as f64).exp() / total as f64;
+        let prob = |x: f32| (((x - max) / p.temperature) as f64).exp() / total;
         let (mut head_len, mut target, mut past_head) = (head.len(), u, true);
         let mut acc = 0.0;
         if p.top_p < 1.0 {
@@ -321,7 +334,7 @@ mod tests {
     }
 
     #[test]
-    fn only_unchanged_draws_over_the_whole_vocabulary_read_totals() {
+    fn draws_over_the_whole_vocabulary_read_totals() {
         let at = |temperature, top_k| SamplingParams {
             temperature,
             top_k,
@@ -337,14 +350,15 @@ mod tests {
         );
         assert_eq!(Sampler::new(at(0.0, 0), 0, &[]).total_temperature(), None);
         assert_eq!(Sampler::new(at(0.7, 40), 0, &[]).total_temperature(), None);
-        // A penalty or a bias changes the row its total was summed over.
+        // A draw that changes logits reads the total too, and picks every token it changes,
+        // lowered or lifted: the changed total needs them.
         let penalised = SamplingParams {
-            presence_penalty: 0.5,
+            repetition_penalty: 1.3,
             ..at(0.7, 0)
         };
-        assert_eq!(Sampler::new(penalised, 0, &[]).total_temperature(), None);
-        assert_eq!(Sampler::new(penalised, 0, &[]).reach(), None);
-        let biased = Sampler::new(at(0.7, 0), 0, &[]).with_bias(&[(3, -1.0)]);
-        assert_eq!((biased.total_temperature(), biased.reach()), (None, None));
+        let s = Sampler::new(penalised, 0, &[9, 4, 9]).with_bias(&[(3, -1.0), (700, 2.0)]);
+        assert_eq!(s.total_temperature(), Some(0.7));
+        assert_eq!(s.reach(), Some(TOP_LOGITS_MAX));
+        assert_eq!(s.picks(), [3, 4, 9, 700]);
     }
 }

@@ -70,9 +70,12 @@ pub fn token_logprobs(
 ) -> Option<TokenLogprobs> {
     let logit = match row {
         RowLogits::Whole(logits) => logits.get(token as usize).copied(),
-        RowLogits::Top { tokens, logits } => {
-            tokens.iter().position(|&t| t == token).map(|i| logits[i])
-        }
+        RowLogits::Top {
+            tokens,
+            logits,
+            picked,
+        } => (tokens.iter().position(|&t| t == token).map(|i| logits[i]))
+            .or_else(|| picked.iter().find(|&&(t, _)| t == token).map(|&(_, x)| x)),
     };
     match (terms, row) {
         (Some(terms), _) => logit.map(|x| terms.logprobs(x, n)),
@@ -98,7 +101,7 @@ impl TopTwo {
                 .into_iter()
                 .map(|t| (t, logits[t as usize]))
                 .unzip(),
-            RowLogits::Top { tokens, logits } => (tokens.to_vec(), logits.to_vec()),
+            RowLogits::Top { tokens, logits, .. } => (tokens.to_vec(), logits.to_vec()),
         };
         let at = |i: usize| {
             (

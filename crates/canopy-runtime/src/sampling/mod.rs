@@ -8,8 +8,8 @@
 //! transformers' `repetition_penalty` over those and the prompt's; and fixed biases
 //! (OpenAI's `logit_bias`) may be added to chosen tokens' logits.
 //!
-//! A draw that changes no logits (no penalty, no bias) reaches only a row's most likely tokens
-//! when it is greedy or cut by `top_k` ([`Sampler::reach`]). Such rows are narrowed on the
+//! A draw reaches only a row's most likely tokens when it is greedy or cut by `top_k`
+//! ([`Sampler::reach`]). Such rows are narrowed on the
 //! backend ([`canopy_engine::LayerOps::top_logits`]) and the host reads `k` tokens a row
 //! instead of the vocabulary; the tokens come in [`canopy_core::logits`]' order, which the draw
 //! from a whole row follows too, so both draw the same token.
@@ -24,18 +24,26 @@
 //! one, so the token depends on the row, its total and the seed alone. A whole row drawn so
 //! without a backend's total (a prompt's last) has it summed on the host.
 //!
+//! A draw that changes logits (penalties, biases) reads its row narrowed too, with the logits
+//! of the tokens it changes picked on the backend beside it
+//! ([`canopy_engine::LayerOps::pick_logits`], [`Sampler::picks`]): the changed row's likeliest
+//! tokens are among the narrowed and the picked ones, and a draw over the whole vocabulary
+//! takes the changed row's total from the backend's (`adjusted`).
+//!
 //! A drawn token's log-probability ([`TokenLogprobs`]) comes from its whole row, or from the
 //! row's log-normaliser and likeliest tokens reduced on the backend ([`RowTerms`]).
 
-use canopy_core::logits::{likelier, most_likely, softmax_total, top_tokens};
+use canopy_core::logits::{most_likely, softmax_total, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+mod adjusted;
 mod by_total;
 mod logprobs;
 
+pub use adjusted::PICKS_MAX;
 pub use logprobs::{token_logprobs, RowTerms, TokenLogprobs, TopTwo, LOGPROBS_MAX};
 
 /// How tokens are drawn.
@@ -115,10 +123,12 @@ pub fn step_reach(rows: impl IntoIterator<Item = Option<usize>>, at_least: usize
 pub enum RowLogits<'a> {
     /// Every token's logit.
     Whole(&'a [f32]),
-    /// The row's most likely tokens, in [`canopy_core::logits`]' order, and their logits.
+    /// The row's most likely tokens, in [`canopy_core::logits`]' order, and their logits,
+    /// with the logits of the tokens picked beside them ([`Sampler::picks`]).
     Top {
         tokens: &'a [u32],
         logits: &'a [f32],
+        picked: &'a [(u32, f32)],
     },
 }
 
@@ -141,6 +151,9 @@ pub enum StepLogits {
         /// Rows' softmax totals at their temperatures, by row: those whose draw is over the
         /// whole vocabulary ([`Sampler::total_temperature`]).
         totals: BTreeMap<usize, f32>,
+        /// Tokens' logits picked beside their narrowed rows, by row: those the rows' draws
+        /// change ([`Sampler::picks`]).
+        picked: BTreeMap<usize, Vec<(u32, f32)>>,
     },
 }
 
@@ -154,6 +167,7 @@ impl StepLogits {
             whole: BTreeMap::new(),
             terms: BTreeMap::new(),
             totals: BTreeMap::new(),
+            picked: BTreeMap::new(),
         }
     }
 
@@ -183,31 +197,36 @@ impl StepLogits {
         let row = self.span(r);
         match self {
             StepLogits::Whole { .. } => RowLogits::Whole(row),
-            StepLogits::Top { k, .. } => {
+            StepLogits::Top { k, picked, .. } => {
                 let (logits, tokens) = row.split_at(*k);
                 RowLogits::Top {
                     // The tokens are f32 bit patterns (`LayerOps::top_logits`).
                     tokens: bytemuck::cast_slice(tokens),
                     logits,
+                    picked: picked.get(&r).map_or(&[], Vec::as_slice),
                 }
             }
         }
     }
 
-    /// Row `r`, owned, as row 0 with its terms and total where they were read: what a caller
-    /// keeps past the step.
+    /// Row `r`, owned, as row 0 with its terms, total and picked logits where they were read:
+    /// what a caller keeps past the step.
     pub fn row_owned(&self, r: usize) -> StepLogits {
         match self.row(r) {
             RowLogits::Whole(row) => StepLogits::Whole {
                 vocab: row.len(),
                 logits: row.to_vec(),
             },
-            RowLogits::Top { logits, .. } => StepLogits::Top {
+            RowLogits::Top { logits, picked, .. } => StepLogits::Top {
                 k: logits.len(),
                 rows: self.span(r).to_vec(),
                 whole: BTreeMap::new(),
                 terms: self.terms(r).map(|t| (0, t.clone())).into_iter().collect(),
                 totals: self.total(r).map(|t| (0, t)).into_iter().collect(),
+                picked: match picked.is_empty() {
+                    true => BTreeMap::new(),
+                    false => BTreeMap::from([(0, picked.to_vec())]),
+                },
             },
         }
     }
@@ -233,6 +252,9 @@ pub struct Sampler {
     prompt: HashSet<u32>,
     /// Added to these tokens' logits before each draw.
     bias: Vec<(u32, f32)>,
+    /// The tokens whose logits the draws may change, in order: the prompt's (under
+    /// `repetition_penalty`), the biased, and those drawn (under a penalty).
+    changed: Vec<u32>,
     /// The uniform number of a draw by total that landed past its narrowed row: the draw
     /// from the whole row goes on with it.
     pending: Option<f64>,
@@ -241,15 +263,19 @@ pub struct Sampler {
 impl Sampler {
     /// A sample of `prompt` (which only `repetition_penalty` reads).
     pub fn new(params: SamplingParams, seed: u64, prompt: &[u32]) -> Sampler {
+        let prompt: HashSet<u32> = match params.repetition_penalty != 1.0 {
+            true => prompt.iter().copied().collect(),
+            false => HashSet::new(),
+        };
+        let mut changed: Vec<u32> = prompt.iter().copied().collect();
+        changed.sort_unstable();
         Sampler {
             params,
             rng: ChaCha8Rng::seed_from_u64(seed),
             drawn: HashMap::new(),
-            prompt: match params.repetition_penalty != 1.0 {
-                true => prompt.iter().copied().collect(),
-                false => HashSet::new(),
-            },
+            prompt,
             bias: Vec::new(),
+            changed,
             pending: None,
         }
     }
@@ -258,136 +284,59 @@ impl Sampler {
     pub fn with_bias(mut self, bias: &[(u32, f32)]) -> Sampler {
         self.bias = bias.to_vec();
         self.bias.sort_unstable_by_key(|&(t, _)| t);
+        self.changed.extend(self.bias.iter().map(|&(t, _)| t));
+        self.changed.sort_unstable();
+        self.changed.dedup();
         self
     }
 
     /// How many of a row's most likely tokens this sampler's next draw may reach (`None`: the
-    /// whole row).
-    ///
-    /// Penalties of these signs and biases below 0 only lower logits, and only those of the
-    /// tokens the prompt holds or the sample drew, or the biased ones. Of a row's `k + m`
-    /// most likely tokens, where `m` tokens are lowered, at least `k` keep their logits, and
-    /// each is at least as likely as any token past them: so the `k` most likely after the
-    /// penalties are among those `k + m`. A penalty of the other sign, or a bias above 0, can
-    /// lift any token into the lead, and such a draw reads the whole row.
+    /// whole row). A draw that changes logits reads as many more as the tokens it changes,
+    /// up to what a backend narrows to, beside their logits ([`Sampler::picks`]); it reads its
+    /// whole row where it changes more than [`PICKS_MAX`] tokens, or where the narrowed and
+    /// the picked tokens cannot settle it ([`Sampler::sample`]).
     pub fn reach(&self) -> Option<usize> {
         let k = self.params.reach()?;
-        let p = self.params;
-        if !p.penalizes() && self.bias.is_empty() {
-            return Some(k);
+        match self.adjusts() {
+            false => Some(k),
+            true => self.adjusted_reach(k),
         }
-        // A total summed on the backend is the unchanged row's.
-        if p.draws_by_total() {
-            return None;
-        }
-        let lowers = p.frequency_penalty >= 0.0
-            && p.presence_penalty >= 0.0
-            && p.repetition_penalty >= 1.0
-            && self.bias.iter().all(|&(_, b)| b <= 0.0);
-        if !lowers {
-            return None;
-        }
-        // Past what a backend narrows to, the prompt is not counted token by token each step.
-        let lowered = self.drawn.len() + self.bias.len();
-        if k + lowered + self.prompt.len().saturating_sub(lowered) > TOP_LOGITS_MAX {
-            return None;
-        }
-        let prompt_only = (self.prompt.iter())
-            .filter(|t| !self.drawn.contains_key(t))
-            .count();
-        Some(k + lowered + prompt_only)
     }
 
     /// The temperature at which this sampler's draws read their row's softmax total
     /// ([`canopy_engine::LayerOps::softmax_totals`]), if they do: draws over the whole
-    /// vocabulary that change no logits.
+    /// vocabulary.
     pub fn total_temperature(&self) -> Option<f32> {
         let p = self.params;
-        (p.draws_by_total() && !p.penalizes() && self.bias.is_empty()).then_some(p.temperature)
+        p.draws_by_total().then_some(p.temperature)
     }
 
     /// The next token from one row of logits: whole, or narrowed to at least
-    /// [`Sampler::reach`] tokens, with the row's softmax `total` at the sampler's
-    /// temperature where it was read ([`Sampler::total_temperature`]).
+    /// [`Sampler::reach`] tokens with the logits of [`Sampler::picks`] beside them, with the
+    /// row's softmax `total` at the sampler's temperature where it was read
+    /// ([`Sampler::total_temperature`]). The sample's penalties are taken and its bias added.
     ///
-    /// `None`: a draw by total landed past the narrowed row. The sampler keeps the draw, and
-    /// the next call, with the same row whole and the same total, finishes it. A whole row
-    /// drawn over the whole vocabulary without its total (a prompt's last, or a row whose
-    /// logits the penalties changed) has it summed on the host
+    /// `None`: the narrowed row does not settle the draw (a draw by total landed past it, or
+    /// the draw changes too many of its tokens). The sampler keeps the draw, and the next
+    /// call, with the same row whole and the same total, finishes it. A whole row drawn over
+    /// the whole vocabulary without its total (a prompt's last) has it summed on the host
     /// ([`canopy_core::logits::softmax_total`]).
     pub fn sample(&mut self, row: RowLogits, total: Option<f32>) -> Option<u32> {
-        match total {
-            Some(total) if self.total_temperature().is_some() => self.sample_by_total(row, total),
-            _ => Some(self.sample_adjusted(row)),
-        }
-    }
-
-    /// The next token from one row of logits, the sample's penalties taken and its bias added.
-    fn sample_adjusted(&mut self, row: RowLogits) -> u32 {
-        if !self.params.penalizes() && self.bias.is_empty() {
-            return self.sample_row(row);
-        }
-        let token = match row {
-            RowLogits::Whole(logits) => {
-                let adjusted = self.adjusted(logits);
-                self.sample_row(RowLogits::Whole(&adjusted))
-            }
-            RowLogits::Top { tokens, logits } => {
-                // The narrowed tokens adjusted, then put in order again.
-                let mut adjusted: Vec<(u32, f32)> = (tokens.iter().zip(logits))
-                    .map(|(&t, &x)| (t, self.adjust(t, x)))
-                    .collect();
-                adjusted.sort_unstable_by(|&(a, x), &(b, y)| likelier(a, x, b, y));
-                let (tokens, logits): (Vec<u32>, Vec<f32>) = adjusted.into_iter().unzip();
-                self.sample_row(RowLogits::Top {
-                    tokens: &tokens,
-                    logits: &logits,
-                })
-            }
+        let token = match total {
+            _ if self.adjusts() => self.sample_adjusted(row, total)?,
+            Some(total) if self.params.draws_by_total() => self.sample_by_total(row, total)?,
+            _ => self.sample_row(row),
         };
         if self.params.penalizes() {
             *self.drawn.entry(token).or_default() += 1;
-        }
-        token
-    }
-
-    /// Token `t`'s logit `x` with the sample's penalties taken and its bias added: the
-    /// repetition penalty, then the frequency and presence penalties, in the order other
-    /// OpenAI-compatible servers take them, then the bias.
-    fn adjust(&self, t: u32, mut x: f32) -> f32 {
-        let p = self.params;
-        let drawn = self.drawn.get(&t).copied().unwrap_or(0);
-        if p.repetition_penalty != 1.0 && (drawn > 0 || self.prompt.contains(&t)) {
-            x = if x > 0.0 {
-                x / p.repetition_penalty
-            } else {
-                x * p.repetition_penalty
-            };
-        }
-        if drawn > 0 {
-            x -= p.frequency_penalty * drawn as f32 + p.presence_penalty;
-        }
-        if let Ok(i) = self.bias.binary_search_by_key(&t, |&(u, _)| u) {
-            x += self.bias[i].1;
-        }
-        x
-    }
-
-    /// A whole row adjusted ([`Sampler::adjust`]) where a penalty or a bias reaches.
-    fn adjusted(&self, logits: &[f32]) -> Vec<f32> {
-        let mut row = logits.to_vec();
-        let reached: HashSet<u32> = (self.prompt.iter().chain(self.drawn.keys()).copied())
-            .chain(self.bias.iter().map(|&(t, _)| t))
-            .collect();
-        for t in reached {
-            if let Some(x) = row.get_mut(t as usize) {
-                *x = self.adjust(t, *x);
+            if let Err(at) = self.changed.binary_search(&token) {
+                self.changed.insert(at, token);
             }
         }
-        row
+        Some(token)
     }
 
-    /// The next token from one row of logits, without penalties.
+    /// The next token from one row of logits, unchanged.
     fn sample_row(&mut self, row: RowLogits) -> u32 {
         let p = self.params;
         match row {
@@ -403,7 +352,7 @@ impl Sampler {
                 let values: Vec<f32> = tokens.iter().map(|&t| logits[t as usize]).collect();
                 self.draw(&tokens, &values)
             }
-            RowLogits::Top { tokens, logits } => {
+            RowLogits::Top { tokens, logits, .. } => {
                 // At least the reach, or the whole vocabulary in order; a draw over the whole
                 // vocabulary reads its row's total beside these.
                 debug_assert!(!p.draws_by_total(), "a narrowed row without its total");
@@ -600,21 +549,23 @@ mod tests {
         assert_eq!(greedy((0.0, 0.0, 1.25), &[0, 0, 0], &logits, 3), [1, 0, 0]);
         assert_eq!(greedy((0.0, 0.0, 1.25), &[], &logits, 3), [0, 1, 0]);
         assert_eq!(greedy((0.0, 0.0, 1.25), &[0], &[-1.0, -1.1], 1), [1]);
-        // A bias lifts a token into the lead, or takes one out of it.
+        // A bias lifts a token into the lead, or takes one out of it. A draw reaches one
+        // token further for each token it changes, and picks those it may lift.
         let mut s =
             Sampler::new(SamplingParams::default(), 0, &[]).with_bias(&[(2, 3.5), (0, -100.0)]);
-        assert_eq!(s.reach(), None);
+        assert_eq!((s.reach(), s.picks()), (Some(3), vec![2]));
         assert_eq!(s.sample(RowLogits::Whole(&logits), None).unwrap(), 2);
         let mut s = Sampler::new(SamplingParams::default(), 0, &[]).with_bias(&[(0, -1.0)]);
         assert_eq!(s.reach(), Some(2), "its likeliest and the one it lowers");
+        assert_eq!(s.picks(), Vec::<u32>::new());
         assert_eq!(s.sample(RowLogits::Whole(&logits), None).unwrap(), 1);
-        // A penalty that lifts reads the whole row; one that lowers reaches one token further
-        // for each token it may lower.
         let lifts = SamplingParams {
             presence_penalty: -0.5,
             ..SamplingParams::default()
         };
-        assert_eq!(Sampler::new(lifts, 0, &[]).reach(), None);
+        let mut s = Sampler::new(lifts, 0, &[]);
+        s.sample(RowLogits::Whole(&logits), None).unwrap();
+        assert_eq!((s.reach(), s.picks()), (Some(2), vec![0]));
         let lowers = SamplingParams {
             repetition_penalty: 1.2,
             ..SamplingParams::default()
@@ -627,47 +578,6 @@ mod tests {
             Some(4),
             "the prompt's two tokens and the one drawn"
         );
-    }
-
-    proptest::proptest! {
-        /// A draw that only lowers logits, from a row narrowed to its sampler's reach, is the
-        /// draw from the whole row, step after step, on rows with many ties.
-        #[test]
-        fn a_lowering_draw_from_its_reach_is_the_whole_rows(
-            seed in 0u64..1000,
-            greedy in proptest::bool::ANY,
-            top_k in 1usize..6,
-            frequency in 0.0f32..1.5,
-            presence in 0.0f32..1.5,
-            repetition in 1.0f32..2.0,
-            prompt in proptest::collection::vec(0u32..60, 0..12),
-            bias in proptest::collection::vec((0u32..60, -5.0f32..0.0), 0..3),
-        ) {
-            let params = SamplingParams {
-                temperature: if greedy { 0.0 } else { 0.9 },
-                top_k,
-                top_p: 0.9,
-                frequency_penalty: frequency,
-                presence_penalty: presence,
-                repetition_penalty: repetition,
-            };
-            let mut bias = bias;
-            bias.sort_unstable_by_key(|&(t, _)| t);
-            bias.dedup_by_key(|&mut (t, _)| t);
-            let (mut whole, mut narrow) = (
-                Sampler::new(params, seed, &prompt).with_bias(&bias),
-                Sampler::new(params, seed, &prompt).with_bias(&bias),
-            );
-            for step in 0..12u64 {
-                let logits: Vec<f32> = (0..60u64)
-                    .map(|i| ((i * 7 + step * 13 + seed) % 9) as f32 * 0.5)
-                    .collect();
-                let k = narrow.reach().expect("it lowers only");
-                let a = whole.sample(RowLogits::Whole(&logits), None).unwrap();
-                let b = narrow.sample(narrowed(&logits, k.min(60)).row(0), None).unwrap();
-                proptest::prop_assert_eq!(a, b, "step {}, reach {}", step, k);
-            }
-        }
     }
 
     #[test]

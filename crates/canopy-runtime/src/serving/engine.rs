@@ -511,6 +511,9 @@ fn step_reads(step: &Step, rows: &[Row]) -> RowReads {
         totals: (step.totals.iter())
             .filter_map(|(listed, t)| place(listed).map(|p| (p, *t)))
             .collect(),
+        picks: (step.picks.iter())
+            .filter_map(|(listed, picks)| place(listed).map(|p| (p, picks.clone())))
+            .collect(),
     }
 }
 

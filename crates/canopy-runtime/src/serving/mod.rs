@@ -13,9 +13,11 @@
 //!   cached), ends finished and cancelled ones, and describes the next step: the
 //!   decode rows of every running sample and chunks of the prompts still to prefill (a token
 //!   budget per step, so a long prompt does not stall the streams). It says which rows are
-//!   read beyond their likeliest tokens: whole for a draw that may lift a logit (a penalty or
-//!   bias of that sign) or reaches past the narrowing, reduced to their log-normalisers for a
-//!   request that reports log-probabilities. After the step it draws each row's token (per-request
+//!   read beyond their likeliest tokens: the logits of the tokens a draw changes (penalties,
+//!   biases), picked; their softmax totals for a draw over the whole vocabulary; reduced to
+//!   their log-normalisers for a request that reports log-probabilities; whole for a draw that
+//!   reaches past the narrowing or changes too many tokens. A draw the narrowed row does not
+//!   settle reads its row whole after the step. After the step it draws each row's token (per-request
 //!   sampling, seeded per sample; rows read whole in parallel), decodes the text, and finds
 //!   stop tokens, stop strings and token limits.
 //! - `engine` (every rank): the step loop. Rank 0 sends each step's description to the other

@@ -208,8 +208,8 @@ impl<'t> Scheduler<'t> {
             false => step_reach(reaches.iter().flatten().map(|&k| Some(k)), 1),
         };
         // A narrowed row that reports its token's log-probability has its row's
-        // log-normaliser and likeliest tokens read beside it, and one drawn over the whole
-        // vocabulary its softmax total.
+        // log-normaliser and likeliest tokens read beside it, one drawn over the whole
+        // vocabulary its softmax total, and one whose draw changes logits those logits.
         if step.reach.is_some() {
             for (row, reach) in step.decode.iter().zip(&reaches) {
                 let place = (row.id, row.sample);
@@ -221,8 +221,13 @@ impl<'t> Scheduler<'t> {
                 if r.submitted.request.logprobs.is_some() {
                     step.terms.push(place);
                 }
-                if let Some(t) = r.samples[row.sample as usize].sampler.total_temperature() {
+                let sampler = &r.samples[row.sample as usize].sampler;
+                if let Some(t) = sampler.total_temperature() {
                     step.totals.push((place, t));
+                }
+                let picks = sampler.picks();
+                if !picks.is_empty() {
+                    step.picks.push((place, picks));
                 }
             }
         }
@@ -621,6 +626,7 @@ mod tests {
             whole,
             terms,
             totals,
+            picked,
             ..
         } = &mut logits
         {
@@ -637,6 +643,12 @@ mod tests {
                 if let Some(&(_, t)) = step.totals.iter().find(|(p, _)| *p == (row.id, row.sample))
                 {
                     totals.insert(i, 1.0 + (VOCAB - 1) as f32 * (-1.0 / t).exp());
+                }
+                if let Some((_, picks)) =
+                    step.picks.iter().find(|(p, _)| *p == (row.id, row.sample))
+                {
+                    let logit = |t: u32| (t, f32::from(u8::from(t == token)));
+                    picked.insert(i, picks.iter().map(|&t| logit(t)).collect());
                 }
             }
         }
@@ -753,13 +765,15 @@ mod tests {
         let step = s.next_step(&books);
         run(&mut s, &mut books, &step, 20);
         // Beside it now: a greedy row that reports log-probabilities has its row's terms read,
-        // and a biased row is read whole.
+        // and a row whose bias may lift a token reaches one token further, with that token's
+        // logit picked.
         let step = s.next_step(&books);
-        assert_eq!(step.reach, Some(1));
+        assert_eq!(step.reach, Some(2));
         assert_eq!(
             (step.terms.clone(), step.whole.clone()),
-            (vec![(reports, 0)], vec![(bias, 0)])
+            (vec![(reports, 0)], vec![])
         );
+        assert_eq!(step.picks, [((bias, 0), vec![3])]);
         run(&mut s, &mut books, &step, 20);
         let logprobs = |events: &Mutex<Vec<Event>>| {
             let events = events.lock().unwrap();

@@ -56,8 +56,8 @@ pub(crate) struct Step {
     /// for every row's draw but those of `whole` (`None`: whole rows).
     pub reach: Option<usize>,
     /// Decode rows (request, sample) whose draw needs their whole logits, read whole beside
-    /// the narrowed rows: those that report log-probabilities, change logits or draw from
-    /// more tokens than the backend narrows to.
+    /// the narrowed rows: those that change more logits than [`crate::sampling::PICKS_MAX`],
+    /// or draw from more tokens than the backend narrows to.
     pub whole: Vec<(u64, u32)>,
     /// Narrowed decode rows (request, sample) that report their drawn token's
     /// log-probability: their log-normalisers and likeliest tokens are read beside them.
@@ -65,6 +65,11 @@ pub(crate) struct Step {
     /// Narrowed decode rows (request, sample) drawn over the whole vocabulary, with their
     /// temperatures: their softmax totals are read beside them.
     pub totals: Vec<((u64, u32), f32)>,
+    /// Narrowed decode rows (request, sample) whose draws change logits, with the tokens
+    /// whose logits are picked beside them (`Sampler::picks`). Rank 0 alone reads them, as
+    /// it alone draws; they may run to thousands of tokens a row, and are not sent.
+    #[serde(skip)]
+    pub picks: Vec<((u64, u32), Vec<u32>)>,
     pub prefill: Vec<Chunk>,
     /// The engine stops after this step.
     pub stop: bool,
@@ -125,6 +130,7 @@ mod tests {
             whole: vec![(4, 0)],
             terms: vec![(4, 1)],
             totals: vec![((4, 1), 0.7)],
+            picks: Vec::new(),
             prefill: vec![Chunk { id: 7, end: 3 }],
             stop: false,
         };
