@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Draws at a temperature over the whole vocabulary (no top_k, as OpenAI's clients send them),
-# which read narrowed rows and their softmax totals, and rows whole only where a draw lands past
-# them:
-# 1. the device tests (logit_ops holds softmax_totals to the CPU's f64 sums);
-# 2. the tiny fixture model (f32) served on the GPU: seeded completions, all in flight at once,
-#    against `generate` on the GPU with the same seeds (serve_fields.py sampled);
+# with penalties or without, which read narrowed rows, their softmax totals and the changed
+# tokens' logits, and rows whole only where those do not settle a draw:
+# 1. the device tests (logit_ops holds softmax_totals to the CPU's f64 sums, and pick_logits
+#    to the CPU's bits);
+# 2. the tiny fixture model (f32) served on the GPU: seeded completions, some penalised, all in
+#    flight at once, against `generate` on the GPU with the same seeds and penalties
+#    (serve_fields.py sampled);
 # 3. the 8B shape with random weights (bf16) under CONCURRENCY streamed completions, timed in
-#    VARIANTS (serve_fields.py load: greedy, temperature 1, 0.1, top_p 0.9, top_k 40), for each
-#    binary of BINS (name=path; default this build alone).
+#    VARIANTS (serve_fields.py load; default greedy, temperature 1, 0.1, top_p 0.9, top_k 40),
+#    for each binary of BINS (name=path; default this build alone).
 # RANKS (default 1) sets the ranks of every server and of `generate`: one a GPU where the machine
 # has them.
 # Run from the repository root on the device machine with the release binary in .device/.

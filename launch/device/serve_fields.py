@@ -7,9 +7,9 @@ server on the GPU and one on the CPU; the texts must be equal and the log-probab
 or FAILED.
 
 sampled URL BIN MODEL PROMPTS_JSON: seeded completions at a temperature over the whole
-vocabulary (no top_k), all in flight at once, against `BIN generate` on the GPU (on RANKS ranks,
-default 1) with the same seed and prompt: the texts must be equal. Prints one line per request
-and ALL PASS or FAILED.
+vocabulary (no top_k), some with penalties, all in flight at once, against `BIN generate` on the
+GPU (on RANKS ranks, default 1) with the same seed, prompt and penalties: the texts must be
+equal. Prints one line per request and ALL PASS or FAILED.
 
 load URL: CONCURRENCY streamed completions at once (the same random token ids each time, so
 that after the first run every prompt is found cached; ignore_eos), timed, in the variants
@@ -17,9 +17,10 @@ named by VARIANTS: a warm-up, none ask for log-probabilities, one does, all do, 
 penalised (by repetition, over their prompts), all are penalised by frequency and presence
 (which only lower the logits of tokens drawn), all echo their prompts with their
 log-probabilities; `greedy` (as `none`), and draws seeded by request at temperature 1 (`t1`),
-at 0.1 (`t01`), at 1 cut by top_p 0.9 (`top-p`) or by top_k 40 (`top-k`). Prints one JSON
-line per variant, with the decode rows read whole for their draws where the server counts
-them.
+at 0.1 (`t01`), at 1 cut by top_p 0.9 (`top-p`) or by top_k 40 (`top-k`); the last two
+temperatures with frequency and presence penalties 0.5 (`t1-penalised`, `t01-penalised`), and
+greedy draws with a logit bias that lifts two tokens (`lifting`). Prints one JSON line per
+variant, with the decode rows read whole for their draws where the server counts them.
 """
 import json
 import os
@@ -96,27 +97,31 @@ def check(gpu, cpu, prompts):
 
 
 def sampled(url, binary, model, prompts):
-    cases = [(i, t, p) for i in range(len(prompts)) for t, p in [(1.0, 1.0), (0.8, 0.9)]]
+    draws = [(1.0, 1.0, {}), (0.8, 0.9, {}),
+             (1.0, 1.0, {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
+             (0.8, 0.9, {"repetition_penalty": 1.3, "presence_penalty": -0.2})]
+    cases = [(i, t, p, pen) for i in range(len(prompts)) for t, p, pen in draws]
 
     def served(case):
-        i, t, p = case
-        body = {"prompt": prompts[i], "max_tokens": 16, "temperature": t, "top_p": p, "seed": 7}
+        i, t, p, pen = case
+        body = {"prompt": prompts[i], "max_tokens": 16, "temperature": t, "top_p": p, "seed": 7, **pen}
         return post(url, "/v1/completions", body)["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(cases)) as ex:
         got = list(ex.map(served, cases))
     ok = True
-    for (i, t, p), text in zip(cases, got):
+    for (i, t, p, pen), text in zip(cases, got):
         ids = ",".join(map(str, prompts[i]))
+        flags = [a for k, v in pen.items() for a in ("--" + k.replace("_", "-"), str(v))]
         out = subprocess.run([binary, "generate", "--model", model, "--backend", "cuda", "--dtype", "f32",
                               "--prompt-ids", ids, "--max-tokens", "16", "--temperature", str(t),
                               "--top-p", str(p), "--seed", "7", "--json",
-                              "--ranks", os.environ.get("RANKS", "1")],
+                              "--ranks", os.environ.get("RANKS", "1"), *flags],
                              capture_output=True, text=True, check=True)
         want = json.loads(out.stdout)["samples"][0]["text"]
         same = text == want
         ok &= same
-        print(f"prompt {i}, temperature {t}, top_p {p}: {'same' if same else 'DIFFERENT'} {text!r}")
+        print(f"prompt {i}, temperature {t}, top_p {p}, {pen}: {'same' if same else 'DIFFERENT'} {text!r}")
         if not same:
             print("  generate:", repr(want))
     print("ALL PASS" if ok else "FAILED")
@@ -143,12 +148,15 @@ def load(url):
                 body["logprobs"] = 5
             if variant == "penalties":
                 body["repetition_penalty"] = 1.1
-            if variant == "lowering":
+            if variant in ("lowering", "t1-penalised", "t01-penalised"):
                 body.update(frequency_penalty=0.5, presence_penalty=0.5)
+            if variant == "lifting":
+                body["logit_bias"] = {str(prompts[i][0]): 5, str(prompts[i][1]): 3}
             if variant == "echo":
                 body.update(logprobs=1, echo=True)
             draws = {"t1": (1.0, 1.0, 0), "t01": (0.1, 1.0, 0), "top-p": (1.0, 0.9, 0),
-                     "top-k": (1.0, 1.0, 40)}
+                     "top-k": (1.0, 1.0, 40), "t1-penalised": (1.0, 1.0, 0),
+                     "t01-penalised": (0.1, 1.0, 0)}
             if variant in draws:
                 t, p, k = draws[variant]
                 body.update(temperature=t, top_p=p, top_k=k, seed=i)

@@ -271,12 +271,13 @@ fn penalties_draw_what_generate_draws_with_them() {
     );
     assert_ne!(penalised, plain, "the penalties change what is drawn");
     // Penalties that only lower logits draw from rows narrowed to their sampler's reach; a
-    // bias too small to move a logit, but above 0, has the same draw read whole rows.
+    // bias too small to move a logit, but above 0, has its token's logit picked beside them,
+    // and the same draw.
     let lowering = json!({"frequency_penalty": 0.7, "presence_penalty": 0.3});
     let narrowed = complete(lowering.clone());
-    let mut read_whole = lowering;
-    read_whole["logit_bias"] = json!({"0": 1e-30});
-    assert_eq!(narrowed, complete(read_whole));
+    let mut lifting = lowering;
+    lifting["logit_bias"] = json!({"0": 1e-30});
+    assert_eq!(narrowed, complete(lifting));
     let options = ["--frequency-penalty", "0.7", "--presence-penalty", "0.3"];
     assert_eq!(narrowed, generate_alone_with(&model, &prompt, 24, &options));
     assert_ne!(narrowed, plain);
@@ -297,6 +298,71 @@ fn penalties_draw_what_generate_draws_with_them() {
         let r = server.client.post("/v1/completions", body).unwrap();
         assert_eq!(r.status, 400, "{body}");
         assert_eq!(error_of(&r)["param"], param, "{body}");
+    }
+}
+
+/// Draws over the whole vocabulary that change logits (penalties of either sign, as OpenAI's
+/// clients send them at a temperature) read narrowed rows, their totals and the changed
+/// tokens' logits, and rows whole only where those do not settle a draw: several requests in
+/// flight at once, on one rank or two, draw what `generate` draws from the same seed.
+#[test]
+fn penalised_draws_over_the_whole_vocabulary_are_generates() {
+    let cases = [
+        (
+            1.0,
+            1.0,
+            ["--frequency-penalty", "0.5", "--presence-penalty", "0.3"],
+        ),
+        (
+            0.8,
+            0.9,
+            ["--repetition-penalty", "1.3", "--presence-penalty", "-0.2"],
+        ),
+    ];
+    for ranks in ["1", "2"] {
+        let server = Server::start(&tiny(), &["--ranks", ranks]);
+        let (model, prompts) = (tiny(), tiny_prompts());
+        for (temperature, top_p, penalties) in cases {
+            let mut body = json!({
+                "max_tokens": 16, "temperature": temperature, "top_p": top_p, "seed": 7,
+            });
+            for pair in penalties.chunks(2) {
+                let field = pair[0].trim_start_matches("--").replace('-', "_");
+                body[field] = json!(pair[1].parse::<f32>().unwrap());
+            }
+            let texts: Vec<String> = std::thread::scope(|scope| {
+                let asked: Vec<_> = (prompts.iter())
+                    .map(|prompt| {
+                        let mut body = body.clone();
+                        body["prompt"] = json!(prompt);
+                        let client = &server.client;
+                        scope.spawn(move || answer(client, "/v1/completions", &body))
+                    })
+                    .collect();
+                (asked.into_iter())
+                    .map(|h| {
+                        h.join().unwrap()["choices"][0]["text"]
+                            .as_str()
+                            .unwrap()
+                            .to_string()
+                    })
+                    .collect()
+            });
+            let (t, p) = (temperature.to_string(), top_p.to_string());
+            let mut options = vec!["--temperature", &t, "--top-p", &p, "--seed", "7"];
+            options.extend(penalties);
+            for (prompt, got) in prompts.iter().zip(&texts) {
+                let want = generate_alone_with(&model, prompt, 16, &options);
+                assert_eq!(got, &want, "{ranks} ranks, {options:?}");
+            }
+        }
+        let m = server.metrics();
+        let whole = value(&m, "canopy_rows_read_whole_total");
+        let drawn = value(&m, "canopy_generation_tokens_total");
+        assert!(
+            whole < drawn / 2.0,
+            "{ranks} ranks: {whole} of {drawn} rows read whole"
+        );
     }
 }
 
