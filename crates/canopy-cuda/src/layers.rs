@@ -32,8 +32,8 @@ use crate::launch::Params;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use canopy_engine::layer_ops::{
-    attention_output_through_states, check_logprob_terms, check_pick_logits, check_softmax_totals,
-    check_top_logits, expect_gather, expect_size,
+    attention_output_through_states, check_logit_places, check_logprob_terms, check_pick_logits,
+    check_softmax_totals, check_top_logits, expect_gather, expect_size,
 };
 use canopy_engine::{CachedKeys, EngineError, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
@@ -824,6 +824,16 @@ impl LayerOps for CudaBackend {
         let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
         check_pick_logits("cuda", dims.0, picks, dims.1)?;
         Ok(self.pick_rows(logits, picks, out)?)
+    }
+
+    fn set_logits(
+        &self,
+        logits: &mut CudaTensor,
+        places: &[(u32, u32)],
+        value: f32,
+    ) -> EResult<()> {
+        check_logit_places("cuda", "set_logits", (logits.rows, logits.cols), places)?;
+        Ok(self.set_places(logits, places, value)?)
     }
 
     fn graph_epoch(&self) -> Option<u64> {

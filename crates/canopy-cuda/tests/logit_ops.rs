@@ -1,7 +1,7 @@
 //! The CUDA backend's ops on logits against the CPU backend's, on fresh random rows with
 //! ties, signed zeros and infinities: the narrowing to each row's likeliest tokens bit for bit,
 //! each row's log-normaliser and a target's logit, each row's softmax total at its
-//! temperature (the CPU sums in f64), and single logits picked bit for bit.
+//! temperature (the CPU sums in f64), single logits picked and set bit for bit.
 //!
 //! Without a GPU every test prints why and passes. The seed is printed; `CANOPY_TEST_SEED`
 //! repeats a run.
@@ -187,4 +187,66 @@ fn pick_logits_match_the_cpu_bit_for_bit() {
     let t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
     let mut out = poisoned(&gpu, 1, 1).unwrap();
     assert!(gpu.pick_logits(&t, &[(1, 4)], &mut out).is_err());
+}
+
+/// `logits` with -inf set at `places` on `b`, and each row's softmax total at its temperature
+/// after.
+fn set_then_totals<B: LayerOps>(
+    b: &B,
+    logits: &[f32],
+    rows: usize,
+    places: &[(u32, u32)],
+    temperatures: &[f32],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let mut t = b.upload_tensor(logits, rows, logits.len() / rows)?;
+    b.set_logits(&mut t, places, f32::NEG_INFINITY)?;
+    let mut out = poisoned(b, rows, 1)?;
+    b.softmax_totals(&t, temperatures, &mut out)?;
+    Ok((b.download_tensor(&t)?, b.download_tensor(&out)?))
+}
+
+#[test]
+fn totals_without_set_logits_match_the_cpu() {
+    let Some(gpu) = gpu("totals_without_set_logits_match_the_cpu") else {
+        return;
+    };
+    let mut rng = rng("totals_without_set_logits_match_the_cpu");
+    for (rows, vocab) in [(4, 49152), (32, 128256), (2, 130)] {
+        let logits = model_rows(&mut rng, rows, vocab);
+        // Each row's largest among the places, as a draw that lowers it leaves it out.
+        let mut places: Vec<(u32, u32)> = (0..rows * 60)
+            .map(|_| {
+                (
+                    rng.gen_range(0..rows) as u32,
+                    rng.gen_range(0..vocab) as u32,
+                )
+            })
+            .collect();
+        for r in 0..rows {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let top = (0..vocab)
+                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                .unwrap();
+            places.push((r as u32, top as u32));
+        }
+        let temperatures: Vec<f32> = (0..rows).map(|_| rng.gen_range(0.05f32..2.0)).collect();
+        let (got_rows, got) = set_then_totals(&gpu, &logits, rows, &places, &temperatures).unwrap();
+        let (want_rows, want) =
+            set_then_totals(&CpuBackend, &logits, rows, &places, &temperatures).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got_rows),
+            bits(&want_rows),
+            "{rows} × {vocab}: the rows set"
+        );
+        let mut worst = 0.0f32;
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            let off = (g - w).abs() / w.abs();
+            assert!(off <= 2e-5, "row {r} at {}: {g} {w}", temperatures[r]);
+            worst = worst.max(off);
+        }
+        eprintln!("  set_logits then softmax_totals {rows} × {vocab}: within {worst:.1e}");
+    }
+    let mut t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
+    assert!(gpu.set_logits(&mut t, &[(2, 0)], 0.0).is_err());
 }

@@ -5,8 +5,8 @@
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
 use crate::layer_ops::{
-    check_logprob_terms, check_pick_logits, check_softmax_totals, check_top_logits, expect_gather,
-    expect_size, KeyBlock, LayerOps, ModelNeeds,
+    check_logit_places, check_logprob_terms, check_pick_logits, check_softmax_totals,
+    check_top_logits, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
 };
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::top_tokens;
@@ -471,6 +471,14 @@ impl LayerOps for CpuBackend {
         Ok(())
     }
 
+    fn set_logits(&self, logits: &mut HostMatrix, places: &[(u32, u32)], value: f32) -> Result<()> {
+        check_logit_places("cpu", "set_logits", (logits.rows, logits.cols), places)?;
+        for &(r, t) in places {
+            logits.data[r as usize * logits.cols + t as usize] = value;
+        }
+        Ok(())
+    }
+
     fn end_capture(&self) -> Result<Self::Graph> {
         Err(err("the cpu backend records no graphs".into()))
     }
@@ -606,6 +614,13 @@ mod tests {
             assert!(e.to_string().contains("past logits of 3 rows × 5"), "{e}");
         }
         assert!(b.pick_logits(&logits, &[(0, 0)], &mut out).is_err());
+        let mut set = logits.clone();
+        b.set_logits(&mut set, &[(1, 2), (2, 0)], f32::NEG_INFINITY)
+            .unwrap();
+        let changed: Vec<usize> = (0..15).filter(|&i| set.data[i] != logits.data[i]).collect();
+        assert_eq!(changed, [7, 10]);
+        assert_eq!(set.data[7], f32::NEG_INFINITY);
+        assert!(b.set_logits(&mut set, &[(3, 0)], 0.0).is_err());
     }
 
     #[test]

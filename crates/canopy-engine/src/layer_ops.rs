@@ -476,6 +476,17 @@ pub trait LayerOps: MergeOps {
         out: &mut Self::Tensor,
     ) -> Result<()>;
 
+    /// Sets the logits at `places`, each a `(row, token)` of `logits`, to `value`
+    /// ([`check_logit_places`]). With `-∞` in a copy of some rows, their
+    /// [`softmax_totals`](Self::softmax_totals) leave those tokens out: the total of the
+    /// tokens a draw does not change, to which it adds the changed ones' terms itself.
+    fn set_logits(
+        &self,
+        logits: &mut Self::Tensor,
+        places: &[(u32, u32)],
+        value: f32,
+    ) -> Result<()>;
+
     /// Whether this backend records passes as graphs (`None`: it does not), and if so the
     /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
     /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is
@@ -574,21 +585,32 @@ pub fn check_softmax_totals(
     expect_size(backend, "softmax_totals", "the output's columns", out.1, 1)
 }
 
+/// Refuses an `op` on logits (`rows × vocab`) at a `(row, token)` of `places` past them.
+pub fn check_logit_places(
+    backend: &'static str,
+    op: &str,
+    (rows, vocab): (usize, usize),
+    places: &[(u32, u32)],
+) -> Result<()> {
+    let past = |&&(r, t): &&(u32, u32)| r as usize >= rows || t as usize >= vocab;
+    match places.iter().find(past) {
+        Some((r, t)) => Err(EngineError::Backend {
+            backend,
+            message: format!("{op}: ({r}, {t}) is past logits of {rows} rows × {vocab}"),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a [`LayerOps::pick_logits`] call with a pick past `logits` (`rows × vocab`), or
 /// whose output is not `picks × 1`.
 pub fn check_pick_logits(
     backend: &'static str,
-    (rows, vocab): (usize, usize),
+    dims: (usize, usize),
     picks: &[(u32, u32)],
     out: (usize, usize),
 ) -> Result<()> {
-    let past = |&&(r, t): &&(u32, u32)| r as usize >= rows || t as usize >= vocab;
-    if let Some((r, t)) = picks.iter().find(past) {
-        return Err(EngineError::Backend {
-            backend,
-            message: format!("pick_logits: ({r}, {t}) is past logits of {rows} rows × {vocab}"),
-        });
-    }
+    check_logit_places(backend, "pick_logits", dims, picks)?;
     expect_size(
         backend,
         "pick_logits",

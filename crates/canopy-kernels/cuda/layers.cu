@@ -740,3 +740,13 @@ extern "C" __global__ void pick_logits(const float* __restrict__ logits, const u
         out[i] = logits[(u64)p.x * cols + p.y];
     }
 }
+
+// logits[places[i]] = value for each (row, token) of `places` (rows x cols; the host checked
+// every place against both).
+extern "C" __global__ void set_logits(float* __restrict__ logits, const uint2* __restrict__ places, u32 n,
+                                      u32 cols, float value) {
+    GRID_STRIDE(i, (u64)n) {
+        const uint2 p = places[i];
+        logits[(u64)p.x * cols + p.y] = value;
+    }
+}

@@ -166,6 +166,7 @@ impl Id {
                 "logprob_terms",
                 "softmax_totals",
                 "pick_logits",
+                "set_logits",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }

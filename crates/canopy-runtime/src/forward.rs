@@ -453,7 +453,8 @@ fn pass<B: LayerOps, C: Transport<B>>(
 /// The rows of a pass read beyond their narrowed form, by their place among its rows: whole,
 /// reduced for their drawn tokens' log-probabilities, reduced to their softmax totals at
 /// their temperatures (draws over the whole vocabulary), or with some tokens' logits picked
-/// (draws that change them).
+/// (draws that change them). A row's total leaves out the tokens picked from it: the draw
+/// adds their changed terms itself.
 #[derive(Default)]
 pub(crate) struct RowReads {
     pub whole: Vec<usize>,
@@ -475,7 +476,7 @@ impl RowReads {
         read_whole(backend, logits, &self.whole, step)?;
         read_terms(backend, logits, &self.terms, step)?;
         if let StepLogits::Top { totals, picked, .. } = step {
-            let read = softmax_totals(backend, logits, &self.totals)?;
+            let read = softmax_totals(backend, logits, &self.totals, &self.picks)?;
             totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
             pick_logits(backend, logits, &self.picks, picked)?;
         }
@@ -586,18 +587,27 @@ pub(crate) fn download_rows<B: LayerOps>(
 }
 
 /// The softmax totals of rows of `logits` (a pass's, on the backend), each `(row,
-/// temperature)` of `rows` ([`LayerOps::softmax_totals`]).
+/// temperature)` of `rows` ([`LayerOps::softmax_totals`]), without the tokens `picks` names
+/// for them: those are set to `-∞` in the rows' copy ([`LayerOps::set_logits`]).
 fn softmax_totals<B: LayerOps>(
     backend: &B,
     logits: &B::Tensor,
     rows: &[(usize, f32)],
+    picks: &[(usize, Vec<u32>)],
 ) -> Result<Vec<f32>> {
     if rows.is_empty() {
         return Ok(Vec::new());
     }
     let (places, temperatures): (Vec<usize>, Vec<f32>) = rows.iter().copied().unzip();
-    let mut gathered = backend.output_tensor(rows.len(), backend.dims(logits).1)?;
+    let vocab = backend.dims(logits).1;
+    let mut gathered = backend.output_tensor(rows.len(), vocab)?;
     backend.gather_rows(logits, &places, &mut gathered)?;
+    let left_out: Vec<(u32, u32)> = (places.iter().enumerate())
+        .filter_map(|(i, r)| picks.iter().find(|(p, _)| p == r).map(|(_, t)| (i, t)))
+        .flat_map(|(i, tokens)| tokens.iter().map(move |&t| (i as u32, t)))
+        .filter(|&(_, t)| (t as usize) < vocab)
+        .collect();
+    backend.set_logits(&mut gathered, &left_out, f32::NEG_INFINITY)?;
     let mut totals = backend.output_tensor(rows.len(), 1)?;
     backend.softmax_totals(&gathered, &temperatures, &mut totals)?;
     Ok(backend.download_tensor(&totals)?)
@@ -634,6 +644,38 @@ pub(crate) fn row_terms<B: LayerOps>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use canopy_core::logits::softmax_total;
+    use canopy_engine::CpuBackend;
+
+    /// A row's total leaves out the tokens picked from it, and their logits come back beside
+    /// it; a row without picks is summed whole.
+    #[test]
+    fn a_rows_total_leaves_out_the_tokens_picked_from_it() {
+        let b = CpuBackend;
+        let data: Vec<f32> = (0..24).map(|i| ((i * 7) % 11) as f32 * 0.4).collect();
+        let logits = b.upload_tensor(&data, 3, 8).unwrap();
+        let reads = RowReads {
+            totals: vec![(0, 0.7), (2, 1.3)],
+            picks: vec![(2, vec![3, 5, 99]), (1, vec![0])],
+            ..RowReads::default()
+        };
+        let mut step = StepLogits::top(1, vec![0.0; 6]);
+        reads.read(&b, &logits, &mut step).unwrap();
+        let StepLogits::Top { totals, picked, .. } = &step else {
+            unreachable!()
+        };
+        let mut left = data[16..24].to_vec();
+        (left[3], left[5]) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        assert_eq!(totals[&0], softmax_total(&data[..8], 0.7));
+        assert_eq!(totals[&2], softmax_total(&left, 1.3));
+        assert_ne!(totals[&2], softmax_total(&data[16..24], 1.3));
+        assert_eq!(
+            picked[&2],
+            [(3, data[19]), (5, data[21])],
+            "99 is past the row"
+        );
+        assert_eq!(picked[&1], [(0, data[8])]);
+    }
 
     fn key(epoch: u64) -> PassKey {
         PassKey {

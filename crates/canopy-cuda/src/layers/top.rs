@@ -4,8 +4,8 @@
 //! segment is left, whose pass writes the row's logits and tokens. A vocabulary of 128K
 //! takes two passes at any `k`; the logits never leave the device. `logprob_terms` reduces
 //! each row to its log-normaliser and a target's logit, and `softmax_totals` each row to its
-//! softmax total at a temperature, one CTA a row; `pick_logits` reads single logits, a
-//! thread each.
+//! softmax total at a temperature, one CTA a row; `pick_logits` reads single logits and
+//! `set_logits` writes them, a thread each.
 
 use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
@@ -56,10 +56,7 @@ impl CudaBackend {
             return Ok(());
         }
         let f = self.function(Kernel::Layers(DType::F32, "pick_logits"))?;
-        let flat: Vec<u32> = picks.iter().flat_map(|&(r, t)| [r, t]).collect();
-        let flat = self.upload(&flat)?;
-        let n = narrow("pick_logits", picks.len())?;
-        let cols = narrow("pick_logits", logits.cols)?;
+        let (flat, n, cols) = self.places("pick_logits", logits, picks)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(&logits.data)
             .arg(&flat)
@@ -70,6 +67,47 @@ impl CudaBackend {
         // caller), and out holds one float a pick.
         unsafe { b.launch(self.elementwise(picks.len())) }.ctx("launching pick_logits")?;
         Ok(())
+    }
+
+    /// Sets the logits at `places` to `value` (the caller checked every place).
+    pub(super) fn set_places(
+        &self,
+        logits: &mut CudaTensor,
+        places: &[(u32, u32)],
+        value: f32,
+    ) -> Result<()> {
+        logits.drop_rounded();
+        if places.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Kernel::Layers(DType::F32, "set_logits"))?;
+        let (flat, n, cols) = self.places("set_logits", logits, places)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&mut logits.data)
+            .arg(&flat)
+            .arg(&n)
+            .arg(&cols)
+            .arg(&value);
+        // SAFETY: each place is a (row, token) inside logits (rows × cols, checked by the
+        // caller).
+        unsafe { b.launch(self.elementwise(places.len())) }.ctx("launching set_logits")?;
+        Ok(())
+    }
+
+    /// `(row, token)` places uploaded as pairs, with their count and the logits' columns as a
+    /// kernel takes them.
+    fn places(
+        &self,
+        op: &'static str,
+        logits: &CudaTensor,
+        places: &[(u32, u32)],
+    ) -> Result<(CudaSlice<u32>, u32, u32)> {
+        let flat: Vec<u32> = places.iter().flat_map(|&(r, t)| [r, t]).collect();
+        Ok((
+            self.upload(&flat)?,
+            narrow(op, places.len())?,
+            narrow(op, logits.cols)?,
+        ))
     }
 
     /// `layers.cu`'s `kernel`, one CTA a row of `logits`, each reading its own entry of
