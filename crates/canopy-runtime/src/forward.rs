@@ -562,12 +562,34 @@ fn read_whole<B: LayerOps>(
     if rows.is_empty() {
         return Ok(());
     }
-    whole.extend(
-        rows.iter()
-            .copied()
-            .zip(download_rows(backend, logits, rows)?),
-    );
+    let read = download_rows(backend, logits, rows)?;
+    whole.extend((rows.iter().enumerate()).map(|(i, &r)| (r, read.row(i).to_vec())));
     Ok(())
+}
+
+/// Rows of a pass's logits on the host, whole, one after another in the order they were
+/// asked for: one buffer, read in one copy, which the rows are slices of.
+pub(crate) struct WholeRows {
+    vocab: usize,
+    data: Vec<f32>,
+}
+
+impl WholeRows {
+    /// Rows of `vocab` logits each, one after another in `data`.
+    pub(crate) fn new(vocab: usize, data: Vec<f32>) -> WholeRows {
+        debug_assert!(vocab > 0 && data.len().is_multiple_of(vocab));
+        WholeRows { vocab, data }
+    }
+
+    /// The `i`th row read.
+    pub(crate) fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    /// The rows read, in order.
+    pub(crate) fn rows(&self) -> std::slice::ChunksExact<'_, f32> {
+        self.data.chunks_exact(self.vocab)
+    }
 }
 
 /// Rows `rows` of `logits` (a pass's, on the backend) whole on the host.
@@ -575,15 +597,14 @@ pub(crate) fn download_rows<B: LayerOps>(
     backend: &B,
     logits: &B::Tensor,
     rows: &[usize],
-) -> Result<Vec<Vec<f32>>> {
-    if rows.is_empty() {
-        return Ok(Vec::new());
-    }
+) -> Result<WholeRows> {
     let vocab = backend.dims(logits).1;
+    if rows.is_empty() {
+        return Ok(WholeRows::new(vocab, Vec::new()));
+    }
     let mut gathered = backend.output_tensor(rows.len(), vocab)?;
     backend.gather_rows(logits, rows, &mut gathered)?;
-    let data = backend.download_tensor(&gathered)?;
-    Ok(data.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    Ok(WholeRows::new(vocab, backend.download_tensor(&gathered)?))
 }
 
 /// The softmax totals of rows of `logits` (a pass's, on the backend), each `(row,

@@ -312,16 +312,15 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                     let kept = forward.logits().ok_or_else(|| {
                         RuntimeError::Protocol("a narrowed row without its pass's logits".into())
                     })?;
-                    let row =
-                        read_whole.insert(download_rows(backend, kept, &[pass_rows[s]])?.concat());
-                    (samplers[s].sample(RowLogits::Whole(row), total)).ok_or_else(|| {
+                    let row = read_whole.insert(download_rows(backend, kept, &[pass_rows[s]])?);
+                    (samplers[s].sample(RowLogits::Whole(row.row(0)), total)).ok_or_else(|| {
                         RuntimeError::Protocol("a draw over a whole row did not end".into())
                     })?
                 }
             };
             if let Some(n) = req.logprobs {
                 let row = match &read_whole {
-                    Some(row) => RowLogits::Whole(row),
+                    Some(row) => RowLogits::Whole(row.row(0)),
                     None => step_logits[s].row(0),
                 };
                 logprobs[s].extend(token_logprobs(row, step_logits[s].terms(0), token, n));
@@ -478,7 +477,8 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     })
 }
 
-fn ms(d: std::time::Duration) -> f64 {
+/// Milliseconds, for traces.
+pub(crate) fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 

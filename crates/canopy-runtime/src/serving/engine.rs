@@ -356,7 +356,10 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                     .logits_into(backend, &x, &logit_rows, &mut logits)?;
                 if logit_rows.len() > d {
                     let rest: Vec<usize> = (d..logit_rows.len()).collect();
-                    chunk_logits = download_rows(backend, &logits, &rest)?.into_iter();
+                    let read = download_rows(backend, &logits, &rest)?;
+                    chunk_logits = (read.rows().map(<[f32]>::to_vec))
+                        .collect::<Vec<_>>()
+                        .into_iter();
                 }
                 if d > 0 {
                     let mut rows = narrowed(backend, &logits, d, reach)?;

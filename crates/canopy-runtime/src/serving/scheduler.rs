@@ -505,6 +505,7 @@ impl<'t> Scheduler<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::forward::WholeRows;
     use crate::sampling::RowTerms;
     use crate::serving::handle::{channel, DecodePasses, EngineHandle, EventSink, ServeRequest};
     use crate::SamplingParams;
@@ -664,7 +665,10 @@ mod tests {
                 prompt_logprobs: Vec::new(),
             });
         }
-        let read_whole = |places: &[usize]| Ok(places.iter().map(|_| pick(token, 1)).collect());
+        let read_whole = |places: &[usize]| {
+            let rows = places.iter().flat_map(|_| pick(token, 1)).collect();
+            Ok(WholeRows::new(VOCAB, rows))
+        };
         let decoded = (!rows.rows.is_empty()).then_some(Decoded {
             rows: &rows,
             logits: &logits,

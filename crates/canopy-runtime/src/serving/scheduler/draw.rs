@@ -2,11 +2,14 @@
 //! request asks for them, then the token told to its client.
 
 use super::Scheduler;
+use crate::forward::WholeRows;
+use crate::rank::ms;
 use crate::sampling::{token_logprobs, RowLogits, RowTerms, Sampler, TokenLogprobs};
 use crate::serving::handle::{Event, FinishReason};
 use crate::Result;
 use rayon::prelude::*;
 use std::collections::HashMap;
+use std::time::Instant;
 
 /// One row to draw: sample `sample` of request `id`, from its `logits`, with its row's
 /// reduced `terms` and its softmax `total` where they were read.
@@ -23,7 +26,7 @@ pub(super) struct DrawRow<'a> {
 
 /// Reads decode rows of the step whole, by their places: for draws by total that land past
 /// their narrowed rows.
-pub(crate) type ReadWhole<'a> = &'a dyn Fn(&[usize]) -> Result<Vec<Vec<f32>>>;
+pub(crate) type ReadWhole<'a> = &'a dyn Fn(&[usize]) -> Result<WholeRows>;
 
 /// A drawn token and its log-probabilities.
 pub(super) type Drawn = (u32, Option<TokenLogprobs>);
@@ -82,6 +85,7 @@ impl Scheduler<'_> {
             None => Outcome::Ended,
         };
         let whole = |(_, row): &(_, &DrawRow)| matches!(row.logits, RowLogits::Whole(_));
+        let began = Instant::now();
         let mut outcomes: Vec<Outcome> = match work.iter().filter(|w| whole(w)).count() > 1 {
             true => work.par_iter_mut().map(|w| draw(w, w.1.logits)).collect(),
             false => work.iter_mut().map(|w| draw(w, w.1.logits)).collect(),
@@ -94,9 +98,10 @@ impl Scheduler<'_> {
             .map(|(i, _)| i)
             .collect();
         let places: Vec<usize> = short.iter().filter_map(|&i| rows[i].place).collect();
+        let drawn = Instant::now();
         let read = match (read_whole, places.len() == short.len()) {
-            _ if short.is_empty() => Ok(Vec::new()),
-            (Some(read_whole), true) => read_whole(&places),
+            _ if short.is_empty() => Ok(None),
+            (Some(read_whole), true) => read_whole(&places).map(Some),
             _ => Err(crate::RuntimeError::Protocol(
                 "a draw landed past a row that cannot be read whole".into(),
             )),
@@ -107,9 +112,10 @@ impl Scheduler<'_> {
             Ok(read) => {
                 let mut again: Vec<_> = (work.iter_mut().enumerate())
                     .filter(|(i, _)| matches!(outcomes[*i], Outcome::Short))
-                    .zip(&read)
+                    .zip(read.iter().flat_map(WholeRows::rows))
                     .collect();
-                let redraw = |((i, w), whole): &mut ((usize, &mut Work), &Vec<f32>)| {
+                let redrawing = Instant::now();
+                let redraw = |((i, w), whole): &mut ((usize, &mut Work), &[f32])| {
                     (*i, draw(w, RowLogits::Whole(whole)))
                 };
                 let redrawn: Vec<(usize, Outcome)> = match again.len() > 1 {
@@ -119,6 +125,15 @@ impl Scheduler<'_> {
                 for (i, outcome) in redrawn {
                     outcomes[i] = outcome;
                 }
+                tracing::debug!(
+                    rows = rows.len(),
+                    whole = asked_whole,
+                    short = short.len(),
+                    draw_ms = ms(drawn - began),
+                    read_ms = ms(redrawing - drawn),
+                    redraw_ms = ms(redrawing.elapsed()),
+                    "draws"
+                );
             }
             Err(e) => {
                 tracing::error!("reading rows whole for their draws: {e}");
