@@ -183,10 +183,10 @@ fn prompts_and_chats_tokenize_as_the_endpoints_take_them() {
 }
 
 /// Draws at a temperature over the whole vocabulary (no `top_k`, as OpenAI's clients send
-/// them) read narrowed rows and their softmax totals, and rows whole where a draw lands past
-/// them: several requests in flight at once, with log-probabilities asked for or not, on one
-/// rank or two (of which rank 0 alone reads rows beyond their narrowing), draw what `generate`
-/// draws from the same seed.
+/// them) read narrowed rows and their softmax totals, and go on over the rest of a row where a
+/// draw lands past them: several requests in flight at once, with log-probabilities asked for
+/// or not, on one rank or two (of which rank 0 alone reads rows beyond their narrowing), draw
+/// what `generate` draws from the same seed.
 #[test]
 fn draws_over_the_whole_vocabulary_are_generates() {
     for ranks in ["1", "2"] {
@@ -229,14 +229,16 @@ fn draws_over_the_whole_vocabulary_are_generates() {
                 );
             }
         }
-        // Some draws landed past their narrowed rows and read them whole; the others read
-        // only their likeliest tokens and totals.
+        // Some draws landed past their narrowed rows: those at temperature 1 went on over the
+        // rest of their rows on the backend, those cut by top_p past the row's likeliest read
+        // them whole. The others read only their likeliest tokens and totals.
         let m = server.metrics();
         let whole = value(&m, "canopy_rows_read_whole_total");
+        let walked = value(&m, "canopy_rows_tail_walked_total");
         let drawn = value(&m, "canopy_generation_tokens_total");
         assert!(
-            whole > 0.0 && whole < drawn,
-            "{ranks} ranks: {whole} of {drawn} rows read whole"
+            walked > 0.0 && whole + walked < drawn,
+            "{ranks} ranks: {walked} of {drawn} rows walked past their likeliest, {whole} read whole"
         );
     }
 }

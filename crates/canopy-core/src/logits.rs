@@ -4,7 +4,8 @@
 //! token. A draw made from a row's `k` most likely tokens in this order is then the same draw
 //! as from the whole row, on any backend.
 //!
-//! A row's softmax total at a temperature ([`softmax_total`]) is summed here for the host.
+//! A row's softmax total at a temperature ([`softmax_total`]) is summed here for the host, and
+//! the rest of a draw by that total walked past a row's likeliest tokens ([`TailWalk`]).
 
 use std::cmp::Ordering;
 
@@ -64,6 +65,53 @@ pub fn softmax_total(row: &[f32], temperature: f32) -> f32 {
     sum as f32
 }
 
+/// The rest of a draw by a row's softmax total that walked the row's likeliest tokens (its
+/// `head`) without landing: the walk over the other tokens by token id, each's probability
+/// `exp((x - max) / temperature) / total` (the quotient in f32, the rest in f64), `target`
+/// lessened by each token it passes, landing on the first whose probability is above what is
+/// left. A backend walks it where the row lies ([`TailWalk::land`] is the host's walk).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TailWalk {
+    /// The tokens walked already, in any order.
+    pub head: Vec<u32>,
+    /// The row's largest logit.
+    pub max: f32,
+    pub temperature: f32,
+    pub total: f64,
+    /// What is left of the draw's uniform number, in probability, after the head.
+    pub target: f64,
+}
+
+impl TailWalk {
+    /// The probability of a token whose logit is `x`.
+    pub fn prob(&self, x: f32) -> f64 {
+        f64::from((x - self.max) / self.temperature).exp() / self.total
+    }
+
+    /// Where the walk lands in `row`: the first token past the head by token id at which the
+    /// target falls below its probability; where the walk passes them all (the total's
+    /// rounding), the last of them with a probability above 0; `None` where none has one.
+    pub fn land(&self, row: &[f32]) -> Option<u32> {
+        let mut head = self.head.clone();
+        head.sort_unstable();
+        let (mut target, mut last) = (self.target, None);
+        for (t, &x) in (0..row.len() as u32).zip(row) {
+            if head.binary_search(&t).is_ok() {
+                continue;
+            }
+            let q = self.prob(x);
+            if target < q {
+                return Some(t);
+            }
+            target -= q;
+            if q > 0.0 {
+                last = Some(t);
+            }
+        }
+        last
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,5 +145,24 @@ mod tests {
             prop_assert_eq!(top_tokens(&row, k), all.clone());
             prop_assert_eq!(most_likely(&row), all.first().copied());
         }
+    }
+
+    #[test]
+    fn a_tail_walk_skips_the_head_and_lands_where_its_target_falls() {
+        let row = [0.0f32, 0.0, 0.0, 0.0];
+        let walk = |head: Vec<u32>, target| TailWalk {
+            head,
+            max: 0.0,
+            temperature: 1.0,
+            total: 4.0,
+            target,
+        };
+        // Each token weighs 1/4; the head's are passed by.
+        assert_eq!(walk(vec![], 0.3).land(&row), Some(1));
+        assert_eq!(walk(vec![1], 0.3).land(&row), Some(2));
+        assert_eq!(walk(vec![3, 0], 0.1).land(&row), Some(1));
+        // Past every token: the last one passed; none past the head: none.
+        assert_eq!(walk(vec![3], 0.9).land(&row), Some(2));
+        assert_eq!(walk(vec![0, 1, 2, 3], 0.1).land(&row), None);
     }
 }

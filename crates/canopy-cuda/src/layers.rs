@@ -29,11 +29,12 @@ use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::launch::Params;
+use canopy_core::logits::TailWalk;
 use canopy_core::shape::SUPPORTED_HEAD_DIMS;
 use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use canopy_engine::layer_ops::{
     attention_output_through_states, check_logit_places, check_logprob_terms, check_pick_logits,
-    check_softmax_totals, check_top_logits, expect_gather, expect_size,
+    check_softmax_totals, check_top_logits, check_walk_tails, expect_gather, expect_size,
 };
 use canopy_engine::{CachedKeys, EngineError, FillRun, KeyBlock, KvStore, LayerOps, ModelNeeds};
 use canopy_kernels::{Kernel, LAYER_THREADS, PREFILL_TILE};
@@ -824,6 +825,17 @@ impl LayerOps for CudaBackend {
         let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
         check_pick_logits("cuda", dims.0, picks, dims.1)?;
         Ok(self.pick_rows(logits, picks, out)?)
+    }
+
+    fn walk_tails(
+        &self,
+        logits: &CudaTensor,
+        walks: &[(usize, &TailWalk)],
+        out: &mut CudaTensor,
+    ) -> EResult<()> {
+        let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
+        check_walk_tails("cuda", dims.0, walks, dims.1)?;
+        Ok(self.walk_rows(logits, walks, out)?)
     }
 
     fn set_logits(

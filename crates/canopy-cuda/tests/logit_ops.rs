@@ -1,7 +1,8 @@
 //! The CUDA backend's ops on logits against the CPU backend's, on fresh random rows with
 //! ties, signed zeros and infinities: the narrowing to each row's likeliest tokens bit for bit,
 //! each row's log-normaliser and a target's logit, each row's softmax total at its
-//! temperature (the CPU sums in f64), single logits picked and set bit for bit.
+//! temperature (the CPU sums in f64), single logits picked and set bit for bit, and the
+//! rest of draws walked past rows' likeliest tokens.
 //!
 //! Without a GPU every test prints why and passes. The seed is printed; `CANOPY_TEST_SEED`
 //! repeats a run.
@@ -11,6 +12,7 @@ mod compare;
 use common::{gpu, rng};
 use compare::poisoned;
 
+use canopy_core::logits::{softmax_total, top_tokens, TailWalk};
 use canopy_engine::{CpuBackend, LayerOps, Result};
 use rand::Rng;
 
@@ -249,4 +251,100 @@ fn totals_without_set_logits_match_the_cpu() {
     }
     let mut t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
     assert!(gpu.set_logits(&mut t, &[(2, 0)], 0.0).is_err());
+}
+
+/// Where `walks` land in `logits` (`rows × vocab`) on `b`, into a poisoned output.
+fn walked<B: LayerOps>(
+    b: &B,
+    logits: &[f32],
+    rows: usize,
+    walks: &[(usize, &TailWalk)],
+) -> Vec<f32> {
+    let t = b.upload_tensor(logits, rows, logits.len() / rows).unwrap();
+    let mut out = poisoned(b, walks.len(), 2).unwrap();
+    b.walk_tails(&t, walks, &mut out).unwrap();
+    b.download_tensor(&out).unwrap()
+}
+
+#[test]
+fn tail_walks_land_where_the_cpus_do() {
+    let Some(gpu) = gpu("tail_walks_land_where_the_cpus_do") else {
+        return;
+    };
+    let mut rng = rng("tail_walks_land_where_the_cpus_do");
+    for (rows, vocab) in [(3, 4096), (31, 128256), (2, 130)] {
+        let logits = model_rows(&mut rng, rows, vocab);
+        let mut walks = Vec::new();
+        for r in 0..rows {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let temperature = rng.gen_range(0.3f32..2.0);
+            let head = top_tokens(row, 128.min(vocab - 1));
+            let walk = TailWalk {
+                max: row[head[0] as usize],
+                head,
+                temperature,
+                total: f64::from(softmax_total(row, temperature)),
+                target: 0.0,
+            };
+            let tail: f64 = (0..vocab as u32)
+                .filter(|t| !walk.head.contains(t))
+                .map(|t| walk.prob(row[t as usize]))
+                .sum();
+            // Targets across the tail's mass, and one past it.
+            for share in [0.0, rng.gen_range(0.0..1.0), rng.gen_range(0.0..1.0), 1.5] {
+                let target = share * tail;
+                walks.push((
+                    r,
+                    TailWalk {
+                        target,
+                        ..walk.clone()
+                    },
+                ));
+            }
+        }
+        let refs: Vec<(usize, &TailWalk)> = walks.iter().map(|(r, w)| (*r, w)).collect();
+        let got = walked(&gpu, &logits, rows, &refs);
+        let want = walked(&CpuBackend, &logits, rows, &refs);
+        let mut neighbours = 0;
+        for (i, (r, walk)) in walks.iter().enumerate() {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let (g, w) = (got[2 * i].to_bits(), want[2 * i].to_bits());
+            assert_eq!(
+                got[2 * i + 1].to_bits(),
+                row[g as usize].to_bits(),
+                "walk {i}'s logit"
+            );
+            if g == w {
+                continue;
+            }
+            // Another token only where the target lies within rounding of its boundary.
+            neighbours += 1;
+            let before: f64 = (0..g)
+                .filter(|t| !walk.head.contains(t))
+                .map(|t| walk.prob(row[t as usize]))
+                .sum();
+            let q = walk.prob(row[g as usize]);
+            assert!(
+                before - 1e-9 <= walk.target && walk.target < before + q + 1e-9,
+                "walk {i}: GPU {g}, CPU {w}, target {} outside [{before}, {})",
+                walk.target,
+                before + q
+            );
+        }
+        eprintln!(
+            "  walk_tails, {} walks over {rows} × {vocab}: {neighbours} on a neighbour",
+            walks.len()
+        );
+    }
+    // A walk past the rows is refused.
+    let t = gpu.upload_tensor(&[0.5; 8], 2, 4).unwrap();
+    let mut out = poisoned(&gpu, 1, 2).unwrap();
+    let walk = TailWalk {
+        head: vec![],
+        max: 0.5,
+        temperature: 1.0,
+        total: 4.0,
+        target: 0.1,
+    };
+    assert!(gpu.walk_tails(&t, &[(2, &walk)], &mut out).is_err());
 }

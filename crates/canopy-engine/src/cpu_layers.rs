@@ -6,10 +6,10 @@ use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
 use crate::layer_ops::{
     check_logit_places, check_logprob_terms, check_pick_logits, check_softmax_totals,
-    check_top_logits, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
+    check_top_logits, check_walk_tails, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
 };
 use crate::{Backend, EngineError, Result};
-use canopy_core::logits::top_tokens;
+use canopy_core::logits::{top_tokens, TailWalk};
 use canopy_core::{AttnShape, AttnStates, DType, TypedSliceMut, TypedVec};
 
 /// A row-major `rows × cols` f32 matrix on the host: the CPU's activations and weights.
@@ -467,6 +467,23 @@ impl LayerOps for CpuBackend {
         check_pick_logits("cpu", dims.0, picks, dims.1)?;
         for (&(r, t), out) in picks.iter().zip(&mut out.data) {
             *out = logits.data[r as usize * logits.cols + t as usize];
+        }
+        Ok(())
+    }
+
+    fn walk_tails(
+        &self,
+        logits: &HostMatrix,
+        walks: &[(usize, &TailWalk)],
+        out: &mut HostMatrix,
+    ) -> Result<()> {
+        let dims = ((logits.rows, logits.cols), (out.rows, out.cols));
+        check_walk_tails("cpu", dims.0, walks, dims.1)?;
+        for (&(r, walk), out) in walks.iter().zip(out.data.chunks_exact_mut(2)) {
+            let row = &logits.data[r * logits.cols..(r + 1) * logits.cols];
+            let landed = walk.land(row);
+            out[0] = f32::from_bits(landed.unwrap_or(u32::MAX));
+            out[1] = landed.map_or(f32::NAN, |t| row[t as usize]);
         }
         Ok(())
     }

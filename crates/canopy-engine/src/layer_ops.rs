@@ -16,6 +16,7 @@
 use crate::merge::MergeOps;
 use crate::{EngineError, Result};
 use canopy_core::data::{hash_uniform, KV_AMPLITUDE, STREAM_K, STREAM_V};
+use canopy_core::logits::TailWalk;
 use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
 use rayon::prelude::*;
 
@@ -476,6 +477,20 @@ pub trait LayerOps: MergeOps {
         out: &mut Self::Tensor,
     ) -> Result<()>;
 
+    /// Where each of `walks` lands, `(row, walk)` (the rest of a draw by the row's softmax total
+    /// past its likeliest tokens, [`TailWalk`]), into `out` (`walks × 2`): the token as an
+    /// `f32` bit pattern (`u32::MAX`: no token past the head has a probability above 0), then
+    /// its logit. A draw that lands past its narrowed row then reads two numbers, not the row
+    /// ([`check_walk_tails`]). The CPU walks as [`TailWalk::land`]; another backend may sum in
+    /// another order, and land on a token next to the host's where the target lies within its
+    /// rounding of their boundary.
+    fn walk_tails(
+        &self,
+        logits: &Self::Tensor,
+        walks: &[(usize, &TailWalk)],
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+
     /// Sets the logits at `places`, each a `(row, token)` of `logits`, to `value`
     /// ([`check_logit_places`]). With `-∞` in a copy of some rows, their
     /// [`softmax_totals`](Self::softmax_totals) leave those tokens out: the total of the
@@ -583,6 +598,43 @@ pub fn check_softmax_totals(
     }
     expect_size(backend, "softmax_totals", "the output's rows", out.0, rows)?;
     expect_size(backend, "softmax_totals", "the output's columns", out.1, 1)
+}
+
+/// Refuses a [`LayerOps::walk_tails`] call with a walk past the rows of `logits` (`rows ×
+/// vocab`), a head token past the row, a temperature that is no finite number above 0, or an
+/// output that is not `walks × 2`.
+pub fn check_walk_tails(
+    backend: &'static str,
+    (rows, vocab): (usize, usize),
+    walks: &[(usize, &TailWalk)],
+    out: (usize, usize),
+) -> Result<()> {
+    for &(row, walk) in walks {
+        let problem = if row >= rows {
+            format!("row {row} of logits of {rows} rows")
+        } else if let Some(t) = walk.head.iter().find(|&&t| t as usize >= vocab) {
+            format!("head token {t} past a row of {vocab}")
+        } else if !(walk.temperature.is_finite() && walk.temperature > 0.0) {
+            format!(
+                "temperature {} is no finite number above 0",
+                walk.temperature
+            )
+        } else {
+            continue;
+        };
+        return Err(EngineError::Backend {
+            backend,
+            message: format!("walk_tails: {problem}"),
+        });
+    }
+    expect_size(
+        backend,
+        "walk_tails",
+        "the output's rows",
+        out.0,
+        walks.len(),
+    )?;
+    expect_size(backend, "walk_tails", "the output's columns", out.1, 2)
 }
 
 /// Refuses an `op` on logits (`rows × vocab`) at a `(row, token)` of `places` past them.

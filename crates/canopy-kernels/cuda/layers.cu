@@ -750,3 +750,100 @@ extern "C" __global__ void set_logits(float* __restrict__ logits, const uint2* _
         logits[(u64)p.x * cols + p.y] = value;
     }
 }
+
+// One CTA per walk: the rest of a draw by a row's softmax total past the row's likeliest tokens
+// (canopy_core::logits::TailWalk). index[3w..3w+3] = (row of logits, first and count of the
+// walk's head tokens in `heads`, sorted); params[4w..4w+4] = (top, temperature, total, target),
+// `top` the row's largest logit.
+// Each thread sums the probabilities exp((x - top) / T) / total (the quotient in fp32, the rest
+// in fp64) of a contiguous run of the row past the head; a scan of the runs' sums tiles
+// [0, sum) exactly, and the thread whose tile holds the target walks its run token by token,
+// as the host walks the row. A target past every tile lands on the last token with a
+// probability above 0. out[2w] = the token's bits (0xffffffff: none), out[2w + 1] its logit.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ index,
+           const double* __restrict__ params, const u32* __restrict__ heads, float* __restrict__ out) {
+    __shared__ double ends[LAYER_THREADS];
+    __shared__ u32 landed;
+    __shared__ int last_positive[LAYER_THREADS / 32];
+    const u32 w = blockIdx.x;
+    const float* row = logits + (u64)index[3 * w] * cols;
+    const u32* head = heads + index[3 * w + 1];
+    const u32 head_len = index[3 * w + 2];
+    const float top = (float)params[4 * w], temperature = (float)params[4 * w + 1];
+    const double total = params[4 * w + 2], target = params[4 * w + 3];
+    const u32 per = (cols + LAYER_THREADS - 1) / LAYER_THREADS;
+    const u32 begin = min(cols, threadIdx.x * per), end = min(cols, begin + per);
+    // The first head token at or past this run.
+    u32 first = 0, span = head_len;
+    while (span > 0) {
+        const u32 half = span / 2;
+        if (head[first + half] < begin) {
+            first += half + 1;
+            span -= half + 1;
+        } else {
+            span = half;
+        }
+    }
+    double sum = 0.0;
+    int last = -1;
+    for (u32 t = begin, h = first; t < end; ++t) {
+        if (h < head_len && head[h] == t) {
+            ++h;
+            continue;
+        }
+        const double q = exp((double)((row[t] - top) / temperature)) / total;
+        sum += q;
+        if (q > 0.0) last = (int)t;
+    }
+    // Inclusive scan of the runs' sums: each run's tile is [its predecessor's end, its end).
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    double inclusive = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+        const double y = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if ((int)lane >= o) inclusive += y;
+    }
+    ends[threadIdx.x] = inclusive;
+    int latest = last;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) latest = max(latest, __shfl_xor_sync(0xffffffffu, latest, o));
+    if (lane == 0) last_positive[warp] = latest;
+    if (threadIdx.x == 0) landed = 0xffffffffu;
+    __syncthreads();
+    // Each warp's end added to the warps after it, in warp order.
+    double before = 0.0;
+    for (u32 v = 0; v < warp; ++v) before += ends[v * 32 + 31];
+    __syncthreads();
+    ends[threadIdx.x] = before + inclusive;
+    __syncthreads();
+    const double start = threadIdx.x == 0 ? 0.0 : ends[threadIdx.x - 1];
+    if (start <= target && target < ends[threadIdx.x]) {
+        double left = target - start;
+        u32 at = (u32)last;
+        for (u32 t = begin, h = first; t < end; ++t) {
+            if (h < head_len && head[h] == t) {
+                ++h;
+                continue;
+            }
+            const double q = exp((double)((row[t] - top) / temperature)) / total;
+            if (left < q) {
+                at = t;
+                break;
+            }
+            left -= q;
+        }
+        landed = at;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 token = landed;
+        if (token == 0xffffffffu) {
+            int latest_all = -1;
+            for (u32 v = 0; v < LAYER_THREADS / 32; ++v) latest_all = max(latest_all, last_positive[v]);
+            token = latest_all < 0 ? 0xffffffffu : (u32)latest_all;
+        }
+        out[2 * (u64)w] = __uint_as_float(token);
+        out[2 * (u64)w + 1] = token == 0xffffffffu ? __int_as_float(0x7fc00000) : row[token];
+    }
+}

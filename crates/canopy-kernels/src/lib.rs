@@ -167,6 +167,7 @@ impl Id {
                 "softmax_totals",
                 "pick_logits",
                 "set_logits",
+                "walk_tails",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }

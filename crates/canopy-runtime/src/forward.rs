@@ -27,6 +27,7 @@
 use crate::layers::ModelLayers;
 use crate::sampling::{RowTerms, StepLogits, LOGPROBS_MAX};
 use crate::Result;
+use canopy_core::logits::TailWalk;
 use canopy_engine::{LayerOps, RankAttention, Transport};
 use std::collections::BTreeMap;
 
@@ -590,6 +591,28 @@ impl WholeRows {
     pub(crate) fn rows(&self) -> std::slice::ChunksExact<'_, f32> {
         self.data.chunks_exact(self.vocab)
     }
+}
+
+/// Where a tail walk landed: the token and its logit (`None`: no token past the walk's head
+/// has a probability above 0).
+pub(crate) type Landed = Option<(u32, f32)>;
+
+/// Where each `(row, walk)` of `walks` lands in `logits` (a pass's, on the backend)
+/// ([`LayerOps::walk_tails`]).
+pub(crate) fn walk_tails<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    walks: &[(usize, &TailWalk)],
+) -> Result<Vec<Landed>> {
+    if walks.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut out = backend.output_tensor(walks.len(), 2)?;
+    backend.walk_tails(logits, walks, &mut out)?;
+    let landed = backend.download_tensor(&out)?;
+    Ok((landed.chunks_exact(2))
+        .map(|w| Some((w[0].to_bits(), w[1])).filter(|&(t, _)| t != u32::MAX))
+        .collect())
 }
 
 /// Rows `rows` of `logits` (a pass's, on the backend) whole on the host.

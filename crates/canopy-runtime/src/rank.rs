@@ -17,7 +17,7 @@
 //! tree collectives or gathered by the ring. Every rank ends each step with the same logits,
 //! and so draws the same tokens.
 
-use crate::forward::{download_rows, Forward, RowReads, StepRows};
+use crate::forward::{download_rows, walk_tails, Forward, RowReads, StepRows, WholeRows};
 use crate::kv::{KvLayout, RankChange, RankView, SEQUENCE_GROWTH_ROOM};
 use crate::layers::{model_needs, ModelLayers};
 use crate::prefill::{fill_random, prefill};
@@ -304,26 +304,26 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                 top_two.push(TopTwo::of(step_logits[s].row(0)));
             }
             let total = step_logits[s].total(0);
-            let mut read_whole = None;
-            let token = match samplers[s].sample(step_logits[s].row(0), total) {
-                Some(token) => token,
-                // A draw by total that landed past the narrowed row goes on over the whole row.
+            let (token, past) = match samplers[s].sample(step_logits[s].row(0), total) {
+                Some(token) => (token, None),
                 None => {
                     let kept = forward.logits().ok_or_else(|| {
                         RuntimeError::Protocol("a narrowed row without its pass's logits".into())
                     })?;
-                    let row = read_whole.insert(download_rows(backend, kept, &[pass_rows[s]])?);
-                    (samplers[s].sample(RowLogits::Whole(row.row(0)), total)).ok_or_else(|| {
-                        RuntimeError::Protocol("a draw over a whole row did not end".into())
-                    })?
+                    let (token, past) =
+                        finish_past(backend, kept, pass_rows[s], &mut samplers[s], total)?;
+                    (token, Some(past))
                 }
             };
             if let Some(n) = req.logprobs {
-                let row = match &read_whole {
-                    Some(row) => RowLogits::Whole(row.row(0)),
-                    None => step_logits[s].row(0),
-                };
-                logprobs[s].extend(token_logprobs(row, step_logits[s].terms(0), token, n));
+                let terms = step_logits[s].terms(0);
+                logprobs[s].extend(match &past {
+                    Some(Past::Whole(row)) => {
+                        token_logprobs(RowLogits::Whole(row.row(0)), terms, token, n)
+                    }
+                    Some(Past::Tail(Some(x))) => terms.map(|t| t.logprobs(*x, n)),
+                    _ => token_logprobs(step_logits[s].row(0), terms, token, n),
+                });
             }
             first_token_s.get_or_insert_with(|| called.elapsed().as_secs_f64());
             out[s].push(token);
@@ -475,6 +475,44 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
         logprobs,
         replayed_steps: forward.replayed(),
     })
+}
+
+/// How a draw that landed past its narrowed row went on.
+enum Past {
+    /// Over the rest of the row on the backend, landing on a token of this logit (`None`: on
+    /// the head's last token).
+    Tail(Option<f32>),
+    /// Over the whole row, read.
+    Whole(WholeRows),
+}
+
+/// Finishes `sampler`'s draw that landed past row `row` of `logits` (the pass's, on the
+/// backend) narrowed: over the rest of the row on the backend where the sampler can
+/// ([`Sampler::tail_walk`]), else over the whole row read.
+fn finish_past<B: LayerOps>(
+    backend: &B,
+    logits: &B::Tensor,
+    row: usize,
+    sampler: &mut Sampler,
+    total: Option<f32>,
+) -> Result<(u32, Past)> {
+    let (token, past) = match sampler.tail_walk() {
+        Some(walk) => {
+            let landed = walk_tails(backend, logits, &[(row, walk)])?[0];
+            let token = sampler.land_tail(landed.map(|(t, _)| t));
+            (token, Past::Tail(landed.map(|(_, x)| x)))
+        }
+        None => {
+            let whole = download_rows(backend, logits, &[row])?;
+            (
+                sampler.sample(RowLogits::Whole(whole.row(0)), total),
+                Past::Whole(whole),
+            )
+        }
+    };
+    let token = token
+        .ok_or_else(|| RuntimeError::Protocol("a draw past its narrowed row did not end".into()))?;
+    Ok((token, past))
 }
 
 /// Milliseconds, for traces.

@@ -271,6 +271,12 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "canopy_rows_tail_walked_total",
+            "Decode rows whose draws landed past their likeliest tokens and went on over the rest of the row on the device, not read whole.",
+            &s.rows_tail_walked,
+        );
+        counter(
+            &mut out,
             "canopy_prefill_tokens_total",
             "Prompt tokens computed (not found in the prefix cache).",
             &s.prefill_tokens,

@@ -5,12 +5,14 @@
 //! takes two passes at any `k`; the logits never leave the device. `logprob_terms` reduces
 //! each row to its log-normaliser and a target's logit, and `softmax_totals` each row to its
 //! softmax total at a temperature, one CTA a row; `pick_logits` reads single logits and
-//! `set_logits` writes them, a thread each.
+//! `set_logits` writes them, a thread each; `walk_tails` walks the rest of a draw past a
+//! row's likeliest tokens, one CTA a walk.
 
 use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Params;
+use canopy_core::logits::TailWalk;
 use canopy_core::DType;
 use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -66,6 +68,64 @@ impl CudaBackend {
         // SAFETY: each pick is a (row, token) inside logits (rows × cols, checked by the
         // caller), and out holds one float a pick.
         unsafe { b.launch(self.elementwise(picks.len())) }.ctx("launching pick_logits")?;
+        Ok(())
+    }
+
+    /// Where each walk lands into `out` (`walks × 2`; the caller checked the walks and the
+    /// shape).
+    pub(super) fn walk_rows(
+        &self,
+        logits: &CudaTensor,
+        walks: &[(usize, &TailWalk)],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        out.drop_rounded();
+        if walks.is_empty() {
+            return Ok(());
+        }
+        let f = self.function(Kernel::Layers(DType::F32, "walk_tails"))?;
+        let (mut index, mut params, mut heads) = (Vec::new(), Vec::new(), Vec::new());
+        for &(row, walk) in walks {
+            let mut head = walk.head.clone();
+            head.sort_unstable();
+            head.dedup();
+            index.extend([
+                narrow("walk_tails", row)?,
+                narrow("walk_tails", heads.len())?,
+                narrow("walk_tails", head.len())?,
+            ]);
+            heads.extend(head);
+            params.extend([
+                f64::from(walk.max),
+                f64::from(walk.temperature),
+                walk.total,
+                walk.target,
+            ]);
+        }
+        // A kernel reads no empty buffer.
+        heads.push(0);
+        let (index, params, heads) = (
+            self.upload(&index)?,
+            self.upload(&params)?,
+            self.upload(&heads)?,
+        );
+        let cols = narrow("walk_tails", logits.cols)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&logits.data)
+            .arg(&cols)
+            .arg(&index)
+            .arg(&params)
+            .arg(&heads)
+            .arg(&mut out.data);
+        let cfg = LaunchConfig {
+            grid_dim: (narrow("walk_tails", walks.len())?, 1, 1),
+            block_dim: (LAYER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: CTA w reads row index[3w] of logits (rows × cols, checked by the caller),
+        // its head tokens (inside heads, each below cols) and its params, and writes 2 floats
+        // of out (walks × 2, checked by the caller).
+        unsafe { b.launch(cfg) }.ctx("launching walk_tails")?;
         Ok(())
     }
 

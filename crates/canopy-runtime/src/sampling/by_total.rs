@@ -3,7 +3,7 @@
 //! tokens, in order, then over the rest of the row by token id ([`Sampler::sample`]).
 
 use super::{RowLogits, Sampler};
-use canopy_core::logits::{likelier, top_tokens};
+use canopy_core::logits::{likelier, top_tokens, TailWalk};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::Rng;
 
@@ -38,14 +38,42 @@ impl Sampler {
         whole: Option<&[f32]>,
     ) -> Option<u32> {
         let u = match self.pending.take() {
-            Some(u) => u,
+            Some(pending) => pending.u,
             None => self.rng.gen::<f64>(),
         };
-        let drawn = self.by_total(u, head, total, whole);
-        if drawn.is_none() {
-            self.pending = Some(u);
-        }
-        drawn
+        let tail = match self.by_total(u, head, total, whole) {
+            Walked::On(t) => return Some(t),
+            // The rest of an unchanged row past its likeliest, as the whole row's walk takes
+            // it: the head must be the one a whole row's walk takes.
+            Walked::Tail { target, last } if !self.adjusts() && head.0.len() == BY_TOTAL_HEAD => {
+                let walk = TailWalk {
+                    head: head.0.to_vec(),
+                    max: head.1[0],
+                    temperature: self.params.temperature,
+                    total,
+                    target,
+                };
+                Some((walk, last))
+            }
+            Walked::Tail { .. } | Walked::Whole => None,
+        };
+        self.pending = Some(Pending { u, tail });
+        None
+    }
+
+    /// The rest of this sampler's draw that landed past its narrowed row, where a backend may
+    /// walk it over the row ([`canopy_engine::LayerOps::walk_tails`]) instead of reading the
+    /// row whole; `None` where the draw needs its whole row (a `top_p` cut past the row's
+    /// likeliest, or a draw that changes logits).
+    pub fn tail_walk(&self) -> Option<&TailWalk> {
+        self.pending.as_ref()?.tail.as_ref().map(|(walk, _)| walk)
+    }
+
+    /// Finishes the draw whose [`Sampler::tail_walk`] a backend walked, with where it
+    /// `landed` (`None`: no token past the head has a probability above 0); the token drawn.
+    pub fn land_tail(&mut self, landed: Option<u32>) -> Option<u32> {
+        let (_, last) = self.pending.take()?.tail?;
+        Some(landed.unwrap_or(last))
     }
 
     /// Where the uniform `u` lands among a row's tokens, each's probability `exp((logit -
@@ -54,18 +82,21 @@ impl Sampler {
     /// token id. A `top_p` that cuts the head, summed in order as over a narrowed row, keeps
     /// the draw in it; one past the head keeps the fewest likeliest of the rest that reach it,
     /// found by selection, not a sort ([`land_between`] where the row is not given whole).
-    /// `None`: past the head of a row not given whole. A walk
-    /// past every token it may take (the total's rounding) ends at the last it took a step
-    /// over.
+    /// Past the head of a row not given whole, the walk goes on over the rest of the row
+    /// ([`Walked::Tail`]), or needs the whole row (a `top_p` cut past the head that
+    /// [`land_between`] does not settle). A walk past every token it may take (the total's
+    /// rounding) ends at the last it took a step over.
     fn by_total(
         &self,
         u: f64,
         (head, logits): (&[u32], &[f32]),
         total: f64,
         whole: Option<&[f32]>,
-    ) -> Option<u32> {
+    ) -> Walked {
         let p = self.params;
-        let max = *logits.first()?;
+        let Some(&max) = logits.first() else {
+            return Walked::Whole;
+        };
         let prob = |x: f32| (((x - max) / p.temperature) as f64).exp() / total;
         let (mut head_len, mut target, mut past_head) = (head.len(), u, true);
         let mut acc = 0.0;
@@ -83,7 +114,10 @@ impl Sampler {
         let mut kept: Option<Vec<bool>> = None;
         if past_head && p.top_p < 1.0 {
             let Some(whole) = whole else {
-                return land_between(u, (head, logits), &prob, p.top_p as f64);
+                return match land_between(u, (head, logits), &prob, p.top_p as f64) {
+                    Some(t) => Walked::On(t),
+                    None => Walked::Whole,
+                };
             };
             let mut marked = past(head, whole.len());
             let mut tail: Vec<(u32, f32, f64)> = (0..whole.len() as u32)
@@ -113,18 +147,52 @@ impl Sampler {
         if let Some(&t) =
             (head[..head_len].iter().zip(logits)).find_map(|(t, &x)| take(*t, x).then_some(t))
         {
-            return Some(t);
+            return Walked::On(t);
         }
         if !past_head {
-            return Some(last);
+            return Walked::On(last);
         }
-        let whole = whole?;
-        let kept = kept.unwrap_or_else(|| past(head, whole.len()));
-        let past = (0..whole.len() as u32)
-            .filter(|&t| kept[t as usize])
-            .find(|&t| take(t, whole[t as usize]));
-        Some(past.unwrap_or(last))
+        match (whole, kept) {
+            (Some(whole), Some(kept)) => {
+                let past = (0..whole.len() as u32)
+                    .filter(|&t| kept[t as usize])
+                    .find(|&t| take(t, whole[t as usize]));
+                Walked::On(past.unwrap_or(last))
+            }
+            (Some(whole), None) => {
+                let walk = TailWalk {
+                    head: head.to_vec(),
+                    max,
+                    temperature: p.temperature,
+                    total,
+                    target,
+                };
+                Walked::On(walk.land(whole).unwrap_or(last))
+            }
+            (None, _) => Walked::Tail { target, last },
+        }
     }
+}
+
+/// Where a draw by total's walk over a row's head came to.
+enum Walked {
+    On(u32),
+    /// Past the head: the rest of the row walked by token id from what is left of the
+    /// `target`, or the head's `last` token with a probability above 0 where no token past it
+    /// has one.
+    Tail {
+        target: f64,
+        last: u32,
+    },
+    /// Past the head, where only the whole row settles the draw.
+    Whole,
+}
+
+/// A draw by total that landed past its narrowed row: its uniform number, and the rest of its
+/// walk with the head's last token, where a backend may take it.
+pub(super) struct Pending {
+    u: f64,
+    tail: Option<(TailWalk, u32)>,
 }
 
 /// The head token a draw cut by `top_p` past the `head` lands on wherever the cut falls, if
@@ -239,6 +307,47 @@ mod tests {
                 let a = whole.sample(RowLogits::Whole(&logits), Some(z)).unwrap();
                 let (b, _) = draw_by_total(&mut narrow, &logits, k.min(vocab), z);
                 proptest::prop_assert_eq!(a, b, "draw {}, narrowed to {}", draw, k);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// A draw that lands past its row narrowed to [`BY_TOTAL_HEAD`] tokens and goes on
+        /// over the rest of the row on the backend ([`Sampler::tail_walk`]) draws what the
+        /// whole row draws; one cut by `top_p` past the head needs the whole row.
+        #[test]
+        fn a_tail_walked_on_the_backend_is_the_whole_rows(
+            seed in 0u64..1000,
+            temperature in 0.5f32..2.0,
+            spread in 0.5f32..4.0,
+            vocab in 130usize..3000,
+        ) {
+            use canopy_engine::{CpuBackend, LayerOps};
+            let params = SamplingParams { temperature, ..SamplingParams::default() };
+            let logits: Vec<f32> = (0..vocab as u64)
+                .map(|i| ((i * 7919 + seed * 31) % 997) as f32 / 997.0 * spread)
+                .collect();
+            let row = CpuBackend.upload_tensor(&logits, 1, vocab).unwrap();
+            let z = total(&logits, temperature);
+            let (mut whole, mut narrow) = (Sampler::new(params, seed, &[]), Sampler::new(params, seed, &[]));
+            for draw in 0..8 {
+                let a = whole.sample(RowLogits::Whole(&logits), Some(z)).unwrap();
+                let b = match narrow.sample(narrowed(&logits, BY_TOTAL_HEAD).row(0), Some(z)) {
+                    Some(t) => t,
+                    None => {
+                        let walk = narrow.tail_walk().expect("no top_p cut").clone();
+                        let mut out = CpuBackend.tensor(1, 2).unwrap();
+                        CpuBackend.walk_tails(&row, &[(0, &walk)], &mut out).unwrap();
+                        let landed = Some(out.data[0].to_bits()).filter(|&t| t != u32::MAX);
+                        narrow.land_tail(landed).unwrap()
+                    }
+                };
+                proptest::prop_assert_eq!(a, b, "draw {}", draw);
+            }
+            let cut = SamplingParams { top_p: 0.99, ..params };
+            let mut s = Sampler::new(cut, seed, &[]);
+            if s.sample(narrowed(&logits, BY_TOTAL_HEAD).row(0), Some(z)).is_none() {
+                proptest::prop_assert!(s.tail_walk().is_none());
             }
         }
     }

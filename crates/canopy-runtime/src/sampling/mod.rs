@@ -255,9 +255,9 @@ pub struct Sampler {
     /// The tokens whose logits the draws may change, in order: the prompt's (under
     /// `repetition_penalty`), the biased, and those drawn (under a penalty).
     changed: Vec<u32>,
-    /// The uniform number of a draw by total that landed past its narrowed row: the draw
-    /// from the whole row goes on with it.
-    pending: Option<f64>,
+    /// A draw by total that landed past its narrowed row: the draw from the whole row, or
+    /// over the rest of the row on the backend, goes on with it.
+    pending: Option<by_total::Pending>,
 }
 
 impl Sampler {

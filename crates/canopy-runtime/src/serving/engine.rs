@@ -18,10 +18,10 @@
 
 use super::books::{Books, Layout, PrefillPass};
 use super::handle::EngineInbox;
-use super::scheduler::{ChunkDone, Decoded, ReadWhole, Scheduler, StepClock};
+use super::scheduler::{ChunkDone, Decoded, PastReads, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
 use super::ServeConfig;
-use crate::forward::{download_rows, row_terms, Forward, RowReads, StepRows};
+use crate::forward::{download_rows, row_terms, walk_tails, Forward, RowReads, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
@@ -192,16 +192,19 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             // Where the decode rows' logits are on the backend, to be read whole.
             let pass_logits = mixed_tensor.as_ref().or(self.forward.logits());
             let backend = self.backend;
-            let read_whole: ReadWhole = &|places| match pass_logits {
-                Some(logits) => download_rows(backend, logits, places),
-                None => Err(RuntimeError::Protocol("no pass's logits to read".into())),
+            let no_pass = || RuntimeError::Protocol("no pass's logits to read".into());
+            let past = PastReads {
+                read_whole: &|places| {
+                    download_rows(backend, pass_logits.ok_or_else(no_pass)?, places)
+                },
+                walk_tails: &|walks| walk_tails(backend, pass_logits.ok_or_else(no_pass)?, walks),
             };
             if let Some(s) = scheduler.as_mut() {
                 let decoded = decoded.as_ref().map(|(logits, cost)| Decoded {
                     rows: &rows,
                     logits,
                     cost: *cost,
-                    read_whole,
+                    past,
                 });
                 let clock = StepClock {
                     began,

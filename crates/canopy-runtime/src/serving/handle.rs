@@ -227,8 +227,11 @@ pub struct EngineStatus {
     /// Tokens drawn, over all samples.
     pub generated_tokens: u64,
     /// Decode rows whose whole logits came to the host for their draws: rows a step read
-    /// whole, and draws by total that landed past their narrowed rows.
+    /// whole, and draws by total that landed past their narrowed rows and needed them.
     pub rows_read_whole: u64,
+    /// Draws by total that landed past their narrowed rows and went on over the rest of
+    /// their rows on the backend.
+    pub rows_tail_walked: u64,
     pub steps: u64,
     /// The decode passes so far, by their rows.
     pub decode: BTreeMap<usize, DecodePasses>,

@@ -25,7 +25,7 @@ use crate::RuntimeError;
 use canopy_engine::TOP_LOGITS_MAX;
 use canopy_model::{IncrementalDecoder, Tokenizer};
 use draw::DrawRow;
-pub(crate) use draw::ReadWhole;
+pub(crate) use draw::PastReads;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -107,8 +107,9 @@ pub(crate) struct Decoded<'a> {
     /// [`DecodePasses`](super::handle::DecodePasses)); `None` when the rows ran in a prefill
     /// pass, whose time counts as prefill.
     pub cost: Option<(f64, u64)>,
-    /// Reads the pass's rows whole, by their places among `rows`.
-    pub read_whole: ReadWhole<'a>,
+    /// The pass's rows on the backend, by their places among `rows`, for draws that land past
+    /// their narrowed rows.
+    pub past: PastReads<'a>,
 }
 
 pub(crate) struct Scheduler<'t> {
@@ -444,7 +445,7 @@ impl<'t> Scheduler<'t> {
                 }));
             }
         }
-        let drawn = self.draw_rows(&rows, decoded.as_ref().map(|d| d.read_whole));
+        let drawn = self.draw_rows(&rows, decoded.as_ref().map(|d| d.past));
         for (row, drawn) in rows.iter().zip(drawn) {
             if let Some((token, logprobs)) = drawn {
                 self.tell(row.id, row.sample, token, logprobs);
@@ -509,6 +510,7 @@ mod tests {
     use crate::sampling::RowTerms;
     use crate::serving::handle::{channel, DecodePasses, EngineHandle, EventSink, ServeRequest};
     use crate::SamplingParams;
+    use canopy_core::logits::TailWalk;
     use std::sync::{Arc, Mutex};
 
     const PAGE: usize = 16;
@@ -665,15 +667,25 @@ mod tests {
                 prompt_logprobs: Vec::new(),
             });
         }
+        // Every decode row's whole logits are `pick(token, 1)`.
         let read_whole = |places: &[usize]| {
             let rows = places.iter().flat_map(|_| pick(token, 1)).collect();
             Ok(WholeRows::new(VOCAB, rows))
+        };
+        let walk_tails = |walks: &[(usize, &TailWalk)]| {
+            let row = pick(token, 1);
+            let land = |w: &TailWalk| w.land(&row).map(|t| (t, row[t as usize]));
+            Ok(walks.iter().map(|(_, w)| land(w)).collect())
+        };
+        let past = PastReads {
+            read_whole: &read_whole,
+            walk_tails: &walk_tails,
         };
         let decoded = (!rows.rows.is_empty()).then_some(Decoded {
             rows: &rows,
             logits: &logits,
             cost: Some((0.5, 10)),
-            read_whole: &read_whole,
+            past,
         });
         let clock = StepClock {
             began: Instant::now(),

@@ -2,11 +2,12 @@
 //! request asks for them, then the token told to its client.
 
 use super::Scheduler;
-use crate::forward::WholeRows;
+use crate::forward::{Landed, WholeRows};
 use crate::rank::ms;
 use crate::sampling::{token_logprobs, RowLogits, RowTerms, Sampler, TokenLogprobs};
 use crate::serving::handle::{Event, FinishReason};
 use crate::Result;
+use canopy_core::logits::TailWalk;
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -24,9 +25,38 @@ pub(super) struct DrawRow<'a> {
     pub place: Option<usize>,
 }
 
-/// Reads decode rows of the step whole, by their places: for draws by total that land past
-/// their narrowed rows.
-pub(crate) type ReadWhole<'a> = &'a dyn Fn(&[usize]) -> Result<WholeRows>;
+/// Where a step's decode rows lie on the backend, for draws that land past their narrowed
+/// rows: each row read whole by its place, or the rest of a draw walked over it there.
+#[derive(Clone, Copy)]
+pub(crate) struct PastReads<'a> {
+    pub read_whole: &'a dyn Fn(&[usize]) -> Result<WholeRows>,
+    /// [`crate::forward::walk_tails`] over the rows, by their places.
+    pub walk_tails: &'a WalkTails<'a>,
+}
+
+/// Walks of the rest of draws over rows, by their places.
+pub(crate) type WalkTails<'a> = dyn Fn(&[(usize, &TailWalk)]) -> Result<Vec<Landed>> + 'a;
+
+/// A row to draw and its sample's sampler with the log-probabilities its request asks for
+/// (`None`: the request has ended).
+type Work<'s, 'r> = (Option<(&'s mut Sampler, Option<usize>)>, &'r DrawRow<'r>);
+
+/// The draw of `work`'s row finished where its tail walk `landed` on the backend (the token and
+/// its logit; `None`: on the head's last token), with its log-probabilities from the row's
+/// reduced terms.
+fn land_tail((sampler, row): &mut Work, landed: Landed) -> Outcome {
+    let Some((sampler, logprobs)) = sampler else {
+        return Outcome::Ended;
+    };
+    let Some(token) = sampler.land_tail(landed.map(|(t, _)| t)) else {
+        return Outcome::Short;
+    };
+    let logprobs = logprobs.and_then(|n| match landed {
+        Some((_, logit)) => row.terms.map(|terms| terms.logprobs(logit, n)),
+        None => token_logprobs(row.logits, row.terms, token, n),
+    });
+    Outcome::Drawn((token, logprobs))
+}
 
 /// A drawn token and its log-probabilities.
 pub(super) type Drawn = (u32, Option<TokenLogprobs>);
@@ -35,7 +65,7 @@ pub(super) type Drawn = (u32, Option<TokenLogprobs>);
 enum Outcome {
     /// Its request has ended.
     Ended,
-    /// It landed past its narrowed row: the whole row finishes it.
+    /// It landed past its narrowed row: the rest of the row, or the whole row, finishes it.
     Short,
     Drawn(Drawn),
 }
@@ -58,14 +88,15 @@ fn draw_one(
 
 impl Scheduler<'_> {
     /// Each row's token with its log-probabilities where its request asks for them (`None`:
-    /// the request has ended, or its row could not be read whole). Rows are drawn in parallel
-    /// where some are whole, a pass over the vocabulary each; draws by total that land past
-    /// their narrowed rows read those rows whole (`read_whole`, where the step decoded) and go
-    /// on over them.
+    /// the request has ended, or its row could not be read). Rows are drawn in parallel where
+    /// some are whole, a pass over the vocabulary each. Draws by total that land past their
+    /// narrowed rows go on over the rest of their rows on the backend where they can
+    /// ([`Sampler::tail_walk`]), else read those rows whole and go on over them (`past`, where
+    /// the step decoded).
     pub(super) fn draw_rows(
         &mut self,
         rows: &[DrawRow],
-        read_whole: Option<ReadWhole>,
+        past: Option<PastReads>,
     ) -> Vec<Option<Drawn>> {
         let mut samplers: HashMap<(u64, usize), (&mut Sampler, Option<usize>)> = HashMap::new();
         for (&id, r) in self.running.iter_mut() {
@@ -79,7 +110,6 @@ impl Scheduler<'_> {
             .map(|row| (samplers.remove(&(row.id, row.sample)), row))
             .collect();
         // A row's draw from `logits`, its own or its whole row read since.
-        type Work<'s, 'r> = (Option<(&'s mut Sampler, Option<usize>)>, &'r DrawRow<'r>);
         let draw = |(sampler, row): &mut Work, logits: RowLogits| match sampler {
             Some(sampler) => draw_one(sampler, row, logits),
             None => Outcome::Ended,
@@ -93,21 +123,50 @@ impl Scheduler<'_> {
         let asked_whole = (rows.iter())
             .filter(|r| r.place.is_some() && matches!(r.logits, RowLogits::Whole(_)))
             .count();
+        let drawn = Instant::now();
+        let mut failed = Vec::new();
+        // Draws the backend finishes over the rest of their rows.
+        let tails: Vec<usize> = (outcomes.iter().enumerate())
+            .filter(|&(i, o)| {
+                let walks = |w: &Work| w.0.as_ref().is_some_and(|(s, _)| s.tail_walk().is_some());
+                matches!(o, Outcome::Short) && rows[i].place.is_some() && walks(&work[i])
+            })
+            .map(|(i, _)| i)
+            .collect();
+        if let (Some(past), false) = (past, tails.is_empty()) {
+            let walks: Vec<(usize, &TailWalk)> = (tails.iter())
+                .filter_map(|&i| Some((rows[i].place?, work[i].0.as_ref()?.0.tail_walk()?)))
+                .collect();
+            match (past.walk_tails)(&walks) {
+                Ok(landed) => {
+                    for (&i, landed) in tails.iter().zip(landed) {
+                        outcomes[i] = land_tail(&mut work[i], landed);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("walking the rest of rows for their draws: {e}");
+                    for &i in &tails {
+                        failed.push((rows[i].id, e.to_string()));
+                        outcomes[i] = Outcome::Ended;
+                    }
+                }
+            }
+            self.status.rows_tail_walked += tails.len() as u64;
+        }
         let short: Vec<usize> = (outcomes.iter().enumerate())
             .filter(|(_, o)| matches!(o, Outcome::Short))
             .map(|(i, _)| i)
             .collect();
         let places: Vec<usize> = short.iter().filter_map(|&i| rows[i].place).collect();
-        let drawn = Instant::now();
-        let read = match (read_whole, places.len() == short.len()) {
+        let walked = Instant::now();
+        let read = match (past, places.len() == short.len()) {
             _ if short.is_empty() => Ok(None),
-            (Some(read_whole), true) => read_whole(&places).map(Some),
+            (Some(past), true) => (past.read_whole)(&places).map(Some),
             _ => Err(crate::RuntimeError::Protocol(
                 "a draw landed past a row that cannot be read whole".into(),
             )),
         };
         self.status.rows_read_whole += (asked_whole + short.len()) as u64;
-        let mut failed = Vec::new();
         match read {
             Ok(read) => {
                 let mut again: Vec<_> = (work.iter_mut().enumerate())
@@ -128,9 +187,11 @@ impl Scheduler<'_> {
                 tracing::debug!(
                     rows = rows.len(),
                     whole = asked_whole,
+                    tails = tails.len(),
                     short = short.len(),
                     draw_ms = ms(drawn - began),
-                    read_ms = ms(redrawing - drawn),
+                    tails_ms = ms(walked - drawn),
+                    read_ms = ms(redrawing - walked),
                     redraw_ms = ms(redrawing.elapsed()),
                     "draws"
                 );
