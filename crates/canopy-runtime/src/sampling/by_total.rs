@@ -17,43 +17,50 @@ impl Sampler {
         match row {
             RowLogits::Top { tokens, logits, .. } => {
                 let n = tokens.len().min(BY_TOTAL_HEAD);
-                self.walk_by_total((&tokens[..n], &logits[..n]), total.into(), None)
+                self.walk_by_total(ByTotal {
+                    head: (&tokens[..n], &logits[..n]),
+                    changed: &[],
+                    total: total.into(),
+                    whole: None,
+                    whole_head: n == BY_TOTAL_HEAD,
+                })
             }
             RowLogits::Whole(row) => {
                 let head = top_tokens(row, BY_TOTAL_HEAD);
                 let logits: Vec<f32> = head.iter().map(|&t| row[t as usize]).collect();
-                self.walk_by_total((&head, &logits), total.into(), Some(row))
+                self.walk_by_total(ByTotal {
+                    head: (&head, &logits),
+                    changed: &[],
+                    total: total.into(),
+                    whole: Some(row),
+                    whole_head: true,
+                })
             }
         }
     }
 
-    /// The walk of a draw by total over a row's `head` (its likeliest, in order, with their
-    /// logits) and the rest of its `whole` row where given ([`Sampler::by_total`]), with the
-    /// draw's uniform number: the one kept from a walk that landed past its narrowed row, or
-    /// a new one.
-    pub(super) fn walk_by_total(
-        &mut self,
-        head: (&[u32], &[f32]),
-        total: f64,
-        whole: Option<&[f32]>,
-    ) -> Option<u32> {
+    /// The walk of a draw by total ([`Sampler::by_total`]), with the draw's uniform number:
+    /// the one kept from a walk that landed past its narrowed row, or a new one.
+    pub(super) fn walk_by_total(&mut self, walk: ByTotal) -> Option<u32> {
         let u = match self.pending.take() {
             Some(pending) => pending.u,
             None => self.rng.gen::<f64>(),
         };
-        let tail = match self.by_total(u, head, total, whole) {
+        let tail = match self.by_total(u, &walk) {
             Walked::On(t) => return Some(t),
-            // The rest of an unchanged row past its likeliest, as the whole row's walk takes
-            // it: the head must be the one a whole row's walk takes.
-            Walked::Tail { target, last } if !self.adjusts() && head.0.len() == BY_TOTAL_HEAD => {
-                let walk = TailWalk {
-                    head: head.0.to_vec(),
-                    max: head.1[0],
+            // The rest of the row, the head and the changed tokens left out, as the whole
+            // row's walk takes it.
+            Walked::Tail { target, last } if walk.whole_head => {
+                let mut head = walk.head.0.to_vec();
+                head.extend(walk.changed.iter().map(|&(t, _)| t));
+                let rest = TailWalk {
+                    head,
+                    max: walk.head.1[0],
                     temperature: self.params.temperature,
-                    total,
+                    total: walk.total,
                     target,
                 };
-                Some((walk, last))
+                Some((rest, last))
             }
             Walked::Tail { .. } | Walked::Whole => None,
         };
@@ -64,7 +71,7 @@ impl Sampler {
     /// The rest of this sampler's draw that landed past its narrowed row, where a backend may
     /// walk it over the row ([`canopy_engine::LayerOps::walk_tails`]) instead of reading the
     /// row whole; `None` where the draw needs its whole row (a `top_p` cut past the row's
-    /// likeliest, or a draw that changes logits).
+    /// likeliest).
     pub fn tail_walk(&self) -> Option<&TailWalk> {
         self.pending.as_ref()?.tail.as_ref().map(|(walk, _)| walk)
     }
@@ -73,7 +80,9 @@ impl Sampler {
     /// `landed` (`None`: no token past the head has a probability above 0); the token drawn.
     pub fn land_tail(&mut self, landed: Option<u32>) -> Option<u32> {
         let (_, last) = self.pending.take()?.tail?;
-        Some(landed.unwrap_or(last))
+        let token = landed.unwrap_or(last);
+        self.record(token);
+        Some(token)
     }
 
     /// Where the uniform `u` lands among a row's tokens, each's probability `exp((logit -
@@ -86,13 +95,14 @@ impl Sampler {
     /// ([`Walked::Tail`]), or needs the whole row (a `top_p` cut past the head that
     /// [`land_between`] does not settle). A walk past every token it may take (the total's
     /// rounding) ends at the last it took a step over.
-    fn by_total(
-        &self,
-        u: f64,
-        (head, logits): (&[u32], &[f32]),
-        total: f64,
-        whole: Option<&[f32]>,
-    ) -> Walked {
+    fn by_total(&self, u: f64, walk: &ByTotal) -> Walked {
+        let ByTotal {
+            head: (head, logits),
+            changed,
+            total,
+            whole,
+            ..
+        } = *walk;
         let p = self.params;
         let Some(&max) = logits.first() else {
             return Walked::Whole;
@@ -152,26 +162,45 @@ impl Sampler {
         if !past_head {
             return Walked::On(last);
         }
-        match (whole, kept) {
-            (Some(whole), Some(kept)) => {
-                let past = (0..whole.len() as u32)
-                    .filter(|&t| kept[t as usize])
-                    .find(|&t| take(t, whole[t as usize]));
-                Walked::On(past.unwrap_or(last))
-            }
-            (Some(whole), None) => {
-                let walk = TailWalk {
-                    head: head.to_vec(),
-                    max,
-                    temperature: p.temperature,
-                    total,
-                    target,
-                };
-                Walked::On(walk.land(whole).unwrap_or(last))
-            }
-            (None, _) => Walked::Tail { target, last },
+        if let (Some(whole), Some(kept)) = (whole, &kept) {
+            let past = (0..whole.len() as u32)
+                .filter(|&t| kept[t as usize])
+                .find(|&t| take(t, whole[t as usize]));
+            return Walked::On(past.unwrap_or(last));
         }
+        // Past the head: the changed tokens, then the rest by token id.
+        if let Some(&(t, _)) = changed.iter().find(|&&(t, x)| take(t, x)) {
+            return Walked::On(t);
+        }
+        let Some(whole) = whole else {
+            return Walked::Tail { target, last };
+        };
+        let mut head = head.to_vec();
+        head.extend(changed.iter().map(|&(t, _)| t));
+        let rest = TailWalk {
+            head,
+            max,
+            temperature: p.temperature,
+            total,
+            target,
+        };
+        Walked::On(rest.land(whole).unwrap_or(last))
     }
+}
+
+/// What a draw by total walks, in this order: a row's `head` (its likeliest, most likely
+/// first, with their logits), the tokens past the head whose logits the draw changes (by
+/// token id, with their changed logits), then the rest of the row by token id, from the
+/// `whole` row where it was read (else on the backend, [`Sampler::tail_walk`]); each token's
+/// probability its term over the row's `total`.
+pub(super) struct ByTotal<'a> {
+    pub head: (&'a [u32], &'a [f32]),
+    pub changed: &'a [(u32, f32)],
+    pub total: f64,
+    pub whole: Option<&'a [f32]>,
+    /// Whether the head is the one the walk over the whole row takes (a narrowing of
+    /// [`BY_TOTAL_HEAD`] tokens), so that a backend may walk the rest of the row.
+    pub whole_head: bool,
 }
 
 /// Where a draw by total's walk over a row's head came to.

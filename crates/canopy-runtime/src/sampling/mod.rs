@@ -327,13 +327,18 @@ impl Sampler {
             Some(total) if self.params.draws_by_total() => self.sample_by_total(row, total)?,
             _ => self.sample_row(row),
         };
+        self.record(token);
+        Some(token)
+    }
+
+    /// Counts a drawn `token` where a penalty reads what the sample drew.
+    fn record(&mut self, token: u32) {
         if self.params.penalizes() {
             *self.drawn.entry(token).or_default() += 1;
             if let Err(at) = self.changed.binary_search(&token) {
                 self.changed.insert(at, token);
             }
         }
-        Some(token)
     }
 
     /// The next token from one row of logits, unchanged.
