@@ -20,7 +20,8 @@ log-probabilities; `greedy` (as `none`), and draws seeded by request at temperat
 at 0.1 (`t01`), at 1 cut by top_p 0.9 (`top-p`) or by top_k 40 (`top-k`); the last two
 temperatures with frequency and presence penalties 0.5 (`t1-penalised`, `t01-penalised`), and
 greedy draws with a logit bias that lifts two tokens (`lifting`). Prints one JSON line per
-variant, with the decode rows read whole for their draws where the server counts them.
+variant, with the decode rows read whole for their draws, and those whose draws went on over
+the rest of the row on the device, where the server counts them.
 """
 import json
 import os
@@ -127,10 +128,18 @@ def sampled(url, binary, model, prompts):
     print("ALL PASS" if ok else "FAILED")
 
 
-def rows_read_whole(url):
+def counter(url, name):
     with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
-        m = re.search(r"^canopy_rows_read_whole_total (\S+)$", r.read().decode(), re.M)
+        m = re.search(r"^%s (\S+)$" % name, r.read().decode(), re.M)
     return float(m.group(1)) if m else None
+
+
+def rows_read_whole(url):
+    return counter(url, "canopy_rows_read_whole_total")
+
+
+def rows_tail_walked(url):
+    return counter(url, "canopy_rows_tail_walked_total")
 
 
 def load(url):
@@ -163,17 +172,18 @@ def load(url):
             t = time.perf_counter()
             chunks = post(url, "/v1/completions", body)
             return time.perf_counter() - t, len(chunks)
-        whole_before = rows_read_whole(url)
+        whole_before, walked_before = rows_read_whole(url), rows_tail_walked(url)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as ex:
             done = list(ex.map(one, range(concurrency)))
         wall = time.perf_counter() - t0
-        whole_after = rows_read_whole(url)
+        whole_after, walked_after = rows_read_whole(url), rows_tail_walked(url)
         print(json.dumps({"variant": variant, "concurrency": concurrency, "output_len": tokens,
                           "wall_s": round(wall, 3),
                           "output_tokens_per_s": round(concurrency * tokens / wall, 1),
                           "slowest_request_s": round(max(d[0] for d in done), 3),
-                          "rows_read_whole": None if whole_before is None else whole_after - whole_before}),
+                          "rows_read_whole": None if whole_before is None else whole_after - whole_before,
+                          "rows_tail_walked": None if walked_before is None else walked_after - walked_before}),
               flush=True)
 
 

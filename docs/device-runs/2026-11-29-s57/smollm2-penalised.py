@@ -12,21 +12,25 @@ prompts = ["Write a short story about a lighthouse keeper.", "Explain how a rain
 def metric(name):
     t = urllib.request.urlopen(url + "/metrics").read().decode()
     m = re.search(r"^%s (\S+)$" % name, t, re.M)
-    return float(m.group(1))
+    return float(m.group(1)) if m else 0.0
 def one(args):
     i, body = args
     body = dict(body, messages=[{"role": "user", "content": prompts[i]}], max_tokens=96, seed=i)
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     return json.loads(urllib.request.urlopen(req).read())["usage"]["completion_tokens"]
 pen = {"frequency_penalty": 0.5, "presence_penalty": 0.5}
-for name, body in [("temperature 1, frequency and presence 0.5", dict(pen)),
+for name, body in [("temperature 1", {}), ("temperature 1, top_p 0.95", {"top_p": 0.95}),
+                   ("temperature 1, frequency and presence 0.5", dict(pen)),
                    ("temperature 0.7, frequency and presence 0.5", dict(pen, temperature=0.7)),
                    ("temperature 0.7, top_p 0.9, repetition 1.1", {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}),
                    ("temperature 1, frequency 1, presence -0.5", {"frequency_penalty": 1.0, "presence_penalty": -0.5}),
                    ("greedy, logit_bias lifting two tokens", {"temperature": 0, "logit_bias": {"28": 2, "29": 2}})]:
     w0, g0 = metric("canopy_rows_read_whole_total"), metric("canopy_generation_tokens_total")
+    k0 = metric("canopy_rows_tail_walked_total")
     with ThreadPoolExecutor(16) as ex:
         toks = sum(ex.map(one, [(i, body) for i in range(16)]))
     w1, g1 = metric("canopy_rows_read_whole_total"), metric("canopy_generation_tokens_total")
+    k1 = metric("canopy_rows_tail_walked_total")
     decode_rows = (g1 - g0) - 16
-    print(f"{name}: {w1-w0:.0f} of {decode_rows:.0f} decode rows read whole ({100*(w1-w0)/decode_rows:.1f}%)", flush=True)
+    print(f"{name}: {w1-w0:.0f} of {decode_rows:.0f} decode rows read whole ({100*(w1-w0)/decode_rows:.1f}%), "
+          f"{k1-k0:.0f} walked past their likeliest on the backend ({100*(k1-k0)/decode_rows:.1f}%)", flush=True)
