@@ -477,36 +477,30 @@ impl RowReads {
         read_whole(backend, logits, &self.whole, step)?;
         read_terms(backend, logits, &self.terms, step)?;
         if let StepLogits::Top { totals, picked, .. } = step {
-            let read = softmax_totals(backend, logits, &self.totals, &self.picks)?;
+            // Tokens past the vocabulary change no logit.
+            let vocab = backend.dims(logits).1;
+            let picks: Vec<(usize, Vec<u32>)> = (self.picks.iter())
+                .map(|(r, tokens)| {
+                    let inside = tokens.iter().copied().filter(|&t| (t as usize) < vocab);
+                    (*r, inside.collect())
+                })
+                .collect();
+            let read = softmax_totals(backend, logits, &self.totals, &picks)?;
             totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
-            pick_logits(backend, logits, &self.picks, picked)?;
+            pick_logits(backend, logits, picks, picked)?;
         }
         Ok(())
     }
 }
 
 /// The logits of each `(row, tokens)` of `picks` in `logits` (a pass's, on the backend) into
-/// `picked`, with their tokens, by row, in one [`LayerOps::pick_logits`]. Tokens past the
-/// vocabulary are left out: they change no logit.
+/// `picked`, with their tokens, by row, in one [`LayerOps::pick_logits`].
 fn pick_logits<B: LayerOps>(
     backend: &B,
     logits: &B::Tensor,
-    picks: &[(usize, Vec<u32>)],
+    picks: Vec<(usize, Vec<u32>)>,
     picked: &mut BTreeMap<usize, Vec<(u32, f32)>>,
 ) -> Result<()> {
-    let vocab = backend.dims(logits).1;
-    let picks: Vec<(usize, Vec<u32>)> = (picks.iter())
-        .map(|(r, tokens)| {
-            (
-                *r,
-                tokens
-                    .iter()
-                    .copied()
-                    .filter(|&t| (t as usize) < vocab)
-                    .collect(),
-            )
-        })
-        .collect();
     let flat: Vec<(u32, u32)> = (picks.iter())
         .flat_map(|(r, tokens)| tokens.iter().map(move |&t| (*r as u32, t)))
         .collect();
@@ -649,7 +643,6 @@ fn softmax_totals<B: LayerOps>(
     let left_out: Vec<(u32, u32)> = (places.iter().enumerate())
         .filter_map(|(i, r)| picks.iter().find(|(p, _)| p == r).map(|(_, t)| (i, t)))
         .flat_map(|(i, tokens)| tokens.iter().map(move |&t| (i as u32, t)))
-        .filter(|&(_, t)| (t as usize) < vocab)
         .collect();
     backend.set_logits(&mut gathered, &left_out, f32::NEG_INFINITY)?;
     let mut totals = backend.output_tensor(rows.len(), 1)?;

@@ -14,12 +14,12 @@
 //!
 //! **The changed row's total.** A draw over the whole vocabulary walks the changed row's
 //! `max(1, n - c)` likeliest in order, then the changed tokens past them by token id, then the
-//! rest by token id, which a backend may walk ([`Sampler::tail_walk`]),
-//! over the changed row's softmax total: the backend's total of the tokens it leaves as they
-//! are (the picked ones left out of the sum), and the changed tokens' terms, which the host
-//! adds. Nothing is taken away, so a change that takes most of a row's mass (a penalised token
-//! that held it) leaves the total as exact as the backend's sum. Such a draw picks every token
-//! it changes.
+//! rest of the row by token id, which a backend may walk ([`Sampler::tail_walk`]). Each
+//! token's probability is its term over the changed row's softmax total: the backend's total
+//! of the tokens the draw leaves as they are (the picked ones left out of its sum), and the
+//! changed tokens' terms, which the host adds. Nothing is taken away, so a change that takes
+//! most of a row's mass (a penalised token that held it) leaves the total as exact as the
+//! backend's sum. Such a draw picks every token it changes.
 
 use super::by_total::{ByTotal, BY_TOTAL_HEAD};
 use super::{RowLogits, Sampler};

@@ -48,20 +48,8 @@ impl Sampler {
         };
         let tail = match self.by_total(u, &walk) {
             Walked::On(t) => return Some(t),
-            // The rest of the row, the head and the changed tokens left out, as the whole
-            // row's walk takes it.
-            Walked::Tail { target, last } if walk.whole_head => {
-                let mut head = walk.head.0.to_vec();
-                head.extend(walk.changed.iter().map(|&(t, _)| t));
-                let rest = TailWalk {
-                    head,
-                    max: walk.head.1[0],
-                    temperature: self.params.temperature,
-                    total: walk.total,
-                    target,
-                };
-                Some((rest, last))
-            }
+            // The rest of the row as the whole row's walk takes it.
+            Walked::Tail { rest, last } if walk.whole_head => Some((rest, last)),
             Walked::Tail { .. } | Walked::Whole => None,
         };
         self.pending = Some(Pending { u, tail });
@@ -172,9 +160,7 @@ impl Sampler {
         if let Some(&(t, _)) = changed.iter().find(|&&(t, x)| take(t, x)) {
             return Walked::On(t);
         }
-        let Some(whole) = whole else {
-            return Walked::Tail { target, last };
-        };
+        // The rest of the row: the head and the changed tokens left out.
         let mut head = head.to_vec();
         head.extend(changed.iter().map(|&(t, _)| t));
         let rest = TailWalk {
@@ -184,7 +170,10 @@ impl Sampler {
             total,
             target,
         };
-        Walked::On(rest.land(whole).unwrap_or(last))
+        match whole {
+            Some(whole) => Walked::On(rest.land(whole).unwrap_or(last)),
+            None => Walked::Tail { rest, last },
+        }
     }
 }
 
@@ -206,11 +195,10 @@ pub(super) struct ByTotal<'a> {
 /// Where a draw by total's walk over a row's head came to.
 enum Walked {
     On(u32),
-    /// Past the head: the rest of the row walked by token id from what is left of the
-    /// `target`, or the head's `last` token with a probability above 0 where no token past it
-    /// has one.
+    /// Past the head and the changed tokens: the `rest` of the row to walk, or the `last`
+    /// token walked with a probability above 0 where no token in the rest has one.
     Tail {
-        target: f64,
+        rest: TailWalk,
         last: u32,
     },
     /// Past the head, where only the whole row settles the draw.

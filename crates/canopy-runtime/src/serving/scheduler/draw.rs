@@ -125,33 +125,31 @@ impl Scheduler<'_> {
             .count();
         let drawn = Instant::now();
         let mut failed = Vec::new();
-        // Draws the backend finishes over the rest of their rows.
-        let tails: Vec<usize> = (outcomes.iter().enumerate())
-            .filter(|&(i, o)| {
-                let walks = |w: &Work| w.0.as_ref().is_some_and(|(s, _)| s.tail_walk().is_some());
-                matches!(o, Outcome::Short) && rows[i].place.is_some() && walks(&work[i])
+        // Draws the backend finishes over the rest of their rows, by their places.
+        let walks: Vec<(usize, usize, TailWalk)> = (outcomes.iter().enumerate())
+            .filter(|(_, o)| matches!(o, Outcome::Short))
+            .filter_map(|(i, _)| {
+                let walk = work[i].0.as_ref()?.0.tail_walk()?;
+                Some((i, rows[i].place?, walk.clone()))
             })
-            .map(|(i, _)| i)
             .collect();
-        if let (Some(past), false) = (past, tails.is_empty()) {
-            let walks: Vec<(usize, &TailWalk)> = (tails.iter())
-                .filter_map(|&i| Some((rows[i].place?, work[i].0.as_ref()?.0.tail_walk()?)))
-                .collect();
-            match (past.walk_tails)(&walks) {
+        if let (Some(past), false) = (past, walks.is_empty()) {
+            let at: Vec<(usize, &TailWalk)> = walks.iter().map(|(_, p, w)| (*p, w)).collect();
+            match (past.walk_tails)(&at) {
                 Ok(landed) => {
-                    for (&i, landed) in tails.iter().zip(landed) {
+                    for (&(i, _, _), landed) in walks.iter().zip(landed) {
                         outcomes[i] = land_tail(&mut work[i], landed);
                     }
+                    self.status.rows_tail_walked += walks.len() as u64;
                 }
                 Err(e) => {
                     tracing::error!("walking the rest of rows for their draws: {e}");
-                    for &i in &tails {
+                    for &(i, _, _) in &walks {
                         failed.push((rows[i].id, e.to_string()));
                         outcomes[i] = Outcome::Ended;
                     }
                 }
             }
-            self.status.rows_tail_walked += tails.len() as u64;
         }
         let short: Vec<usize> = (outcomes.iter().enumerate())
             .filter(|(_, o)| matches!(o, Outcome::Short))
@@ -187,7 +185,7 @@ impl Scheduler<'_> {
                 tracing::debug!(
                     rows = rows.len(),
                     whole = asked_whole,
-                    tails = tails.len(),
+                    tails = walks.len(),
                     short = short.len(),
                     draw_ms = ms(drawn - began),
                     tails_ms = ms(walked - drawn),
