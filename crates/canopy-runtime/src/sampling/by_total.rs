@@ -1,6 +1,7 @@
 //! Draws at a temperature over the whole vocabulary by their row's softmax total, summed on
 //! the backend ([`canopy_engine::LayerOps::softmax_totals`]): the walk over a row's likeliest
-//! tokens, in order, then over the rest of the row by token id ([`Sampler::sample`]).
+//! tokens, in order, then over the rest of the row by token id ([`Sampler::sample`]), on the
+//! host or on the backend ([`Sampler::tail_walk`]).
 
 use super::{RowLogits, Sampler};
 use canopy_core::logits::{likelier, top_tokens, TailWalk};

@@ -16,13 +16,14 @@
 //!
 //! A draw at a temperature over the whole vocabulary (no `top_k`) is narrowed too, with its
 //! row's softmax total summed on the backend ([`canopy_engine::LayerOps::softmax_totals`]):
-//! the draw walks the likeliest tokens in order, each's probability its term over that total,
-//! and needs the whole row only when it lands past them ([`Sampler::sample`]). Past them it
-//! walks the rest of the row by token id, a pass with no sort. A `top_p` cut past them is
-//! found by selection; a draw that lands on one of them wherever that cut falls needs no more
-//! of the row. The walk over a narrowed row is the start of the walk over the whole
-//! one, so the token depends on the row, its total and the seed alone. A whole row drawn so
-//! without a backend's total (a prompt's last) has it summed on the host.
+//! the draw walks the likeliest tokens in order, each's probability its term over that total
+//! ([`Sampler::sample`]). Past them it walks the rest of the row by token id, a pass with no
+//! sort, which the backend takes where the row lies ([`Sampler::tail_walk`],
+//! [`canopy_engine::LayerOps::walk_tails`]). A `top_p` cut past them is found by selection on
+//! the whole row; a draw that lands on one of them wherever that cut falls needs no more of
+//! the row. The walk over a narrowed row is the start of the walk over the whole one, so the
+//! token depends on the row, its total and the seed alone. A whole row drawn so without a
+//! backend's total (a prompt's last) has it summed on the host.
 //!
 //! A draw that changes logits (penalties, biases) reads its row narrowed too, with the logits
 //! of the tokens it changes picked on the backend beside it
