@@ -103,6 +103,34 @@ fn a_shared_prefix_is_found_cached_by_the_requests_behind_it() {
     assert!((num(&r["cached_prompt_share"]) - 9.0 * 96.0 / 1080.0).abs() < 1e-9);
 }
 
+/// Draws at a temperature (as OpenAI's clients send them) complete every request, and the
+/// report says how they were drawn.
+#[test]
+fn sampled_requests_are_drawn_as_asked() {
+    let r = bench(&[
+        "--model",
+        &tiny(),
+        "--backend",
+        "cpu",
+        "--dataset",
+        "random",
+        "--input-len",
+        "24",
+        "--output-len",
+        "8",
+        "--num-prompts",
+        "6",
+        "--temperature",
+        "1",
+        "--top-p",
+        "0.9",
+    ]);
+    check_consistent(&r, 6, 8);
+    assert_eq!(r["sampling"]["temperature"], 1.0);
+    assert!((num(&r["sampling"]["top_p"]) - 0.9).abs() < 1e-6);
+    assert_eq!(r["sampling"]["top_k"], 0);
+}
+
 #[test]
 fn a_shape_with_random_weights_is_served_with_its_stand_in_tokenizer() {
     let r = bench(&[

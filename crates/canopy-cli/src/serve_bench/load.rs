@@ -24,6 +24,29 @@ pub struct Offered {
     /// Requests in flight at most (`None`: no limit).
     pub max_concurrency: Option<usize>,
     pub seed: u64,
+    pub sampling: Sampling,
+}
+
+/// How one request draws its tokens: the run's sampling, from its own seed.
+#[derive(Debug, Clone, Copy)]
+struct Draws {
+    sampling: Sampling,
+    seed: u64,
+}
+
+/// How every request draws its tokens.
+#[derive(clap::Args, Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Sampling {
+    /// Each request's sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0, value_parser = crate::bench::temperature, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Each request's `top_p`: the most likely tokens whose probability reaches P (0 < P <=
+    /// 1).
+    #[arg(long, default_value_t = 1.0, value_parser = crate::bench::probability_mass, allow_negative_numbers = true)]
+    pub top_p: f32,
+    /// Each request's `top_k`: the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
 }
 
 /// What a canopy server says of its model (`GET /v1/models`).
@@ -112,14 +135,14 @@ impl Server {
         Ok(Scrape::parse(&self.get("/metrics").await?))
     }
 
-    /// Sends `r` as a streamed completion of `model` and times it.
-    async fn complete(&self, model: &str, r: &Request) -> Measured {
+    /// Sends `r` as a streamed completion of `model`, drawn as `draws` says, and times it.
+    async fn complete(&self, model: &str, r: &Request, draws: Draws) -> Measured {
         let started = Instant::now();
         let mut m = Measured {
             prompt_tokens: r.prompt.len(),
             ..Measured::default()
         };
-        if let Err(e) = self.stream(model, r, started, &mut m).await {
+        if let Err(e) = self.stream(model, r, draws, started, &mut m).await {
             m.error = Some(format!("{e:#}"));
         }
         m.e2e = started.elapsed().as_secs_f64();
@@ -130,18 +153,31 @@ impl Server {
         &self,
         model: &str,
         r: &Request,
+        draws: Draws,
         started: Instant,
         m: &mut Measured,
     ) -> Result<()> {
-        let body = json!({
+        let Sampling {
+            temperature,
+            top_p,
+            top_k,
+        } = draws.sampling;
+        let mut body = json!({
             "model": model,
             "prompt": r.prompt,
             "max_tokens": r.output_len,
-            "temperature": 0.0,
+            "temperature": temperature,
             "ignore_eos": true,
             "stream": true,
             "stream_options": {"include_usage": true},
         });
+        if temperature > 0.0 {
+            body["seed"] = json!(draws.seed);
+            body["top_p"] = json!(top_p);
+            if top_k > 0 {
+                body["top_k"] = json!(top_k);
+            }
+        }
         let mut reply = self
             .request(reqwest::Method::POST, "/v1/completions")
             .json(&body)
@@ -207,19 +243,21 @@ pub async fn offer(
     let at = arrivals(requests.len(), offered.request_rate, offered.seed);
     let limit = offered.max_concurrency.map(|n| Arc::new(Semaphore::new(n)));
     let start = Instant::now();
-    let tasks: Vec<_> = requests
-        .into_iter()
-        .zip(at)
-        .map(|(r, at)| {
+    let tasks: Vec<_> = (requests.into_iter().zip(at).enumerate())
+        .map(|(i, (r, at))| {
             let (server, limit, bar) = (server.clone(), limit.clone(), bar.clone());
             let model = model.to_string();
+            let draws = Draws {
+                sampling: offered.sampling,
+                seed: offered.seed.wrapping_add(i as u64),
+            };
             tokio::spawn(async move {
                 tokio::time::sleep_until(start + Duration::from_secs_f64(at)).await;
                 let _permit = match limit {
                     Some(s) => Some(s.acquire_owned().await.expect("the semaphore stays open")),
                     None => None,
                 };
-                let m = server.complete(&model, &r).await;
+                let m = server.complete(&model, &r, draws).await;
                 bar.inc(1);
                 m
             })

@@ -9,8 +9,10 @@
 //! The report ([`report`]) adds the server's own account of the run from its metrics: the
 //! prefix cache's hit rate, and its decode passes beside their floor.
 //!
-//! Every request is greedy and ignores end-of-sequence tokens, so each generates exactly
-//! the tokens its dataset asks for, whatever the weights.
+//! Every request ignores end-of-sequence tokens, so each generates exactly the tokens its
+//! dataset asks for, whatever the weights. Requests are greedy unless `--temperature` says
+//! otherwise (with `--top-p`, `--top-k`, as OpenAI's clients send them); request `i` then
+//! draws from seed `--seed + i`, so a run repeats.
 
 mod dataset;
 mod load;
@@ -45,9 +47,11 @@ pub struct ServeBenchArgs {
     /// Requests in flight at most [default: no limit].
     #[arg(long, value_parser = crate::bench::at_least_one)]
     max_concurrency: Option<usize>,
-    /// Seed of the dataset and of the arrivals.
+    /// Seed of the dataset, of the arrivals and of the draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    sampling: load::Sampling,
     /// Print one JSON document instead of the table.
     #[arg(long)]
     json: bool,
@@ -130,6 +134,7 @@ fn bench(a: &ServeBenchArgs, url: &str, server: String) -> Result<Report> {
             request_rate: a.request_rate.is_finite().then_some(a.request_rate),
             max_concurrency: a.max_concurrency,
             seed: a.seed,
+            sampling: a.sampling,
         };
         let bar = canopy_model::progress_bar(requests.len() as u64, "bench serve".into());
         bar.set_message("requests");
@@ -145,6 +150,7 @@ fn bench(a: &ServeBenchArgs, url: &str, server: String) -> Result<Report> {
             request_rate: offered.request_rate,
             max_concurrency: a.max_concurrency,
             seed: a.seed,
+            sampling: a.sampling,
         };
         Ok(Report::new(setting, &measured, duration, &before, &after))
     })

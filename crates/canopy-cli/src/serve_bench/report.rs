@@ -231,6 +231,7 @@ pub struct Setting {
     pub request_rate: Option<f64>,
     pub max_concurrency: Option<usize>,
     pub seed: u64,
+    pub sampling: super::load::Sampling,
 }
 
 /// How many distinct errors a report lists.
@@ -324,6 +325,22 @@ impl Report {
                     .map_or("unlimited".into(), |c| c.to_string()),
                 run.seed
             ),
+        );
+        let s = run.sampling;
+        row(
+            "sampling",
+            match s.temperature > 0.0 {
+                false => "greedy".into(),
+                true => format!(
+                    "temperature {}, top_p {}, top_k {} (request i seeded seed + i)",
+                    s.temperature,
+                    s.top_p,
+                    match s.top_k {
+                        0 => "all".into(),
+                        k => k.to_string(),
+                    }
+                ),
+            },
         );
         row(
             "completed / failed",
@@ -474,6 +491,11 @@ mod tests {
             request_rate: None,
             max_concurrency: Some(2),
             seed: 0,
+            sampling: super::super::load::Sampling {
+                temperature: 0.0,
+                top_p: 1.0,
+                top_k: 0,
+            },
         };
         let m = [
             measured(0.1, 1.1, 11),

@@ -189,7 +189,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             failed.extend(unplaced);
             let (mixed_rows, mixed_tensor) = mixed_logits.unzip();
             decoded = decoded.or(mixed_rows.map(|logits| (logits, None)));
-            // Where the decode rows' logits are on the backend, to be read whole.
+            // Where the decode rows' logits are on the backend, to be read whole or walked.
             let pass_logits = mixed_tensor.as_ref().or(self.forward.logits());
             let backend = self.backend;
             let no_pass = || RuntimeError::Protocol("no pass's logits to read".into());
