@@ -27,6 +27,7 @@ use crate::sampling::{
 };
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
+use canopy_core::logits::TailWalk;
 use canopy_core::{plan, AttnShape, DType, Method, Plan, PlannerConfig, Shard, Tail, TreeView};
 use canopy_engine::{
     LayerOps, MergeCollective, ModelNeeds, NodeLayout, RankAttention, RingShard, Transport,
@@ -294,27 +295,32 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
     let mut attention: Option<RankAttention<B, C>> = None;
     let mut forward = Forward::new().with_graphs(req.graphs);
     loop {
-        // Draw each live sample's token from its logits.
+        // Draw each live sample's token from its logits; draws that land past their narrowed
+        // rows go on together over the rest of the rows on the backend, or over a row read.
+        let drawing: Vec<usize> = (0..req.samples)
+            .filter(|&s| !stopped[s] && out[s].len() < req.max_tokens)
+            .collect();
+        if drawing.first() == Some(&0) {
+            top_two.push(TopTwo::of(step_logits[0].row(0)));
+        }
+        let mut drawn: Vec<Option<(u32, Option<Past>)>> = (drawing.iter())
+            .map(|&s| {
+                let row = step_logits[s].row(0);
+                samplers[s]
+                    .sample(row, step_logits[s].total(0))
+                    .map(|t| (t, None))
+            })
+            .collect();
+        if drawn.iter().any(Option::is_none) {
+            let kept = forward.logits().ok_or_else(|| {
+                RuntimeError::Protocol("a narrowed row without its pass's logits".into())
+            })?;
+            let rows = (drawing.iter()).map(|&s| (pass_rows[s], step_logits[s].total(0)));
+            finish_past(backend, kept, rows, &drawing, &mut samplers, &mut drawn)?;
+        }
         let mut live = Vec::new();
-        for s in 0..req.samples {
-            if stopped[s] || out[s].len() >= req.max_tokens {
-                continue;
-            }
-            if s == 0 {
-                top_two.push(TopTwo::of(step_logits[s].row(0)));
-            }
-            let total = step_logits[s].total(0);
-            let (token, past) = match samplers[s].sample(step_logits[s].row(0), total) {
-                Some(token) => (token, None),
-                None => {
-                    let kept = forward.logits().ok_or_else(|| {
-                        RuntimeError::Protocol("a narrowed row without its pass's logits".into())
-                    })?;
-                    let (token, past) =
-                        finish_past(backend, kept, pass_rows[s], &mut samplers[s], total)?;
-                    (token, Some(past))
-                }
-            };
+        for (&s, drawn) in drawing.iter().zip(drawn) {
+            let (token, past) = drawn.expect("every draw finished");
             if let Some(n) = req.logprobs {
                 let terms = step_logits[s].terms(0);
                 logprobs[s].extend(match &past {
@@ -486,33 +492,41 @@ enum Past {
     Whole(WholeRows),
 }
 
-/// Finishes `sampler`'s draw that landed past row `row` of `logits` (the pass's, on the
-/// backend) narrowed: over the rest of the row on the backend where the sampler can
-/// ([`Sampler::tail_walk`]), else over the whole row read.
+/// Finishes the draws of `drawn` (of samples `drawing`, each with its row of `logits`, the
+/// pass's on the backend, and its total, in `rows`) that landed past their narrowed rows: over
+/// the rest of their rows on the backend in one walk where their samplers can
+/// ([`Sampler::tail_walk`]), else each over its whole row read.
 fn finish_past<B: LayerOps>(
     backend: &B,
     logits: &B::Tensor,
-    row: usize,
-    sampler: &mut Sampler,
-    total: Option<f32>,
-) -> Result<(u32, Past)> {
-    let (token, past) = match sampler.tail_walk() {
-        Some(walk) => {
-            let landed = walk_tails(backend, logits, &[(row, walk)])?[0];
-            let token = sampler.land_tail(landed.map(|(t, _)| t));
-            (token, Past::Tail(landed.map(|(_, x)| x)))
+    rows: impl Iterator<Item = (usize, Option<f32>)>,
+    drawing: &[usize],
+    samplers: &mut [Sampler],
+    drawn: &mut [Option<(u32, Option<Past>)>],
+) -> Result<()> {
+    let rows: Vec<(usize, Option<f32>)> = rows.collect();
+    let past: Vec<usize> = (0..drawn.len()).filter(|&i| drawn[i].is_none()).collect();
+    let walks: Vec<(usize, TailWalk)> = (past.iter())
+        .filter_map(|&i| Some((i, samplers[drawing[i]].tail_walk()?.clone())))
+        .collect();
+    let at: Vec<(usize, &TailWalk)> = walks.iter().map(|(i, w)| (rows[*i].0, w)).collect();
+    for (&(i, _), landed) in walks.iter().zip(walk_tails(backend, logits, &at)?) {
+        let token = samplers[drawing[i]].land_tail(landed.map(|(t, _)| t));
+        drawn[i] = token.map(|t| (t, Some(Past::Tail(landed.map(|(_, x)| x)))));
+    }
+    for i in past {
+        if drawn[i].is_some() {
+            continue;
         }
-        None => {
-            let whole = download_rows(backend, logits, &[row])?;
-            (
-                sampler.sample(RowLogits::Whole(whole.row(0)), total),
-                Past::Whole(whole),
-            )
-        }
-    };
-    let token = token
-        .ok_or_else(|| RuntimeError::Protocol("a draw past its narrowed row did not end".into()))?;
-    Ok((token, past))
+        let (row, total) = rows[i];
+        let whole = download_rows(backend, logits, &[row])?;
+        let token = samplers[drawing[i]].sample(RowLogits::Whole(whole.row(0)), total);
+        let token = token.ok_or_else(|| {
+            RuntimeError::Protocol("a draw past its narrowed row did not end".into())
+        })?;
+        drawn[i] = Some((token, Some(Past::Whole(whole))));
+    }
+    Ok(())
 }
 
 /// Milliseconds, for traces.
