@@ -72,14 +72,30 @@ pub fn softmax_total(row: &[f32], temperature: f32) -> f32 {
 /// left. A backend walks it where the row lies ([`TailWalk::land`] is the host's walk).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TailWalk {
-    /// The tokens walked already, in any order.
+    /// The tokens walked already, in any order; with a `cut`, the head in its walk's order.
     pub head: Vec<u32>,
     /// The row's largest logit.
     pub max: f32,
     pub temperature: f32,
     pub total: f64,
-    /// What is left of the draw's uniform number, in probability, after the head.
+    /// What is left of the draw's uniform number, in probability, after the head (none with a
+    /// `cut`, whose target follows from the tokens it keeps).
     pub target: f64,
+    /// A `top_p` cut past the head ([`TailCut`]).
+    pub cut: Option<TailCut>,
+}
+
+/// A `top_p` cut that the head of a draw by total does not reach: the draw keeps the head and
+/// the fewest likeliest tokens past it whose probability brings the head's to `top_p` (the
+/// kept mass `M`), and walks the head in order, then the kept tokens by token id, from a
+/// target of `u · (head_mass + M)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TailCut {
+    /// The draw's uniform number.
+    pub u: f64,
+    pub top_p: f64,
+    /// The head's probability, summed in its order.
+    pub head_mass: f64,
 }
 
 impl TailWalk {
@@ -88,28 +104,74 @@ impl TailWalk {
         f64::from((x - self.max) / self.temperature).exp() / self.total
     }
 
-    /// Where the walk lands in `row`: the first token past the head by token id at which the
-    /// target falls below its probability; where the walk passes them all (the total's
-    /// rounding), the last of them with a probability above 0; `None` where none has one.
+    /// Where the walk lands in `row`: the first token past the head by token id (with a cut,
+    /// the head's in order, then the kept ones by token id) at which the target falls below
+    /// its probability; where the walk passes them all (the total's rounding), the last of
+    /// them with a probability above 0; `None` where none has one.
     pub fn land(&self, row: &[f32]) -> Option<u32> {
-        let mut head = self.head.clone();
-        head.sort_unstable();
+        let mut past: Vec<bool> = vec![true; row.len()];
+        self.head.iter().for_each(|&t| past[t as usize] = false);
         let (mut target, mut last) = (self.target, None);
-        for (t, &x) in (0..row.len() as u32).zip(row) {
-            if head.binary_search(&t).is_ok() {
-                continue;
-            }
-            let q = self.prob(x);
+        if let Some(cut) = self.cut {
+            // The kept tokens past the head, found by selection, set the draw's scale.
+            let mut rest: Vec<(u32, f32, f64)> = (0..row.len() as u32)
+                .filter(|&t| past[t as usize])
+                .map(|t| (t, row[t as usize], self.prob(row[t as usize])))
+                .collect();
+            let m = likeliest_reaching(&mut rest, cut.top_p - cut.head_mass);
+            let kept: f64 = rest[..m].iter().map(|&(_, _, q)| q).sum();
+            past.iter_mut().for_each(|p| *p = false);
+            rest[..m]
+                .iter()
+                .for_each(|&(t, _, _)| past[t as usize] = true);
+            target = cut.u * (cut.head_mass + kept);
+        }
+        let mut take = |t: u32| {
+            let q = self.prob(row[t as usize]);
             if target < q {
-                return Some(t);
+                return true;
             }
             target -= q;
             if q > 0.0 {
                 last = Some(t);
             }
+            false
+        };
+        // A cut walks its head first; a walk without one starts past it.
+        let walked: &[u32] = if self.cut.is_some() { &self.head } else { &[] };
+        if let Some(&t) = walked.iter().find(|&&t| take(t)) {
+            return Some(t);
         }
-        last
+        match (0..row.len() as u32).find(|&t| past[t as usize] && take(t)) {
+            Some(t) => Some(t),
+            None => last,
+        }
     }
+}
+
+/// Puts first, in no order, the fewest of the most likely `items` (token, logit,
+/// probability) whose probabilities reach `need`, and returns how many (all, where they do not
+/// reach it): a selection that halves the range each round, linear in the items on average.
+pub fn likeliest_reaching(items: &mut [(u32, f32, f64)], mut need: f64) -> usize {
+    let (mut lo, mut hi) = (0, items.len());
+    while lo < hi {
+        // The range's likelier half before its middle item.
+        let mid = (hi - lo) / 2;
+        items[lo..hi].select_nth_unstable_by(mid, |a, b| likelier(a.0, a.1, b.0, b.1));
+        let upper: f64 = items[lo..lo + mid].iter().map(|&(_, _, q)| q).sum();
+        if mid > 0 && upper >= need {
+            hi = lo + mid;
+            continue;
+        }
+        need -= upper;
+        let q = items[lo + mid].2;
+        if q >= need {
+            return lo + mid + 1;
+        }
+        need -= q;
+        lo += mid + 1;
+    }
+    lo
 }
 
 #[cfg(test)]
@@ -156,6 +218,7 @@ mod tests {
             temperature: 1.0,
             total: 4.0,
             target,
+            cut: None,
         };
         // Each token weighs 1/4; the head's are passed by.
         assert_eq!(walk(vec![], 0.3).land(&row), Some(1));
@@ -164,5 +227,37 @@ mod tests {
         // Past every token: the last one passed; none past the head: none.
         assert_eq!(walk(vec![3], 0.9).land(&row), Some(2));
         assert_eq!(walk(vec![0, 1, 2, 3], 0.1).land(&row), None);
+    }
+
+    proptest! {
+        /// The selection keeps what a sort would: the fewest likeliest items whose
+        /// probabilities reach the need (sums exact in f64: multiples of 1/1024).
+        #[test]
+        fn the_selection_keeps_the_likeliest_that_reach_the_need(
+            items in proptest::collection::vec((0i32..6, 1u32..64), 0..300),
+            need in 0u32..20_000,
+        ) {
+            let mut items: Vec<(u32, f32, f64)> = (items.iter().enumerate())
+                .map(|(t, &(logit, weight))| (t as u32, logit as f32, weight as f64 / 1024.0))
+                .collect();
+            let need = need as f64 / 1024.0;
+            let mut sorted = items.clone();
+            sorted.sort_by(|a, b| likelier(a.0, a.1, b.0, b.1));
+            let mut acc = 0.0;
+            let want = sorted
+                .iter()
+                .position(|&(_, _, q)| {
+                    acc += q;
+                    acc >= need
+                })
+                .map_or(sorted.len(), |i| i + 1);
+            let m = likeliest_reaching(&mut items, need);
+            prop_assert_eq!(m, want);
+            let mut kept: Vec<u32> = items[..m].iter().map(|i| i.0).collect();
+            let mut wanted: Vec<u32> = sorted[..m].iter().map(|i| i.0).collect();
+            kept.sort_unstable();
+            wanted.sort_unstable();
+            prop_assert_eq!(kept, wanted);
+        }
     }
 }

@@ -3,8 +3,8 @@
 //! Activations ([`CudaTensor`]) are fp32 device matrices; weights ([`CudaWeight`]) keep the
 //! dtype they were uploaded in (bf16 by default, f16 or f32), as does the KV cache. The GEMMs
 //! of many rows run on cuBLAS and those of a decode step on canopy's GEMV ([`gemm`]); every
-//! op is otherwise a kernel of `layers.cu` and its continuation `gemv.cu` (the kernel
-//! registry's [`Kernel::Layers`]) in fp32, its weight or KV operand widened on load or
+//! op is otherwise a kernel of `layers.cu` and its continuations `gemv.cu` and `logits.cu`
+//! (the kernel registry's [`Kernel::Layers`]) in fp32, its weight or KV operand widened on load or
 //! narrowed on store. RoPE ([`rope`]) runs on its own or in the q|k|v GEMV's epilogue.
 //! Only token ids, positions, RoPE frequencies and KV slots come from the host, one small copy
 //! per call; the attention of a block of query rows merges into states that the decode path's

@@ -12,7 +12,7 @@ mod compare;
 use common::{gpu, rng};
 use compare::poisoned;
 
-use canopy_core::logits::{softmax_total, top_tokens, TailWalk};
+use canopy_core::logits::{softmax_total, top_tokens, TailCut, TailWalk};
 use canopy_engine::{CpuBackend, LayerOps, Result};
 use rand::Rng;
 
@@ -285,6 +285,7 @@ fn tail_walks_land_where_the_cpus_do() {
                 temperature,
                 total: f64::from(softmax_total(row, temperature)),
                 target: 0.0,
+                cut: None,
             };
             let tail: f64 = (0..vocab as u32)
                 .filter(|t| !walk.head.contains(t))
@@ -297,6 +298,29 @@ fn tail_walks_land_where_the_cpus_do() {
                     r,
                     TailWalk {
                         target,
+                        ..walk.clone()
+                    },
+                ));
+            }
+            // top_p cuts past the head: near it, anywhere, and near the whole row.
+            let head_mass: f64 = (walk.head.iter())
+                .map(|&t| walk.prob(row[t as usize]))
+                .sum();
+            // (A row one token holds leaves no cut past its head.)
+            let shares = match head_mass < 0.99 {
+                true => vec![0.01, rng.gen_range(0.0..1.0), 0.999],
+                false => Vec::new(),
+            };
+            for share in shares {
+                let cut = TailCut {
+                    u: rng.gen_range(0.0..1.0),
+                    top_p: head_mass + share * (1.0 - head_mass),
+                    head_mass,
+                };
+                walks.push((
+                    r,
+                    TailWalk {
+                        cut: Some(cut),
                         ..walk.clone()
                     },
                 ));
@@ -317,6 +341,7 @@ fn tail_walks_land_where_the_cpus_do() {
             if g == w {
                 continue;
             }
+            assert!(walk.cut.is_none(), "walk {i}, cut: GPU {g}, CPU {w}");
             // Another token only where the target lies within rounding of its boundary.
             neighbours += 1;
             let before: f64 = (0..g)
@@ -345,6 +370,7 @@ fn tail_walks_land_where_the_cpus_do() {
         temperature: 1.0,
         total: 4.0,
         target: 0.1,
+        cut: None,
     };
     assert!(gpu.walk_tails(&t, &[(2, &walk)], &mut out).is_err());
 }

@@ -601,8 +601,8 @@ pub fn check_softmax_totals(
 }
 
 /// Refuses a [`LayerOps::walk_tails`] call with a walk past the rows of `logits` (`rows ×
-/// vocab`), a head token past the row, a temperature that is no finite number above 0, or an
-/// output that is not `walks × 2`.
+/// vocab`), a head token past the row, a temperature that is no finite number above 0, a cut
+/// its head reaches, or an output that is not `walks × 2`.
 pub fn check_walk_tails(
     backend: &'static str,
     (rows, vocab): (usize, usize),
@@ -618,6 +618,12 @@ pub fn check_walk_tails(
             format!(
                 "temperature {} is no finite number above 0",
                 walk.temperature
+            )
+        } else if let Some(cut) = (walk.cut).filter(|c| !(c.head_mass < c.top_p && c.top_p <= 1.0))
+        {
+            format!(
+                "a cut at top_p {} that its head's mass {} reaches, or past 1",
+                cut.top_p, cut.head_mass
             )
         } else {
             continue;

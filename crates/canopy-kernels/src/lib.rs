@@ -107,12 +107,15 @@ impl Id {
         }
     }
 
-    /// A file compiled after this one as one program, and its text: the decode step's GEMVs
-    /// follow the layer kernels whose helpers they use.
-    pub fn continuation(self) -> Option<(&'static str, &'static str)> {
+    /// The files compiled after this one as one program, and their texts: the decode step's
+    /// GEMVs and the ops on logits follow the layer kernels whose helpers they use.
+    pub fn continuation(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            Id::Layers => Some(("gemv.cu", include_str!("../cuda/gemv.cu"))),
-            _ => None,
+            Id::Layers => &[
+                ("gemv.cu", include_str!("../cuda/gemv.cu")),
+                ("logits.cu", include_str!("../cuda/logits.cu")),
+            ],
+            _ => &[],
         }
     }
 
@@ -120,8 +123,12 @@ impl Id {
     pub fn program_text(self) -> std::borrow::Cow<'static, str> {
         let own = source_text(self.file_name(), self.source());
         match self.continuation() {
-            Some((file, text)) => format!("{own}\n{}", source_text(file, text)).into(),
-            None => own,
+            [] => own,
+            files => std::iter::once(own)
+                .chain(files.iter().map(|&(file, text)| source_text(file, text)))
+                .collect::<Vec<_>>()
+                .join("\n")
+                .into(),
         }
     }
 
@@ -499,9 +506,13 @@ mod tests {
     /// Every shared constant is required by some source: none is defined for nothing.
     #[test]
     fn every_shared_constant_is_guarded_in_a_source() {
+        let continuations = ALL_IDS
+            .iter()
+            .flat_map(|id| id.continuation().iter().map(|f| f.1));
         let all: HashSet<&str> = [COMMON, MMA]
             .into_iter()
             .chain(ALL_IDS.map(Id::source))
+            .chain(continuations)
             .flat_map(guarded)
             .collect();
         for (name, _) in shared_defines() {

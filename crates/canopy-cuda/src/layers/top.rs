@@ -12,7 +12,7 @@ use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Params;
-use canopy_core::logits::TailWalk;
+use canopy_core::logits::{TailCut, TailWalk};
 use canopy_core::DType;
 use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -86,20 +86,36 @@ impl CudaBackend {
         let f = self.function(Kernel::Layers(DType::F32, "walk_tails"))?;
         let (mut index, mut params, mut heads) = (Vec::new(), Vec::new(), Vec::new());
         for &(row, walk) in walks {
-            let mut head = walk.head.clone();
-            head.sort_unstable();
-            head.dedup();
+            let mut sorted = walk.head.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            // A cut walks its head in order, after its selection.
+            let order: &[u32] = match walk.cut {
+                Some(_) => &walk.head,
+                None => &[],
+            };
             index.extend([
                 narrow("walk_tails", row)?,
                 narrow("walk_tails", heads.len())?,
-                narrow("walk_tails", head.len())?,
+                narrow("walk_tails", sorted.len())?,
+                narrow("walk_tails", heads.len() + sorted.len())?,
+                narrow("walk_tails", order.len())?,
             ]);
-            heads.extend(head);
+            heads.extend(sorted);
+            heads.extend_from_slice(order);
+            let cut = walk.cut.unwrap_or(TailCut {
+                u: 0.0,
+                top_p: 1.0,
+                head_mass: 0.0,
+            });
             params.extend([
                 f64::from(walk.max),
                 f64::from(walk.temperature),
                 walk.total,
                 walk.target,
+                cut.u,
+                cut.top_p,
+                cut.head_mass,
             ]);
         }
         // A kernel reads no empty buffer.
@@ -122,7 +138,7 @@ impl CudaBackend {
             block_dim: (LAYER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: CTA w reads row index[3w] of logits (rows × cols, checked by the caller),
+        // SAFETY: CTA w reads row index[5w] of logits (rows × cols, checked by the caller),
         // its head tokens (inside heads, each below cols) and its params, and writes 2 floats
         // of out (walks × 2, checked by the caller).
         unsafe { b.launch(cfg) }.ctx("launching walk_tails")?;

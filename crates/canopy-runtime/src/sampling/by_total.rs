@@ -4,7 +4,7 @@
 //! host or on the backend ([`Sampler::tail_walk`]).
 
 use super::{RowLogits, Sampler};
-use canopy_core::logits::{likelier, top_tokens, TailWalk};
+use canopy_core::logits::{top_tokens, TailCut, TailWalk};
 use canopy_engine::TOP_LOGITS_MAX;
 use rand::Rng;
 
@@ -108,28 +108,33 @@ impl Sampler {
             }
             target = u * acc;
         }
-        // Past the head, the tokens a draw cut by `top_p` may take: the likeliest of the rest
-        // that bring the head's probability to it, which set the draw's scale.
-        let mut kept: Option<Vec<bool>> = None;
+        // A `top_p` cut past the head keeps the fewest likeliest of the rest that reach it,
+        // which set the draw's scale: walked over the whole row, or on the backend where the
+        // rest of the row is as the model left it.
         if past_head && p.top_p < 1.0 {
+            let rest = TailWalk {
+                head: head.to_vec(),
+                max,
+                temperature: p.temperature,
+                total,
+                target: 0.0,
+                cut: Some(TailCut {
+                    u,
+                    top_p: p.top_p as f64,
+                    head_mass: acc,
+                }),
+            };
             let Some(whole) = whole else {
                 return match land_between(u, (head, logits), &prob, p.top_p as f64) {
                     Some(t) => Walked::On(t),
+                    None if changed.is_empty() => Walked::Tail {
+                        rest,
+                        last: head[0],
+                    },
                     None => Walked::Whole,
                 };
             };
-            let mut marked = past(head, whole.len());
-            let mut tail: Vec<(u32, f32, f64)> = (0..whole.len() as u32)
-                .filter(|&t| marked[t as usize])
-                .map(|t| (t, whole[t as usize], prob(whole[t as usize])))
-                .collect();
-            let m = likeliest_reaching(&mut tail, p.top_p as f64 - acc);
-            target = u * (acc + tail[..m].iter().map(|&(_, _, q)| q).sum::<f64>());
-            marked.iter_mut().for_each(|m| *m = false);
-            tail[..m]
-                .iter()
-                .for_each(|&(t, _, _)| marked[t as usize] = true);
-            kept = Some(marked);
+            return Walked::On(rest.land(whole).unwrap_or(head[0]));
         }
         let mut last = head[0];
         let mut take = |t: u32, x: f32| {
@@ -151,12 +156,6 @@ impl Sampler {
         if !past_head {
             return Walked::On(last);
         }
-        if let (Some(whole), Some(kept)) = (whole, &kept) {
-            let past = (0..whole.len() as u32)
-                .filter(|&t| kept[t as usize])
-                .find(|&t| take(t, whole[t as usize]));
-            return Walked::On(past.unwrap_or(last));
-        }
         // Past the head: the changed tokens, then the rest by token id.
         if let Some(&(t, _)) = changed.iter().find(|&&(t, x)| take(t, x)) {
             return Walked::On(t);
@@ -170,6 +169,7 @@ impl Sampler {
             temperature: p.temperature,
             total,
             target,
+            cut: None,
         };
         match whole {
             Some(whole) => Walked::On(rest.land(whole).unwrap_or(last)),
@@ -242,38 +242,6 @@ fn land_between(
     (land(u * (top_p + last) * (1.0 + SLACK)) == Some(low)).then_some(low)
 }
 
-/// Which of a vocabulary's tokens are past its `head`.
-fn past(head: &[u32], vocab: usize) -> Vec<bool> {
-    let mut past = vec![true; vocab];
-    head.iter().for_each(|&t| past[t as usize] = false);
-    past
-}
-
-/// Puts first, in no order, the fewest of the most likely `items` (token, logit,
-/// probability) whose probabilities reach `need`, and returns how many (all, where they do not
-/// reach it): a selection that halves the range each round, linear in the items on average.
-fn likeliest_reaching(items: &mut [(u32, f32, f64)], mut need: f64) -> usize {
-    let (mut lo, mut hi) = (0, items.len());
-    while lo < hi {
-        // The range's likelier half before its middle item.
-        let mid = (hi - lo) / 2;
-        items[lo..hi].select_nth_unstable_by(mid, |a, b| likelier(a.0, a.1, b.0, b.1));
-        let upper: f64 = items[lo..lo + mid].iter().map(|&(_, _, q)| q).sum();
-        if mid > 0 && upper >= need {
-            hi = lo + mid;
-            continue;
-        }
-        need -= upper;
-        let q = items[lo + mid].2;
-        if q >= need {
-            return lo + mid + 1;
-        }
-        need -= q;
-        lo += mid + 1;
-    }
-    lo
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::tests::narrowed;
@@ -331,17 +299,18 @@ mod tests {
 
     proptest::proptest! {
         /// A draw that lands past its row narrowed to [`BY_TOTAL_HEAD`] tokens and goes on
-        /// over the rest of the row on the backend ([`Sampler::tail_walk`]) draws what the
-        /// whole row draws; one cut by `top_p` past the head needs the whole row.
+        /// over the rest of the row on the backend ([`Sampler::tail_walk`]), with a `top_p`
+        /// cut past the head or none, draws what the whole row draws.
         #[test]
         fn a_tail_walked_on_the_backend_is_the_whole_rows(
             seed in 0u64..1000,
             temperature in 0.5f32..2.0,
+            top_p in proptest::prop_oneof![proptest::strategy::Just(1.0f32), 0.3f32..1.0],
             spread in 0.5f32..4.0,
             vocab in 130usize..3000,
         ) {
             use canopy_engine::{CpuBackend, LayerOps};
-            let params = SamplingParams { temperature, ..SamplingParams::default() };
+            let params = SamplingParams { temperature, top_p, ..SamplingParams::default() };
             let logits: Vec<f32> = (0..vocab as u64)
                 .map(|i| ((i * 7919 + seed * 31) % 997) as f32 / 997.0 * spread)
                 .collect();
@@ -353,7 +322,7 @@ mod tests {
                 let b = match narrow.sample(narrowed(&logits, BY_TOTAL_HEAD).row(0), Some(z)) {
                     Some(t) => t,
                     None => {
-                        let walk = narrow.tail_walk().expect("no top_p cut").clone();
+                        let walk = narrow.tail_walk().expect("an unchanged row").clone();
                         let mut out = CpuBackend.tensor(1, 2).unwrap();
                         CpuBackend.walk_tails(&row, &[(0, &walk)], &mut out).unwrap();
                         let landed = Some(out.data[0].to_bits()).filter(|&t| t != u32::MAX);
@@ -361,11 +330,6 @@ mod tests {
                     }
                 };
                 proptest::prop_assert_eq!(a, b, "draw {}", draw);
-            }
-            let cut = SamplingParams { top_p: 0.99, ..params };
-            let mut s = Sampler::new(cut, seed, &[]);
-            if s.sample(narrowed(&logits, BY_TOTAL_HEAD).row(0), Some(z)).is_none() {
-                proptest::prop_assert!(s.tail_walk().is_none());
             }
         }
     }
@@ -425,38 +389,6 @@ mod tests {
                     want(t)
                 );
             }
-        }
-    }
-
-    proptest::proptest! {
-        /// The selection keeps what a sort would: the fewest likeliest items whose
-        /// probabilities reach the need (sums exact in f64: multiples of 1/1024).
-        #[test]
-        fn the_selection_keeps_the_likeliest_that_reach_the_need(
-            items in proptest::collection::vec((0i32..6, 1u32..64), 0..300),
-            need in 0u32..20_000,
-        ) {
-            let mut items: Vec<(u32, f32, f64)> = (items.iter().enumerate())
-                .map(|(t, &(logit, weight))| (t as u32, logit as f32, weight as f64 / 1024.0))
-                .collect();
-            let need = need as f64 / 1024.0;
-            let mut sorted = items.clone();
-            sorted.sort_by(|a, b| likelier(a.0, a.1, b.0, b.1));
-            let mut acc = 0.0;
-            let want = sorted
-                .iter()
-                .position(|&(_, _, q)| {
-                    acc += q;
-                    acc >= need
-                })
-                .map_or(sorted.len(), |i| i + 1);
-            let m = likeliest_reaching(&mut items, need);
-            proptest::prop_assert_eq!(m, want);
-            let mut kept: Vec<u32> = items[..m].iter().map(|i| i.0).collect();
-            let mut wanted: Vec<u32> = sorted[..m].iter().map(|i| i.0).collect();
-            kept.sort_unstable();
-            wanted.sort_unstable();
-            proptest::prop_assert_eq!(kept, wanted);
         }
     }
 

@@ -1,0 +1,401 @@
+// The ops on a pass's logits, compiled after layers.cu as one program (the kernel registry's
+// Layers variant): each row narrowed to its likeliest tokens, its log-normaliser, its softmax
+// total at a temperature, single logits read and written, and the rest of a draw by total
+// walked past a row's likeliest tokens.
+
+#ifndef TOP_ITEMS
+#error "TOP_ITEMS must be defined by the kernel registry"
+#endif
+#define TOP_SEGMENT (LAYER_THREADS * TOP_ITEMS)
+
+// A token's place in canopy_core::logits' order as one 64-bit key, the larger first: the
+// logit's bits folded so that unsigned order is f32::total_cmp's, above the token's
+// complement, so that among equal logits the lower token wins. Keys are distinct; 0 is below
+// every real one and pads a segment.
+__device__ __forceinline__ u64 logit_key(float x, u32 token) {
+    u32 b = __float_as_uint(x);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(0xFFFFFFFFu - token);
+}
+
+__device__ __forceinline__ float key_logit(u64 key) {
+    const u32 b = (u32)(key >> 32);
+    return __uint_as_float((b & 0x80000000u) ? (b & 0x7FFFFFFFu) : ~b);
+}
+
+__device__ __forceinline__ u32 key_token(u64 key) { return 0xFFFFFFFFu - (u32)key; }
+
+// One pass of narrowing each row to its k most likely tokens: CTA (segment, row) takes
+// entries [segment · TOP_SEGMENT, +TOP_SEGMENT) of the row's n (logits when `from_logits`,
+// else the keys of an earlier pass) and finds their k largest keys in k rounds, each the
+// block's largest key still held. A pass of several segments writes each segment's keys, in
+// order, for the next pass (`keys_out`, rows × segments × k); a pass of one segment writes the
+// row's k logits then their tokens as f32 bit patterns (`out`, rows × 2k).
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+top_logits(const float* __restrict__ logits, const u64* __restrict__ keys_in, u32 n, u32 from_logits,
+           u32 k, u64* __restrict__ keys_out, float* __restrict__ out) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    const u32 row = blockIdx.y, segment = blockIdx.x;
+    u64 key[TOP_ITEMS];
+#pragma unroll
+    for (int i = 0; i < TOP_ITEMS; ++i) {
+        const u32 j = segment * TOP_SEGMENT + i * LAYER_THREADS + threadIdx.x;
+        key[i] = 0;
+        if (j < n) key[i] = from_logits ? logit_key(logits[(u64)row * n + j], j) : keys_in[(u64)row * n + j];
+    }
+    __shared__ u64 warp_best[LAYER_THREADS / 32];
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (u32 round = 0; round < k; ++round) {
+        u64 best = 0;
+#pragma unroll
+        for (int i = 0; i < TOP_ITEMS; ++i) best = key[i] > best ? key[i] : best;
+#pragma unroll
+        for (int off = 16; off; off >>= 1) {
+            const u64 other = __shfl_xor_sync(0xFFFFFFFFu, best, off);
+            best = other > best ? other : best;
+        }
+        if (lane == 0) warp_best[warp] = best;
+        __syncthreads();
+        best = warp_best[0];
+#pragma unroll
+        for (int w = 1; w < LAYER_THREADS / 32; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+        __syncthreads();
+        // Keys are distinct, so only the holder of the block's largest clears it (a pad of 0
+        // cleared again stays 0).
+#pragma unroll
+        for (int i = 0; i < TOP_ITEMS; ++i) key[i] = key[i] == best ? 0 : key[i];
+        if (threadIdx.x == 0) {
+            if (gridDim.x == 1) {
+                out[(u64)row * 2 * k + round] = key_logit(best);
+                out[(u64)row * 2 * k + k + round] = __uint_as_float(key_token(best));
+            } else {
+                keys_out[((u64)row * gridDim.x + segment) * k + round] = best;
+            }
+        }
+    }
+}
+
+// A CTA's reduction of one float per thread by `op` (max or sum), the result in every thread;
+// `part` is LAYER_THREADS / 32 floats of shared memory, free again on return.
+template <typename Op> __device__ __forceinline__ float block_reduce(float x, float* part, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = part[0];
+#pragma unroll
+    for (int w = 1; w < LAYER_THREADS / 32; ++w) x = op(x, part[w]);
+    __syncthreads();
+    return x;
+}
+
+// A row's largest logit `m` and the sum of exp((x - m) * scale) over its `cols` logits, in
+// fp32, by the whole CTA; the results are in every thread.
+__device__ __forceinline__ float row_softmax_sum(const float* row, u32 cols, float scale, float* part,
+                                                 float& m) {
+    m = NEG_INF;
+    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) m = fmaxf(m, row[c]);
+    m = block_reduce(m, part, [](float a, float b) { return fmaxf(a, b); });
+    float s = 0.f;
+    for (u32 c = threadIdx.x; c < cols; c += LAYER_THREADS) s += expf((row[c] - m) * scale);
+    return block_reduce(s, part, [](float a, float b) { return a + b; });
+}
+
+// One CTA per row of `logits` (rows x cols): the row's log-normaliser ln sum exp(x) (its max,
+// then the sum of exp(x - max), in fp32) and the logit of its target token, into out[2 row]
+// and out[2 row + 1] (the host checked every target against cols).
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+logprob_terms(const float* __restrict__ logits, const u32* __restrict__ targets, u32 cols,
+              float* __restrict__ out) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    __shared__ float part[LAYER_THREADS / 32];
+    const float* row = logits + (u64)blockIdx.x * cols;
+    float m;
+    const float s = row_softmax_sum(row, cols, 1.f, part, m);
+    if (threadIdx.x == 0) {
+        out[2 * (u64)blockIdx.x] = m + logf(s);
+        out[2 * (u64)blockIdx.x + 1] = row[targets[blockIdx.x]];
+    }
+}
+
+// One CTA per row of `logits` (rows x cols): the sum of exp((x - max) / T) over the row, T
+// the row's temperature (the host checked each is above 0), into out[row].
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+softmax_totals(const float* __restrict__ logits, const float* __restrict__ temperatures, u32 cols,
+               float* __restrict__ out) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    __shared__ float part[LAYER_THREADS / 32];
+    float m;
+    const float s = row_softmax_sum(logits + (u64)blockIdx.x * cols, cols,
+                                    1.f / temperatures[blockIdx.x], part, m);
+    if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+// out[i] = the logit at picks[i] = (row, token) of `logits` (rows x cols; the host checked
+// every pick against both).
+extern "C" __global__ void pick_logits(const float* __restrict__ logits, const uint2* __restrict__ picks,
+                                       u32 n, u32 cols, float* __restrict__ out) {
+    GRID_STRIDE(i, (u64)n) {
+        const uint2 p = picks[i];
+        out[i] = logits[(u64)p.x * cols + p.y];
+    }
+}
+
+// logits[places[i]] = value for each (row, token) of `places` (rows x cols; the host checked
+// every place against both).
+extern "C" __global__ void set_logits(float* __restrict__ logits, const uint2* __restrict__ places, u32 n,
+                                      u32 cols, float value) {
+    GRID_STRIDE(i, (u64)n) {
+        const uint2 p = places[i];
+        logits[(u64)p.x * cols + p.y] = value;
+    }
+}
+
+// The fp32 logit's bits in an order that follows its value (total_cmp's): a larger key is a
+// larger logit.
+__device__ __forceinline__ u32 order_key(float x) {
+    const u32 b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// A token's probability in fixed point (2^60 to 1), so that sums of them are exact and do not
+// depend on their order.
+__device__ __forceinline__ u64 fixed_mass(double q) { return (u64)(q * 1152921504606846976.0); }
+
+// Whether `t` is one of the `n` sorted `head` tokens at or past index `h`, moving `h` on: a
+// thread's run of tokens in order meets them in order.
+__device__ __forceinline__ bool in_head(const u32* head, u32 n, u32& h, u32 t) {
+    if (h < n && head[h] == t) {
+        ++h;
+        return true;
+    }
+    return false;
+}
+
+// Inclusive scan of `x` over the CTA (LAYER_THREADS threads, `ends` as many entries of shared
+// memory, free again on return), in a fixed order of additions.
+template <typename T>
+__device__ __forceinline__ T cta_scan(T x, T* ends) {
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+        const T y = __shfl_up_sync(0xffffffffu, x, o);
+        if ((int)lane >= o) x += y;
+    }
+    ends[threadIdx.x] = x;
+    __syncthreads();
+    T before = 0;
+    for (u32 v = 0; v < warp; ++v) before += ends[v * 32 + 31];
+    __syncthreads();
+    return before + x;
+}
+
+// One CTA per walk: the rest of a draw by a row's softmax total past the row's likeliest tokens
+// (canopy_core::logits::TailWalk). index[5w..5w+5] = (row of logits, first and count of the
+// walk's head tokens in `heads`, sorted, then first and count of its head in walk order, for a
+// cut); params[7w..7w+7] = (top, temperature, total, target, u, top_p, head_mass), `top` the
+// row's largest logit. Each probability is exp((x - top) / T) / total (the quotient in fp32,
+// the rest in fp64).
+// A walk with a cut (a head in walk order) first keeps the fewest likeliest tokens past the
+// head whose masses reach top_p - head_mass: a radix select, a byte of the logit's order key a
+// pass, of masses in fixed point, then the tokens of the last key by token id. Its target is
+// u (head_mass + kept), walked over the head in order (one thread) and then over the kept.
+// The walk past the head: each thread sums the probabilities of a contiguous run of the row, a
+// scan of the runs' sums tiles [0, sum) exactly, and the thread whose tile holds the target
+// walks its run token by token, as the host walks the row. A target past every tile lands on
+// the last token walked with a probability above 0. out[2w] = the token's bits (0xffffffff:
+// none), out[2w + 1] its logit.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ index,
+           const double* __restrict__ params, const u32* __restrict__ heads, float* __restrict__ out) {
+    __shared__ double ends[LAYER_THREADS];
+    __shared__ u64 counts[LAYER_THREADS];
+    __shared__ u32 landed, theta, kept_to;
+    __shared__ u64 kept_mass;
+    __shared__ double left_after_head;
+    __shared__ int last_positive[LAYER_THREADS / 32];
+    const u32 w = blockIdx.x;
+    const float* row = logits + (u64)index[5 * w] * cols;
+    const u32* head = heads + index[5 * w + 1];
+    const u32 head_len = index[5 * w + 2];
+    const u32* order = heads + index[5 * w + 3];
+    const u32 order_len = index[5 * w + 4];
+    const float top = (float)params[7 * w], temperature = (float)params[7 * w + 1];
+    const double total = params[7 * w + 2];
+    double target = params[7 * w + 3];
+    const u32 per = (cols + LAYER_THREADS - 1) / LAYER_THREADS;
+    const u32 begin = min(cols, threadIdx.x * per), end = min(cols, begin + per);
+    // The first head token at or past this run.
+    u32 first = 0, span = head_len;
+    while (span > 0) {
+        const u32 half = span / 2;
+        if (head[first + half] < begin) {
+            first += half + 1;
+            span -= half + 1;
+        } else {
+            span = half;
+        }
+    }
+    const bool cut = order_len > 0;
+    int last_head = -1;
+    if (threadIdx.x == 0) {
+        landed = 0xffffffffu;
+        theta = 0;
+        kept_to = 0xffffffffu;
+    }
+    if (cut) {
+        const double top_p = params[7 * w + 5], head_mass = params[7 * w + 6];
+        const u64 need = fixed_mass(top_p - head_mass);
+        // The key of the last token kept: a byte a pass, from the highest, each pass summing the
+        // masses of the tokens whose keys agree with it so far, by their next byte.
+        u32 prefix = 0, mask = 0;
+        u64 above = 0;
+        bool all = false;
+        for (int pass = 0; pass < 4 && !all; ++pass) {
+            const int shift = 24 - 8 * pass;
+            u64* bins = counts;
+            for (u32 b = threadIdx.x; b < 256; b += LAYER_THREADS) bins[b] = 0;
+            __syncthreads();
+            for (u32 t = begin, h = first; t < end; ++t) {
+                if (in_head(head, head_len, h, t)) continue;
+                const u32 key = order_key(row[t]);
+                if ((key & mask) != prefix) continue;
+                const double q = exp((double)((row[t] - top) / temperature)) / total;
+                atomicAdd((unsigned long long*)&bins[(key >> shift) & 255], (unsigned long long)fixed_mass(q));
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u64 sum = above;
+                int b = 255;
+                for (; b >= 0; --b) {
+                    if (sum + bins[b] >= need) break;
+                    sum += bins[b];
+                }
+                kept_mass = sum;
+                theta = b < 0 ? 0xffffffffu : (u32)b;
+            }
+            __syncthreads();
+            if (theta == 0xffffffffu) {
+                all = true;
+            } else {
+                above = kept_mass;
+                prefix |= theta << shift;
+                mask |= 0xffu << shift;
+            }
+            __syncthreads();
+        }
+        // The tokens of the last key, by token id, until the kept mass reaches the need.
+        u64 ties = 0;
+        if (!all) {
+            for (u32 t = begin, h = first; t < end; ++t) {
+                if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
+                ties += fixed_mass(exp((double)((row[t] - top) / temperature)) / total);
+            }
+        }
+        const u64 tie_end = cta_scan<u64>(ties, counts);
+        const u64 tie_start = tie_end - ties;
+        const u64 more = need - above;
+        if (!all && tie_start < more && more <= tie_end) {
+            u64 sum = tie_start;
+            for (u32 t = begin, h = first; t < end; ++t) {
+                if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
+                sum += fixed_mass(exp((double)((row[t] - top) / temperature)) / total);
+                if (sum >= more) {
+                    kept_to = t;
+                    kept_mass = above + sum - 0;
+                    break;
+                }
+            }
+        }
+        if (threadIdx.x == 0) theta = all ? 0u : prefix;
+        __syncthreads();
+        // Every token past the head is kept where the whole rest does not reach the need.
+        u64 kept_sum = 0;
+        if (all) {
+            for (u32 t = begin, h = first; t < end; ++t) {
+                if (in_head(head, head_len, h, t)) continue;
+                kept_sum += fixed_mass(exp((double)((row[t] - top) / temperature)) / total);
+            }
+        }
+        const u64 all_mass = cta_scan<u64>(kept_sum, counts);
+        if (all && threadIdx.x == LAYER_THREADS - 1) kept_mass = all_mass;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double left = params[7 * w + 4] * (head_mass + (double)kept_mass / 1152921504606846976.0);
+            for (u32 i = 0; i < order_len; ++i) {
+                const double q = exp((double)((row[order[i]] - top) / temperature)) / total;
+                if (left < q) {
+                    landed = order[i];
+                    break;
+                }
+                left -= q;
+                if (q > 0.0) last_head = (int)order[i];
+            }
+            left_after_head = left;
+            if (all) kept_to = 0xffffffffu;
+        }
+        __syncthreads();
+        if (landed != 0xffffffffu) {
+            if (threadIdx.x == 0) {
+                out[2 * (u64)w] = __uint_as_float(landed);
+                out[2 * (u64)w + 1] = row[landed];
+            }
+            return;
+        }
+        target = left_after_head;
+    }
+    // Whether token t, past the head, is walked: all of them, or those a cut keeps.
+    const u32 key_cut = theta, id_cut = kept_to;
+    const bool keep_all = !cut || id_cut == 0xffffffffu;
+    auto walked = [&](u32 t) {
+        if (keep_all) return true;
+        const u32 key = order_key(row[t]);
+        return key > key_cut || (key == key_cut && t <= id_cut);
+    };
+    double sum = 0.0;
+    int last = -1;
+    for (u32 t = begin, h = first; t < end; ++t) {
+        if (in_head(head, head_len, h, t) || !walked(t)) continue;
+        const double q = exp((double)((row[t] - top) / temperature)) / total;
+        sum += q;
+        if (q > 0.0) last = (int)t;
+    }
+    // The runs' tiles: [the run before's end, this run's end).
+    const double run_end = cta_scan<double>(sum, ends);
+    ends[threadIdx.x] = run_end;
+    int latest = last;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) latest = max(latest, __shfl_xor_sync(0xffffffffu, latest, o));
+    if (threadIdx.x % 32 == 0) last_positive[threadIdx.x / 32] = latest;
+    __syncthreads();
+    const double start = threadIdx.x == 0 ? 0.0 : ends[threadIdx.x - 1];
+    if (start <= target && target < run_end) {
+        double left = target - start;
+        u32 at = (u32)last;
+        for (u32 t = begin, h = first; t < end; ++t) {
+            if (in_head(head, head_len, h, t) || !walked(t)) continue;
+            const double q = exp((double)((row[t] - top) / temperature)) / total;
+            if (left < q) {
+                at = t;
+                break;
+            }
+            left -= q;
+        }
+        landed = at;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 token = landed;
+        if (token == 0xffffffffu) {
+            int latest_all = -1;
+            for (u32 v = 0; v < LAYER_THREADS / 32; ++v) latest_all = max(latest_all, last_positive[v]);
+            if (latest_all < 0) latest_all = last_head;
+            token = latest_all < 0 ? 0xffffffffu : (u32)latest_all;
+        }
+        out[2 * (u64)w] = __uint_as_float(token);
+        out[2 * (u64)w + 1] = token == 0xffffffffu ? __int_as_float(0x7fc00000) : row[token];
+    }
+}
