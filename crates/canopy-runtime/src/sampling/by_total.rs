@@ -59,8 +59,8 @@ impl Sampler {
 
     /// The rest of this sampler's draw that landed past its narrowed row, where a backend may
     /// walk it over the row ([`canopy_engine::LayerOps::walk_tails`]) instead of reading the
-    /// row whole; `None` where the draw needs its whole row (a `top_p` cut past the row's
-    /// likeliest).
+    /// row whole; `None` where the draw needs its whole row (one that changes tokens past its
+    /// head, cut by `top_p` past it).
     pub fn tail_walk(&self) -> Option<&TailWalk> {
         self.pending.as_ref()?.tail.as_ref().map(|(walk, _)| walk)
     }
@@ -81,9 +81,10 @@ impl Sampler {
     /// the draw in it; one past the head keeps the fewest likeliest of the rest that reach it,
     /// found by selection, not a sort ([`land_between`] where the row is not given whole).
     /// Past the head of a row not given whole, the walk goes on over the rest of the row
-    /// ([`Walked::Tail`]), or needs the whole row (a `top_p` cut past the head that
-    /// [`land_between`] does not settle). A walk past every token it may take (the total's
-    /// rounding) ends at the last it took a step over.
+    /// ([`Walked::Tail`], with its `top_p` cut where [`land_between`] does not settle it), or
+    /// needs the whole row (a cut past the head of a draw that changes tokens past it). A walk
+    /// past every token it may take (the total's rounding) ends at the last it took a step
+    /// over.
     fn by_total(&self, u: f64, walk: &ByTotal) -> Walked {
         let ByTotal {
             head: (head, logits),

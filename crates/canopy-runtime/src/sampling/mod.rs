@@ -19,9 +19,9 @@
 //! the draw walks the likeliest tokens in order, each's probability its term over that total
 //! ([`Sampler::sample`]). Past them it walks the rest of the row by token id, a pass with no
 //! sort, which the backend takes where the row lies ([`Sampler::tail_walk`],
-//! [`canopy_engine::LayerOps::walk_tails`]). A `top_p` cut past them is found by selection on
-//! the whole row; a draw that lands on one of them wherever that cut falls needs no more of
-//! the row. The walk over a narrowed row is the start of the walk over the whole one, so the
+//! [`canopy_engine::LayerOps::walk_tails`]). A `top_p` cut past them keeps the fewest
+//! likeliest of the rest that reach it, found by selection there too; a draw that lands on one
+//! of them wherever that cut falls needs no more of the row. The walk over a narrowed row is the start of the walk over the whole one, so the
 //! token depends on the row, its total and the seed alone. A whole row drawn so without a
 //! backend's total (a prompt's last) has it summed on the host.
 //!
