@@ -239,6 +239,8 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
             span = half;
         }
     }
+    // Each token's probability, as the host takes it.
+    auto prob = [&](u32 t) { return exp((double)((row[t] - top) / temperature)) / total; };
     const bool cut = order_len > 0;
     int last_head = -1;
     if (threadIdx.x == 0) {
@@ -263,7 +265,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
                 if (in_head(head, head_len, h, t)) continue;
                 const u32 key = order_key(row[t]);
                 if ((key & mask) != prefix) continue;
-                const double q = exp((double)((row[t] - top) / temperature)) / total;
+                const double q = prob(t);
                 atomicAdd((unsigned long long*)&bins[(key >> shift) & 255], (unsigned long long)fixed_mass(q));
             }
             __syncthreads();
@@ -292,7 +294,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         if (!all) {
             for (u32 t = begin, h = first; t < end; ++t) {
                 if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
-                ties += fixed_mass(exp((double)((row[t] - top) / temperature)) / total);
+                ties += fixed_mass(prob(t));
             }
         }
         const u64 tie_end = cta_scan<u64>(ties, counts);
@@ -302,10 +304,10 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
             u64 sum = tie_start;
             for (u32 t = begin, h = first; t < end; ++t) {
                 if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
-                sum += fixed_mass(exp((double)((row[t] - top) / temperature)) / total);
+                sum += fixed_mass(prob(t));
                 if (sum >= more) {
                     kept_to = t;
-                    kept_mass = above + sum - 0;
+                    kept_mass = above + sum;
                     break;
                 }
             }
@@ -317,7 +319,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         if (all) {
             for (u32 t = begin, h = first; t < end; ++t) {
                 if (in_head(head, head_len, h, t)) continue;
-                kept_sum += fixed_mass(exp((double)((row[t] - top) / temperature)) / total);
+                kept_sum += fixed_mass(prob(t));
             }
         }
         const u64 all_mass = cta_scan<u64>(kept_sum, counts);
@@ -326,7 +328,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         if (threadIdx.x == 0) {
             double left = params[7 * w + 4] * (head_mass + (double)kept_mass / 1152921504606846976.0);
             for (u32 i = 0; i < order_len; ++i) {
-                const double q = exp((double)((row[order[i]] - top) / temperature)) / total;
+                const double q = prob(order[i]);
                 if (left < q) {
                     landed = order[i];
                     break;
@@ -359,7 +361,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
     int last = -1;
     for (u32 t = begin, h = first; t < end; ++t) {
         if (in_head(head, head_len, h, t) || !walked(t)) continue;
-        const double q = exp((double)((row[t] - top) / temperature)) / total;
+        const double q = prob(t);
         sum += q;
         if (q > 0.0) last = (int)t;
     }
@@ -377,7 +379,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         u32 at = (u32)last;
         for (u32 t = begin, h = first; t < end; ++t) {
             if (in_head(head, head_len, h, t) || !walked(t)) continue;
-            const double q = exp((double)((row[t] - top) / temperature)) / total;
+            const double q = prob(t);
             if (left < q) {
                 at = t;
                 break;
