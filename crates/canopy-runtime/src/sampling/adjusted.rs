@@ -247,7 +247,7 @@ fn head_len(n: usize, c: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::narrowed;
+    use super::super::tests::{narrowed, walk_on_cpu};
     use super::super::{SamplingParams, StepLogits};
     use super::*;
     use canopy_engine::{CpuBackend, LayerOps};
@@ -297,15 +297,13 @@ mod tests {
         if let Some(t) = s.sample(narrowed_for(s, logits, k).row(0), z) {
             return (t, Settled::Narrowed);
         }
-        let Some(walk) = s.tail_walk().cloned() else {
-            let t = s.sample(RowLogits::Whole(logits), z).unwrap();
-            return (t, Settled::Whole);
-        };
-        let row = CpuBackend.upload_tensor(logits, 1, logits.len()).unwrap();
-        let mut out = CpuBackend.tensor(1, 2).unwrap();
-        (CpuBackend.walk_tails(&row, &[(0, &walk)], &mut out)).unwrap();
-        let landed = Some(out.data[0].to_bits()).filter(|&t| t != u32::MAX);
-        (s.land_tail(landed).unwrap(), Settled::Walked)
+        match walk_on_cpu(s, logits) {
+            Some(t) => (t, Settled::Walked),
+            None => (
+                s.sample(RowLogits::Whole(logits), z).unwrap(),
+                Settled::Whole,
+            ),
+        }
     }
 
     proptest::proptest! {

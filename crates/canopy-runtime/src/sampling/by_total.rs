@@ -245,7 +245,7 @@ fn land_between(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::narrowed;
+    use super::super::tests::{narrowed, spread_row, walk_on_cpu};
     use super::super::SamplingParams;
     use super::*;
 
@@ -284,9 +284,7 @@ mod tests {
             k in 1usize..=TOP_LOGITS_MAX,
         ) {
             let params = SamplingParams { temperature, top_p, ..SamplingParams::default() };
-            let logits: Vec<f32> = (0..vocab as u64)
-                .map(|i| ((i * 7919 + seed * 31) % 997) as f32 / 997.0 * spread)
-                .collect();
+            let logits = spread_row(seed, vocab, spread);
             let z = total(&logits, temperature);
             let (mut whole, mut narrow) = (Sampler::new(params, seed, &[]), Sampler::new(params, seed, &[]));
             proptest::prop_assert_eq!(whole.total_temperature(), Some(temperature));
@@ -310,25 +308,15 @@ mod tests {
             spread in 0.5f32..4.0,
             vocab in 130usize..3000,
         ) {
-            use canopy_engine::{CpuBackend, LayerOps};
             let params = SamplingParams { temperature, top_p, ..SamplingParams::default() };
-            let logits: Vec<f32> = (0..vocab as u64)
-                .map(|i| ((i * 7919 + seed * 31) % 997) as f32 / 997.0 * spread)
-                .collect();
-            let row = CpuBackend.upload_tensor(&logits, 1, vocab).unwrap();
+            let logits = spread_row(seed, vocab, spread);
             let z = total(&logits, temperature);
             let (mut whole, mut narrow) = (Sampler::new(params, seed, &[]), Sampler::new(params, seed, &[]));
             for draw in 0..8 {
                 let a = whole.sample(RowLogits::Whole(&logits), Some(z)).unwrap();
                 let b = match narrow.sample(narrowed(&logits, BY_TOTAL_HEAD).row(0), Some(z)) {
                     Some(t) => t,
-                    None => {
-                        let walk = narrow.tail_walk().expect("an unchanged row").clone();
-                        let mut out = CpuBackend.tensor(1, 2).unwrap();
-                        CpuBackend.walk_tails(&row, &[(0, &walk)], &mut out).unwrap();
-                        let landed = Some(out.data[0].to_bits()).filter(|&t| t != u32::MAX);
-                        narrow.land_tail(landed).unwrap()
-                    }
+                    None => walk_on_cpu(&mut narrow, &logits).expect("an unchanged row"),
                 };
                 proptest::prop_assert_eq!(a, b, "draw {}", draw);
             }

@@ -424,6 +424,25 @@ mod tests {
         StepLogits::top(k, rows)
     }
 
+    /// `s`'s pending draw finished over the rest of `logits` on the CPU's `walk_tails`, as a
+    /// step finishes it where the sampler offers its walk (`None`: it offers none).
+    pub(super) fn walk_on_cpu(s: &mut Sampler, logits: &[f32]) -> Option<u32> {
+        use canopy_engine::{CpuBackend, LayerOps};
+        let walk = s.tail_walk()?.clone();
+        let row = CpuBackend.upload_tensor(logits, 1, logits.len()).unwrap();
+        let mut out = CpuBackend.tensor(1, 2).unwrap();
+        (CpuBackend.walk_tails(&row, &[(0, &walk)], &mut out)).unwrap();
+        s.land_tail(Some(out.data[0].to_bits()).filter(|&t| t != u32::MAX))
+    }
+
+    /// A row of `vocab` logits spread over `spread` with few distinct values, drawn from
+    /// `seed`.
+    pub(super) fn spread_row(seed: u64, vocab: usize, spread: f32) -> Vec<f32> {
+        (0..vocab as u64)
+            .map(|i| ((i * 7919 + seed * 31) % 997) as f32 / 997.0 * spread)
+            .collect()
+    }
+
     #[test]
     fn temperature_zero_is_the_likeliest_lower_of_equals() {
         let logits = [0.1, 3.0, 2.0, 3.0];
