@@ -315,8 +315,10 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             let kept = forward.logits().ok_or_else(|| {
                 RuntimeError::Protocol("a narrowed row without its pass's logits".into())
             })?;
-            let rows = (drawing.iter()).map(|&s| (pass_rows[s], step_logits[s].total(0)));
-            finish_past(backend, kept, rows, &drawing, &mut samplers, &mut drawn)?;
+            let rows: Vec<(usize, Option<f32>)> = (drawing.iter())
+                .map(|&s| (pass_rows[s], step_logits[s].total(0)))
+                .collect();
+            finish_past(backend, kept, &rows, &drawing, &mut samplers, &mut drawn)?;
         }
         let mut live = Vec::new();
         for (&s, drawn) in drawing.iter().zip(drawn) {
@@ -499,12 +501,11 @@ enum Past {
 fn finish_past<B: LayerOps>(
     backend: &B,
     logits: &B::Tensor,
-    rows: impl Iterator<Item = (usize, Option<f32>)>,
+    rows: &[(usize, Option<f32>)],
     drawing: &[usize],
     samplers: &mut [Sampler],
     drawn: &mut [Option<(u32, Option<Past>)>],
 ) -> Result<()> {
-    let rows: Vec<(usize, Option<f32>)> = rows.collect();
     let past: Vec<usize> = (0..drawn.len()).filter(|&i| drawn[i].is_none()).collect();
     let walks: Vec<(usize, TailWalk)> = (past.iter())
         .filter_map(|&i| Some((i, samplers[drawing[i]].tail_walk()?.clone())))
