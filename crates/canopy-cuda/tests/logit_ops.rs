@@ -14,6 +14,7 @@ use compare::poisoned;
 
 use canopy_core::logits::{softmax_total, top_tokens, TailCut, TailWalk};
 use canopy_engine::{CpuBackend, LayerOps, Result};
+use canopy_kernels::TOP_ROUNDS_MAX;
 use rand::Rng;
 
 /// `logits` (`rows × vocab`) narrowed to `k` tokens a row on `b`, into a poisoned output.
@@ -35,19 +36,28 @@ fn top_logits_match_the_cpu_bit_for_bit() {
     for (rows, vocab) in [(3, 4096), (2, 4097), (5, 49152), (64, 128256), (1, 130)] {
         // Few distinct values, so most of a row's likeliest tie: the lower token must win.
         // Signed zeros and infinities sit among them.
-        let mut logits: Vec<f32> = (0..rows * vocab)
+        let mut tied: Vec<f32> = (0..rows * vocab)
             .map(|_| rng.gen_range(-64i32..64) as f32 * 0.125)
             .collect();
         for _ in 0..rows * 4 {
-            let at = rng.gen_range(0..logits.len());
-            logits[at] = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY][rng.gen_range(0..4)];
+            let at = rng.gen_range(0..tied.len());
+            tied[at] = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY][rng.gen_range(0..4)];
         }
-        for k in [1, 2, 40, 128] {
-            let got = top(&gpu, &logits, rows, k).unwrap();
-            let want = top(&CpuBackend, &logits, rows, k).unwrap();
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "{rows} rows of {vocab}, k = {k}");
-            eprintln!("  top_logits {rows} × {vocab}, k = {k}: equal");
+        // A model's spread, where the likeliest part by the bits of their logits.
+        let spread = model_rows(&mut rng, rows, vocab);
+        // k on both sides of TOP_ROUNDS_MAX: rounds of the largest key, and radix selection.
+        for (kind, logits) in [("tied", &tied), ("spread", &spread)] {
+            for k in [1, 2, TOP_ROUNDS_MAX, TOP_ROUNDS_MAX + 1, 40, 128] {
+                let got = top(&gpu, logits, rows, k).unwrap();
+                let want = top(&CpuBackend, logits, rows, k).unwrap();
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{kind}: {rows} rows of {vocab}, k = {k}"
+                );
+            }
+            eprintln!("  top_logits {kind} {rows} × {vocab}: equal at every k");
         }
     }
 }

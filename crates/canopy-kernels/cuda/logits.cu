@@ -27,23 +27,30 @@ __device__ __forceinline__ u32 key_token(u64 key) { return 0xFFFFFFFFu - (u32)ke
 
 // One pass of narrowing each row to its k most likely tokens: CTA (segment, row) takes
 // entries [segment · TOP_SEGMENT, +TOP_SEGMENT) of the row's n (logits when `from_logits`,
-// else the keys of an earlier pass) and finds their k largest keys in k rounds, each the
-// block's largest key still held. A pass of several segments writes each segment's keys, in
-// order, for the next pass (`keys_out`, rows × segments × k); a pass of one segment writes the
-// row's k logits then their tokens as f32 bit patterns (`out`, rows × 2k).
-extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
-top_logits(const float* __restrict__ logits, const u64* __restrict__ keys_in, u32 n, u32 from_logits,
-           u32 k, u64* __restrict__ keys_out, float* __restrict__ out) {
-    let_next_grid_launch();
-    wait_for_previous_grid();
-    const u32 row = blockIdx.y, segment = blockIdx.x;
-    u64 key[TOP_ITEMS];
-#pragma unroll
-    for (int i = 0; i < TOP_ITEMS; ++i) {
-        const u32 j = segment * TOP_SEGMENT + i * LAYER_THREADS + threadIdx.x;
-        key[i] = 0;
-        if (j < n) key[i] = from_logits ? logit_key(logits[(u64)row * n + j], j) : keys_in[(u64)row * n + j];
+// else the keys of an earlier pass) and finds their k largest keys: for k up to
+// TOP_ROUNDS_MAX in k rounds, each the block's largest key still held (top_rounds), and for a
+// larger k by radix selection (top_select). A pass of several segments writes each segment's
+// keys, in no order, for the next pass (`keys_out`, rows × segments × k); a pass of one
+// segment writes the row's k logits, most likely first, then their tokens as f32 bit patterns
+// (`out`, rows × 2k).
+#ifndef TOP_ROUNDS_MAX
+#error "TOP_ROUNDS_MAX must be defined by the kernel registry"
+#endif
+
+// Key `i` of a pass's k keys: to the next pass, or as the row's `rank`th logit and token.
+__device__ __forceinline__ void top_write(u64 key, u32 i, u32 rank, u32 row, u32 k, u64* __restrict__ keys_out,
+                                          float* __restrict__ out) {
+    if (gridDim.x == 1) {
+        out[(u64)row * 2 * k + rank] = key_logit(key);
+        out[(u64)row * 2 * k + k + rank] = __uint_as_float(key_token(key));
+    } else {
+        keys_out[((u64)row * gridDim.x + blockIdx.x) * k + i] = key;
     }
+}
+
+// The k largest of the CTA's keys in k rounds, in order.
+__device__ __forceinline__ void top_rounds(u64 (&key)[TOP_ITEMS], u32 row, u32 k, u64* __restrict__ keys_out,
+                                           float* __restrict__ out) {
     __shared__ u64 warp_best[LAYER_THREADS / 32];
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (u32 round = 0; round < k; ++round) {
@@ -65,14 +72,110 @@ top_logits(const float* __restrict__ logits, const u64* __restrict__ keys_in, u3
         // cleared again stays 0).
 #pragma unroll
         for (int i = 0; i < TOP_ITEMS; ++i) key[i] = key[i] == best ? 0 : key[i];
-        if (threadIdx.x == 0) {
-            if (gridDim.x == 1) {
-                out[(u64)row * 2 * k + round] = key_logit(best);
-                out[(u64)row * 2 * k + k + round] = __uint_as_float(key_token(best));
-            } else {
-                keys_out[((u64)row * gridDim.x + segment) * k + round] = best;
+        if (threadIdx.x == 0) top_write(best, round, round, row, k, keys_out, out);
+    }
+}
+
+// The k largest of the CTA's keys by radix selection: a byte a pass from the highest, each
+// pass counting the keys that agree with the bytes chosen so far by their next byte, and
+// choosing the byte at which the count from the top reaches the keys still wanted; it ends
+// where every key of the chosen bytes is wanted. The keys above the chosen bytes, and as many
+// as are still wanted of those equal to them (only pads of 0 can be equal past the last
+// byte), are the k; on the last pass each is put in its place by counting the kept keys
+// above it.
+__device__ __forceinline__ void top_select(const u64 (&key)[TOP_ITEMS], u32 row, u32 k, u64* __restrict__ keys_out,
+                                           float* __restrict__ out) {
+    __shared__ u32 bins[256];
+    __shared__ u32 chosen, above, taken, equal_taken;
+    __shared__ u64 kept[TOP_SEGMENT / 2];
+    const u32 lane = threadIdx.x % 32;
+    u64 prefix = 0, mask = 0;
+    u32 want = k;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (u32 b = threadIdx.x; b < 256; b += LAYER_THREADS) bins[b] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < TOP_ITEMS; ++i) {
+            // Lanes counting into one bin add once, together.
+            const bool agrees = (key[i] & mask) == prefix;
+            const u32 bin = agrees ? (u32)(key[i] >> shift) & 255u : 256u;
+            const u32 peers = __match_any_sync(0xFFFFFFFFu, bin);
+            if (agrees && lane == (u32)__ffs(peers) - 1) atomicAdd(&bins[bin], (u32)__popc(peers));
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane L holds bins 255 - 8L down to 248 - 8L; the lane whose share of the count
+            // from the top reaches `want` finds the bin.
+            u32 count[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                count[j] = bins[255 - 8 * lane - j];
+                sum += count[j];
+            }
+            u32 through = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o *= 2) {
+                const u32 y = __shfl_up_sync(0xFFFFFFFFu, through, o);
+                if ((int)lane >= o) through += y;
+            }
+            u32 before = through - sum;
+            if (before < want && want <= through) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (before + count[j] >= want) {
+                        chosen = 255 - 8 * lane - j;
+                        above = before;
+                        break;
+                    }
+                    before += count[j];
+                }
             }
         }
+        __syncthreads();
+        const u32 bin = chosen;
+        want -= above;
+        prefix |= (u64)bin << shift;
+        mask |= (u64)0xFF << shift;
+        const bool every = bins[bin] == want;
+        __syncthreads();  // every thread has read the bins before the next pass clears them
+        if (every) break;
+    }
+    if (threadIdx.x == 0) taken = equal_taken = 0;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TOP_ITEMS; ++i) {
+        const u64 top_bytes = key[i] & mask;
+        const bool keep = top_bytes > prefix || (top_bytes == prefix && atomicAdd(&equal_taken, 1u) < want);
+        if (keep) kept[atomicAdd(&taken, 1u)] = key[i];
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < k; i += LAYER_THREADS) {
+        u32 rank = 0;
+        if (gridDim.x == 1) {
+            // Equal keys (pads) take their places by where they were kept.
+            for (u32 j = 0; j < k; ++j) rank += kept[j] > kept[i] || (kept[j] == kept[i] && j < i);
+        }
+        top_write(kept[i], i, rank, row, k, keys_out, out);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+top_logits(const float* __restrict__ logits, const u64* __restrict__ keys_in, u32 n, u32 from_logits,
+           u32 k, u64* __restrict__ keys_out, float* __restrict__ out) {
+    let_next_grid_launch();
+    wait_for_previous_grid();
+    const u32 row = blockIdx.y, segment = blockIdx.x;
+    u64 key[TOP_ITEMS];
+#pragma unroll
+    for (int i = 0; i < TOP_ITEMS; ++i) {
+        const u32 j = segment * TOP_SEGMENT + i * LAYER_THREADS + threadIdx.x;
+        key[i] = 0;
+        if (j < n) key[i] = from_logits ? logit_key(logits[(u64)row * n + j], j) : keys_in[(u64)row * n + j];
+    }
+    if (k <= TOP_ROUNDS_MAX) {
+        top_rounds(key, row, k, keys_out, out);
+    } else {
+        top_select(key, row, k, keys_out, out);
     }
 }
 

@@ -128,6 +128,10 @@ impl PrefillLaunch {
 /// segment of `LAYER_THREADS · TOP_ITEMS` logits (or keys of an earlier pass) to its `k`
 /// largest.
 pub const TOP_ITEMS: usize = 16;
+/// The largest `k` that `top_logits` takes in rounds of the CTA's largest key, one round a
+/// key; a larger `k` is selected by radix, a byte of the keys a pass, which costs a few
+/// rounds' time whatever `k` is.
+pub const TOP_ROUNDS_MAX: usize = 8;
 /// float4s per thread `rms_norm` keeps in registers: rows of up to `4 · LAYER_THREADS ·
 /// RMS_NORM_CHUNKS` values are read once.
 pub const RMS_NORM_CHUNKS: usize = 8;
@@ -166,6 +170,7 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("CAUSAL_ROWS", CAUSAL_ROWS.to_string()),
         ("RMS_NORM_CHUNKS", RMS_NORM_CHUNKS.to_string()),
         ("TOP_ITEMS", TOP_ITEMS.to_string()),
+        ("TOP_ROUNDS_MAX", TOP_ROUNDS_MAX.to_string()),
         ("PREFILL_TILE", PREFILL_TILE.to_string()),
         ("PREFILL_STAGES", PREFILL_STAGES.to_string()),
         ("PREFILL_WS_STAGES", PREFILL_WS_STAGES.to_string()),

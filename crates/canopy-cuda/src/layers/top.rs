@@ -1,7 +1,8 @@
-//! [`LayerOps::top_logits`](canopy_engine::LayerOps::top_logits) on the GPU: `layers.cu`'s
+//! [`LayerOps::top_logits`](canopy_engine::LayerOps::top_logits) on the GPU: `logits.cu`'s
 //! `top_logits` narrows each row of logits to its `k` most likely tokens in passes, each
-//! taking segments of `LAYER_THREADS · TOP_ITEMS` entries to `k` keys apiece, until one
-//! segment is left, whose pass writes the row's logits and tokens. A vocabulary of 128K
+//! taking segments of `LAYER_THREADS · TOP_ITEMS` entries to `k` keys apiece (by rounds of
+//! the largest key for a few, by radix selection for more), until one segment is left, whose
+//! pass writes the row's logits and tokens. A vocabulary of 128K
 //! takes two passes at any `k`; the logits never leave the device. `logprob_terms` reduces
 //! each row to its log-normaliser and a target's logit, and `softmax_totals` each row to its
 //! softmax total at a temperature, one CTA a row; `pick_logits` reads single logits and
