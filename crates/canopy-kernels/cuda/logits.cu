@@ -264,9 +264,10 @@ __device__ __forceinline__ u32 order_key(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// A token's probability in fixed point (2^60 to 1), so that sums of them are exact and do not
-// depend on their order.
-__device__ __forceinline__ u64 fixed_mass(double q) { return (u64)(q * 1152921504606846976.0); }
+// A token's probability in fixed point (FIXED_ONE to 1, 2^60), so that sums of them are exact
+// and do not depend on their order.
+#define FIXED_ONE 1152921504606846976.0
+__device__ __forceinline__ u64 fixed_mass(double q) { return (u64)(q * FIXED_ONE); }
 
 // Whether `t` is one of the `n` sorted `head` tokens at or past index `h`, moving `h` on: a
 // thread's run of tokens in order meets them in order.
@@ -296,6 +297,42 @@ __device__ __forceinline__ T cta_scan(T x, T* ends) {
     return before + x;
 }
 
+// A warp's walk over `n` candidates in order, candidate i's probability q_at(i) (0 for one not
+// walked): the index of the first the target `left` falls below, as the host walks them one
+// by one (here 32 at a time, by a scan of their probabilities), or n where it passes them all;
+// `left` loses what it passes, and `last` becomes the last index passed with a probability
+// above 0.
+template <typename Q>
+__device__ __forceinline__ u32 warp_walk(u32 n, double& left, int& last, Q q_at) {
+    const u32 lane = threadIdx.x % 32;
+    for (u32 base = 0; base < n; base += 32) {
+        const u32 i = base + lane;
+        const double q = i < n ? q_at(i) : 0.0;
+        double through = q;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const double y = __shfl_up_sync(0xffffffffu, through, o);
+            if ((int)lane >= o) through += y;
+        }
+        const u32 hit = __ballot_sync(0xffffffffu, q > 0.0 && left < through);
+        if (hit) return base + __ffs(hit) - 1;
+        const u32 positive = __ballot_sync(0xffffffffu, q > 0.0);
+        if (positive) last = (int)(base + 31 - __clz(positive));
+        left -= __shfl_sync(0xffffffffu, through, 31);
+    }
+    return n;
+}
+
+// Whether t is one of the n sorted head tokens.
+__device__ __forceinline__ bool head_has(const u32* head, u32 n, u32 t) {
+    u32 lo = 0, hi = n;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (head[mid] < t) lo = mid + 1; else hi = mid;
+    }
+    return lo < n && head[lo] == t;
+}
+
 // One CTA per walk: the rest of a draw by a row's softmax total past the row's likeliest tokens
 // (canopy_core::logits::TailWalk). index[5w..5w+5] = (row of logits, first and count of the
 // walk's head tokens in `heads`, sorted, then first and count of its head in walk order, for a
@@ -304,11 +341,12 @@ __device__ __forceinline__ T cta_scan(T x, T* ends) {
 // the rest in fp64).
 // A walk with a cut (a head in walk order) first keeps the fewest likeliest tokens past the
 // head whose masses reach top_p - head_mass: a radix select, a byte of the logit's order key a
-// pass, of masses in fixed point, then the tokens of the last key by token id. Its target is
-// u (head_mass + kept), walked over the head in order (one thread) and then over the kept.
+// pass, of masses in fixed point (each warp counting into bins of its own, so that fewer of its
+// atomics meet), then the tokens of the last key by token id. Its target is
+// u (head_mass + kept), walked over the head in order (one warp) and then over the kept.
 // The walk past the head: each thread sums the probabilities of a contiguous run of the row, a
-// scan of the runs' sums tiles [0, sum) exactly, and the thread whose tile holds the target
-// walks its run token by token, as the host walks the row. A target past every tile lands on
+// scan of the runs' sums tiles [0, sum) exactly, and warp 0 walks the run whose tile holds the
+// target, 32 tokens at a time (warp_walk). A target past every tile lands on
 // the last token walked with a probability above 0. out[2w] = the token's bits (0xffffffff:
 // none), out[2w + 1] its logit.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
@@ -316,11 +354,13 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
            const double* __restrict__ params, const u32* __restrict__ heads, float* __restrict__ out) {
     __shared__ double ends[LAYER_THREADS];
     __shared__ u64 counts[LAYER_THREADS];
-    __shared__ u32 landed, theta, kept_to;
+    __shared__ u64 warp_bins[LAYER_THREADS / 32][256];
+    __shared__ u32 landed, theta, kept_to, crossing;
+    __shared__ int crossing_last;
     __shared__ u64 kept_mass;
     __shared__ double left_after_head;
     __shared__ int last_positive[LAYER_THREADS / 32];
-    const u32 w = blockIdx.x;
+    const u32 w = blockIdx.x, warp = threadIdx.x / 32;
     const float* row = logits + (u64)index[5 * w] * cols;
     const u32* head = heads + index[5 * w + 1];
     const u32 head_len = index[5 * w + 2];
@@ -350,6 +390,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         landed = 0xffffffffu;
         theta = 0;
         kept_to = 0xffffffffu;
+        crossing = 0xffffffffu;
     }
     if (cut) {
         const double top_p = params[7 * w + 5], head_mass = params[7 * w + 6];
@@ -362,14 +403,21 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         for (int pass = 0; pass < 4 && !all; ++pass) {
             const int shift = 24 - 8 * pass;
             u64* bins = counts;
-            for (u32 b = threadIdx.x; b < 256; b += LAYER_THREADS) bins[b] = 0;
+            for (u32 i = threadIdx.x; i < LAYER_THREADS / 32 * 256; i += LAYER_THREADS) (&warp_bins[0][0])[i] = 0;
             __syncthreads();
             for (u32 t = begin, h = first; t < end; ++t) {
                 if (in_head(head, head_len, h, t)) continue;
                 const u32 key = order_key(row[t]);
                 if ((key & mask) != prefix) continue;
                 const double q = prob(t);
-                atomicAdd((unsigned long long*)&bins[(key >> shift) & 255], (unsigned long long)fixed_mass(q));
+                atomicAdd((unsigned long long*)&warp_bins[warp][(key >> shift) & 255],
+                          (unsigned long long)fixed_mass(q));
+            }
+            __syncthreads();
+            for (u32 b = threadIdx.x; b < 256; b += LAYER_THREADS) {
+                u64 sum = 0;
+                for (u32 v = 0; v < LAYER_THREADS / 32; ++v) sum += warp_bins[v][b];
+                bins[b] = sum;
             }
             __syncthreads();
             if (threadIdx.x == 0) {
@@ -428,19 +476,16 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         const u64 all_mass = cta_scan<u64>(kept_sum, counts);
         if (all && threadIdx.x == LAYER_THREADS - 1) kept_mass = all_mass;
         __syncthreads();
-        if (threadIdx.x == 0) {
-            double left = params[7 * w + 4] * (head_mass + (double)kept_mass / 1152921504606846976.0);
-            for (u32 i = 0; i < order_len; ++i) {
-                const double q = prob(order[i]);
-                if (left < q) {
-                    landed = order[i];
-                    break;
-                }
-                left -= q;
-                if (q > 0.0) last_head = (int)order[i];
+        if (threadIdx.x < 32) {
+            double left = params[7 * w + 4] * (head_mass + (double)kept_mass / FIXED_ONE);
+            int passed = -1;
+            const u32 at = warp_walk(order_len, left, passed, [&](u32 i) { return prob(order[i]); });
+            if (passed >= 0) last_head = (int)order[passed];
+            if (threadIdx.x == 0) {
+                if (at < order_len) landed = order[at];
+                left_after_head = left;
+                if (all) kept_to = 0xffffffffu;
             }
-            left_after_head = left;
-            if (all) kept_to = 0xffffffffu;
         }
         __syncthreads();
         if (landed != 0xffffffffu) {
@@ -478,18 +523,19 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
     __syncthreads();
     const double start = threadIdx.x == 0 ? 0.0 : ends[threadIdx.x - 1];
     if (start <= target && target < run_end) {
-        double left = target - start;
-        u32 at = (u32)last;
-        for (u32 t = begin, h = first; t < end; ++t) {
-            if (in_head(head, head_len, h, t) || !walked(t)) continue;
-            const double q = prob(t);
-            if (left < q) {
-                at = t;
-                break;
-            }
-            left -= q;
-        }
-        landed = at;
+        crossing = threadIdx.x;
+        crossing_last = last;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32 && crossing != 0xffffffffu) {
+        const u32 c = crossing, from = min(cols, c * per), to = min(cols, from + per);
+        double left = target - (c == 0 ? 0.0 : ends[c - 1]);
+        int passed = -1;
+        const u32 at = warp_walk(to - from, left, passed, [&](u32 i) {
+            const u32 t = from + i;
+            return head_has(head, head_len, t) || !walked(t) ? 0.0 : prob(t);
+        });
+        if (threadIdx.x == 0) landed = at < to - from ? from + at : (u32)crossing_last;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
