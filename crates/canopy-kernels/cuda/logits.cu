@@ -36,6 +36,9 @@ __device__ __forceinline__ u32 key_token(u64 key) { return 0xFFFFFFFFu - (u32)ke
 #ifndef TOP_ROUNDS_MAX
 #error "TOP_ROUNDS_MAX must be defined by the kernel registry"
 #endif
+#ifndef WALK_THREADS
+#error "WALK_THREADS must be defined by the kernel registry"
+#endif
 
 // Key `i` of a pass's k keys: to the next pass, or as the row's `rank`th logit and token.
 __device__ __forceinline__ void top_write(u64 key, u32 i, u32 rank, u32 row, u32 k, u64* __restrict__ keys_out,
@@ -333,7 +336,30 @@ __device__ __forceinline__ bool head_has(const u32* head, u32 n, u32 t) {
     return lo < n && head[lo] == t;
 }
 
-// One CTA per walk: the rest of a draw by a row's softmax total past the row's likeliest tokens
+// Each token of the run [begin, end) past the head (whose first token at or past `begin` is
+// head[first]) that `walked` keeps, with its probability, to `take`, in token order; the
+// probabilities of WALK_ILP tokens at a time are computed before any is taken, so that their
+// exponentials are in flight together.
+template <typename Walked, typename Prob, typename Take>
+__device__ __forceinline__ void run_probs(u32 begin, u32 end, const u32* head, u32 head_len, u32 first,
+                                          Walked walked, Prob prob, Take take) {
+    u32 h = first;
+    for (u32 t0 = begin; t0 < end; t0 += WALK_ILP) {
+        double q[WALK_ILP];
+        bool kept[WALK_ILP];
+#pragma unroll
+        for (int j = 0; j < WALK_ILP; ++j) {
+            const u32 t = t0 + j;
+            kept[j] = t < end && !in_head(head, head_len, h, t) && walked(t);
+            q[j] = prob(min(t, end - 1));
+        }
+#pragma unroll
+        for (int j = 0; j < WALK_ILP; ++j)
+            if (kept[j]) take(t0 + j, q[j]);
+    }
+}
+
+// One CTA of WALK_THREADS per walk: the rest of a draw by a row's softmax total past the row's likeliest tokens
 // (canopy_core::logits::TailWalk). index[5w..5w+5] = (row of logits, first and count of the
 // walk's head tokens in `heads`, sorted, then first and count of its head in walk order, for a
 // cut); params[7w..7w+7] = (top, temperature, total, target, u, top_p, head_mass), `top` the
@@ -349,17 +375,18 @@ __device__ __forceinline__ bool head_has(const u32* head, u32 n, u32 t) {
 // target, 32 tokens at a time (warp_walk). A target past every tile lands on
 // the last token walked with a probability above 0. out[2w] = the token's bits (0xffffffff:
 // none), out[2w + 1] its logit.
-extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
+extern "C" __global__ void __launch_bounds__(WALK_THREADS)
 walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ index,
-           const double* __restrict__ params, const u32* __restrict__ heads, float* __restrict__ out) {
-    __shared__ double ends[LAYER_THREADS];
-    __shared__ u64 counts[LAYER_THREADS];
-    __shared__ u64 warp_bins[LAYER_THREADS / 32][256];
+           const double* __restrict__ params, const u32* __restrict__ heads, u64* __restrict__ masses,
+           float* __restrict__ out) {
+    __shared__ double ends[WALK_THREADS];
+    __shared__ u64 counts[WALK_THREADS];
+    __shared__ u64 warp_bins[WALK_BIN_SETS][256];
     __shared__ u32 landed, theta, kept_to, crossing;
     __shared__ int crossing_last;
     __shared__ u64 kept_mass;
     __shared__ double left_after_head;
-    __shared__ int last_positive[LAYER_THREADS / 32];
+    __shared__ int last_positive[WALK_THREADS / 32];
     const u32 w = blockIdx.x, warp = threadIdx.x / 32;
     const float* row = logits + (u64)index[5 * w] * cols;
     const u32* head = heads + index[5 * w + 1];
@@ -369,7 +396,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
     const float top = (float)params[7 * w], temperature = (float)params[7 * w + 1];
     const double total = params[7 * w + 2];
     double target = params[7 * w + 3];
-    const u32 per = (cols + LAYER_THREADS - 1) / LAYER_THREADS;
+    const u32 per = (cols + WALK_THREADS - 1) / WALK_THREADS;
     const u32 begin = min(cols, threadIdx.x * per), end = min(cols, begin + per);
     // The first head token at or past this run.
     u32 first = 0, span = head_len;
@@ -395,6 +422,9 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
     if (cut) {
         const double top_p = params[7 * w + 5], head_mass = params[7 * w + 6];
         const u64 need = fixed_mass(top_p - head_mass);
+        // The fixed-point masses of the tokens past the head: the first pass stores them, and
+        // the later passes read them.
+        u64* mass = masses + (u64)w * cols;
         // The key of the last token kept: a byte a pass, from the highest, each pass summing the
         // masses of the tokens whose keys agree with it so far, by their next byte.
         u32 prefix = 0, mask = 0;
@@ -403,20 +433,28 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         for (int pass = 0; pass < 4 && !all; ++pass) {
             const int shift = 24 - 8 * pass;
             u64* bins = counts;
-            for (u32 i = threadIdx.x; i < LAYER_THREADS / 32 * 256; i += LAYER_THREADS) (&warp_bins[0][0])[i] = 0;
+            u64* own_bins = warp_bins[warp % WALK_BIN_SETS];
+            for (u32 i = threadIdx.x; i < WALK_BIN_SETS * 256; i += WALK_THREADS) (&warp_bins[0][0])[i] = 0;
             __syncthreads();
-            for (u32 t = begin, h = first; t < end; ++t) {
-                if (in_head(head, head_len, h, t)) continue;
-                const u32 key = order_key(row[t]);
-                if ((key & mask) != prefix) continue;
-                const double q = prob(t);
-                atomicAdd((unsigned long long*)&warp_bins[warp][(key >> shift) & 255],
-                          (unsigned long long)fixed_mass(q));
+            if (pass == 0) {
+                run_probs(begin, end, head, head_len, first, [](u32) { return true; }, prob,
+                          [&](u32 t, double q) {
+                              const u64 m = fixed_mass(q);
+                              mass[t] = m;
+                              atomicAdd((unsigned long long*)&own_bins[order_key(row[t]) >> 24], (unsigned long long)m);
+                          });
+            } else {
+                for (u32 t = begin, h = first; t < end; ++t) {
+                    if (in_head(head, head_len, h, t)) continue;
+                    const u32 key = order_key(row[t]);
+                    if ((key & mask) != prefix) continue;
+                    atomicAdd((unsigned long long*)&own_bins[(key >> shift) & 255], (unsigned long long)mass[t]);
+                }
             }
             __syncthreads();
-            for (u32 b = threadIdx.x; b < 256; b += LAYER_THREADS) {
+            for (u32 b = threadIdx.x; b < 256; b += WALK_THREADS) {
                 u64 sum = 0;
-                for (u32 v = 0; v < LAYER_THREADS / 32; ++v) sum += warp_bins[v][b];
+                for (u32 v = 0; v < WALK_BIN_SETS; ++v) sum += warp_bins[v][b];
                 bins[b] = sum;
             }
             __syncthreads();
@@ -445,7 +483,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         if (!all) {
             for (u32 t = begin, h = first; t < end; ++t) {
                 if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
-                ties += fixed_mass(prob(t));
+                ties += mass[t];
             }
         }
         const u64 tie_end = cta_scan<u64>(ties, counts);
@@ -455,7 +493,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
             u64 sum = tie_start;
             for (u32 t = begin, h = first; t < end; ++t) {
                 if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
-                sum += fixed_mass(prob(t));
+                sum += mass[t];
                 if (sum >= more) {
                     kept_to = t;
                     kept_mass = above + sum;
@@ -470,11 +508,11 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         if (all) {
             for (u32 t = begin, h = first; t < end; ++t) {
                 if (in_head(head, head_len, h, t)) continue;
-                kept_sum += fixed_mass(prob(t));
+                kept_sum += mass[t];
             }
         }
         const u64 all_mass = cta_scan<u64>(kept_sum, counts);
-        if (all && threadIdx.x == LAYER_THREADS - 1) kept_mass = all_mass;
+        if (all && threadIdx.x == WALK_THREADS - 1) kept_mass = all_mass;
         __syncthreads();
         if (threadIdx.x < 32) {
             double left = params[7 * w + 4] * (head_mass + (double)kept_mass / FIXED_ONE);
@@ -507,12 +545,10 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
     };
     double sum = 0.0;
     int last = -1;
-    for (u32 t = begin, h = first; t < end; ++t) {
-        if (in_head(head, head_len, h, t) || !walked(t)) continue;
-        const double q = prob(t);
+    run_probs(begin, end, head, head_len, first, walked, prob, [&](u32 t, double q) {
         sum += q;
         if (q > 0.0) last = (int)t;
-    }
+    });
     // The runs' tiles: [the run before's end, this run's end).
     const double run_end = cta_scan<double>(sum, ends);
     ends[threadIdx.x] = run_end;
@@ -542,7 +578,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         u32 token = landed;
         if (token == 0xffffffffu) {
             int latest_all = -1;
-            for (u32 v = 0; v < LAYER_THREADS / 32; ++v) latest_all = max(latest_all, last_positive[v]);
+            for (u32 v = 0; v < WALK_THREADS / 32; ++v) latest_all = max(latest_all, last_positive[v]);
             if (latest_all < 0) latest_all = last_head;
             token = latest_all < 0 ? 0xffffffffu : (u32)latest_all;
         }

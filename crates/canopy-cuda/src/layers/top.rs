@@ -15,7 +15,7 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Params;
 use canopy_core::logits::{TailCut, TailWalk};
 use canopy_core::DType;
-use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS};
+use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS, WALK_THREADS};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Entries one CTA of `top_logits` narrows to `k`.
@@ -126,6 +126,10 @@ impl CudaBackend {
             self.upload(&params)?,
             self.upload(&heads)?,
         );
+        // A cut's masses past its head, a row's worth for each walk (one entry where no walk
+        // cuts: the kernel reads it only for cuts).
+        let cuts = walks.iter().any(|(_, walk)| walk.cut.is_some());
+        let mut masses = self.alloc::<u64>(if cuts { walks.len() * logits.cols } else { 1 })?;
         let cols = narrow("walk_tails", logits.cols)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(&logits.data)
@@ -133,15 +137,17 @@ impl CudaBackend {
             .arg(&index)
             .arg(&params)
             .arg(&heads)
+            .arg(&mut masses)
             .arg(&mut out.data);
         let cfg = LaunchConfig {
             grid_dim: (narrow("walk_tails", walks.len())?, 1, 1),
-            block_dim: (LAYER_THREADS, 1, 1),
+            block_dim: (WALK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: CTA w reads row index[5w] of logits (rows × cols, checked by the caller),
-        // its head tokens (inside heads, each below cols) and its params, and writes 2 floats
-        // of out (walks × 2, checked by the caller).
+        // its head tokens (inside heads, each below cols) and its params, writes 2 floats of
+        // out (walks × 2, checked by the caller) and, for a cut, its cols masses from w · cols
+        // (walks × cols where any walk cuts).
         unsafe { b.launch(cfg) }.ctx("launching walk_tails")?;
         Ok(())
     }
