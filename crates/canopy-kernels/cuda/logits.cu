@@ -39,6 +39,12 @@ __device__ __forceinline__ u32 key_token(u64 key) { return 0xFFFFFFFFu - (u32)ke
 #ifndef WALK_THREADS
 #error "WALK_THREADS must be defined by the kernel registry"
 #endif
+// walk_tails' threads compute WALK_ILP exponentials at a time, and issue the loads of
+// WALK_LOADS tokens at a time in a cut's radix passes, so that each has many in flight; its
+// warps count a cut's masses into WALK_BIN_SETS sets of bins, so that fewer atomics meet.
+#define WALK_ILP 4
+#define WALK_LOADS 8
+#define WALK_BIN_SETS 8
 
 // Key `i` of a pass's k keys: to the next pass, or as the row's `rank`th logit and token.
 __device__ __forceinline__ void top_write(u64 key, u32 i, u32 rank, u32 row, u32 k, u64* __restrict__ keys_out,
@@ -359,22 +365,22 @@ __device__ __forceinline__ void run_probs(u32 begin, u32 end, const u32* head, u
     }
 }
 
-// One CTA of WALK_THREADS per walk: the rest of a draw by a row's softmax total past the row's likeliest tokens
-// (canopy_core::logits::TailWalk). index[5w..5w+5] = (row of logits, first and count of the
-// walk's head tokens in `heads`, sorted, then first and count of its head in walk order, for a
-// cut); params[7w..7w+7] = (top, temperature, total, target, u, top_p, head_mass), `top` the
-// row's largest logit. Each probability is exp((x - top) / T) / total (the quotient in fp32,
-// the rest in fp64).
+// One CTA of WALK_THREADS per walk: the rest of a draw by a row's softmax total past the row's
+// likeliest tokens (canopy_core::logits::TailWalk). index[5w..5w+5] = (row of logits, first and
+// count of the walk's head tokens in `heads`, sorted, then first and count of its head in walk
+// order, for a cut); params[7w..7w+7] = (top, temperature, total, target, u, top_p, head_mass),
+// `top` the row's largest logit. Each probability is exp((x - top) / T) / total (the quotient in
+// fp32, the rest in fp64).
 // A walk with a cut (a head in walk order) first keeps the fewest likeliest tokens past the
 // head whose masses reach top_p - head_mass: a radix select, a byte of the logit's order key a
-// pass, of masses in fixed point (each warp counting into bins of its own, so that fewer of its
-// atomics meet), then the tokens of the last key by token id. Its target is
+// pass, of masses in fixed point (its first pass stores every token's in `masses`, a row's worth
+// a walk, for the later ones), then the tokens of the last key by token id. Its target is
 // u (head_mass + kept), walked over the head in order (one warp) and then over the kept.
 // The walk past the head: each thread sums the probabilities of a contiguous run of the row, a
 // scan of the runs' sums tiles [0, sum) exactly, and warp 0 walks the run whose tile holds the
-// target, 32 tokens at a time (warp_walk). A target past every tile lands on
-// the last token walked with a probability above 0. out[2w] = the token's bits (0xffffffff:
-// none), out[2w + 1] its logit.
+// target, 32 tokens at a time (warp_walk). A target past every tile lands on the last token
+// walked with a probability above 0. out[2w] = the token's bits (0xffffffff: none), out[2w + 1]
+// its logit.
 extern "C" __global__ void __launch_bounds__(WALK_THREADS)
 walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ index,
            const double* __restrict__ params, const u32* __restrict__ heads, u64* __restrict__ masses,
@@ -422,11 +428,10 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
     if (cut) {
         const double top_p = params[7 * w + 5], head_mass = params[7 * w + 6];
         const u64 need = fixed_mass(top_p - head_mass);
-        // The fixed-point masses of the tokens past the head: the first pass stores them, and
-        // the later passes read them.
-        u64* mass = masses + (u64)w * cols;
         // The key of the last token kept: a byte a pass, from the highest, each pass summing the
-        // masses of the tokens whose keys agree with it so far, by their next byte.
+        // masses of the tokens whose keys agree with it so far, by their next byte. The threads
+        // stride the row.
+        u64* mass = masses + (u64)w * cols;
         u32 prefix = 0, mask = 0;
         u64 above = 0;
         bool all = false;
@@ -436,20 +441,38 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
             u64* own_bins = warp_bins[warp % WALK_BIN_SETS];
             for (u32 i = threadIdx.x; i < WALK_BIN_SETS * 256; i += WALK_THREADS) (&warp_bins[0][0])[i] = 0;
             __syncthreads();
-            if (pass == 0) {
-                run_probs(begin, end, head, head_len, first, [](u32) { return true; }, prob,
-                          [&](u32 t, double q) {
-                              const u64 m = fixed_mass(q);
-                              mass[t] = m;
-                              atomicAdd((unsigned long long*)&own_bins[order_key(row[t]) >> 24], (unsigned long long)m);
-                          });
-            } else {
-                for (u32 t = begin, h = first; t < end; ++t) {
-                    if (in_head(head, head_len, h, t)) continue;
-                    const u32 key = order_key(row[t]);
-                    if ((key & mask) != prefix) continue;
-                    atomicAdd((unsigned long long*)&own_bins[(key >> shift) & 255], (unsigned long long)mass[t]);
+            // The first pass stores every token's fixed-point mass, the head's as 0, so that the
+            // later ones need not know the head: WALK_ILP exponentials a thread at a time, its
+            // tokens meeting the sorted head in order.
+            for (u32 t0 = threadIdx.x, h = 0; pass == 0 && t0 < cols; t0 += WALK_THREADS * WALK_ILP) {
+                double q[WALK_ILP];
+#pragma unroll
+                for (int j = 0; j < WALK_ILP; ++j) q[j] = prob(min(t0 + j * WALK_THREADS, cols - 1));
+#pragma unroll
+                for (int j = 0; j < WALK_ILP; ++j) {
+                    const u32 t = t0 + j * WALK_THREADS;
+                    if (t >= cols) break;
+                    while (h < head_len && head[h] < t) ++h;
+                    const u64 m = h < head_len && head[h] == t ? 0 : fixed_mass(q[j]);
+                    mass[t] = m;
+                    atomicAdd((unsigned long long*)&own_bins[order_key(row[t]) >> 24], (unsigned long long)m);
                 }
+            }
+            // The later ones read WALK_LOADS tokens a thread at a time, their loads all issued
+            // before any is used.
+            for (u32 t0 = threadIdx.x; pass > 0 && t0 < cols; t0 += WALK_THREADS * WALK_LOADS) {
+                u32 key[WALK_LOADS];
+                u64 m[WALK_LOADS];
+#pragma unroll
+                for (int j = 0; j < WALK_LOADS; ++j) {
+                    const u32 t = min(t0 + j * WALK_THREADS, cols - 1);
+                    key[j] = order_key(row[t]);
+                    m[j] = mass[t];
+                }
+#pragma unroll
+                for (int j = 0; j < WALK_LOADS; ++j)
+                    if (t0 + j * WALK_THREADS < cols && (key[j] & mask) == prefix)
+                        atomicAdd((unsigned long long*)&own_bins[(key[j] >> shift) & 255], (unsigned long long)m[j]);
             }
             __syncthreads();
             for (u32 b = threadIdx.x; b < 256; b += WALK_THREADS) {
@@ -481,18 +504,17 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         // The tokens of the last key, by token id, until the kept mass reaches the need.
         u64 ties = 0;
         if (!all) {
-            for (u32 t = begin, h = first; t < end; ++t) {
-                if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
-                ties += mass[t];
-            }
+            for (u32 t = begin; t < end; ++t)
+                if (order_key(row[t]) == prefix) ties += mass[t];
         }
         const u64 tie_end = cta_scan<u64>(ties, counts);
         const u64 tie_start = tie_end - ties;
         const u64 more = need - above;
         if (!all && tie_start < more && more <= tie_end) {
             u64 sum = tie_start;
-            for (u32 t = begin, h = first; t < end; ++t) {
-                if (in_head(head, head_len, h, t) || order_key(row[t]) != prefix) continue;
+            for (u32 t = begin; t < end; ++t) {
+                // A head token's mass of 0 never reaches the need first.
+                if (order_key(row[t]) != prefix) continue;
                 sum += mass[t];
                 if (sum >= more) {
                     kept_to = t;
@@ -506,10 +528,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         // Every token past the head is kept where the whole rest does not reach the need.
         u64 kept_sum = 0;
         if (all) {
-            for (u32 t = begin, h = first; t < end; ++t) {
-                if (in_head(head, head_len, h, t)) continue;
-                kept_sum += mass[t];
-            }
+            for (u32 t = threadIdx.x; t < cols; t += WALK_THREADS) kept_sum += mass[t];
         }
         const u64 all_mass = cta_scan<u64>(kept_sum, counts);
         if (all && threadIdx.x == WALK_THREADS - 1) kept_mass = all_mass;

@@ -135,11 +135,6 @@ pub const TOP_ROUNDS_MAX: usize = 8;
 /// Threads of a `walk_tails` CTA (`logits.cu`), one a walk: the walk's passes over a row are
 /// chains of fp64 exponentials, so a walk wants many of them in flight.
 pub const WALK_THREADS: u32 = 512;
-/// Tokens whose probabilities a `walk_tails` thread computes before it takes any.
-pub const WALK_ILP: usize = 4;
-/// Sets of radix bins a `walk_tails` CTA counts a cut's masses into (its warps share them in
-/// turn), so that fewer of their atomics meet.
-pub const WALK_BIN_SETS: usize = 8;
 /// float4s per thread `rms_norm` keeps in registers: rows of up to `4 · LAYER_THREADS ·
 /// RMS_NORM_CHUNKS` values are read once.
 pub const RMS_NORM_CHUNKS: usize = 8;
@@ -180,8 +175,6 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("TOP_ITEMS", TOP_ITEMS.to_string()),
         ("TOP_ROUNDS_MAX", TOP_ROUNDS_MAX.to_string()),
         ("WALK_THREADS", WALK_THREADS.to_string()),
-        ("WALK_ILP", WALK_ILP.to_string()),
-        ("WALK_BIN_SETS", WALK_BIN_SETS.to_string()),
         ("PREFILL_TILE", PREFILL_TILE.to_string()),
         ("PREFILL_STAGES", PREFILL_STAGES.to_string()),
         ("PREFILL_WS_STAGES", PREFILL_WS_STAGES.to_string()),
