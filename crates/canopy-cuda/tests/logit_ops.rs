@@ -13,7 +13,7 @@ use common::{gpu, rng};
 use compare::poisoned;
 
 use canopy_core::logits::{softmax_total, top_tokens, TailCut, TailWalk};
-use canopy_engine::{CpuBackend, LayerOps, Result};
+use canopy_engine::{CpuBackend, LayerOps, Result, TOP_LOGITS_MAX};
 use canopy_kernels::TOP_ROUNDS_MAX;
 use rand::Rng;
 
@@ -45,9 +45,20 @@ fn top_logits_match_the_cpu_bit_for_bit() {
         }
         // A model's spread, where the likeliest part by the bits of their logits.
         let spread = model_rows(&mut rng, rows, vocab);
-        // k on both sides of TOP_ROUNDS_MAX: rounds of the largest key, and radix selection.
+        // k on both sides of TOP_ROUNDS_MAX (rounds of the largest key, and radix selection),
+        // up to the most a row is narrowed to, which takes 128,256 logits through four passes.
         for (kind, logits) in [("tied", &tied), ("spread", &spread)] {
-            for k in [1, 2, TOP_ROUNDS_MAX, TOP_ROUNDS_MAX + 1, 40, 128] {
+            let ks = [
+                1,
+                2,
+                TOP_ROUNDS_MAX,
+                TOP_ROUNDS_MAX + 1,
+                40,
+                128,
+                700,
+                TOP_LOGITS_MAX,
+            ];
+            for k in ks.into_iter().filter(|&k| k <= vocab) {
                 let got = top(&gpu, logits, rows, k).unwrap();
                 let want = top(&CpuBackend, logits, rows, k).unwrap();
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

@@ -532,8 +532,9 @@ pub trait LayerOps: MergeOps {
 }
 
 /// The most tokens [`LayerOps::top_logits`] narrows a row to; a draw that may reach further
-/// (a `top_k` above it, or none) reads the whole row.
-pub const TOP_LOGITS_MAX: usize = 128;
+/// (a `top_k` above it, or a change of more tokens than it leaves room for) reads the whole
+/// row. A row narrowed to this many is 8 KB, against 513 KB for Llama 3's vocabulary.
+pub const TOP_LOGITS_MAX: usize = 1024;
 
 /// Refuses a [`LayerOps::top_logits`] call whose `k` is 0, past [`TOP_LOGITS_MAX`] or past
 /// the row, or whose output is not `rows × 2k`.

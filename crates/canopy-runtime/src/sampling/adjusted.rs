@@ -89,9 +89,15 @@ impl Sampler {
         }
     }
 
-    /// [`Sampler::reach`] of a draw that changes logits, of `k` tokens unchanged.
+    /// [`Sampler::reach`] of a draw that changes logits, of `k` tokens unchanged: a draw by
+    /// total walks a head of [`BY_TOTAL_HEAD`] at most, the others reach up to what a backend
+    /// narrows to.
     pub(super) fn adjusted_reach(&self, k: usize) -> Option<usize> {
-        (self.changed.len() <= PICKS_MAX).then(|| (k + self.changed.len()).min(TOP_LOGITS_MAX))
+        let most = match self.params.draws_by_total() {
+            true => BY_TOTAL_HEAD,
+            false => TOP_LOGITS_MAX,
+        };
+        (self.changed.len() <= PICKS_MAX).then(|| (k + self.changed.len()).min(most))
     }
 
     /// Whether the draw may change token `t`'s logit.
@@ -310,18 +316,19 @@ mod tests {
         /// A draw that changes logits (penalties and biases of either sign), from a row
         /// narrowed to its reach or more with its picks beside it, and from the whole row
         /// where that does not settle it, is the draw from the whole row, step after step:
-        /// greedy, cut by `top_k`, or over the whole vocabulary by the backend's total, on
-        /// rows with many ties.
+        /// greedy, cut by `top_k` (a few, or past the 128 a draw by total walks), or over the
+        /// whole vocabulary by the backend's total, on rows with many ties, changing up to
+        /// hundreds of tokens.
         #[test]
         fn a_changing_draw_from_its_narrowed_row_is_the_whole_rows(
             seed in 0u64..1000,
             kind in 0usize..3,
-            top_k in 1usize..6,
+            top_k in proptest::prop_oneof![1usize..6, 129usize..260],
             top_p in proptest::prop_oneof![proptest::strategy::Just(1.0f32), 0.5f32..1.0],
             frequency in -1.0f32..1.5,
             presence in -1.0f32..1.5,
             repetition in 0.7f32..2.0,
-            prompt in proptest::collection::vec(0u32..300, 0..12),
+            prompt in proptest::collection::vec(0u32..300, 0..200),
             bias in proptest::collection::vec((0u32..300, -6.0f32..6.0), 0..4),
             vocab in 60usize..300,
             extra in 0usize..40,
@@ -382,7 +389,7 @@ mod tests {
         let z = total(&s, &logits);
         let (draws, mut counts, mut walked) = (40_000, vec![0usize; logits.len()], 0);
         for _ in 0..draws {
-            let (t, settled) = draw_narrowed(&mut s, &logits, TOP_LOGITS_MAX, z);
+            let (t, settled) = draw_narrowed(&mut s, &logits, BY_TOTAL_HEAD, z);
             counts[t as usize] += 1;
             assert_ne!(settled, Settled::Whole);
             walked += usize::from(settled == Settled::Walked);
@@ -400,7 +407,7 @@ mod tests {
         let mut sorted = terms.clone();
         sorted[1500] = 0.0;
         sorted.sort_by(|a, b| b.total_cmp(a));
-        let past = 1.0 - (sorted[..TOP_LOGITS_MAX - 2].iter().sum::<f64>() + terms[1500]) / sum;
+        let past = 1.0 - (sorted[..BY_TOTAL_HEAD - 2].iter().sum::<f64>() + terms[1500]) / sum;
         let seen = walked as f64 / draws as f64;
         assert!(
             (seen - past).abs() < 0.01,
@@ -423,7 +430,7 @@ mod tests {
         let z = total(&s, &logits);
         let (draws, mut narrowed_draws) = (4000, 0);
         for _ in 0..draws {
-            let (t, settled) = draw_narrowed(&mut s, &logits, TOP_LOGITS_MAX, z);
+            let (t, settled) = draw_narrowed(&mut s, &logits, BY_TOTAL_HEAD, z);
             assert_ne!(t, 7);
             narrowed_draws += usize::from(settled != Settled::Whole);
         }

@@ -5,12 +5,13 @@
 
 use super::{RowLogits, Sampler};
 use canopy_core::logits::{top_tokens, TailCut, TailWalk};
-use canopy_engine::TOP_LOGITS_MAX;
 use rand::Rng;
 
-/// The likeliest tokens of a row a draw by total walks in order before the rest: as many as a
-/// backend narrows a row to.
-pub(super) const BY_TOTAL_HEAD: usize = TOP_LOGITS_MAX;
+/// The likeliest tokens of a row a draw by total walks in order before the rest, which the
+/// backend narrows its row to: the head's walk on the host and its download grow with it,
+/// and past it most draws of a trained model's rows have landed (the rest are walked on the
+/// backend).
+pub(super) const BY_TOTAL_HEAD: usize = 128;
 
 impl Sampler {
     /// A draw by total ([`Sampler::sample`]), from a row narrowed or whole.
@@ -248,6 +249,7 @@ mod tests {
     use super::super::tests::{narrowed, spread_row, walk_on_cpu};
     use super::super::SamplingParams;
     use super::*;
+    use canopy_engine::TOP_LOGITS_MAX;
 
     /// A row's softmax total at `temperature`, as a backend sums it.
     fn total(logits: &[f32], temperature: f32) -> f32 {
@@ -394,7 +396,7 @@ mod tests {
         );
         assert_eq!(
             Sampler::new(at(0.7, 0), 0, &[]).reach(),
-            Some(TOP_LOGITS_MAX)
+            Some(BY_TOTAL_HEAD)
         );
         assert_eq!(Sampler::new(at(0.0, 0), 0, &[]).total_temperature(), None);
         assert_eq!(Sampler::new(at(0.7, 40), 0, &[]).total_temperature(), None);
@@ -406,7 +408,7 @@ mod tests {
         };
         let s = Sampler::new(penalised, 0, &[9, 4, 9]).with_bias(&[(3, -1.0), (700, 2.0)]);
         assert_eq!(s.total_temperature(), Some(0.7));
-        assert_eq!(s.reach(), Some(TOP_LOGITS_MAX));
+        assert_eq!(s.reach(), Some(BY_TOTAL_HEAD));
         assert_eq!(s.picks(), [3, 4, 9, 700]);
     }
 }

@@ -100,7 +100,7 @@ impl SamplingParams {
         if self.temperature <= 0.0 {
             Some(1)
         } else if self.draws_by_total() {
-            Some(TOP_LOGITS_MAX)
+            Some(by_total::BY_TOTAL_HEAD)
         } else {
             Some(self.top_k).filter(|&k| k <= TOP_LOGITS_MAX)
         }
@@ -489,7 +489,12 @@ mod tests {
         let logits: Vec<f32> = (0..3000)
             .map(|i| ((i * 7919 % 1000) as f32 * 0.013).sin() * 4.0)
             .collect();
-        for (temperature, top_k, top_p) in [(0.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 40, 0.8)] {
+        for (temperature, top_k, top_p) in [
+            (0.0, 0, 1.0),
+            (0.7, 5, 1.0),
+            (1.3, 40, 0.8),
+            (0.9, 600, 0.95),
+        ] {
             let params = SamplingParams {
                 temperature,
                 top_k,
@@ -536,8 +541,13 @@ mod tests {
         );
         assert_eq!(
             step_reach([greedy, top(0)].map(|p: SamplingParams| p.reach()), 1),
-            Some(TOP_LOGITS_MAX),
-            "a draw over the whole vocabulary reads as many as a backend narrows to"
+            Some(by_total::BY_TOTAL_HEAD),
+            "a draw over the whole vocabulary reads the head it walks"
+        );
+        assert_eq!(
+            step_reach([top(0), top(200)].map(|p: SamplingParams| p.reach()), 1),
+            Some(256),
+            "a top_k past the head"
         );
         assert_eq!(
             step_reach(
