@@ -7,7 +7,8 @@ server on the GPU and one on the CPU; the texts must be equal and the log-probab
 or FAILED.
 
 sampled URL BIN MODEL PROMPTS_JSON: seeded completions at a temperature over the whole
-vocabulary (no top_k), some with penalties, all in flight at once, against `BIN generate` on the
+vocabulary (no top_k) or cut by a top_k past 128, some with penalties, all in flight at once,
+against `BIN generate` on the
 GPU (on RANKS ranks, default 1) with the same seed, prompt and penalties: the texts must be
 equal. Prints one line per request and ALL PASS or FAILED.
 
@@ -100,7 +101,8 @@ def check(gpu, cpu, prompts):
 def sampled(url, binary, model, prompts):
     draws = [(1.0, 1.0, {}), (0.8, 0.9, {}),
              (1.0, 1.0, {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
-             (0.8, 0.9, {"repetition_penalty": 1.3, "presence_penalty": -0.2})]
+             (0.8, 0.9, {"repetition_penalty": 1.3, "presence_penalty": -0.2}),
+             (0.9, 1.0, {"top_k": 200}), (0.9, 0.95, {"top_k": 200, "frequency_penalty": 0.4})]
     cases = [(i, t, p, pen) for i in range(len(prompts)) for t, p, pen in draws]
 
     def served(case):
