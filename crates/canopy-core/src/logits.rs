@@ -83,6 +83,9 @@ pub struct TailWalk {
     pub target: f64,
     /// A `top_p` cut past the head ([`TailCut`]).
     pub cut: Option<TailCut>,
+    /// Logits the walk reads in place of the row's, by token id: those of the tokens past the
+    /// head that a draw changes (penalties, biases), where it walks them with the rest.
+    pub changed: Vec<(u32, f32)>,
 }
 
 /// A `top_p` cut that the head of a draw by total does not reach: the draw keeps the head and
@@ -104,11 +107,25 @@ impl TailWalk {
         f64::from((x - self.max) / self.temperature).exp() / self.total
     }
 
-    /// Where the walk lands in `row`: the first token past the head by token id (with a cut,
-    /// the head's in order, then the kept ones by token id) at which the target falls below
-    /// its probability; where the walk passes them all (the total's rounding), the last of
-    /// them with a probability above 0; `None` where none has one.
+    /// Where the walk lands in `row` (with the walk's `changed` logits in place): the first
+    /// token past the head by token id (with a cut, the head's in order, then the kept ones by
+    /// token id) at which the target falls below its probability; where the walk passes them
+    /// all (the total's rounding), the last of them with a probability above 0; `None` where
+    /// none has one.
     pub fn land(&self, row: &[f32]) -> Option<u32> {
+        let mut changed_row: Vec<f32> = Vec::new();
+        let row = match self.changed.is_empty() {
+            true => row,
+            false => {
+                changed_row.extend_from_slice(row);
+                for &(t, x) in &self.changed {
+                    if let Some(at) = changed_row.get_mut(t as usize) {
+                        *at = x;
+                    }
+                }
+                &changed_row
+            }
+        };
         let mut past: Vec<bool> = vec![true; row.len()];
         self.head.iter().for_each(|&t| past[t as usize] = false);
         let (mut target, mut last) = (self.target, None);
@@ -219,6 +236,7 @@ mod tests {
             total: 4.0,
             target,
             cut: None,
+            changed: vec![],
         };
         // Each token weighs 1/4; the head's are passed by.
         assert_eq!(walk(vec![], 0.3).land(&row), Some(1));

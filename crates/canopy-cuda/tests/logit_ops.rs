@@ -307,6 +307,7 @@ fn tail_walks_land_where_the_cpus_do() {
                 total: f64::from(softmax_total(row, temperature)),
                 target: 0.0,
                 cut: None,
+                changed: vec![],
             };
             let tail: f64 = (0..vocab as u32)
                 .filter(|t| !walk.head.contains(t))
@@ -346,19 +347,67 @@ fn tail_walks_land_where_the_cpus_do() {
                     },
                 ));
             }
+            // A draw that lowers some tokens past its head (penalties) walks its row with their
+            // changed logits, over the changed row's total: without a cut and with one.
+            let mut changed: Vec<(u32, f32)> = (0..40)
+                .map(|_| (rng.gen_range(0..vocab as u32), rng.gen_range(0.5f32..4.0)))
+                .filter(|(t, _)| !walk.head.contains(t))
+                .map(|(t, lower)| (t, row[t as usize] - lower))
+                .collect();
+            changed.sort_unstable_by_key(|&(t, _)| t);
+            changed.dedup_by_key(|&mut (t, _)| t);
+            let mut changed_row = row.to_vec();
+            changed
+                .iter()
+                .for_each(|&(t, x)| changed_row[t as usize] = x);
+            let lowered = TailWalk {
+                total: f64::from(softmax_total(&changed_row, temperature)),
+                changed,
+                ..walk.clone()
+            };
+            let tail: f64 = (0..vocab as u32)
+                .filter(|t| !walk.head.contains(t))
+                .map(|t| lowered.prob(changed_row[t as usize]))
+                .sum();
+            let target = rng.gen_range(0.0..1.0) * tail;
+            walks.push((
+                r,
+                TailWalk {
+                    target,
+                    ..lowered.clone()
+                },
+            ));
+            if head_mass < 0.99 {
+                let cut = TailCut {
+                    u: rng.gen_range(0.0..1.0),
+                    top_p: head_mass + rng.gen_range(0.0..1.0) * (1.0 - head_mass),
+                    head_mass,
+                };
+                walks.push((
+                    r,
+                    TailWalk {
+                        cut: Some(cut),
+                        ..lowered
+                    },
+                ));
+            }
         }
         let refs: Vec<(usize, &TailWalk)> = walks.iter().map(|(r, w)| (*r, w)).collect();
         let got = walked(&gpu, &logits, rows, &refs);
         let want = walked(&CpuBackend, &logits, rows, &refs);
         let mut neighbours = 0;
         for (i, (r, walk)) in walks.iter().enumerate() {
-            let row = &logits[r * vocab..(r + 1) * vocab];
+            let model_row = &logits[r * vocab..(r + 1) * vocab];
             let (g, w) = (got[2 * i].to_bits(), want[2 * i].to_bits());
+            // The landed token's logit is the model's, changed or not.
             assert_eq!(
                 got[2 * i + 1].to_bits(),
-                row[g as usize].to_bits(),
+                model_row[g as usize].to_bits(),
                 "walk {i}'s logit"
             );
+            // The row the walk walks: the changed logits in place.
+            let mut row = model_row.to_vec();
+            walk.changed.iter().for_each(|&(t, x)| row[t as usize] = x);
             if g == w {
                 continue;
             }
@@ -392,6 +441,13 @@ fn tail_walks_land_where_the_cpus_do() {
         total: 4.0,
         target: 0.1,
         cut: None,
+        changed: vec![],
     };
     assert!(gpu.walk_tails(&t, &[(2, &walk)], &mut out).is_err());
+    // So is a changed token past the row.
+    let past = TailWalk {
+        changed: vec![(4, 0.0)],
+        ..walk
+    };
+    assert!(gpu.walk_tails(&t, &[(0, &past)], &mut out).is_err());
 }

@@ -480,7 +480,8 @@ pub trait LayerOps: MergeOps {
     /// Where each of `walks` lands, `(row, walk)` (the rest of a draw by the row's softmax total
     /// past its likeliest tokens, [`TailWalk`]), into `out` (`walks × 2`): the token as an
     /// `f32` bit pattern (`u32::MAX`: no token past the head has a probability above 0), then
-    /// its logit. A draw that lands past its narrowed row then reads two numbers, not the row
+    /// its logit in the row (the model's, not the walk's `changed` one). A draw that lands past
+    /// its narrowed row then reads two numbers, not the row
     /// ([`check_walk_tails`]). The CPU walks as [`TailWalk::land`]; another backend may sum in
     /// another order, and land on a token next to the host's where the target lies within its
     /// rounding of their boundary.
@@ -615,6 +616,8 @@ pub fn check_walk_tails(
             format!("row {row} of logits of {rows} rows")
         } else if let Some(t) = walk.head.iter().find(|&&t| t as usize >= vocab) {
             format!("head token {t} past a row of {vocab}")
+        } else if let Some((t, _)) = walk.changed.iter().find(|&&(t, _)| t as usize >= vocab) {
+            format!("changed token {t} past a row of {vocab}")
         } else if !(walk.temperature.is_finite() && walk.temperature > 0.0) {
             format!(
                 "temperature {} is no finite number above 0",

@@ -256,13 +256,13 @@ extern "C" __global__ void pick_logits(const float* __restrict__ logits, const u
     }
 }
 
-// logits[places[i]] = value for each (row, token) of `places` (rows x cols; the host checked
-// every place against both).
+// logits[places[i]] = values[i], or `value` where `values` is null, for each (row, token) of
+// `places` (rows x cols; the host checked every place against both).
 extern "C" __global__ void set_logits(float* __restrict__ logits, const uint2* __restrict__ places, u32 n,
-                                      u32 cols, float value) {
+                                      u32 cols, float value, const float* __restrict__ values) {
     GRID_STRIDE(i, (u64)n) {
         const uint2 p = places[i];
-        logits[(u64)p.x * cols + p.y] = value;
+        logits[(u64)p.x * cols + p.y] = values ? values[i] : value;
     }
 }
 
@@ -366,9 +366,10 @@ __device__ __forceinline__ void run_probs(u32 begin, u32 end, const u32* head, u
 }
 
 // One CTA of WALK_THREADS per walk: the rest of a draw by a row's softmax total past the row's
-// likeliest tokens (canopy_core::logits::TailWalk). index[5w..5w+5] = (row of logits, first and
+// likeliest tokens (canopy_core::logits::TailWalk). index[6w..6w+6] = (row of logits, first and
 // count of the walk's head tokens in `heads`, sorted, then first and count of its head in walk
-// order, for a cut); params[7w..7w+7] = (top, temperature, total, target, u, top_p, head_mass),
+// order, for a cut, then the row of `model` whose logit of the landed token is returned: the
+// walked row may be a copy with a draw's changed logits in place); params[7w..7w+7] = (top, temperature, total, target, u, top_p, head_mass),
 // `top` the row's largest logit. Each probability is exp((x - top) / T) / total (the quotient in
 // fp32, the rest in fp64).
 // A walk with a cut (a head in walk order) first keeps the fewest likeliest tokens past the
@@ -380,9 +381,9 @@ __device__ __forceinline__ void run_probs(u32 begin, u32 end, const u32* head, u
 // scan of the runs' sums tiles [0, sum) exactly, and warp 0 walks the run whose tile holds the
 // target, 32 tokens at a time (warp_walk). A target past every tile lands on the last token
 // walked with a probability above 0. out[2w] = the token's bits (0xffffffff: none), out[2w + 1]
-// its logit.
+// its logit in the model's row.
 extern "C" __global__ void __launch_bounds__(WALK_THREADS)
-walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ index,
+walk_tails(const float* __restrict__ logits, const float* __restrict__ model, u32 cols, const u32* __restrict__ index,
            const double* __restrict__ params, const u32* __restrict__ heads, u64* __restrict__ masses,
            float* __restrict__ out) {
     __shared__ double ends[WALK_THREADS];
@@ -394,11 +395,12 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
     __shared__ double left_after_head;
     __shared__ int last_positive[WALK_THREADS / 32];
     const u32 w = blockIdx.x, warp = threadIdx.x / 32;
-    const float* row = logits + (u64)index[5 * w] * cols;
-    const u32* head = heads + index[5 * w + 1];
-    const u32 head_len = index[5 * w + 2];
-    const u32* order = heads + index[5 * w + 3];
-    const u32 order_len = index[5 * w + 4];
+    const float* row = logits + (u64)index[6 * w] * cols;
+    const u32* head = heads + index[6 * w + 1];
+    const u32 head_len = index[6 * w + 2];
+    const u32* order = heads + index[6 * w + 3];
+    const u32 order_len = index[6 * w + 4];
+    const float* model_row = model + (u64)index[6 * w + 5] * cols;
     const float top = (float)params[7 * w], temperature = (float)params[7 * w + 1];
     const double total = params[7 * w + 2];
     double target = params[7 * w + 3];
@@ -548,7 +550,7 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
         if (landed != 0xffffffffu) {
             if (threadIdx.x == 0) {
                 out[2 * (u64)w] = __uint_as_float(landed);
-                out[2 * (u64)w + 1] = row[landed];
+                out[2 * (u64)w + 1] = model_row[landed];
             }
             return;
         }
@@ -602,6 +604,6 @@ walk_tails(const float* __restrict__ logits, u32 cols, const u32* __restrict__ i
             token = latest_all < 0 ? 0xffffffffu : (u32)latest_all;
         }
         out[2 * (u64)w] = __uint_as_float(token);
-        out[2 * (u64)w + 1] = token == 0xffffffffu ? __int_as_float(0x7fc00000) : row[token];
+        out[2 * (u64)w + 1] = token == 0xffffffffu ? __int_as_float(0x7fc00000) : model_row[token];
     }
 }

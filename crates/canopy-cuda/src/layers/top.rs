@@ -2,12 +2,13 @@
 //! `top_logits` narrows each row of logits to its `k` most likely tokens in passes, each
 //! taking segments of `LAYER_THREADS · TOP_ITEMS` entries to `k` keys apiece (by rounds of
 //! the largest key for a few, by radix selection for more), until one segment is left, whose
-//! pass writes the row's logits and tokens. A vocabulary of 128K
-//! takes two passes at any `k`; the logits never leave the device. `logprob_terms` reduces
+//! pass writes the row's logits and tokens. A vocabulary of 128K takes two passes up to
+//! `k` = 128 and four at 1,024; the logits never leave the device. `logprob_terms` reduces
 //! each row to its log-normaliser and a target's logit, and `softmax_totals` each row to its
 //! softmax total at a temperature, one CTA a row; `pick_logits` reads single logits and
 //! `set_logits` writes them, a thread each; `walk_tails` walks the rest of a draw past a
-//! row's likeliest tokens, one CTA a walk.
+//! row's likeliest tokens, one CTA a walk (over copies of the rows with the walks' changed
+//! logits set, where any walk has some).
 
 use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
@@ -85,8 +86,32 @@ impl CudaBackend {
             return Ok(());
         }
         let f = self.function(Kernel::Layers(DType::F32, "walk_tails"))?;
+        let cols = logits.cols;
+        // Where any walk reads changed logits, every walk walks a copy of its row, with its
+        // changes in place.
+        let changed: Vec<(u32, u32, f32)> = (walks.iter().enumerate())
+            .flat_map(|(w, (_, walk))| walk.changed.iter().map(move |&(t, x)| (w as u32, t, x)))
+            .collect();
+        let copies = match changed.is_empty() {
+            true => None,
+            false => {
+                let mut copies = self.alloc::<f32>(walks.len() * cols)?;
+                for (w, &(row, _)) in walks.iter().enumerate() {
+                    self.stream
+                        .memcpy_dtod(
+                            &logits.data.slice(row * cols..(row + 1) * cols),
+                            &mut copies.slice_mut(w * cols..(w + 1) * cols),
+                        )
+                        .ctx("cuMemcpyDtoDAsync")?;
+                }
+                let places: Vec<(u32, u32)> = changed.iter().map(|&(w, t, _)| (w, t)).collect();
+                let values: Vec<f32> = changed.iter().map(|&(_, _, x)| x).collect();
+                self.set_in(&mut copies, cols, &places, f32::NAN, Some(&values))?;
+                Some(copies)
+            }
+        };
         let (mut index, mut params, mut heads) = (Vec::new(), Vec::new(), Vec::new());
-        for &(row, walk) in walks {
+        for (w, &(row, walk)) in walks.iter().enumerate() {
             let mut sorted = walk.head.clone();
             sorted.sort_unstable();
             sorted.dedup();
@@ -96,11 +121,12 @@ impl CudaBackend {
                 None => &[],
             };
             index.extend([
-                narrow("walk_tails", row)?,
+                narrow("walk_tails", if copies.is_some() { w } else { row })?,
                 narrow("walk_tails", heads.len())?,
                 narrow("walk_tails", sorted.len())?,
                 narrow("walk_tails", heads.len() + sorted.len())?,
                 narrow("walk_tails", order.len())?,
+                narrow("walk_tails", row)?,
             ]);
             heads.extend(sorted);
             heads.extend_from_slice(order);
@@ -130,9 +156,10 @@ impl CudaBackend {
         // cuts: the kernel reads it only for cuts).
         let cuts = walks.iter().any(|(_, walk)| walk.cut.is_some());
         let mut masses = self.alloc::<u64>(if cuts { walks.len() * logits.cols } else { 1 })?;
-        let cols = narrow("walk_tails", logits.cols)?;
+        let cols = narrow("walk_tails", cols)?;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&logits.data)
+        b.arg(copies.as_ref().unwrap_or(&logits.data))
+            .arg(&logits.data)
             .arg(&cols)
             .arg(&index)
             .arg(&params)
@@ -144,10 +171,11 @@ impl CudaBackend {
             block_dim: (WALK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: CTA w reads row index[5w] of logits (rows × cols, checked by the caller),
-        // its head tokens (inside heads, each below cols) and its params, writes 2 floats of
-        // out (walks × 2, checked by the caller) and, for a cut, its cols masses from w · cols
-        // (walks × cols where any walk cuts).
+        // SAFETY: CTA w reads row index[6w] of the walked rows (logits, rows × cols, checked
+        // by the caller, or their copies, walks × cols) and a logit of row index[6w + 5] of
+        // logits, its head tokens (inside heads, each below cols) and its params, writes 2
+        // floats of out (walks × 2, checked by the caller) and, for a cut, its cols masses from
+        // w · cols (walks × cols where any walk cuts).
         unsafe { b.launch(cfg) }.ctx("launching walk_tails")?;
         Ok(())
     }
@@ -160,19 +188,39 @@ impl CudaBackend {
         value: f32,
     ) -> Result<()> {
         logits.drop_rounded();
+        self.set_in(&mut logits.data, logits.cols, places, value, None)
+    }
+
+    /// Sets the logits at `places` of `data` (rows of `cols`) to `values`, one a place, or
+    /// to `value` where there are none (the caller checked every place).
+    fn set_in(
+        &self,
+        data: &mut CudaSlice<f32>,
+        cols: usize,
+        places: &[(u32, u32)],
+        value: f32,
+        values: Option<&[f32]>,
+    ) -> Result<()> {
         if places.is_empty() {
             return Ok(());
         }
         let f = self.function(Kernel::Layers(DType::F32, "set_logits"))?;
-        let (flat, n, cols) = self.places("set_logits", logits, places)?;
+        let flat: Vec<u32> = places.iter().flat_map(|&(r, t)| [r, t]).collect();
+        let flat = self.upload(&flat)?;
+        let (n, cols) = (
+            narrow("set_logits", places.len())?,
+            narrow("set_logits", cols)?,
+        );
+        let values = values.map(|v| self.upload(v)).transpose()?;
+        let no_values = 0u64;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(&mut logits.data)
-            .arg(&flat)
-            .arg(&n)
-            .arg(&cols)
-            .arg(&value);
-        // SAFETY: each place is a (row, token) inside logits (rows × cols, checked by the
-        // caller).
+        b.arg(data).arg(&flat).arg(&n).arg(&cols).arg(&value);
+        match &values {
+            Some(v) => b.arg(v),
+            None => b.arg(&no_values),
+        };
+        // SAFETY: each place is a (row, token) inside data (rows × cols, checked by the
+        // caller), and values, where given, hold one float a place.
         unsafe { b.launch(self.elementwise(places.len())) }.ctx("launching set_logits")?;
         Ok(())
     }

@@ -253,7 +253,7 @@ fn head_len(n: usize, c: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{narrowed, walk_on_cpu};
+    use super::super::tests::{narrowed, spread_row, walk_on_cpu};
     use super::super::{SamplingParams, StepLogits};
     use super::*;
     use canopy_engine::{CpuBackend, LayerOps};
@@ -412,6 +412,36 @@ mod tests {
         assert!(
             (seen - past).abs() < 0.01,
             "{seen} walked on the backend, not {past}"
+        );
+    }
+
+    /// A penalised draw over the whole vocabulary cut by `top_p` past its head, whose penalised
+    /// tokens lie past the head too, walks the rest of its row on the backend with their
+    /// changed logits in place: it reads no row whole, and draws what the whole row draws.
+    #[test]
+    fn a_penalised_cut_past_the_head_walks_on_the_backend() {
+        let logits = spread_row(5, 3000, 2.0);
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            frequency_penalty: 0.8,
+            presence_penalty: 0.4,
+            ..SamplingParams::default()
+        };
+        let (mut whole, mut narrow) = (Sampler::new(params, 9, &[]), Sampler::new(params, 9, &[]));
+        let mut walked_changed = 0;
+        for draw in 0..60 {
+            let z = total(&whole, &logits);
+            let a = whole.sample(RowLogits::Whole(&logits), z).unwrap();
+            let k = narrow.reach().unwrap();
+            let (b, settled) = draw_narrowed(&mut narrow, &logits, k, z);
+            assert_eq!(a, b, "draw {draw}");
+            assert_ne!(settled, Settled::Whole, "draw {draw}");
+            walked_changed += usize::from(settled == Settled::Walked && !narrow.changed.is_empty());
+        }
+        assert!(
+            walked_changed > 10,
+            "{walked_changed} penalised walks on the backend"
         );
     }
 

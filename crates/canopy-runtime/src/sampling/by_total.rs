@@ -60,8 +60,9 @@ impl Sampler {
 
     /// The rest of this sampler's draw that landed past its narrowed row, where a backend may
     /// walk it over the row ([`canopy_engine::LayerOps::walk_tails`]) instead of reading the
-    /// row whole; `None` where the draw needs its whole row (one that changes tokens past its
-    /// head, cut by `top_p` past it).
+    /// row whole (with a changing draw's logits past its head in place of the model's); `None`
+    /// where the draw needs its whole row (its head is not the one the whole row's walk
+    /// takes).
     pub fn tail_walk(&self) -> Option<&TailWalk> {
         self.pending.as_ref()?.tail.as_ref().map(|(walk, _)| walk)
     }
@@ -75,6 +76,24 @@ impl Sampler {
         Some(token)
     }
 
+    /// The logits a cut walk past the `head` reads in place of the model's, by token id: for
+    /// a draw that changes logits, the head's (which its walk in order reads) and the changed
+    /// tokens' past it, as the draw takes them; none for one that changes nothing.
+    fn in_place(
+        &self,
+        (head, logits): (&[u32], &[f32]),
+        changed: &[(u32, f32)],
+    ) -> Vec<(u32, f32)> {
+        if !self.adjusts() {
+            return Vec::new();
+        }
+        let mut in_place: Vec<(u32, f32)> = (head.iter().copied().zip(logits.iter().copied()))
+            .chain(changed.iter().copied())
+            .collect();
+        in_place.sort_unstable_by_key(|&(t, _)| t);
+        in_place
+    }
+
     /// Where the uniform `u` lands among a row's tokens, each's probability `exp((logit -
     /// max) / T) / total`: over the `head` (the row's [`BY_TOTAL_HEAD`] likeliest, or all of
     /// them, most likely first, with their logits), then over the rest of the `whole` row by
@@ -82,8 +101,8 @@ impl Sampler {
     /// the draw in it; one past the head keeps the fewest likeliest of the rest that reach it,
     /// found by selection, not a sort ([`land_between`] where the row is not given whole).
     /// Past the head of a row not given whole, the walk goes on over the rest of the row
-    /// ([`Walked::Tail`], with its `top_p` cut where [`land_between`] does not settle it), or
-    /// needs the whole row (a cut past the head of a draw that changes tokens past it). A walk
+    /// ([`Walked::Tail`], with its `top_p` cut where [`land_between`] does not settle it, and
+    /// the changed tokens' logits in place). A walk
     /// past every token it may take (the total's rounding) ends at the last it took a step
     /// over.
     fn by_total(&self, u: f64, walk: &ByTotal) -> Walked {
@@ -111,8 +130,8 @@ impl Sampler {
             target = u * acc;
         }
         // A `top_p` cut past the head keeps the fewest likeliest of the rest that reach it,
-        // which set the draw's scale: walked over the whole row, or on the backend where the
-        // rest of the row is as the model left it.
+        // which set the draw's scale: walked over the whole row, or on the backend with the
+        // changed tokens' logits in place of the model's.
         if past_head && p.top_p < 1.0 {
             let rest = TailWalk {
                 head: head.to_vec(),
@@ -125,16 +144,19 @@ impl Sampler {
                     top_p: p.top_p as f64,
                     head_mass: acc,
                 }),
+                changed: vec![],
             };
             let Some(whole) = whole else {
-                return match land_between(u, (head, logits), &prob, p.top_p as f64) {
-                    Some(t) => Walked::On(t),
-                    None if changed.is_empty() => Walked::Tail {
-                        rest,
+                let Some(t) = land_between(u, (head, logits), &prob, p.top_p as f64) else {
+                    return Walked::Tail {
+                        rest: TailWalk {
+                            changed: self.in_place((head, logits), changed),
+                            ..rest
+                        },
                         last: head[0],
-                    },
-                    None => Walked::Whole,
+                    };
                 };
+                return Walked::On(t);
             };
             return Walked::On(rest.land(whole).unwrap_or(head[0]));
         }
@@ -172,6 +194,7 @@ impl Sampler {
             total,
             target,
             cut: None,
+            changed: vec![],
         };
         match whole {
             Some(whole) => Walked::On(rest.land(whole).unwrap_or(last)),
@@ -204,7 +227,7 @@ enum Walked {
         rest: TailWalk,
         last: u32,
     },
-    /// Past the head, where only the whole row settles the draw.
+    /// A row narrowed to no tokens: only the whole row settles the draw.
     Whole,
 }
 
