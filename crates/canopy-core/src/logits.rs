@@ -83,8 +83,9 @@ pub struct TailWalk {
     pub target: f64,
     /// A `top_p` cut past the head ([`TailCut`]).
     pub cut: Option<TailCut>,
-    /// Logits the walk reads in place of the row's, by token id: those of the tokens past the
-    /// head that a draw changes (penalties, biases), where it walks them with the rest.
+    /// Logits the walk reads in place of the row's, by token id: a draw's that changes logits
+    /// (penalties, biases), its head's (which a cut walks in order) and its changed tokens'
+    /// past the head.
     pub changed: Vec<(u32, f32)>,
 }
 

@@ -36,15 +36,6 @@ __device__ __forceinline__ u32 key_token(u64 key) { return 0xFFFFFFFFu - (u32)ke
 #ifndef TOP_ROUNDS_MAX
 #error "TOP_ROUNDS_MAX must be defined by the kernel registry"
 #endif
-#ifndef WALK_THREADS
-#error "WALK_THREADS must be defined by the kernel registry"
-#endif
-// walk_tails' threads compute WALK_ILP exponentials at a time, and issue the loads of
-// WALK_LOADS tokens at a time in a cut's radix passes, so that each has many in flight; its
-// warps count a cut's masses into WALK_BIN_SETS sets of bins, so that fewer atomics meet.
-#define WALK_ILP 4
-#define WALK_LOADS 8
-#define WALK_BIN_SETS 8
 
 // Key `i` of a pass's k keys: to the next pass, or as the row's `rank`th logit and token.
 __device__ __forceinline__ void top_write(u64 key, u32 i, u32 rank, u32 row, u32 k, u64* __restrict__ keys_out,
@@ -306,6 +297,16 @@ __device__ __forceinline__ T cta_scan(T x, T* ends) {
     return before + x;
 }
 
+#ifndef WALK_THREADS
+#error "WALK_THREADS must be defined by the kernel registry"
+#endif
+// walk_tails' threads compute WALK_ILP exponentials at a time, and issue the loads of
+// WALK_LOADS tokens at a time in a cut's radix passes, so that each has many in flight; its
+// warps count a cut's masses into WALK_BIN_SETS sets of bins, so that fewer atomics meet.
+#define WALK_ILP 4
+#define WALK_LOADS 8
+#define WALK_BIN_SETS 8
+
 // A warp's walk over `n` candidates in order, candidate i's probability q_at(i) (0 for one not
 // walked): the index of the first the target `left` falls below, as the host walks them one
 // by one (here 32 at a time, by a scan of their probabilities), or n where it passes them all;
@@ -369,9 +370,9 @@ __device__ __forceinline__ void run_probs(u32 begin, u32 end, const u32* head, u
 // likeliest tokens (canopy_core::logits::TailWalk). index[6w..6w+6] = (row of logits, first and
 // count of the walk's head tokens in `heads`, sorted, then first and count of its head in walk
 // order, for a cut, then the row of `model` whose logit of the landed token is returned: the
-// walked row may be a copy with a draw's changed logits in place); params[7w..7w+7] = (top, temperature, total, target, u, top_p, head_mass),
-// `top` the row's largest logit. Each probability is exp((x - top) / T) / total (the quotient in
-// fp32, the rest in fp64).
+// walked row may be a copy with a draw's changed logits in place); params[7w..7w+7] = (top,
+// temperature, total, target, u, top_p, head_mass), `top` the row's largest logit. Each
+// probability is exp((x - top) / T) / total (the quotient in fp32, the rest in fp64).
 // A walk with a cut (a head in walk order) first keeps the fewest likeliest tokens past the
 // head whose masses reach top_p - head_mass: a radix select, a byte of the logit's order key a
 // pass, of masses in fixed point (its first pass stores every token's in `masses`, a row's worth
@@ -383,9 +384,9 @@ __device__ __forceinline__ void run_probs(u32 begin, u32 end, const u32* head, u
 // walked with a probability above 0. out[2w] = the token's bits (0xffffffff: none), out[2w + 1]
 // its logit in the model's row.
 extern "C" __global__ void __launch_bounds__(WALK_THREADS)
-walk_tails(const float* __restrict__ logits, const float* __restrict__ model, u32 cols, const u32* __restrict__ index,
-           const double* __restrict__ params, const u32* __restrict__ heads, u64* __restrict__ masses,
-           float* __restrict__ out) {
+walk_tails(const float* __restrict__ logits, const float* __restrict__ model, u32 cols,
+           const u32* __restrict__ index, const double* __restrict__ params, const u32* __restrict__ heads,
+           u64* __restrict__ masses, float* __restrict__ out) {
     __shared__ double ends[WALK_THREADS];
     __shared__ u64 counts[WALK_THREADS];
     __shared__ u64 warp_bins[WALK_BIN_SETS][256];

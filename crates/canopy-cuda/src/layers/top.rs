@@ -60,7 +60,7 @@ impl CudaBackend {
             return Ok(());
         }
         let f = self.function(Kernel::Layers(DType::F32, "pick_logits"))?;
-        let (flat, n, cols) = self.places("pick_logits", logits, picks)?;
+        let (flat, n, cols) = self.places("pick_logits", logits.cols, picks)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(&logits.data)
             .arg(&flat)
@@ -205,12 +205,7 @@ impl CudaBackend {
             return Ok(());
         }
         let f = self.function(Kernel::Layers(DType::F32, "set_logits"))?;
-        let flat: Vec<u32> = places.iter().flat_map(|&(r, t)| [r, t]).collect();
-        let flat = self.upload(&flat)?;
-        let (n, cols) = (
-            narrow("set_logits", places.len())?,
-            narrow("set_logits", cols)?,
-        );
+        let (flat, n, cols) = self.places("set_logits", cols, places)?;
         let values = values.map(|v| self.upload(v)).transpose()?;
         let no_values = 0u64;
         let mut b = self.stream.launch_builder(&f);
@@ -225,19 +220,19 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `(row, token)` places uploaded as pairs, with their count and the logits' columns as a
+    /// `(row, token)` places uploaded as pairs, with their count and the logits' `cols` as a
     /// kernel takes them.
     fn places(
         &self,
         op: &'static str,
-        logits: &CudaTensor,
+        cols: usize,
         places: &[(u32, u32)],
     ) -> Result<(CudaSlice<u32>, u32, u32)> {
         let flat: Vec<u32> = places.iter().flat_map(|&(r, t)| [r, t]).collect();
         Ok((
             self.upload(&flat)?,
             narrow(op, places.len())?,
-            narrow(op, logits.cols)?,
+            narrow(op, cols)?,
         ))
     }
 

@@ -60,7 +60,7 @@ impl Sampler {
 
     /// The rest of this sampler's draw that landed past its narrowed row, where a backend may
     /// walk it over the row ([`canopy_engine::LayerOps::walk_tails`]) instead of reading the
-    /// row whole (with a changing draw's logits past its head in place of the model's); `None`
+    /// row whole (with a changing draw's logits in place of the model's); `None`
     /// where the draw needs its whole row (its head is not the one the whole row's walk
     /// takes).
     pub fn tail_walk(&self) -> Option<&TailWalk> {
