@@ -333,14 +333,20 @@ __device__ __forceinline__ u32 warp_walk(u32 n, double& left, int& last, Q q_at)
     return n;
 }
 
-// Whether t is one of the n sorted head tokens.
-__device__ __forceinline__ bool head_has(const u32* head, u32 n, u32 t) {
+// The index of the first of the n sorted head tokens at or past t (n where none is).
+__device__ __forceinline__ u32 head_from(const u32* head, u32 n, u32 t) {
     u32 lo = 0, hi = n;
     while (lo < hi) {
         const u32 mid = (lo + hi) / 2;
         if (head[mid] < t) lo = mid + 1; else hi = mid;
     }
-    return lo < n && head[lo] == t;
+    return lo;
+}
+
+// Whether t is one of the n sorted head tokens.
+__device__ __forceinline__ bool head_has(const u32* head, u32 n, u32 t) {
+    const u32 at = head_from(head, n, t);
+    return at < n && head[at] == t;
 }
 
 // Each token of the run [begin, end) past the head (whose first token at or past `begin` is
@@ -408,16 +414,7 @@ walk_tails(const float* __restrict__ logits, const float* __restrict__ model, u3
     const u32 per = (cols + WALK_THREADS - 1) / WALK_THREADS;
     const u32 begin = min(cols, threadIdx.x * per), end = min(cols, begin + per);
     // The first head token at or past this run.
-    u32 first = 0, span = head_len;
-    while (span > 0) {
-        const u32 half = span / 2;
-        if (head[first + half] < begin) {
-            first += half + 1;
-            span -= half + 1;
-        } else {
-            span = half;
-        }
-    }
+    const u32 first = head_from(head, head_len, begin);
     // Each token's probability, as the host takes it.
     auto prob = [&](u32 t) { return exp((double)((row[t] - top) / temperature)) / total; };
     const bool cut = order_len > 0;
