@@ -18,6 +18,7 @@ mod gemm;
 mod rope;
 mod tensor;
 mod top;
+mod walks;
 
 pub use tensor::{CudaTensor, CudaWeight};
 

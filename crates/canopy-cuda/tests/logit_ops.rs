@@ -16,6 +16,7 @@ use canopy_core::logits::{softmax_total, top_tokens, TailCut, TailWalk};
 use canopy_engine::{CpuBackend, LayerOps, Result, TOP_LOGITS_MAX};
 use canopy_kernels::TOP_ROUNDS_MAX;
 use rand::Rng;
+use rand_chacha::ChaCha8Rng;
 
 /// `logits` (`rows × vocab`) narrowed to `k` tokens a row on `b`, into a poisoned output.
 fn top<B: LayerOps>(b: &B, logits: &[f32], rows: usize, k: usize) -> Result<Vec<f32>> {
@@ -293,8 +294,27 @@ fn tail_walks_land_where_the_cpus_do() {
         return;
     };
     let mut rng = rng("tail_walks_land_where_the_cpus_do");
-    for (rows, vocab) in [(3, 4096), (31, 128256), (2, 130)] {
-        let logits = model_rows(&mut rng, rows, vocab);
+    // A model's spread; rows of few distinct logits, whose cuts fall among thousands of equal
+    // ones (taken by token id); and rows as flat as a random model's, whose cuts fall among
+    // hundreds of near ones.
+    let tied = |rng: &mut ChaCha8Rng, rows: usize, vocab: usize| -> Vec<f32> {
+        (0..rows * vocab)
+            .map(|_| rng.gen_range(-8i32..8) as f32 * 0.25)
+            .collect()
+    };
+    let flat = |rng: &mut ChaCha8Rng, rows: usize, vocab: usize| -> Vec<f32> {
+        (0..rows * vocab)
+            .map(|_| rng.gen_range(-2.0f32..2.0))
+            .collect()
+    };
+    let cases = [
+        (3, 4096, model_rows(&mut rng, 3, 4096)),
+        (31, 128256, model_rows(&mut rng, 31, 128256)),
+        (2, 130, model_rows(&mut rng, 2, 130)),
+        (3, 128256, tied(&mut rng, 3, 128256)),
+        (3, 128256, flat(&mut rng, 3, 128256)),
+    ];
+    for (rows, vocab, logits) in cases {
         let mut walks = Vec::new();
         for r in 0..rows {
             let row = &logits[r * vocab..(r + 1) * vocab];

@@ -132,9 +132,15 @@ pub const TOP_ITEMS: usize = 16;
 /// key; a larger `k` is selected by radix, a byte of the keys a pass, which costs a few
 /// rounds' time whatever `k` is.
 pub const TOP_ROUNDS_MAX: usize = 8;
-/// Threads of a `walk_tails` CTA (`logits.cu`), one a walk: the walk's passes over a row are
-/// chains of fp64 exponentials, so a walk wants many of them in flight.
+/// Threads of a CTA of the tail walks (`walks.cu`): the walks' passes over a row are chains of
+/// fp64 exponentials, so a CTA wants many of them in flight.
 pub const WALK_THREADS: u32 = 512;
+/// Tokens of a walk's row one CTA of the tail walks' spread kernels takes (`walks.cu`), so that
+/// one walk over a vocabulary of 128K takes 32 SMs.
+pub const WALK_CHUNK: usize = 4096;
+/// Bins of depth below the row's top that a `top_p` cut walk sums its masses into (`walks.cu`),
+/// before it selects among the tokens of one bin.
+pub const WALK_BINS: usize = 2048;
 /// float4s per thread `rms_norm` keeps in registers: rows of up to `4 · LAYER_THREADS ·
 /// RMS_NORM_CHUNKS` values are read once.
 pub const RMS_NORM_CHUNKS: usize = 8;
@@ -175,6 +181,8 @@ pub fn shared_defines() -> Vec<(&'static str, String)> {
         ("TOP_ITEMS", TOP_ITEMS.to_string()),
         ("TOP_ROUNDS_MAX", TOP_ROUNDS_MAX.to_string()),
         ("WALK_THREADS", WALK_THREADS.to_string()),
+        ("WALK_CHUNK", WALK_CHUNK.to_string()),
+        ("WALK_BINS", WALK_BINS.to_string()),
         ("PREFILL_TILE", PREFILL_TILE.to_string()),
         ("PREFILL_STAGES", PREFILL_STAGES.to_string()),
         ("PREFILL_WS_STAGES", PREFILL_WS_STAGES.to_string()),

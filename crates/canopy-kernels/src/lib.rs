@@ -27,7 +27,7 @@ pub use constants::{
     GROUP_WORDS, HEADS_STAGES, HEADS_TILE, LAYER_THREADS, MERGE_WARPS, MMA_ROW_PAD, MMA_THREADS,
     NORMED_GEMV_ROWS, PREFILL_CONSUMERS, PREFILL_ROWS, PREFILL_STAGES, PREFILL_TILE,
     PREFILL_WS_STAGES, REDUCE_MAX, REDUCE_SUM, RMS_NORM_CHUNKS, TOP_ITEMS, TOP_ROUNDS_MAX,
-    WALK_THREADS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    WALK_BINS, WALK_CHUNK, WALK_THREADS, WIDE_MERGE_CTAS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 pub use pipeline::{MmaPipeline, MMA_HEAD_DIMS, MMA_STAGES, MMA_TILES};
 
@@ -114,6 +114,7 @@ impl Id {
             Id::Layers => &[
                 ("gemv.cu", include_str!("../cuda/gemv.cu")),
                 ("logits.cu", include_str!("../cuda/logits.cu")),
+                ("walks.cu", include_str!("../cuda/walks.cu")),
             ],
             _ => &[],
         }
@@ -174,7 +175,11 @@ impl Id {
                 "softmax_totals",
                 "pick_logits",
                 "set_logits",
-                "walk_tails",
+                "walk_masses",
+                "walk_gather",
+                "walk_select",
+                "walk_sums",
+                "walk_land",
             ],
             Id::Prefill => &["pack_keys", "gather_keys", "prefill_attention"],
         }

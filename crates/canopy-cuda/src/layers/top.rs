@@ -6,17 +6,15 @@
 //! `k` = 128 and four at 1,024; the logits never leave the device. `logprob_terms` reduces
 //! each row to its log-normaliser and a target's logit, and `softmax_totals` each row to its
 //! softmax total at a temperature, one CTA a row; `pick_logits` reads single logits and
-//! `set_logits` writes them, a thread each; `walk_tails` walks the rest of a draw past a
-//! row's likeliest tokens, one CTA a walk (over copies of the rows with the walks' changed
-//! logits set, where any walk has some).
+//! `set_logits` writes them, a thread each (`walks.rs` walks the rest of a draw past a row's
+//! likeliest tokens).
 
 use super::{narrow, CudaTensor};
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::launch::Params;
-use canopy_core::logits::{TailCut, TailWalk};
 use canopy_core::DType;
-use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS, WALK_THREADS};
+use canopy_kernels::{Kernel, LAYER_THREADS, TOP_ITEMS};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Entries one CTA of `top_logits` narrows to `k`.
@@ -73,113 +71,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Where each walk lands into `out` (`walks × 2`; the caller checked the walks and the
-    /// shape).
-    pub(super) fn walk_rows(
-        &self,
-        logits: &CudaTensor,
-        walks: &[(usize, &TailWalk)],
-        out: &mut CudaTensor,
-    ) -> Result<()> {
-        out.drop_rounded();
-        if walks.is_empty() {
-            return Ok(());
-        }
-        let f = self.function(Kernel::Layers(DType::F32, "walk_tails"))?;
-        let cols = logits.cols;
-        // Where any walk reads changed logits, every walk walks a copy of its row, with its
-        // changes in place.
-        let changed: Vec<(u32, u32, f32)> = (walks.iter().enumerate())
-            .flat_map(|(w, (_, walk))| walk.changed.iter().map(move |&(t, x)| (w as u32, t, x)))
-            .collect();
-        let copies = match changed.is_empty() {
-            true => None,
-            false => {
-                let mut copies = self.alloc::<f32>(walks.len() * cols)?;
-                for (w, &(row, _)) in walks.iter().enumerate() {
-                    self.stream
-                        .memcpy_dtod(
-                            &logits.data.slice(row * cols..(row + 1) * cols),
-                            &mut copies.slice_mut(w * cols..(w + 1) * cols),
-                        )
-                        .ctx("cuMemcpyDtoDAsync")?;
-                }
-                let places: Vec<(u32, u32)> = changed.iter().map(|&(w, t, _)| (w, t)).collect();
-                let values: Vec<f32> = changed.iter().map(|&(_, _, x)| x).collect();
-                self.set_in(&mut copies, cols, &places, f32::NAN, Some(&values))?;
-                Some(copies)
-            }
-        };
-        let (mut index, mut params, mut heads) = (Vec::new(), Vec::new(), Vec::new());
-        for (w, &(row, walk)) in walks.iter().enumerate() {
-            let mut sorted = walk.head.clone();
-            sorted.sort_unstable();
-            sorted.dedup();
-            // A cut walks its head in order, after its selection.
-            let order: &[u32] = match walk.cut {
-                Some(_) => &walk.head,
-                None => &[],
-            };
-            index.extend([
-                narrow("walk_tails", if copies.is_some() { w } else { row })?,
-                narrow("walk_tails", heads.len())?,
-                narrow("walk_tails", sorted.len())?,
-                narrow("walk_tails", heads.len() + sorted.len())?,
-                narrow("walk_tails", order.len())?,
-                narrow("walk_tails", row)?,
-            ]);
-            heads.extend(sorted);
-            heads.extend_from_slice(order);
-            let cut = walk.cut.unwrap_or(TailCut {
-                u: 0.0,
-                top_p: 1.0,
-                head_mass: 0.0,
-            });
-            params.extend([
-                f64::from(walk.max),
-                f64::from(walk.temperature),
-                walk.total,
-                walk.target,
-                cut.u,
-                cut.top_p,
-                cut.head_mass,
-            ]);
-        }
-        // A kernel reads no empty buffer.
-        heads.push(0);
-        let (index, params, heads) = (
-            self.upload(&index)?,
-            self.upload(&params)?,
-            self.upload(&heads)?,
-        );
-        // A cut's masses past its head, a row's worth for each walk (one entry where no walk
-        // cuts: the kernel reads it only for cuts).
-        let cuts = walks.iter().any(|(_, walk)| walk.cut.is_some());
-        let mut masses = self.alloc::<u64>(if cuts { walks.len() * logits.cols } else { 1 })?;
-        let cols = narrow("walk_tails", cols)?;
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(copies.as_ref().unwrap_or(&logits.data))
-            .arg(&logits.data)
-            .arg(&cols)
-            .arg(&index)
-            .arg(&params)
-            .arg(&heads)
-            .arg(&mut masses)
-            .arg(&mut out.data);
-        let cfg = LaunchConfig {
-            grid_dim: (narrow("walk_tails", walks.len())?, 1, 1),
-            block_dim: (WALK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: CTA w reads row index[6w] of the walked rows (logits, rows × cols, checked
-        // by the caller, or their copies, walks × cols) and a logit of row index[6w + 5] of
-        // logits, its head tokens (inside heads, each below cols) and its params, writes 2
-        // floats of out (walks × 2, checked by the caller) and, for a cut, its cols masses from
-        // w · cols (walks × cols where any walk cuts).
-        unsafe { b.launch(cfg) }.ctx("launching walk_tails")?;
-        Ok(())
-    }
-
     /// Sets the logits at `places` to `value` (the caller checked every place).
     pub(super) fn set_places(
         &self,
@@ -193,7 +84,7 @@ impl CudaBackend {
 
     /// Sets the logits at `places` of `data` (rows of `cols`) to `values`, one a place, or
     /// to `value` where there are none (the caller checked every place).
-    fn set_in(
+    pub(super) fn set_in(
         &self,
         data: &mut CudaSlice<f32>,
         cols: usize,
