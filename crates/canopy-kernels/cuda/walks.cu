@@ -10,12 +10,12 @@
 //                the gathered tokens, and the walk over the head in its order;
 //   walk_sums    each chunk's sum of the probabilities the walk passes;
 //   walk_land    (one CTA) the chunk, then the thread's run, then the token the target lands on.
-// Every kernel's CTAs take index[6w..6w+6] = (row of `logits`, first and count of the walk's
-// head tokens in `heads`, sorted, then first and count of its head in walk order, for a cut,
-// then the row of `model` whose logit of the landed token is returned: the walked row may be a
-// copy with a draw's changed logits in place) and params[7w..7w+7] = (top, temperature,
-// total, target, u, top_p, head_mass), `top` the row's largest logit. Each probability is
-// exp((x - top) / T) / total (the quotient in fp32, the rest in fp64).
+// Every kernel's CTAs take index[5w..5w+5] = (row of `logits`, where the walk's head tokens
+// start in `index` and how many, whether top_p cuts the walk (which then walks its head in the
+// order given), and the row of `model` whose logit of the landed token is returned: the walked
+// row may be a copy with a draw's changed logits in place) and params[7w..7w+7] = (top,
+// temperature, total, target, u, top_p, head_mass), `top` the row's largest logit. Each
+// probability is exp((x - top) / T) / total (the quotient in fp32, the rest in fp64).
 
 #ifndef WALK_THREADS
 #error "WALK_THREADS must be defined by the kernel registry"
@@ -114,19 +114,16 @@ struct Walk {
     const float* model_row;
     const u32* head;
     u32 head_len;
-    const u32* order;
-    u32 order_len;
+    bool cuts;
     float top, temperature;
     double total, target, u, top_p, head_mass;
 
-    __device__ Walk(const float* logits, const float* model, u32 cols, const u32* index, const double* params,
-                    const u32* heads, u32 w)
-        : row(logits + (u64)index[6 * w] * cols),
-          model_row(model + (u64)index[6 * w + 5] * cols),
-          head(heads + index[6 * w + 1]),
-          head_len(index[6 * w + 2]),
-          order(heads + index[6 * w + 3]),
-          order_len(index[6 * w + 4]),
+    __device__ Walk(const float* logits, const float* model, u32 cols, const u32* index, const double* params, u32 w)
+        : row(logits + (u64)index[5 * w] * cols),
+          model_row(model + (u64)index[5 * w + 4] * cols),
+          head(index + index[5 * w + 1]),
+          head_len(index[5 * w + 2]),
+          cuts(index[5 * w + 3] != 0),
           top((float)params[7 * w]),
           temperature((float)params[7 * w + 1]),
           total(params[7 * w + 2]),
@@ -135,8 +132,8 @@ struct Walk {
           top_p(params[7 * w + 5]),
           head_mass(params[7 * w + 6]) {}
 
-    // Whether the walk is cut by top_p (it has a head in walk order).
-    __device__ bool cut() const { return order_len > 0; }
+    // Whether the walk is cut by top_p.
+    __device__ bool cut() const { return cuts; }
 
     // Token t's probability, as the host takes it.
     __device__ double prob(u32 t) const { return exp((double)((row[t] - top) / temperature)) / total; }
@@ -259,8 +256,8 @@ __device__ __forceinline__ double run_sum(const Walk& walk, const WalkState& s, 
 
 #define WALK_ARGS                                                                                          \
     const float *__restrict__ logits, const float *__restrict__ model, u32 cols, const u32 *__restrict__ index, \
-        const double *__restrict__ params, const u32 *__restrict__ heads
-#define WALK_OF(w) Walk(logits, model, cols, index, params, heads, (w))
+        const double *__restrict__ params
+#define WALK_OF(w) Walk(logits, model, cols, index, params, (w))
 
 // CTA (chunk, cut walk): each token's fixed-point mass past the head into masses (walks × cols;
 // the head's 0), and the chunk's masses added into the walk's bins (walks × WALK_BINS, zeroed
@@ -458,15 +455,15 @@ walk_select(WALK_ARGS, const u64* __restrict__ masses, const u64* __restrict__ b
     if (threadIdx.x < 32) {
         double left = walk.u * (walk.head_mass + (double)kept_mass / FIXED_ONE);
         int passed = -1;
-        const u32 at = warp_walk(walk.order_len, left, passed, [&](u32 i) { return walk.prob(walk.order[i]); });
+        const u32 at = warp_walk(walk.head_len, left, passed, [&](u32 i) { return walk.prob(walk.head[i]); });
         if (threadIdx.x == 0) {
             WalkState s;
             s.target = left;
             s.key_cut = key_cut;
             s.id_cut = id_cut;
-            s.done = at < walk.order_len;
-            s.token = s.done ? walk.order[at] : NO_TOKEN;
-            s.last_head = passed >= 0 ? (int)walk.order[passed] : -1;
+            s.done = at < walk.head_len;
+            s.token = s.done ? walk.head[at] : NO_TOKEN;
+            s.last_head = passed >= 0 ? (int)walk.head[passed] : -1;
             states[w] = s;
         }
     }

@@ -18,16 +18,19 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKern
 /// `walks.cu`'s `WalkState`, in 8-byte words: what `walk_select` leaves a cut walk.
 const STATE_WORDS: usize = 4;
 
+/// Words of a walk's entry in `walks.cu`'s index: its row, where its head tokens start in the
+/// index and how many, whether top_p cuts it, and the model's row.
+const WALK_INDEX: usize = 5;
+
 /// What every walk kernel reads first: the walked rows (the logits, or copies of the walks'
-/// rows with their changed logits), the model's logits, and each walk's index, parameters and
-/// head tokens.
+/// rows with their changed logits), the model's logits, and the walks' index (their entries,
+/// then their head tokens) and parameters.
 struct WalkInputs<'a> {
     walked: &'a CudaSlice<f32>,
     model: &'a CudaSlice<f32>,
     cols: u32,
     index: CudaSlice<u32>,
     params: CudaSlice<f64>,
-    heads: CudaSlice<u32>,
 }
 
 impl CudaBackend {
@@ -45,26 +48,19 @@ impl CudaBackend {
         }
         let cols = logits.cols;
         let copies = self.changed_rows(logits, walks)?;
-        let (mut index, mut params, mut heads) = (Vec::new(), Vec::new(), Vec::new());
+        // Each walk's index entry, then every walk's head tokens after them, in one upload.
+        let mut words = Vec::with_capacity(WALK_INDEX * walks.len());
+        let mut heads = Vec::new();
+        let mut params = Vec::with_capacity(7 * walks.len());
         for (w, &(row, walk)) in walks.iter().enumerate() {
-            let mut sorted = walk.head.clone();
-            sorted.sort_unstable();
-            sorted.dedup();
-            // A cut walks its head in order, after its selection.
-            let order: &[u32] = match walk.cut {
-                Some(_) => &walk.head,
-                None => &[],
-            };
-            index.extend([
+            words.extend([
                 narrow("walk_tails", if copies.is_some() { w } else { row })?,
-                narrow("walk_tails", heads.len())?,
-                narrow("walk_tails", sorted.len())?,
-                narrow("walk_tails", heads.len() + sorted.len())?,
-                narrow("walk_tails", order.len())?,
+                narrow("walk_tails", WALK_INDEX * walks.len() + heads.len())?,
+                narrow("walk_tails", walk.head.len())?,
+                u32::from(walk.cut.is_some()),
                 narrow("walk_tails", row)?,
             ]);
-            heads.extend(sorted);
-            heads.extend_from_slice(order);
+            heads.extend_from_slice(&walk.head);
             let cut = walk.cut.unwrap_or(TailCut {
                 u: 0.0,
                 top_p: 1.0,
@@ -80,15 +76,13 @@ impl CudaBackend {
                 cut.head_mass,
             ]);
         }
-        // A kernel reads no empty buffer.
-        heads.push(0);
+        words.extend(heads);
         let inputs = WalkInputs {
             walked: copies.as_ref().unwrap_or(&logits.data),
             model: &logits.data,
             cols: narrow("walk_tails", cols)?,
-            index: self.upload(&index)?,
+            index: self.upload(&words)?,
             params: self.upload(&params)?,
-            heads: self.upload(&heads)?,
         };
         let n = narrow("walk_tails", walks.len())?;
         let chunks = cols.div_ceil(WALK_CHUNK);
@@ -103,10 +97,10 @@ impl CudaBackend {
             self.stream.memset_zeros(&mut bins).ctx("cuMemsetD8Async")?;
             let mut gathered = self.alloc::<u32>(walks.len() * cols)?;
             let mut counts = self.alloc::<u32>(walks.len() * chunks)?;
-            // The three launches: CTA (c, w) or w reads row index[6w] of the walked
+            // The three launches: CTA (c, w) or w reads row index[5w] of the walked
             // rows (logits, rows × cols, checked by the caller, or their copies, walks × cols),
-            // a logit of row index[6w + 5] of logits, its head tokens (inside heads, each below
-            // cols) and its params; it writes walk w's masses (walks × cols), bins (walks ×
+            // a logit of row index[5w + 4] of logits, its head tokens (inside the index, each
+            // below cols) and its params; it writes walk w's masses (walks × cols), bins (walks ×
             // WALK_BINS), gathered tokens (walks × cols, chunk c's from c · WALK_CHUNK), counts
             // (walks × chunks) and state (walks × STATE_WORDS words), as allocated here.
             let f = self.function(Kernel::Layers(DType::F32, "walk_masses"))?;
@@ -184,8 +178,7 @@ impl CudaBackend {
             .arg(inputs.model)
             .arg(&inputs.cols)
             .arg(&inputs.index)
-            .arg(&inputs.params)
-            .arg(&inputs.heads);
+            .arg(&inputs.params);
         b
     }
 }
