@@ -35,7 +35,7 @@ use canopy_kernels::{
     MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 use cudarc::driver::{
-    result, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -49,27 +49,6 @@ pub(crate) type EResult<T> = canopy_engine::Result<T>;
 /// of thousands of queries, where half the resident warps hide less latency, it cost up to
 /// 9 µs.
 const DEEP_MERGE_CELLS_PER_SM: usize = DEEP_MERGE_CTAS * MERGE_WARPS;
-
-/// Bytes the GPU's default memory pool, which every buffer comes from, keeps when buffers are
-/// freed, instead of returning them to the driver at the next synchronisation. By default it
-/// keeps none, so a sampled step's scratch (rows' copies, a walk's masses: about 0.2 GB at 64
-/// rows of 128K) was mapped again every step, up to 0.1 ms an allocation on the host's clock.
-/// Memory queries trim the pool first, so they count what any allocation could take.
-const POOL_KEEPS: u64 = 1 << 30;
-
-/// The default memory pool of `ctx`'s GPU.
-fn default_pool(ctx: &CudaContext) -> Result<sys::CUmemoryPool> {
-    // SAFETY: the device is the context's own.
-    unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
-        .ctx("cuDeviceGetDefaultMemPool")
-}
-
-/// Device memory free on `ctx`'s GPU, once its pool has returned the freed buffers it keeps.
-fn free_memory(ctx: &CudaContext) -> Result<usize> {
-    // SAFETY: the pool is the context's device's; trimming releases only unused memory.
-    unsafe { result::mem_pool::trim_to(default_pool(ctx)?, 0) }.ctx("cuMemPoolTrimTo")?;
-    Ok(ctx.mem_get_info().ctx("cuMemGetInfo")?.0)
-}
 
 /// A pipeline the tensor-core kernel is written for, or why not.
 fn check_pipeline(pipeline: MmaPipeline) -> Result<MmaPipeline> {
@@ -190,19 +169,9 @@ impl CudaBackend {
         // SAFETY: no buffers exist yet on this context.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().ctx("cuStreamCreate")?;
-        let mut keep = POOL_KEEPS;
-        // SAFETY: the pool is the context's device's, and the release threshold is a u64.
-        unsafe {
-            result::mem_pool::set_attribute(
-                default_pool(&ctx)?,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut keep as *mut u64).cast(),
-            )
-        }
-        .ctx("cuMemPoolSetAttribute")?;
         let gpu = GpuInfo::read(&ctx)?;
         let arch = arch_for(gpu.compute_capability);
-        let free_at_start = free_memory(&ctx)?;
+        let (free_at_start, _) = ctx.mem_get_info().ctx("cuMemGetInfo")?;
         Ok(CudaBackend {
             free_at_start,
             ctx,
@@ -392,7 +361,7 @@ impl CudaBackend {
 
     /// Free device memory on this GPU now.
     pub fn free_bytes(&self) -> Result<u64> {
-        Ok(free_memory(&self.ctx)? as u64)
+        Ok(self.ctx.mem_get_info().ctx("cuMemGetInfo")?.0 as u64)
     }
 
     /// K and V storage for `tokens` tokens, in pages of `page_size` tokens behind a shuffled
@@ -430,7 +399,11 @@ impl CudaBackend {
             }
         };
         let bytes = slots * token_bytes;
-        let free = free_memory(&self.ctx).unwrap_or(usize::MAX);
+        let free = self
+            .ctx
+            .mem_get_info()
+            .map(|(free, _)| free)
+            .unwrap_or(usize::MAX);
         if 2 * bytes > free {
             return Err(CudaError::Unsupported(format!(
                 "{tokens} tokens of KV need {:.1} GiB but GPU {} has {:.1} GiB free; use more ranks or a shorter context",
@@ -452,7 +425,7 @@ impl CudaBackend {
     /// Device memory in use on this GPU beyond what was in use when the backend was created
     /// (buffers, NCCL's, and the kernels'): this rank's footprint while its buffers live.
     pub fn device_bytes_in_use(&self) -> Result<u64> {
-        let free = free_memory(&self.ctx)?;
+        let (free, _) = self.ctx.mem_get_info().ctx("cuMemGetInfo")?;
         Ok(self.free_at_start.saturating_sub(free) as u64)
     }
 }
