@@ -22,6 +22,10 @@ const STATE_WORDS: usize = 4;
 /// index and how many, whether top_p cuts it, and the model's row.
 const WALK_INDEX: usize = 5;
 
+/// A walk's parameters in `walks.cu`: the row's top logit, the temperature, the total and the
+/// target, then its cut's uniform number, `top_p` and head mass.
+const WALK_PARAMS: usize = 7;
+
 /// What every walk kernel reads first: the walked rows (the logits, or copies of the walks'
 /// rows with their changed logits), the model's logits, and the walks' index (their entries,
 /// then their head tokens) and parameters.
@@ -49,9 +53,10 @@ impl CudaBackend {
         let cols = logits.cols;
         let copies = self.changed_rows(logits, walks)?;
         // Each walk's index entry, then every walk's head tokens after them, in one upload.
-        let mut words = Vec::with_capacity(WALK_INDEX * walks.len());
-        let mut heads = Vec::new();
-        let mut params = Vec::with_capacity(7 * walks.len());
+        let head_tokens: usize = walks.iter().map(|(_, walk)| walk.head.len()).sum();
+        let mut words = Vec::with_capacity(WALK_INDEX * walks.len() + head_tokens);
+        let mut heads = Vec::with_capacity(head_tokens);
+        let mut params = Vec::with_capacity(WALK_PARAMS * walks.len());
         for (w, &(row, walk)) in walks.iter().enumerate() {
             words.extend([
                 narrow("walk_tails", if copies.is_some() { w } else { row })?,
