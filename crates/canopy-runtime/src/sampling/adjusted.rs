@@ -25,7 +25,6 @@ use super::by_total::{ByTotal, BY_TOTAL_HEAD};
 use super::{RowLogits, Sampler};
 use canopy_core::logits::{likelier, softmax_total, top_tokens};
 use canopy_engine::TOP_LOGITS_MAX;
-use std::collections::HashMap;
 
 /// The most tokens a draw changes and still reads its row narrowed; past it, the draw reads
 /// its whole row. A pick moves 12 bytes over the link and costs the host a few times what a
@@ -173,13 +172,28 @@ impl Sampler {
                 if want + c > n {
                     return None;
                 }
-                // The row as the model left it, where it was read.
-                let raw: HashMap<u32, f32> = (tokens[..n].iter().copied())
+                // The row as the model left it, where it was read, by token id.
+                let mut raw: Vec<(u32, f32)> = (tokens[..n].iter().copied())
                     .zip(logits[..n].iter().copied())
                     .chain(picked.iter().copied())
                     .collect();
+                raw.sort_unstable_by_key(|&(t, _)| t);
+                raw.dedup_by_key(|&mut (t, _)| t);
+                let raw_of = |t: u32| {
+                    (raw.binary_search_by_key(&t, |&(u, _)| u))
+                        .ok()
+                        .map(|i| raw[i].1)
+                };
+                // Only the changed tokens' logits change; both lists are by token id.
+                let mut changes = self.changed.iter().peekable();
                 let mut head: Vec<(u32, f32)> = (raw.iter())
-                    .map(|(&t, &x)| (t, self.adjust(t, x)))
+                    .map(|&(t, x)| {
+                        while changes.next_if(|&&c| c < t).is_some() {}
+                        match changes.peek() == Some(&&t) {
+                            true => (t, self.adjust(t, x)),
+                            false => (t, x),
+                        }
+                    })
                     .collect();
                 let order = |&(a, x): &(u32, f32), &(b, y): &(u32, f32)| likelier(a, x, b, y);
                 if head.len() > want {
@@ -195,12 +209,12 @@ impl Sampler {
                         picked: &[],
                     }));
                 }
-                let changed = (self.changed.iter()).filter_map(|t| raw.get(t).map(|&x| (*t, x)));
+                let changed = (self.changed.iter()).filter_map(|&t| raw_of(t).map(|x| (t, x)));
                 // The likeliest unchanged token is narrowed: `c < n` here.
                 let unchanged = tokens[..n].iter().position(|&t| !self.changes(t))?;
                 let unchanged_max = logits[unchanged];
                 let total = self.changed_total(total?, unchanged_max, head_logits[0], changed)?;
-                let changed = self.changed_past(&head, |t| raw.get(&t).map(|&x| self.adjust(t, x)));
+                let changed = self.changed_past(&head, |t| raw_of(t).map(|x| self.adjust(t, x)));
                 self.walk_by_total(ByTotal {
                     head: (&head, &head_logits),
                     changed: &changed,
