@@ -481,10 +481,9 @@ pub trait LayerOps: MergeOps {
     /// past its likeliest tokens, [`TailWalk`]), into `out` (`walks × 2`): the token as an
     /// `f32` bit pattern (`u32::MAX`: no token past the head has a probability above 0), then
     /// its logit in the row (the model's, not the walk's `changed` one). A draw that lands past
-    /// its narrowed row then reads two numbers, not the row
-    /// ([`check_walk_tails`]). The CPU walks as [`TailWalk::land`]; another backend may sum in
-    /// another order, and land on a token next to the host's where the target lies within its
-    /// rounding of their boundary.
+    /// its narrowed row then reads two numbers, not the row ([`check_walk_tails`]). The CPU
+    /// walks as [`TailWalk::land`]; another backend may sum in another order, and land on a
+    /// token next to the host's where the target lies within its rounding of their boundary.
     fn walk_tails(
         &self,
         logits: &Self::Tensor,

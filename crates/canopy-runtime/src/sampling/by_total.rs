@@ -60,9 +60,8 @@ impl Sampler {
 
     /// The rest of this sampler's draw that landed past its narrowed row, where a backend may
     /// walk it over the row ([`canopy_engine::LayerOps::walk_tails`]) instead of reading the
-    /// row whole (with a changing draw's logits in place of the model's); `None`
-    /// where the draw needs its whole row (its head is not the one the whole row's walk
-    /// takes).
+    /// row whole (with a changing draw's logits in place of the model's); `None` where the
+    /// draw needs its whole row (its head is not the one the whole row's walk takes).
     pub fn tail_walk(&self) -> Option<&TailWalk> {
         self.pending.as_ref()?.tail.as_ref().map(|(walk, _)| walk)
     }
@@ -102,9 +101,8 @@ impl Sampler {
     /// found by selection, not a sort ([`land_between`] where the row is not given whole).
     /// Past the head of a row not given whole, the walk goes on over the rest of the row
     /// ([`Walked::Tail`], with its `top_p` cut where [`land_between`] does not settle it, and
-    /// the changed tokens' logits in place). A walk
-    /// past every token it may take (the total's rounding) ends at the last it took a step
-    /// over.
+    /// the changed tokens' logits in place). A walk past every token it may take (the total's
+    /// rounding) ends at the last it took a step over.
     fn by_total(&self, u: f64, walk: &ByTotal) -> Walked {
         let ByTotal {
             head: (head, logits),
