@@ -114,7 +114,8 @@ struct Walk {
     const float* model_row;
     const u32* head;
     u32 head_len;
-    bool cuts;
+    // Whether top_p cuts the walk.
+    bool cut;
     float top, temperature;
     double total, target, u, top_p, head_mass;
 
@@ -123,7 +124,7 @@ struct Walk {
           model_row(model + (u64)index[5 * w + 4] * cols),
           head(index + index[5 * w + 1]),
           head_len(index[5 * w + 2]),
-          cuts(index[5 * w + 3] != 0),
+          cut(index[5 * w + 3] != 0),
           top((float)params[7 * w]),
           temperature((float)params[7 * w + 1]),
           total(params[7 * w + 2]),
@@ -131,9 +132,6 @@ struct Walk {
           u(params[7 * w + 4]),
           top_p(params[7 * w + 5]),
           head_mass(params[7 * w + 6]) {}
-
-    // Whether the walk is cut by top_p.
-    __device__ bool cut() const { return cuts; }
 
     // Token t's probability, as the host takes it.
     __device__ double prob(u32 t) const { return exp((double)((row[t] - top) / temperature)) / total; }
@@ -168,7 +166,7 @@ static_assert(sizeof(WalkState) == 4 * 8, "walks.rs allocates four 8-byte words 
 // The state a walk goes on with: its cut's, or for a walk without one, every token past the
 // head kept and its own target.
 __device__ __forceinline__ WalkState state_of(const Walk& walk, const WalkState* states, u32 w) {
-    if (walk.cut()) return states[w];
+    if (walk.cut) return states[w];
     WalkState s;
     s.target = walk.target;
     s.key_cut = 0;
@@ -268,7 +266,7 @@ walk_masses(WALK_ARGS, u64* __restrict__ masses, u64* __restrict__ bins) {
     __shared__ u32 head_bits[WALK_CHUNK / 32];
     const u32 w = blockIdx.y, c = blockIdx.x;
     const Walk walk = WALK_OF(w);
-    if (!walk.cut()) return;
+    if (!walk.cut) return;
     for (u32 b = threadIdx.x; b < WALK_BINS; b += WALK_THREADS) local[b] = 0;
     mark_head(head_bits, walk, c * WALK_CHUNK);
     u64* mass = masses + (u64)w * cols;
@@ -300,7 +298,7 @@ walk_gather(WALK_ARGS, const u64* __restrict__ masses, const u64* __restrict__ b
     __shared__ Crossing shared;
     const u32 w = blockIdx.y, c = blockIdx.x;
     const Walk walk = WALK_OF(w);
-    if (!walk.cut()) return;
+    if (!walk.cut) return;
     const Crossing x = crossing_bin(bins + (u64)w * WALK_BINS, walk.need(), ends, &shared);
     const u64* mass = masses + (u64)w * cols;
     const u32 from = c * WALK_CHUNK + threadIdx.x * WALK_RUN;
@@ -341,7 +339,7 @@ walk_select(WALK_ARGS, const u64* __restrict__ masses, const u64* __restrict__ b
     __shared__ u64 kept_mass, passed_mass;
     const u32 w = blockIdx.x, warp = threadIdx.x / 32, chunks = (cols + WALK_CHUNK - 1) / WALK_CHUNK;
     const Walk walk = WALK_OF(w);
-    if (!walk.cut()) return;
+    if (!walk.cut) return;
     const u64 need = walk.need();
     const Crossing x = crossing_bin(bins + (u64)w * WALK_BINS, need, ends, &shared);
     const u64* mass = masses + (u64)w * cols;
