@@ -21,7 +21,9 @@
 
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{
+    self, CUgraph, CUgraphInstantiate_flags, CUgraphNode, CUgraphNodeType, CUstreamCaptureMode,
+};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Whether a capture is running, and the epoch of the buffers recorded passes read.
@@ -83,10 +85,41 @@ impl CudaBackend {
             .ctx("cuStreamEndCapture")?
             .ok_or_else(|| CudaError::Unsupported("the recorded decode pass was empty".into()))?;
         graph.upload().ctx("cuGraphUpload")?;
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let census = node_census(graph.cu_graph())?;
+            tracing::debug!(nodes = ?census, "recorded a decode pass");
+        }
         Ok(CudaGraph(graph))
     }
 
     pub(crate) fn replay(&self, graph: &CudaGraph) -> Result<()> {
         graph.0.launch().ctx("cuGraphLaunch")
     }
+}
+
+/// How many nodes of each type a graph holds: a replay's host cost grows with them.
+fn node_census(graph: CUgraph) -> Result<Vec<(CUgraphNodeType, usize)>> {
+    let mut count = 0usize;
+    // SAFETY: a null node array asks for the count alone.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count) }
+        .result()
+        .ctx("cuGraphGetNodes")?;
+    let mut nodes: Vec<CUgraphNode> = vec![std::ptr::null_mut(); count];
+    // SAFETY: `nodes` holds `count` entries, the count the graph reported.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count) }
+        .result()
+        .ctx("cuGraphGetNodes")?;
+    let mut census: Vec<(CUgraphNodeType, usize)> = Vec::new();
+    for node in &nodes[..count] {
+        let mut kind = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` is one of the graph's nodes.
+        unsafe { sys::cuGraphNodeGetType(*node, &mut kind) }
+            .result()
+            .ctx("cuGraphNodeGetType")?;
+        match census.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => census.push((kind, 1)),
+        }
+    }
+    Ok(census)
 }
