@@ -222,7 +222,8 @@ impl<B: LayerOps> Forward<B> {
 
     /// `rows` through every layer of `layers`, their keys and values stored in `caches` (one
     /// per layer) and attended by `attention`; returns the rows' logits on the host, each row
-    /// narrowed to its [`StepRows::reach`] most likely tokens.
+    /// narrowed to its [`StepRows::reach`] most likely tokens. `meanwhile` runs on the host
+    /// once the pass is launched, while a device runs it.
     pub fn decode<C: Transport<B>>(
         &mut self,
         backend: &B,
@@ -230,10 +231,20 @@ impl<B: LayerOps> Forward<B> {
         caches: &mut [B::Kv],
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
+        meanwhile: &mut dyn FnMut(),
     ) -> Result<StepLogits> {
+        let began = std::time::Instant::now();
         self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
         self.step(backend, layers, caches, attention, rows)?;
-        self.download(backend, layers)
+        let launched = std::time::Instant::now();
+        meanwhile();
+        let logits = self.download(backend, layers);
+        tracing::debug!(
+            launch_ms = crate::rank::ms(launched - began),
+            download_ms = crate::rank::ms(launched.elapsed()),
+            "decode pass"
+        );
+        logits
     }
 
     /// The last pass's logits on the device (`rows × vocab`), until the next pass.

@@ -433,7 +433,8 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             let settle = || Ok(comm.barrier()?);
             forward.decode_timed(backend, layers, &mut caches, attention, rows, &settle)?
         } else {
-            let logits = forward.decode(backend, layers, &mut caches, attention, rows)?;
+            let logits =
+                forward.decode(backend, layers, &mut caches, attention, rows, &mut || {})?;
             (logits, None)
         };
         // Draws over the whole vocabulary read their rows' softmax totals, draws that change

@@ -139,6 +139,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
 
     fn run(&mut self, scheduler: &mut Option<Scheduler>) -> Result<()> {
         loop {
+            let scheduling = Instant::now();
             let step = match scheduler.as_mut() {
                 Some(s) => {
                     let step = s.next_step(&self.books);
@@ -176,10 +177,16 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 None => RowReads::default(),
             };
             let mut decoded = None;
+            let pass_began = Instant::now();
             if !rows.rows.is_empty() && !mixed {
-                let started = Instant::now();
-                let (logits, kv_bytes) = self.decode_pass(&rows, step.reach, &reads)?;
-                decoded = Some((logits, Some((started.elapsed().as_secs_f64(), kv_bytes))));
+                // The last step's tokens are told while the device runs this pass.
+                let mut tell_told = || scheduler.as_mut().map_or((), Scheduler::tell_told);
+                let (logits, kv_bytes) =
+                    self.decode_pass(&rows, step.reach, &reads, &mut tell_told)?;
+                decoded = Some((logits, Some((pass_began.elapsed().as_secs_f64(), kv_bytes))));
+            } else if let Some(s) = scheduler.as_mut() {
+                // No pass of decode rows to tell them beside: before the prompt chunks.
+                s.tell_told();
             }
             let prefilling = Instant::now();
             let (chunks, mixed_logits) = self.prefill(passes, step.reach, &reads)?;
@@ -199,6 +206,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 },
                 walk_tails: &|walks| walk_tails(backend, pass_logits.ok_or_else(no_pass)?, walks),
             };
+            let observing = Instant::now();
             if let Some(s) = scheduler.as_mut() {
                 let decoded = decoded.as_ref().map(|(logits, cost)| Decoded {
                     rows: &rows,
@@ -212,6 +220,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 };
                 s.observe(&self.books, decoded, &chunks, failed, Some(clock));
             }
+            tracing::debug!(
+                schedule_ms = crate::rank::ms(began - scheduling),
+                books_ms = crate::rank::ms(pass_began - began),
+                pass_ms = crate::rank::ms(prefilling - pass_began),
+                prefill_ms = crate::rank::ms(observing - prefilling),
+                observe_ms = crate::rank::ms(observing.elapsed()),
+                "serve step"
+            );
         }
     }
 
@@ -227,13 +243,15 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     /// The decode rows through every layer: their logits, in the rows' order, each narrowed to
     /// its `reach` most likely tokens (`None`: whole) and some rows read further (`reads`),
     /// and the distinct KV bytes their attention reads on this rank (every rank's shard, for
-    /// the ring).
+    /// the ring). `meanwhile` runs once the pass is launched.
     fn decode_pass(
         &mut self,
         rows: &super::books::DecodeRows,
         reach: Option<usize>,
         reads: &RowReads,
+        meanwhile: &mut dyn FnMut(),
     ) -> Result<(StepLogits, u64)> {
+        let laying_out = Instant::now();
         let rank = self.comm.rank();
         let viewers = self.viewers();
         let layout = self.books.layout(rank, &viewers)?;
@@ -263,6 +281,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let stores = mine(rows.placed.iter().map(Some), rank);
         let attention = self.decode.as_mut().expect("planned above");
         let replayed = self.forward.replayed();
+        let decoding = Instant::now();
         let mut logits = self.forward.decode(
             self.backend,
             self.layers,
@@ -274,12 +293,17 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 stores: &stores,
                 reach,
             },
+            meanwhile,
         )?;
+        let reading = Instant::now();
         if let Some(kept) = self.forward.logits() {
             reads.read(self.backend, kept, &mut logits)?;
         }
         tracing::debug!(
             rows = rows.ids.len(),
+            layout_ms = crate::rank::ms(decoding - laying_out),
+            decode_ms = crate::rank::ms(reading - decoding),
+            reads_ms = crate::rank::ms(reading.elapsed()),
             fresh,
             replayed = self.forward.replayed() > replayed,
             "serve decode step"

@@ -30,6 +30,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 mod draw;
+mod tell;
 
 /// How long an idle engine waits for a command before a heartbeat step (which keeps the other
 /// ranks from timing out while the server has no requests).
@@ -127,6 +128,10 @@ pub(crate) struct Scheduler<'t> {
     ending: Vec<u64>,
     /// Samples that ended while their request goes on, to end at the next step.
     ended_samples: Vec<(u64, u32)>,
+    /// Drawn tokens not yet told to their clients, and the requests they ended, kept until
+    /// then ([`tell`]).
+    told: Vec<tell::Told>,
+    finishing: BTreeMap<u64, Running<'t>>,
     draining: bool,
     status: EngineStatus,
 }
@@ -150,6 +155,8 @@ impl<'t> Scheduler<'t> {
             running: BTreeMap::new(),
             ending: Vec::new(),
             ended_samples: Vec::new(),
+            told: Vec::new(),
+            finishing: BTreeMap::new(),
             draining: false,
             status: EngineStatus::default(),
         }
@@ -160,6 +167,9 @@ impl<'t> Scheduler<'t> {
     pub fn next_step(&mut self, books: &Books) -> Step {
         let idle = self.running.is_empty() && self.waiting.is_empty() && self.ending.is_empty();
         let mut wait = (idle && !self.draining).then_some(HEARTBEAT);
+        if wait.is_some() {
+            self.tell_told();
+        }
         while let Some(command) = self.inbox.next(wait.take()) {
             self.command(command);
         }
@@ -247,6 +257,9 @@ impl<'t> Scheduler<'t> {
             }
         }
         step.stop = self.draining && self.running.is_empty() && self.waiting.is_empty();
+        if step.stop {
+            self.tell_told();
+        }
         step
     }
 
@@ -375,6 +388,8 @@ impl<'t> Scheduler<'t> {
         failed: Vec<(u64, RuntimeError)>,
         clock: Option<StepClock>,
     ) {
+        // The last step's tokens go out before anything of this one.
+        self.tell_told();
         for (id, e) in failed {
             if let Some(mut r) = self.running.remove(&id) {
                 r.send(Event::Failed(e.to_string()));
@@ -619,11 +634,13 @@ mod tests {
     }
 
     /// Runs `step` on `books` as every rank would, without a model: every chunk stored, every
-    /// row's (and prompt's) next token `token`.
+    /// row's (and prompt's) next token `token`. The last step's tokens are told where the
+    /// engine tells them, once the pass is launched.
     fn run(s: &mut Scheduler, books: &mut Books, step: &Step, token: u32) {
         assert!(books.begin(step).is_empty());
         let (rows, failed) = books.decode(&step.decode);
         assert!(failed.is_empty());
+        s.tell_told();
         let mut logits = narrowed(token, rows.rows.len(), step.reach.expect("greedy rows"));
         if let StepLogits::Top {
             whole,
@@ -791,6 +808,7 @@ mod tests {
         );
         assert_eq!(step.picks, [((bias, 0), vec![3])]);
         run(&mut s, &mut books, &step, 20);
+        s.tell_told();
         let logprobs = |events: &Mutex<Vec<Event>>| {
             let events = events.lock().unwrap();
             events
@@ -822,6 +840,7 @@ mod tests {
             let step = s.next_step(&books);
             run(&mut s, &mut books, &step, EOS);
         }
+        s.tell_told();
         let ends = |events: &Mutex<Vec<Event>>| {
             let events = events.lock().unwrap();
             let tokens = events
@@ -842,9 +861,13 @@ mod tests {
     fn a_request_whose_client_left_runs_until_its_pages_are_freed() {
         let (h, inbox, mut books, tokenizer) = engine();
         let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 64);
-        // Started, then the first token: the client is found gone while its token is drawn.
+        // Started, then the first token: the client is found gone when that token is told,
+        // while the next step's pass runs.
         submit_to(&h, vec![7; 40], 8, false, Box::new(Leaves { left: 2 }));
         let step = s.next_step(&books);
+        run(&mut s, &mut books, &step, 20);
+        let step = s.next_step(&books);
+        assert!(step.end.is_empty());
         run(&mut s, &mut books, &step, 20);
         let st = h.status();
         assert!(st.pages_used > 0);

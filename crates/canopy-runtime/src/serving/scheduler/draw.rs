@@ -1,11 +1,11 @@
 //! Rank 0's draws: each row's token from its logits, with its log-probabilities where its
-//! request asks for them, then the token told to its client.
+//! request asks for them.
 
 use super::Scheduler;
 use crate::forward::{Landed, WholeRows};
 use crate::rank::ms;
 use crate::sampling::{token_logprobs, RowLogits, RowTerms, Sampler, TokenLogprobs};
-use crate::serving::handle::{Event, FinishReason};
+use crate::serving::handle::Event;
 use crate::Result;
 use canopy_core::logits::TailWalk;
 use rayon::prelude::*;
@@ -212,63 +212,5 @@ impl Scheduler<'_> {
                 Outcome::Ended | Outcome::Short => None,
             })
             .collect()
-    }
-
-    /// Takes sample `sample` of request `id`'s drawn `token` and tells its client.
-    pub(super) fn tell(
-        &mut self,
-        id: u64,
-        sample: usize,
-        token: u32,
-        logprobs: Option<TokenLogprobs>,
-    ) {
-        let Some(r) = self.running.get_mut(&id) else {
-            return;
-        };
-        let request = &r.submitted.request;
-        let (max_tokens, stops) = (request.max_tokens, request.stop.clone());
-        let eos_ends = !request.ignore_eos;
-        let s = &mut r.samples[sample];
-        s.drawn += 1;
-        self.status.generated_tokens += 1;
-        // A token the tokenizer cannot decode adds no text; the ids are still the output.
-        let piece = s.decoder.push(token).unwrap_or_default();
-        let (text, stop_string) = s.text.push(&piece, &stops);
-        let reason = if stop_string || (eos_ends && self.stop_tokens.contains(&token)) {
-            Some(FinishReason::Stop)
-        } else {
-            (s.drawn >= max_tokens).then_some(FinishReason::Length)
-        };
-        let mut alive = r.send(Event::Token {
-            sample,
-            token,
-            text,
-            logprobs,
-        });
-        let s = &mut r.samples[sample];
-        match reason {
-            None => s.next = Some(token),
-            Some(reason) => {
-                let text = s.text.finish();
-                s.next = None;
-                s.done = true;
-                alive &= r.send(Event::Finished {
-                    sample,
-                    reason,
-                    text,
-                });
-                if r.samples.iter().all(|s| s.done) {
-                    self.running.remove(&id);
-                    self.ending.push(id);
-                    return;
-                }
-                if r.samples[sample].drawn > 1 {
-                    self.ended_samples.push((id, sample as u32));
-                }
-            }
-        }
-        if !alive {
-            self.cancel(id);
-        }
     }
 }
