@@ -648,16 +648,22 @@ fn softmax_totals<B: LayerOps>(
         return Ok(Vec::new());
     }
     let (places, temperatures): (Vec<usize>, Vec<f32>) = rows.iter().copied().unzip();
-    let vocab = backend.dims(logits).1;
-    let mut gathered = backend.output_tensor(rows.len(), vocab)?;
-    backend.gather_rows(logits, &places, &mut gathered)?;
+    let (all_rows, vocab) = backend.dims(logits);
     let left_out: Vec<(u32, u32)> = (places.iter().enumerate())
         .filter_map(|(i, r)| picks.iter().find(|(p, _)| p == r).map(|(_, t)| (i, t)))
         .flat_map(|(i, tokens)| tokens.iter().map(move |&t| (i as u32, t)))
         .collect();
-    backend.set_logits(&mut gathered, &left_out, f32::NEG_INFINITY)?;
     let mut totals = backend.output_tensor(rows.len(), 1)?;
-    backend.softmax_totals(&gathered, &temperatures, &mut totals)?;
+    // Every row in order with nothing left out (a step drawing all its rows at a temperature)
+    // is read where it lies; otherwise the rows are gathered and their picks masked.
+    if left_out.is_empty() && places.iter().copied().eq(0..all_rows) {
+        backend.softmax_totals(logits, &temperatures, &mut totals)?;
+    } else {
+        let mut gathered = backend.output_tensor(rows.len(), vocab)?;
+        backend.gather_rows(logits, &places, &mut gathered)?;
+        backend.set_logits(&mut gathered, &left_out, f32::NEG_INFINITY)?;
+        backend.softmax_totals(&gathered, &temperatures, &mut totals)?;
+    }
     Ok(backend.download_tensor(&totals)?)
 }
 
