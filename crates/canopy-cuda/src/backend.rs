@@ -331,6 +331,19 @@ impl CudaBackend {
     /// reads the new values) while `host` fits; else `buf` is replaced by a buffer of the next
     /// power of two, which moves the graph epoch. Stream order puts the write after the
     /// kernels queued before that read `buf`.
+    /// Refuses page tables of pages other than this backend's (`with_paging`).
+    fn check_page_size(&self, page_size: u32) -> Result<()> {
+        match self.page_size {
+            None => Err(CudaError::Unsupported(format!(
+                "this CUDA backend stores KV contiguously; create it with with_paging({page_size}) to read KV through page tables"
+            ))),
+            Some(size) if size != page_size => Err(CudaError::Unsupported(format!(
+                "a page table of {page_size}-token pages for KV paged in {size}-token pages; create the backend with with_paging({page_size})"
+            ))),
+            Some(_) => Ok(()),
+        }
+    }
+
     pub(crate) fn write_or_grow<T: cudarc::driver::DeviceRepr>(
         &self,
         host: &[T],
@@ -387,7 +400,7 @@ impl CudaBackend {
                 let host: Vec<u32> = (0..pages)
                     .map(|i| ((i * stride + 3) % pages.max(1)) as u32)
                     .collect();
-                let device = self.upload(&host)?;
+                let device = std::sync::Arc::new(self.upload(&host)?);
                 (
                     pages * size as usize,
                     Some(Paging {
@@ -477,17 +490,13 @@ impl Backend for CudaBackend {
     /// Installs `table` through [`CudaBackend::set_page_table`], on KV paged in `page_size`
     /// tokens as this backend's ([`CudaBackend::with_paging`]).
     fn set_page_table(&self, kv: &mut CudaKv, page_size: u32, table: &[u32]) -> EResult<()> {
-        match self.page_size {
-            None => Err(CudaError::Unsupported(format!(
-                "this CUDA backend stores KV contiguously; create it with with_paging({page_size}) to read KV through page tables"
-            ))
-            .into()),
-            Some(size) if size != page_size => Err(CudaError::Unsupported(format!(
-                "a page table of {page_size}-token pages for KV paged in {size}-token pages; create the backend with with_paging({page_size})"
-            ))
-            .into()),
-            Some(_) => Ok(CudaBackend::set_page_table(self, kv, table)?),
-        }
+        self.check_page_size(page_size)?;
+        Ok(CudaBackend::set_page_table(self, kv, table)?)
+    }
+
+    fn set_page_tables(&self, kvs: &mut [CudaKv], page_size: u32, table: &[u32]) -> EResult<()> {
+        self.check_page_size(page_size)?;
+        Ok(CudaBackend::set_page_tables(self, kvs, table)?)
     }
 
     fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> EResult<CudaQueries> {

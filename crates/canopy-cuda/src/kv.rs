@@ -7,7 +7,8 @@ use crate::error::{CudaError, DriverContext, Result};
 use crate::layers::narrow;
 use canopy_core::{AttnShape, DType};
 use canopy_kernels::Kernel;
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// Device KV: K and V bytes and, when paged, the page table.
 pub struct CudaKv {
@@ -45,8 +46,9 @@ impl CudaKv {
 pub(crate) struct Paging {
     pub(crate) shift: u32,
     /// Logical page → physical page, on the host (for copies) and on the device (for kernels).
+    /// The layers of a model share one device table ([`CudaBackend::set_page_tables`]).
     pub(crate) host: Vec<u32>,
-    pub(crate) device: CudaSlice<u32>,
+    pub(crate) device: Arc<CudaSlice<u32>>,
 }
 
 impl CudaBackend {
@@ -114,11 +116,70 @@ impl CudaBackend {
                 "a page table names page {bad} of a pool of {pages} pages"
             )));
         }
-        self.write_or_grow(table, &mut p.device, "a page table")?;
-        if table.len() > p.host.len() {
-            p.host.resize(table.len(), 0);
+        // A table shared with other KV is left to them.
+        if Arc::get_mut(&mut p.device).is_none() {
+            self.renew("a page table")?;
+            p.device = Arc::new(self.alloc::<u32>(table.len().next_power_of_two())?);
         }
-        p.host[..table.len()].copy_from_slice(table);
+        let device = Arc::get_mut(&mut p.device).expect("unshared above");
+        self.write_or_grow(table, device, "a page table")?;
+        keep_on_host(p, table);
+        Ok(())
+    }
+
+    /// [`CudaBackend::set_page_table`] of one `table` on every KV of `kvs` (a model's layers,
+    /// whose pages lie alike), which then share one device table: a step that adds pages
+    /// copies its table to the device once, not once a layer. The shared table is written in
+    /// place while it fits, where recorded decode passes read it.
+    pub fn set_page_tables(&self, kvs: &mut [CudaKv], table: &[u32]) -> Result<()> {
+        self.refuse_while_capturing("a page table")?;
+        let Some(first) = kvs.first() else {
+            return Ok(());
+        };
+        let highest = table.iter().copied().max();
+        for kv in kvs.iter() {
+            let pages = (kv.pool_tokens() >> kv.paging.as_ref().map_or(0, |p| p.shift)) as u32;
+            if kv.paging.is_none() {
+                return Err(CudaError::Unsupported(
+                    "page tables need paged KV (with_paging)".into(),
+                ));
+            }
+            if let Some(bad) = highest.filter(|&h| h >= pages) {
+                return Err(CudaError::Unsupported(format!(
+                    "a page table names page {bad} of a pool of {pages} pages"
+                )));
+            }
+        }
+        let shared = Arc::clone(&first.paging.as_ref().expect("checked above").device);
+        let all_share = kvs.iter().all(|kv| {
+            let p = kv.paging.as_ref().expect("checked above");
+            Arc::ptr_eq(&p.device, &shared)
+        });
+        let device = match all_share && shared.len() >= table.len() {
+            true => shared,
+            false => {
+                self.renew("a page table")?;
+                let fresh = Arc::new(self.alloc::<u32>(table.len().next_power_of_two())?);
+                for kv in kvs.iter_mut() {
+                    kv.paging.as_mut().expect("checked above").device = Arc::clone(&fresh);
+                }
+                fresh
+            }
+        };
+        if !table.is_empty() {
+            let (dst, _written) = device.device_ptr(&self.stream);
+            self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+            // SAFETY: the table holds at least table.len() words (checked or allocated
+            // above), and this backend's one stream orders the copy before every kernel that
+            // reads the table and after those that read it before.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(dst, table, self.stream.cu_stream())
+            }
+            .ctx("cuMemcpyHtoDAsync")?;
+        }
+        for kv in kvs.iter_mut() {
+            keep_on_host(kv.paging.as_mut().expect("checked above"), table);
+        }
         Ok(())
     }
 
@@ -252,7 +313,7 @@ impl CudaBackend {
             let mut b = self.stream.launch_builder(&f);
             b.arg(pool)
                 .arg(flat)
-                .arg(&paging.device)
+                .arg(&*paging.device)
                 .arg(&first_page)
                 .arg(&page_bytes)
                 .arg(&bytes)
@@ -362,4 +423,12 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// `table` over the front of the host's copy of a page table.
+fn keep_on_host(p: &mut Paging, table: &[u32]) {
+    if table.len() > p.host.len() {
+        p.host.resize(table.len(), 0);
+    }
+    p.host[..table.len()].copy_from_slice(table);
 }

@@ -252,7 +252,7 @@ impl CudaBackend {
             .arg(&queries)
             .arg(&plan.masks);
         match &kv.paging {
-            Some(p) => b.arg(&p.device),
+            Some(p) => b.arg(&*p.device),
             None => b.arg(&null),
         };
         b.arg(&shift)

@@ -579,10 +579,11 @@ const PAGE: u32 = 16;
 const POOL: usize = 64;
 const STORED: usize = 40;
 
-/// Stores rows of k and v into a paged pool (a shuffled page table, some rows not stored,
-/// the rest in scrambled order), reads them back with the decode kernels through queries made
-/// from a tensor and with the prefill's attention over the cache, and returns both states and
-/// the pool's K and V bytes (physical).
+/// Stores rows of k and v into two paged pools that share one page table, as a model's layers
+/// do (a shuffled table, some rows not stored, the rest in scrambled order), reads them back
+/// with the decode kernels through queries made from a tensor and with the prefill's attention
+/// over the cache, and returns both states and the first pool's K and V bytes (physical). The
+/// second pool's decode must equal the first's, also after the first takes a table of its own.
 fn kv_path<B: LayerOps>(
     b: &B,
     shape: &AttnShape,
@@ -594,10 +595,15 @@ where
 {
     let width = shape.kv_token_elems();
     let table = [2u32, 0, 3, 1];
-    let mut kv = b.alloc_kv(shape, dtype, POOL)?;
     let nan = TypedVec::from_f32(dtype, &vec![f32::NAN; POOL * width]);
-    b.write_kv(&mut kv, 0, &nan, &nan)?;
-    b.set_page_table(&mut kv, PAGE, &table)?;
+    let mut kvs = vec![
+        b.alloc_kv(shape, dtype, POOL)?,
+        b.alloc_kv(shape, dtype, POOL)?,
+    ];
+    for kv in &mut kvs {
+        b.write_kv(kv, 0, &nan, &nan)?;
+    }
+    b.set_page_tables(&mut kvs, PAGE, &table)?;
     // Row i holds logical token 7i mod 40; rows 40.. are not stored.
     let physical = |t: usize| table[t / PAGE as usize] * PAGE + (t % PAGE as usize) as u32;
     let rows: Vec<(u32, u32)> = (0..STORED)
@@ -608,7 +614,10 @@ where
         b.upload_tensor(k, rows_k, width)?,
         b.upload_tensor(v, rows_k, width)?,
     );
-    b.store_kv(&mut kv, &k, &v, &rows)?;
+    for kv in &mut kvs {
+        b.store_kv(kv, &k, &v, &rows)?;
+    }
+    let (mut kv, twin) = (kvs.remove(0), kvs.remove(0));
 
     let nq = q.len() / shape.q_row_elems();
     // The decode reads queries from a tensor given up, as a decode step's are.
@@ -629,6 +638,20 @@ where
     b.poison(&mut out)?;
     b.step(&kv, &queries, &plan, &mut partials, &mut out)?;
     let states = b.download(&out)?;
+    let mut twin_decode = |b: &B| -> Result<AttnStates> {
+        let mut twin_out = b.alloc_states(shape, nq)?;
+        b.poison(&mut twin_out)?;
+        b.step(&twin, &queries, &plan, &mut partials, &mut twin_out)?;
+        Ok(b.download(&twin_out)?)
+    };
+    let same = |a: &AttnStates, b: &AttnStates| {
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        bits(&a.o) == bits(&b.o) && bits(&a.lse) == bits(&b.lse)
+    };
+    assert!(
+        same(&states, &twin_decode(b)?),
+        "{dtype}: the pool sharing the table differs"
+    );
 
     // The prefill's attention over the same keys where the cache keeps them (physical slots,
     // whatever the page table): the query at 13 j sees the keys at or before it.
@@ -646,6 +669,10 @@ where
 
     // The pool as stored: identity pages, read by a one-rank world's send to itself.
     b.set_page_table(&mut kv, PAGE, &[0, 1, 2, 3])?;
+    assert!(
+        same(&states, &twin_decode(b)?),
+        "{dtype}: a table set on one pool moved the other's"
+    );
     let bytes = POOL * shape.kv_token_bytes(dtype);
     let read = ThreadWorld::run(1, Duration::from_secs(60), |comm| -> Result<_> {
         b.send_kv(&kv, POOL, &comm, 0)?;

@@ -90,6 +90,12 @@ pub trait Backend: Send + Sync {
             message: "this backend does not read KV through page tables".into(),
         })
     }
+    /// [`Backend::set_page_table`] of one `table` on every KV of `kvs` (a model's layers, whose
+    /// pages lie alike): a backend may move the table to its device once for all of them.
+    fn set_page_tables(&self, kvs: &mut [Self::Kv], page_size: u32, table: &[u32]) -> Result<()> {
+        kvs.iter_mut()
+            .try_for_each(|kv| self.set_page_table(kv, page_size, table))
+    }
     /// Query rows, `rows × q_heads × head_dim` fp32 (kernels may read them in the KV dtype).
     fn upload_queries(&self, shape: &AttnShape, q: &[f32]) -> Result<Self::Queries>;
     fn upload_plan(&self, shape: &AttnShape, plan: &Plan) -> Result<Self::Plan>;

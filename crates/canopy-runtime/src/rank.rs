@@ -412,9 +412,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             },
         };
         if let Some(table) = table {
-            for cache in &mut caches {
-                backend.set_page_table(cache, req.page_size, &table)?;
-            }
+            backend.set_page_tables(&mut caches, req.page_size, &table)?;
         }
         let attention = attention.as_mut().expect("planned above");
         let passed = Instant::now();

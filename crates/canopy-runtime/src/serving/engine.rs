@@ -488,11 +488,10 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
 
     /// Every layer's cache reads through `table` from now on.
     fn install(&mut self, table: &[u32]) -> Result<()> {
-        for cache in &mut self.caches {
-            self.backend
-                .set_page_table(cache, self.config.page_size, table)?;
-        }
-        Ok(())
+        let page_size = self.config.page_size;
+        Ok(self
+            .backend
+            .set_page_tables(&mut self.caches, page_size, table)?)
     }
 }
 
