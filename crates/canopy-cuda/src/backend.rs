@@ -137,6 +137,8 @@ pub struct CudaBackend {
     pub(crate) graph: crate::graph::GraphState,
     /// The page-locked buffers weights are uploaded through, made on first use.
     pub(crate) staging: Mutex<Option<crate::staging::Staging>>,
+    /// The tail walks' device buffers, kept between steps.
+    pub(crate) walk_scratch: Mutex<crate::layers::WalkScratch>,
 }
 
 pub struct CudaQueries {
@@ -188,6 +190,7 @@ impl CudaBackend {
             layers: Default::default(),
             graph: Default::default(),
             staging: Mutex::new(None),
+            walk_scratch: Mutex::default(),
         })
     }
 

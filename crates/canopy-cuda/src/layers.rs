@@ -23,6 +23,7 @@ mod walks;
 pub use tensor::{CudaTensor, CudaWeight};
 
 pub(crate) use gemm::LayerState;
+pub(crate) use walks::WalkScratch;
 
 use gemm::{gemv_fits, Epilogue, GateUp, GemvRows, StepInput};
 

@@ -13,7 +13,9 @@ use crate::error::{DriverContext, Result};
 use canopy_core::logits::{TailCut, TailWalk};
 use canopy_core::DType;
 use canopy_kernels::{Kernel, WALK_BINS, WALK_CHUNK, WALK_THREADS};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 
 /// `walks.cu`'s `WalkState`, in 8-byte words: what `walk_select` leaves a cut walk.
 const STATE_WORDS: usize = 4;
@@ -37,7 +39,35 @@ struct WalkInputs<'a> {
     params: CudaSlice<f64>,
 }
 
+/// The walks' device buffers, kept between steps and grown as a step needs: a cut walk's
+/// masses and gathered tokens come to megabytes a row, and memory made anew each step cost the
+/// host more than the walks cost the device.
+#[derive(Default)]
+pub(crate) struct WalkScratch {
+    states: Option<CudaSlice<u64>>,
+    masses: Option<CudaSlice<u64>>,
+    bins: Option<CudaSlice<u64>>,
+    gathered: Option<CudaSlice<u32>>,
+    counts: Option<CudaSlice<u32>>,
+    sums: Option<CudaSlice<f64>>,
+    lasts: Option<CudaSlice<i32>>,
+}
+
 impl CudaBackend {
+    /// `slot`'s buffer, made anew where it holds fewer than `len` elements. Recorded passes
+    /// never read the walks' buffers, so a new one leaves them valid.
+    fn kept<'a, T: DeviceRepr>(
+        &self,
+        slot: &'a mut Option<CudaSlice<T>>,
+        len: usize,
+    ) -> Result<&'a mut CudaSlice<T>> {
+        if slot.as_ref().is_none_or(|b| b.len() < len) {
+            *slot = None;
+            *slot = Some(self.alloc::<T>(len)?);
+        }
+        Ok(slot.as_mut().expect("made above"))
+    }
+
     /// Where each walk lands into `out` (`walks × 2`; the caller checked the walks and the
     /// shape).
     pub(super) fn walk_rows(
@@ -95,52 +125,56 @@ impl CudaBackend {
         let one_a_walk = (n, 1, 1);
         // What walk_select leaves each cut walk (one entry where none cuts).
         let cuts = walks.iter().any(|(_, walk)| walk.cut.is_some());
-        let mut states = self.alloc::<u64>(if cuts { walks.len() * STATE_WORDS } else { 1 })?;
+        let mut scratch = self.walk_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let scratch = &mut *scratch;
+        let states = self.kept(&mut scratch.states, walks.len() * STATE_WORDS)?;
         if cuts {
-            let mut masses = self.alloc::<u64>(walks.len() * cols)?;
-            let mut bins = self.alloc::<u64>(walks.len() * WALK_BINS)?;
-            self.stream.memset_zeros(&mut bins).ctx("cuMemsetD8Async")?;
-            let mut gathered = self.alloc::<u32>(walks.len() * cols)?;
-            let mut counts = self.alloc::<u32>(walks.len() * chunks)?;
+            let masses = self.kept(&mut scratch.masses, walks.len() * cols)?;
+            let bins = self.kept(&mut scratch.bins, walks.len() * WALK_BINS)?;
+            (self.stream)
+                .memset_zeros(&mut bins.slice_mut(..walks.len() * WALK_BINS))
+                .ctx("cuMemsetD8Async")?;
+            let gathered = self.kept(&mut scratch.gathered, walks.len() * cols)?;
+            let counts = self.kept(&mut scratch.counts, walks.len() * chunks)?;
             // The three launches: CTA (c, w) or w reads row index[5w] of the walked
             // rows (logits, rows × cols, checked by the caller, or their copies, walks × cols),
             // a logit of row index[5w + 4] of logits, its head tokens (inside the index, each
             // below cols) and its params; it writes walk w's masses (walks × cols), bins (walks ×
             // WALK_BINS), gathered tokens (walks × cols, chunk c's from c · WALK_CHUNK), counts
-            // (walks × chunks) and state (walks × STATE_WORDS words), as allocated here.
+            // (walks × chunks) and state (walks × STATE_WORDS words), held at least as long.
             let f = self.function(Kernel::Layers(DType::F32, "walk_masses"))?;
             let mut b = self.walk_args(&f, &inputs);
-            b.arg(&mut masses).arg(&mut bins);
+            b.arg(&mut *masses).arg(&mut *bins);
             // SAFETY: as the note above says.
             unsafe { b.launch(walk_config(spread)) }.ctx("launching walk_masses")?;
             let f = self.function(Kernel::Layers(DType::F32, "walk_gather"))?;
             let mut b = self.walk_args(&f, &inputs);
-            b.arg(&masses)
-                .arg(&bins)
-                .arg(&mut gathered)
-                .arg(&mut counts);
+            b.arg(&*masses)
+                .arg(&*bins)
+                .arg(&mut *gathered)
+                .arg(&mut *counts);
             // SAFETY: as the note above says.
             unsafe { b.launch(walk_config(spread)) }.ctx("launching walk_gather")?;
             let f = self.function(Kernel::Layers(DType::F32, "walk_select"))?;
             let mut b = self.walk_args(&f, &inputs);
-            (b.arg(&masses).arg(&bins).arg(&gathered))
-                .arg(&mut counts)
-                .arg(&mut states);
+            (b.arg(&*masses).arg(&*bins).arg(&*gathered))
+                .arg(&mut *counts)
+                .arg(&mut *states);
             // SAFETY: as the note above says.
             unsafe { b.launch(walk_config(one_a_walk)) }.ctx("launching walk_select")?;
         }
-        let mut sums = self.alloc::<f64>(walks.len() * chunks)?;
-        let mut lasts = self.alloc::<i32>(walks.len() * chunks)?;
+        let sums = self.kept(&mut scratch.sums, walks.len() * chunks)?;
+        let lasts = self.kept(&mut scratch.lasts, walks.len() * chunks)?;
         // Both launches: as above; walk_sums writes chunk c of walk w's sums and lasts
         // (walks × chunks), and walk_land 2 floats of out (walks × 2, checked by the caller).
         let f = self.function(Kernel::Layers(DType::F32, "walk_sums"))?;
         let mut b = self.walk_args(&f, &inputs);
-        b.arg(&states).arg(&mut sums).arg(&mut lasts);
+        b.arg(&*states).arg(&mut *sums).arg(&mut *lasts);
         // SAFETY: as the note above says.
         unsafe { b.launch(walk_config(spread)) }.ctx("launching walk_sums")?;
         let f = self.function(Kernel::Layers(DType::F32, "walk_land"))?;
         let mut b = self.walk_args(&f, &inputs);
-        b.arg(&states).arg(&sums).arg(&lasts).arg(&mut out.data);
+        b.arg(&*states).arg(&*sums).arg(&*lasts).arg(&mut out.data);
         // SAFETY: as the note above says.
         unsafe { b.launch(walk_config(one_a_walk)) }.ctx("launching walk_land")?;
         Ok(())
