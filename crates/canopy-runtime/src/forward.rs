@@ -223,7 +223,8 @@ impl<B: LayerOps> Forward<B> {
     /// `rows` through every layer of `layers`, their keys and values stored in `caches` (one
     /// per layer) and attended by `attention`; returns the rows' logits on the host, each row
     /// narrowed to its [`StepRows::reach`] most likely tokens. `meanwhile` runs on the host
-    /// once the pass is launched, while a device runs it.
+    /// once the pass is launched, while a device runs it, with the pass's logits (`rows ×
+    /// vocab`) to queue more work behind it.
     pub fn decode<C: Transport<B>>(
         &mut self,
         backend: &B,
@@ -231,13 +232,13 @@ impl<B: LayerOps> Forward<B> {
         caches: &mut [B::Kv],
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
-        meanwhile: &mut dyn FnMut(),
+        meanwhile: &mut dyn FnMut(&B::Tensor) -> Result<()>,
     ) -> Result<StepLogits> {
         let began = std::time::Instant::now();
         self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
         self.step(backend, layers, caches, attention, rows)?;
         let launched = std::time::Instant::now();
-        meanwhile();
+        meanwhile(self.logits.as_ref().expect("kept above"))?;
         let logits = self.download(backend, layers);
         tracing::debug!(
             launch_ms = crate::rank::ms(launched - began),
@@ -478,29 +479,56 @@ pub(crate) struct RowReads {
 }
 
 impl RowReads {
-    /// The reads of `logits` (the pass's rows on the backend) into `step`.
+    /// The rows' softmax totals queued on the backend behind the pass that wrote `logits`,
+    /// for [`RowReads::read`] (`None` where no row is drawn at a temperature): queued as the
+    /// pass is launched, they run on the device right after it, not once the host has the
+    /// narrowed rows.
+    pub(crate) fn queue_totals<B: LayerOps>(
+        &self,
+        backend: &B,
+        logits: &B::Tensor,
+    ) -> Result<Option<B::Tensor>> {
+        if self.totals.is_empty() {
+            return Ok(None);
+        }
+        let picks = self.picks_inside(backend.dims(logits).1);
+        queue_softmax_totals(backend, logits, &self.totals, &picks).map(Some)
+    }
+
+    /// The reads of `logits` (the pass's rows on the backend) into `step`; the softmax totals
+    /// from `queued` ([`RowReads::queue_totals`]) where given.
     pub(crate) fn read<B: LayerOps>(
         &self,
         backend: &B,
         logits: &B::Tensor,
         step: &mut StepLogits,
+        queued: Option<B::Tensor>,
     ) -> Result<()> {
         read_whole(backend, logits, &self.whole, step)?;
         read_terms(backend, logits, &self.terms, step)?;
         if let StepLogits::Top { totals, picked, .. } = step {
-            // Tokens past the vocabulary change no logit.
-            let vocab = backend.dims(logits).1;
-            let picks: Vec<(usize, Vec<u32>)> = (self.picks.iter())
-                .map(|(r, tokens)| {
-                    let inside = tokens.iter().copied().filter(|&t| (t as usize) < vocab);
-                    (*r, inside.collect())
-                })
-                .collect();
-            let read = softmax_totals(backend, logits, &self.totals, &picks)?;
-            totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
+            let picks = self.picks_inside(backend.dims(logits).1);
+            let queued = match queued {
+                Some(queued) => Some(queued),
+                None => self.queue_totals(backend, logits)?,
+            };
+            if let Some(queued) = queued {
+                let read = backend.download_tensor(&queued)?;
+                totals.extend(self.totals.iter().map(|&(r, _)| r).zip(read));
+            }
             pick_logits(backend, logits, picks, picked)?;
         }
         Ok(())
+    }
+
+    /// The picks, less tokens past the vocabulary (which change no logit).
+    fn picks_inside(&self, vocab: usize) -> Vec<(usize, Vec<u32>)> {
+        (self.picks.iter())
+            .map(|(r, tokens)| {
+                let inside = tokens.iter().copied().filter(|&t| (t as usize) < vocab);
+                (*r, inside.collect())
+            })
+            .collect()
     }
 }
 
@@ -637,16 +665,14 @@ pub(crate) fn download_rows<B: LayerOps>(
 
 /// The softmax totals of rows of `logits` (a pass's, on the backend), each `(row,
 /// temperature)` of `rows` ([`LayerOps::softmax_totals`]), without the tokens `picks` names
-/// for them: those are set to `-∞` in the rows' copy ([`LayerOps::set_logits`]).
-fn softmax_totals<B: LayerOps>(
+/// for them: those are set to `-∞` in the rows' copy ([`LayerOps::set_logits`]). Returns the
+/// tensor they are queued into (`rows × 1`).
+fn queue_softmax_totals<B: LayerOps>(
     backend: &B,
     logits: &B::Tensor,
     rows: &[(usize, f32)],
     picks: &[(usize, Vec<u32>)],
-) -> Result<Vec<f32>> {
-    if rows.is_empty() {
-        return Ok(Vec::new());
-    }
+) -> Result<B::Tensor> {
     let (places, temperatures): (Vec<usize>, Vec<f32>) = rows.iter().copied().unzip();
     let (all_rows, vocab) = backend.dims(logits);
     let left_out: Vec<(u32, u32)> = (places.iter().enumerate())
@@ -664,7 +690,7 @@ fn softmax_totals<B: LayerOps>(
         backend.set_logits(&mut gathered, &left_out, f32::NEG_INFINITY)?;
         backend.softmax_totals(&gathered, &temperatures, &mut totals)?;
     }
-    Ok(backend.download_tensor(&totals)?)
+    Ok(totals)
 }
 
 /// Each row of `logits` reduced on the backend to its log-normaliser and `n` likeliest tokens
@@ -714,7 +740,7 @@ mod tests {
             ..RowReads::default()
         };
         let mut step = StepLogits::top(1, vec![0.0; 6]);
-        reads.read(&b, &logits, &mut step).unwrap();
+        reads.read(&b, &logits, &mut step, None).unwrap();
         let StepLogits::Top { totals, picked, .. } = &step else {
             unreachable!()
         };

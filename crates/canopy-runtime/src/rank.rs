@@ -426,15 +426,6 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
             stores: &mine,
             reach,
         };
-        let probe = watch.time_merges() && ranks > 1 && step_s.len() % 2 == 1;
-        let (mut logits, merged) = if probe {
-            let settle = || Ok(comm.barrier()?);
-            forward.decode_timed(backend, layers, &mut caches, attention, rows, &settle)?
-        } else {
-            let logits =
-                forward.decode(backend, layers, &mut caches, attention, rows, &mut || {})?;
-            (logits, None)
-        };
         // Draws over the whole vocabulary read their rows' softmax totals, draws that change
         // logits those tokens' logits, and reported log-probabilities the rows reduced on the
         // backend (a step read whole has its rows).
@@ -452,8 +443,23 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
                 .filter(|(_, picks)| !picks.is_empty())
                 .collect(),
         };
+        let probe = watch.time_merges() && ranks > 1 && step_s.len() % 2 == 1;
+        let mut totals = None;
+        let (mut logits, merged) = if probe {
+            let settle = || Ok(comm.barrier()?);
+            forward.decode_timed(backend, layers, &mut caches, attention, rows, &settle)?
+        } else {
+            // The totals are queued behind the pass as it is launched.
+            let mut queue = |kept: &B::Tensor| -> Result<()> {
+                totals = reads.queue_totals(backend, kept)?;
+                Ok(())
+            };
+            let logits =
+                forward.decode(backend, layers, &mut caches, attention, rows, &mut queue)?;
+            (logits, None)
+        };
         if let Some(kept) = forward.logits() {
-            reads.read(backend, kept, &mut logits)?;
+            reads.read(backend, kept, &mut logits, totals)?;
         }
         for (row, &s) in live.iter().enumerate() {
             step_logits[s] = logits.row_owned(row);

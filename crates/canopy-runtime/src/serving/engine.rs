@@ -243,7 +243,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     /// The decode rows through every layer: their logits, in the rows' order, each narrowed to
     /// its `reach` most likely tokens (`None`: whole) and some rows read further (`reads`),
     /// and the distinct KV bytes their attention reads on this rank (every rank's shard, for
-    /// the ring). `meanwhile` runs once the pass is launched.
+    /// the ring). `meanwhile` runs once the pass is launched, after the rows' softmax totals
+    /// are queued behind it.
     fn decode_pass(
         &mut self,
         rows: &super::books::DecodeRows,
@@ -282,8 +283,15 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let attention = self.decode.as_mut().expect("planned above");
         let replayed = self.forward.replayed();
         let decoding = Instant::now();
+        let backend = self.backend;
+        let mut totals = None;
+        let mut while_running = |kept: &B::Tensor| -> Result<()> {
+            totals = reads.queue_totals(backend, kept)?;
+            meanwhile();
+            Ok(())
+        };
         let mut logits = self.forward.decode(
-            self.backend,
+            backend,
             self.layers,
             &mut self.caches,
             attention,
@@ -293,11 +301,11 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 stores: &stores,
                 reach,
             },
-            meanwhile,
+            &mut while_running,
         )?;
         let reading = Instant::now();
         if let Some(kept) = self.forward.logits() {
-            reads.read(self.backend, kept, &mut logits)?;
+            reads.read(backend, kept, &mut logits, totals)?;
         }
         tracing::debug!(
             rows = rows.ids.len(),
@@ -390,7 +398,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 }
                 if d > 0 {
                     let mut rows = narrowed(backend, &logits, d, reach)?;
-                    reads.read(backend, &logits, &mut rows)?;
+                    reads.read(backend, &logits, &mut rows, None)?;
                     decoded = Some((rows, logits));
                 }
             }
