@@ -1,18 +1,8 @@
 // Helpers of the standalone kernel benches (gemv_bench.cu, gemm_tma_bench.cu), included after
-// the crate's common.cuh: a CUDA call checked, and a weight filled with reproducible bf16
-// values.
+// the crate's common.cuh: a CUDA call checked (check.cuh), and a weight filled with
+// reproducible bf16 values.
 #pragma once
-#include <cstdio>
-#include <cstdlib>
-
-#define CHECK(call)                                                                               \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) {                                                                  \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
+#include "check.cuh"
 
 // n bf16 values hashed from their index and `seed`, uniform in [-scale / 2, scale / 2).
 __global__ void fill_random(u16* w, u64 n, u32 seed, float scale) {
