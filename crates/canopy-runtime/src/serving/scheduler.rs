@@ -128,8 +128,8 @@ pub(crate) struct Scheduler<'t> {
     ending: Vec<u64>,
     /// Samples that ended while their request goes on, to end at the next step.
     ended_samples: Vec<(u64, u32)>,
-    /// Drawn tokens not yet told to their clients, and the requests they ended, kept until
-    /// then ([`tell`]).
+    /// Drawn tokens not yet told to their clients ([`Scheduler::tell_told`]), and the requests
+    /// they ended, kept until then.
     told: Vec<tell::Told>,
     finishing: BTreeMap<u64, Running<'t>>,
     draining: bool,
