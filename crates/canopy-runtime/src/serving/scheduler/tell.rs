@@ -12,19 +12,22 @@ use super::{Running, Scheduler};
 use crate::sampling::TokenLogprobs;
 use crate::serving::handle::{Event, FinishReason};
 
-/// A drawn token whose text and event are still to be told.
+/// A drawn token whose event is still to be told.
 pub(super) struct Told {
     id: u64,
     sample: usize,
     token: u32,
     logprobs: Option<TokenLogprobs>,
+    /// Its text, where its request's stop strings needed it at once.
+    text: Option<String>,
     /// Why its sample ended with it, if it did.
     reason: Option<FinishReason>,
 }
 
 impl Scheduler<'_> {
     /// Takes sample `sample` of request `id`'s drawn `token`: whether the sample goes on is
-    /// settled now, its client is told now or with [`Scheduler::tell_told`] (module notes).
+    /// settled now, and its client is told now (a request with stop strings) or with
+    /// [`Scheduler::tell_told`] (module notes).
     pub(super) fn tell(
         &mut self,
         id: u64,
@@ -35,119 +38,87 @@ impl Scheduler<'_> {
         let Some(r) = self.running.get_mut(&id) else {
             return;
         };
-        if !r.submitted.request.stop.is_empty() {
-            return self.tell_now(id, sample, token, logprobs);
-        }
-        let s = &mut r.samples[sample];
-        s.drawn += 1;
-        self.status.generated_tokens += 1;
-        let eos_ends = !r.submitted.request.ignore_eos;
-        let reason = if eos_ends && self.stop_tokens.contains(&token) {
-            Some(FinishReason::Stop)
-        } else {
-            (s.drawn >= r.submitted.request.max_tokens).then_some(FinishReason::Length)
-        };
-        self.told.push(Told {
-            id,
-            sample,
-            token,
-            logprobs,
-            reason,
-        });
-        let s = &mut r.samples[sample];
-        if reason.is_none() {
-            s.next = Some(token);
-            return;
-        }
-        s.next = None;
-        s.done = true;
-        if r.samples.iter().all(|s| s.done) {
-            // Kept until its last tokens are told; its pages end at the next step.
-            let r = self.running.remove(&id).expect("found above");
-            self.finishing.insert(id, r);
-            self.ending.push(id);
-        } else if r.samples[sample].drawn > 1 {
-            self.ended_samples.push((id, sample as u32));
-        }
-    }
-
-    /// Tells the clients the tokens [`Scheduler::tell`] kept: each token's text and event, and
-    /// where its sample ended, the rest of its text. A client found gone cancels its request.
-    pub fn tell_told(&mut self) {
-        for t in std::mem::take(&mut self.told) {
-            let Some(r) = (self.running.get_mut(&t.id)).or_else(|| self.finishing.get_mut(&t.id))
-            else {
-                continue;
-            };
-            let (text, _) = decode_text(r, t.sample, t.token, &[]);
-            let mut alive = r.send(Event::Token {
-                sample: t.sample,
-                token: t.token,
-                text,
-                logprobs: t.logprobs,
-            });
-            if let Some(reason) = t.reason {
-                let text = r.samples[t.sample].text.finish();
-                alive &= r.send(Event::Finished {
-                    sample: t.sample,
-                    reason,
-                    text,
-                });
-            }
-            if !alive {
-                self.cancel(t.id);
-            }
-        }
-        self.finishing.clear();
-    }
-
-    /// [`Scheduler::tell`] for a request with stop strings: the token's text is decoded and
-    /// sent now, and a stop string it completes ends the sample.
-    fn tell_now(&mut self, id: u64, sample: usize, token: u32, logprobs: Option<TokenLogprobs>) {
-        let Some(r) = self.running.get_mut(&id) else {
-            return;
-        };
-        let stops = r.submitted.request.stop.clone();
-        let eos_ends = !r.submitted.request.ignore_eos;
         r.samples[sample].drawn += 1;
         self.status.generated_tokens += 1;
-        let (text, stop_string) = decode_text(r, sample, token, &stops);
+        let (text, stop_string) = match r.submitted.request.stop.is_empty() {
+            true => (None, false),
+            false => {
+                let stops = r.submitted.request.stop.clone();
+                let (text, found) = decode_text(r, sample, token, &stops);
+                (Some(text), found)
+            }
+        };
+        let request = &r.submitted.request;
         let s = &mut r.samples[sample];
-        let reason = if stop_string || (eos_ends && self.stop_tokens.contains(&token)) {
+        let reason = if stop_string || (!request.ignore_eos && self.stop_tokens.contains(&token)) {
             Some(FinishReason::Stop)
         } else {
-            (s.drawn >= r.submitted.request.max_tokens).then_some(FinishReason::Length)
+            (s.drawn >= request.max_tokens).then_some(FinishReason::Length)
         };
-        let mut alive = r.send(Event::Token {
-            sample,
-            token,
-            text,
-            logprobs,
-        });
-        let s = &mut r.samples[sample];
         match reason {
             None => s.next = Some(token),
-            Some(reason) => {
-                let text = s.text.finish();
+            Some(_) => {
                 s.next = None;
                 s.done = true;
-                alive &= r.send(Event::Finished {
-                    sample,
-                    reason,
-                    text,
-                });
                 if r.samples.iter().all(|s| s.done) {
-                    self.running.remove(&id);
+                    // Kept until its last tokens are told; its pages end at the next step.
+                    let r = self.running.remove(&id).expect("found above");
+                    self.finishing.insert(id, r);
                     self.ending.push(id);
-                    return;
-                }
-                if r.samples[sample].drawn > 1 {
+                } else if r.samples[sample].drawn > 1 {
                     self.ended_samples.push((id, sample as u32));
                 }
             }
         }
+        let told = Told {
+            id,
+            sample,
+            token,
+            logprobs,
+            text,
+            reason,
+        };
+        match told.text {
+            Some(_) => self.tell_one(told),
+            None => self.told.push(told),
+        }
+    }
+
+    /// Tells the clients the tokens [`Scheduler::tell`] kept.
+    pub fn tell_told(&mut self) {
+        for told in std::mem::take(&mut self.told) {
+            self.tell_one(told);
+        }
+        self.finishing.clear();
+    }
+
+    /// Tells a token's client its text and event, and where its sample ended, the rest of its
+    /// text. A client found gone cancels its request.
+    fn tell_one(&mut self, t: Told) {
+        let Some(r) = (self.running.get_mut(&t.id)).or_else(|| self.finishing.get_mut(&t.id))
+        else {
+            return;
+        };
+        let text = match t.text {
+            Some(text) => text,
+            None => decode_text(r, t.sample, t.token, &[]).0,
+        };
+        let mut alive = r.send(Event::Token {
+            sample: t.sample,
+            token: t.token,
+            text,
+            logprobs: t.logprobs,
+        });
+        if let Some(reason) = t.reason {
+            let text = r.samples[t.sample].text.finish();
+            alive &= r.send(Event::Finished {
+                sample: t.sample,
+                reason,
+                text,
+            });
+        }
         if !alive {
-            self.cancel(id);
+            self.cancel(t.id);
         }
     }
 }

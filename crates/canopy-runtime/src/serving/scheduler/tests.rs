@@ -367,22 +367,27 @@ fn a_request_whose_client_left_runs_until_its_pages_are_freed() {
 fn tokens_are_told_once_the_next_pass_is_launched_unless_stop_strings_wait_on_them() {
     let (h, inbox, mut books, tokenizer) = engine();
     let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 64);
+    let with_stop = |prompt: Vec<u32>, stop: &str| {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        h.submit(ServeRequest {
+            prompt,
+            max_tokens: 4,
+            samples: 1,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            stop: vec![stop.into()],
+            ignore_eos: false,
+            logprobs: None,
+            prompt_logprobs: None,
+            logit_bias: Vec::new(),
+            sink: Box::new(Keep(Arc::clone(&events))),
+        })
+        .unwrap();
+        events
+    };
     let plain = submit(&h, vec![7; 5], 4, false);
-    let stops = Arc::new(Mutex::new(Vec::new()));
-    h.submit(ServeRequest {
-        prompt: vec![8; 5],
-        max_tokens: 4,
-        samples: 1,
-        sampling: SamplingParams::default(),
-        seed: 0,
-        stop: vec!["never".into()],
-        ignore_eos: false,
-        logprobs: None,
-        prompt_logprobs: None,
-        logit_bias: Vec::new(),
-        sink: Box::new(Keep(Arc::clone(&stops))),
-    })
-    .unwrap();
+    let never = with_stop(vec![8; 5], "never");
+    let stopped = with_stop(vec![9; 5], "AA");
     let tokens = |events: &Mutex<Vec<Event>>| {
         let events = events.lock().unwrap();
         events
@@ -390,15 +395,23 @@ fn tokens_are_told_once_the_next_pass_is_launched_unless_stop_strings_wait_on_th
             .filter(|e| matches!(e, Event::Token { .. }))
             .count()
     };
-    // The prompts' step draws each request's first token: a request with stop strings hears
-    // of it at once, the other once the next step's pass is launched.
+    // Every row draws 'A' (65). The prompts' step draws each request's first token: a request
+    // with stop strings hears of it at once, the other once the next step's pass is launched.
     let step = s.next_step(&books);
-    run(&mut s, &mut books, &step, 20);
-    assert_eq!((tokens(&plain), tokens(&stops)), (0, 1));
+    run(&mut s, &mut books, &step, 65);
+    assert_eq!((tokens(&plain), tokens(&never), tokens(&stopped)), (0, 1, 1));
     let step = s.next_step(&books);
-    assert_eq!(step.decode.len(), 2, "both go on before the first is told");
-    run(&mut s, &mut books, &step, 20);
-    assert_eq!((tokens(&plain), tokens(&stops)), (1, 2));
+    assert_eq!(step.decode.len(), 3, "every sample goes on before the first is told");
+    run(&mut s, &mut books, &step, 65);
+    assert_eq!((tokens(&plain), tokens(&never), tokens(&stopped)), (1, 2, 2));
+    // "AA" ended its request at once, its text held back from the stop string on.
+    let finished = stopped.lock().unwrap().iter().find_map(|e| match e {
+        Event::Finished { reason, text, .. } => Some((*reason, text.clone())),
+        _ => None,
+    });
+    assert_eq!(finished, Some((FinishReason::Stop, String::new())));
+    let step = s.next_step(&books);
+    assert_eq!((step.decode.len(), step.end.len()), (2, 1));
     s.tell_told();
     assert_eq!(tokens(&plain), 2);
 }
