@@ -78,20 +78,25 @@ fn submit_to(
     ignore_eos: bool,
     sink: Box<dyn EventSink>,
 ) {
-    h.submit(ServeRequest {
+    let r = request(prompt, max_tokens, sink);
+    h.submit(ServeRequest { ignore_eos, ..r }).unwrap();
+}
+
+/// A greedy request of one sample of `prompt` for `max_tokens` tokens, its events to `sink`.
+fn request(prompt: Vec<u32>, max_tokens: usize, sink: Box<dyn EventSink>) -> ServeRequest {
+    ServeRequest {
         prompt,
         max_tokens,
         samples: 1,
         sampling: SamplingParams::default(),
         seed: 0,
         stop: Vec::new(),
-        ignore_eos,
+        ignore_eos: false,
         logprobs: None,
         prompt_logprobs: None,
         logit_bias: Vec::new(),
         sink,
-    })
-    .unwrap();
+    }
 }
 
 /// Logits whose greedy token is `token`, for `rows` rows.
@@ -245,18 +250,11 @@ fn only_the_rows_that_need_them_are_read_further() {
         Arc::new(Mutex::new(Vec::new())),
     );
     let submit_with = |prompt: Vec<u32>, logprobs, logit_bias, events: &Arc<_>| {
+        let r = request(prompt, 4, Box::new(Keep(Arc::clone(events))));
         h.submit(ServeRequest {
-            prompt,
-            max_tokens: 4,
-            samples: 1,
-            sampling: SamplingParams::default(),
-            seed: 0,
-            stop: Vec::new(),
-            ignore_eos: false,
             logprobs,
-            prompt_logprobs: None,
             logit_bias,
-            sink: Box::new(Keep(Arc::clone(events))),
+            ..r
         })
         .unwrap()
     };
@@ -369,20 +367,9 @@ fn tokens_are_told_once_the_next_pass_is_launched_unless_stop_strings_wait_on_th
     let mut s = Scheduler::new(inbox, &tokenizer, vec![EOS], h.limits(), 64);
     let with_stop = |prompt: Vec<u32>, stop: &str| {
         let events = Arc::new(Mutex::new(Vec::new()));
-        h.submit(ServeRequest {
-            prompt,
-            max_tokens: 4,
-            samples: 1,
-            sampling: SamplingParams::default(),
-            seed: 0,
-            stop: vec![stop.into()],
-            ignore_eos: false,
-            logprobs: None,
-            prompt_logprobs: None,
-            logit_bias: Vec::new(),
-            sink: Box::new(Keep(Arc::clone(&events))),
-        })
-        .unwrap();
+        let r = request(prompt, 4, Box::new(Keep(Arc::clone(&events))));
+        let stop = vec![stop.into()];
+        h.submit(ServeRequest { stop, ..r }).unwrap();
         events
     };
     let plain = submit(&h, vec![7; 5], 4, false);
@@ -399,11 +386,21 @@ fn tokens_are_told_once_the_next_pass_is_launched_unless_stop_strings_wait_on_th
     // with stop strings hears of it at once, the other once the next step's pass is launched.
     let step = s.next_step(&books);
     run(&mut s, &mut books, &step, 65);
-    assert_eq!((tokens(&plain), tokens(&never), tokens(&stopped)), (0, 1, 1));
+    assert_eq!(
+        (tokens(&plain), tokens(&never), tokens(&stopped)),
+        (0, 1, 1)
+    );
     let step = s.next_step(&books);
-    assert_eq!(step.decode.len(), 3, "every sample goes on before the first is told");
+    assert_eq!(
+        step.decode.len(),
+        3,
+        "every sample goes on before the first is told"
+    );
     run(&mut s, &mut books, &step, 65);
-    assert_eq!((tokens(&plain), tokens(&never), tokens(&stopped)), (1, 2, 2));
+    assert_eq!(
+        (tokens(&plain), tokens(&never), tokens(&stopped)),
+        (1, 2, 2)
+    );
     // "AA" ended its request at once, its text held back from the stop string on.
     let finished = stopped.lock().unwrap().iter().find_map(|e| match e {
         Event::Finished { reason, text, .. } => Some((*reason, text.clone())),
