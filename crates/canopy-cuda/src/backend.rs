@@ -330,10 +330,6 @@ impl CudaBackend {
         ))
     }
 
-    /// `host` written over the front of `buf`, which keeps its address (a recorded pass then
-    /// reads the new values) while `host` fits; else `buf` is replaced by a buffer of the next
-    /// power of two, which moves the graph epoch. Stream order puts the write after the
-    /// kernels queued before that read `buf`.
     /// Refuses page tables of pages other than this backend's (`with_paging`).
     fn check_page_size(&self, page_size: u32) -> Result<()> {
         match self.page_size {
@@ -347,6 +343,10 @@ impl CudaBackend {
         }
     }
 
+    /// `host` written over the front of `buf`, which keeps its address (a recorded pass then
+    /// reads the new values) while `host` fits; else `buf` is replaced by a buffer of the next
+    /// power of two, which moves the graph epoch. Stream order puts the write after the
+    /// kernels queued before that read `buf`.
     pub(crate) fn write_or_grow<T: cudarc::driver::DeviceRepr>(
         &self,
         host: &[T],

@@ -105,17 +105,8 @@ impl CudaBackend {
     /// table is written in place, where recorded decode passes read it, while it fits; a
     /// longer one (logical room reserved past the pool's size) gets a larger buffer.
     pub fn set_page_table(&self, kv: &mut CudaKv, table: &[u32]) -> Result<()> {
-        let pages = (kv.pool_tokens() >> kv.paging.as_ref().map_or(0, |p| p.shift)) as u32;
-        let Some(p) = kv.paging.as_mut() else {
-            return Err(CudaError::Unsupported(
-                "page tables need paged KV (with_paging)".into(),
-            ));
-        };
-        if let Some(bad) = table.iter().find(|&&x| x >= pages) {
-            return Err(CudaError::Unsupported(format!(
-                "a page table names page {bad} of a pool of {pages} pages"
-            )));
-        }
+        check_table(kv, table.iter().copied().max())?;
+        let p = kv.paging.as_mut().expect("checked above");
         // A table shared with other KV is left to them.
         if Arc::get_mut(&mut p.device).is_none() {
             self.renew("a page table")?;
@@ -138,17 +129,7 @@ impl CudaBackend {
         };
         let highest = table.iter().copied().max();
         for kv in kvs.iter() {
-            let pages = (kv.pool_tokens() >> kv.paging.as_ref().map_or(0, |p| p.shift)) as u32;
-            if kv.paging.is_none() {
-                return Err(CudaError::Unsupported(
-                    "page tables need paged KV (with_paging)".into(),
-                ));
-            }
-            if let Some(bad) = highest.filter(|&h| h >= pages) {
-                return Err(CudaError::Unsupported(format!(
-                    "a page table names page {bad} of a pool of {pages} pages"
-                )));
-            }
+            check_table(kv, highest)?;
         }
         let shared = Arc::clone(&first.paging.as_ref().expect("checked above").device);
         let all_share = kvs.iter().all(|kv| {
@@ -422,6 +403,22 @@ impl CudaBackend {
                 .ctx("cuMemcpyDtoDAsync (scattering V)")?;
         }
         Ok(())
+    }
+}
+
+/// Refuses a page table on KV that is not paged, or one whose `highest` page is past the pool.
+fn check_table(kv: &CudaKv, highest: Option<u32>) -> Result<()> {
+    let Some(p) = kv.paging.as_ref() else {
+        return Err(CudaError::Unsupported(
+            "page tables need paged KV (with_paging)".into(),
+        ));
+    };
+    let pages = (kv.pool_tokens() >> p.shift) as u32;
+    match highest.filter(|&h| h >= pages) {
+        Some(bad) => Err(CudaError::Unsupported(format!(
+            "a page table names page {bad} of a pool of {pages} pages"
+        ))),
+        None => Ok(()),
     }
 }
 
