@@ -25,7 +25,7 @@ use crate::forward::{download_rows, row_terms, walk_tails, Forward, RowReads, St
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
-use crate::rank::resolve_merge;
+use crate::rank::{ms, resolve_merge};
 use crate::sampling::{StepLogits, TokenLogprobs};
 use crate::{Result, RuntimeError};
 use canopy_comm::Collective;
@@ -221,11 +221,11 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 s.observe(&self.books, decoded, &chunks, failed, Some(clock));
             }
             tracing::debug!(
-                schedule_ms = crate::rank::ms(began - scheduling),
-                books_ms = crate::rank::ms(pass_began - began),
-                pass_ms = crate::rank::ms(prefilling - pass_began),
-                prefill_ms = crate::rank::ms(observing - prefilling),
-                observe_ms = crate::rank::ms(observing.elapsed()),
+                schedule_ms = ms(began - scheduling),
+                books_ms = ms(pass_began - began),
+                pass_ms = ms(prefilling - pass_began),
+                prefill_ms = ms(observing - prefilling),
+                observe_ms = ms(observing.elapsed()),
                 "serve step"
             );
         }
@@ -309,9 +309,9 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         }
         tracing::debug!(
             rows = rows.ids.len(),
-            layout_ms = crate::rank::ms(decoding - laying_out),
-            decode_ms = crate::rank::ms(reading - decoding),
-            reads_ms = crate::rank::ms(reading.elapsed()),
+            layout_ms = ms(decoding - laying_out),
+            decode_ms = ms(reading - decoding),
+            reads_ms = ms(reading.elapsed()),
             fresh,
             replayed = self.forward.replayed() > replayed,
             "serve decode step"
