@@ -335,6 +335,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let mut done = Vec::new();
         let mut decoded = None;
         for pass in passes {
+            let planning = Instant::now();
             let mut cached = match &pass.context {
                 Some(views) => {
                     let mine = views
@@ -372,6 +373,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 )
                 .collect();
             let ranges: Vec<_> = pass.chunks.iter().map(|(_, r, _)| r.clone()).collect();
+            let launching = Instant::now();
             let x = prefill_chunks(
                 backend,
                 self.layers,
@@ -384,6 +386,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 },
                 &ranges,
             )?;
+            let reading = Instant::now();
             let mut chunk_logits = Vec::new().into_iter();
             if !logit_rows.is_empty() {
                 let mut logits = backend.tensor(logit_rows.len(), vocab)?;
@@ -402,6 +405,16 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                     decoded = Some((rows, logits));
                 }
             }
+            tracing::debug!(
+                rows = pass.ids.len(),
+                decode_rows = d,
+                chunks = pass.chunks.len(),
+                cached = cached.is_some(),
+                plan_ms = ms(launching - planning),
+                layers_ms = ms(reading - launching),
+                logits_ms = ms(reading.elapsed()),
+                "prefill pass"
+            );
             for ((chunk, rows, stored), complete) in pass.chunks.into_iter().zip(completes) {
                 if !stored {
                     continue;
