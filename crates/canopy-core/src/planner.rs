@@ -372,8 +372,11 @@ fn masked_group(
     for (s, range) in pieces {
         let at = seen.len();
         seen.resize(at + words, 0);
-        for (j, q) in queries.iter().enumerate() {
-            if segments[*s].queries.binary_search(q).is_ok() {
+        // Both lists are sorted: one walk along the two finds which queries see the piece.
+        let mut sees = segments[*s].queries.iter().peekable();
+        for (j, &q) in queries.iter().enumerate() {
+            while sees.next_if(|&&x| x < q).is_some() {}
+            if sees.peek() == Some(&&q) {
                 seen[at + j / 64] |= 1 << (j % 64);
             } else {
                 all_visible = false;
