@@ -199,6 +199,26 @@ impl DeviceModel {
         self.cost(plan, shape).predicted_us
     }
 
+    /// A floor under [`predict_us`](Self::predict_us) from the plan as it is, not cut for the
+    /// GPU: its distinct KV, each row's query and, where rows merge, each row's partial
+    /// (written, then read by the merge) at the copy bandwidth, and its KV read again at the
+    /// faster of the two L2 rates. The cut keeps the distinct KV and only adds rows and reads.
+    /// Cheap where the prediction is not: a plan of a hundred thousand partial rows (a
+    /// flattened prefix under thousands of prompt rows) takes milliseconds to cut.
+    pub fn floor_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
+        let io = plan.io(shape, crate::DType::F16);
+        let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
+        let partials = match plan.rows_are_queries() {
+            true => 0,
+            false => io.partial_bytes / 2,
+        };
+        let reread = io.kv_bytes.saturating_sub(unique_kv) as f64;
+        let l2_bytes_per_us = self.l2_bytes_per_us.max(self.cuda_l2_bytes_per_us);
+        (unique_kv + io.q_bytes + 2 * partials) as f64 / self.bytes_per_us
+            + reread / l2_bytes_per_us
+            + self.us_per_step
+    }
+
     /// The quantities of one decode step of `plan` on the kernel the CUDA backend runs it on
     /// ([`runs_on_tensor_cores`]), cut as the backend cuts it for this model's GPU
     /// ([`cut_slots`], [`cuda_core_slots`]; `predicted_us` left at 0).

@@ -233,14 +233,46 @@ pub struct AutoChoice {
 }
 
 /// Plans `view` with every candidate and keeps the one `model` picks ([`DeviceModel::pick`]:
-/// the fastest predicted, unless it is not enough faster than Q-guided).
+/// the fastest predicted, unless it is not enough faster than Q-guided), as
+/// [`auto_choices`] would, but leaves unpriced (at infinity) the candidates whose
+/// [`DeviceModel::floor_us`] shows they cannot change the pick: the others by their partial
+/// rows, fewest first, each skipped where its floor is above the fastest priced so far; then
+/// Q-guided, skipped where its floor is above the fastest by more than the margin.
 pub fn choose(
     view: &TreeView,
     shape: &AttnShape,
     base: &PlannerConfig,
     model: &DeviceModel,
 ) -> Result<AutoChoice> {
-    let mut choices = auto_choices(view, shape, base, model)?;
+    let mut choices = auto_candidates(base)
+        .into_iter()
+        .map(|(method, config)| {
+            Ok(AutoChoice {
+                method,
+                config,
+                predicted_us: f64::INFINITY,
+                plan: plan(view, method, shape, &config)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut order: Vec<usize> = (0..choices.len()).collect();
+    order.sort_by_key(|&i| {
+        let c = &choices[i];
+        (c.method == Method::QGuided, c.plan.num_partial_rows())
+    });
+    let mut fastest = f64::INFINITY;
+    for i in order {
+        let c = &mut choices[i];
+        let bar = match c.method {
+            Method::QGuided => fastest * model.q_guided_margin.max(0.0).exp(),
+            _ => fastest,
+        };
+        if model.floor_us(&c.plan, shape) > bar {
+            continue;
+        }
+        c.predicted_us = model.predict_us(&c.plan, shape);
+        fastest = fastest.min(c.predicted_us);
+    }
     let pick = model
         .pick(&predictions(&choices))
         .expect("auto has candidates");

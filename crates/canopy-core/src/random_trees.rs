@@ -208,7 +208,7 @@ fn explicit(rng: &mut ChaCha8Rng, tag: &str) -> Draw {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planner::{choose, plan, Method, PlannerConfig};
+    use crate::planner::{auto_choices, choose, plan, predictions, Method, PlannerConfig};
     use crate::shape::AttnShape;
     use crate::shard::{Shard, TreeView};
     use crate::DeviceModel;
@@ -277,6 +277,47 @@ mod tests {
                     prop_assert!(plan(&view, m, &shape, &cfg).is_ok(), "{} {m}", d.name);
                 }
                 prop_assert!(choose(&view, &shape, &cfg, &model).is_ok(), "{}", d.name);
+            }
+        }
+
+        /// `choose` prices fewer candidates than `auto_choices` and picks as it does: every
+        /// plan's floor is under its prediction, on drawn trees and on a server's prefill
+        /// passes (prompt rows on the node their cached prefix ends on, beside decode leaves).
+        #[test]
+        fn choose_picks_what_every_candidate_priced_picks(
+            seed in any::<u64>(),
+            prompt_rows in 1usize..3000,
+            leaves in 0usize..80,
+            prefix in 1u32..9000,
+        ) {
+            let model = DeviceModel::default();
+            let cfg = PlannerConfig::default();
+            let mut trees: Vec<(String, KvTree)> =
+                draws(seed, 6).into_iter().map(|d| (d.name.clone(), d.build().unwrap())).collect();
+            let mut b = crate::tree::TreeBuilder::new();
+            let root = b.add_root(prefix);
+            for _ in 0..prompt_rows {
+                b.add_query(root).unwrap();
+            }
+            for _ in 0..leaves {
+                let leaf = b.add_child(root, 1 + prefix % 97).unwrap();
+                b.add_query(leaf).unwrap();
+            }
+            trees.push((format!("prefill-{prompt_rows}-{leaves}-{prefix}"), b.build().unwrap()));
+            for shape in [AttnShape::new(32, 8, 128).unwrap(), AttnShape::new(9, 3, 64).unwrap()] {
+                for (name, tree) in &trees {
+                    let shard = Shard::whole(tree);
+                    let view = TreeView::new(tree, &shard);
+                    let every = auto_choices(&view, &shape, &cfg, &model).unwrap();
+                    for c in &every {
+                        let floor = model.floor_us(&c.plan, &shape);
+                        prop_assert!(floor <= c.predicted_us * (1.0 + 1e-12), "{name} {}: {floor} over {}", c.method, c.predicted_us);
+                    }
+                    let want = &every[model.pick(&predictions(&every)).unwrap()];
+                    let got = choose(&view, &shape, &cfg, &model).unwrap();
+                    prop_assert_eq!(got.method, want.method, "{}", name);
+                    prop_assert_eq!(got.predicted_us, want.predicted_us, "{}", name);
+                }
             }
         }
     }
