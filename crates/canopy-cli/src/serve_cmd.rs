@@ -14,7 +14,9 @@ use canopy_core::Method;
 use canopy_cuda::CudaBackend;
 use canopy_engine::CpuBackend;
 use canopy_model::Tokenizer;
-use canopy_runtime::serving::{channel, EngineHandle, EngineInbox, Front, ServeConfig};
+use canopy_runtime::serving::{
+    channel, EngineHandle, EngineInbox, Front, ServeConfig, WarmUp, WarmUpEnd,
+};
 use canopy_runtime::DEFAULT_PREFILL_CHUNK;
 use canopy_server::{AppState, FloorFacts, Metrics};
 use clap::Args;
@@ -123,11 +125,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
 
 /// Serves until the engine is drained (SIGTERM, Ctrl-C, or a caller's
 /// [`EngineHandle::drain`]) or fails. On rank 0, `ready(address, handle)` is called once the
-/// model is on its devices, before the engine takes its first step.
+/// model is on its devices: on the CPU before the engine takes its first step, on a GPU once
+/// the engine has run its warm-up request ([`WarmUp`]). Requests sent earlier wait in the
+/// queue.
 pub fn serve(
     e: &EngineArgs,
     http: HttpOptions,
-    ready: impl FnOnce(std::net::SocketAddr, &EngineHandle),
+    ready: impl FnOnce(std::net::SocketAddr, &EngineHandle) + Send,
 ) -> Result<()> {
     let crate::ranks::OpenedRun {
         world,
@@ -243,8 +247,26 @@ pub fn serve(
                 source.as_ref(),
                 &needs,
             )?;
-            ready();
-            rank.serve(&world, ranks, &placed)
+            // Clients are told the server is ready once its warm-up has run.
+            let warm_up = match &http {
+                Some(_) => Some(WarmUp::submit(
+                    &handle,
+                    config.prefill_chunk,
+                    model_config.vocab_size,
+                )?),
+                None => None,
+            };
+            std::thread::scope(|s| {
+                s.spawn(|| match warm_up.map(WarmUp::wait) {
+                    Some(WarmUpEnd::Stopped) => {}
+                    Some(WarmUpEnd::Failed(reason)) => {
+                        eprintln!("canopy serve: the warm-up request failed: {reason}");
+                        ready();
+                    }
+                    Some(WarmUpEnd::Done) | None => ready(),
+                });
+                rank.serve(&world, ranks, &placed)
+            })
         }
     };
     // The engine has stopped (drained, or on an error): the HTTP side finishes its streams.
@@ -338,7 +360,7 @@ impl Http {
         })
     }
 
-    /// Says where the server listens, once the model is on its devices.
+    /// Says where the server listens, once the model is on its devices (and warmed up).
     fn ready(&self, handle: &EngineHandle) {
         let limits = handle.limits();
         eprintln!(

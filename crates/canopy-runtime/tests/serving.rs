@@ -10,7 +10,7 @@ use canopy_engine::{CpuBackend, MergeCollective};
 use canopy_model::Model;
 use canopy_runtime::serving::{
     channel, serve, EngineHandle, EngineInbox, Event, EventSink, FinishReason, Front, ServeConfig,
-    ServeRequest,
+    ServeRequest, WarmUp, WarmUpEnd,
 };
 use canopy_runtime::{DecodeStrategy, ModelLayers, SamplingParams};
 use serde_json::Value;
@@ -271,6 +271,32 @@ fn concurrent_requests_get_what_each_prompt_gets_alone() {
             );
         }
     }
+}
+
+#[test]
+fn a_warm_up_runs_to_its_end_and_leaves_requests_their_answers() {
+    let (model, prompts) = fixture();
+    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
+        .expect("the weights upload");
+    let cfg = config(DecodeStrategy::Tree(MergeCollective::Auto));
+    let handle = with_engine(&model, &layers, 1, &cfg, |h| {
+        // Longer than a request may be: the warm-up's prompt is cut to fit.
+        let warm_up = WarmUp::submit(h, 10 * cfg.max_context, model.config.vocab_size)
+            .expect("the warm-up is accepted");
+        let rx: Vec<_> = prompts
+            .iter()
+            .map(|(p, want)| (submit(h, p, 32, 1, None), want))
+            .collect();
+        assert_eq!(warm_up.wait(), WarmUpEnd::Done);
+        for (rx, want) in rx {
+            let (got, _, _) = collect(&rx, 1);
+            assert_eq!(&got[0], want);
+        }
+    });
+    let st = handle.status();
+    assert_eq!(st.running, 0);
+    // The warm-up decodes two tokens beside the requests' 32 each.
+    assert_eq!(st.generated_tokens, 32 * prompts.len() as u64 + 2, "{st:?}");
 }
 
 #[test]
