@@ -15,7 +15,7 @@ use canopy_cuda::CudaBackend;
 use canopy_engine::CpuBackend;
 use canopy_model::Tokenizer;
 use canopy_runtime::serving::{
-    channel, EngineHandle, EngineInbox, Front, ServeConfig, WarmUp, WarmUpEnd,
+    channel, product_counts, EngineHandle, EngineInbox, Front, ServeConfig, WarmUp, WarmUpEnd,
 };
 use canopy_runtime::DEFAULT_PREFILL_CHUNK;
 use canopy_server::{AppState, FloorFacts, Metrics};
@@ -209,11 +209,17 @@ pub fn serve(
         })
         .transpose()?;
     let inbox = Mutex::new(rank0.then_some(inbox));
+    // On a GPU every rank first runs its products at the row counts its steps will run.
+    let warm_up_counts = match kind {
+        BackendKind::Cpu => Vec::new(),
+        BackendKind::Cuda => product_counts(config.max_batch, config.prefill_chunk),
+    };
     let rank = RankWork {
         inbox: &inbox,
         tokenizer: &tokenizer,
         stop_tokens: &model_config.eos_token_ids,
         config: &config,
+        warm_up_counts: &warm_up_counts,
     };
     let ready = || {
         if let Some(h) = &http {
@@ -283,6 +289,8 @@ struct RankWork<'a> {
     tokenizer: &'a Tokenizer,
     stop_tokens: &'a [u32],
     config: &'a ServeConfig,
+    /// Row counts each rank runs its products at before it serves (none on the CPU).
+    warm_up_counts: &'a [usize],
 }
 
 impl RankWork<'_> {
@@ -293,6 +301,9 @@ impl RankWork<'_> {
             ranks,
             self.config.strategy,
             &|backend, layers, comm| {
+                // Up to a step's decode rows and prompt chunks' last rows.
+                let logit_rows = 2 * self.config.max_batch;
+                layers.warm_up_products(backend, self.warm_up_counts, logit_rows)?;
                 let inbox = (comm.rank() == 0)
                     .then(|| self.inbox.lock().expect("inbox lock").take())
                     .flatten();

@@ -403,6 +403,32 @@ impl<B: LayerOps> ModelLayers<B> {
         Ok(b.download_tensor(&out)?)
     }
 
+    /// Runs layer 0's products (and the LM head, for counts up to `logit_rows`) once at each
+    /// row count of `counts`, on rows of zeros, and throws the results away: a backend that
+    /// sets a product up on its first use at a shape does it now rather than inside a
+    /// client's step. cuBLAS picks its kernel by the product's rows and loads each kernel
+    /// the first time it runs, a few milliseconds each on an H200, and a server's steps run
+    /// every row count up to its batch.
+    pub fn warm_up_products(&self, b: &B, counts: &[usize], logit_rows: usize) -> Result<()> {
+        if self.layers.is_empty() {
+            return Ok(());
+        }
+        let c = &self.config;
+        let cols = self.attn_shape().q_row_elems();
+        for &n in counts.iter().filter(|&&n| n > 0) {
+            let mut x = b.tensor(n, c.hidden_size)?;
+            self.qkv(b, 0, &x, &vec![0; n], None)?;
+            let mut scratch = self.mlp_scratch(b, n)?;
+            b.matmul_add(&b.tensor(n, cols)?, &self.layers[0].o, &mut x)?;
+            self.mlp(b, 0, &mut x, &mut scratch)?;
+            if n <= logit_rows {
+                let mut logits = b.output_tensor(n, c.vocab_size)?;
+                self.logits_into(b, &x, &(0..n).collect::<Vec<_>>(), &mut logits)?;
+            }
+        }
+        Ok(b.synchronize()?)
+    }
+
     /// [`ModelLayers::logits`], left in `out` (`rows.len() × vocab`) on the backend.
     pub fn logits_into(
         &self,

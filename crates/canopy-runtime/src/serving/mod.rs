@@ -28,8 +28,8 @@
 //!   echoed prompt's rows reduced on rank 0 for their tokens' log-probabilities). Each
 //!   decode pass is timed on rank 0 beside the distinct KV bytes it must read
 //!   ([`DecodePasses`], by batch size), the measure a step's floor is priced from.
-//! - [`WarmUp`]: a request a server runs before it says it is ready, so that a backend's
-//!   set-up on first use is not the first client's wait.
+//! - [`WarmUp`] and [`product_counts`]: what a server runs before it says it is ready, so
+//!   that a backend's set-up on first use is not a client's wait.
 
 mod books;
 mod engine;
@@ -45,7 +45,7 @@ pub use handle::{
     Limits, RequestError, ServeRequest,
 };
 pub use stop::held_back;
-pub use warm_up::{WarmUp, WarmUpEnd};
+pub use warm_up::{product_counts, WarmUp, WarmUpEnd};
 
 use crate::{DecodeStrategy, Result};
 use canopy_core::{DType, Method};
