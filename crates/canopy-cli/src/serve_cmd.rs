@@ -271,7 +271,11 @@ pub fn serve(
                     }
                     Some(WarmUpEnd::Done) | None => ready(),
                 });
-                rank.serve(&world, ranks, &placed)
+                let served = rank.serve(&world, ranks, &placed);
+                // An engine that never took the inbox leaves the warm-up queued there: dropped
+                // with it, so the thread above stops waiting.
+                drop(inbox.lock().unwrap_or_else(|p| p.into_inner()).take());
+                served
             })
         }
     };
@@ -301,12 +305,13 @@ impl RankWork<'_> {
             ranks,
             self.config.strategy,
             &|backend, layers, comm| {
-                // Up to a step's decode rows and prompt chunks' last rows.
-                let logit_rows = 2 * self.config.max_batch;
-                layers.warm_up_products(backend, self.warm_up_counts, logit_rows)?;
+                // Taken first: a rank 0 that fails below drops it, and with it what waits.
                 let inbox = (comm.rank() == 0)
                     .then(|| self.inbox.lock().expect("inbox lock").take())
                     .flatten();
+                // Up to a step's decode rows and prompt chunks' last rows.
+                let logit_rows = 2 * self.config.max_batch;
+                layers.warm_up_products(backend, self.warm_up_counts, logit_rows)?;
                 let front = inbox.map(|inbox| Front {
                     inbox,
                     tokenizer: self.tokenizer,
