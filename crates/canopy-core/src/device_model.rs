@@ -163,6 +163,35 @@ pub struct PlanCost {
 }
 
 /// The time constants [`DeviceModel::fit`] adjusts.
+/// What a plan moves, as the device model counts it (16-bit KV and queries): its KV in all,
+/// its distinct KV, the KV read again, its queries, and its partial rows where they merge
+/// (written once and read back once).
+struct PlanBytes {
+    kv: u64,
+    unique_kv: u64,
+    reread: u64,
+    q: u64,
+    partials: u64,
+}
+
+impl PlanBytes {
+    fn of(plan: &Plan, shape: &AttnShape) -> PlanBytes {
+        let io = plan.io(shape, crate::DType::F16);
+        let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
+        PlanBytes {
+            kv: io.kv_bytes,
+            unique_kv,
+            reread: io.kv_bytes.saturating_sub(unique_kv),
+            q: io.q_bytes,
+            // `partial_bytes` counts the partials written and read back once each.
+            partials: match plan.rows_are_queries() {
+                true => 0,
+                false => io.partial_bytes / 2,
+            },
+        }
+    }
+}
+
 const CONSTANTS: usize = 15;
 
 /// One measured step: a plan's quantities and the time it took.
@@ -206,16 +235,10 @@ impl DeviceModel {
     /// Cheap where the prediction is not: a plan of a hundred thousand partial rows (a
     /// flattened prefix under thousands of prompt rows) takes milliseconds to cut.
     pub fn floor_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
-        let io = plan.io(shape, crate::DType::F16);
-        let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
-        let partials = match plan.rows_are_queries() {
-            true => 0,
-            false => io.partial_bytes / 2,
-        };
-        let reread = io.kv_bytes.saturating_sub(unique_kv) as f64;
+        let b = PlanBytes::of(plan, shape);
         let l2_bytes_per_us = self.l2_bytes_per_us.max(self.cuda_l2_bytes_per_us);
-        (unique_kv + io.q_bytes + 2 * partials) as f64 / self.bytes_per_us
-            + reread / l2_bytes_per_us
+        (b.unique_kv + b.q + 2 * b.partials) as f64 / self.bytes_per_us
+            + b.reread as f64 / l2_bytes_per_us
             + self.us_per_step
     }
 
@@ -234,11 +257,8 @@ impl DeviceModel {
             let slots = cuda_core_slots(max_rows, sms, self.cuda_core_ctas_per_sm);
             (slots, cut_for_cuda_cores(plan, shape, slots))
         };
-        let io = plan.io(shape, crate::DType::F16);
-        let unique_kv = io.kv_unique_tokens * 2 * shape.kv_token_bytes(crate::DType::F16) as u64;
-        // `partial_bytes` counts the partials written and read back once each.
+        let b = PlanBytes::of(&plan, shape);
         let merged = !plan.rows_are_queries();
-        let partials = if merged { io.partial_bytes / 2 } else { 0 };
         let cells = plan.num_queries() * shape.q_heads;
         let merge_rows = if !merged || merge_is_wide(cells, shape.head_dim, self.multiprocessors) {
             0
@@ -248,16 +268,15 @@ impl DeviceModel {
                 .max()
                 .unwrap_or(0) as u64
         };
-        let reread = io.kv_bytes - unique_kv;
         let mut c = PlanCost {
-            bytes: unique_kv + io.q_bytes + partials,
-            reread_bytes: if tensor_cores { reread } else { 0 },
-            cuda_reread_bytes: if tensor_cores { 0 } else { reread },
+            bytes: b.unique_kv + b.q + b.partials,
+            reread_bytes: if tensor_cores { b.reread } else { 0 },
+            cuda_reread_bytes: if tensor_cores { 0 } else { b.reread },
             slots: slots as u64,
             merges: merged as u64,
-            merge_bytes: partials,
+            merge_bytes: b.partials,
             merge_rows,
-            kv_bytes: io.kv_bytes,
+            kv_bytes: b.kv,
             ..PlanCost::default()
         };
         let head_token_bytes = 2 * shape.head_dim as u64 * crate::DType::F16.size_bytes() as u64;

@@ -244,17 +244,7 @@ pub fn choose(
     base: &PlannerConfig,
     model: &DeviceModel,
 ) -> Result<AutoChoice> {
-    let mut choices = auto_candidates(base)
-        .into_iter()
-        .map(|(method, config)| {
-            Ok(AutoChoice {
-                method,
-                config,
-                predicted_us: f64::INFINITY,
-                plan: plan(view, method, shape, &config)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let mut choices = planned_candidates(view, shape, base)?;
     let mut order: Vec<usize> = (0..choices.len()).collect();
     order.sort_by_key(|&i| {
         let c = &choices[i];
@@ -287,15 +277,28 @@ pub fn auto_choices(
     base: &PlannerConfig,
     model: &DeviceModel,
 ) -> Result<Vec<AutoChoice>> {
+    let mut choices = planned_candidates(view, shape, base)?;
+    for c in &mut choices {
+        c.predicted_us = model.predict_us(&c.plan, shape);
+    }
+    Ok(choices)
+}
+
+/// Every candidate of `auto` planned on `view`, in the candidates' order, not yet priced (at
+/// infinity).
+fn planned_candidates(
+    view: &TreeView,
+    shape: &AttnShape,
+    base: &PlannerConfig,
+) -> Result<Vec<AutoChoice>> {
     auto_candidates(base)
         .into_iter()
         .map(|(method, config)| {
-            let plan = plan(view, method, shape, &config)?;
             Ok(AutoChoice {
                 method,
                 config,
-                predicted_us: model.predict_us(&plan, shape),
-                plan,
+                predicted_us: f64::INFINITY,
+                plan: plan(view, method, shape, &config)?,
             })
         })
         .collect()
