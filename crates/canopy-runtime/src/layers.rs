@@ -418,9 +418,7 @@ impl<B: LayerOps> ModelLayers<B> {
         for &n in counts.iter().filter(|&&n| n > 0) {
             let mut x = b.tensor(n, c.hidden_size)?;
             self.qkv(b, 0, &x, &vec![0; n], None)?;
-            let mut scratch = self.mlp_scratch(b, n)?;
-            b.matmul_add(&b.tensor(n, cols)?, &self.layers[0].o, &mut x)?;
-            self.mlp(b, 0, &mut x, &mut scratch)?;
+            self.finish(b, 0, &mut x, &b.tensor(n, cols)?)?;
             if n <= logit_rows {
                 let mut logits = b.output_tensor(n, c.vocab_size)?;
                 self.logits_into(b, &x, &(0..n).collect::<Vec<_>>(), &mut logits)?;
