@@ -50,6 +50,12 @@ fn fixture() -> (Model, Vec<Reference>) {
     (model, prompts)
 }
 
+/// The fixture model's layers on the CPU.
+fn cpu_layers(model: &Model) -> ModelLayers<CpuBackend> {
+    ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
+        .expect("the weights upload")
+}
+
 /// A client: its events, and a switch that makes it go away.
 struct Client {
     tx: Sender<Event>,
@@ -199,8 +205,7 @@ fn with_engine(
 #[test]
 fn concurrent_requests_get_what_each_prompt_gets_alone() {
     let (model, prompts) = fixture();
-    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
-        .expect("the weights upload");
+    let layers = cpu_layers(&model);
     for (ranks, strategy) in [
         (1, DecodeStrategy::Tree(MergeCollective::Auto)),
         (2, DecodeStrategy::Tree(MergeCollective::Allreduce2)),
@@ -276,8 +281,7 @@ fn concurrent_requests_get_what_each_prompt_gets_alone() {
 #[test]
 fn a_warm_up_runs_to_its_end_and_leaves_requests_their_answers() {
     let (model, prompts) = fixture();
-    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
-        .expect("the weights upload");
+    let layers = cpu_layers(&model);
     let cfg = config(DecodeStrategy::Tree(MergeCollective::Auto));
     let counts = product_counts(cfg.max_batch, cfg.prefill_chunk);
     layers
@@ -306,8 +310,7 @@ fn a_warm_up_runs_to_its_end_and_leaves_requests_their_answers() {
 #[test]
 fn a_small_cache_evicts_and_still_serves_everything() {
     let (model, prompts) = fixture();
-    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
-        .expect("the weights upload");
+    let layers = cpu_layers(&model);
     // 12 pages: the 100-token prompt and 32 tokens take 9, so requests wait for each other
     // and cached prefixes are evicted.
     let cfg = ServeConfig {
@@ -334,8 +337,7 @@ fn a_small_cache_evicts_and_still_serves_everything() {
 #[test]
 fn log_probabilities_are_the_models_beside_requests_without_them() {
     let (model, reference) = fixture_model();
-    let layers = ModelLayers::upload(&CpuBackend, &model.config, &model.weights, &mut |_| {})
-        .expect("the weights upload");
+    let layers = cpu_layers(&model);
     let cfg = config(DecodeStrategy::Tree(MergeCollective::Auto));
     let case = &reference["prompts"][2];
     let prompt: Vec<u32> = serde_json::from_value(case["token_ids"].clone()).unwrap();
