@@ -6,7 +6,8 @@
 # that led them, and the host's milliseconds planning, launching and reading them). MODEL,
 # CONCURRENCY, PROMPTS, OUTPUT_LEN and LENGTHS (extra dataset options) override the defaults;
 # RATE sets the arrivals (requests a second, Poisson; default all at once), CANOPY_BIN the
-# binary. Per run also its decode steps: replayed from a recorded pass, or not. Results:
+# binary, or BINS several (name=path ...; each run's name then starts with the binary's). Per
+# run also its decode steps: replayed from a recorded pass, or not. Results:
 # $OUT/serve-phases.txt, each run's JSON report in $OUT/phases/.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -18,17 +19,22 @@ C=${CONCURRENCY:-64} N=${PROMPTS:-128} O=${OUTPUT_LEN:-128} LENGTHS=${LENGTHS:-}
 mkdir -p "$OUT/phases"
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  $BIN compile-kernels > /dev/null 2>&1 || echo "compile-kernels FAILED"
+  for entry in ${BINS:-new=$BIN}; do
+    ${entry#*=} compile-kernels > /dev/null 2>&1 || echo "compile-kernels FAILED: $entry"
+  done
   for d in $DATASETS; do
     for m in $METHODS; do
       for c in $CHUNKS; do
-        name=$d-$m-$c
-        log "$d, --method $m, --prefill-chunk $c"
-        RUST_LOG=canopy_runtime=debug timeout 200 $BIN bench serve $MODEL --method "$m" \
-          --max-batch "$C" --prefill-chunk "$c" --dataset "$d" --num-prompts "$N" \
-          --max-concurrency "$C" --output-len "$O" --request-rate "$RATE" $LENGTHS --temperature 0 --json \
-          > "$OUT/phases/$name.json" 2> "/tmp/$name.log" || { log "FAILED: $name"; tail -3 "/tmp/$name.log"; continue; }
-        python3 "$(dirname "$0")/tools/serve_log.py" phases "$OUT/phases/$name.json" "/tmp/$name.log"
+        for entry in ${BINS:-new=$BIN}; do
+          BIN=${entry#*=} name=${BINS:+${entry%%=*}-}$d-$m-$c
+          log "${BINS:+${entry%%=*}: }$d, --method $m, --prefill-chunk $c"
+          RUST_LOG=canopy_runtime=debug timeout 200 $BIN bench serve $MODEL --method "$m" \
+            --max-batch "$C" --prefill-chunk "$c" --dataset "$d" --num-prompts "$N" \
+            --max-concurrency "$C" --output-len "$O" --request-rate "$RATE" $LENGTHS \
+            --temperature 0 --json > "$OUT/phases/$name.json" 2> "/tmp/$name.log" \
+            || { log "FAILED: $name"; tail -3 "/tmp/$name.log"; continue; }
+          python3 "$(dirname "$0")/tools/serve_log.py" phases "$OUT/phases/$name.json" "/tmp/$name.log"
+        done
       done
     done
   done

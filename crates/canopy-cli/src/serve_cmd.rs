@@ -15,7 +15,7 @@ use canopy_cuda::CudaBackend;
 use canopy_engine::CpuBackend;
 use canopy_model::Tokenizer;
 use canopy_runtime::serving::{
-    channel, product_counts, EngineHandle, EngineInbox, Front, ServeConfig, WarmUp, WarmUpEnd,
+    channel, EngineHandle, EngineInbox, Front, ServeConfig, WarmUp, WarmUpEnd,
 };
 use canopy_runtime::DEFAULT_PREFILL_CHUNK;
 use canopy_server::{AppState, FloorFacts, Metrics};
@@ -210,16 +210,16 @@ pub fn serve(
         .transpose()?;
     let inbox = Mutex::new(rank0.then_some(inbox));
     // On a GPU every rank first runs its products at the row counts its steps will run.
-    let warm_up_counts = match kind {
-        BackendKind::Cpu => Vec::new(),
-        BackendKind::Cuda => product_counts(config.max_batch, config.prefill_chunk),
+    let warm_up_rows = match kind {
+        BackendKind::Cpu => 0,
+        BackendKind::Cuda => config.most_step_rows(),
     };
     let rank = RankWork {
         inbox: &inbox,
         tokenizer: &tokenizer,
         stop_tokens: &model_config.eos_token_ids,
         config: &config,
-        warm_up_counts: &warm_up_counts,
+        warm_up_rows,
     };
     let ready = || {
         if let Some(h) = &http {
@@ -293,8 +293,9 @@ struct RankWork<'a> {
     tokenizer: &'a Tokenizer,
     stop_tokens: &'a [u32],
     config: &'a ServeConfig,
-    /// Row counts each rank runs its products at before it serves (none on the CPU).
-    warm_up_counts: &'a [usize],
+    /// Each rank runs its products at the row counts of up to this many rows before it
+    /// serves (none on the CPU).
+    warm_up_rows: usize,
 }
 
 impl RankWork<'_> {
@@ -311,7 +312,7 @@ impl RankWork<'_> {
                     .flatten();
                 // Up to a step's decode rows and prompt chunks' last rows.
                 let logit_rows = 2 * self.config.max_batch;
-                layers.warm_up_products(backend, self.warm_up_counts, logit_rows)?;
+                layers.warm_up_products(backend, self.warm_up_rows, logit_rows)?;
                 let front = inbox.map(|inbox| Front {
                     inbox,
                     tokenizer: self.tokenizer,

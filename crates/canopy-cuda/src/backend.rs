@@ -323,7 +323,9 @@ impl CudaBackend {
     }
 
     pub(crate) fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>> {
-        // SAFETY: every buffer is written (upload, kernel or poison) before it is read.
+        // SAFETY: every buffer is written (upload, kernel or poison) before it is read, but an
+        // activation's padding rows, whose products are computed and never read
+        // (`product_rows`); the host never reads device memory it has not written.
         unsafe { self.stream.alloc::<T>(len.max(1)) }.ctx(format!(
             "allocating {} bytes",
             len * std::mem::size_of::<T>()

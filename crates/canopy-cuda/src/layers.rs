@@ -25,7 +25,7 @@ pub use tensor::{CudaTensor, CudaWeight};
 pub(crate) use gemm::LayerState;
 pub(crate) use walks::WalkScratch;
 
-use gemm::{gemv_fits, Epilogue, GateUp, GemvRows, StepInput};
+use gemm::{gemv_fits, product_rows, Epilogue, GateUp, GemvRows, StepInput};
 
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::error::{CudaError, DriverContext, Result};
@@ -109,7 +109,7 @@ fn activation_bytes(needs: &ModelNeeds) -> u64 {
     let attention_floats = 4 * s.q_row_elems() + 3 * s.q_heads;
     // The cached keys and values read as f32, then packed to 16 bits in whole tiles.
     let key_bytes = s.kv_token_elems() * 2 * (4 + 2);
-    (needs.max_rows * (4 * floats + rounded)
+    (product_rows(needs.max_rows) * (4 * floats + rounded)
         + needs.attention_rows * 4 * attention_floats
         + needs.attention_keys.next_multiple_of(PREFILL_TILE) * key_bytes
         + logits) as u64
@@ -280,7 +280,7 @@ impl CudaBackend {
         if out.operand != Some(dtype) {
             return Ok(None);
         }
-        let len = out.rows * out.cols;
+        let len = product_rows(out.rows) * out.cols;
         Ok(Some(match kept {
             Some(buf) if buf.len() >= len => buf,
             _ => self.alloc::<u16>(len)?,
@@ -288,10 +288,10 @@ impl CudaBackend {
     }
 
     /// An uninitialized `rows × cols` activation, for a result written in full before it is
-    /// read.
+    /// read; it holds the rows its products run at ([`product_rows`]).
     fn tensor_of(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         Ok(CudaTensor::new(
-            self.alloc::<f32>((rows * cols).max(1))?,
+            self.alloc::<f32>(product_rows(rows) * cols)?,
             rows,
             cols,
         ))
@@ -476,10 +476,11 @@ impl LayerOps for CudaBackend {
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> EResult<CudaTensor> {
+        let len = (product_rows(rows) * cols).max(1);
         let data = self
             .stream
-            .alloc_zeros::<f32>((rows * cols).max(1))
-            .ctx(format!("allocating {} bytes", rows * cols * 4))?;
+            .alloc_zeros::<f32>(len)
+            .ctx(format!("allocating {} bytes", len * 4))?;
         Ok(CudaTensor::new(data, rows, cols))
     }
 
@@ -505,16 +506,15 @@ impl LayerOps for CudaBackend {
             data.len(),
             rows * cols,
         )?;
-        Ok(CudaTensor::new(self.upload(data)?, rows, cols))
+        let mut t = self.tensor_of(rows, cols)?;
+        self.write_or_grow(data, &mut t.data, "a tensor's upload")?;
+        Ok(t)
     }
 
     fn download_tensor(&self, t: &CudaTensor) -> EResult<Vec<f32>> {
-        let mut host = self
-            .stream
-            .clone_dtoh(t.values("download_tensor")?)
-            .ctx("cuMemcpyDtoH")?;
+        let values = t.values("download_tensor")?.slice(..t.rows * t.cols);
+        let host = self.stream.clone_dtoh(&values).ctx("cuMemcpyDtoH")?;
         self.stream.synchronize().ctx("cuStreamSynchronize")?;
-        host.truncate(t.rows * t.cols);
         Ok(host)
     }
 
@@ -848,6 +848,10 @@ impl LayerOps for CudaBackend {
     ) -> EResult<()> {
         check_logit_places("cuda", "set_logits", (logits.rows, logits.cols), places)?;
         Ok(self.set_places(logits, places, value)?)
+    }
+
+    fn product_rows(&self, rows: usize) -> usize {
+        product_rows(rows)
     }
 
     fn graph_epoch(&self) -> Option<u64> {

@@ -502,6 +502,14 @@ pub trait LayerOps: MergeOps {
         value: f32,
     ) -> Result<()>;
 
+    /// The rows a dense product of `rows` activation rows runs at, its activations holding
+    /// that many: a backend that sets each new shape up on its first use (a GPU's GEMM
+    /// library) pads a product's rows to a few counts, so that a server's steps, whose rows
+    /// change with every prompt chunk, meet no new shape once it has warmed them up
+    /// (`ModelLayers::warm_up_products`). Provided: `rows`.
+    fn product_rows(&self, rows: usize) -> usize {
+        rows
+    }
     /// Whether this backend records passes as graphs (`None`: it does not), and if so the
     /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
     /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is

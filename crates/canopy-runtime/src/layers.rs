@@ -403,19 +403,22 @@ impl<B: LayerOps> ModelLayers<B> {
         Ok(b.download_tensor(&out)?)
     }
 
-    /// Runs layer 0's products (and the LM head, for counts up to `logit_rows`) once at each
-    /// row count of `counts`, on rows of zeros, and throws the results away: a backend that
-    /// sets a product up on its first use at a shape does it now rather than inside a
+    /// Runs layer 0's products (and the LM head, up to `logit_rows` rows) once at each row
+    /// count the backend's products run at for 1 to `max_rows` rows
+    /// ([`LayerOps::product_rows`]), on rows of zeros, and throws the results away: a backend
+    /// that sets a product up on its first use at a shape does it now rather than inside a
     /// client's step. cuBLAS picks its kernel by the product's rows and loads each kernel
     /// the first time it runs, a few milliseconds each on an H200, and a server's steps run
-    /// every row count up to its batch.
-    pub fn warm_up_products(&self, b: &B, counts: &[usize], logit_rows: usize) -> Result<()> {
+    /// every row count up to its batch and prompt chunk.
+    pub fn warm_up_products(&self, b: &B, max_rows: usize, logit_rows: usize) -> Result<()> {
         if self.layers.is_empty() {
             return Ok(());
         }
         let c = &self.config;
         let cols = self.attn_shape().q_row_elems();
-        for &n in counts.iter().filter(|&&n| n > 0) {
+        let mut counts: Vec<usize> = (1..=max_rows).map(|n| b.product_rows(n)).collect();
+        counts.dedup();
+        for n in counts {
             let mut x = b.tensor(n, c.hidden_size)?;
             self.qkv(b, 0, &x, &vec![0; n], None)?;
             self.finish(b, 0, &mut x, &b.tensor(n, cols)?)?;

@@ -9,8 +9,8 @@ use canopy_core::{DType, Method};
 use canopy_engine::{CpuBackend, MergeCollective};
 use canopy_model::Model;
 use canopy_runtime::serving::{
-    channel, product_counts, serve, EngineHandle, EngineInbox, Event, EventSink, FinishReason,
-    Front, ServeConfig, ServeRequest, WarmUp, WarmUpEnd,
+    channel, serve, EngineHandle, EngineInbox, Event, EventSink, FinishReason, Front, ServeConfig,
+    ServeRequest, WarmUp, WarmUpEnd,
 };
 use canopy_runtime::{DecodeStrategy, ModelLayers, SamplingParams};
 use serde_json::Value;
@@ -283,9 +283,8 @@ fn a_warm_up_runs_to_its_end_and_leaves_requests_their_answers() {
     let (model, prompts) = fixture();
     let layers = cpu_layers(&model);
     let cfg = config(DecodeStrategy::Tree(MergeCollective::Auto));
-    let counts = product_counts(cfg.max_batch, cfg.prefill_chunk);
     layers
-        .warm_up_products(&CpuBackend, &counts, 2 * cfg.max_batch)
+        .warm_up_products(&CpuBackend, cfg.most_step_rows(), 2 * cfg.max_batch)
         .expect("the products run at every count");
     let handle = with_engine(&model, &layers, 1, &cfg, |h| {
         // Longer than a request may be: the warm-up's prompt is cut to fit.

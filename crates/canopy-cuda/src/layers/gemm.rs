@@ -13,6 +13,13 @@
 //! kernel writes it into a scratch buffer kept between calls. An f32 weight runs in pedantic fp32: neither TF32
 //! nor cuBLAS's bf16 emulation of fp32 may round its operands.
 //!
+//! cuBLAS sets each new shape up the first time it runs it: a heuristic search for its kernel
+//! (tens of microseconds of the host's time) and, for a kernel not yet run, its module's load
+//! (2.5-4 ms). A server's passes with prompt chunks have row counts that change every step, so
+//! a product of more than [`EXACT_PRODUCT_ROWS`] rows runs at the next of a few counts
+//! ([`product_rows`]), which a server warms up before it serves: activations hold that many
+//! rows, and the padding rows' products are computed and never read.
+//!
 //! cuBLAS is column-major. A row-major `[r × c]` matrix is the column-major `[c × r]` one, so
 //! the row-major `out[rows × n] = x[rows × k] · w[n × k]ᵀ` is, column-major,
 //! `outᶜ[n × rows] = op_T(wᶜ[k × n]) · xᶜ[k × rows]`: A is `w` transposed (lda = k), B is `x`
@@ -264,6 +271,28 @@ fn gemv_takes_rows(rows: usize, weight_bytes: usize) -> bool {
         || (rows <= GEMV_MAX_ROWS && weight_bytes <= GEMV_SMALL_WEIGHT_BYTES)
 }
 
+/// Rows up to which a product runs at its own row count: a server's decode batches, each
+/// warmed up.
+const EXACT_PRODUCT_ROWS: usize = 64;
+
+/// Counts a product's rows are padded to in each doubling above [`EXACT_PRODUCT_ROWS`]
+/// (steps of at least [`EXACT_PRODUCT_ROWS`] rows): the padding is less than an eighth of the
+/// rows from 512 rows up, where products are bound by their arithmetic rather than by their
+/// weight's bytes.
+const PRODUCT_COUNTS_PER_DOUBLING: usize = 8;
+
+/// The rows a product of `rows` rows runs at: `rows` up to [`EXACT_PRODUCT_ROWS`], else the
+/// next of [`PRODUCT_COUNTS_PER_DOUBLING`] even steps from half the power of two at or above
+/// `rows` to it, steps of at least [`EXACT_PRODUCT_ROWS`]: 128, 192, 256, 320, …, 1,024,
+/// 1,152, …, 2,048, 2,304, ….
+pub(crate) fn product_rows(rows: usize) -> usize {
+    if rows <= EXACT_PRODUCT_ROWS {
+        return rows;
+    }
+    let doubling = rows.next_power_of_two() / 2;
+    rows.next_multiple_of((doubling / PRODUCT_COUNTS_PER_DOUBLING).max(EXACT_PRODUCT_ROWS))
+}
+
 impl CudaBackend {
     /// [`CudaBackend::product`] of operands checked to fit.
     pub(crate) fn checked_product(
@@ -324,7 +353,7 @@ impl CudaBackend {
             // A 16-bit weight's gate|up product is held in its dtype, as a 16-bit model's is:
             // half the bytes written and read back of the widest activation of a layer.
             Epilogue::Swiglu if w.dtype != DType::F32 => {
-                let mut gate_up = self.alloc::<u16>((x.rows * w.rows).max(1))?;
+                let mut gate_up = self.alloc::<u16>(product_rows(x.rows) * w.rows)?;
                 self.gemm(x, w, Product::Narrow(&mut gate_up), false)?;
                 self.swiglu_halves(GateUp::Narrow(&gate_up, w.dtype), out)
             }
@@ -474,11 +503,6 @@ impl CudaBackend {
             };
             return zeroed.ctx("cuMemsetD8Async");
         }
-        let (m_, n_, k_) = (
-            dim("a weight's rows", n)?,
-            dim("rows", rows)?,
-            dim("width", k)?,
-        );
         let mut guard = self.layers.gemm.lock().unwrap_or_else(|p| p.into_inner());
         let gemm = match guard.as_mut() {
             Some(g) => g,
@@ -496,25 +520,30 @@ impl CudaBackend {
         };
         let s = &self.stream;
         // The activation operand: x itself for f32 weights, else x's rounded copy where the op
-        // that wrote x made one, else x rounded into the scratch.
-        let (b_ptr, compute) = match (w.dtype, x.rounded_to(w.dtype)) {
-            (DType::F32, _) => (
-                x.values("matmul")?.device_ptr(s).0,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
-            ),
+        // that wrote x made one, else x rounded into the scratch; with the rows it holds.
+        let (b_ptr, b_rows, compute) = match (w.dtype, x.rounded_to(w.dtype)) {
+            (DType::F32, _) => {
+                let values = x.values("matmul")?;
+                (
+                    values.device_ptr(s).0,
+                    values.len() / k,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+                )
+            }
             (_, Some(rounded)) => (
                 rounded.device_ptr(s).0,
+                rounded.len() / k,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
             ),
             (DType::F16 | DType::Bf16, None) => {
                 let len = rows * k;
                 let scratch = match gemm.scratch.take() {
-                    Some(kept) if kept.len() >= len => kept,
+                    Some(kept) if kept.len() >= product_rows(rows) * k => kept,
                     // Freed (stream-ordered) before its larger replacement is allocated.
                     small => {
                         self.renew("a GEMM scratch")?;
                         drop(small);
-                        self.alloc::<u16>(len)?
+                        self.alloc::<u16>(product_rows(rows) * k)?
                     }
                 };
                 let scratch = gemm.scratch.insert(scratch);
@@ -531,23 +560,35 @@ impl CudaBackend {
                     .ctx("launching round_to_elem")?;
                 (
                     scratch.device_ptr(s).0,
+                    scratch.len() / k,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 )
             }
         };
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let (a_ptr, _) = w.data.device_ptr(s);
-        let (c_ptr, c_type) = match &mut out {
-            Product::F32(c) => (c.device_ptr_mut(s).0, cudaDataType::CUDA_R_32F),
-            Product::Narrow(c) => (c.device_ptr_mut(s).0, cuda_type(w.dtype)),
+        let (c_rows, c_ptr, c_type) = match &mut out {
+            Product::F32(c) => (c.len() / n, c.device_ptr_mut(s).0, cudaDataType::CUDA_R_32F),
+            Product::Narrow(c) => (c.len() / n, c.device_ptr_mut(s).0, cuda_type(w.dtype)),
         };
+        // Padded where both operands hold the padding rows (activations are made so).
+        let padded = product_rows(rows);
+        let run_rows = match b_rows.min(c_rows) >= padded {
+            true => padded,
+            false => rows,
+        };
+        let (m_, n_, k_) = (
+            dim("a weight's rows", n)?,
+            dim("rows", run_rows)?,
+            dim("width", k)?,
+        );
         self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
-        // SAFETY: A is w's n × k elements of its dtype, B is rows × k elements of the same
-        // dtype (x or its rounded copy), C is out's rows × n floats or elements of w's dtype
-        // (the caller sized it): the leading dimensions
-        // and sizes of the module notes, within the buffers (the caller checked the shapes).
-        // alpha and beta are host floats, cuBLAS's default pointer mode and the scale type of
-        // a 32F compute type.
+        // SAFETY: A is w's n × k elements of its dtype, B is run_rows × k elements of the
+        // same dtype (x or its rounded copy), C is run_rows × n floats or elements of w's
+        // dtype: the leading dimensions and sizes of the module notes, within the buffers
+        // (the caller checked the shapes for `rows`, and B and C hold `run_rows` rows, counted
+        // above). alpha and beta are host floats, cuBLAS's default pointer mode and the scale
+        // type of a 32F compute type.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *gemm.blas.handle(),
@@ -577,7 +618,7 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{gemv_takes_rows, GEMV_MAX_ROWS};
+    use super::{gemv_takes_rows, product_rows, EXACT_PRODUCT_ROWS, GEMV_MAX_ROWS};
 
     const MIB: usize = 1 << 20;
 
@@ -591,5 +632,33 @@ mod tests {
         assert!(!gemv_takes_rows(3, 32 * MIB));
         assert!(gemv_takes_rows(GEMV_MAX_ROWS, 3 * MIB + MIB / 2));
         assert!(!gemv_takes_rows(GEMV_MAX_ROWS + 1, 3 * MIB));
+    }
+
+    #[test]
+    fn products_run_at_a_few_row_counts_padded_by_at_most_an_eighth_from_512() {
+        for rows in 0..=EXACT_PRODUCT_ROWS {
+            assert_eq!(product_rows(rows), rows);
+        }
+        assert_eq!(product_rows(65), 128);
+        assert_eq!(product_rows(137), 192);
+        assert_eq!(product_rows(513), 576);
+        assert_eq!(product_rows(1025), 1152);
+        assert_eq!(product_rows(8192), 8192);
+        assert_eq!(product_rows(8193), 9216);
+        let mut counts = Vec::new();
+        for rows in 1..=20_000 {
+            let run = product_rows(rows);
+            assert!(run >= rows);
+            assert_eq!(product_rows(run), run, "a padded count is its own");
+            if rows >= 512 {
+                assert!(run - rows <= rows / 8, "{rows} rows run at {run}");
+            }
+            if counts.last() != Some(&run) {
+                counts.push(run);
+            }
+        }
+        // Every batch up to the exact rows, steps of 64 to 1,024, then eight counts a
+        // doubling (18,432 and 20,480 of the last).
+        assert_eq!(counts.len(), EXACT_PRODUCT_ROWS + 15 + 8 * 4 + 2);
     }
 }

@@ -28,7 +28,7 @@
 //!   echoed prompt's rows reduced on rank 0 for their tokens' log-probabilities). Each
 //!   decode pass is timed on rank 0 beside the distinct KV bytes it must read
 //!   ([`DecodePasses`], by batch size), the measure a step's floor is priced from.
-//! - [`WarmUp`] and [`product_counts`]: what a server runs before it says it is ready, so
+//! - [`WarmUp`] and [`ServeConfig::most_step_rows`]: what a server runs before it says it is ready, so
 //!   that a backend's set-up on first use is not a client's wait.
 
 mod books;
@@ -45,7 +45,7 @@ pub use handle::{
     Limits, RequestError, ServeRequest,
 };
 pub use stop::held_back;
-pub use warm_up::{product_counts, WarmUp, WarmUpEnd};
+pub use warm_up::{WarmUp, WarmUpEnd};
 
 use crate::{DecodeStrategy, Result};
 use canopy_core::{DType, Method};
@@ -88,9 +88,14 @@ impl ServeConfig {
             weight_dtype,
             self.kv_dtype,
             (self.pages_per_rank * self.page_size) as usize * ranks_here,
-            self.prefill_chunk.max(self.max_batch),
+            self.most_step_rows(),
             self.max_batch,
         ))
+    }
+
+    /// The most rows a step runs through the layers: its decode rows and its prompt chunks.
+    pub fn most_step_rows(&self) -> usize {
+        self.max_batch + self.prefill_chunk
     }
 
     /// The limits every request is checked against, over `ranks` ranks.

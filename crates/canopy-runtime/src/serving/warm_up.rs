@@ -1,8 +1,8 @@
 //! A server's warm-up, before clients are told it is ready, so that what a backend sets up on
 //! first use (on a GPU: cuBLAS, about 0.2 s, and each kernel its GEMMs pick, loaded the first
 //! time it runs) is not paid inside clients' steps:
-//! - every rank runs its model's products at the row counts its steps will run
-//!   ([`product_counts`], [`crate::ModelLayers::warm_up_products`]);
+//! - every rank runs its model's products at the row counts its steps will run, up to
+//!   [`super::ServeConfig::most_step_rows`] ([`crate::ModelLayers::warm_up_products`]);
 //! - then one request goes through the engine ([`WarmUp`]). Its prompt fills one step's
 //!   prefill chunk and it decodes two tokens. It is an ordinary request: it counts in the
 //!   engine's status, and its prompt stays in the prefix cache as evictable pages.
@@ -14,20 +14,6 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 /// Tokens the warm-up decodes after its prompt: a decode step, then one replayed where the
 /// backend records steps.
 const WARM_UP_TOKENS: usize = 2;
-
-/// The row counts a server of `max_batch` rows and `prefill_chunk` prompt tokens a step runs
-/// its products at, to warm up: every decode batch, then a pass of prompt chunks at each power
-/// of two above the batch up to the chunk, and the chunk.
-pub fn product_counts(max_batch: usize, prefill_chunk: usize) -> Vec<usize> {
-    let mut counts: Vec<usize> = (1..=max_batch).collect();
-    let mut n = (max_batch + 1).next_power_of_two();
-    while n < prefill_chunk {
-        counts.push(n);
-        n *= 2;
-    }
-    counts.extend((prefill_chunk > max_batch).then_some(prefill_chunk));
-    counts
-}
 
 /// A submitted warm-up request, to wait for.
 pub struct WarmUp(Receiver<Result<(), String>>);
@@ -96,19 +82,5 @@ impl EventSink for Ends {
 
     fn is_closed(&self) -> bool {
         false
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn product_counts_cover_every_batch_then_the_chunks() {
-        let counts = product_counts(64, 8192);
-        assert_eq!(counts[..64], (1..=64).collect::<Vec<_>>()[..]);
-        assert_eq!(counts[64..], [128, 256, 512, 1024, 2048, 4096, 8192]);
-        assert_eq!(product_counts(6, 24), [1, 2, 3, 4, 5, 6, 8, 16, 24]);
-        assert_eq!(product_counts(12, 8), (1..=12).collect::<Vec<_>>());
     }
 }
