@@ -70,9 +70,10 @@ __device__ __forceinline__ u64 packed_at(u32 head, u32 padded, u32 t, u32 e) {
 #endif
 }
 
-// Tile blockIdx.x's smallest and largest key position into bounds (its first PREFILL_TILE
-// threads read one key each).
+// Tile blockIdx.x's smallest and largest key position into bounds, by the tile's CTA of
+// head 0 (its first PREFILL_TILE threads read one key each).
 __device__ __forceinline__ void tile_bounds(const u32* __restrict__ k_pos, u32 tokens, u32* __restrict__ bounds) {
+    if (blockIdx.y != 0) return;
     const u32 tile = blockIdx.x;
     __shared__ u32 lo, hi;
     if (threadIdx.x == 0) {
@@ -92,15 +93,14 @@ __device__ __forceinline__ void tile_bounds(const u32* __restrict__ k_pos, u32 t
     }
 }
 
-// One CTA per tile of tokens; `padded` = gridDim.x * PREFILL_TILE tokens per head in kp and vp.
+// One CTA per tile of tokens (blockIdx.x) and KV head (blockIdx.y): a short block's few tiles
+// still spread over the SMs. `padded` = gridDim.x * PREFILL_TILE tokens per head in kp and vp.
 extern "C" __global__ void pack_keys(const float* __restrict__ k, const float* __restrict__ v,
                                      const u32* __restrict__ k_pos, u32 tokens, int kv_heads,
                                      u16* __restrict__ kp, u16* __restrict__ vp, u32* __restrict__ bounds) {
-    const u32 tile = blockIdx.x, padded = gridDim.x * PREFILL_TILE;
-    const u32 pairs_per_token = (u32)kv_heads * (HEAD_DIM / 2);
-    for (u32 i = threadIdx.x; i < PREFILL_TILE * pairs_per_token; i += blockDim.x) {
-        const u32 t = tile * PREFILL_TILE + i / pairs_per_token, rest = i % pairs_per_token;
-        const u32 head = rest / (HEAD_DIM / 2), e = rest % (HEAD_DIM / 2) * 2;
+    const u32 tile = blockIdx.x, head = blockIdx.y, padded = gridDim.x * PREFILL_TILE;
+    for (u32 i = threadIdx.x; i < PREFILL_TILE * (HEAD_DIM / 2); i += blockDim.x) {
+        const u32 t = tile * PREFILL_TILE + i / (HEAD_DIM / 2), e = i % (HEAD_DIM / 2) * 2;
         float2 kx = make_float2(0.f, 0.f), vx = kx;
         if (t < tokens) {
             const u64 from = ((u64)t * kv_heads + head) * HEAD_DIM + e;
@@ -114,18 +114,16 @@ extern "C" __global__ void pack_keys(const float* __restrict__ k, const float* _
     tile_bounds(k_pos, tokens, bounds);
 }
 
-// pack_keys' layout from keys already in a KV cache of the module's dtype: token t of the block
-// is physical slot slots[t] of the pool (tokens x kv_heads x HEAD_DIM elements), copied 16 bytes
-// at a time.
+// pack_keys' layout (and grid) from keys already in a KV cache of the module's dtype: token t
+// of the block is physical slot slots[t] of the pool (tokens x kv_heads x HEAD_DIM elements),
+// copied 16 bytes at a time.
 extern "C" __global__ void gather_keys(const u16* __restrict__ kc, const u16* __restrict__ vc,
                                        const u32* __restrict__ slots, const u32* __restrict__ k_pos,
                                        u32 tokens, int kv_heads, u16* __restrict__ kp, u16* __restrict__ vp,
                                        u32* __restrict__ bounds) {
-    const u32 tile = blockIdx.x, padded = gridDim.x * PREFILL_TILE;
-    const u32 pieces_per_token = (u32)kv_heads * (HEAD_DIM / 8);
-    for (u32 i = threadIdx.x; i < PREFILL_TILE * pieces_per_token; i += blockDim.x) {
-        const u32 t = tile * PREFILL_TILE + i / pieces_per_token, rest = i % pieces_per_token;
-        const u32 head = rest / (HEAD_DIM / 8), e = rest % (HEAD_DIM / 8) * 8;
+    const u32 tile = blockIdx.x, head = blockIdx.y, padded = gridDim.x * PREFILL_TILE;
+    for (u32 i = threadIdx.x; i < PREFILL_TILE * (HEAD_DIM / 8); i += blockDim.x) {
+        const u32 t = tile * PREFILL_TILE + i / (HEAD_DIM / 8), e = i % (HEAD_DIM / 8) * 8;
         uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
         if (t < tokens) {
             const u64 from = ((u64)slots[t] * kv_heads + head) * HEAD_DIM + e;

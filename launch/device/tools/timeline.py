@@ -2,6 +2,12 @@
 
 usage: timeline.py TRACE.tsv [MIN_ATTENTION_LAUNCHES]
        timeline.py TRACE.tsv --steps KERNEL N
+       timeline.py TRACE.tsv --passes KERNEL MARKS
+
+With --passes, the trace is cut into passes at each launch of KERNEL (a pass's first kernel,
+e.g. embed_rows), and the passes that launch any of MARKS (comma-separated names, e.g.
+prefill_attention,causal_attention: a pass with prompt chunks) are told from the rest; for each kind, medians of a pass's span (to the next pass's
+first kernel) and GPU busy time, and the GPU time by name a pass.
 
 With --steps, the window is the last N intervals between the ends of KERNEL's launches (a
 decode step's marker, e.g. top_logits, which a step launches twice: two intervals a step); GPU
@@ -39,6 +45,9 @@ def main():
             return
         report(gpu, api, ends[-n - 1], ends[-1], n, f"{n} intervals of {marker}")
         return
+    if sys.argv[2:3] == ["--passes"]:
+        passes(gpu, sys.argv[3], sys.argv[4])
+        return
     least = int(sys.argv[2]) if len(sys.argv) > 2 else 125
     runs, run = [], []
     for k in (k for k in gpu if k[2] == "prefill_attention"):
@@ -53,6 +62,36 @@ def main():
     # A warm-up's launches may run into the prefill's: the prefill is the run's last `least`.
     run = runs[-1][-least:]
     report(gpu, api, run[0][0], run[-1][1], 1, f"{len(run)} attention launches")
+
+
+def passes(gpu, first, marks):
+    """Passes cut at each `first` launch, told apart by whether they launch one of `marks`."""
+    mark = set(marks.split(","))
+    starts = [s for s, e, name in gpu if name == first]
+    kinds = defaultdict(list)
+    for lo, hi in zip(starts, starts[1:]):
+        inside = [w for w in gpu if lo <= w[0] < hi]
+        busy, end = 0, lo
+        for s, e, _ in inside:
+            if e > end:
+                busy += e - max(s, end)
+                end = e
+        kind = "with" if any(n in mark for _, _, n in inside) else "without"
+        kinds[kind].append((hi - lo, busy, inside))
+    for kind, runs in kinds.items():
+        spans = sorted(r[0] for r in runs)
+        busy = sorted(r[1] for r in runs)
+        n = len(runs)
+        print(f"passes {kind} {marks}: {n}, span median {spans[n // 2] / 1e6:.2f} ms, "
+              f"GPU busy median {busy[n // 2] / 1e6:.2f} ms")
+        by_name = defaultdict(lambda: [0, 0])
+        for _, _, inside in runs:
+            for s, e, name in inside:
+                by_name[name[:60]][0] += 1
+                by_name[name[:60]][1] += e - s
+        print("  GPU time by name a pass (ms, count):")
+        for name, (c, t) in sorted(by_name.items(), key=lambda x: -x[1][1])[:20]:
+            print(f"  {t / 1e6 / n:9.3f} {c / n:8.1f}  {name}")
 
 
 def report(gpu, api, lo, hi, per, what):

@@ -285,7 +285,7 @@ impl CudaBackend {
             entry,
         })?;
         let kv_heads = dims.kv_heads as i32;
-        let cfg = packed.launch();
+        let cfg = packed.launch(dims.kv_heads);
         let mut b = self.stream.launch_builder(&f);
         match source {
             Packer::Rows { k, v } => b.arg(k).arg(v),
@@ -498,10 +498,10 @@ struct PackedKeys {
 }
 
 impl PackedKeys {
-    /// The packing kernels' launch: one CTA per tile.
-    fn launch(&self) -> LaunchConfig {
+    /// The packing kernels' launch: one CTA per tile and KV head.
+    fn launch(&self, kv_heads: u32) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (self.tiles, 1, 1),
+            grid_dim: (self.tiles, kv_heads, 1),
             block_dim: (LAYER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
