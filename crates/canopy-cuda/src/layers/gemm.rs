@@ -275,16 +275,16 @@ fn gemv_takes_rows(rows: usize, weight_bytes: usize) -> bool {
 /// warmed up.
 const EXACT_PRODUCT_ROWS: usize = 64;
 
-/// Counts a product's rows are padded to in each doubling above [`EXACT_PRODUCT_ROWS`]
-/// (steps of at least [`EXACT_PRODUCT_ROWS`] rows): the padding is less than an eighth of the
-/// rows from 512 rows up, where products are bound by their arithmetic rather than by their
-/// weight's bytes.
-const PRODUCT_COUNTS_PER_DOUBLING: usize = 8;
+/// Counts a product's rows are padded to in each doubling above [`EXACT_PRODUCT_ROWS`], in
+/// steps of at least [`EXACT_PRODUCT_ROWS`] rows: the padding is under 64 rows up to 4,096
+/// rows, and under a 32nd of the rows from 2,048 rows up, where products are bound by their
+/// arithmetic and a padding row costs what a real one does.
+const PRODUCT_COUNTS_PER_DOUBLING: usize = 32;
 
 /// The rows a product of `rows` rows runs at: `rows` up to [`EXACT_PRODUCT_ROWS`], else the
 /// next of [`PRODUCT_COUNTS_PER_DOUBLING`] even steps from half the power of two at or above
-/// `rows` to it, steps of at least [`EXACT_PRODUCT_ROWS`]: 128, 192, 256, 320, …, 1,024,
-/// 1,152, …, 2,048, 2,304, ….
+/// `rows` to it, steps of at least [`EXACT_PRODUCT_ROWS`]: 128, 192, 256, 320, …, 4,096,
+/// 4,224, …, 8,192, 8,448, ….
 pub(crate) fn product_rows(rows: usize) -> usize {
     if rows <= EXACT_PRODUCT_ROWS {
         return rows;
@@ -635,30 +635,33 @@ mod tests {
     }
 
     #[test]
-    fn products_run_at_a_few_row_counts_padded_by_at_most_an_eighth_from_512() {
+    fn products_run_at_a_few_row_counts_padded_by_under_a_32nd_from_2048() {
         for rows in 0..=EXACT_PRODUCT_ROWS {
             assert_eq!(product_rows(rows), rows);
         }
         assert_eq!(product_rows(65), 128);
         assert_eq!(product_rows(137), 192);
-        assert_eq!(product_rows(513), 576);
-        assert_eq!(product_rows(1025), 1152);
+        assert_eq!(product_rows(2049), 2112);
+        assert_eq!(product_rows(4097), 4224);
         assert_eq!(product_rows(8192), 8192);
-        assert_eq!(product_rows(8193), 9216);
+        assert_eq!(product_rows(8193), 8448);
         let mut counts = Vec::new();
         for rows in 1..=20_000 {
             let run = product_rows(rows);
             assert!(run >= rows);
+            if rows <= 4096 {
+                assert!(run - rows < EXACT_PRODUCT_ROWS, "{rows} rows run at {run}");
+            }
             assert_eq!(product_rows(run), run, "a padded count is its own");
-            if rows >= 512 {
-                assert!(run - rows <= rows / 8, "{rows} rows run at {run}");
+            if rows >= 2048 {
+                assert!(run - rows < rows / 32, "{rows} rows run at {run}");
             }
             if counts.last() != Some(&run) {
                 counts.push(run);
             }
         }
-        // Every batch up to the exact rows, steps of 64 to 1,024, then eight counts a
-        // doubling (18,432 and 20,480 of the last).
-        assert_eq!(counts.len(), EXACT_PRODUCT_ROWS + 15 + 8 * 4 + 2);
+        // Every batch up to the exact rows, steps of 64 to 4,096, then 32 counts a doubling
+        // (8 of the last, to 20,480).
+        assert_eq!(counts.len(), EXACT_PRODUCT_ROWS + 31 + 32 + 32 * 2 + 8);
     }
 }
