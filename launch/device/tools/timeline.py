@@ -6,8 +6,10 @@ usage: timeline.py TRACE.tsv [MIN_ATTENTION_LAUNCHES]
 
 With --passes, the trace is cut into passes at each launch of KERNEL (a pass's first kernel,
 e.g. embed_rows), and the passes that launch any of MARKS (comma-separated names, e.g.
-prefill_attention,causal_attention: a pass with prompt chunks) are told from the rest; for each kind, medians of a pass's span (to the next pass's
-first kernel) and GPU busy time, and the GPU time by name a pass.
+prefill_attention,causal_attention: a pass with prompt chunks) are told from the rest; for each
+kind, medians of a pass's span (to the next pass's first kernel), its GPU busy time and the
+GPU's idle time after its last kernel (the host's work between passes), and the GPU time by
+name a pass.
 
 With --steps, the window is the last N intervals between the ends of KERNEL's launches (a
 decode step's marker, e.g. top_logits, which a step launches twice: two intervals a step); GPU
@@ -76,16 +78,17 @@ def passes(gpu, first, marks):
             if e > end:
                 busy += e - max(s, end)
                 end = e
+        # The GPU's idle time after the pass's last kernel, until the next pass's first.
+        after = hi - end
         kind = "with" if any(n in mark for _, _, n in inside) else "without"
-        kinds[kind].append((hi - lo, busy, inside))
+        kinds[kind].append((hi - lo, busy, after, inside))
     for kind, runs in kinds.items():
-        spans = sorted(r[0] for r in runs)
-        busy = sorted(r[1] for r in runs)
         n = len(runs)
-        print(f"passes {kind} {marks}: {n}, span median {spans[n // 2] / 1e6:.2f} ms, "
-              f"GPU busy median {busy[n // 2] / 1e6:.2f} ms")
+        med = [sorted(r[i] for r in runs)[n // 2] / 1e6 for i in range(3)]
+        print(f"passes {kind} {marks}: {n}, medians: span {med[0]:.2f} ms, GPU busy "
+              f"{med[1]:.2f} ms, idle after the pass's last kernel {med[2]:.2f} ms")
         by_name = defaultdict(lambda: [0, 0])
-        for _, _, inside in runs:
+        for _, _, _, inside in runs:
             for s, e, name in inside:
                 by_name[name[:60]][0] += 1
                 by_name[name[:60]][1] += e - s
