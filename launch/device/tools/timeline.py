@@ -7,9 +7,9 @@ usage: timeline.py TRACE.tsv [MIN_ATTENTION_LAUNCHES]
 With --passes, the trace is cut into passes at each launch of KERNEL (a pass's first kernel,
 e.g. embed_rows), and the passes that launch any of MARKS (comma-separated names, e.g.
 prefill_attention,causal_attention: a pass with prompt chunks) are told from the rest; for each
-kind, medians of a pass's span (to the next pass's first kernel), its GPU busy time and the
-GPU's idle time after its last kernel (the host's work between passes), and the GPU time by
-name a pass.
+kind, medians of a pass's span (to the next pass's first kernel), its GPU busy time and its
+longest idle gap (where the host works between passes, between the logits' copy and the next
+pass's inputs), and the GPU time by name a pass.
 
 With --steps, the window is the last N intervals between the ends of KERNEL's launches (a
 decode step's marker, e.g. top_logits, which a step launches twice: two intervals a step); GPU
@@ -73,20 +73,19 @@ def passes(gpu, first, marks):
     kinds = defaultdict(list)
     for lo, hi in zip(starts, starts[1:]):
         inside = [w for w in gpu if lo <= w[0] < hi]
-        busy, end = 0, lo
+        busy, end, longest = 0, lo, 0
         for s, e, _ in inside:
+            longest = max(longest, s - end)
             if e > end:
                 busy += e - max(s, end)
                 end = e
-        # The GPU's idle time after the pass's last kernel, until the next pass's first.
-        after = hi - end
         kind = "with" if any(n in mark for _, _, n in inside) else "without"
-        kinds[kind].append((hi - lo, busy, after, inside))
+        kinds[kind].append((hi - lo, busy, longest, inside))
     for kind, runs in kinds.items():
         n = len(runs)
         med = [sorted(r[i] for r in runs)[n // 2] / 1e6 for i in range(3)]
         print(f"passes {kind} {marks}: {n}, medians: span {med[0]:.2f} ms, GPU busy "
-              f"{med[1]:.2f} ms, idle after the pass's last kernel {med[2]:.2f} ms")
+              f"{med[1]:.2f} ms, its longest idle gap {med[2]:.2f} ms")
         by_name = defaultdict(lambda: [0, 0])
         for _, _, _, inside in runs:
             for s, e, name in inside:
