@@ -9,7 +9,8 @@
 # `swiglu`'s reads of cuBLAS's output as uninitialized, on the session-22 build as well:
 # BENCHMARKS, session 23.) One memcheck run decodes two samples of 48 tokens (TOKENS), past
 # the 32 tokens of growth room: its replans rewrite the recorded step's plan in place, and
-# its replays read the rewritten plan.
+# its replays read the rewritten plan. Two memcheck runs prompt 100 tokens, whose products run
+# at 128 rows (the padding rows of `product_rows`).
 # Results: $OUT/sanitizer-*.txt and the summary in $OUT/sanitizer.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -40,5 +41,10 @@ check() { # name tool args...
   done
   PROMPT_IDS=1,5,9,13,2,7,11,3,17,4,23,6,19,8,29,10 \
     check llama3-hd128-bf16-r1-prompt16 memcheck --model "$FIX/llama3-hd128" --dtype bf16
+  # 100 prompt rows: the products run at 128, their padding rows in every activation.
+  long=$(seq -s, 3 3 300)
+  for dtype in bf16 f32; do
+    PROMPT_IDS=$long check "gqa-hd64-$dtype-r1-prompt100" memcheck --model "$FIX/gqa-hd64" --dtype $dtype
+  done
   echo "$((runs - bad))/$runs runs clean"
 } 2>&1 | tee "$OUT/sanitizer.txt"

@@ -9,7 +9,7 @@ e.g. embed_rows), and the passes that launch any of MARKS (comma-separated names
 prefill_attention,causal_attention: a pass with prompt chunks) are told from the rest; for each
 kind, medians of a pass's span (to the next pass's first kernel), its GPU busy time and its
 longest idle gap (where the host works between passes, between the logits' copy and the next
-pass's inputs), and the GPU time by name a pass.
+pass's inputs), the host's driver calls made meanwhile, and the GPU time by name a pass.
 
 With --steps, the window is the last N intervals between the ends of KERNEL's launches (a
 decode step's marker, e.g. top_logits, which a step launches twice: two intervals a step); GPU
@@ -48,7 +48,7 @@ def main():
         report(gpu, api, ends[-n - 1], ends[-1], n, f"{n} intervals of {marker}")
         return
     if sys.argv[2:3] == ["--passes"]:
-        passes(gpu, sys.argv[3], sys.argv[4])
+        passes(gpu, api, sys.argv[3], sys.argv[4])
         return
     least = int(sys.argv[2]) if len(sys.argv) > 2 else 125
     runs, run = [], []
@@ -66,7 +66,7 @@ def main():
     report(gpu, api, run[0][0], run[-1][1], 1, f"{len(run)} attention launches")
 
 
-def passes(gpu, first, marks):
+def passes(gpu, api, first, marks):
     """Passes cut at each `first` launch, told apart by whether they launch one of `marks`."""
     mark = set(marks.split(","))
     starts = [s for s, e, name in gpu if name == first]
@@ -80,14 +80,25 @@ def passes(gpu, first, marks):
                 busy += e - max(s, end)
                 end = e
         kind = "with" if any(n in mark for _, _, n in inside) else "without"
-        kinds[kind].append((hi - lo, busy, longest, inside))
+        calls = [c for c in api if lo <= c[0] < hi]
+        kinds[kind].append((hi - lo, busy, longest, inside, calls))
     for kind, runs in kinds.items():
         n = len(runs)
         med = [sorted(r[i] for r in runs)[n // 2] / 1e6 for i in range(3)]
         print(f"passes {kind} {marks}: {n}, medians: span {med[0]:.2f} ms, GPU busy "
               f"{med[1]:.2f} ms, its longest idle gap {med[2]:.2f} ms")
+        host = defaultdict(lambda: [0, 0])
+        for *_, calls in runs:
+            for a, b, name in calls:
+                host[name][0] += 1
+                host[name][1] += b - a
+        total = sum(t for _, t in host.values())
+        print(f"  host driver calls a pass (ms, count; the calls made while the pass's window "
+              f"ran, {total / 1e6 / n:.2f} ms in all):")
+        for name, (c, t) in sorted(host.items(), key=lambda x: -x[1][1])[:8]:
+            print(f"  {t / 1e6 / n:9.3f} {c / n:8.1f}  {name}")
         by_name = defaultdict(lambda: [0, 0])
-        for _, _, _, inside in runs:
+        for _, _, _, inside, _ in runs:
             for s, e, name in inside:
                 by_name[name[:60]][0] += 1
                 by_name[name[:60]][1] += e - s
