@@ -34,6 +34,12 @@ mod tree_cmd;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+/// The planners build and drop thousands of small vectors for every step a server plans, on
+/// the path between two passes where the GPU waits; mimalloc serves them from thread-local
+/// pages.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "canopy",
