@@ -503,6 +503,7 @@ impl CudaBackend {
             };
             return zeroed.ctx("cuMemsetD8Async");
         }
+        let padded = product_rows(rows);
         let mut guard = self.layers.gemm.lock().unwrap_or_else(|p| p.into_inner());
         let gemm = match guard.as_mut() {
             Some(g) => g,
@@ -538,12 +539,12 @@ impl CudaBackend {
             (DType::F16 | DType::Bf16, None) => {
                 let len = rows * k;
                 let scratch = match gemm.scratch.take() {
-                    Some(kept) if kept.len() >= product_rows(rows) * k => kept,
+                    Some(kept) if kept.len() >= padded * k => kept,
                     // Freed (stream-ordered) before its larger replacement is allocated.
                     small => {
                         self.renew("a GEMM scratch")?;
                         drop(small);
-                        self.alloc::<u16>(product_rows(rows) * k)?
+                        self.alloc::<u16>(padded * k)?
                     }
                 };
                 let scratch = gemm.scratch.insert(scratch);
@@ -572,7 +573,6 @@ impl CudaBackend {
             Product::Narrow(c) => (c.len() / n, c.device_ptr_mut(s).0, cuda_type(w.dtype)),
         };
         // Padded where both operands hold the padding rows (activations are made so).
-        let padded = product_rows(rows);
         let run_rows = match b_rows.min(c_rows) >= padded {
             true => padded,
             false => rows,
