@@ -28,8 +28,8 @@
 //!   echoed prompt's rows reduced on rank 0 for their tokens' log-probabilities). Each
 //!   decode pass is timed on rank 0 beside the distinct KV bytes it must read
 //!   ([`DecodePasses`], by batch size), the measure a step's floor is priced from.
-//! - [`WarmUp`] and [`ServeConfig::most_step_rows`]: what a server runs before it says it is ready, so
-//!   that a backend's set-up on first use is not a client's wait.
+//! - [`WarmUp`] and [`ServeConfig::most_step_rows`]: what a server runs before it says it is
+//!   ready, so that a backend's set-up on first use is not a client's wait.
 
 mod books;
 mod engine;
