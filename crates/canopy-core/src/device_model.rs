@@ -162,7 +162,6 @@ pub struct PlanCost {
     pub predicted_us: f64,
 }
 
-/// The time constants [`DeviceModel::fit`] adjusts.
 /// What a plan moves, as the device model counts it (16-bit KV and queries): its KV in all,
 /// its distinct KV, the KV read again, its queries, and its partial rows where they merge
 /// (written once and read back once).
@@ -192,6 +191,7 @@ impl PlanBytes {
     }
 }
 
+/// The time constants [`DeviceModel::fit`] adjusts.
 const CONSTANTS: usize = 15;
 
 /// One measured step: a plan's quantities and the time it took.
