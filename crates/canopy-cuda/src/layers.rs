@@ -25,7 +25,7 @@ pub use tensor::{CudaTensor, CudaWeight};
 pub(crate) use gemm::LayerState;
 pub(crate) use walks::WalkScratch;
 
-use gemm::{gemv_fits, product_rows, Epilogue, GateUp, GemvRows, StepInput};
+use gemm::{activation_len, gemv_fits, product_rows, Epilogue, GateUp, GemvRows, StepInput};
 
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::error::{CudaError, DriverContext, Result};
@@ -280,7 +280,7 @@ impl CudaBackend {
         if out.operand != Some(dtype) {
             return Ok(None);
         }
-        let len = product_rows(out.rows) * out.cols;
+        let len = activation_len(out.rows, out.cols);
         Ok(Some(match kept {
             Some(buf) if buf.len() >= len => buf,
             _ => self.alloc::<u16>(len)?,
@@ -288,10 +288,10 @@ impl CudaBackend {
     }
 
     /// An uninitialized `rows × cols` activation, for a result written in full before it is
-    /// read; it holds the rows its products run at ([`product_rows`]).
+    /// read; it holds the rows its products run at ([`activation_len`]).
     fn tensor_of(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         Ok(CudaTensor::new(
-            self.alloc::<f32>(product_rows(rows) * cols)?,
+            self.alloc::<f32>(activation_len(rows, cols))?,
             rows,
             cols,
         ))
@@ -476,7 +476,7 @@ impl LayerOps for CudaBackend {
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> EResult<CudaTensor> {
-        let len = (product_rows(rows) * cols).max(1);
+        let len = activation_len(rows, cols).max(1);
         let data = self
             .stream
             .alloc_zeros::<f32>(len)

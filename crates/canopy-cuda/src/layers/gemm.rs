@@ -293,6 +293,12 @@ pub(crate) fn product_rows(rows: usize) -> usize {
     rows.next_multiple_of((doubling / PRODUCT_COUNTS_PER_DOUBLING).max(EXACT_PRODUCT_ROWS))
 }
 
+/// The elements of a `rows × cols` activation: the rows its products run at
+/// ([`product_rows`]), so that a product may read and write the padding rows.
+pub(crate) fn activation_len(rows: usize, cols: usize) -> usize {
+    product_rows(rows) * cols
+}
+
 impl CudaBackend {
     /// [`CudaBackend::product`] of operands checked to fit.
     pub(crate) fn checked_product(
@@ -353,7 +359,7 @@ impl CudaBackend {
             // A 16-bit weight's gate|up product is held in its dtype, as a 16-bit model's is:
             // half the bytes written and read back of the widest activation of a layer.
             Epilogue::Swiglu if w.dtype != DType::F32 => {
-                let mut gate_up = self.alloc::<u16>(product_rows(x.rows) * w.rows)?;
+                let mut gate_up = self.alloc::<u16>(activation_len(x.rows, w.rows))?;
                 self.gemm(x, w, Product::Narrow(&mut gate_up), false)?;
                 self.swiglu_halves(GateUp::Narrow(&gate_up, w.dtype), out)
             }
