@@ -11,8 +11,6 @@ export DATASETS=${DATASETS:-few-shot} METHODS=${METHODS:-auto} PROMPTS=${PROMPTS
 for r in ${RATES:-40 inf}; do
   RATE=$r OUT=$OUT/rate-$r bash "$(dirname "$0")/serve-phases.sh" > /dev/null
   cp "$OUT/rate-$r/serve-phases.txt" "$OUT/rate-$r.txt"
-  mkdir -p "$OUT/rate-$r/logs" && cp /tmp/*-auto-*.log /tmp/*-q-guided-*.log "$OUT/rate-$r/logs/" 2>/dev/null
-  rm -f /tmp/*-auto-*.log /tmp/*-q-guided-*.log
 done
 [ -n "${TESTS:-1}" ] && device_tests
 tar czf "$OUT/all.tgz" -C "$OUT" $(cd "$OUT" && ls -d rate-*/) && rm -rf "$OUT"/rate-*/

@@ -8,7 +8,7 @@
 # RATE sets the arrivals (requests a second, Poisson; default all at once), CANOPY_BIN the
 # binary, or BINS several (name=path ...; each run's name then starts with the binary's). Per
 # run also its decode steps: replayed from a recorded pass, or not. Results:
-# $OUT/serve-phases.txt, each run's JSON report in $OUT/phases/.
+# $OUT/serve-phases.txt, each run's JSON report in $OUT/phases/ and its log in $OUT/logs/.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 MODEL=${MODEL:---arch llama-3.1-8b --random-weights --backend cuda --max-context 20480 --kv-tokens 131072}
@@ -16,7 +16,7 @@ DATASETS=${DATASETS:-few-shot multi-doc}
 METHODS=${METHODS:-auto q-guided}
 CHUNKS=${CHUNKS:-8192}
 C=${CONCURRENCY:-64} N=${PROMPTS:-128} O=${OUTPUT_LEN:-128} LENGTHS=${LENGTHS:-} RATE=${RATE:-inf}
-mkdir -p "$OUT/phases"
+mkdir -p "$OUT/phases" "$OUT/logs"
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for entry in ${BINS:-new=$BIN}; do
@@ -31,9 +31,9 @@ mkdir -p "$OUT/phases"
           RUST_LOG=canopy_runtime=debug timeout 200 $BIN bench serve $MODEL --method "$m" \
             --max-batch "$C" --prefill-chunk "$c" --dataset "$d" --num-prompts "$N" \
             --max-concurrency "$C" --output-len "$O" --request-rate "$RATE" $LENGTHS \
-            --temperature 0 --json > "$OUT/phases/$name.json" 2> "/tmp/$name.log" \
-            || { log "FAILED: $name"; tail -3 "/tmp/$name.log"; continue; }
-          python3 "$(dirname "$0")/tools/serve_log.py" phases "$OUT/phases/$name.json" "/tmp/$name.log"
+            --temperature 0 --json > "$OUT/phases/$name.json" 2> "$OUT/logs/$name.log" \
+            || { log "FAILED: $name"; tail -3 "$OUT/logs/$name.log"; continue; }
+          python3 "$(dirname "$0")/tools/serve_log.py" phases "$OUT/phases/$name.json" "$OUT/logs/$name.log"
         done
       done
     done

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Where a served run's passes spend the GPU's time: `canopy bench serve` in process (8B shape,
 # random weights, greedy; DATASET few-shot, METHOD auto, PROMPTS 192 at RATE 40 requests a
-# second, 64 at a time) under a CUPTI activity trace, cut into passes at each embed_rows launch;
-# the passes with prompt chunks (prefill_attention or causal_attention) told from the decode steps
-# (tools/timeline.py --passes). Results: $OUT/serve-timeline.txt.
+# second, 64 at a time) under a CUPTI activity trace, cut into passes at each embed_rows
+# launch; the passes with prompt chunks (prefill_attention or causal_attention) told from the
+# decode steps (tools/timeline.py --passes). Results: $OUT/serve-timeline.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 {
