@@ -10,7 +10,7 @@ prefill_attention,causal_attention: a pass with prompt chunks) are told from the
 kind, medians of a pass's span (to the next pass's first kernel), its GPU busy time and its
 longest idle gap (where the host works between passes, between the logits' copy and the next
 pass's inputs) with the driver calls inside it, the host's driver calls made meanwhile, and
-the GPU time by name a pass.
+the idle gaps under 100 us by the work either side, and the GPU time by name a pass.
 
 With --steps, the window is the last N intervals between the ends of KERNEL's launches (a
 decode step's marker, e.g. top_logits, which a step launches twice: two intervals a step); GPU
@@ -74,26 +74,28 @@ def passes(gpu, api, first, marks):
     kinds = defaultdict(list)
     for lo, hi in zip(starts, starts[1:]):
         inside = [w for w in gpu if lo <= w[0] < hi]
-        busy, end, longest, gap = 0, lo, 0, (lo, lo)
-        for s, e, _ in inside:
+        busy, end, longest, gap, gaps, prev = 0, lo, 0, (lo, lo), [], "start"
+        for s, e, name in inside:
+            if s > end:
+                gaps.append((s - end, prev, name))
             if s - end > longest:
                 longest, gap = s - end, (end, s)
             if e > end:
                 busy += e - max(s, end)
-                end = e
+                end, prev = e, name
         if hi - end > longest:
             longest, gap = hi - end, (end, hi)
         kind = "with" if any(n in mark for _, _, n in inside) else "without"
         calls = [c for c in api if lo <= c[0] < hi]
         in_gap = [(max(a, gap[0]), min(b, gap[1]), n) for a, b, n in calls if b > gap[0] and a < gap[1]]
-        kinds[kind].append((hi - lo, busy, longest, inside, calls, in_gap))
+        kinds[kind].append((hi - lo, busy, longest, inside, calls, in_gap, gaps))
     for kind, runs in kinds.items():
         n = len(runs)
         med = [sorted(r[i] for r in runs)[n // 2] / 1e6 for i in range(3)]
         print(f"passes {kind} {marks}: {n}, medians: span {med[0]:.2f} ms, GPU busy "
               f"{med[1]:.2f} ms, its longest idle gap {med[2]:.2f} ms")
         held = defaultdict(lambda: [0, 0])
-        for *_, in_gap in runs:
+        for *_, in_gap, _ in runs:
             for a, b, name in in_gap:
                 held[name][0] += 1
                 held[name][1] += b - a
@@ -101,7 +103,7 @@ def passes(gpu, api, first, marks):
         for name, (c, t) in sorted(held.items(), key=lambda x: -x[1][1])[:6]:
             print(f"  {t / 1e6 / n:9.3f} {c / n:8.1f}  {name}")
         host = defaultdict(lambda: [0, 0])
-        for *_, calls, _ in runs:
+        for *_, calls, _, _ in runs:
             for a, b, name in calls:
                 host[name][0] += 1
                 host[name][1] += b - a
@@ -110,8 +112,19 @@ def passes(gpu, api, first, marks):
               f"ran, {total / 1e6 / n:.2f} ms in all):")
         for name, (c, t) in sorted(host.items(), key=lambda x: -x[1][1])[:8]:
             print(f"  {t / 1e6 / n:9.3f} {c / n:8.1f}  {name}")
+        between = defaultdict(lambda: [0, 0])
+        for *_, gaps in runs:
+            for d, before, after in gaps:
+                if d < 100_000:
+                    between[(before[:28], after[:28])][0] += 1
+                    between[(before[:28], after[:28])][1] += d
+        idle = sum(t for _, t in between.values())
+        print(f"  idle gaps under 100 us a pass, by the work either side ({idle / 1e6 / n:.3f} ms "
+              f"in all; ms, count, mean us):")
+        for (a, b), (c, t) in sorted(between.items(), key=lambda x: -x[1][1])[:14]:
+            print(f"  {t / 1e6 / n:9.3f} {c / n:8.1f} {t / c / 1e3:6.1f}  {a} -> {b}")
         by_name = defaultdict(lambda: [0, 0])
-        for _, _, _, inside, _, _ in runs:
+        for _, _, _, inside, _, _, _ in runs:
             for s, e, name in inside:
                 by_name[name[:60]][0] += 1
                 by_name[name[:60]][1] += e - s
