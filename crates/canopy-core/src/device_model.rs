@@ -33,9 +33,10 @@ use crate::geometry::{
     cuda_core_slots, cut_for_cuda_cores, cut_for_gpu, cut_slots, max_cta_rows, merge_is_wide,
     runs_on_tensor_cores, runs_per_head, HEADS_PER_CTA, MAX_CTAS_PER_SM,
 };
-use crate::plan::Plan;
+use crate::plan::{Plan, RowBytes};
 use crate::planner::Method;
 use crate::shape::AttnShape;
+use crate::shard::TreeView;
 use serde::{Deserialize, Serialize};
 
 /// The constants of the price of a step. Defaults were fitted by `canopy fit-model` to two
@@ -189,6 +190,43 @@ impl PlanBytes {
             },
         }
     }
+
+    /// What Q-guided's plan of whole paths ([`crate::planner::auto_candidates`]' Q-guided)
+    /// moves, counted on the view without making the plan: each query one group of its whole
+    /// context on this rank, none for a query whose context here is empty. Nodes' KV ranges
+    /// are disjoint, so the distinct KV is that of the nodes some query reads.
+    fn of_q_guided(view: &TreeView, shape: &AttnShape) -> PlanBytes {
+        let tree = view.tree;
+        let bytes = RowBytes::of(shape, crate::DType::F16);
+        let (mut kv_tokens, mut unique_tokens) = (0u64, 0u64);
+        // Whether a node's path holds any KV on this rank; parents come first in DFS order.
+        let mut reaches_kv = vec![false; tree.nodes().len()];
+        for &n in tree.dfs_order() {
+            let len = view.node_kv(n).len() as u64;
+            let readers = tree.queries_through(n).len() as u64;
+            kv_tokens += len * readers;
+            if readers > 0 {
+                unique_tokens += len;
+            }
+            let parent = tree.node(n).parent.is_some_and(|p| reaches_kv[p as usize]);
+            reaches_kv[n as usize] = parent || len > 0;
+        }
+        let rows = (0..tree.num_queries() as u32)
+            .filter(|&q| reaches_kv[tree.query_node(q) as usize])
+            .count() as u64;
+        let unique_kv = unique_tokens * bytes.kv_token;
+        PlanBytes {
+            kv: kv_tokens * bytes.kv_token,
+            unique_kv,
+            reread: (kv_tokens * bytes.kv_token).saturating_sub(unique_kv),
+            q: rows * bytes.q_row,
+            // Every query its own one row: no merge, unless a query has none.
+            partials: match rows == tree.num_queries() as u64 {
+                true => 0,
+                false => rows * bytes.partial_row,
+            },
+        }
+    }
 }
 
 /// The time constants [`DeviceModel::fit`] adjusts.
@@ -235,7 +273,16 @@ impl DeviceModel {
     /// Cheap where the prediction is not: a plan of a hundred thousand partial rows (a
     /// flattened prefix under thousands of prompt rows) takes milliseconds to cut.
     pub fn floor_us(&self, plan: &Plan, shape: &AttnShape) -> f64 {
-        let b = PlanBytes::of(plan, shape);
+        self.floor_of(&PlanBytes::of(plan, shape))
+    }
+
+    /// [`DeviceModel::floor_us`] of Q-guided's plan of whole paths on `view`, without making
+    /// that plan (a group per query: thousands, under a pass of prompt rows).
+    pub fn q_guided_floor_us(&self, view: &TreeView, shape: &AttnShape) -> f64 {
+        self.floor_of(&PlanBytes::of_q_guided(view, shape))
+    }
+
+    fn floor_of(&self, b: &PlanBytes) -> f64 {
         let l2_bytes_per_us = self.l2_bytes_per_us.max(self.cuda_l2_bytes_per_us);
         (b.unique_kv + b.q + 2 * b.partials) as f64 / self.bytes_per_us
             + b.reread as f64 / l2_bytes_per_us

@@ -135,6 +135,28 @@ pub struct Plan {
     query_rows: Vec<u32>,
 }
 
+/// The bytes a plan moves per unit, for [`Plan::io`] and for counts made without a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowBytes {
+    /// A KV token's key and value.
+    pub kv_token: u64,
+    /// A query row (every query head of one query).
+    pub q_row: u64,
+    /// A partial row: o (fp32, head_dim) and lse (fp32) per query head, written by stage 1 and
+    /// read by stage 2.
+    pub partial_row: u64,
+}
+
+impl RowBytes {
+    pub fn of(shape: &AttnShape, dtype: DType) -> RowBytes {
+        RowBytes {
+            kv_token: 2 * shape.kv_token_bytes(dtype) as u64,
+            q_row: shape.q_row_elems() as u64 * dtype.size_bytes() as u64,
+            partial_row: shape.q_heads as u64 * (shape.head_dim as u64 + 1) * 4,
+        }
+    }
+}
+
 impl Plan {
     /// Validates the groups and builds the partial-row layout and the query → rows CSR map.
     pub fn new(num_queries: usize, groups: Vec<Group>) -> Result<Plan> {
@@ -428,11 +450,11 @@ impl Plan {
 
     /// The analytic IO of executing this plan (DeFT's IO table), for `shape` and `dtype`.
     pub fn io(&self, shape: &AttnShape, dtype: DType) -> IoReport {
-        let elem = dtype.size_bytes() as u64;
-        let kv_token_bytes = 2 * shape.kv_token_bytes(dtype) as u64;
-        let q_row_bytes = shape.q_row_elems() as u64 * elem;
-        // o (fp32, head_dim) + lse (fp32) per query head; written by stage 1, read by stage 2.
-        let partial_row_bytes = shape.q_heads as u64 * (shape.head_dim as u64 + 1) * 4;
+        let RowBytes {
+            kv_token: kv_token_bytes,
+            q_row: q_row_bytes,
+            partial_row: partial_row_bytes,
+        } = RowBytes::of(shape, dtype);
         let tokens: Vec<u64> = self.groups.iter().map(|g| g.tokens() as u64).collect();
         let kv_tokens: u64 = tokens.iter().sum();
         let max = tokens.iter().copied().max().unwrap_or(0);

@@ -237,31 +237,38 @@ pub struct AutoChoice {
 /// [`auto_choices`] would, but leaves unpriced (at infinity) the candidates whose
 /// [`DeviceModel::floor_us`] shows they cannot change the pick: the others by their partial
 /// rows, fewest first, each skipped where its floor is above the fastest priced so far; then
-/// Q-guided, skipped where its floor is above the fastest by more than the margin.
+/// Q-guided, skipped where its floor is above the fastest by more than the margin. Q-guided's
+/// floor is counted on the view ([`DeviceModel::q_guided_floor_us`]), and its plan, a group
+/// per query, is made only where it is priced.
 pub fn choose(
     view: &TreeView,
     shape: &AttnShape,
     base: &PlannerConfig,
     model: &DeviceModel,
 ) -> Result<AutoChoice> {
-    let mut choices = planned_candidates(view, shape, base)?;
+    let (q_guided, others): (Vec<_>, Vec<_>) = auto_candidates(base)
+        .into_iter()
+        .partition(|(m, _)| *m == Method::QGuided);
+    let mut choices = planned(view, shape, others)?;
     let mut order: Vec<usize> = (0..choices.len()).collect();
-    order.sort_by_key(|&i| {
-        let c = &choices[i];
-        (c.method == Method::QGuided, c.plan.num_partial_rows())
-    });
+    order.sort_by_key(|&i| choices[i].plan.num_partial_rows());
     let mut fastest = f64::INFINITY;
     for i in order {
         let c = &mut choices[i];
-        let bar = match c.method {
-            Method::QGuided => fastest * model.q_guided_margin.max(0.0).exp(),
-            _ => fastest,
-        };
-        if model.floor_us(&c.plan, shape) > bar {
+        if model.floor_us(&c.plan, shape) > fastest {
             continue;
         }
         c.predicted_us = model.predict_us(&c.plan, shape);
         fastest = fastest.min(c.predicted_us);
+    }
+    let bar = fastest * model.q_guided_margin.max(0.0).exp();
+    if model.q_guided_floor_us(view, shape) <= bar {
+        // Priced, it goes first, as in `Method::ALL` (ties go to the first).
+        let mut q = planned(view, shape, q_guided)?;
+        for c in &mut q {
+            c.predicted_us = model.predict_us(&c.plan, shape);
+        }
+        choices.splice(0..0, q);
     }
     let pick = model
         .pick(&predictions(&choices))
@@ -277,21 +284,20 @@ pub fn auto_choices(
     base: &PlannerConfig,
     model: &DeviceModel,
 ) -> Result<Vec<AutoChoice>> {
-    let mut choices = planned_candidates(view, shape, base)?;
+    let mut choices = planned(view, shape, auto_candidates(base))?;
     for c in &mut choices {
         c.predicted_us = model.predict_us(&c.plan, shape);
     }
     Ok(choices)
 }
 
-/// Every candidate of `auto` planned on `view`, in the candidates' order, not yet priced (at
-/// infinity).
-fn planned_candidates(
+/// `candidates` planned on `view`, in their order, not yet priced (at infinity).
+fn planned(
     view: &TreeView,
     shape: &AttnShape,
-    base: &PlannerConfig,
+    candidates: Vec<(Method, PlannerConfig)>,
 ) -> Result<Vec<AutoChoice>> {
-    auto_candidates(base)
+    candidates
         .into_iter()
         .map(|(method, config)| {
             Ok(AutoChoice {

@@ -208,9 +208,11 @@ fn explicit(rng: &mut ChaCha8Rng, tag: &str) -> Draw {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planner::{auto_choices, choose, plan, predictions, Method, PlannerConfig};
+    use crate::planner::{
+        auto_candidates, auto_choices, choose, plan, predictions, Method, PlannerConfig,
+    };
     use crate::shape::AttnShape;
-    use crate::shard::{Shard, TreeView};
+    use crate::shard::{shard_tree, Shard, TreeView};
     use crate::DeviceModel;
     use proptest::prelude::*;
 
@@ -277,6 +279,29 @@ mod tests {
                     prop_assert!(plan(&view, m, &shape, &cfg).is_ok(), "{} {m}", d.name);
                 }
                 prop_assert!(choose(&view, &shape, &cfg, &model).is_ok(), "{}", d.name);
+            }
+        }
+
+        /// Q-guided's floor counted on the view is the floor of its plan of whole paths, on
+        /// drawn trees whole and on every rank's shard (where some queries read nothing).
+        #[test]
+        fn q_guided_floor_counts_its_plan(seed in any::<u64>(), ranks in 1usize..5) {
+            let model = DeviceModel::default();
+            let cfg = auto_candidates(&PlannerConfig::default())
+                .into_iter()
+                .find(|(m, _)| *m == Method::QGuided)
+                .expect("auto tries q-guided")
+                .1;
+            for d in draws(seed, 8) {
+                let tree = d.build().unwrap();
+                for shard in shard_tree(&tree, ranks).unwrap() {
+                    let view = TreeView::new(&tree, &shard);
+                    for shape in [AttnShape::new(32, 8, 128).unwrap(), AttnShape::new(9, 3, 64).unwrap()] {
+                        let want = model.floor_us(&plan(&view, Method::QGuided, &shape, &cfg).unwrap(), &shape);
+                        let got = model.q_guided_floor_us(&view, &shape);
+                        prop_assert_eq!(got, want, "{} on {} ranks", d.name, ranks);
+                    }
+                }
             }
         }
 
