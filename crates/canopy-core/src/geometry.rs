@@ -171,7 +171,12 @@ pub struct CtaItem {
 /// work per token. A many-row CTA streams one head but does its rows' tensor-core work on
 /// every token: a token of 64 rows is counted as two head-tokens.
 fn cta_shape(g: &Group, shape: &AttnShape) -> (bool, u64, u64) {
-    let rows = g.queries.len() * shape.group_size();
+    queries_cta_shape(g.queries.len(), shape)
+}
+
+/// [`cta_shape`] of a group of `queries` queries.
+fn queries_cta_shape(queries: usize, shape: &AttnShape) -> (bool, u64, u64) {
+    let rows = queries * shape.group_size();
     if runs_per_head(rows, shape.kv_heads) {
         let ctas = (shape.kv_heads / HEADS_PER_CTA) as u64;
         (true, ctas, 64 * HEADS_PER_CTA as u64)
@@ -213,13 +218,61 @@ pub fn cut_for_gpu(plan: &Plan, shape: &AttnShape, slots: usize) -> (Plan, Vec<C
         .sum();
     let mut shares = slots.max(1);
     loop {
-        let (cut, items) = cut_into_shares(&plan, shape, total, shares);
-        let over = items.len().saturating_sub(slots);
+        let over = ctas_in_shares(&plan, shape, total, shares).saturating_sub(slots);
         if over == 0 || uncut > slots || shares == 1 {
-            return (cut, items);
+            return cut_into_shares(&plan, shape, total, shares);
         }
         shares = shares.saturating_sub(over).max(1);
     }
+}
+
+/// The token counts a group of `plan` (split by query already) is cut into, pieces of at least
+/// `piece` work (one group: not cut).
+fn group_pieces(g: &Group, shape: &AttnShape, piece: u64) -> Vec<u32> {
+    piece_sizes(g.tokens() as u64, pieces_wanted(g, shape, piece))
+}
+
+/// The pieces [`group_pieces`] asks [`piece_sizes`] for.
+fn pieces_wanted(g: &Group, shape: &AttnShape, piece: u64) -> u64 {
+    let (_, _, per_token) = cta_shape(g, shape);
+    let tokens = g.tokens() as u64;
+    let rows = (g.queries.len() * shape.group_size()) as u64;
+    let shortest = (PIECE_TOKENS_PER_ROW as u64 * rows).max(MIN_PIECE_TOKENS as u64);
+    let want = cta_work(tokens, per_token) / piece;
+    want.min(tokens / shortest)
+}
+
+/// How many CTAs [`cut_into_shares`] makes, counted without making the cut: a masked piece
+/// keeps only the queries that see some of its tokens ([`Group::trimmed`]), and none, no CTA.
+fn ctas_in_shares(plan: &Plan, shape: &AttnShape, total: u64, shares: usize) -> usize {
+    let piece = (total / shares as u64).max(1);
+    let ctas = |queries: usize| queries_cta_shape(queries, shape).1 as usize;
+    let mut count = 0;
+    for g in plan.groups() {
+        // `piece_sizes` makes this many pieces, none empty (a group has tokens).
+        let pieces = pieces_wanted(g, shape, piece).clamp(1, (g.tokens() as u64).max(1));
+        let Some(mask) = g.mask.as_ref().filter(|_| pieces > 1) else {
+            count += pieces as usize * ctas(g.queries.len());
+            continue;
+        };
+        let sizes = group_pieces(g, shape, piece);
+        let words = g.mask_words();
+        let mut token = 0;
+        for n in sizes.into_iter().filter(|&n| n > 0).map(|n| n as usize) {
+            let mut seen = vec![0u64; words];
+            for row in mask[token * words..(token + n) * words].chunks(words) {
+                seen.iter_mut().zip(row).for_each(|(s, w)| *s |= w);
+            }
+            token += n;
+            let kept = (0..g.queries.len())
+                .filter(|j| seen[j / 64] >> (j % 64) & 1 == 1)
+                .count();
+            if kept > 0 {
+                count += ctas(kept);
+            }
+        }
+    }
+    count
 }
 
 /// [`cut_for_gpu`]'s cut of `plan` (split by query already) into pieces of at least one of
@@ -231,14 +284,7 @@ fn cut_into_shares(
     shares: usize,
 ) -> (Plan, Vec<CtaItem>) {
     let piece = (total / shares as u64).max(1);
-    let plan = plan.split_groups_into(|g| {
-        let (_, _, per_token) = cta_shape(g, shape);
-        let tokens = g.tokens() as u64;
-        let rows = (g.queries.len() * shape.group_size()) as u64;
-        let shortest = (PIECE_TOKENS_PER_ROW as u64 * rows).max(MIN_PIECE_TOKENS as u64);
-        let want = cta_work(tokens, per_token) / piece;
-        piece_sizes(tokens, want.min(tokens / shortest))
-    });
+    let plan = plan.split_groups_into(|g| group_pieces(g, shape, piece));
     let mut items = Vec::new();
     for (i, g) in plan.groups().iter().enumerate() {
         let (per_head, ctas, per_token) = cta_shape(g, shape);
@@ -453,6 +499,36 @@ mod tests {
             proptest::prop_assert!(last <= share);
             proptest::prop_assert!(last + (CUT_TAIL_ROOM as u64).min(share / 2) >= share);
             proptest::prop_assert!(sizes.iter().all(|&n| n as u64 >= last));
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// The CTAs counted without cutting are the cut's, for every planner's plans of drawn
+        /// trees (masked groups among them) and any number of shares.
+        #[test]
+        fn ctas_counted_are_the_cuts(seed in proptest::prelude::any::<u64>(), shares in 1usize..2_000) {
+            use crate::planner::{plan, Method, PlannerConfig};
+            use crate::shard::{Shard, TreeView};
+            for d in crate::random_trees::draws(seed, 6) {
+                let tree = d.build().unwrap();
+                let shard = Shard::whole(&tree);
+                let view = TreeView::new(&tree, &shard);
+                for shape in [shape(32, 8), shape(32, 32), AttnShape::new(9, 3, 64).unwrap()] {
+                    for m in Method::ALL {
+                        let p = plan(&view, m, &shape, &PlannerConfig::default()).unwrap();
+                        let p = p.split_queries((CTA_ROWS / shape.group_size()).max(1));
+                        let total: u64 = p.groups().iter().map(|g| {
+                            let (_, ctas, per_token) = cta_shape(g, &shape);
+                            ctas * cta_work(g.tokens() as u64, per_token)
+                        }).sum();
+                        let want = cut_into_shares(&p, &shape, total, shares).1.len();
+                        let got = ctas_in_shares(&p, &shape, total, shares);
+                        proptest::prop_assert_eq!(got, want, "{} {}", d.name, m);
+                    }
+                }
+            }
         }
     }
 }
