@@ -203,14 +203,7 @@ fn cta_work(tokens: u64, per_token_64ths: u64) -> u64 {
 /// the step stays one wave instead of ending with a few CTAs run after the rest.
 pub fn cut_for_gpu(plan: &Plan, shape: &AttnShape, slots: usize) -> (Plan, Vec<CtaItem>) {
     let plan = plan.split_queries((CTA_ROWS / shape.group_size()).max(1));
-    let total: u64 = plan
-        .groups()
-        .iter()
-        .map(|g| {
-            let (_, ctas, per_token) = cta_shape(g, shape);
-            ctas * cta_work(g.tokens() as u64, per_token)
-        })
-        .sum();
+    let total = plan_work(&plan, shape);
     let uncut: usize = plan
         .groups()
         .iter()
@@ -224,6 +217,17 @@ pub fn cut_for_gpu(plan: &Plan, shape: &AttnShape, slots: usize) -> (Plan, Vec<C
         }
         shares = shares.saturating_sub(over).max(1);
     }
+}
+
+/// The work of all CTAs of `plan` (split by query already), which [`cut_into_shares`] shares.
+fn plan_work(plan: &Plan, shape: &AttnShape) -> u64 {
+    plan.groups()
+        .iter()
+        .map(|g| {
+            let (_, ctas, per_token) = cta_shape(g, shape);
+            ctas * cta_work(g.tokens() as u64, per_token)
+        })
+        .sum()
 }
 
 /// The token counts a group of `plan` (split by query already) is cut into, pieces of at least
@@ -249,17 +253,18 @@ fn ctas_in_shares(plan: &Plan, shape: &AttnShape, total: u64, shares: usize) -> 
     let ctas = |queries: usize| queries_cta_shape(queries, shape).1 as usize;
     let mut count = 0;
     for g in plan.groups() {
-        // `piece_sizes` makes this many pieces, none empty (a group has tokens).
-        let pieces = pieces_wanted(g, shape, piece).clamp(1, (g.tokens() as u64).max(1));
+        let pieces = piece_count(g.tokens() as u64, pieces_wanted(g, shape, piece));
         let Some(mask) = g.mask.as_ref().filter(|_| pieces > 1) else {
             count += pieces as usize * ctas(g.queries.len());
             continue;
         };
-        let sizes = group_pieces(g, shape, piece);
         let words = g.mask_words();
-        let mut token = 0;
-        for n in sizes.into_iter().filter(|&n| n > 0).map(|n| n as usize) {
-            let mut seen = vec![0u64; words];
+        let (mut token, mut seen) = (0, vec![0u64; words]);
+        for n in group_pieces(g, shape, piece)
+            .into_iter()
+            .map(|n| n as usize)
+        {
+            seen.fill(0);
             for row in mask[token * words..(token + n) * words].chunks(words) {
                 seen.iter_mut().zip(row).for_each(|(s, w)| *s |= w);
             }
@@ -305,11 +310,17 @@ fn cut_into_shares(
     (plan, items)
 }
 
+/// The pieces [`piece_sizes`] cuts `tokens` into when asked for `pieces`: at least 1, at most
+/// one a token, none empty.
+fn piece_count(tokens: u64, pieces: u64) -> u64 {
+    pieces.clamp(1, tokens.max(1))
+}
+
 /// `tokens` cut into `pieces` (at least 1, at most one a token): evenly, but for the last piece,
 /// short by up to [`CUT_TAIL_ROOM`] tokens, and at most half a share. It is short only as far
 /// as no other piece passes the even cut's longest, rounded up to whole [`HEADS_TILE`] tiles.
 pub fn piece_sizes(tokens: u64, pieces: u64) -> Vec<u32> {
-    let pieces = pieces.clamp(1, tokens.max(1));
+    let pieces = piece_count(tokens, pieces);
     if pieces < 2 {
         return even_sizes(tokens, pieces);
     }
@@ -519,10 +530,7 @@ mod tests {
                     for m in Method::ALL {
                         let p = plan(&view, m, &shape, &PlannerConfig::default()).unwrap();
                         let p = p.split_queries((CTA_ROWS / shape.group_size()).max(1));
-                        let total: u64 = p.groups().iter().map(|g| {
-                            let (_, ctas, per_token) = cta_shape(g, &shape);
-                            ctas * cta_work(g.tokens() as u64, per_token)
-                        }).sum();
+                        let total = plan_work(&p, &shape);
                         let want = cut_into_shares(&p, &shape, total, shares).1.len();
                         let got = ctas_in_shares(&p, &shape, total, shares);
                         proptest::prop_assert_eq!(got, want, "{} {}", d.name, m);

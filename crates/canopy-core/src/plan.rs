@@ -137,18 +137,18 @@ pub struct Plan {
 
 /// The bytes a plan moves per unit, for [`Plan::io`] and for counts made without a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RowBytes {
+pub(crate) struct RowBytes {
     /// A KV token's key and value.
-    pub kv_token: u64,
+    pub(crate) kv_token: u64,
     /// A query row (every query head of one query).
-    pub q_row: u64,
+    pub(crate) q_row: u64,
     /// A partial row: o (fp32, head_dim) and lse (fp32) per query head, written by stage 1 and
     /// read by stage 2.
-    pub partial_row: u64,
+    pub(crate) partial_row: u64,
 }
 
 impl RowBytes {
-    pub fn of(shape: &AttnShape, dtype: DType) -> RowBytes {
+    pub(crate) fn of(shape: &AttnShape, dtype: DType) -> RowBytes {
         RowBytes {
             kv_token: 2 * shape.kv_token_bytes(dtype) as u64,
             q_row: shape.q_row_elems() as u64 * dtype.size_bytes() as u64,
