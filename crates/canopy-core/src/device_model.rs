@@ -214,11 +214,11 @@ impl PlanBytes {
         let rows = (0..tree.num_queries() as u32)
             .filter(|&q| reaches_kv[tree.query_node(q) as usize])
             .count() as u64;
-        let unique_kv = unique_tokens * bytes.kv_token;
+        let (kv, unique_kv) = (kv_tokens * bytes.kv_token, unique_tokens * bytes.kv_token);
         PlanBytes {
-            kv: kv_tokens * bytes.kv_token,
+            kv,
             unique_kv,
-            reread: (kv_tokens * bytes.kv_token).saturating_sub(unique_kv),
+            reread: kv.saturating_sub(unique_kv),
             q: rows * bytes.q_row,
             // Every query its own one row: no merge, unless a query has none.
             partials: match rows == tree.num_queries() as u64 {

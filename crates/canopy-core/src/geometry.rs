@@ -253,17 +253,16 @@ fn ctas_in_shares(plan: &Plan, shape: &AttnShape, total: u64, shares: usize) -> 
     let ctas = |queries: usize| queries_cta_shape(queries, shape).1 as usize;
     let mut count = 0;
     for g in plan.groups() {
-        let pieces = piece_count(g.tokens() as u64, pieces_wanted(g, shape, piece));
+        let (tokens, wanted) = (g.tokens() as u64, pieces_wanted(g, shape, piece));
+        let pieces = piece_count(tokens, wanted);
         let Some(mask) = g.mask.as_ref().filter(|_| pieces > 1) else {
             count += pieces as usize * ctas(g.queries.len());
             continue;
         };
         let words = g.mask_words();
         let (mut token, mut seen) = (0, vec![0u64; words]);
-        for n in group_pieces(g, shape, piece)
-            .into_iter()
-            .map(|n| n as usize)
-        {
+        // `group_pieces`' sizes, from the pieces wanted counted above.
+        for n in piece_sizes(tokens, wanted).into_iter().map(|n| n as usize) {
             seen.fill(0);
             for row in mask[token * words..(token + n) * words].chunks(words) {
                 seen.iter_mut().zip(row).for_each(|(s, w)| *s |= w);
