@@ -30,6 +30,7 @@ mod cpu_merge;
 mod error;
 pub mod host_ops;
 pub mod layer_ops;
+mod logit_checks;
 pub mod memory;
 pub mod merge;
 pub mod predict;
