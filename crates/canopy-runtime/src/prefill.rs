@@ -34,12 +34,13 @@ pub(crate) struct PrefillRows<'a> {
     pub stores: &'a [(u32, u32)],
 }
 
-/// How one layer's queries attend, given the layer's cache, its q, k and v, and the rows whose
-/// output is read (`None`: every row): writes those rows' attention output (`rows ×
-/// q_heads · head_dim`, in the order given) into the last argument.
+/// How one layer's queries attend, given the layer's cache, its q, k and v (theirs to keep: q
+/// may become the queries of an attention without a copy), and the rows whose output is read
+/// (`None`: every row): writes those rows' attention output (`rows × q_heads · head_dim`, in
+/// the order given) into the last argument.
 type Attend<'a, B> = dyn FnMut(
         &<B as Backend>::Kv,
-        &Qkv<B>,
+        Qkv<B>,
         Option<&[usize]>,
         &mut <B as LayerOps>::Tensor,
     ) -> Result<()>
@@ -67,13 +68,13 @@ fn through_layers<B: LayerOps>(
         let qkv = layers.qkv(backend, l, &x, rows.positions, Some((cache, rows.stores)))?;
         match read.filter(|_| l == last) {
             None => {
-                attend(cache, &qkv, None, &mut attn)?;
+                attend(cache, qkv, None, &mut attn)?;
                 layers.finish(backend, l, &mut x, &attn)?;
             }
             Some([]) => {}
             Some(read) => {
                 let mut attn = layers.attention_output(backend, read.len())?;
-                attend(cache, &qkv, Some(read), &mut attn)?;
+                attend(cache, qkv, Some(read), &mut attn)?;
                 let mut kept = backend.output_tensor(read.len(), backend.dims(&x).1)?;
                 backend.gather_rows(&x, read, &mut kept)?;
                 layers.finish(backend, l, &mut kept, &attn)?;
@@ -102,7 +103,7 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
     let shape = layers.attn_shape();
     let n = rows.ids.len();
     let windows = ChunkWindows::new(rows.positions, chunks);
-    let attend = &mut |cache: &B::Kv, qkv: &Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
+    let attend = &mut |cache: &B::Kv, qkv: Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
         let mut states = backend.empty_states(&shape, n)?;
         let own = KeyBlock {
             k: &qkv.k,
@@ -113,7 +114,7 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
         let q_from = windows.q_from.as_deref();
         backend.causal_attention_from(&shape, &qkv.q, &windows.q_pos, q_from, own, &mut states)?;
         if let Some(cached) = cached.as_deref_mut() {
-            let q = backend.tensor_queries(&shape, &qkv.q)?;
+            let q = backend.take_queries(&shape, qkv.q)?;
             backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
         }
         Ok(backend.states_output(&states, out)?)
@@ -223,7 +224,7 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         };
         let held = &held;
         let attend =
-            &mut |cache: &B::Kv, qkv: &Qkv<B>, read: Option<&[usize]>, out: &mut B::Tensor| {
+            &mut |cache: &B::Kv, qkv: Qkv<B>, read: Option<&[usize]>, out: &mut B::Tensor| {
                 let Some(ex) = exchange.as_mut() else {
                     let (picked, q_pos): (_, Cow<[u32]>) = match read {
                         None => (None, Cow::Borrowed(&positions)),
