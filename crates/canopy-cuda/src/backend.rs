@@ -31,8 +31,8 @@ use canopy_core::geometry::{
 use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use canopy_kernels::{
-    rows_config, Kernel, MmaPipeline, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS, MERGE_WARPS,
-    MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    dtype_code, rows_config, Kernel, MmaPipeline, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS,
+    MERGE_WARPS, MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
@@ -369,6 +369,62 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The merge of `partials` by `plan` into `out`, which also writes `out`'s outputs rounded
+    /// to a 16-bit dtype into `rounded` where given (`rows × heads · head_dim` elements).
+    pub(crate) fn merge_rounded(
+        &self,
+        partials: &CudaStates,
+        plan: &CudaPlan,
+        out: &mut CudaStates,
+        rounded: Option<(&CudaSlice<u16>, DType)>,
+    ) -> Result<()> {
+        let nq = plan.plan.num_queries() as u32;
+        if out.rows != nq as usize {
+            return Err(CudaError::Unsupported(format!(
+                "output has {} rows for {nq} queries",
+                out.rows
+            )));
+        }
+        if nq == 0 {
+            return Ok(());
+        }
+        let cells = nq as usize * partials.heads;
+        let kernel = merge_kernel(cells, partials.head_dim, self.gpu.multiprocessors as usize);
+        let f = self.function(kernel)?;
+        let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
+        let s = &self.stream;
+        let params = Params::default()
+            .buffer(&partials.o, s)
+            .buffer(&partials.lse, s)
+            .buffer(&plan.words.slice(plan.layout.query_ptr.clone()), s)
+            .buffer(&plan.words.slice(plan.layout.query_rows.clone()), s)
+            .buffer(&out.o, s)
+            .buffer(&out.lse, s)
+            .u32(nq)
+            .i32(heads)
+            .i32(d)
+            .optional_buffer(rounded.map(|(buf, _)| buf), s)
+            .u32(rounded.map_or(0, |(_, dtype)| dtype_code(dtype)));
+        let cfg = match kernel {
+            Kernel::MergeWide => LaunchConfig {
+                grid_dim: ((cells * partials.head_dim / WIDE_MERGE_DIMS) as u32, 1, 1),
+                block_dim: (WIDE_MERGE_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            _ => LaunchConfig {
+                grid_dim: (cells.div_ceil(MERGE_WARPS) as u32, 1, 1),
+                block_dim: (MERGE_WARPS as u32 * 32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        };
+        // SAFETY: the arguments are the merge kernels' parameters, in order, and live through
+        // the call; the CSR rows index the partial buffers; `rounded` holds the output's
+        // elements (the caller's word).
+        unsafe { self.launch_dependent(&f, cfg, &params) }
+            .ctx(format!("launching {}", kernel.entry()))?;
+        Ok(())
+    }
+
     pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         self.refuse_while_capturing("a host upload")?;
         let mut d = self.alloc::<T>(host.len())?;
@@ -650,49 +706,7 @@ impl Backend for CudaBackend {
     }
 
     fn merge(&self, partials: &CudaStates, plan: &CudaPlan, out: &mut CudaStates) -> EResult<()> {
-        let nq = plan.plan.num_queries() as u32;
-        if out.rows != nq as usize {
-            return Err(CudaError::Unsupported(format!(
-                "output has {} rows for {nq} queries",
-                out.rows
-            ))
-            .into());
-        }
-        if nq == 0 {
-            return Ok(());
-        }
-        let cells = nq as usize * partials.heads;
-        let kernel = merge_kernel(cells, partials.head_dim, self.gpu.multiprocessors as usize);
-        let f = self.function(kernel)?;
-        let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
-        let s = &self.stream;
-        let params = Params::default()
-            .buffer(&partials.o, s)
-            .buffer(&partials.lse, s)
-            .buffer(&plan.words.slice(plan.layout.query_ptr.clone()), s)
-            .buffer(&plan.words.slice(plan.layout.query_rows.clone()), s)
-            .buffer(&out.o, s)
-            .buffer(&out.lse, s)
-            .u32(nq)
-            .i32(heads)
-            .i32(d);
-        let cfg = match kernel {
-            Kernel::MergeWide => LaunchConfig {
-                grid_dim: ((cells * partials.head_dim / WIDE_MERGE_DIMS) as u32, 1, 1),
-                block_dim: (WIDE_MERGE_THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            _ => LaunchConfig {
-                grid_dim: (cells.div_ceil(MERGE_WARPS) as u32, 1, 1),
-                block_dim: (MERGE_WARPS as u32 * 32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        };
-        // SAFETY: the arguments are the merge kernels' parameters, in order, and live through
-        // the call; the CSR rows index the partial buffers.
-        unsafe { self.launch_dependent(&f, cfg, &params) }
-            .ctx(format!("launching {}", kernel.entry()))?;
-        Ok(())
+        Ok(self.merge_rounded(partials, plan, out, None)?)
     }
 
     fn download(&self, s: &CudaStates) -> EResult<AttnStates> {

@@ -15,6 +15,7 @@
 
 mod attention;
 mod gemm;
+mod outputs;
 mod rope;
 mod tensor;
 mod top;
@@ -28,6 +29,7 @@ pub(crate) use walks::WalkScratch;
 use gemm::{activation_len, gemv_fits, product_rows, Epilogue, GateUp, GemvRows, StepInput};
 
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
+use crate::descriptors::CudaPlan;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::CudaKv;
 use crate::launch::Params;
@@ -742,29 +744,28 @@ impl LayerOps for CudaBackend {
     }
 
     fn states_output(&self, states: &CudaStates, out: &mut CudaTensor) -> EResult<()> {
-        let cols = states.heads * states.head_dim;
-        same_dims("states_output", "the output", out, (states.rows, cols))?;
-        let n = states.rows * cols;
-        let dtype = out.operand.unwrap_or(DType::F32);
-        let rounded = self.rounded_target(out, dtype)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let Some(mut buf) = rounded else {
-            self.stream
-                .memcpy_dtod(&states.o.slice(..n), &mut out.data.slice_mut(..n))
-                .ctx("cuMemcpyDtoDAsync")?;
-            return Ok(());
-        };
-        // The rounded copy alone: it is all the output projection reads.
-        let f = self.function(Kernel::Layers(dtype, "round_to_elem"))?;
-        let (len, no_copy) = (n as u64, 0u64);
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(&states.o).arg(&no_copy).arg(&mut buf).arg(&len);
-        // SAFETY: the states' o and the rounded copy each hold n elements (checked).
-        unsafe { b.launch(self.elementwise(n)) }.ctx("launching round_to_elem")?;
-        out.rounded = Some(buf);
-        Ok(())
+        Ok(self.output_of_states(states, out)?)
+    }
+
+    fn step_output(
+        &self,
+        kv: &CudaKv,
+        q: &CudaQueries,
+        plan: &CudaPlan,
+        partials: &mut CudaStates,
+        states: &mut CudaStates,
+        out: &mut CudaTensor,
+    ) -> EResult<bool> {
+        self.step_into_output(kv, q, plan, partials, states, out)
+    }
+
+    fn merge_into_output(
+        &self,
+        acc: &mut CudaStates,
+        x: &CudaStates,
+        out: &mut CudaTensor,
+    ) -> EResult<bool> {
+        self.merge_pair_into_output(acc, x, out)
     }
 
     /// A product the GEMV takes reads the outputs where the states hold them: no copy into

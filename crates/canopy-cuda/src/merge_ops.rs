@@ -2,10 +2,12 @@
 //! that run between the cross-rank merge's collectives, on the backend's stream.
 
 use crate::backend::{CudaBackend, CudaStates};
-use crate::error::{CudaError, DriverContext};
+use crate::error::{CudaError, DriverContext, Result};
+use crate::launch::Params;
+use canopy_core::DType;
 use canopy_engine::layer_ops::expect_room;
 use canopy_engine::{MergeOps, Result as EResult};
-use canopy_kernels::Kernel;
+use canopy_kernels::{dtype_code, Kernel};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use std::ops::Range;
 
@@ -15,6 +17,42 @@ fn dims(s: &CudaStates) -> (u32, u32) {
 }
 
 impl CudaBackend {
+    /// `x` merged into `acc` (`combine_pair`), which also writes the merged outputs rounded to
+    /// a 16-bit dtype into `rounded` where given (`rows × heads · head_dim` elements).
+    pub(crate) fn combine_pair(
+        &self,
+        acc: &mut CudaStates,
+        x: &CudaStates,
+        rounded: Option<(&CudaSlice<u16>, DType)>,
+    ) -> Result<()> {
+        if (acc.rows, acc.heads, acc.head_dim) != (x.rows, x.heads, x.head_dim) {
+            return Err(CudaError::Unsupported(
+                "merge_into: states of different shapes".into(),
+            ));
+        }
+        let (cells, d) = dims(acc);
+        let f = self.function(Kernel::Combine("combine_pair"))?;
+        let s = self.stream();
+        let params = Params::default()
+            .buffer(&acc.o, s)
+            .buffer(&acc.lse, s)
+            .buffer(&x.o, s)
+            .buffer(&x.lse, s)
+            .u32(d)
+            .optional_buffer(rounded.map(|(buf, _)| buf), s)
+            .u32(rounded.map_or(0, |(_, dtype)| dtype_code(dtype)));
+        let grid = LaunchConfig {
+            grid_dim: (cells.max(1), 1, 1),
+            block_dim: (d.min(128), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per cell of two states of the same shape (checked); reads and
+        // writes cells × d outputs and cells lse, and writes cells × d elements of `rounded`
+        // (the caller's word).
+        unsafe { self.launch_params(&f, grid, &params, false) }.ctx("launching combine_pair")?;
+        Ok(())
+    }
+
     /// A grid-stride launch over the `cells × (d + 1)` elements of a combine kernel.
     fn combine_grid(&self, cells: u32, d: u32) -> LaunchConfig {
         let n = cells as u64 * (d as u64 + 1);
@@ -166,28 +204,7 @@ impl MergeOps for CudaBackend {
     }
 
     fn merge_into(&self, acc: &mut CudaStates, x: &CudaStates) -> EResult<()> {
-        if (acc.rows, acc.heads, acc.head_dim) != (x.rows, x.heads, x.head_dim) {
-            return Err(
-                CudaError::Unsupported("merge_into: states of different shapes".into()).into(),
-            );
-        }
-        let (cells, d) = dims(acc);
-        let f = self.function(Kernel::Combine("combine_pair"))?;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(&mut acc.o)
-            .arg(&mut acc.lse)
-            .arg(&x.o)
-            .arg(&x.lse)
-            .arg(&d);
-        let grid = LaunchConfig {
-            grid_dim: (cells.max(1), 1, 1),
-            block_dim: (d.min(128), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: one block per cell of two states of the same shape (checked); reads and
-        // writes cells × d outputs and cells lse.
-        unsafe { b.launch(grid) }.ctx("launching combine_pair")?;
-        Ok(())
+        Ok(self.combine_pair(acc, x, None)?)
     }
 
     fn clear_states(&self, s: &mut CudaStates) -> EResult<()> {

@@ -1,7 +1,9 @@
 //! The CUDA backend's causal attention over blocks of keys against the CPU backend's, on fresh
 //! random inputs: the CUDA-core kernel (f32 keys, head dims the tensor cores do not hold) and
 //! the prefill's tensor-core kernel (16-bit keys), blocks merged in any order, and rows with
-//! windows (the keys from a row's start to its position) as a serving pass's chunks attend.
+//! windows (the keys from a row's start to its position) as a serving pass's chunks attend;
+//! and the attention outputs that the kernels finishing them write as the output projection's
+//! operand, against the states' path.
 //!
 //! Without a GPU (no driver, no device, no NVRTC) every test prints why and passes. The seed
 //! is printed; `CANOPY_TEST_SEED` repeats a run.
@@ -11,7 +13,7 @@ mod compare;
 use common::{gpu, rng};
 use compare::{check, poisoned, values};
 
-use canopy_core::{AttnShape, AttnStates, DType, TypedVec};
+use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
 use canopy_engine::{CachedKeys, CpuBackend, KeyBlock, LayerOps, Result};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -325,4 +327,189 @@ fn output_path<B: LayerOps>(b: &B, c: &OutputCase, fused: bool) -> Result<Vec<f3
     let mut product = poisoned(b, rows, cols)?;
     b.matmul(&out, &w, &mut product)?;
     b.download_tensor(&product)
+}
+
+/// The output of a decode step's merge (`step_output`) and of a prompt chunk's merge of two
+/// blocks (`merge_into_output`), written by those kernels as the output projection's operand
+/// and read through a product with the identity, against `step` or `merge_into` then
+/// `states_output`: bit for bit on the GPU (which writes the operand for 16-bit weights), and
+/// within rounding of the CPU (which never does). The step's plan is a shared prefix under a
+/// leaf per query, so every query's partial rows are merged.
+#[test]
+fn outputs_written_by_the_merges_equal_the_states_path() {
+    let test = "outputs_written_by_the_merges_equal_the_states_path";
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    let mut rng = rng(test);
+    for dtype in DType::ALL {
+        for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (9, 3, 64)] {
+            let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
+            eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?}:");
+            let queries = rng.gen_range(40..90usize);
+            let prefix = rng.gen_range(300..700u32);
+            let leaf = rng.gen_range(1..20u32);
+            let pool = prefix as usize + queries * leaf as usize;
+            let width = shape.kv_token_elems();
+            let case = MergeCase {
+                shape: &shape,
+                dtype,
+                kv: (
+                    &values(&mut rng, pool * width, 1.0),
+                    &values(&mut rng, pool * width, 1.0),
+                ),
+                q: &values(&mut rng, queries * shape.q_row_elems(), 1.0),
+                block: block(&mut rng, &shape, (0..queries as u32).collect()),
+                tree: (prefix, leaf),
+            };
+            let run =
+                |b: &dyn Fn(bool) -> Result<MergeOutputs>| (b(false).unwrap(), b(true).unwrap());
+            let (gpu_states, gpu_written) = run(&|w| merge_outputs(&gpu, &case, w));
+            let (cpu_states, cpu_written) = run(&|w| merge_outputs(&CpuBackend, &case, w));
+            let operand = dtype != DType::F32;
+            assert_eq!(
+                gpu_written.written,
+                (operand, operand),
+                "the GPU writes 16-bit operands"
+            );
+            assert_eq!(
+                cpu_written.written,
+                (false, false),
+                "the CPU leaves them to states_output"
+            );
+            for (what, got, want) in [
+                ("step_output", &gpu_written.step, &gpu_states.step),
+                ("merge_into_output", &gpu_written.pair, &gpu_states.pair),
+                ("cpu: step_output", &cpu_written.step, &cpu_states.step),
+                (
+                    "cpu: merge_into_output",
+                    &cpu_written.pair,
+                    &cpu_states.pair,
+                ),
+            ] {
+                check(&format!("{what} vs the states' path"), got, want, 0.0);
+            }
+            let tolerance = if operand { 1e-2 } else { 1e-5 };
+            check(
+                "step_output vs cpu",
+                &gpu_written.step,
+                &cpu_states.step,
+                tolerance,
+            );
+            check(
+                "merge_into_output vs cpu",
+                &gpu_written.pair,
+                &cpu_states.pair,
+                tolerance,
+            );
+        }
+    }
+}
+
+/// A decode step's inputs: K and V of a pool of the dtype, the queries, a block of keys whose
+/// states the step's merge with (a chunk's own keys), and the tree's prefix and leaf tokens.
+struct MergeCase<'a> {
+    shape: &'a AttnShape,
+    dtype: DType,
+    kv: (&'a [f32], &'a [f32]),
+    q: &'a [f32],
+    block: Block,
+    tree: (u32, u32),
+}
+
+/// The products of [`merge_outputs`] and whether each output was written by its merge.
+struct MergeOutputs {
+    step: Vec<f32>,
+    pair: Vec<f32>,
+    written: (bool, bool),
+}
+
+/// `c`'s step, then its states merged into those of the queries over `c`'s block, each output
+/// read through a product with the identity: written by the merges where the backend can
+/// (`written`), or through `states_output`.
+fn merge_outputs<B: LayerOps>(b: &B, c: &MergeCase, written: bool) -> Result<MergeOutputs> {
+    let (shape, dtype) = (c.shape, c.dtype);
+    let (cols, rows) = (shape.q_row_elems(), c.q.len() / shape.q_row_elems());
+    let (prefix, leaf) = c.tree;
+    let typed = |x: &[f32]| TypedVec::from_f32(dtype, x);
+    let mut kv = b.alloc_kv(shape, dtype, c.kv.0.len() / shape.kv_token_elems())?;
+    b.write_kv(&mut kv, 0, &typed(c.kv.0), &typed(c.kv.1))?;
+    let mut groups = vec![Group::unmasked(vec![0..prefix], (0..rows as u32).collect())];
+    groups.extend((0..rows as u32).map(|j| {
+        let from = prefix + j * leaf;
+        Group::unmasked(vec![from..from + leaf], vec![j])
+    }));
+    let plan = b.upload_plan(shape, &Plan::new(rows, groups).unwrap())?;
+    let queries = b.upload_queries(shape, c.q)?;
+    let eye: Vec<f32> = (0..cols * cols)
+        .map(|i| if i / cols == i % cols { 1.0 } else { 0.0 })
+        .collect();
+    let w = b.upload_weight(&typed(&eye), cols, cols)?;
+    let operand = || -> Result<B::Tensor> {
+        // Poisoned first: an operand's rounded copy is kept for the op that writes it next.
+        let mut out = b.gemm_operand(rows, cols, &w)?;
+        let mut poison = b.empty_states(shape, rows)?;
+        b.poison(&mut poison)?;
+        b.states_output(&poison, &mut out)?;
+        Ok(out)
+    };
+    let read = |out: &B::Tensor| -> Result<Vec<f32>> {
+        let mut product = poisoned(b, rows, cols)?;
+        b.matmul(out, &w, &mut product)?;
+        b.download_tensor(&product)
+    };
+    let mut partials = b.alloc_partials(shape, &plan)?;
+    let mut states = b.alloc_states(shape, rows)?;
+    b.poison(&mut partials)?;
+    b.poison(&mut states)?;
+    let mut step_out = operand()?;
+    let step_written = match written {
+        true => b.step_output(
+            &kv,
+            &queries,
+            &plan,
+            &mut partials,
+            &mut states,
+            &mut step_out,
+        )?,
+        false => {
+            b.step(&kv, &queries, &plan, &mut partials, &mut states)?;
+            false
+        }
+    };
+    if !step_written {
+        b.states_output(&states, &mut step_out)?;
+    }
+
+    let (k, v, positions) = &c.block;
+    let (k, v) = (
+        b.upload_tensor(k, positions.len(), shape.kv_token_elems())?,
+        b.upload_tensor(v, positions.len(), shape.kv_token_elems())?,
+    );
+    let own = KeyBlock {
+        k: &k,
+        v: &v,
+        positions,
+        dtype,
+    };
+    let q = b.upload_tensor(c.q, rows, cols)?;
+    let q_pos: Vec<u32> = (0..rows as u32).collect();
+    let mut acc = b.empty_states(shape, rows)?;
+    b.causal_attention_from(shape, &q, &q_pos, None, own, &mut acc)?;
+    let mut pair_out = operand()?;
+    let pair_written = match written {
+        true => b.merge_into_output(&mut acc, &states, &mut pair_out)?,
+        false => {
+            b.merge_into(&mut acc, &states)?;
+            false
+        }
+    };
+    if !pair_written {
+        b.states_output(&acc, &mut pair_out)?;
+    }
+    Ok(MergeOutputs {
+        step: read(&step_out)?,
+        pair: read(&pair_out)?,
+        written: (step_written, pair_written),
+    })
 }

@@ -422,6 +422,35 @@ pub trait LayerOps: MergeOps {
     }
     /// The states' outputs `o` (`rows × q_heads · head_dim`) as an activation.
     fn states_output(&self, states: &Self::States, out: &mut Self::Tensor) -> Result<()>;
+    /// [`Backend::step`](crate::Backend::step) into `states`, whose last kernel may also write
+    /// their outputs into `out` as [`LayerOps::states_output`] does, where `out` is kept in the
+    /// form a product reads ([`LayerOps::gemm_operand`]): no op of its own then converts them.
+    /// Returns whether `out` was written. By default it is not.
+    fn step_output(
+        &self,
+        kv: &Self::Kv,
+        q: &Self::Queries,
+        plan: &Self::Plan,
+        partials: &mut Self::States,
+        states: &mut Self::States,
+        out: &mut Self::Tensor,
+    ) -> Result<bool> {
+        let _ = out;
+        self.step(kv, q, plan, partials, states)?;
+        Ok(false)
+    }
+    /// [`MergeOps::merge_into`] of `x` into `acc`, which may also write the merged outputs into
+    /// `out` as [`LayerOps::step_output`] does. Returns whether `out` was written.
+    fn merge_into_output(
+        &self,
+        acc: &mut Self::States,
+        x: &Self::States,
+        out: &mut Self::Tensor,
+    ) -> Result<bool> {
+        let _ = out;
+        self.merge_into(acc, x)?;
+        Ok(false)
+    }
     /// `acc += o · wᵀ` for the states' outputs `o` ([`LayerOps::states_output`]'s rows): the
     /// attention's output projection and residual. `scratch` (`rows × q_heads · head_dim`,
     /// from [`LayerOps::gemm_operand`] for `w`) holds the outputs where the product cannot

@@ -13,6 +13,7 @@
 //!   started before the compute on it and finished after ([`Transport::start_kv_exchange`]),
 //!   so a transport that moves KV on a stream of its own (NCCL) overlaps the two.
 
+use crate::layer_ops::LayerOps;
 use crate::merge::{MergeCollective, MergeOps, StatesMerge, Transport};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
@@ -328,6 +329,40 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 }
                 Ok((acc, None))
             }
+        }
+    }
+}
+
+impl<B: LayerOps, C: Transport<B>> RankAttention<'_, B, C> {
+    /// [`RankAttention::attend`], whose last kernel also writes the attention's output into
+    /// `out` where the backend can ([`LayerOps::step_output`]): one rank's tree, whose step
+    /// ends with this rank's merge. Returns the states and whether `out` was written (if not,
+    /// the caller converts the states).
+    pub fn attend_output(
+        &mut self,
+        kv: &B::Kv,
+        q: &B::Queries,
+        out: &mut B::Tensor,
+    ) -> Result<(&B::States, bool)> {
+        let (backend, poison) = (self.backend, self.poison);
+        let written = match &mut self.kind {
+            Kind::Tree {
+                plan,
+                partials,
+                local,
+                ..
+            } if self.comm.size() == 1 => {
+                if poison {
+                    backend.poison(partials)?;
+                    backend.poison(local)?;
+                }
+                Some(backend.step_output(kv, q, plan, partials, local, out)?)
+            }
+            _ => None,
+        };
+        match written {
+            Some(written) => Ok((self.states(), written)),
+            None => Ok((self.attend(kv, q)?, false)),
         }
     }
 }

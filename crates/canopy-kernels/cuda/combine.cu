@@ -57,9 +57,12 @@ extern "C" __global__ void combine_gathered(const float* __restrict__ gathered, 
 }
 
 // The ring's fold: (acc_o, acc_lse) <- merge((acc_o, acc_lse), (o, lse)). One block per cell,
-// so every thread reads the old lse before thread 0 rewrites it.
+// so every thread reads the old lse before thread 0 rewrites it. Where `rounded` is not null,
+// each new acc_o is also written there rounded to the 16-bit type of code `rounded_dtype` (the
+// output projection's operand).
 extern "C" __global__ void combine_pair(float* __restrict__ acc_o, float* __restrict__ acc_lse,
-                                        const float* __restrict__ o, const float* __restrict__ lse, u32 d) {
+                                        const float* __restrict__ o, const float* __restrict__ lse, u32 d,
+                                        u16* __restrict__ rounded, u32 rounded_dtype) {
     const u32 c = blockIdx.x;
     const float la = acc_lse[c], lb = lse[c];
     const float M = fmaxf(la, lb);
@@ -68,7 +71,9 @@ extern "C" __global__ void combine_pair(float* __restrict__ acc_o, float* __rest
     const float den = wa + wb;
     for (u32 i = threadIdx.x; i < d; i += blockDim.x) {
         const u64 at = (u64)c * d + i;
-        acc_o[at] = den > 0.f ? (acc_o[at] * wa + o[at] * wb) / den : 0.f;
+        const float merged = den > 0.f ? (acc_o[at] * wa + o[at] * wb) / den : 0.f;
+        acc_o[at] = merged;
+        if (rounded) rounded[at] = round_to16(merged, rounded_dtype);
     }
     __syncthreads();
     if (threadIdx.x == 0) acc_lse[c] = den > 0.f ? M + __logf(den) : NEG_INF;

@@ -44,6 +44,19 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
     return (u16)(u >> 16);
 }
 
+// `x` rounded to the 16-bit type of code `dtype` (1: f16, 2: bf16, as CANOPY_DTYPE), for
+// kernels compiled once for fp32 that also write a 16-bit copy of their output.
+__device__ __forceinline__ u16 round_to16(float x, u32 dtype) {
+    return dtype == 1 ? f32_to_f16_rn(x) : f32_to_bf16_rn(x);
+}
+
+// A float4 rounded to the 16-bit type of code `dtype` into `out` (8-byte aligned).
+__device__ __forceinline__ void store_rounded4(u16* out, float4 x, u32 dtype) {
+    const u32 lo = round_to16(x.x, dtype) | (u32)round_to16(x.y, dtype) << 16;
+    const u32 hi = round_to16(x.z, dtype) | (u32)round_to16(x.w, dtype) << 16;
+    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+}
+
 #if CANOPY_DTYPE != 0
 // Two floats rounded to the 16-bit element type in one 32-bit word, `lo` in the low half (the
 // lower column of an MMA fragment).

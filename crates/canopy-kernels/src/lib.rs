@@ -226,12 +226,13 @@ pub enum Variant {
     Prefill { dtype: DType, head_dim: usize },
 }
 
-/// `CANOPY_DTYPE`'s value for an element type (`common.cuh`).
-fn dtype_code(d: DType) -> &'static str {
+/// `CANOPY_DTYPE`'s value for an element type (`common.cuh`), which kernels compiled for fp32
+/// also take as an argument to write a 16-bit copy of their output (`round_to16`).
+pub fn dtype_code(d: DType) -> u32 {
     match d {
-        DType::F32 => "0",
-        DType::F16 => "1",
-        DType::Bf16 => "2",
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Bf16 => 2,
     }
 }
 
@@ -282,7 +283,7 @@ impl Variant {
                 head_dim,
                 rows,
             } => vec![
-                ("CANOPY_DTYPE", dtype_code(dtype).into()),
+                ("CANOPY_DTYPE", dtype_code(dtype).to_string()),
                 ("HEAD_DIM", head_dim.to_string()),
                 ("ROWS", rows.to_string()),
             ],
@@ -291,7 +292,7 @@ impl Variant {
                 head_dim,
                 pipeline,
             } => [
-                ("CANOPY_DTYPE", dtype_code(dtype).into()),
+                ("CANOPY_DTYPE", dtype_code(dtype).to_string()),
                 ("HEAD_DIM", head_dim.to_string()),
             ]
             .into_iter()
@@ -301,11 +302,11 @@ impl Variant {
                 ("CANOPY_DTYPE", "0".into()),
                 ("MERGE_DEPTH", if deep { "8" } else { "4" }.into()),
             ],
-            Variant::Fill(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
+            Variant::Fill(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).to_string())],
             Variant::Combine => vec![("CANOPY_DTYPE", "0".into())],
-            Variant::Layers(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).into())],
+            Variant::Layers(dtype) => vec![("CANOPY_DTYPE", dtype_code(dtype).to_string())],
             Variant::Prefill { dtype, head_dim } => vec![
-                ("CANOPY_DTYPE", dtype_code(dtype).into()),
+                ("CANOPY_DTYPE", dtype_code(dtype).to_string()),
                 ("HEAD_DIM", head_dim.to_string()),
             ],
         }

@@ -442,17 +442,20 @@ fn pass<B: LayerOps, C: Transport<B>>(
         let store = Some((&mut *cache, rows.stores));
         layers.qkv_with(backend, l, &x, rows.positions, store, &mut qkv, &mut q)?;
         let q = backend.take_queries(&shape, q)?;
-        let states = match settle {
-            None => attention.attend(cache, &q)?,
+        let (states, written) = match settle {
+            None => attention.attend_output(cache, &q, &mut attn)?,
             Some(settle) => {
                 let (states, seconds) = attention.attend_timed(cache, &q, settle)?;
                 if let Some(s) = seconds {
                     *merge_s.get_or_insert(0.0) += s;
                 }
-                states
+                (states, false)
             }
         };
-        layers.finish_states(backend, l, &mut x, states, &mut attn, &mut mlp)?;
+        match written {
+            true => layers.finish_output(backend, l, &mut x, &attn, &mut mlp)?,
+            false => layers.finish_states(backend, l, &mut x, states, &mut attn, &mut mlp)?,
+        }
     }
     let rows: Vec<usize> = (0..backend.dims(logits).0).collect();
     layers.logits_into(backend, &x, &rows, logits)?;

@@ -366,8 +366,20 @@ impl<B: LayerOps> ModelLayers<B> {
     /// its residual.
     pub fn finish(&self, b: &B, l: usize, x: &mut B::Tensor, attn: &B::Tensor) -> Result<()> {
         let mut scratch = self.mlp_scratch(b, b.dims(x).0)?;
+        self.finish_output(b, l, x, attn, &mut scratch)
+    }
+
+    /// [`ModelLayers::finish`], the MLP's activations in `scratch`.
+    pub fn finish_output(
+        &self,
+        b: &B,
+        l: usize,
+        x: &mut B::Tensor,
+        attn: &B::Tensor,
+        scratch: &mut MlpScratch<B>,
+    ) -> Result<()> {
         b.matmul_add(attn, &self.layers[l].o, x)?;
-        self.mlp(b, l, x, &mut scratch)
+        self.mlp(b, l, x, scratch)
     }
 
     /// [`ModelLayers::finish`] of the attention's states, the MLP's activations in `scratch`:

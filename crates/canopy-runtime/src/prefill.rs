@@ -38,12 +38,7 @@ pub(crate) struct PrefillRows<'a> {
 /// may become the queries of an attention without a copy), and the rows whose output is read
 /// (`None`: every row): writes those rows' attention output (`rows × q_heads · head_dim`, in
 /// the order given) into the last argument.
-type Attend<'a, B> = dyn FnMut(
-        &<B as Backend>::Kv,
-        Qkv<B>,
-        Option<&[usize]>,
-        &mut <B as LayerOps>::Tensor,
-    ) -> Result<()>
+type Attend<'a, B> = dyn FnMut(&<B as Backend>::Kv, Qkv<B>, Option<&[usize]>, &mut <B as LayerOps>::Tensor) -> Result<()>
     + 'a;
 
 /// `rows` through every layer, each row's key and value stored in `caches` (one per layer),
@@ -115,7 +110,9 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
         backend.causal_attention_from(&shape, &qkv.q, &windows.q_pos, q_from, own, &mut states)?;
         if let Some(cached) = cached.as_deref_mut() {
             let q = backend.take_queries(&shape, qkv.q)?;
-            backend.merge_into(&mut states, cached.attend(cache, &q)?)?;
+            if backend.merge_into_output(&mut states, cached.attend(cache, &q)?, out)? {
+                return Ok(());
+            }
         }
         Ok(backend.states_output(&states, out)?)
     };

@@ -1,0 +1,107 @@
+//! An attention's states as the activation the output projection reads: fp32 values, or,
+//! where that product runs on cuBLAS with a 16-bit weight, only their rounded copy
+//! ([`LayerOps::gemm_operand`](canopy_engine::LayerOps::gemm_operand)). The kernel that
+//! finishes the states writes that copy itself where it can (the merge of a rank's partials,
+//! or of a prompt chunk's two blocks of keys), so that no kernel of its own rounds them.
+
+use super::{same_dims, CudaTensor};
+use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
+use crate::descriptors::CudaPlan;
+use crate::error::{DriverContext, Result};
+use crate::kv::CudaKv;
+use canopy_core::DType;
+use canopy_engine::{Backend, MergeOps};
+use canopy_kernels::Kernel;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+impl CudaBackend {
+    /// [`LayerOps::states_output`](canopy_engine::LayerOps::states_output): a copy of the
+    /// states' outputs, or their rounded copy alone where `out` is a 16-bit operand.
+    pub(super) fn output_of_states(&self, states: &CudaStates, out: &mut CudaTensor) -> Result<()> {
+        let cols = states.heads * states.head_dim;
+        same_dims("states_output", "the output", out, (states.rows, cols))?;
+        let n = states.rows * cols;
+        let dtype = out.operand.unwrap_or(DType::F32);
+        let rounded = self.rounded_target(out, dtype)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let Some(mut buf) = rounded else {
+            self.stream
+                .memcpy_dtod(&states.o.slice(..n), &mut out.data.slice_mut(..n))
+                .ctx("cuMemcpyDtoDAsync")?;
+            return Ok(());
+        };
+        // The rounded copy alone: it is all the output projection reads.
+        let f = self.function(Kernel::Layers(dtype, "round_to_elem"))?;
+        let (len, no_copy) = (n as u64, 0u64);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&states.o).arg(&no_copy).arg(&mut buf).arg(&len);
+        // SAFETY: the states' o and the rounded copy each hold n elements (checked).
+        unsafe { b.launch(self.elementwise(n)) }.ctx("launching round_to_elem")?;
+        out.rounded = Some(buf);
+        Ok(())
+    }
+
+    /// The 16-bit dtype `out` is an operand of, where `out` fits states of `rows` rows ×
+    /// `cols`: the finishing kernel then writes its rounded copy.
+    fn rounds_into(out: &CudaTensor, rows: usize, cols: usize) -> Option<DType> {
+        out.operand
+            .filter(|d| *d != DType::F32 && (out.rows, out.cols) == (rows, cols))
+    }
+
+    /// [`LayerOps::step_output`](canopy_engine::LayerOps::step_output): the merge rounds the
+    /// outputs into `out` where it is a 16-bit operand. A plan without a merge (stage 1 writes
+    /// the output) leaves `out` to the caller.
+    pub(super) fn step_into_output(
+        &self,
+        kv: &CudaKv,
+        q: &CudaQueries,
+        plan: &CudaPlan,
+        partials: &mut CudaStates,
+        states: &mut CudaStates,
+        out: &mut CudaTensor,
+    ) -> EResult<bool> {
+        let cols = states.heads * states.head_dim;
+        let rounds = Self::rounds_into(out, states.rows, cols).filter(|_| !plan.direct);
+        let Some((buf, dtype)) = self.rounded_copy(out, rounds)? else {
+            self.step(kv, q, plan, partials, states)?;
+            return Ok(false);
+        };
+        self.run_plan(kv, q, plan, partials)?;
+        self.merge_rounded(partials, plan, states, Some((&buf, dtype)))?;
+        out.rounded = Some(buf);
+        Ok(true)
+    }
+
+    /// [`LayerOps::merge_into_output`](canopy_engine::LayerOps::merge_into_output): the merge
+    /// rounds the outputs into `out` where it is a 16-bit operand.
+    pub(super) fn merge_pair_into_output(
+        &self,
+        acc: &mut CudaStates,
+        x: &CudaStates,
+        out: &mut CudaTensor,
+    ) -> EResult<bool> {
+        let rounds = Self::rounds_into(out, acc.rows, acc.heads * acc.head_dim);
+        let Some((buf, dtype)) = self.rounded_copy(out, rounds)? else {
+            self.merge_into(acc, x)?;
+            return Ok(false);
+        };
+        self.combine_pair(acc, x, Some((&buf, dtype)))?;
+        out.rounded = Some(buf);
+        Ok(true)
+    }
+
+    /// The buffer of `out`'s rounded copy in `dtype`, where it has one: taken from `out`,
+    /// which the caller gives it back once its writer is queued.
+    fn rounded_copy(
+        &self,
+        out: &mut CudaTensor,
+        dtype: Option<DType>,
+    ) -> Result<Option<(CudaSlice<u16>, DType)>> {
+        let Some(dtype) = dtype else {
+            return Ok(None);
+        };
+        Ok(self.rounded_target(out, dtype)?.map(|buf| (buf, dtype)))
+    }
+}
