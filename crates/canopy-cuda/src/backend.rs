@@ -171,7 +171,6 @@ impl CudaBackend {
         // SAFETY: no buffers exist yet on this context.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().ctx("cuStreamCreate")?;
-        crate::pool::keep_freed_memory(&ctx)?;
         let gpu = GpuInfo::read(&ctx)?;
         let arch = arch_for(gpu.compute_capability);
         let (free_at_start, _) = ctx.mem_get_info().ctx("cuMemGetInfo")?;
@@ -434,10 +433,9 @@ impl CudaBackend {
         Ok(d)
     }
 
-    /// Free device memory on this GPU now, memory the pool holds unused included (it waits for
-    /// the queued work).
+    /// Free device memory on this GPU now.
     pub fn free_bytes(&self) -> Result<u64> {
-        crate::pool::trimmed_free_bytes(&self.ctx, &self.stream)
+        Ok(self.ctx.mem_get_info().ctx("cuMemGetInfo")?.0 as u64)
     }
 
     /// K and V storage for `tokens` tokens, in pages of `page_size` tokens behind a shuffled
@@ -475,8 +473,12 @@ impl CudaBackend {
             }
         };
         let bytes = slots * token_bytes;
-        let free = self.free_bytes().unwrap_or(u64::MAX);
-        if 2 * bytes as u64 > free {
+        let free = self
+            .ctx
+            .mem_get_info()
+            .map(|(free, _)| free)
+            .unwrap_or(usize::MAX);
+        if 2 * bytes > free {
             return Err(CudaError::Unsupported(format!(
                 "{tokens} tokens of KV need {:.1} GiB but GPU {} has {:.1} GiB free; use more ranks or a shorter context",
                 2.0 * bytes as f64 / (1u64 << 30) as f64,
@@ -495,8 +497,7 @@ impl CudaBackend {
     }
 
     /// Device memory in use on this GPU beyond what was in use when the backend was created
-    /// (buffers, the memory the pool keeps for the next ones, NCCL's, and the kernels'): this
-    /// rank's footprint while its buffers live.
+    /// (buffers, NCCL's, and the kernels'): this rank's footprint while its buffers live.
     pub fn device_bytes_in_use(&self) -> Result<u64> {
         let (free, _) = self.ctx.mem_get_info().ctx("cuMemGetInfo")?;
         Ok(self.free_at_start.saturating_sub(free) as u64)

@@ -37,7 +37,6 @@ mod nccl_transport;
 mod peer_memory;
 mod peer_merge;
 mod peer_ring;
-mod pool;
 pub mod probe;
 mod staging;
 mod timing;
