@@ -67,13 +67,14 @@ fn check_pipeline(pipeline: MmaPipeline) -> Result<MmaPipeline> {
 /// against 80.5 with the deep warp merge; at 9 q / 3 kv heads x 64: 15.9 against 28.5, H100,
 /// session 15). Past one wave its fixed latency is paid per wave: FastTree's tree 0 at 32/8 (64
 /// queries of a few rows, 8192 CTAs) took 41.6 µs with a first form of it against 20.8 with the
-/// deep merge.
-fn merge_kernel(cells: usize, head_dim: usize, multiprocessors: usize) -> Kernel {
+/// deep merge. `rounded`: its entry that also writes the outputs rounded.
+fn merge_kernel(cells: usize, head_dim: usize, multiprocessors: usize, rounded: bool) -> Kernel {
     if merge_is_wide(cells, head_dim, multiprocessors) {
-        return Kernel::MergeWide;
+        return Kernel::MergeWide { rounded };
     }
     Kernel::Merge {
         deep: cells <= DEEP_MERGE_CELLS_PER_SM * multiprocessors,
+        rounded,
     }
 }
 
@@ -388,11 +389,12 @@ impl CudaBackend {
             return Ok(());
         }
         let cells = nq as usize * partials.heads;
-        let kernel = merge_kernel(cells, partials.head_dim, self.gpu.multiprocessors as usize);
+        let sms = self.gpu.multiprocessors as usize;
+        let kernel = merge_kernel(cells, partials.head_dim, sms, rounded.is_some());
         let f = self.function(kernel)?;
         let (heads, d) = (partials.heads as i32, partials.head_dim as i32);
         let s = &self.stream;
-        let params = Params::default()
+        let mut params = Params::default()
             .buffer(&partials.o, s)
             .buffer(&partials.lse, s)
             .buffer(&plan.words.slice(plan.layout.query_ptr.clone()), s)
@@ -401,11 +403,12 @@ impl CudaBackend {
             .buffer(&out.lse, s)
             .u32(nq)
             .i32(heads)
-            .i32(d)
-            .optional_buffer(rounded.map(|(buf, _)| buf), s)
-            .u32(rounded.map_or(0, |(_, dtype)| dtype_code(dtype)));
+            .i32(d);
+        if let Some((buf, dtype)) = rounded {
+            params = params.buffer(buf, s).u32(dtype_code(dtype));
+        }
         let cfg = match kernel {
-            Kernel::MergeWide => LaunchConfig {
+            Kernel::MergeWide { .. } => LaunchConfig {
                 grid_dim: ((cells * partials.head_dim / WIDE_MERGE_DIMS) as u32, 1, 1),
                 block_dim: (WIDE_MERGE_THREADS as u32, 1, 1),
                 shared_mem_bytes: 0,
@@ -789,21 +792,42 @@ mod tests {
     #[test]
     fn merges_of_few_cells_run_wide() {
         let h100 = 132;
-        assert_eq!(merge_kernel(32, 128, h100), Kernel::MergeWide);
-        assert_eq!(merge_kernel(9, 64, h100), Kernel::MergeWide);
-        assert_eq!(merge_kernel(4 * 32, 128, h100), Kernel::MergeWide);
         assert_eq!(
-            merge_kernel(5 * 32, 128, h100),
-            Kernel::Merge { deep: true }
+            merge_kernel(32, 128, h100, false),
+            Kernel::MergeWide { rounded: false }
         );
         assert_eq!(
-            merge_kernel(10 * 32, 128, h100),
-            Kernel::Merge { deep: true }
+            merge_kernel(9, 64, h100, false),
+            Kernel::MergeWide { rounded: false }
         );
-        assert_eq!(merge_kernel(8 * 32, 64, h100), Kernel::MergeWide);
         assert_eq!(
-            merge_kernel(1024 * 32, 128, h100),
-            Kernel::Merge { deep: false }
+            merge_kernel(4 * 32, 128, h100, true),
+            Kernel::MergeWide { rounded: true }
+        );
+        assert_eq!(
+            merge_kernel(5 * 32, 128, h100, false),
+            Kernel::Merge {
+                deep: true,
+                rounded: false
+            }
+        );
+        assert_eq!(
+            merge_kernel(10 * 32, 128, h100, true),
+            Kernel::Merge {
+                deep: true,
+                rounded: true
+            }
+        );
+        assert_eq!(
+            merge_kernel(8 * 32, 64, h100, false),
+            Kernel::MergeWide { rounded: false }
+        );
+        assert_eq!(
+            merge_kernel(1024 * 32, 128, h100, false),
+            Kernel::Merge {
+                deep: false,
+                rounded: false
+            }
         );
     }
 }

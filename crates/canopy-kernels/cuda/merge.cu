@@ -14,9 +14,11 @@
 // does not write, before `wait_for_previous_grid`. Both let the kernel after them launch at
 // once (it waits for them in turn).
 //
-// Where `rounded` is not null, both also write each output rounded to the 16-bit type of code
-// `rounded_dtype` there (queries x heads x head_dim, as out_o): the operand of the output
-// projection's GEMM, with no kernel of its own to round it.
+// Each has a `_rounded` twin that also writes each output rounded to the 16-bit type of code
+// `rounded_dtype` into `rounded` (queries x heads x head_dim, as out_o): the operand of the
+// output projection's GEMM, with no kernel of its own to round it. The twins are entries of
+// their own, so the plain merges compile as they did without them: one kernel that branched on
+// `rounded` made FastTree's tree 4 4% slower in `bench tree` (BENCHMARKS, session 64).
 
 #ifndef MERGE_WARPS
 #error "MERGE_WARPS must be defined by the kernel registry"
@@ -37,11 +39,11 @@
 #define MERGE_MIN_CTAS 1
 #endif
 
-extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32, MERGE_MIN_CTAS)
-merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
-               const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
-               float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
-               int head_dim, u16* __restrict__ rounded, u32 rounded_dtype) {
+template <bool Rounded>
+__device__ __forceinline__ void merge_cells(const float* __restrict__ po, const float* __restrict__ plse,
+                                            const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
+                                            float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries,
+                                            int q_heads, int head_dim, u16* __restrict__ rounded, u32 rounded_dtype) {
     let_next_grid_launch();
     const int lane = threadIdx.x % 32;
     const u64 cell = (u64)blockIdx.x * MERGE_WARPS + threadIdx.x / 32;
@@ -101,10 +103,27 @@ merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
             const float inv = L > 0.f ? 1.f / L : 0.f;
             acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
             *reinterpret_cast<float4*>(out_o + out + d0) = acc;
-            if (rounded) store_rounded4(rounded + out + d0, acc, rounded_dtype);
+            if (Rounded) store_rounded4(rounded + out + d0, acc, rounded_dtype);
         }
     }
     if (lane == 0) out_lse[cell] = L > 0.f ? M + __logf(L) : NEG_INF;
+}
+
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32, MERGE_MIN_CTAS)
+merge_partials(const float* __restrict__ po, const float* __restrict__ plse,
+               const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
+               float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
+               int head_dim) {
+    merge_cells<false>(po, plse, query_ptr, query_rows, out_o, out_lse, queries, q_heads, head_dim, nullptr, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32, MERGE_MIN_CTAS)
+merge_partials_rounded(const float* __restrict__ po, const float* __restrict__ plse,
+                       const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
+                       float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
+                       int head_dim, u16* __restrict__ rounded, u32 rounded_dtype) {
+    merge_cells<true>(po, plse, query_ptr, query_rows, out_o, out_lse, queries, q_heads, head_dim, rounded,
+                      rounded_dtype);
 }
 
 // merge_partials_wide: merges of few cells with many rows each (one query over a long context
@@ -159,11 +178,11 @@ __device__ __forceinline__ void fold4(float4& acc, const float4& x, float w) {
     acc.w = fmaf(x.w, w, acc.w);
 }
 
-extern "C" __global__ void __launch_bounds__(WIDE_MERGE_THREADS, WIDE_MERGE_CTAS)
-merge_partials_wide(const float* __restrict__ po, const float* __restrict__ plse,
-                    const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
-                    float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
-                    int head_dim, u16* __restrict__ rounded, u32 rounded_dtype) {
+template <bool Rounded>
+__device__ __forceinline__ void merge_wide(const float* __restrict__ po, const float* __restrict__ plse,
+                                           const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
+                                           float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries,
+                                           int q_heads, int head_dim, u16* __restrict__ rounded, u32 rounded_dtype) {
     let_next_grid_launch();
     __shared__ float reduce[WIDE_WARPS];
     __shared__ float4 slices[WIDE_SLICES][WIDE_COLS];
@@ -232,7 +251,24 @@ merge_partials_wide(const float* __restrict__ po, const float* __restrict__ plse
         const float inv = L > 0.f ? 1.f / L : 0.f;
         acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
         *reinterpret_cast<float4*>(out_o + cell * head_dim + d0) = acc;
-        if (rounded) store_rounded4(rounded + cell * head_dim + d0, acc, rounded_dtype);
+        if (Rounded) store_rounded4(rounded + cell * head_dim + d0, acc, rounded_dtype);
         if (d0 == 0) out_lse[cell] = L > 0.f ? M + __logf(L) : NEG_INF;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(WIDE_MERGE_THREADS, WIDE_MERGE_CTAS)
+merge_partials_wide(const float* __restrict__ po, const float* __restrict__ plse,
+                    const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
+                    float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
+                    int head_dim) {
+    merge_wide<false>(po, plse, query_ptr, query_rows, out_o, out_lse, queries, q_heads, head_dim, nullptr, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(WIDE_MERGE_THREADS, WIDE_MERGE_CTAS)
+merge_partials_wide_rounded(const float* __restrict__ po, const float* __restrict__ plse,
+                            const u32* __restrict__ query_ptr, const u32* __restrict__ query_rows,
+                            float* __restrict__ out_o, float* __restrict__ out_lse, u32 queries, int q_heads,
+                            int head_dim, u16* __restrict__ rounded, u32 rounded_dtype) {
+    merge_wide<true>(po, plse, query_ptr, query_rows, out_o, out_lse, queries, q_heads, head_dim, rounded,
+                     rounded_dtype);
 }

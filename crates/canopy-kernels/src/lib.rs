@@ -143,7 +143,12 @@ impl Id {
         match self {
             Id::Decode => &["decode_partial"],
             Id::DecodeMma => &["decode_partial_mma"],
-            Id::Merge => &["merge_partials", "merge_partials_wide"],
+            Id::Merge => &[
+                "merge_partials",
+                "merge_partials_rounded",
+                "merge_partials_wide",
+                "merge_partials_wide_rounded",
+            ],
             Id::Fill => &["fill_random", "read16", "copy_pages"],
             Id::Combine => &[
                 "combine_weights",
@@ -352,13 +357,18 @@ pub enum Kernel {
         head_dim: usize,
         pipeline: MmaPipeline,
     },
-    /// `deep`: the variant that keeps more rows' loads in flight per lane.
+    /// `deep`: the variant that keeps more rows' loads in flight per lane; `rounded`: the entry
+    /// that also writes the outputs rounded to a 16-bit dtype.
     Merge {
         deep: bool,
+        rounded: bool,
     },
     /// `merge_partials_wide`: a CTA per cell and block of [`WIDE_MERGE_DIMS`] of its elements,
-    /// for few cells of many rows (in the module of `Merge { deep: false }`).
-    MergeWide,
+    /// for few cells of many rows (in the module of `Merge { deep: false }`); `rounded` as
+    /// [`Kernel::Merge`]'s.
+    MergeWide {
+        rounded: bool,
+    },
     Fill(DType),
     /// `read16`, the clean eviction's sweep (in the fill source).
     Read,
@@ -399,8 +409,8 @@ impl Kernel {
                 head_dim,
                 pipeline,
             },
-            Kernel::Merge { deep } => Variant::Merge { deep },
-            Kernel::MergeWide => Variant::Merge { deep: false },
+            Kernel::Merge { deep, .. } => Variant::Merge { deep },
+            Kernel::MergeWide { .. } => Variant::Merge { deep: false },
             Kernel::Fill(dtype) => Variant::Fill(dtype),
             Kernel::Read | Kernel::CopyPages => Variant::Fill(DType::F32),
             Kernel::Combine(_) => Variant::Combine,
@@ -416,8 +426,10 @@ impl Kernel {
         match self {
             Kernel::Decode { .. } => "decode_partial",
             Kernel::DecodeMma { .. } => "decode_partial_mma",
-            Kernel::Merge { .. } => "merge_partials",
-            Kernel::MergeWide => "merge_partials_wide",
+            Kernel::Merge { rounded: false, .. } => "merge_partials",
+            Kernel::Merge { rounded: true, .. } => "merge_partials_rounded",
+            Kernel::MergeWide { rounded: false } => "merge_partials_wide",
+            Kernel::MergeWide { rounded: true } => "merge_partials_wide_rounded",
             Kernel::Combine(name) | Kernel::Layers(_, name) => name,
             Kernel::Prefill { entry, .. } => entry,
             Kernel::Fill(_) => "fill_random",
@@ -539,8 +551,16 @@ mod tests {
                 head_dim: 64,
                 pipeline: MmaPipeline::default(),
             },
-            Kernel::Merge { deep: true },
-            Kernel::MergeWide,
+            Kernel::Merge {
+                deep: true,
+                rounded: false,
+            },
+            Kernel::Merge {
+                deep: false,
+                rounded: true,
+            },
+            Kernel::MergeWide { rounded: false },
+            Kernel::MergeWide { rounded: true },
             Kernel::Fill(DType::F16),
             Kernel::Read,
             Kernel::CopyPages,
