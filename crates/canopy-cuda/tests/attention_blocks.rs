@@ -14,6 +14,7 @@ use common::{gpu, rng};
 use compare::{check, poisoned, values};
 
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
+use canopy_cuda::CudaBackend;
 use canopy_engine::{CachedKeys, CpuBackend, KeyBlock, LayerOps, Result};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -215,72 +216,62 @@ fn prefill_attention_on_tensor_cores_matches_the_cpu() {
 #[test]
 fn attention_output_stored_by_the_kernel_equals_the_states_path() {
     let test = "attention_output_stored_by_the_kernel_equals_the_states_path";
-    let Some(gpu) = gpu(test) else {
-        return;
-    };
-    let mut rng = rng(test);
-    for dtype in DType::ALL {
-        for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (9, 3, 64)] {
-            let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
-            eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?} keys:");
-            let tokens = rng.gen_range(200..400usize);
-            let pool = tokens + 37;
-            let width = shape.kv_token_elems();
-            let (k, v) = (
-                values(&mut rng, pool * width, 1.0),
-                values(&mut rng, pool * width, 1.0),
-            );
-            let mut slots: Vec<u32> = (0..pool as u32).collect();
-            for i in (1..slots.len()).rev() {
-                slots.swap(i, rng.gen_range(0..=i));
-            }
-            slots.truncate(tokens);
-            // Keys from position 10: the rows before it see none.
-            let positions: Vec<u32> = (10..10 + tokens as u32).collect();
-            let rows = rng.gen_range(100..250usize);
-            let q_pos: Vec<u32> = (0..rows as u32).map(|r| r * 2).collect();
-            let q = values(&mut rng, rows * shape.q_row_elems(), 1.0);
-            let cols = shape.q_row_elems();
-            let eye: Vec<f32> = (0..cols * cols)
-                .map(|i| if i / cols == i % cols { 1.0 } else { 0.0 })
-                .collect();
-            let case = OutputCase {
-                shape: &shape,
-                dtype,
-                kvq: (&k, &v, &q),
-                keys: (&slots, &positions, &q_pos),
-                eye: &eye,
-            };
-            let run = |fused| {
-                let gpu = output_path(&gpu, &case, fused).unwrap();
-                (gpu, output_path(&CpuBackend, &case, fused).unwrap())
-            };
-            let ((through_states, cpu_states), (stored, cpu_stored)) = (run(false), run(true));
-            check(
-                "stored output vs states_output",
-                &stored,
-                &through_states,
-                0.0,
-            );
-            check(
-                "cpu: stored output vs states_output",
-                &cpu_stored,
-                &cpu_states,
-                0.0,
-            );
-            let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
-            check("stored output vs cpu", &stored, &cpu_stored, tolerance);
-            let unseen = (0..rows).filter(|&r| q_pos[r] < 10).count();
-            assert!(
-                stored[..unseen * cols].iter().all(|&x| x == 0.0),
-                "rows that see no key"
-            );
-            // (An element may round to zero in f16; a row that sees keys is not all zero.)
-            assert!(stored[unseen * cols..]
-                .chunks(cols)
-                .all(|row| row.iter().all(|x| x.is_finite()) && row.iter().any(|&x| x != 0.0)));
+    each_output_case(test, |gpu, rng, dtype, shape| {
+        let tokens = rng.gen_range(200..400usize);
+        let pool = tokens + 37;
+        let width = shape.kv_token_elems();
+        let (k, v) = (
+            values(rng, pool * width, 1.0),
+            values(rng, pool * width, 1.0),
+        );
+        let mut slots: Vec<u32> = (0..pool as u32).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, rng.gen_range(0..=i));
         }
-    }
+        slots.truncate(tokens);
+        // Keys from position 10: the rows before it see none.
+        let positions: Vec<u32> = (10..10 + tokens as u32).collect();
+        let rows = rng.gen_range(100..250usize);
+        let q_pos: Vec<u32> = (0..rows as u32).map(|r| r * 2).collect();
+        let q = values(rng, rows * shape.q_row_elems(), 1.0);
+        let cols = shape.q_row_elems();
+        let eye = identity(cols);
+        let case = OutputCase {
+            shape,
+            dtype,
+            kvq: (&k, &v, &q),
+            keys: (&slots, &positions, &q_pos),
+            eye: &eye,
+        };
+        let run = |fused| {
+            let gpu = output_path(gpu, &case, fused).unwrap();
+            (gpu, output_path(&CpuBackend, &case, fused).unwrap())
+        };
+        let ((through_states, cpu_states), (stored, cpu_stored)) = (run(false), run(true));
+        check(
+            "stored output vs states_output",
+            &stored,
+            &through_states,
+            0.0,
+        );
+        check(
+            "cpu: stored output vs states_output",
+            &cpu_stored,
+            &cpu_states,
+            0.0,
+        );
+        let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        check("stored output vs cpu", &stored, &cpu_stored, tolerance);
+        let unseen = (0..rows).filter(|&r| q_pos[r] < 10).count();
+        assert!(
+            stored[..unseen * cols].iter().all(|&x| x == 0.0),
+            "rows that see no key"
+        );
+        // (An element may round to zero in f16; a row that sees keys is not all zero.)
+        assert!(stored[unseen * cols..]
+            .chunks(cols)
+            .all(|row| row.iter().all(|x| x.is_finite()) && row.iter().any(|&x| x != 0.0)));
+    });
 }
 
 /// An attention output's inputs: K and V written to a whole pool of the dtype, the queries,
@@ -338,72 +329,63 @@ fn output_path<B: LayerOps>(b: &B, c: &OutputCase, fused: bool) -> Result<Vec<f3
 #[test]
 fn outputs_written_by_the_merges_equal_the_states_path() {
     let test = "outputs_written_by_the_merges_equal_the_states_path";
-    let Some(gpu) = gpu(test) else {
-        return;
-    };
-    let mut rng = rng(test);
-    for dtype in DType::ALL {
-        for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (9, 3, 64)] {
-            let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
-            eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?}:");
-            let queries = rng.gen_range(40..90usize);
-            let prefix = rng.gen_range(300..700u32);
-            let leaf = rng.gen_range(1..20u32);
-            let pool = prefix as usize + queries * leaf as usize;
-            let width = shape.kv_token_elems();
-            let case = MergeCase {
-                shape: &shape,
-                dtype,
-                kv: (
-                    &values(&mut rng, pool * width, 1.0),
-                    &values(&mut rng, pool * width, 1.0),
-                ),
-                q: &values(&mut rng, queries * shape.q_row_elems(), 1.0),
-                block: block(&mut rng, &shape, (0..queries as u32).collect()),
-                tree: (prefix, leaf),
-            };
-            let run =
-                |b: &dyn Fn(bool) -> Result<MergeOutputs>| (b(false).unwrap(), b(true).unwrap());
-            let (gpu_states, gpu_written) = run(&|w| merge_outputs(&gpu, &case, w));
-            let (cpu_states, cpu_written) = run(&|w| merge_outputs(&CpuBackend, &case, w));
-            let operand = dtype != DType::F32;
-            assert_eq!(
-                gpu_written.written,
-                (operand, operand),
-                "the GPU writes 16-bit operands"
-            );
-            assert_eq!(
-                cpu_written.written,
-                (false, false),
-                "the CPU leaves them to states_output"
-            );
-            for (what, got, want) in [
-                ("step_output", &gpu_written.step, &gpu_states.step),
-                ("merge_into_output", &gpu_written.pair, &gpu_states.pair),
-                ("cpu: step_output", &cpu_written.step, &cpu_states.step),
-                (
-                    "cpu: merge_into_output",
-                    &cpu_written.pair,
-                    &cpu_states.pair,
-                ),
-            ] {
-                check(&format!("{what} vs the states' path"), got, want, 0.0);
-            }
-            let tolerance = if operand { 1e-2 } else { 1e-5 };
-            check(
-                "step_output vs cpu",
-                &gpu_written.step,
-                &cpu_states.step,
-                tolerance,
-            );
-            check(
-                "merge_into_output vs cpu",
-                &gpu_written.pair,
+    each_output_case(test, |gpu, rng, dtype, shape| {
+        let queries = rng.gen_range(40..90usize);
+        let prefix = rng.gen_range(300..700u32);
+        let leaf = rng.gen_range(1..20u32);
+        let pool = prefix as usize + queries * leaf as usize;
+        let width = shape.kv_token_elems();
+        let case = MergeCase {
+            shape,
+            dtype,
+            kv: (
+                &values(rng, pool * width, 1.0),
+                &values(rng, pool * width, 1.0),
+            ),
+            q: &values(rng, queries * shape.q_row_elems(), 1.0),
+            block: block(rng, shape, (0..queries as u32).collect()),
+            tree: (prefix, leaf),
+        };
+        let run = |b: &dyn Fn(bool) -> Result<MergeOutputs>| (b(false).unwrap(), b(true).unwrap());
+        let (gpu_states, gpu_written) = run(&|w| merge_outputs(gpu, &case, w));
+        let (cpu_states, cpu_written) = run(&|w| merge_outputs(&CpuBackend, &case, w));
+        let operand = dtype != DType::F32;
+        assert_eq!(
+            gpu_written.written,
+            (operand, operand),
+            "the GPU writes 16-bit operands"
+        );
+        assert_eq!(
+            cpu_written.written,
+            (false, false),
+            "the CPU leaves them to states_output"
+        );
+        for (what, got, want) in [
+            ("step_output", &gpu_written.step, &gpu_states.step),
+            ("merge_into_output", &gpu_written.pair, &gpu_states.pair),
+            ("cpu: step_output", &cpu_written.step, &cpu_states.step),
+            (
+                "cpu: merge_into_output",
+                &cpu_written.pair,
                 &cpu_states.pair,
-                tolerance,
-            );
+            ),
+        ] {
+            check(&format!("{what} vs the states' path"), got, want, 0.0);
         }
-    }
+        let tolerance = if operand { 1e-2 } else { 1e-5 };
+        check(
+            "step_output vs cpu",
+            &gpu_written.step,
+            &cpu_states.step,
+            tolerance,
+        );
+        check(
+            "merge_into_output vs cpu",
+            &gpu_written.pair,
+            &cpu_states.pair,
+            tolerance,
+        );
+    });
 }
 
 /// A decode step's inputs: K and V of a pool of the dtype, the queries, a block of keys whose
@@ -441,10 +423,7 @@ fn merge_outputs<B: LayerOps>(b: &B, c: &MergeCase, written: bool) -> Result<Mer
     }));
     let plan = b.upload_plan(shape, &Plan::new(rows, groups).unwrap())?;
     let queries = b.upload_queries(shape, c.q)?;
-    let eye: Vec<f32> = (0..cols * cols)
-        .map(|i| if i / cols == i % cols { 1.0 } else { 0.0 })
-        .collect();
-    let w = b.upload_weight(&typed(&eye), cols, cols)?;
+    let w = b.upload_weight(&typed(&identity(cols)), cols, cols)?;
     let operand = || -> Result<B::Tensor> {
         // Poisoned first: an operand's rounded copy is kept for the op that writes it next.
         let mut out = b.gemm_operand(rows, cols, &w)?;
@@ -512,4 +491,30 @@ fn merge_outputs<B: LayerOps>(b: &B, c: &MergeCase, written: bool) -> Result<Mer
         pair: read(&pair_out)?,
         written: (step_written, pair_written),
     })
+}
+
+/// Runs `case` on the GPU, where there is one, for every dtype and the two shapes the output
+/// tests cover (32/8 heads × 128 and 9/3 × 64), with the test's seeded generator.
+fn each_output_case(
+    test: &str,
+    mut case: impl FnMut(&CudaBackend, &mut ChaCha8Rng, DType, &AttnShape),
+) {
+    let Some(gpu) = gpu(test) else {
+        return;
+    };
+    let mut rng = rng(test);
+    for dtype in DType::ALL {
+        for (q_heads, kv_heads, head_dim) in [(32, 8, 128), (9, 3, 64)] {
+            let shape = AttnShape::new(q_heads, kv_heads, head_dim).unwrap();
+            eprintln!("{q_heads}/{kv_heads} heads × {head_dim}, {dtype:?}:");
+            case(&gpu, &mut rng, dtype, &shape);
+        }
+    }
+}
+
+/// The `cols × cols` identity: the weight whose product reads an output as it is.
+fn identity(cols: usize) -> Vec<f32> {
+    (0..cols * cols)
+        .map(|i| if i / cols == i % cols { 1.0 } else { 0.0 })
+        .collect()
 }
