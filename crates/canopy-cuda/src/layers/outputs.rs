@@ -43,13 +43,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The 16-bit dtype `out` is an operand of, where `out` fits states of `rows` rows ×
-    /// `cols`: the finishing kernel then writes its rounded copy.
-    fn rounds_into(out: &CudaTensor, rows: usize, cols: usize) -> Option<DType> {
-        out.operand
-            .filter(|d| *d != DType::F32 && (out.rows, out.cols) == (rows, cols))
-    }
-
     /// [`LayerOps::step_output`](canopy_engine::LayerOps::step_output): the merge rounds the
     /// outputs into `out` where it is a 16-bit operand. A plan without a merge (stage 1 writes
     /// the output) leaves `out` to the caller.
@@ -62,9 +55,13 @@ impl CudaBackend {
         states: &mut CudaStates,
         out: &mut CudaTensor,
     ) -> EResult<bool> {
-        let cols = states.heads * states.head_dim;
-        let rounds = Self::rounds_into(out, states.rows, cols).filter(|_| !plan.direct);
-        let Some((buf, dtype)) = self.rounded_copy(out, rounds)? else {
+        // A plan without a merge has stage 1 write the states: no kernel of it rounds them.
+        let rounded = if plan.direct {
+            None
+        } else {
+            self.rounded_copy(out, states)?
+        };
+        let Some((buf, dtype)) = rounded else {
             self.step(kv, q, plan, partials, states)?;
             return Ok(false);
         };
@@ -82,8 +79,7 @@ impl CudaBackend {
         x: &CudaStates,
         out: &mut CudaTensor,
     ) -> EResult<bool> {
-        let rounds = Self::rounds_into(out, acc.rows, acc.heads * acc.head_dim);
-        let Some((buf, dtype)) = self.rounded_copy(out, rounds)? else {
+        let Some((buf, dtype)) = self.rounded_copy(out, acc)? else {
             self.merge_into(acc, x)?;
             return Ok(false);
         };
@@ -92,15 +88,18 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// The buffer of `out`'s rounded copy in `dtype`, where it has one: taken from `out`,
-    /// which the caller gives it back once its writer is queued.
+    /// The buffer of `out`'s rounded copy and its dtype, where `out` is a 16-bit operand of
+    /// `states`' shape, so that the kernel finishing `states` writes it: taken from `out`,
+    /// which the caller gives it back once that kernel is queued.
     fn rounded_copy(
         &self,
         out: &mut CudaTensor,
-        dtype: Option<DType>,
+        states: &CudaStates,
     ) -> Result<Option<(CudaSlice<u16>, DType)>> {
-        let Some(dtype) = dtype else {
-            return Ok(None);
+        let shape = (states.rows, states.heads * states.head_dim);
+        let dtype = match out.operand {
+            Some(d) if d != DType::F32 && (out.rows, out.cols) == shape => d,
+            _ => return Ok(None),
         };
         Ok(self.rounded_target(out, dtype)?.map(|buf| (buf, dtype)))
     }
