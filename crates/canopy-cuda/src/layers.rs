@@ -19,6 +19,7 @@ mod outputs;
 mod rope;
 mod tensor;
 mod top;
+mod tuning;
 mod walks;
 
 pub use tensor::{CudaTensor, CudaWeight};
@@ -853,6 +854,18 @@ impl LayerOps for CudaBackend {
 
     fn product_rows(&self, rows: usize) -> usize {
         product_rows(rows)
+    }
+
+    fn tune_products(&self, on: bool) -> EResult<()> {
+        Ok(CudaBackend::tune_products(self, on)?)
+    }
+
+    fn product_choices(&self) -> EResult<Vec<u8>> {
+        Ok(CudaBackend::product_choices(self)?)
+    }
+
+    fn adopt_product_choices(&self, choices: &[u8]) -> EResult<()> {
+        Ok(CudaBackend::adopt_product_choices(self, choices)?)
     }
 
     fn graph_epoch(&self) -> Option<u64> {

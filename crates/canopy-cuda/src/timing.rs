@@ -79,7 +79,7 @@ impl CudaBackend {
     /// Writes over a buffer of four times the L2's size (at least 64 MiB) on the stream, so
     /// that the next kernel finds none of its data in L2, only dirty lines; `clean` reads the
     /// (zeroed) buffer instead, so that the lines left are clean.
-    fn evict_l2(&self, clean: bool) -> Result<()> {
+    pub(crate) fn evict_l2(&self, clean: bool) -> Result<()> {
         let mut flush = self.flush.lock().expect("flush buffer lock");
         if flush.is_none() {
             let bytes = (4 * self.gpu.l2_bytes as usize).max(64 << 20);

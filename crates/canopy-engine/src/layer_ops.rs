@@ -543,6 +543,30 @@ pub trait LayerOps: MergeOps {
     fn product_rows(&self, rows: usize) -> usize {
         rows
     }
+    /// Starts (`true`) or stops timing the ways a backend can run each dense product: while
+    /// on, a product of a shape not yet timed is run every way the backend's GEMM library
+    /// offers, and from then on the fastest way. A server turns it on for its warm-up on one
+    /// rank and sends the choices to the others ([`LayerOps::product_choices`]), so that every
+    /// rank computes the same bits. Provided: no choices to make.
+    fn tune_products(&self, _on: bool) -> Result<()> {
+        Ok(())
+    }
+    /// The choices timed so far ([`LayerOps::tune_products`]), as data for
+    /// [`LayerOps::adopt_product_choices`] on another rank's backend. Provided: none.
+    fn product_choices(&self) -> Result<Vec<u8>> {
+        Ok(Vec::new())
+    }
+    /// Runs each product the way `choices` (another backend's [`LayerOps::product_choices`])
+    /// says, refused where this backend cannot. Provided: accepts no choices.
+    fn adopt_product_choices(&self, choices: &[u8]) -> Result<()> {
+        match choices.is_empty() {
+            true => Ok(()),
+            false => Err(EngineError::Config(format!(
+                "the {} backend has no product choices to adopt",
+                self.name()
+            ))),
+        }
+    }
     /// Whether this backend records passes as graphs (`None`: it does not), and if so the
     /// epoch of the buffers a recorded pass reads beyond its own: KV, plans, states and step
     /// inputs. Making one of them anew moves the epoch, so a recording of an older epoch is

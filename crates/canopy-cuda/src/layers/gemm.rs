@@ -25,6 +25,7 @@
 //! `outᶜ[n × rows] = op_T(wᶜ[k × n]) · xᶜ[k × rows]`: A is `w` transposed (lda = k), B is `x`
 //! as it is (ldb = k), C is `out` (ldc = n).
 
+use super::tuning::{ProductPtrs, ProductShape, Tuning};
 use super::{CudaTensor, CudaWeight};
 use crate::backend::CudaBackend;
 use crate::error::{CudaError, DriverContext, Result};
@@ -42,7 +43,7 @@ use cudarc::driver::{
 };
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The backend's dense-layer state: one cuBLAS handle on the backend's stream and the
 /// rounded-activation scratch, both made on first use (a backend that never runs a model
@@ -103,6 +104,8 @@ pub(crate) enum GateUp<'a> {
 struct Gemm {
     blas: CudaBlas,
     scratch: Option<CudaSlice<u16>>,
+    /// Made when timing starts or another backend's choices are adopted.
+    tuning: Option<Tuning>,
 }
 
 /// Whether libcublas can be loaded (never panics: cudarc panics on first use otherwise).
@@ -489,6 +492,55 @@ impl CudaBackend {
         Ok(n)
     }
 
+    /// The GEMM state, cuBLAS's handle made on first use.
+    fn gemm_state(&self) -> Result<MutexGuard<'_, Option<Gemm>>> {
+        let mut guard = self.layers.gemm.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            if !cublas_present() {
+                return Err(no_cublas());
+            }
+            let blas =
+                CudaBlas::new(self.stream.clone()).map_err(|e| cublas_failed("cublasCreate", e))?;
+            *guard = Some(Gemm {
+                blas,
+                scratch: None,
+                tuning: None,
+            });
+        }
+        Ok(guard)
+    }
+
+    /// The tuning state ([`Tuning`]), made on first use.
+    fn with_tuning<T>(&self, f: impl FnOnce(&mut Tuning) -> Result<T>) -> Result<T> {
+        let mut guard = self.gemm_state()?;
+        let gemm = guard.as_mut().expect("made by gemm_state");
+        if gemm.tuning.is_none() {
+            gemm.tuning = Some(Tuning::new(self)?);
+        }
+        f(gemm.tuning.as_mut().expect("made above"))
+    }
+
+    /// [`LayerOps::tune_products`](canopy_engine::LayerOps::tune_products): timing stops with
+    /// the buffer that evicts L2 between runs (four times the L2) freed.
+    pub(crate) fn tune_products(&self, on: bool) -> Result<()> {
+        self.with_tuning(|t| {
+            t.on = on;
+            Ok(())
+        })?;
+        if !on {
+            *self.flush.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn product_choices(&self) -> Result<Vec<u8>> {
+        self.with_tuning(|t| t.choices())
+    }
+
+    pub(crate) fn adopt_product_choices(&self, choices: &[u8]) -> Result<()> {
+        self.with_tuning(|t| t.adopt(choices))
+    }
+
     /// `out = x · wᵀ`, or `out += x · wᵀ` when `accumulate`, on cuBLAS.
     fn gemm(
         &self,
@@ -510,21 +562,8 @@ impl CudaBackend {
             return zeroed.ctx("cuMemsetD8Async");
         }
         let padded = product_rows(rows);
-        let mut guard = self.layers.gemm.lock().unwrap_or_else(|p| p.into_inner());
-        let gemm = match guard.as_mut() {
-            Some(g) => g,
-            None => {
-                if !cublas_present() {
-                    return Err(no_cublas());
-                }
-                let blas = CudaBlas::new(self.stream.clone())
-                    .map_err(|e| cublas_failed("cublasCreate", e))?;
-                guard.insert(Gemm {
-                    blas,
-                    scratch: None,
-                })
-            }
-        };
+        let mut guard = self.gemm_state()?;
+        let gemm = guard.as_mut().expect("made by gemm_state");
         let s = &self.stream;
         // The activation operand: x itself for f32 weights, else x's rounded copy where the op
         // that wrote x made one, else x rounded into the scratch; with the rows it holds.
@@ -589,36 +628,64 @@ impl CudaBackend {
             dim("width", k)?,
         );
         self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
-        // SAFETY: A is w's n × k elements of its dtype, B is run_rows × k elements of the
-        // same dtype (x or its rounded copy), C is run_rows × n floats or elements of w's
-        // dtype: the leading dimensions and sizes of the module notes, within the buffers
-        // (the caller checked the shapes for `rows`, and B and C hold `run_rows` rows, counted
-        // above). alpha and beta are host floats, cuBLAS's default pointer mode and the scale
-        // type of a 32F compute type.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *gemm.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                m_,
-                n_,
-                k_,
-                &alpha as *const f32 as *const c_void,
-                a_ptr as *const c_void,
-                cuda_type(w.dtype),
-                k_,
-                b_ptr as *const c_void,
-                cuda_type(w.dtype),
-                k_,
-                &beta as *const f32 as *const c_void,
-                c_ptr as *mut c_void,
-                c_type,
-                m_,
-                compute,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        let narrow = matches!(out, Product::Narrow(_));
+        let Gemm { blas, tuning, .. } = gemm;
+        // `cublasGemmEx`'s pick, into the output at `c`.
+        let mut default = |c: u64| {
+            // SAFETY: A is w's n × k elements of its dtype, B is run_rows × k elements of the
+            // same dtype (x or its rounded copy), C is run_rows × n floats or elements of w's
+            // dtype (the output or a scratch of its size): the leading dimensions and sizes of
+            // the module notes, within the buffers (the caller checked the shapes for `rows`,
+            // and B and C hold `run_rows` rows, counted above). alpha and beta are host
+            // floats, cuBLAS's default pointer mode and the scale type of a 32F compute type.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m_,
+                    n_,
+                    k_,
+                    &alpha as *const f32 as *const c_void,
+                    a_ptr as *const c_void,
+                    cuda_type(w.dtype),
+                    k_,
+                    b_ptr as *const c_void,
+                    cuda_type(w.dtype),
+                    k_,
+                    &beta as *const f32 as *const c_void,
+                    c as *mut c_void,
+                    c_type,
+                    m_,
+                    compute,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| cublas_failed("cublasGemmEx", e))
+        };
+        let shape = ProductShape {
+            dtype: w.dtype,
+            narrow,
+            n: m_,
+            rows: n_,
+            k: k_,
+            accumulate,
+        };
+        if let Some(tuning) = tuning.as_mut().filter(|_| shape.tuned()) {
+            let ptrs = ProductPtrs {
+                a: a_ptr,
+                b: b_ptr,
+                c: c_ptr,
+            };
+            if tuning.on && !tuning.knows(&shape) {
+                self.refuse_while_capturing("timing a product's algorithms")?;
+                tuning.tune(self, shape, ptrs, &mut default)?;
+            }
+            if tuning.run(self, &shape, ptrs)? {
+                return Ok(());
+            }
         }
-        .map_err(|e| cublas_failed("cublasGemmEx", e))
+        default(c_ptr)
     }
 }
 
