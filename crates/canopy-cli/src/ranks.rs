@@ -34,6 +34,15 @@ pub trait RankComm<B: LayerOps> {
         req: &GenerateRequest,
         watch: &mut dyn Watch,
     ) -> Result<Generated>;
+    /// Runs the products at a server's row counts, each the way rank 0 timed fastest
+    /// ([`canopy_runtime::serving::warm_up_products`]).
+    fn warm_up_products(
+        &self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        max_rows: usize,
+        logit_rows: usize,
+    ) -> Result<()>;
     /// Serves requests until rank 0's engine stops (rank 0 gives the `front`).
     fn serve(
         &self,
@@ -57,6 +66,18 @@ impl<B: LayerOps, C: Collective + Transport<B>> RankComm<B> for C {
         watch: &mut dyn Watch,
     ) -> Result<Generated> {
         Ok(generate(backend, layers, req, self, watch)?)
+    }
+
+    fn warm_up_products(
+        &self,
+        backend: &B,
+        layers: &ModelLayers<B>,
+        max_rows: usize,
+        logit_rows: usize,
+    ) -> Result<()> {
+        Ok(canopy_runtime::serving::warm_up_products(
+            backend, layers, self, max_rows, logit_rows,
+        )?)
     }
 
     fn serve(

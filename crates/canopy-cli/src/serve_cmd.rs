@@ -312,7 +312,7 @@ impl RankWork<'_> {
                     .flatten();
                 // Up to a step's decode rows and prompt chunks' last rows.
                 let logit_rows = 2 * self.config.max_batch;
-                layers.warm_up_products(backend, self.warm_up_rows, logit_rows)?;
+                comm.warm_up_products(backend, layers, self.warm_up_rows, logit_rows)?;
                 let front = inbox.map(|inbox| Front {
                     inbox,
                     tokenizer: self.tokenizer,

@@ -8,6 +8,7 @@ use canopy_comm::ThreadWorld;
 use canopy_core::{DType, Method};
 use canopy_engine::{CpuBackend, MergeCollective};
 use canopy_model::Model;
+use canopy_runtime::serving::warm_up_products;
 use canopy_runtime::serving::{
     channel, serve, EngineHandle, EngineInbox, Event, EventSink, FinishReason, Front, ServeConfig,
     ServeRequest, WarmUp, WarmUpEnd,
@@ -283,9 +284,14 @@ fn a_warm_up_runs_to_its_end_and_leaves_requests_their_answers() {
     let (model, prompts) = fixture();
     let layers = cpu_layers(&model);
     let cfg = config(DecodeStrategy::Tree(MergeCollective::Auto));
-    layers
-        .warm_up_products(&CpuBackend, cfg.most_step_rows(), 2 * cfg.max_batch)
-        .expect("the products run at every count");
+    // Every rank of three warms up, the others after rank 0's choices reach them.
+    let (rows, logit_rows) = (cfg.most_step_rows(), 2 * cfg.max_batch);
+    let warmed = ThreadWorld::run(3, Duration::from_secs(60), |comm| {
+        warm_up_products(&CpuBackend, &layers, &comm, rows, logit_rows)
+    });
+    for w in warmed {
+        w.expect("the products run at every count on every rank");
+    }
     let handle = with_engine(&model, &layers, 1, &cfg, |h| {
         // Longer than a request may be: the warm-up's prompt is cut to fit.
         let warm_up = WarmUp::submit(h, 10 * cfg.max_context, model.config.vocab_size)

@@ -45,7 +45,7 @@ pub use handle::{
     Limits, RequestError, ServeRequest,
 };
 pub use stop::held_back;
-pub use warm_up::{WarmUp, WarmUpEnd};
+pub use warm_up::{warm_up_products, WarmUp, WarmUpEnd};
 
 use crate::{DecodeStrategy, Result};
 use canopy_core::{DType, Method};

@@ -2,18 +2,62 @@
 //! first use (on a GPU: cuBLAS, about 0.2 s, and each kernel its GEMMs pick, loaded the first
 //! time it runs) is not paid inside clients' steps:
 //! - every rank runs its model's products at the row counts its steps will run, up to
-//!   [`super::ServeConfig::most_step_rows`] ([`crate::ModelLayers::warm_up_products`]);
+//!   [`super::ServeConfig::most_step_rows`] ([`warm_up_products`]). Rank 0 times the ways its
+//!   backend can run each product as it goes ([`LayerOps::tune_products`]) and sends its
+//!   choices to the other ranks, which adopt them before they warm up: every rank then runs
+//!   each product the same way and computes the same bits;
 //! - then one request goes through the engine ([`WarmUp`]). Its prompt fills one step's
 //!   prefill chunk and it decodes two tokens. It is an ordinary request: it counts in the
 //!   engine's status, and its prompt stays in the prefix cache as evictable pages.
 
 use super::handle::{EngineHandle, Event, EventSink, RequestError, ServeRequest};
+use crate::layers::ModelLayers;
 use crate::sampling::SamplingParams;
+use crate::{Result, RuntimeError};
+use canopy_comm::Collective;
+use canopy_engine::LayerOps;
 use std::sync::mpsc::{channel, Receiver, Sender};
 
 /// Tokens the warm-up decodes after its prompt: a decode step, then one replayed where the
 /// backend records steps.
 const WARM_UP_TOKENS: usize = 2;
+
+/// Every rank's products at a server's row counts, up to `max_rows` (and the logits of up to
+/// `logit_rows`), each run the way rank 0 timed fastest: rank 0 times them as it warms them
+/// up, then sends its choices to the other ranks, which adopt them and warm up.
+pub fn warm_up_products<B: LayerOps, C: Collective>(
+    b: &B,
+    layers: &ModelLayers<B>,
+    comm: &C,
+    max_rows: usize,
+    logit_rows: usize,
+) -> Result<()> {
+    if comm.rank() != 0 {
+        let mut len = [0u8; 8];
+        comm.recv(&mut len, 0)?;
+        let mut choices = vec![0u8; u64::from_le_bytes(len) as usize];
+        if !choices.is_empty() {
+            comm.recv(&mut choices, 0)?;
+        }
+        b.adopt_product_choices(&choices)?;
+        return layers.warm_up_products(b, max_rows, logit_rows);
+    }
+    b.tune_products(true)?;
+    let warmed = layers.warm_up_products(b, max_rows, logit_rows);
+    let stopped = b.tune_products(false);
+    // The other ranks wait for choices: they get none where rank 0 failed to make them.
+    let choices = match (&warmed, &stopped) {
+        (Ok(()), Ok(())) => b.product_choices()?,
+        _ => Vec::new(),
+    };
+    for peer in 1..comm.size() {
+        comm.send(&(choices.len() as u64).to_le_bytes(), peer)?;
+        if !choices.is_empty() {
+            comm.send(&choices, peer)?;
+        }
+    }
+    warmed.and(stopped.map_err(RuntimeError::from))
+}
 
 /// A submitted warm-up request, to wait for.
 pub struct WarmUp(Receiver<Result<(), String>>);
