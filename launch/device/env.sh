@@ -83,6 +83,8 @@ device_tests() {
     .device/weight_upload 2>&1 | grep -E "^test |test result|panicked"
     log "logit-op tests"
     .device/logit_ops --test-threads 1 2>&1 | grep -E "^test |test result|panicked"
+    log "product-tuning tests"
+    .device/product_tuning --test-threads 1 --nocapture 2>&1 | grep -E "^test |test result|shapes chosen|panicked"
   } 2>&1 | tee "$OUT/tests.txt"
 }
 # Builds tools/cupti_trace.c against the machine's CUPTI (the header's newest record types) and

@@ -6,7 +6,8 @@
 # that led them, and the host's milliseconds planning, launching and reading them). MODEL,
 # CONCURRENCY, PROMPTS, OUTPUT_LEN and LENGTHS (extra dataset options) override the defaults;
 # RATE sets the arrivals (requests a second, Poisson; default all at once), CANOPY_BIN the
-# binary, or BINS several (name=path ...; each run's name then starts with the binary's). Per
+# binary, or BINS several (name=path ...; each run's name then starts with the binary's);
+# RUST_LOG the debug lines kept (default the runtime's). Per
 # run also its decode steps: replayed from a recorded pass, or not. Results:
 # $OUT/serve-phases.txt, each run's JSON report in $OUT/phases/ and its log in $OUT/logs/.
 set -uo pipefail
@@ -28,7 +29,7 @@ mkdir -p "$OUT/phases" "$OUT/logs"
         for entry in ${BINS:-new=$BIN}; do
           BIN=${entry#*=} name=${BINS:+${entry%%=*}-}$d-$m-$c
           log "${BINS:+${entry%%=*}: }$d, --method $m, --prefill-chunk $c"
-          RUST_LOG=canopy_runtime=debug timeout 200 $BIN bench serve $MODEL --method "$m" \
+          RUST_LOG=${RUST_LOG:-canopy_runtime=debug} timeout 200 $BIN bench serve $MODEL --method "$m" \
             --max-batch "$C" --prefill-chunk "$c" --dataset "$d" --num-prompts "$N" \
             --max-concurrency "$C" --output-len "$O" --request-rate "$RATE" $LENGTHS \
             --temperature 0 --json > "$OUT/phases/$name.json" 2> "$OUT/logs/$name.log" \
