@@ -48,8 +48,9 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 /// Grid-stride CTAs per SM of the element-wise kernels: enough resident warps to hide memory
 /// latency, few enough that each thread loops over several elements of a large tensor.
 const ELEMENTWISE_CTAS_PER_SM: usize = 8;
-/// Device memory [`LayerOps::check_model`] keeps free beyond its estimate: cuBLAS's workspace,
-/// the kernel modules, the decode plans and the driver's own allocations.
+/// Device memory [`LayerOps::check_model`] keeps free beyond its estimate: cuBLAS's and
+/// cuBLASLt's workspaces, the kernel modules, the decode plans, the driver's own allocations,
+/// and while a server's warm-up times its products, the buffer that evicts L2 (four L2s).
 const RESERVE_BYTES: u64 = 512 << 20;
 /// Device memory [`LayerOps::check_model`] keeps free for NCCL per peer GPU: its buffers for
 /// each channel to a peer (`NCCL_BUFFSIZE` per channel and protocol) and its own structures,

@@ -202,16 +202,39 @@ impl Tuning {
         Ok(true)
     }
 
-    /// Times `shape` on `ptrs`'s weight and activation: `default` (which runs `cublasGemmEx`
-    /// into the output it is given) against each algorithm cuBLASLt offers, every run into a
-    /// scratch output with the weight out of L2, and keeps the fastest.
+    /// Times `shape` on `ptrs`'s weight and activation and keeps the fastest way
+    /// ([`Tuning::fastest`]). A timing that fails (its scratch buffers do not fit, say) is not
+    /// the product's failure: the shape runs as `cublasGemmEx` picks, and timing stops.
     pub(crate) fn tune(
         &mut self,
         backend: &CudaBackend,
         shape: ProductShape,
         ptrs: ProductPtrs,
+        default: impl FnMut(u64) -> Result<()>,
+    ) {
+        let chosen = self
+            .fastest(backend, shape, ptrs, default)
+            .unwrap_or_else(|e| {
+                tracing::warn!(
+                    ?shape,
+                    "timing products stopped, the rest run as cuBLAS picks: {e}"
+                );
+                self.on = false;
+                None
+            });
+        self.chosen.insert(shape, chosen);
+    }
+
+    /// `default` (which runs `cublasGemmEx` into the output it is given) against each
+    /// algorithm cuBLASLt offers for `shape`, every run into a scratch output with the weight
+    /// out of L2: the fastest of cuBLASLt's, where it beats the default.
+    fn fastest(
+        &mut self,
+        backend: &CudaBackend,
+        shape: ProductShape,
+        ptrs: ProductPtrs,
         mut default: impl FnMut(u64) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<Option<LtProduct>> {
         let mut scratch = backend.alloc::<u8>(shape.out_bytes())?;
         let (out, _sync) = scratch.device_ptr_mut(backend.stream());
         let timed = ProductPtrs { c: out, ..ptrs };
@@ -244,8 +267,7 @@ impl Tuning {
             cublaslt = chosen.is_some(),
             "timed a product"
         );
-        self.chosen.insert(shape, chosen);
-        Ok(())
+        Ok(chosen)
     }
 
     /// The algorithms cuBLASLt's heuristic offers for `p`'s shape, best first.
