@@ -13,7 +13,7 @@
 use super::handle::{EngineHandle, Event, EventSink, RequestError, ServeRequest};
 use crate::layers::ModelLayers;
 use crate::sampling::SamplingParams;
-use crate::{Result, RuntimeError};
+use crate::Result;
 use canopy_comm::Collective;
 use canopy_engine::LayerOps;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -42,21 +42,22 @@ pub fn warm_up_products<B: LayerOps, C: Collective>(
         b.adopt_product_choices(&choices)?;
         return layers.warm_up_products(b, max_rows, logit_rows);
     }
-    b.tune_products(true)?;
+    let timing = b.tune_products(true);
     let warmed = layers.warm_up_products(b, max_rows, logit_rows);
-    let stopped = b.tune_products(false);
-    // The other ranks wait for choices: they get none where rank 0 failed to make them.
-    let choices = match (&warmed, &stopped) {
-        (Ok(()), Ok(())) => b.product_choices()?,
-        _ => Vec::new(),
-    };
+    let shared = timing
+        .and_then(|()| b.tune_products(false))
+        .and_then(|()| b.product_choices());
+    // The other ranks wait for the choices, and get none where rank 0 failed to make them.
+    let choices = shared.as_deref().unwrap_or_default();
     for peer in 1..comm.size() {
         comm.send(&(choices.len() as u64).to_le_bytes(), peer)?;
         if !choices.is_empty() {
-            comm.send(&choices, peer)?;
+            comm.send(choices, peer)?;
         }
     }
-    warmed.and(stopped.map_err(RuntimeError::from))
+    warmed?;
+    shared?;
+    Ok(())
 }
 
 /// A submitted warm-up request, to wait for.
