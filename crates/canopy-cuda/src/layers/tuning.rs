@@ -30,13 +30,13 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 /// Products of at most this many rows are timed; larger ones run as `cublasGemmEx` picks.
-pub(crate) const TUNED_ROWS: usize = 256;
+const TUNED_ROWS: usize = 256;
 /// Algorithms of cuBLASLt's heuristic timed against `cublasGemmEx`'s pick.
 const CANDIDATES: usize = 8;
 /// Timed runs of each candidate, after one that loads its kernel; the median counts.
 const TIMED_RUNS: usize = 3;
 /// An algorithm replaces `cublasGemmEx`'s pick only if faster by this fraction: within it,
-/// the runs' spread decides, and the default needs no second library.
+/// the runs' spread would decide more than the algorithm.
 const MARGIN: f64 = 0.02;
 /// cuBLASLt's workspace, as its heuristic is told (split-K's partial sums live there).
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -81,7 +81,7 @@ impl ProductShape {
     }
 
     /// Bytes of the output.
-    pub(crate) fn out_bytes(&self) -> usize {
+    fn out_bytes(&self) -> usize {
         let elem = if self.narrow { 2 } else { 4 };
         self.n as usize * self.rows as usize * elem
     }
@@ -470,4 +470,54 @@ fn time_us(backend: &CudaBackend, evict: bool, mut f: impl FnMut() -> Result<()>
         .map(|(s, e)| Ok(1e3 * s.elapsed_ms(e).ctx("cuEventElapsedTime")? as f64))
         .collect::<Result<Vec<f64>>>()?;
     Ok(canopy_core::stats::median(&times))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Choice, ProductShape, TUNED_ROWS};
+    use canopy_core::DType;
+
+    fn shape(dtype: DType, rows: usize) -> ProductShape {
+        ProductShape {
+            dtype,
+            narrow: false,
+            n: 4096,
+            rows: rows as i32,
+            k: 14336,
+            accumulate: true,
+        }
+    }
+
+    #[test]
+    fn products_of_16_bit_weights_up_to_the_tuned_rows_are_timed() {
+        for dtype in [DType::Bf16, DType::F16] {
+            assert!(shape(dtype, 3).tuned());
+            assert!(shape(dtype, TUNED_ROWS).tuned());
+            assert!(!shape(dtype, TUNED_ROWS + 64).tuned());
+        }
+        assert!(!shape(DType::F32, 64).tuned(), "f32 runs in pedantic fp32");
+    }
+
+    #[test]
+    fn choices_cross_between_ranks_as_they_were() {
+        let sent = vec![
+            Choice {
+                shape: shape(DType::Bf16, 40),
+                algo: Some([1, 2, 3, 4, 5, 6, 7, u64::MAX]),
+            },
+            Choice {
+                shape: ProductShape {
+                    narrow: true,
+                    ..shape(DType::F16, 64)
+                },
+                algo: None,
+            },
+        ];
+        let data = serde_json::to_vec(&sent).unwrap();
+        let got: Vec<Choice> = serde_json::from_slice(&data).unwrap();
+        assert_eq!(got.len(), sent.len());
+        for (g, s) in got.iter().zip(&sent) {
+            assert_eq!((g.shape, g.algo), (s.shape, s.algo));
+        }
+    }
 }
