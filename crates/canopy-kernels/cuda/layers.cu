@@ -276,122 +276,129 @@ struct RopeShape {
     __device__ __forceinline__ u32 kv_heads() const { return kv_cols / (2 * half); }
 };
 
-// Splits each row of `qkv` into q, k and v, rotating every head of q and k by positions[r]
-// (rotate_half), angle positions[r] * inv_freq[j] in fp32; then copies v. `first` holds the
-// angles of the thread's first item, computed before the kernel waited for qkv.
+// A RoPE kernel's items, four kinds in one flat range, in this order: q's and k's heads rotated
+// (`rotated`, `chunk` heads an item), v copied (`copied`), and for a kernel that appends to the
+// KV cache, the stored rows' keys rotated into the pool (`stored_rotated`, `stored.chunk` KV
+// heads an item) and their values copied (`stored_copied`). Every item reads only qkv and
+// writes a place no other item writes, so a thread may take any item of any kind: at a decode
+// step's few rows each thread takes one, and the kinds' loads are all in flight together
+// instead of one kind after another.
+struct RopeItems {
+    u64 rotated, copied, stored_rotated, stored_copied;
+    __device__ __forceinline__ u64 total() const { return rotated + copied + stored_rotated + stored_copied; }
+};
+
 template <int VEC>
-__device__ __forceinline__ void rope_split_rows(const float* __restrict__ qkv, const u32* __restrict__ positions,
-                                                const float* __restrict__ inv_freq, float* __restrict__ q,
-                                                float* __restrict__ k, float* __restrict__ v, const RopeShape& g,
-                                                const float2 (&first)[VEC]) {
-    const u32 groups = g.half / VEC, width = g.width();
-    GRID_STRIDE(i, (u64)g.rows * groups * ((g.heads() + g.chunk - 1) / g.chunk)) {
+__device__ __forceinline__ RopeItems rope_items(const RopeShape& g, const RopeShape& stored) {
+    const u32 groups = g.half / VEC;
+    const u32 kv_heads = g.kv_heads();
+    return {(u64)g.rows * groups * ((g.heads() + g.chunk - 1) / g.chunk), (u64)g.rows * (g.kv_cols / VEC),
+            (u64)stored.rows * groups * ((kv_heads + stored.chunk - 1) / stored.chunk),
+            (u64)stored.rows * (g.kv_cols / VEC)};
+}
+
+// The angles of item i where it rotates (its row's position, its pairs; rope_angle's, as every
+// RoPE kernel's), else those of angle 0.
+template <int VEC>
+__device__ __forceinline__ void item_angles(u64 i, const RopeItems& n, const u32* __restrict__ positions,
+                                            const float* __restrict__ inv_freq, const u32* __restrict__ pairs,
+                                            const RopeShape& g, const RopeShape& stored, float2 (&sc)[VEC]) {
+    const u32 groups = g.half / VEC;
+#pragma unroll
+    for (int t = 0; t < VEC; ++t) sc[t] = make_float2(0.f, 1.f);
+    if (i < n.rotated) {
         const RopeItem it = rope_item(i, groups, VEC, g.heads(), g.chunk);
+        rope_angles<VEC>(positions, inv_freq, it.row, it.pair, sc);
+        return;
+    }
+    const u64 s = i - n.rotated - n.copied;
+    if (i >= n.rotated + n.copied && s < n.stored_rotated) {
+        const RopeItem it = rope_item(s, groups, VEC, g.kv_heads(), stored.chunk);
+        rope_angles<VEC>(positions, inv_freq, pairs[2 * it.row], it.pair, sc);
+    }
+}
+
+// Splits each row of `qkv` into q, k and v, rotating every head of q and k by positions[r]
+// (rotate_half), angle positions[r] * inv_freq[j] in fp32, and copying v; with `pairs` (else
+// null), for each of `stored.rows` (row, slot) pairs that row's rotated key and its value
+// written into physical token `slot` of the KV pool, narrowed to the KV's dtype: RoPE fused into
+// the KV append. The stored key is rotated again from qkv (no thread waits for another's k),
+// with the same expression, so it is what store_kv would store from k. Each thread takes the
+// angles of its first item before it waits for qkv: sincosf of a large angle is a long
+// computation, and positions and frequencies are no kernel's output.
+template <int VEC>
+__device__ __forceinline__ void rope_kernel(const float* __restrict__ qkv, const u32* __restrict__ positions,
+                                            const float* __restrict__ inv_freq, float* __restrict__ q,
+                                            float* __restrict__ k, float* __restrict__ v, const RopeShape& g,
+                                            const RopeShape& stored, const u32* __restrict__ pairs,
+                                            elem_t* __restrict__ kc, elem_t* __restrict__ vc) {
+    const RopeItems n = rope_items<VEC>(g, stored);
+    float2 first[VEC];
+    item_angles<VEC>(first_item(), n, positions, inv_freq, pairs, g, stored, first);
+    wait_for_previous_grid();
+    const u32 groups = g.half / VEC, width = g.width(), kv_lanes = g.kv_cols / VEC;
+    GRID_STRIDE(i, n.total()) {
         float2 sc[VEC];
         if (i == first_item()) {
 #pragma unroll
             for (int t = 0; t < VEC; ++t) sc[t] = first[t];
         } else {
-            rope_angles<VEC>(positions, inv_freq, it.row, it.pair, sc);
+            item_angles<VEC>(i, n, positions, inv_freq, pairs, g, stored, sc);
         }
-        for (u32 head = it.first_head; head < it.end_head; ++head) {
-            const u32 col = head * 2 * g.half;
-            float* dst = col < g.q_cols ? q + it.row * g.q_cols + col : k + it.row * g.kv_cols + (col - g.q_cols);
-            rotate_head<VEC>(qkv + it.row * width + col, dst, it.pair, g.half, sc);
+        u64 at = i;
+        if (at < n.rotated) {
+            const RopeItem it = rope_item(at, groups, VEC, g.heads(), g.chunk);
+            for (u32 head = it.first_head; head < it.end_head; ++head) {
+                const u32 col = head * 2 * g.half;
+                float* dst = col < g.q_cols ? q + it.row * g.q_cols + col : k + it.row * g.kv_cols + (col - g.q_cols);
+                rotate_head<VEC>(qkv + it.row * width + col, dst, it.pair, g.half, sc);
+            }
+            continue;
         }
-    }
-    GRID_STRIDE(i, (u64)g.rows * (g.kv_cols / VEC)) {
-        const RowCol at = row_col(i, g.kv_cols / VEC);
+        at -= n.rotated;
+        if (at < n.copied) {
+            const RowCol rc = row_col(at, kv_lanes);
+            float x[VEC];
+            load_vec<VEC>(qkv + rc.row * width + g.q_cols + g.kv_cols + rc.col * VEC, x);
+            store_vec<VEC>(v + rc.row * g.kv_cols + rc.col * VEC, x);
+            continue;
+        }
+        at -= n.copied;
+        if (at < n.stored_rotated) {
+            const RopeItem it = rope_item(at, groups, VEC, g.kv_heads(), stored.chunk);
+            const u32 row = pairs[2 * it.row];
+            for (u32 head = it.first_head; head < it.end_head; ++head) {
+                const u32 col = head * 2 * g.half;
+                rotate_head<VEC>(qkv + (u64)row * width + g.q_cols + col,
+                                 kc + (u64)pairs[2 * it.row + 1] * g.kv_cols + col, it.pair, g.half, sc);
+            }
+            continue;
+        }
+        at -= n.stored_rotated;
+        const RowCol rc = row_col(at, kv_lanes);
+        const u64 c = (u64)rc.col * VEC;
         float x[VEC];
-        load_vec<VEC>(qkv + at.row * width + g.q_cols + g.kv_cols + at.col * VEC, x);
-        store_vec<VEC>(v + at.row * g.kv_cols + at.col * VEC, x);
+        load_vec<VEC>(qkv + (u64)pairs[2 * rc.row] * width + g.q_cols + g.kv_cols + c, x);
+        store_vec<VEC>(vc + (u64)pairs[2 * rc.row + 1] * g.kv_cols + c, x);
     }
 }
 
-// The angles of the thread's first item of `rope_split_rows` (or of the stored keys, with
-// `pairs`), before the kernel waits: sincosf of a large angle is a long computation.
-template <int VEC>
-__device__ __forceinline__ void first_angles(const u32* __restrict__ positions, const float* __restrict__ inv_freq,
-                                             const u32* __restrict__ pairs, u64 items, u32 heads, const RopeShape& g,
-                                             float2 (&sc)[VEC]) {
-    const u32 groups = g.half / VEC;
-    const u64 chunks = (heads + g.chunk - 1) / g.chunk;
-#pragma unroll
-    for (int t = 0; t < VEC; ++t) sc[t] = make_float2(0.f, 1.f);
-    if (first_item() >= items * groups * chunks) return;
-    const RopeItem it = rope_item(first_item(), groups, VEC, heads, g.chunk);
-    rope_angles<VEC>(positions, inv_freq, pairs ? pairs[2 * it.row] : it.row, it.pair, sc);
-}
-
-template <int VEC>
-__device__ __forceinline__ void rope_split_kernel(const float* __restrict__ qkv, const u32* __restrict__ positions,
-                                                  const float* __restrict__ inv_freq, float* __restrict__ q,
-                                                  float* __restrict__ k, float* __restrict__ v, const RopeShape& g) {
-    float2 first[VEC];
-    first_angles<VEC>(positions, inv_freq, nullptr, g.rows, g.heads(), g, first);
-    wait_for_previous_grid();
-    rope_split_rows<VEC>(qkv, positions, inv_freq, q, k, v, g, first);
-}
-
-// The RoPE kernels launch as programmatic dependents of the projection that writes qkv. Their
-// positions, frequencies and (row, slot) pairs are no kernel's output, so each thread takes
-// the angles of its first item before it waits, while the projection still runs.
+// The RoPE kernels launch as programmatic dependents of the projection that writes qkv.
+// `rope_split` writes q, k and v only (rope_kernel without pairs).
 extern "C" __global__ void rope_split(const float* __restrict__ qkv, const u32* __restrict__ positions,
                                       const float* __restrict__ inv_freq, float* __restrict__ q,
                                       float* __restrict__ k, float* __restrict__ v, u32 rows,
                                       u32 q_cols, u32 kv_cols, u32 half, u32 vec4, u32 chunk) {
     let_next_grid_launch();
-    const RopeShape g{rows, q_cols, kv_cols, half, chunk};
+    const RopeShape g{rows, q_cols, kv_cols, half, chunk}, none{0, q_cols, kv_cols, half, 1};
     if (vec4)
-        rope_split_kernel<4>(qkv, positions, inv_freq, q, k, v, g);
+        rope_kernel<4>(qkv, positions, inv_freq, q, k, v, g, none, nullptr, nullptr, nullptr);
     else
-        rope_split_kernel<1>(qkv, positions, inv_freq, q, k, v, g);
+        rope_kernel<1>(qkv, positions, inv_freq, q, k, v, g, none, nullptr, nullptr, nullptr);
 }
 
-// `rope_split`, and for each of `count` (row, slot) pairs that row's rotated key and its value
-// written into physical token `slot` of the KV pool, narrowed to the KV's dtype: RoPE fused
-// into the KV append, in items of `store_chunk` KV heads. The stored key is rotated again from
-// qkv (no thread waits for another's k), with rope_split's expression, so it is what store_kv
-// would store from k. The host has checked every row and slot.
-template <int VEC>
-__device__ __forceinline__ void rope_split_store_kernel(const float* __restrict__ qkv,
-                                                        const u32* __restrict__ positions,
-                                                        const float* __restrict__ inv_freq, float* __restrict__ q,
-                                                        float* __restrict__ k, float* __restrict__ v,
-                                                        const RopeShape& g, const RopeShape& stored,
-                                                        const u32* __restrict__ pairs, elem_t* __restrict__ kc,
-                                                        elem_t* __restrict__ vc) {
-    float2 first[VEC], first_stored[VEC];
-    first_angles<VEC>(positions, inv_freq, nullptr, g.rows, g.heads(), g, first);
-    first_angles<VEC>(positions, inv_freq, pairs, stored.rows, stored.kv_heads(), stored, first_stored);
-    wait_for_previous_grid();
-    rope_split_rows<VEC>(qkv, positions, inv_freq, q, k, v, g, first);
-    const u32 groups = g.half / VEC, width = g.width(), kv_heads = g.kv_heads();
-    GRID_STRIDE(i, (u64)stored.rows * groups * ((kv_heads + stored.chunk - 1) / stored.chunk)) {
-        const RopeItem it = rope_item(i, groups, VEC, kv_heads, stored.chunk);
-        const u32 row = pairs[2 * it.row];
-        float2 sc[VEC];
-        if (i == first_item()) {
-#pragma unroll
-            for (int t = 0; t < VEC; ++t) sc[t] = first_stored[t];
-        } else {
-            rope_angles<VEC>(positions, inv_freq, row, it.pair, sc);
-        }
-        for (u32 head = it.first_head; head < it.end_head; ++head) {
-            const u32 col = head * 2 * g.half;
-            rotate_head<VEC>(qkv + (u64)row * width + g.q_cols + col, kc + (u64)pairs[2 * it.row + 1] * g.kv_cols + col,
-                             it.pair, g.half, sc);
-        }
-    }
-    GRID_STRIDE(i, (u64)stored.rows * (g.kv_cols / VEC)) {
-        const RowCol at = row_col(i, g.kv_cols / VEC);
-        const u64 p = at.row, c = (u64)at.col * VEC;
-        float x[VEC];
-        load_vec<VEC>(qkv + (u64)pairs[2 * p] * width + g.q_cols + g.kv_cols + c, x);
-        store_vec<VEC>(vc + (u64)pairs[2 * p + 1] * g.kv_cols + c, x);
-    }
-}
-
+// `rope_split`, and the keys and values of `count` (row, slot) pairs appended to the KV pool,
+// in items of `store_chunk` KV heads (the host has checked every row and slot).
 extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const u32* __restrict__ positions,
                                             const float* __restrict__ inv_freq, float* __restrict__ q,
                                             float* __restrict__ k, float* __restrict__ v, u32 rows,
@@ -401,9 +408,9 @@ extern "C" __global__ void rope_split_store(const float* __restrict__ qkv, const
     let_next_grid_launch();
     const RopeShape g{rows, q_cols, kv_cols, half, chunk}, stored{count, q_cols, kv_cols, half, store_chunk};
     if (vec4)
-        rope_split_store_kernel<4>(qkv, positions, inv_freq, q, k, v, g, stored, pairs, kc, vc);
+        rope_kernel<4>(qkv, positions, inv_freq, q, k, v, g, stored, pairs, kc, vc);
     else
-        rope_split_store_kernel<1>(qkv, positions, inv_freq, q, k, v, g, stored, pairs, kc, vc);
+        rope_kernel<1>(qkv, positions, inv_freq, q, k, v, g, stored, pairs, kc, vc);
 }
 
 // silu(g) * u, as transformers' Llama MLP computes it: every SwiGLU here, and the GEMV's.

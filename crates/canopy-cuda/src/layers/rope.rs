@@ -80,15 +80,15 @@ impl CudaBackend {
             .u32(half_)
             .u32(u32::from(vec == 4))
             .u32(narrow("rope_split", chunk)?);
-        let mut items = (lanes(rows) * heads.div_ceil(chunk)).max(rows * k.cols / vec);
+        // One item a thread where the grid holds them all: every kind of item at once.
+        let mut items = lanes(rows) * heads.div_ceil(chunk) + rows * k.cols / vec;
         let (f, params) = match store {
             Some((kv, stores)) if !stores.is_empty() => {
                 let count = narrow("rope_split_store", stores.len())?;
                 let slots = self.upload_step_input(StepInput::Slots, &slot_pairs(stores))?;
                 let store_chunk = head_chunk(lanes(stores.len()), kv_heads, threads);
-                items = items
-                    .max(lanes(stores.len()) * kv_heads.div_ceil(store_chunk))
-                    .max(stores.len() * k.cols / vec);
+                items += lanes(stores.len()) * kv_heads.div_ceil(store_chunk)
+                    + stores.len() * k.cols / vec;
                 let f = self.function(Kernel::Layers(kv.dtype, "rope_split_store"))?;
                 let params = params
                     .buffer(&*slots, s)
