@@ -143,12 +143,23 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS)
 rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __restrict__ out,
          elem_t* __restrict__ rounded, u32 cols, float eps) {
     let_next_grid_launch();
-    wait_for_previous_grid();
     __shared__ float warp_sums[LAYER_THREADS / 32];
     const float* row = x + (u64)blockIdx.x * cols;
     float* dst = out ? out + (u64)blockIdx.x * cols : nullptr;
     elem_t* low = rounded ? rounded + (u64)blockIdx.x * cols : nullptr;
     const bool held = row_held(cols);
+    // A held row's norm weights, read before the wait: they are no kernel's output, and read
+    // after the row's sum they would add a round trip to memory.
+    float gamma[RMS_NORM_CHUNKS][4];
+    if (held) {
+#pragma unroll
+        for (int j = 0; j < RMS_NORM_CHUNKS; ++j) {
+            const u32 c = threadIdx.x + j * LAYER_THREADS;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) gamma[j][e] = c < cols / 4 ? widen(w[4 * c + e]) : 0.f;
+        }
+    }
+    wait_for_previous_grid();
     float4 v[RMS_NORM_CHUNKS];
     const float inv = row_inv_rms(row, cols, eps, held, v, warp_sums);
     if (held) {
@@ -157,10 +168,10 @@ rms_norm(const float* __restrict__ x, const elem_t* __restrict__ w, float* __res
             const u32 c = threadIdx.x + j * LAYER_THREADS;
             if (c < cols / 4) {
                 float4 o;
-                o.x = widen(w[4 * c]) * (v[j].x * inv);
-                o.y = widen(w[4 * c + 1]) * (v[j].y * inv);
-                o.z = widen(w[4 * c + 2]) * (v[j].z * inv);
-                o.w = widen(w[4 * c + 3]) * (v[j].w * inv);
+                o.x = gamma[j][0] * (v[j].x * inv);
+                o.y = gamma[j][1] * (v[j].y * inv);
+                o.z = gamma[j][2] * (v[j].z * inv);
+                o.w = gamma[j][3] * (v[j].w * inv);
                 if (dst) reinterpret_cast<float4*>(dst)[c] = o;
                 if (low) {
                     low[4 * c] = narrow(o.x);
