@@ -218,6 +218,22 @@ impl Plan {
         self.num_queries as usize
     }
 
+    /// The same plan over `num_queries` queries (at least its own): the queries past its own
+    /// have no keys, so their results are empty partials. A server pads a step's rows to a
+    /// few batch sizes this way, so that a recorded step outlives requests joining and leaving.
+    pub fn with_queries(&self, num_queries: usize) -> Plan {
+        let mut padded = self.clone();
+        let rows = *self
+            .query_ptr
+            .last()
+            .expect("a plan has num_queries + 1 offsets");
+        padded
+            .query_ptr
+            .resize(num_queries.max(self.num_queries()) + 1, rows);
+        padded.num_queries = padded.query_ptr.len() as u32 - 1;
+        padded
+    }
+
     pub fn groups(&self) -> &[Group] {
         &self.groups
     }
@@ -635,6 +651,23 @@ mod tests {
         assert!(plan(vec![one(0), one(1), one(2)]).rows_are_queries());
         assert!(!plan(vec![one(1), one(0), one(2)]).rows_are_queries());
         assert!(!plan(vec![one(0), one(1), one(2), one(2)]).rows_are_queries());
+    }
+
+    /// Padding a plan with queries adds no partial rows, leaves every group and row as they
+    /// were, and is the plan `Plan::new` builds over as many queries.
+    #[test]
+    fn queries_padded_have_no_keys() {
+        let groups = vec![
+            Group::unmasked(vec![0..4], vec![0, 1]),
+            Group::unmasked(vec![4..9], vec![1]),
+        ];
+        let plan = Plan::new(2, groups.clone()).unwrap();
+        let padded = plan.with_queries(5);
+        assert_eq!(padded, Plan::new(5, groups).unwrap());
+        assert_eq!(padded.num_partial_rows(), plan.num_partial_rows());
+        assert_eq!(padded.rows_of(1), plan.rows_of(1));
+        assert!((2..5).all(|q| padded.rows_of(q).is_empty()));
+        assert_eq!(plan.with_queries(1), plan);
     }
 
     /// A group's shared tokens are those another range overlaps; ranges that only touch do not
