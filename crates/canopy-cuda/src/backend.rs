@@ -18,7 +18,9 @@
 //! and launched through [`crate::launch`]; timing is [`crate::timing`].
 
 use crate::compile::arch_for;
-use crate::descriptors::{write_extents, CudaPlan, CutPlan, HostPlan};
+use crate::descriptors::{
+    room, write_extents, CudaPlan, CutPlan, HostPlan, WordLayout, PARTIAL_ROOM_PIECE,
+};
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::{CudaKv, Paging};
 use crate::launch::Params;
@@ -31,8 +33,8 @@ use canopy_core::geometry::{
 use canopy_core::{AttnShape, AttnStates, DType, Plan, Tail, TypedVec};
 use canopy_engine::{Backend, Cache};
 use canopy_kernels::{
-    dtype_code, rows_config, Kernel, MmaPipeline, CTA_WORDS, DECODE_THREADS, DEEP_MERGE_CTAS,
-    MERGE_WARPS, MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
+    dtype_code, rows_config, Kernel, MmaPipeline, DECODE_THREADS, DEEP_MERGE_CTAS, MERGE_WARPS,
+    MMA_THREADS, WIDE_MERGE_DIMS, WIDE_MERGE_THREADS,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
@@ -276,26 +278,29 @@ impl CudaBackend {
             let slots = cuda_core_slots(max_rows, sms, per_sm) * waves;
             (cut_for_cuda_cores(plan, shape, slots), Vec::new())
         };
-        let host = HostPlan::lay_out(&plan, &items);
         Ok(CutPlan {
+            layout: WordLayout::of(&plan, &items),
             plan,
             items,
-            host,
             rows,
             tensor_cores,
         })
     }
 
-    /// A cut plan uploaded into buffers of its own (a recorded pass that read the plan it
-    /// replaces is stale).
+    /// A cut plan uploaded into buffers of its own, with room for larger plans to be written
+    /// over it ([`WordLayout::with_room`]). A recorded pass that read the plan it replaces is
+    /// stale: its owner ([`RankAttention`](canopy_engine::RankAttention)) says so by its
+    /// generation, so no graph epoch moves here.
     fn upload_cut(&self, cut: CutPlan) -> Result<CudaPlan> {
-        self.renew("a plan")?;
+        self.refuse_while_capturing("a plan")?;
+        let layout = WordLayout::with_room(&cut.layout);
+        let host = HostPlan::lay_out(&cut.plan, &cut.items, layout);
         // SAFETY: every element is written before the buffer is read.
-        let mut staging = unsafe { self.ctx.alloc_pinned::<u32>(cut.host.words.len().max(1)) }
+        let mut staging = unsafe { self.ctx.alloc_pinned::<u32>(host.words.len().max(1)) }
             .ctx("cuMemHostAlloc")?;
-        staging.as_mut_slice().ctx("cuEventSynchronize")?[..cut.host.words.len()]
-            .copy_from_slice(&cut.host.words);
-        let mut words = self.alloc::<u32>(cut.host.words.len())?;
+        staging.as_mut_slice().ctx("cuEventSynchronize")?[..host.words.len()]
+            .copy_from_slice(&host.words);
+        let mut words = self.alloc::<u32>(host.words.len())?;
         self.stream
             .memcpy_htod(&staging, &mut words)
             .ctx("cuMemcpyHtoD")?;
@@ -305,9 +310,10 @@ impl CudaBackend {
             direct: cut.plan.rows_are_queries(),
             words,
             staging,
-            layout: cut.host.layout,
-            masks: self.upload(&cut.host.masks)?,
-            shared: cut.host.shared,
+            layout: host.layout,
+            partial_room: room(cut.plan.num_partial_rows(), PARTIAL_ROOM_PIECE),
+            masks: self.upload(&host.masks)?,
+            shared: host.shared,
             plan: cut.plan,
             items: cut.items,
         })
@@ -576,26 +582,36 @@ impl Backend for CudaBackend {
 
     fn replan(&self, shape: &AttnShape, p: &mut CudaPlan, new: &Plan) -> EResult<bool> {
         let cut = self.cut_plan(shape, new)?;
-        // The kernels take the arrays at the layout's offsets, the CTA count and the rows'
-        // kernel as launch arguments: where all of them match, only the words change.
-        let same = cut.host.layout == p.layout
-            && cut.rows == p.rows
-            && cut.tensor_cores == p.tensor_cores
+        // The kernels take the arrays at the layout's places, the CTAs (every place, used or
+        // not, on tensor cores; every group on the CUDA cores, with the rows' kernel), the
+        // queries and the merge's kind as launch arguments, and the partials as made: where
+        // the new plan fits all of them, only the words change.
+        let launches_alike = match cut.tensor_cores {
+            true => p.tensor_cores,
+            false => {
+                !p.tensor_cores
+                    && cut.rows == p.rows
+                    && cut.plan.groups().len() == p.plan.groups().len()
+            }
+        };
+        let fits = launches_alike
+            && p.layout.holds(&cut.layout)
             && cut.plan.rows_are_queries() == p.direct
             && cut.plan.num_queries() == p.plan.num_queries()
-            && cut.plan.num_partial_rows() == p.plan.num_partial_rows();
-        if !same {
+            && cut.plan.num_partial_rows() <= p.partial_room;
+        if !fits {
             *p = self.upload_cut(cut)?;
             return Ok(false);
         }
         self.refuse_while_capturing("a plan")?;
+        let host = HostPlan::lay_out(&cut.plan, &cut.items, p.layout.clone());
         // The wait is for the staging buffer's last copy, long done by now.
         let staging = p.staging.as_mut_slice().ctx("cuEventSynchronize")?;
-        staging[..cut.host.words.len()].copy_from_slice(&cut.host.words);
-        self.send_rewritten(p, &cut.host.masks)?;
+        staging[..host.words.len()].copy_from_slice(&host.words);
+        self.send_rewritten(p, &host.masks)?;
         p.plan = cut.plan;
         p.items = cut.items;
-        p.shared = cut.host.shared;
+        p.shared = host.shared;
         Ok(true)
     }
 
@@ -617,7 +633,9 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> EResult<CudaStates> {
-        self.renew("attention states")?;
+        // A recorded pass reads the states of its attention, whose generation moves when they
+        // are made anew.
+        self.refuse_while_capturing("attention states")?;
         Ok(CudaStates {
             rows,
             heads: shape.q_heads,
@@ -627,8 +645,9 @@ impl Backend for CudaBackend {
         })
     }
 
+    /// Room for the partial rows of plans written over this one ([`Backend::replan`]).
     fn alloc_partials(&self, shape: &AttnShape, plan: &CudaPlan) -> EResult<CudaStates> {
-        self.alloc_states(shape, plan.plan.num_partial_rows())
+        self.alloc_states(shape, plan.partial_room)
     }
 
     fn poison(&self, s: &mut CudaStates) -> EResult<()> {
@@ -652,7 +671,7 @@ impl Backend for CudaBackend {
         partials: &mut CudaStates,
     ) -> EResult<()> {
         let shape = &kv.shape;
-        if partials.rows != plan.plan.num_partial_rows() || q.rows < plan.plan.num_queries() {
+        if partials.rows < plan.plan.num_partial_rows() || q.rows < plan.plan.num_queries() {
             return Err(
                 CudaError::Unsupported("partials or queries do not match the plan".into()).into(),
             );
@@ -684,7 +703,7 @@ impl Backend for CudaBackend {
         };
         let cfg = LaunchConfig {
             // A plan with groups has CTAs (an empty list is a one-word allocation: 0 here).
-            grid_dim: ((plan.layout.ctas.len() / CTA_WORDS) as u32, 1, 1),
+            grid_dim: (plan.layout.ctas() as u32, 1, 1),
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: self.pipeline.shared_bytes(head_dim) as u32,
         };

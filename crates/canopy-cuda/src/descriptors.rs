@@ -33,7 +33,10 @@ pub struct CudaPlan {
     /// Page-locked host copy of `words` that an in-place update writes and copies from, so
     /// the copy is asynchronous (a pageable copy waits on the host).
     pub(crate) staging: PinnedHostSlice<u32>,
+    /// Where the arrays lie, with room for a larger plan ([`WordLayout::with_room`]).
     pub(crate) layout: WordLayout,
+    /// Partial rows its partials are made with: the plan's own, with room.
+    pub(crate) partial_room: usize,
     pub(crate) masks: CudaSlice<u64>,
     /// Each group's tokens that others read too ([`Plan::kv_shared_tokens`]), kept up to date
     /// through in-place updates for the descriptors' flags.
@@ -73,7 +76,8 @@ impl CudaPlan {
 pub(crate) struct CutPlan {
     pub(crate) plan: Plan,
     pub(crate) items: Vec<CtaItem>,
-    pub(crate) host: HostPlan,
+    /// The arrays' own lengths.
+    pub(crate) layout: WordLayout,
     /// The CUDA-core kernel's rows variant.
     pub(crate) rows: usize,
     pub(crate) tensor_cores: bool,
@@ -88,8 +92,10 @@ pub(crate) struct HostPlan {
 }
 
 impl HostPlan {
-    pub(crate) fn lay_out(plan: &Plan, items: &[CtaItem]) -> HostPlan {
-        let layout = WordLayout::of(plan, items);
+    /// `plan` cut into `items`, at `layout`'s places (its own [`WordLayout::of`], or the room of
+    /// an uploaded plan that [holds](WordLayout::holds) it). The words past each array's own
+    /// length are zeros: CTA descriptors of no queries, which the kernel skips.
+    pub(crate) fn lay_out(plan: &Plan, items: &[CtaItem], layout: WordLayout) -> HostPlan {
         let mut words = vec![0; layout.query_rows.end];
         let shared = plan.kv_shared_tokens();
         let masks = write_extents(plan, &shared, items, &layout, &mut words);
@@ -99,8 +105,9 @@ impl HostPlan {
             at += g.queries.len();
         }
         let (query_ptr, query_rows) = plan.csr();
-        words[layout.query_ptr.clone()].copy_from_slice(query_ptr);
-        words[layout.query_rows.clone()].copy_from_slice(query_rows);
+        let (ptr_at, rows_at) = (layout.query_ptr.start, layout.query_rows.start);
+        words[ptr_at..ptr_at + query_ptr.len()].copy_from_slice(query_ptr);
+        words[rows_at..rows_at + query_rows.len()].copy_from_slice(query_rows);
         HostPlan {
             words,
             layout,
@@ -111,23 +118,89 @@ impl HostPlan {
 }
 
 impl WordLayout {
-    fn of(plan: &Plan, items: &[CtaItem]) -> WordLayout {
+    /// Each array of `plan` cut into `items`, exactly as long as it is.
+    pub(crate) fn of(plan: &Plan, items: &[CtaItem]) -> WordLayout {
         let groups = plan.groups();
         let (query_ptr, query_rows) = plan.csr();
+        WordLayout::packed([
+            items.len() * CTA_WORDS,
+            groups.len() * GROUP_WORDS,
+            groups.iter().map(|g| 2 * g.kv.len()).sum(),
+            groups.iter().map(|g| g.queries.len()).sum(),
+            query_ptr.len(),
+            query_rows.len(),
+        ])
+    }
+
+    /// Arrays of the given lengths, one after another.
+    fn packed(lens: [usize; 6]) -> WordLayout {
         let mut end = 0;
-        let mut next = |len: usize| {
+        let [ctas, groups, ranges, queries, query_ptr, query_rows] = lens.map(|len| {
             end += len;
             end - len..end
-        };
+        });
         WordLayout {
-            ctas: next(items.len() * CTA_WORDS),
-            groups: next(groups.len() * GROUP_WORDS),
-            ranges: next(groups.iter().map(|g| 2 * g.kv.len()).sum()),
-            queries: next(groups.iter().map(|g| g.queries.len()).sum()),
-            query_ptr: next(query_ptr.len()),
-            query_rows: next(query_rows.len()),
+            ctas,
+            groups,
+            ranges,
+            queries,
+            query_ptr,
+            query_rows,
         }
     }
+
+    /// Every array's place, in order.
+    fn arrays(&self) -> [Range<usize>; 6] {
+        [
+            self.ctas.clone(),
+            self.groups.clone(),
+            self.ranges.clone(),
+            self.queries.clone(),
+            self.query_ptr.clone(),
+            self.query_rows.clone(),
+        ]
+    }
+
+    fn lens(&self) -> [usize; 6] {
+        self.arrays().map(|a| a.len())
+    }
+
+    /// Room for the plans that follow an upload: each array of `exact` a quarter longer, in
+    /// whole pieces ([`room`]). A server's plans change as requests join and leave; where the
+    /// next one fits, it is written over this one and a recorded step that reads it stays
+    /// valid. The CTAs past a plan's own are launched too and return at once.
+    pub(crate) fn with_room(exact: &WordLayout) -> WordLayout {
+        let [ctas, rest @ ..] = exact.lens();
+        let ctas = room(ctas / CTA_WORDS, CTA_ROOM_PIECE) * CTA_WORDS;
+        let [groups, ranges, queries, query_ptr, query_rows] =
+            rest.map(|len| room(len, WORD_ROOM_PIECE));
+        WordLayout::packed([ctas, groups, ranges, queries, query_ptr, query_rows])
+    }
+
+    /// Whether a plan laid out as `exact` fits in this layout's arrays.
+    pub(crate) fn holds(&self, exact: &WordLayout) -> bool {
+        self.lens()
+            .iter()
+            .zip(exact.lens())
+            .all(|(&room, len)| len <= room)
+    }
+
+    /// CTAs launched: every descriptor's place, used or not.
+    pub(crate) fn ctas(&self) -> usize {
+        self.ctas.len() / CTA_WORDS
+    }
+}
+
+/// CTAs of room are added in pieces of this many (a few SMs' worth).
+const CTA_ROOM_PIECE: usize = 32;
+/// Words of room are added to an array in pieces of this many.
+const WORD_ROOM_PIECE: usize = 64;
+/// Partial rows of room are added in pieces of this many.
+pub(crate) const PARTIAL_ROOM_PIECE: usize = 64;
+
+/// `len` and a quarter more, rounded up to whole `piece`s (0 stays 0).
+pub(crate) fn room(len: usize, piece: usize) -> usize {
+    (len + len / 4).div_ceil(piece) * piece
 }
 
 /// Writes the arrays that an in-place update changes (CTA descriptors, group descriptors and
@@ -238,7 +311,7 @@ mod tests {
         let plan = Plan::new(3, groups).unwrap();
         let shape = AttnShape::new(32, 8, 128).unwrap();
         let (mut plan, items) = cut_for_gpu(&plan, &shape, 8);
-        let before = HostPlan::lay_out(&plan, &items);
+        let before = HostPlan::lay_out(&plan, &items, WordLayout::of(&plan, &items));
         let tails = [
             Tail {
                 end: 24,
@@ -250,7 +323,7 @@ mod tests {
             },
         ];
         plan.extend_tails(&tails);
-        let fresh = HostPlan::lay_out(&plan, &items);
+        let fresh = HostPlan::lay_out(&plan, &items, WordLayout::of(&plan, &items));
         assert_ne!(before.words, fresh.words, "the tails change the words");
         let mut words = before.words.clone();
         let mut shared = before.shared.clone();
@@ -259,6 +332,50 @@ mod tests {
         assert_eq!(words, fresh.words);
         assert_eq!(masks, fresh.masks);
         assert_ne!(masks, before.masks, "the masked group grew");
+    }
+
+    /// A smaller plan laid out in a larger one's room lies where the larger one did: each of
+    /// its arrays at the room's place, its own words where a layout of its own puts them, and
+    /// the CTA places past its own zeros (no queries: the kernel returns at once).
+    #[test]
+    fn a_plan_in_anothers_room_keeps_its_words_and_empties_the_rest() {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let cut = |leaves: u32| {
+            let mut groups = vec![Group::unmasked(vec![0..512], (0..leaves).collect())];
+            groups.extend(
+                (0..leaves).map(|q| Group::unmasked(vec![600 + 20 * q..610 + 20 * q], vec![q])),
+            );
+            cut_for_gpu(&Plan::new(leaves as usize, groups).unwrap(), &shape, 24)
+        };
+        let (big, big_items) = cut(6);
+        let room = WordLayout::with_room(&WordLayout::of(&big, &big_items));
+        assert!(room.ctas() >= big_items.len() + big_items.len() / 4);
+        let (small, items) = cut(5);
+        let small = small.with_queries(6);
+        let own = WordLayout::of(&small, &items);
+        assert!(room.holds(&own) && !own.holds(&room));
+        let check = |plan: &Plan, items: &[CtaItem]| {
+            let own = HostPlan::lay_out(plan, items, WordLayout::of(plan, items));
+            let placed = HostPlan::lay_out(plan, items, room.clone());
+            assert_eq!(placed.layout, room);
+            assert_eq!(placed.masks, own.masks);
+            for (i, (mine, theirs)) in own
+                .layout
+                .arrays()
+                .into_iter()
+                .zip(room.arrays())
+                .enumerate()
+            {
+                let (at, len) = (theirs.start, mine.len());
+                assert!(len <= theirs.len());
+                assert_eq!(own.words[mine], placed.words[at..at + len]);
+                if i == 0 {
+                    assert!(placed.words[at + len..theirs.end].iter().all(|&w| w == 0));
+                }
+            }
+        };
+        check(&small, &items);
+        check(&big, &big_items);
     }
 
     /// Every CTA's descriptor carries its group's flag: set where other groups read at most
@@ -273,7 +390,7 @@ mod tests {
         let plan = Plan::new(22, groups).unwrap();
         let shape = AttnShape::new(32, 8, 128).unwrap();
         let (plan, items) = cut_for_gpu(&plan, &shape, 4);
-        let host = HostPlan::lay_out(&plan, &items);
+        let host = HostPlan::lay_out(&plan, &items, WordLayout::of(&plan, &items));
         let expected: Vec<u32> = plan
             .groups()
             .iter()

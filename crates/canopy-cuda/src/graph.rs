@@ -10,10 +10,15 @@
 //! - the step's token ids, positions and KV slots are staged before the replay into the step
 //!   input buffers the pass read ([`LayerOps::stage_step`](canopy_engine::LayerOps)), written
 //!   in place;
-//! - everything else a pass reads (KV pools and page tables, plans, attention states, the
-//!   GEMM scratch) is made outside the pass, and making one anew moves the backend's
-//!   [`GraphState::epoch`]: the caller keys a recording by the epoch and records again when
-//!   it moved.
+//! - the attention's plans, states and merge buffers belong to its
+//!   [`RankAttention`](canopy_engine::RankAttention), whose generation moves when it makes
+//!   one anew (a plan written over one in place keeps its buffers);
+//! - everything else a pass reads (KV pools and page tables, the step inputs, the GEMM
+//!   scratch) is made outside the pass, and making one anew moves the backend's
+//!   [`GraphState::epoch`].
+//!
+//! The caller keys a recording by the epoch and the generation, and records again when
+//! either moved.
 //!
 //! While a capture runs, an op that would upload from the host or make a lasting buffer
 //! fails instead ([`CudaBackend::refuse_while_capturing`]), so a pass that cannot be replayed

@@ -72,7 +72,9 @@ impl MergeOps for CudaBackend {
     type Buf = CudaSlice<f32>;
 
     fn alloc_buf(&self, len: usize) -> EResult<CudaSlice<f32>> {
-        self.renew("a merge buffer")?;
+        // A recorded pass reads the merge buffers of its attention, whose generation moves
+        // when they are made anew.
+        self.refuse_while_capturing("a merge buffer")?;
         Ok(self.alloc(len)?)
     }
 

@@ -103,20 +103,22 @@ pub trait Backend: Send + Sync {
     /// groups, partial rows and merge stay as they were, so buffers allocated for it stay
     /// valid: a decode step that changed no layout costs this instead of a new plan.
     fn extend_plan(&self, plan: &mut Self::Plan, tails: &[Tail]) -> Result<()>;
-    /// Replaces an uploaded plan by `new`. Where `new` lays out as the plan does (the same
-    /// queries and partial rows, and on a GPU the same CTAs and arrays), it is written into the
-    /// buffers the plan has and this returns true: every buffer and launch argument a recorded
-    /// decode pass holds stays valid, so a replanned step replays that recording instead of
-    /// making a new one. Otherwise `new` is uploaded in its place and this returns false:
-    /// buffers sized for the old plan (its partials) must be made anew.
+    /// Replaces an uploaded plan by `new`. Where `new` fits the plan's buffers and launches
+    /// (the same queries, partial rows that the plan's partials hold, and on a GPU arrays and
+    /// CTAs within the room its upload made), it is written into the buffers the plan has and
+    /// this returns true: every buffer and launch argument a recorded decode pass holds stays
+    /// valid, so a replanned step replays that recording instead of making a new one.
+    /// Otherwise `new` is uploaded in its place and this returns false: buffers made for the
+    /// old plan (its partials) must be made anew.
     fn replan(&self, shape: &AttnShape, plan: &mut Self::Plan, new: &Plan) -> Result<bool>;
     /// Buffers for `rows` states of `shape`.
     fn alloc_states(&self, shape: &AttnShape, rows: usize) -> Result<Self::States>;
-    /// Buffers for the uploaded plan's partial rows.
+    /// Buffers for the uploaded plan's partial rows, and for those of plans written over it
+    /// in place ([`Backend::replan`]): a backend may make more rows than the plan has.
     fn alloc_partials(&self, shape: &AttnShape, plan: &Self::Plan) -> Result<Self::States>;
     /// Fills `states` with NaN so that a row a kernel fails to write is caught by a test.
     fn poison(&self, states: &mut Self::States) -> Result<()>;
-    /// Stage 1: writes every partial row of the plan.
+    /// Stage 1: writes every partial row of the plan (`partials` may have more rows).
     fn run_plan(
         &self,
         kv: &Self::Kv,

@@ -18,6 +18,7 @@ use crate::merge::{MergeCollective, MergeOps, StatesMerge, Transport};
 use crate::topology::NodeLayout;
 use crate::{EngineError, Result};
 use canopy_core::{AttnShape, DType, Plan, Tail};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// What one rank knows of a ring's shard: its plan (over the shard's logical addresses) and
@@ -34,7 +35,16 @@ pub struct RankAttention<'a, B: MergeOps, C: Transport<B>> {
     backend: &'a B,
     comm: &'a C,
     poison: bool,
+    /// Moves whenever a buffer of the step is made anew ([`RankAttention::generation`]).
+    generation: u64,
     kind: Kind<B>,
+}
+
+/// The next [`RankAttention::generation`]: unique over the process, so that no two sets of
+/// buffers, alive or freed, share one.
+fn next_generation() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 enum Kind<B: MergeOps> {
@@ -84,6 +94,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             backend,
             comm,
             poison: false,
+            generation: next_generation(),
             kind: Kind::Tree {
                 shape,
                 how,
@@ -134,6 +145,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
             backend,
             comm,
             poison: false,
+            generation: next_generation(),
             kind: Kind::Ring {
                 shards,
                 plans,
@@ -152,6 +164,14 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
     pub fn with_poison(mut self, poison: bool) -> Self {
         self.poison = poison;
         self
+    }
+
+    /// Which buffers a step reads: the plans, partials and states (the tree's merge's too).
+    /// It moves whenever one of them is made anew, never when a plan is written over one in
+    /// place, so a recorded step is valid while its generation holds; the buffers of an older
+    /// one may be freed.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The ranks that attend together.
@@ -213,12 +233,13 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
     }
 
     /// Tree attention over `new` from now on, in place of the plan it had
-    /// ([`Backend::replan`](crate::Backend::replan)). Where the new plan lays out as the old,
-    /// every buffer stays and a recorded pass of the old plan replays the new one; otherwise
-    /// the step's buffers are made anew for it. The ring replans every rank's shard: it takes
-    /// a new [`RankAttention::ring`].
+    /// ([`Backend::replan`](crate::Backend::replan)). Where the new plan fits the old one's
+    /// buffers, every buffer stays and a recorded pass of the old plan replays the new one;
+    /// otherwise the step's buffers are made anew for it, in a new generation. The ring
+    /// replans every rank's shard: it takes a new [`RankAttention::ring`].
     pub fn replan(&mut self, new: &Plan) -> Result<()> {
         let (backend, comm) = (self.backend, self.comm);
+        let generation = &mut self.generation;
         let Kind::Tree {
             shape,
             plan,
@@ -235,6 +256,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         if !backend.replan(shape, plan, new)? {
             let queries = new.num_queries();
             (*partials, *local, *merge) = tree_buffers(backend, comm, shape, plan, queries)?;
+            *generation = next_generation();
         }
         Ok(())
     }

@@ -586,6 +586,8 @@ decode_partial_mma(STAGE1_PARAMS) {
     let_next_grid_launch();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const GroupDesc cd = read_cta(groups, blockIdx.x);
+    // A place past the plan's own CTAs (room for larger plans written over it): no work.
+    if (cd.query_count == 0) return;
     const int kvh0 = (int)(cd.head & (CTA_PER_HEAD - 1u));
     const bool per_head = cd.head & CTA_PER_HEAD;
     if (per_head)

@@ -179,10 +179,12 @@ struct Recorded<G> {
     replays: usize,
 }
 
-/// What a recorded pass is valid for: every other input is staged or is a buffer of the epoch.
+/// What a recorded pass is valid for: every other input is staged, or is a buffer of the
+/// backend's epoch or of the attention's generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct PassKey {
     epoch: u64,
+    attention: u64,
     rows: usize,
     stores: usize,
 }
@@ -280,7 +282,7 @@ impl<B: LayerOps> Forward<B> {
         // `graphs` is the same on every rank: set alike, and cleared only by an agreed failure.
         let together = recordable && attention.ranks() > 1;
         let key = if recordable {
-            stage(backend, rows)?
+            stage(backend, rows, attention.generation())?
         } else {
             None
         };
@@ -401,7 +403,7 @@ fn agree<B: LayerOps, C: Transport<B>>(
 
 /// Stages the step's inputs where a recorded pass reads them and gives the step's key
 /// (`None`: the backend records no graphs).
-fn stage<B: LayerOps>(backend: &B, rows: StepRows) -> Result<Option<PassKey>> {
+fn stage<B: LayerOps>(backend: &B, rows: StepRows, attention: u64) -> Result<Option<PassKey>> {
     if backend.graph_epoch().is_none() {
         return Ok(None);
     }
@@ -409,6 +411,7 @@ fn stage<B: LayerOps>(backend: &B, rows: StepRows) -> Result<Option<PassKey>> {
     // Staging may have made a larger input buffer: the epoch is read after it.
     Ok(backend.graph_epoch().map(|epoch| PassKey {
         epoch,
+        attention,
         rows: rows.ids.len(),
         stores: rows.stores.len(),
     }))
@@ -763,6 +766,7 @@ mod tests {
     fn key(epoch: u64) -> PassKey {
         PassKey {
             epoch,
+            attention: 0,
             rows: 1,
             stores: 1,
         }
