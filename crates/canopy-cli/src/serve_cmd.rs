@@ -165,6 +165,8 @@ pub fn serve(
             BackendKind::Cuda => DEFAULT_PREFILL_CHUNK,
         }),
         graphs: !e.eager,
+        // Padded rows pay for themselves where steps replay recorded passes: on a GPU.
+        pad_rows: !e.eager && kind == BackendKind::Cuda,
     };
     let ModelSource {
         name,

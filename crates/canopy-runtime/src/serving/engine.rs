@@ -20,7 +20,7 @@ use super::books::{Books, Layout, PrefillPass};
 use super::handle::EngineInbox;
 use super::scheduler::{ChunkDone, Decoded, PastReads, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
-use super::ServeConfig;
+use super::{batch_rows, ServeConfig};
 use crate::forward::{download_rows, row_terms, walk_tails, Forward, RowReads, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
@@ -100,6 +100,9 @@ struct Ranks<'a, B: LayerOps, C: Collective + Transport<B>> {
     /// Whether the caches read through the decode layout's page table (a chunk installs its
     /// own).
     decode_table: bool,
+    /// Where the rows that pad a decode step store their keys: the first slot past the
+    /// pool's pages (`None`: steps are not padded, [`ServeConfig::pad_rows`]).
+    pad_slot: Option<u32>,
 }
 
 impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
@@ -110,10 +113,9 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         config: &'a ServeConfig,
     ) -> Result<Self> {
         let shape = layers.attn_shape();
-        let pool = (config.pages_per_rank * config.page_size) as usize;
         // The pools were priced by `LayerOps::check_model` before the weights were uploaded.
         let caches = (0..layers.num_layers())
-            .map(|_| backend.alloc_kv(&shape, config.kv_dtype, pool))
+            .map(|_| backend.alloc_kv(&shape, config.kv_dtype, config.pool_tokens()))
             .collect::<canopy_engine::Result<_>>()?;
         let merge = resolve_merge(
             config.strategy,
@@ -122,6 +124,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             shape.head_dim,
         )?;
         let room = if merge.is_some() { GROWTH_ROOM } else { 0 };
+        let pad_slot = (config.pad_rows && merge.is_some())
+            .then_some(config.pages_per_rank * config.page_size);
         Ok(Ranks {
             backend,
             layers,
@@ -134,6 +138,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             forward: Forward::new().with_graphs(config.graphs),
             decode: None,
             decode_table: false,
+            pad_slot,
         })
     }
 
@@ -255,6 +260,10 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let laying_out = Instant::now();
         let rank = self.comm.rank();
         let viewers = self.viewers();
+        let batch = match self.pad_slot {
+            Some(_) => batch_rows(rows.ids.len(), self.config.max_batch),
+            None => rows.ids.len(),
+        };
         let layout = self.books.layout(rank, &viewers)?;
         let fresh = matches!(layout, Layout::Fresh(_));
         match layout {
@@ -265,8 +274,15 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 attention.extend(&tails)?;
                 self.decode_table &= !new_pages;
             }
+            // The tree's plan is written over the last one where it fits its buffers, so a
+            // recorded step outlives requests that join and leave.
+            Layout::Fresh(views) if self.merge.is_some() && self.decode.is_some() => {
+                let plan = self.plan_of(&views[0], batch)?;
+                self.decode.as_mut().expect("checked").replan(&plan)?;
+                self.decode_table = false;
+            }
             Layout::Fresh(views) => {
-                self.decode = Some(self.attention(&views)?);
+                self.decode = Some(self.attention(&views, batch)?);
                 self.decode_table = false;
             }
         }
@@ -279,7 +295,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             * self.layers.num_layers() as u64
             * 2
             * self.shape.kv_token_bytes(self.config.kv_dtype) as u64;
-        let stores = mine(rows.placed.iter().map(Some), rank);
+        let (ids, positions, stores) = match self.pad_slot {
+            Some(slot) => padded(rows, batch, rank, slot),
+            None => (
+                rows.ids.clone(),
+                rows.positions.clone(),
+                mine(rows.placed.iter().map(Some), rank),
+            ),
+        };
         let attention = self.decode.as_mut().expect("planned above");
         let replayed = self.forward.replayed();
         let decoding = Instant::now();
@@ -296,8 +319,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             &mut self.caches,
             attention,
             StepRows {
-                ids: &rows.ids,
-                positions: &rows.positions,
+                ids: &ids,
+                positions: &positions,
                 stores: &stores,
                 reach,
             },
@@ -309,6 +332,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         }
         tracing::debug!(
             rows = rows.ids.len(),
+            batch,
             layout_ms = ms(decoding - laying_out),
             decode_ms = ms(reading - decoding),
             reads_ms = ms(reading.elapsed()),
@@ -344,7 +368,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                         .expect("this rank's view");
                     self.install(&mine.table)?;
                     self.decode_table = false;
-                    Some(self.attention(views)?)
+                    // A prompt pass is never recorded: its plan has its own rows alone.
+                    Some(self.attention(views, 0)?)
                 }
                 None => None,
             };
@@ -468,18 +493,19 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         Ok(out)
     }
 
-    /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring).
-    fn attention(&self, views: &[RankSnapshot]) -> Result<RankAttention<'a, B, C>> {
-        let plan_of = |v: &RankSnapshot| -> Result<canopy_core::Plan> {
-            let shard = Shard::whole(&v.tree);
-            let cfg = PlannerConfig::default();
-            Ok(plan(
-                &TreeView::new(&v.tree, &shard),
-                self.config.method,
-                &self.shape,
-                &cfg,
-            )?)
-        };
+    /// The plan of a rank's `view` over `batch` queries (at least its own): its rows', then
+    /// the padding rows', which have no keys.
+    fn plan_of(&self, view: &RankSnapshot, batch: usize) -> Result<canopy_core::Plan> {
+        let shard = Shard::whole(&view.tree);
+        let cfg = PlannerConfig::default();
+        let tree = TreeView::new(&view.tree, &shard);
+        Ok(plan(&tree, self.config.method, &self.shape, &cfg)?.with_queries(batch))
+    }
+
+    /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring)
+    /// for `batch` rows.
+    fn attention(&self, views: &[RankSnapshot], batch: usize) -> Result<RankAttention<'a, B, C>> {
+        let plan_of = |v: &RankSnapshot| self.plan_of(v, batch);
         Ok(match &self.merge {
             Some((how, layout)) => RankAttention::tree(
                 self.backend,
@@ -565,6 +591,30 @@ fn step_reads(step: &Step, rows: &[Row]) -> RowReads {
             .filter_map(|(listed, picks)| place(listed).map(|p| (p, picks.clone())))
             .collect(),
     }
+}
+
+/// The decode rows padded to `batch` rows: their ids and positions (token 0 at position 0 for
+/// the padding), and where every row's key is stored on this rank, `(row, physical slot)`:
+/// its own slot where this rank holds the row, else `pad_slot`, so that every step of a batch
+/// size stores as many keys on every rank.
+fn padded(
+    rows: &super::books::DecodeRows,
+    batch: usize,
+    rank: usize,
+    pad_slot: u32,
+) -> (Vec<u32>, Vec<u32>, Vec<(u32, u32)>) {
+    let pad = |v: &[u32]| {
+        let mut v = v.to_vec();
+        v.resize(batch, 0);
+        v
+    };
+    let stores = (0..batch)
+        .map(|row| match rows.placed.get(row) {
+            Some(&(r, slot)) if r == rank => (row as u32, slot),
+            _ => (row as u32, pad_slot),
+        })
+        .collect();
+    (pad(&rows.ids), pad(&rows.positions), stores)
 }
 
 /// The rows whose KV this rank stores, `(row, physical slot)`, of the rows' `(rank, slot)`

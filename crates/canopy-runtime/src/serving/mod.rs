@@ -71,6 +71,23 @@ pub struct ServeConfig {
     /// Whether decode steps may replay a recorded pass (as
     /// [`GenerateRequest::graphs`](crate::GenerateRequest::graphs)).
     pub graphs: bool,
+    /// Whether the tree strategy's decode steps run their rows padded to a few batch sizes
+    /// ([`batch_rows`]): rows past a step's own decode token 0 at position 0, store their keys
+    /// in a page of each pool that no request holds, and have no keys to attend. A step then
+    /// keeps its rows, plan buffers and recorded pass while requests join and leave within a
+    /// batch size. For a backend that replays recorded passes.
+    pub pad_rows: bool,
+}
+
+/// The rows a decode step of `rows` rows runs when they are padded: the next power of two up
+/// to 8, then the next multiple of an eighth of the next power of two (at least 8), so that
+/// padding adds at most 1/8 past 64 rows. Never past `max_batch`, unless `rows` is.
+pub fn batch_rows(rows: usize, max_batch: usize) -> usize {
+    let size = match rows {
+        0..=8 => rows.next_power_of_two(),
+        _ => rows.next_multiple_of((rows.next_power_of_two() / 8).max(8)),
+    };
+    size.min(max_batch.max(rows))
 }
 
 impl ServeConfig {
@@ -87,10 +104,16 @@ impl ServeConfig {
             config,
             weight_dtype,
             self.kv_dtype,
-            (self.pages_per_rank * self.page_size) as usize * ranks_here,
+            self.pool_tokens() * ranks_here,
             self.most_step_rows(),
             self.max_batch,
         ))
+    }
+
+    /// KV slots of each rank's pool: its pages, and with [`ServeConfig::pad_rows`] one page
+    /// past them where padding rows store their keys.
+    pub fn pool_tokens(&self) -> usize {
+        (self.pages_per_rank + self.pad_rows as u32) as usize * self.page_size as usize
     }
 
     /// The most rows a step runs through the layers: its decode rows and its prompt chunks.
@@ -106,5 +129,30 @@ impl ServeConfig {
             page_size: self.page_size as usize,
             pages: self.pages_per_rank as usize * ranks,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batch_rows;
+
+    /// Batch sizes: powers of two to 8, then steps of 8 to 64, 16 to 128, 32 to 256; never
+    /// fewer rows than the step's, never more than the batch allows past them.
+    #[test]
+    fn rows_pad_to_a_few_batch_sizes() {
+        let sizes: Vec<usize> = (1..=130).map(|r| batch_rows(r, 256)).collect();
+        assert_eq!(&sizes[..9], [1, 2, 4, 4, 8, 8, 8, 8, 16]);
+        assert_eq!(batch_rows(17, 256), 24);
+        assert_eq!(batch_rows(57, 256), 64);
+        assert_eq!(batch_rows(65, 256), 80);
+        assert_eq!(batch_rows(129, 256), 160);
+        for (r, &size) in (1..).zip(&sizes) {
+            assert!(size >= r && size - r < 8.max(r / 4), "{r} -> {size}");
+        }
+        let mut distinct = sizes.clone();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 4 + 7 + 4 + 1, "{distinct:?}");
+        assert_eq!(batch_rows(5, 6), 6, "capped at the batch");
+        assert_eq!(batch_rows(7, 6), 7, "a step past the batch is not padded");
     }
 }
