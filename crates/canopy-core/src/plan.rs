@@ -221,17 +221,12 @@ impl Plan {
     /// The same plan over `num_queries` queries (at least its own): the queries past its own
     /// have no keys, so their results are empty partials. A server pads a step's rows to a
     /// few batch sizes this way, so that a recorded step outlives requests joining and leaving.
-    pub fn with_queries(&self, num_queries: usize) -> Plan {
-        let mut padded = self.clone();
-        let rows = *self
-            .query_ptr
-            .last()
-            .expect("a plan has num_queries + 1 offsets");
-        padded
-            .query_ptr
-            .resize(num_queries.max(self.num_queries()) + 1, rows);
-        padded.num_queries = padded.query_ptr.len() as u32 - 1;
-        padded
+    pub fn with_queries(mut self, num_queries: usize) -> Plan {
+        let rows = *self.query_ptr.last().expect("num_queries + 1 offsets");
+        let queries = num_queries.max(self.num_queries());
+        self.query_ptr.resize(queries + 1, rows);
+        self.num_queries = queries as u32;
+        self
     }
 
     pub fn groups(&self) -> &[Group] {
@@ -662,12 +657,12 @@ mod tests {
             Group::unmasked(vec![4..9], vec![1]),
         ];
         let plan = Plan::new(2, groups.clone()).unwrap();
-        let padded = plan.with_queries(5);
+        let padded = plan.clone().with_queries(5);
         assert_eq!(padded, Plan::new(5, groups).unwrap());
         assert_eq!(padded.num_partial_rows(), plan.num_partial_rows());
         assert_eq!(padded.rows_of(1), plan.rows_of(1));
         assert!((2..5).all(|q| padded.rows_of(q).is_empty()));
-        assert_eq!(plan.with_queries(1), plan);
+        assert_eq!(plan.clone().with_queries(1), plan);
     }
 
     /// A group's shared tokens are those another range overlaps; ranges that only touch do not
