@@ -20,7 +20,7 @@ use super::books::{Books, Layout, PrefillPass};
 use super::handle::EngineInbox;
 use super::scheduler::{ChunkDone, Decoded, PastReads, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
-use super::{batch_rows, ServeConfig};
+use super::{held_batch, ServeConfig};
 use crate::forward::{download_rows, row_terms, walk_tails, Forward, RowReads, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
@@ -103,6 +103,8 @@ struct Ranks<'a, B: LayerOps, C: Collective + Transport<B>> {
     /// Where the rows that pad a decode step store their keys: the first slot past the
     /// pool's pages (`None`: steps are not padded, [`ServeConfig::pad_rows`]).
     pad_slot: Option<u32>,
+    /// The rows of the last padded decode step.
+    batch: usize,
 }
 
 impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
@@ -139,6 +141,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             decode: None,
             decode_table: false,
             pad_slot,
+            batch: 0,
         })
     }
 
@@ -261,9 +264,10 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let rank = self.comm.rank();
         let viewers = self.viewers();
         let batch = match self.pad_slot {
-            Some(_) => batch_rows(rows.ids.len(), self.config.max_batch),
+            Some(_) => held_batch(rows.ids.len(), self.batch, self.config.max_batch),
             None => rows.ids.len(),
         };
+        self.batch = batch;
         let layout = self.books.layout(rank, &viewers)?;
         let fresh = matches!(layout, Layout::Fresh(_));
         match layout {

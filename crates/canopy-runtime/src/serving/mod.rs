@@ -72,7 +72,7 @@ pub struct ServeConfig {
     /// [`GenerateRequest::graphs`](crate::GenerateRequest::graphs)).
     pub graphs: bool,
     /// Whether the tree strategy's decode steps run their rows padded to a few batch sizes
-    /// ([`batch_rows`]): rows past a step's own decode token 0 at position 0, store their keys
+    /// ([`batch_rows`], [`held_batch`]): rows past a step's own decode token 0 at position 0, store their keys
     /// in a page of each pool that no request holds, and have no keys to attend. A step then
     /// keeps its rows, plan buffers and recorded pass while requests join and leave within a
     /// batch size. For a backend that replays recorded passes.
@@ -88,6 +88,20 @@ pub fn batch_rows(rows: usize, max_batch: usize) -> usize {
         _ => rows.next_multiple_of((rows.next_power_of_two() / 8).max(8)),
     };
     size.min(max_batch.max(rows))
+}
+
+/// The batch size a padded decode step of `rows` rows runs after one of `held` rows: `held`
+/// while the rows fit it and it is at most one batch size past theirs, else theirs
+/// ([`batch_rows`]). Rows that hover about a batch size's edge then keep one size, and the
+/// step its recording, rather than alternate between two.
+pub fn held_batch(rows: usize, held: usize, max_batch: usize) -> usize {
+    let size = batch_rows(rows, max_batch);
+    let next = batch_rows(size + 1, max_batch);
+    if rows <= held && held <= next {
+        held
+    } else {
+        size
+    }
 }
 
 impl ServeConfig {
@@ -134,7 +148,7 @@ impl ServeConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::batch_rows;
+    use super::{batch_rows, held_batch};
 
     /// Batch sizes: powers of two to 8, then steps of 8 to 64, 16 to 128, 32 to 256; never
     /// fewer rows than the step's, never more than the batch allows past them.
@@ -154,5 +168,28 @@ mod tests {
         assert_eq!(distinct.len(), 4 + 7 + 4 + 1, "{distinct:?}");
         assert_eq!(batch_rows(5, 6), 6, "capped at the batch");
         assert_eq!(batch_rows(7, 6), 7, "a step past the batch is not padded");
+    }
+
+    /// A batch size holds while the rows fit it and it is at most one size past theirs.
+    #[test]
+    fn a_batch_size_holds_about_its_edge() {
+        let mut held = 0;
+        let sizes: Vec<usize> = [39, 41, 39, 47, 41, 33, 31, 33, 31, 30, 25, 24, 49, 41]
+            .into_iter()
+            .map(|rows| {
+                held = held_batch(rows, held, 64);
+                held
+            })
+            .collect();
+        assert_eq!(
+            sizes,
+            [40, 48, 48, 48, 48, 48, 32, 40, 40, 40, 40, 24, 56, 56]
+        );
+        assert_eq!(
+            held_batch(70, 64, 64),
+            70,
+            "rows past the batch run as they are"
+        );
+        assert_eq!(held_batch(3, 64, 64), 4);
     }
 }
