@@ -582,19 +582,12 @@ impl Backend for CudaBackend {
 
     fn replan(&self, shape: &AttnShape, p: &mut CudaPlan, new: &Plan) -> EResult<bool> {
         let cut = self.cut_plan(shape, new)?;
-        // The kernels take the arrays at the layout's places, the CTAs (every place, used or
-        // not, on tensor cores; every group on the CUDA cores, with the rows' kernel), the
+        // The kernels take the arrays at the layout's places, a CTA for every descriptor's
+        // place (used or not), the kernel (tensor cores or not, and the CUDA cores' rows), the
         // queries and the merge's kind as launch arguments, and the partials as made: where
         // the new plan fits all of them, only the words change.
-        let launches_alike = match cut.tensor_cores {
-            true => p.tensor_cores,
-            false => {
-                !p.tensor_cores
-                    && cut.rows == p.rows
-                    && cut.plan.groups().len() == p.plan.groups().len()
-            }
-        };
-        let fits = launches_alike
+        let fits = cut.tensor_cores == p.tensor_cores
+            && cut.rows == p.rows
             && p.layout.holds(&cut.layout)
             && cut.plan.rows_are_queries() == p.direct
             && cut.plan.num_queries() == p.plan.num_queries()
@@ -676,8 +669,7 @@ impl Backend for CudaBackend {
                 CudaError::Unsupported("partials or queries do not match the plan".into()).into(),
             );
         }
-        let groups = plan.plan.groups().len() as u32;
-        if groups == 0 {
+        if plan.plan.groups().is_empty() {
             return Ok(());
         }
         let tensor_cores = plan.uses_tensor_cores(kv.dtype);
@@ -689,7 +681,7 @@ impl Backend for CudaBackend {
                 rows: plan.rows,
             };
             let cfg = LaunchConfig {
-                grid_dim: (groups, kv_heads, 1),
+                grid_dim: (plan.layout.groups() as u32, kv_heads, 1),
                 block_dim: (DECODE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };

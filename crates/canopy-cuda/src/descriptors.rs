@@ -168,7 +168,7 @@ impl WordLayout {
     /// Room for the plans that follow an upload: each array of `exact` a quarter longer, in
     /// whole pieces ([`room`]). A server's plans change as requests join and leave; where the
     /// next one fits, it is written over this one and a recorded step that reads it stays
-    /// valid. The CTAs past a plan's own are launched too and return at once.
+    /// valid. The CTAs and groups past a plan's own are launched too and do nothing.
     pub(crate) fn with_room(exact: &WordLayout) -> WordLayout {
         let [ctas, rest @ ..] = exact.lens();
         let ctas = room(ctas / CTA_WORDS, CTA_ROOM_PIECE) * CTA_WORDS;
@@ -185,9 +185,15 @@ impl WordLayout {
             .all(|(&room, len)| len <= room)
     }
 
-    /// CTAs launched: every descriptor's place, used or not.
+    /// CTAs the tensor-core kernel launches: every descriptor's place, used or not.
     pub(crate) fn ctas(&self) -> usize {
         self.ctas.len() / CTA_WORDS
+    }
+
+    /// Groups the CUDA-core kernel launches (each over every KV head): every descriptor's
+    /// place, used or not.
+    pub(crate) fn groups(&self) -> usize {
+        self.groups.len() / GROUP_WORDS
     }
 }
 

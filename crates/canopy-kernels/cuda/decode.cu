@@ -142,6 +142,7 @@ decode_partial(STAGE1_PARAMS) {
     const u32 query_count = gd[3], partial_base = gd[4], mask_plus1 = gd[5], tokens = gd[6];
     const int kvh = blockIdx.y;
     const int gsz = q_heads / kv_heads;
+    // A place past the plan's own groups (room for larger plans) has no queries: no rows.
     const int total_rows = (int)query_count * gsz;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LANES, dim0 = (lane % LANES) * 8;
