@@ -199,8 +199,9 @@ impl WordLayout {
 
 /// CTAs of room are added in pieces of this many (a few SMs' worth).
 const CTA_ROOM_PIECE: usize = 32;
-/// Words of room are added to an array in pieces of this many.
+/// Words of room are added to an array in pieces of this many (whole group descriptors).
 const WORD_ROOM_PIECE: usize = 64;
+const _: () = assert!(WORD_ROOM_PIECE.is_multiple_of(GROUP_WORDS));
 /// Partial rows of room are added in pieces of this many.
 pub(crate) const PARTIAL_ROOM_PIECE: usize = 64;
 
