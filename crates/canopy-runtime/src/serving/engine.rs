@@ -33,6 +33,7 @@ use canopy_core::{plan, AttnShape, PlannerConfig, Shard, TreeView};
 use canopy_engine::{LayerOps, MergeCollective, NodeLayout, RankAttention, RingShard, Transport};
 use canopy_kv::RankSnapshot;
 use canopy_model::Tokenizer;
+use std::borrow::Cow;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -299,13 +300,13 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             * self.layers.num_layers() as u64
             * 2
             * self.shape.kv_token_bytes(self.config.kv_dtype) as u64;
-        let (ids, positions, stores) = match self.pad_slot {
+        let pass = match self.pad_slot {
             Some(slot) => padded(rows, batch, rank, slot),
-            None => (
-                rows.ids.clone(),
-                rows.positions.clone(),
-                mine(rows.placed.iter().map(Some), rank),
-            ),
+            None => PassRows {
+                ids: Cow::Borrowed(&rows.ids),
+                positions: Cow::Borrowed(&rows.positions),
+                stores: mine(rows.placed.iter().map(Some), rank),
+            },
         };
         let attention = self.decode.as_mut().expect("planned above");
         let replayed = self.forward.replayed();
@@ -323,9 +324,9 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             &mut self.caches,
             attention,
             StepRows {
-                ids: &ids,
-                positions: &positions,
-                stores: &stores,
+                ids: &pass.ids,
+                positions: &pass.positions,
+                stores: &pass.stores,
                 reach,
             },
             &mut while_running,
@@ -597,20 +598,27 @@ fn step_reads(step: &Step, rows: &[Row]) -> RowReads {
     }
 }
 
-/// The decode rows padded to `batch` rows: their ids and positions (token 0 at position 0 for
-/// the padding), and where every row's key is stored on this rank, `(row, physical slot)`:
-/// its own slot where this rank holds the row, else `pad_slot`, so that every step of a batch
-/// size stores as many keys on every rank.
+/// A decode pass's rows as the layers take them: each row's token and position, and the rows
+/// whose keys this rank stores, `(row, physical slot)`.
+struct PassRows<'r> {
+    ids: Cow<'r, [u32]>,
+    positions: Cow<'r, [u32]>,
+    stores: Vec<(u32, u32)>,
+}
+
+/// The decode rows padded to `batch` rows: token 0 at position 0 for the padding, and every
+/// row's key stored on this rank, at its own slot where this rank holds the row, else at
+/// `pad_slot`, so that every step of a batch size stores as many keys on every rank.
 fn padded(
     rows: &super::books::DecodeRows,
     batch: usize,
     rank: usize,
     pad_slot: u32,
-) -> (Vec<u32>, Vec<u32>, Vec<(u32, u32)>) {
+) -> PassRows<'static> {
     let pad = |v: &[u32]| {
         let mut v = v.to_vec();
         v.resize(batch, 0);
-        v
+        Cow::Owned(v)
     };
     let stores = (0..batch)
         .map(|row| match rows.placed.get(row) {
@@ -618,7 +626,11 @@ fn padded(
             _ => (row as u32, pad_slot),
         })
         .collect();
-    (pad(&rows.ids), pad(&rows.positions), stores)
+    PassRows {
+        ids: pad(&rows.ids),
+        positions: pad(&rows.positions),
+        stores,
+    }
 }
 
 /// The rows whose KV this rank stores, `(row, physical slot)`, of the rows' `(rank, slot)`
