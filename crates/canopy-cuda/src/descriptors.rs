@@ -207,7 +207,7 @@ pub(crate) const PARTIAL_ROOM_PIECE: usize = 64;
 
 /// `len` and a quarter more, rounded up to whole `piece`s (0 stays 0).
 pub(crate) fn room(len: usize, piece: usize) -> usize {
-    (len + len / 4).div_ceil(piece) * piece
+    (len + len / 4).next_multiple_of(piece)
 }
 
 /// Writes the arrays that an in-place update changes (CTA descriptors, group descriptors and

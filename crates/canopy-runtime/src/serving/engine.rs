@@ -101,8 +101,8 @@ struct Ranks<'a, B: LayerOps, C: Collective + Transport<B>> {
     /// Whether the caches read through the decode layout's page table (a chunk installs its
     /// own).
     decode_table: bool,
-    /// Where the rows that pad a decode step store their keys: the first slot past the
-    /// pool's pages (`None`: steps are not padded, [`ServeConfig::pad_rows`]).
+    /// Where the rows that pad a decode step store their keys ([`ServeConfig::pad_slot`];
+    /// `None`: steps are not padded, as the ring's are not).
     pad_slot: Option<u32>,
     /// The rows of the last padded decode step.
     batch: usize,
@@ -127,8 +127,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             shape.head_dim,
         )?;
         let room = if merge.is_some() { GROWTH_ROOM } else { 0 };
-        let pad_slot = (config.pad_rows && merge.is_some())
-            .then_some(config.pages_per_rank * config.page_size);
+        let pad_slot = config.pad_slot().filter(|_| merge.is_some());
         Ok(Ranks {
             backend,
             layers,

@@ -130,6 +130,13 @@ impl ServeConfig {
         (self.pages_per_rank + self.pad_rows as u32) as usize * self.page_size as usize
     }
 
+    /// Where padding rows store their keys: the first slot past the pool's pages (`None`
+    /// without [`ServeConfig::pad_rows`]).
+    pub(crate) fn pad_slot(&self) -> Option<u32> {
+        self.pad_rows
+            .then_some(self.pages_per_rank * self.page_size)
+    }
+
     /// The most rows a step runs through the layers: its decode rows and its prompt chunks.
     pub fn most_step_rows(&self) -> usize {
         self.max_batch + self.prefill_chunk
