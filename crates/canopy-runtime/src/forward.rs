@@ -10,13 +10,12 @@
 //! last ones (same rows, same stores, same epoch of the buffers it reads: no plan, state or
 //! input buffer made anew since) and replayed while steps keep looking the same: each step's
 //! ids, positions and slots are staged where the recording reads them, and the logits land in
-//! one tensor [`Forward`] keeps. Recording costs a few steps' host time, so it waits for
-//! [`Forward`]'s patience of like steps in a row; a recording dropped before it paid for
-//! itself (a serving batch whose rows or layout keep changing) doubles the patience, one that
-//! paid halves it. A step of several ranks is recorded where its merge stays on the backend's
-//! stream (the tree over NCCL: the merge's collectives are nodes of the graph); a ring step
-//! of several ranks, a merge through the host, a timed step, or a backend that records
-//! nothing runs op by op, as does every step after a recording failed.
+//! tensors [`Forward`] keeps for the step's shape. The last few shapes keep their tensors and
+//! recordings (`recorder`), so steps that move between a few batch sizes replay each. A step
+//! of several ranks is recorded where its merge stays on the backend's stream (the tree over
+//! NCCL: the merge's collectives are nodes of the graph); a ring step of several ranks, a
+//! merge through the host, a timed step, or a backend that records nothing runs op by op, as
+//! does every step after a recording failed.
 //!
 //! A step whose draws reach only each row's most likely tokens (greedy, or cut by `top_k`)
 //! narrows its logits to them on the backend, inside the pass and its recording
@@ -29,7 +28,12 @@ use crate::sampling::{RowTerms, StepLogits, LOGPROBS_MAX};
 use crate::Result;
 use canopy_core::logits::TailWalk;
 use canopy_engine::{LayerOps, RankAttention, Transport};
+use recorder::{PassKey, PassShape, Recorder, Vote};
 use std::collections::BTreeMap;
+
+pub(crate) use recorder::KEPT_PASSES;
+
+mod recorder;
 
 /// The rows of one decode step.
 #[derive(Debug, Clone, Copy)]
@@ -50,143 +54,18 @@ pub struct Forward<B: LayerOps> {
     /// Whether passes may be recorded and replayed where the backend records graphs.
     graphs: bool,
     recorder: Recorder<B::Graph>,
-    /// Where every pass leaves its logits (`rows × vocab`), kept so a recording's stay valid.
-    logits: Option<B::Tensor>,
-    /// Where a pass narrows its logits to each row's most likely tokens (`rows × 2k`), kept
-    /// alike.
-    top: Option<B::Tensor>,
+    /// Where the passes of the last few step shapes leave their logits, the current shape
+    /// last: kept so that each shape's recording stays valid.
+    kept: Vec<KeptLogits<B::Tensor>>,
 }
 
-/// When to record, and what was recorded.
-struct Recorder<G> {
-    /// The recorded pass, the step it was recorded for, and its replays so far.
-    recorded: Option<Recorded<G>>,
-    /// The last step run op by op, and how many like it ran op by op in a row before it.
-    eager: Option<(PassKey, usize)>,
-    /// Like steps run op by op in a row before the next is recorded.
-    patience: usize,
-    replayed: usize,
-}
-
-impl<G> Recorder<G> {
-    /// Drops the recording (its step is gone), weighing what it paid in the patience.
-    fn drop_recording(&mut self) {
-        if self.recorded.is_some() {
-            self.patience = self.patience_after_drop();
-            self.recorded = None;
-            self.eager = None;
-        }
-    }
-
-    /// The patience once the recording, if any, is dropped: doubled if it did not pay for
-    /// itself, else halved.
-    fn patience_after_drop(&self) -> usize {
-        match &self.recorded {
-            Some(r) if r.replays < PAYBACK_REPLAYS => (self.patience * 2).min(MOST_PATIENCE),
-            Some(_) => (self.patience / 2).max(1),
-            None => self.patience,
-        }
-    }
-
-    /// What this rank would do with the step of `key`: replay the recording made for it,
-    /// record it (it has run op by op `patience` times in a row), or run it op by op.
-    fn vote(&self, key: PassKey) -> Vote {
-        if self.recorded.as_ref().is_some_and(|r| r.key == key) {
-            return Vote::Replay;
-        }
-        // Dropping a recording forgets the steps run op by op before it.
-        let like = match (&self.recorded, self.eager) {
-            (None, Some((k, before))) if k == key => before + 1,
-            _ => 0,
-        };
-        if like >= self.patience_after_drop() {
-            Vote::Record
-        } else {
-            Vote::Eager
-        }
-    }
-
-    /// Notes that the step of `key`, not the recorded one, is recorded or run op by op.
-    fn passes(&mut self, key: PassKey) {
-        self.drop_recording();
-        let like = match self.eager {
-            Some((k, before)) if k == key => before + 1,
-            _ => 0,
-        };
-        self.eager = Some((key, like));
-    }
-
-    /// Takes the step of `key` (`None`: not recordable here) the way the ranks agreed, given
-    /// this rank's own vote, and says what this rank does: replay, record, or run op by op. A
-    /// rank whose recording still holds keeps it through a step the others run op by op.
-    fn follow(&mut self, key: Option<PassKey>, mine: Vote, agreed: Vote) -> Vote {
-        match (key, agreed) {
-            (Some(_), Vote::Replay) => {
-                if let Some(r) = self.recorded.as_mut() {
-                    r.replays += 1;
-                    self.replayed += 1;
-                }
-                Vote::Replay
-            }
-            (Some(key), Vote::Record) => {
-                self.passes(key);
-                Vote::Record
-            }
-            (key, _) => {
-                if let Some(key) = key.filter(|_| mine != Vote::Replay) {
-                    self.passes(key);
-                }
-                Vote::Eager
-            }
-        }
-    }
-
-    /// Whether the step of `key`, not the recorded one, is to be recorded (else run op by op).
-    #[cfg(test)]
-    fn records(&mut self, key: PassKey) -> bool {
-        let vote = self.vote(key);
-        self.passes(key);
-        vote == Vote::Record
-    }
-}
-
-/// What a rank does with a step; ranks that record together do the largest of their votes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Vote {
-    Replay = 0,
-    Record = 1,
-    Eager = 2,
-}
-
-impl Vote {
-    fn from_u8(v: u8) -> Vote {
-        match v {
-            0 => Vote::Replay,
-            1 => Vote::Record,
-            _ => Vote::Eager,
-        }
-    }
-}
-
-/// Replays a recording must reach to pay for itself (recording one costs a few steps).
-const PAYBACK_REPLAYS: usize = 4;
-/// The most like steps [`Forward`] waits for before recording.
-const MOST_PATIENCE: usize = 64;
-
-struct Recorded<G> {
-    key: PassKey,
-    graph: G,
-    replays: usize,
-}
-
-/// What a recorded pass is valid for: every other input is staged, or is a buffer of the
-/// backend's epoch or of the attention's generation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct PassKey {
-    epoch: u64,
-    attention: u64,
-    rows: usize,
-    stores: usize,
+/// Where every pass of one shape leaves its logits.
+struct KeptLogits<T> {
+    shape: PassShape,
+    /// `rows × vocab`.
+    logits: T,
+    /// Each row narrowed to its most likely tokens (`rows × 2k`).
+    top: Option<T>,
 }
 
 impl<B: LayerOps> Default for Forward<B> {
@@ -200,14 +79,8 @@ impl<B: LayerOps> Forward<B> {
     pub fn new() -> Forward<B> {
         Forward {
             graphs: true,
-            recorder: Recorder {
-                recorded: None,
-                eager: None,
-                patience: 1,
-                replayed: 0,
-            },
-            logits: None,
-            top: None,
+            recorder: Recorder::new(),
+            kept: Vec::new(),
         }
     }
 
@@ -219,7 +92,7 @@ impl<B: LayerOps> Forward<B> {
 
     /// Steps replayed from a recorded pass so far.
     pub fn replayed(&self) -> usize {
-        self.recorder.replayed
+        self.recorder.replayed()
     }
 
     /// `rows` through every layer of `layers`, their keys and values stored in `caches` (one
@@ -237,10 +110,10 @@ impl<B: LayerOps> Forward<B> {
         meanwhile: &mut dyn FnMut(&B::Tensor) -> Result<()>,
     ) -> Result<StepLogits> {
         let began = std::time::Instant::now();
-        self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
-        self.step(backend, layers, caches, attention, rows)?;
+        let shape = self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
+        self.step(backend, layers, caches, attention, rows, shape)?;
         let launched = std::time::Instant::now();
-        meanwhile(self.logits.as_ref().expect("kept above"))?;
+        meanwhile(&self.current().logits)?;
         let logits = self.download(backend, layers);
         tracing::debug!(
             launch_ms = crate::rank::ms(launched - began),
@@ -252,22 +125,28 @@ impl<B: LayerOps> Forward<B> {
 
     /// The last pass's logits on the device (`rows × vocab`), until the next pass.
     pub fn logits(&self) -> Option<&B::Tensor> {
-        self.logits.as_ref()
+        self.kept.last().map(|k| &k.logits)
+    }
+
+    /// The current shape's logits tensors.
+    fn current(&self) -> &KeptLogits<B::Tensor> {
+        self.kept.last().expect("kept by the caller")
     }
 
     /// The kept logits, narrowed or whole, on the host.
     fn download(&self, backend: &B, layers: &ModelLayers<B>) -> Result<StepLogits> {
-        Ok(match &self.top {
+        let kept = self.current();
+        Ok(match &kept.top {
             Some(top) => StepLogits::top(backend.dims(top).1 / 2, backend.download_tensor(top)?),
             None => StepLogits::Whole {
                 vocab: layers.config.vocab_size,
-                logits: backend.download_tensor(self.logits.as_ref().expect("kept"))?,
+                logits: backend.download_tensor(&kept.logits)?,
             },
         })
     }
 
-    /// The step's logits left in the kept tensor: replayed, recorded, or run op by op.
-    /// Ranks that record their steps (several ranks of a recordable step) do what the most
+    /// The step's logits left in the kept tensors of `shape`: replayed, recorded, or run op by
+    /// op. Ranks that record their steps (several ranks of a recordable step) do what the most
     /// cautious of them votes, and keep a recording only where every rank made one: a
     /// collective in a graph must be captured, and replayed, on every rank or on none.
     fn step<C: Transport<B>>(
@@ -277,31 +156,28 @@ impl<B: LayerOps> Forward<B> {
         caches: &mut [B::Kv],
         attention: &mut RankAttention<B, C>,
         rows: StepRows,
+        shape: PassShape,
     ) -> Result<()> {
         let recordable = self.graphs && attention.recordable();
         // `graphs` is the same on every rank: set alike, and cleared only by an agreed failure.
         let together = recordable && attention.ranks() > 1;
         let key = if recordable {
-            stage(backend, rows, attention.generation())?
+            stage(backend, rows, shape, attention.generation())?
         } else {
             None
         };
         let recorder = &mut self.recorder;
         let mine = key.map_or(Vote::Eager, |k| recorder.vote(k));
         let vote = agree(attention, together, mine)?;
-        let logits = self.logits.as_mut().expect("kept by the caller");
-        let mut top = self.top.as_mut();
+        let kept = self.kept.last_mut().expect("kept by the caller");
         let mut run = |attention: &mut RankAttention<B, C>| {
-            let out = (&mut *logits, top.as_deref_mut());
+            let out = (&mut kept.logits, kept.top.as_mut());
             pass(backend, layers, caches, attention, rows, None, out).map(drop)
         };
         let key = match (recorder.follow(key, mine, vote), key) {
-            (Vote::Replay, _) => {
-                let r = recorder
-                    .recorded
-                    .as_ref()
-                    .expect("every rank voted to replay");
-                return Ok(backend.replay(&r.graph)?);
+            (Vote::Replay, Some(key)) => {
+                let graph = recorder.graph(key).expect("every rank voted to replay");
+                return Ok(backend.replay(graph)?);
             }
             (Vote::Record, Some(key)) => key,
             _ => return run(attention),
@@ -323,11 +199,7 @@ impl<B: LayerOps> Forward<B> {
         match (ended, everywhere) {
             (Ok(graph), Vote::Record) => {
                 backend.replay(&graph)?;
-                recorder.recorded = Some(Recorded {
-                    key,
-                    graph,
-                    replays: 0,
-                });
+                recorder.keep(key, graph);
                 Ok(())
             }
             _ => {
@@ -353,39 +225,42 @@ impl<B: LayerOps> Forward<B> {
         settle: &dyn Fn() -> canopy_engine::Result<()>,
     ) -> Result<(StepLogits, Option<f64>)> {
         self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
-        let logits = self.logits.as_mut().expect("kept above");
-        let merge_s = pass(
-            backend,
-            layers,
-            caches,
-            attention,
-            rows,
-            Some(settle),
-            (logits, self.top.as_mut()),
-        )?;
+        let kept = self.kept.last_mut().expect("kept above");
+        let out = (&mut kept.logits, kept.top.as_mut());
+        let merge_s = pass(backend, layers, caches, attention, rows, Some(settle), out)?;
         Ok((self.download(backend, layers)?, merge_s))
     }
 
-    /// Keeps the logits tensor for `rows` rows, and the narrowed one for `reach`, while they
-    /// stay; a new one voids the recording, which wrote the old ones.
+    /// Makes the logits tensors of `rows` rows, each narrowed to `reach` tokens, the current
+    /// ones: those kept for that shape, else new ones, which push out the least recently used
+    /// shape's (and its recording) past [`KEPT_PASSES`].
     fn keep_logits(
         &mut self,
         backend: &B,
         layers: &ModelLayers<B>,
         rows: usize,
         reach: Option<usize>,
-    ) -> Result<()> {
+    ) -> Result<PassShape> {
         let vocab = layers.config.vocab_size;
-        let dims = |t: &Option<B::Tensor>| t.as_ref().map(|t| backend.dims(t));
         // A vocabulary smaller than the reach is narrowed to all of it, in order.
-        let top = reach.map(|k| (rows, 2 * k.min(vocab)));
-        if dims(&self.logits) != Some((rows, vocab)) || dims(&self.top) != top {
-            self.recorder.drop_recording();
-            self.recorder.eager = None;
-            self.logits = Some(backend.tensor(rows, vocab)?);
-            self.top = top.map(|(r, c)| backend.tensor(r, c)).transpose()?;
-        }
-        Ok(())
+        let narrowed = reach.map_or(0, |k| 2 * k.min(vocab));
+        let shape = PassShape { rows, narrowed };
+        let kept = match self.kept.iter().position(|k| k.shape == shape) {
+            Some(i) => self.kept.remove(i),
+            None => {
+                if self.kept.len() == KEPT_PASSES {
+                    let gone = self.kept.remove(0);
+                    self.recorder.forget(gone.shape);
+                }
+                KeptLogits {
+                    shape,
+                    logits: backend.tensor(rows, vocab)?,
+                    top: reach.map(|_| backend.tensor(rows, narrowed)).transpose()?,
+                }
+            }
+        };
+        self.kept.push(kept);
+        Ok(shape)
     }
 }
 
@@ -401,18 +276,23 @@ fn agree<B: LayerOps, C: Transport<B>>(
     })
 }
 
-/// Stages the step's inputs where a recorded pass reads them and gives the step's key
-/// (`None`: the backend records no graphs).
-fn stage<B: LayerOps>(backend: &B, rows: StepRows, attention: u64) -> Result<Option<PassKey>> {
+/// Stages the step's inputs where a recorded pass reads them and gives the key of the step,
+/// of `shape` (`None`: the backend records no graphs).
+fn stage<B: LayerOps>(
+    backend: &B,
+    rows: StepRows,
+    shape: PassShape,
+    attention: u64,
+) -> Result<Option<PassKey>> {
     if backend.graph_epoch().is_none() {
         return Ok(None);
     }
     backend.stage_step(rows.ids, rows.positions, rows.stores)?;
     // Staging may have made a larger input buffer: the epoch is read after it.
     Ok(backend.graph_epoch().map(|epoch| PassKey {
+        shape,
         epoch,
         attention,
-        rows: rows.ids.len(),
         stores: rows.stores.len(),
     }))
 }
@@ -761,134 +641,5 @@ mod tests {
             "99 is past the row"
         );
         assert_eq!(picked[&1], [(0, data[8])]);
-    }
-
-    fn key(epoch: u64) -> PassKey {
-        PassKey {
-            epoch,
-            attention: 0,
-            rows: 1,
-            stores: 1,
-        }
-    }
-
-    fn recorder() -> Recorder<()> {
-        Recorder {
-            recorded: None,
-            eager: None,
-            patience: 1,
-            replayed: 0,
-        }
-    }
-
-    /// Runs `steps` like steps of `key`: each replays the recording, or records, or runs op by
-    /// op. Returns how many were recorded.
-    fn steps(r: &mut Recorder<()>, key: PassKey, steps: usize) -> usize {
-        let mut recorded = 0;
-        for _ in 0..steps {
-            if let Some(rec) = r.recorded.as_mut().filter(|rec| rec.key == key) {
-                rec.replays += 1;
-            } else if r.records(key) {
-                r.recorded = Some(Recorded {
-                    key,
-                    graph: (),
-                    replays: 0,
-                });
-                recorded += 1;
-            }
-        }
-        recorded
-    }
-
-    #[test]
-    fn a_step_seen_twice_is_recorded_then_replayed() {
-        let mut r = recorder();
-        assert!(!r.records(key(0)), "a first sighting runs op by op");
-        assert!(r.records(key(0)), "a second is recorded");
-        assert!(!r.records(key(1)), "a new epoch starts over");
-    }
-
-    #[test]
-    fn a_rank_keeps_its_recording_through_a_step_the_others_run_op_by_op() {
-        let mut r = recorder();
-        assert_eq!(
-            r.follow(Some(key(0)), Vote::Eager, Vote::Eager),
-            Vote::Eager
-        );
-        assert_eq!(r.vote(key(0)), Vote::Record, "seen once: recorded next");
-        // Another rank is not ready: every rank runs the step op by op.
-        assert_eq!(
-            r.follow(Some(key(0)), Vote::Record, Vote::Eager),
-            Vote::Eager
-        );
-        assert_eq!(
-            r.follow(Some(key(0)), Vote::Record, Vote::Record),
-            Vote::Record
-        );
-        r.recorded = Some(Recorded {
-            key: key(0),
-            graph: (),
-            replays: 0,
-        });
-        assert_eq!(r.vote(key(0)), Vote::Replay);
-        // Another rank's step changed: this one keeps its recording, and replays next time.
-        assert_eq!(
-            r.follow(Some(key(0)), Vote::Replay, Vote::Eager),
-            Vote::Eager
-        );
-        assert_eq!(r.vote(key(0)), Vote::Replay);
-        assert_eq!(
-            r.follow(Some(key(0)), Vote::Replay, Vote::Replay),
-            Vote::Replay
-        );
-        assert_eq!(r.replayed, 1);
-        // Another rank records anew: so does this one, dropping its recording.
-        assert_eq!(
-            r.follow(Some(key(0)), Vote::Replay, Vote::Record),
-            Vote::Record
-        );
-        assert!(r.recorded.is_none());
-        // A rank with nothing to record runs op by op whatever the others vote.
-        assert_eq!(r.follow(None, Vote::Eager, Vote::Eager), Vote::Eager);
-    }
-
-    #[test]
-    fn the_largest_vote_is_the_most_cautious() {
-        assert!(Vote::Replay < Vote::Record && Vote::Record < Vote::Eager);
-        for v in [Vote::Replay, Vote::Record, Vote::Eager] {
-            assert_eq!(Vote::from_u8(v as u8), v);
-        }
-    }
-
-    #[test]
-    fn patience_doubles_when_recordings_do_not_pay_and_halves_when_they_do() {
-        let mut r = recorder();
-        // Steps that change every third step: each recording replays once, never paying.
-        for epoch in 0..3 {
-            steps(&mut r, key(epoch), 3);
-        }
-        assert_eq!(r.patience, 4, "two unpaid recordings: 1 → 2 → 4");
-        assert_eq!(
-            steps(&mut r, key(3), 4),
-            0,
-            "four like steps are not enough now"
-        );
-        assert_eq!(steps(&mut r, key(3), 1), 1, "the fifth is recorded");
-        // A long run pays: the patience halves when it ends.
-        steps(&mut r, key(3), PAYBACK_REPLAYS);
-        steps(&mut r, key(4), 1);
-        assert_eq!(r.patience, 2);
-        // Unpaid recordings double it up to its bound: each run records, then replays once.
-        for epoch in 5..20 {
-            r.drop_recording();
-            let n = r.patience + 2;
-            assert_eq!(
-                steps(&mut r, key(epoch), n),
-                1,
-                "epoch {epoch}, patience {}",
-                r.patience
-            );
-        }
-        assert_eq!(r.patience, MOST_PATIENCE);
     }
 }

@@ -132,7 +132,8 @@ impl GenerateRequest {
             self.kv_dtype,
             layout.pool_tokens() * ranks_here,
             max_rows,
-            self.samples,
+            // The logits of each shape a decode pass keeps, as samples end.
+            crate::forward::KEPT_PASSES * self.samples,
         );
         needs.attention_rows = attention_rows;
         needs.attention_keys = attention_keys;

@@ -21,7 +21,9 @@ use super::handle::EngineInbox;
 use super::scheduler::{ChunkDone, Decoded, PastReads, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
 use super::{held_batch, ServeConfig};
-use crate::forward::{download_rows, row_terms, walk_tails, Forward, RowReads, StepRows};
+use crate::forward::{
+    download_rows, row_terms, walk_tails, Forward, RowReads, StepRows, KEPT_PASSES,
+};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
@@ -97,7 +99,10 @@ struct Ranks<'a, B: LayerOps, C: Collective + Transport<B>> {
     caches: Vec<B::Kv>,
     books: Books,
     forward: Forward<B>,
-    decode: Option<RankAttention<'a, B, C>>,
+    /// The decode attention of each of the last few batch sizes, the current one last, by
+    /// its batch size: a size that comes back finds its buffers, and so its recorded pass,
+    /// as it left them, its plan written over in place.
+    decode: Vec<(usize, RankAttention<'a, B, C>)>,
     /// Whether the caches read through the decode layout's page table (a chunk installs its
     /// own).
     decode_table: bool,
@@ -138,7 +143,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             caches,
             books: Books::new(comm.size(), config.page_size, config.pages_per_rank, room)?,
             forward: Forward::new().with_graphs(config.graphs),
-            decode: None,
+            decode: Vec::new(),
             decode_table: false,
             pad_slot,
             batch: 0,
@@ -271,22 +276,20 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let layout = self.books.layout(rank, &viewers)?;
         let fresh = matches!(layout, Layout::Fresh(_));
         match layout {
+            // The tree only grew, so the rows, and their batch size, are the last step's.
             Layout::Grown { tails, new_pages } => {
-                let attention = self.decode.as_mut().ok_or_else(|| {
-                    RuntimeError::Protocol("a decode plan grew before it was made".into())
-                })?;
+                let (_, attention) = (self.decode.last_mut())
+                    .filter(|(b, _)| *b == batch)
+                    .ok_or_else(|| {
+                        RuntimeError::Protocol(format!(
+                            "a decode plan of {batch} rows grew before it was made"
+                        ))
+                    })?;
                 attention.extend(&tails)?;
                 self.decode_table &= !new_pages;
             }
-            // The tree's plan is written over the last one where it fits its buffers, so a
-            // recorded step outlives requests that join and leave.
-            Layout::Fresh(views) if self.merge.is_some() && self.decode.is_some() => {
-                let plan = self.plan_of(&views[0], batch)?;
-                self.decode.as_mut().expect("checked").replan(&plan)?;
-                self.decode_table = false;
-            }
             Layout::Fresh(views) => {
-                self.decode = Some(self.attention(&views, batch)?);
+                self.plan_decode(&views, batch)?;
                 self.decode_table = false;
             }
         }
@@ -307,7 +310,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 stores: mine(rows.placed.iter().map(Some), rank),
             },
         };
-        let attention = self.decode.as_mut().expect("planned above");
+        let (_, attention) = self.decode.last_mut().expect("planned above");
         let replayed = self.forward.replayed();
         let decoding = Instant::now();
         let backend = self.backend;
@@ -504,6 +507,35 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let cfg = PlannerConfig::default();
         let tree = TreeView::new(&view.tree, &shard);
         Ok(plan(&tree, self.config.method, &self.shape, &cfg)?.with_queries(batch))
+    }
+
+    /// Makes the decode attention of `batch` rows the current one, planned over `views`. The
+    /// tree's is written over in place where one of that size is kept (a recorded pass of it
+    /// still replays if the plan fits its buffers), else made, pushing out the least recently
+    /// used size's past [`KEPT_PASSES`]. The ring's is made anew, and is the only one kept: its
+    /// receive buffers are as large as the shards.
+    fn plan_decode(&mut self, views: &[RankSnapshot], batch: usize) -> Result<()> {
+        let kept = self.decode.iter().position(|(b, _)| *b == batch);
+        let entry = match (kept, &self.merge) {
+            (Some(i), Some(_)) => {
+                let mut entry = self.decode.remove(i);
+                entry.1.replan(&self.plan_of(&views[0], batch)?)?;
+                entry
+            }
+            (_, merge) => {
+                if merge.is_none() {
+                    self.decode.clear();
+                }
+                // The buffers it replaces go before the new ones are made.
+                self.decode.retain(|(b, _)| *b != batch);
+                if self.decode.len() == KEPT_PASSES {
+                    self.decode.remove(0);
+                }
+                (batch, self.attention(views, batch)?)
+            }
+        };
+        self.decode.push(entry);
+        Ok(())
     }
 
     /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring)

@@ -120,7 +120,8 @@ impl ServeConfig {
             self.kv_dtype,
             self.pool_tokens() * ranks_here,
             self.most_step_rows(),
-            self.max_batch,
+            // The logits of each shape a decode pass keeps, each at most a batch.
+            crate::forward::KEPT_PASSES * self.max_batch,
         ))
     }
 
