@@ -593,6 +593,16 @@ impl Backend for CudaBackend {
             && cut.plan.num_queries() == p.plan.num_queries()
             && cut.plan.num_partial_rows() <= p.partial_room;
         if !fits {
+            tracing::debug!(
+                kernel = cut.tensor_cores == p.tensor_cores
+                    && cut.rows == p.rows
+                    && cut.plan.rows_are_queries() == p.direct,
+                arrays = p.layout.holds(&cut.layout),
+                queries = cut.plan.num_queries() == p.plan.num_queries(),
+                partial_rows = cut.plan.num_partial_rows(),
+                partial_room = p.partial_room,
+                "a plan made anew: it does not fit the buffers of the one it replaces"
+            );
             *p = self.upload_cut(cut)?;
             return Ok(false);
         }

@@ -56,7 +56,12 @@ impl CudaBackend {
     /// are stale, and none may be running.
     pub(crate) fn renew(&self, what: &str) -> Result<()> {
         self.refuse_while_capturing(what)?;
-        self.graph.epoch.fetch_add(1, Ordering::SeqCst);
+        let epoch = self.graph.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        tracing::debug!(
+            what,
+            epoch,
+            "recorded passes are stale: a buffer they read is made anew"
+        );
         Ok(())
     }
 

@@ -6,9 +6,11 @@
 //! it comes back to it, rather than recording again.
 //!
 //! Recording costs a few steps' host time, so a shape is recorded once [`Recorder`]'s
-//! patience of like steps ran op by op in a row; a recording dropped before it paid for
-//! itself (steps whose rows or layout keep changing) doubles the patience, one that paid
-//! halves it.
+//! patience of like steps ran op by op in a row. A recording whose own step changed (another
+//! plan's buffers, other stores) weighs in the patience: dropped before it paid for itself
+//! (steps whose rows or layout keep changing), it doubles the patience; one that paid halves
+//! it. Recordings dropped because the backend's buffers moved, or because their shape's
+//! tensors were let go, leave it as it is.
 
 /// Step shapes whose logits tensors and recordings [`crate::Forward`] keeps at once.
 pub(crate) const KEPT_PASSES: usize = 4;
@@ -106,22 +108,18 @@ impl<G> Recorder<G> {
         }
     }
 
-    /// Drops the recordings `gone` says are gone, weighing what each paid in the patience.
-    fn drop_where(&mut self, gone: impl Fn(&PassKey) -> bool) {
-        let mut i = 0;
-        while i < self.recorded.len() {
-            if gone(&self.recorded[i].key) {
-                let r = self.recorded.swap_remove(i);
-                self.patience = self.patience_after(Some(&r));
-            } else {
-                i += 1;
-            }
-        }
+    /// The recording the step of `key` drops that weighs in the patience: its shape's, if it
+    /// is not the step's own and read the same epoch's buffers (buffers made anew, a pool or a
+    /// page table, are no sign of steps that keep changing).
+    fn weighed(&self, key: PassKey) -> Option<&Recorded<G>> {
+        self.of(key.shape)
+            .filter(|r| r.key != key && r.key.epoch == key.epoch)
     }
 
-    /// Drops the recording of `shape`, whose logits tensors are no longer kept.
+    /// Drops the recording of `shape`, whose logits tensors are no longer kept. A shape that
+    /// has gone says nothing of whether recording pays: the patience stays.
     pub fn forget(&mut self, shape: PassShape) {
-        self.drop_where(|k| k.shape == shape);
+        self.recorded.retain(|r| r.key.shape != shape);
     }
 
     /// What this rank would do with the step of `key`: replay the recording made for it,
@@ -136,7 +134,7 @@ impl<G> Recorder<G> {
             (None, Some((k, before))) if k == key => before + 1,
             _ => 0,
         };
-        if like >= self.patience_after(stale) {
+        if like >= self.patience_after(self.weighed(key)) {
             Vote::Record
         } else {
             Vote::Eager
@@ -148,10 +146,11 @@ impl<G> Recorder<G> {
     /// they read are gone.
     fn passes(&mut self, key: PassKey) {
         if self.of(key.shape).is_some() {
+            self.patience = self.patience_after(self.weighed(key));
             self.forget(key.shape);
             self.eager = None;
         }
-        self.drop_where(|k| k.epoch != key.epoch);
+        self.recorded.retain(|r| r.key.epoch == key.epoch);
         let like = match self.eager {
             Some((k, before)) if k == key => before + 1,
             _ => 0,
@@ -216,8 +215,12 @@ mod tests {
         }
     }
 
-    fn key(epoch: u64) -> PassKey {
-        shaped(1, epoch)
+    /// A one-row step of the attention of `generation`.
+    fn key(generation: u64) -> PassKey {
+        PassKey {
+            attention: generation,
+            ..shaped(1, 0)
+        }
     }
 
     /// Runs `steps` like steps of `key`: each replays its recording, or records, or runs op by
@@ -240,7 +243,9 @@ mod tests {
         let mut r = Recorder::<()>::new();
         assert!(!r.records(key(0)), "a first sighting runs op by op");
         assert!(r.records(key(0)), "a second is recorded");
-        assert!(!r.records(key(1)), "a new epoch starts over");
+        assert!(!r.records(key(1)), "another plan's buffers start over");
+        assert!(r.records(key(1)));
+        assert!(!r.records(shaped(1, 1)), "so does a new epoch");
     }
 
     /// Steps that move between batch sizes replay each size's recording when they come back
@@ -270,12 +275,13 @@ mod tests {
         r.follow(Some(other), Vote::Eager, Vote::Eager);
         assert!(r.graph(shaped(56, 0)).is_none());
         assert!(r.graph(shaped(64, 0)).is_some());
+        assert_eq!(r.patience, 2, "56's recording did not pay");
         r.forget(shaped(64, 0).shape);
         assert!(r.graph(shaped(64, 0)).is_none(), "its tensors were let go");
-        // Two unpaid recordings dropped: the patience is 4.
-        assert_eq!(r.patience, 4);
-        assert_eq!(steps(&mut r, shaped(64, 0), 5), 1);
+        assert_eq!(r.patience, 2, "a shape let go weighs nothing");
+        assert_eq!(steps(&mut r, shaped(64, 0), 3), 1);
         steps(&mut r, shaped(8, 1), 1);
+        assert_eq!(r.patience, 2, "nor does a new epoch");
         assert!(
             r.recorded.is_empty(),
             "every recording read the old epoch's buffers"
@@ -334,8 +340,8 @@ mod tests {
     fn patience_doubles_when_recordings_do_not_pay_and_halves_when_they_do() {
         let mut r = Recorder::<()>::new();
         // Steps that change every third step: each recording replays once, never paying.
-        for epoch in 0..3 {
-            steps(&mut r, key(epoch), 3);
+        for generation in 0..3 {
+            steps(&mut r, key(generation), 3);
         }
         assert_eq!(r.patience, 4, "two unpaid recordings: 1 → 2 → 4");
         assert_eq!(
@@ -349,13 +355,13 @@ mod tests {
         steps(&mut r, key(4), 1);
         assert_eq!(r.patience, 2);
         // Unpaid recordings double it up to its bound: each run records, then replays once.
-        for epoch in 5..20 {
-            r.forget(key(epoch).shape);
-            let n = r.patience + 2;
+        for generation in 5..20 {
+            // The first step drops the last generation's recording, which replayed once.
+            let n = (r.patience * 2).min(MOST_PATIENCE) + 2;
             assert_eq!(
-                steps(&mut r, key(epoch), n),
+                steps(&mut r, key(generation), n),
                 1,
-                "epoch {epoch}, patience {}",
+                "generation {generation}, patience {}",
                 r.patience
             );
         }
