@@ -1,9 +1,10 @@
 //! When a decode pass is recorded, and which recordings are kept.
 //!
 //! A recording is made for a step shape (its rows and how its logits are narrowed) and is
-//! valid for one [`PassKey`]. The recordings of the last [`KEPT_PASSES`] shapes are kept, so
-//! a serving batch that moves between a few batch sizes replays each size's recording when
-//! it comes back to it, rather than recording again.
+//! valid for one [`PassKey`]. One is kept for each shape whose logits tensors
+//! [`crate::Forward`] keeps (the last [`KEPT_PASSES`]), so a serving batch that moves between
+//! a few batch sizes replays each size's recording when it comes back to it, rather than
+//! recording again.
 //!
 //! Recording costs a few steps' host time, so a shape is recorded once [`Recorder`]'s
 //! patience of like steps ran op by op in a row. A recording whose own step changed (another

@@ -522,15 +522,15 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 entry.1.replan(&self.plan_of(&views[0], batch)?)?;
                 entry
             }
-            (_, merge) => {
-                if merge.is_none() {
-                    self.decode.clear();
-                }
-                // The buffers it replaces go before the new ones are made.
-                self.decode.retain(|(b, _)| *b != batch);
+            (None, Some(_)) => {
                 if self.decode.len() == KEPT_PASSES {
                     self.decode.remove(0);
                 }
+                (batch, self.attention(views, batch)?)
+            }
+            // The buffers it replaces go before the new ones are made.
+            (_, None) => {
+                self.decode.clear();
                 (batch, self.attention(views, batch)?)
             }
         };
