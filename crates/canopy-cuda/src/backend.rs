@@ -586,20 +586,18 @@ impl Backend for CudaBackend {
         // place (used or not), the kernel (tensor cores or not, and the CUDA cores' rows), the
         // queries and the merge's kind as launch arguments, and the partials as made: where
         // the new plan fits all of them, only the words change.
-        let fits = cut.tensor_cores == p.tensor_cores
+        let kernel = cut.tensor_cores == p.tensor_cores
             && cut.rows == p.rows
-            && p.layout.holds(&cut.layout)
-            && cut.plan.rows_are_queries() == p.direct
-            && cut.plan.num_queries() == p.plan.num_queries()
-            && cut.plan.num_partial_rows() <= p.partial_room;
-        if !fits {
+            && cut.plan.rows_are_queries() == p.direct;
+        let arrays = p.layout.holds(&cut.layout);
+        let queries = cut.plan.num_queries() == p.plan.num_queries();
+        let partial_rows = cut.plan.num_partial_rows();
+        if !(kernel && arrays && queries && partial_rows <= p.partial_room) {
             tracing::debug!(
-                kernel = cut.tensor_cores == p.tensor_cores
-                    && cut.rows == p.rows
-                    && cut.plan.rows_are_queries() == p.direct,
-                arrays = p.layout.holds(&cut.layout),
-                queries = cut.plan.num_queries() == p.plan.num_queries(),
-                partial_rows = cut.plan.num_partial_rows(),
+                kernel,
+                arrays,
+                queries,
+                partial_rows,
                 partial_room = p.partial_room,
                 "a plan made anew: it does not fit the buffers of the one it replaces"
             );

@@ -109,8 +109,6 @@ struct Ranks<'a, B: LayerOps, C: Collective + Transport<B>> {
     /// Where the rows that pad a decode step store their keys ([`ServeConfig::pad_slot`];
     /// `None`: steps are not padded, as the ring's are not).
     pad_slot: Option<u32>,
-    /// The rows of the last padded decode step.
-    batch: usize,
 }
 
 impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
@@ -146,7 +144,6 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             decode: Vec::new(),
             decode_table: false,
             pad_slot,
-            batch: 0,
         })
     }
 
@@ -269,10 +266,13 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         let rank = self.comm.rank();
         let viewers = self.viewers();
         let batch = match self.pad_slot {
-            Some(_) => held_batch(rows.ids.len(), self.batch, self.config.max_batch),
+            Some(_) => {
+                // The last decode step's size: its attention is the current one.
+                let held = self.decode.last().map_or(0, |(b, _)| *b);
+                held_batch(rows.ids.len(), held, self.config.max_batch)
+            }
             None => rows.ids.len(),
         };
-        self.batch = batch;
         let layout = self.books.layout(rank, &viewers)?;
         let fresh = matches!(layout, Layout::Fresh(_));
         match layout {
