@@ -141,7 +141,12 @@ impl GenerateRequest {
     }
 
     /// Where this request's KV goes with a prompt of `prompt` tokens over `ranks` ranks.
+    /// The KV layout of this request at a prompt of `prompt` tokens. An empty prompt is the
+    /// user's to mend, so it is refused here, where pricing and generating both pass.
     fn layout(&self, prompt: usize, ranks: usize) -> Result<KvLayout> {
+        if prompt == 0 {
+            return Err(RuntimeError::EmptyPrompt);
+        }
         let layout = KvLayout::new(
             ranks,
             self.page_size,
@@ -229,9 +234,6 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
 ) -> Result<Generated> {
     let called = Instant::now();
     let (rank, ranks) = (comm.rank(), comm.size());
-    if req.prompt.is_empty() {
-        return Err(RuntimeError::EmptyPrompt);
-    }
     let capacity = layers.config.max_position_embeddings;
     let longest = req.prompt.len() + req.max_tokens;
     if longest > capacity {

@@ -10,7 +10,7 @@ use canopy_core::{DType, Method};
 use canopy_engine::{CpuBackend, MergeCollective};
 use canopy_model::Model;
 use canopy_runtime::{
-    generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, SamplingParams,
+    generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, RuntimeError, SamplingParams,
 };
 use serde_json::Value;
 use std::path::PathBuf;
@@ -335,5 +335,26 @@ fn timed_merges_change_no_token_and_time_every_second_step() {
             let ttft = out.first_token_s.expect("a token was drawn");
             assert!(ttft >= out.prefill_s, "{ttft} < {}", out.prefill_s);
         }
+    }
+}
+
+/// An empty prompt is refused with the message that says what to give, both when the request
+/// is priced (which the CLI does first) and when it is run.
+#[test]
+fn an_empty_prompt_is_refused_before_anything_runs() {
+    let (model, _) = fixture("gqa-hd64");
+    let req = request(Vec::new(), 1, DecodeStrategy::Tree(MergeCollective::Auto));
+    let priced = req.needs(&model.config, DType::F32, 1, 1);
+    assert!(
+        matches!(priced, Err(RuntimeError::EmptyPrompt)),
+        "{priced:?}"
+    );
+    let layers = layers(&model);
+    let outs = ThreadWorld::run(2, Duration::from_secs(60), |comm| {
+        generate(&CpuBackend, &layers, &req, &comm, &mut |_, _| true)
+    });
+    for out in outs {
+        let err = out.expect_err("an empty prompt is refused");
+        assert!(matches!(err, RuntimeError::EmptyPrompt), "{err}");
     }
 }
