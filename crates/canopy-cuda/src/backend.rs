@@ -19,7 +19,8 @@
 
 use crate::compile::arch_for;
 use crate::descriptors::{
-    room, write_extents, CudaPlan, CutPlan, HostPlan, WordLayout, PARTIAL_ROOM_PIECE,
+    room, write_extents, CudaPlan, CutPlan, HostPlan, WordLayout, MASK_ROOM_PIECE,
+    PARTIAL_ROOM_PIECE,
 };
 use crate::error::{CudaError, DriverContext, Result};
 use crate::kv::{CudaKv, Paging};
@@ -312,7 +313,7 @@ impl CudaBackend {
             staging,
             layout: host.layout,
             partial_room: room(cut.plan.num_partial_rows(), PARTIAL_ROOM_PIECE),
-            masks: self.upload(&host.masks)?,
+            masks: self.upload_with_room(&host.masks, MASK_ROOM_PIECE)?,
             shared: host.shared,
             plan: cut.plan,
             items: cut.items,
@@ -434,10 +435,30 @@ impl CudaBackend {
     }
 
     pub(crate) fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.upload_into(host, host.len())
+    }
+
+    /// `host` uploaded into a buffer with room for what later writes in place may add: a
+    /// quarter more, rounded up to whole `piece`s, and one piece at least.
+    fn upload_with_room<T: cudarc::driver::DeviceRepr>(
+        &self,
+        host: &[T],
+        piece: usize,
+    ) -> Result<CudaSlice<T>> {
+        self.upload_into(host, room(host.len(), piece).max(piece))
+    }
+
+    fn upload_into<T: cudarc::driver::DeviceRepr>(
+        &self,
+        host: &[T],
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
         self.refuse_while_capturing("a host upload")?;
-        let mut d = self.alloc::<T>(host.len())?;
+        let mut d = self.alloc::<T>(len)?;
         if !host.is_empty() {
-            self.stream.memcpy_htod(host, &mut d).ctx("cuMemcpyHtoD")?;
+            self.stream
+                .memcpy_htod(host, &mut d.slice_mut(..host.len()))
+                .ctx("cuMemcpyHtoD")?;
         }
         Ok(d)
     }
@@ -592,20 +613,27 @@ impl Backend for CudaBackend {
         let arrays = p.layout.holds(&cut.layout);
         let queries = cut.plan.num_queries() == p.plan.num_queries();
         let partial_rows = cut.plan.num_partial_rows();
-        if !(kernel && arrays && queries && partial_rows <= p.partial_room) {
+        // Masks that outgrow the room would make their buffer anew, which every recorded pass
+        // of this backend reads through its epoch; a plan made anew moves only this
+        // attention's generation.
+        let host = (kernel && arrays && queries && partial_rows <= p.partial_room)
+            .then(|| HostPlan::lay_out(&cut.plan, &cut.items, p.layout.clone()));
+        let masks = host.as_ref().map(|h| h.masks.len());
+        let Some(host) = host.filter(|h| h.masks.len() <= p.masks.len()) else {
             tracing::debug!(
                 kernel,
                 arrays,
                 queries,
                 partial_rows,
                 partial_room = p.partial_room,
+                masks,
+                mask_room = p.masks.len(),
                 "a plan made anew: it does not fit the buffers of the one it replaces"
             );
             *p = self.upload_cut(cut)?;
             return Ok(false);
-        }
+        };
         self.refuse_while_capturing("a plan")?;
-        let host = HostPlan::lay_out(&cut.plan, &cut.items, p.layout.clone());
         // The wait is for the staging buffer's last copy, long done by now.
         let staging = p.staging.as_mut_slice().ctx("cuEventSynchronize")?;
         staging[..host.words.len()].copy_from_slice(&host.words);

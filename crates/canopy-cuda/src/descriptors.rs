@@ -37,6 +37,8 @@ pub struct CudaPlan {
     pub(crate) layout: WordLayout,
     /// Partial rows its partials are made with: the plan's own, with room.
     pub(crate) partial_room: usize,
+    /// The block masks, with room ([`MASK_ROOM_PIECE`]) for the masks of plans written over
+    /// this one.
     pub(crate) masks: CudaSlice<u64>,
     /// Each group's tokens that others read too ([`Plan::kv_shared_tokens`]), kept up to date
     /// through in-place updates for the descriptors' flags.
@@ -204,6 +206,9 @@ const WORD_ROOM_PIECE: usize = 64;
 const _: () = assert!(WORD_ROOM_PIECE.is_multiple_of(GROUP_WORDS));
 /// Partial rows of room are added in pieces of this many.
 pub(crate) const PARTIAL_ROOM_PIECE: usize = 64;
+/// Mask words of room are added in pieces of this many (2 KB). A plan without masks gets one
+/// piece too: its leaves' growth under a mask is what fills it.
+pub(crate) const MASK_ROOM_PIECE: usize = 256;
 
 /// `len` and a quarter more, rounded up to whole `piece`s (0 stays 0).
 pub(crate) fn room(len: usize, piece: usize) -> usize {
