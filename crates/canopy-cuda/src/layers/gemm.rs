@@ -87,6 +87,19 @@ pub(crate) enum StepInput {
     KeySlots,
 }
 
+impl StepInput {
+    /// Whether a recorded decode pass reads this input: the ones
+    /// [`LayerOps::stage_step`](canopy_engine::LayerOps::stage_step) stages before a pass is
+    /// recorded. The others are read by a prefill's attention alone, which is never recorded,
+    /// so their buffers may be made anew without making the recordings stale.
+    fn read_by_recordings(self) -> bool {
+        matches!(
+            self,
+            StepInput::Ids | StepInput::Positions | StepInput::Slots
+        )
+    }
+}
+
 /// Where a GEMM writes its `rows × n` product.
 pub(crate) enum Product<'a> {
     /// fp32 elements: stored, or added to.
@@ -434,6 +447,10 @@ impl CudaBackend {
             .step_inputs
             .lock()
             .unwrap_or_else(|p| p.into_inner());
+        if !input.read_by_recordings() {
+            // Even unchanged, its buffer's address would be baked into the recording.
+            self.refuse_while_capturing("a prefill's step input")?;
+        }
         let fits = match last.get_mut(&input) {
             Some((held, device)) if held.as_slice() == host => return Ok(device.clone()),
             Some((_, device)) => Arc::get_mut(device).is_some_and(|b| b.len() >= host.len()),
@@ -441,7 +458,9 @@ impl CudaBackend {
         };
         self.refuse_while_capturing("a step input not staged")?;
         if !fits {
-            self.renew("a step input buffer")?;
+            if input.read_by_recordings() {
+                self.renew("a step input buffer")?;
+            }
             let len = host.len().next_power_of_two().max(STEP_INPUT_MIN);
             last.insert(input, (Vec::new(), Arc::new(self.alloc::<u32>(len)?)));
         }
