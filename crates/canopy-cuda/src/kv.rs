@@ -106,11 +106,13 @@ impl CudaBackend {
     /// longer one (logical room reserved past the pool's size) gets a larger buffer.
     pub fn set_page_table(&self, kv: &mut CudaKv, table: &[u32]) -> Result<()> {
         check_table(kv, table.iter().copied().max())?;
+        let pool_tokens = kv.pool_tokens();
         let p = kv.paging.as_mut().expect("checked above");
         // A table shared with other KV is left to them.
         if Arc::get_mut(&mut p.device).is_none() {
             self.renew("a page table")?;
-            p.device = Arc::new(self.alloc::<u32>(table.len().next_power_of_two())?);
+            let words = table_room(pool_tokens >> p.shift, table);
+            p.device = Arc::new(self.alloc::<u32>(words)?);
         }
         let device = Arc::get_mut(&mut p.device).expect("unshared above");
         self.write_or_grow(table, device, "a page table")?;
@@ -140,7 +142,9 @@ impl CudaBackend {
             true => shared,
             false => {
                 self.renew("a page table")?;
-                let fresh = Arc::new(self.alloc::<u32>(table.len().next_power_of_two())?);
+                let pool_pages =
+                    first.pool_tokens() >> first.paging.as_ref().expect("checked above").shift;
+                let fresh = Arc::new(self.alloc::<u32>(table_room(pool_pages, table))?);
                 for kv in kvs.iter_mut() {
                     kv.paging.as_mut().expect("checked above").device = Arc::clone(&fresh);
                 }
@@ -423,9 +427,32 @@ fn check_table(kv: &CudaKv, highest: Option<u32>) -> Result<()> {
 }
 
 /// `table` over the front of the host's copy of a page table.
+/// Words for a device page table made for `table` over a pool of `pool_pages` pages: room for
+/// a table as long as the pool (the tables of a server's decode steps grow towards it as
+/// requests join), so that growing tables are written in place, where recorded decode passes
+/// read them, and a longer one's next power of two.
+fn table_room(pool_pages: usize, table: &[u32]) -> usize {
+    table.len().max(pool_pages).next_power_of_two()
+}
+
 fn keep_on_host(p: &mut Paging, table: &[u32]) {
     if table.len() > p.host.len() {
         p.host.resize(table.len(), 0);
     }
     p.host[..table.len()].copy_from_slice(table);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::table_room;
+
+    #[test]
+    fn a_page_table_has_room_for_the_pool() {
+        // A first small table gets the pool's length, so tables growing to it keep the buffer.
+        assert_eq!(table_room(8192, &[0; 256]), 8192);
+        assert_eq!(table_room(5000, &[0; 3]), 8192);
+        // A table past the pool (logical room) gets its next power of two.
+        assert_eq!(table_room(100, &[0; 300]), 512);
+        assert_eq!(table_room(0, &[]), 1);
+    }
 }
