@@ -70,21 +70,34 @@ T
 }
 # The carried test binaries: the layer-op and attention-block tests (the CUDA LayerOps against
 # the CPU), then the replay-equals-eager graph test, the staged weight upload and the ops on
-# logits, one line per test and a result line each, into $OUT/tests.txt.
+# logits, one line per test and a result line each, into $OUT/tests.txt. Each binary's whole
+# output goes to $OUT/tests/NAME.txt; a failing test's message and the seeds of its random
+# inputs (CANOPY_TEST_SEED, which replays them) are shown with it.
+device_test() {
+  local name=$1 shown=$2
+  shift 2
+  [ -x ".device/$name" ] || { echo "$name: not carried"; return 0; }
+  mkdir -p "$OUT/tests"
+  ".device/$name" "$@" > "$OUT/tests/$name.txt" 2>&1
+  grep -E "^test |test result|panicked|$shown" "$OUT/tests/$name.txt"
+  grep -q "test result: FAILED" "$OUT/tests/$name.txt" \
+    && grep -E "CANOPY_TEST_SEED|panicked at" -A1 "$OUT/tests/$name.txt" | grep -v "^test "
+  return 0
+}
 device_tests() {
   {
     log "layer-op tests"
-    .device/layer_ops --test-threads 1 2>&1 | grep -E "^test |test result|bit for bit: false|panicked"
+    device_test layer_ops "bit for bit: false" --test-threads 1
     log "attention-block tests"
-    .device/attention_blocks --test-threads 1 2>&1 | grep -E "^test |test result|max error|panicked"
+    device_test attention_blocks "max error" --test-threads 1
     log "graph test"
-    .device/cuda_graphs 2>&1 | grep -E "^test |test result|panicked"
+    device_test cuda_graphs "^$"
     log "weight-upload test"
-    .device/weight_upload 2>&1 | grep -E "^test |test result|panicked"
+    device_test weight_upload "^$"
     log "logit-op tests"
-    .device/logit_ops --test-threads 1 2>&1 | grep -E "^test |test result|panicked"
+    device_test logit_ops "^$" --test-threads 1
     log "product-tuning tests"
-    .device/product_tuning --test-threads 1 --nocapture 2>&1 | grep -E "^test |test result|shapes chosen|panicked"
+    device_test product_tuning "shapes chosen" --test-threads 1 --nocapture
   } 2>&1 | tee "$OUT/tests.txt"
 }
 # Builds tools/cupti_trace.c against the machine's CUPTI (the header's newest record types) and
