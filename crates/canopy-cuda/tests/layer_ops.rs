@@ -14,7 +14,7 @@
 mod common;
 mod compare;
 use common::{gpu, rng};
-use compare::{check, poisoned, values};
+use compare::{check, check_swiglu, poisoned, values};
 
 use canopy_comm::{Collective, ThreadWorld};
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
@@ -219,7 +219,19 @@ fn dense_ops_match_the_cpu() {
                     (_, DType::Bf16) if product => 1e-2,
                     _ => 1e-5,
                 };
-                check(&format!("{op} vs cpu"), g, w, tolerance);
+                // SwiGLU's outputs are held to the gate|up product they were made from.
+                let product_of = match *op {
+                    "matmul_swiglu" => Some("matmul"),
+                    "matmul_swiglu after it" => Some("matmul after rms_norm"),
+                    _ => None,
+                };
+                match product_of {
+                    Some(name) => {
+                        let gate_up = &want.iter().find(|(op, _)| *op == name).unwrap().1;
+                        check_swiglu(&format!("{op} vs cpu"), g, w, gate_up, tolerance);
+                    }
+                    None => check(&format!("{op} vs cpu"), g, w, tolerance),
+                }
             }
             let product = &got.iter().find(|(op, _)| *op == "matmul").unwrap().1;
             let reference = matmul_reference(&inp);

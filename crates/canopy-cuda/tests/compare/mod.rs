@@ -29,13 +29,21 @@ pub fn poisoned<B: LayerOps>(b: &B, rows: usize, cols: usize) -> Result<B::Tenso
 /// `want`: 0 when equal, and infinite where one is NaN or infinite and the other differs (a NaN
 /// is an element never written) or when the lengths differ.
 pub fn error(got: &[f32], want: &[f32]) -> f64 {
+    error_over(got, want, largest(want))
+}
+
+/// The largest finite magnitude of `x`.
+fn largest(x: &[f32]) -> f64 {
+    x.iter()
+        .filter(|v| v.is_finite())
+        .fold(0f64, |m, &v| m.max(f64::from(v).abs()))
+}
+
+/// The largest difference between `got` and `want` over `scale`, as [`error`].
+fn error_over(got: &[f32], want: &[f32], scale: f64) -> f64 {
     if got.len() != want.len() {
         return f64::INFINITY;
     }
-    let scale = want
-        .iter()
-        .filter(|w| w.is_finite())
-        .fold(0f64, |m, &w| m.max(f64::from(w).abs()));
     let mut worst = 0f64;
     for (&g, &w) in got.iter().zip(want) {
         if g == w || (g.is_nan() && w.is_nan()) {
@@ -53,5 +61,17 @@ pub fn error(got: &[f32], want: &[f32]) -> f64 {
 pub fn check(op: &str, got: &[f32], want: &[f32], tolerance: f64) {
     let e = error(got, want);
     eprintln!("  {op:<44} max error {e:.3e} (tolerance {tolerance:.0e})");
+    assert!(e <= tolerance, "{op}: error {e:e} above {tolerance:e}");
+}
+
+/// Prints one comparison of SwiGLU outputs `silu(g) · u` and fails above `tolerance`: the error
+/// is over the square of the largest magnitude of the gate|up `product` they were made from,
+/// not over the outputs' own. A product off by ε of that magnitude moves an output by at most
+/// about 2.1 ε of its square (|silu'| ≤ 1.1 and |silu(g)| ≤ |g|), whatever the outputs. Over
+/// the outputs' own largest magnitude, a row whose gates are all negative (small outputs)
+/// makes a 16-bit product's rounding look about ten times larger than the product's error.
+pub fn check_swiglu(op: &str, got: &[f32], want: &[f32], product: &[f32], tolerance: f64) {
+    let e = error_over(got, want, largest(product).powi(2));
+    eprintln!("  {op:<44} max error {e:.3e} over the product's square (tolerance {tolerance:.0e})");
     assert!(e <= tolerance, "{op}: error {e:e} above {tolerance:e}");
 }
