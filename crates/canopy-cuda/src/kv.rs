@@ -31,6 +31,13 @@ impl CudaKv {
         self.k.len() / self.bytes_of(1).max(1)
     }
 
+    /// Physical pages of a paged pool (none for contiguous storage).
+    pub(crate) fn pool_pages(&self) -> usize {
+        self.paging
+            .as_ref()
+            .map_or(0, |p| self.pool_tokens() >> p.shift)
+    }
+
     /// Refuses, naming `op`, a slot past the pool: kernels index the pool by these slots.
     pub(crate) fn check_slots(&self, op: &str, slots: &[u32]) -> Result<()> {
         let pool = self.pool_tokens();
@@ -106,12 +113,11 @@ impl CudaBackend {
     /// longer one (logical room reserved past the pool's size) gets a larger buffer.
     pub fn set_page_table(&self, kv: &mut CudaKv, table: &[u32]) -> Result<()> {
         check_table(kv, table.iter().copied().max())?;
-        let pool_tokens = kv.pool_tokens();
+        let words = table_room(kv.pool_pages(), table);
         let p = kv.paging.as_mut().expect("checked above");
         // A table shared with other KV is left to them.
         if Arc::get_mut(&mut p.device).is_none() {
             self.renew("a page table")?;
-            let words = table_room(pool_tokens >> p.shift, table);
             p.device = Arc::new(self.alloc::<u32>(words)?);
         }
         let device = Arc::get_mut(&mut p.device).expect("unshared above");
@@ -142,9 +148,8 @@ impl CudaBackend {
             true => shared,
             false => {
                 self.renew("a page table")?;
-                let pool_pages =
-                    first.pool_tokens() >> first.paging.as_ref().expect("checked above").shift;
-                let fresh = Arc::new(self.alloc::<u32>(table_room(pool_pages, table))?);
+                let words = table_room(first.pool_pages(), table);
+                let fresh = Arc::new(self.alloc::<u32>(words)?);
                 for kv in kvs.iter_mut() {
                     kv.paging.as_mut().expect("checked above").device = Arc::clone(&fresh);
                 }
@@ -412,12 +417,12 @@ impl CudaBackend {
 
 /// Refuses a page table on KV that is not paged, or one whose `highest` page is past the pool.
 fn check_table(kv: &CudaKv, highest: Option<u32>) -> Result<()> {
-    let Some(p) = kv.paging.as_ref() else {
+    if kv.paging.is_none() {
         return Err(CudaError::Unsupported(
             "page tables need paged KV (with_paging)".into(),
         ));
-    };
-    let pages = (kv.pool_tokens() >> p.shift) as u32;
+    }
+    let pages = kv.pool_pages() as u32;
     match highest.filter(|&h| h >= pages) {
         Some(bad) => Err(CudaError::Unsupported(format!(
             "a page table names page {bad} of a pool of {pages} pages"
@@ -426,7 +431,6 @@ fn check_table(kv: &CudaKv, highest: Option<u32>) -> Result<()> {
     }
 }
 
-/// `table` over the front of the host's copy of a page table.
 /// Words for a device page table made for `table` over a pool of `pool_pages` pages: room for
 /// a table as long as the pool (the tables of a server's decode steps grow towards it as
 /// requests join), so that growing tables are written in place, where recorded decode passes
@@ -435,6 +439,7 @@ fn table_room(pool_pages: usize, table: &[u32]) -> usize {
     table.len().max(pool_pages).next_power_of_two()
 }
 
+/// `table` over the front of the host's copy of a page table.
 fn keep_on_host(p: &mut Paging, table: &[u32]) {
     if table.len() > p.host.len() {
         p.host.resize(table.len(), 0);

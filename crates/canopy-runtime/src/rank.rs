@@ -140,9 +140,8 @@ impl GenerateRequest {
         Ok(needs)
     }
 
-    /// Where this request's KV goes with a prompt of `prompt` tokens over `ranks` ranks.
-    /// The KV layout of this request at a prompt of `prompt` tokens. An empty prompt is the
-    /// user's to mend, so it is refused here, where pricing and generating both pass.
+    /// Where this request's KV goes with a prompt of `prompt` tokens over `ranks` ranks. An
+    /// empty prompt is refused here, where pricing and generating both pass.
     fn layout(&self, prompt: usize, ranks: usize) -> Result<KvLayout> {
         if prompt == 0 {
             return Err(RuntimeError::EmptyPrompt);
