@@ -69,8 +69,8 @@ tokens_per_level = [$3]
 T
 }
 # The carried test binaries: the layer-op and attention-block tests (the CUDA LayerOps against
-# the CPU), then the replay-equals-eager graph test, the staged weight upload and the ops on
-# logits, one line per test and a result line each, into $OUT/tests.txt. Each binary's whole
+# the CPU), then the replay-equals-eager graph test and what moves the graph epoch, the staged
+# weight upload and the ops on logits, one line per test and a result line each, into $OUT/tests.txt. Each binary's whole
 # output goes to $OUT/tests/NAME.txt; a failing test's message and the seeds of its random
 # inputs (CANOPY_TEST_SEED, which replays them) are shown with it.
 device_test() {
@@ -90,8 +90,9 @@ device_tests() {
     device_test layer_ops "bit for bit: false" --test-threads 1
     log "attention-block tests"
     device_test attention_blocks "max error" --test-threads 1
-    log "graph test"
+    log "graph tests"
     device_test cuda_graphs ""
+    device_test graph_epoch ""
     log "weight-upload test"
     device_test weight_upload ""
     log "logit-op tests"
