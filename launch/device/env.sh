@@ -70,9 +70,10 @@ T
 }
 # The carried test binaries: the layer-op and attention-block tests (the CUDA LayerOps against
 # the CPU), then the replay-equals-eager graph test and what moves the graph epoch, the staged
-# weight upload and the ops on logits, one line per test and a result line each, into $OUT/tests.txt. Each binary's whole
-# output goes to $OUT/tests/NAME.txt; a failing test's message and the seeds of its random
-# inputs (CANOPY_TEST_SEED, which replays them) are shown with it.
+# weight upload and the ops on logits, one line per test and a result line each, into
+# $OUT/tests.txt. Each binary's whole output goes to $OUT/tests/NAME.txt; a failing test's
+# message and the seeds of its random inputs (CANOPY_TEST_SEED, which replays them) are shown
+# with it.
 device_test() {
   local name=$1 shown=$2
   shift 2
