@@ -1,10 +1,13 @@
 //! Chat templates: the Jinja program a model ships to turn a conversation into its prompt
 //! text, rendered with `minijinja` the way transformers' `apply_chat_template` renders it
 //! (blocks trim their newline and strip leading space, loop controls, `raise_exception`,
-//! Python string methods such as `.strip()` through `minijinja-contrib`'s pycompat).
+//! `strftime_now`, Python string methods such as `.strip()` through `minijinja-contrib`'s
+//! pycompat).
 
 use std::path::Path;
 
+use chrono::format::{Item, StrftimeItems};
+use chrono::Local;
 use minijinja::syntax::SyntaxConfig;
 use minijinja::{context, Environment, ErrorKind};
 use serde::Serialize;
@@ -143,6 +146,7 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        env.add_function("strftime_now", strftime_now);
         env.render_str(
             &self.source,
             context! {
@@ -154,6 +158,20 @@ impl ChatTemplate {
         )
         .map_err(ModelError::ChatTemplate)
     }
+}
+
+/// The local time in `format`, Python's `strftime` codes: what transformers gives templates,
+/// such as Llama 3.2's, that date their system prompt (`strftime_now("%d %b %Y")`). Without it
+/// those templates fall back to a fixed date, and the prompt differs from transformers'.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    let items: Vec<Item> = StrftimeItems::new(&format).collect();
+    if items.contains(&Item::Error) {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: {format:?} is not a strftime format"),
+        ));
+    }
+    Ok(Local::now().format_with_items(items.iter()).to_string())
 }
 
 #[cfg(test)]
@@ -191,6 +209,30 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.to_string().contains("one message only"), "{err}");
+    }
+
+    /// Llama 3.2's templates date their system prompt with `strftime_now` where it is
+    /// defined, as transformers defines it, and with a fixed date otherwise.
+    #[test]
+    fn strftime_now_dates_the_prompt_like_transformers() {
+        let source = "{%- if not date_string is defined %}{%- if strftime_now is defined %}{%- set date_string = strftime_now(\"%d %b %Y\") %}{%- else %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}{%- endif %}Today Date: {{ date_string }}";
+        let template = ChatTemplate::new(source, "<s>", "</s>");
+        let before = Local::now().format("%d %b %Y").to_string();
+        let text = template
+            .render(&[ChatMessage::new("user", "hi")], true)
+            .unwrap();
+        let after = Local::now().format("%d %b %Y").to_string();
+        assert!(
+            [
+                format!("Today Date: {before}"),
+                format!("Today Date: {after}")
+            ]
+            .contains(&text),
+            "{text}"
+        );
+        let bad = ChatTemplate::new("{{ strftime_now('%Q') }}", "<s>", "</s>");
+        let err = bad.render(&[], false).unwrap_err();
+        assert!(err.to_string().contains("not a strftime format"), "{err}");
     }
 
     #[test]
