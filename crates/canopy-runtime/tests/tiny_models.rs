@@ -3,14 +3,17 @@
 //! `tests/fixtures/kquant` (a GGUF file in K-quants with a sentencepiece tokenizer): the prompt's last logits within 1e-4
 //! relative and the greedy tokens identical — on one rank, on 2 to 4 ranks (threads) with the
 //! tree merges and the ring, with uneven chunks and ranks that hold no prompt tokens — and `n`
-//! parallel samples at temperature 0 all equal to the greedy text.
+//! parallel samples at temperature 0 all equal to the greedy text. Models of head dims no GPU
+//! kernel is built for, with random weights, are held to one rank's tokens; an empty prompt to
+//! its error.
 
 use canopy_comm::ThreadWorld;
 use canopy_core::{DType, Method};
 use canopy_engine::{CpuBackend, MergeCollective};
-use canopy_model::Model;
+use canopy_model::{LlamaConfig, Model};
 use canopy_runtime::{
-    generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, RuntimeError, SamplingParams,
+    generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, RandomWeights, RuntimeError,
+    SamplingParams,
 };
 use serde_json::Value;
 use std::path::PathBuf;
@@ -356,5 +359,42 @@ fn an_empty_prompt_is_refused_before_anything_runs() {
     for out in outs {
         let err = out.expect_err("an empty prompt is refused");
         assert!(matches!(err, RuntimeError::EmptyPrompt), "{err}");
+    }
+}
+
+/// Head dims no GPU kernel is built for (the CPU backend runs any even one): a random
+/// model's first logits and greedy tokens on 3 ranks with the tree and on 2 with the ring
+/// equal one rank's.
+#[test]
+fn head_dims_without_gpu_kernels_shard_like_one_rank() {
+    for head_dim in [8, 80] {
+        let config = LlamaConfig {
+            vocab_size: 97,
+            hidden_size: 64,
+            intermediate_size: 96,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            max_position_embeddings: 128,
+            tie_word_embeddings: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+        };
+        let weights = RandomWeights::new(&config, DType::F32, 5);
+        let layers = ModelLayers::upload(&CpuBackend, &config, &weights, &mut |_| {})
+            .expect("the weights upload");
+        let prompt: Vec<u32> = (0..37).map(|i| (i * 7 + 3) % 97).collect();
+        let tree = DecodeStrategy::Tree(MergeCollective::Auto);
+        let one = run(&layers, &request(prompt.clone(), 1, tree), 1);
+        for (ranks, strategy) in [(3, tree), (2, DecodeStrategy::Ring)] {
+            let out = run(&layers, &request(prompt.clone(), 1, strategy), ranks);
+            let what = format!("head dim {head_dim}, {ranks} ranks, {strategy:?}");
+            assert_close(&out.first_logits, &one.first_logits, &what);
+            assert_eq!(out.samples[0], one.samples[0], "{what}");
+        }
     }
 }
