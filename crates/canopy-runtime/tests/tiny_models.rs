@@ -10,7 +10,7 @@
 use canopy_comm::ThreadWorld;
 use canopy_core::{DType, Method};
 use canopy_engine::{CpuBackend, MergeCollective};
-use canopy_model::{LlamaConfig, Model};
+use canopy_model::Model;
 use canopy_runtime::{
     generate, DecodeStrategy, GenerateRequest, Generated, ModelLayers, RandomWeights, RuntimeError,
     SamplingParams,
@@ -368,22 +368,9 @@ fn an_empty_prompt_is_refused_before_anything_runs() {
 #[test]
 fn head_dims_without_gpu_kernels_shard_like_one_rank() {
     for head_dim in [8, 80] {
-        let config = LlamaConfig {
-            vocab_size: 97,
-            hidden_size: 64,
-            intermediate_size: 96,
-            num_hidden_layers: 2,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            head_dim,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10000.0,
-            rope_scaling: None,
-            max_position_embeddings: 128,
-            tie_word_embeddings: false,
-            bos_token_id: None,
-            eos_token_ids: Vec::new(),
-        };
+        // The GQA fixture's shape with other heads (its weights do not fit them).
+        let mut config = fixture("gqa-hd64").0.config;
+        config.head_dim = head_dim;
         let weights = RandomWeights::new(&config, DType::F32, 5);
         let layers = ModelLayers::upload(&CpuBackend, &config, &weights, &mut |_| {})
             .expect("the weights upload");
