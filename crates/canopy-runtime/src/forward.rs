@@ -29,6 +29,8 @@ use crate::Result;
 use canopy_core::logits::TailWalk;
 use canopy_engine::{LayerOps, RankAttention, Transport};
 use recorder::{PassKey, PassShape, Recorder, Vote};
+
+pub(crate) use recorder::Kept;
 use std::collections::BTreeMap;
 
 pub(crate) use recorder::KEPT_PASSES;
@@ -56,12 +58,11 @@ pub struct Forward<B: LayerOps> {
     recorder: Recorder<B::Graph>,
     /// Where the passes of the last few step shapes leave their logits, the current shape
     /// last: kept so that each shape's recording stays valid.
-    kept: Vec<KeptLogits<B::Tensor>>,
+    kept: Kept<PassShape, KeptLogits<B::Tensor>>,
 }
 
 /// Where every pass of one shape leaves its logits.
 struct KeptLogits<T> {
-    shape: PassShape,
     /// `rows × vocab`.
     logits: T,
     /// Each row narrowed to its most likely tokens (`rows × 2k`).
@@ -80,7 +81,7 @@ impl<B: LayerOps> Forward<B> {
         Forward {
             graphs: true,
             recorder: Recorder::new(),
-            kept: Vec::new(),
+            kept: Kept::new(),
         }
     }
 
@@ -125,12 +126,12 @@ impl<B: LayerOps> Forward<B> {
 
     /// The last pass's logits on the device (`rows × vocab`), until the next pass.
     pub fn logits(&self) -> Option<&B::Tensor> {
-        self.kept.last().map(|k| &k.logits)
+        self.kept.last().map(|(_, k)| &k.logits)
     }
 
     /// The current shape's logits tensors.
     fn current(&self) -> &KeptLogits<B::Tensor> {
-        self.kept.last().expect("kept by the caller")
+        self.kept.last().expect("kept by the caller").1
     }
 
     /// The kept logits, narrowed or whole, on the host.
@@ -169,7 +170,7 @@ impl<B: LayerOps> Forward<B> {
         let recorder = &mut self.recorder;
         let mine = key.map_or(Vote::Eager, |k| recorder.vote(k));
         let vote = agree(attention, together, mine)?;
-        let kept = self.kept.last_mut().expect("kept by the caller");
+        let (_, kept) = self.kept.last_mut().expect("kept by the caller");
         let mut run = |attention: &mut RankAttention<B, C>| {
             let out = (&mut kept.logits, kept.top.as_mut());
             pass(backend, layers, caches, attention, rows, None, out).map(drop)
@@ -225,7 +226,7 @@ impl<B: LayerOps> Forward<B> {
         settle: &dyn Fn() -> canopy_engine::Result<()>,
     ) -> Result<(StepLogits, Option<f64>)> {
         self.keep_logits(backend, layers, rows.ids.len(), rows.reach)?;
-        let kept = self.kept.last_mut().expect("kept above");
+        let (_, kept) = self.kept.last_mut().expect("kept above");
         let out = (&mut kept.logits, kept.top.as_mut());
         let merge_s = pass(backend, layers, caches, attention, rows, Some(settle), out)?;
         Ok((self.download(backend, layers)?, merge_s))
@@ -245,21 +246,19 @@ impl<B: LayerOps> Forward<B> {
         // A vocabulary smaller than the reach is narrowed to all of it, in order.
         let narrowed = reach.map_or(0, |k| 2 * k.min(vocab));
         let shape = PassShape { rows, narrowed };
-        let kept = match self.kept.iter().position(|k| k.shape == shape) {
-            Some(i) => self.kept.remove(i),
+        let kept = match self.kept.take(&shape) {
+            Some(kept) => kept,
             None => {
-                if self.kept.len() == KEPT_PASSES {
-                    let gone = self.kept.remove(0);
-                    self.recorder.forget(gone.shape);
+                if let Some((gone, _)) = self.kept.make_room() {
+                    self.recorder.forget(gone);
                 }
                 KeptLogits {
-                    shape,
                     logits: backend.tensor(rows, vocab)?,
                     top: reach.map(|_| backend.tensor(rows, narrowed)).transpose()?,
                 }
             }
         };
-        self.kept.push(kept);
+        self.kept.push(shape, kept);
         Ok(shape)
     }
 }

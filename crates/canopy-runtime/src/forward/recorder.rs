@@ -15,6 +15,51 @@
 
 /// Step shapes whose logits tensors and recordings [`crate::Forward`] keeps at once.
 pub(crate) const KEPT_PASSES: usize = 4;
+
+/// What a decode loop keeps for each of the last [`KEPT_PASSES`] step shapes (a pass's logits
+/// tensors, a batch size's attention), the current one last: a shape that comes back finds
+/// its values, and so its recording, as it left them.
+pub(crate) struct Kept<K, V> {
+    entries: Vec<(K, V)>,
+}
+
+impl<K: PartialEq, V> Kept<K, V> {
+    pub fn new() -> Kept<K, V> {
+        Kept {
+            entries: Vec::new(),
+        }
+    }
+
+    /// The value kept for `key`, taken out to be used and [`Kept::push`]ed back.
+    pub fn take(&mut self, key: &K) -> Option<V> {
+        let i = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.remove(i).1)
+    }
+
+    /// Room for a new value: the least recently used entry, given back to be let go before
+    /// the new one is made, where [`KEPT_PASSES`] are kept.
+    pub fn make_room(&mut self) -> Option<(K, V)> {
+        (self.entries.len() >= KEPT_PASSES).then(|| self.entries.remove(0))
+    }
+
+    /// `value` kept for `key`, as the current one.
+    pub fn push(&mut self, key: K, value: V) {
+        self.entries.push((key, value));
+    }
+
+    /// The current key and value.
+    pub fn last(&self) -> Option<(&K, &V)> {
+        self.entries.last().map(|(k, v)| (k, v))
+    }
+
+    pub fn last_mut(&mut self) -> Option<(&K, &mut V)> {
+        self.entries.last_mut().map(|(k, v)| (&*k, v))
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+}
 /// Replays a recording must reach to pay for itself (recording one costs a few steps).
 const PAYBACK_REPLAYS: usize = 4;
 /// The most like steps [`Recorder`] waits for before recording.
@@ -206,6 +251,23 @@ impl<G> Recorder<G> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The least recently used entry makes room; one taken and pushed back is the newest.
+    #[test]
+    fn kept_values_make_room_least_recently_used_first() {
+        let mut kept = Kept::new();
+        for size in 1..=KEPT_PASSES {
+            assert!(kept.make_room().is_none(), "{size} fits");
+            kept.push(size, size * 10);
+        }
+        let first = kept.take(&1).expect("kept");
+        kept.push(1, first);
+        assert_eq!(kept.last(), Some((&1, &10)));
+        assert_eq!(kept.make_room(), Some((2, 20)), "size 2 is now the oldest");
+        assert!(kept.take(&2).is_none());
+        kept.clear();
+        assert!(kept.last().is_none());
+    }
 
     fn shaped(rows: usize, epoch: u64) -> PassKey {
         PassKey {

@@ -21,9 +21,7 @@ use super::handle::EngineInbox;
 use super::scheduler::{ChunkDone, Decoded, PastReads, Scheduler, StepClock};
 use super::step::{Chunk, Row, Step};
 use super::{held_batch, ServeConfig};
-use crate::forward::{
-    download_rows, row_terms, walk_tails, Forward, RowReads, StepRows, KEPT_PASSES,
-};
+use crate::forward::{download_rows, row_terms, walk_tails, Forward, Kept, RowReads, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
 use crate::prefill::{prefill_chunks, PrefillRows};
@@ -102,7 +100,7 @@ struct Ranks<'a, B: LayerOps, C: Collective + Transport<B>> {
     /// The decode attention of each of the last few batch sizes, the current one last, by
     /// its batch size: a size that comes back finds its buffers, and so its recorded pass,
     /// as it left them, its plan written over in place.
-    decode: Vec<(usize, RankAttention<'a, B, C>)>,
+    decode: Kept<usize, RankAttention<'a, B, C>>,
     /// Whether the caches read through the decode layout's page table (a chunk installs its
     /// own).
     decode_table: bool,
@@ -141,7 +139,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             caches,
             books: Books::new(comm.size(), config.page_size, config.pages_per_rank, room)?,
             forward: Forward::new().with_graphs(config.graphs),
-            decode: Vec::new(),
+            decode: Kept::new(),
             decode_table: false,
             pad_slot,
         })
@@ -279,7 +277,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
             // The tree only grew, so the rows, and their batch size, are the last step's.
             Layout::Grown { tails, new_pages } => {
                 let (_, attention) = (self.decode.last_mut())
-                    .filter(|(b, _)| *b == batch)
+                    .filter(|(b, _)| **b == batch)
                     .ok_or_else(|| {
                         RuntimeError::Protocol(format!(
                             "a decode plan of {batch} rows grew before it was made"
@@ -512,29 +510,25 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     /// Makes the decode attention of `batch` rows the current one, planned over `views`. The
     /// tree's is written over in place where one of that size is kept (a recorded pass of it
     /// still replays if the plan fits its buffers), else made, pushing out the least recently
-    /// used size's past [`KEPT_PASSES`]. The ring's is made anew, and is the only one kept: its
+    /// used size's ([`Kept`]). The ring's is made anew, and is the only one kept: its
     /// receive buffers are as large as the shards.
     fn plan_decode(&mut self, views: &[RankSnapshot], batch: usize) -> Result<()> {
-        let kept = self.decode.iter().position(|(b, _)| *b == batch);
-        let entry = match (kept, &self.merge) {
-            (Some(i), Some(_)) => {
-                let mut entry = self.decode.remove(i);
-                entry.1.replan(&self.plan_of(&views[0], batch)?)?;
-                entry
-            }
-            (None, Some(_)) => {
-                if self.decode.len() == KEPT_PASSES {
-                    self.decode.remove(0);
-                }
-                (batch, self.attention(views, batch)?)
+        let attention = match (self.decode.take(&batch), &self.merge) {
+            (Some(mut attention), Some(_)) => {
+                attention.replan(&self.plan_of(&views[0], batch)?)?;
+                attention
             }
             // The buffers it replaces go before the new ones are made.
+            (None, Some(_)) => {
+                self.decode.make_room();
+                self.attention(views, batch)?
+            }
             (_, None) => {
                 self.decode.clear();
-                (batch, self.attention(views, batch)?)
+                self.attention(views, batch)?
             }
         };
-        self.decode.push(entry);
+        self.decode.push(batch, attention);
         Ok(())
     }
 
