@@ -8,14 +8,20 @@
 use canopy_core::{merge_state, AttnShape, EMPTY_LSE};
 use rayon::prelude::*;
 
+mod few_rows;
+
 /// Output columns a thread takes at least in a product of one row.
 const MIN_COLUMNS_A_THREAD: usize = 64;
 
 /// `out[rows × n] = x[rows × k] · w[n × k]ᵀ`, or `out += x · wᵀ` when `accumulate`;
-/// multi-threaded. `gemm` runs a product of one row (a decode step's) on one thread, so that
-/// one is cut by columns over the threads here: SmolLM2's 49,152 × 576 LM head took 11.5 ms
-/// at one row through `gemm` on two threads, 5.4 ms cut in two. Each output element is the
-/// same `gemm` dot product however the columns are cut.
+/// multi-threaded.
+/// - One row (a decode step of one sequence): `gemm` runs it on one thread, so it is cut by
+///   columns over the threads here. SmolLM2's 49,152 × 576 LM head took 11.5 ms at one row
+///   through `gemm` on two threads, 5.4 ms cut in two. Each output element is the same
+///   `gemm` dot product however the columns are cut.
+/// - 2 to [`few_rows::FEW_ROWS`] rows (a decode step of a batch): [`few_rows`], which reads
+///   each weight row once for all of them. A row's result does not depend on the others.
+/// - More (a prompt): `gemm`.
 pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
     let k = w.len() / n.max(1);
     debug_assert_eq!(x.len(), rows * k);
@@ -29,6 +35,10 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
         out.par_chunks_mut(per_thread)
             .zip(w.par_chunks(per_thread * k))
             .for_each(|(out, w)| product(x, 1, k, w, out, accumulate, gemm::Parallelism::None));
+        return;
+    }
+    if rows <= few_rows::FEW_ROWS && rows > 1 {
+        few_rows::matmul(x, rows, w, n, out, accumulate);
         return;
     }
     let parallelism = if threads > 1 {
@@ -255,6 +265,47 @@ mod tests {
                     .zip(&whole)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{n} columns, accumulate {accumulate}");
+            }
+        }
+    }
+
+    /// Each of `matmul`'s three paths equals the f64 product, added or not: many rows
+    /// (`gemm`), a few ([`few_rows`]) and one (`gemm`'s one-row kernel cut by columns).
+    #[test]
+    fn every_row_count_agrees_with_f64() {
+        let (rows, k, n) = (few_rows::FEW_ROWS + 3, 301, 197);
+        let value = |i: usize, scale: f32| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * scale;
+        let x: Vec<f32> = (0..rows * k).map(|i| value(i, 2.0)).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| value(i + 17, 0.1)).collect();
+        let start: Vec<f32> = (0..rows * n).map(|i| value(i + 3, 1.0)).collect();
+        for accumulate in [false, true] {
+            // The rows as one product, then the first few as one, then the rest one by one.
+            let mut many = start.clone();
+            matmul(&x, rows, &w, n, &mut many, accumulate);
+            let few = few_rows::FEW_ROWS;
+            let mut parts = start.clone();
+            matmul(&x[..few * k], few, &w, n, &mut parts[..few * n], accumulate);
+            for r in few..rows {
+                let row = &mut parts[r * n..(r + 1) * n];
+                matmul(&x[r * k..(r + 1) * k], 1, &w, n, row, accumulate);
+            }
+            for (r, c) in (0..rows).flat_map(|r| (0..n).map(move |c| (r, c))) {
+                let dot: f64 = (0..k)
+                    .map(|i| x[r * k + i] as f64 * w[c * k + i] as f64)
+                    .sum();
+                let added = if accumulate {
+                    start[r * n + c] as f64
+                } else {
+                    0.0
+                };
+                for (path, got) in [("many", many[r * n + c]), ("parts", parts[r * n + c])] {
+                    let err = (got as f64 - (dot + added)).abs();
+                    assert!(
+                        err < 1e-5,
+                        "{path}: row {r} column {c}: {got} against {}",
+                        dot + added
+                    );
+                }
             }
         }
     }
