@@ -5,10 +5,12 @@
 //! `1 / sqrt(mean(x²) + eps)` before the weight, RoPE rotates the two halves of each head
 //! (`rotate_half`), angles `position · inv_freq` in f32.
 
-use canopy_core::{merge_state, AttnShape, EMPTY_LSE};
 use rayon::prelude::*;
 
+mod causal;
 mod few_rows;
+
+pub use causal::causal_attention;
 
 /// Output columns a thread takes at least in a product of one row.
 const MIN_COLUMNS_A_THREAD: usize = 64;
@@ -145,64 +147,10 @@ pub fn rope_in_place(x: &mut [f32], positions: &[u32], inv_freq: &[f32]) {
         });
 }
 
-/// Attention of query rows over one block of keys, as partial states (normalised `o`,
-/// natural-log `lse`) that merge exactly with the states of other blocks. `q` is `rows ×
-/// q_heads × d` at positions `q_pos`, `k`/`v` are `tokens × kv_heads × d` at `k_pos`; a query
-/// sees the keys at or before its own position, and with `q_from` none before `q_from[row]`.
-/// Written into `o` (`rows × q_heads × d`) and `lse` (`rows × q_heads`), which start empty or
-/// hold earlier blocks' states to merge with.
-#[allow(clippy::too_many_arguments)]
-pub fn causal_attention(
-    q: &[f32],
-    q_pos: &[u32],
-    q_from: Option<&[u32]>,
-    k: &[f32],
-    v: &[f32],
-    k_pos: &[u32],
-    shape: &AttnShape,
-    o: &mut [f32],
-    lse: &mut [f32],
-) {
-    let (q_heads, kv_heads, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
-    let group = q_heads / kv_heads;
-    let scale = shape.softmax_scale();
-    o.par_chunks_mut(d)
-        .zip(lse.par_iter_mut())
-        .enumerate()
-        .for_each(|(cell, (o, lse))| {
-            let (row, head) = (cell / q_heads, cell % q_heads);
-            let kvh = head / group;
-            let qv = &q[cell * d..(cell + 1) * d];
-            let from = q_from.map_or(0, |f| f[row]);
-            let seen: Vec<usize> = (0..k_pos.len())
-                .filter(|&t| (from..=q_pos[row]).contains(&k_pos[t]))
-                .collect();
-            if seen.is_empty() {
-                return;
-            }
-            let key = |t: usize| &k[(t * kv_heads + kvh) * d..(t * kv_heads + kvh + 1) * d];
-            let scores: Vec<f32> = seen
-                .iter()
-                .map(|&t| scale * qv.iter().zip(key(t)).map(|(a, b)| a * b).sum::<f32>())
-                .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut block = vec![0.0f32; d];
-            let mut sum = 0.0f32;
-            for (&t, &s) in seen.iter().zip(&scores) {
-                let w = (s - max).exp();
-                sum += w;
-                let val = &v[(t * kv_heads + kvh) * d..(t * kv_heads + kvh + 1) * d];
-                block.iter_mut().zip(val).for_each(|(b, &x)| *b += w * x);
-            }
-            block.iter_mut().for_each(|b| *b /= sum);
-            let block_lse = if sum > 0.0 { max + sum.ln() } else { EMPTY_LSE };
-            merge_state(o, lse, &block, block_lse);
-        });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use canopy_core::{AttnShape, EMPTY_LSE};
 
     #[test]
     fn matmul_is_x_times_w_transposed() {
