@@ -21,7 +21,7 @@ const MIN_COLUMNS_A_THREAD: usize = 64;
 ///   columns over the threads here. SmolLM2's 49,152 × 576 LM head took 11.5 ms at one row
 ///   through `gemm` on two threads, 5.4 ms cut in two. Each output element is the same
 ///   `gemm` dot product however the columns are cut.
-/// - 2 to [`few_rows::FEW_ROWS`] rows (a decode step of a batch): [`few_rows`], which reads
+/// - 2 to 32 rows (a decode step of a batch): the module `few_rows`, which reads
 ///   each weight row once for all of them. A row's result does not depend on the others.
 /// - More (a prompt): `gemm`.
 pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
