@@ -176,6 +176,26 @@ pub fn reference_attention(
     (o, lse)
 }
 
+/// `a · b` in eight partial sums, which the compiler keeps in vector registers; a sum in
+/// order is one dependent chain of scalar adds.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let (a8, b8) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    let mut lanes = [0.0f32; LANES];
+    for (x, y) in a8.zip(b8) {
+        for l in 0..LANES {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// Tokens per block of the f32 flash-decoding kernel.
 const BLOCK: usize = 64;
 
@@ -237,7 +257,7 @@ pub fn group_partial<E: KvElement>(
                     for (i, &(_, ti)) in block.iter().enumerate() {
                         srow[i] = if group.visible(ti, j) {
                             let kr = &kbuf[i * d..(i + 1) * d];
-                            qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale
+                            dot(qv, kr) * scale
                         } else {
                             f32::NEG_INFINITY
                         };
@@ -294,6 +314,17 @@ pub fn group_partial<E: KvElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The eight partial sums and the tail cover every element, at lengths around the lanes.
+    #[test]
+    fn dot_equals_the_f64_product_at_every_length() {
+        for len in 0..27 {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..len).map(|i| 1.0 + i as f32 * 0.5).collect();
+            let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "length {len}");
+        }
+    }
 
     #[test]
     fn merging_empties_is_total() {
