@@ -39,7 +39,7 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
             .for_each(|(out, w)| product(x, 1, k, w, out, accumulate, gemm::Parallelism::None));
         return;
     }
-    if rows <= few_rows::FEW_ROWS && rows > 1 {
+    if (2..=few_rows::FEW_ROWS).contains(&rows) {
         few_rows::matmul(x, rows, w, n, out, accumulate);
         return;
     }
