@@ -125,8 +125,12 @@ struct Report {
     strategy: String,
     prompt_tokens: usize,
     samples: Vec<SampleText>,
+    /// Seconds to read the weights and place them on the backend, before the request.
+    load_s: f64,
     prefill_s: f64,
     prefill_tokens_per_s: f64,
+    /// Seconds from the request to its first token: the KV cache's allocation and the
+    /// prefill, as `bench decode` and the server count it; the load is not in it.
     ttft_s: f64,
     /// The mean decode step: it counts the steps that record a graph or run op by op, and a
     /// first use of a library (cuBLAS) or a kernel.
@@ -261,7 +265,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             })?
         }
     };
-    let Some((out, texts, first_token_s)) = done else {
+    let Some((out, texts, load_s)) = done else {
         return Ok(()); // an MPI rank other than 0
     };
     let stepped = !out.step_s.is_empty();
@@ -273,9 +277,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         strategy: req.strategy.name(),
         prompt_tokens: req.prompt.len(),
         samples: texts,
+        load_s,
         prefill_s: out.prefill_s,
         prefill_tokens_per_s: req.prompt.len() as f64 / out.prefill_s,
-        ttft_s: first_token_s,
+        ttft_s: out.first_token_s.unwrap_or(out.prefill_s),
         decode_ms_per_token: stepped.then(|| mean(&out.step_s) * 1e3),
         decode_median_step_ms: stepped.then(|| median(&out.step_s) * 1e3),
         decode_tokens_per_s: stepped.then(|| a.n as f64 / mean(&out.step_s)),
@@ -297,7 +302,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         println!();
     }
     eprintln!(
-        "{} prompt tokens; {} {:.3} s ({:.1} tokens/s); first token after {:.3} s; decode {} on {} rank{} ({}, {} {})",
+        "weights loaded in {:.3} s; {} prompt tokens; {} {:.3} s ({:.1} tokens/s); first token after {:.3} s; decode {} on {} rank{} ({}, {} {})",
+        report.load_s,
         report.prompt_tokens,
         match a.context_fill {
             FillChoice::Prefill => "prefill",
@@ -328,8 +334,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 /// KV page size, in tokens.
 pub const PAGE_SIZE: u32 = 16;
 
-/// One rank's outcome as rank 0 reports it: the run, each sample's text and the seconds to
-/// the first token.
+/// One rank's outcome as rank 0 reports it: the run, each sample's text and the seconds from
+/// the start to the weights' placement.
 type RankOutcome = (Generated, Vec<SampleText>, f64);
 
 /// What every rank of this process shares.
@@ -342,7 +348,7 @@ struct Run<'a> {
 impl Run<'_> {
     /// One rank's generation. Every rank decodes the text (to find stop strings alike); rank 0
     /// streams it when there is one sample and not `--json`. Returns the run, each sample's text
-    /// and the seconds from `started` to the first token.
+    /// and the seconds from `started` to this call, which follows the weights' placement.
     fn rank<B: LayerOps>(
         &self,
         backend: &B,
@@ -350,17 +356,16 @@ impl Run<'_> {
         tokenizer: &Tokenizer,
         comm: &dyn RankComm<B>,
     ) -> Result<RankOutcome> {
-        let (a, req, started) = (self.args, self.req, self.started);
+        let (a, req) = (self.args, self.req);
+        let load_s = self.started.elapsed().as_secs_f64();
         let stream = comm.rank() == 0 && req.samples == 1 && !a.json;
         let mut decoders: Vec<_> = (0..req.samples)
             .map(|_| tokenizer.incremental_decoder(true))
             .collect();
         let mut texts = vec![String::new(); req.samples];
         let mut printed = vec![0usize; req.samples];
-        let mut first_token = None;
         let mut failure = None;
         let out = comm.generate(backend, layers, req, &mut |s: usize, token: u32| {
-            first_token.get_or_insert_with(|| started.elapsed().as_secs_f64());
             match decoders[s].push(token) {
                 Ok(piece) => texts[s].push_str(&piece),
                 Err(e) => failure = Some(e),
@@ -407,6 +412,6 @@ impl Run<'_> {
         if stream && printed[0] < samples[0].text.len() {
             print!("{}", &samples[0].text[printed[0]..]);
         }
-        Ok((out, samples, first_token.unwrap_or(0.0)))
+        Ok((out, samples, load_s))
     }
 }

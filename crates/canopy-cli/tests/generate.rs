@@ -75,9 +75,10 @@ fn every_rank_count_and_strategy_generates_the_same_tokens() {
     }
 }
 
-/// The timing gives the mean decode step and the median one, in the JSON and on stderr.
+/// The timing gives the weights' load apart from the request, and the mean decode step and
+/// the median one, in the JSON and on stderr.
 #[test]
-fn the_timing_reports_the_mean_and_the_median_step() {
+fn the_timing_reports_the_load_and_the_mean_and_the_median_step() {
     let model = tiny("gqa-hd64");
     let args = [
         "generate",
@@ -91,12 +92,15 @@ fn the_timing_reports_the_mean_and_the_median_step() {
         let ms = v[field].as_f64().unwrap_or(f64::NAN);
         assert!(ms.is_finite() && ms > 0.0, "{field}: {}", v[field]);
     }
+    let seconds = |field: &str| v[field].as_f64().unwrap_or(f64::NAN);
+    assert!(seconds("load_s") > 0.0, "load_s: {}", v["load_s"]);
+    assert!(seconds("ttft_s") >= seconds("prefill_s"), "{v}");
     canopy()
         .args(args)
         .args(["--max-tokens", "4"])
         .assert()
         .success()
-        .stderr(contains("ms/token, median step"));
+        .stderr(contains("weights loaded in").and(contains("ms/token, median step")));
 }
 
 /// A random context is a function of its positions alone: one rank, the tree over 2 and 3
