@@ -199,12 +199,18 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Tokens per block of the f32 flash-decoding kernel.
 const BLOCK: usize = 64;
 
+/// Tokens of a group's KV that one task of [`group_partial`] covers at most. A long group
+/// (one sequence's whole context) is cut into pieces that run on every core and are merged,
+/// where it would otherwise take one core for each KV head. The cut depends on the group
+/// alone, never on the threads, so a group's result does not depend on the machine.
+const PIECE: usize = 8 * BLOCK;
+
 /// Stage 1 of flash decoding on the CPU for one group: writes the group's partial rows
 /// (`group.queries.len()` rows starting at row 0 of `out_o` / `out_lse`, each `q_heads` wide).
 ///
-/// Blocked online softmax: per block of tokens, all of a KV head's GQA query rows score the
-/// block (each K/V element is widened once per block, not once per query), then the running
-/// max, denominator and accumulator are rescaled once per block.
+/// Each KV head and piece of at most [`PIECE`] tokens is a task of its own (in parallel on
+/// rayon); a head's pieces are then merged in token order. A group of at most [`PIECE`]
+/// tokens is one piece a head, its rows written as the piece computed them.
 pub fn group_partial<E: KvElement>(
     shape: &AttnShape,
     group: &Group,
@@ -214,18 +220,11 @@ pub fn group_partial<E: KvElement>(
     out_o: &mut [f32],
     out_lse: &mut [f32],
 ) {
+    use rayon::prelude::*;
     let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
     let g = shape.group_size();
-    let scale = shape.softmax_scale();
     let nq = group.queries.len();
-    let rows = nq * g; // rows per KV head: every (query, q head of this KV head)
-    let mut kbuf = vec![0.0f32; BLOCK * d];
-    let mut vbuf = vec![0.0f32; BLOCK * d];
-    let mut s = vec![0.0f32; rows * BLOCK];
-    let mut acc = vec![0.0f32; rows * d];
-    let mut m = vec![f32::NEG_INFINITY; rows];
-    let mut l = vec![0.0f32; rows];
-    // Token positions within the group, as (address, group-token index) blocks.
+    // Token positions within the group, as (address, group-token index).
     let tokens: Vec<(u32, usize)> = group
         .kv
         .iter()
@@ -233,82 +232,147 @@ pub fn group_partial<E: KvElement>(
         .enumerate()
         .map(|(i, a)| (a, i))
         .collect();
-    for kvh in 0..hk {
-        acc.fill(0.0);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        for block in tokens.chunks(BLOCK) {
-            let n = block.len();
+    let pieces = tokens.len().div_ceil(PIECE).max(1);
+    let mut partials: Vec<HeadPartial> = (0..hk * pieces)
+        .into_par_iter()
+        .map(|task| {
+            let (kv_head, piece) = (task / pieces, task % pieces);
+            let begin = (piece * PIECE).min(tokens.len());
+            let end = (begin + PIECE).min(tokens.len());
+            head_partial(shape, group, kv_head, &tokens[begin..end], q, k, v)
+        })
+        .collect();
+    for (kv_head, head) in partials.chunks_mut(pieces).enumerate() {
+        let (first, rest) = head.split_first_mut().expect("one piece at least");
+        for later in rest.iter() {
+            for row in 0..nq * g {
+                merge_state(
+                    &mut first.o[row * d..(row + 1) * d],
+                    &mut first.lse[row],
+                    &later.o[row * d..(row + 1) * d],
+                    later.lse[row],
+                );
+            }
+        }
+        for j in 0..nq {
+            for gi in 0..g {
+                let (row, head) = (j * g + gi, kv_head * g + gi);
+                out_o[(j * h + head) * d..][..d].copy_from_slice(&first.o[row * d..][..d]);
+                out_lse[j * h + head] = first.lse[row];
+            }
+        }
+    }
+}
+
+/// One KV head's normalised partial over some of a group's tokens: `o` is `rows × head_dim`
+/// and `lse` is `rows`, a row each (query, GQA head of the KV head).
+struct HeadPartial {
+    o: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+/// The blocked online softmax of one KV head over `tokens` (address, group-token index):
+/// per block of tokens, all of the head's GQA query rows score the block (each K/V element
+/// is read once per block, not once per query), then the running max, denominator and
+/// accumulator are rescaled once per block. f32 K and V are read where they lie; other
+/// dtypes are widened once per block.
+fn head_partial<E: KvElement>(
+    shape: &AttnShape,
+    group: &Group,
+    kv_head: usize,
+    tokens: &[(u32, usize)],
+    q: &[f32],
+    k: &[E],
+    v: &[E],
+) -> HeadPartial {
+    let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let g = shape.group_size();
+    let scale = shape.softmax_scale();
+    let nq = group.queries.len();
+    let rows = nq * g; // every (query, q head of this KV head)
+    let in_f32: Option<(&[f32], &[f32])> = (E::DTYPE == crate::dtype::DType::F32)
+        .then(|| (bytemuck::cast_slice(k), bytemuck::cast_slice(v)));
+    let widened = if in_f32.is_some() { 0 } else { BLOCK * d };
+    let (mut kbuf, mut vbuf) = (vec![0.0f32; widened], vec![0.0f32; widened]);
+    let mut s = vec![0.0f32; rows * BLOCK];
+    let mut acc = vec![0.0f32; rows * d];
+    let mut m = vec![f32::NEG_INFINITY; rows];
+    let mut l = vec![0.0f32; rows];
+    let row_start = |addr: u32| (addr as usize * hk + kv_head) * d;
+    for block in tokens.chunks(BLOCK) {
+        let n = block.len();
+        if in_f32.is_none() {
             for (i, &(addr, _)) in block.iter().enumerate() {
-                let src = (addr as usize * hk + kvh) * d;
+                let src = row_start(addr);
                 for c in 0..d {
                     kbuf[i * d + c] = k[src + c].to_f32();
                     vbuf[i * d + c] = v[src + c].to_f32();
                 }
             }
-            for j in 0..nq {
-                let qrow = group.queries[j] as usize;
-                for gi in 0..g {
-                    let row = j * g + gi;
-                    let head = kvh * g + gi;
-                    let qv = &q[(qrow * h + head) * d..][..d];
-                    let srow = &mut s[row * BLOCK..row * BLOCK + n];
-                    let mut block_max = f32::NEG_INFINITY;
-                    for (i, &(_, ti)) in block.iter().enumerate() {
-                        srow[i] = if group.visible(ti, j) {
-                            let kr = &kbuf[i * d..(i + 1) * d];
-                            dot(qv, kr) * scale
-                        } else {
-                            f32::NEG_INFINITY
-                        };
-                        block_max = block_max.max(srow[i]);
-                    }
-                    if block_max == f32::NEG_INFINITY {
-                        continue; // every token of the block is masked for this row
-                    }
-                    let new_m = m[row].max(block_max);
-                    let correction = (m[row] - new_m).exp();
-                    let a = &mut acc[row * d..(row + 1) * d];
-                    if correction != 1.0 {
-                        a.iter_mut().for_each(|x| *x *= correction);
-                    }
-                    let mut sum = l[row] * correction;
-                    for (i, &sc) in srow.iter().enumerate() {
-                        let p = (sc - new_m).exp();
-                        if p == 0.0 {
-                            continue;
-                        }
-                        sum += p;
-                        for (x, &vv) in a.iter_mut().zip(&vbuf[i * d..(i + 1) * d]) {
-                            *x += p * vv;
-                        }
-                    }
-                    l[row] = sum;
-                    m[row] = new_m;
-                }
-            }
         }
+        // Token `i` of the block's key and value rows.
+        let kv_row = |i: usize| -> (&[f32], &[f32]) {
+            match in_f32 {
+                Some((k, v)) => {
+                    let src = row_start(block[i].0);
+                    (&k[src..src + d], &v[src..src + d])
+                }
+                None => (&kbuf[i * d..(i + 1) * d], &vbuf[i * d..(i + 1) * d]),
+            }
+        };
         for j in 0..nq {
+            let qrow = group.queries[j] as usize;
             for gi in 0..g {
                 let row = j * g + gi;
-                let head = kvh * g + gi;
-                let dst = (j * h + head) * d;
-                if l[row] == 0.0 {
-                    out_o[dst..dst + d].fill(0.0);
-                    out_lse[j * h + head] = EMPTY_LSE;
-                } else {
-                    let inv = 1.0 / l[row];
-                    for (o, &a) in out_o[dst..dst + d]
-                        .iter_mut()
-                        .zip(&acc[row * d..(row + 1) * d])
-                    {
-                        *o = a * inv;
-                    }
-                    out_lse[j * h + head] = m[row] + l[row].ln();
+                let head = kv_head * g + gi;
+                let qv = &q[(qrow * h + head) * d..][..d];
+                let srow = &mut s[row * BLOCK..row * BLOCK + n];
+                let mut block_max = f32::NEG_INFINITY;
+                for (i, &(_, ti)) in block.iter().enumerate() {
+                    srow[i] = if group.visible(ti, j) {
+                        dot(qv, kv_row(i).0) * scale
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                    block_max = block_max.max(srow[i]);
                 }
+                if block_max == f32::NEG_INFINITY {
+                    continue; // every token of the block is masked for this row
+                }
+                let new_m = m[row].max(block_max);
+                let correction = (m[row] - new_m).exp();
+                let a = &mut acc[row * d..(row + 1) * d];
+                if correction != 1.0 {
+                    a.iter_mut().for_each(|x| *x *= correction);
+                }
+                let mut sum = l[row] * correction;
+                for (i, &sc) in srow.iter().enumerate() {
+                    let p = (sc - new_m).exp();
+                    if p == 0.0 {
+                        continue;
+                    }
+                    sum += p;
+                    for (x, &vv) in a.iter_mut().zip(kv_row(i).1) {
+                        *x += p * vv;
+                    }
+                }
+                l[row] = sum;
+                m[row] = new_m;
             }
         }
     }
+    let mut lse = vec![EMPTY_LSE; rows];
+    for row in 0..rows {
+        let a = &mut acc[row * d..(row + 1) * d];
+        if l[row] == 0.0 {
+            a.fill(0.0);
+        } else {
+            let inv = 1.0 / l[row];
+            a.iter_mut().for_each(|x| *x *= inv);
+            lse[row] = m[row] + l[row].ln();
+        }
+    }
+    HeadPartial { o: acc, lse }
 }
 
 #[cfg(test)]
@@ -324,6 +388,79 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
             assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "length {len}");
         }
+    }
+
+    /// A group longer than a piece is cut, its pieces run apart and merged: every row still
+    /// equals the f64 softmax over the tokens it sees, for f32 K and V (read where they lie)
+    /// and bf16 (widened). One query sees nothing of the last piece, another nothing at all.
+    #[test]
+    fn a_group_cut_into_pieces_equals_the_f64_softmax() {
+        let shape = AttnShape::new(6, 2, 64).unwrap();
+        let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        let kv = vec![0..700u32, 900..1500];
+        let tokens: Vec<u32> = kv.iter().flat_map(|r| r.clone()).collect();
+        assert!(tokens.len() > 2 * PIECE && !tokens.len().is_multiple_of(PIECE));
+        // Query 0 sees every token, query 1 the first 1,000, query 2 none.
+        let sees = |t: usize, j: usize| j == 0 || (j == 1 && t < 1000);
+        let mask = (0..tokens.len())
+            .map(|t| (0..3).filter(|&j| sees(t, j)).map(|j| 1u64 << j).sum())
+            .collect();
+        let group = Group {
+            kv,
+            queries: vec![2, 0, 1],
+            mask: Some(mask),
+        };
+        let mut seed = 0x2545_f491_u64;
+        let mut draw = || {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        };
+        let elems = 1500 * hk * d;
+        let k: Vec<f32> = (0..elems).map(|_| draw()).collect();
+        let v: Vec<f32> = (0..elems).map(|_| draw()).collect();
+        let q: Vec<f32> = (0..3 * h * d).map(|_| draw()).collect();
+        let (k16, v16): (Vec<half::bf16>, Vec<half::bf16>) = (
+            k.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+            v.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+        );
+        let check = |o: &[f32], lse: &[f32], k: &dyn Fn(usize) -> f64, v: &dyn Fn(usize) -> f64| {
+            for j in 0..3 {
+                for head in 0..h {
+                    let qv = &q[(group.queries[j] as usize * h + head) * d..][..d];
+                    let row = |t: u32| (t as usize * hk + head / shape.group_size()) * d;
+                    let scores: Vec<(u32, f64)> = (tokens.iter().enumerate())
+                        .filter(|&(ti, _)| sees(ti, j))
+                        .map(|(_, &t)| {
+                            let s: f64 = (0..d).map(|c| qv[c] as f64 * k(row(t) + c)).sum();
+                            (t, s * shape.softmax_scale() as f64)
+                        })
+                        .collect();
+                    let (o, lse) = (&o[(j * h + head) * d..][..d], lse[j * h + head]);
+                    if scores.is_empty() {
+                        assert!(lse == EMPTY_LSE && o.iter().all(|&x| x == 0.0));
+                        continue;
+                    }
+                    let m = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+                    let total: f64 = scores.iter().map(|s| (s.1 - m).exp()).sum();
+                    assert!(
+                        (lse as f64 - (m + total.ln())).abs() < 1e-4,
+                        "lse {j} {head}"
+                    );
+                    for (c, &got) in o.iter().enumerate() {
+                        let want: f64 = (scores.iter())
+                            .map(|&(t, s)| (s - m).exp() / total * v(row(t) + c))
+                            .sum();
+                        assert!((got as f64 - want).abs() < 1e-5, "o {j} {head} {c}");
+                    }
+                }
+            }
+        };
+        let (mut o, mut lse) = (vec![f32::NAN; 3 * h * d], vec![f32::NAN; 3 * h]);
+        group_partial(&shape, &group, &q, &k, &v, &mut o, &mut lse);
+        check(&o, &lse, &|i| k[i] as f64, &|i| v[i] as f64);
+        let (mut o, mut lse) = (vec![f32::NAN; 3 * h * d], vec![f32::NAN; 3 * h]);
+        group_partial(&shape, &group, &q, &k16, &v16, &mut o, &mut lse);
+        check(&o, &lse, &|i| k16[i].to_f64(), &|i| v16[i].to_f64());
     }
 
     #[test]

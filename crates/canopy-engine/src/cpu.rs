@@ -1,5 +1,6 @@
 //! The CPU backend: executes any plan with the blocked f32 flash-decoding kernel of
-//! `canopy_core::math`, groups in parallel on rayon. It is the oracle every GPU test compares
+//! `canopy_core::math`, groups in parallel on rayon (and within a group its KV heads and
+//! pieces of a long context). It is the oracle every GPU test compares
 //! against (beside the f64 reference) and the backend of CPU-only machines and CI.
 
 use crate::backend::Backend;
