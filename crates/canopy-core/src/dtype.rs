@@ -65,6 +65,10 @@ pub trait KvElement: bytemuck::Pod + Send + Sync + 'static {
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
+    /// The elements as f32 where they are f32 already, so a reader need not widen a copy.
+    fn as_f32(_elements: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl KvElement for f32 {
@@ -74,6 +78,9 @@ impl KvElement for f32 {
     }
     fn from_f32(x: f32) -> Self {
         x
+    }
+    fn as_f32(elements: &[f32]) -> Option<&[f32]> {
+        Some(elements)
     }
 }
 

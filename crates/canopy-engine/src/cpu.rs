@@ -4,9 +4,9 @@
 //! against (beside the f64 reference) and the backend of CPU-only machines and CI.
 
 use crate::backend::Backend;
+use crate::cpu_decode::group_partial;
 use crate::{EngineError, Result};
 use canopy_comm::Collective;
-use canopy_core::math::group_partial;
 use canopy_core::{AttnShape, AttnStates, DType, KvElement, Plan, Tail, TypedVec};
 use rayon::prelude::*;
 

@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 mod causal;
 mod few_rows;
+pub(crate) mod flash;
 
 pub use causal::causal_attention;
 

@@ -25,6 +25,7 @@ pub mod backend;
 pub mod conformance;
 pub mod cost;
 pub mod cpu;
+mod cpu_decode;
 pub mod cpu_layers;
 mod cpu_merge;
 mod error;

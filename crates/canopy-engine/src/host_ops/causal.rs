@@ -4,7 +4,8 @@
 //! product added into the rows' outputs. A block of keys that no row of the block sees is
 //! skipped, so a causal prompt computes about half its square.
 
-use canopy_core::{merge_state, AttnShape, EMPTY_LSE};
+use super::flash::{self, OnlineSoftmax, Products, Rows};
+use canopy_core::{merge_state, AttnShape};
 use rayon::prelude::*;
 
 /// Query rows of one head a task takes.
@@ -100,11 +101,13 @@ impl Task<'_> {
         let n = self.rows.len();
         let lowest = self.seen.iter().map(|s| s.0).min().unwrap_or(0);
         let highest = self.seen.iter().map(|s| s.1).max().unwrap_or(0);
-        let mut max = vec![f32::NEG_INFINITY; n];
-        let mut sum = vec![0.0f32; n];
-        let mut out = vec![0.0f32; n * d];
+        let mut state = OnlineSoftmax::new(n, d);
         let mut scores = vec![0.0f32; n * KEY_BLOCK];
-        let kv_stride = (kv_heads * d) as isize;
+        let q = Rows::at(
+            self.q,
+            (self.rows.start * q_heads + self.head) * d,
+            q_heads * d,
+        );
         for (block, &(low, high)) in key_spans.iter().enumerate() {
             if low > highest || high < lowest {
                 continue;
@@ -112,108 +115,41 @@ impl Task<'_> {
             let first = block * KEY_BLOCK;
             let keys = KEY_BLOCK.min(self.k_pos.len() - first);
             let kv_at = (first * kv_heads + kv_head) * d;
-            // scores = scale · q · kᵀ, rows × keys.
-            // SAFETY: q's rows (stride q_heads·d), the keys' and values' rows (stride
-            // kv_heads·d) and `scores` (rows × keys) lie inside their slices.
-            unsafe {
-                gemm::gemm(
-                    n,
-                    keys,
-                    d,
-                    scores.as_mut_ptr(),
-                    1,
-                    keys as isize,
-                    false,
-                    self.q[(self.rows.start * q_heads + self.head) * d..].as_ptr(),
-                    1,
-                    (q_heads * d) as isize,
-                    self.k[kv_at..].as_ptr(),
-                    kv_stride,
-                    1,
-                    0.0,
-                    self.shape.softmax_scale(),
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            for r in 0..n {
-                let (from, to) = self.seen[r];
-                let row = &mut scores[r * keys..(r + 1) * keys];
-                let positions = &self.k_pos[first..first + keys];
-                let mut block_max = f32::NEG_INFINITY;
-                for (s, &p) in row.iter_mut().zip(positions) {
-                    if (from..=to).contains(&p) {
-                        block_max = block_max.max(*s);
-                    } else {
+            let scores = &mut scores[..n * keys];
+            let shape = (n, keys, d);
+            let scale = self.shape.softmax_scale();
+            flash::scores(
+                q,
+                Rows::at(self.k, kv_at, kv_heads * d),
+                shape,
+                scale,
+                Products::Gemm,
+                scores,
+            );
+            let positions = &self.k_pos[first..first + keys];
+            for (row, &(from, to)) in scores.chunks_mut(keys).zip(&self.seen) {
+                for (s, p) in row.iter_mut().zip(positions) {
+                    if !(from..=to).contains(p) {
                         *s = f32::NEG_INFINITY;
                     }
                 }
-                let new_max = max[r].max(block_max);
-                if new_max == f32::NEG_INFINITY {
-                    row.fill(0.0);
-                    continue;
-                }
-                let rescale = (max[r] - new_max).exp();
-                max[r] = new_max;
-                let mut block_sum = 0.0f32;
-                for s in row.iter_mut() {
-                    *s = (*s - new_max).exp();
-                    block_sum += *s;
-                }
-                sum[r] = sum[r] * rescale + block_sum;
-                out[r * d..(r + 1) * d]
-                    .iter_mut()
-                    .for_each(|o| *o *= rescale);
             }
-            // out += weights · v, rows × d.
-            // SAFETY: as above; `out` is rows × d.
-            unsafe {
-                gemm::gemm(
-                    n,
-                    d,
-                    keys,
-                    out.as_mut_ptr(),
-                    1,
-                    d as isize,
-                    true,
-                    scores.as_ptr(),
-                    1,
-                    keys as isize,
-                    self.v[kv_at..].as_ptr(),
-                    1,
-                    kv_stride,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
+            state.absorb(
+                scores,
+                keys,
+                Rows::at(self.v, kv_at, kv_heads * d),
+                Products::Gemm,
+            );
         }
-        let lse = (0..n)
-            .map(|r| {
-                if sum[r] > 0.0 {
-                    max[r] + sum[r].ln()
-                } else {
-                    EMPTY_LSE
-                }
-            })
-            .collect();
-        for (row, &s) in out.chunks_mut(d).zip(&sum) {
-            if s > 0.0 {
-                row.iter_mut().for_each(|o| *o /= s);
-            }
-        }
-        HeadBlock { o: out, lse }
+        let (o, lse) = state.finish();
+        HeadBlock { o, lse }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use canopy_core::EMPTY_LSE;
 
     /// Rows across several row blocks over keys across several key blocks, GQA 3, each row's
     /// window cut from below (`q_from`) or not, and rows that see no key: every state equals

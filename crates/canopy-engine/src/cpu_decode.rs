@@ -1,0 +1,239 @@
+//! Stage 1 of flash decoding on the CPU: each group of a plan into its partial rows, as the
+//! GPU's `decode_partial` writes them (normalised `o`, natural-log `lse`).
+//!
+//! A group is cut into tasks that run on every core: each KV head, and each piece of at most
+//! [`PIECE`] of the group's tokens, is a task of its own, and a head's pieces are merged in
+//! token order. A task takes its tokens in blocks of [`BLOCK`] keys through the online
+//! softmax of [`flash`]: all of the head's query rows (queries × GQA heads) score the block at
+//! once, so each key and value is read once per block, not once per row. From [`GEMM_ROWS`]
+//! rows (queries that share a prefix) a block's two products run on `gemm`.
+
+use crate::host_ops::flash::{self, OnlineSoftmax, Products, Rows};
+use canopy_core::{merge_state, AttnShape, Group, KvElement};
+use rayon::prelude::*;
+
+/// Keys a block of the online softmax takes.
+const BLOCK: usize = 64;
+
+/// Tokens of a group's KV that one task covers at most. A long group (one sequence's whole
+/// context) is cut into pieces that run on every core, where it would otherwise take one core
+/// for each KV head. The cut depends on the group alone, never on the threads, so a group's
+/// result does not depend on the machine.
+const PIECE: usize = 8 * BLOCK;
+
+/// Query rows of a KV head from which a block's products run on `gemm`; fewer take dot
+/// products and row additions, which cost less than a `gemm` call at that size.
+const GEMM_ROWS: usize = 16;
+
+/// Writes `group`'s partial rows: `group.queries.len()` rows from row 0 of `out_o` and
+/// `out_lse`, each `q_heads` wide. `q` is every query's rows (`queries × q_heads × head_dim`),
+/// `k` and `v` the pool (`tokens × kv_heads × head_dim`), addressed by the group's ranges.
+pub fn group_partial<E: KvElement>(
+    shape: &AttnShape,
+    group: &Group,
+    q: &[f32],
+    k: &[E],
+    v: &[E],
+    out_o: &mut [f32],
+    out_lse: &mut [f32],
+) {
+    let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let g = shape.group_size();
+    let nq = group.queries.len();
+    // Token positions within the group, as (address, group-token index).
+    let tokens: Vec<(u32, usize)> = group
+        .kv
+        .iter()
+        .flat_map(|r| r.clone())
+        .enumerate()
+        .map(|(i, a)| (a, i))
+        .collect();
+    let pieces = tokens.len().div_ceil(PIECE).max(1);
+    let mut partials: Vec<(Vec<f32>, Vec<f32>)> = (0..hk * pieces)
+        .into_par_iter()
+        .map(|task| {
+            let (kv_head, piece) = (task / pieces, task % pieces);
+            let begin = (piece * PIECE).min(tokens.len());
+            let end = (begin + PIECE).min(tokens.len());
+            head_partial(shape, group, kv_head, &tokens[begin..end], q, k, v)
+        })
+        .collect();
+    for (kv_head, head) in partials.chunks_mut(pieces).enumerate() {
+        let ((o, lse), rest) = head.split_first_mut().expect("one piece at least");
+        for (later_o, later_lse) in rest.iter() {
+            for row in 0..nq * g {
+                let at = row * d..(row + 1) * d;
+                merge_state(
+                    &mut o[at.clone()],
+                    &mut lse[row],
+                    &later_o[at],
+                    later_lse[row],
+                );
+            }
+        }
+        for j in 0..nq {
+            for gi in 0..g {
+                let (row, head) = (j * g + gi, kv_head * g + gi);
+                out_o[(j * h + head) * d..][..d].copy_from_slice(&o[row * d..][..d]);
+                out_lse[j * h + head] = lse[row];
+            }
+        }
+    }
+}
+
+/// One KV head's normalised partial over `tokens` (address, group-token index) of `group`:
+/// `o` (`rows × head_dim`) and `lse` (`rows`), row `j · g + gi` being query `j`'s GQA head
+/// `gi` of the KV head.
+fn head_partial<E: KvElement>(
+    shape: &AttnShape,
+    group: &Group,
+    kv_head: usize,
+    tokens: &[(u32, usize)],
+    q: &[f32],
+    k: &[E],
+    v: &[E],
+) -> (Vec<f32>, Vec<f32>) {
+    let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+    let g = shape.group_size();
+    let nq = group.queries.len();
+    let rows = nq * g;
+    let by = if rows >= GEMM_ROWS {
+        Products::Gemm
+    } else {
+        Products::Loops
+    };
+    // The head's query rows, contiguous: a query's GQA heads of one KV head are adjacent.
+    let mut q_rows = vec![0.0f32; rows * d];
+    for (j, &query) in group.queries.iter().enumerate() {
+        let src = (query as usize * h + kv_head * g) * d;
+        q_rows[j * g * d..(j + 1) * g * d].copy_from_slice(&q[src..src + g * d]);
+    }
+    let q_rows = Rows::at(&q_rows, 0, d);
+    let row_start = |addr: u32| (addr as usize * hk + kv_head) * d;
+    let in_place = E::as_f32(k).zip(E::as_f32(v));
+    let (mut k_block, mut v_block) = (vec![0.0f32; BLOCK * d], vec![0.0f32; BLOCK * d]);
+    let mut scores = vec![0.0f32; rows * BLOCK];
+    let mut state = OnlineSoftmax::new(rows, d);
+    for block in tokens.chunks(BLOCK) {
+        let n = block.len();
+        let consecutive = block.windows(2).all(|w| w[1].0 == w[0].0 + 1);
+        // f32 keys and values at consecutive addresses are read where they lie; others are
+        // gathered (and widened) into the block's buffers.
+        let (k_rows, v_rows) = match in_place {
+            Some((k, v)) if consecutive => {
+                let first = row_start(block[0].0);
+                (Rows::at(k, first, hk * d), Rows::at(v, first, hk * d))
+            }
+            _ => {
+                for (i, &(addr, _)) in block.iter().enumerate() {
+                    let src = row_start(addr);
+                    for c in 0..d {
+                        k_block[i * d + c] = k[src + c].to_f32();
+                        v_block[i * d + c] = v[src + c].to_f32();
+                    }
+                }
+                (Rows::at(&k_block, 0, d), Rows::at(&v_block, 0, d))
+            }
+        };
+        let scores = &mut scores[..rows * n];
+        let scale = shape.softmax_scale();
+        flash::scores(q_rows, k_rows, (rows, n, d), scale, by, scores);
+        if group.mask.is_some() {
+            for (row, row_scores) in scores.chunks_mut(n).enumerate() {
+                for (s, &(_, token)) in row_scores.iter_mut().zip(block) {
+                    if !group.visible(token, row / g) {
+                        *s = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        state.absorb(scores, n, v_rows, by);
+    }
+    state.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use canopy_core::{DType, TypedVec, EMPTY_LSE};
+
+    /// Groups longer than a piece are cut, their pieces run apart and merged: every row
+    /// equals the f64 softmax over the tokens it sees, for f32 K and V (read where they lie)
+    /// and bf16 (widened), on consecutive addresses and across ranges, with few rows (dot
+    /// products) and many (`gemm`). A query sees nothing of the last piece, another nothing.
+    #[test]
+    fn groups_cut_into_pieces_equal_the_f64_softmax() {
+        let shape = AttnShape::new(6, 2, 64).unwrap();
+        let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
+        let kv = vec![0..700u32, 901..1500];
+        let tokens: Vec<u32> = kv.iter().flat_map(|r| r.clone()).collect();
+        assert!(tokens.len() > 2 * PIECE && !tokens.len().is_multiple_of(PIECE));
+        // Query j sees every token, the first 1,000 or none, by j % 3.
+        let sees = |t: usize, j: usize| j.is_multiple_of(3) || (j % 3 == 1 && t < 1000);
+        let mut seed = 0x2545_f491_u64;
+        let mut draw = || {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        };
+        let elems = 1500 * hk * d;
+        let k: Vec<f32> = (0..elems).map(|_| draw()).collect();
+        let v: Vec<f32> = (0..elems).map(|_| draw()).collect();
+        let widened = |x: &[f32]| match TypedVec::from_f32(DType::Bf16, x) {
+            TypedVec::Bf16(values) => values,
+            _ => unreachable!("bf16 was asked for"),
+        };
+        let (k16, v16) = (widened(&k), widened(&v));
+        for nq in [3, 8] {
+            let rows = nq * shape.group_size();
+            assert_eq!(rows >= GEMM_ROWS, nq == 8, "both paths are taken");
+            let q: Vec<f32> = (0..nq * h * d).map(|_| draw()).collect();
+            let mask = (0..tokens.len())
+                .map(|t| (0..nq).filter(|&j| sees(t, j)).map(|j| 1u64 << j).sum())
+                .collect();
+            let group = Group {
+                kv: kv.clone(),
+                queries: (0..nq as u32).rev().collect(),
+                mask: Some(mask),
+            };
+            let check = |o: &[f32], lse: &[f32], kv_f64: &dyn Fn(bool, usize) -> f64| {
+                for j in 0..nq {
+                    for head in 0..h {
+                        let qv = &q[(group.queries[j] as usize * h + head) * d..][..d];
+                        let row = |t: u32| (t as usize * hk + head / shape.group_size()) * d;
+                        let scores: Vec<(u32, f64)> = (tokens.iter().enumerate())
+                            .filter(|&(ti, _)| sees(ti, j))
+                            .map(|(_, &t)| {
+                                let dot: f64 = (0..d)
+                                    .map(|c| qv[c] as f64 * kv_f64(true, row(t) + c))
+                                    .sum();
+                                (t, dot * shape.softmax_scale() as f64)
+                            })
+                            .collect();
+                        let (o, lse) = (&o[(j * h + head) * d..][..d], lse[j * h + head]);
+                        if scores.is_empty() {
+                            assert!(lse == EMPTY_LSE && o.iter().all(|&x| x == 0.0));
+                            continue;
+                        }
+                        let m = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+                        let total: f64 = scores.iter().map(|s| (s.1 - m).exp()).sum();
+                        let lse_error = (lse as f64 - (m + total.ln())).abs();
+                        assert!(lse_error < 1e-4, "{nq} queries: lse {j} {head}");
+                        for (c, &got) in o.iter().enumerate() {
+                            let want: f64 = (scores.iter())
+                                .map(|&(t, s)| (s - m).exp() / total * kv_f64(false, row(t) + c))
+                                .sum();
+                            assert!((got as f64 - want).abs() < 1e-5, "{nq}: o {j} {head} {c}");
+                        }
+                    }
+                }
+            };
+            let (mut o, mut lse) = (vec![f32::NAN; nq * h * d], vec![f32::NAN; nq * h]);
+            group_partial(&shape, &group, &q, &k, &v, &mut o, &mut lse);
+            check(&o, &lse, &|key, i| if key { k[i] } else { v[i] } as f64);
+            let (mut o, mut lse) = (vec![f32::NAN; nq * h * d], vec![f32::NAN; nq * h]);
+            group_partial(&shape, &group, &q, &k16, &v16, &mut o, &mut lse);
+            let from_bf16 = |key: bool, i: usize| if key { k16[i] } else { v16[i] }.to_f32();
+            check(&o, &lse, &|key, i| from_bf16(key, i) as f64);
+        }
+    }
+}
