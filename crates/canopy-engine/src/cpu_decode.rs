@@ -109,6 +109,7 @@ fn head_partial<E: KvElement>(
         q_rows[j * g * d..(j + 1) * g * d].copy_from_slice(&q[src..src + g * d]);
     }
     let q_rows = Rows::at(&q_rows, 0, d);
+    let scale = shape.softmax_scale();
     let row_start = |addr: u32| (addr as usize * hk + kv_head) * d;
     let in_place = E::as_f32(k).zip(E::as_f32(v));
     let (mut k_block, mut v_block) = (vec![0.0f32; BLOCK * d], vec![0.0f32; BLOCK * d]);
@@ -136,7 +137,6 @@ fn head_partial<E: KvElement>(
             }
         };
         let scores = &mut scores[..rows * n];
-        let scale = shape.softmax_scale();
         flash::scores(q_rows, k_rows, (rows, n, d), scale, by, scores);
         if group.mask.is_some() {
             for (row, row_scores) in scores.chunks_mut(n).enumerate() {
