@@ -1,7 +1,7 @@
 //! The CPU backend: executes any plan with the blocked f32 flash-decoding kernel of
-//! `canopy_core::math`, groups in parallel on rayon (and within a group its KV heads and
-//! pieces of a long context). It is the oracle every GPU test compares
-//! against (beside the f64 reference) and the backend of CPU-only machines and CI.
+//! `cpu_decode`, on rayon (a group's KV heads and the pieces of a long context each a
+//! task of their own). It is the oracle every GPU test compares against (beside the f64
+//! reference) and the backend of CPU-only machines and CI.
 
 use crate::backend::Backend;
 use crate::cpu_decode::group_partial;
