@@ -8,6 +8,7 @@
 //! [`KvTree`] with [`shard_tree`] and merges per-rank partial states with [`merge_state`]'s
 //! conventions (fp32 `o` normalised, natural-log `lse`, empty partial `o = 0, lse = -inf`).
 
+pub mod coded;
 pub mod data;
 pub mod device_model;
 pub mod dtype;
@@ -24,6 +25,7 @@ pub mod stats;
 pub mod tree;
 pub mod workload;
 
+pub use coded::{coded_value, CodedMatrix, CodedSliceMut};
 pub use data::{HashedKv, KvSource, PagedKv, ProblemData, SliceKv};
 pub use device_model::{DeviceModel, PlanCost, Sample};
 pub use dtype::{DType, KvElement, TypedSliceMut, TypedVec};

@@ -19,7 +19,11 @@
 //! multiply; [`decode_k_block`] documents each layout. Every type converts straight into the
 //! requested [`DType`], one block at a time, so no full-size f32 copy of a tensor is ever held.
 
-use canopy_core::{DType, TypedSliceMut, TypedVec};
+mod codes;
+
+use canopy_core::{coded_value, CodedSliceMut, DType, TypedSliceMut, TypedVec};
+pub use codes::code_group;
+use codes::BlockBuffer;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -233,211 +237,72 @@ fn decode_unit(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
                 *x = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        _ if out.len() == QK_K => decode_k_block(ggml_type, raw, out),
-        _ => decode_block(ggml_type, raw, out),
-    }
-}
-
-/// One block of a 32-element type (the table at the top of the module) into `out`.
-fn decode_block(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
-    let d = f16_at(raw);
-    match ggml_type {
-        GgmlType::Q8_0 => {
-            for (x, &q) in out.iter_mut().zip(&raw[2..]) {
-                *x = f32::from(q as i8) * d;
+        _ => {
+            let group = code_group(ggml_type).expect("decode_unit is given a readable type");
+            let mut block = BlockBuffer::new();
+            let (codes, steps, offsets) = block.decode(ggml_type, raw, (out.len(), group));
+            for ((out, codes), (&step, &offset)) in out
+                .chunks_exact_mut(group)
+                .zip(codes.chunks_exact(group))
+                .zip(steps.iter().zip(offsets))
+            {
+                for (x, &code) in out.iter_mut().zip(codes) {
+                    *x = coded_value(code, step, offset);
+                }
             }
         }
-        GgmlType::Q4_0 => unpack_nibbles(&raw[2..], out, |q, _| (f32::from(q) - 8.0) * d),
-        GgmlType::Q4_1 => {
-            let m = f16_at(&raw[2..]);
-            unpack_nibbles(&raw[4..], out, |q, _| f32::from(q) * d + m);
-        }
-        GgmlType::Q5_0 => {
-            let high = u32::from_le_bytes([raw[2], raw[3], raw[4], raw[5]]);
-            unpack_nibbles(&raw[6..], out, |q, i| {
-                (f32::from(q | fifth_bit(high, i)) - 16.0) * d
-            });
-        }
-        GgmlType::Q5_1 => {
-            let m = f16_at(&raw[2..]);
-            let high = u32::from_le_bytes([raw[4], raw[5], raw[6], raw[7]]);
-            unpack_nibbles(&raw[8..], out, |q, i| {
-                f32::from(q | fifth_bit(high, i)) * d + m
-            });
-        }
-        GgmlType::IQ4_NL => {
-            unpack_nibbles(&raw[2..], out, |q, _| f32::from(IQ4_VALUES[q as usize]) * d)
-        }
-        _ => unreachable!("decode_block is called for the 32-element types only"),
     }
 }
 
-/// The 16 values a 4-bit index of IQ4_NL and IQ4_XS stands for (ggml's `kvalues_iq4nl`): a
-/// non-uniform grid, denser near zero, that a block's scale multiplies.
-const IQ4_VALUES: [i8; 16] = [
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-];
-
-/// Bit `i` of a Q5 block's fifth bits, as the value 16 or 0.
-fn fifth_bit(high: u32, i: usize) -> u8 {
-    (((high >> i) & 1) << 4) as u8
-}
-
-/// Elements 0..16 are the low nibbles of the 16 bytes, elements 16..32 the high nibbles;
-/// `value` gets each nibble and its element's index.
-fn unpack_nibbles(packed: &[u8], block: &mut [f32], value: impl Fn(u8, usize) -> f32) {
-    let (low, high) = block.split_at_mut(16);
-    for (j, ((lo, hi), &byte)) in low.iter_mut().zip(high.iter_mut()).zip(packed).enumerate() {
-        *lo = value(byte & 0x0f, j);
-        *hi = value(byte >> 4, j + 16);
+/// Elements `first..first + out.len()` of `bytes` (whole blocks of quantized `ggml_type`) as
+/// codes in groups of `out.group` ([`canopy_core::coded`]), whose values are the f32 ones
+/// [`dequantize_part`] gives, bit for bit. `None` for an unquantized type, or where
+/// `out.group` does not divide the type's [`code_group`] or the part's ends. Runs of whole
+/// blocks go to parallel tasks.
+pub fn codes_part(
+    ggml_type: GgmlType,
+    bytes: &[u8],
+    first: usize,
+    out: CodedSliceMut,
+) -> Option<()> {
+    let native = code_group(ggml_type)?;
+    let (block_elems, block_bytes) = ggml_type.block_layout()?;
+    let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
+    let group = out.group;
+    if !native.is_multiple_of(group)
+        || !first.is_multiple_of(group)
+        || !out.len().is_multiple_of(group)
+    {
+        return None;
     }
-}
-
-/// One block of [`QK_K`] elements (a K-quant or IQ4_XS) into `out`, in the order of ggml's
-/// `dequantize_row_q*_K`. The f16 fields `d` and `dmin` scale a sub-block's small integer
-/// scale and minimum into its step and offset.
-///
-/// | type | bytes | layout | sub-blocks |
-/// |---|---|---|---|
-/// | Q2_K | 84 | 16 scale bytes (low nibble scale, high nibble minimum), 64 bytes of 2-bit values, `d`, `dmin` | 16 of 16 |
-/// | Q3_K | 110 | 32 bytes of high-bit masks, 64 bytes of 2-bit values, 12 bytes of 16 packed 6-bit scales, `d` | 16 of 16 |
-/// | Q4_K | 144 | `d`, `dmin`, 12 bytes of 8 packed 6-bit scales and 8 minimums, 128 bytes of nibbles | 8 of 32 |
-/// | Q5_K | 176 | as Q4_K, with 32 bytes of fifth bits before the nibbles | 8 of 32 |
-/// | Q6_K | 210 | 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 i8 scales, `d` | 16 of 16 |
-/// | IQ4_XS | 136 | `d`, 2 bytes of scales' high bits, 4 of their low nibbles, 128 bytes of nibbles | 8 of 32 |
-fn decode_k_block(ggml_type: GgmlType, raw: &[u8], out: &mut [f32]) {
-    match ggml_type {
-        GgmlType::Q2_K => decode_q2_k(raw, out),
-        GgmlType::Q3_K => decode_q3_k(raw, out),
-        GgmlType::Q4_K | GgmlType::Q5_K => decode_q45_k(ggml_type == GgmlType::Q5_K, raw, out),
-        GgmlType::Q6_K => decode_q6_k(raw, out),
-        GgmlType::IQ4_XS => decode_iq4_xs(raw, out),
-        _ => unreachable!("decode_k_block is called for the 256-element types only"),
+    // Pieces cut at every TASK_ELEMENTS-th block boundary, each its own task.
+    let task = (TASK_ELEMENTS / block_elems).max(1) * block_elems;
+    let end = first + out.len();
+    let mut pieces = Vec::with_capacity((end - first).div_ceil(task) + 1);
+    let (mut rest, mut at) = (out, first);
+    while at < end {
+        let to = end.min((at / task + 1) * task);
+        let (piece, after) = rest.split_at_mut(to - at);
+        pieces.push((at, piece));
+        (rest, at) = (after, to);
     }
-}
-
-/// Q2_K and Q3_K order their 2-bit values the same way: element `128 h + 32 j + 16 p + l`
-/// (`h < 2`, `j < 4`, `p < 2`, `l < 16`) is bits `2 j` of value byte `32 h + 16 p + l`, in
-/// sub-block `8 h + 2 j + p`. `sub_block(sub-block, 4 h + j)` gives the function of a
-/// sub-block's elements: of the 2-bit value and of its value byte's index modulo 32.
-fn for_each_2bit<F: Fn(u8, usize) -> f32>(
-    values: &[u8],
-    out: &mut [f32],
-    sub_block: impl Fn(usize, usize) -> F,
-) {
-    for (s, sub_out) in out.chunks_exact_mut(16).enumerate() {
-        let (h, j, p) = (s / 8, s / 2 % 4, s % 2);
-        let value = sub_block(8 * h + 2 * j + p, 4 * h + j);
-        for (l, x) in sub_out.iter_mut().enumerate() {
-            let byte = 32 * h + 16 * p + l;
-            *x = value((values[byte] >> (2 * j)) & 3, byte % 32);
-        }
-    }
-}
-
-fn decode_q2_k(raw: &[u8], out: &mut [f32]) {
-    let (scales, values) = (&raw[..16], &raw[16..80]);
-    let (d, dmin) = (f16_at(&raw[80..]), f16_at(&raw[82..]));
-    for_each_2bit(values, out, |sub, _| {
-        let step = d * f32::from(scales[sub] & 0x0f);
-        let offset = dmin * f32::from(scales[sub] >> 4);
-        move |q, _| step * f32::from(q) - offset
-    });
-}
-
-fn decode_q3_k(raw: &[u8], out: &mut [f32]) {
-    let (masks, values, packed) = (&raw[..32], &raw[32..96], &raw[96..108]);
-    let d = f16_at(&raw[108..]);
-    // Scale i: its low four bits are a nibble of byte i % 8 (the low one for i < 8), its high
-    // two are bits 2 (i / 4) of byte 8 + i % 4; stored offset by 32.
-    let scale = |i: usize| {
-        let low = if i < 8 {
-            packed[i] & 0x0f
-        } else {
-            packed[i - 8] >> 4
-        };
-        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
-        f32::from(low | high << 4) - 32.0
-    };
-    for_each_2bit(values, out, |sub, plane| {
-        let step = d * scale(sub);
-        // A clear bit `plane` of the value's mask byte takes 4 off the value.
-        move |q, byte| {
-            let high = (masks[byte] >> plane) & 1;
-            step * (f32::from(q) - if high == 1 { 0.0 } else { 4.0 })
-        }
-    });
-}
-
-/// Q4_K and Q5_K: element `64 c + 32 k + l` (`c < 4`, `k < 2`, `l < 32`) is the low (`k = 0`)
-/// or high nibble of byte `32 c + l`, in sub-block `2 c + k`; for Q5_K, bit `2 c + k` of fifth-bit
-/// byte `l` adds 16.
-fn decode_q45_k(fifth_bits: bool, raw: &[u8], out: &mut [f32]) {
-    let (d, dmin) = (f16_at(raw), f16_at(&raw[2..]));
-    let packed = &raw[4..16];
-    let (high, nibbles) = if fifth_bits {
-        (&raw[16..48], &raw[48..176])
-    } else {
-        (&raw[..0], &raw[16..144])
-    };
-    // Sub-block i's 6-bit scale and minimum: bytes i and i + 4 for i < 4; else a nibble of
-    // byte i + 4 and the top two bits of bytes i - 4 and i.
-    let scale_min = |i: usize| {
-        if i < 4 {
-            (packed[i] & 63, packed[i + 4] & 63)
-        } else {
-            (
-                (packed[i + 4] & 0x0f) | (packed[i - 4] >> 6) << 4,
-                (packed[i + 4] >> 4) | (packed[i] >> 6) << 4,
-            )
-        }
-    };
-    for (sub, sub_out) in out.chunks_exact_mut(32).enumerate() {
-        let (c, k) = (sub / 2, sub % 2);
-        let (scale, min) = scale_min(sub);
-        let (step, offset) = (d * f32::from(scale), dmin * f32::from(min));
-        for (l, x) in sub_out.iter_mut().enumerate() {
-            let mut q = (nibbles[32 * c + l] >> (4 * k)) & 0x0f;
-            if fifth_bits {
-                q |= ((high[l] >> sub) & 1) << 4;
+    pieces.into_par_iter().for_each(|(at, piece)| {
+        let mut block = BlockBuffer::new();
+        let piece_end = at + piece.len();
+        for b in at / block_elems..piece_end.div_ceil(block_elems) {
+            let start = b * block_elems;
+            let raw = &bytes[b * block_bytes..(b + 1) * block_bytes];
+            let (codes, steps, offsets) = block.decode(ggml_type, raw, (block_elems, native));
+            let (lo, hi) = (at.max(start), piece_end.min(start + block_elems));
+            piece.codes[lo - at..hi - at].copy_from_slice(&codes[lo - start..hi - start]);
+            for g in (lo - at) / group..(hi - at) / group {
+                let native_group = (at + g * group - start) / native;
+                piece.steps[g] = steps[native_group];
+                piece.offsets[g] = offsets[native_group];
             }
-            *x = step * f32::from(q) - offset;
         }
-    }
-}
-
-/// IQ4_XS: `d`, two bytes of the sub-blocks' scales' high bits, four of their low nibbles, then
-/// eight sub-blocks of 32 in IQ4_NL's nibble order. Sub-block `b`'s 6-bit scale is nibble
-/// `b % 2` of byte `b / 2` below bits `2 b` of the high bits, stored offset by 32.
-fn decode_iq4_xs(raw: &[u8], out: &mut [f32]) {
-    let d = f16_at(raw);
-    let high = u16::from_le_bytes([raw[2], raw[3]]);
-    let (low, nibbles) = (&raw[4..8], &raw[8..136]);
-    for (b, sub) in out.chunks_exact_mut(32).enumerate() {
-        let scale = ((low[b / 2] >> (4 * (b % 2))) & 0x0f) | (((high >> (2 * b)) & 3) as u8) << 4;
-        let step = d * (f32::from(scale) - 32.0);
-        unpack_nibbles(&nibbles[16 * b..16 * (b + 1)], sub, |q, _| {
-            step * f32::from(IQ4_VALUES[q as usize])
-        });
-    }
-}
-
-/// Q6_K: element `128 h + 32 k + l` (`h < 2`, `k < 4`, `l < 32`) has its low four bits from
-/// nibble `k / 2` of byte `64 h + 32 (k % 2) + l`, its high two from bits `2 k` of byte
-/// `32 h + l` of the pairs, and scale `8 h + 2 k + l / 16`; stored offset by 32.
-fn decode_q6_k(raw: &[u8], out: &mut [f32]) {
-    let (low, pairs, scales) = (&raw[..128], &raw[128..192], &raw[192..208]);
-    let d = f16_at(&raw[208..]);
-    for (s, sub_out) in out.chunks_exact_mut(16).enumerate() {
-        let (h, k, half) = (s / 8, s / 2 % 4, s % 2);
-        let step = d * f32::from(scales[8 * h + 2 * k + half] as i8);
-        for (i, x) in sub_out.iter_mut().enumerate() {
-            let l = 16 * half + i;
-            let nibble = (low[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f;
-            let q = nibble | ((pairs[32 * h + l] >> (2 * k)) & 3) << 4;
-            *x = step * (f32::from(q) - 32.0);
-        }
-    }
+    });
+    Some(())
 }
 
 /// Reads little-endian `N`-byte values into `out`: on a little-endian host a copy, split over
@@ -467,6 +332,7 @@ fn copy_le<T: bytemuck::Pod + Send, const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use canopy_core::CodedMatrix;
 
     fn f16_bytes(x: f32) -> [u8; 2] {
         f16::from_f32(x).to_le_bytes()
@@ -592,6 +458,59 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Every quantized type's codes, read whole or as a part that starts and ends inside
+    /// blocks, in its own groups or in groups of 16, decode to the bits [`dequantize`] gives.
+    #[test]
+    fn codes_decode_to_the_dequantized_bits() {
+        let quantized = [
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::IQ4_NL,
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::IQ4_XS,
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for ggml_type in quantized {
+            let (block_elems, block_bytes) = ggml_type.block_layout().unwrap();
+            let bytes: Vec<u8> = (0..3 * block_bytes)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (state >> 56) as u8
+                })
+                .collect();
+            let len = 3 * block_elems as usize;
+            let want = dequantize(ggml_type, &bytes, DType::F32)
+                .unwrap()
+                .to_f32_vec();
+            let native = code_group(ggml_type).unwrap();
+            for (group, first, end) in [(native, 0, len), (16, 0, len), (16, 48, len - 16)] {
+                let mut coded = CodedMatrix::zeros(1, end - first, group).unwrap();
+                codes_part(ggml_type, &bytes, first, coded.slice_mut()).unwrap();
+                let same = (coded.to_f32().iter())
+                    .zip(&want[first..end])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{} in groups of {group} from {first}",
+                    ggml_type.name()
+                );
+            }
+            // Groups wider than the type's are refused.
+            let mut wide = CodedMatrix::zeros(1, 64, 64).unwrap();
+            assert!(codes_part(ggml_type, &bytes, 0, wide.slice_mut()).is_none());
+        }
+        assert!(code_group(GgmlType::F32).is_none());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::Arc;
 
-use canopy_core::{DType, TypedSliceMut, TypedVec};
+use canopy_core::{CodedSliceMut, DType, TypedSliceMut, TypedVec};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::config::LlamaConfig;
@@ -190,6 +190,25 @@ pub trait WeightSource: Send + Sync {
     /// stacks the weights that share an input into one; a part may start and end anywhere.
     /// Called from any thread.
     fn read_part(&self, id: WeightId, first: usize, out: TypedSliceMut) -> Result<()>;
+    /// The group size in which weight `id` can be read as codes
+    /// ([`WeightSource::read_codes`]) whose values equal, bit for bit, what
+    /// [`WeightSource::read_part`] gives in [`WeightSource::dtype`]: a quantized weight read in
+    /// f32. `None` by default, and for every other weight.
+    fn code_group(&self, id: WeightId) -> Option<usize> {
+        let _ = id;
+        None
+    }
+    /// Writes elements `first..first + out.len()` of weight `id` as codes in groups of
+    /// `out.group`, a divisor of [`WeightSource::code_group`] that the part's ends are
+    /// multiples of. An error for a weight with no code group.
+    fn read_codes(&self, id: WeightId, first: usize, out: CodedSliceMut) -> Result<()> {
+        let _ = (first, out);
+        Err(ModelError::BufferMismatch {
+            tensor: id.name(),
+            needed: "elements in a dtype".into(),
+            given: "codes".into(),
+        })
+    }
     /// A hint that weight `id` is read soon: a file starts coming in from the disk while the
     /// weights before it are read, so a cold read waits on the disk's rate rather than on one
     /// page fault at a time. Does nothing by default.
@@ -400,6 +419,16 @@ impl Weights {
             .sum()
     }
 
+    /// The heads of a weight whose rows llama.cpp permutes within each head (Q and K); 0 for
+    /// the others.
+    fn permuted_heads(&self, id: WeightId) -> usize {
+        match id {
+            WeightId::Layer(_, LayerPart::Q) => self.config.num_attention_heads,
+            WeightId::Layer(_, LayerPart::K) => self.config.num_key_value_heads,
+            _ => 0,
+        }
+    }
+
     /// Weight `id` with its shape as the file stores it (norms are vectors), in HF layout.
     pub fn tensor(&self, id: WeightId) -> Result<HostTensor> {
         let (rows, cols) = id.matrix_shape(&self.config);
@@ -430,6 +459,56 @@ impl WeightSource for Weights {
         }
     }
 
+    fn code_group(&self, id: WeightId) -> Option<usize> {
+        let tied_head = id == WeightId::LmHead && self.config.tie_word_embeddings;
+        if self.dtype != DType::F32 || tied_head {
+            return None;
+        }
+        let (stored, _) = self.source.stored(&(self.layout.name)(id)).ok()?;
+        quant::code_group(stored)
+    }
+
+    fn read_codes(&self, id: WeightId, first: usize, out: CodedSliceMut) -> Result<()> {
+        let name = (self.layout.name)(id);
+        let (stored, bytes) = self.source.stored(&name)?;
+        let (rows, cols) = id.matrix_shape(&self.config);
+        let fits = first
+            .checked_add(out.len())
+            .is_some_and(|end| end <= rows * cols);
+        if self.code_group(id).is_none() || !fits {
+            return Err(ModelError::BufferMismatch {
+                tensor: name,
+                needed: format!(
+                    "at most {} elements of a quantized type, from element {first}",
+                    rows * cols
+                ),
+                given: format!("{} coded elements of {}", out.len(), stored.name()),
+            });
+        }
+        let heads = self.permuted_heads(id);
+        let read = if self.layout.qk_rows_permuted && heads > 0 {
+            let order = stored_row_of_hf_row(rows, heads);
+            let row_bytes = bytes.len() / rows;
+            let (mut rest, mut at) = (out, first);
+            let mut done = Some(());
+            while !rest.is_empty() && done.is_some() {
+                let to = (first + rest.len()).min((at / cols + 1) * cols);
+                let (piece, after) = rest.split_at_mut(to - at);
+                let stored_row = order[at / cols];
+                let row = &bytes[stored_row * row_bytes..(stored_row + 1) * row_bytes];
+                done = quant::codes_part(stored, row, at % cols, piece);
+                (rest, at) = (after, to);
+            }
+            done
+        } else {
+            quant::codes_part(stored, bytes, first, out)
+        };
+        read.ok_or_else(|| ModelError::UnsupportedQuantization {
+            ggml_type: stored.name(),
+            tensor: name,
+        })
+    }
+
     fn read_part(&self, id: WeightId, first: usize, mut out: TypedSliceMut) -> Result<()> {
         let name = (self.layout.name)(id);
         if id == WeightId::LmHead && self.config.tie_word_embeddings {
@@ -445,11 +524,7 @@ impl WeightSource for Weights {
             ggml_type: stored.name(),
             tensor: name.clone(),
         };
-        let heads = match id {
-            WeightId::Layer(_, LayerPart::Q) => self.config.num_attention_heads,
-            WeightId::Layer(_, LayerPart::K) => self.config.num_key_value_heads,
-            _ => 0,
-        };
+        let heads = self.permuted_heads(id);
         match self.source.file_of(&name) {
             _ if self.layout.qk_rows_permuted && heads > 0 => {
                 read_rows_unpermuted(stored, bytes, (rows, cols), heads, first, out)
