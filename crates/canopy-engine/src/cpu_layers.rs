@@ -1,16 +1,21 @@
 //! The CPU backend's [`LayerOps`]: host f32 matrices and the ops of [`crate::host_ops`]
 //! (GEMMs on the `gemm` crate, the rest on rayon). Weights of any dtype are widened to f32 at
-//! upload, so the CPU computes what a GPU computes from the same rounded weights.
+//! upload, so the CPU computes what a GPU computes from the same rounded weights; a quantized
+//! model's weights read in f32 are kept as their codes ([`CpuWeight`]), whose values are the
+//! same.
 
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
-use crate::host_ops::{causal_attention, matmul, rms_norm, rope_in_place, swiglu};
+use crate::cpu_weight::CpuWeight;
+use crate::host_ops::{causal_attention, rms_norm, rope_in_place, swiglu};
 use crate::layer_ops::{
     check_logit_places, check_logprob_terms, check_pick_logits, check_softmax_totals,
     check_top_logits, check_walk_tails, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
 };
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::{top_tokens, TailWalk};
-use canopy_core::{AttnShape, AttnStates, DType, TypedSliceMut, TypedVec};
+use canopy_core::{
+    AttnShape, AttnStates, CodedMatrix, CodedSliceMut, DType, TypedSliceMut, TypedVec,
+};
 
 /// A row-major `rows × cols` f32 matrix on the host: the CPU's activations and weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,18 +45,18 @@ fn err(message: String) -> EngineError {
 fn check_matmul(
     op: &str,
     x: &HostMatrix,
-    w: &HostMatrix,
+    w: &CpuWeight,
     out: &HostMatrix,
     out_cols: usize,
 ) -> Result<()> {
-    expect_size("cpu", op, "the weight's columns", w.cols, x.cols)?;
+    expect_size("cpu", op, "the weight's columns", w.dims().1, x.cols)?;
     expect_size("cpu", op, "the output's rows", out.rows, x.rows)?;
     expect_size("cpu", op, "the output's columns", out.cols, out_cols)
 }
 
 impl LayerOps for CpuBackend {
     type Tensor = HostMatrix;
-    type Weight = HostMatrix;
+    type Weight = CpuWeight;
     /// The CPU records nothing: no graph exists.
     type Graph = std::convert::Infallible;
 
@@ -82,7 +87,7 @@ impl LayerOps for CpuBackend {
         )
     }
 
-    fn upload_weight(&self, data: &TypedVec, rows: usize, cols: usize) -> Result<HostMatrix> {
+    fn upload_weight(&self, data: &TypedVec, rows: usize, cols: usize) -> Result<CpuWeight> {
         expect_size(
             "cpu",
             "upload_weight",
@@ -90,11 +95,11 @@ impl LayerOps for CpuBackend {
             data.len(),
             rows * cols,
         )?;
-        Ok(HostMatrix {
+        Ok(CpuWeight::Dense(HostMatrix {
             rows,
             cols,
             data: data.to_f32_vec(),
-        })
+        }))
     }
 
     /// The whole weight as one part. The CPU computes in f32: a weight read in f32 is kept as
@@ -104,14 +109,25 @@ impl LayerOps for CpuBackend {
         dtype: DType,
         (rows, cols): (usize, usize),
         fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
-    ) -> Result<HostMatrix, E> {
+    ) -> Result<CpuWeight, E> {
         let mut data = TypedVec::zeros(dtype, rows * cols);
         fill(0, data.slice_mut(0..rows * cols))?;
         let data = match data {
             TypedVec::F32(values) => values,
             other => other.to_f32_vec(),
         };
-        Ok(HostMatrix { rows, cols, data })
+        Ok(CpuWeight::Dense(HostMatrix { rows, cols, data }))
+    }
+
+    /// The whole weight as one part, kept as its codes.
+    fn upload_coded_weight<E: From<EngineError>>(
+        &self,
+        (rows, cols): (usize, usize),
+        group: usize,
+        fill: &mut dyn FnMut(usize, CodedSliceMut) -> Result<(), E>,
+    ) -> Option<Result<CpuWeight, E>> {
+        let mut coded = CodedMatrix::zeros(rows, cols, group)?;
+        Some(fill(0, coded.slice_mut()).map(|()| CpuWeight::Coded(coded)))
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<HostMatrix> {
@@ -169,18 +185,17 @@ impl LayerOps for CpuBackend {
         &mut t.data
     }
 
-    fn embed(&self, table: &HostMatrix, ids: &[u32], out: &mut HostMatrix) -> Result<()> {
+    fn embed(&self, table: &CpuWeight, ids: &[u32], out: &mut HostMatrix) -> Result<()> {
+        let (rows, h) = table.dims();
         expect_size("cpu", "embed", "the output's rows", out.rows, ids.len())?;
-        expect_size("cpu", "embed", "the output's columns", out.cols, table.cols)?;
-        let h = table.cols;
+        expect_size("cpu", "embed", "the output's columns", out.cols, h)?;
         for (row, &id) in out.data.chunks_mut(h).zip(ids) {
-            if id as usize >= table.rows {
+            if id as usize >= rows {
                 return Err(err(format!(
-                    "token id {id} is outside the embedding table of {} rows",
-                    table.rows
+                    "token id {id} is outside the embedding table of {rows} rows"
                 )));
             }
-            row.copy_from_slice(&table.data[id as usize * h..(id as usize + 1) * h]);
+            table.copy_row(id as usize, row);
         }
         Ok(())
     }
@@ -188,15 +203,16 @@ impl LayerOps for CpuBackend {
     fn rms_norm(
         &self,
         x: &HostMatrix,
-        weight: &HostMatrix,
+        weight: &CpuWeight,
         eps: f32,
         out: &mut HostMatrix,
     ) -> Result<()> {
+        let weight = weight.values("rms_norm")?;
         expect_size(
             "cpu",
             "rms_norm",
             "the weight's length",
-            weight.data.len(),
+            weight.len(),
             x.cols,
         )?;
         expect_size(
@@ -206,32 +222,32 @@ impl LayerOps for CpuBackend {
             out.data.len(),
             x.data.len(),
         )?;
-        rms_norm(&x.data, &weight.data, eps, &mut out.data);
+        rms_norm(&x.data, weight, eps, &mut out.data);
         Ok(())
     }
 
-    fn matmul(&self, x: &HostMatrix, w: &HostMatrix, out: &mut HostMatrix) -> Result<()> {
-        check_matmul("matmul", x, w, out, w.rows)?;
-        matmul(&x.data, x.rows, &w.data, w.rows, &mut out.data, false);
+    fn matmul(&self, x: &HostMatrix, w: &CpuWeight, out: &mut HostMatrix) -> Result<()> {
+        check_matmul("matmul", x, w, out, w.dims().0)?;
+        w.product(x, &mut out.data, false);
         Ok(())
     }
 
-    fn matmul_add(&self, x: &HostMatrix, w: &HostMatrix, acc: &mut HostMatrix) -> Result<()> {
-        check_matmul("matmul_add", x, w, acc, w.rows)?;
-        matmul(&x.data, x.rows, &w.data, w.rows, &mut acc.data, true);
+    fn matmul_add(&self, x: &HostMatrix, w: &CpuWeight, acc: &mut HostMatrix) -> Result<()> {
+        check_matmul("matmul_add", x, w, acc, w.dims().0)?;
+        w.product(x, &mut acc.data, true);
         Ok(())
     }
 
-    fn matmul_swiglu(&self, x: &HostMatrix, w: &HostMatrix, out: &mut HostMatrix) -> Result<()> {
-        if !w.rows.is_multiple_of(2) {
+    fn matmul_swiglu(&self, x: &HostMatrix, w: &CpuWeight, out: &mut HostMatrix) -> Result<()> {
+        let n = w.dims().0;
+        if !n.is_multiple_of(2) {
             return Err(err(format!(
-                "matmul_swiglu: a fused gate|up weight has an even number of rows, not {}",
-                w.rows
+                "matmul_swiglu: a fused gate|up weight has an even number of rows, not {n}"
             )));
         }
-        check_matmul("matmul_swiglu", x, w, out, w.rows / 2)?;
-        let mut gate_up = vec![0.0; x.rows * w.rows];
-        matmul(&x.data, x.rows, &w.data, w.rows, &mut gate_up, false);
+        check_matmul("matmul_swiglu", x, w, out, n / 2)?;
+        let mut gate_up = vec![0.0; x.rows * n];
+        w.product(x, &mut gate_up, false);
         swiglu(&gate_up, out.cols, &mut out.data);
         Ok(())
     }
@@ -240,7 +256,7 @@ impl LayerOps for CpuBackend {
         &self,
         qkv: &HostMatrix,
         positions: &[u32],
-        inv_freq: &HostMatrix,
+        inv_freq: &CpuWeight,
         q: &mut HostMatrix,
         k: &mut HostMatrix,
         v: &mut HostMatrix,
@@ -270,7 +286,8 @@ impl LayerOps for CpuBackend {
             positions.len(),
             rows,
         )?;
-        let head = 2 * inv_freq.data.len();
+        let inv_freq = inv_freq.values("rope_split")?;
+        let head = 2 * inv_freq.len();
         if head == 0 || !q.cols.is_multiple_of(head) || !k.cols.is_multiple_of(head) {
             return Err(err(format!(
                 "rope_split: rows of {} and {} values are not whole heads of {head}",
@@ -284,8 +301,8 @@ impl LayerOps for CpuBackend {
             k.data[r * k.cols..(r + 1) * k.cols].copy_from_slice(kr);
             v.data[r * v.cols..(r + 1) * v.cols].copy_from_slice(vr);
         }
-        rope_in_place(&mut q.data, positions, &inv_freq.data);
-        rope_in_place(&mut k.data, positions, &inv_freq.data);
+        rope_in_place(&mut q.data, positions, inv_freq);
+        rope_in_place(&mut k.data, positions, inv_freq);
         Ok(())
     }
 
@@ -516,16 +533,21 @@ mod tests {
         HostMatrix { rows, cols, data }
     }
 
+    fn weight(rows: usize, cols: usize, seed: u32) -> CpuWeight {
+        CpuWeight::Dense(matrix(rows, cols, seed))
+    }
+
     #[test]
     fn fused_ops_equal_their_parts() {
         let b = CpuBackend;
         // rope_split: q of two heads of 4, k and v of one head, over two rows.
         let qkv = matrix(2, 16, 5);
-        let inv = HostMatrix {
+        let inv = CpuWeight::Dense(HostMatrix {
             rows: 1,
             cols: 2,
             data: vec![1.0, 0.01],
-        };
+        });
+        let inv_values = [1.0, 0.01];
         let (mut q, mut k, mut v) = (
             b.tensor(2, 8).unwrap(),
             b.tensor(2, 4).unwrap(),
@@ -539,8 +561,8 @@ mod tests {
                 .collect()
         };
         let (mut q_want, mut k_want) = (cols(0, 8), cols(8, 4));
-        rope_in_place(&mut q_want, &[3, 9], &inv.data);
-        rope_in_place(&mut k_want, &[3, 9], &inv.data);
+        rope_in_place(&mut q_want, &[3, 9], &inv_values);
+        rope_in_place(&mut k_want, &[3, 9], &inv_values);
         assert_eq!(q.data, q_want);
         assert_eq!(k.data, k_want);
         assert_eq!(v.data, cols(12, 4));
@@ -549,7 +571,7 @@ mod tests {
             .is_err());
 
         // matmul_swiglu against matmul and the activation by hand.
-        let (x, w) = (matrix(3, 8, 6), matrix(10, 8, 7));
+        let (x, w) = (matrix(3, 8, 6), weight(10, 8, 7));
         let mut fused = b.tensor(3, 5).unwrap();
         b.matmul_swiglu(&x, &w, &mut fused).unwrap();
         let mut gate_up = b.tensor(3, 10).unwrap();
@@ -561,20 +583,20 @@ mod tests {
                 assert!((fused.data[r * 5 + c] - want).abs() < 1e-6);
             }
         }
-        assert!(b.matmul_swiglu(&x, &matrix(9, 8, 1), &mut fused).is_err());
+        assert!(b.matmul_swiglu(&x, &weight(9, 8, 1), &mut fused).is_err());
     }
 
     #[test]
     fn shapes_that_disagree_are_errors_not_panics() {
         let b = CpuBackend;
-        let (x, w) = (matrix(2, 8, 1), matrix(3, 6, 2));
+        let (x, w) = (matrix(2, 8, 1), weight(3, 6, 2));
         let mut out = b.tensor(2, 3).unwrap();
         assert!(b
             .matmul(&x, &w, &mut out)
             .unwrap_err()
             .to_string()
             .contains("the weight's columns is 6, expected 8"));
-        let table = matrix(4, 8, 3);
+        let table = weight(4, 8, 3);
         let mut rows = b.tensor(2, 8).unwrap();
         assert!(b
             .embed(&table, &[1, 4], &mut rows)
@@ -646,7 +668,7 @@ mod tests {
         let w = b
             .upload_weight(&TypedVec::from_f32(DType::Bf16, &[1.5, -2.0]), 1, 2)
             .unwrap();
-        assert_eq!(w.data, vec![1.5, -2.0]);
+        assert_eq!(w.values("a test").unwrap(), [1.5, -2.0]);
         for dtype in [DType::Bf16, DType::F32] {
             let mut parts = Vec::new();
             let filled = b
@@ -658,8 +680,12 @@ mod tests {
                 })
                 .unwrap();
             assert_eq!(parts, [(0, 4)], "{dtype}: one part, the whole weight");
-            assert_eq!((filled.rows, filled.cols), (2, 2));
-            assert_eq!(filled.data, [0.5, -1.0, 3.0, 4.0], "{dtype}");
+            assert_eq!(filled.dims(), (2, 2));
+            assert_eq!(
+                filled.values("a test").unwrap(),
+                [0.5, -1.0, 3.0, 4.0],
+                "{dtype}"
+            );
         }
         let x = matrix(3, 4, 7);
         let mut last = b.tensor(1, 4).unwrap();

@@ -5,6 +5,7 @@
 //! `1 / sqrt(mean(x²) + eps)` before the weight, RoPE rotates the two halves of each head
 //! (`rotate_half`), angles `position · inv_freq` in f32.
 
+use canopy_core::CodedMatrix;
 use rayon::prelude::*;
 
 mod causal;
@@ -41,7 +42,7 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
         return;
     }
     if (2..=few_rows::FEW_ROWS).contains(&rows) {
-        few_rows::matmul(x, rows, w, n, out, accumulate);
+        few_rows::matmul(x, rows, &few_rows::DenseRows { w, k }, out, accumulate);
         return;
     }
     let parallelism = if threads > 1 {
@@ -50,6 +51,77 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
         gemm::Parallelism::None
     };
     product(x, rows, k, w, out, accumulate, parallelism);
+}
+
+/// [`matmul`] with a quantized model's coded weight ([`canopy_core::coded`]), whose values
+/// are f32 ones.
+/// - Up to 32 rows (a decode step): the module `few_rows`, each weight element decoded once
+///   for all the input rows, as the product reads it: a third of f32's bytes are read. One
+///   row takes that path too, so its result is the same bits alone or in a batch.
+/// - More (a prompt): each task decodes a panel of [`PANEL_COLUMNS`] weight rows into
+///   memory it keeps, and runs `gemm` on it.
+pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedMatrix, out: &mut [f32], accumulate: bool) {
+    debug_assert_eq!(x.len(), rows * w.cols);
+    debug_assert_eq!(out.len(), rows * w.rows);
+    if rows == 0 || w.rows == 0 {
+        return;
+    }
+    let eights_a_group = w.group.is_power_of_two() && w.group >= few_rows::LANES;
+    if rows <= few_rows::FEW_ROWS && eights_a_group {
+        few_rows::matmul(x, rows, w, out, accumulate);
+        return;
+    }
+    let (n, k) = (w.rows, w.cols);
+    let out_at = SharedOut(out.as_mut_ptr());
+    (0..n.div_ceil(PANEL_COLUMNS))
+        .into_par_iter()
+        .for_each(|panel| {
+            let columns = panel * PANEL_COLUMNS..((panel + 1) * PANEL_COLUMNS).min(n);
+            PANEL_VALUES.with_borrow_mut(|values| {
+                values.resize(columns.len() * k, 0.0);
+                for (row, column) in values.chunks_exact_mut(k).zip(columns.clone()) {
+                    w.decode_row(column, row);
+                }
+                // SAFETY: this task alone writes these columns of `out` (rows × n, checked
+                // by the caller), which outlives it; `values` holds their weight rows.
+                unsafe {
+                    product_into(
+                        (x, rows, k),
+                        values,
+                        (out_at.column(columns.start), columns.len(), n),
+                        accumulate,
+                        gemm::Parallelism::None,
+                    )
+                };
+            });
+        });
+}
+
+/// Output columns of a coded weight that a prompt's product decodes at once, one task's:
+/// fixed, so that a result does not depend on the thread count.
+const PANEL_COLUMNS: usize = 128;
+
+thread_local! {
+    /// A thread's decoded panel, kept between products: a fresh one each time would have the
+    /// kernel clear its pages.
+    static PANEL_VALUES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A product's output, whose columns tasks write apart.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: each task writes only its own columns (see `matmul_coded`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// Where column `c` of row 0 is.
+    ///
+    /// # Safety
+    /// `c` is inside the output's first row.
+    unsafe fn column(self, c: usize) -> *mut f32 {
+        unsafe { self.0.add(c) }
+    }
 }
 
 /// `out[rows × n] = x · wᵀ`, or += when `accumulate`, n being `w`'s rows (k each).
@@ -64,17 +136,43 @@ fn product(
 ) {
     let n = out.len() / rows;
     assert!(x.len() == rows * k && w.len() == n * k && out.len() == rows * n);
-    // SAFETY: the pointers and strides describe the three slices exactly (dst rows × n
-    // row-major, lhs rows × k row-major, rhs k × n read from w's n × k rows), none overlap,
-    // and the lengths are checked above.
+    // SAFETY: `out` is rows × n, row-major, as the lengths checked above say.
+    unsafe {
+        product_into(
+            (x, rows, k),
+            w,
+            (out.as_mut_ptr(), n, n),
+            accumulate,
+            parallelism,
+        )
+    }
+}
+
+/// `out[rows × n] = x · wᵀ`, or += when `accumulate`, n being `w`'s rows (k each), into
+/// `out`'s rows `stride` elements apart.
+///
+/// # Safety
+/// `out` points at `rows` rows of `n` elements, `stride` apart, that nothing else touches
+/// meanwhile.
+unsafe fn product_into(
+    (x, rows, k): (&[f32], usize, usize),
+    w: &[f32],
+    (out, n, stride): (*mut f32, usize, usize),
+    accumulate: bool,
+    parallelism: gemm::Parallelism,
+) {
+    assert!(x.len() == rows * k && w.len() == n * k && n <= stride);
+    // SAFETY: the pointers and strides describe the operands (dst rows × n, rows `stride`
+    // apart, as the caller promises; lhs rows × k row-major; rhs k × n read from w's n × k
+    // rows), none overlap, and the lengths are checked above.
     unsafe {
         gemm::gemm(
             rows,
             n,
             k,
-            out.as_mut_ptr(),
+            out,
             1,
-            n as isize,
+            stride as isize,
             accumulate,
             x.as_ptr(),
             1,

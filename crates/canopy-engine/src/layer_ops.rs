@@ -21,7 +21,7 @@ use crate::merge::MergeOps;
 use crate::{EngineError, Result};
 use canopy_core::data::{hash_uniform, KV_AMPLITUDE, STREAM_K, STREAM_V};
 use canopy_core::logits::TailWalk;
-use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
+use canopy_core::{AttnShape, CodedSliceMut, DType, TypedSliceMut, TypedVec};
 use rayon::prelude::*;
 
 /// Consecutive positions whose keys and values go to consecutive slots of a KV cache
@@ -135,6 +135,21 @@ pub trait LayerOps: MergeOps {
         shape: (usize, usize),
         fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
     ) -> Result<Self::Weight, E>;
+    /// Uploads a `rows × cols` weight given as codes in groups of `group`
+    /// ([`canopy_core::coded`]), which `fill` writes a part at a time as
+    /// [`LayerOps::upload_weight_with`]'s does, where this backend computes from such a weight
+    /// as it is: a quantized model's weights then take a third of f32's memory, and of the
+    /// bytes a product reads. `None` where it keeps every weight in a dtype, without calling
+    /// `fill`: the weight is then uploaded that way instead.
+    fn upload_coded_weight<E: From<EngineError>>(
+        &self,
+        shape: (usize, usize),
+        group: usize,
+        fill: &mut dyn FnMut(usize, CodedSliceMut) -> Result<(), E>,
+    ) -> Option<Result<Self::Weight, E>> {
+        let _ = (shape, group, fill);
+        None
+    }
     /// Waits until the weights uploaded by [`LayerOps::upload_weight_with`] have landed, so
     /// that every backend on the device (ranks sharing a GPU) may read them. Provided: nothing
     /// to wait for.

@@ -28,6 +28,7 @@ pub mod cpu;
 mod cpu_decode;
 pub mod cpu_layers;
 mod cpu_merge;
+mod cpu_weight;
 mod error;
 pub mod host_ops;
 pub mod layer_ops;
@@ -46,6 +47,7 @@ pub use backend::{Backend, Cache};
 pub use cost::CostModel;
 pub use cpu::CpuBackend;
 pub use cpu_layers::HostMatrix;
+pub use cpu_weight::CpuWeight;
 pub use error::{EngineError, Result};
 pub use layer_ops::{
     measure_gemm_rate, CachedKeys, FillRun, GemmShape, KeyBlock, KvStore, LayerOps, ModelNeeds,
