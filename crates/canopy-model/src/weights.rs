@@ -489,10 +489,11 @@ impl WeightSource for Weights {
         let read = if self.layout.qk_rows_permuted && heads > 0 {
             let order = stored_row_of_hf_row(rows, heads);
             let row_bytes = bytes.len() / rows;
+            let end = first + out.len();
             let (mut rest, mut at) = (out, first);
             let mut done = Some(());
-            while !rest.is_empty() && done.is_some() {
-                let to = (first + rest.len()).min((at / cols + 1) * cols);
+            while at < end && done.is_some() {
+                let to = end.min((at / cols + 1) * cols);
                 let (piece, after) = rest.split_at_mut(to - at);
                 let stored_row = order[at / cols];
                 let row = &bytes[stored_row * row_bytes..(stored_row + 1) * row_bytes];

@@ -8,7 +8,7 @@
 //! stream orders its work.
 
 use crate::Result;
-use canopy_core::{AttnShape, DType, TypedSliceMut, TypedVec};
+use canopy_core::{AttnShape, CodedSliceMut, DType, TypedSliceMut, TypedVec};
 use canopy_engine::{LayerOps, ModelNeeds};
 use canopy_model::{LayerPart, LlamaConfig, WeightId, WeightSource};
 use std::time::Instant;
@@ -103,14 +103,66 @@ fn stack_shape(config: &LlamaConfig, ids: &[WeightId]) -> (usize, usize) {
     (rows, shapes.map(|(_, c)| c).next().unwrap_or(0))
 }
 
+/// A part of a weight to be written: elements in a dtype, or codes.
+trait WeightPart: Sized {
+    fn len(&self) -> usize;
+    fn split_at_mut(self, elements: usize) -> (Self, Self);
+    /// Writes elements `first..first + self.len()` of weight `id` from `weights`.
+    fn read(self, weights: &dyn WeightSource, id: WeightId, first: usize) -> Result<()>;
+}
+
+impl WeightPart for TypedSliceMut<'_> {
+    fn len(&self) -> usize {
+        TypedSliceMut::len(self)
+    }
+    fn split_at_mut(self, elements: usize) -> (Self, Self) {
+        TypedSliceMut::split_at_mut(self, elements)
+    }
+    fn read(self, weights: &dyn WeightSource, id: WeightId, first: usize) -> Result<()> {
+        Ok(weights.read_part(id, first, self)?)
+    }
+}
+
+impl WeightPart for CodedSliceMut<'_> {
+    fn len(&self) -> usize {
+        CodedSliceMut::len(self)
+    }
+    fn split_at_mut(self, elements: usize) -> (Self, Self) {
+        CodedSliceMut::split_at_mut(self, elements)
+    }
+    fn read(self, weights: &dyn WeightSource, id: WeightId, first: usize) -> Result<()> {
+        Ok(weights.read_codes(id, first, self)?)
+    }
+}
+
+/// `read()`, its seconds added to `seconds`.
+fn timed<T>(seconds: &mut f64, read: impl FnOnce() -> T) -> T {
+    let t0 = Instant::now();
+    let out = read();
+    *seconds += t0.elapsed().as_secs_f64();
+    out
+}
+
+/// The group in which every weight of `ids` can be read as codes, stacked: the smallest of
+/// their groups, which the others are multiples of (16 or 32). `None` if any cannot be.
+fn stack_code_group(weights: &dyn WeightSource, ids: &[WeightId]) -> Option<usize> {
+    let groups: Option<Vec<usize>> = ids.iter().map(|&id| weights.code_group(id)).collect();
+    let groups = groups?;
+    let smallest = *groups.iter().min()?;
+    groups
+        .iter()
+        .all(|g| g.is_multiple_of(smallest))
+        .then_some(smallest)
+}
+
 /// Writes elements `first..first + out.len()` of the stack of `ids` (their rows in order)
 /// from `weights` into `out`: the part of each weight that the range covers.
-fn read_stack_part(
+fn read_stack_part<P: WeightPart>(
     weights: &dyn WeightSource,
     config: &LlamaConfig,
     ids: &[WeightId],
     first: usize,
-    out: TypedSliceMut,
+    out: P,
 ) -> Result<()> {
     let end = first + out.len();
     let (mut rest, mut start) = (out, 0);
@@ -119,7 +171,7 @@ fn read_stack_part(
         let (from, to) = (first.max(start), end.min(start + rows * cols));
         if from < to {
             let (part, after) = rest.split_at_mut(to - from);
-            weights.read_part(id, from - start, part)?;
+            part.read(weights, id, from - start)?;
             rest = after;
         }
         start += rows * cols;
@@ -207,12 +259,23 @@ impl<B: LayerOps> ModelLayers<B> {
                 let ids = &groups[group];
                 group += 1;
                 let shape = stack_shape(config, ids);
+                if let Some(group) = stack_code_group(weights, ids) {
+                    let coded = backend.upload_coded_weight(shape, group, &mut |first, part| {
+                        timed(&mut read_s, || {
+                            read_stack_part(weights, config, ids, first, part)
+                        })
+                    });
+                    if let Some(coded) = coded {
+                        // A code a byte, and an f32 step and offset a group.
+                        bytes += shape.0 * shape.1 * (group + 8) / group;
+                        return coded;
+                    }
+                }
                 bytes += shape.0 * shape.1 * weights.dtype().size_bytes();
                 backend.upload_weight_with(weights.dtype(), shape, &mut |first, part| {
-                    let t0 = Instant::now();
-                    let read = read_stack_part(weights, config, ids, first, part);
-                    read_s += t0.elapsed().as_secs_f64();
-                    read
+                    timed(&mut read_s, || {
+                        read_stack_part(weights, config, ids, first, part)
+                    })
                 })
             };
             let mut layers = Vec::with_capacity(config.num_hidden_layers);
@@ -691,5 +754,70 @@ pub(crate) mod tests {
         let upload = Watched::new(&config, None);
         ModelLayers::upload(&CpuBackend, &config, &upload, &mut |_| {}).unwrap();
         assert_eq!(upload.asked.into_inner().unwrap(), flat);
+    }
+
+    /// A source that offers its weights in f32 only.
+    struct InF32<'a>(&'a dyn WeightSource);
+
+    impl WeightSource for InF32<'_> {
+        fn has_lm_head(&self) -> bool {
+            self.0.has_lm_head()
+        }
+        fn dtype(&self) -> DType {
+            self.0.dtype()
+        }
+        fn read_part(
+            &self,
+            id: WeightId,
+            first: usize,
+            out: TypedSliceMut,
+        ) -> canopy_model::Result<()> {
+            self.0.read_part(id, first, out)
+        }
+    }
+
+    /// A K-quant GGUF's weights, uploaded to the CPU, are kept as codes that decode to the
+    /// values read in f32 bit for bit: stacks of types of groups of 16 and 32, Q and K rows
+    /// in transformers' order, the embedding and the output projection; the norms stay f32.
+    #[test]
+    fn coded_weights_decode_to_the_values_read_in_f32() {
+        use canopy_engine::CpuWeight;
+        let file = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/kquant/model.gguf");
+        let model = canopy_model::Model::load(&file, DType::F32).expect("the fixture loads");
+        let upload = |weights: &dyn WeightSource| {
+            ModelLayers::upload(&CpuBackend, &model.config, weights, &mut |_| {}).unwrap()
+        };
+        let (coded, dense) = (upload(&model.weights), upload(&InF32(&model.weights)));
+        let same_values = |coded: &CpuWeight, dense: &CpuWeight| match (coded, dense) {
+            (CpuWeight::Coded(c), CpuWeight::Dense(d)) => {
+                let values = c.to_f32();
+                assert!(values
+                    .iter()
+                    .zip(&d.data)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                c.group
+            }
+            other => panic!("a coded and a dense weight, not {other:?}"),
+        };
+        let (coded_head, dense_head) = (coded.lm_head.as_ref(), dense.lm_head.as_ref());
+        let mut groups = vec![
+            same_values(&coded.embed, &dense.embed),
+            same_values(coded_head.unwrap(), dense_head.unwrap()),
+        ];
+        for (c, d) in coded.layers.iter().zip(&dense.layers) {
+            for (c, d) in [(&c.qkv, &d.qkv), (&c.o, &d.o), (&c.gate_up, &d.gate_up)] {
+                groups.push(same_values(c, d));
+            }
+            groups.push(same_values(&c.down, &d.down));
+            for norm in [&c.input_norm, &c.post_norm] {
+                assert!(matches!(norm, CpuWeight::Dense(_)));
+            }
+        }
+        groups.sort_unstable();
+        groups.dedup();
+        // Q4_K and Q5_K (32) read in the groups of Q6_K and Q2_K (16) they are stacked with;
+        // the Q8_0 output projection alone.
+        assert_eq!(groups, [16, 32]);
     }
 }
