@@ -51,6 +51,8 @@ pub(super) trait WeightRows: Sync {
 /// A weight row's values as a tile reads them: eight at a time, then those past its last
 /// whole eight.
 pub(super) trait RowEights: Copy {
+    /// Whether its values are computed as they are read, rather than read.
+    const DECODES: bool;
     /// Values `8 e..8 e + 8`.
     fn eight(&self, e: usize) -> [f32; LANES];
     /// The same in an AVX2 register.
@@ -113,6 +115,8 @@ impl WeightRows for DenseRows<'_> {
 pub(super) struct Values<'a>(&'a [f32]);
 
 impl RowEights for Values<'_> {
+    const DECODES: bool = false;
+
     #[inline(always)]
     fn eight(&self, e: usize) -> [f32; LANES] {
         std::array::from_fn(|l| self.0[e * LANES + l])
@@ -168,6 +172,8 @@ pub(super) struct Codes<'a> {
 }
 
 impl RowEights for Codes<'_> {
+    const DECODES: bool = true;
+
     #[inline(always)]
     fn eight(&self, e: usize) -> [f32; LANES] {
         let g = (e * LANES) >> self.shift;
@@ -313,20 +319,35 @@ impl<W: WeightRows> Product<'_, W> {
     }
 
     /// Covers `columns` × all rows, [`TILE_ROWS`] rows of a column at a time.
+    /// A row that decodes is decoded as the tile reads it where one tile covers the rows;
+    /// where several do, it is decoded once into memory that each tile then reads.
     #[inline(always)]
     unsafe fn walk<T: Tiles>(&self, columns: std::ops::Range<usize>, out: OutPtr) {
+        let decode_once = <W::Row<'_> as RowEights>::DECODES && self.rows > TILE_ROWS;
+        let mut decoded = vec![0.0; if decode_once { self.k } else { 0 }];
         for column in columns {
             let w = self.w.row(column);
-            let mut row = 0;
-            while self.rows - row >= TILE_ROWS {
-                self.tile::<T, TILE_ROWS>(row, (column, w), out);
-                row += TILE_ROWS;
+            if decode_once {
+                T::decode(w, &mut decoded);
+                self.tiles::<T>(column, Values(&decoded), out);
+            } else {
+                self.tiles::<T>(column, w, out);
             }
-            match self.rows - row {
-                2 => self.tile::<T, 2>(row, (column, w), out),
-                1 => self.tile::<T, 1>(row, (column, w), out),
-                _ => {}
-            }
+        }
+    }
+
+    /// Every row of one column, [`TILE_ROWS`] at a time, whose weight row is `w`.
+    #[inline(always)]
+    unsafe fn tiles<T: Tiles>(&self, column: usize, w: impl RowEights, out: OutPtr) {
+        let mut row = 0;
+        while self.rows - row >= TILE_ROWS {
+            self.tile::<T, TILE_ROWS>(row, (column, w), out);
+            row += TILE_ROWS;
+        }
+        match self.rows - row {
+            2 => self.tile::<T, 2>(row, (column, w), out),
+            1 => self.tile::<T, 1>(row, (column, w), out),
+            _ => {}
         }
     }
 
@@ -335,7 +356,7 @@ impl<W: WeightRows> Product<'_, W> {
     unsafe fn tile<T: Tiles, const R: usize>(
         &self,
         row: usize,
-        (column, w): (usize, W::Row<'_>),
+        (column, w): (usize, impl RowEights),
         out: OutPtr,
     ) {
         let k = self.k;
@@ -385,6 +406,8 @@ trait Tiles {
         k: usize,
         w: impl RowEights,
     ) -> [[[f32; LANES]; CHAINS]; R];
+    /// `w`'s whole eights into `out`.
+    unsafe fn decode(w: impl RowEights, out: &mut [f32]);
 }
 
 /// Any CPU: the lanes as arrays.
@@ -410,6 +433,13 @@ impl Tiles for Portable {
             }
         }
         acc
+    }
+
+    #[inline(always)]
+    unsafe fn decode(w: impl RowEights, out: &mut [f32]) {
+        for (e, values) in out.chunks_exact_mut(LANES).enumerate() {
+            values.copy_from_slice(&w.eight(e));
+        }
     }
 }
 
@@ -467,6 +497,13 @@ mod avx2 {
                 }
             }
             chains
+        }
+
+        #[inline(always)]
+        unsafe fn decode(w: impl RowEights, out: &mut [f32]) {
+            for e in 0..out.len() / LANES {
+                _mm256_storeu_ps(out.as_mut_ptr().add(e * LANES), w.eight_avx2(e));
+            }
         }
     }
 }
