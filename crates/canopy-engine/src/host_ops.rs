@@ -55,11 +55,11 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
 
 /// [`matmul`] with a quantized model's coded weight ([`canopy_core::coded`]), whose values
 /// are f32 ones.
-/// - Up to 32 rows (a decode step): the module `few_rows`, each weight element decoded once
-///   for all the input rows, as the product reads it: a third of f32's bytes are read. One
-///   row takes that path too, so its result is the same bits alone or in a batch.
-/// - More (a prompt): each task decodes a panel of [`PANEL_COLUMNS`] weight rows into
-///   memory it keeps, and runs `gemm` on it.
+/// - Up to 32 rows (a decode step): the module `few_rows`, each weight row decoded once for
+///   all the input rows: a third of f32's bytes are read. One row takes that path too, so
+///   its result is the same bits alone or in a batch.
+/// - More (a prompt): each task decodes a panel of 128 weight rows into memory it keeps,
+///   and runs `gemm` on it.
 pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedMatrix, out: &mut [f32], accumulate: bool) {
     debug_assert_eq!(x.len(), rows * w.cols);
     debug_assert_eq!(out.len(), rows * w.rows);
