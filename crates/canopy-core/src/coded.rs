@@ -62,6 +62,51 @@ impl<'a> CodedSliceMut<'a> {
     }
 }
 
+/// A part of a weight being written, in elements: in a dtype ([`crate::TypedSliceMut`]) or as
+/// codes ([`CodedSliceMut`]).
+pub trait WeightPart: Sized {
+    /// Elements in the part.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The elements before `mid`, and those from it on.
+    fn split_at_mut(self, mid: usize) -> (Self, Self);
+}
+
+impl WeightPart for crate::TypedSliceMut<'_> {
+    fn len(&self) -> usize {
+        crate::TypedSliceMut::len(self)
+    }
+    fn split_at_mut(self, mid: usize) -> (Self, Self) {
+        crate::TypedSliceMut::split_at_mut(self, mid)
+    }
+}
+
+impl WeightPart for CodedSliceMut<'_> {
+    fn len(&self) -> usize {
+        CodedSliceMut::len(self)
+    }
+    fn split_at_mut(self, mid: usize) -> (Self, Self) {
+        CodedSliceMut::split_at_mut(self, mid)
+    }
+}
+
+/// `out`, elements `first..first + out.len()` of a tensor, cut wherever the element index
+/// crosses a multiple of `every` (a row's end, a task's): each part with its first element.
+pub fn cut_at_multiples<P: WeightPart>(out: P, first: usize, every: usize) -> Vec<(usize, P)> {
+    let end = first + out.len();
+    let mut parts = Vec::with_capacity((end.div_ceil(every) - first / every).max(1));
+    let (mut rest, mut at) = (out, first);
+    while at < end {
+        let to = end.min((at / every + 1) * every);
+        let (part, after) = rest.split_at_mut(to - at);
+        parts.push((at, part));
+        (rest, at) = (after, to);
+    }
+    parts
+}
+
 /// A row-major `rows × cols` matrix of coded elements, each row a whole number of groups.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CodedMatrix {

@@ -25,7 +25,7 @@ pub mod stats;
 pub mod tree;
 pub mod workload;
 
-pub use coded::{coded_value, CodedMatrix, CodedSliceMut};
+pub use coded::{coded_value, cut_at_multiples, CodedMatrix, CodedSliceMut, WeightPart};
 pub use data::{HashedKv, KvSource, PagedKv, ProblemData, SliceKv};
 pub use device_model::{DeviceModel, PlanCost, Sample};
 pub use dtype::{DType, KvElement, TypedSliceMut, TypedVec};

@@ -21,7 +21,7 @@
 
 mod codes;
 
-use canopy_core::{coded_value, CodedSliceMut, DType, TypedSliceMut, TypedVec};
+use canopy_core::{coded_value, cut_at_multiples, CodedSliceMut, DType, TypedSliceMut, TypedVec};
 pub use codes::code_group;
 use codes::BlockBuffer;
 use half::slice::HalfFloatSliceExt;
@@ -277,31 +277,24 @@ pub fn codes_part(
     }
     // Pieces cut at every TASK_ELEMENTS-th block boundary, each its own task.
     let task = (TASK_ELEMENTS / block_elems).max(1) * block_elems;
-    let end = first + out.len();
-    let mut pieces = Vec::with_capacity((end - first).div_ceil(task) + 1);
-    let (mut rest, mut at) = (out, first);
-    while at < end {
-        let to = end.min((at / task + 1) * task);
-        let (piece, after) = rest.split_at_mut(to - at);
-        pieces.push((at, piece));
-        (rest, at) = (after, to);
-    }
-    pieces.into_par_iter().for_each(|(at, piece)| {
-        let mut block = BlockBuffer::new();
-        let piece_end = at + piece.len();
-        for b in at / block_elems..piece_end.div_ceil(block_elems) {
-            let start = b * block_elems;
-            let raw = &bytes[b * block_bytes..(b + 1) * block_bytes];
-            let (codes, steps, offsets) = block.decode(ggml_type, raw, (block_elems, native));
-            let (lo, hi) = (at.max(start), piece_end.min(start + block_elems));
-            piece.codes[lo - at..hi - at].copy_from_slice(&codes[lo - start..hi - start]);
-            for g in (lo - at) / group..(hi - at) / group {
-                let native_group = (at + g * group - start) / native;
-                piece.steps[g] = steps[native_group];
-                piece.offsets[g] = offsets[native_group];
+    cut_at_multiples(out, first, task)
+        .into_par_iter()
+        .for_each(|(at, piece)| {
+            let mut block = BlockBuffer::new();
+            let piece_end = at + piece.len();
+            for b in at / block_elems..piece_end.div_ceil(block_elems) {
+                let start = b * block_elems;
+                let raw = &bytes[b * block_bytes..(b + 1) * block_bytes];
+                let (codes, steps, offsets) = block.decode(ggml_type, raw, (block_elems, native));
+                let (lo, hi) = (at.max(start), piece_end.min(start + block_elems));
+                piece.codes[lo - at..hi - at].copy_from_slice(&codes[lo - start..hi - start]);
+                for g in (lo - at) / group..(hi - at) / group {
+                    let native_group = (at + g * group - start) / native;
+                    piece.steps[g] = steps[native_group];
+                    piece.offsets[g] = offsets[native_group];
+                }
             }
-        }
-    });
+        });
     Some(())
 }
 

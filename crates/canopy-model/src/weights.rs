@@ -14,7 +14,7 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::Arc;
 
-use canopy_core::{CodedSliceMut, DType, TypedSliceMut, TypedVec};
+use canopy_core::{cut_at_multiples, CodedSliceMut, DType, TypedSliceMut, TypedVec};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::config::LlamaConfig;
@@ -489,18 +489,13 @@ impl WeightSource for Weights {
         let read = if self.layout.qk_rows_permuted && heads > 0 {
             let order = stored_row_of_hf_row(rows, heads);
             let row_bytes = bytes.len() / rows;
-            let end = first + out.len();
-            let (mut rest, mut at) = (out, first);
-            let mut done = Some(());
-            while at < end && done.is_some() {
-                let to = end.min((at / cols + 1) * cols);
-                let (piece, after) = rest.split_at_mut(to - at);
-                let stored_row = order[at / cols];
-                let row = &bytes[stored_row * row_bytes..(stored_row + 1) * row_bytes];
-                done = quant::codes_part(stored, row, at % cols, piece);
-                (rest, at) = (after, to);
-            }
-            done
+            cut_at_multiples(out, first, cols)
+                .into_iter()
+                .try_for_each(|(at, piece)| {
+                    let stored_row = order[at / cols];
+                    let row = &bytes[stored_row * row_bytes..(stored_row + 1) * row_bytes];
+                    quant::codes_part(stored, row, at % cols, piece)
+                })
         } else {
             quant::codes_part(stored, bytes, first, out)
         };
@@ -568,21 +563,6 @@ fn read_rows_unpermuted(
         let stored_row = &bytes[stored * row_bytes..(stored + 1) * row_bytes];
         quant::dequantize_part(stored_type, stored_row, at % cols, piece)
     })
-}
-
-/// `out`, elements `first..first + out.len()` of a tensor, cut wherever the element index
-/// crosses a multiple of `every` (a row's end, a piece's): each part with its first element.
-fn cut_at_multiples(out: TypedSliceMut, first: usize, every: usize) -> Vec<(usize, TypedSliceMut)> {
-    let end = first + out.len();
-    let mut parts = Vec::with_capacity((end.div_ceil(every) - first / every).max(1));
-    let (mut rest, mut at) = (out, first);
-    while at < end {
-        let to = end.min((at / every + 1) * every);
-        let (part, after) = rest.split_at_mut(to - at);
-        parts.push((at, part));
-        (rest, at) = (after, to);
-    }
-    parts
 }
 
 /// Refuses a part that is not of `dtype`, or that ends past weight `id`'s `len` elements:

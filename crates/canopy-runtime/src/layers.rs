@@ -8,7 +8,7 @@
 //! stream orders its work.
 
 use crate::Result;
-use canopy_core::{AttnShape, CodedSliceMut, DType, TypedSliceMut, TypedVec};
+use canopy_core::{AttnShape, CodedSliceMut, DType, TypedSliceMut, TypedVec, WeightPart};
 use canopy_engine::{LayerOps, ModelNeeds};
 use canopy_model::{LayerPart, LlamaConfig, WeightId, WeightSource};
 use std::time::Instant;
@@ -103,33 +103,19 @@ fn stack_shape(config: &LlamaConfig, ids: &[WeightId]) -> (usize, usize) {
     (rows, shapes.map(|(_, c)| c).next().unwrap_or(0))
 }
 
-/// A part of a weight to be written: elements in a dtype, or codes.
-trait WeightPart: Sized {
-    fn len(&self) -> usize;
-    fn split_at_mut(self, elements: usize) -> (Self, Self);
+/// A part of a weight that a source writes.
+trait ReadPart: WeightPart {
     /// Writes elements `first..first + self.len()` of weight `id` from `weights`.
     fn read(self, weights: &dyn WeightSource, id: WeightId, first: usize) -> Result<()>;
 }
 
-impl WeightPart for TypedSliceMut<'_> {
-    fn len(&self) -> usize {
-        TypedSliceMut::len(self)
-    }
-    fn split_at_mut(self, elements: usize) -> (Self, Self) {
-        TypedSliceMut::split_at_mut(self, elements)
-    }
+impl ReadPart for TypedSliceMut<'_> {
     fn read(self, weights: &dyn WeightSource, id: WeightId, first: usize) -> Result<()> {
         Ok(weights.read_part(id, first, self)?)
     }
 }
 
-impl WeightPart for CodedSliceMut<'_> {
-    fn len(&self) -> usize {
-        CodedSliceMut::len(self)
-    }
-    fn split_at_mut(self, elements: usize) -> (Self, Self) {
-        CodedSliceMut::split_at_mut(self, elements)
-    }
+impl ReadPart for CodedSliceMut<'_> {
     fn read(self, weights: &dyn WeightSource, id: WeightId, first: usize) -> Result<()> {
         Ok(weights.read_codes(id, first, self)?)
     }
@@ -157,7 +143,7 @@ fn stack_code_group(weights: &dyn WeightSource, ids: &[WeightId]) -> Option<usiz
 
 /// Writes elements `first..first + out.len()` of the stack of `ids` (their rows in order)
 /// from `weights` into `out`: the part of each weight that the range covers.
-fn read_stack_part<P: WeightPart>(
+fn read_stack_part<P: ReadPart>(
     weights: &dyn WeightSource,
     config: &LlamaConfig,
     ids: &[WeightId],
