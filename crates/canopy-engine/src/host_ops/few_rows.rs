@@ -13,6 +13,10 @@
 //! wait on each other); the accumulators and their lanes summed in one fixed tree; then the
 //! tail past the last whole eight. A row's result is therefore the same bits alone or in a
 //! batch, and the AVX2 path equals the portable one.
+//!
+//! A quantized model's weights, kept as codes ([`canopy_core::coded`]), take this path from
+//! one row on: their values are decoded eight at a time, so a product reads a third of f32's
+//! bytes, and its results are those of the same product over the f32 values.
 
 use canopy_core::{coded_value, CodedMatrix};
 use rayon::prelude::*;
@@ -135,9 +139,9 @@ impl RowEights for Values<'_> {
 }
 
 /// A quantized model's rows, in groups of a power of two of at least [`LANES`] elements
-/// (checked by the caller): each element decoded as the product reads it, once for all the
-/// input rows, with [`coded_value`]'s arithmetic. A third of f32's bytes are read, and the
-/// values are the same.
+/// (checked by the caller), decoded with [`coded_value`]'s arithmetic once for all the input
+/// rows: as the tile reads them where one tile covers the rows, else into memory first. A
+/// third of f32's bytes are read, and the values are the same.
 impl WeightRows for CodedMatrix {
     type Row<'a> = Codes<'a>;
 
