@@ -146,11 +146,6 @@ impl CodedMatrix {
         }
     }
 
-    /// Bytes the matrix holds.
-    pub fn size_bytes(&self) -> usize {
-        self.codes.len() + 4 * (self.steps.len() + self.offsets.len())
-    }
-
     /// Row `row`'s f32 values into `out` (`cols` long).
     #[inline(always)]
     pub fn decode_row(&self, row: usize, out: &mut [f32]) {
