@@ -6,7 +6,7 @@
 
 use crate::cpu::{CpuBackend, CpuKv, CpuQueries};
 use crate::cpu_weight::CpuWeight;
-use crate::host_ops::{causal_attention, rms_norm, rope_in_place, swiglu};
+use crate::host_ops::{causal_attention, rms_norm, rope_in_place, swiglu, CodedPanels};
 use crate::layer_ops::{
     check_logit_places, check_logprob_terms, check_pick_logits, check_softmax_totals,
     check_top_logits, check_walk_tails, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
@@ -127,7 +127,7 @@ impl LayerOps for CpuBackend {
         fill: &mut dyn FnMut(usize, CodedSliceMut) -> Result<(), E>,
     ) -> Option<Result<CpuWeight, E>> {
         let mut coded = CodedMatrix::zeros(rows, cols, group)?;
-        Some(fill(0, coded.slice_mut()).map(|()| CpuWeight::Coded(coded)))
+        Some(fill(0, coded.slice_mut()).map(|()| CpuWeight::Coded(CodedPanels::pack(&coded))))
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> Result<HostMatrix> {

@@ -6,17 +6,16 @@
 //! values bit for bit, so both forms compute the same model.
 
 use crate::cpu_layers::HostMatrix;
-use crate::host_ops::{matmul, matmul_coded};
+use crate::host_ops::{matmul, matmul_coded, CodedPanels};
 use crate::{EngineError, Result};
-use canopy_core::CodedMatrix;
 
 /// A weight in CPU memory.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CpuWeight {
     /// Row-major f32 values.
     Dense(HostMatrix),
-    /// A quantized model's weight, as the codes of its file.
-    Coded(CodedMatrix),
+    /// A quantized model's weight, as the codes of its file, in panels for the products.
+    Coded(CodedPanels),
 }
 
 impl CpuWeight {
@@ -63,6 +62,7 @@ impl CpuWeight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use canopy_core::CodedMatrix;
 
     /// A coded weight of `rows × cols` in groups of 16, with codes of every sign and offsets
     /// zero or not, and the same weight as f32 values.
@@ -87,7 +87,10 @@ mod tests {
             cols,
             data: coded.to_f32(),
         };
-        (CpuWeight::Coded(coded), CpuWeight::Dense(dense))
+        (
+            CpuWeight::Coded(CodedPanels::pack(&coded)),
+            CpuWeight::Dense(dense),
+        )
     }
 
     fn input(rows: usize, cols: usize) -> HostMatrix {
@@ -97,49 +100,64 @@ mod tests {
         HostMatrix { rows, cols, data }
     }
 
-    /// Coded products give the f32 weight's bits from 2 rows on (decode batches and prompts
-    /// take the same arithmetic over the same values), and one row alone gives its bits in
-    /// a batch; rows and lookups decode to the f32 rows.
+    /// Coded products equal the f64 products of their values, added or not, on every path
+    /// (decoded as read, in blocks, and a prompt's panels through `gemm`), for weights whose
+    /// rows fill their last panel or not; a row gives the same bits alone as in any batch of
+    /// up to 32; rows and lookups decode to the f32 rows.
     #[test]
     fn coded_weights_compute_what_their_values_do() {
-        for (k, n, rows) in [(1536, 300, 64), (576, 960, 100)] {
+        for (k, n) in [(96, 200), (64, 37), (576, 300)] {
             let (coded, dense) = weights(n, k);
-            let x = input(rows, k);
-            let (mut by_codes, mut by_values) = (vec![0.0; rows * n], vec![0.0; rows * n]);
-            coded.product(&x, &mut by_codes, false);
-            dense.product(&x, &mut by_values, false);
-            let same = (by_codes.iter().zip(&by_values)).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "{rows} rows of {k} by {n}");
-        }
-        let (k, n) = (96, 200);
-        let (coded, dense) = weights(n, k);
-        for rows in [1, 2, 3, 7, 32, 33, 40] {
-            let x = input(rows, k);
-            for accumulate in [false, true] {
+            let CpuWeight::Dense(values) = &dense else {
+                unreachable!()
+            };
+            for rows in [1, 2, 3, 4, 5, 7, 32, 33, 100] {
+                let x = input(rows, k);
                 let start: Vec<f32> = (0..rows * n).map(|i| (i % 5) as f32).collect();
-                let (mut by_codes, mut by_values) = (start.clone(), start.clone());
-                coded.product(&x, &mut by_codes, accumulate);
-                dense.product(&x, &mut by_values, accumulate);
-                if rows == 1 {
-                    let close = by_codes.iter().zip(&by_values);
-                    assert!(close
-                        .clone()
-                        .all(|(a, b)| (a - b).abs() <= 1e-5 * b.abs().max(1.0)));
-                    let mut batch = vec![0.0; 3 * n];
-                    let three = input(3, k);
-                    coded.product(&three, &mut batch, false);
-                    let mut alone = vec![0.0; n];
-                    coded.product(&input(1, k), &mut alone, false);
-                    assert_eq!(alone, batch[..n], "row 0 alone and in a batch of 3");
-                } else {
-                    let same = by_codes
-                        .iter()
-                        .zip(&by_values)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{rows} rows, accumulate {accumulate}");
+                let mut alone_rows = vec![0.0; rows * n];
+                coded.product(&x, &mut alone_rows, false);
+                for accumulate in [false, true] {
+                    let mut by_codes = start.clone();
+                    coded.product(&x, &mut by_codes, accumulate);
+                    for (r, c) in (0..rows).flat_map(|r| (0..n).map(move |c| (r, c))) {
+                        let terms = (0..k)
+                            .map(|i| x.data[r * k + i] as f64 * values.data[c * k + i] as f64);
+                        let added = if accumulate {
+                            start[r * n + c] as f64
+                        } else {
+                            0.0
+                        };
+                        let want = terms.clone().sum::<f64>() + added;
+                        let scale = terms.map(f64::abs).sum::<f64>() + added;
+                        let got = by_codes[r * n + c] as f64;
+                        assert!(
+                            (got - want).abs() <= 2e-6 * scale.max(1.0),
+                            "{rows} rows of {k} by {n}, accumulate {accumulate}: ({r}, {c}) \
+                             {got} against {want}"
+                        );
+                    }
+                }
+                if rows <= 32 {
+                    for r in [0, rows - 1] {
+                        let one = HostMatrix {
+                            rows: 1,
+                            cols: k,
+                            data: x.data[r * k..(r + 1) * k].to_vec(),
+                        };
+                        let mut alone = vec![0.0; n];
+                        coded.product(&one, &mut alone, false);
+                        let batch = &alone_rows[r * n..(r + 1) * n];
+                        let same = alone
+                            .iter()
+                            .zip(batch)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "row {r} alone and in a batch of {rows}, {k} by {n}");
+                    }
                 }
             }
         }
+        let (k, n) = (96, 200);
+        let (coded, dense) = weights(n, k);
         let (mut from_codes, mut from_values) = (vec![0.0; k], vec![1.0; k]);
         coded.copy_row(123, &mut from_codes);
         dense.copy_row(123, &mut from_values);

@@ -5,14 +5,15 @@
 //! `1 / sqrt(mean(x²) + eps)` before the weight, RoPE rotates the two halves of each head
 //! (`rotate_half`), angles `position · inv_freq` in f32.
 
-use canopy_core::CodedMatrix;
 use rayon::prelude::*;
 
 mod causal;
+mod coded_rows;
 mod few_rows;
 pub(crate) mod flash;
 
 pub use causal::causal_attention;
+pub use coded_rows::CodedPanels;
 
 /// Output columns a thread takes at least in a product of one row.
 const MIN_COLUMNS_A_THREAD: usize = 64;
@@ -42,7 +43,7 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
         return;
     }
     if (2..=few_rows::FEW_ROWS).contains(&rows) {
-        few_rows::matmul(x, rows, &few_rows::DenseRows { w, k }, out, accumulate);
+        few_rows::matmul(x, rows, w, n, out, accumulate);
         return;
     }
     let parallelism = if threads > 1 {
@@ -53,41 +54,43 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
     product(x, rows, k, w, out, accumulate, parallelism);
 }
 
-/// [`matmul`] with a quantized model's coded weight ([`canopy_core::coded`]), whose values
-/// are f32 ones.
-/// - Up to 32 rows (a decode step): the module `few_rows`, each weight row decoded once for
-///   all the input rows: a third of f32's bytes are read. One row takes that path too, so
-///   its result is the same bits alone or in a batch.
-/// - More (a prompt): each task decodes a panel of 128 weight rows into memory it keeps,
-///   and runs `gemm` on it.
-pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedMatrix, out: &mut [f32], accumulate: bool) {
+/// [`matmul`] with a quantized model's coded weight, in panels ([`CodedPanels`]), whose
+/// values are f32 ones.
+/// - Up to 32 rows (a decode step): the module `coded_rows`, each panel decoded once for all
+///   the input rows: a third of f32's bytes are read. A row's result is the same bits alone
+///   or in a batch.
+/// - More (a prompt): each task decodes [`PANEL_COLUMNS`] weight rows into memory it keeps,
+///   and runs `gemm` on them.
+pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], accumulate: bool) {
     debug_assert_eq!(x.len(), rows * w.cols);
     debug_assert_eq!(out.len(), rows * w.rows);
     if rows == 0 || w.rows == 0 {
         return;
     }
-    let eights_a_group = w.group.is_power_of_two() && w.group >= few_rows::LANES;
-    if rows <= few_rows::FEW_ROWS && eights_a_group {
-        few_rows::matmul(x, rows, w, out, accumulate);
+    if rows <= coded_rows::FEW_ROWS {
+        coded_rows::matmul(x, rows, w, out, accumulate);
         return;
     }
     let (n, k) = (w.rows, w.cols);
+    let panels_a_task = PANEL_COLUMNS / coded_rows::LANES;
     let out_at = SharedOut(out.as_mut_ptr());
     (0..n.div_ceil(PANEL_COLUMNS))
         .into_par_iter()
-        .for_each(|panel| {
-            let columns = panel * PANEL_COLUMNS..((panel + 1) * PANEL_COLUMNS).min(n);
+        .for_each(|task| {
+            let panels = task * panels_a_task
+                ..((task + 1) * panels_a_task).min(n.div_ceil(coded_rows::LANES));
+            let width = panels.len() * coded_rows::LANES;
+            let columns = task * PANEL_COLUMNS..(task * PANEL_COLUMNS + width).min(n);
             PANEL_VALUES.with_borrow_mut(|values| {
-                values.resize(columns.len() * k, 0.0);
-                for (row, column) in values.chunks_exact_mut(k).zip(columns.clone()) {
-                    w.decode_row(column, row);
-                }
+                values.resize(k * width, 0.0);
+                w.decode_panels(panels, values);
                 // SAFETY: this task alone writes these columns of `out` (rows × n, checked
-                // by the caller), which outlives it; `values` holds their weight rows.
+                // by the caller), which outlives it; `values` holds their weight rows, the
+                // element `i` of the `j`-th at `i · width + j`.
                 unsafe {
                     product_into(
                         (x, rows, k),
-                        values,
+                        (values, width as isize, 1),
                         (out_at.column(columns.start), columns.len(), n),
                         accumulate,
                         gemm::Parallelism::None,
@@ -98,12 +101,12 @@ pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedMatrix, out: &mut [f32], ac
 }
 
 /// Output columns of a coded weight that a prompt's product decodes at once, one task's:
-/// fixed, so that a result does not depend on the thread count.
+/// fixed, so that a result does not depend on the thread count. A whole number of panels.
 const PANEL_COLUMNS: usize = 128;
 
 thread_local! {
-    /// A thread's decoded panel, kept between products: a fresh one each time would have the
-    /// kernel clear its pages.
+    /// A thread's decoded panels, kept between products: a fresh buffer each time would have
+    /// the kernel clear its pages.
     static PANEL_VALUES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -140,7 +143,7 @@ fn product(
     unsafe {
         product_into(
             (x, rows, k),
-            w,
+            (w, 1, k as isize),
             (out.as_mut_ptr(), n, n),
             accumulate,
             parallelism,
@@ -148,23 +151,29 @@ fn product(
     }
 }
 
-/// `out[rows × n] = x · wᵀ`, or += when `accumulate`, n being `w`'s rows (k each), into
-/// `out`'s rows `stride` elements apart.
+/// `out[rows × n] = x · wᵀ`, or += when `accumulate`, into `out`'s rows `stride` elements
+/// apart. `w` is `n × k`, element `(j, i)` at `i · i_stride + j · j_stride`: row-major
+/// weight rows (`(1, k)`), or panels decoded for a prompt.
 ///
 /// # Safety
 /// `out` points at `rows` rows of `n` elements, `stride` apart, that nothing else touches
 /// meanwhile.
 unsafe fn product_into(
     (x, rows, k): (&[f32], usize, usize),
-    w: &[f32],
+    (w, i_stride, j_stride): (&[f32], isize, isize),
     (out, n, stride): (*mut f32, usize, usize),
     accumulate: bool,
     parallelism: gemm::Parallelism,
 ) {
-    assert!(x.len() == rows * k && w.len() == n * k && n <= stride);
+    let last = if n == 0 || k == 0 {
+        0
+    } else {
+        (k - 1) as isize * i_stride + (n - 1) as isize * j_stride + 1
+    };
+    assert!(x.len() == rows * k && w.len() as isize >= last && n <= stride);
     // SAFETY: the pointers and strides describe the operands (dst rows × n, rows `stride`
-    // apart, as the caller promises; lhs rows × k row-major; rhs k × n read from w's n × k
-    // rows), none overlap, and the lengths are checked above.
+    // apart, as the caller promises; lhs rows × k row-major; rhs k × n read from w at its
+    // strides, inside it as checked above), and none overlap.
     unsafe {
         gemm::gemm(
             rows,
@@ -178,8 +187,8 @@ unsafe fn product_into(
             1,
             k as isize,
             w.as_ptr(),
-            k as isize,
-            1,
+            j_stride,
+            i_stride,
             if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
