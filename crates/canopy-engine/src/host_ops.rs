@@ -59,7 +59,7 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
 /// - Up to 32 rows (a decode step): the module `coded_rows`, each panel decoded once for all
 ///   the input rows: a third of f32's bytes are read. A row's result is the same bits alone
 ///   or in a batch.
-/// - More (a prompt): each task decodes [`PANEL_COLUMNS`] weight rows into memory it keeps,
+/// - More (a prompt): each task decodes 128 weight rows into memory it keeps,
 ///   and runs `gemm` on them.
 pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], accumulate: bool) {
     debug_assert_eq!(x.len(), rows * w.cols);
@@ -110,10 +110,12 @@ thread_local! {
     static PANEL_VALUES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// A product's output, whose columns tasks write apart.
+/// A product's output, whose columns tasks write apart: every multi-threaded product here
+/// hands each task its own columns.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
-// SAFETY: each task writes only its own columns (see `matmul_coded`).
+// SAFETY: each task writes only its own columns (`matmul_coded`, `few_rows::matmul`,
+// `coded_rows::matmul`).
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 

@@ -23,6 +23,7 @@
 //! On this project's build host (2 cores, AVX2), a SmolLM2 step's products took about as
 //! long as with row-major codes at one to three rows, and 0.6-0.8 of that time at 8 to 32.
 
+use super::SharedOut;
 use canopy_core::{coded_value, CodedMatrix};
 use rayon::prelude::*;
 
@@ -42,7 +43,7 @@ const MIN_PANELS_A_TASK: usize = 8;
 /// Tasks a thread gets, so that threads that finish early take more.
 const TASKS_A_THREAD: usize = 8;
 
-/// A coded `rows × cols` weight, its rows in panels of [`LANES`], the last one padded with
+/// A coded `rows × cols` weight, its rows in panels of eight, the last one padded with
 /// rows of zero codes, steps and offsets.
 ///
 /// A panel is one run of memory, a group after another: the group's eight steps, its eight
@@ -184,7 +185,7 @@ pub(super) fn matmul(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], a
         rows,
         w,
         accumulate,
-        out: OutPtr(out.as_mut_ptr()),
+        out: SharedOut(out.as_mut_ptr()),
     };
     (0..panels.div_ceil(per_task))
         .into_par_iter()
@@ -202,15 +203,8 @@ struct Product<'a> {
     rows: usize,
     w: &'a CodedPanels,
     accumulate: bool,
-    out: OutPtr,
+    out: SharedOut,
 }
-
-/// `out`'s start, shared by the tasks that write its columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own panels' columns (see `matmul`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 impl Product<'_> {
     /// Writes the columns of `panels` in every row of `out`.
@@ -553,7 +547,7 @@ mod tests {
                                 rows,
                                 w: &w,
                                 accumulate,
-                                out: OutPtr(out.as_mut_ptr()),
+                                out: SharedOut(out.as_mut_ptr()),
                             };
                             let all = 0..w.panels();
                             // SAFETY: `out` holds rows × n elements; one thread writes it.

@@ -14,6 +14,7 @@
 //! tail past the last whole eight. A row's result is therefore the same bits alone or in a
 //! batch, and the AVX2 path equals the portable one.
 
+use super::SharedOut;
 use rayon::prelude::*;
 
 /// Products of two rows up to this many take this path. Larger ones (a prompt's) go to
@@ -56,7 +57,7 @@ pub(super) fn matmul(
         n,
         accumulate,
     };
-    let out = OutPtr(out.as_mut_ptr());
+    let out = SharedOut(out.as_mut_ptr());
     (0..n.div_ceil(per_task)).into_par_iter().for_each(|task| {
         let first = task * per_task;
         let columns = first..(first + per_task).min(n);
@@ -76,19 +77,12 @@ struct Product<'a> {
     accumulate: bool,
 }
 
-/// `out`'s start, shared by the tasks that write its columns.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own columns (see `matmul`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 impl Product<'_> {
     /// Writes `columns` of every row of `out`.
     ///
     /// # Safety
     /// `out` holds `rows × n` elements, and no other thread touches these columns.
-    unsafe fn columns(&self, columns: std::ops::Range<usize>, out: OutPtr) {
+    unsafe fn columns(&self, columns: std::ops::Range<usize>, out: SharedOut) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
@@ -99,7 +93,7 @@ impl Product<'_> {
 
     /// Covers `columns` × all rows, [`TILE_ROWS`] rows of a column at a time.
     #[inline(always)]
-    unsafe fn walk<T: Tiles>(&self, columns: std::ops::Range<usize>, out: OutPtr) {
+    unsafe fn walk<T: Tiles>(&self, columns: std::ops::Range<usize>, out: SharedOut) {
         for column in columns {
             let mut row = 0;
             while self.rows - row >= TILE_ROWS {
@@ -116,7 +110,7 @@ impl Product<'_> {
 
     /// Rows `row..row + R` of one column.
     #[inline(always)]
-    unsafe fn tile<T: Tiles, const R: usize>(&self, row: usize, column: usize, out: OutPtr) {
+    unsafe fn tile<T: Tiles, const R: usize>(&self, row: usize, column: usize, out: SharedOut) {
         let k = self.k;
         let x = &self.x[row * k..(row + R) * k];
         let w = &self.w[column * k..(column + 1) * k];
@@ -186,7 +180,7 @@ impl Tiles for Portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{OutPtr, Product, Tiles, CHAINS, LANES};
+    use super::{Product, SharedOut, Tiles, CHAINS, LANES};
     use std::arch::x86_64::*;
 
     /// [`Product::columns`] compiled for AVX2 and FMA.
@@ -194,7 +188,11 @@ mod avx2 {
     /// # Safety
     /// As [`Product::columns`]; the CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn columns(product: &Product, columns: std::ops::Range<usize>, out: OutPtr) {
+    pub(super) unsafe fn columns(
+        product: &Product,
+        columns: std::ops::Range<usize>,
+        out: SharedOut,
+    ) {
         product.walk::<Avx2>(columns, out)
     }
 
@@ -298,8 +296,8 @@ mod tests {
             let mut portable = vec![f32::NAN; rows * n];
             // SAFETY: each output holds rows × n elements; one thread writes it.
             unsafe {
-                avx2::columns(&product, 0..n, OutPtr(fast.as_mut_ptr()));
-                product.walk::<Portable>(0..n, OutPtr(portable.as_mut_ptr()));
+                avx2::columns(&product, 0..n, SharedOut(fast.as_mut_ptr()));
+                product.walk::<Portable>(0..n, SharedOut(portable.as_mut_ptr()));
             }
             assert!(fast
                 .iter()
