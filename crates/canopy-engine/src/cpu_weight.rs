@@ -3,7 +3,9 @@
 //!
 //! A decode step of one sequence reads every weight once and is bound by how fast it can:
 //! SmolLM2's f32 weights are 650 MB a step, its codes 200 MB. The codes decode to the f32
-//! values bit for bit, so both forms compute the same model.
+//! values bit for bit, so both forms compute the same model; their products sum in different
+//! orders (`host_ops::coded_rows` against `few_rows` and `gemm`), so results agree to
+//! rounding.
 
 use crate::cpu_layers::HostMatrix;
 use crate::host_ops::{matmul, matmul_coded, CodedPanels};

@@ -59,8 +59,8 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
 /// - Up to 32 rows (a decode step): the module `coded_rows`, each panel decoded once for all
 ///   the input rows: a third of f32's bytes are read. A row's result is the same bits alone
 ///   or in a batch.
-/// - More (a prompt): each task decodes 128 weight rows into memory it keeps,
-///   and runs `gemm` on them.
+/// - More (a prompt): each task decodes 128 weight rows into memory it keeps, and runs
+///   `gemm` on them.
 pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], accumulate: bool) {
     debug_assert_eq!(x.len(), rows * w.cols);
     debug_assert_eq!(out.len(), rows * w.rows);
