@@ -105,8 +105,9 @@ pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], ac
 const PANEL_COLUMNS: usize = 128;
 
 thread_local! {
-    /// A thread's decoded panels, kept between products: a fresh buffer each time would have
-    /// the kernel clear its pages.
+    /// A thread's decoded panels, kept between products (a prompt's, and `coded_rows`' blocks
+    /// for more than three rows): a fresh buffer each time would have the kernel clear its
+    /// pages.
     static PANEL_VALUES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 

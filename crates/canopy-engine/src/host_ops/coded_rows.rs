@@ -266,6 +266,7 @@ impl Product<'_> {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Product, BLOCK_BYTES, BLOCK_TILE_ROWS, LANES, SCALE_WORDS, TILE_ROWS};
+    use crate::host_ops::PANEL_VALUES;
     use std::arch::x86_64::*;
 
     /// [`Product::panels`] compiled for AVX2 and FMA.
@@ -317,12 +318,9 @@ mod avx2 {
             let mut totals = [[_mm256_setzero_ps(); P]; R];
             for g in 0..self.w.groups() {
                 let mut acc = [[_mm256_setzero_ps(); P]; R];
-                let mut steps = [_mm256_setzero_ps(); P];
-                let mut offsets = [_mm256_setzero_ps(); P];
-                for (p, (steps, offsets)) in steps.iter_mut().zip(&mut offsets).enumerate() {
-                    let scales = at.add(p * panel_words + g * group_words) as *const f32;
-                    *steps = _mm256_loadu_ps(scales);
-                    *offsets = _mm256_loadu_ps(scales.add(LANES));
+                let mut groups = [(_mm256_setzero_ps(), _mm256_setzero_ps(), at as *const i8); P];
+                for (p, groups) in groups.iter_mut().enumerate() {
+                    *groups = group_at(at.add(p * panel_words), g, group_words);
                 }
                 for j in 0..group {
                     let i = g * group + j;
@@ -330,10 +328,8 @@ mod avx2 {
                     for (r, xs) in xs.iter_mut().enumerate() {
                         *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
                     }
-                    for p in 0..P {
-                        let words = at.add(p * panel_words + g * group_words + SCALE_WORDS);
-                        let codes = (words as *const i8).add(j * LANES);
-                        let values = decode(codes, steps[p], offsets[p]);
+                    for (p, &(steps, offsets, codes)) in groups.iter().enumerate() {
+                        let values = decode(codes.add(j * LANES), steps, offsets);
                         for (acc, xs) in acc.iter_mut().zip(&xs) {
                             acc[p] = _mm256_fmadd_ps(*xs, values, acc[p]);
                         }
@@ -348,10 +344,26 @@ mod avx2 {
         /// meets every panel of a block.
         #[inline(always)]
         unsafe fn blocks(&self, panels: std::ops::Range<usize>) {
+            let panel_floats = self.w.cols * LANES;
+            let block = (BLOCK_BYTES / (panel_floats.max(1) * size_of::<f32>())).max(1);
+            // Taken out of the thread's slot, not borrowed in a closure: a closure would not
+            // be compiled for AVX2.
+            let mut decoded = PANEL_VALUES.take();
+            decoded.resize(block.min(panels.len()) * panel_floats, 0.0);
+            self.blocks_into(panels, block, &mut decoded);
+            PANEL_VALUES.set(decoded);
+        }
+
+        /// [`Self::blocks`], `block` panels at a time, decoded into `decoded`.
+        #[inline(always)]
+        unsafe fn blocks_into(
+            &self,
+            panels: std::ops::Range<usize>,
+            block: usize,
+            decoded: &mut [f32],
+        ) {
             let (k, group) = (self.w.cols, self.w.group);
             let panel_floats = k * LANES;
-            let block = (BLOCK_BYTES / (panel_floats.max(1) * size_of::<f32>())).max(1);
-            let mut decoded = vec![0.0f32; block.min(panels.len()) * panel_floats];
             let mut first = panels.start;
             while first < panels.end {
                 let block = first..(first + block).min(panels.end);
@@ -359,10 +371,7 @@ mod avx2 {
                     let at = self.panel_at(panel);
                     let out = decoded[j * panel_floats..].as_mut_ptr();
                     for g in 0..self.w.groups() {
-                        let scales = at.add(g * self.w.group_words());
-                        let steps = _mm256_loadu_ps(scales as *const f32);
-                        let offsets = _mm256_loadu_ps((scales as *const f32).add(LANES));
-                        let codes = scales.add(SCALE_WORDS) as *const i8;
+                        let (steps, offsets, codes) = group_at(at, g, self.w.group_words());
                         for j in 0..group {
                             let values = decode(codes.add(j * LANES), steps, offsets);
                             _mm256_storeu_ps(out.add((g * group + j) * LANES), values);
@@ -454,6 +463,23 @@ mod avx2 {
                     self.write(row + r, first + p, &sums);
                 }
             }
+        }
+    }
+
+    /// Group `g` of the panel at `at`: its steps and offsets, and where its codes start.
+    #[inline(always)]
+    unsafe fn group_at(
+        at: *const u32,
+        g: usize,
+        group_words: usize,
+    ) -> (__m256, __m256, *const i8) {
+        unsafe {
+            let scales = at.add(g * group_words);
+            (
+                _mm256_loadu_ps(scales as *const f32),
+                _mm256_loadu_ps((scales as *const f32).add(LANES)),
+                scales.add(SCALE_WORDS) as *const i8,
+            )
         }
     }
 
