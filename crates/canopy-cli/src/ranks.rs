@@ -129,7 +129,11 @@ impl RankThreads for CpuBackend {
         _: Strategy,
         body: &(dyn Fn(usize, &dyn RankComm<Self>) -> Result<T> + Sync),
     ) -> Vec<Result<T>> {
-        host_threads(backends.len(), body)
+        // Each rank's host ops run on its share of the threads, the rank's own among them.
+        host_threads(backends.len(), &|rank, comm| {
+            canopy_engine::host_ops::work_in_own_pool(backends.len());
+            body(rank, comm)
+        })
     }
 
     #[cfg(feature = "mpi")]
@@ -140,6 +144,7 @@ impl RankThreads for CpuBackend {
         _: Strategy,
         body: &dyn Fn(&dyn RankComm<Self>) -> Result<T>,
     ) -> Result<T> {
+        canopy_engine::host_ops::work_in_own_pool(1);
         body(comm)
     }
 }
