@@ -103,7 +103,7 @@ mod tests {
     }
 
     /// Coded products equal the f64 products of their values, added or not, on every path
-    /// (decoded as read, in blocks, and a prompt's panels through `gemm`), for weights whose
+    /// (converted as read, in blocks, and a prompt's panels through `gemm`), for weights whose
     /// rows fill their last panel or not; a row gives the same bits alone as in any batch of
     /// up to 32; rows and lookups decode to the f32 rows.
     #[test]

@@ -4,74 +4,83 @@
 //! [`CodedPanels`] holds a [`CodedMatrix`] with every eight weight rows (output columns)
 //! interleaved into a panel: element `i` of the panel's eight rows is eight consecutive
 //! codes, and a group's eight steps (and offsets) are one vector, stored before the group's
-//! codes so that a panel is read as one stream. A product decodes eight output columns'
-//! weights at `i` with one load, one widening, one conversion, one multiply and one add, and
-//! meets a broadcast input value in one fused multiply-add whose lanes are eight output
-//! elements.
+//! codes so that a panel is read as one stream.
+//!
+//! A product takes the steps and offsets out of the sum: for each group,
+//! `Σ x[i]·(step·c[i] + offset) = step · Σ x[i]·c[i] + offset · Σ x[i]`. Eight codes of a panel
+//! at `i` are loaded, widened and converted once, and meet a broadcast `x[i]` in one fused
+//! multiply-add whose lanes are eight output elements; the step and the offset are applied
+//! once a group, in two fused multiply-adds.
 //!
 //! Every output element takes the same operations, whatever the row count and however rows
-//! and panels are cut: for each group of the weight, one chain of fused multiply-adds over
-//! its `i` in order, from zero; the groups' sums added in order. A row's result is therefore
-//! the same bits alone or in a batch, and the AVX2 path equals the portable one. A chain is
-//! a group long (16 or 32), so rounding grows with the group, not with the row.
-//! - Up to [`TILE_ROWS`] input rows (one sequence, or a few) decode the codes as they read
-//!   them: four panels at a time for one or two rows, two for three (their accumulators,
-//!   steps and offsets within AVX2's 16 registers).
-//! - More rows decode a block of panels once into memory that stays in L2, and tiles of
+//! and panels are cut: for each group, one chain of fused multiply-adds over its `i` in
+//! order, from zero; then the total takes `offset · Σ x[i]` (the input's group sum, added in
+//! order from zero) and `step · chain`, groups in order. A row's result is therefore the same
+//! bits alone or in a batch, and the AVX2 path equals the portable one. A chain is a group
+//! long (16 or 32), so rounding grows with the group, not with the row.
+//! - Up to [`TILE_ROWS`] input rows (one sequence, or a few) convert the codes as they read
+//!   them: four panels at a time for one or two rows, two for three (their accumulators
+//!   within AVX2's 16 registers).
+//! - More rows convert a block of panels once into memory that stays in L2, and tiles of
 //!   [`BLOCK_TILE_ROWS`] input rows against two panels (eight accumulators) read it.
-//!
-//! On this project's build host (2 cores, AVX2), a SmolLM2 step's products took about as
-//! long as with row-major codes at one to three rows, and 0.6-0.8 of that time at 8 to 32.
 
 use super::SharedOut;
 use canopy_core::{coded_value, CodedMatrix};
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 /// Products of up to this many rows take this path; more (a prompt's) decode panels for
 /// `gemm`.
 pub(super) const FEW_ROWS: usize = 32;
 /// Output columns a panel interleaves: one AVX2 register of f32.
 pub(super) const LANES: usize = 8;
-/// Input rows that decode the codes as they read them, at most.
+/// Input rows that convert the codes as they read them, at most.
 const TILE_ROWS: usize = 3;
-/// Input rows a tile over decoded panels takes.
+/// Input rows a tile over converted panels takes.
 const BLOCK_TILE_ROWS: usize = 4;
-/// Decoded panels a block holds, in bytes at most: within L2 beside the input rows.
+/// Converted panels a block holds, in bytes at most: within L2 beside the input rows.
 const BLOCK_BYTES: usize = 96 << 10;
 /// Panels a task takes at least.
 const MIN_PANELS_A_TASK: usize = 8;
 /// Tasks a thread gets, so that threads that finish early take more.
 const TASKS_A_THREAD: usize = 8;
+/// Words of a group's steps and offsets.
+const SCALE_WORDS: usize = 2 * LANES;
 
 /// A coded `rows × cols` weight, its rows in panels of eight, the last one padded with
 /// rows of zero codes, steps and offsets.
 ///
 /// A panel is one run of memory, a group after another: the group's eight steps, its eight
-/// offsets, then its codes, `[i][lane]`. A product reads each panel as one stream.
+/// offsets, then its codes, a byte each at `[i][lane]`. A product reads each panel as one
+/// stream.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CodedPanels {
     pub rows: usize,
     pub cols: usize,
     group: usize,
-    /// The panels, in words of four bytes: the f32 steps and offsets as their bits, and four
-    /// codes a word.
+    /// The panels, in words of four bytes: the f32 steps and offsets as their bits, then the
+    /// codes.
     words: Vec<u32>,
 }
 
-/// Words of a group's steps and offsets.
-const SCALE_WORDS: usize = 2 * LANES;
-
 impl CodedPanels {
-    /// `m` in panels. Its groups are whole within a row, as [`CodedMatrix`] keeps them; a
-    /// group's codes for a panel fill whole words (eight codes an element).
+    /// `m` in panels. Its groups are whole within a row, as [`CodedMatrix`] keeps them.
     pub fn pack(m: &CodedMatrix) -> CodedPanels {
         let (rows, cols, group) = (m.rows, m.cols, m.group);
-        let groups = cols / group;
-        let group_words = SCALE_WORDS + group * LANES / 4;
-        let mut words = vec![0u32; rows.div_ceil(LANES) * groups * group_words];
+        let mut panels = CodedPanels {
+            rows,
+            cols,
+            group,
+            words: Vec::new(),
+        };
+        let (groups, group_words) = (panels.groups(), panels.group_words());
+        panels.words = vec![0u32; panels.panels() * panels.panel_words()];
         // A panel's element `i` is its rows' elements `i`; lanes past the last row keep
         // their zeros.
-        words
+        panels
+            .words
             .par_chunks_mut((groups * group_words).max(1))
             .enumerate()
             .for_each(|(panel, words)| {
@@ -89,12 +98,7 @@ impl CodedPanels {
                     }
                 }
             });
-        CodedPanels {
-            rows,
-            cols,
-            group,
-            words,
-        }
+        panels
     }
 
     /// Elements a group of one step and offset holds.
@@ -112,7 +116,7 @@ impl CodedPanels {
 
     /// Words a group takes.
     fn group_words(&self) -> usize {
-        SCALE_WORDS + self.group * LANES / 4
+        SCALE_WORDS + self.group * LANES / size_of::<u32>()
     }
 
     /// Words a panel takes.
@@ -120,23 +124,32 @@ impl CodedPanels {
         self.groups() * self.group_words()
     }
 
+    /// Panel `panel`'s groups in turn, handed to `put(g, scales, codes)`: the group's steps
+    /// then offsets as f32 bits, and its codes.
+    #[inline(always)]
+    fn each_group(&self, panel: usize, mut put: impl FnMut(usize, &[u32], &[i8])) {
+        let panel = &self.words[panel * self.panel_words()..][..self.panel_words()];
+        for (g, words) in panel.chunks_exact(self.group_words()).enumerate() {
+            let (scales, codes) = words.split_at(SCALE_WORDS);
+            put(g, scales, as_codes(codes));
+        }
+    }
+
     /// Panel `panel`'s eight values at each `i` in turn, handed to `put(i, values)`.
     #[inline(always)]
     fn each_value(&self, panel: usize, mut put: impl FnMut(usize, [f32; LANES])) {
-        let group_words = self.group_words();
-        let panel = &self.words[panel * self.panel_words()..][..self.panel_words()];
-        for (g, words) in panel.chunks_exact(group_words).enumerate() {
-            let (scales, codes) = words.split_at(SCALE_WORDS);
-            for (j, codes) in as_codes(codes).chunks_exact(LANES).enumerate() {
+        self.each_group(panel, |g, scales, codes| {
+            for j in 0..self.group {
                 put(
                     g * self.group + j,
                     std::array::from_fn(|l| {
                         let (step, offset) = (scales[l], scales[LANES + l]);
-                        coded_value(codes[l], f32::from_bits(step), f32::from_bits(offset))
+                        let code = codes[j * LANES + l];
+                        coded_value(code, f32::from_bits(step), f32::from_bits(offset))
                     }),
                 );
             }
-        }
+        });
     }
 
     /// Row `row`'s f32 values into `out` (`cols` long).
@@ -180,8 +193,13 @@ pub(super) fn matmul(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], a
     let per_task = panels
         .div_ceil(rayon::current_num_threads() * TASKS_A_THREAD)
         .max(MIN_PANELS_A_TASK);
+    let group_sums: Vec<f32> = x
+        .chunks_exact(w.group)
+        .map(|group| group.iter().sum())
+        .collect();
     let product = Product {
         x,
+        group_sums: &group_sums,
         rows,
         w,
         accumulate,
@@ -200,6 +218,7 @@ pub(super) fn matmul(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], a
 /// The operands of one product.
 struct Product<'a> {
     x: &'a [f32],
+    group_sums: &'a [f32],
     rows: usize,
     w: &'a CodedPanels,
     accumulate: bool,
@@ -220,24 +239,29 @@ impl Product<'_> {
         self.portable(panels)
     }
 
-    /// [`Self::panels`] on any CPU: each panel's values at `i` met by every row's `x[i]`.
+    /// [`Self::panels`] on any CPU: each panel's codes at `i` met by every row's `x[i]`.
     unsafe fn portable(&self, panels: std::ops::Range<usize>) {
-        let (k, group) = (self.w.cols, self.w.group);
+        let (k, group, groups) = (self.w.cols, self.w.group, self.w.groups());
         for panel in panels {
             let mut sums = vec![[0.0f32; LANES]; self.rows];
-            let mut parts = vec![[0.0f32; LANES]; self.rows];
-            self.w.each_value(panel, |i, values| {
-                for (row, parts) in parts.iter_mut().enumerate() {
-                    let x = self.x[row * k + i];
-                    for (part, value) in parts.iter_mut().zip(values) {
-                        *part = x.mul_add(value, *part);
+            self.w.each_group(panel, |g, scales, codes| {
+                let mut parts = vec![[0.0f32; LANES]; self.rows];
+                for j in 0..group {
+                    let values: [f32; LANES] =
+                        std::array::from_fn(|l| f32::from(codes[j * LANES + l]));
+                    for (row, parts) in parts.iter_mut().enumerate() {
+                        let x = self.x[row * k + g * group + j];
+                        for (part, value) in parts.iter_mut().zip(values) {
+                            *part = x.mul_add(value, *part);
+                        }
                     }
                 }
-                if (i + 1) % group == 0 {
-                    for (sums, parts) in sums.iter_mut().zip(&mut parts) {
-                        for (sum, part) in sums.iter_mut().zip(parts) {
-                            *sum += std::mem::take(part);
-                        }
+                for (row, (sums, parts)) in sums.iter_mut().zip(&parts).enumerate() {
+                    let x_sum = self.group_sums[row * groups + g];
+                    for (l, (sum, part)) in sums.iter_mut().zip(parts).enumerate() {
+                        let (step, offset) = (scales[l], scales[LANES + l]);
+                        let (step, offset) = (f32::from_bits(step), f32::from_bits(offset));
+                        *sum = step.mul_add(*part, offset.mul_add(x_sum, *sum));
                     }
                 }
             });
@@ -259,251 +283,6 @@ impl Product<'_> {
         for (column, &sum) in columns.zip(sums) {
             let at = unsafe { &mut *self.out.0.add(row * n + column) };
             *at = if self.accumulate { *at + sum } else { sum };
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{Product, BLOCK_BYTES, BLOCK_TILE_ROWS, LANES, SCALE_WORDS, TILE_ROWS};
-    use crate::host_ops::PANEL_VALUES;
-    use std::arch::x86_64::*;
-
-    /// [`Product::panels`] compiled for AVX2 and FMA.
-    ///
-    /// # Safety
-    /// As [`Product::panels`]; the CPU has AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn panels(product: &Product, panels: std::ops::Range<usize>) {
-        const { assert!(TILE_ROWS == 3 && BLOCK_TILE_ROWS == 4) };
-        match product.rows {
-            0 => {}
-            1 => product.as_read::<1, 4>(panels),
-            2 => product.as_read::<2, 4>(panels),
-            3 => product.as_read::<3, 2>(panels),
-            _ => product.blocks(panels),
-        }
-    }
-
-    impl Product<'_> {
-        /// Where panel `panel` starts; the next panels follow `panel_words` apart.
-        #[inline(always)]
-        fn panel_at(&self, panel: usize) -> *const u32 {
-            self.w.words[panel * self.w.panel_words()..].as_ptr()
-        }
-
-        /// The `R` input rows against `panels`, `P` panels at a time, then one at a time,
-        /// each decoded as it is read.
-        #[inline(always)]
-        unsafe fn as_read<const R: usize, const P: usize>(&self, panels: std::ops::Range<usize>) {
-            let mut first = panels.start;
-            while panels.end - first >= P {
-                self.read_tile::<R, P>(first);
-                first += P;
-            }
-            for panel in first..panels.end {
-                self.read_tile::<R, 1>(panel);
-            }
-        }
-
-        /// The `R` input rows against panels `first..first + P`: for each group, the panels'
-        /// steps and offsets; for each `i` in it, the rows' `x[i]` broadcast and each panel's
-        /// eight values decoded once for them.
-        #[inline(always)]
-        unsafe fn read_tile<const R: usize, const P: usize>(&self, first: usize) {
-            let (k, group) = (self.w.cols, self.w.group);
-            let at = self.panel_at(first);
-            let (panel_words, group_words) = (self.w.panel_words(), self.w.group_words());
-            let x = self.x.as_ptr();
-            let mut totals = [[_mm256_setzero_ps(); P]; R];
-            for g in 0..self.w.groups() {
-                let mut acc = [[_mm256_setzero_ps(); P]; R];
-                let mut groups = [(_mm256_setzero_ps(), _mm256_setzero_ps(), at as *const i8); P];
-                for (p, groups) in groups.iter_mut().enumerate() {
-                    *groups = group_at(at.add(p * panel_words), g, group_words);
-                }
-                for j in 0..group {
-                    let i = g * group + j;
-                    let mut xs = [_mm256_setzero_ps(); R];
-                    for (r, xs) in xs.iter_mut().enumerate() {
-                        *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
-                    }
-                    for (p, &(steps, offsets, codes)) in groups.iter().enumerate() {
-                        let values = decode(codes.add(j * LANES), steps, offsets);
-                        for (acc, xs) in acc.iter_mut().zip(&xs) {
-                            acc[p] = _mm256_fmadd_ps(*xs, values, acc[p]);
-                        }
-                    }
-                }
-                add_parts(&mut totals, &acc);
-            }
-            self.write_tile(0, first, &totals);
-        }
-
-        /// `panels` in blocks of about [`BLOCK_BYTES`] decoded once; each tile of input rows
-        /// meets every panel of a block.
-        #[inline(always)]
-        unsafe fn blocks(&self, panels: std::ops::Range<usize>) {
-            let panel_floats = self.w.cols * LANES;
-            let block = (BLOCK_BYTES / (panel_floats.max(1) * size_of::<f32>())).max(1);
-            // Taken out of the thread's slot, not borrowed in a closure: a closure would not
-            // be compiled for AVX2.
-            let mut decoded = PANEL_VALUES.take();
-            decoded.resize(block.min(panels.len()) * panel_floats, 0.0);
-            self.blocks_into(panels, block, &mut decoded);
-            PANEL_VALUES.set(decoded);
-        }
-
-        /// [`Self::blocks`], `block` panels at a time, decoded into `decoded`.
-        #[inline(always)]
-        unsafe fn blocks_into(
-            &self,
-            panels: std::ops::Range<usize>,
-            block: usize,
-            decoded: &mut [f32],
-        ) {
-            let (k, group) = (self.w.cols, self.w.group);
-            let panel_floats = k * LANES;
-            let mut first = panels.start;
-            while first < panels.end {
-                let block = first..(first + block).min(panels.end);
-                for (j, panel) in block.clone().enumerate() {
-                    let at = self.panel_at(panel);
-                    let out = decoded[j * panel_floats..].as_mut_ptr();
-                    for g in 0..self.w.groups() {
-                        let (steps, offsets, codes) = group_at(at, g, self.w.group_words());
-                        for j in 0..group {
-                            let values = decode(codes.add(j * LANES), steps, offsets);
-                            _mm256_storeu_ps(out.add((g * group + j) * LANES), values);
-                        }
-                    }
-                }
-                let mut row = 0;
-                while row < self.rows {
-                    let decoded = &decoded[..block.len() * panel_floats];
-                    row += match self.rows - row {
-                        1 => self.block_tiles::<1, 4>(row, block.start, decoded),
-                        2 => self.block_tiles::<2, 2>(row, block.start, decoded),
-                        3 => self.block_tiles::<3, 2>(row, block.start, decoded),
-                        _ => self.block_tiles::<4, 2>(row, block.start, decoded),
-                    };
-                }
-                first = block.end;
-            }
-        }
-
-        /// Input rows `row..row + R` against a block's decoded panels (the first of them
-        /// panel `first`), `P` at a time, then one at a time; returns `R`.
-        #[inline(always)]
-        unsafe fn block_tiles<const R: usize, const P: usize>(
-            &self,
-            row: usize,
-            first: usize,
-            decoded: &[f32],
-        ) -> usize {
-            let panel_floats = self.w.cols * LANES;
-            let panels = decoded.len() / panel_floats.max(1);
-            let mut j = 0;
-            while panels - j >= P {
-                self.block_tile::<R, P>(row, first + j, &decoded[j * panel_floats..]);
-                j += P;
-            }
-            for j in j..panels {
-                self.block_tile::<R, 1>(row, first + j, &decoded[j * panel_floats..]);
-            }
-            R
-        }
-
-        /// Input rows `row..row + R` against `P` decoded panels from `decoded` (panel
-        /// `first` on): for each `i`, the rows' `x[i]` broadcast and each panel's eight values
-        /// loaded once for them.
-        #[inline(always)]
-        unsafe fn block_tile<const R: usize, const P: usize>(
-            &self,
-            row: usize,
-            first: usize,
-            decoded: &[f32],
-        ) {
-            let (k, group) = (self.w.cols, self.w.group);
-            debug_assert!(decoded.len() >= P * k * LANES);
-            let x = self.x.as_ptr().add(row * k);
-            let values = decoded.as_ptr();
-            let mut totals = [[_mm256_setzero_ps(); P]; R];
-            for g in 0..self.w.groups() {
-                let mut acc = [[_mm256_setzero_ps(); P]; R];
-                for i in g * group..(g + 1) * group {
-                    let mut xs = [_mm256_setzero_ps(); R];
-                    for (r, xs) in xs.iter_mut().enumerate() {
-                        *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
-                    }
-                    for p in 0..P {
-                        let values = _mm256_loadu_ps(values.add((p * k + i) * LANES));
-                        for (acc, xs) in acc.iter_mut().zip(&xs) {
-                            acc[p] = _mm256_fmadd_ps(*xs, values, acc[p]);
-                        }
-                    }
-                }
-                add_parts(&mut totals, &acc);
-            }
-            self.write_tile(row, first, &totals);
-        }
-
-        /// A tile's sums: input rows `row..row + R`, panels `first..first + P`.
-        #[inline(always)]
-        unsafe fn write_tile<const R: usize, const P: usize>(
-            &self,
-            row: usize,
-            first: usize,
-            acc: &[[__m256; P]; R],
-        ) {
-            for (r, acc) in acc.iter().enumerate() {
-                for (p, acc) in acc.iter().enumerate() {
-                    let mut sums = [0.0f32; LANES];
-                    _mm256_storeu_ps(sums.as_mut_ptr(), *acc);
-                    self.write(row + r, first + p, &sums);
-                }
-            }
-        }
-    }
-
-    /// Group `g` of the panel at `at`: its steps and offsets, and where its codes start.
-    #[inline(always)]
-    unsafe fn group_at(
-        at: *const u32,
-        g: usize,
-        group_words: usize,
-    ) -> (__m256, __m256, *const i8) {
-        unsafe {
-            let scales = at.add(g * group_words);
-            (
-                _mm256_loadu_ps(scales as *const f32),
-                _mm256_loadu_ps((scales as *const f32).add(LANES)),
-                scales.add(SCALE_WORDS) as *const i8,
-            )
-        }
-    }
-
-    /// A group's sums added to the totals.
-    #[inline(always)]
-    unsafe fn add_parts<const R: usize, const P: usize>(
-        totals: &mut [[__m256; P]; R],
-        parts: &[[__m256; P]; R],
-    ) {
-        for (totals, parts) in totals.iter_mut().zip(parts) {
-            for (total, part) in totals.iter_mut().zip(parts) {
-                *total = unsafe { _mm256_add_ps(*total, *part) };
-            }
-        }
-    }
-
-    /// Eight codes at `codes` widened to i32 and converted, then multiplied by the steps and
-    /// added to the offsets in two roundings, as [`canopy_core::coded_value`] computes them.
-    #[inline(always)]
-    unsafe fn decode(codes: *const i8, steps: __m256, offsets: __m256) -> __m256 {
-        unsafe {
-            let codes = _mm_loadl_epi64(codes as *const __m128i);
-            let values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-            _mm256_add_ps(_mm256_mul_ps(values, steps), offsets)
         }
     }
 }
@@ -563,6 +342,7 @@ mod tests {
                 .collect();
             for (n, group) in [(40, 8), (203, 16), (61, 32)] {
                 let w = CodedPanels::pack(&coded(n, k, group, n));
+                let group_sums: Vec<f32> = x.chunks_exact(group).map(|g| g.iter().sum()).collect();
                 for rows in [1, 2, 3, 4, 5, 6, 7, 9, 32] {
                     for accumulate in [false, true] {
                         let start: Vec<f32> = (0..rows * n).map(|i| (i % 3) as f32).collect();
@@ -570,6 +350,7 @@ mod tests {
                         for (out, use_avx2) in [(&mut fast, true), (&mut portable, false)] {
                             let product = Product {
                                 x: &x[..rows * k],
+                                group_sums: &group_sums,
                                 rows,
                                 w: &w,
                                 accumulate,

@@ -1,0 +1,257 @@
+//! [`Product::panels`] on AVX2 and FMA: the same operations as the portable path, eight
+//! lanes at a time.
+
+use super::{Product, BLOCK_BYTES, BLOCK_TILE_ROWS, LANES, SCALE_WORDS, TILE_ROWS};
+use crate::host_ops::PANEL_VALUES;
+use std::arch::x86_64::*;
+
+/// [`Product::panels`] compiled for AVX2 and FMA.
+///
+/// # Safety
+/// As [`Product::panels`]; the CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn panels(product: &Product, panels: std::ops::Range<usize>) {
+    const { assert!(TILE_ROWS == 3 && BLOCK_TILE_ROWS == 4) };
+    match product.rows {
+        0 => {}
+        1 => product.as_read::<1, 4>(panels),
+        2 => product.as_read::<2, 4>(panels),
+        3 => product.as_read::<3, 2>(panels),
+        _ => product.blocks(panels),
+    }
+}
+
+/// A group's place in a panel: its steps, its offsets and where its codes start.
+type GroupAt = (__m256, __m256, *const i8);
+
+impl Product<'_> {
+    /// Where panel `panel` starts; the next panels follow `panel_words` apart.
+    #[inline(always)]
+    fn panel_at(&self, panel: usize) -> *const u32 {
+        self.w.words[panel * self.w.panel_words()..].as_ptr()
+    }
+
+    /// Group `g` of the panel at `at`.
+    #[inline(always)]
+    unsafe fn group_at(&self, at: *const u32, g: usize) -> GroupAt {
+        unsafe {
+            let scales = at.add(g * self.w.group_words());
+            (
+                _mm256_loadu_ps(scales as *const f32),
+                _mm256_loadu_ps((scales as *const f32).add(LANES)),
+                scales.add(SCALE_WORDS) as *const i8,
+            )
+        }
+    }
+
+    /// Group `g` of `P` consecutive panels, the first at `at`. A loop, not a closure: a
+    /// closure would not be compiled for AVX2.
+    #[inline(always)]
+    unsafe fn groups_at<const P: usize>(&self, at: *const u32, g: usize) -> [GroupAt; P] {
+        let mut groups = [(_mm256_setzero_ps(), _mm256_setzero_ps(), std::ptr::null()); P];
+        for (p, group) in groups.iter_mut().enumerate() {
+            *group = self.group_at(at.add(p * self.w.panel_words()), g);
+        }
+        groups
+    }
+
+    /// The `R` input rows against `panels`, `P` panels at a time, then one at a time, each
+    /// converted as it is read.
+    #[inline(always)]
+    unsafe fn as_read<const R: usize, const P: usize>(&self, panels: std::ops::Range<usize>) {
+        let mut first = panels.start;
+        while panels.end - first >= P {
+            self.read_tile::<R, P>(first);
+            first += P;
+        }
+        for panel in first..panels.end {
+            self.read_tile::<R, 1>(panel);
+        }
+    }
+
+    /// The `R` input rows against panels `first..first + P`: for each `i` of a group, the
+    /// rows' `x[i]` broadcast and each panel's eight codes converted once for them.
+    #[inline(always)]
+    unsafe fn read_tile<const R: usize, const P: usize>(&self, first: usize) {
+        let (k, group) = (self.w.cols, self.w.group);
+        let at = self.panel_at(first);
+        let x = self.x.as_ptr();
+        let mut totals = [[_mm256_setzero_ps(); P]; R];
+        for g in 0..self.w.groups() {
+            let mut parts = [[_mm256_setzero_ps(); P]; R];
+            let groups = self.groups_at::<P>(at, g);
+            for j in 0..group {
+                let i = g * group + j;
+                let mut xs = [_mm256_setzero_ps(); R];
+                for (r, xs) in xs.iter_mut().enumerate() {
+                    *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
+                }
+                for (p, &(_, _, codes)) in groups.iter().enumerate() {
+                    let codes = codes_at(codes, j);
+                    for (parts, xs) in parts.iter_mut().zip(&xs) {
+                        parts[p] = _mm256_fmadd_ps(*xs, codes, parts[p]);
+                    }
+                }
+            }
+            self.close_group(&mut totals, &parts, &groups, 0, g);
+        }
+        self.write_tile(0, first, &totals);
+    }
+
+    /// The totals of input rows `row..row + R` take a group: its offsets times the rows'
+    /// group sums, then its chains times its steps.
+    #[inline(always)]
+    unsafe fn close_group<const R: usize, const P: usize>(
+        &self,
+        totals: &mut [[__m256; P]; R],
+        parts: &[[__m256; P]; R],
+        groups: &[GroupAt; P],
+        row: usize,
+        g: usize,
+    ) {
+        let groups_a_row = self.w.groups();
+        for (r, (totals, parts)) in totals.iter_mut().zip(parts).enumerate() {
+            let x_sum = _mm256_broadcast_ss(&self.group_sums[(row + r) * groups_a_row + g]);
+            for ((total, part), &(steps, offsets, _)) in totals.iter_mut().zip(parts).zip(groups) {
+                *total = _mm256_fmadd_ps(steps, *part, _mm256_fmadd_ps(offsets, x_sum, *total));
+            }
+        }
+    }
+
+    /// `panels` in blocks of about [`BLOCK_BYTES`] converted once; each tile of input rows
+    /// meets every panel of a block.
+    #[inline(always)]
+    unsafe fn blocks(&self, panels: std::ops::Range<usize>) {
+        let panel_floats = self.w.cols * LANES;
+        let block = (BLOCK_BYTES / (panel_floats.max(1) * size_of::<f32>())).max(1);
+        // Taken out of the thread's slot, not borrowed in a closure: a closure would not be
+        // compiled for AVX2.
+        let mut converted = PANEL_VALUES.take();
+        converted.resize(block.min(panels.len()) * panel_floats, 0.0);
+        self.blocks_into(panels, block, &mut converted);
+        PANEL_VALUES.set(converted);
+    }
+
+    /// [`Self::blocks`], `block` panels at a time, converted into `converted`.
+    #[inline(always)]
+    unsafe fn blocks_into(
+        &self,
+        panels: std::ops::Range<usize>,
+        block: usize,
+        converted: &mut [f32],
+    ) {
+        let (k, group) = (self.w.cols, self.w.group);
+        let panel_floats = k * LANES;
+        let mut first = panels.start;
+        while first < panels.end {
+            let block = first..(first + block).min(panels.end);
+            for (j, panel) in block.clone().enumerate() {
+                let at = self.panel_at(panel);
+                let out = converted[j * panel_floats..].as_mut_ptr();
+                for g in 0..self.w.groups() {
+                    let (_, _, codes) = self.group_at(at, g);
+                    for j in 0..group {
+                        let codes = codes_at(codes, j);
+                        _mm256_storeu_ps(out.add((g * group + j) * LANES), codes);
+                    }
+                }
+            }
+            let mut row = 0;
+            while row < self.rows {
+                let converted = &converted[..block.len() * panel_floats];
+                row += match self.rows - row {
+                    1 => self.block_tiles::<1, 4>(row, block.start, converted),
+                    2 => self.block_tiles::<2, 2>(row, block.start, converted),
+                    3 => self.block_tiles::<3, 2>(row, block.start, converted),
+                    _ => self.block_tiles::<4, 2>(row, block.start, converted),
+                };
+            }
+            first = block.end;
+        }
+    }
+
+    /// Input rows `row..row + R` against a block's converted panels (the first of them panel
+    /// `first`), `P` at a time, then one at a time; returns `R`.
+    #[inline(always)]
+    unsafe fn block_tiles<const R: usize, const P: usize>(
+        &self,
+        row: usize,
+        first: usize,
+        converted: &[f32],
+    ) -> usize {
+        let panel_floats = self.w.cols * LANES;
+        let panels = converted.len() / panel_floats.max(1);
+        let mut j = 0;
+        while panels - j >= P {
+            self.block_tile::<R, P>(row, first + j, &converted[j * panel_floats..]);
+            j += P;
+        }
+        for j in j..panels {
+            self.block_tile::<R, 1>(row, first + j, &converted[j * panel_floats..]);
+        }
+        R
+    }
+
+    /// Input rows `row..row + R` against `P` converted panels from `converted` (panel `first`
+    /// on): for each `i`, the rows' `x[i]` broadcast and each panel's eight values loaded
+    /// once for them.
+    #[inline(always)]
+    unsafe fn block_tile<const R: usize, const P: usize>(
+        &self,
+        row: usize,
+        first: usize,
+        converted: &[f32],
+    ) {
+        let (k, group) = (self.w.cols, self.w.group);
+        debug_assert!(converted.len() >= P * k * LANES);
+        let x = self.x.as_ptr().add(row * k);
+        let values = converted.as_ptr();
+        let at = self.panel_at(first);
+        let mut totals = [[_mm256_setzero_ps(); P]; R];
+        for g in 0..self.w.groups() {
+            let mut parts = [[_mm256_setzero_ps(); P]; R];
+            for i in g * group..(g + 1) * group {
+                let mut xs = [_mm256_setzero_ps(); R];
+                for (r, xs) in xs.iter_mut().enumerate() {
+                    *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
+                }
+                for p in 0..P {
+                    let values = _mm256_loadu_ps(values.add((p * k + i) * LANES));
+                    for (parts, xs) in parts.iter_mut().zip(&xs) {
+                        parts[p] = _mm256_fmadd_ps(*xs, values, parts[p]);
+                    }
+                }
+            }
+            let groups = self.groups_at::<P>(at, g);
+            self.close_group(&mut totals, &parts, &groups, row, g);
+        }
+        self.write_tile(row, first, &totals);
+    }
+
+    /// A tile's sums: input rows `row..row + R`, panels `first..first + P`.
+    #[inline(always)]
+    unsafe fn write_tile<const R: usize, const P: usize>(
+        &self,
+        row: usize,
+        first: usize,
+        totals: &[[__m256; P]; R],
+    ) {
+        for (r, totals) in totals.iter().enumerate() {
+            for (p, total) in totals.iter().enumerate() {
+                let mut sums = [0.0f32; LANES];
+                _mm256_storeu_ps(sums.as_mut_ptr(), *total);
+                self.write(row + r, first + p, &sums);
+            }
+        }
+    }
+}
+
+/// The eight codes of element `j` of a group whose codes start at `codes`, sign-extended and
+/// converted to f32.
+#[inline(always)]
+unsafe fn codes_at(codes: *const i8, j: usize) -> __m256 {
+    unsafe {
+        let codes = _mm_loadl_epi64(codes.add(j * LANES) as *const __m128i);
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes))
+    }
+}
