@@ -21,8 +21,10 @@
 //! - Up to [`TILE_ROWS`] input rows (one sequence, or a few) convert the codes as they read
 //!   them: four panels at a time for one or two rows, two for three (their accumulators
 //!   within AVX2's 16 registers).
-//! - More rows convert a block of panels once into memory that stays in L2, and tiles of
-//!   [`BLOCK_TILE_ROWS`] input rows against two panels (eight accumulators) read it.
+//! - More rows convert a block of panels once into memory that stays in L2. For each two
+//!   panels of it and each group, tiles of [`BLOCK_TILE_ROWS`] input rows (eight
+//!   accumulators) chain the group, and every row's totals wait in memory between groups:
+//!   kept in registers across a tile's groups, they and the chains would not fit AVX2's 16.
 
 use super::SharedOut;
 use canopy_core::{coded_value, CodedMatrix};

@@ -1,7 +1,7 @@
 //! [`Product::panels`] on AVX2 and FMA: the same operations as the portable path, eight
 //! lanes at a time.
 
-use super::{Product, BLOCK_BYTES, BLOCK_TILE_ROWS, LANES, SCALE_WORDS, TILE_ROWS};
+use super::{Product, BLOCK_BYTES, BLOCK_TILE_ROWS, FEW_ROWS, LANES, SCALE_WORDS, TILE_ROWS};
 use crate::host_ops::PANEL_VALUES;
 use std::arch::x86_64::*;
 
@@ -156,76 +156,77 @@ impl Product<'_> {
                     }
                 }
             }
-            let mut row = 0;
-            while row < self.rows {
-                let converted = &converted[..block.len() * panel_floats];
-                row += match self.rows - row {
-                    1 => self.block_tiles::<1, 4>(row, block.start, converted),
-                    2 => self.block_tiles::<2, 2>(row, block.start, converted),
-                    3 => self.block_tiles::<3, 2>(row, block.start, converted),
-                    _ => self.block_tiles::<4, 2>(row, block.start, converted),
-                };
+            let converted = &converted[..block.len() * panel_floats];
+            let mut j = 0;
+            while block.len() - j >= 2 {
+                self.block_panels::<2>(block.start + j, &converted[j * panel_floats..]);
+                j += 2;
+            }
+            if j < block.len() {
+                self.block_panels::<1>(block.start + j, &converted[j * panel_floats..]);
             }
             first = block.end;
         }
     }
 
-    /// Input rows `row..row + R` against a block's converted panels (the first of them panel
-    /// `first`), `P` at a time, then one at a time; returns `R`.
+    /// Every input row against `P` converted panels from `converted` (panel `first` on):
+    /// for each group, tiles of up to [`BLOCK_TILE_ROWS`] rows chain its elements, and the
+    /// group closes into the rows' totals, which wait in memory while the next tile runs.
     #[inline(always)]
-    unsafe fn block_tiles<const R: usize, const P: usize>(
-        &self,
-        row: usize,
-        first: usize,
-        converted: &[f32],
-    ) -> usize {
-        let panel_floats = self.w.cols * LANES;
-        let panels = converted.len() / panel_floats.max(1);
-        let mut j = 0;
-        while panels - j >= P {
-            self.block_tile::<R, P>(row, first + j, &converted[j * panel_floats..]);
-            j += P;
+    unsafe fn block_panels<const P: usize>(&self, first: usize, converted: &[f32]) {
+        debug_assert!(self.rows <= FEW_ROWS);
+        let mut totals = [[_mm256_setzero_ps(); P]; FEW_ROWS];
+        let totals = &mut totals[..self.rows];
+        let at = self.panel_at(first);
+        for g in 0..self.w.groups() {
+            let groups = self.groups_at::<P>(at, g);
+            let mut row = 0;
+            while row < self.rows {
+                row += match self.rows - row {
+                    1 => self.group_tile::<1, P>(row, g, &groups, converted, totals),
+                    2 => self.group_tile::<2, P>(row, g, &groups, converted, totals),
+                    3 => self.group_tile::<3, P>(row, g, &groups, converted, totals),
+                    _ => self.group_tile::<4, P>(row, g, &groups, converted, totals),
+                };
+            }
         }
-        for j in j..panels {
-            self.block_tile::<R, 1>(row, first + j, &converted[j * panel_floats..]);
+        for (row, totals) in totals.iter().enumerate() {
+            self.write_tile::<1, P>(row, first, &[*totals]);
         }
-        R
     }
 
-    /// Input rows `row..row + R` against `P` converted panels from `converted` (panel `first`
-    /// on): for each `i`, the rows' `x[i]` broadcast and each panel's eight values loaded
-    /// once for them.
+    /// Group `g` of input rows `row..row + R` against `P` converted panels: for each `i`,
+    /// the rows' `x[i]` broadcast and each panel's eight codes loaded once for them; then
+    /// the group closes into the rows' totals. Returns `R`.
     #[inline(always)]
-    unsafe fn block_tile<const R: usize, const P: usize>(
+    unsafe fn group_tile<const R: usize, const P: usize>(
         &self,
         row: usize,
-        first: usize,
+        g: usize,
+        groups: &[GroupAt; P],
         converted: &[f32],
-    ) {
+        totals: &mut [[__m256; P]],
+    ) -> usize {
         let (k, group) = (self.w.cols, self.w.group);
         debug_assert!(converted.len() >= P * k * LANES);
         let x = self.x.as_ptr().add(row * k);
-        let values = converted.as_ptr();
-        let at = self.panel_at(first);
-        let mut totals = [[_mm256_setzero_ps(); P]; R];
-        for g in 0..self.w.groups() {
-            let mut parts = [[_mm256_setzero_ps(); P]; R];
-            for i in g * group..(g + 1) * group {
-                let mut xs = [_mm256_setzero_ps(); R];
-                for (r, xs) in xs.iter_mut().enumerate() {
-                    *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
-                }
-                for p in 0..P {
-                    let values = _mm256_loadu_ps(values.add((p * k + i) * LANES));
-                    for (parts, xs) in parts.iter_mut().zip(&xs) {
-                        parts[p] = _mm256_fmadd_ps(*xs, values, parts[p]);
-                    }
+        let codes = converted.as_ptr();
+        let mut parts = [[_mm256_setzero_ps(); P]; R];
+        for i in g * group..(g + 1) * group {
+            let mut xs = [_mm256_setzero_ps(); R];
+            for (r, xs) in xs.iter_mut().enumerate() {
+                *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
+            }
+            for p in 0..P {
+                let codes = _mm256_loadu_ps(codes.add((p * k + i) * LANES));
+                for (parts, xs) in parts.iter_mut().zip(&xs) {
+                    parts[p] = _mm256_fmadd_ps(*xs, codes, parts[p]);
                 }
             }
-            let groups = self.groups_at::<P>(at, g);
-            self.close_group(&mut totals, &parts, &groups, row, g);
         }
-        self.write_tile(row, first, &totals);
+        let totals: &mut [[__m256; P]; R] = (&mut totals[row..row + R]).try_into().unwrap();
+        self.close_group(totals, &parts, groups, row, g);
+        R
     }
 
     /// A tile's sums: input rows `row..row + R`, panels `first..first + P`.
