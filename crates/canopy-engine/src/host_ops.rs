@@ -145,9 +145,9 @@ thread_local! {
 const PANEL_COLUMNS: usize = 128;
 
 thread_local! {
-    /// A thread's decoded panels, kept between products (a prompt's, and `coded_rows`' blocks
-    /// for more than three rows): a fresh buffer each time would have the kernel clear its
-    /// pages.
+    /// A thread's decoded panels (a prompt's) or converted codes (`coded_rows`' blocks for
+    /// more than three rows), kept between products: a fresh buffer each time would have the
+    /// kernel clear its pages.
     static PANEL_VALUES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 

@@ -118,8 +118,8 @@ impl Product<'_> {
         }
     }
 
-    /// `panels` in blocks of about [`BLOCK_BYTES`] converted once; each tile of input rows
-    /// meets every panel of a block.
+    /// `panels` in blocks of about [`BLOCK_BYTES`] converted once; each two panels of a block
+    /// meet every input row ([`Self::block_panels`]).
     #[inline(always)]
     unsafe fn blocks(&self, panels: std::ops::Range<usize>) {
         let panel_floats = self.w.cols * LANES;
