@@ -21,6 +21,9 @@ pub(super) unsafe fn panels(product: &Product, panels: std::ops::Range<usize>) {
     }
 }
 
+/// Bytes of a cache line: the step between prefetches.
+const CACHE_LINE: usize = 64;
+
 /// A group's place in a panel: its steps, its offsets and where its codes start.
 type GroupAt = (__m256, __m256, *const i8);
 
@@ -41,6 +44,23 @@ impl Product<'_> {
                 _mm256_loadu_ps((scales as *const f32).add(LANES)),
                 scales.add(SCALE_WORDS) as *const i8,
             )
+        }
+    }
+
+    /// Asks for group `g` of the `P` panels from the one at `at` to be brought into L1: a
+    /// product reads its panels one stream a panel, and the hardware's prefetcher alone
+    /// runs too little ahead of it. The panels may lie past the weight's end, where nothing
+    /// is read.
+    #[inline(always)]
+    unsafe fn prefetch_groups<const P: usize>(&self, at: *const u32, g: usize) {
+        let group_bytes = self.w.group_words() * size_of::<u32>();
+        for p in 0..P {
+            let group = at
+                .wrapping_add(p * self.w.panel_words() + g * self.w.group_words())
+                .cast::<i8>();
+            for line in (0..group_bytes).step_by(CACHE_LINE) {
+                _mm_prefetch::<_MM_HINT_T0>(group.wrapping_add(line));
+            }
         }
     }
 
@@ -80,6 +100,8 @@ impl Product<'_> {
         for g in 0..self.w.groups() {
             let mut parts = [[_mm256_setzero_ps(); P]; R];
             let groups = self.groups_at::<P>(at, g);
+            // The next tile's panels.
+            self.prefetch_groups::<P>(at.wrapping_add(P * self.w.panel_words()), g);
             for j in 0..group {
                 let i = g * group + j;
                 let mut xs = [_mm256_setzero_ps(); R];
@@ -149,6 +171,7 @@ impl Product<'_> {
                 let at = self.panel_at(panel);
                 let out = converted[j * panel_floats..].as_mut_ptr();
                 for g in 0..self.w.groups() {
+                    self.prefetch_groups::<1>(at.wrapping_add(self.w.panel_words()), g);
                     let (_, _, codes) = self.group_at(at, g);
                     for j in 0..group {
                         let codes = codes_at(codes, j);
