@@ -2,10 +2,11 @@
 //! ([`canopy_core::coded`]), which products and embedding lookups decode as they read them.
 //!
 //! A decode step of one sequence reads every weight once and is bound by how fast it can:
-//! SmolLM2's f32 weights are 650 MB a step, its codes 200 MB. The codes decode to the f32
-//! values bit for bit, so both forms compute the same model; their products sum in different
-//! orders (`host_ops::coded_rows` against `few_rows` and `gemm`), so results agree to
-//! rounding.
+//! SmolLM2's f32 weights are 538 MB a step; its codes, with their steps and offsets, 115 MB
+//! (its 4-bit layers' codes stored two to a byte; 168 MB at a byte each). The codes decode to
+//! the f32 values bit for bit, so both forms compute the same model; their products sum in
+//! different orders (`host_ops::coded_rows` against `few_rows` and `gemm`), so results agree
+//! to rounding.
 
 use crate::cpu_layers::HostMatrix;
 use crate::host_ops::{matmul, matmul_coded, CodedPanels};
@@ -66,12 +67,13 @@ mod tests {
     use super::*;
     use canopy_core::CodedMatrix;
 
-    /// A coded weight of `rows × cols` in groups of 16, with codes of every sign and offsets
-    /// zero or not, and the same weight as f32 values.
-    fn weights(rows: usize, cols: usize) -> (CpuWeight, CpuWeight) {
+    /// A coded weight of `rows × cols` in groups of 16, with `spread` distinct codes (of
+    /// every sign at 255; 0..16, stored two to a byte, at 16) and offsets zero or not, and the
+    /// same weight as f32 values.
+    fn weights(rows: usize, cols: usize, spread: usize) -> (CpuWeight, CpuWeight) {
         let mut coded = CodedMatrix::zeros(rows, cols, 16).unwrap();
         for (i, c) in coded.codes.iter_mut().enumerate() {
-            *c = ((i * 7919 + 13) % 255) as i8;
+            *c = ((i * 7919 + 13) % spread) as i8;
         }
         for (g, (step, offset)) in (coded.steps.iter_mut())
             .zip(coded.offsets.iter_mut())
@@ -104,12 +106,27 @@ mod tests {
 
     /// Coded products equal the f64 products of their values, added or not, on every path
     /// (converted as read, in blocks, and a prompt's panels through `gemm`), for weights whose
-    /// rows fill their last panel or not; a row gives the same bits alone as in any batch of
-    /// up to 32; rows and lookups decode to the f32 rows.
+    /// rows fill their last panel or not and whose codes take a byte or a nibble; a row gives
+    /// the same bits alone as in any batch of up to 32; rows and lookups decode to the f32
+    /// rows.
     #[test]
     fn coded_weights_compute_what_their_values_do() {
-        for (k, n) in [(96, 200), (64, 37), (576, 300)] {
-            let (coded, dense) = weights(n, k);
+        let shapes = [(96, 200), (64, 37), (576, 300)];
+        for ((k, n), spread) in shapes.into_iter().flat_map(|s| [(s, 255), (s, 16)]) {
+            let (coded, dense) = weights(n, k, spread);
+            let panel_bytes = |w: &CpuWeight| match w {
+                CpuWeight::Coded(panels) => panels.bytes(),
+                CpuWeight::Dense(_) => unreachable!(),
+            };
+            let codes_saved = panel_bytes(&weights(n, k, 255).0) - panel_bytes(&coded);
+            assert_eq!(
+                codes_saved,
+                if spread == 16 {
+                    n.next_multiple_of(8) * k / 2
+                } else {
+                    0
+                }
+            );
             let CpuWeight::Dense(values) = &dense else {
                 unreachable!()
             };
@@ -153,13 +170,16 @@ mod tests {
                             .iter()
                             .zip(batch)
                             .all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(same, "row {r} alone and in a batch of {rows}, {k} by {n}");
+                        assert!(
+                            same,
+                            "row {r} alone and in a batch of {rows}, {k} by {n}, {spread} codes"
+                        );
                     }
                 }
             }
         }
         let (k, n) = (96, 200);
-        let (coded, dense) = weights(n, k);
+        let (coded, dense) = weights(n, k, 255);
         let (mut from_codes, mut from_values) = (vec![0.0; k], vec![1.0; k]);
         coded.copy_row(123, &mut from_codes);
         dense.copy_row(123, &mut from_values);

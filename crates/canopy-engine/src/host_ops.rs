@@ -58,7 +58,8 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, out: &mut [f32], accu
 /// values are f32 ones.
 /// - Up to 32 rows (a decode step): the module `coded_rows`, each panel's codes converted
 ///   once for all the input rows, a group's step and offset applied to its sums: a third of
-///   f32's bytes are read. A row's result is the same bits alone or in a batch.
+///   f32's bytes are read, a fifth for 4-bit codes. A row's result is the same bits alone
+///   or in a batch.
 /// - More (a prompt): each task decodes 128 weight rows into memory it keeps, and runs
 ///   `gemm` on them.
 pub fn matmul_coded(x: &[f32], rows: usize, w: &CodedPanels, out: &mut [f32], accumulate: bool) {

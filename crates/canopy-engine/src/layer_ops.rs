@@ -138,8 +138,8 @@ pub trait LayerOps: MergeOps {
     /// Uploads a `rows × cols` weight given as codes in groups of `group`
     /// ([`canopy_core::coded`]), which `fill` writes a part at a time as
     /// [`LayerOps::upload_weight_with`]'s does, where this backend computes from such a weight
-    /// as it is: a quantized model's weights then take a third of f32's memory, and of the
-    /// bytes a product reads. `None` where it keeps every weight in a dtype, without calling
+    /// as it is: a quantized model's weights then take a third of f32's memory or less, and
+    /// of the bytes a product reads. `None` where it keeps every weight in a dtype, without calling
     /// `fill`: the weight is then uploaded that way instead.
     fn upload_coded_weight<E: From<EngineError>>(
         &self,

@@ -4,13 +4,17 @@
 //! [`CodedPanels`] holds a [`CodedMatrix`] with every eight weight rows (output columns)
 //! interleaved into a panel: element `i` of the panel's eight rows is eight consecutive
 //! codes, and a group's eight steps (and offsets) are one vector, stored before the group's
-//! codes so that a panel is read as one stream.
+//! codes so that a panel is read as one stream. Where every code of the weight lies in a
+//! range of sixteen (a 4-bit format's), the codes are stored two to a byte, less the range's
+//! first code: SmolLM2's layers then take 0.75 bytes a weight with their steps and offsets,
+//! not 1.25, and a step that streams its weights from memory reads that much less.
 //!
 //! A product takes the steps and offsets out of the sum: for each group,
 //! `Σ x[i]·(step·c[i] + offset) = step · Σ x[i]·c[i] + offset · Σ x[i]`. Eight codes of a panel
-//! at `i` are loaded, widened and converted once, and meet a broadcast `x[i]` in one fused
-//! multiply-add whose lanes are eight output elements; the step and the offset are applied
-//! once a group, in two fused multiply-adds.
+//! at `i` are loaded and widened (bytes) or shifted and masked out of a vector of words
+//! (nibbles), converted once, and meet a broadcast `x[i]` in one fused multiply-add whose
+//! lanes are eight output elements; the step and the offset are applied once a group, in two
+//! fused multiply-adds.
 //!
 //! Every output element takes the same operations, whatever the row count and however rows
 //! and panels are cut: for each group, one chain of fused multiply-adds over its `i` in
@@ -19,8 +23,9 @@
 //! bits alone or in a batch, and the AVX2 path equals the portable one. A chain is a group
 //! long (16 or 32), so rounding grows with the group, not with the row.
 //! - Up to [`TILE_ROWS`] input rows (one sequence, or a few) convert the codes as they read
-//!   them: four panels at a time for one or two rows, two for three (their accumulators
-//!   within AVX2's 16 registers).
+//!   them, as many panels at a time as AVX2's 16 registers hold accumulators for (and, for
+//!   nibbles, a vector of words a panel): four for one row, four (bytes) or two (nibbles)
+//!   for two, two or one for three.
 //! - More rows convert a block of panels once into memory that stays in L2. For each two
 //!   panels of it and each group, tiles of [`BLOCK_TILE_ROWS`] input rows (eight
 //!   accumulators) chain the group, and every row's totals wait in memory between groups:
@@ -54,31 +59,50 @@ const MIN_PANELS_A_TASK: usize = 8;
 const TASKS_A_THREAD: usize = 8;
 /// Words of a group's steps and offsets.
 const SCALE_WORDS: usize = 2 * LANES;
+/// Codes a range must hold at most for them to be stored two to a byte.
+const NIBBLE_CODES: i16 = 16;
+/// Codes a word holds when they are stored two to a byte.
+const NIBBLES_A_WORD: usize = 8;
 
 /// A coded `rows × cols` weight, its rows in panels of eight, the last one padded with
 /// rows of zero codes, steps and offsets.
 ///
 /// A panel is one run of memory, a group after another: the group's eight steps, its eight
-/// offsets, then its codes, a byte each at `[i][lane]`. A product reads each panel as one
-/// stream.
+/// offsets, then its codes. Codes stored a byte each are at `[i][lane]`; codes stored two
+/// to a byte (`nibble_base`) are at `[i / 8][lane]` in words of eight, element `i` in bits
+/// `4 · (i % 8)`: one vector load holds eight elements of all eight lanes, and a shift and
+/// a mask take one out. A product reads each panel as one stream.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CodedPanels {
     pub rows: usize,
     pub cols: usize,
     group: usize,
+    /// Where codes are stored two to a byte: the code that a stored zero stands for.
+    /// Products take it into the offsets: `step · (base + n) + offset` is
+    /// `step · n + (step · base + offset)`.
+    nibble_base: Option<i8>,
     /// The panels, in words of four bytes: the f32 steps and offsets as their bits, then the
     /// codes.
     words: Vec<u32>,
 }
 
 impl CodedPanels {
-    /// `m` in panels. Its groups are whole within a row, as [`CodedMatrix`] keeps them.
+    /// `m` in panels. Its groups are whole within a row, as [`CodedMatrix`] keeps them. Its
+    /// codes are stored two to a byte where they lie in a range of sixteen and a group is
+    /// whole words of them.
     pub fn pack(m: &CodedMatrix) -> CodedPanels {
         let (rows, cols, group) = (m.rows, m.cols, m.group);
+        let (low, high) = m.codes.iter().fold((i8::MAX, i8::MIN), |(low, high), &c| {
+            (low.min(c), high.max(c))
+        });
+        let nibble_base = (i16::from(high) - i16::from(low) < NIBBLE_CODES
+            && group.is_multiple_of(NIBBLES_A_WORD))
+        .then_some(low);
         let mut panels = CodedPanels {
             rows,
             cols,
             group,
+            nibble_base,
             words: Vec::new(),
         };
         let (groups, group_words) = (panels.groups(), panels.group_words());
@@ -93,18 +117,29 @@ impl CodedPanels {
                 let lanes = panel * LANES..((panel + 1) * LANES).min(rows);
                 for (g, words) in words.chunks_exact_mut(group_words).enumerate() {
                     let (scales, codes) = words.split_at_mut(SCALE_WORDS);
-                    let codes = as_codes_mut(codes);
                     for (lane, row) in lanes.clone().enumerate() {
                         scales[lane] = m.steps[row * groups + g].to_bits();
                         scales[LANES + lane] = m.offsets[row * groups + g].to_bits();
                         let from = &m.codes[row * cols + g * group..][..group];
                         for (i, &code) in from.iter().enumerate() {
-                            codes[i * LANES + lane] = code;
+                            match nibble_base {
+                                None => as_codes_mut(codes)[i * LANES + lane] = code,
+                                Some(base) => {
+                                    let nibble = (i16::from(code) - i16::from(base)) as u32;
+                                    codes[i / NIBBLES_A_WORD * LANES + lane] |=
+                                        nibble << (4 * (i % NIBBLES_A_WORD));
+                                }
+                            }
                         }
                     }
                 }
             });
         panels
+    }
+
+    /// The bytes the panels take.
+    pub fn bytes(&self) -> usize {
+        size_of_val(self.words.as_slice())
     }
 
     /// Elements a group of one step and offset holds.
@@ -122,7 +157,12 @@ impl CodedPanels {
 
     /// Words a group takes.
     fn group_words(&self) -> usize {
-        SCALE_WORDS + self.group * LANES / size_of::<u32>()
+        let codes_a_word = if self.nibble_base.is_some() {
+            NIBBLES_A_WORD
+        } else {
+            size_of::<u32>()
+        };
+        SCALE_WORDS + self.group * LANES / codes_a_word
     }
 
     /// Words a panel takes.
@@ -131,14 +171,32 @@ impl CodedPanels {
     }
 
     /// Panel `panel`'s groups in turn, handed to `put(g, scales, codes)`: the group's steps
-    /// then offsets as f32 bits, and its codes.
+    /// then offsets as f32 bits, and its codes' words.
     #[inline(always)]
-    fn each_group(&self, panel: usize, mut put: impl FnMut(usize, &[u32], &[i8])) {
+    fn each_group(&self, panel: usize, mut put: impl FnMut(usize, &[u32], &[u32])) {
         let panel = &self.words[panel * self.panel_words()..][..self.panel_words()];
         for (g, words) in panel.chunks_exact(self.group_words()).enumerate() {
             let (scales, codes) = words.split_at(SCALE_WORDS);
-            put(g, scales, as_codes(codes));
+            put(g, scales, codes);
         }
+    }
+
+    /// What is stored for element `j` of a group, lane `lane`, from the group's code words:
+    /// the code, or its nibble above the base.
+    #[inline(always)]
+    fn stored(&self, codes: &[u32], j: usize, lane: usize) -> i8 {
+        match self.nibble_base {
+            None => as_codes(codes)[j * LANES + lane],
+            Some(_) => {
+                let word = codes[j / NIBBLES_A_WORD * LANES + lane];
+                ((word >> (4 * (j % NIBBLES_A_WORD))) & 0xf) as i8
+            }
+        }
+    }
+
+    /// The code a stored zero stands for: the nibbles' base, or zero.
+    fn base(&self) -> i8 {
+        self.nibble_base.unwrap_or(0)
     }
 
     /// Panel `panel`'s eight values at each `i` in turn, handed to `put(i, values)`.
@@ -150,7 +208,7 @@ impl CodedPanels {
                     g * self.group + j,
                     std::array::from_fn(|l| {
                         let (step, offset) = (scales[l], scales[LANES + l]);
-                        let code = codes[j * LANES + l];
+                        let code = self.base() + self.stored(codes, j, l);
                         coded_value(code, f32::from_bits(step), f32::from_bits(offset))
                     }),
                 );
@@ -248,13 +306,14 @@ impl Product<'_> {
     /// [`Self::panels`] on any CPU: each panel's codes at `i` met by every row's `x[i]`.
     unsafe fn portable(&self, panels: std::ops::Range<usize>) {
         let (k, group, groups) = (self.w.cols, self.w.group, self.w.groups());
+        let base = f32::from(self.w.base());
         for panel in panels {
             let mut sums = vec![[0.0f32; LANES]; self.rows];
             self.w.each_group(panel, |g, scales, codes| {
                 let mut parts = vec![[0.0f32; LANES]; self.rows];
                 for j in 0..group {
                     let values: [f32; LANES] =
-                        std::array::from_fn(|l| f32::from(codes[j * LANES + l]));
+                        std::array::from_fn(|l| f32::from(self.w.stored(codes, j, l)));
                     for (row, parts) in parts.iter_mut().enumerate() {
                         let x = self.x[row * k + g * group + j];
                         for (part, value) in parts.iter_mut().zip(values) {
@@ -267,6 +326,7 @@ impl Product<'_> {
                     for (l, (sum, part)) in sums.iter_mut().zip(parts).enumerate() {
                         let (step, offset) = (scales[l], scales[LANES + l]);
                         let (step, offset) = (f32::from_bits(step), f32::from_bits(offset));
+                        let offset = step.mul_add(base, offset);
                         *sum = step.mul_add(*part, offset.mul_add(x_sum, *sum));
                     }
                 }
@@ -298,11 +358,15 @@ mod tests {
     use super::*;
 
     /// An `n × k` coded matrix in groups of `group`, every code, step and offset drawn from
-    /// `seed`.
-    fn coded(n: usize, k: usize, group: usize, seed: usize) -> CodedMatrix {
+    /// `seed`: codes of every value, or (`from`) sixteen codes from that one, which
+    /// [`CodedPanels`] stores two to a byte.
+    fn coded(n: usize, k: usize, group: usize, seed: usize, from: Option<i8>) -> CodedMatrix {
         let mut w = CodedMatrix::zeros(n, k, group).unwrap();
         for (i, code) in w.codes.iter_mut().enumerate() {
-            *code = ((i + seed) * 7919 % 251) as i8;
+            *code = match from {
+                None => ((i + seed) * 7919 % 251) as i8,
+                Some(from) => from + ((i + seed) * 7919 % 16) as i8,
+            };
         }
         for (i, (step, offset)) in w.steps.iter_mut().zip(&mut w.offsets).enumerate() {
             *step = ((i + seed) * 31 % 97) as f32 * 1e-4;
@@ -311,13 +375,24 @@ mod tests {
         w
     }
 
-    /// Panels hold the matrix's values: each row decodes to the row-major decode, and the
-    /// prompt's strided decode puts them where it says.
+    /// Panels hold the matrix's values, their codes a byte each or two to a byte: each row
+    /// decodes to the row-major decode, and the prompt's strided decode puts them where it
+    /// says.
     #[test]
     fn panels_decode_to_the_matrix_values() {
-        for (n, k, group) in [(8, 32, 32), (13, 64, 16), (30, 48, 8)] {
-            let m = coded(n, k, group, n);
+        let cases = [(8, 32, 32, None), (13, 64, 16, None), (30, 48, 8, None)];
+        let narrow = [
+            (8, 32, 32, Some(0)),
+            (13, 64, 16, Some(-8)),
+            (30, 48, 8, Some(100)),
+        ];
+        for (n, k, group, from) in cases.into_iter().chain(narrow) {
+            let m = coded(n, k, group, n, from);
             let panels = CodedPanels::pack(&m);
+            assert_eq!(panels.nibble_base, from, "{n} × {k} in groups of {group}");
+            let scale_bytes = n.div_ceil(LANES) * LANES * (k / group) * 8;
+            let code_bytes = n.div_ceil(LANES) * LANES * k / if from.is_some() { 2 } else { 1 };
+            assert_eq!(panels.bytes(), scale_bytes + code_bytes);
             let values = m.to_f32();
             let mut row = vec![f32::NAN; k];
             for r in 0..n {
@@ -335,8 +410,9 @@ mod tests {
     }
 
     /// Where the CPU has AVX2, its path gives the portable path's bits at every row count a
-    /// decode step takes (decoded as read, and in blocks, with rows past the last whole tile),
-    /// for weights whose last panel is whole or not, in groups of 8, 16 and 32, added or not.
+    /// decode step takes (converted as read, and in blocks, with rows past the last whole
+    /// tile), for weights whose last panel is whole or not, in groups of 8, 16 and 32, their
+    /// codes a byte each or two to a byte, added or not.
     #[test]
     fn the_avx2_path_equals_the_portable_one() {
         #[cfg(target_arch = "x86_64")]
@@ -346,8 +422,11 @@ mod tests {
             let x: Vec<f32> = (0..FEW_ROWS * k)
                 .map(|i| (i * 104_729 % 997) as f32 / 997.0 - 0.5)
                 .collect();
-            for (n, group) in [(40, 8), (203, 16), (61, 32)] {
-                let w = CodedPanels::pack(&coded(n, k, group, n));
+            let cases = [(40, 8, None), (203, 16, None), (61, 32, None)];
+            let narrow = [(40, 8, Some(-8)), (203, 16, Some(0)), (61, 32, Some(3))];
+            for (n, group, from) in cases.into_iter().chain(narrow) {
+                let w = CodedPanels::pack(&coded(n, k, group, n, from));
+                assert_eq!(w.nibble_base, from);
                 let group_sums: Vec<f32> = x.chunks_exact(group).map(|g| g.iter().sum()).collect();
                 for rows in [1, 2, 3, 4, 5, 6, 7, 9, 32] {
                     for accumulate in [false, true] {
@@ -375,7 +454,8 @@ mod tests {
                         let same = fast.iter().zip(&portable);
                         assert!(
                             same.clone().all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "{rows} rows, {n} × {k} in groups of {group}, accumulate {accumulate}"
+                            "{rows} rows, {n} × {k} in groups of {group} (codes from {from:?}), \
+                             accumulate {accumulate}"
                         );
                     }
                 }

@@ -1,7 +1,9 @@
-//! [`Product::panels`] on AVX2 and FMA: the same operations as the portable path, eight
-//! lanes at a time.
+//! [`Product::panels`] on AVX2 and FMA, for codes stored a byte each or two to a byte
+//! (`NIBBLES`): the same operations as the portable path, eight lanes at a time.
 
-use super::{Product, BLOCK_BYTES, BLOCK_TILE_ROWS, FEW_ROWS, LANES, SCALE_WORDS, TILE_ROWS};
+use super::{
+    Product, BLOCK_BYTES, BLOCK_TILE_ROWS, FEW_ROWS, LANES, NIBBLES_A_WORD, SCALE_WORDS, TILE_ROWS,
+};
 use crate::host_ops::PANEL_VALUES;
 use std::arch::x86_64::*;
 
@@ -12,22 +14,34 @@ use std::arch::x86_64::*;
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn panels(product: &Product, panels: std::ops::Range<usize>) {
     const { assert!(TILE_ROWS == 3 && BLOCK_TILE_ROWS == 4) };
-    match product.rows {
-        0 => {}
-        1 => product.as_read::<1, 4>(panels),
-        2 => product.as_read::<2, 4>(panels),
-        3 => product.as_read::<3, 2>(panels),
-        _ => product.blocks(panels),
+    match product.w.nibble_base {
+        None => product.rows_of::<false>(panels),
+        Some(_) => product.rows_of::<true>(panels),
     }
 }
 
 /// Bytes of a cache line: the step between prefetches.
 const CACHE_LINE: usize = 64;
 
-/// A group's place in a panel: its steps, its offsets and where its codes start.
+/// A group's place in a panel: its steps, its offsets with the nibbles' base taken in, and
+/// where its codes start.
 type GroupAt = (__m256, __m256, *const i8);
 
 impl Product<'_> {
+    /// Every input row against `panels`, codes stored two to a byte where `NIBBLES`.
+    #[inline(always)]
+    unsafe fn rows_of<const NIBBLES: bool>(&self, panels: std::ops::Range<usize>) {
+        match self.rows {
+            0 => {}
+            1 => self.as_read::<NIBBLES, 1, 4>(panels),
+            2 if NIBBLES => self.as_read::<NIBBLES, 2, 2>(panels),
+            2 => self.as_read::<NIBBLES, 2, 4>(panels),
+            3 if NIBBLES => self.as_read::<NIBBLES, 3, 1>(panels),
+            3 => self.as_read::<NIBBLES, 3, 2>(panels),
+            _ => self.blocks::<NIBBLES>(panels),
+        }
+    }
+
     /// Where panel `panel` starts; the next panels follow `panel_words` apart.
     #[inline(always)]
     fn panel_at(&self, panel: usize) -> *const u32 {
@@ -39,9 +53,12 @@ impl Product<'_> {
     unsafe fn group_at(&self, at: *const u32, g: usize) -> GroupAt {
         unsafe {
             let scales = at.add(g * self.w.group_words());
+            let steps = _mm256_loadu_ps(scales as *const f32);
+            let offsets = _mm256_loadu_ps((scales as *const f32).add(LANES));
+            let base = _mm256_set1_ps(f32::from(self.w.base()));
             (
-                _mm256_loadu_ps(scales as *const f32),
-                _mm256_loadu_ps((scales as *const f32).add(LANES)),
+                steps,
+                _mm256_fmadd_ps(steps, base, offsets),
                 scales.add(SCALE_WORDS) as *const i8,
             )
         }
@@ -78,21 +95,24 @@ impl Product<'_> {
     /// The `R` input rows against `panels`, `P` panels at a time, then one at a time, each
     /// converted as it is read.
     #[inline(always)]
-    unsafe fn as_read<const R: usize, const P: usize>(&self, panels: std::ops::Range<usize>) {
+    unsafe fn as_read<const NIBBLES: bool, const R: usize, const P: usize>(
+        &self,
+        panels: std::ops::Range<usize>,
+    ) {
         let mut first = panels.start;
         while panels.end - first >= P {
-            self.read_tile::<R, P>(first);
+            self.read_tile::<NIBBLES, R, P>(first);
             first += P;
         }
         for panel in first..panels.end {
-            self.read_tile::<R, 1>(panel);
+            self.read_tile::<NIBBLES, R, 1>(panel);
         }
     }
 
     /// The `R` input rows against panels `first..first + P`: for each `i` of a group, the
     /// rows' `x[i]` broadcast and each panel's eight codes converted once for them.
     #[inline(always)]
-    unsafe fn read_tile<const R: usize, const P: usize>(&self, first: usize) {
+    unsafe fn read_tile<const NIBBLES: bool, const R: usize, const P: usize>(&self, first: usize) {
         let (k, group) = (self.w.cols, self.w.group);
         let at = self.panel_at(first);
         let x = self.x.as_ptr();
@@ -102,16 +122,19 @@ impl Product<'_> {
             let groups = self.groups_at::<P>(at, g);
             // The next tile's panels.
             self.prefetch_groups::<P>(at.wrapping_add(P * self.w.panel_words()), g);
-            for j in 0..group {
-                let i = g * group + j;
-                let mut xs = [_mm256_setzero_ps(); R];
-                for (r, xs) in xs.iter_mut().enumerate() {
-                    *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
-                }
-                for (p, &(_, _, codes)) in groups.iter().enumerate() {
-                    let codes = codes_at(codes, j);
-                    for (parts, xs) in parts.iter_mut().zip(&xs) {
-                        parts[p] = _mm256_fmadd_ps(*xs, codes, parts[p]);
+            for run in 0..group / RUN {
+                let runs = groups.map(|(_, _, codes)| Run::<NIBBLES>::load(codes, run));
+                for t in 0..RUN {
+                    let i = g * group + run * RUN + t;
+                    let mut xs = [_mm256_setzero_ps(); R];
+                    for (r, xs) in xs.iter_mut().enumerate() {
+                        *xs = _mm256_broadcast_ss(&*x.add(r * k + i));
+                    }
+                    for (p, run) in runs.iter().enumerate() {
+                        let codes = run.codes(t);
+                        for (parts, xs) in parts.iter_mut().zip(&xs) {
+                            parts[p] = _mm256_fmadd_ps(*xs, codes, parts[p]);
+                        }
                     }
                 }
             }
@@ -143,20 +166,20 @@ impl Product<'_> {
     /// `panels` in blocks of about [`BLOCK_BYTES`] converted once; each two panels of a block
     /// meet every input row ([`Self::block_panels`]).
     #[inline(always)]
-    unsafe fn blocks(&self, panels: std::ops::Range<usize>) {
+    unsafe fn blocks<const NIBBLES: bool>(&self, panels: std::ops::Range<usize>) {
         let panel_floats = self.w.cols * LANES;
         let block = (BLOCK_BYTES / (panel_floats.max(1) * size_of::<f32>())).max(1);
         // Taken out of the thread's slot, not borrowed in a closure: a closure would not be
         // compiled for AVX2.
         let mut converted = PANEL_VALUES.take();
         converted.resize(block.min(panels.len()) * panel_floats, 0.0);
-        self.blocks_into(panels, block, &mut converted);
+        self.blocks_into::<NIBBLES>(panels, block, &mut converted);
         PANEL_VALUES.set(converted);
     }
 
     /// [`Self::blocks`], `block` panels at a time, converted into `converted`.
     #[inline(always)]
-    unsafe fn blocks_into(
+    unsafe fn blocks_into<const NIBBLES: bool>(
         &self,
         panels: std::ops::Range<usize>,
         block: usize,
@@ -173,9 +196,12 @@ impl Product<'_> {
                 for g in 0..self.w.groups() {
                     self.prefetch_groups::<1>(at.wrapping_add(self.w.panel_words()), g);
                     let (_, _, codes) = self.group_at(at, g);
-                    for j in 0..group {
-                        let codes = codes_at(codes, j);
-                        _mm256_storeu_ps(out.add((g * group + j) * LANES), codes);
+                    for run in 0..group / RUN {
+                        let codes = Run::<NIBBLES>::load(codes, run);
+                        for t in 0..RUN {
+                            let i = g * group + run * RUN + t;
+                            _mm256_storeu_ps(out.add(i * LANES), codes.codes(t));
+                        }
                     }
                 }
             }
@@ -270,12 +296,60 @@ impl Product<'_> {
     }
 }
 
-/// The eight codes of element `j` of a group whose codes start at `codes`, sign-extended and
-/// converted to f32.
+/// Elements of a group read together: a word of nibbles, and as many bytes.
+const RUN: usize = NIBBLES_A_WORD;
+
+/// The codes of [`RUN`] consecutive elements of a group's eight lanes: one vector of
+/// nibbles, or where the bytes start.
+#[derive(Clone, Copy)]
+enum Run<const NIBBLES: bool> {
+    Nibbles(__m256i),
+    Bytes(*const i8),
+}
+
+impl<const NIBBLES: bool> Run<NIBBLES> {
+    /// Run `run` of a group whose codes start at `codes`.
+    #[inline(always)]
+    unsafe fn load(codes: *const i8, run: usize) -> Self {
+        unsafe {
+            if NIBBLES {
+                let words = codes.add(run * LANES * size_of::<u32>());
+                Run::Nibbles(_mm256_loadu_si256(words as *const __m256i))
+            } else {
+                Run::Bytes(codes.add(run * RUN * LANES))
+            }
+        }
+    }
+
+    /// Element `t` of the run's eight lanes as f32: a byte each, sign-extended, or a nibble
+    /// (above the base, which the offsets hold).
+    #[inline(always)]
+    unsafe fn codes(self, t: usize) -> __m256 {
+        unsafe {
+            let codes = match self {
+                Run::Nibbles(words) => nibble(words, t),
+                Run::Bytes(at) => {
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(at.add(t * LANES) as *const __m128i))
+                }
+            };
+            _mm256_cvtepi32_ps(codes)
+        }
+    }
+}
+
+/// Nibble `t` of each word: a shift by a constant and a mask, the first without the shift
+/// and the last without the mask.
 #[inline(always)]
-unsafe fn codes_at(codes: *const i8, j: usize) -> __m256 {
-    unsafe {
-        let codes = _mm_loadl_epi64(codes.add(j * LANES) as *const __m128i);
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes))
+unsafe fn nibble(words: __m256i, t: usize) -> __m256i {
+    let mask = _mm256_set1_epi32(0xf);
+    match t {
+        0 => _mm256_and_si256(words, mask),
+        1 => _mm256_and_si256(_mm256_srli_epi32::<4>(words), mask),
+        2 => _mm256_and_si256(_mm256_srli_epi32::<8>(words), mask),
+        3 => _mm256_and_si256(_mm256_srli_epi32::<12>(words), mask),
+        4 => _mm256_and_si256(_mm256_srli_epi32::<16>(words), mask),
+        5 => _mm256_and_si256(_mm256_srli_epi32::<20>(words), mask),
+        6 => _mm256_and_si256(_mm256_srli_epi32::<24>(words), mask),
+        _ => _mm256_srli_epi32::<28>(words),
     }
 }
