@@ -119,13 +119,17 @@ impl LayerOps for CpuBackend {
         Ok(CpuWeight::Dense(HostMatrix { rows, cols, data }))
     }
 
-    /// The whole weight as one part, kept as its codes.
+    /// The whole weight as one part, kept as its codes; in f32 where its groups cannot be
+    /// packed.
     fn upload_coded_weight<E: From<EngineError>>(
         &self,
         (rows, cols): (usize, usize),
         group: usize,
         fill: &mut dyn FnMut(usize, CodedSliceMut) -> Result<(), E>,
     ) -> Option<Result<CpuWeight, E>> {
+        if !CodedPanels::packs_groups_of(group) {
+            return None;
+        }
         let mut coded = CodedMatrix::zeros(rows, cols, group)?;
         Some(fill(0, coded.slice_mut()).map(|()| CpuWeight::Coded(CodedPanels::pack(&coded))))
     }
@@ -708,5 +712,24 @@ mod tests {
         assert_eq!(kv.v.to_f32_vec()[192..256], v.data[64..128]);
         assert!(kv.k.to_f32_vec()[..192].iter().all(|&x| x == 0.0));
         assert!(b.store_kv(&mut kv, &k, &v, &[(2, 0)]).is_err());
+    }
+
+    /// A coded weight is kept as codes where its groups can be packed, and left to the f32
+    /// upload where they cannot, without its codes being asked for.
+    #[test]
+    fn coded_weights_in_groups_panels_cannot_hold_go_to_f32() {
+        for (group, packed) in [(16, true), (32, true), (12, false)] {
+            let mut fills = 0;
+            let upload =
+                CpuBackend.upload_coded_weight::<EngineError>((8, 96), group, &mut |_, _| {
+                    fills += 1;
+                    Ok(())
+                });
+            assert_eq!(upload.is_some(), packed, "groups of {group}");
+            assert_eq!(fills, usize::from(packed), "groups of {group}");
+            if let Some(weight) = upload {
+                assert!(matches!(weight.unwrap(), CpuWeight::Coded(_)));
+            }
+        }
     }
 }

@@ -87,17 +87,26 @@ pub struct CodedPanels {
 }
 
 impl CodedPanels {
-    /// `m` in panels. Its groups are whole within a row, as [`CodedMatrix`] keeps them. Its
-    /// codes are stored two to a byte where they lie in a range of sixteen and a group is
-    /// whole words of them.
+    /// Whether a weight in groups of `group` elements can be packed: products read a group's
+    /// codes eight elements at a time, as one word of nibbles. Every quantized type a model
+    /// file holds has groups of 16 or 32.
+    pub fn packs_groups_of(group: usize) -> bool {
+        group.is_multiple_of(NIBBLES_A_WORD)
+    }
+
+    /// `m` in panels. Its groups are whole within a row, as [`CodedMatrix`] keeps them, and
+    /// [`Self::packs_groups_of`] their length. Its codes are stored two to a byte where they
+    /// lie in a range of sixteen.
     pub fn pack(m: &CodedMatrix) -> CodedPanels {
         let (rows, cols, group) = (m.rows, m.cols, m.group);
+        assert!(
+            Self::packs_groups_of(group),
+            "a coded weight in groups of {group} cannot be packed"
+        );
         let (low, high) = m.codes.iter().fold((i8::MAX, i8::MIN), |(low, high), &c| {
             (low.min(c), high.max(c))
         });
-        let nibble_base = (i16::from(high) - i16::from(low) < NIBBLE_CODES
-            && group.is_multiple_of(NIBBLES_A_WORD))
-        .then_some(low);
+        let nibble_base = (i16::from(high) - i16::from(low) < NIBBLE_CODES).then_some(low);
         let mut panels = CodedPanels {
             rows,
             cols,
