@@ -2,8 +2,16 @@
 //! online softmax that folds a block into its rows' running maximum, sum and weighted values.
 //! Many rows take both products on `gemm`; a few rows (one sequence's GQA heads at a decode
 //! step) take dot products and row additions, which cost less than a `gemm` call there.
+//!
+//! The loops here sum in [`LANES`] partial sums added in a fixed order, with fused
+//! multiply-adds, and run compiled for AVX2 and FMA where the CPU has them ([`with_fma`]): one
+//! source, so the same bits on every machine, in 8-wide vectors where it can. The softmax's
+//! exponentials are `rten-vecmath`'s, vectorized for the CPU's widest instructions; each
+//! element's is computed alone, so the vector width does not change it.
 
 use canopy_core::EMPTY_LSE;
+use rten_simd::SimdUnaryOp;
+use rten_vecmath::Exp;
 
 /// Rows of `d` f32 values `stride` apart in `data`, row 0 at its start.
 #[derive(Clone, Copy)]
@@ -22,6 +30,7 @@ impl<'a> Rows<'a> {
     }
 
     /// Row `i`'s `d` values.
+    #[inline(always)]
     fn row(&self, i: usize, d: usize) -> &'a [f32] {
         &self.data[i * self.stride..][..d]
     }
@@ -77,35 +86,120 @@ pub fn scores(
                 gemm::Parallelism::None,
             );
         },
-        Products::Loops => {
-            for (r, out) in scores.chunks_mut(keys).take(rows).enumerate() {
-                let qr = q.row(r, d);
-                for (t, s) in out.iter_mut().enumerate() {
-                    *s = dot(qr, k.row(t, d)) * scale;
+        // Each key's row is read once for every query row.
+        Products::Loops => with_fma(
+            #[inline(always)]
+            || {
+                for t in 0..keys {
+                    let key = k.row(t, d);
+                    for r in 0..rows {
+                        scores[r * keys + t] = dot(q.row(r, d), key) * scale;
+                    }
+                }
+            },
+        ),
+    }
+}
+
+/// Partial sums a loop keeps: it adds into these lanes, then adds them in a fixed order
+/// ([`sum_lanes`]), the same on every machine.
+const LANES: usize = 8;
+
+/// Runs `body` compiled for AVX2 and FMA where this CPU has them, else as built. The source is
+/// one, so the results are the same bits; the body's callees must be inlined into it
+/// (`#[inline(always)]`) to be compiled for the wider instructions.
+#[inline(always)]
+fn with_fma<R>(body: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn vectorized<R>(body: impl FnOnce() -> R) -> R {
+            body()
+        }
+        // SAFETY: this CPU has AVX2 and FMA, checked above.
+        return unsafe { vectorized(body) };
+    }
+    body()
+}
+
+/// The lanes' total, added in order. (Added as a tree, the lanes' sums became pairs of
+/// 2-wide vectors in LLVM's hands, not one 8-wide vector.)
+#[inline(always)]
+fn sum_lanes(lanes: [f32; LANES]) -> f32 {
+    lanes.iter().sum()
+}
+
+/// `a · b` in [`LANES`] partial sums of fused multiply-adds; a sum in order is one dependent
+/// chain of scalar adds.
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let ((a8, a_tail), (b8, b_tail)) = (a.as_chunks::<LANES>(), b.as_chunks::<LANES>());
+    let tail = (a_tail.iter().zip(b_tail)).fold(0.0f32, |s, (x, y)| x.mul_add(*y, s));
+    let mut lanes = [0.0f32; LANES];
+    for (x, y) in a8.iter().zip(b8) {
+        for l in 0..LANES {
+            lanes[l] = x[l].mul_add(y[l], lanes[l]);
+        }
+    }
+    sum_lanes(lanes) + tail
+}
+
+/// The largest of `xs` and `start`; a maximum is the same in any order.
+#[inline(always)]
+fn max_of(xs: &[f32], start: f32) -> f32 {
+    let (chunks, tail) = xs.as_chunks::<LANES>();
+    let mut lanes = [start; LANES];
+    for x in chunks {
+        for l in 0..LANES {
+            lanes[l] = lanes[l].max(x[l]);
+        }
+    }
+    (lanes.iter().chain(tail)).fold(start, |m, &x| m.max(x))
+}
+
+/// The total of `xs` in [`LANES`] partial sums.
+#[inline(always)]
+fn total(xs: &[f32]) -> f32 {
+    let (chunks, tail) = xs.as_chunks::<LANES>();
+    let mut lanes = [0.0f32; LANES];
+    for x in chunks {
+        for l in 0..LANES {
+            lanes[l] += x[l];
+        }
+    }
+    sum_lanes(lanes) + tail.iter().sum::<f32>()
+}
+
+/// `out += Σ weights[t] · v[t]` over the block's keys, each element's terms added in key order.
+/// Each 64 columns of `out` are held in registers across the keys, not loaded and stored a key
+/// at a time. A key of weight zero (one the row does not see) is skipped.
+#[inline(always)]
+fn add_weighted(out: &mut [f32], weights: &[f32], v: Rows) {
+    const COLUMNS: usize = 8 * LANES;
+    for (c, out) in out.chunks_mut(COLUMNS).enumerate() {
+        let (at, width) = (c * COLUMNS, out.len());
+        let value = |t: usize| &v.data[t * v.stride + at..][..width];
+        if let Ok(out) = <&mut [f32; COLUMNS]>::try_from(&mut *out) {
+            let mut sums = *out;
+            for (t, &p) in weights.iter().enumerate() {
+                if p != 0.0 {
+                    let x: &[f32; COLUMNS] = value(t).try_into().expect("a whole slice");
+                    for i in 0..COLUMNS {
+                        sums[i] = p.mul_add(x[i], sums[i]);
+                    }
+                }
+            }
+            *out = sums;
+        } else {
+            for (t, &p) in weights.iter().enumerate() {
+                if p != 0.0 {
+                    for (o, &x) in out.iter_mut().zip(value(t)) {
+                        *o = p.mul_add(x, *o);
+                    }
                 }
             }
         }
     }
-}
-
-/// `a · b` in eight partial sums, which the compiler keeps in vector registers; a sum in
-/// order is one dependent chain of scalar adds.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 8;
-    let (a8, b8) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = a8
-        .remainder()
-        .iter()
-        .zip(b8.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    let mut lanes = [0.0f32; LANES];
-    for (x, y) in a8.zip(b8) {
-        for l in 0..LANES {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// Rows' softmax over keys that arrive in blocks: each row's running maximum and sum, and its
@@ -115,6 +209,8 @@ pub struct OnlineSoftmax {
     max: Vec<f32>,
     sum: Vec<f32>,
     out: Vec<f32>,
+    /// Each row's factor from its maximum before a block to its maximum after.
+    rescale: Vec<f32>,
 }
 
 impl OnlineSoftmax {
@@ -124,6 +220,7 @@ impl OnlineSoftmax {
             max: vec![f32::NEG_INFINITY; rows],
             sum: vec![0.0; rows],
             out: vec![0.0; rows * d],
+            rescale: vec![1.0; rows],
         }
     }
 
@@ -133,26 +230,40 @@ impl OnlineSoftmax {
     pub fn absorb(&mut self, scores: &mut [f32], keys: usize, v: Rows, by: Products) {
         let (rows, d) = (self.max.len(), self.d);
         assert!(v.holds(keys, d) && scores.len() >= rows * keys);
-        for (r, row) in scores.chunks_mut(keys).take(rows).enumerate() {
-            let new_max = row.iter().fold(self.max[r], |m, &s| m.max(s));
-            if new_max == f32::NEG_INFINITY {
-                row.fill(0.0); // the row sees none of these keys, nor any before
-                continue;
-            }
-            let rescale = (self.max[r] - new_max).exp();
-            self.max[r] = new_max;
-            let mut block_sum = 0.0f32;
-            for s in row.iter_mut() {
-                *s = (*s - new_max).exp();
-                block_sum += *s;
-            }
-            self.sum[r] = self.sum[r] * rescale + block_sum;
-            if rescale != 1.0 {
-                self.out[r * d..(r + 1) * d]
-                    .iter_mut()
-                    .for_each(|o| *o *= rescale);
-            }
-        }
+        let scores = &mut scores[..rows * keys];
+        with_fma(
+            #[inline(always)]
+            || {
+                for (r, row) in scores.chunks_mut(keys).enumerate() {
+                    let new_max = max_of(row, self.max[r]);
+                    if new_max == f32::NEG_INFINITY {
+                        // The row sees none of these keys, nor any before: its weights are
+                        // the exponentials of -inf, zeros.
+                        self.rescale[r] = 1.0;
+                        continue;
+                    }
+                    self.rescale[r] = (self.max[r] - new_max).exp();
+                    self.max[r] = new_max;
+                    row.iter_mut().for_each(|s| *s -= new_max);
+                }
+            },
+        );
+        // A score of -inf (a key the row does not see) gives 0.
+        Exp {}.map_mut(scores);
+        with_fma(
+            #[inline(always)]
+            || {
+                for (r, row) in scores.chunks(keys).enumerate() {
+                    let rescale = self.rescale[r];
+                    self.sum[r] = self.sum[r] * rescale + total(row);
+                    if rescale != 1.0 {
+                        self.out[r * d..(r + 1) * d]
+                            .iter_mut()
+                            .for_each(|o| *o *= rescale);
+                    }
+                }
+            },
+        );
         match by {
             // SAFETY: the assertion above keeps every row the product reads inside its slice;
             // `out` is rows × d.
@@ -179,17 +290,14 @@ impl OnlineSoftmax {
                     gemm::Parallelism::None,
                 );
             },
-            Products::Loops => {
-                for (out, weights) in self.out.chunks_mut(d).zip(scores.chunks(keys)) {
-                    for (t, &p) in weights.iter().enumerate() {
-                        if p != 0.0 {
-                            for (o, &x) in out.iter_mut().zip(v.row(t, d)) {
-                                *o += p * x;
-                            }
-                        }
+            Products::Loops => with_fma(
+                #[inline(always)]
+                || {
+                    for (out, weights) in self.out.chunks_mut(d).zip(scores.chunks(keys)) {
+                        add_weighted(out, weights, v);
                     }
-                }
-            }
+                },
+            ),
         }
     }
 
@@ -220,6 +328,57 @@ mod tests {
             let b: Vec<f32> = (0..len).map(|i| 1.0 + i as f32 * 0.5).collect();
             let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
             assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "length {len}");
+        }
+    }
+
+    /// The loops give the same bits compiled for AVX2 and FMA as compiled for the baseline
+    /// CPU (where `mul_add` is the C library's `fmaf`, also fused): dot products, maxima and
+    /// totals at lengths around the lanes, and weighted rows of 64 columns and of a tail.
+    #[test]
+    fn the_loops_give_the_same_bits_on_every_cpu() {
+        let val = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 3.0;
+        for len in 0..41 {
+            let a: Vec<f32> = (0..len).map(val).collect();
+            let b: Vec<f32> = (0..len).map(|i| val(i + 500)).collect();
+            let same = |x: f32, y: f32| x.to_bits() == y.to_bits();
+            assert!(
+                same(with_fma(|| dot(&a, &b)), dot(&a, &b)),
+                "dot, length {len}"
+            );
+            assert!(
+                same(with_fma(|| total(&a)), total(&a)),
+                "total, length {len}"
+            );
+            let start = if len % 2 == 0 { f32::NEG_INFINITY } else { 0.7 };
+            assert!(same(with_fma(|| max_of(&a, start)), max_of(&a, start)));
+            let want = a.iter().fold(start, |m, &x| m.max(x));
+            assert_eq!(max_of(&a, start), want, "max, length {len}");
+        }
+        for d in [64, 80, 128] {
+            let keys = 13;
+            let v: Vec<f32> = (0..keys * (d + 3)).map(|i| val(i + 7)).collect();
+            let weights: Vec<f32> = (0..keys)
+                .map(|t| if t % 4 == 1 { 0.0 } else { val(t + 99) })
+                .collect();
+            let v = Rows {
+                data: &v,
+                stride: d + 3,
+            };
+            let start: Vec<f32> = (0..d).map(|i| val(i + 3)).collect();
+            let (mut fast, mut portable) = (start.clone(), start.clone());
+            with_fma(|| add_weighted(&mut fast, &weights, v));
+            add_weighted(&mut portable, &weights, v);
+            assert!(fast
+                .iter()
+                .zip(&portable)
+                .all(|(x, y)| x.to_bits() == y.to_bits()));
+            for (i, &got) in portable.iter().enumerate() {
+                let want: f64 = (0..keys)
+                    .map(|t| weights[t] as f64 * v.data[t * v.stride + i] as f64)
+                    .sum::<f64>()
+                    + start[i] as f64;
+                assert!((got as f64 - want).abs() < 1e-5, "head dim {d} [{i}]");
+            }
         }
     }
 
