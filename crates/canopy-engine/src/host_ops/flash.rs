@@ -9,6 +9,9 @@
 //! exponentials are `rten-vecmath`'s, vectorized for the CPU's widest instructions; each
 //! element's is computed alone, so the vector width does not change it.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 use canopy_core::EMPTY_LSE;
 use rten_simd::SimdUnaryOp;
 use rten_vecmath::Exp;
@@ -86,18 +89,34 @@ pub fn scores(
                 gemm::Parallelism::None,
             );
         },
-        // Each key's row is read once for every query row.
-        Products::Loops => with_fma(
-            #[inline(always)]
-            || {
-                for t in 0..keys {
-                    let key = k.row(t, d);
-                    for r in 0..rows {
-                        scores[r * keys + t] = dot(q.row(r, d), key) * scale;
-                    }
-                }
-            },
-        ),
+        Products::Loops => {
+            #[cfg(target_arch = "x86_64")]
+            if d % LANES == 0 && has_avx2_and_fma() {
+                // SAFETY: the CPU has AVX2 and FMA, and the assertion above holds.
+                return unsafe { avx2::scores(q, k, (rows, keys, d), scale, scores) };
+            }
+            with_fma(
+                #[inline(always)]
+                || scores_by_loops(q, k, (rows, keys, d), scale, scores),
+            )
+        }
+    }
+}
+
+/// [`scores`] by dot products, each key's row read once for every query row.
+#[inline(always)]
+fn scores_by_loops(
+    q: Rows,
+    k: Rows,
+    (rows, keys, d): (usize, usize, usize),
+    scale: f32,
+    scores: &mut [f32],
+) {
+    for t in 0..keys {
+        let key = k.row(t, d);
+        for r in 0..rows {
+            scores[r * keys + t] = dot(q.row(r, d), key) * scale;
+        }
     }
 }
 
@@ -111,7 +130,7 @@ const LANES: usize = 8;
 #[inline(always)]
 fn with_fma<R>(body: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if has_avx2_and_fma() {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn vectorized<R>(body: impl FnOnce() -> R) -> R {
             body()
@@ -120,6 +139,12 @@ fn with_fma<R>(body: impl FnOnce() -> R) -> R {
         return unsafe { vectorized(body) };
     }
     body()
+}
+
+/// Whether this CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_and_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// The lanes' total, added in order. (Added as a tree, the lanes' sums became pairs of
@@ -380,6 +405,48 @@ mod tests {
                 assert!((got as f64 - want).abs() < 1e-5, "head dim {d} [{i}]");
             }
         }
+    }
+
+    /// Where the CPU has AVX2 and FMA, its few-row scores are the portable loops' bits, for
+    /// key counts with and without a remainder past the last eight and head dims of 64 and 128.
+    #[test]
+    fn the_avx2_scores_equal_the_loops() {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2_and_fma() {
+            let val = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 3.0;
+            for (rows, keys, d) in [
+                (1, 8, 64),
+                (3, 13, 64),
+                (3, 64, 64),
+                (7, 3, 128),
+                (5, 41, 128),
+            ] {
+                let q: Vec<f32> = (0..rows * (d + 8)).map(val).collect();
+                let k: Vec<f32> = (0..keys * (d + 16)).map(|i| val(i + 31)).collect();
+                let (q, k) = (
+                    Rows {
+                        data: &q,
+                        stride: d + 8,
+                    },
+                    Rows {
+                        data: &k,
+                        stride: d + 16,
+                    },
+                );
+                let (mut fast, mut loops) =
+                    (vec![f32::NAN; rows * keys], vec![f32::NAN; rows * keys]);
+                // SAFETY: the CPU has AVX2 and FMA; the rows and scores fit their slices.
+                unsafe { avx2::scores(q, k, (rows, keys, d), 0.125, &mut fast) };
+                scores_by_loops(q, k, (rows, keys, d), 0.125, &mut loops);
+                let same = fast
+                    .iter()
+                    .zip(&loops)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{rows} rows × {keys} keys at head dim {d}");
+            }
+            return;
+        }
+        eprintln!("no AVX2 and FMA here: only the portable loops run");
     }
 
     /// Both ways of taking the products give the same softmax, within rounding, over blocks
