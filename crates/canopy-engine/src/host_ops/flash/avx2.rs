@@ -25,7 +25,11 @@ pub(super) unsafe fn scores(
     for r in 0..rows {
         let query = q.row(r, d);
         for t in (0..whole).step_by(LANES) {
-            let keys_here: [&[f32]; LANES] = std::array::from_fn(|j| k.row(t + j, d));
+            // (Not `array::from_fn`: its closure is not inlined into this function.)
+            let mut keys_here = [&k.data[..0]; LANES];
+            for (j, key) in keys_here.iter_mut().enumerate() {
+                *key = k.row(t + j, d);
+            }
             let mut lanes = [_mm256_setzero_ps(); LANES];
             for c in (0..d).step_by(LANES) {
                 // SAFETY: every row is `d` long and `c + LANES <= d`.
