@@ -15,6 +15,12 @@ pub(crate) mod flash;
 pub use causal::causal_attention;
 pub use coded_rows::CodedPanels;
 
+/// Whether this CPU has AVX2 and FMA, which the host ops' vectorized paths are compiled for.
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_and_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
 /// Output columns a thread takes at least in a product of one row.
 const MIN_COLUMNS_A_THREAD: usize = 64;
 

@@ -305,8 +305,7 @@ impl Product<'_> {
     /// `out` holds `rows × w.rows` elements, and no other thread touches these columns.
     unsafe fn panels(&self, panels: std::ops::Range<usize>) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if super::has_avx2_and_fma() {
             return avx2::panels(self, panels);
         }
         self.portable(panels)
@@ -425,8 +424,7 @@ mod tests {
     #[test]
     fn the_avx2_path_equals_the_portable_one() {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if crate::host_ops::has_avx2_and_fma() {
             let k = 96;
             let x: Vec<f32> = (0..FEW_ROWS * k)
                 .map(|i| (i * 104_729 % 997) as f32 / 997.0 - 0.5)

@@ -84,8 +84,7 @@ impl Product<'_> {
     /// `out` holds `rows × n` elements, and no other thread touches these columns.
     unsafe fn columns(&self, columns: std::ops::Range<usize>, out: SharedOut) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if super::has_avx2_and_fma() {
             return avx2::columns(self, columns, out);
         }
         self.walk::<Portable>(columns, out)
@@ -279,8 +278,7 @@ mod tests {
     #[test]
     fn the_avx2_path_equals_the_portable_one() {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if crate::host_ops::has_avx2_and_fma() {
             let (rows, k, n) = (5, 203, 37);
             let x: Vec<f32> = (0..rows * k).map(|i| value(i, 2.0)).collect();
             let w: Vec<f32> = (0..n * k).map(|i| value(i + 5, 0.3)).collect();

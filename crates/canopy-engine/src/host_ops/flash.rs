@@ -5,13 +5,16 @@
 //!
 //! The loops here sum in [`LANES`] partial sums added in a fixed order, with fused
 //! multiply-adds, and run compiled for AVX2 and FMA where the CPU has them ([`with_fma`]): one
-//! source, so the same bits on every machine, in 8-wide vectors where it can. The softmax's
+//! source, so the same bits on every machine, in 8-wide vectors where it can. On AVX2 the
+//! few-row scores take the module `avx2`'s form, which adds in the same order. The softmax's
 //! exponentials are `rten-vecmath`'s, vectorized for the CPU's widest instructions; each
 //! element's is computed alone, so the vector width does not change it.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
+#[cfg(target_arch = "x86_64")]
+use super::has_avx2_and_fma;
 use canopy_core::EMPTY_LSE;
 use rten_simd::SimdUnaryOp;
 use rten_vecmath::Exp;
@@ -139,12 +142,6 @@ fn with_fma<R>(body: impl FnOnce() -> R) -> R {
         return unsafe { vectorized(body) };
     }
     body()
-}
-
-/// Whether this CPU has AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-fn has_avx2_and_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// The lanes' total, added in order. (Added as a tree, the lanes' sums became pairs of
