@@ -365,31 +365,40 @@ impl Run<'_> {
         let mut texts = vec![String::new(); req.samples];
         let mut printed = vec![0usize; req.samples];
         let mut failure = None;
-        let out = comm.generate(backend, layers, req, &mut |s: usize, token: u32| {
-            match decoders[s].push(token) {
-                Ok(piece) => texts[s].push_str(&piece),
-                Err(e) => failure = Some(e),
-            }
-            let stop_at = a
-                .stop
-                .iter()
-                .filter_map(|x| texts[s].find(x.as_str()))
-                .min();
-            if let Some(at) = stop_at {
-                texts[s].truncate(at);
-            }
-            if stream {
-                // Hold back what could still become a stop string.
-                let safe = stop_at
-                    .unwrap_or_else(|| canopy_runtime::serving::held_back(&texts[s], &a.stop));
-                if safe > printed[s] {
-                    print!("{}", &texts[s][printed[s]..safe]);
-                    let _ = std::io::stdout().flush();
-                    printed[s] = safe;
+        let bar = (comm.rank() == 0).then(|| FillBar::new(layers.config.num_hidden_layers));
+        let mut watch = FillBarWatch {
+            bar: bar.as_ref(),
+            tokens: |s: usize, token: u32| {
+                match decoders[s].push(token) {
+                    Ok(piece) => texts[s].push_str(&piece),
+                    Err(e) => failure = Some(e),
                 }
-            }
-            stop_at.is_none()
-        })?;
+                let stop_at = a
+                    .stop
+                    .iter()
+                    .filter_map(|x| texts[s].find(x.as_str()))
+                    .min();
+                if let Some(at) = stop_at {
+                    texts[s].truncate(at);
+                }
+                if stream {
+                    // Hold back what could still become a stop string.
+                    let safe = stop_at
+                        .unwrap_or_else(|| canopy_runtime::serving::held_back(&texts[s], &a.stop));
+                    if safe > printed[s] {
+                        print!("{}", &texts[s][printed[s]..safe]);
+                        let _ = std::io::stdout().flush();
+                        printed[s] = safe;
+                    }
+                }
+                stop_at.is_none()
+            },
+        };
+        let out = comm.generate(backend, layers, req, &mut watch);
+        if let Some(bar) = &bar {
+            bar.clear();
+        }
+        let out = out?;
         if let Some(e) = failure {
             return Err(e.into());
         }
@@ -413,5 +422,71 @@ impl Run<'_> {
             print!("{}", &samples[0].text[printed[0]..]);
         }
         Ok((out, samples, load_s))
+    }
+}
+
+/// Rank 0's bar over the prompt's prefill, pass by pass (a layer of a piece of the prompt).
+/// It is drawn only once the fill has run [`FillBar::AFTER`], so a short prompt draws nothing,
+/// and cleared before the first token is printed.
+struct FillBar {
+    bar: indicatif::ProgressBar,
+    started: Instant,
+    shown: std::cell::Cell<bool>,
+}
+
+impl FillBar {
+    /// How long a fill runs before its bar is drawn.
+    const AFTER: std::time::Duration = std::time::Duration::from_millis(500);
+
+    fn new(layers: usize) -> Self {
+        let bar = canopy_model::progress_bar(layers as u64, "prefill".into());
+        bar.set_message("passes (layer × piece)");
+        let shown = std::cell::Cell::new(bar.is_hidden());
+        if !shown.get() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        FillBar {
+            bar,
+            started: Instant::now(),
+            shown,
+        }
+    }
+
+    fn progress(&self, done: usize, passes: usize) {
+        if !self.shown.get() && self.started.elapsed() >= Self::AFTER {
+            self.bar
+                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            self.shown.set(true);
+        }
+        self.bar.set_length(passes as u64);
+        self.bar.set_position(done as u64);
+    }
+
+    fn clear(&self) {
+        if !self.bar.is_finished() {
+            self.bar.finish_and_clear();
+        }
+    }
+}
+
+/// A watch of the tokens (`tokens`, as a closure is) that draws the prefill's progress on
+/// `bar` and clears it at the first token.
+struct FillBarWatch<'a, F> {
+    bar: Option<&'a FillBar>,
+    tokens: F,
+}
+
+impl<F: FnMut(usize, u32) -> bool> canopy_runtime::Watch for FillBarWatch<'_, F> {
+    fn token(&mut self, sample: usize, token: u32) -> bool {
+        if let Some(bar) = self.bar {
+            bar.clear();
+        }
+        (self.tokens)(sample, token)
+    }
+
+    fn context_progress(&mut self, done: usize, passes: usize) {
+        if let Some(bar) = self.bar {
+            bar.progress(done, passes);
+        }
     }
 }
