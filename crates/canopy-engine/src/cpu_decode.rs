@@ -1,25 +1,31 @@
 //! Stage 1 of flash decoding on the CPU: each group of a plan into its partial rows, as the
 //! GPU's `decode_partial` writes them (normalised `o`, natural-log `lse`).
 //!
-//! A group is cut into tasks that run on every core: each KV head, and each piece of at most
-//! [`PIECE`] of the group's tokens, is a task of its own, and a head's pieces are merged in
-//! token order. A task takes its tokens in blocks of [`BLOCK`] keys through the online
-//! softmax of [`flash`]: all of the head's query rows (queries × GQA heads) score the block at
-//! once, so each key and value is read once per block, not once per row. From [`GEMM_ROWS`]
-//! rows (queries that share a prefix) a block's two products run on `gemm`.
+//! A group is cut into pieces of its tokens that run on every core, and each head's pieces
+//! are merged in token order. A piece takes its tokens in blocks of [`BLOCK`] keys through the
+//! online softmax of [`flash`], every KV head of a block in turn: the pool holds a token's
+//! keys (and values) for all heads in one row, so a piece reads its tokens' rows whole and in
+//! order, where a task of one head would read a strided part of each. All of a head's query
+//! rows (queries × GQA heads) score the block at once, so each key and value is read once per
+//! block, not once per row. From [`GEMM_ROWS`] rows (queries that share a prefix) a block's
+//! two products run on `gemm`.
 
 use crate::host_ops::flash::{self, OnlineSoftmax, Products, Rows};
 use canopy_core::{merge_state, AttnShape, Group, KvElement};
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Keys a block of the online softmax takes.
 const BLOCK: usize = 64;
 
 /// Tokens of a group's KV that one task covers at most. A long group (one sequence's whole
-/// context) is cut into pieces that run on every core, where it would otherwise take one core
-/// for each KV head. The cut depends on the group alone, never on the threads, so a group's
-/// result does not depend on the machine.
+/// context) is cut into pieces that run on every core. The cut depends on the group and the
+/// shape alone, never on the threads, so a group's result does not depend on the machine.
 const PIECE: usize = 8 * BLOCK;
+
+/// Pieces a group is cut into at least, where it has that many blocks: a group shorter than
+/// a few [`PIECE`]s still runs on several cores.
+const MIN_PIECES: usize = 16;
 
 /// Query rows of a KV head from which a block's products run on `gemm`; fewer take dot
 /// products and row additions, which cost less than a `gemm` call at that size.
@@ -48,19 +54,13 @@ pub fn group_partial<E: KvElement>(
         .enumerate()
         .map(|(i, a)| (a, i))
         .collect();
-    let pieces = tokens.len().div_ceil(PIECE).max(1);
-    let mut partials: Vec<(Vec<f32>, Vec<f32>)> = (0..hk * pieces)
+    let mut partials: Vec<Vec<HeadState>> = pieces(tokens.len())
         .into_par_iter()
-        .map(|task| {
-            let (kv_head, piece) = (task / pieces, task % pieces);
-            let begin = (piece * PIECE).min(tokens.len());
-            let end = (begin + PIECE).min(tokens.len());
-            head_partial(shape, group, kv_head, &tokens[begin..end], q, k, v)
-        })
+        .map(|piece| piece_partial(shape, group, &tokens[piece], q, k, v))
         .collect();
-    for (kv_head, head) in partials.chunks_mut(pieces).enumerate() {
-        let ((o, lse), rest) = head.split_first_mut().expect("one piece at least");
-        for (later_o, later_lse) in rest.iter() {
+    let (first, later) = partials.split_first_mut().expect("one piece at least");
+    for (kv_head, (o, lse)) in first.iter_mut().enumerate() {
+        for (later_o, later_lse) in later.iter().map(|piece| &piece[kv_head]) {
             for row in 0..nq * g {
                 let at = row * d..(row + 1) * d;
                 merge_state(
@@ -79,20 +79,34 @@ pub fn group_partial<E: KvElement>(
             }
         }
     }
+    debug_assert_eq!(first.len(), hk);
 }
 
-/// One KV head's normalised partial over `tokens` (address, group-token index) of `group`:
-/// `o` (`rows × head_dim`) and `lse` (`rows`), row `j · g + gi` being query `j`'s GQA head
-/// `gi` of the KV head.
-fn head_partial<E: KvElement>(
+/// The token ranges a group of `tokens` is cut into: whole blocks, at most [`PIECE`] tokens
+/// each, and at least [`MIN_PIECES`] of them where the group has the blocks. One range, empty,
+/// for an empty group.
+fn pieces(tokens: usize) -> Vec<Range<usize>> {
+    let blocks = tokens.div_ceil(BLOCK).max(1);
+    let pieces = blocks.div_ceil(PIECE / BLOCK).max(MIN_PIECES.min(blocks));
+    let token_at = |piece: usize| (piece * blocks / pieces * BLOCK).min(tokens);
+    (0..pieces).map(|i| token_at(i)..token_at(i + 1)).collect()
+}
+
+/// One KV head's normalised partial: `o` (`rows × head_dim`) and `lse` (`rows`), row
+/// `j · g + gi` being query `j`'s GQA head `gi` of the KV head.
+type HeadState = (Vec<f32>, Vec<f32>);
+
+/// Every KV head's normalised partial over `tokens` (address, group-token index) of `group`.
+/// The heads of a block are taken together, so a task reads each token's keys and values for
+/// all heads, one contiguous row, as the pool lays them out.
+fn piece_partial<E: KvElement>(
     shape: &AttnShape,
     group: &Group,
-    kv_head: usize,
     tokens: &[(u32, usize)],
     q: &[f32],
     k: &[E],
     v: &[E],
-) -> (Vec<f32>, Vec<f32>) {
+) -> Vec<HeadState> {
     let (h, hk, d) = (shape.q_heads, shape.kv_heads, shape.head_dim);
     let g = shape.group_size();
     let nq = group.queries.len();
@@ -102,19 +116,21 @@ fn head_partial<E: KvElement>(
     } else {
         Products::Loops
     };
-    // The head's query rows, contiguous: a query's GQA heads of one KV head are adjacent.
-    let mut q_rows = vec![0.0f32; rows * d];
-    for (j, &query) in group.queries.iter().enumerate() {
-        let src = (query as usize * h + kv_head * g) * d;
-        q_rows[j * g * d..(j + 1) * g * d].copy_from_slice(&q[src..src + g * d]);
+    // Each KV head's query rows, contiguous: a query's GQA heads of one KV head are adjacent.
+    let mut q_rows = vec![0.0f32; hk * rows * d];
+    for (kv_head, head_rows) in q_rows.chunks_mut(rows * d).enumerate() {
+        for (j, &query) in group.queries.iter().enumerate() {
+            let src = (query as usize * h + kv_head * g) * d;
+            head_rows[j * g * d..(j + 1) * g * d].copy_from_slice(&q[src..src + g * d]);
+        }
     }
-    let q_rows = Rows::at(&q_rows, 0, d);
     let scale = shape.softmax_scale();
-    let row_start = |addr: u32| (addr as usize * hk + kv_head) * d;
+    let token_width = hk * d;
     let in_place = E::as_f32(k).zip(E::as_f32(v));
-    let (mut k_block, mut v_block) = (vec![0.0f32; BLOCK * d], vec![0.0f32; BLOCK * d]);
+    // Filled only where a block is gathered.
+    let (mut k_block, mut v_block) = (Vec::new(), Vec::new());
     let mut scores = vec![0.0f32; rows * BLOCK];
-    let mut state = OnlineSoftmax::new(rows, d);
+    let mut states: Vec<OnlineSoftmax> = (0..hk).map(|_| OnlineSoftmax::new(rows, d)).collect();
     for (b, block) in tokens.chunks(BLOCK).enumerate() {
         let n = block.len();
         let consecutive = block.windows(2).all(|w| w[1].0 == w[0].0 + 1);
@@ -124,8 +140,8 @@ fn head_partial<E: KvElement>(
         if let Some((k, v)) = in_place {
             let next = &tokens[((b + 1) * BLOCK).min(tokens.len())..];
             for &(addr, _) in next.iter().take(BLOCK) {
-                let at = row_start(addr);
-                for c in (0..d).step_by(LINE_FLOATS) {
+                let at = addr as usize * token_width;
+                for c in (0..token_width).step_by(LINE_FLOATS) {
                     prefetch(&k[at + c]);
                     prefetch(&v[at + c]);
                 }
@@ -135,34 +151,43 @@ fn head_partial<E: KvElement>(
         // gathered (and widened) into the block's buffers.
         let (k_rows, v_rows) = match in_place {
             Some((k, v)) if consecutive => {
-                let first = row_start(block[0].0);
-                (Rows::at(k, first, hk * d), Rows::at(v, first, hk * d))
+                let first = block[0].0 as usize * token_width;
+                (&k[first..], &v[first..])
             }
             _ => {
+                k_block.resize(BLOCK * token_width, 0.0);
+                v_block.resize(BLOCK * token_width, 0.0);
                 for (i, &(addr, _)) in block.iter().enumerate() {
-                    let src = row_start(addr);
-                    for c in 0..d {
-                        k_block[i * d + c] = k[src + c].to_f32();
-                        v_block[i * d + c] = v[src + c].to_f32();
+                    let src = addr as usize * token_width;
+                    let dst = i * token_width..(i + 1) * token_width;
+                    for (x, &y) in k_block[dst.clone()].iter_mut().zip(&k[src..]) {
+                        *x = y.to_f32();
+                    }
+                    for (x, &y) in v_block[dst].iter_mut().zip(&v[src..]) {
+                        *x = y.to_f32();
                     }
                 }
-                (Rows::at(&k_block, 0, d), Rows::at(&v_block, 0, d))
+                (&k_block[..], &v_block[..])
             }
         };
-        let scores = &mut scores[..rows * n];
-        flash::scores(q_rows, k_rows, (rows, n, d), scale, by, scores);
-        if group.mask.is_some() {
-            for (row, row_scores) in scores.chunks_mut(n).enumerate() {
-                for (s, &(_, token)) in row_scores.iter_mut().zip(block) {
-                    if !group.visible(token, row / g) {
-                        *s = f32::NEG_INFINITY;
+        for (kv_head, state) in states.iter_mut().enumerate() {
+            let q_rows = Rows::at(&q_rows, kv_head * rows * d, d);
+            let k_rows = Rows::at(k_rows, kv_head * d, token_width);
+            let scores = &mut scores[..rows * n];
+            flash::scores(q_rows, k_rows, (rows, n, d), scale, by, scores);
+            if group.mask.is_some() {
+                for (row, row_scores) in scores.chunks_mut(n).enumerate() {
+                    for (s, &(_, token)) in row_scores.iter_mut().zip(block) {
+                        if !group.visible(token, row / g) {
+                            *s = f32::NEG_INFINITY;
+                        }
                     }
                 }
             }
+            state.absorb(scores, n, Rows::at(v_rows, kv_head * d, token_width), by);
         }
-        state.absorb(scores, n, v_rows, by);
     }
-    state.finish()
+    states.into_iter().map(OnlineSoftmax::finish).collect()
 }
 
 /// f32 values in a 64-byte cache line.
@@ -185,6 +210,39 @@ fn prefetch(x: &f32) {
 mod tests {
     use super::*;
     use canopy_core::{DType, TypedVec, EMPTY_LSE};
+
+    /// Pieces are whole blocks, at most [`PIECE`] tokens, cover the group in order, and
+    /// number at least [`MIN_PIECES`] where the group has that many blocks.
+    #[test]
+    fn pieces_are_whole_blocks_and_enough_for_several_cores() {
+        assert_eq!(pieces(0), vec![0..0]);
+        for tokens in (1..3000).chain([8191, 8192, 8193, 32768, 100_000]) {
+            let cut = pieces(tokens);
+            let blocks = tokens.div_ceil(BLOCK);
+            assert!(
+                cut.len() >= MIN_PIECES.min(blocks),
+                "{tokens} tokens: {cut:?}"
+            );
+            assert_eq!(
+                cut.len(),
+                tokens.div_ceil(PIECE).max(MIN_PIECES.min(blocks))
+            );
+            assert_eq!((cut[0].start, cut[cut.len() - 1].end), (0, tokens));
+            for (piece, next) in cut.iter().zip(&cut[1..]) {
+                assert_eq!(piece.end, next.start, "{tokens} tokens: {cut:?}");
+            }
+            for piece in &cut {
+                assert!(
+                    !piece.is_empty() && piece.len() <= PIECE,
+                    "{tokens}: {piece:?}"
+                );
+                assert!(
+                    piece.start.is_multiple_of(BLOCK),
+                    "{tokens} tokens: {piece:?}"
+                );
+            }
+        }
+    }
 
     /// Groups longer than a piece are cut, their pieces run apart and merged: every row
     /// equals the f64 softmax over the tokens it sees, for f32 K and V (read where they lie)
