@@ -95,6 +95,14 @@ struct HfConfig {
     max_position_embeddings: usize,
     #[serde(default)]
     tie_word_embeddings: bool,
+    /// The MLP's activation; Llama's is SiLU (`silu`, also named `swish`).
+    hidden_act: Option<String>,
+    /// Biases on the attention's and the MLP's projections, which Llama's checkpoints leave
+    /// out and canopy's layers do not add.
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
 }
@@ -154,6 +162,23 @@ fn check_hf_architecture(config: &Value) -> Result<()> {
     Err(ModelError::UnsupportedArchitecture {
         found: found.to_string(),
     })
+}
+
+/// Refuses the layer settings of a Llama-family `config.json` that canopy's layers do not run,
+/// so that such a model is not run as another.
+fn check_hf_layers(hf: &HfConfig) -> Result<()> {
+    let refuse = |setting: String| Err(ModelError::UnsupportedLayer { setting });
+    match hf.hidden_act.as_deref() {
+        None | Some("silu" | "swish") => {}
+        Some(other) => return refuse(format!("hidden_act = \"{other}\"")),
+    }
+    if hf.attention_bias {
+        return refuse("attention_bias = true".into());
+    }
+    if hf.mlp_bias {
+        return refuse("mlp_bias = true".into());
+    }
+    Ok(())
 }
 
 fn parse_hf_rope_scaling(value: &Value) -> Result<Option<RopeScaling>> {
@@ -233,11 +258,22 @@ impl LlamaConfig {
                 path: path.to_path_buf(),
                 source,
             })?;
+        check_hf_layers(&hf)?;
         let (rope_theta, rope_scaling) = match &hf.rope_parameters {
-            Some(params) => (
-                params.get("rope_theta").and_then(Value::as_f64),
-                parse_hf_rope_scaling(params)?,
-            ),
+            Some(params) => {
+                let scaling = parse_hf_rope_scaling(params)?;
+                // A config that carries both (as transformers 5 may) must not disagree.
+                if let Some(legacy) = &hf.rope_scaling {
+                    let legacy = parse_hf_rope_scaling(legacy)?;
+                    if legacy.is_some() && legacy != scaling {
+                        return Err(ModelError::InvalidConfig(format!(
+                            "config.json's rope_scaling ({legacy:?}) and rope_parameters \
+                             ({scaling:?}) disagree; keep the one the model was trained with"
+                        )));
+                    }
+                }
+                (params.get("rope_theta").and_then(Value::as_f64), scaling)
+            }
             None => (
                 hf.rope_theta,
                 hf.rope_scaling
@@ -657,6 +693,53 @@ mod tests {
                 .contains("unsupported rope scaling type `yarn`"),
             "{err}"
         );
+    }
+
+    /// A rope scaling beside `rope_parameters` is read too: refused where canopy does not run
+    /// it or where it disagrees, accepted where it says the same.
+    #[test]
+    fn rope_scaling_beside_rope_parameters_must_agree() {
+        let mut json = llama31_json();
+        let llama3 = json["rope_scaling"].clone();
+        let mut params = llama3.clone();
+        params["rope_theta"] = json["rope_theta"].clone();
+        json["rope_parameters"] = params;
+        let both = LlamaConfig::from_hf_json(&json).unwrap();
+        assert!(matches!(both.rope_scaling, Some(RopeScaling::Llama3 { .. })));
+        for (legacy, refusal) in [
+            (json!({"rope_type": "yarn", "factor": 4.0}), "`yarn`"),
+            (json!({"rope_type": "nonsense"}), "`nonsense`"),
+            (json!({"type": "linear", "factor": 2.0}), "disagree"),
+        ] {
+            json["rope_scaling"] = legacy;
+            let err = LlamaConfig::from_hf_json(&json).unwrap_err().to_string();
+            assert!(err.contains(refusal), "{err}");
+        }
+    }
+
+    /// Layers other than Llama's are refused by name, not run as Llama's.
+    #[test]
+    fn other_layers_are_refused() {
+        for (key, value, named) in [
+            ("hidden_act", json!("gelu"), "hidden_act = \"gelu\""),
+            ("hidden_act", json!("gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
+            ("attention_bias", json!(true), "attention_bias = true"),
+            ("mlp_bias", json!(true), "mlp_bias = true"),
+        ] {
+            let mut json = llama31_json();
+            json[key] = value;
+            let err = LlamaConfig::from_hf_json(&json).unwrap_err().to_string();
+            assert!(err.contains(named), "{err}");
+        }
+        let mut json = llama31_json();
+        for (key, value) in [
+            ("hidden_act", json!("silu")),
+            ("attention_bias", json!(false)),
+            ("mlp_bias", json!(false)),
+        ] {
+            json[key] = value;
+        }
+        LlamaConfig::from_hf_json(&json).unwrap();
     }
 
     #[test]

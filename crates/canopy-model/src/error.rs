@@ -36,6 +36,8 @@ pub enum ModelError {
         "unsupported rope scaling type `{found}`; canopy implements llama3 and linear scaling"
     )]
     UnsupportedRopeScaling { found: String },
+    #[error("config.json sets {setting}, which canopy does not run: it runs Llama's layers, with SiLU-gated MLPs and no biases on the projections")]
+    UnsupportedLayer { setting: String },
     #[error("{path} lacks the metadata key {key}, which a Llama-family GGUF file must have")]
     MissingMetadata { path: PathBuf, key: String },
     #[error("metadata key {key} in {path} has the wrong type: expected {expected}")]
