@@ -72,22 +72,29 @@ impl FillChoice {
 }
 
 /// A prompt of `tokens` ids counting up through the vocabulary: a timing reads its length,
-/// not its ids.
-pub(crate) fn stand_in_prompt(tokens: usize, config: &LlamaConfig) -> Vec<u32> {
-    (0..tokens as u32)
-        .map(|i| i % config.vocab_size as u32)
-        .collect()
+/// not its ids. Refused past the 2^32 positions a model's KV addresses, or past the host's
+/// memory, before it is built (its run is priced once it is).
+pub(crate) fn stand_in_prompt(tokens: usize, config: &LlamaConfig) -> Result<Vec<u32>> {
+    let Ok(tokens) = u32::try_from(tokens) else {
+        bail!("a context of {tokens} tokens passes the 2^32 positions canopy addresses");
+    };
+    let what = format!("a stand-in prompt of {tokens} tokens");
+    canopy_engine::memory::ensure_host_fits(tokens as u64 * 4, &what)?;
+    Ok((0..tokens).map(|i| i % config.vocab_size as u32).collect())
 }
 
 /// Raises the model's positions to `longest` where a random fill runs past them (rotary
 /// positions extend; a random context has no trained range to stay in); returns whether
-/// they were raised.
-pub(crate) fn allow_positions(config: &mut LlamaConfig, longest: usize) -> bool {
+/// they were raised. Refused past the 2^32 positions a model's KV addresses.
+pub(crate) fn allow_positions(config: &mut LlamaConfig, longest: usize) -> Result<bool> {
+    if u32::try_from(longest).is_err() {
+        bail!("a context and its new tokens, {longest} positions, pass the 2^32 canopy addresses");
+    }
     let past = longest > config.max_position_embeddings;
     if past {
         config.max_position_embeddings = longest;
     }
-    past
+    Ok(past)
 }
 
 #[derive(Args)]
@@ -203,7 +210,7 @@ impl Subject {
             a.seed,
         )?;
         let (name, mut config, source) = (model.name, model.config, model.weights);
-        let longest = a.contexts().iter().max().copied().unwrap_or(1) + a.decode;
+        let longest = (a.contexts().iter().max().copied().unwrap_or(1)).saturating_add(a.decode);
         if longest > config.max_position_embeddings && a.context_fill == FillChoice::Prefill {
             bail!(
                 "a context of {} tokens plus {} decoded exceeds the model's capacity of {} tokens; use shorter --context, or --context-fill random to time decode past it",
@@ -212,7 +219,7 @@ impl Subject {
                 config.max_position_embeddings
             );
         }
-        let past_positions = allow_positions(&mut config, longest);
+        let past_positions = allow_positions(&mut config, longest)?;
         Ok(Subject {
             name,
             config,
@@ -342,9 +349,9 @@ fn request(
     dtype: DType,
     context: usize,
     strategy: DecodeStrategy,
-) -> GenerateRequest {
-    GenerateRequest {
-        prompt: stand_in_prompt(context, config),
+) -> Result<GenerateRequest> {
+    Ok(GenerateRequest {
+        prompt: stand_in_prompt(context, config)?,
         max_tokens: a.decode,
         samples: 1,
         sampling: SamplingParams::default(),
@@ -358,7 +365,7 @@ fn request(
         prefill_chunk: a.prefill_chunk,
         graphs: !a.eager,
         logprobs: None,
-    }
+    })
 }
 
 /// Every (context, ranks, strategy) configuration on backends made by `backend`, with the
@@ -399,7 +406,7 @@ fn bench<B: Device>(
 
     let most = on.counts.iter().max().copied().unwrap_or(1);
     let longest = a.contexts().iter().max().copied().unwrap_or(1);
-    let sizing = request(a, config, dtype, longest, DecodeStrategy::Ring);
+    let sizing = request(a, config, dtype, longest, DecodeStrategy::Ring)?;
     let needs = |here: usize| Ok(sizing.needs(config, dtype, most, here)?);
     let placed = Placed::new(
         world,
@@ -418,7 +425,7 @@ fn bench<B: Device>(
     for &context in &a.contexts() {
         for &(ranks, per_device) in &per_device {
             for strategy in strategies(a) {
-                let req = request(a, config, dtype, context, strategy);
+                let req = request(a, config, dtype, context, strategy)?;
                 let name = strategy.name();
                 let label = format!(
                     "{} of {context} tokens, p = {ranks}, {name}",
@@ -477,7 +484,7 @@ fn warm_up<B: RankThreads>(
         for strategy in strategies(a) {
             let req = GenerateRequest {
                 max_tokens: 2,
-                ..request(a, config, dtype, context, strategy)
+                ..request(a, config, dtype, context, strategy)?
             };
             let label = format!("warm-up, p = {ranks}, {}", strategy.name());
             run_one(placed, world, &req, ranks, &label, config)?;
@@ -674,6 +681,20 @@ mod tests {
         assert_eq!(parse_tokens("1M"), Ok(1 << 20));
         assert!(parse_tokens("0").is_err());
         assert!(parse_tokens("lots").unwrap_err().contains("token count"));
+    }
+
+    /// Contexts past the 2^32 positions are refused before a prompt or a position table is
+    /// made for them.
+    #[test]
+    fn contexts_past_32_bit_positions_are_refused() {
+        let mut config = canopy_model::presets::preset("smollm2-135m").unwrap();
+        let err = stand_in_prompt(1 << 32, &config).unwrap_err().to_string();
+        assert!(err.contains("passes the 2^32 positions"), "{err}");
+        assert_eq!(stand_in_prompt(3, &config).unwrap(), vec![0, 1, 2]);
+        let err = allow_positions(&mut config, usize::MAX).unwrap_err();
+        assert!(err.to_string().contains("pass the 2^32"), "{err}");
+        assert!(allow_positions(&mut config, 1 << 20).unwrap());
+        assert_eq!(config.max_position_embeddings, 1 << 20);
     }
 
     pub(super) fn parse(args: &[&str]) -> DecodeArgs {

@@ -172,7 +172,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         dtype,
     } = a.run.open()?;
     let prompt = match (a.context, &a.prompt_ids, &a.prompt) {
-        (Some(tokens), _, _) => crate::decode_bench::stand_in_prompt(tokens, &model.config),
+        (Some(tokens), _, _) => crate::decode_bench::stand_in_prompt(tokens, &model.config)?,
         (None, Some(ids), _) => ids.clone(),
         (None, None, Some(prompt)) if a.chat => {
             let mut messages = Vec::new();
@@ -188,7 +188,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         (None, None, None) => bail!("give --prompt, --prompt-ids or --context"),
     };
     if a.context_fill == FillChoice::Random {
-        crate::decode_bench::allow_positions(&mut model.config, prompt.len() + a.max_tokens);
+        let longest = prompt.len().saturating_add(a.max_tokens);
+        crate::decode_bench::allow_positions(&mut model.config, longest)?;
     }
     let req = GenerateRequest {
         prompt,

@@ -705,7 +705,10 @@ mod tests {
         params["rope_theta"] = json["rope_theta"].clone();
         json["rope_parameters"] = params;
         let both = LlamaConfig::from_hf_json(&json).unwrap();
-        assert!(matches!(both.rope_scaling, Some(RopeScaling::Llama3 { .. })));
+        assert!(matches!(
+            both.rope_scaling,
+            Some(RopeScaling::Llama3 { .. })
+        ));
         for (legacy, refusal) in [
             (json!({"rope_type": "yarn", "factor": 4.0}), "`yarn`"),
             (json!({"rope_type": "nonsense"}), "`nonsense`"),
@@ -722,7 +725,11 @@ mod tests {
     fn other_layers_are_refused() {
         for (key, value, named) in [
             ("hidden_act", json!("gelu"), "hidden_act = \"gelu\""),
-            ("hidden_act", json!("gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
+            (
+                "hidden_act",
+                json!("gelu_pytorch_tanh"),
+                "gelu_pytorch_tanh",
+            ),
             ("attention_bias", json!(true), "attention_bias = true"),
             ("mlp_bias", json!(true), "mlp_bias = true"),
         ] {

@@ -22,6 +22,12 @@ pub enum RuntimeError {
         max_tokens: usize,
         capacity: usize,
     },
+    #[error("{samples} samples of a prompt of {prompt} tokens and up to {max_tokens} new tokens each need more KV pages or positions than a rank addresses (2^32); ask for fewer samples or tokens")]
+    TooManyTokens {
+        prompt: usize,
+        samples: usize,
+        max_tokens: usize,
+    },
 }
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

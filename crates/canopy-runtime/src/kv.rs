@@ -5,7 +5,7 @@
 //! (so decode's attention work stays balanced). Every rank keeps the same bookkeeping, so
 //! all agree where each token lives without talking.
 
-use crate::Result;
+use crate::{Result, RuntimeError};
 use canopy_core::{KvTree, Tail};
 use canopy_kv::{KvManager, KvNode, Placement, RankSnapshot, RankUpdate, StepLayout};
 use std::ops::Range;
@@ -92,8 +92,18 @@ impl KvLayout {
         let pages = |tokens: usize| tokens.div_ceil(ps);
         // The prompt's share (every full piece splits evenly, the last as evenly as pages
         // allow), every sample's growth if one rank took it all, and a partial page per sample.
-        let pages_per_rank =
-            (pages(prompt).div_ceil(ranks) + samples * (pages(max_tokens) + 1)) as u32;
+        // Positions, and a rank's pages and tokens, are 32-bit.
+        let pages_per_rank = (pages(max_tokens) + 1)
+            .checked_mul(samples)
+            .and_then(|growth| growth.checked_add(pages(prompt).div_ceil(ranks)))
+            .and_then(|pages| u32::try_from(pages).ok())
+            .filter(|&pages| pages.checked_mul(page_size).is_some())
+            .filter(|_| u32::try_from(prompt.saturating_add(max_tokens)).is_ok())
+            .ok_or(RuntimeError::TooManyTokens {
+                prompt,
+                samples,
+                max_tokens,
+            })?;
         let mut manager = KvManager::new(ranks, page_size, pages_per_rank)?;
         let piece = chunk.max(1).div_ceil(ps) * ps * ranks;
         let pieces: Vec<Range<usize>> = (0..prompt)

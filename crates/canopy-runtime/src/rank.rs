@@ -98,7 +98,21 @@ impl GenerateRequest {
         ranks_here: usize,
     ) -> Result<ModelNeeds> {
         let prompt = self.prompt.len();
+        self.check_capacity(config.max_position_embeddings)?;
         self.needs_at(prompt, config, weight_dtype, ranks, ranks_here)
+    }
+
+    /// Refuses a request whose prompt and new tokens pass the model's `capacity` positions:
+    /// before its pricing, whose refusal would name memory rather than the positions.
+    fn check_capacity(&self, capacity: usize) -> Result<()> {
+        if self.prompt.len().saturating_add(self.max_tokens) > capacity {
+            return Err(RuntimeError::TooLong {
+                prompt: self.prompt.len(),
+                max_tokens: self.max_tokens,
+                capacity,
+            });
+        }
+        Ok(())
     }
 
     /// [`GenerateRequest::needs`] of this request with a prompt of `prompt` tokens instead of
@@ -233,15 +247,7 @@ pub fn generate<B: LayerOps, C: Collective + Transport<B>>(
 ) -> Result<Generated> {
     let called = Instant::now();
     let (rank, ranks) = (comm.rank(), comm.size());
-    let capacity = layers.config.max_position_embeddings;
-    let longest = req.prompt.len() + req.max_tokens;
-    if longest > capacity {
-        return Err(RuntimeError::TooLong {
-            prompt: req.prompt.len(),
-            max_tokens: req.max_tokens,
-            capacity,
-        });
-    }
+    req.check_capacity(layers.config.max_position_embeddings)?;
     let shape = layers.attn_shape();
     let mut kv = req.layout(req.prompt.len(), ranks)?;
     // The pools were priced by `LayerOps::check_model` before the weights were uploaded.

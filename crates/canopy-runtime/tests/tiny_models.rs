@@ -362,6 +362,35 @@ fn an_empty_prompt_is_refused_before_anything_runs() {
     }
 }
 
+/// Requests past the model's positions, or past the 32-bit positions and pages a rank
+/// addresses, are refused by their sizes when priced, however large the numbers: not by
+/// the memory they would take, nor after a wrapped count was allocated.
+#[test]
+fn oversized_requests_are_refused_by_their_sizes() {
+    let (model, _) = fixture("gqa-hd64");
+    let capacity = model.config.max_position_embeddings;
+    for max_tokens in [capacity, 1 << 20, usize::MAX] {
+        let mut req = request(vec![1, 2, 3], 1, DecodeStrategy::Ring);
+        req.max_tokens = max_tokens;
+        let priced = req.needs(&model.config, DType::F32, 1, 1);
+        assert!(
+            matches!(priced, Err(RuntimeError::TooLong { capacity: c, .. }) if c == capacity),
+            "{max_tokens}: {priced:?}"
+        );
+    }
+    let mut config = model.config.clone();
+    config.max_position_embeddings = usize::MAX;
+    for (samples, max_tokens) in [(1 << 32, 2), (1 << 20, 1 << 20), (1, u32::MAX as usize)] {
+        let mut req = request(vec![1, 2, 3], samples, DecodeStrategy::Ring);
+        req.max_tokens = max_tokens;
+        let priced = req.needs(&config, DType::F32, 1, 1);
+        assert!(
+            matches!(priced, Err(RuntimeError::TooManyTokens { .. })),
+            "{samples} x {max_tokens}: {priced:?}"
+        );
+    }
+}
+
 /// Head dims no GPU kernel is built for (the CPU backend runs any even one): a random
 /// model's first logits and greedy tokens on 3 ranks with the tree and on 2 with the ring
 /// equal one rank's.

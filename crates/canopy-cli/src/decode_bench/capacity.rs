@@ -4,7 +4,7 @@
 
 use super::report::Capacity;
 use super::{request, DecodeArgs, FillChoice};
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use canopy_core::DType;
 use canopy_engine::ModelNeeds;
 use canopy_model::LlamaConfig;
@@ -29,10 +29,10 @@ pub(super) fn price(
     let longest = a.contexts().iter().max().copied().unwrap_or(1);
     let search = match a.context_fill {
         FillChoice::Prefill => config.max_position_embeddings.saturating_sub(a.decode),
-        FillChoice::Random => SEARCH_TOKENS.max(longest),
+        FillChoice::Random => SEARCH_TOKENS,
     };
     // The prompt's ids do not matter to the price, only its length.
-    let pricing = request(a, config, dtype, 1, DecodeStrategy::Ring);
+    let pricing = request(a, config, dtype, 1, DecodeStrategy::Ring)?;
     let mut out = Vec::new();
     for &(ranks, here) in rank_counts {
         let check = |context: usize| -> Result<()> {
@@ -40,7 +40,11 @@ pub(super) fn price(
             check_model(&needs.on_device_holding(here, ranks))
         };
         let fits = longest_fitting(search, |c| check(c).is_ok());
-        if let Err(e) = check(longest) {
+        let verdict = match longest <= search {
+            true => check(longest),
+            false => Err(anyhow!("it passes the {search} tokens canopy prices")),
+        };
+        if let Err(e) = verdict {
             let at_most = fits.map_or(
                 "not even one token fits beside the weights".to_string(),
                 |n| format!("the longest context that fits is {n} tokens"),
@@ -161,5 +165,24 @@ mod tests {
         let fits = price(&a, &[(1, 1)], &config, DType::Bf16, "test", &check).unwrap();
         assert_eq!(fits[0].longest_context, Some(327648));
         assert_eq!(fits[0].bound_by, "memory");
+        // Past the search, a context is refused unpriced: its KV books alone would take
+        // gigabytes.
+        let a = parse(&[
+            "--arch",
+            "llama-3.1-8b",
+            "--random-weights",
+            "--context",
+            "4294967200",
+            "--context-fill",
+            "random",
+        ]);
+        let err = price(&a, &[(1, 1)], &config, DType::Bf16, "test", &check)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("passes the 268435456 tokens"), "{err}");
+        assert!(
+            err.contains("the longest context that fits is 327648"),
+            "{err}"
+        );
     }
 }
