@@ -22,6 +22,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+use std::collections::HashMap;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -114,9 +115,10 @@ pub struct Shape {
 }
 
 impl Shape {
-    /// The tree's leaves: the distinct shared prefixes requests end on.
+    /// The tree's leaves: the distinct shared prefixes requests end on (`usize::MAX` for a
+    /// tree with more).
     pub fn leaves(&self) -> usize {
-        self.levels.iter().map(|&(n, _)| n).product()
+        (self.levels.iter()).fold(1usize, |leaves, &(n, _)| leaves.saturating_mul(n))
     }
 
     /// Tokens of a leaf's whole shared prefix.
@@ -162,29 +164,41 @@ impl DatasetArgs {
 }
 
 impl Shape {
-    /// `n` requests with token ids below `vocab`, drawn from `seed`.
+    /// `n` requests with token ids below `vocab`, drawn from `seed`. Request `i` ends on leaf
+    /// `i` of the tree (modulo its leaves), and only the nodes on those leaves' paths are
+    /// drawn, each from its own stream of `seed`, so a deep tree costs what its requests read.
     pub fn draw(&self, n: usize, vocab: u32, seed: u64) -> Vec<Request> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let tokens = |rng: &mut ChaCha8Rng, len: usize| -> Vec<u32> {
             (0..len).map(|_| rng.gen_range(0..vocab)).collect()
         };
-        // Every node of the tree, level by level: node j of level l hangs under node
-        // j / branches(l) of level l - 1.
-        let mut level_nodes: Vec<Vec<Vec<u32>>> = Vec::new();
-        let mut width = 1;
-        for &(branches, len) in &self.levels {
-            width *= branches;
-            level_nodes.push((0..width).map(|_| tokens(&mut rng, len)).collect());
-        }
+        // Node j of level l hangs under node j / branches(l) of level l - 1; it is drawn once,
+        // from the stream numbered by its level and index.
+        let mut nodes: HashMap<(usize, usize), Vec<u32>> = HashMap::new();
+        let mut node = |level: usize, index: usize, len: usize| -> Vec<u32> {
+            let drawn = nodes.entry((level, index)).or_insert_with(|| {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream(((level as u64) << 48) ^ index as u64 ^ (1 << 63));
+                tokens(&mut rng, len)
+            });
+            drawn.clone()
+        };
         let leaves = self.leaves();
         let mut requests: Vec<Request> = (0..n)
             .map(|i| {
                 let leaf = i % leaves;
                 let mut prompt = Vec::new();
-                let mut below = leaves;
-                for (nodes, &(branches, _)) in level_nodes.iter().zip(&self.levels) {
-                    below /= branches;
-                    prompt.extend_from_slice(&nodes[leaf / below]);
+                // The leaf's index at each level, from the last level up.
+                let mut path = Vec::with_capacity(self.levels.len());
+                let mut index = leaf;
+                for &(branches, _) in self.levels.iter().rev() {
+                    path.push(index);
+                    index /= branches;
+                }
+                for (level, (&(_, len), &index)) in
+                    self.levels.iter().zip(path.iter().rev()).enumerate()
+                {
+                    prompt.extend(node(level, index, len));
                 }
                 let own = self.vary(&mut rng, self.own_len);
                 prompt.extend(tokens(&mut rng, own));
@@ -275,6 +289,22 @@ mod tests {
         }
         let s = shape("--dataset system-prompt --groups 3");
         assert_eq!(s.levels, [(1, 2048), (3, 1024)]);
+    }
+
+    /// A tree of more leaves than a `usize` counts draws only its requests' paths: five
+    /// requests end on leaves 0-4, so four share every step but the last and the fifth
+    /// branches off one step earlier.
+    #[test]
+    fn a_deep_tree_draws_only_its_requests_paths() {
+        let s = shape("--dataset multi-chain --prefix-len 4 --branching 4 --depth 40 --step-len 2");
+        assert_eq!(s.leaves(), usize::MAX);
+        let r = s.draw(5, 1000, 5);
+        for (len, distinct) in [(4, 1), (80, 1), (82, 2), (84, 5)] {
+            let mut p: Vec<&[u32]> = r.iter().map(|x| &x.prompt[..len]).collect();
+            p.sort();
+            p.dedup();
+            assert_eq!(p.len(), distinct, "prefixes of {len} tokens");
+        }
     }
 
     #[test]
