@@ -17,8 +17,11 @@ struct Info {
     cpu_cores: usize,
     os: &'static str,
     arch: &'static str,
-    /// CUDA driver, NVRTC, NCCL and GPUs, or why there are none.
-    cuda: Result<canopy_cuda::CudaInfo, String>,
+    /// CUDA driver, NVRTC, NCCL and GPUs: `null` where there are none, and `cuda_missing`
+    /// says why.
+    cuda: Option<canopy_cuda::CudaInfo>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cuda_missing: Option<String>,
     mpi: Option<String>,
 }
 
@@ -30,12 +33,17 @@ fn mpi_version() -> Option<String> {
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
+    let (cuda, cuda_missing) = match canopy_cuda::probe() {
+        Ok(cuda) => (Some(cuda), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
     let info = Info {
         canopy_version: env!("CARGO_PKG_VERSION"),
         cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         os: std::env::consts::OS,
         arch: std::env::consts::ARCH,
-        cuda: canopy_cuda::probe().map_err(|e| e.to_string()),
+        cuda,
+        cuda_missing,
         mpi: mpi_version(),
     };
     if a.json {
@@ -45,7 +53,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     println!("canopy {}", info.canopy_version);
     println!("cpu:  {} cores ({} {})", info.cpu_cores, info.os, info.arch);
     match &info.cuda {
-        Ok(c) => {
+        Some(c) => {
             println!(
                 "cuda: driver {}, NVRTC {}, NCCL {}",
                 c.driver_version,
@@ -64,7 +72,10 @@ pub fn run(a: InfoArgs) -> Result<()> {
                 );
             }
         }
-        Err(e) => println!("gpu:  none usable: {e}"),
+        None => println!(
+            "gpu:  none usable: {}",
+            info.cuda_missing.as_deref().unwrap_or_default()
+        ),
     }
     println!(
         "mpi:  {}",

@@ -147,8 +147,44 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_message(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `e` and its causes, joined by `: ` as `{:#}` joins them, each cause once: a library error
+/// whose message ends with its cause's (`could not parse F: {source}`) still names its cause
+/// as its source, which would print it twice.
+fn error_message(e: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if message.is_empty() {
+            message = text;
+        } else if !message.ends_with(&text) {
+            message = format!("{message}: {text}");
+        }
+    }
+    message
+}
+
+#[cfg(test)]
+mod tests {
+    /// A cause the message before it already ends with is not repeated; others are joined.
+    #[test]
+    fn each_cause_is_printed_once() {
+        let source = serde_json::from_str::<serde_json::Value>("xx").unwrap_err();
+        let parse = canopy_model::ModelError::Json {
+            path: "config.json".into(),
+            source,
+        };
+        let e = anyhow::Error::new(parse).context("loading the model");
+        assert_eq!(
+            super::error_message(&e),
+            "loading the model: could not parse config.json: expected value at line 1 column 1"
+        );
+        let e = anyhow::anyhow!("no GPU").context("running on cuda");
+        assert_eq!(super::error_message(&e), "running on cuda: no GPU");
     }
 }

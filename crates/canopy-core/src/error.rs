@@ -14,7 +14,7 @@ pub enum CoreError {
         "unknown workload `{name}`; known workloads: {known}. A path to a TOML file also works"
     )]
     UnknownWorkload { name: String, known: String },
-    #[error("unknown planning method `{0}`; use q-guided, deft-node, deft-node-chunk, deft-flatten, fasttree or all")]
+    #[error("unknown planning method `{0}`; use q-guided, deft-node, deft-node-chunk, deft-flatten, fasttree or auto (and `all` where a command runs several)")]
     UnknownMethod(String),
     #[error("could not read workload file {path}: {reason}")]
     WorkloadFile { path: String, reason: String },
