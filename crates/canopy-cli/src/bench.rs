@@ -294,6 +294,17 @@ pub fn temperature(s: &str) -> Result<f32, String> {
     }
 }
 
+/// Parses a temperature a request to an OpenAI-compatible server may carry: 0 to 2, the
+/// API's range, which `canopy serve` holds requests to.
+pub fn api_temperature(s: &str) -> Result<f32, String> {
+    match temperature(s)? {
+        t if t <= 2.0 => Ok(t),
+        _ => {
+            Err("must be at most 2, the OpenAI API's limit, which servers hold requests to".into())
+        }
+    }
+}
+
 /// Parses a nucleus-sampling mass: more than 0, at most 1 (1 keeps every token).
 pub fn probability_mass(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {

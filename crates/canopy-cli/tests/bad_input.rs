@@ -150,6 +150,19 @@ fn sampling_settings_out_of_range_are_refused_by_the_parser() {
             .failure()
             .stderr(contains(format!("invalid value '{value}'")).and(contains(why)));
     }
+    // `bench serve` holds its requests to the API's range, which a server would refuse past.
+    canopy()
+        .args([
+            "bench",
+            "serve",
+            "--url",
+            "http://127.0.0.1:9",
+            "--temperature",
+            "5",
+        ])
+        .assert()
+        .failure()
+        .stderr(contains("invalid value '5'").and(contains("at most 2")));
 }
 
 /// A server that could admit no request, or not one of its longest context, is refused at

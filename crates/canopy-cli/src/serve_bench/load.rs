@@ -38,7 +38,7 @@ struct Draws {
 #[derive(clap::Args, Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Sampling {
     /// Each request's sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.0, value_parser = crate::bench::temperature, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.0, value_parser = crate::bench::api_temperature, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Each request's `top_p`: the most likely tokens whose probability reaches P (0 < P <=
     /// 1).
