@@ -1,9 +1,20 @@
 //! The OpenAI API's request and response bodies, as far as canopy serves them. Requests
 //! ignore fields they do not know (clients send many); a field of the wrong type is an error
-//! that names it.
+//! that names it. Every optional field takes `null` as its default, as OpenAI's API allows and
+//! its clients send.
 
 use crate::logprobs::{ChatLogprobs, TextLogprobs};
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// An optional field with a default other than `None` (a flag): `null` is the default, since
+/// OpenAI's API allows `null` for every optional field and clients send it.
+fn null_is_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
 
 /// `prompt`: a text, or token ids; a list of one of either.
 #[derive(Debug, Clone, Deserialize)]
@@ -34,7 +45,7 @@ impl Stop {
 
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_default")]
     pub include_usage: bool,
 }
 
@@ -60,7 +71,7 @@ pub struct Sampling {
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
     pub n: Option<u32>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     /// Not OpenAI's: draw past the end-of-sequence tokens, to `max_tokens`.
@@ -80,7 +91,7 @@ pub struct Sampling {
 pub struct CompletionRequest {
     pub prompt: Prompt,
     /// Put the prompt's text before each choice's.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_default")]
     pub echo: bool,
     #[serde(flatten)]
     pub sampling: Sampling,
@@ -265,5 +276,39 @@ mod tests {
             serde_json::from_str::<CompletionRequest>(r#"{"prompt": "a", "max_tokens": "many"}"#)
                 .unwrap_err();
         assert!(e.to_string().contains("invalid type"), "{e}");
+    }
+
+    /// OpenAI's API allows `null` for every optional field: it is the field's default.
+    #[test]
+    fn null_optional_fields_take_their_defaults() {
+        let r: CompletionRequest = serde_json::from_str(
+            r#"{"prompt": "a", "stream": null, "echo": null, "stream_options": {"include_usage": null},
+                "max_tokens": null, "temperature": null, "top_p": null, "top_k": null, "seed": null,
+                "stop": null, "n": null, "ignore_eos": null, "frequency_penalty": null,
+                "presence_penalty": null, "repetition_penalty": null, "logit_bias": null,
+                "logprobs": null, "top_logprobs": null, "model": null,
+                "max_completion_tokens": null}"#,
+        )
+        .unwrap();
+        assert!(!r.echo && !r.sampling.stream);
+        assert!(!r.sampling.stream_options.unwrap().include_usage);
+        assert_eq!(r.sampling.max_tokens, None);
+        let r: ChatRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "user", "content": null}], "stream": null, "stream_options": null}"#,
+        )
+        .unwrap();
+        assert!(!r.sampling.stream && r.sampling.stream_options.is_none());
+        let r: TokenizeRequest = serde_json::from_str(
+            r#"{"prompt": "a", "add_special_tokens": null, "messages": null}"#,
+        )
+        .unwrap();
+        assert_eq!(r.add_special_tokens, None);
+        // A flag given is still read, and a wrong type is still an error.
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": "a", "stream": true, "echo": true}"#).unwrap();
+        assert!(r.echo && r.sampling.stream);
+        assert!(
+            serde_json::from_str::<CompletionRequest>(r#"{"prompt": "a", "stream": 1}"#).is_err()
+        );
     }
 }

@@ -5,6 +5,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use canopy_runtime::serving::RequestError;
 use serde::Serialize;
+use std::borrow::Cow;
 
 /// A request's failure, as its client sees it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -12,8 +13,9 @@ use serde::Serialize;
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
-    /// The request field at fault, if one is.
-    pub param: Option<&'static str>,
+    /// The request field at fault, if one is (a path such as `stream_options.include_usage`
+    /// where the field is nested).
+    pub param: Option<Cow<'static, str>>,
     pub code: Option<&'static str>,
 }
 
@@ -27,7 +29,7 @@ struct Detail<'a> {
     message: &'a str,
     #[serde(rename = "type")]
     kind: &'static str,
-    param: Option<&'static str>,
+    param: Option<&'a str>,
     code: Option<&'static str>,
 }
 
@@ -37,7 +39,7 @@ impl ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
-            param,
+            param: param.map(Cow::Borrowed),
             code: None,
         }
     }
@@ -54,7 +56,7 @@ impl ApiError {
     /// 404: a request names model `asked`, and this server serves only `served`.
     pub fn unknown_model(asked: &str, served: &str) -> ApiError {
         ApiError {
-            param: Some("model"),
+            param: Some(Cow::Borrowed("model")),
             ..ApiError::new(
                 StatusCode::NOT_FOUND,
                 format!("the model `{asked}` does not exist; this server serves `{served}`"),
@@ -80,7 +82,7 @@ impl ApiError {
             error: Detail {
                 message: &self.message,
                 kind: self.kind(),
-                param: self.param,
+                param: self.param.as_deref(),
                 code: self.code,
             },
         })

@@ -13,8 +13,8 @@
 //!   (`logprobs.rs`) and a completion's `echo` come in OpenAI's forms. Besides OpenAI's
 //!   fields a request may set `ignore_eos` (as other engines do): its samples run to
 //!   `max_tokens` past the model's end-of-sequence tokens, which a benchmark needs.
-//! - Requests are parsed here (unknown fields ignored, a wrong type a 400 in OpenAI's error
-//!   body), tokenized (a chat through the model's template), checked against the engine's
+//! - Requests are parsed here (unknown fields ignored, `null` an optional field's default, a
+//!   wrong type a 400 in OpenAI's error body that names the field), tokenized (a chat through the model's template), checked against the engine's
 //!   limits (a prompt and `max_tokens` beyond the context a 400 that states it) and handed to
 //!   the engine, which runs on threads of its own; its events come back through a channel
 //!   per request. A full queue is a 429 with `Retry-After`; a request after a drain began, a

@@ -224,14 +224,15 @@ mod tests {
             None
         );
         assert_eq!(
-            chat_request(None, Some(2)).unwrap_err().param,
+            chat_request(None, Some(2)).unwrap_err().param.as_deref(),
             Some("top_logprobs")
         );
         assert!(chat_request(Some(Logprobs::Flag(true)), Some(21)).is_err());
         assert_eq!(
             chat_request(Some(Logprobs::Count(2)), None)
                 .unwrap_err()
-                .param,
+                .param
+                .as_deref(),
             Some("logprobs")
         );
     }

@@ -3,7 +3,7 @@
 
 use crate::api::{
     ChatRequest, CompletionRequest, Content, DetokenizeRequest, Detokenized, Message, ModelCard,
-    ModelList, Prompt, TokenizeRequest, Tokenized,
+    ModelList, Prompt, Sampling, TokenizeRequest, Tokenized,
 };
 use crate::error::ApiError;
 use crate::job::{Job, Kind};
@@ -19,6 +19,7 @@ use axum::{Json, Router};
 use canopy_model::{ChatMessage, ChatTemplate, Tokenizer};
 use canopy_runtime::serving::EngineHandle;
 use serde::de::DeserializeOwned;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// What every route reads.
@@ -147,14 +148,53 @@ fn parse<T: DeserializeOwned>(
             code: None,
         },
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() {
-            "the body is not valid JSON"
-        } else {
-            "the body does not match the API"
+    read_body(&bytes)
+}
+
+/// `bytes` as the JSON of request `T`, or a 400 naming what is wrong with it and, where serde
+/// says, the field at fault (`param`).
+fn read_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    json(bytes).map_err(|(e, path)| {
+        if e.is_syntax() || e.is_eof() {
+            return ApiError::invalid(format!("the body is not valid JSON: {e}"), None);
+        }
+        // The sampling fields are flattened into the generation requests, and serde reads
+        // flattened fields from a buffer that it does not trace: their path is the body's, and
+        // they are read again on their own to name the one at fault.
+        let param = missing_field(&e)
+            .or(path)
+            .or_else(|| json::<Sampling>(bytes).err().and_then(|(_, p)| p));
+        let message = match &param {
+            Some(p) => format!("the body does not match the API at `{p}`: {e}"),
+            None => format!("the body does not match the API: {e}"),
         };
-        ApiError::invalid(format!("{what}: {e}"), None)
+        ApiError {
+            param: param.map(Cow::Owned),
+            ..ApiError::invalid(message, None)
+        }
     })
+}
+
+/// The field a request lacks, from serde's message for it (its path is the last field read,
+/// not the one missing).
+fn missing_field(e: &serde_json::Error) -> Option<String> {
+    let message = e.to_string();
+    let rest = message.strip_prefix("missing field `")?;
+    Some(rest[..rest.find('`')?].to_string())
+}
+
+/// `bytes` as JSON of `T`; an error comes with the path of the field at fault (`None`: the
+/// body as a whole, a path serde could not trace, or one into a body that is an array, which
+/// serde reads as a struct's fields in order).
+fn json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, (serde_json::Error, Option<String>)> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
+        let path = e.path().to_string();
+        let known = path != "." && !path.starts_with('[') && !path.contains('?');
+        (e.into_inner(), known.then_some(path))
+    })?;
+    de.end().map_err(|e| (e, None))?;
+    Ok(value)
 }
 
 /// A completion's prompts as token ids: text is tokenized (with the model's special
@@ -376,7 +416,49 @@ async fn not_found(req: Request) -> ApiError {
 
 #[cfg(test)]
 mod tests {
-    use super::same_secret;
+    use super::*;
+
+    /// A field of the wrong type is named in `param`, flattened sampling fields and nested
+    /// ones too; a body that is not JSON, or wrong as a whole, names none.
+    #[test]
+    fn wrong_types_name_their_field() {
+        let param = |body: &str| {
+            let e = read_body::<CompletionRequest>(body.as_bytes()).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            e.param.map(|p| p.into_owned())
+        };
+        for (body, field) in [
+            (r#"{"prompt": "a", "max_tokens": "x"}"#, "max_tokens"),
+            (
+                r#"{"max_tokens": 1, "temperature": [], "prompt": "a"}"#,
+                "temperature",
+            ),
+            (r#"{"prompt": "a", "echo": 3}"#, "echo"),
+            (r#"{"prompt": 7}"#, "prompt"),
+            (
+                r#"{"prompt": "a", "stream_options": {"include_usage": "yes"}}"#,
+                "stream_options.include_usage",
+            ),
+        ] {
+            assert_eq!(param(body).as_deref(), Some(field), "{body}");
+        }
+        assert_eq!(param(r#"{"prompt": "a""#), None);
+        assert_eq!(param(r#"{"prompt": "a"} x"#), None);
+        assert_eq!(param(r#"[1]"#), None);
+        assert_eq!(param(r#"[{"prompt": "a"}]"#), None);
+        // A missing field is named, not the last one read.
+        assert_eq!(param(r#"{"max_tokens": 1}"#).as_deref(), Some("prompt"));
+        let e = read_body::<DetokenizeRequest>(br#"{"model": "m", "n": 1}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tokens"));
+        let e = read_body::<ChatRequest>(br#"{"messages": [{"role": 1}]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        assert!(e.message.contains("at `messages[0].role`"), "{}", e.message);
+        assert!(
+            e.body().contains(r#""param":"messages[0].role""#),
+            "{}",
+            e.body()
+        );
+    }
 
     #[test]
     fn secrets_compare_whole() {
