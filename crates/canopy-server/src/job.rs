@@ -362,12 +362,16 @@ impl Job {
         }
     }
 
-    /// Each event as a chunk, then the usage (if asked) and `[DONE]`.
+    /// Each event as a chunk, then the usage (if asked) and `[DONE]`. A request that fails
+    /// midway ends with its error's event, then `[DONE]` too, as other OpenAI-compatible
+    /// servers end theirs: clients that read to `[DONE]` stop there rather than wait on a
+    /// stream that says no more.
     fn sse(self) -> impl Stream<Item = Result<Sse, Infallible>> {
         /// Where the stream is.
         enum At {
             Running(Box<Job>),
             Usage(Box<Job>),
+            /// Only `[DONE]` is left to send.
             Done(Box<Job>),
             Over,
         }
@@ -376,7 +380,7 @@ impl Job {
                 At::Running(mut job) => loop {
                     let event = match job.next().await {
                         Ok(event) => event,
-                        Err(e) => return Some((Ok(Sse::default().data(e.body())), At::Over)),
+                        Err(e) => return Some((Ok(Sse::default().data(e.body())), At::Done(job))),
                     };
                     if let Some(chunk) = job.chunk(&event) {
                         let next = if job.state.done() {
@@ -654,5 +658,82 @@ impl Drop for Job {
             self.events.close();
             self.ids.iter().for_each(|&id| self.st.engine.cancel(id));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::{FloorFacts, Metrics};
+    use canopy_model::Tokenizer;
+    use canopy_runtime::serving::{channel, EngineInbox, Limits};
+
+    /// A server's state over an engine that takes requests and never runs them, so that a
+    /// test tells a job's events itself.
+    fn state() -> (Arc<AppState>, EngineInbox) {
+        let limits = Limits {
+            max_context: 64,
+            max_samples: 4,
+            page_size: 16,
+            pages: 16,
+        };
+        let (engine, inbox) = channel(limits, 4);
+        let st = AppState {
+            engine,
+            tokenizer: Arc::new(Tokenizer::code_points(256).unwrap()),
+            template: None,
+            model: "m".into(),
+            vocab: 256,
+            api_key: None,
+            metrics: Metrics::new(FloorFacts {
+                weight_bytes: 0,
+                copy_bandwidth: None,
+            }),
+            created: 0,
+            body_limit: 1 << 20,
+        };
+        (Arc::new(st), inbox)
+    }
+
+    /// The `data:` lines of a streamed response, in order.
+    async fn events(response: axum::response::Response) -> Vec<String> {
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (String::from_utf8(body.to_vec()).unwrap().lines())
+            .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+            .collect()
+    }
+
+    /// A stream whose request fails after its first token sends that token's chunk, the
+    /// error's event and `[DONE]`, and counts the request failed.
+    #[tokio::test]
+    async fn a_stream_that_fails_midway_ends_with_its_error_then_done() {
+        let (st, _inbox) = state();
+        let sampling: Sampling = serde_json::from_str(r#"{"stream": true}"#).unwrap();
+        let mut job = Job::submit(&st, Kind::Text, vec![vec![65, 66]], sampling, None).unwrap();
+        let (tx, rx) = unbounded_channel();
+        job.events = rx;
+        tx.send(Event::Started { cached_tokens: 0 }).unwrap();
+        tx.send(Event::Token {
+            sample: 0,
+            token: 67,
+            text: "C".into(),
+            logprobs: None,
+        })
+        .unwrap();
+        tx.send(Event::Failed("a rank failed".into())).unwrap();
+        let events = events(job.respond().await).await;
+        assert_eq!(events.len(), 3, "{events:?}");
+        let chunk: serde_json::Value = serde_json::from_str(&events[0]).unwrap();
+        assert_eq!(chunk["choices"][0]["text"], "C");
+        let error: serde_json::Value = serde_json::from_str(&events[1]).unwrap();
+        assert_eq!(error["error"]["message"], "a rank failed");
+        assert_eq!(error["error"]["code"], "engine_error");
+        assert_eq!(events[2], "[DONE]");
+        assert!(st
+            .metrics
+            .render(&st.engine.status())
+            .contains("outcome=\"failed\"} 1"));
     }
 }
