@@ -1,7 +1,8 @@
 //! `canopy serve` end to end on loopback: concurrent streams give what `canopy generate`
-//! gives each prompt alone (the tiny fixture model, and SmolLM2 when it is cached), every
-//! refusal gets its status and an OpenAI error body, a client that disconnects frees its
-//! request, `/metrics` parses as Prometheus text, and SIGTERM drains.
+//! gives each prompt alone (the tiny fixture model, and SmolLM2 when it is cached or
+//! `CANOPY_TEST_FETCH=1` fetches it), every refusal gets its status and an OpenAI error body,
+//! a client that disconnects frees its request, `/metrics` parses as Prometheus text, and
+//! SIGTERM drains.
 
 mod common;
 
@@ -102,19 +103,11 @@ fn thirty_two_streams_on_the_tiny_model_equal_generate_alone() {
     concurrent_streams_equal_generate(&tiny(), &tiny_prompts(), 16);
 }
 
-/// SmolLM2's path when it is cached (tests that need it are skipped otherwise), and the
-/// reference's prompts, whose greedy steps all have clear top-two gaps.
+/// SmolLM2's path (fetched first under `CANOPY_TEST_FETCH=1`; tests that need it are skipped
+/// when it is neither cached nor fetched), and the reference's prompts, whose greedy steps all
+/// have clear top-two gaps.
 fn smollm2() -> Option<(String, Vec<Vec<u32>>)> {
-    let path = canopy_model::cache_dir()
-        .ok()?
-        .join(canopy_model::DEFAULT_MODEL_FILE);
-    if !path.is_file() {
-        eprintln!(
-            "note: {} is not cached; skipping (run `canopy generate` once)",
-            path.display()
-        );
-        return None;
-    }
+    let path = common::smollm2_path()?;
     let text = include_str!("../../../tests/fixtures/smollm2/reference.json");
     let v: Value = serde_json::from_str(text).unwrap();
     let prompts = v["prompts"]
