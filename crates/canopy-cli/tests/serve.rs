@@ -1,8 +1,8 @@
 //! `canopy serve` end to end on loopback: concurrent streams give what `canopy generate`
 //! gives each prompt alone (the tiny fixture model, and SmolLM2 when it is cached or
 //! `CANOPY_TEST_FETCH=1` fetches it), every refusal gets its status and an OpenAI error body,
-//! a client that disconnects frees its request, `/metrics` parses as Prometheus text, and
-//! SIGTERM drains.
+//! a client that disconnects (streamed or not) frees its request, `/metrics` parses as
+//! Prometheus text, and SIGTERM drains.
 
 mod common;
 
@@ -305,4 +305,54 @@ fn every_refusal_gets_its_answer_and_sigterm_drains() {
     assert_eq!(last, "[DONE]", "the request in flight ends whole");
     let status = server.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// A client that leaves a whole (not streamed) request while it decodes cancels it: the
+/// server sees the connection close though it has written nothing yet, ends the request in the
+/// engine and frees its pages.
+#[test]
+fn a_client_leaving_a_whole_request_cancels_it_and_frees_its_pages() {
+    use std::io::Write;
+    let server = Server::start_slow(&[]);
+    let body = json!({"prompt": "hi", "max_tokens": 1000, "ignore_eos": true}).to_string();
+    let mut conn = std::net::TcpStream::connect(server.client.addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // It runs (a thousand tokens take this model tens of seconds on the CPU) ...
+    let t0 = Instant::now();
+    while value(&server.metrics(), "canopy_running_requests") != 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the request runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // ... holding pages, until its client leaves.
+    assert!(value(&server.metrics(), "canopy_kv_pages_used") > 0.0);
+    drop(conn);
+    let t0 = Instant::now();
+    loop {
+        let m = server.metrics();
+        if value(&m, "canopy_requests_total{outcome=\"cancelled\"}") == 1.0
+            && value(&m, "canopy_running_requests") == 0.0
+        {
+            assert_eq!(
+                value(&m, "canopy_requests_total{outcome=\"completed\"}"),
+                0.0
+            );
+            assert_eq!(
+                value(&m, "canopy_kv_pages_used"),
+                value(&m, "canopy_kv_pages_cached"),
+                "only cached prefixes hold pages"
+            );
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "a client that leaves cancels its whole request"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

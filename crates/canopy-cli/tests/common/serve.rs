@@ -15,9 +15,29 @@ pub struct Server {
 
 impl Server {
     pub fn start(model: &str, extra: &[&str]) -> Server {
+        Server::start_with(&[&["--model", model], extra].concat())
+    }
+
+    /// A server of SmolLM2's shape with random weights: slow enough on the CPU (tens of
+    /// milliseconds a token) that a long request is surely in flight when a test acts on it.
+    pub fn start_slow(extra: &[&str]) -> Server {
+        let shape = [
+            "--arch",
+            "smollm2-135m",
+            "--random-weights",
+            "--max-context",
+            "2048",
+            "--kv-tokens",
+            "4096",
+        ];
+        Server::start_with(&[&shape[..], extra].concat())
+    }
+
+    /// A server on the CPU, on any free port, of the model and options `args`.
+    pub fn start_with(args: &[&str]) -> Server {
         let mut child = Command::new(assert_cmd::cargo::cargo_bin("canopy"))
-            .args(["serve", "--model", model, "--port", "0", "--backend", "cpu"])
-            .args(extra)
+            .args(["serve", "--port", "0", "--backend", "cpu"])
+            .args(args)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
             .spawn()
