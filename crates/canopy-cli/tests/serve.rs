@@ -1,8 +1,9 @@
 //! `canopy serve` end to end on loopback: concurrent streams give what `canopy generate`
 //! gives each prompt alone (the tiny fixture model, and SmolLM2 when it is cached or
 //! `CANOPY_TEST_FETCH=1` fetches it), every refusal gets its status and an OpenAI error body,
-//! a client that disconnects (streamed or not) frees its request, `/metrics` parses as
-//! Prometheus text, and SIGTERM drains.
+//! a client that disconnects (streamed or not) frees its request, seeded random bodies get
+//! a 2xx or a 4xx beside a stream that ends whole, `/metrics` parses as Prometheus text, and
+//! SIGTERM drains.
 
 mod common;
 
@@ -353,6 +354,258 @@ fn a_client_leaving_a_whole_request_cancels_it_and_frees_its_pages() {
             t0.elapsed() < Duration::from_secs(10),
             "a client that leaves cancels its whole request"
         );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Seeded random request bodies for [`random_bodies_get_2xx_or_4xx_beside_a_stream`]: objects
+/// of the API's fields (and unknown ones), each a value that fits it or junk of any JSON kind
+/// (nulls, wrong types, numbers past every range, unicode, nesting); sometimes not JSON at
+/// all, or over the body limit.
+mod fuzz {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use serde_json::{json, Map, Value};
+
+    const FIELDS: [&str; 26] = [
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "ignore_eos",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "tokens",
+        "add_special_tokens",
+        "user",
+        "ünïcödé 🦀",
+        "",
+    ];
+
+    const TEXTS: [&str; 8] = [
+        "hi",
+        "",
+        "ünïcödé ✓ 🦀 中文 עברית",
+        "\u{0}\u{1}\u{7f}",
+        "a b c d e f g",
+        "\u{fffd}\u{feff}\u{200b}",
+        "tiny-gqa",
+        "\n\t\r\"\\",
+    ];
+
+    pub struct Bodies(ChaCha8Rng);
+
+    impl Bodies {
+        pub fn new(seed: u64) -> Bodies {
+            Bodies(ChaCha8Rng::seed_from_u64(seed))
+        }
+
+        /// The next body for `route`: JSON text, mostly an object of fields, most often with
+        /// the field the route needs, and junk in none, a few or half of its fields.
+        pub fn next(&mut self, route: &str) -> String {
+            let r = &mut self.0;
+            let needs = match route {
+                "/v1/completions" | "/tokenize" => "prompt",
+                "/v1/chat/completions" => "messages",
+                _ => "tokens",
+            };
+            let junk_rate = [0.0, 0.05, 0.5][r.gen_range(0..3)];
+            match r.gen_range(0..40) {
+                0 => String::new(),
+                1 => r#"{"prompt": "hi", "max_tokens": 2"#.into(),
+                2 => r#"{"prompt": "\ud800"}"#.into(),
+                3 => r#"{"prompt": "hi", "max_tokens": 1e400}"#.into(),
+                4 => format!(r#"{{"prompt": "{}"}}"#, "é".repeat(40_000)),
+                5 => "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]".into(),
+                6 => json!([{"prompt": "hi"}]).to_string(),
+                _ => {
+                    let mut body = Map::new();
+                    for field in FIELDS {
+                        if r.gen_bool(if field == needs { 0.9 } else { 0.25 }) {
+                            let value = if r.gen_bool(junk_rate) {
+                                junk(r, 3)
+                            } else {
+                                fitting(r, field)
+                            };
+                            body.insert(field.to_string(), value);
+                        }
+                    }
+                    Value::Object(body).to_string()
+                }
+            }
+        }
+    }
+
+    /// A value of the kind `field` takes, in range or near it.
+    fn fitting(r: &mut ChaCha8Rng, field: &str) -> Value {
+        let text = TEXTS[r.gen_range(0..TEXTS.len())];
+        match field {
+            "prompt" => match r.gen_range(0..4) {
+                0 => json!(text),
+                1 => json!([1, 2, r.gen_range(0..300)]),
+                2 => json!([text, "hi"]),
+                _ => json!([[5, 6], [r.gen_range(0..300)]]),
+            },
+            "messages" => match r.gen_range(0..3) {
+                0 => json!([{"role": "user", "content": text}]),
+                1 => json!([{"role": "user", "content": [{"type": "text", "text": text}]}]),
+                _ => json!([{"role": "system", "content": null}, {"role": "user"}]),
+            },
+            "tokens" => json!([r.gen_range(0..300), 1, 2]),
+            "max_tokens" | "max_completion_tokens" => json!(r.gen_range(0..6)),
+            "temperature" => json!(r.gen_range(-0.5..2.5)),
+            "top_p" => json!(r.gen_range(-0.1..1.1)),
+            "top_k" => json!(r.gen_range(-2..50)),
+            "seed" => json!(r.gen::<u64>()),
+            "stop" => match r.gen_bool(0.5) {
+                true => json!(text),
+                false => json!(["a", text]),
+            },
+            "n" => json!(r.gen_range(0..4)),
+            "stream_options" => json!({"include_usage": r.gen_bool(0.5)}),
+            "frequency_penalty" | "presence_penalty" => json!(r.gen_range(-3.0..3.0)),
+            "repetition_penalty" => json!(r.gen_range(-0.5..2.0)),
+            "logit_bias" => {
+                json!({r.gen_range(0..300).to_string(): r.gen_range(-150..150), text: 1})
+            }
+            "logprobs" => match r.gen_bool(0.5) {
+                true => json!(r.gen_range(0..25)),
+                false => json!(r.gen_bool(0.5)),
+            },
+            "top_logprobs" => json!(r.gen_range(0..25)),
+            "model" => match r.gen_bool(0.5) {
+                true => json!("gqa-hd64"),
+                false => json!(text),
+            },
+            "stream" | "echo" | "ignore_eos" | "add_special_tokens" => json!(r.gen_bool(0.5)),
+            _ => json!(text),
+        }
+    }
+
+    /// Any JSON value, nested up to `depth` deep.
+    fn junk(r: &mut ChaCha8Rng, depth: u32) -> Value {
+        match r.gen_range(0..if depth == 0 { 9 } else { 11 }) {
+            0 => Value::Null,
+            1 => json!(r.gen_bool(0.5)),
+            2 => json!(r.gen_range(-5..5)),
+            3 => [
+                json!(u64::MAX),
+                json!(i64::MIN),
+                json!(1e300),
+                json!(-1e300),
+                json!(4_294_967_296u64),
+            ][r.gen_range(0..5)]
+            .clone(),
+            4 => json!(r.gen::<f64>() * 1e10 - 5e9),
+            5 => json!(TEXTS[r.gen_range(0..TEXTS.len())]),
+            6 => json!(f64::MIN_POSITIVE),
+            7 => json!(""),
+            8 => json!({}),
+            9 => Value::Array((0..r.gen_range(0..4)).map(|_| junk(r, depth - 1)).collect()),
+            _ => {
+                let mut m = Map::new();
+                for _ in 0..r.gen_range(0..4) {
+                    let key = FIELDS[r.gen_range(0..FIELDS.len())];
+                    m.insert(key.into(), junk(r, depth - 1));
+                }
+                Value::Object(m)
+            }
+        }
+    }
+}
+
+/// While a stream is held open, seeded random bodies to every POST route each get a 2xx or a
+/// 4xx with an OpenAI error body (never a 5xx or a dropped connection); the stream then ends
+/// whole (the text `canopy generate` gives alone, then `[DONE]`), no request keeps its pages,
+/// and the server is healthy.
+#[test]
+fn random_bodies_get_2xx_or_4xx_beside_a_stream() {
+    const ROUTES: [&str; 4] = [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+    ];
+    let model = tiny();
+    let server = Server::start(&model, &["--max-batch", "4", "--max-body", "65536"]);
+    let prompt = &tiny_prompts()[0];
+    let alone = generate_alone(&model, prompt, 24);
+    let held = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": true});
+    let mut held = server
+        .client
+        .stream("/v1/completions", &held.to_string())
+        .unwrap();
+    assert_eq!(held.status, 200);
+    let mut events = vec![held.next_event().unwrap().expect("the stream runs")];
+    let mut bodies = fuzz::Bodies::new(0x5eed);
+    let mut statuses = std::collections::BTreeMap::new();
+    let t0 = Instant::now();
+    for i in 0..400 {
+        let route = ROUTES[i % ROUTES.len()];
+        let body = bodies.next(route);
+        let r = server
+            .client
+            .post(route, &body)
+            .unwrap_or_else(|e| panic!("{route} {body}: the connection failed: {e}"));
+        assert!(
+            (200..300).contains(&r.status) || (400..500).contains(&r.status),
+            "{route} {body}: {} {}",
+            r.status,
+            r.body
+        );
+        if r.status >= 400 {
+            error_of(&r);
+        }
+        *statuses.entry(r.status).or_insert(0) += 1;
+        // The held stream is read a little at a time, beside the others.
+        if i % 10 == 0 && events.last().is_some_and(|e| e != "[DONE]") {
+            events.extend(held.next_event().unwrap());
+        }
+    }
+    eprintln!("400 random bodies in {:?}: {statuses:?}", t0.elapsed());
+    let served: usize = (statuses.range(200..300)).map(|(_, n)| n).sum();
+    assert!(
+        served >= 50,
+        "the bodies reach the engine too: {statuses:?}"
+    );
+    while let Some(data) = held.next_event().unwrap() {
+        events.push(data);
+    }
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut text = String::new();
+    for data in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        assert!(chunk.get("error").is_none(), "{chunk}");
+        text.push_str(chunk["choices"][0]["text"].as_str().unwrap());
+    }
+    assert_eq!(text, alone, "the held stream's text is whole");
+    assert_eq!(server.client.get("/health").unwrap().status, 200);
+    let t0 = Instant::now();
+    loop {
+        let m = server.metrics();
+        if value(&m, "canopy_running_requests") == 0.0 {
+            assert_eq!(
+                value(&m, "canopy_kv_pages_used"),
+                value(&m, "canopy_kv_pages_cached"),
+                "only cached prefixes hold pages"
+            );
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "every request ends");
         std::thread::sleep(Duration::from_millis(50));
     }
 }
