@@ -4,7 +4,8 @@
 //! its rank threads (or as MPI processes, rank 0 serving HTTP); the HTTP side (tokio + axum,
 //! `canopy-server`) runs on a runtime of its own and talks to rank 0 through the engine's
 //! handle. SIGTERM or Ctrl-C drains: new requests get 503, the running ones finish, then the
-//! server exits.
+//! server exits. A second signal, or `--drain-timeout` seconds of draining, cancels the requests
+//! still in flight (their clients are told) and the server exits with a failure.
 
 use crate::bench::{BackendKind, World};
 use crate::generate_cmd::PAGE_SIZE;
@@ -18,14 +19,23 @@ use canopy_runtime::serving::{
     channel, EngineHandle, EngineInbox, Front, ServeConfig, WarmUp, WarmUpEnd,
 };
 use canopy_runtime::DEFAULT_PREFILL_CHUNK;
-use canopy_server::{AppState, FloorFacts, Metrics};
+use canopy_server::{Abort, AppState, FloorFacts, Metrics};
 use clap::Args;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The CPU's `--prefill-chunk` default: a step's prompt tokens there take long enough to stall
 /// the running streams visibly.
 const CPU_PREFILL_CHUNK: usize = 512;
+
+/// `--drain-timeout`'s default: long enough for most answers to finish, and a bound on a
+/// drain that a client's long request (or one that stopped reading) would hold open.
+const DRAIN_TIMEOUT_S: u64 = 60;
+
+/// How long the server waits, once it has cancelled the requests in flight, for the engine's
+/// step and the HTTP side to end before it exits anyway: a step of a large model on the CPU,
+/// or a client that reads nothing, does not hold the process.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -47,6 +57,11 @@ pub struct ServeArgs {
     /// The model's name in the API [default: the file or directory name, or the shape's].
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Seconds a drain (SIGTERM or Ctrl-C) waits for the requests in flight; then, or at a
+    /// second signal, they are cancelled (a stream ends with an error event and `[DONE]`, a
+    /// whole request gets a 503) and the server exits with a failure.
+    #[arg(long, value_name = "SECONDS", default_value_t = DRAIN_TIMEOUT_S)]
+    drain_timeout: u64,
 }
 
 /// The engine's options: the model and where it runs, and how requests are batched. `serve`
@@ -90,6 +105,9 @@ pub struct HttpOptions {
     pub max_body: Option<usize>,
     pub api_key: Option<String>,
     pub served_model_name: Option<String>,
+    /// How long a drain begun by a signal waits for the requests in flight before it cancels
+    /// them.
+    pub drain_timeout: Duration,
 }
 
 impl HttpOptions {
@@ -101,6 +119,7 @@ impl HttpOptions {
             max_body: None,
             api_key: None,
             served_model_name: None,
+            drain_timeout: Duration::from_secs(DRAIN_TIMEOUT_S),
         }
     }
 }
@@ -119,15 +138,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_body: a.max_body,
         api_key: a.api_key,
         served_model_name: a.served_model_name,
+        drain_timeout: Duration::from_secs(a.drain_timeout),
     };
     serve(&a.engine, http, |_, _| {})
 }
 
 /// Serves until the engine is drained (SIGTERM, Ctrl-C, or a caller's
-/// [`EngineHandle::drain`]) or fails. On rank 0, `ready(address, handle)` is called once the
-/// model is on its devices: on the CPU before the engine takes its first step, on a GPU once
-/// the engine has run its warm-up request ([`WarmUp`]). Requests sent earlier wait in the
-/// queue.
+/// [`EngineHandle::drain`]) or fails; a drain that had to cancel requests in flight (a second
+/// signal, or the drain's timeout) is an error. On rank 0, `ready(address, handle)` is called
+/// once the model is on its devices: on the CPU before the engine takes its first step, on a
+/// GPU once the engine has run its warm-up request ([`WarmUp`]). Requests sent earlier wait in
+/// the queue.
 pub fn serve(
     e: &EngineArgs,
     http: HttpOptions,
@@ -191,6 +212,7 @@ pub fn serve(
                 BackendKind::Cpu => None,
                 BackendKind::Cuda => Some(canopy_cuda::bench::measure_copy_bandwidth(&cuda(0)?)?),
             };
+            let abort = Abort::new();
             let state = AppState {
                 engine: handle.clone(),
                 tokenizer: tokenizer.clone(),
@@ -206,8 +228,14 @@ pub fn serve(
                     .duration_since(UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs()),
                 body_limit: http.max_body.unwrap_or(default_max_body(max_context)),
+                abort: abort.clone(),
             };
-            Http::start(&http.host, http.port, state, handle.clone())
+            let stop = Stop {
+                handle: handle.clone(),
+                abort,
+                drain_timeout: http.drain_timeout,
+            };
+            Http::start(&http.host, http.port, state, stop)
         })
         .transpose()?;
     let inbox = Mutex::new(rank0.then_some(inbox));
@@ -282,10 +310,10 @@ pub fn serve(
         }
     };
     // The engine has stopped (drained, or on an error): the HTTP side finishes its streams.
-    if let Some(h) = http {
-        h.stop()?;
-    }
-    served
+    let stopped = http.map(Http::stop).transpose();
+    served?;
+    stopped?;
+    Ok(())
 }
 
 /// What every rank of this process shares.
@@ -341,12 +369,22 @@ struct Http {
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     stop: tokio::sync::watch::Sender<bool>,
     addr: std::net::SocketAddr,
+    /// Set once the requests in flight were cancelled.
+    abort: Abort,
+}
+
+/// How a signal stops the server: the engine's handle drains, then `abort` cancels what is
+/// still in flight after `drain_timeout` or at a second signal.
+struct Stop {
+    handle: EngineHandle,
+    abort: Abort,
+    drain_timeout: Duration,
 }
 
 impl Http {
     /// Binds `host:port` and starts serving; requests wait in the engine's queue until the
     /// engine runs.
-    fn start(host: &str, port: u16, state: AppState, handle: EngineHandle) -> Result<Http> {
+    fn start(host: &str, port: u16, state: AppState, stop: Stop) -> Result<Http> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("canopy-http")
@@ -357,7 +395,7 @@ impl Http {
             .block_on(tokio::net::TcpListener::bind((host, port)))
             .with_context(|| format!("listening on {host}:{port}"))?;
         let addr = listener.local_addr()?;
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let (stopping, mut stopped) = tokio::sync::watch::channel(false);
         let server = runtime.spawn(canopy_server::serve(
             listener,
             Arc::new(state),
@@ -365,17 +403,14 @@ impl Http {
                 let _ = stopped.wait_for(|&s| s).await;
             },
         ));
-        // SIGTERM or Ctrl-C: drain (new requests get 503, the running ones finish).
-        runtime.spawn(async move {
-            shutdown_signal().await;
-            eprintln!("canopy serve: draining (new requests get 503)");
-            handle.drain();
-        });
+        let abort = stop.abort.clone();
+        runtime.spawn(stop.on_signals());
         Ok(Http {
             runtime,
             server,
-            stop,
+            stop: stopping,
             addr,
+            abort,
         })
     }
 
@@ -390,37 +425,96 @@ impl Http {
         );
     }
 
-    /// Stops accepting, and waits for the responses in flight.
+    /// Stops accepting, and waits for the responses in flight; an error if they were
+    /// cancelled.
     fn stop(self) -> Result<()> {
         let _ = self.stop.send(true);
         self.runtime
             .block_on(self.server)
             .context("the HTTP server")?
             .context("the HTTP server")?;
+        if self.abort.is_aborted() {
+            bail!("stopped before the requests in flight finished: a second signal or --drain-timeout cancelled them");
+        }
         Ok(())
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+impl Stop {
+    /// SIGTERM or Ctrl-C drains: new requests get 503, the running ones finish. A second
+    /// signal, or the drain's timeout, cancels those still in flight; if they have not ended
+    /// within [`ABORT_GRACE`] (or at a third signal), the process exits at once.
+    async fn on_signals(self) {
+        let mut signals = StopSignals::new();
+        signals.next().await;
+        eprintln!(
+            "canopy serve: draining (new requests get 503; a second signal, or {} s, cancels the requests in flight)",
+            self.drain_timeout.as_secs()
+        );
+        self.handle.drain();
+        let why = tokio::select! {
+            () = signals.next() => "a second signal",
+            () = tokio::time::sleep(self.drain_timeout) => "the drain timed out",
+        };
+        eprintln!("canopy serve: {why}: cancelling the requests in flight");
+        self.abort.abort();
+        tokio::select! {
+            () = signals.next() => {}
+            () = tokio::time::sleep(ABORT_GRACE) => {}
+        }
+        eprintln!("canopy serve: the requests in flight have not ended; exiting now");
+        std::process::exit(1);
+    }
+}
+
+/// SIGTERM and SIGINT (Ctrl-C), each registered once for the server's life: every signal
+/// after the first is seen too, and none falls back to the default action of ending the
+/// process at once.
+struct StopSignals {
     #[cfg(unix)]
-    {
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl StopSignals {
+    #[cfg(unix)]
+    fn new() -> StopSignals {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {},
-                    _ = term.recv() => {},
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
+        StopSignals {
+            term: signal(SignalKind::terminate()).ok(),
+            int: signal(SignalKind::interrupt()).ok(),
         }
     }
+
     #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
+    fn new() -> StopSignals {
+        StopSignals {}
+    }
+
+    /// The next SIGTERM or SIGINT (never, where neither could be registered).
+    #[cfg(unix)]
+    async fn next(&mut self) {
+        async fn one(signal: &mut Option<tokio::signal::unix::Signal>) {
+            if let Some(s) = signal {
+                if s.recv().await.is_some() {
+                    return;
+                }
+            }
+            std::future::pending().await
+        }
+        tokio::select! {
+            () = one(&mut self.term) => {}
+            () = one(&mut self.int) => {}
+        }
+    }
+
+    /// The next Ctrl-C (never, where it could not be registered).
+    #[cfg(not(unix))]
+    async fn next(&mut self) {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await
+        }
     }
 }
 

@@ -2,8 +2,8 @@
 //! gives each prompt alone (the tiny fixture model, and SmolLM2 when it is cached or
 //! `CANOPY_TEST_FETCH=1` fetches it), every refusal gets its status and an OpenAI error body,
 //! a client that disconnects (streamed or not) frees its request, seeded random bodies get
-//! a 2xx or a 4xx beside a stream that ends whole, `/metrics` parses as Prometheus text, and
-//! SIGTERM drains.
+//! a 2xx or a 4xx beside a stream that ends whole, `/metrics` parses as Prometheus text,
+//! SIGTERM drains, and a second SIGTERM or the drain's timeout cancels what is in flight.
 
 mod common;
 
@@ -608,4 +608,90 @@ fn random_bodies_get_2xx_or_4xx_beside_a_stream() {
         assert!(t0.elapsed() < Duration::from_secs(10), "every request ends");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Sends `signal` to the server's process.
+#[cfg(unix)]
+fn signal(server: &Server, signal: i32) {
+    // SAFETY: a signal to the child this test started.
+    unsafe { libc::kill(server.child.id() as i32, signal) };
+}
+
+/// Reads a stream to its end: its events, checked to end with an error (code
+/// `shutting_down`) and then `[DONE]`.
+fn ends_cancelled(stream: &mut canopy_server::client::Streamed) {
+    let mut events = Vec::new();
+    while let Some(data) = stream.next_event().unwrap() {
+        events.push(data);
+    }
+    let n = events.len();
+    assert!(n >= 2, "{events:?}");
+    assert_eq!(events[n - 1], "[DONE]");
+    let error: Value = serde_json::from_str(&events[n - 2]).unwrap();
+    assert_eq!(error["error"]["code"], "shutting_down", "{error}");
+}
+
+/// A stop that cannot wait: a second SIGTERM during a drain cancels the requests in flight (a
+/// stream ends with an error event and `[DONE]`, a whole request gets a 503) and the server
+/// exits at once with a failure; with `--drain-timeout 1`, one SIGTERM does the same a second
+/// later.
+#[cfg(unix)]
+#[test]
+fn a_second_sigterm_or_the_drain_timeout_cancels_the_requests_in_flight() {
+    let long = |stream: bool| {
+        json!({"prompt": "hi", "max_tokens": 2000, "ignore_eos": true, "stream": stream})
+            .to_string()
+    };
+    let running = |server: &Server, n: f64| {
+        let t0 = Instant::now();
+        while value(&server.metrics(), "canopy_running_requests") != n {
+            assert!(t0.elapsed() < Duration::from_secs(60), "{n} requests run");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut server = Server::start_slow(&[]);
+    let mut stream = server
+        .client
+        .stream("/v1/completions", &long(true))
+        .unwrap();
+    let client = server.client.clone();
+    let whole = std::thread::spawn(move || client.post("/v1/completions", &long(false)));
+    running(&server, 2.0);
+    signal(&server, libc::SIGTERM);
+    let t0 = Instant::now();
+    while server.client.get("/health").unwrap().status != 503 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "SIGTERM drains");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Two thousand tokens take this model minutes on the CPU: both still run.
+    assert_eq!(
+        value(&server.metrics(), "canopy_running_requests"),
+        2.0,
+        "the drain waits for the requests in flight"
+    );
+    let t0 = Instant::now();
+    signal(&server, libc::SIGTERM);
+    ends_cancelled(&mut stream);
+    let reply = whole.join().unwrap().unwrap();
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(error_of(&reply)["code"], "shutting_down");
+    let status = server.child.wait().unwrap();
+    assert!(!status.success(), "{status:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    drop(server);
+
+    let mut server = Server::start_slow(&["--drain-timeout", "1"]);
+    let mut stream = server
+        .client
+        .stream("/v1/completions", &long(true))
+        .unwrap();
+    running(&server, 1.0);
+    let t0 = Instant::now();
+    signal(&server, libc::SIGTERM);
+    ends_cancelled(&mut stream);
+    let waited = t0.elapsed();
+    assert!(waited >= Duration::from_millis(900), "{waited:?}");
+    let status = server.child.wait().unwrap();
+    assert!(!status.success(), "{status:?}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }

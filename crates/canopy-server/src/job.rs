@@ -1,7 +1,11 @@
 //! One generation request between its client and the engine: the request checked and
 //! submitted, then the engine's events turned into one response or a stream of server-sent
 //! events (`data: {chunk}` … `data: [DONE]`). A client that goes away drops the job, which
-//! cancels the request in the engine and frees its pages.
+//! cancels the request in the engine and frees its pages; so does the server's [`Abort`],
+//! which also tells the client.
+
+#[cfg(doc)]
+use crate::abort::Abort;
 
 use crate::api::{
     ChatChoice, ChatMessage, Delta, DeltaChoice, PromptDetails, Response, Sampling, TextChoice,
@@ -106,6 +110,8 @@ pub struct Job {
     echo: bool,
     prompt_tokens: usize,
     events: UnboundedReceiver<Event>,
+    /// True once the server stops without waiting for the job.
+    aborted: tokio::sync::watch::Receiver<bool>,
     state: Progress,
 }
 
@@ -282,6 +288,7 @@ impl Job {
             echo: echo.is_some(),
             prompt_tokens,
             events,
+            aborted: st.abort.watch(),
             state: Progress {
                 arrived: Instant::now(),
                 started: 0,
@@ -313,12 +320,18 @@ impl Job {
     }
 
     /// The next event that says something; an engine that stopped or failed the request is
-    /// an error.
+    /// an error, and so is the server's abort, which it heeds first.
     async fn next(&mut self) -> Result<Event, ApiError> {
-        let event = match self.events.recv().await {
-            None => return Err(self.fail("the server stopped before the request finished")),
-            Some(Event::Failed(e)) => return Err(self.fail(&e)),
-            Some(event) => event,
+        let received = tokio::select! {
+            biased;
+            Ok(_) = self.aborted.wait_for(|&aborted| aborted) => None,
+            event = self.events.recv() => Some(event),
+        };
+        let event = match received {
+            None => return Err(self.abort()),
+            Some(None) => return Err(self.fail("the server stopped before the request finished")),
+            Some(Some(Event::Failed(e))) => return Err(self.fail(&e)),
+            Some(Some(event)) => event,
         };
         self.state.see(&self.st, &event);
         Ok(event)
@@ -648,22 +661,38 @@ impl Job {
         self.end(Outcome::Failed);
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message, "engine_error")
     }
-}
 
-/// A job dropped unfinished lost its client: the request is cancelled and its pages freed.
-impl Drop for Job {
-    fn drop(&mut self) {
+    /// Ends the job's requests in the engine and frees their pages, once.
+    fn cancel(&mut self) {
         if self.state.outcome.is_none() {
             self.end(Outcome::Cancelled);
             self.events.close();
             self.ids.iter().for_each(|&id| self.st.engine.cancel(id));
         }
     }
+
+    /// The server stops without waiting: the job is cancelled, and its client told why.
+    fn abort(&mut self) -> ApiError {
+        self.cancel();
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server stopped before the request finished; retry with another replica",
+            "shutting_down",
+        )
+    }
+}
+
+/// A job dropped unfinished lost its client: the request is cancelled and its pages freed.
+impl Drop for Job {
+    fn drop(&mut self) {
+        self.cancel();
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::abort::Abort;
     use crate::metrics::{FloorFacts, Metrics};
     use canopy_model::Tokenizer;
     use canopy_runtime::serving::{channel, EngineInbox, Limits};
@@ -671,6 +700,10 @@ mod tests {
     /// A server's state over an engine that takes requests and never runs them, so that a
     /// test tells a job's events itself.
     fn state() -> (Arc<AppState>, EngineInbox) {
+        state_with(Abort::new())
+    }
+
+    fn state_with(abort: Abort) -> (Arc<AppState>, EngineInbox) {
         let limits = Limits {
             max_context: 64,
             max_samples: 4,
@@ -691,6 +724,7 @@ mod tests {
             }),
             created: 0,
             body_limit: 1 << 20,
+            abort,
         };
         (Arc::new(st), inbox)
     }
@@ -735,5 +769,35 @@ mod tests {
             .metrics
             .render(&st.engine.status())
             .contains("outcome=\"failed\"} 1"));
+    }
+
+    /// The server's abort ends a stream that is waiting for its next token with an error
+    /// event and `[DONE]`, and a whole request with a 503; each counts as cancelled.
+    #[tokio::test]
+    async fn an_abort_ends_streams_and_whole_requests_with_an_error() {
+        let abort = Abort::new();
+        let (st, _inbox) = state_with(abort.clone());
+        let submit = |stream: bool| {
+            let sampling: Sampling =
+                serde_json::from_str(&format!(r#"{{"stream": {stream}}}"#)).unwrap();
+            Job::submit(&st, Kind::Chat, vec![vec![65]], sampling, None).unwrap()
+        };
+        let (streamed, whole) = (submit(true), submit(false));
+        let streamed = tokio::spawn(async move { events(streamed.respond().await).await });
+        let whole = tokio::spawn(whole.respond());
+        tokio::task::yield_now().await;
+        abort.abort();
+        let events = streamed.await.unwrap();
+        assert_eq!(events.len(), 2, "{events:?}");
+        let error: serde_json::Value = serde_json::from_str(&events[0]).unwrap();
+        assert_eq!(error["error"]["code"], "shutting_down");
+        assert_eq!(events[1], "[DONE]");
+        let whole = whole.await.unwrap();
+        assert_eq!(whole.status(), StatusCode::SERVICE_UNAVAILABLE);
+        // A job that starts after the abort ends at once.
+        let late = submit(false).respond().await;
+        assert_eq!(late.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let metrics = st.metrics.render(&st.engine.status());
+        assert!(metrics.contains("outcome=\"cancelled\"} 3"), "{metrics}");
     }
 }

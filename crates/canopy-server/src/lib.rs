@@ -19,11 +19,14 @@
 //!   the engine, which runs on threads of its own; its events come back through a channel
 //!   per request. A full queue is a 429 with `Retry-After`; a request after a drain began, a
 //!   503. A client that disconnects drops its request's channel, which cancels the request.
+//! - A server that must stop without waiting for its requests ([`Abort`]) ends each with an
+//!   error (a stream with its error event, then `[DONE]`) and cancels it in the engine.
 //! - With an API key, every route but `/health` needs `Authorization: Bearer KEY`.
 //!
 //! [`client`] is a small blocking client of this server, for tests, and the server-sent events
 //! reader that `canopy bench serve` shares with it.
 
+mod abort;
 mod api;
 pub mod client;
 mod error;
@@ -32,6 +35,7 @@ mod logprobs;
 mod metrics;
 mod routes;
 
+pub use abort::Abort;
 pub use error::ApiError;
 pub use metrics::{FloorFacts, Metrics};
 pub use routes::{router, AppState};

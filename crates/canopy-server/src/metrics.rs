@@ -14,7 +14,7 @@ pub enum Outcome {
     Completed,
     /// Refused before it ran (bad input, a full queue, shutting down, a bad key).
     Rejected,
-    /// Its client went away first.
+    /// Its client went away first, or the server stopped without waiting for it.
     Cancelled,
     Failed,
 }

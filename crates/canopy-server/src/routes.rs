@@ -1,6 +1,7 @@
 //! The routes: the two generation endpoints, the model list, health and metrics, behind a
 //! bearer key (all but `/health`) and a body size limit.
 
+use crate::abort::Abort;
 use crate::api::{
     ChatRequest, CompletionRequest, Content, DetokenizeRequest, Detokenized, Message, ModelCard,
     ModelList, Prompt, Sampling, TokenizeRequest, Tokenized,
@@ -39,6 +40,8 @@ pub struct AppState {
     pub created: u64,
     /// Request bodies over this many bytes are refused with 413.
     pub body_limit: usize,
+    /// Ends every request in flight when the server stops without waiting for them.
+    pub abort: Abort,
 }
 
 /// The server's routes over `state`; bodies over its `body_limit` bytes are refused.
