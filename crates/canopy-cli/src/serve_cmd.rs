@@ -202,6 +202,9 @@ pub fn serve(
     let needs = |here: usize| Ok(config.needs(&model_config, dtype, here)?);
     let (handle, inbox) = channel(config.limits(ranks), e.max_queue);
     let rank0 = is_rank0(&world);
+    if !rank0 {
+        ignore_stop_signals();
+    }
     let cuda = |ordinal: usize| -> Result<CudaBackend> {
         Ok(CudaBackend::new(ordinal)?.with_paging(PAGE_SIZE)?)
     };
@@ -352,6 +355,21 @@ impl RankWork<'_> {
             },
         )?;
         Ok(())
+    }
+}
+
+/// A rank other than 0 (an MPI process of its own) ignores SIGTERM and SIGINT while it
+/// serves: it stops at rank 0's stop step, once rank 0 has drained, so that a signal sent to
+/// every process of the job (its process group, its container) drains the server rather than
+/// end the ranks whose part of the KV cache rank 0's requests still read. SIGKILL, which
+/// Open MPI's mpirun sends a few seconds after the SIGTERM with which it ends a job, still
+/// ends it.
+fn ignore_stop_signals() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to "ignore" runs no code of ours in a handler.
+    unsafe {
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
     }
 }
 
