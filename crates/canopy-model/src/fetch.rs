@@ -32,6 +32,24 @@ pub fn cache_dir() -> Result<PathBuf> {
     Ok(Path::new(&home).join(".cache/canopy/models"))
 }
 
+/// The default model's path for a test that reads it: the cached file, else the file fetched
+/// where `CANOPY_TEST_FETCH=1` asks (as CI sets it); `None`, with a note on stderr that says
+/// how to get it, where it is neither. One rule for every crate's tests.
+pub fn default_model_for_tests() -> Result<Option<PathBuf>> {
+    let cached = cache_dir()?.join(DEFAULT_MODEL_FILE);
+    if cached.is_file() {
+        return Ok(Some(cached));
+    }
+    if std::env::var("CANOPY_TEST_FETCH").is_ok_and(|v| v == "1") {
+        return default_model().map(Some);
+    }
+    eprintln!(
+        "note: {} is not cached; skipping (run `canopy generate` once, or set CANOPY_TEST_FETCH=1)",
+        cached.display()
+    );
+    Ok(None)
+}
+
 /// The path of the default model, fetching it into the cache first if it is not there.
 pub fn default_model() -> Result<PathBuf> {
     let dir = cache_dir()?;

@@ -45,7 +45,7 @@ use canopy_core::DType;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{GenerationDefaults, LlamaConfig, RopeScaling};
 pub use error::{ModelError, Result};
-pub use fetch::{cache_dir, default_model, DEFAULT_MODEL_FILE};
+pub use fetch::{cache_dir, default_model, default_model_for_tests, DEFAULT_MODEL_FILE};
 pub use gguf::GgufFile;
 pub use presets::{preset, PRESETS};
 pub use quant::GgmlType;

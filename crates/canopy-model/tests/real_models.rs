@@ -8,10 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use canopy_core::DType;
-use canopy_model::{
-    cache_dir, default_model, ChatMessage, LayerPart, Model, ModelError, Tokenizer, WeightId,
-    DEFAULT_MODEL_FILE,
-};
+use canopy_model::{ChatMessage, LayerPart, Model, ModelError, Tokenizer, WeightId};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -41,21 +38,9 @@ fn messages(value: &Value) -> Vec<ChatMessage> {
         .collect()
 }
 
-/// The cached default model, fetched first if `CANOPY_TEST_FETCH=1`.
+/// The default model, by [`canopy_model::default_model_for_tests`]'s rule.
 fn smollm2() -> Option<PathBuf> {
-    if std::env::var_os("CANOPY_TEST_FETCH").is_some_and(|v| v == "1") {
-        return Some(default_model().expect("fetching the default model"));
-    }
-    let path = cache_dir().ok()?.join(DEFAULT_MODEL_FILE);
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "note: {} is not cached; skipping (CANOPY_TEST_FETCH=1 fetches it)",
-            path.display()
-        );
-        None
-    }
+    canopy_model::default_model_for_tests().expect("fetching the default model")
 }
 
 /// Checks the streamed text of `ids` against the text decoded all at once.

@@ -9,21 +9,13 @@
 use canopy_comm::ThreadWorld;
 use canopy_core::{DType, Method};
 use canopy_engine::{CpuBackend, MergeCollective};
-use canopy_model::{cache_dir, default_model, Model, DEFAULT_MODEL_FILE};
+use canopy_model::Model;
 use canopy_runtime::{generate, DecodeStrategy, GenerateRequest, ModelLayers, SamplingParams};
 use serde_json::Value;
 use std::time::Duration;
 
 fn model() -> Option<Model> {
-    let cached = cache_dir().ok()?.join(DEFAULT_MODEL_FILE);
-    let path = if cached.is_file() {
-        cached
-    } else if std::env::var("CANOPY_TEST_FETCH").is_ok_and(|v| v == "1") {
-        default_model().expect("fetching SmolLM2")
-    } else {
-        eprintln!("note: {} is not cached; skipping (run `canopy generate` once, or set CANOPY_TEST_FETCH=1)", cached.display());
-        return None;
-    };
+    let path = canopy_model::default_model_for_tests().expect("fetching SmolLM2")?;
     Some(Model::load(&path, DType::F32).expect("SmolLM2 loads"))
 }
 

@@ -16,24 +16,10 @@ pub fn tiny_model(variant: &str) -> String {
     )
 }
 
-/// The path of SmolLM2-135M-Instruct in the model cache, fetched there first if it is not
-/// cached and `CANOPY_TEST_FETCH=1` (as CI sets it); `None` otherwise, when the tests that
-/// need it say so and pass. The same rule as `canopy-runtime`'s `tests/smollm2.rs`.
+/// The path of SmolLM2-135M-Instruct, by [`canopy_model::default_model_for_tests`]'s rule;
+/// `None` where the tests that need it say so and pass.
 pub fn smollm2_path() -> Option<std::path::PathBuf> {
-    let cached = canopy_model::cache_dir()
-        .ok()?
-        .join(canopy_model::DEFAULT_MODEL_FILE);
-    if cached.is_file() {
-        Some(cached)
-    } else if std::env::var("CANOPY_TEST_FETCH").is_ok_and(|v| v == "1") {
-        Some(canopy_model::default_model().expect("fetching SmolLM2"))
-    } else {
-        eprintln!(
-            "note: {} is not cached; skipping (run `canopy generate` once, or set CANOPY_TEST_FETCH=1)",
-            cached.display()
-        );
-        None
-    }
+    canopy_model::default_model_for_tests().expect("fetching SmolLM2")
 }
 
 /// What `cmd` prints on success, parsed as JSON.
