@@ -75,6 +75,23 @@ fn a_preset_runs_on_random_weights_and_a_random_context() {
     assert!((538_000_000..539_000_000).contains(&bytes), "{bytes}");
     assert_eq!(r["rows"][0]["context"], 1024);
     assert_eq!(r["rows"][0]["context_fill"], "random");
+    // The table says so too.
+    let model = common::tiny_model("gqa-hd64");
+    canopy()
+        .args(["bench", "decode", "--backend", "cpu", "--model", &model])
+        .args([
+            "--context",
+            "64",
+            "--context-fill",
+            "random",
+            "--decode",
+            "2",
+        ])
+        .assert()
+        .success()
+        .stdout(contains(
+            "the context's KV was filled at random, not prefilled",
+        ));
 }
 
 #[test]
