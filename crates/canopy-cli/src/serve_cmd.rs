@@ -52,7 +52,7 @@ pub struct ServeArgs {
     #[arg(long)]
     max_body: Option<usize>,
     /// Require `Authorization: Bearer KEY` on every route but /health.
-    #[arg(long)]
+    #[arg(long, value_parser = api_key)]
     api_key: Option<String>,
     /// The model's name in the API [default: the file or directory name, or the shape's].
     #[arg(long)]
@@ -129,6 +129,30 @@ impl HttpOptions {
 /// escaped to `\uXXXX` (6 bytes a character), within 32 bytes a token; never under 4 MiB.
 pub fn default_max_body(max_context: usize) -> usize {
     max_context.saturating_mul(32).max(4 << 20)
+}
+
+/// Parses `--api-key`, refusing a key that no `Authorization` header can carry, since with
+/// one every route but /health would answer 401 to every request: an empty or blank key, one
+/// with whitespace at either end (a header's value is read without it), or one with
+/// characters other than visible ASCII and spaces (all a header value holds as text).
+fn api_key(key: &str) -> Result<String, String> {
+    if key.trim().is_empty() {
+        return Err(
+            "the key is empty; give a key for clients to send, or leave --api-key out to serve without one"
+                .into(),
+        );
+    }
+    if key.trim() != key {
+        return Err(
+            "the key starts or ends with whitespace, which no Authorization header carries".into(),
+        );
+    }
+    if let Some(c) = key.chars().find(|&c| !c.is_ascii_graphic() && c != ' ') {
+        return Err(format!(
+            "the key holds {c:?}; an Authorization header carries visible ASCII characters and spaces only"
+        ));
+    }
+    Ok(key.to_string())
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
@@ -538,7 +562,46 @@ impl StopSignals {
 
 #[cfg(test)]
 mod tests {
-    use super::default_max_body;
+    use super::{default_max_body, ServeArgs};
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    /// `canopy serve`'s arguments, or clap's refusal of them as it prints it.
+    fn parse(args: &[&str]) -> Result<ServeArgs, String> {
+        let argv = std::iter::once("serve").chain(args.iter().copied());
+        Cli::try_parse_from(argv)
+            .map(|c| c.serve)
+            .map_err(|e| e.to_string())
+    }
+
+    /// A key no client could send is refused at start, with the reason; others are kept as
+    /// given.
+    #[test]
+    fn keys_no_header_carries_are_refused() {
+        for (key, reason) in [
+            ("", "the key is empty"),
+            ("  \t", "the key is empty"),
+            (" sk-a", "whitespace"),
+            ("sk-a\n", "whitespace"),
+            ("sk-\u{e9}", "visible ASCII"),
+        ] {
+            let e = parse(&["--api-key", key]).err().unwrap_or_default();
+            assert!(
+                e.contains("--api-key") && e.contains(reason),
+                "{key:?}: {e}"
+            );
+        }
+        for key in ["sk-local", "a b"] {
+            let a = parse(&["--api-key", key]).unwrap();
+            assert_eq!(a.api_key.as_deref(), Some(key));
+        }
+        assert_eq!(parse(&[]).unwrap().api_key, None);
+    }
 
     /// The default body limit admits a prompt that fills the context, as a JSON array of
     /// token ids of the largest vocabularies, and stays at 4 MiB for short contexts.
