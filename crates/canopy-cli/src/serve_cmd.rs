@@ -20,6 +20,7 @@ use canopy_runtime::serving::{
 };
 use canopy_runtime::DEFAULT_PREFILL_CHUNK;
 use canopy_server::{Abort, AppState, FloorFacts, Metrics};
+use clap::builder::RangedU64ValueParser;
 use clap::Args;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -31,6 +32,11 @@ const CPU_PREFILL_CHUNK: usize = 512;
 /// `--drain-timeout`'s default: long enough for most answers to finish, and a bound on a
 /// drain that a client's long request (or one that stopped reading) would hold open.
 const DRAIN_TIMEOUT_S: u64 = 60;
+
+/// `--max-body`'s least value. The smallest requests are tens of bytes, but a chat with a
+/// system prompt and its sampling fields takes hundreds, and a limit below that refuses every
+/// useful request with the 413 meant for oversized ones; 1 KiB admits such a request.
+const MIN_MAX_BODY: u64 = 1024;
 
 /// How long the server waits, once it has cancelled the requests in flight, for the engine's
 /// step and the HTTP side to end before it exits anyway: a step of a large model on the CPU,
@@ -48,8 +54,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Request bodies larger than this many bytes get 413 [default: 32 bytes a token of
-    /// --max-context, at least 4 MiB].
-    #[arg(long)]
+    /// --max-context, at least 4 MiB; at least 1 KiB].
+    #[arg(long, value_parser = RangedU64ValueParser::<usize>::new().range(MIN_MAX_BODY..))]
     max_body: Option<usize>,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long, value_parser = api_key)]
@@ -89,8 +95,9 @@ pub struct EngineArgs {
     /// the running streams longest].
     #[arg(long, value_parser = crate::bench::at_least_one)]
     prefill_chunk: Option<usize>,
-    /// Requests waiting for admission, at most; past it, 429.
-    #[arg(long, default_value_t = 256)]
+    /// Requests waiting for admission, at most; past it, 429. At least 1: a request's prompts
+    /// each wait there, so a queue of none would refuse every request.
+    #[arg(long, default_value_t = 256, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     max_queue: usize,
     /// Run every decode step kernel by kernel, never replaying a recorded CUDA graph.
     #[arg(long)]
@@ -601,6 +608,27 @@ mod tests {
             assert_eq!(a.api_key.as_deref(), Some(key));
         }
         assert_eq!(parse(&[]).unwrap().api_key, None);
+    }
+
+    /// A queue of no requests, or a body limit under 1 KiB, is refused at start; the least
+    /// values pass.
+    #[test]
+    fn an_empty_queue_and_a_tiny_body_limit_are_refused() {
+        for args in [
+            ["--max-queue", "0"],
+            ["--max-body", "0"],
+            ["--max-body", "1023"],
+        ] {
+            let e = parse(&args).err().unwrap_or_default();
+            assert!(
+                e.contains(args[0]) && e.contains("is not in"),
+                "{args:?}: {e}"
+            );
+        }
+        let a = parse(&["--max-queue", "1", "--max-body", "1024"]).unwrap();
+        assert_eq!((a.engine.max_queue, a.max_body), (1, Some(1024)));
+        let a = parse(&[]).unwrap();
+        assert_eq!((a.engine.max_queue, a.max_body), (256, None));
     }
 
     /// The default body limit admits a prompt that fills the context, as a JSON array of
