@@ -68,8 +68,8 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if !given.is_some_and(|g| same_secret(g.trim().as_bytes(), key.as_bytes())) {
+            .and_then(bearer_key);
+        if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
             st.metrics.outcome(Outcome::Rejected);
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -80,6 +80,14 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
         }
     }
     next.run(req).await
+}
+
+/// The key of an `Authorization: Bearer KEY` value, without the whitespace around it. The
+/// scheme's name is matched in any case (`bearer`, `BEARER`), as RFC 9110 (section 11.1) has
+/// authentication schemes; the key is taken as sent.
+fn bearer_key(value: &str) -> Option<&str> {
+    let (scheme, key) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
 }
 
 /// Compares secrets in time that does not depend on where they differ.
@@ -461,6 +469,18 @@ mod tests {
             "{}",
             e.body()
         );
+    }
+
+    /// The scheme is read in any case, the key as sent.
+    #[test]
+    fn bearer_keys_are_read_in_any_case_of_the_scheme() {
+        for value in ["Bearer sk-a", "bearer sk-a", "BEARER  sk-a ", " bEaReR sk-a"] {
+            assert_eq!(bearer_key(value), Some("sk-a"), "{value:?}");
+        }
+        assert_eq!(bearer_key("Bearer SK-A"), Some("SK-A"));
+        for value in ["Basic sk-a", "Bearersk-a", "Bearer", "sk-a", ""] {
+            assert_eq!(bearer_key(value), None, "{value:?}");
+        }
     }
 
     #[test]
