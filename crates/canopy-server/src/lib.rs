@@ -33,6 +33,8 @@ mod error;
 mod job;
 mod logprobs;
 mod metrics;
+#[cfg(test)]
+mod router_tests;
 mod routes;
 
 pub use abort::Abort;

@@ -57,6 +57,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(health))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
@@ -415,6 +416,20 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         st.metrics.render(&st.engine.status()),
     )
         .into_response()
+}
+
+/// A route asked with a method it does not take: 405 in OpenAI's error body (axum adds the
+/// `Allow` header that names the methods the route takes).
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} does not take {} (the Allow header names the methods it takes)",
+            req.uri().path(),
+            req.method()
+        ),
+        "method_not_allowed",
+    )
 }
 
 async fn not_found(req: Request) -> ApiError {
