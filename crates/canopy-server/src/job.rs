@@ -153,7 +153,8 @@ impl Job {
         echo: Option<Vec<String>>,
     ) -> Result<Job, ApiError> {
         let limits = st.engine.limits();
-        let max_tokens = match sampling.max_completion_tokens.or(sampling.max_tokens) {
+        let given = sampling.max_completion_tokens.or(sampling.max_tokens);
+        let max_tokens = match given {
             Some(n) => n as usize,
             None if kind == Kind::Text => COMPLETION_MAX_TOKENS,
             None => limits
@@ -161,6 +162,20 @@ impl Job {
                 .saturating_sub(prompts.iter().map(Vec::len).max().unwrap_or(0))
                 .clamp(1, CHAT_MAX_TOKENS),
         };
+        let field = match kind {
+            Kind::Text => "prompt",
+            Kind::Chat => "messages",
+        };
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        if let Some(e) = ApiError::context_length(
+            field,
+            longest,
+            max_tokens,
+            given.is_some(),
+            limits.max_context,
+        ) {
+            return Err(e);
+        }
         let temperature = sampling.temperature.unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(ApiError::invalid(
@@ -737,6 +752,19 @@ mod tests {
         (String::from_utf8(body.to_vec()).unwrap().lines())
             .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
             .collect()
+    }
+
+    /// A chat that fills the context without max_tokens is refused naming its messages, not
+    /// a max_tokens it did not send.
+    #[test]
+    fn a_chat_too_long_alone_names_its_messages() {
+        let (st, _inbox) = state();
+        let sampling: Sampling = serde_json::from_str("{}").unwrap();
+        let Err(e) = Job::submit(&st, Kind::Chat, vec![vec![65; 64]], sampling, None) else {
+            panic!("a chat of 64 tokens fits no answer in 64");
+        };
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(!e.message.contains("max_tokens"), "{e}");
     }
 
     /// A stream whose request fails after its first token sends that token's chunk, the
