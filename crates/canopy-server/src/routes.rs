@@ -288,29 +288,76 @@ fn chat_ids(st: &AppState, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
             Some("messages"),
         )
     })?;
-    if messages.is_empty() {
-        return Err(ApiError::invalid("messages is empty", Some("messages")));
-    }
-    let messages: Vec<ChatMessage> = messages
-        .iter()
-        .map(|m| {
-            let text = match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(parts)) => parts
-                    .iter()
-                    .filter(|p| p.kind == "text")
-                    .filter_map(|p| p.text.as_deref())
-                    .collect(),
-            };
-            ChatMessage::new(m.role.as_str(), text)
-        })
-        .collect();
+    let messages = chat_messages(messages)?;
     let text = template.render(&messages, true).map_err(|e| {
         ApiError::invalid(format!("the chat template failed: {e}"), Some("messages"))
     })?;
     // A chat rendering carries its own special tokens.
     encode(st, &text, false)
+}
+
+/// The roles a chat message may have, OpenAI's: each goes to the model's template as named
+/// (one the template does not take is its error, a 400).
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// The messages as the chat template takes them: a role of [`ROLES`], and the text of a
+/// content string or of its parts joined. A role outside them, a part other than text (an
+/// image, audio, a file: the models here read text) or a text part without its text is a 400
+/// that names the field, as OpenAI's API refuses them, rather than a turn the prompt leaves
+/// out unseen.
+fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages is empty", Some("messages")));
+    }
+    let invalid = |message: String, param: String| ApiError {
+        param: Some(Cow::Owned(param)),
+        ..ApiError::invalid(message, None)
+    };
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(invalid(
+                    format!(
+                        "messages[{i}] has the role {:?}; a message's role is one of {}",
+                        m.role,
+                        ROLES.join(", ")
+                    ),
+                    format!("messages[{i}].role"),
+                ));
+            }
+            let text = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => text.push_str(t),
+                            ("text", None) => return Err(invalid(
+                                format!(
+                                    "messages[{i}].content[{j}] is a text part without its text"
+                                ),
+                                format!("messages[{i}].content[{j}].text"),
+                            )),
+                            (kind, _) => {
+                                return Err(invalid(
+                                    format!(
+                                        "messages[{i}].content[{j}] is a part of type {kind:?}; \
+                                         this server's models read text parts only"
+                                    ),
+                                    format!("messages[{i}].content[{j}].type"),
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            Ok(ChatMessage::new(m.role.as_str(), text))
+        })
+        .collect()
 }
 
 /// Refuses a request that names a model this server does not serve.
@@ -486,10 +533,56 @@ mod tests {
         );
     }
 
+    /// Every role of OpenAI's and text parts reach the template; an unknown role, a part
+    /// that is not text and a text part without text are refused naming their field.
+    #[test]
+    fn chats_of_unknown_roles_or_parts_are_refused() {
+        let messages = |json: &str| {
+            chat_messages(&serde_json::from_str::<Vec<Message>>(json).unwrap())
+                .map_err(|e| (e.status, e.param.map(Cow::into_owned)))
+        };
+        let ok = messages(
+            r#"[{"role": "system", "content": "s"}, {"role": "developer", "content": "d"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null}, {"role": "tool", "content": "t"}]"#,
+        )
+        .unwrap();
+        let roles: Vec<_> = ok.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "developer", "user", "assistant", "tool"]);
+        assert_eq!(ok[2].content, "ab");
+        for (json, param) in [
+            (
+                r#"[{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]"#,
+                "messages[1].role",
+            ),
+            (
+                r#"[{"role": "user", "content": [{"type": "text", "text": "a"},
+                    {"type": "image_url", "image_url": {"url": "x"}}]}]"#,
+                "messages[0].content[1].type",
+            ),
+            (
+                r#"[{"role": "user", "content": [{"type": "text"}]}]"#,
+                "messages[0].content[0].text",
+            ),
+            (r#"[]"#, "messages"),
+        ] {
+            assert_eq!(
+                messages(json),
+                Err((StatusCode::BAD_REQUEST, Some(param.to_string()))),
+                "{json}"
+            );
+        }
+    }
+
     /// The scheme is read in any case, the key as sent.
     #[test]
     fn bearer_keys_are_read_in_any_case_of_the_scheme() {
-        for value in ["Bearer sk-a", "bearer sk-a", "BEARER  sk-a ", " bEaReR sk-a"] {
+        for value in [
+            "Bearer sk-a",
+            "bearer sk-a",
+            "BEARER  sk-a ",
+            " bEaReR sk-a",
+        ] {
             assert_eq!(bearer_key(value), Some("sk-a"), "{value:?}");
         }
         assert_eq!(bearer_key("Bearer SK-A"), Some("SK-A"));
