@@ -122,3 +122,28 @@ async fn wrong_methods_and_unknown_paths_get_error_bodies() {
         StatusCode::OK
     );
 }
+
+/// A model id with slashes is found by its path, its slashes as they are or escaped; another
+/// id, with slashes or not, is not.
+#[tokio::test]
+async fn a_model_id_with_slashes_is_found() {
+    let id = "HuggingFaceTB/SmolLM2-135M-Instruct";
+    let (st, _inbox) = state(id, None);
+    for path in [
+        "/v1/models/HuggingFaceTB/SmolLM2-135M-Instruct",
+        "/v1/models/HuggingFaceTB%2FSmolLM2-135M-Instruct",
+    ] {
+        let a = ask(&st, "GET", path, None, None).await;
+        assert_eq!(a.status, StatusCode::OK, "{path}: {}", a.body);
+        assert_eq!(a.body["id"], id, "{path}");
+    }
+    for (path, code) in [
+        ("/v1/models/HuggingFaceTB/other", "model_not_found"),
+        ("/v1/models/SmolLM2-135M-Instruct", "model_not_found"),
+        ("/v1/models/", "not_found"),
+    ] {
+        let a = ask(&st, "GET", path, None, None).await;
+        assert_eq!(a.status, StatusCode::NOT_FOUND, "{path}");
+        assert_eq!(a.error()["code"], code, "{path}");
+    }
+}

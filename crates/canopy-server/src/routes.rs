@@ -51,7 +51,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
+        // A wildcard: model ids such as `HuggingFaceTB/SmolLM2-135M-Instruct` hold slashes.
+        .route("/v1/models/{*id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
@@ -335,12 +336,14 @@ fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
                     for (j, p) in parts.iter().enumerate() {
                         match (p.kind.as_str(), &p.text) {
                             ("text", Some(t)) => text.push_str(t),
-                            ("text", None) => return Err(invalid(
-                                format!(
+                            ("text", None) => {
+                                return Err(invalid(
+                                    format!(
                                     "messages[{i}].content[{j}] is a text part without its text"
                                 ),
-                                format!("messages[{i}].content[{j}].text"),
-                            )),
+                                    format!("messages[{i}].content[{j}].text"),
+                                ))
+                            }
                             (kind, _) => {
                                 return Err(invalid(
                                     format!(
@@ -435,7 +438,8 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<ModelList> {
     })
 }
 
-/// The model card of `id`, the one model this server serves.
+/// The model card of `id`, the one model this server serves; `id` is the rest of the path,
+/// its slashes as sent or escaped (`%2F`).
 async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
     if id == st.model {
         Json(card(&st)).into_response()
