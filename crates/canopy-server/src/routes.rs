@@ -297,9 +297,17 @@ fn chat_ids(st: &AppState, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
     encode(st, &text, false)
 }
 
-/// The roles a chat message may have, OpenAI's: each goes to the model's template as named
-/// (one the template does not take is its error, a 400).
-const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+/// The roles a chat message may have, OpenAI's (`function` among them, which its API still
+/// takes though it is deprecated): each goes to the model's template as named (one the
+/// template does not take is its error, a 400).
+const ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
 
 /// The messages as the chat template takes them: a role of [`ROLES`], and the text of a
 /// content string or of its parts joined. A role outside them, a part other than text (an
@@ -548,11 +556,12 @@ mod tests {
         let ok = messages(
             r#"[{"role": "system", "content": "s"}, {"role": "developer", "content": "d"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                {"role": "assistant", "content": null}, {"role": "tool", "content": "t"}]"#,
+                {"role": "assistant", "content": null}, {"role": "tool", "content": "t"},
+                {"role": "function", "content": "f"}]"#,
         )
         .unwrap();
         let roles: Vec<_> = ok.iter().map(|m| m.role.as_str()).collect();
-        assert_eq!(roles, ["system", "developer", "user", "assistant", "tool"]);
+        assert_eq!(roles, ROLES);
         assert_eq!(ok[2].content, "ab");
         for (json, param) in [
             (
