@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Call 3: sampling-check.sh on the build of 23ad297 (the CPU decode attention by pieces of
+# Call 3: sampling-check.sh on the build of 8bbc99e (the CPU decode attention by pieces of
 # tokens over every KV head, the server's shutdown and input fixes, the requests' size checks).
 # The device tests and the request-field and logprob checks hold the GPU to the CPU, whose
 # attention changed.
