@@ -708,9 +708,7 @@ impl Drop for Job {
 mod tests {
     use super::*;
     use crate::abort::Abort;
-    use crate::metrics::{FloorFacts, Metrics};
-    use canopy_model::Tokenizer;
-    use canopy_runtime::serving::{channel, EngineInbox, Limits};
+    use canopy_runtime::serving::EngineInbox;
 
     /// A server's state over an engine that takes requests and never runs them, so that a
     /// test tells a job's events itself.
@@ -719,29 +717,7 @@ mod tests {
     }
 
     fn state_with(abort: Abort) -> (Arc<AppState>, EngineInbox) {
-        let limits = Limits {
-            max_context: 64,
-            max_samples: 4,
-            page_size: 16,
-            pages: 16,
-        };
-        let (engine, inbox) = channel(limits, 4);
-        let st = AppState {
-            engine,
-            tokenizer: Arc::new(Tokenizer::code_points(256).unwrap()),
-            template: None,
-            model: "m".into(),
-            vocab: 256,
-            api_key: None,
-            metrics: Metrics::new(FloorFacts {
-                weight_bytes: 0,
-                copy_bandwidth: None,
-            }),
-            created: 0,
-            body_limit: 1 << 20,
-            abort,
-        };
-        (Arc::new(st), inbox)
+        crate::router_tests::idle_state("m", None, abort)
     }
 
     /// The `data:` lines of a streamed response, in order.

@@ -16,6 +16,17 @@ use tower::ServiceExt;
 /// A server of model `model`, with `api_key` if given, whose context is 64 tokens of one
 /// character each.
 fn state(model: &str, api_key: Option<&str>) -> (Arc<AppState>, EngineInbox) {
+    idle_state(model, api_key, Abort::new())
+}
+
+/// [`state`] with its stop signal `abort`: the server state the crate's tests run requests
+/// against, over an engine that takes requests and never runs them, so that a test tells
+/// their answers itself.
+pub(crate) fn idle_state(
+    model: &str,
+    api_key: Option<&str>,
+    abort: Abort,
+) -> (Arc<AppState>, EngineInbox) {
     let limits = Limits {
         max_context: 64,
         max_samples: 4,
@@ -36,7 +47,7 @@ fn state(model: &str, api_key: Option<&str>) -> (Arc<AppState>, EngineInbox) {
         }),
         created: 0,
         body_limit: 1 << 20,
-        abort: Abort::new(),
+        abort,
     };
     (Arc::new(st), inbox)
 }
