@@ -224,8 +224,10 @@ pub(crate) fn fan(root: u32, leaves: usize, leaf: u32) -> KvTree {
     b.build().unwrap()
 }
 
-/// A node of a user-written tree: named, with its parent by name.
+/// A node of a user-written tree: named, with its parent by name. A key it does not have is
+/// refused, so a misspelt one (`querys`) is not read as its default.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
 pub struct NamedNode {
     pub id: String,
     #[serde(default)]

@@ -487,6 +487,21 @@ mod tests {
         assert!(t.nodes().iter().all(|n| n.depth <= 4));
     }
 
+    /// A misspelt key of a hand-written node is refused, not read as its default.
+    #[test]
+    fn unknown_node_keys_are_refused() {
+        let text = |extra: &str| {
+            format!(
+                "[shape]\nq_heads = 4\nkv_heads = 2\nhead_dim = 64\n[tree]\nkind = \"explicit\"\n\
+                 [[tree.nodes]]\nid = \"a\"\ntokens = 64\n{extra}\n"
+            )
+        };
+        let spec = WorkloadSpec::parse("mine", &text("queries = 1")).unwrap();
+        assert_eq!(spec.build_tree().unwrap().num_queries(), 1);
+        let e = WorkloadSpec::parse("mine", &text("querys = 1")).unwrap_err();
+        assert!(e.to_string().contains("querys"), "{e}");
+    }
+
     #[test]
     fn unknown_names_and_misapplied_overrides_are_clear() {
         let e = WorkloadSpec::load("fasttree-99").unwrap_err().to_string();
