@@ -19,8 +19,8 @@ use std::ops::Range;
 const BLOCK: usize = 64;
 
 /// Tokens of a group's KV that one task covers at most. A long group (one sequence's whole
-/// context) is cut into pieces that run on every core. The cut depends on the group and the
-/// shape alone, never on the threads, so a group's result does not depend on the machine.
+/// context) is cut into pieces that run on every core. The cut depends on the group's length
+/// alone, never on the threads, so a group's result does not depend on the machine.
 const PIECE: usize = 8 * BLOCK;
 
 /// Pieces a group is cut into at least, where it has that many blocks: a group shorter than
