@@ -255,22 +255,17 @@ fn every_refusal_gets_its_answer_and_sigterm_drains() {
     let completed_before = completed(&server.metrics());
     drop(running);
     drop(waiting);
-    let t0 = Instant::now();
-    loop {
-        let m = server.metrics();
-        let cancelled = value(&m, "canopy_requests_total{outcome=\"cancelled\"}");
-        let ended = cancelled + completed(&m) - completed_before;
-        if cancelled >= 1.0 && ended == 2.0 && value(&m, "canopy_running_requests") == 0.0 {
-            assert_eq!(
-                value(&m, "canopy_kv_pages_used"),
-                value(&m, "canopy_kv_pages_cached"),
-                "only cached prefixes hold pages"
-            );
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(60), "disconnects cancel");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let m = server.metrics_when(
+        |m| {
+            let cancelled = value(m, "canopy_requests_total{outcome=\"cancelled\"}");
+            let ended = cancelled + completed(m) - completed_before;
+            cancelled >= 1.0 && ended == 2.0 && value(m, "canopy_running_requests") == 0.0
+        },
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        "disconnects cancel",
+    );
+    assert_only_cached_pages(&m);
     // SIGTERM: the request in flight finishes, a new one gets 503, the server exits cleanly.
     // A release build may finish the request and exit before the first poll: then the drain
     // is seen in the stream's end and the exit status alone.
@@ -333,29 +328,29 @@ fn a_client_leaving_a_whole_request_cancels_it_and_frees_its_pages() {
     // ... holding pages, until its client leaves.
     assert!(value(&server.metrics(), "canopy_kv_pages_used") > 0.0);
     drop(conn);
-    let t0 = Instant::now();
-    loop {
-        let m = server.metrics();
-        if value(&m, "canopy_requests_total{outcome=\"cancelled\"}") == 1.0
-            && value(&m, "canopy_running_requests") == 0.0
-        {
-            assert_eq!(
-                value(&m, "canopy_requests_total{outcome=\"completed\"}"),
-                0.0
-            );
-            assert_eq!(
-                value(&m, "canopy_kv_pages_used"),
-                value(&m, "canopy_kv_pages_cached"),
-                "only cached prefixes hold pages"
-            );
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "a client that leaves cancels its whole request"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let m = server.metrics_when(
+        |m| {
+            value(m, "canopy_requests_total{outcome=\"cancelled\"}") == 1.0
+                && value(m, "canopy_running_requests") == 0.0
+        },
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        "a client that leaves cancels its whole request",
+    );
+    assert_eq!(
+        value(&m, "canopy_requests_total{outcome=\"completed\"}"),
+        0.0
+    );
+    assert_only_cached_pages(&m);
+}
+
+/// No request holds a page: only the prefix cache's do.
+fn assert_only_cached_pages(m: &[(String, f64)]) {
+    assert_eq!(
+        value(m, "canopy_kv_pages_used"),
+        value(m, "canopy_kv_pages_cached"),
+        "only cached prefixes hold pages"
+    );
 }
 
 /// Seeded random request bodies for [`random_bodies_get_2xx_or_4xx_beside_a_stream`]: objects
@@ -594,20 +589,13 @@ fn random_bodies_get_2xx_or_4xx_beside_a_stream() {
     }
     assert_eq!(text, alone, "the held stream's text is whole");
     assert_eq!(server.client.get("/health").unwrap().status, 200);
-    let t0 = Instant::now();
-    loop {
-        let m = server.metrics();
-        if value(&m, "canopy_running_requests") == 0.0 {
-            assert_eq!(
-                value(&m, "canopy_kv_pages_used"),
-                value(&m, "canopy_kv_pages_cached"),
-                "only cached prefixes hold pages"
-            );
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "every request ends");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let m = server.metrics_when(
+        |m| value(m, "canopy_running_requests") == 0.0,
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        "every request ends",
+    );
+    assert_only_cached_pages(&m);
 }
 
 /// Sends `signal` to the server's process.

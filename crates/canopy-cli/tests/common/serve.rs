@@ -94,6 +94,26 @@ impl Server {
         assert_eq!(reply.status, 200);
         parse_prometheus(&reply.body)
     }
+
+    /// The first metrics, scraped every `every`, for which `done` holds; fails with `what`
+    /// once `within` has passed.
+    pub fn metrics_when(
+        &self,
+        done: impl Fn(&[(String, f64)]) -> bool,
+        within: Duration,
+        every: Duration,
+        what: &str,
+    ) -> Vec<(String, f64)> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let m = self.metrics();
+            if done(&m) {
+                return m;
+            }
+            assert!(t0.elapsed() < within, "{what}");
+            std::thread::sleep(every);
+        }
+    }
 }
 
 impl Drop for Server {
