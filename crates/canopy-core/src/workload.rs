@@ -9,6 +9,7 @@ use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::shape::AttnShape;
 use crate::tree::{KvTree, NamedNode, NodeId, TreeBuilder};
+use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::Deserialize;
 
 /// The workloads shipped in `configs/workloads/`, by name.
@@ -106,15 +107,10 @@ pub fn builtin_names() -> Vec<&'static str> {
 }
 
 /// How a workload's tree is generated.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum TreeSpec {
     /// `batch` independent sequences of `seq_len` tokens, one decode query each.
-    Long {
-        seq_len: u32,
-        #[serde(default = "one")]
-        batch: u32,
-    },
+    Long { seq_len: u32, batch: u32 },
     /// FastTree's benchmark trees: nodes and tokens per level, children spread evenly.
     Fasttree {
         nodes_per_level: Vec<u32>,
@@ -145,6 +141,153 @@ pub enum TreeSpec {
     Explicit { nodes: Vec<NamedNode> },
 }
 
+/// The `kind` of a workload file's `[tree]`, read on its own first.
+///
+/// The tree's table is then read straight into its kind's own struct (`LongTree`, ...). An
+/// internally tagged enum would buffer the table to find the tag, and toml's errors would
+/// point at the `[tree]` header instead of the offending key.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum TreeKind {
+    Long,
+    Fasttree,
+    FewShot,
+    Tot,
+    Spec,
+    Explicit,
+}
+
+/// A workload file read for its tree's kind alone; every other key is skipped.
+#[derive(Deserialize)]
+struct KindProbe {
+    tree: KindTable,
+}
+
+#[derive(Deserialize)]
+struct KindTable {
+    kind: Option<TreeKind>,
+}
+
+/// `[tree]` of kind `long`: [`TreeSpec::Long`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LongTree {
+    /// Read by [`KindProbe`]; a field so that `deny_unknown_fields` accepts it.
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    seq_len: u32,
+    #[serde(default = "one")]
+    batch: u32,
+}
+
+/// `[tree]` of kind `fasttree`: [`TreeSpec::Fasttree`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FasttreeTree {
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    nodes_per_level: Vec<u32>,
+    tokens_per_level: Vec<u32>,
+}
+
+/// `[tree]` of kind `few-shot`: [`TreeSpec::FewShot`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FewShotTree {
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    prompt: u32,
+    branches: u32,
+    generated: u32,
+}
+
+/// `[tree]` of kind `tot`: [`TreeSpec::Tot`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TotTree {
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    prompt: u32,
+    width: u32,
+    depth: u32,
+    thought: u32,
+}
+
+/// `[tree]` of kind `spec`: [`TreeSpec::Spec`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SpecTree {
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    prompt: u32,
+    tokens: u32,
+    depth: u32,
+}
+
+/// `[tree]` of kind `explicit`: [`TreeSpec::Explicit`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExplicitTree {
+    #[serde(rename = "kind")]
+    _kind: IgnoredAny,
+    nodes: Vec<NamedNode>,
+}
+
+impl From<LongTree> for TreeSpec {
+    fn from(t: LongTree) -> Self {
+        TreeSpec::Long {
+            seq_len: t.seq_len,
+            batch: t.batch,
+        }
+    }
+}
+
+impl From<FasttreeTree> for TreeSpec {
+    fn from(t: FasttreeTree) -> Self {
+        TreeSpec::Fasttree {
+            nodes_per_level: t.nodes_per_level,
+            tokens_per_level: t.tokens_per_level,
+        }
+    }
+}
+
+impl From<FewShotTree> for TreeSpec {
+    fn from(t: FewShotTree) -> Self {
+        TreeSpec::FewShot {
+            prompt: t.prompt,
+            branches: t.branches,
+            generated: t.generated,
+        }
+    }
+}
+
+impl From<TotTree> for TreeSpec {
+    fn from(t: TotTree) -> Self {
+        TreeSpec::Tot {
+            prompt: t.prompt,
+            width: t.width,
+            depth: t.depth,
+            thought: t.thought,
+        }
+    }
+}
+
+impl From<SpecTree> for TreeSpec {
+    fn from(t: SpecTree) -> Self {
+        TreeSpec::Spec {
+            prompt: t.prompt,
+            tokens: t.tokens,
+            depth: t.depth,
+        }
+    }
+}
+
+impl From<ExplicitTree> for TreeSpec {
+    fn from(t: ExplicitTree) -> Self {
+        TreeSpec::Explicit { nodes: t.nodes }
+    }
+}
+
 fn one() -> u32 {
     1
 }
@@ -161,13 +304,29 @@ struct ShapeSpec {
     dtype: Option<DType>,
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+/// A workload file whose `[tree]` is read as `T`, one kind's struct.
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct WorkloadFile {
+struct WorkloadFile<T> {
     #[serde(default)]
     description: String,
     shape: ShapeSpec,
-    tree: TreeSpec,
+    tree: T,
+}
+
+impl WorkloadFile<TreeSpec> {
+    /// Reads `text` with its tree as `T`, which toml's errors then locate key by key.
+    fn read<T>(text: &str) -> Result<Self, toml::de::Error>
+    where
+        T: DeserializeOwned + Into<TreeSpec>,
+    {
+        let file: WorkloadFile<T> = toml::from_str(text)?;
+        Ok(WorkloadFile {
+            description: file.description,
+            shape: file.shape,
+            tree: file.tree.into(),
+        })
+    }
 }
 
 /// A workload definition before generation (overrides still apply).
@@ -213,15 +372,32 @@ impl WorkloadSpec {
 
     /// Parses a workload TOML document.
     pub fn parse(name: &str, text: &str) -> Result<WorkloadSpec> {
-        let file: WorkloadFile =
-            toml::from_str(text).map_err(|e| CoreError::Workload(format!("{name}: {e}")))?;
+        let toml_error = |e: toml::de::Error| CoreError::Workload(format!("{name}: {e}"));
+        let probe: KindProbe = toml::from_str(text).map_err(toml_error)?;
+        let file = match probe.tree.kind {
+            Some(TreeKind::Long) => WorkloadFile::read::<LongTree>(text),
+            Some(TreeKind::Fasttree) => WorkloadFile::read::<FasttreeTree>(text),
+            Some(TreeKind::FewShot) => WorkloadFile::read::<FewShotTree>(text),
+            Some(TreeKind::Tot) => WorkloadFile::read::<TotTree>(text),
+            Some(TreeKind::Spec) => WorkloadFile::read::<SpecTree>(text),
+            Some(TreeKind::Explicit) => WorkloadFile::read::<ExplicitTree>(text),
+            None => {
+                return Err(CoreError::Workload(format!(
+                    "{name}: [tree] has no `kind`; set it to long, fasttree, few-shot, tot, \
+                     spec or explicit"
+                )))
+            }
+        }
+        .map_err(toml_error)?;
         let shape = AttnShape {
             q_heads: file.shape.q_heads,
             kv_heads: file.shape.kv_heads,
             head_dim: file.shape.head_dim,
             scale: file.shape.scale,
         };
-        shape.validate()?;
+        shape
+            .validate()
+            .map_err(|e| CoreError::Workload(format!("{name}: [shape] {e}")))?;
         Ok(WorkloadSpec {
             name: name.to_string(),
             description: file.description,
@@ -516,6 +692,94 @@ mod tests {
                 ..Default::default()
             });
         assert!(e.unwrap_err().to_string().contains("--seq-len"));
+    }
+
+    /// `[shape]` and a `[tree]` of `kind`, its lines numbered from 1 as toml numbers them.
+    fn workload(kind: &str, tree: &str) -> String {
+        format!(
+            "[shape]\nq_heads = 4\nkv_heads = 2\nhead_dim = 64\n[tree]\nkind = \"{kind}\"\n{tree}"
+        )
+    }
+
+    /// Parses a workload that must fail and returns its error's text.
+    fn parse_error(text: &str) -> String {
+        WorkloadSpec::parse("mine", text).unwrap_err().to_string()
+    }
+
+    /// toml's error names the line and shows it with the bad value marked.
+    fn assert_points_at(e: &str, line: usize, text: &str) {
+        assert!(
+            e.contains(&format!("line {line},")) && e.contains(&format!("{line} | {text}")),
+            "expected line {line} (`{text}`) in:\n{e}"
+        );
+    }
+
+    /// A bad value or key in `[tree]` is reported at its own line, not at the table's header.
+    #[test]
+    fn tree_errors_point_at_the_offending_key() {
+        let e = parse_error(&workload("long", "seq_len = \"abc\"\n"));
+        assert_points_at(&e, 7, "seq_len = \"abc\"");
+        assert!(e.contains("mine") && e.contains("invalid type"), "{e}");
+
+        let e = parse_error(&workload(
+            "fasttree",
+            "nodes_per_level = 3\ntokens_per_level = [8, 32]\n",
+        ));
+        assert_points_at(&e, 7, "nodes_per_level = 3");
+
+        let e = parse_error(&workload(
+            "few-shot",
+            "prompt = 8\nbranchs = 2\ngenerated = 4\n",
+        ));
+        assert_points_at(&e, 8, "branchs = 2");
+        assert!(e.contains("unknown field `branchs`"), "{e}");
+
+        let e = parse_error(&workload("spec", "prompt = 8\ntokens = -4\ndepth = 2\n"));
+        assert_points_at(&e, 8, "tokens = -4");
+    }
+
+    /// A missing key names itself and the table it is missing from.
+    #[test]
+    fn a_missing_tree_key_is_named() {
+        let e = parse_error(&workload("tot", "prompt = 8\nwidth = 2\ndepth = 2\n"));
+        assert!(e.contains("missing field `thought`"), "{e}");
+        assert_points_at(&e, 5, "[tree]");
+    }
+
+    /// A hand-written node's bad value or key is reported at its line.
+    #[test]
+    fn explicit_node_errors_point_at_the_node() {
+        let nodes = |second: &str| {
+            workload(
+                "explicit",
+                &format!("[[tree.nodes]]\nid = \"a\"\ntokens = 64\n[[tree.nodes]]\nid = \"b\"\nparent = \"a\"\n{second}\n"),
+            )
+        };
+        let e = parse_error(&nodes("tokens = \"many\""));
+        assert_points_at(&e, 13, "tokens = \"many\"");
+        let e = parse_error(&nodes("tokens = 4\nquerys = 1"));
+        assert_points_at(&e, 14, "querys = 1");
+    }
+
+    /// An unknown or absent kind is refused with the kinds there are.
+    #[test]
+    fn tree_kinds_are_listed() {
+        let e = parse_error(&workload("forest", ""));
+        assert_points_at(&e, 6, "kind = \"forest\"");
+        assert!(e.contains("fasttree") && e.contains("explicit"), "{e}");
+        let e =
+            parse_error("[shape]\nq_heads = 4\nkv_heads = 2\nhead_dim = 64\n[tree]\nseq_len = 4\n");
+        assert!(e.contains("kind") && e.contains("few-shot"), "{e}");
+    }
+
+    /// `[shape]`'s bad values are reported at their line too.
+    #[test]
+    fn shape_errors_point_at_the_offending_key() {
+        let text = workload("long", "seq_len = 4\n").replace("head_dim = 64", "head_dim = \"64\"");
+        assert_points_at(&parse_error(&text), 4, "head_dim = \"64\"");
+        let text = workload("long", "seq_len = 4\n").replace("[shape]", "[shape]\ndtype = \"f8\"");
+        let e = parse_error(&text);
+        assert_points_at(&e, 2, "dtype = \"f8\"");
     }
 
     #[test]
