@@ -193,6 +193,19 @@ pub fn resolve_backend(choice: BackendChoice) -> Result<BackendKind> {
     }
 }
 
+/// Notes the options of `given` that were set (`true`) but have no effect in this run, and
+/// `why`, so that a flag that changed nothing does not pass for one that did. A note, not a
+/// `tracing` event: those show only under `RUST_LOG`.
+pub(crate) fn note_no_effect(given: &[(&str, bool)], why: &str) {
+    let set: Vec<&str> = given.iter().filter(|(_, s)| *s).map(|(f, _)| *f).collect();
+    let (list, verb) = match set.as_slice() {
+        [] => return,
+        [one] => (one.to_string(), "has"),
+        [rest @ .., last] => (format!("{} and {last}", rest.join(", ")), "have"),
+    };
+    crate::launcher::note(format_args!("{list} {verb} no effect: {why}"));
+}
+
 /// How this process takes part: the ranks are its threads, or it is one MPI rank.
 pub enum World {
     Threads,
@@ -660,15 +673,28 @@ pub struct SelftestArgs {
     #[arg(long, default_value_t = 7)]
     seed: u64,
     /// CUDA: also run every case with KV in pages of this many tokens (0: contiguous only).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = SELFTEST_PAGE_SIZE)]
     page_size: u32,
     /// CUDA stage-1 kernel: auto, simt (CUDA cores) or mma (tensor cores wherever possible).
     #[arg(long, default_value = "auto")]
     kernel: canopy_cuda::KernelChoice,
 }
 
+/// The KV page size of the suite's paged CUDA run unless `--page-size` sets it.
+const SELFTEST_PAGE_SIZE: u32 = 16;
+
 pub fn selftest(a: SelftestArgs) -> Result<()> {
     let backend = resolve_backend(a.backend)?;
+    if backend == BackendKind::Cpu {
+        note_no_effect(
+            &[
+                ("--kernel", a.kernel != canopy_cuda::KernelChoice::default()),
+                ("--page-size", a.page_size != SELFTEST_PAGE_SIZE),
+            ],
+            "the CPU backend runs its own attention path, not the CUDA kernels, over \
+             contiguous KV (--backend cuda runs the kernels)",
+        );
+    }
     let results = match backend {
         BackendKind::Cuda => {
             // Ranks share the visible GPUs round-robin, so one GPU tests every rank count.

@@ -158,6 +158,7 @@ pub fn run(a: &TreeArgs) -> Result<()> {
         bail!("--sweep compares auto with q-guided: --method must include both");
     }
     let kind = resolve_backend(a.backend)?;
+    a.note_unused(kind);
     let one = OneRank::new(a, kind)?;
     // The backends split long groups to fill the device; Q-guided keeps each path whole.
     let planner = PlannerConfig::whole_paths();

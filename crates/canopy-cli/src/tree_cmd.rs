@@ -6,7 +6,7 @@
 //! More ranks: the flattened tree split evenly over them, each rank planning its part, merged
 //! across ranks (NCCL on CUDA, the engine's collectives on the CPU).
 
-use crate::bench::{resolve_backend, BackendChoice, BackendKind};
+use crate::bench::{note_no_effect, resolve_backend, BackendChoice, BackendKind};
 use crate::plan_cmd::{io_cells, ShapeArgs, SizeArgs, TreeSummary, IO_HEADER};
 use crate::table::Table;
 use anyhow::{bail, Result};
@@ -22,6 +22,12 @@ use canopy_kv::{KvManager, Placement, RankUpdate, StepLayout};
 use clap::Args;
 use serde::Serialize;
 use std::time::Duration;
+
+/// The KV page size of `--grow`'s pool unless `--page-size` sets it.
+const GROW_PAGE_SIZE: u32 = 64;
+
+/// The waves of resident CTAs a step is cut for unless `--waves` sets it.
+const DEFAULT_WAVES: u32 = 1;
 
 #[derive(Args)]
 pub struct TreeArgs {
@@ -45,7 +51,7 @@ pub struct TreeArgs {
     #[arg(long, default_value_t = 0)]
     grow: usize,
     /// KV page size of the growing tree's pool.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = GROW_PAGE_SIZE)]
     page_size: u32,
     /// Ranks the flattened tree is split over (one GPU each on CUDA).
     #[arg(long, default_value_t = 1)]
@@ -71,7 +77,7 @@ pub struct TreeArgs {
     kernel: KernelChoice,
     /// CUDA: waves of resident CTAs a step's work is cut for (more waves: long groups are cut
     /// into more, shorter CTAs).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = DEFAULT_WAVES)]
     waves: u32,
     /// CUDA: plan for at most this many resident CTAs per SM (fewer: long groups are cut into
     /// fewer, longer CTAs); default as many as fit, up to the backend's limit.
@@ -103,7 +109,8 @@ struct TreeOutput {
     tree: TreeSummary,
     backend: BackendKind,
     device: String,
-    kernel: KernelChoice,
+    /// The stage-1 kernel asked for (GPU only; the CPU runs its own attention path).
+    kernel: Option<KernelChoice>,
     ranks: usize,
     /// What each timed step found in L2 (GPU only; the CPU's caches are left as they are).
     cache: Option<Cache>,
@@ -119,6 +126,49 @@ impl TreeArgs {
         MmaPipeline {
             tile: self.mma_tile,
             stages: self.mma_stages,
+        }
+    }
+
+    /// Notes the options set that this run on `kind` leaves unused: the CUDA kernels'
+    /// settings on the CPU, those a run over several GPUs leaves at their defaults, the
+    /// device model beyond one rank and the page size of a tree that does not grow.
+    pub(crate) fn note_unused(&self, kind: BackendKind) {
+        let pipeline = MmaPipeline::default();
+        let kernel_settings = [
+            ("--waves", self.waves != DEFAULT_WAVES),
+            ("--ctas-per-sm", self.ctas_per_sm.is_some()),
+            ("--mma-tile", self.mma_tile != pipeline.tile),
+            ("--mma-stages", self.mma_stages != pipeline.stages),
+        ];
+        match kind {
+            BackendKind::Cpu => note_no_effect(
+                &[
+                    &[("--kernel", self.kernel != KernelChoice::default())][..],
+                    &kernel_settings,
+                    &[("--cache", self.cache != Cache::default())],
+                ]
+                .concat(),
+                "the CPU backend runs its own attention path, not the CUDA kernels, and leaves \
+                 its caches as they are (--backend cuda runs the kernels)",
+            ),
+            BackendKind::Cuda if self.ranks > 1 => note_no_effect(
+                &kernel_settings,
+                "a run over several GPUs launches the kernels with their default settings \
+                 (--ranks 1 takes them)",
+            ),
+            BackendKind::Cuda => {}
+        }
+        if self.ranks > 1 {
+            note_no_effect(
+                &[("--device-model", self.device_model.is_some())],
+                "`auto` prices each rank's plans with the built-in model beyond --ranks 1",
+            );
+        }
+        if self.grow == 0 {
+            note_no_effect(
+                &[("--page-size", self.page_size != GROW_PAGE_SIZE)],
+                "the pages are those of a growing tree's pool (--grow N)",
+            );
         }
     }
 }
@@ -139,6 +189,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
     let tree = spec.build_tree()?;
     crate::plan_cmd::check_ranks(a.ranks, &tree)?;
     let backend = resolve_backend(a.backend)?;
+    a.note_unused(backend);
     // The backends split long groups to fill the device; Q-guided keeps each path whole.
     let planner = PlannerConfig::whole_paths();
     if a.auto_timed && (a.ranks != 1 || a.grow > 0) {
@@ -177,7 +228,7 @@ pub fn run(a: TreeArgs) -> Result<()> {
         tree: TreeSummary::new(&spec, &tree),
         backend,
         device,
-        kernel: a.kernel,
+        kernel: on_gpu.then_some(a.kernel),
         ranks: a.ranks,
         cache: on_gpu.then_some(a.cache),
         copy_gbps: copy.map(|c| c / 1e9),
