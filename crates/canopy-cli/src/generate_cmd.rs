@@ -116,6 +116,35 @@ pub struct GenerateArgs {
     logprobs: Option<usize>,
 }
 
+impl GenerateArgs {
+    /// Notes the options set that this run leaves unused: the sampler's cuts and seed when it
+    /// decodes greedily, and `--eager` on the CPU, which records no graphs.
+    fn note_unused(&self, kind: BackendKind) {
+        if self.temperature <= 0.0 {
+            crate::bench::note_no_effect(
+                &[
+                    ("--top-k", self.top_k != 0),
+                    ("--top-p", self.top_p != 1.0),
+                    // A random context fill draws its keys and values from the seed.
+                    (
+                        "--seed",
+                        self.seed != 0 && self.context_fill != FillChoice::Random,
+                    ),
+                ],
+                "--temperature 0 (the default) decodes greedily, the most likely token each \
+                 step; give a temperature above 0 to sample",
+            );
+        }
+        if kind == BackendKind::Cpu {
+            crate::bench::note_no_effect(&[("--eager", self.eager)], EAGER_ON_CPU);
+        }
+    }
+}
+
+/// Why `--eager` changes nothing on the CPU.
+pub(crate) const EAGER_ON_CPU: &str =
+    "the CPU backend records no CUDA graphs and runs every step op by op anyway";
+
 #[derive(Serialize)]
 struct Report {
     model: String,
@@ -171,6 +200,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         mut model,
         dtype,
     } = a.run.open()?;
+    a.note_unused(kind);
     let prompt = match (a.context, &a.prompt_ids, &a.prompt) {
         (Some(tokens), _, _) => crate::decode_bench::stand_in_prompt(tokens, &model.config)?,
         (None, Some(ids), _) => ids.clone(),
