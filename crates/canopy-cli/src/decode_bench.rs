@@ -161,7 +161,8 @@ pub struct DecodeArgs {
     /// Predict the decode step at this rank count instead of running, from the `--from` runs'
     /// rows at fewer ranks (`canopy_engine::predict::DecodeModel`), at their contexts and
     /// --context's; rows measured at this count are set beside the prediction.
-    #[arg(long, requires = "from")]
+    #[arg(long, requires = "from",
+          conflicts_with_all = ["model", "arch", "random_weights", "ranks", "eager", "csv", "plot"])]
     predict: Option<usize>,
     /// Saved `bench decode --json` outputs of one model on one kind of GPU, comma-separated,
     /// for --predict.
