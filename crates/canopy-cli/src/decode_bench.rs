@@ -106,7 +106,8 @@ pub struct DecodeArgs {
     /// --random-weights).
     #[arg(long, requires = "random_weights")]
     arch: Option<String>,
-    /// Random weights of the model's shape instead of its own.
+    /// Random weights of the model's shape instead of its own: with --arch, a preset shape's;
+    /// with --model, that model's, whose config is read as usual but not its weights.
     #[arg(long)]
     random_weights: bool,
     /// Context lengths in tokens (K = 1024, M = 1024²), comma-separated [default: 8K; with

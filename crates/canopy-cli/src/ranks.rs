@@ -365,6 +365,8 @@ pub struct ModelRunArgs {
     #[arg(long, requires = "random_weights")]
     pub arch: Option<String>,
     /// Random weights of the model's shape instead of its own: what it says means nothing.
+    /// With --arch, a preset shape's; otherwise the model's (--model, or the default one),
+    /// whose config, tokenizer and chat template are read as usual but not its weights.
     #[arg(long)]
     pub random_weights: bool,
     #[arg(long, value_enum, default_value = "auto")]
