@@ -290,3 +290,90 @@ fn a_reader_that_stops_early_ends_the_output_without_a_panic() {
         .success()
         .stderr(contains("panicked").not());
 }
+
+/// A bad value in a workload file is reported at its own line, with the file's text there.
+#[test]
+fn a_workload_files_bad_value_is_reported_at_its_line() {
+    let path = std::env::temp_dir().join(format!("canopy-bad-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        "[shape]\nq_heads = 4\nkv_heads = 2\nhead_dim = 64\n\n[tree]\nkind = \"long\"\n\
+         seq_len = \"abc\"\n",
+    )
+    .unwrap();
+    let run = canopy()
+        .args(["plan", "--workload"])
+        .arg(&path)
+        .assert()
+        .failure();
+    std::fs::remove_file(&path).unwrap();
+    run.stderr(contains("line 8,").and(contains("8 | seq_len = \"abc\"")));
+}
+
+/// An option a run has no use for is named in a note with the reason, not silently dropped.
+#[test]
+fn options_a_run_leaves_unused_are_noted() {
+    canopy()
+        .args([
+            "bench",
+            "tree",
+            "--workload",
+            "fasttree-0",
+            "--backend",
+            "cpu",
+        ])
+        .args(["--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
+        .args(["--method", "q-guided", "--iterations", "1"])
+        .args(["--kernel", "mma", "--mma-tile", "64", "--page-size", "16"])
+        .assert()
+        .success()
+        .stderr(contains(
+            "note: --kernel and --mma-tile have no effect: the CPU backend runs its own",
+        ))
+        .stderr(contains("note: --page-size has no effect"));
+    let model = &common::tiny_model("llama3-hd128");
+    let generate = |extra: &[&str]| {
+        let mut cmd = canopy();
+        cmd.args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+        ])
+        .args(["--backend", "cpu"])
+        .args(extra)
+        .timeout(Duration::from_secs(60));
+        cmd
+    };
+    generate(&["--seed", "3", "--top-p", "0.9", "--eager"])
+        .assert()
+        .success()
+        .stderr(contains(
+            "note: --top-p and --seed have no effect: --temperature 0 (the default) decodes greedily",
+        ))
+        .stderr(contains("note: --eager has no effect"));
+    generate(&["--seed", "3", "--temperature", "0.7"])
+        .assert()
+        .success()
+        .stderr(contains("no effect").not());
+}
+
+/// `bench decode --predict` runs nothing, so the options of a run are refused beside it.
+#[test]
+fn bench_decode_predict_refuses_the_options_of_a_run() {
+    for flag in [
+        ["--csv", "rows.csv"],
+        ["--plot", "steps.png"],
+        ["--ranks", "2"],
+    ] {
+        canopy()
+            .args(["bench", "decode", "--from", "run.json", "--predict", "4"])
+            .args(flag)
+            .assert()
+            .failure()
+            .stderr(contains("cannot be used with"));
+    }
+}
