@@ -484,6 +484,18 @@ impl ModelRunArgs {
         let world = World::new(self.launcher)?;
         let ranks = world.ranks(self.ranks, 1)?;
         let kind = crate::bench::resolve_backend(self.backend)?;
+        let collective_set = self.collective != canopy_engine::MergeCollective::Auto;
+        if self.strategy == crate::generate_cmd::DecodeChoice::Ring {
+            crate::bench::note_no_effect(
+                &[("--collective", collective_set)],
+                "the ring passes KV blocks from rank to rank and merges no partials across ranks",
+            );
+        } else if ranks == 1 {
+            crate::bench::note_no_effect(
+                &[("--collective", collective_set)],
+                "one rank has no partials of other ranks to merge (--ranks P takes it)",
+            );
+        }
         let dtype = self.dtype.unwrap_or(match kind {
             crate::bench::BackendKind::Cpu => CpuBackend.preferred_dtype(),
             crate::bench::BackendKind::Cuda => canopy_core::DType::Bf16,

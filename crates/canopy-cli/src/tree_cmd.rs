@@ -129,6 +129,19 @@ impl TreeArgs {
         }
     }
 
+    /// GPU 0 with the kernel settings of these options, for the runs on one rank.
+    fn cuda_backend(&self) -> Result<CudaBackend> {
+        let backend = CudaBackend::new(0)?
+            .with_kernel(self.kernel)
+            .with_waves(self.waves)
+            .with_mma_pipeline(self.pipeline())?;
+        // Unset, the backend keeps its own limit.
+        Ok(match self.ctas_per_sm {
+            Some(n) => backend.with_ctas_per_sm(Some(n)),
+            None => backend,
+        })
+    }
+
     /// Notes the options set that this run on `kind` leaves unused: the CUDA kernels'
     /// settings on the CPU, those a run over several GPUs leaves at their defaults, the
     /// device model beyond one rank and the page size of a tree that does not grow.
@@ -335,16 +348,7 @@ impl OneRank {
     pub(crate) fn new(a: &TreeArgs, kind: BackendKind) -> Result<OneRank> {
         Ok(match kind {
             BackendKind::Cpu => OneRank::Cpu,
-            BackendKind::Cuda => {
-                let mut backend = CudaBackend::new(0)?
-                    .with_kernel(a.kernel)
-                    .with_waves(a.waves)
-                    .with_mma_pipeline(a.pipeline())?;
-                if let Some(n) = a.ctas_per_sm {
-                    backend = backend.with_ctas_per_sm(Some(n));
-                }
-                OneRank::Cuda(Box::new(backend))
-            }
+            BackendKind::Cuda => OneRank::Cuda(Box::new(a.cuda_backend()?)),
         })
     }
 
@@ -603,10 +607,7 @@ fn grow(
     methods: &[Method],
     planner: PlannerConfig,
 ) -> Result<()> {
-    let backend = CudaBackend::new(0)?
-        .with_kernel(a.kernel)
-        .with_mma_pipeline(a.pipeline())?
-        .with_paging(a.page_size)?;
+    let backend = a.cuda_backend()?.with_paging(a.page_size)?;
     let (shape, dtype, page) = (spec.shape, spec.dtype, a.page_size);
     let live = tree.num_queries() as u32;
     // Room for the tree, every leaf's growth, and a partial page per node.

@@ -355,7 +355,23 @@ fn options_a_run_leaves_unused_are_noted() {
             "note: --top-p and --seed have no effect: --temperature 0 (the default) decodes greedily",
         ))
         .stderr(contains("note: --eager has no effect"));
+    generate(&[
+        "--strategy",
+        "ring",
+        "--ranks",
+        "2",
+        "--collective",
+        "allgather",
+    ])
+    .assert()
+    .success()
+    .stderr(contains("note: --collective has no effect: the ring"));
+    generate(&["--collective", "allgather"])
+        .assert()
+        .success()
+        .stderr(contains("note: --collective has no effect: one rank"));
     generate(&["--seed", "3", "--temperature", "0.7"])
+        .args(["--ranks", "2", "--collective", "allgather"])
         .assert()
         .success()
         .stderr(contains("no effect").not());
