@@ -763,6 +763,7 @@ fn needs(shape: AttnShape) -> ModelNeeds {
         attention_keys: 8192,
         logit_rows: 1,
         peer_devices: 0,
+        ranks_here: 1,
     }
 }
 

@@ -54,6 +54,25 @@ fn check_matmul(
     expect_size("cpu", op, "the output's columns", out.cols, out_cols)
 }
 
+/// Host bytes one rank's forward pass holds at once on the CPU: each of `max_rows` rows'
+/// activations (the residual stream, its norm and a projection's output; q, the states and
+/// the attention output; k and v; the MLP's gate and up), every rank's queries and states of a
+/// prefill's attention, and the logits of the pass and of those a decode loop keeps.
+pub fn pass_bytes(needs: &ModelNeeds) -> u64 {
+    let s = &needs.shape;
+    let row_floats = 3 * needs.hidden
+        + 3 * s.q_row_elems()
+        + s.q_heads
+        + 2 * s.kv_token_elems()
+        + 2 * needs.intermediate;
+    let attention_floats = 2 * s.q_row_elems() + s.q_heads;
+    let floats = (needs.max_rows as u64)
+        .saturating_mul(row_floats as u64)
+        .saturating_add((needs.attention_rows as u64).saturating_mul(attention_floats as u64))
+        .saturating_add((needs.logit_rows as u64).saturating_mul(needs.vocab as u64));
+    floats.saturating_mul(4)
+}
+
 impl LayerOps for CpuBackend {
     type Tensor = HostMatrix;
     type Weight = CpuWeight;
@@ -78,11 +97,15 @@ impl LayerOps for CpuBackend {
                 s.head_dim
             )));
         }
+        let ranks = needs.ranks_here.max(1);
+        let passes = pass_bytes(needs).saturating_mul(ranks as u64);
         crate::memory::ensure_host_fits(
-            needs.kv_bytes(),
+            needs.kv_bytes().saturating_add(passes),
             &format!(
-                "the KV cache ({} layers × {} tokens)",
-                needs.layers, needs.kv_tokens
+                "the KV cache ({} layers × {} tokens) and {ranks} rank(s)' passes ({:.1} MiB each)",
+                needs.layers,
+                needs.kv_tokens,
+                pass_bytes(needs) as f64 / (1u64 << 20) as f64
             ),
         )
     }
@@ -545,6 +568,54 @@ mod tests {
 
     fn weight(rows: usize, cols: usize, seed: u32) -> CpuWeight {
         CpuWeight::Dense(matrix(rows, cols, seed))
+    }
+
+    /// A 135M model's needs at one row, with the KV of 64 tokens a rank.
+    fn small_model_needs() -> ModelNeeds {
+        ModelNeeds {
+            shape: AttnShape::new(9, 3, 64).unwrap(),
+            hidden: 576,
+            intermediate: 1536,
+            vocab: 49_152,
+            layers: 30,
+            weight_dtype: DType::F32,
+            weight_bytes: 540 << 20,
+            kv_dtype: DType::F32,
+            kv_tokens: 64,
+            max_rows: 1,
+            attention_rows: 1,
+            attention_keys: 0,
+            logit_rows: 4,
+            peer_devices: 0,
+            ranks_here: 1,
+        }
+    }
+
+    #[test]
+    fn every_rank_on_the_host_is_priced_its_passes() {
+        let needs = small_model_needs();
+        let one = pass_bytes(&needs);
+        // The four rows of logits alone are 768 KiB.
+        assert!(one > 4 * 49_152 * 4 && one < 1 << 20, "{one}");
+        let wider = ModelNeeds {
+            max_rows: 512,
+            ..needs.clone()
+        };
+        assert!(pass_bytes(&wider) > one + 511 * (3 * 576 + 2 * 1536) * 4);
+        assert!(CpuBackend
+            .check_model(&needs.clone().on_device_holding(1, 1))
+            .is_ok());
+        // A small KV cache beside ten million ranks' passes, which fit no host.
+        let crowd = ModelNeeds {
+            kv_tokens: 64,
+            ..needs.on_device_holding(10_000_000, 10_000_000)
+        };
+        assert!(crowd.kv_bytes() < 1 << 30);
+        let msg = CpuBackend.check_model(&crowd).unwrap_err().to_string();
+        assert!(
+            msg.contains("10000000 rank(s)' passes") && msg.contains("fewer ranks"),
+            "{msg}"
+        );
     }
 
     #[test]

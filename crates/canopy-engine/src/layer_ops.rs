@@ -78,12 +78,16 @@ pub struct ModelNeeds {
     /// Devices of other ranks that this device exchanges with directly (NCCL on GPUs, whose
     /// buffers take device memory): 0 for a device of one rank alone, or of several ranks.
     pub peer_devices: usize,
+    /// The ranks this device runs, each with its own passes' activations and logits
+    /// (`kv_tokens` already counts all their pools).
+    pub ranks_here: usize,
 }
 
 impl ModelNeeds {
     /// These needs on a device that holds `here` of the `ranks` ranks: a rank with a device
     /// of its own exchanges with every other rank's.
     pub fn on_device_holding(mut self, here: usize, ranks: usize) -> ModelNeeds {
+        self.ranks_here = here;
         self.peer_devices = if here == 1 {
             ranks.saturating_sub(1)
         } else {

@@ -538,6 +538,7 @@ pub(crate) fn model_needs(
         attention_keys: 0,
         logit_rows,
         peer_devices: 0,
+        ranks_here: 1,
     }
 }
 
