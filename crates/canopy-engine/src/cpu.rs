@@ -141,14 +141,11 @@ impl Backend for CpuBackend {
 
     fn alloc_kv(&self, shape: &AttnShape, dtype: DType, tokens: usize) -> Result<CpuKv> {
         let n = tokens * shape.kv_token_elems();
-        let (k, v) = (TypedVec::zeros(dtype, n), TypedVec::zeros(dtype, n));
-        crate::memory::advise_huge_pages(k.as_bytes());
-        crate::memory::advise_huge_pages(v.as_bytes());
         Ok(CpuKv {
             shape: *shape,
             tokens,
-            k,
-            v,
+            k: TypedVec::zeros(dtype, n),
+            v: TypedVec::zeros(dtype, n),
             paging: None,
         })
     }

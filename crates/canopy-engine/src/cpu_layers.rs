@@ -134,16 +134,10 @@ impl LayerOps for CpuBackend {
         fill: &mut dyn FnMut(usize, TypedSliceMut) -> Result<(), E>,
     ) -> Result<CpuWeight, E> {
         let mut data = TypedVec::zeros(dtype, rows * cols);
-        crate::memory::advise_huge_pages(data.as_bytes());
         fill(0, data.slice_mut(0..rows * cols))?;
         let data = match data {
             TypedVec::F32(values) => values,
-            other => {
-                // Written as it is widened: the kernel's khugepaged gathers its pages later.
-                let values = other.to_f32_vec();
-                crate::memory::advise_huge_pages(&values);
-                values
-            }
+            other => other.to_f32_vec(),
         };
         Ok(CpuWeight::Dense(HostMatrix { rows, cols, data }))
     }

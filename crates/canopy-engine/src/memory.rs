@@ -81,40 +81,6 @@ pub fn cpu_ranks_bytes(
     shards.saturating_add(ring).saturating_add(states)
 }
 
-/// The huge page a kernel backs an advised span with (x86-64's and most arm64 kernels' 2 MiB).
-const HUGE_PAGE: usize = 2 << 20;
-
-/// Asks the kernel to back the whole 2 MiB pages inside `buf` with huge pages (Linux's
-/// `MADV_HUGEPAGE`); nothing elsewhere, or where `buf` spans no whole huge page.
-///
-/// The allocator leaves its own memory to the kernel's default, which on most hosts
-/// (`transparent_hugepage=madvise`) is small pages: each rank thread's heap would otherwise
-/// take a 2 MiB page for every size of buffer it allocates, about 12 MB a thread ranks run on.
-/// The buffers that a pass streams through whole (weights, KV pools) read faster from huge
-/// pages (fewer TLB misses), so they ask for them here, before their first write, when the
-/// kernel places the pages.
-pub fn advise_huge_pages<T>(buf: &[T]) {
-    let start = buf.as_ptr() as usize;
-    let end = start + std::mem::size_of_val(buf);
-    let (first, last) = (
-        start.next_multiple_of(HUGE_PAGE),
-        end / HUGE_PAGE * HUGE_PAGE,
-    );
-    if last <= first {
-        return;
-    }
-    #[cfg(target_os = "linux")]
-    // SAFETY: the span lies inside `buf`'s allocation, and the advice changes how the kernel
-    // backs its pages, never their contents.
-    unsafe {
-        libc::madvise(
-            first as *mut libc::c_void,
-            last - first,
-            libc::MADV_HUGEPAGE,
-        );
-    }
-}
-
 fn meminfo_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;

@@ -116,7 +116,6 @@ impl CodedPanels {
         };
         let (groups, group_words) = (panels.groups(), panels.group_words());
         panels.words = vec![0u32; panels.panels() * panels.panel_words()];
-        crate::memory::advise_huge_pages(&panels.words);
         // A panel's element `i` is its rows' elements `i`; lanes past the last row keep
         // their zeros.
         panels
