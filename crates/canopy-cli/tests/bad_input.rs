@@ -43,13 +43,14 @@ fn a_hundred_thousand_ranks_are_refused_before_anything_runs() {
 
 #[test]
 fn a_thousand_thread_ranks_are_priced_their_passes_beside_their_kv() {
-    // Their KV (2.1 GiB) fits the limit; with every rank's activations and logits it does not.
+    // Their KV (2.1 GiB) fits the limit; with every rank's activations, logits and heap it
+    // does not.
     limited(
         "generate --arch smollm2-135m --random-weights --prompt hi --max-tokens 4 --ranks 1000",
     )
     .assert()
     .failure()
-    .stderr(contains("1000 rank(s)' passes"))
+    .stderr(contains("1000 rank(s)' passes and heaps"))
     .stderr(contains("fewer ranks"))
     .stderr(contains("memory allocation").not());
 }
