@@ -106,10 +106,14 @@ pub(crate) fn fold_rank_order<'a, T: Element>(
     op: ReduceOp,
 ) {
     for (r, bytes) in chunks.enumerate() {
-        let theirs: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
         if r == 0 {
-            buf.copy_from_slice(&theirs);
+            bytemuck::cast_slice_mut::<T, u8>(buf).copy_from_slice(bytes);
         } else {
+            // A rank's bytes need not be aligned for `T`: each element is read unaligned, in
+            // place, with no copy of the buffer.
+            let theirs = bytes
+                .chunks_exact(std::mem::size_of::<T>())
+                .map(bytemuck::pod_read_unaligned::<T>);
             buf.iter_mut()
                 .zip(theirs)
                 .for_each(|(a, b)| *a = T::reduce(*a, b, op));

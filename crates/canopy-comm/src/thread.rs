@@ -3,7 +3,7 @@
 use crate::{Collective, CommError, Element, Group, ReduceOp, Result, Traffic};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// Why the world was aborted, and by whom.
@@ -29,8 +29,11 @@ struct Shared {
     timeout: Duration,
     barrier: Mutex<BarrierState>,
     wake: Condvar,
-    /// One staging slot per rank for all-reduce / all-gather.
-    slots: Vec<Mutex<Vec<u8>>>,
+    /// One staging slot per rank for all-reduce / all-gather: its rank writes it before a
+    /// collective's first barrier, and every rank reads it, at once, between the two.
+    slots: Vec<RwLock<Vec<u8>>>,
+    /// Each rank's share of an all-reduce, folded over every rank's slot.
+    folded: Vec<RwLock<Vec<u8>>>,
     /// `links[src][dst]`: the sender for messages from `src` to `dst`, and its receiver.
     senders: Vec<Vec<Sender<Vec<u8>>>>,
     receivers: Vec<Vec<Inbox>>,
@@ -109,7 +112,8 @@ impl Shared {
             timeout,
             barrier: Mutex::new(BarrierState::default()),
             wake: Condvar::new(),
-            slots: (0..size).map(|_| Mutex::new(Vec::new())).collect(),
+            slots: (0..size).map(|_| RwLock::new(Vec::new())).collect(),
+            folded: (0..size).map(|_| RwLock::new(Vec::new())).collect(),
             senders,
             receivers,
         }
@@ -204,7 +208,7 @@ impl ThreadComm {
 
     fn stage<T: Element>(&self, data: &[T]) {
         let mut slot = self.shared.slots[self.rank]
-            .lock()
+            .write()
             .unwrap_or_else(|p| p.into_inner());
         slot.clear();
         slot.extend_from_slice(bytemuck::cast_slice(data));
@@ -222,17 +226,28 @@ impl Group for ThreadComm {
 }
 
 impl Collective for ThreadComm {
+    /// A reduce-scatter, then an all-gather: each rank folds its share of the elements over
+    /// every rank's copy, in rank order, and then copies the other shares as their ranks
+    /// folded them. Every element is folded once, by one rank, in the same order as the MPI
+    /// transport folds it, so every rank ends with the same bits, and the ranks fold
+    /// `len` elements `P` times together rather than each folding all of them.
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let p = self.shared.size as u64;
+        let p = self.shared.size;
+        let len = buf.len();
+        let share = |r: usize| len * r / p..len * (r + 1) / p;
+        let bytes_of = |r: usize| {
+            let elems = share(r);
+            elems.start * size_of::<T>()..elems.end * size_of::<T>()
+        };
         self.stage(buf);
         self.wait_all("all_reduce")?;
         let slots: Vec<_> = self
             .shared
             .slots
             .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()))
+            .map(|s| s.read().unwrap_or_else(|p| p.into_inner()))
             .collect();
-        let want = std::mem::size_of_val(buf);
+        let want = size_of_val(buf);
         if let Some(r) = slots.iter().position(|s| s.len() != want) {
             let got = slots[r].len();
             drop(slots);
@@ -246,10 +261,30 @@ impl Collective for ThreadComm {
                 want,
             );
         }
-        crate::fold_rank_order(buf, slots.iter().map(|s| s.as_slice()), op);
+        let (mine, my_bytes) = (share(self.rank), bytes_of(self.rank));
+        crate::fold_rank_order(
+            &mut buf[mine.clone()],
+            slots.iter().map(|s| &s[my_bytes.clone()]),
+            op,
+        );
         drop(slots);
+        {
+            let mut folded = self.shared.folded[self.rank]
+                .write()
+                .unwrap_or_else(|p| p.into_inner());
+            folded.clear();
+            folded.extend_from_slice(bytemuck::cast_slice(&buf[mine]));
+        }
+        // Every share is folded. A rank writes its share again only after the next
+        // collective's first barrier, which this rank reaches once it has copied them all.
         self.wait_all("all_reduce")?;
-        self.count(2 * (p - 1) * std::mem::size_of_val(buf) as u64 / p);
+        for r in (0..p).filter(|&r| r != self.rank) {
+            let folded = self.shared.folded[r]
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            bytemuck::cast_slice_mut::<T, u8>(&mut buf[share(r)]).copy_from_slice(&folded);
+        }
+        self.count(2 * (p as u64 - 1) * want as u64 / p as u64);
         Ok(())
     }
 
@@ -260,7 +295,7 @@ impl Collective for ThreadComm {
         self.wait_all("all_gather")?;
         for (r, chunk) in recv.chunks_mut(send.len().max(1)).enumerate().take(p) {
             let slot = self.shared.slots[r]
-                .lock()
+                .read()
                 .unwrap_or_else(|p| p.into_inner());
             crate::check_bytes(
                 self.rank,
@@ -269,7 +304,7 @@ impl Collective for ThreadComm {
                 slot.len(),
                 std::mem::size_of_val(chunk),
             )?;
-            chunk.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&slot));
+            bytemuck::cast_slice_mut::<T, u8>(chunk).copy_from_slice(&slot);
         }
         self.wait_all("all_gather")?;
         self.count(std::mem::size_of_val(recv) as u64 * (p as u64 - 1) / p as u64);
@@ -321,7 +356,7 @@ impl Collective for ThreadComm {
             msg.len(),
             std::mem::size_of_val(buf),
         )?;
-        buf.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, T>(&msg));
+        bytemuck::cast_slice_mut::<T, u8>(buf).copy_from_slice(&msg);
         Ok(())
     }
 
@@ -358,6 +393,51 @@ mod tests {
             assert_eq!(m, vec![3.0, 0.0]);
             assert_eq!(t.calls, 2);
             assert_eq!(t.bytes, 2 * 3 * 12 / 4 + 2 * 3 * 8 / 4);
+        }
+    }
+
+    /// Each element folded in rank order, as one rank alone would fold it.
+    fn folded_in_rank_order(copies: &[Vec<f32>], op: ReduceOp) -> Vec<f32> {
+        let mut out = copies[0].clone();
+        for copy in &copies[1..] {
+            for (a, &b) in out.iter_mut().zip(copy) {
+                *a = f32::reduce(*a, b, op);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn all_reduce_gives_every_rank_the_rank_order_fold_bit_for_bit() {
+        // Lengths below, at and past the rank count, not multiples of it; values whose sums
+        // round differently in another order.
+        for (ranks, len) in [(1, 5), (3, 0), (3, 2), (5, 5), (7, 23), (8, 1000)] {
+            let copy = |rank: usize| -> Vec<f32> {
+                (0..len)
+                    .map(|i| {
+                        let x = ((rank * 7919 + i * 104_729) % 1000) as f32;
+                        (x - 500.0) * 1.1e-3 * 10f32.powi((i % 7) as i32 - 3)
+                    })
+                    .collect()
+            };
+            let copies: Vec<Vec<f32>> = (0..ranks).map(copy).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let want = folded_in_rank_order(&copies, op);
+                let out = ThreadWorld::run(ranks, T, |c| {
+                    let mut buf = copy(c.rank());
+                    c.all_reduce(&mut buf, op)?;
+                    // Twice in a row: a share folded again must not be read half-written.
+                    let mut again = copy(c.rank());
+                    c.all_reduce(&mut again, op)?;
+                    Ok::<_, CommError>((buf, again))
+                });
+                for res in out {
+                    let (buf, again) = res.unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&buf), bits(&want), "{ranks} ranks, {len} elements");
+                    assert_eq!(bits(&again), bits(&want));
+                }
+            }
         }
     }
 
