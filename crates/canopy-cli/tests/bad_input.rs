@@ -239,19 +239,26 @@ fn bench_attention_help_gives_every_option_a_description_and_its_default() {
     }
 }
 
+/// `bench tree` on the CPU over a small shape of the first FastTree workload, one iteration of
+/// each of `methods`.
+fn small_tree_bench_on_cpu(methods: &str) -> Command {
+    let mut cmd = canopy();
+    cmd.args([
+        "bench",
+        "tree",
+        "--workload",
+        "fasttree-0",
+        "--backend",
+        "cpu",
+    ])
+    .args(["--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
+    .args(["--method", methods, "--iterations", "1"]);
+    cmd
+}
+
 #[test]
 fn bench_tree_on_the_cpu_shows_no_gpu_prediction_or_cache_state() {
-    let out = canopy()
-        .args([
-            "bench",
-            "tree",
-            "--workload",
-            "fasttree-0",
-            "--backend",
-            "cpu",
-        ])
-        .args(["--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
-        .args(["--method", "q-guided,auto", "--iterations", "1"])
+    let out = small_tree_bench_on_cpu("q-guided,auto")
         .assert()
         .success()
         .get_output()
@@ -327,17 +334,7 @@ fn a_workload_files_bad_value_is_reported_at_its_line() {
 /// An option a run has no use for is named in a note with the reason, not silently dropped.
 #[test]
 fn options_a_run_leaves_unused_are_noted() {
-    canopy()
-        .args([
-            "bench",
-            "tree",
-            "--workload",
-            "fasttree-0",
-            "--backend",
-            "cpu",
-        ])
-        .args(["--heads", "4", "--kv-heads", "2", "--head-dim", "64"])
-        .args(["--method", "q-guided", "--iterations", "1"])
+    small_tree_bench_on_cpu("q-guided")
         .args(["--kernel", "mma", "--mma-tile", "64", "--page-size", "16"])
         .assert()
         .success()
