@@ -118,7 +118,8 @@ pub struct GenerateArgs {
 
 impl GenerateArgs {
     /// Notes the options set that this run leaves unused: the sampler's cuts and seed when it
-    /// decodes greedily, and `--eager` on the CPU, which records no graphs.
+    /// decodes greedily (and that its samples are then alike), and `--eager` on the CPU, which
+    /// records no graphs.
     fn note_unused(&self, kind: BackendKind) {
         if self.temperature <= 0.0 {
             crate::bench::note_no_effect(
@@ -134,6 +135,13 @@ impl GenerateArgs {
                 "--temperature 0 (the default) decodes greedily, the most likely token each \
                  step; give a temperature above 0 to sample",
             );
+            if self.n > 1 {
+                crate::launcher::note(format_args!(
+                    "--n {} samples decode greedily (--temperature 0), so they are the same \
+                     tokens; give a temperature above 0 for different samples",
+                    self.n
+                ));
+            }
         }
         if kind == BackendKind::Cpu {
             crate::bench::note_no_effect(&[("--eager", self.eager)], EAGER_ON_CPU);

@@ -377,6 +377,10 @@ fn options_a_run_leaves_unused_are_noted() {
     .assert()
     .success()
     .stderr(contains("note: --collective has no effect: the ring"));
+    generate(&["--n", "2"])
+        .assert()
+        .success()
+        .stderr(contains("note: --n 2 samples decode greedily"));
     generate(&["--collective", "allgather"])
         .assert()
         .success()
