@@ -62,8 +62,13 @@ const RANK_THREAD_HEAP: u64 = 16 << 20;
 
 /// Host bytes one rank's forward pass holds at once on the CPU: each of `max_rows` rows'
 /// activations (the residual stream, its norm and a projection's output; q, the states and
-/// the attention output; k and v; the MLP's gate and up), every rank's queries and states of a
-/// prefill's attention, and the logits of the pass and of those a decode loop keeps.
+/// the attention output; k and v; the MLP's gate and up), each of the `attention_rows` rows a
+/// prefill's attention gathers from every rank, and the logits of the pass and of those a
+/// decode loop keeps.
+///
+/// A gathered row holds five copies of a row of states at once: its query, its attention
+/// states (`o` and the log-normaliser), the merge's packed states (and maxima), the collective's
+/// staged copy of them, and the output taken from the merge.
 pub fn pass_bytes(needs: &ModelNeeds) -> u64 {
     let s = &needs.shape;
     let row_floats = 3 * needs.hidden
@@ -71,7 +76,7 @@ pub fn pass_bytes(needs: &ModelNeeds) -> u64 {
         + s.q_heads
         + 2 * s.kv_token_elems()
         + 2 * needs.intermediate;
-    let attention_floats = 2 * s.q_row_elems() + s.q_heads;
+    let attention_floats = 5 * (s.q_row_elems() + s.q_heads);
     let floats = (needs.max_rows as u64)
         .saturating_mul(row_floats as u64)
         .saturating_add((needs.attention_rows as u64).saturating_mul(attention_floats as u64))
