@@ -206,6 +206,17 @@ pub(crate) fn note_no_effect(given: &[(&str, bool)], why: &str) {
     crate::launcher::note(format_args!("{list} {verb} no effect: {why}"));
 }
 
+/// Notes that `--eager` (`eager`) changes nothing on the CPU (`kind`), which records no CUDA
+/// graphs.
+pub(crate) fn note_eager_unused(kind: BackendKind, eager: bool) {
+    if kind == BackendKind::Cpu {
+        note_no_effect(
+            &[("--eager", eager)],
+            "the CPU backend records no CUDA graphs and runs every step op by op anyway",
+        );
+    }
+}
+
 /// How this process takes part: the ranks are its threads, or it is one MPI rank.
 pub enum World {
     Threads,

@@ -276,9 +276,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         crate::plot::check(path)?;
     }
     let kind = resolve_backend(a.backend)?;
-    if kind == BackendKind::Cpu {
-        crate::bench::note_no_effect(&[("--eager", a.eager)], crate::generate_cmd::EAGER_ON_CPU);
-    }
+    crate::bench::note_eager_unused(kind, a.eager);
     let world = World::new(a.launcher)?;
     let ranks = rank_counts(world.mpi_size(), a.ranks.as_deref())?;
     let dtype = a.dtype.unwrap_or(match kind {

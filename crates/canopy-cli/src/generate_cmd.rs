@@ -143,15 +143,9 @@ impl GenerateArgs {
                 ));
             }
         }
-        if kind == BackendKind::Cpu {
-            crate::bench::note_no_effect(&[("--eager", self.eager)], EAGER_ON_CPU);
-        }
+        crate::bench::note_eager_unused(kind, self.eager);
     }
 }
-
-/// Why `--eager` changes nothing on the CPU.
-pub(crate) const EAGER_ON_CPU: &str =
-    "the CPU backend records no CUDA graphs and runs every step op by op anyway";
 
 #[derive(Serialize)]
 struct Report {

@@ -192,9 +192,7 @@ pub fn serve(
         model,
         dtype,
     } = e.run.open()?;
-    if kind == BackendKind::Cpu {
-        crate::bench::note_no_effect(&[("--eager", e.eager)], crate::generate_cmd::EAGER_ON_CPU);
-    }
+    crate::bench::note_eager_unused(kind, e.eager);
     let capacity = model.config.max_position_embeddings;
     let max_context = e.max_context.unwrap_or(capacity);
     if max_context > capacity {
