@@ -264,7 +264,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
     /// Attention of `q` over `kv` (this rank's storage, laid out as the plans say), merged
     /// over every rank: each rank gets the same states, in the backend's memory.
     pub fn attend(&mut self, kv: &B::Kv, q: &B::Queries) -> Result<&B::States> {
-        Ok(self.attend_with(kv, q, None)?.0)
+        Ok(self.attend_with(kv, q, None, None)?.0)
     }
 
     /// [`RankAttention::attend`], with the tree's cross-rank merge timed on the host clock:
@@ -279,7 +279,26 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         q: &B::Queries,
         settle: &dyn Fn() -> Result<()>,
     ) -> Result<(&B::States, Option<f64>)> {
-        self.attend_with(kv, q, Some(settle))
+        self.attend_with(kv, q, Some(settle), None)
+    }
+
+    /// The tree's [`RankAttention::attend`] with `own` folded in: `own` holds this rank's
+    /// states of the same queries over keys the plan leaves out (a prompt chunk's own keys,
+    /// which each rank holds a part of), merged into the rank's states before the cross-rank
+    /// merge, so that one merge serves both. The ring, whose ranks each end with the whole
+    /// context's states, has no merge to share: it refuses.
+    pub fn attend_folding(
+        &mut self,
+        kv: &B::Kv,
+        q: &B::Queries,
+        own: &B::States,
+    ) -> Result<&B::States> {
+        if !matches!(self.kind, Kind::Tree { .. }) {
+            return Err(EngineError::Config(
+                "the ring has no cross-rank merge to fold a rank's own states into".into(),
+            ));
+        }
+        Ok(self.attend_with(kv, q, None, Some(own))?.0)
     }
 
     fn attend_with(
@@ -287,6 +306,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         kv: &B::Kv,
         q: &B::Queries,
         settle: Option<&dyn Fn() -> Result<()>>,
+        own: Option<&B::States>,
     ) -> Result<(&B::States, Option<f64>)> {
         let (backend, comm, poison) = (self.backend, self.comm, self.poison);
         let run = |kv: &B::Kv, plan: &B::Plan, partials: &mut B::States, out: &mut B::States| {
@@ -307,6 +327,9 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 ..
             } => {
                 run(kv, plan, partials, local)?;
+                if let Some(own) = own {
+                    backend.merge_into(local, own)?;
+                }
                 let Some(settle) = settle else {
                     merge.run(backend, comm, local, *how, layout)?;
                     return Ok((local, None));

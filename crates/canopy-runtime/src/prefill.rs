@@ -4,9 +4,10 @@
 //!   from every rank, each rank attends them to the prompt keys it holds (read from its
 //!   cache), and the partial states merge across ranks, as decode's do;
 //! - a chunk of a prompt whose earlier tokens are cached already (a shared prefix, earlier
-//!   chunks), as a server prefills: every rank runs the chunk's rows, which attend causally
-//!   to themselves and, through the engine's [`RankAttention`] over a plan of the cached
-//!   context, to the KV in the paged pools of every rank;
+//!   chunks), as a server prefills: each rank runs the chunk's rows whose KV it stores, and
+//!   every row attends causally to the chunk's rows and, through the engine's
+//!   [`RankAttention`] over a plan of the cached context, to the KV in the paged pools of
+//!   every rank;
 //! - a random fill that stands in for a prefill when only decode is timed.
 //!
 //! Each runs its rows through the layers the same way ([`through_layers`]); only how a
@@ -15,7 +16,7 @@
 use crate::kv::KvLayout;
 use crate::layers::{ModelLayers, Qkv};
 use crate::rank::GenerateRequest;
-use crate::Result;
+use crate::{Result, RuntimeError};
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::data::splitmix64;
 use canopy_engine::{
@@ -85,19 +86,31 @@ fn through_layers<B: LayerOps>(
 /// maybe beside a step's decode rows: the rows of each of `chunks` (ranges of `rows`) attend
 /// causally to one another, and through `cached` (a plan with one query per row: a chunk's
 /// rows on the node that ends its cached context, a decode row on its branch; `None` when no
-/// row has one), every row attends to the earlier tokens on every rank. Every rank runs every
-/// row and gets the same result; returns the last layer's hidden rows.
-pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
+/// row has one), every row attends to the earlier tokens on every rank. Returns the last
+/// layer's hidden rows of the whole pass, the same on every rank.
+///
+/// On several ranks the pass runs sequence-parallel: each rank runs the rows whose keys and
+/// values it stores (`owners[row]`, the rank of each row; `rows.stores` are this rank's), so
+/// the products, norms and MLPs of a pass are split over the ranks, not repeated on each. At
+/// each layer the ranks gather every row's query; each rank attends them all to the chunk
+/// keys it holds (its own rows') and to its part of the cached context, the partial states
+/// merge across ranks, and each rank keeps its own rows' output. The last layer's rows are
+/// gathered from every rank at the end.
+pub(crate) fn prefill_chunks<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
     caches: &mut [B::Kv],
-    mut cached: Option<&mut RankAttention<B, C>>,
-    rows: PrefillRows,
-    chunks: &[Range<usize>],
+    comm: &C,
+    cached: Option<&mut RankAttention<B, C>>,
+    pass: ChunkPass,
 ) -> Result<B::Tensor> {
+    if comm.size() > 1 {
+        return prefill_split(backend, layers, caches, comm, cached, pass);
+    }
+    let (mut cached, rows) = (cached, pass.rows);
+    let windows = ChunkWindows::new(rows.positions, pass.chunks);
     let shape = layers.attn_shape();
     let n = rows.ids.len();
-    let windows = ChunkWindows::new(rows.positions, chunks);
     let attend = &mut |cache: &B::Kv, qkv: Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
         let mut states = backend.empty_states(&shape, n)?;
         let own = KeyBlock {
@@ -117,6 +130,164 @@ pub(crate) fn prefill_chunks<B: LayerOps, C: Transport<B>>(
         Ok(backend.states_output(&states, out)?)
     };
     through_layers(backend, layers, caches, rows, None, attend, &mut |_| {})
+}
+
+/// A pass of prompt chunks (and maybe decode rows) for [`prefill_chunks`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkPass<'a> {
+    pub rows: PrefillRows<'a>,
+    /// Each chunk's rows, a range of the pass's.
+    pub chunks: &'a [Range<usize>],
+    /// The rank that runs each row: the one that stores its key and value.
+    pub owners: &'a [usize],
+}
+
+/// A pass's rows split over the ranks that run them.
+struct RowSplit {
+    /// Each rank's rows, by their place in the pass, in order.
+    rows: Vec<Vec<usize>>,
+    /// The most rows a rank runs: every rank runs this many, padded, so that each gathers the
+    /// same.
+    width: usize,
+}
+
+impl RowSplit {
+    /// Row `i` to rank `owners[i]`.
+    fn new(owners: &[usize], ranks: usize) -> Self {
+        let mut rows = vec![Vec::new(); ranks];
+        for (row, &owner) in owners.iter().enumerate() {
+            rows[owner].push(row);
+        }
+        let width = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        RowSplit { rows, width }
+    }
+
+    /// Rank `rank`'s rows padded to the width with copies of its first (or the pass's first),
+    /// whose outputs are never read.
+    fn padded(&self, rank: usize) -> Vec<usize> {
+        let mine = &self.rows[rank];
+        let pad = mine.first().copied().unwrap_or(0);
+        let mut padded = mine.clone();
+        padded.resize(self.width, pad);
+        padded
+    }
+
+    /// Where each row of the pass lands among the rows gathered from every rank (rank-major,
+    /// `width` a rank).
+    fn gathered_places(&self) -> Vec<usize> {
+        let mut places = vec![0; self.rows.iter().map(Vec::len).sum()];
+        for (rank, rows) in self.rows.iter().enumerate() {
+            for (i, &row) in rows.iter().enumerate() {
+                places[row] = rank * self.width + i;
+            }
+        }
+        places
+    }
+}
+
+/// [`prefill_chunks`] over several ranks, each running the rows it owns.
+fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
+    backend: &B,
+    layers: &ModelLayers<B>,
+    caches: &mut [B::Kv],
+    comm: &C,
+    mut cached: Option<&mut RankAttention<B, C>>,
+    pass: ChunkPass,
+) -> Result<B::Tensor> {
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let rows = pass.rows;
+    if pass.owners.len() != rows.ids.len() || pass.owners.iter().any(|&r| r >= ranks) {
+        return Err(RuntimeError::Protocol(format!(
+            "a prefill pass of {} rows on {ranks} ranks got owners {:?}",
+            rows.ids.len(),
+            pass.owners
+        )));
+    }
+    let split = RowSplit::new(pass.owners, ranks);
+    let windows = ChunkWindows::new(rows.positions, pass.chunks);
+    let shape = layers.attn_shape();
+    let (n, width, cols) = (rows.ids.len(), split.width, shape.q_row_elems());
+    let mine = split.padded(rank);
+    let real = split.rows[rank].len();
+    let ids: Vec<u32> = mine.iter().map(|&r| rows.ids[r]).collect();
+    let positions: Vec<u32> = mine.iter().map(|&r| rows.positions[r]).collect();
+    let local = |row: u32| split.rows[rank].binary_search(&(row as usize)).ok();
+    let stores = (rows.stores.iter())
+        .map(|&(row, slot)| {
+            local(row).map(|i| (i as u32, slot)).ok_or_else(|| {
+                RuntimeError::Protocol(format!(
+                    "rank {rank} stores row {row} of a prefill pass that another rank runs"
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // This rank's keys at their places among the pass's keys; the padding's are past every
+    // query's.
+    let k_pos: Vec<u32> = (mine.iter().enumerate())
+        .map(|(i, &r)| if i < real { windows.k_pos[r] } else { u32::MAX })
+        .collect();
+    let places = split.gathered_places();
+    let mut gathered = backend.output_tensor(ranks * width, cols)?;
+    let mut pass_out = backend.output_tensor(n, cols)?;
+    let mut merge = StatesMerge::new(backend, n * shape.q_heads, shape.head_dim, ranks)?;
+    let layout = NodeLayout::single(ranks);
+    let how = MergeCollective::Allreduce2;
+    let attend = &mut |cache: &B::Kv, qkv: Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
+        let gathered_buf = backend.tensor_buf_mut(&mut gathered);
+        comm.all_gather_buf(
+            backend,
+            backend.tensor_buf(&qkv.q),
+            width * cols,
+            gathered_buf,
+        )?;
+        let mut q = backend.output_tensor(n, cols)?;
+        backend.gather_rows(&gathered, &places, &mut q)?;
+        let mut states = backend.empty_states(&shape, n)?;
+        let own = KeyBlock {
+            k: &qkv.k,
+            v: &qkv.v,
+            positions: &k_pos,
+            dtype: backend.kv_dtype(cache),
+        };
+        let q_from = windows.q_from.as_deref();
+        backend.causal_attention_from(&shape, &q, &windows.q_pos, q_from, own, &mut states)?;
+        match cached.as_deref_mut() {
+            Some(cached) if cached.merge().is_some() => {
+                let q = backend.take_queries(&shape, q)?;
+                let merged = cached.attend_folding(cache, &q, &states)?;
+                backend.states_output(merged, &mut pass_out)?;
+            }
+            Some(ring) => {
+                merge.run(backend, comm, &mut states, how, &layout)?;
+                let q = backend.take_queries(&shape, q)?;
+                if !backend.merge_into_output(
+                    &mut states,
+                    ring.attend(cache, &q)?,
+                    &mut pass_out,
+                )? {
+                    backend.states_output(&states, &mut pass_out)?;
+                }
+            }
+            None => {
+                merge.run(backend, comm, &mut states, how, &layout)?;
+                backend.states_output(&states, &mut pass_out)?;
+            }
+        }
+        Ok(backend.gather_rows(&pass_out, &mine, out)?)
+    };
+    let own_rows = PrefillRows {
+        ids: &ids,
+        positions: &positions,
+        stores: &stores,
+    };
+    let x = through_layers(backend, layers, caches, own_rows, None, attend, &mut |_| {})?;
+    let hidden = backend.dims(&x).1;
+    let mut every = backend.output_tensor(ranks * width, hidden)?;
+    let every_buf = backend.tensor_buf_mut(&mut every);
+    comm.all_gather_buf(backend, backend.tensor_buf(&x), width * hidden, every_buf)?;
+    let mut pass = backend.output_tensor(n, hidden)?;
+    backend.gather_rows(&every, &places, &mut pass)?;
+    Ok(pass)
 }
 
 /// The causal attention of a pass's chunks, each to its own keys, as one block of the pass's
@@ -356,12 +527,14 @@ fn fill_runs(kv: &KvLayout, rank: usize) -> Vec<FillRun> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use canopy_comm::ThreadComm;
+    use canopy_comm::{Group, ThreadComm, ThreadWorld};
     use canopy_core::DType;
     use canopy_engine::{Backend, CpuBackend};
+    use std::time::Duration;
 
-    /// Prompts of 7, 1 and 5 tokens in one pass give what each gives alone: the logits of
-    /// their last rows and the keys and values stored.
+    /// Prompts of 7, 1 and 5 tokens in one pass give what each gives alone on one rank: the
+    /// logits of their last rows and the keys and values stored, whether the pass runs on one
+    /// rank or is split, two rows at a time in turn, over two or three.
     #[test]
     fn chunks_in_one_pass_give_what_each_gives_alone() {
         let b = &CpuBackend;
@@ -369,58 +542,81 @@ mod tests {
         let weights = crate::RandomWeights::new(&config, DType::F32, 11);
         let layers = ModelLayers::upload(b, &config, &weights, &mut |_| {}).unwrap();
         let shape = layers.attn_shape();
-        let caches = || -> Vec<_> {
-            (0..layers.num_layers())
-                .map(|_| b.alloc_kv(&shape, DType::F32, 64).unwrap())
-                .collect()
-        };
         let close = |a: &[f32], b: &[f32]| {
             a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5)
         };
         let prompts: [&[u32]; 3] = [&[3, 9, 27, 81, 50, 1, 2], &[40], &[5, 6, 7, 8, 90]];
         let firsts = [0u32, 20, 40];
-        let run = |prompts: &[(&[u32], u32)], kv: &mut [_]| {
-            let (mut ids, mut positions, mut stores, mut chunks, mut last) =
+        let owner = |row: usize, ranks: usize| row / 2 % ranks;
+        // Rank 0's logits of each prompt's last row, and each rank's caches.
+        let run = |prompts: &[(&[u32], u32)], ranks: usize| {
+            let (mut ids, mut positions, mut slots, mut chunks, mut last) =
                 (vec![], vec![], vec![], vec![], vec![]);
             for &(p, slot) in prompts {
                 let first = ids.len();
                 ids.extend_from_slice(p);
                 positions.extend(0..p.len() as u32);
-                stores.extend((0..p.len() as u32).map(|i| ((first as u32 + i), slot + i)));
+                slots.extend(slot..slot + p.len() as u32);
                 chunks.push(first..ids.len());
                 last.push(ids.len() - 1);
             }
-            let rows = PrefillRows {
-                ids: &ids,
-                positions: &positions,
-                stores: &stores,
-            };
-            let none: Option<&mut RankAttention<CpuBackend, ThreadComm>> = None;
-            let x = prefill_chunks(b, &layers, kv, none, rows, &chunks).unwrap();
-            let logits = layers.logits(b, &x, &last).unwrap();
+            let owners: Vec<usize> = (0..ids.len()).map(|r| owner(r, ranks)).collect();
+            let per_rank = ThreadWorld::run(ranks, Duration::from_secs(60), |comm| {
+                let rank = comm.rank();
+                let stores: Vec<(u32, u32)> = (slots.iter().enumerate())
+                    .filter(|&(row, _)| owners[row] == rank)
+                    .map(|(row, &slot)| (row as u32, slot))
+                    .collect();
+                let pass = ChunkPass {
+                    rows: PrefillRows {
+                        ids: &ids,
+                        positions: &positions,
+                        stores: &stores,
+                    },
+                    chunks: &chunks,
+                    owners: &owners,
+                };
+                let mut kv: Vec<_> = (0..layers.num_layers())
+                    .map(|_| b.alloc_kv(&shape, DType::F32, 64))
+                    .collect::<canopy_engine::Result<_>>()?;
+                let none: Option<&mut RankAttention<CpuBackend, ThreadComm>> = None;
+                let x = prefill_chunks(b, &layers, &mut kv, &comm, none, pass)?;
+                Ok::<_, crate::RuntimeError>((layers.logits(b, &x, &last)?, kv))
+            });
+            let per_rank: Vec<_> = per_rank.into_iter().map(Result::unwrap).collect();
             let vocab = layers.config.vocab_size;
-            logits
-                .chunks_exact(vocab)
+            let logits: Vec<Vec<f32>> = (per_rank[0].0.chunks_exact(vocab))
                 .map(<[f32]>::to_vec)
-                .collect::<Vec<_>>()
+                .collect();
+            for (r, (other, _)) in per_rank.iter().enumerate() {
+                assert_eq!(other, &per_rank[0].0, "rank {r}'s logits against rank 0's");
+            }
+            let caches: Vec<Vec<_>> = per_rank.into_iter().map(|(_, kv)| kv).collect();
+            (logits, caches, owners)
         };
         let together: Vec<(&[u32], u32)> = prompts.iter().copied().zip(firsts).collect();
-        let mut kv_together = caches();
-        let logits = run(&together, &mut kv_together);
-        assert_eq!(logits.len(), 3);
-        for (i, &(p, slot)) in together.iter().enumerate() {
-            let mut kv_alone = caches();
-            let alone = run(&[(p, slot)], &mut kv_alone);
-            assert!(close(&alone[0], &logits[i]), "prompt {i}'s logits");
-            let slots: Vec<u32> = (slot..slot + p.len() as u32).collect();
-            for (t, a) in kv_together.iter().zip(&kv_alone) {
-                let (kt, vt) = b.load_kv(t, &slots).unwrap();
-                let (ka, va) = b.load_kv(a, &slots).unwrap();
-                // (The products' sums run in another order at another row count.)
-                assert!(
-                    close(&kt.data, &ka.data) && close(&vt.data, &va.data),
-                    "prompt {i}'s KV"
-                );
+        for ranks in [1, 2, 3] {
+            let (logits, kv_together, owners) = run(&together, ranks);
+            assert_eq!(logits.len(), 3);
+            let mut first_row = 0;
+            for (i, &(p, slot)) in together.iter().enumerate() {
+                let (alone, kv_alone, _) = run(&[(p, slot)], 1);
+                let what = format!("prompt {i} on {ranks} ranks");
+                assert!(close(&alone[0], &logits[i]), "{what}: logits");
+                for t in 0..p.len() {
+                    let (row, at) = (first_row + t, [slot + t as u32]);
+                    let held = &kv_together[owners[row]];
+                    for (l, (split, one)) in held.iter().zip(&kv_alone[0]).enumerate() {
+                        let (kt, vt) = b.load_kv(split, &at).unwrap();
+                        let (ka, va) = b.load_kv(one, &at).unwrap();
+                        // (The products' sums run in another order at another row count.)
+                        assert!(
+                            close(&kt.data, &ka.data) && close(&vt.data, &va.data),
+                            "{what}: token {t}'s KV at layer {l}"
+                        );
+                    }
+                }
+                first_row += p.len();
             }
         }
     }

@@ -7,11 +7,12 @@
 //!    the ranks' states merge by the tree collectives (or pass around the ring). A step that
 //!    only grew branches inside their pages extends the plan in place.
 //! 2. **Prefill.** The step's prompt chunks through every layer together ([`prefill_chunks`]),
-//!    so that one pass over the weights serves them all: causal attention within each chunk,
-//!    and one plan of every chunk's rows over their cached contexts (the shared prefixes found
-//!    in the cache, earlier chunks) on every rank. Chunks without a cached context make a
-//!    second pass. When chunks have a cached context, the step's decode rows lead their pass
-//!    instead of running step 1: one pass over the weights, one plan for both.
+//!    so that one pass over the weights serves them all, each rank running the rows whose KV
+//!    it stores: causal attention within each chunk, and one plan of every chunk's rows over
+//!    their cached contexts (the shared prefixes found in the cache, earlier chunks) on every
+//!    rank. Chunks without a cached context make a second pass. When chunks have a cached
+//!    context, the step's decode rows lead their pass instead of running step 1: one pass
+//!    over the weights, one plan for both.
 //!
 //! Rank 0 then draws the tokens. Every rank ends a step with the same logits, so every rank's
 //! books stay the same without more messages.
@@ -24,7 +25,7 @@ use super::{held_batch, ServeConfig};
 use crate::forward::{download_rows, row_terms, walk_tails, Forward, Kept, RowReads, StepRows};
 use crate::kv::GROWTH_ROOM;
 use crate::layers::ModelLayers;
-use crate::prefill::{prefill_chunks, PrefillRows};
+use crate::prefill::{prefill_chunks, ChunkPass, PrefillRows};
 use crate::rank::{ms, resolve_merge};
 use crate::sampling::{StepLogits, TokenLogprobs};
 use crate::{Result, RuntimeError};
@@ -404,17 +405,27 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 .collect();
             let ranges: Vec<_> = pass.chunks.iter().map(|(_, r, _)| r.clone()).collect();
             let launching = Instant::now();
+            // Each row runs on the rank that stores its KV; a row stored nowhere (its
+            // request failed to place it) on any.
+            let ranks = self.comm.size();
+            let owners: Vec<usize> = (pass.placed.iter().enumerate())
+                .map(|(row, p)| p.map_or(row % ranks, |(r, _)| r))
+                .collect();
             let x = prefill_chunks(
                 backend,
                 self.layers,
                 &mut self.caches,
+                self.comm,
                 cached.as_mut(),
-                PrefillRows {
-                    ids: &pass.ids,
-                    positions: &pass.positions,
-                    stores: &stores,
+                ChunkPass {
+                    rows: PrefillRows {
+                        ids: &pass.ids,
+                        positions: &pass.positions,
+                        stores: &stores,
+                    },
+                    chunks: &ranges,
+                    owners: &owners,
                 },
-                &ranges,
             )?;
             let reading = Instant::now();
             let mut chunk_logits = Vec::new().into_iter();
