@@ -85,8 +85,10 @@ def check(gpu, cpu, prompts):
     for name, path, body in cases:
         a, b = post(gpu, path, body), post(cpu, path, body)
         if body.get("stream"):
-            a = [c["choices"] for c in a if c["choices"]]
-            b = [c["choices"] for c in b if c["choices"]]
+            # Each choice's chunks in order; how two choices' chunks interleave is timing.
+            def by_choice(chunks):
+                return sorted((ch for c in chunks for ch in c["choices"]), key=lambda ch: ch["index"])
+            a, b = by_choice(a), by_choice(b)
         else:
             a, b = a["choices"], b["choices"]
         same = close(a, b, 2e-3)
