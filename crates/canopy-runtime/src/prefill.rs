@@ -208,7 +208,6 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
     let shape = layers.attn_shape();
     let (n, width, cols) = (rows.ids.len(), split.width, shape.q_row_elems());
     let mine = split.padded(rank);
-    let real = split.rows[rank].len();
     let ids: Vec<u32> = mine.iter().map(|&r| rows.ids[r]).collect();
     let positions: Vec<u32> = mine.iter().map(|&r| rows.positions[r]).collect();
     let local = |row: u32| split.rows[rank].binary_search(&(row as usize)).ok();
@@ -221,59 +220,79 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    // This rank's keys at their places among the pass's keys; the padding's are past every
+    // The rows' keys at their places among the pass's keys; the padding's are past every
     // query's.
-    let k_pos: Vec<u32> = (mine.iter().enumerate())
-        .map(|(i, &r)| if i < real { windows.k_pos[r] } else { u32::MAX })
-        .collect();
-    let places = split.gathered_places();
-    let mut gathered = backend.output_tensor(ranks * width, cols)?;
-    let mut pass_out = backend.output_tensor(n, cols)?;
-    let mut merge = StatesMerge::new(backend, n * shape.q_heads, shape.head_dim, ranks)?;
+    let key_places = |rank: usize| {
+        let rows = &split.rows[rank];
+        (0..width).map(|i| rows.get(i).map_or(u32::MAX, |&r| windows.k_pos[r]))
+    };
+    let k_pos: Vec<u32> = key_places(rank).collect();
     let layout = NodeLayout::single(ranks);
     let how = MergeCollective::Allreduce2;
+    let dtype = |cache: &B::Kv| backend.kv_dtype(cache);
+    let gather = |mine: &B::Tensor, cols: usize, every: &mut B::Tensor| {
+        let buf = backend.tensor_buf_mut(every);
+        comm.all_gather_buf(backend, backend.tensor_buf(mine), width * cols, buf)
+    };
+    let mut exchange = match cached.is_some() {
+        // Every row's query comes to every rank, which attends them all to its own rows' keys
+        // and its part of the cached context; the states merge across ranks.
+        true => Some(Exchange {
+            merge: StatesMerge::new(backend, n * shape.q_heads, shape.head_dim, ranks)?,
+            q: backend.output_tensor(ranks * width, cols)?,
+            out: backend.output_tensor(n, cols)?,
+        }),
+        // Every row's key and value comes to every rank, which attends its own rows' queries
+        // to them: nothing to merge.
+        false => None,
+    };
+    let kv_cols = shape.kv_token_elems();
+    let every_k_pos: Vec<u32> = (0..ranks).flat_map(key_places).collect();
+    let own_q_pos: Vec<u32> = mine.iter().map(|&r| windows.q_pos[r]).collect();
+    let own_q_from: Option<Vec<u32>> =
+        (windows.q_from.as_ref()).map(|from| mine.iter().map(|&r| from[r]).collect());
+    let places = split.gathered_places();
     let attend = &mut |cache: &B::Kv, qkv: Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
-        let gathered_buf = backend.tensor_buf_mut(&mut gathered);
-        comm.all_gather_buf(
-            backend,
-            backend.tensor_buf(&qkv.q),
-            width * cols,
-            gathered_buf,
-        )?;
+        let (Some(cached), Some(ex)) = (cached.as_deref_mut(), exchange.as_mut()) else {
+            let mut k = backend.output_tensor(ranks * width, kv_cols)?;
+            let mut v = backend.output_tensor(ranks * width, kv_cols)?;
+            gather(&qkv.k, kv_cols, &mut k)?;
+            gather(&qkv.v, kv_cols, &mut v)?;
+            let every = KeyBlock {
+                k: &k,
+                v: &v,
+                positions: &every_k_pos,
+                dtype: dtype(cache),
+            };
+            let mut states = backend.empty_states(&shape, width)?;
+            let from = own_q_from.as_deref();
+            backend.causal_attention_from(&shape, &qkv.q, &own_q_pos, from, every, &mut states)?;
+            return Ok(backend.states_output(&states, out)?);
+        };
+        gather(&qkv.q, cols, &mut ex.q)?;
         let mut q = backend.output_tensor(n, cols)?;
-        backend.gather_rows(&gathered, &places, &mut q)?;
+        backend.gather_rows(&ex.q, &places, &mut q)?;
         let mut states = backend.empty_states(&shape, n)?;
         let own = KeyBlock {
             k: &qkv.k,
             v: &qkv.v,
             positions: &k_pos,
-            dtype: backend.kv_dtype(cache),
+            dtype: dtype(cache),
         };
         let q_from = windows.q_from.as_deref();
         backend.causal_attention_from(&shape, &q, &windows.q_pos, q_from, own, &mut states)?;
-        match cached.as_deref_mut() {
-            Some(cached) if cached.merge().is_some() => {
-                let q = backend.take_queries(&shape, q)?;
-                let merged = cached.attend_folding(cache, &q, &states)?;
-                backend.states_output(merged, &mut pass_out)?;
-            }
-            Some(ring) => {
-                merge.run(backend, comm, &mut states, how, &layout)?;
-                let q = backend.take_queries(&shape, q)?;
-                if !backend.merge_into_output(
-                    &mut states,
-                    ring.attend(cache, &q)?,
-                    &mut pass_out,
-                )? {
-                    backend.states_output(&states, &mut pass_out)?;
-                }
-            }
-            None => {
-                merge.run(backend, comm, &mut states, how, &layout)?;
-                backend.states_output(&states, &mut pass_out)?;
+        let q = backend.take_queries(&shape, q)?;
+        if cached.merge().is_some() {
+            let merged = cached.attend_folding(cache, &q, &states)?;
+            backend.states_output(merged, &mut ex.out)?;
+        } else {
+            // The ring's ranks each end with the whole context's states.
+            ex.merge.run(backend, comm, &mut states, how, &layout)?;
+            if !backend.merge_into_output(&mut states, cached.attend(cache, &q)?, &mut ex.out)? {
+                backend.states_output(&states, &mut ex.out)?;
             }
         }
-        Ok(backend.gather_rows(&pass_out, &mine, out)?)
+        Ok(backend.gather_rows(&ex.out, &mine, out)?)
     };
     let own_rows = PrefillRows {
         ids: &ids,
@@ -283,8 +302,7 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
     let x = through_layers(backend, layers, caches, own_rows, None, attend, &mut |_| {})?;
     let hidden = backend.dims(&x).1;
     let mut every = backend.output_tensor(ranks * width, hidden)?;
-    let every_buf = backend.tensor_buf_mut(&mut every);
-    comm.all_gather_buf(backend, backend.tensor_buf(&x), width * hidden, every_buf)?;
+    gather(&x, hidden, &mut every)?;
     let mut pass = backend.output_tensor(n, hidden)?;
     backend.gather_rows(&every, &places, &mut pass)?;
     Ok(pass)
@@ -534,7 +552,8 @@ mod tests {
 
     /// Prompts of 7, 1 and 5 tokens in one pass give what each gives alone on one rank: the
     /// logits of their last rows and the keys and values stored, whether the pass runs on one
-    /// rank or is split, two rows at a time in turn, over two or three.
+    /// rank or is split, two rows at a time in turn, over two or three; each prompt alone
+    /// split so gives the same logits.
     #[test]
     fn chunks_in_one_pass_give_what_each_gives_alone() {
         let b = &CpuBackend;
@@ -603,6 +622,8 @@ mod tests {
                 let (alone, kv_alone, _) = run(&[(p, slot)], 1);
                 let what = format!("prompt {i} on {ranks} ranks");
                 assert!(close(&alone[0], &logits[i]), "{what}: logits");
+                let (split, _, _) = run(&[(p, slot)], ranks);
+                assert!(close(&alone[0], &split[0]), "{what}, alone: logits");
                 for t in 0..p.len() {
                     let (row, at) = (first_row + t, [slot + t as u32]);
                     let held = &kv_together[owners[row]];
