@@ -90,12 +90,13 @@ fn through_layers<B: LayerOps>(
 /// layer's hidden rows of the whole pass, the same on every rank.
 ///
 /// On several ranks the pass runs sequence-parallel: each rank runs the rows whose keys and
-/// values it stores (`owners[row]`, the rank of each row; `rows.stores` are this rank's), so
-/// the products, norms and MLPs of a pass are split over the ranks, not repeated on each. At
-/// each layer the ranks gather every row's query; each rank attends them all to the chunk
-/// keys it holds (its own rows') and to its part of the cached context, the partial states
-/// merge across ranks, and each rank keeps its own rows' output. The last layer's rows are
-/// gathered from every rank at the end.
+/// values it stores (`pass.owners`; `rows.stores` are this rank's), so the products, norms
+/// and MLPs of a pass are split over the ranks, not repeated on each. At each layer, without
+/// a cached context, the ranks gather every row's key and value and each attends its own
+/// rows' queries to them; with one, they gather every row's query, each rank attends them
+/// all to the chunk keys it holds (its own rows') and to its part of the cached context, and
+/// the partial states merge across ranks. Each rank keeps its own rows' output. The last
+/// layer's rows are gathered from every rank at the end.
 pub(crate) fn prefill_chunks<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
