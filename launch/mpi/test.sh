@@ -9,7 +9,9 @@
 #  5. the model runtime under mpirun: a tiny Llama on 3 processes and on 8, tree and ring,
 #     decodes the tokens one process decodes.
 #  6. `bench decode` under mpirun: one report of the 2-rank runs (every collective asked for
-#     and the ring), from rank 0 alone.
+#     and the ring), from rank 0 alone;
+#  7. `serve` under mpirun: the tiny model on 3 processes, tree and ring, answers every
+#     request field as one process does.
 # Rank processes are found among this script's own mpirun's descendants, never by name, so
 # other jobs on a shared machine are left alone. Prints "N passed, N failed" last.
 set -uo pipefail
@@ -144,6 +146,61 @@ assert got == want, got
 assert all(r['ranks'] == 2 and r['decode_ms_per_token'] > 0 and r['peak_bytes'] > 0 for r in rows), rows
 print('bench decode on 2 MPI ranks:', len(rows), 'rows')
 " "$out"; then ok "bench decode under mpirun reports the 2-rank runs once"; else bad "bench decode under mpirun: $out"; fi
+
+# 7. The server under mpirun: the tiny fixture model on 3 processes, tree and ring, answers
+#    every request field as one process does (serve_fields.py check: texts equal,
+#    log-probabilities within 2e-3), its prompts' prefill passes split over the processes;
+#    SIGTERM to mpirun drains the job, which ends within a minute.
+TINY=tests/fixtures/tiny/gqa-hd64
+PROMPTS=$(mktemp)
+python3 -c "import json; print(json.dumps([p['token_ids'] for p in json.load(open('$TINY/reference.json'))['prompts']]))" > "$PROMPTS"
+# serve_on LOG STRATEGY LAUNCH...: `canopy serve` of the tiny model on a free port, started by
+# LAUNCH (the binary, or an mpirun of it); sets SERVER (its pid) and URL, or fails once the
+# server is gone or 60 s have passed.
+serve_on() {
+  local log=$1 strategy=$2 waited=0
+  shift 2
+  "$@" serve --model "$TINY" --backend cpu --strategy "$strategy" --port 0 > "$log" 2>&1 &
+  SERVER=$! URL=
+  while [ -z "$URL" ] && [ $waited -lt 120 ] && kill -0 $SERVER 2>/dev/null; do
+    sleep 0.5
+    waited=$((waited + 1))
+    URL=$(grep -o 'listening on http://[0-9.:]*' "$log" | head -1 | cut -d' ' -f3)
+  done
+  [ -n "$URL" ]
+}
+# ends_within SECONDS PID: whether PID (a child of this shell) ends within SECONDS.
+ends_within() {
+  local waited=0
+  while kill -0 "$2" 2>/dev/null; do
+    [ $waited -ge $(($1 * 2)) ] && return 1
+    sleep 0.5
+    waited=$((waited + 1))
+  done
+  wait "$2" 2>/dev/null
+  return 0
+}
+one_log=$(mktemp)
+mpi_log=$(mktemp)
+serve_on "$one_log" tree "$BIN"
+one_pid=$SERVER one_url=$URL
+for strategy in tree ring; do
+  if [ -n "$one_url" ] &&
+     serve_on "$mpi_log" $strategy timeout 300 mpirun "${ROOT[@]}" --oversubscribe -np 3 "$BIN" &&
+     check=$(timeout 120 python3 launch/device/serve_fields.py check "$URL" "$one_url" "$PROMPTS") &&
+     [ "$(echo "$check" | tail -1)" = "ALL PASS" ] &&
+     kill -TERM "$SERVER" && ends_within 60 "$SERVER"; then
+    ok "serve on 3 MPI ranks ($strategy) answers as one process"
+  else
+    bad "serve under mpirun -np 3 ($strategy): ${check:-no check}; $(tail -3 "$mpi_log")"
+    kill -TERM "$SERVER" 2>/dev/null
+    wait "$SERVER" 2>/dev/null
+  fi
+  check=
+done
+kill -TERM "$one_pid" 2>/dev/null
+wait "$one_pid" 2>/dev/null
+rm -f "$PROMPTS" "$one_log" "$mpi_log"
 
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]
