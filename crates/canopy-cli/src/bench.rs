@@ -577,7 +577,7 @@ impl RunArgs {
                 dtype: spec.dtype,
                 seed: self.seed,
             },
-            kernel: canopy_cuda::KernelChoice::Auto,
+            kernels: canopy_cuda::KernelSettings::default(),
             check: seq_len as u64 * self.batch as u64 <= self.check_max_tokens,
         })
     }

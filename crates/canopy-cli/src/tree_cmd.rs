@@ -15,7 +15,7 @@ use canopy_core::{
     reference_attention, DeviceModel, IoReport, KvTree, Method, PlannerConfig, Shard, TreeView,
     WorkloadSpec,
 };
-use canopy_cuda::{CudaBackend, KernelChoice, MmaPipeline};
+use canopy_cuda::{CudaBackend, KernelChoice, KernelSettings, MmaPipeline};
 use canopy_engine::tree_bench::{relate_to_q_guided, MethodRun, TreeBench};
 use canopy_engine::{Backend, Cache, CpuBackend, MergeCollective, Problem, RunConfig, Strategy};
 use canopy_kv::{KvManager, Placement, RankUpdate, StepLayout};
@@ -129,47 +129,39 @@ impl TreeArgs {
         }
     }
 
+    /// The attention kernels' settings of these options, for every rank.
+    fn kernel_settings(&self) -> KernelSettings {
+        KernelSettings {
+            kernel: self.kernel,
+            waves: self.waves,
+            ctas_per_sm: self.ctas_per_sm,
+            pipeline: self.pipeline(),
+        }
+    }
+
     /// GPU 0 with the kernel settings of these options, for the runs on one rank.
     fn cuda_backend(&self) -> Result<CudaBackend> {
-        let backend = CudaBackend::new(0)?
-            .with_kernel(self.kernel)
-            .with_waves(self.waves)
-            .with_mma_pipeline(self.pipeline())?;
-        // Unset, the backend keeps its own limit.
-        Ok(match self.ctas_per_sm {
-            Some(n) => backend.with_ctas_per_sm(Some(n)),
-            None => backend,
-        })
+        Ok(CudaBackend::new(0)?.with_settings(self.kernel_settings())?)
     }
 
     /// Notes the options set that this run on `kind` leaves unused: the CUDA kernels'
-    /// settings on the CPU, those a run over several GPUs leaves at their defaults, the
-    /// device model beyond one rank and the page size of a tree that does not grow.
+    /// settings on the CPU, the device model beyond one rank and the page size of a tree that
+    /// does not grow.
     pub(crate) fn note_unused(&self, kind: BackendKind) {
-        let pipeline = MmaPipeline::default();
-        let kernel_settings = [
-            ("--waves", self.waves != DEFAULT_WAVES),
-            ("--ctas-per-sm", self.ctas_per_sm.is_some()),
-            ("--mma-tile", self.mma_tile != pipeline.tile),
-            ("--mma-stages", self.mma_stages != pipeline.stages),
-        ];
-        match kind {
-            BackendKind::Cpu => note_no_effect(
+        if kind == BackendKind::Cpu {
+            let pipeline = MmaPipeline::default();
+            note_no_effect(
                 &[
-                    &[("--kernel", self.kernel != KernelChoice::default())][..],
-                    &kernel_settings,
-                    &[("--cache", self.cache != Cache::default())],
-                ]
-                .concat(),
+                    ("--kernel", self.kernel != KernelChoice::default()),
+                    ("--waves", self.waves != DEFAULT_WAVES),
+                    ("--ctas-per-sm", self.ctas_per_sm.is_some()),
+                    ("--mma-tile", self.mma_tile != pipeline.tile),
+                    ("--mma-stages", self.mma_stages != pipeline.stages),
+                    ("--cache", self.cache != Cache::default()),
+                ],
                 "the CPU backend runs its own attention path, not the CUDA kernels, and leaves \
                  its caches as they are (--backend cuda runs the kernels)",
-            ),
-            BackendKind::Cuda if self.ranks > 1 => note_no_effect(
-                &kernel_settings,
-                "a run over several GPUs launches the kernels with their default settings \
-                 (--ranks 1 takes them)",
-            ),
-            BackendKind::Cuda => {}
+            );
         }
         if self.ranks > 1 {
             note_no_effect(
@@ -525,7 +517,7 @@ fn cuda_ranks(
                 dtype: spec.dtype,
                 seed: a.seed,
             },
-            kernel: a.kernel,
+            kernels: a.kernel_settings(),
             check: a.check,
         };
         let r = canopy_cuda::distributed::run(&cfg)?;

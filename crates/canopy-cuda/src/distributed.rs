@@ -20,7 +20,7 @@
 use crate::error::{CudaError, Result};
 use crate::nccl::{connect_at_init, noting_failure};
 use crate::nccl_transport::{NcclIds, NcclTransport};
-use crate::{CudaBackend, CudaKv, CudaQueries, KernelChoice};
+use crate::{CudaBackend, CudaKv, CudaQueries, KernelSettings};
 use canopy_comm::{Collective, Group, ThreadWorld};
 use canopy_core::data::{hashed_oracle, hashed_queries};
 use canopy_core::{shard_tree, AttnShape, DType, KvTree, Shard};
@@ -34,8 +34,8 @@ pub struct DistributedConfig {
     /// and the stall hook: the engine's configuration of any distributed run.
     pub run: RunConfig,
     pub problem: HashedProblem,
-    /// The stage-1 kernel each rank runs.
-    pub kernel: KernelChoice,
+    /// The attention kernels' settings on every rank.
+    pub kernels: KernelSettings,
     /// Checks every rank's output against the f64 oracle, regenerated on the CPU.
     pub check: bool,
 }
@@ -130,7 +130,7 @@ fn rank<H: Collective>(
 ) -> canopy_engine::Result<RankResult> {
     let me = host.rank();
     let run = || -> canopy_engine::Result<RankResult> {
-        let backend = CudaBackend::new(gpu)?.with_kernel(cfg.kernel);
+        let backend = CudaBackend::new(gpu)?.with_settings(cfg.kernels)?;
         let shards = shard_tree(&cfg.problem.tree, cfg.run.ranks)?;
         check_fits(&backend, cfg, &shards)?;
         let comm = NcclTransport::new(

@@ -41,7 +41,7 @@ pub mod probe;
 mod staging;
 mod timing;
 
-pub use backend::{CudaBackend, CudaQueries, CudaStates, KernelChoice};
+pub use backend::{CudaBackend, CudaQueries, CudaStates, KernelChoice, KernelSettings};
 pub use canopy_kernels::MmaPipeline;
 pub use descriptors::CudaPlan;
 pub use device_world::{DeviceComm, DeviceWorld};
