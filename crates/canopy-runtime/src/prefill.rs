@@ -229,71 +229,76 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
     };
     let k_pos: Vec<u32> = key_places(rank).collect();
     let layout = NodeLayout::single(ranks);
-    let how = MergeCollective::Allreduce2;
-    let dtype = |cache: &B::Kv| backend.kv_dtype(cache);
-    let gather = |mine: &B::Tensor, cols: usize, every: &mut B::Tensor| {
-        let buf = backend.tensor_buf_mut(every);
-        comm.all_gather_buf(backend, backend.tensor_buf(mine), width * cols, buf)
-    };
+    let kv_cols = shape.kv_token_elems();
     let mut exchange = match cached.is_some() {
         // Every row's query comes to every rank, which attends them all to its own rows' keys
         // and its part of the cached context; the states merge across ranks.
-        true => Some(Exchange {
+        true => Exchange::Queries {
             merge: StatesMerge::new(backend, n * shape.q_heads, shape.head_dim, ranks)?,
             q: backend.output_tensor(ranks * width, cols)?,
             out: backend.output_tensor(n, cols)?,
-        }),
+        },
         // Every row's key and value comes to every rank, which attends its own rows' queries
         // to them: nothing to merge.
-        false => None,
+        false => Exchange::Keys {
+            k: backend.output_tensor(ranks * width, kv_cols)?,
+            v: backend.output_tensor(ranks * width, kv_cols)?,
+        },
     };
-    let kv_cols = shape.kv_token_elems();
     let every_k_pos: Vec<u32> = (0..ranks).flat_map(key_places).collect();
     let own_q_pos: Vec<u32> = mine.iter().map(|&r| windows.q_pos[r]).collect();
     let own_q_from: Option<Vec<u32>> =
         (windows.q_from.as_ref()).map(|from| mine.iter().map(|&r| from[r]).collect());
     let places = split.gathered_places();
     let attend = &mut |cache: &B::Kv, qkv: Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
-        let (Some(cached), Some(ex)) = (cached.as_deref_mut(), exchange.as_mut()) else {
-            let mut k = backend.output_tensor(ranks * width, kv_cols)?;
-            let mut v = backend.output_tensor(ranks * width, kv_cols)?;
-            gather(&qkv.k, kv_cols, &mut k)?;
-            gather(&qkv.v, kv_cols, &mut v)?;
-            let every = KeyBlock {
-                k: &k,
-                v: &v,
-                positions: &every_k_pos,
-                dtype: dtype(cache),
-            };
-            let mut states = backend.empty_states(&shape, width)?;
-            let from = own_q_from.as_deref();
-            backend.causal_attention_from(&shape, &qkv.q, &own_q_pos, from, every, &mut states)?;
-            return Ok(backend.states_output(&states, out)?);
+        let dtype = backend.kv_dtype(cache);
+        let (cached, merge, q, all) = match (&mut exchange, cached.as_deref_mut()) {
+            (Exchange::Queries { merge, q, out }, Some(cached)) => (cached, merge, q, out),
+            (Exchange::Keys { k, v }, _) => {
+                all_gather_rows(backend, comm, &qkv.k, width, k)?;
+                all_gather_rows(backend, comm, &qkv.v, width, v)?;
+                let every = KeyBlock {
+                    k,
+                    v,
+                    positions: &every_k_pos,
+                    dtype,
+                };
+                let mut states = backend.empty_states(&shape, width)?;
+                let (q_pos, from) = (&own_q_pos, own_q_from.as_deref());
+                backend.causal_attention_from(&shape, &qkv.q, q_pos, from, every, &mut states)?;
+                return Ok(backend.states_output(&states, out)?);
+            }
+            (Exchange::Queries { .. }, None) => {
+                return Err(RuntimeError::Protocol(
+                    "a prefill pass lost its cached context between layers".into(),
+                ))
+            }
         };
-        gather(&qkv.q, cols, &mut ex.q)?;
-        let mut q = backend.output_tensor(n, cols)?;
-        backend.gather_rows(&ex.q, &places, &mut q)?;
+        all_gather_rows(backend, comm, &qkv.q, width, q)?;
+        let mut pass_q = backend.output_tensor(n, cols)?;
+        backend.gather_rows(q, &places, &mut pass_q)?;
         let mut states = backend.empty_states(&shape, n)?;
         let own = KeyBlock {
             k: &qkv.k,
             v: &qkv.v,
             positions: &k_pos,
-            dtype: dtype(cache),
+            dtype,
         };
-        let q_from = windows.q_from.as_deref();
-        backend.causal_attention_from(&shape, &q, &windows.q_pos, q_from, own, &mut states)?;
-        let q = backend.take_queries(&shape, q)?;
+        let (q_pos, q_from) = (&windows.q_pos, windows.q_from.as_deref());
+        backend.causal_attention_from(&shape, &pass_q, q_pos, q_from, own, &mut states)?;
+        let pass_q = backend.take_queries(&shape, pass_q)?;
         if cached.merge().is_some() {
-            let merged = cached.attend_folding(cache, &q, &states)?;
-            backend.states_output(merged, &mut ex.out)?;
+            let merged = cached.attend_folding(cache, &pass_q, &states)?;
+            backend.states_output(merged, all)?;
         } else {
             // The ring's ranks each end with the whole context's states.
-            ex.merge.run(backend, comm, &mut states, how, &layout)?;
-            if !backend.merge_into_output(&mut states, cached.attend(cache, &q)?, &mut ex.out)? {
-                backend.states_output(&states, &mut ex.out)?;
+            let how = MergeCollective::Allreduce2;
+            merge.run(backend, comm, &mut states, how, &layout)?;
+            if !backend.merge_into_output(&mut states, cached.attend(cache, &pass_q)?, all)? {
+                backend.states_output(&states, all)?;
             }
         }
-        Ok(backend.gather_rows(&ex.out, &mine, out)?)
+        Ok(backend.gather_rows(all, &mine, out)?)
     };
     let own_rows = PrefillRows {
         ids: &ids,
@@ -303,7 +308,7 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
     let x = through_layers(backend, layers, caches, own_rows, None, attend, &mut |_| {})?;
     let hidden = backend.dims(&x).1;
     let mut every = backend.output_tensor(ranks * width, hidden)?;
-    gather(&x, hidden, &mut every)?;
+    all_gather_rows(backend, comm, &x, width, &mut every)?;
     let mut pass = backend.output_tensor(n, hidden)?;
     backend.gather_rows(&every, &places, &mut pass)?;
     Ok(pass)
@@ -395,10 +400,14 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         held.slots.extend(&own_slots);
         held.positions.extend(own.clone().map(|p| p as u32));
         let gathered: Vec<u32> = chunks.iter().flat_map(padded).map(|p| p as u32).collect();
-        let cols = shape.q_row_elems();
-        let mut exchange = match ranks {
-            1 => None,
-            _ => Some(Exchange {
+        let (cols, kv_cols) = (shape.q_row_elems(), shape.kv_token_elems());
+        let mut exchange = match (ranks, j) {
+            (1, _) => None,
+            (_, 0) => Some(Exchange::Keys {
+                k: backend.output_tensor(gathered.len(), kv_cols)?,
+                v: backend.output_tensor(gathered.len(), kv_cols)?,
+            }),
+            _ => Some(Exchange::Queries {
                 merge: StatesMerge::new(
                     backend,
                     gathered.len() * shape.q_heads,
@@ -409,40 +418,59 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                 out: backend.tensor(gathered.len(), cols)?,
             }),
         };
+        // The piece's keys as gathered; the padding's are past every query's.
+        let gathered_keys: Vec<u32> = (chunks.iter())
+            .flat_map(|c| {
+                let pad = std::iter::repeat_n(u32::MAX, width - c.len());
+                c.clone().map(|p| p as u32).chain(pad)
+            })
+            .collect();
         let held = &held;
         let attend =
             &mut |cache: &B::Kv, qkv: Qkv<B>, read: Option<&[usize]>, out: &mut B::Tensor| {
-                let Some(ex) = exchange.as_mut() else {
-                    let (picked, q_pos): (_, Cow<[u32]>) = match read {
-                        None => (None, Cow::Borrowed(&positions)),
-                        Some(read) => {
-                            let mut q = backend.output_tensor(read.len(), cols)?;
-                            backend.gather_rows(&qkv.q, read, &mut q)?;
-                            (Some(q), read.iter().map(|&r| positions[r]).collect())
-                        }
-                    };
-                    let q = picked.as_ref().unwrap_or(&qkv.q);
-                    let keys = held.in_cache(cache);
-                    return Ok(backend.cached_attention_output(&shape, q, &q_pos, keys, out)?);
+                // This rank's rows that are read, and their positions.
+                let (picked, q_pos): (_, Cow<[u32]>) = match read {
+                    None => (None, Cow::Borrowed(&positions)),
+                    Some(read) => {
+                        let mut q = backend.output_tensor(read.len(), cols)?;
+                        backend.gather_rows(&qkv.q, read, &mut q)?;
+                        (Some(q), read.iter().map(|&r| positions[r]).collect())
+                    }
                 };
-                let mine = backend.tensor_buf(&qkv.q);
-                comm.all_gather_buf(
-                    backend,
-                    mine,
-                    width * cols,
-                    backend.tensor_buf_mut(&mut ex.q),
-                )?;
-                let mut states = backend.empty_states(&shape, gathered.len())?;
-                let keys = held.in_cache(cache);
-                backend.cached_attention(&shape, &ex.q, &gathered, keys, &mut states)?;
-                let how = MergeCollective::Allreduce2;
-                ex.merge.run(backend, comm, &mut states, how, &layout)?;
-                backend.states_output(&states, &mut ex.out)?;
-                let own_rows: Vec<usize> = match read {
-                    None => (0..width).map(|r| rank * width + r).collect(),
-                    Some(read) => read.iter().map(|r| rank * width + r).collect(),
-                };
-                Ok(backend.gather_rows(&ex.out, &own_rows, out)?)
+                let q = picked.as_ref().unwrap_or(&qkv.q);
+                match exchange.as_mut() {
+                    None => {
+                        let keys = held.in_cache(cache);
+                        Ok(backend.cached_attention_output(&shape, q, &q_pos, keys, out)?)
+                    }
+                    Some(Exchange::Keys { k, v }) => {
+                        all_gather_rows(backend, comm, &qkv.k, width, k)?;
+                        all_gather_rows(backend, comm, &qkv.v, width, v)?;
+                        let every = KeyBlock {
+                            k,
+                            v,
+                            positions: &gathered_keys,
+                            dtype: backend.kv_dtype(cache),
+                        };
+                        let mut states = backend.empty_states(&shape, q_pos.len())?;
+                        backend.causal_attention(&shape, q, &q_pos, every, &mut states)?;
+                        Ok(backend.states_output(&states, out)?)
+                    }
+                    Some(Exchange::Queries { merge, q, out: all }) => {
+                        all_gather_rows(backend, comm, &qkv.q, width, q)?;
+                        let mut states = backend.empty_states(&shape, gathered.len())?;
+                        let keys = held.in_cache(cache);
+                        backend.cached_attention(&shape, q, &gathered, keys, &mut states)?;
+                        let how = MergeCollective::Allreduce2;
+                        merge.run(backend, comm, &mut states, how, &layout)?;
+                        backend.states_output(&states, all)?;
+                        let own_rows: Vec<usize> = match read {
+                            None => (0..width).map(|r| rank * width + r).collect(),
+                            Some(read) => read.iter().map(|r| rank * width + r).collect(),
+                        };
+                        Ok(backend.gather_rows(all, &own_rows, out)?)
+                    }
+                }
             };
         let rows = PrefillRows {
             ids: &ids,
@@ -471,12 +499,31 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     Ok(logits)
 }
 
-/// A piece's buffers for the exchange between ranks, made once a piece: every rank's queries
-/// (gathered), their attention output, and the merge of their states.
-struct Exchange<B: LayerOps> {
-    merge: StatesMerge<B>,
-    q: B::Tensor,
-    out: B::Tensor,
+/// The buffers of a prefill pass's exchange between ranks, made once a pass.
+enum Exchange<B: LayerOps> {
+    /// Every rank's keys and values (gathered), to which each rank attends its own rows: a
+    /// pass whose queries see no keys the ranks held before it.
+    Keys { k: B::Tensor, v: B::Tensor },
+    /// Every rank's queries (gathered), their attention output, and the merge of their
+    /// states: a pass whose queries also see keys each rank held before it.
+    Queries {
+        merge: StatesMerge<B>,
+        q: B::Tensor,
+        out: B::Tensor,
+    },
+}
+
+/// Every rank's `rows` rows of `mine` into `every`, in rank order.
+fn all_gather_rows<B: LayerOps, C: Transport<B>>(
+    backend: &B,
+    comm: &C,
+    mine: &B::Tensor,
+    rows: usize,
+    every: &mut B::Tensor,
+) -> Result<()> {
+    let cols = backend.dims(mine).1;
+    let every = backend.tensor_buf_mut(every);
+    Ok(comm.all_gather_buf(backend, backend.tensor_buf(mine), rows * cols, every)?)
 }
 
 /// The prompt keys a rank holds so far: their physical slots and positions.
