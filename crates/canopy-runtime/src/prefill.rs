@@ -1,8 +1,9 @@
 //! How a prompt's keys and values reach a rank's caches:
 //! - the prefill of `generate`: the prompt in pieces ([`KvLayout::pieces`]), each through
-//!   every layer, every rank running its chunk of the piece; a layer's queries are gathered
-//!   from every rank, each rank attends them to the prompt keys it holds (read from its
-//!   cache), and the partial states merge across ranks, as decode's do;
+//!   every layer, every rank running its chunk of the piece; in the first piece a layer's
+//!   keys and values are gathered from every rank and each rank attends its own rows to them;
+//!   in a later piece its queries are gathered, each rank attends them to the prompt keys it
+//!   holds (read from its cache), and the partial states merge across ranks, as decode's do;
 //! - a chunk of a prompt whose earlier tokens are cached already (a shared prefix, earlier
 //!   chunks), as a server prefills: each rank runs the chunk's rows whose KV it stores, and
 //!   every row attends causally to the chunk's rows and, through the engine's
@@ -359,7 +360,9 @@ impl ChunkWindows {
 ///
 /// A rank's chunk of a piece is padded to the piece's widest chunk (copies of the piece's last
 /// token, stored nowhere, their outputs unused), so that every rank gathers the same rows. At
-/// each layer, every rank attends the piece's gathered queries to the prompt keys it holds so
+/// each layer of the first piece, every rank attends its own rows to the piece's gathered
+/// keys and values (the padding's keys at a position past every query's). At each layer of a
+/// later piece, every rank attends the piece's gathered queries to the prompt keys it holds so
 /// far, its chunks of this piece and the earlier ones, where its cache keeps them (a query
 /// sees the keys at or before its position); the partial states merge across ranks, and each
 /// rank keeps its own rows. A rank's attention work is its share of the keys, and the
