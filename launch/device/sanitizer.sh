@@ -10,7 +10,8 @@
 # BENCHMARKS, session 23.) One memcheck run decodes two samples of 48 tokens (TOKENS), past
 # the 32 tokens of growth room: its replans rewrite the recorded step's plan in place, and
 # its replays read the rewritten plan. Two memcheck runs prompt 100 tokens, whose products run
-# at 128 rows (the padding rows of `product_rows`).
+# at 128 rows (the padding rows of `product_rows`), and one of them again on 2 ranks in two
+# pieces.
 # Results: $OUT/sanitizer-*.txt and the summary in $OUT/sanitizer.txt.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -46,5 +47,9 @@ check() { # name tool args...
   for dtype in bf16 f32; do
     PROMPT_IDS=$long check "gqa-hd64-$dtype-r1-prompt100" memcheck --model "$FIX/gqa-hd64" --dtype $dtype
   done
+  # The same on 2 ranks in pieces of 64: the first piece's keys and values gathered, the
+  # second's queries.
+  PROMPT_IDS=$long check gqa-hd64-bf16-r2-prompt100-pieces memcheck --model "$FIX/gqa-hd64" \
+    --dtype bf16 --ranks 2 --prefill-chunk 32
   echo "$((runs - bad))/$runs runs clean"
 } 2>&1 | tee "$OUT/sanitizer.txt"

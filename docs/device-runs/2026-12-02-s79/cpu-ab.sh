@@ -1,6 +1,6 @@
 # This host (2 cores, no GPU): bench serve on SmolLM2-135M-Instruct (f32, CPU), one random
 # 2,048-token prompt at a time, 3 prompts, 4 output tokens; BASE = build of 9921769, NEW =
-# build of 514992f; round 2 runs the binaries in the other order.
+# build of 514992f (the split prefill, keys and values gathered without a cached context); round 2 runs the binaries in the other order.
 B=${BASE:?}; N=${NEW:?}
 for round in 1 2; do
 for cfg in "1 tree" "2 tree" "2 ring" "4 tree"; do set -- $cfg
