@@ -229,13 +229,12 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
         (0..width).map(|i| rows.get(i).map_or(u32::MAX, |&r| windows.k_pos[r]))
     };
     let k_pos: Vec<u32> = key_places(rank).collect();
-    let layout = NodeLayout::single(ranks);
     let kv_cols = shape.kv_token_elems();
-    let mut exchange = match cached.is_some() {
+    let mut exchange: Exchange<B> = match cached.is_some() {
         // Every row's query comes to every rank, which attends them all to its own rows' keys
-        // and its part of the cached context; the states merge across ranks.
+        // and its part of the cached context; the states merge across ranks in the cached
+        // attention's merge.
         true => Exchange::Queries {
-            merge: StatesMerge::new(backend, n * shape.q_heads, shape.head_dim, ranks)?,
             q: backend.output_tensor(ranks * width, cols)?,
             out: backend.output_tensor(n, cols)?,
         },
@@ -253,8 +252,8 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
     let places = split.gathered_places();
     let attend = &mut |cache: &B::Kv, qkv: Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
         let dtype = backend.kv_dtype(cache);
-        let (cached, merge, q, all) = match (&mut exchange, cached.as_deref_mut()) {
-            (Exchange::Queries { merge, q, out }, Some(cached)) => (cached, merge, q, out),
+        let (cached, q, all) = match (&mut exchange, cached.as_deref_mut()) {
+            (Exchange::Queries { q, out }, Some(cached)) => (cached, q, out),
             (Exchange::Keys { k, v }, _) => {
                 all_gather_rows(backend, comm, &qkv.k, width, k)?;
                 all_gather_rows(backend, comm, &qkv.v, width, v)?;
@@ -288,17 +287,8 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
         let (q_pos, q_from) = (&windows.q_pos, windows.q_from.as_deref());
         backend.causal_attention_from(&shape, &pass_q, q_pos, q_from, own, &mut states)?;
         let pass_q = backend.take_queries(&shape, pass_q)?;
-        if cached.merge().is_some() {
-            let merged = cached.attend_folding(cache, &pass_q, &states)?;
-            backend.states_output(merged, all)?;
-        } else {
-            // The ring's ranks each end with the whole context's states.
-            let how = MergeCollective::Allreduce2;
-            merge.run(backend, comm, &mut states, how, &layout)?;
-            if !backend.merge_into_output(&mut states, cached.attend(cache, &pass_q)?, all)? {
-                backend.states_output(&states, all)?;
-            }
-        }
+        let merged = cached.attend_folding(cache, &pass_q, &states)?;
+        backend.states_output(merged, all)?;
         Ok(backend.gather_rows(all, &mine, out)?)
     };
     let own_rows = PrefillRows {
@@ -404,22 +394,25 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         held.positions.extend(own.clone().map(|p| p as u32));
         let gathered: Vec<u32> = chunks.iter().flat_map(padded).map(|p| p as u32).collect();
         let (cols, kv_cols) = (shape.q_row_elems(), shape.kv_token_elems());
-        let mut exchange = match (ranks, j) {
+        let mut exchange: Option<Exchange<B>> = match (ranks, j) {
             (1, _) => None,
             (_, 0) => Some(Exchange::Keys {
                 k: backend.output_tensor(gathered.len(), kv_cols)?,
                 v: backend.output_tensor(gathered.len(), kv_cols)?,
             }),
             _ => Some(Exchange::Queries {
-                merge: StatesMerge::new(
-                    backend,
-                    gathered.len() * shape.q_heads,
-                    shape.head_dim,
-                    ranks,
-                )?,
                 q: backend.tensor(gathered.len(), cols)?,
                 out: backend.tensor(gathered.len(), cols)?,
             }),
+        };
+        let mut merge = match exchange {
+            Some(Exchange::Queries { .. }) => Some(StatesMerge::new(
+                backend,
+                gathered.len() * shape.q_heads,
+                shape.head_dim,
+                ranks,
+            )?),
+            _ => None,
         };
         // The piece's keys as gathered; the padding's are past every query's.
         let gathered_keys: Vec<u32> = (chunks.iter())
@@ -459,13 +452,15 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                         backend.causal_attention(&shape, q, &q_pos, every, &mut states)?;
                         Ok(backend.states_output(&states, out)?)
                     }
-                    Some(Exchange::Queries { merge, q, out: all }) => {
+                    Some(Exchange::Queries { q, out: all }) => {
                         all_gather_rows(backend, comm, &qkv.q, width, q)?;
                         let mut states = backend.empty_states(&shape, gathered.len())?;
                         let keys = held.in_cache(cache);
                         backend.cached_attention(&shape, q, &gathered, keys, &mut states)?;
                         let how = MergeCollective::Allreduce2;
-                        merge.run(backend, comm, &mut states, how, &layout)?;
+                        if let Some(merge) = merge.as_mut() {
+                            merge.run(backend, comm, &mut states, how, &layout)?;
+                        }
                         backend.states_output(&states, all)?;
                         let own_rows: Vec<usize> = match read {
                             None => (0..width).map(|r| rank * width + r).collect(),
@@ -507,13 +502,9 @@ enum Exchange<B: LayerOps> {
     /// Every rank's keys and values (gathered), to which each rank attends its own rows: a
     /// pass whose queries see no keys the ranks held before it.
     Keys { k: B::Tensor, v: B::Tensor },
-    /// Every rank's queries (gathered), their attention output, and the merge of their
-    /// states: a pass whose queries also see keys each rank held before it.
-    Queries {
-        merge: StatesMerge<B>,
-        q: B::Tensor,
-        out: B::Tensor,
-    },
+    /// Every rank's queries (gathered) and their attention output: a pass whose queries also
+    /// see keys each rank held before it, whose states merge across ranks.
+    Queries { q: B::Tensor, out: B::Tensor },
 }
 
 /// Every rank's `rows` rows of `mine` into `every`, in rank order.

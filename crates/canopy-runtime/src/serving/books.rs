@@ -71,10 +71,9 @@ pub(crate) struct PrefillPass {
     pub placed: Vec<Option<(usize, u32)>>,
     /// Every chunk's rows, in row order; `true` for the chunks whose KV is stored.
     pub chunks: Vec<(Chunk, Range<usize>, bool)>,
-    /// The ranks' views of the chunks' cached contexts with one query per row, in row order
-    /// (this rank's alone for the tree, every rank's for the ring); `None` when the pass's
-    /// chunks have none cached before them.
-    pub context: Option<Vec<RankSnapshot>>,
+    /// This rank's view of the chunks' cached contexts with one query per row, in row order;
+    /// `None` when the pass's chunks have none cached before them.
+    pub context: Option<RankSnapshot>,
 }
 
 /// Requests that failed in the books, each with its error.
@@ -301,7 +300,7 @@ impl Books {
 
     /// Places the step's `chunks` after their prompts' stored KV, as at most two passes: the
     /// chunks with a cached context (a shared prefix, earlier chunks), which attend to it as
-    /// seen by `ranks` (this rank's, or every rank's), led by the step's `decode` rows (placed
+    /// `rank` holds it, led by the step's `decode` rows (placed
     /// by [`decode`](Self::decode)) if there are such chunks, so that one pass over the weights
     /// serves both; then the chunks without. Returns the passes and the requests that fail (their chunks' rows still
     /// run unstored, so a pass's context views stay whole; the caller ends those requests
@@ -310,7 +309,7 @@ impl Books {
     pub fn prefill_passes(
         &mut self,
         chunks: &[Chunk],
-        ranks: &[usize],
+        rank: usize,
         decode: Option<&DecodeRows>,
     ) -> (Vec<PrefillPass>, Failed) {
         let decode = decode.filter(|d| !d.rows.is_empty());
@@ -362,11 +361,7 @@ impl Books {
                 queries.extend(group.iter().flat_map(|(_, rows, at)| {
                     std::iter::repeat_n(at.expect("cached"), rows.len())
                 }));
-                let views = ranks
-                    .iter()
-                    .map(|&r| self.cache.kv().snapshot_with(r, &queries))
-                    .collect::<canopy_kv::Result<Vec<_>>>();
-                match views {
+                match self.cache.kv().snapshot_with(rank, &queries) {
                     Ok(v) => Some(v),
                     Err(e) => {
                         failed.extend(group.iter().map(|(c, _, _)| (c.id, e.clone().into())));
@@ -486,7 +481,7 @@ mod tests {
             ..Step::default()
         };
         assert!(books.begin(&step).is_empty());
-        let (passes, failed) = books.prefill_passes(&[Chunk { id: 1, end: 9 }], &[0], None);
+        let (passes, failed) = books.prefill_passes(&[Chunk { id: 1, end: 9 }], 0, None);
         assert!(failed.is_empty());
         assert_eq!(passes.len(), 1);
         assert!(passes[0].context.is_none());
@@ -519,15 +514,15 @@ mod tests {
         };
         let (rows, failed) = books.decode(&[row]);
         assert!(failed.is_empty());
-        let (passes, failed) = books.prefill_passes(&chunks, &[0], Some(&rows));
+        let (passes, failed) = books.prefill_passes(&chunks, 0, Some(&rows));
         assert_eq!(passes.len(), 2);
         let (cached, fresh) = (&passes[0], &passes[1]);
         assert_eq!(cached.decode_rows, 1);
         assert_eq!(cached.ids, [5, 50, 51, 52]);
         assert_eq!(cached.positions, [9, 8, 9, 10]);
         assert_eq!(cached.placed[0], Some(rows.placed[0]));
-        let views = cached.context.as_ref().expect("a cached context");
-        assert_eq!(views[0].tree.num_queries(), 4);
+        let view = cached.context.as_ref().expect("a cached context");
+        assert_eq!(view.tree.num_queries(), 4);
         assert_eq!(cached.chunks, [(chunks[2], 1..4, true)]);
         assert!(cached.placed.iter().all(Option::is_some));
 
@@ -564,7 +559,7 @@ mod tests {
             ..Step::default()
         };
         assert!(books.begin(&step).is_empty());
-        let (_, failed) = books.prefill_passes(&[Chunk { id: 1, end: 8 }], &[0, 1], None);
+        let (_, failed) = books.prefill_passes(&[Chunk { id: 1, end: 8 }], 0, None);
         assert!(failed.is_empty());
         books.chunk_done(Chunk { id: 1, end: 8 }).unwrap();
         let mut kinds = Vec::new();

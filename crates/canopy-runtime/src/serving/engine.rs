@@ -10,7 +10,7 @@
 //!    so that one pass over the weights serves them all, each rank running the rows whose KV
 //!    it stores: causal attention within each chunk, and one plan of every chunk's rows over
 //!    their cached contexts (the shared prefixes found in the cache, earlier chunks) on every
-//!    rank. Chunks without a cached context make a second pass. When chunks have a cached
+//!    rank, whose states merge as the tree's decode merges them (a ring server's too). Chunks without a cached context make a second pass. When chunks have a cached
 //!    context, the step's decode rows lead their pass instead of running step 1: one pass
 //!    over the weights, one plan for both.
 //!
@@ -178,7 +178,7 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
                 .collect();
             let (passes, unplaced) =
                 self.books
-                    .prefill_passes(&wanted, &self.viewers(), Some(&rows));
+                    .prefill_passes(&wanted, self.comm.rank(), Some(&rows));
             let mixed = passes.first().is_some_and(|p| p.decode_rows > 0);
             // Rank 0 draws: the other ranks read nothing beyond the narrowed rows.
             let reads = match scheduler {
@@ -367,15 +367,11 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         for pass in passes {
             let planning = Instant::now();
             let mut cached = match &pass.context {
-                Some(views) => {
-                    let mine = views
-                        .iter()
-                        .find(|v| v.rank == rank)
-                        .expect("this rank's view");
-                    self.install(&mine.table)?;
+                Some(view) => {
+                    self.install(&view.table)?;
                     self.decode_table = false;
                     // A prompt pass is never recorded: its plan has its own rows alone.
-                    Some(self.attention(views, 0)?)
+                    Some(self.prefill_attention(view)?)
                 }
                 None => None,
             };
@@ -543,8 +539,31 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         Ok(())
     }
 
-    /// A rank's attention over `views` (this rank's for the tree, every rank's for the ring)
-    /// for `batch` rows.
+    /// A prefill pass's attention over this rank's `view`, its states merged across the ranks
+    /// as the tree's decode merges them; a ring server's all-reduce. The pass's rows meet
+    /// across the ranks at every layer anyway (`prefill_chunks`), and passing every shard
+    /// around the ring would attend every row to every shard on every rank.
+    fn prefill_attention(&self, view: &RankSnapshot) -> Result<RankAttention<'a, B, C>> {
+        let (how, layout) = match &self.merge {
+            Some((how, layout)) => (*how, layout.clone()),
+            None => (
+                MergeCollective::Allreduce2,
+                NodeLayout::single(self.comm.size()),
+            ),
+        };
+        let plan = self.plan_of(view, 0)?;
+        Ok(RankAttention::tree(
+            self.backend,
+            self.comm,
+            self.shape,
+            &plan,
+            how,
+            layout,
+        )?)
+    }
+
+    /// A rank's decode attention over `views` (this rank's for the tree, every rank's for the
+    /// ring) for `batch` rows.
     fn attention(&self, views: &[RankSnapshot], batch: usize) -> Result<RankAttention<'a, B, C>> {
         let plan_of = |v: &RankSnapshot| self.plan_of(v, batch);
         Ok(match &self.merge {

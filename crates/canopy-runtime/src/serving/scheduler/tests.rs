@@ -155,7 +155,7 @@ fn run(s: &mut Scheduler, books: &mut Books, step: &Step, token: u32) {
         }
     }
     let mut chunks = Vec::new();
-    let (passes, failed) = books.prefill_passes(&step.prefill, &[0], None);
+    let (passes, failed) = books.prefill_passes(&step.prefill, 0, None);
     assert!(failed.is_empty());
     for (chunk, _, stored) in passes.into_iter().flat_map(|p| p.chunks) {
         assert!(stored);
