@@ -198,11 +198,12 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
 ) -> Result<B::Tensor> {
     let (rank, ranks) = (comm.rank(), comm.size());
     let rows = pass.rows;
-    if pass.owners.len() != rows.ids.len() || pass.owners.iter().any(|&r| r >= ranks) {
+    let highest = pass.owners.iter().max().copied().unwrap_or(0);
+    if pass.owners.len() != rows.ids.len() || highest >= ranks {
         return Err(RuntimeError::Protocol(format!(
-            "a prefill pass of {} rows on {ranks} ranks got owners {:?}",
+            "a prefill pass of {} rows on {ranks} ranks got {} owners, up to rank {highest}",
             rows.ids.len(),
-            pass.owners
+            pass.owners.len(),
         )));
     }
     let split = RowSplit::new(pass.owners, ranks);
