@@ -10,9 +10,10 @@
 //!    so that one pass over the weights serves them all, each rank running the rows whose KV
 //!    it stores: causal attention within each chunk, and one plan of every chunk's rows over
 //!    their cached contexts (the shared prefixes found in the cache, earlier chunks) on every
-//!    rank, whose states merge as the tree's decode merges them (a ring server's too). Chunks without a cached context make a second pass. When chunks have a cached
-//!    context, the step's decode rows lead their pass instead of running step 1: one pass
-//!    over the weights, one plan for both.
+//!    rank, whose states merge as the tree's decode merges them (a ring server's too). Chunks
+//!    without a cached context make a second pass. When chunks have a cached context, the
+//!    step's decode rows lead their pass instead of running step 1: one pass over the
+//!    weights, one plan for both.
 //!
 //! Rank 0 then draws the tokens. Every rank ends a step with the same logits, so every rank's
 //! books stay the same without more messages.
@@ -240,8 +241,8 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         }
     }
 
-    /// The ranks whose KV views a pass plans over: this rank's for the tree, every rank's for
-    /// the ring.
+    /// The ranks whose KV views a decode pass plans over: this rank's for the tree, every
+    /// rank's for the ring.
     fn viewers(&self) -> Vec<usize> {
         match self.merge {
             Some(_) => vec![self.comm.rank()],
