@@ -94,32 +94,6 @@ pub enum KernelChoice {
     Mma,
 }
 
-/// The attention kernels' launch settings a benchmark may choose
-/// ([`CudaBackend::with_settings`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KernelSettings {
-    /// The stage-1 kernel that runs plans.
-    pub kernel: KernelChoice,
-    /// Waves of resident CTAs a plan is split into (at least 1).
-    pub waves: u32,
-    /// Resident CTAs per SM the plans are cut for (`None`: the backend's own limit).
-    pub ctas_per_sm: Option<u32>,
-    /// How the tensor-core kernels stream KV.
-    pub pipeline: MmaPipeline,
-}
-
-/// The backend's own settings.
-impl Default for KernelSettings {
-    fn default() -> Self {
-        KernelSettings {
-            kernel: KernelChoice::default(),
-            waves: 1,
-            ctas_per_sm: None,
-            pipeline: MmaPipeline::default(),
-        }
-    }
-}
-
 impl KernelChoice {
     pub const ALL: [KernelChoice; 3] = [KernelChoice::Auto, KernelChoice::Simt, KernelChoice::Mma];
 
@@ -258,20 +232,6 @@ impl CudaBackend {
     pub fn with_mma_pipeline(mut self, pipeline: MmaPipeline) -> Result<CudaBackend> {
         self.pipeline = check_pipeline(pipeline)?;
         Ok(self)
-    }
-
-    /// Every attention kernel setting of `settings` at once, so that each rank of a run gets
-    /// the same.
-    pub fn with_settings(self, settings: KernelSettings) -> Result<CudaBackend> {
-        let backend = self
-            .with_kernel(settings.kernel)
-            .with_waves(settings.waves)
-            .with_mma_pipeline(settings.pipeline)?;
-        // Unset, the backend keeps its own limit.
-        Ok(match settings.ctas_per_sm {
-            Some(n) => backend.with_ctas_per_sm(Some(n)),
-            None => backend,
-        })
     }
 
     pub fn gpu(&self) -> &GpuInfo {

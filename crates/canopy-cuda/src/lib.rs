@@ -38,10 +38,11 @@ mod peer_memory;
 mod peer_merge;
 mod peer_ring;
 pub mod probe;
+mod settings;
 mod staging;
 mod timing;
 
-pub use backend::{CudaBackend, CudaQueries, CudaStates, KernelChoice, KernelSettings};
+pub use backend::{CudaBackend, CudaQueries, CudaStates, KernelChoice};
 pub use canopy_kernels::MmaPipeline;
 pub use descriptors::CudaPlan;
 pub use device_world::{DeviceComm, DeviceWorld};
@@ -54,3 +55,4 @@ pub use nccl_transport::{NcclIds, NcclTransport};
 pub use peer_merge::PEER_MERGE_SWITCH;
 pub use peer_ring::PEER_RING_SWITCH;
 pub use probe::{probe, CudaInfo, GpuInfo};
+pub use settings::KernelSettings;
