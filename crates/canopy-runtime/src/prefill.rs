@@ -459,9 +459,10 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                         let keys = held.in_cache(cache);
                         backend.cached_attention(&shape, q, &gathered, keys, &mut states)?;
                         let how = MergeCollective::Allreduce2;
-                        if let Some(merge) = merge.as_mut() {
-                            merge.run(backend, comm, &mut states, how, &layout)?;
-                        }
+                        let merge = merge.as_mut().ok_or_else(|| {
+                            RuntimeError::Protocol("a piece gathered queries unmerged".into())
+                        })?;
+                        merge.run(backend, comm, &mut states, how, &layout)?;
                         backend.states_output(&states, all)?;
                         let own_rows: Vec<usize> = match read {
                             None => (0..width).map(|r| rank * width + r).collect(),

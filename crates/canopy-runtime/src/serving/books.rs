@@ -300,9 +300,9 @@ impl Books {
 
     /// Places the step's `chunks` after their prompts' stored KV, as at most two passes: the
     /// chunks with a cached context (a shared prefix, earlier chunks), which attend to it as
-    /// `rank` holds it, led by the step's `decode` rows (placed
-    /// by [`decode`](Self::decode)) if there are such chunks, so that one pass over the weights
-    /// serves both; then the chunks without. Returns the passes and the requests that fail (their chunks' rows still
+    /// `rank` holds it, led by the step's `decode` rows (placed by [`decode`](Self::decode)) if
+    /// there are such chunks, so that one pass over the weights serves both; then the chunks
+    /// without. Returns the passes and the requests that fail (their chunks' rows still
     /// run unstored, so a pass's context views stay whole; the caller ends those requests
     /// after the passes). If the views cannot be taken, the cached chunks fail and the decode
     /// rows lead no pass.
