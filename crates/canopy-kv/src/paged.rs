@@ -417,7 +417,8 @@ impl KvManager {
     }
 
     /// The node's tokens as maximal runs held by one rank, in token order: `(rank, tokens)`.
-    /// For a prompt placed [`Placement::Contiguous`], run `r` is the chunk rank `r` prefills.
+    /// For a prompt placed [`Placement::Contiguous`], run `r` is the chunk rank `r` prefills;
+    /// placed [`Placement::Zigzag`], runs `r` and `2p - 1 - r` are.
     pub fn runs(&self, node: KvNode) -> Result<Vec<(usize, Range<u32>)>> {
         let s = self.slot(node)?;
         let mut runs: Vec<(usize, Range<u32>)> = Vec::new();

@@ -16,6 +16,13 @@ pub enum Placement {
     /// chunk of the prompt ([`crate::KvManager::runs`]) writes its KV into pages rank `r`
     /// owns.
     Contiguous,
+    /// The call's `n` new pages in `2p` equal contiguous blocks: rank `r` takes blocks `r`
+    /// and `2p - 1 - r` (block `b` is pages `n·b/2p .. n·(b+1)/2p`, rounded down). Under a
+    /// causal mask a query sees the keys before it, so a rank with an early block also has a
+    /// late one, and the ranks' queries over the call's tokens see as many keys on every rank
+    /// (a contiguous split gives the last rank `2 - 1/p` times the mean). A sequence-parallel
+    /// prefill that gives each rank the tokens of its pages balances its attention so.
+    Zigzag,
 }
 
 impl Placement {
@@ -43,6 +50,15 @@ impl Placement {
                     block.map(move |_| r)
                 })
                 .collect(),
+            Placement::Zigzag => {
+                let blocks = 2 * p;
+                (0..blocks)
+                    .flat_map(|b| {
+                        let rank = if b < p { b } else { blocks - 1 - b };
+                        (pages * b / blocks..pages * (b + 1) / blocks).map(move |_| rank)
+                    })
+                    .collect()
+            }
         }
     }
 }
@@ -67,5 +83,16 @@ mod tests {
         assert_eq!(Placement::Contiguous.ranks(5, &[0, 0]), [0, 0, 1, 1, 1]);
         // Fewer pages than ranks: the low ranks get none, as shard_tree's low windows would.
         assert_eq!(Placement::Contiguous.ranks(2, &[0, 0, 0, 0]), [1, 3]);
+    }
+
+    #[test]
+    fn zigzag_gives_rank_r_the_r_th_block_and_its_mirror() {
+        assert_eq!(
+            Placement::Zigzag.ranks(8, &[3, 0]),
+            [0, 0, 1, 1, 1, 1, 0, 0]
+        );
+        assert_eq!(Placement::Zigzag.ranks(6, &[0, 0, 0]), [0, 1, 2, 2, 1, 0]);
+        assert_eq!(Placement::Zigzag.ranks(5, &[0, 0]), [0, 1, 1, 0, 0]);
+        assert_eq!(Placement::Zigzag.ranks(3, &[0]), [0, 0, 0]);
     }
 }

@@ -1,9 +1,10 @@
 //! A generation's KV bookkeeping on the KV-cache manager: the prompt as one root, placed piece
-//! by piece (a prefill pass each), every piece in contiguous chunks over the ranks (rank `r`'s
-//! chunk of a piece is the part of it that rank prefills), and each
-//! sample as a branch of it whose tokens go, page by page, to the rank with the fewest pages
-//! (so decode's attention work stays balanced). Every rank keeps the same bookkeeping, so
-//! all agree where each token lives without talking.
+//! by piece (a prefill pass each), every piece over the ranks in [`Placement::Zigzag`]'s
+//! blocks (a rank's chunk of a piece, the tokens it prefills, is an early block and its
+//! mirror, so that every rank's queries see as many keys), and each sample as a branch of it
+//! whose tokens go, page by page, to the rank with the fewest pages (so decode's attention
+//! work stays balanced). Every rank keeps the same bookkeeping, so all agree where each token
+//! lives without talking.
 
 use crate::{Result, RuntimeError};
 use canopy_core::{KvTree, Tail};
@@ -111,9 +112,9 @@ impl KvLayout {
             .map(|start| start..(start + piece).min(prompt))
             .collect();
         let first = pieces.first().map_or(0, |p| p.len());
-        let root = manager.add_root(first as u32, Placement::Contiguous)?;
+        let root = manager.add_root(first as u32, Placement::Zigzag)?;
         for p in pieces.iter().skip(1) {
-            manager.append(root, p.len() as u32, Placement::Contiguous)?;
+            manager.append(root, p.len() as u32, Placement::Zigzag)?;
         }
         let runs = manager
             .runs(root)?
@@ -156,28 +157,31 @@ impl KvLayout {
             .map(|(_, t)| t.clone())
     }
 
-    /// Each rank's chunk of `piece`, in rank order (one run each: a piece's pages are placed
-    /// contiguously; empty for a rank when the piece has fewer pages than there are ranks).
-    pub fn chunks(&self, piece: &Range<usize>) -> Vec<Range<usize>> {
-        (0..self.manager.ranks())
-            .map(|rank| {
-                self.prompt_runs(rank)
-                    .map(|run| run.start.max(piece.start)..run.end.min(piece.end))
-                    .find(|r| !r.is_empty())
-                    .unwrap_or(piece.start..piece.start)
-            })
-            .collect()
+    /// Each rank's chunk of `piece`, in rank order: the positions of the piece it holds, in
+    /// order (two runs, [`Placement::Zigzag`]'s blocks; none for a rank when the piece has
+    /// fewer pages than blocks).
+    pub fn chunks(&self, piece: &Range<usize>) -> Vec<Vec<usize>> {
+        let mut chunks = vec![Vec::new(); self.manager.ranks()];
+        for (rank, run) in &self.runs {
+            chunks[*rank].extend(run.start.max(piece.start)..run.end.min(piece.end));
+        }
+        chunks
     }
 
     /// The most tokens one rank prefills in one pass (its widest chunk of any piece).
     pub fn widest_chunk(&self) -> usize {
-        let widest = |piece| self.chunks(piece).iter().map(|c| c.len()).max();
-        self.pieces.iter().filter_map(widest).max().unwrap_or(0)
+        (self.pieces.iter())
+            .flat_map(|piece| self.chunks(piece))
+            .map(|chunk| chunk.len())
+            .max()
+            .unwrap_or(0)
     }
 
-    /// The physical slot of each prompt position of `tokens` (all held by one rank).
-    pub fn prompt_slots(&self, tokens: Range<usize>) -> Vec<u32> {
-        tokens.map(|i| self.slot(self.root, i as u32).1).collect()
+    /// The physical slot of each of the prompt positions `tokens` (all held by one rank).
+    pub fn prompt_slots(&self, tokens: impl IntoIterator<Item = usize>) -> Vec<u32> {
+        (tokens.into_iter())
+            .map(|i| self.slot(self.root, i as u32).1)
+            .collect()
     }
 
     /// The rank and physical slot of token `i` of `node`.
@@ -239,5 +243,79 @@ impl KvLayout {
         (0..self.manager.ranks())
             .filter_map(|r| self.steps.rank(r).map(|s| RankView::of(s, ps)))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The query-key pairs each rank's prefill attends in each piece, as `prefill` splits the
+    /// work: in the first piece a rank's own rows over the piece's keys before them; in a
+    /// later one every row of the piece over the keys the rank holds before it.
+    fn pairs_by_rank(kv: &KvLayout, ranks: usize) -> Vec<Vec<u64>> {
+        (kv.pieces().iter().enumerate())
+            .map(|(j, piece)| {
+                let chunks = kv.chunks(piece);
+                (0..ranks)
+                    .map(|r| match j {
+                        0 => chunks[r]
+                            .iter()
+                            .map(|&p| (p - piece.start + 1) as u64)
+                            .sum(),
+                        _ => (kv.prompt_runs(r).flatten())
+                            .filter(|&k| k < piece.end)
+                            .map(|k| (piece.end - k.max(piece.start)) as u64)
+                            .sum(),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_piece_is_cut_once_over_the_ranks_in_order() {
+        for ranks in 1..=5 {
+            for prompt in [1, 15, 16, 100, 1000, 3001] {
+                let kv = KvLayout::new(ranks, 16, prompt, 1, 4, 64).unwrap();
+                let mut seen = Vec::new();
+                for piece in kv.pieces() {
+                    let chunks = kv.chunks(piece);
+                    for (rank, chunk) in chunks.iter().enumerate() {
+                        assert!(chunk.windows(2).all(|w| w[0] < w[1]), "rank {rank}");
+                        let runs: Vec<_> = kv.prompt_runs(rank).flatten().collect();
+                        assert!(chunk.iter().all(|p| runs.contains(p)), "rank {rank}");
+                    }
+                    let mut all: Vec<usize> = chunks.concat();
+                    all.sort_unstable();
+                    assert_eq!(all, piece.clone().collect::<Vec<_>>());
+                    seen.extend(all);
+                }
+                assert_eq!(seen, (0..prompt).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    /// The ranks' exchange meets once a layer, so the slowest rank sets a piece's pace: every
+    /// rank attends about the mean number of pairs in every piece of at least a few pages a
+    /// block (a contiguous cut gives the last rank `2 - 1/p` times the mean in the first).
+    #[test]
+    fn every_rank_attends_about_the_mean_in_every_piece() {
+        for ranks in 2..=8 {
+            for prompt in [4096, 10_000, 40_000] {
+                let kv = KvLayout::new(ranks, 16, prompt, 1, 4, 512).unwrap();
+                for (piece, pairs) in kv.pieces().iter().zip(pairs_by_rank(&kv, ranks)) {
+                    if piece.len() < 2 * ranks * 8 * 16 {
+                        continue;
+                    }
+                    let mean = pairs.iter().sum::<u64>() as f64 / ranks as f64;
+                    let most = *pairs.iter().max().unwrap() as f64;
+                    assert!(
+                        most <= 1.05 * mean,
+                        "{ranks} ranks, {prompt} tokens, piece {piece:?}: {pairs:?}"
+                    );
+                }
+            }
+        }
     }
 }

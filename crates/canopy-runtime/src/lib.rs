@@ -10,7 +10,8 @@
 //!   implements [`canopy_engine::LayerOps`] (the CPU's f32 arithmetic, or a GPU's) and shared
 //!   by every rank on that device.
 //! - [`kv`]: where each token's KV lives, on the KV-cache manager ([`canopy_kv`]): the prompt
-//!   in contiguous chunks, one per rank; samples as branches that share the prompt's pages.
+//!   in pieces, each split over the ranks so that their causal attention work is even;
+//!   samples as branches that share the prompt's pages.
 //! - [`forward`]: one decode step's pass through every layer, shared by every decode loop.
 //! - [`rank`]: one rank's generation: prefill, then decode steps whose attention is the
 //!   engine's [`canopy_engine::RankAttention`], over a plan of the rank's part of the tree —

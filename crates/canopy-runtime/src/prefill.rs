@@ -377,23 +377,27 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     let mut held = HeldKeys::default();
     for (j, piece) in kv.pieces().iter().enumerate() {
         let chunks = kv.chunks(piece);
-        let width = chunks.iter().map(|c| c.len()).max().unwrap_or(0).max(1);
-        let padded = |c: &Range<usize>| {
-            let pad = width - c.len();
-            c.clone().chain(std::iter::repeat_n(piece.end - 1, pad))
+        let width = chunks.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let padded = |c: &[usize]| {
+            let mut rows = c.to_vec();
+            rows.resize(width, piece.end - 1);
+            rows
         };
-        let own = chunks[rank].clone();
-        let ids: Vec<u32> = padded(&own).map(|p| req.prompt[p]).collect();
-        let positions: Vec<u32> = padded(&own).map(|p| p as u32).collect();
-        let own_slots = kv.prompt_slots(own.clone());
+        let own = &chunks[rank];
+        let ids: Vec<u32> = padded(own).iter().map(|&p| req.prompt[p]).collect();
+        let positions: Vec<u32> = padded(own).iter().map(|&p| p as u32).collect();
+        let own_slots = kv.prompt_slots(own.iter().copied());
         let stores: Vec<(u32, u32)> = own_slots
             .iter()
             .enumerate()
             .map(|(row, &slot)| (row as u32, slot))
             .collect();
         held.slots.extend(&own_slots);
-        held.positions.extend(own.clone().map(|p| p as u32));
-        let gathered: Vec<u32> = chunks.iter().flat_map(padded).map(|p| p as u32).collect();
+        held.positions.extend(own.iter().map(|&p| p as u32));
+        let gathered: Vec<u32> = (chunks.iter())
+            .flat_map(|c| padded(c))
+            .map(|p| p as u32)
+            .collect();
         let (cols, kv_cols) = (shape.q_row_elems(), shape.kv_token_elems());
         let mut exchange: Option<Exchange<B>> = match (ranks, j) {
             (1, _) => None,
@@ -419,7 +423,7 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         let gathered_keys: Vec<u32> = (chunks.iter())
             .flat_map(|c| {
                 let pad = std::iter::repeat_n(u32::MAX, width - c.len());
-                c.clone().map(|p| p as u32).chain(pad)
+                c.iter().map(|&p| p as u32).chain(pad)
             })
             .collect();
         let held = &held;
@@ -481,7 +485,8 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         // alone runs the last layer's attention and MLP; with several, whose attention is one
         // exchange among them all, the piece that holds it runs the whole last layer.
         let has_last = piece.contains(&last);
-        let last_row = [last.saturating_sub(own.start)];
+        let own_last = own.iter().position(|&p| p == last);
+        let last_row = [own_last.unwrap_or(0)];
         let read: Option<&[usize]> = match (has_last, ranks) {
             (false, _) => Some(&[]),
             (true, 1) => Some(&last_row),
@@ -489,9 +494,9 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
         };
         let on_layer = &mut |l| on_pass(j * num_layers + l, passes);
         let x = through_layers(backend, layers, caches, rows, read, attend, on_layer)?;
-        if own.contains(&last) {
+        if let Some(own_last) = own_last {
             // x holds the rows read: the last row alone, or every row of this rank's chunk.
-            let row = if read.is_some() { 0 } else { last - own.start };
+            let row = if read.is_some() { 0 } else { own_last };
             logits = layers.logits(backend, &x, &[row])?;
         }
     }

@@ -1,13 +1,12 @@
 //! One rank of a generation: every rank holds the whole model and runs every layer; the KV
 //! cache is sharded along the sequence, and attention is where the ranks meet.
 //!
-//! **Prefill, sequence-parallel.** The prompt is cut into `p` contiguous chunks; rank `r`
-//! runs the layers on chunk `r` and keeps that chunk's keys and values. At each layer a rank
-//! attends its chunk's queries to its own chunk (causally), then the ranks pass their chunks'
-//! keys and values around the ring, `p - 1` hops, and each rank attends its queries to every
-//! chunk that passes (a chunk later in the prompt is invisible to them, by position). The
-//! partial states of the blocks merge exactly. The last chunk's last row gives the first
-//! token's logits, which reach every rank by an all-reduce.
+//! **Prefill, sequence-parallel.** The prompt runs in pieces, each cut into one chunk a rank
+//! (an early block of the piece and its mirror, [`KvLayout`]); rank `r` runs the layers on
+//! its chunk and keeps that chunk's keys and values. At each layer the ranks exchange the
+//! piece's keys and values (the first piece) or its queries and partial states (a later one,
+//! whose queries also see the keys each rank holds), as [`crate::prefill`] describes. The last
+//! piece's last row gives the first token's logits, which reach every rank by an all-reduce.
 //!
 //! **Decode.** Every rank computes every live sample's new token through all layers (the
 //! weights are replicated), and each new key and value is stored on one rank, the one with
