@@ -384,8 +384,9 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
             rows
         };
         let own = &chunks[rank];
-        let ids: Vec<u32> = padded(own).iter().map(|&p| req.prompt[p]).collect();
-        let positions: Vec<u32> = padded(own).iter().map(|&p| p as u32).collect();
+        let own_padded = padded(own);
+        let ids: Vec<u32> = own_padded.iter().map(|&p| req.prompt[p]).collect();
+        let positions: Vec<u32> = own_padded.iter().map(|&p| p as u32).collect();
         let own_slots = kv.prompt_slots(own.iter().copied());
         let stores: Vec<(u32, u32)> = own_slots
             .iter()

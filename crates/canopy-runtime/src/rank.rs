@@ -5,8 +5,9 @@
 //! (an early block of the piece and its mirror, [`KvLayout`]); rank `r` runs the layers on
 //! its chunk and keeps that chunk's keys and values. At each layer the ranks exchange the
 //! piece's keys and values (the first piece) or its queries and partial states (a later one,
-//! whose queries also see the keys each rank holds), as [`crate::prefill`] describes. The last
-//! piece's last row gives the first token's logits, which reach every rank by an all-reduce.
+//! whose queries also see the keys each rank holds), then attend and, in a later piece, merge.
+//! The last piece's last row gives the first token's logits, which reach every rank by an
+//! all-reduce.
 //!
 //! **Decode.** Every rank computes every live sample's new token through all layers (the
 //! weights are replicated), and each new key and value is stored on one rank, the one with
