@@ -1,2 +1,0 @@
-# Call 1, the build of e67f281 with the device tests (.device/*.gz), one H200:
-source launch/device/env.sh; DEADLINE=320 OUT=$OUT bash launch/device/sampling-check.sh > /dev/null 2>&1; grep -E "passed|failed|PASS|FAIL|completed|test result" $OUT/check.txt | tail -30; OUT=$OUT timeout 240 bash launch/device/sanitizer.sh > /dev/null 2>&1; grep -E "PASS|FAIL|clean" $OUT/sanitizer.txt; rm -f $OUT/sanitizer-*.txt; for f in .device/*.gz; do rm -f "${f%.gz}"; done
