@@ -1,7 +1,7 @@
 //! # canopy-comm
 //!
 //! Collectives between canopy ranks behind one trait, [`Collective`], whose calls mirror NCCL's
-//! (all-reduce max/sum, all-gather, point-to-point send/recv, barrier) so that the engine's
+//! (all-reduce max/sum, reduce-scatter, all-gather, point-to-point send/recv, barrier) so that the engine's
 //! strategies are written once and run over any transport.
 //!
 //! `MpiComm` (cargo feature `mpi`) is one rank per process under `mpirun` / `srun`, with the
@@ -13,7 +13,7 @@
 //! aborts the world so that its peers return [`CommError::Aborted`] promptly.
 //!
 //! Traffic is counted per rank with the ring-algorithm formulas NCCL's bandwidth figures use
-//! (all-reduce `2 (p-1)/p · n`, all-gather `(p-1)/p · n_total`, send `n`), so benchmarks report
+//! (all-reduce `2 (p-1)/p · n`, reduce-scatter and all-gather `(p-1)/p · n_total`, send `n`), so benchmarks report
 //! the same "bytes communicated per rank" on every transport.
 
 #[cfg(feature = "mpi")]
@@ -136,6 +136,19 @@ pub(crate) fn check_bytes(
     Ok(())
 }
 
+/// Checks that a reduce-scatter's buffer of `len` elements splits into `ranks` equal blocks.
+pub(crate) fn check_blocks(rank: usize, len: usize, ranks: usize) -> Result<()> {
+    if !len.is_multiple_of(ranks) {
+        let detail = format!("{len} elements do not split into {ranks} equal blocks");
+        return Err(CommError::SizeMismatch {
+            rank,
+            op: "reduce_scatter",
+            detail,
+        });
+    }
+    Ok(())
+}
+
 /// Checks that an all-gather's receive buffer holds `ranks` copies of the send buffer.
 pub(crate) fn check_gather_len(rank: usize, send: usize, recv: usize, ranks: usize) -> Result<()> {
     if recv != send * ranks {
@@ -166,6 +179,11 @@ pub trait Group {
 pub trait Collective: Group {
     /// In place; every rank ends with the same, rank-order-folded result.
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()>;
+    /// In place, on `size()` equal blocks of `buf`: rank `r`'s block `r` ends with the
+    /// rank-order fold of every rank's block `r` (the bits [`Collective::all_reduce`] gives
+    /// there); its other blocks are left as they were. Half an all-reduce's traffic, for ranks
+    /// that each read only their own block.
+    fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()>;
     /// `recv` is `size() * send.len()` long; rank `r`'s data lands at `r * send.len()`.
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()>;
     fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()>;
@@ -197,6 +215,10 @@ pub trait HostPart: Group {
 impl<T: HostPart> Collective for T {
     fn all_reduce<E: Element>(&self, buf: &mut [E], op: ReduceOp) -> Result<()> {
         self.host().all_reduce(buf, op)
+    }
+
+    fn reduce_scatter<E: Element>(&self, buf: &mut [E], op: ReduceOp) -> Result<()> {
+        self.host().reduce_scatter(buf, op)
     }
 
     fn all_gather<E: Element>(&self, send: &[E], recv: &mut [E]) -> Result<()> {

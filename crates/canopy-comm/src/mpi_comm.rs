@@ -117,6 +117,22 @@ impl Collective for MpiComm {
         Ok(())
     }
 
+    /// An all-to-all of the blocks, each rank folding every rank's copy of its own in rank
+    /// order, as [`MpiComm::all_reduce`] folds every element.
+    fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.complete_sends();
+        let p = self.size();
+        crate::check_blocks(self.rank(), buf.len(), p)?;
+        let all: &[u8] = bytemuck::cast_slice(buf);
+        let block = all.len() / p;
+        let mut theirs = vec![0u8; all.len()];
+        self.world.all_to_all_into(all, &mut theirs[..]);
+        let mine = buf.len() / p * self.rank()..buf.len() / p * (self.rank() + 1);
+        fold_rank_order(&mut buf[mine], theirs.chunks(block.max(1)).take(p), op);
+        self.count((p as u64 - 1) * (block * p) as u64 / p as u64);
+        Ok(())
+    }
+
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         self.complete_sends();
         let p = self.size();

@@ -213,6 +213,34 @@ impl ThreadComm {
         slot.clear();
         slot.extend_from_slice(bytemuck::cast_slice(data));
     }
+
+    /// Stages `buf` for every rank, waits for all, and folds elements `share` of every rank's
+    /// copy into `buf`, in rank order. A peer may still read this rank's slot when it returns:
+    /// the caller waits for all again before the slots can change.
+    fn fold_staged<T: Element>(
+        &self,
+        buf: &mut [T],
+        share: std::ops::Range<usize>,
+        op: ReduceOp,
+        name: &'static str,
+    ) -> Result<()> {
+        self.stage(buf);
+        self.wait_all(name)?;
+        let slots: Vec<_> = (self.shared.slots.iter())
+            .map(|s| s.read().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        let want = size_of_val(buf);
+        if let Some(r) = slots.iter().position(|s| s.len() != want) {
+            let got = slots[r].len();
+            drop(slots);
+            self.shared
+                .abort(self.rank, format!("{name} size mismatch"));
+            return crate::check_bytes(self.rank, name, format_args!("rank {r}"), got, want);
+        }
+        let bytes = share.start * size_of::<T>()..share.end * size_of::<T>();
+        crate::fold_rank_order(&mut buf[share], slots.iter().map(|s| &s[bytes.clone()]), op);
+        Ok(())
+    }
 }
 
 impl Group for ThreadComm {
@@ -235,39 +263,9 @@ impl Collective for ThreadComm {
         let p = self.shared.size;
         let len = buf.len();
         let share = |r: usize| len * r / p..len * (r + 1) / p;
-        let bytes_of = |r: usize| {
-            let elems = share(r);
-            elems.start * size_of::<T>()..elems.end * size_of::<T>()
-        };
-        self.stage(buf);
-        self.wait_all("all_reduce")?;
-        let slots: Vec<_> = self
-            .shared
-            .slots
-            .iter()
-            .map(|s| s.read().unwrap_or_else(|p| p.into_inner()))
-            .collect();
         let want = size_of_val(buf);
-        if let Some(r) = slots.iter().position(|s| s.len() != want) {
-            let got = slots[r].len();
-            drop(slots);
-            self.shared
-                .abort(self.rank, "all_reduce size mismatch".into());
-            return crate::check_bytes(
-                self.rank,
-                "all_reduce",
-                format_args!("rank {r}"),
-                got,
-                want,
-            );
-        }
-        let (mine, my_bytes) = (share(self.rank), bytes_of(self.rank));
-        crate::fold_rank_order(
-            &mut buf[mine.clone()],
-            slots.iter().map(|s| &s[my_bytes.clone()]),
-            op,
-        );
-        drop(slots);
+        let mine = share(self.rank);
+        self.fold_staged(buf, mine.clone(), op, "all_reduce")?;
         {
             let mut folded = self.shared.folded[self.rank]
                 .write()
@@ -285,6 +283,19 @@ impl Collective for ThreadComm {
             bytemuck::cast_slice_mut::<T, u8>(&mut buf[share(r)]).copy_from_slice(&folded);
         }
         self.count(2 * (p as u64 - 1) * want as u64 / p as u64);
+        Ok(())
+    }
+
+    /// The first half of [`ThreadComm::all_reduce`], on equal blocks: each rank folds its own.
+    fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let p = self.shared.size;
+        crate::check_blocks(self.rank, buf.len(), p)?;
+        let block = buf.len() / p;
+        let mine = self.rank * block..(self.rank + 1) * block;
+        self.fold_staged(buf, mine, op, "reduce_scatter")?;
+        // No rank stages its next collective's data while a peer may still read this one's.
+        self.wait_all("reduce_scatter")?;
+        self.count((p as u64 - 1) * size_of_val(buf) as u64 / p as u64);
         Ok(())
     }
 
@@ -439,6 +450,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Each rank's block is the rank-order fold of that block, the bits the all-reduce gives
+    /// there; the other blocks are this rank's own; a length of no equal blocks is an error.
+    #[test]
+    fn reduce_scatter_folds_each_rank_its_own_block() {
+        for (ranks, block) in [(1, 4), (2, 3), (3, 0), (5, 7)] {
+            let len = ranks * block;
+            let copy = |rank: usize| -> Vec<f32> {
+                (0..len)
+                    .map(|i| ((rank * 31 + i * 17) % 23) as f32 * 0.37 - 4.1)
+                    .collect()
+            };
+            let copies: Vec<Vec<f32>> = (0..ranks).map(copy).collect();
+            let want = folded_in_rank_order(&copies, ReduceOp::Sum);
+            let out = ThreadWorld::run(ranks, T, |c| {
+                let mut buf = copy(c.rank());
+                c.reduce_scatter(&mut buf, ReduceOp::Sum)?;
+                let mut all = copy(c.rank());
+                c.all_reduce(&mut all, ReduceOp::Sum)?;
+                Ok::<_, CommError>((buf, all, c.traffic()))
+            });
+            for (r, res) in out.into_iter().enumerate() {
+                let (buf, all, traffic) = res.unwrap();
+                let mine = r * block..(r + 1) * block;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&buf[mine.clone()]), bits(&want[mine.clone()]));
+                assert_eq!(bits(&buf[mine.clone()]), bits(&all[mine.clone()]));
+                let own = copy(r);
+                let others = (0..len).filter(|i| !mine.contains(i));
+                assert!(others.clone().all(|i| buf[i] == own[i]), "{ranks} ranks");
+                let (p, bytes) = (ranks as u64, 4 * len as u64);
+                assert_eq!(traffic.bytes, (p - 1) * bytes / p + 2 * (p - 1) * bytes / p);
+            }
+        }
+        let uneven = ThreadWorld::run(2, T, |c| c.reduce_scatter(&mut [1.0f32; 3], ReduceOp::Sum));
+        assert!(uneven
+            .iter()
+            .all(|r| matches!(r, Err(CommError::SizeMismatch { .. }))));
     }
 
     #[test]
