@@ -1,11 +1,16 @@
 //! Property tests: random trees × GQA shapes × every planner × every strategy on up to eight
 //! simulated ranks against the f64 oracle; planner coverage and IO; merge algebra.
 
+use canopy_comm::{Group, ThreadWorld};
+use canopy_core::AttnStates;
 use canopy_core::{
     geometry::cut_for_gpu, merge_state, plan, random_tree, relative_error, shard_tree, AttnShape,
     DType, Method, PlannerConfig, Shard, TreeView, EMPTY_LSE,
 };
-use canopy_engine::{run_threads, CpuBackend, Problem, RunConfig, Strategy as Decode};
+use canopy_engine::{
+    run_threads, CpuBackend, MergeCollective, NodeLayout, Problem, RunConfig, StatesMerge,
+    Strategy as Decode,
+};
 use proptest::prelude::*;
 use std::time::Duration;
 
@@ -121,5 +126,53 @@ proptest! {
         let with_empty = merge(a.clone(), empty.clone());
         prop_assert_eq!(&with_empty, &a.clone());
         prop_assert_eq!(merge(empty, a.clone()), a);
+    }
+
+    /// The scattered merge gives each rank its own block of rows in the all-reduce merge's
+    /// bits, over 1-6 ranks, with cells empty on some ranks or on all.
+    #[test]
+    fn a_scattered_merge_gives_each_rank_its_block_of_the_all_reduce_merge(
+        seed in any::<u64>(), ranks in 1usize..=6, rows_a_rank in 1usize..=3, heads in 1usize..=3,
+        d in prop_oneof![Just(4usize), Just(64)],
+    ) {
+        let rows = ranks * rows_a_rank;
+        let cells = rows * heads;
+        let mut state = seed;
+        let mut next = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let inputs: Vec<AttnStates> = (0..ranks)
+            .map(|_| {
+                let mut s = AttnStates::empty(rows, heads, d);
+                for c in 0..cells {
+                    if next() < 0.2 || c % 7 == 5 {
+                        continue; // empty on this rank (cell 5 of each 7 on every rank)
+                    }
+                    s.lse[c] = next() * 30.0 - 15.0;
+                    s.o[c * d..(c + 1) * d].iter_mut().for_each(|o| *o = next() * 4.0 - 2.0);
+                }
+                s
+            })
+            .collect();
+        let out = ThreadWorld::run(ranks, Duration::from_secs(60), |comm| {
+            let b = CpuBackend;
+            let layout = NodeLayout::single(ranks);
+            let mut merge = StatesMerge::new(&b, cells, d, ranks)?;
+            let mut whole = inputs[comm.rank()].clone();
+            merge.run(&b, &comm, &mut whole, MergeCollective::Allreduce2, &layout)?;
+            let mut scattered = inputs[comm.rank()].clone();
+            merge.run_scattered(&b, &comm, &mut scattered)?;
+            Ok::<_, canopy_engine::EngineError>((whole, scattered))
+        });
+        let block = rows_a_rank * heads;
+        for (r, res) in out.into_iter().enumerate() {
+            let (whole, scattered) = res.unwrap();
+            let cells_of = r * block..(r + 1) * block;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&scattered.lse[cells_of.clone()]), bits(&whole.lse[cells_of.clone()]));
+            let elems = cells_of.start * d..cells_of.end * d;
+            prop_assert_eq!(bits(&scattered.o[elems.clone()]), bits(&whole.o[elems]));
+        }
     }
 }

@@ -21,6 +21,8 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum CallKind {
     AllReduce,
+    /// Its payload is the whole buffer each rank holds, `group` blocks.
+    ReduceScatter,
     AllGather,
     Reduce,
     Broadcast,
@@ -45,7 +47,7 @@ impl Call {
         match self.kind {
             CallKind::AllReduce => 2 * (g - 1) * n / g,
             CallKind::AllGather => (g - 1) * n,
-            CallKind::Reduce | CallKind::Broadcast => (g - 1) * n / g,
+            CallKind::ReduceScatter | CallKind::Reduce | CallKind::Broadcast => (g - 1) * n / g,
         }
     }
 }

@@ -137,6 +137,19 @@ pub trait Transport<B: MergeOps>: Group {
     ) -> Result<()>;
     /// Every rank's `src[..len]` into `dst`, in rank order.
     fn all_gather_buf(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()>;
+    /// `buf[range]` in `size()` equal blocks: this rank's block ends with the reduction of
+    /// every rank's copy of it, in the bits [`Transport::all_reduce_buf`] gives there; the
+    /// other blocks are left unspecified. Provided: the all-reduce of the whole range, which
+    /// moves twice the bytes; a transport with a reduce-scatter of its own overrides it.
+    fn reduce_scatter_buf(
+        &self,
+        b: &B,
+        buf: &mut B::Buf,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.all_reduce_buf(b, buf, range, op)
+    }
     fn send_buf(&self, b: &B, buf: &B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
     fn recv_buf(&self, b: &B, buf: &mut B::Buf, range: Range<usize>, peer: usize) -> Result<()>;
     /// Logical tokens `0..tokens` of `kv` to `peer`.
@@ -306,6 +319,20 @@ impl<B: MergeOps, C: HostCollective> Transport<B> for C {
         b.buf_from_host(&host, buf, range.start)
     }
 
+    fn reduce_scatter_buf(
+        &self,
+        b: &B,
+        buf: &mut B::Buf,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let mut host = b.buf_to_host(buf, range.clone())?;
+        self.reduce_scatter(&mut host, op)?;
+        let block = host.len() / self.size();
+        let mine = self.rank() * block..(self.rank() + 1) * block;
+        b.buf_from_host(&host[mine.clone()], buf, range.start + mine.start)
+    }
+
     fn all_gather_buf(&self, b: &B, src: &B::Buf, len: usize, dst: &mut B::Buf) -> Result<()> {
         let mine = b.buf_to_host(src, 0..len)?;
         let mut all = vec![0.0f32; len * self.size()];
@@ -433,6 +460,34 @@ impl<B: MergeOps> StatesMerge<B> {
                 "the auto collective must be resolved to a concrete one before merging".into(),
             )),
         }
+    }
+
+    /// [`StatesMerge::run`] for states whose rows each rank reads only its own block of: the
+    /// states hold `size()` equal blocks of rows, and this rank's block ends merged over every
+    /// rank, in the bits the all-reduce merge gives it; the other blocks are left unspecified.
+    /// The lse's MAX is all-reduced (every rank weighs every block), and the numerator and
+    /// denominator are reduce-scattered: of the all-reduce merge's bytes, about half cross.
+    pub fn run_scattered<T: Transport<B>>(
+        &mut self,
+        b: &B,
+        comm: &T,
+        states: &mut B::States,
+    ) -> Result<()> {
+        let (cells, n, p) = (self.cells, self.cells * self.d, comm.size());
+        if p == 1 {
+            return Ok(());
+        }
+        if cells % p != 0 {
+            return Err(EngineError::Config(format!(
+                "{cells} states do not split into {p} equal blocks of rows, one a rank"
+            )));
+        }
+        b.copy_lse(states, &mut self.max)?;
+        comm.all_reduce_buf(b, &mut self.max, 0..cells, ReduceOp::Max)?;
+        b.combine_weights(states, &self.max, &mut self.packed)?;
+        comm.reduce_scatter_buf(b, &mut self.packed, 0..n, ReduceOp::Sum)?;
+        comm.reduce_scatter_buf(b, &mut self.packed, n..n + cells, ReduceOp::Sum)?;
+        b.combine_finish(&self.packed, &self.max, states)
     }
 
     /// The paper's all-reduce merge: MAX of lse, then the numerator and denominator summed
