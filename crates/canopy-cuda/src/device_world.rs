@@ -20,6 +20,8 @@
 //!   (`combine.cu`) folds the slots in rank order into the range. Every rank folds the same
 //!   bytes in the same order, so all get the same bits (and the host transports' bits: they
 //!   fold in rank order too).
+//! - **reduce-scatter**: the same, each rank copying and folding only its own block of every
+//!   rank's range.
 //! - **send / recv**: buffered mailboxes, one queue per (sender, receiver) pair. The sender
 //!   copies the range into a fresh device buffer, waits for its stream, and queues it, so a
 //!   send never blocks (two ranks that send to each other before receiving cannot deadlock).
@@ -254,13 +256,14 @@ impl DeviceComm {
         .into()
     }
 
-    /// Every rank's `n` values of `src` into `dst[r * n..(r + 1) * n]`, in rank order (the
-    /// all-gather of the module notes).
+    /// Values `part` of every rank's `n` values of `src` into `dst`, `part.len()` a rank, in
+    /// rank order (the all-gather of the module notes, of a part of each rank's values).
     fn gather<S: DevicePtr<f32>>(
         &self,
         b: &CudaBackend,
         src: &S,
         n: usize,
+        part: Range<usize>,
         dst: &mut CudaSlice<f32>,
         op: &'static str,
     ) -> EResult<()> {
@@ -291,11 +294,12 @@ impl DeviceComm {
                         format!("rank {r} sent {} values, expected {n}", theirs.len),
                     ));
                 }
-                if n > 0 {
+                let m = part.len();
+                if m > 0 {
                     stream
                         .memcpy_dtod(
-                            &theirs.data.slice(0..n),
-                            &mut dst.slice_mut(r * n..(r + 1) * n),
+                            &theirs.data.slice(part.clone()),
+                            &mut dst.slice_mut(r * m..(r + 1) * m),
                         )
                         .ctx("cuMemcpyDtoDAsync (gathering)")?;
                 }
@@ -311,6 +315,61 @@ impl DeviceComm {
         synced?;
         self.inner.barrier()?;
         lock(&self.shared.published[me]).take();
+        Ok(())
+    }
+
+    /// `buf[into]` = the rank-order fold (`reduce_slots`, `combine.cu`) of every rank's values
+    /// at the same places, `into` a part of `range`, the values every rank publishes.
+    fn fold(
+        &self,
+        b: &CudaBackend,
+        buf: &mut CudaSlice<f32>,
+        range: Range<usize>,
+        into: Range<usize>,
+        op: ReduceOp,
+        name: &'static str,
+    ) -> EResult<()> {
+        let (p, n) = (self.size(), into.len());
+        let part = into.start - range.start..into.end - range.start;
+        let mut slots = b.alloc::<f32>(p * n)?;
+        self.gather(
+            b,
+            &buf.slice(range.clone()),
+            range.len(),
+            part,
+            &mut slots,
+            name,
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = b.function(Kernel::Combine("reduce_slots"))?;
+        let (count, len) = (p as u32, n as u64);
+        let code = match op {
+            ReduceOp::Sum => REDUCE_SUM,
+            ReduceOp::Max => REDUCE_MAX,
+        };
+        let mut out = buf.slice_mut(into);
+        let mut launch = b.stream().launch_builder(&f);
+        launch
+            .arg(&slots)
+            .arg(&count)
+            .arg(&len)
+            .arg(&code)
+            .arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                len.div_ceil(256).min(4 * b.gpu().multiprocessors as u64) as u32,
+                1,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads `count` slots of `len` values (`slots` holds p × n) and writes `len`
+        // values into `into`, inside `buf` (the caller checked the range).
+        unsafe { launch.launch(cfg) }.ctx("launching reduce_slots")?;
+        // `slots` is freed on this stream, after the kernel that reads it.
         Ok(())
     }
 
@@ -391,40 +450,32 @@ impl Transport<CudaBackend> for DeviceComm {
     ) -> EResult<()> {
         const OP: &str = "all_reduce_buf";
         self.check_range(OP, buf.len(), &range)?;
+        let (p, n) = (self.size() as u64, range.len());
+        self.fold(b, buf, range.clone(), range, op, OP)?;
+        self.count(2 * (p - 1) * (n * 4) as u64 / p);
+        Ok(())
+    }
+
+    /// Each rank gathers its own block of every rank's range and folds them: of the
+    /// all-reduce's copies and folds, a `size()`-th.
+    fn reduce_scatter_buf(
+        &self,
+        b: &CudaBackend,
+        buf: &mut CudaSlice<f32>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> EResult<()> {
+        const OP: &str = "reduce_scatter_buf";
+        self.check_range(OP, buf.len(), &range)?;
         let (p, n) = (self.size(), range.len());
-        let mut slots = b.alloc::<f32>(p * n)?;
-        self.gather(b, &buf.slice(range.clone()), n, &mut slots, OP)?;
-        if n > 0 {
-            let f = b.function(Kernel::Combine("reduce_slots"))?;
-            let (count, len) = (p as u32, n as u64);
-            let code = match op {
-                ReduceOp::Sum => REDUCE_SUM,
-                ReduceOp::Max => REDUCE_MAX,
-            };
-            let mut out = buf.slice_mut(range);
-            let mut launch = b.stream().launch_builder(&f);
-            launch
-                .arg(&slots)
-                .arg(&count)
-                .arg(&len)
-                .arg(&code)
-                .arg(&mut out);
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    len.div_ceil(256).min(4 * b.gpu().multiprocessors as u64) as u32,
-                    1,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: reads `count` slots of `len` values (`slots` holds p × n) and writes
-            // `len` values into the range of `buf` (checked above).
-            unsafe { launch.launch(cfg) }.ctx("launching reduce_slots")?;
+        if !n.is_multiple_of(p) {
+            let detail = format!("{n} values do not split into {p} equal blocks");
+            return Err(self.mismatch(OP, detail));
         }
-        // `slots` is freed on this stream, after the kernel that reads it.
-        let bytes = (n * 4) as u64;
-        self.count(2 * (p as u64 - 1) * bytes / p as u64);
+        let block = self.rank() * n / p..(self.rank() + 1) * n / p;
+        let mine = range.start + block.start..range.start + block.end;
+        self.fold(b, buf, range, mine, op, OP)?;
+        self.count((p as u64 - 1) * (n * 4) as u64 / p as u64);
         Ok(())
     }
 
@@ -439,7 +490,7 @@ impl Transport<CudaBackend> for DeviceComm {
         let p = self.size();
         self.check_range(OP, src.len(), &(0..len))?;
         self.check_range(OP, dst.len(), &(0..len * p))?;
-        self.gather(b, &src.slice(0..len), len, dst, OP)?;
+        self.gather(b, &src.slice(0..len), len, 0..len, dst, OP)?;
         self.count((len * p * 4) as u64 * (p as u64 - 1) / p as u64);
         Ok(())
     }

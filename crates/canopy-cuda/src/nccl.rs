@@ -149,6 +149,40 @@ impl NcclComm {
         })
     }
 
+    /// In place: `buf` holds `size()` blocks; this rank's block (at `rank()` · `len / size()`)
+    /// ends with every rank's block reduced, and the others are left as they were.
+    pub fn reduce_scatter_in_place<T: NcclType, B: DevicePtrMut<T>>(
+        &self,
+        name: &'static str,
+        buf: &mut B,
+        op: NcclOp,
+    ) -> Result<()> {
+        let n = buf.len();
+        if !n.is_multiple_of(self.size) {
+            return Err(CudaError::Unsupported(format!(
+                "rank {}: {name} needs a buffer of {} equal blocks, got {n} elements",
+                self.rank, self.size
+            )));
+        }
+        let count = n / self.size;
+        let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+        let mine = ptr + (self.rank * count * std::mem::size_of::<T>()) as u64;
+        let call = self.call(CallKind::ReduceScatter, n, std::mem::size_of::<T>());
+        // SAFETY: `buf` holds size × count elements on this device; this rank's block starts
+        // at `mine`, inside it (NCCL's in-place form).
+        self.enqueue(name, call, |s| unsafe {
+            result::reduce_scatter(
+                ptr as _,
+                mine as _,
+                count,
+                T::as_nccl_type(),
+                op.raw(),
+                self.raw,
+                s,
+            )
+        })
+    }
+
     /// Sums into rank `root`'s `buf` (others' buffers are left as they were).
     pub fn reduce_in_place<T: NcclType, B: DevicePtrMut<T>>(
         &self,

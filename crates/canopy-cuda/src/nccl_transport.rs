@@ -511,6 +511,23 @@ impl<H: Collective> Transport<CudaBackend> for NcclTransport<'_, H> {
         })?)
     }
 
+    fn reduce_scatter_buf(
+        &self,
+        b: &CudaBackend,
+        buf: &mut CudaSlice<f32>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> EResult<()> {
+        expect_room("cuda", "reduce_scatter_buf", buf.len(), range.end)?;
+        let name = match op {
+            ReduceOp::Sum => "reduce_scatter(sum)",
+            ReduceOp::Max => "reduce_scatter(max)",
+        };
+        Ok(self.on_world(b, |w| {
+            w.reduce_scatter_in_place(name, &mut buf.slice_mut(range), nccl_op(op))
+        })?)
+    }
+
     fn all_gather_buf(
         &self,
         b: &CudaBackend,

@@ -1,7 +1,7 @@
 //! The in-device transport ([`DeviceWorld`]: ranks as threads sharing GPU 0, buffers moved
 //! on the device) against the host-staged one ([`ThreadWorld`] through the engine's blanket
-//! `Transport`), on the same CUDA backend and the same random inputs: every merge form, the
-//! ring's KV hand-off through contiguous and paged pools, and whole tree and ring steps. Both
+//! `Transport`), on the same CUDA backend and the same random inputs: every merge form and
+//! the scattered merge, the ring's KV hand-off through contiguous and paged pools, and whole tree and ring steps. Both
 //! sides fold in rank order with the same kernels, so they should agree bit for bit; the tests
 //! hold them to 1e-6 relative (and print the largest difference), and every rank of a world to
 //! the same bits after a step, tree or ring.
@@ -15,7 +15,8 @@ mod merge_check;
 use common::rng;
 use kv_io::{random_kv, read_kv};
 use merge_check::{
-    assert_close, assert_ranks_agree, error, random_states, reference_merge, states_from_host,
+    assert_close, assert_ranks_agree, bits, error, random_states, reference_merge, rows_of,
+    states_from_host,
 };
 
 use canopy_comm::{Collective, Group, ThreadWorld};
@@ -163,6 +164,77 @@ fn every_merge_matches_the_host_staged_transport() {
                 (dev.1, dev.2),
                 (hst.1, hst.2),
                 "p={p} rank {r}: device traffic (bytes, calls) differs from the host transport's"
+            );
+        }
+    }
+}
+
+/// The all-reduce merge, then the scattered one, of this rank's `(o, lse)` over `comm`, each
+/// from the same input states; and the traffic each took.
+fn merge_whole_and_scattered<C: Transport<CudaBackend> + Collective>(
+    comm: &C,
+    shape: &AttnShape,
+    rows: usize,
+    input: &(Vec<f32>, Vec<f32>),
+) -> Result<[(AttnStates, u64); 2]> {
+    let b = CudaBackend::new(0)?;
+    let (cells, d) = (rows * shape.q_heads, shape.head_dim);
+    let mut merge = StatesMerge::new(&b, cells, d, comm.size())?;
+    let layout = NodeLayout::single(comm.size());
+    let mut run = |scattered: bool| -> Result<(AttnStates, u64)> {
+        let mut states = b.alloc_states(shape, rows)?;
+        b.poison(&mut states)?;
+        states_from_host(&b, input, &mut states)?;
+        let before = comm.traffic().bytes;
+        match scattered {
+            true => merge.run_scattered(&b, comm, &mut states)?,
+            false => merge.run(&b, comm, &mut states, MergeCollective::Allreduce2, &layout)?,
+        }
+        Ok((b.download(&states)?, comm.traffic().bytes - before))
+    };
+    Ok([run(false)?, run(true)?])
+}
+
+/// The scattered merge leaves each rank its own block of rows with the bits of the all-reduce
+/// merge, on the device and through the host, for less traffic.
+#[test]
+fn a_scattered_merge_gives_each_rank_its_block() {
+    const TEST: &str = "a_scattered_merge_gives_each_rank_its_block";
+    let Some(_gpu) = gpu(TEST) else {
+        return;
+    };
+    let mut rng = rng(TEST);
+    let shape = AttnShape::new(8, 2, 128).unwrap();
+    for p in RANKS {
+        let rows = 3 * p;
+        let (cells, d) = (rows * shape.q_heads, shape.head_dim);
+        let empty: Vec<bool> = (0..cells).map(|c| c % 11 == 3).collect();
+        let inputs: Vec<_> = (0..p)
+            .map(|_| random_states(&mut rng, cells, d, &empty))
+            .collect();
+        let device = DeviceWorld::run(p, TIMEOUT, |comm: DeviceComm| {
+            merge_whole_and_scattered(&comm, &shape, rows, &inputs[comm.rank()])
+        });
+        let host = ThreadWorld::run(p, TIMEOUT, |comm| {
+            merge_whole_and_scattered(&comm, &shape, rows, &inputs[comm.rank()])
+        });
+        for (r, (dev, hst)) in device.into_iter().zip(host).enumerate() {
+            let ([(whole, whole_bytes), (scattered, bytes)], [_, (on_host, _)]) =
+                (dev.unwrap(), hst.unwrap());
+            let (what, own) = (format!("p={p} rank {r}"), r * 3..(r + 1) * 3);
+            let mine = rows_of(&scattered, own.clone());
+            assert!(
+                bits(&mine) == bits(&rows_of(&whole, own.clone())),
+                "{what}: the scattered merge's block differs from the all-reduce merge's"
+            );
+            assert_close(
+                &format!("{what}: device vs host"),
+                &mine,
+                &rows_of(&on_host, own),
+            );
+            assert!(
+                bytes < whole_bytes,
+                "{what}: {bytes} bytes against {whole_bytes}"
             );
         }
     }

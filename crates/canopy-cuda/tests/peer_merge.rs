@@ -3,7 +3,8 @@
 //! the host (`combine_gathered`, the kernel after NCCL's all-gather: the same bits are
 //! expected) and the f64 merge; eager merges of several sizes, one after another, and a merge
 //! recorded as a CUDA graph and replayed on new states, so each CTA's epochs and the two
-//! parities of the slots turn over many times.
+//! parities of the slots turn over many times. Also the scattered merge through NCCL's
+//! reduce-scatter, against its all-reduce merge.
 //!
 //! It needs two GPUs that reach each other's memory and NCCL; elsewhere it prints why and
 //! passes. The seed is printed; `CANOPY_TEST_SEED` repeats a run.
@@ -13,7 +14,8 @@ mod merge_check;
 mod peers;
 use common::rng;
 use merge_check::{
-    assert_close, assert_ranks_agree, bits, error, random_states, reference_merge, states_from_host,
+    assert_close, assert_ranks_agree, bits, error, random_states, reference_merge, rows_of,
+    states_from_host,
 };
 
 use canopy_comm::{Collective, Group, HostPart, ThreadWorld};
@@ -169,6 +171,75 @@ fn the_peer_merge_matches_the_gathered_fold_eager_and_replayed() {
             );
             eprintln!("  {what:<44} vs f64: o {eo:.1e}  lse {el:.1e}");
             assert!(eo < 1e-5 && el < 1e-5, "{what}: far from the f64 merge");
+        }
+    }
+}
+
+/// Each rank's block of the scattered merge (NCCL's reduce-scatter) against the all-reduce
+/// merge of the same states, and the f64 merge; with half the traffic, about.
+#[test]
+fn a_scattered_merge_through_nccl_gives_each_rank_its_block() {
+    const TEST: &str = "peer_merge: scattered";
+    let Some(gpus) = peers::gpus(TEST) else {
+        return;
+    };
+    let mut rng = rng(TEST);
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    for p in 2..=gpus {
+        let (rows_a_rank, how) = (5, MergeCollective::Allreduce2);
+        let (rows, d) = (rows_a_rank * p, shape.head_dim);
+        let cells = rows * shape.q_heads;
+        let empty: Vec<bool> = (0..cells).map(|_| rng.gen_bool(0.05)).collect();
+        let inputs: Vec<_> = (0..p)
+            .map(|_| random_states(&mut rng, cells, d, &empty))
+            .collect();
+        let ids = NcclIds::new(1).expect("NCCL ids");
+        let out = ThreadWorld::run(p, TIMEOUT, |host| -> Result<_> {
+            let b = CudaBackend::new(host.rank())?;
+            let layout = NodeLayout::single(p);
+            let comm = NcclTransport::new(
+                &host,
+                &b,
+                &ids,
+                layout.clone(),
+                Strategy::Tree(how),
+                TIMEOUT,
+            )?;
+            let mut merge = StatesMerge::new(&b, cells, d, p)?;
+            let mut run = |scattered: bool| -> Result<(AttnStates, u64)> {
+                let mut s = b.alloc_states(&shape, rows)?;
+                b.poison(&mut s)?;
+                states_from_host(&b, &inputs[host.rank()], &mut s)?;
+                let before = comm.own_traffic().bytes;
+                match scattered {
+                    true => merge.run_scattered(&b, &comm, &mut s)?,
+                    false => merge.run(&b, &comm, &mut s, how, &layout)?,
+                }
+                Ok((b.download(&s)?, comm.own_traffic().bytes - before))
+            };
+            Ok((run(false)?, run(true)?))
+        });
+        let oracle = reference_merge(&inputs, cells, d);
+        for (r, res) in out.into_iter().enumerate() {
+            let ((whole, whole_bytes), (scattered, bytes)) = res.expect("the rank ran");
+            let (what, own) = (
+                format!("p={p} rank {r}"),
+                r * rows_a_rank..(r + 1) * rows_a_rank,
+            );
+            let mine = rows_of(&scattered, own.clone());
+            assert_close(
+                &format!("{what}: vs all-reduce"),
+                &mine,
+                &rows_of(&whole, own.clone()),
+            );
+            // The oracle's rows are cells.
+            let want = rows_of(&oracle, own.start * shape.q_heads..own.end * shape.q_heads);
+            let (eo, el) = (error(&mine.o, &want.o), error(&mine.lse, &want.lse));
+            assert!(eo < 1e-5 && el < 1e-5, "{what}: far from the f64 merge");
+            assert!(
+                2 * bytes < whole_bytes + whole_bytes / 4,
+                "{what}: {bytes} bytes against {whole_bytes}"
+            );
         }
     }
 }

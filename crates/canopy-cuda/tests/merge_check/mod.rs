@@ -32,6 +32,18 @@ pub fn error(got: &[f32], want: &[f32]) -> f64 {
     worst
 }
 
+/// Rows `rows` of `s`.
+pub fn rows_of(s: &AttnStates, rows: std::ops::Range<usize>) -> AttnStates {
+    let cells = rows.start * s.heads..rows.end * s.heads;
+    AttnStates {
+        rows: rows.len(),
+        heads: s.heads,
+        head_dim: s.head_dim,
+        o: s.o[cells.start * s.head_dim..cells.end * s.head_dim].to_vec(),
+        lse: s.lse[cells].to_vec(),
+    }
+}
+
 pub fn bits(s: &AttnStates) -> Vec<u32> {
     s.o.iter().chain(&s.lse).map(|x| x.to_bits()).collect()
 }
