@@ -7,7 +7,8 @@
 #  3. killing one rank of a running job ends every rank, non-zero, within the timeout;
 #  4. without --launcher, the binary sees mpirun and runs as its ranks: one document.
 #  5. the model runtime under mpirun: a tiny Llama on 3 processes and on 8, tree and ring,
-#     decodes the tokens one process decodes.
+#     decodes the tokens one process decodes; so does a longer prompt prefilled in pieces on
+#     3 (its later pieces merge by reduce-scatter).
 #  6. `bench decode` under mpirun: one report of the 2-rank runs (every collective asked for
 #     and the ring), from rank 0 alone;
 #  7. `serve` under mpirun: the tiny model on 3 processes, tree and ring, answers every
@@ -129,6 +130,21 @@ assert len(toks[0]) == 16 and toks[1] == toks[0] and toks[2] == toks[0], toks
 assert docs[1]['ranks'] == int(sys.argv[1]) and docs[2]['strategy'] == 'ring', docs
 " $np "$one" "$tree" "$ring"; then ok "generate on $np MPI ranks (tree and ring) equals one process"; else bad "generate under mpirun -np $np"; fi
 done
+# 148 tokens in pieces of 48 (a page of 16 a rank): four pieces over 3 processes, the first
+# token's logits within 1e-4 of one process's and the same tokens.
+long_prompt=$(printf 'the quick brown fox jumps over the lazy dog %.0s' $(seq 1 5))
+pieces() { "$@" generate --model "$MODEL" --prompt "$long_prompt" --max-tokens 8 --prefill-chunk 16 --logits --json; }
+one=$(pieces timeout 120 "$BIN")
+if split=$(pieces timeout 120 mpirun "${ROOT[@]}" --oversubscribe -np 3 "$BIN") &&
+   python3 -c "
+import json, sys
+one, split = (json.loads(a) for a in sys.argv[1:])
+assert one['prompt_tokens'] > 144, one['prompt_tokens']
+toks = [d['samples'][0]['tokens'] for d in (one, split)]
+assert split['ranks'] == 3 and toks[1] == toks[0], toks
+a, b = one['logits']['first'], split['logits']['first']
+assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, 'first logits differ'
+" "$one" "$split"; then ok "a prompt in four pieces on 3 MPI ranks equals one process"; else bad "a prompt in pieces under mpirun -np 3"; fi
 
 # 6. bench decode on 2 MPI ranks: rank 0 alone prints one JSON document, with a row per
 #    context and strategy, each timed.

@@ -3,7 +3,8 @@
 //!   every layer, every rank running its chunk of the piece; in the first piece a layer's
 //!   keys and values are gathered from every rank and each rank attends its own rows to them;
 //!   in a later piece its queries are gathered, each rank attends them to the prompt keys it
-//!   holds (read from its cache), and the partial states merge across ranks, as decode's do;
+//!   holds (read from its cache), and the partial states merge across ranks, each rank
+//!   receiving its own rows' (a reduce-scatter, where decode's merge is an all-reduce);
 //! - a chunk of a prompt whose earlier tokens are cached already (a shared prefix, earlier
 //!   chunks), as a server prefills: each rank runs the chunk's rows whose KV it stores, and
 //!   every row attends causally to the chunk's rows and, through the engine's
@@ -21,8 +22,7 @@ use crate::{Result, RuntimeError};
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::data::splitmix64;
 use canopy_engine::{
-    Backend, CachedKeys, FillRun, KeyBlock, LayerOps, MergeCollective, NodeLayout, RankAttention,
-    StatesMerge, Transport,
+    Backend, CachedKeys, FillRun, KeyBlock, LayerOps, RankAttention, StatesMerge, Transport,
 };
 use std::borrow::Cow;
 use std::ops::Range;
@@ -355,8 +355,8 @@ impl ChunkWindows {
 /// keys and values (the padding's keys at a position past every query's). At each layer of a
 /// later piece, every rank attends the piece's gathered queries to the prompt keys it holds so
 /// far, its chunks of this piece and the earlier ones, where its cache keeps them (a query
-/// sees the keys at or before its position); the partial states merge across ranks, and each
-/// rank keeps its own rows. A rank's attention work is its share of the keys, and the
+/// sees the keys at or before its position); the partial states merge across ranks in a
+/// reduce-scatter ([`StatesMerge::run_scattered`]), which leaves each rank its own rows'. A rank's attention work is its share of the keys, and the
 /// activations are bounded by the piece, not the prompt.
 pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
@@ -371,7 +371,6 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     let shape = layers.attn_shape();
     let num_layers = layers.num_layers();
     let passes = kv.pieces().len() * num_layers;
-    let layout = NodeLayout::single(ranks);
     let last = req.prompt.len() - 1;
     let mut logits = vec![0.0; layers.config.vocab_size];
     let mut held = HeldKeys::default();
@@ -463,11 +462,11 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                         let mut states = backend.empty_states(&shape, gathered.len())?;
                         let keys = held.in_cache(cache);
                         backend.cached_attention(&shape, q, &gathered, keys, &mut states)?;
-                        let how = MergeCollective::Allreduce2;
                         let merge = merge.as_mut().ok_or_else(|| {
                             RuntimeError::Protocol("a piece gathered queries unmerged".into())
                         })?;
-                        merge.run(backend, comm, &mut states, how, &layout)?;
+                        // The gathered rows are rank-major: each rank reads its own block.
+                        merge.run_scattered(backend, comm, &mut states)?;
                         backend.states_output(&states, all)?;
                         let own_rows: Vec<usize> = match read {
                             None => (0..width).map(|r| rank * width + r).collect(),
