@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# `generate`'s sequence-parallel prefill on 2 ranks of one GPU against a base build:
-# `bench decode` on the 8B shape with random weights (prefill chunks of 8K, so a piece is 16K
-# tokens at 2 ranks), contexts CONTEXTS (default 16K,32K), at 1 rank and at 2, tree and ring,
-# with each binary of BINS (name=path; default new=.device/canopy base=.device/canopy-base), in
+# `generate`'s sequence-parallel prefill on ranks of one GPU against a base build: `bench
+# decode` on the 8B shape with random weights (prefill chunks of 8K, so a piece is 16K tokens
+# at 2 ranks), contexts CONTEXTS (default 16K,32K), at RANKS ranks (default 1,2), STRATEGIES
+# (default tree,ring), with each binary of BINS (name=path; default new=.device/canopy base=.device/canopy-base), in
 # turn, ROUNDS rounds (default 2, the binaries in the other order in even rounds): each row's
 # prefill seconds and decode ms/token. Run from the repository root on the device machine.
 # Results: $OUT/decode-split.txt and $OUT/NAME-rROUND.json.
@@ -22,7 +22,7 @@ CONTEXTS=${CONTEXTS:-16K,32K}
       log "round $round, $name"
       json=$OUT/$name-r$round.json
       timeout $(( DEADLINE - SECONDS )) $bin bench decode --arch llama-3.1-8b --random-weights \
-        --backend cuda --context "$CONTEXTS" --ranks 1,2 --strategy tree,ring --decode 10 \
+        --backend cuda --context "$CONTEXTS" --ranks "${RANKS:-1,2}" --strategy "${STRATEGIES:-tree,ring}" --decode 10 \
         --json > "$json" 2> "${json%.json}.err" || tail -3 "${json%.json}.err"
       python3 -c 'import json, sys
 for x in json.load(open(sys.argv[1]))["rows"]:

@@ -70,10 +70,10 @@ T
 }
 # The carried test binaries: the layer-op and attention-block tests (the CUDA LayerOps against
 # the CPU), then the replay-equals-eager graph test and what moves the graph epoch, the staged
-# weight upload and the ops on logits, one line per test and a result line each, into
-# $OUT/tests.txt. Each binary's whole output goes to $OUT/tests/NAME.txt; a failing test's
-# message and the seeds of its random inputs (CANOPY_TEST_SEED, which replays them) are shown
-# with it.
+# weight upload, the ops on logits, the products' tuning and the transport of ranks on one
+# GPU, one line per test and a result line each, into $OUT/tests.txt. Each binary's whole
+# output goes to $OUT/tests/NAME.txt; a failing test's message and the seeds of its random
+# inputs (CANOPY_TEST_SEED, which replays them) are shown with it.
 device_test() {
   local name=$1 shown=$2
   shift 2
@@ -100,6 +100,8 @@ device_tests() {
     device_test logit_ops "" --test-threads 1
     log "product-tuning tests"
     device_test product_tuning "shapes chosen" --test-threads 1 --nocapture
+    log "transport tests (ranks as threads on the GPU)"
+    device_test device_world "" --test-threads 1
   } 2>&1 | tee "$OUT/tests.txt"
 }
 # Builds tools/cupti_trace.c against the machine's CUPTI (the header's newest record types) and
