@@ -218,6 +218,32 @@ impl LayerOps for CpuBackend {
         Ok(())
     }
 
+    fn gather_states(&self, src: &AttnStates, rows: &[usize], out: &mut AttnStates) -> Result<()> {
+        let (heads, d) = (src.heads, src.head_dim);
+        expect_size(
+            "cpu",
+            "gather_states",
+            "the output's heads",
+            out.heads,
+            heads,
+        )?;
+        expect_size(
+            "cpu",
+            "gather_states",
+            "the output's head size",
+            out.head_dim,
+            d,
+        )?;
+        expect_gather("cpu", rows, src.rows, out.rows)?;
+        for (i, &from) in rows.iter().enumerate() {
+            out.lse[i * heads..(i + 1) * heads]
+                .copy_from_slice(&src.lse[from * heads..(from + 1) * heads]);
+            let (to, from) = (i * heads * d, from * heads * d);
+            out.o[to..to + heads * d].copy_from_slice(&src.o[from..from + heads * d]);
+        }
+        Ok(())
+    }
+
     fn tensor_buf<'t>(&self, t: &'t HostMatrix) -> &'t Vec<f32> {
         &t.data
     }

@@ -193,6 +193,15 @@ pub trait LayerOps: MergeOps {
     /// rows a pass needs logits of, without the rest.
     fn gather_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor)
         -> Result<()>;
+    /// Row `rows[i]` of `src`'s states (every head's output and lse) into row `i` of `out`
+    /// (same heads and head size, `rows.len()` rows): states put in the order a collective
+    /// splits them.
+    fn gather_states(
+        &self,
+        src: &Self::States,
+        rows: &[usize],
+        out: &mut Self::States,
+    ) -> Result<()>;
     /// Rows `first..first + out.rows` of `src` into `out` (same columns).
     fn copy_rows(&self, src: &Self::Tensor, first: usize, out: &mut Self::Tensor) -> Result<()> {
         let (have, n) = (self.dims(src).0, self.dims(out).0);

@@ -264,7 +264,7 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
     /// Attention of `q` over `kv` (this rank's storage, laid out as the plans say), merged
     /// over every rank: each rank gets the same states, in the backend's memory.
     pub fn attend(&mut self, kv: &B::Kv, q: &B::Queries) -> Result<&B::States> {
-        Ok(self.attend_with(kv, q, None, None)?.0)
+        Ok(self.attend_with(kv, q, None)?.0)
     }
 
     /// [`RankAttention::attend`], with the tree's cross-rank merge timed on the host clock:
@@ -279,26 +279,36 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         q: &B::Queries,
         settle: &dyn Fn() -> Result<()>,
     ) -> Result<(&B::States, Option<f64>)> {
-        self.attend_with(kv, q, Some(settle), None)
+        self.attend_with(kv, q, Some(settle))
     }
 
-    /// The tree's [`RankAttention::attend`] with `own` folded in: `own` holds this rank's
-    /// states of the same queries over keys the plan leaves out (a prompt chunk's own keys,
-    /// which each rank holds a part of), merged into the rank's states before the cross-rank
-    /// merge, so that one merge serves both. The ring, whose ranks each end with the whole
-    /// context's states, has no merge to share: it refuses.
-    pub fn attend_folding(
+    /// The tree's [`RankAttention::attend`] with `own` folded in and no cross-rank merge:
+    /// this rank's states of `q` over its keys, `own` holding its states of the same queries
+    /// over keys the plan leaves out (a prompt chunk's own keys, which each rank holds a part
+    /// of). The caller merges them across the ranks as it needs them: a prefill pass's rank
+    /// needs only its own rows ([`crate::StatesMerge::run_scattered`]). The ring, whose ranks
+    /// each end with the whole context's states, refuses.
+    pub fn attend_local(
         &mut self,
         kv: &B::Kv,
         q: &B::Queries,
         own: &B::States,
     ) -> Result<&B::States> {
-        if !matches!(self.kind, Kind::Tree { .. }) {
+        let backend = self.backend;
+        let Kind::Tree {
+            plan,
+            partials,
+            local,
+            ..
+        } = &mut self.kind
+        else {
             return Err(EngineError::Config(
-                "the ring has no cross-rank merge to fold a rank's own states into".into(),
+                "the ring has no rank-local states to fold a rank's own states into".into(),
             ));
-        }
-        Ok(self.attend_with(kv, q, None, Some(own))?.0)
+        };
+        stage_step(backend, self.poison, kv, q, plan, partials, local)?;
+        backend.merge_into(local, own)?;
+        Ok(local)
     }
 
     fn attend_with(
@@ -306,15 +316,10 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         kv: &B::Kv,
         q: &B::Queries,
         settle: Option<&dyn Fn() -> Result<()>>,
-        own: Option<&B::States>,
     ) -> Result<(&B::States, Option<f64>)> {
         let (backend, comm, poison) = (self.backend, self.comm, self.poison);
         let run = |kv: &B::Kv, plan: &B::Plan, partials: &mut B::States, out: &mut B::States| {
-            if poison {
-                backend.poison(partials)?;
-                backend.poison(out)?;
-            }
-            backend.step(kv, q, plan, partials, out)
+            stage_step(backend, poison, kv, q, plan, partials, out)
         };
         match &mut self.kind {
             Kind::Tree {
@@ -327,9 +332,6 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 ..
             } => {
                 run(kv, plan, partials, local)?;
-                if let Some(own) = own {
-                    backend.merge_into(local, own)?;
-                }
                 let Some(settle) = settle else {
                     merge.run(backend, comm, local, *how, layout)?;
                     return Ok((local, None));
@@ -410,6 +412,24 @@ impl<B: LayerOps, C: Transport<B>> RankAttention<'_, B, C> {
             None => Ok((self.attend(kv, q)?, false)),
         }
     }
+}
+
+/// A rank's stages 1 and 2 of `q` over `kv` by `plan` into `out`, its partials and output
+/// poisoned first where asked (so that a value no stage wrote shows).
+fn stage_step<B: MergeOps>(
+    backend: &B,
+    poison: bool,
+    kv: &B::Kv,
+    q: &B::Queries,
+    plan: &B::Plan,
+    partials: &mut B::States,
+    out: &mut B::States,
+) -> Result<()> {
+    if poison {
+        backend.poison(partials)?;
+        backend.poison(out)?;
+    }
+    backend.step(kv, q, plan, partials, out)
 }
 
 /// The tree's step buffers for an uploaded `plan` of `queries` queries: its partials, the
