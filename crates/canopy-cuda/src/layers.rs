@@ -536,27 +536,11 @@ impl LayerOps for CudaBackend {
         )?;
         expect_gather("cuda", rows, src.rows, out.rows)?;
         out.drop_rounded();
-        // One copy per run of consecutive rows.
-        let cols = src.cols;
-        let mut at = 0;
-        while at < rows.len() {
-            let run = 1 + rows[at + 1..]
-                .iter()
-                .zip(&rows[at..])
-                .take_while(|(next, prev)| **next == **prev + 1)
-                .count();
-            let (from, to, n) = (rows[at] * cols, at * cols, run * cols);
-            if n > 0 {
-                self.stream
-                    .memcpy_dtod(
-                        &src.data.slice(from..from + n),
-                        &mut out.data.slice_mut(to..to + n),
-                    )
-                    .ctx("cuMemcpyDtoDAsync")?;
-            }
-            at += run;
-        }
-        Ok(())
+        Ok(self.copy_row_runs(&src.data, &mut out.data, rows, src.cols)?)
+    }
+
+    fn gather_states(&self, src: &CudaStates, rows: &[usize], out: &mut CudaStates) -> EResult<()> {
+        self.gather_state_rows(src, rows, out)
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> EResult<()> {

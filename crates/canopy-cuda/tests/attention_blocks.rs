@@ -3,7 +3,7 @@
 //! the prefill's tensor-core kernel (16-bit keys), blocks merged in any order, and rows with
 //! windows (the keys from a row's start to its position) as a serving pass's chunks attend;
 //! and the attention outputs that the kernels finishing them write as the output projection's
-//! operand, against the states' path.
+//! operand, against the states' path; and states gathered by rows.
 //!
 //! Without a GPU (no driver, no device, no NVRTC) every test prints why and passes. The seed
 //! is printed; `CANOPY_TEST_SEED` repeats a run.
@@ -15,7 +15,7 @@ use compare::{check, poisoned, values};
 
 use canopy_core::{AttnShape, AttnStates, DType, Group, Plan, TypedVec};
 use canopy_cuda::CudaBackend;
-use canopy_engine::{CachedKeys, CpuBackend, KeyBlock, LayerOps, Result};
+use canopy_engine::{Backend, CachedKeys, CpuBackend, KeyBlock, LayerOps, Result};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -517,4 +517,53 @@ fn identity(cols: usize) -> Vec<f32> {
     (0..cols * cols)
         .map(|i| if i / cols == i % cols { 1.0 } else { 0.0 })
         .collect()
+}
+
+/// `gather_states` puts states' rows in a new order, exactly: rows in runs (one copy a run),
+/// alone and repeated, every head's output and lse.
+#[test]
+fn gathered_states_are_the_rows_asked_for() {
+    const TEST: &str = "gathered_states_are_the_rows_asked_for";
+    let Some(gpu) = gpu(TEST) else {
+        return;
+    };
+    let mut rng = rng(TEST);
+    let shape = AttnShape::new(8, 2, 64).unwrap();
+    let q_pos: Vec<u32> = (1..=9).collect();
+    let q = values(&mut rng, q_pos.len() * shape.q_row_elems(), 1.0);
+    let (k, v, positions) = block(&mut rng, &shape, (0..10).collect());
+    let run = |b: &CudaBackend| -> Result<(AttnStates, AttnStates)> {
+        let q = b.upload_tensor(&q, q_pos.len(), shape.q_row_elems())?;
+        let (k, v) = (
+            b.upload_tensor(&k, positions.len(), shape.kv_token_elems())?,
+            b.upload_tensor(&v, positions.len(), shape.kv_token_elems())?,
+        );
+        let keys = KeyBlock {
+            k: &k,
+            v: &v,
+            positions: &positions,
+            dtype: DType::F32,
+        };
+        let mut states = b.empty_states(&shape, q_pos.len())?;
+        b.causal_attention_from(&shape, &q, &q_pos, None, keys, &mut states)?;
+        let mut out = b.empty_states(&shape, ROWS.len())?;
+        b.poison(&mut out)?;
+        b.gather_states(&states, &ROWS, &mut out)?;
+        Ok((b.download(&states)?, b.download(&out)?))
+    };
+    const ROWS: [usize; 8] = [3, 4, 5, 0, 8, 8, 1, 2];
+    let (all, got) = run(&gpu).unwrap();
+    let (heads, row) = (shape.q_heads, shape.q_row_elems());
+    for (i, &r) in ROWS.iter().enumerate() {
+        assert_eq!(
+            got.lse[i * heads..(i + 1) * heads],
+            all.lse[r * heads..(r + 1) * heads],
+            "row {i}'s lse"
+        );
+        assert_eq!(
+            got.o[i * row..(i + 1) * row],
+            all.o[r * row..(r + 1) * row],
+            "row {i}'s output"
+        );
+    }
 }

@@ -10,11 +10,65 @@ use crate::descriptors::CudaPlan;
 use crate::error::{DriverContext, Result};
 use crate::kv::CudaKv;
 use canopy_core::DType;
+use canopy_engine::layer_ops::{expect_gather, expect_size};
 use canopy_engine::{Backend, MergeOps};
 use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 impl CudaBackend {
+    /// Row `rows[i]` of `src` (`cols` values a row) into row `i` of `dst`: one copy per run of
+    /// consecutive rows.
+    pub(super) fn copy_row_runs(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        rows: &[usize],
+        cols: usize,
+    ) -> Result<()> {
+        let mut at = 0;
+        while at < rows.len() {
+            let run = 1
+                + (rows[at + 1..].iter().zip(&rows[at..]))
+                    .take_while(|(next, prev)| **next == **prev + 1)
+                    .count();
+            let (from, to, n) = (rows[at] * cols, at * cols, run * cols);
+            if n > 0 {
+                self.stream
+                    .memcpy_dtod(&src.slice(from..from + n), &mut dst.slice_mut(to..to + n))
+                    .ctx("cuMemcpyDtoDAsync")?;
+            }
+            at += run;
+        }
+        Ok(())
+    }
+
+    /// [`LayerOps::gather_states`](canopy_engine::LayerOps::gather_states).
+    pub(super) fn gather_state_rows(
+        &self,
+        src: &CudaStates,
+        rows: &[usize],
+        out: &mut CudaStates,
+    ) -> EResult<()> {
+        let (heads, d) = (src.heads, src.head_dim);
+        expect_size(
+            "cuda",
+            "gather_states",
+            "the output's heads",
+            out.heads,
+            heads,
+        )?;
+        expect_size(
+            "cuda",
+            "gather_states",
+            "the output's head size",
+            out.head_dim,
+            d,
+        )?;
+        expect_gather("cuda", rows, src.rows, out.rows)?;
+        self.copy_row_runs(&src.o, &mut out.o, rows, heads * d)?;
+        Ok(self.copy_row_runs(&src.lse, &mut out.lse, rows, heads)?)
+    }
+
     /// [`LayerOps::states_output`](canopy_engine::LayerOps::states_output): a copy of the
     /// states' outputs, or their rounded copy alone where `out` is a 16-bit operand.
     pub(super) fn output_of_states(&self, states: &CudaStates, out: &mut CudaTensor) -> Result<()> {
