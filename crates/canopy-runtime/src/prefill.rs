@@ -21,6 +21,7 @@ use crate::rank::GenerateRequest;
 use crate::{Result, RuntimeError};
 use canopy_comm::{Collective, ReduceOp};
 use canopy_core::data::splitmix64;
+use canopy_core::AttnShape;
 use canopy_engine::{
     Backend, CachedKeys, FillRun, KeyBlock, LayerOps, RankAttention, StatesMerge, Transport,
 };
@@ -96,7 +97,8 @@ fn through_layers<B: LayerOps>(
 /// a cached context, the ranks gather every row's key and value and each attends its own
 /// rows' queries to them; with one, they gather every row's query, each rank attends them
 /// all to the chunk keys it holds (its own rows') and to its part of the cached context, and
-/// the partial states merge across ranks. Each rank keeps its own rows' output. The last
+/// the partial states merge across ranks in a reduce-scatter that leaves each rank its own
+/// rows'. Each rank keeps its own rows' output. The last
 /// layer's rows are gathered from every rank at the end.
 pub(crate) fn prefill_chunks<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
@@ -233,11 +235,16 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
     let kv_cols = shape.kv_token_elems();
     let mut exchange: Exchange<B> = match cached.is_some() {
         // Every row's query comes to every rank, which attends them all to its own rows' keys
-        // and its part of the cached context; the states merge across ranks in the cached
-        // attention's merge.
+        // and its part of the cached context; the states merge across ranks, each rank
+        // receiving its own rows'.
         true => Exchange::Queries {
             q: backend.output_tensor(ranks * width, cols)?,
-            out: backend.output_tensor(n, cols)?,
+            merge: StatesMerge::new(
+                backend,
+                ranks * width * shape.q_heads,
+                shape.head_dim,
+                ranks,
+            )?,
         },
         // Every row's key and value comes to every rank, which attends its own rows' queries
         // to them: nothing to merge.
@@ -251,10 +258,12 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
     let own_q_from: Option<Vec<u32>> =
         (windows.q_from.as_ref()).map(|from| mine.iter().map(|&r| from[r]).collect());
     let places = split.gathered_places();
+    let blocked_rows: Vec<usize> = (0..ranks).flat_map(|r| split.padded(r)).collect();
+    let own_block: Vec<usize> = (rank * width..(rank + 1) * width).collect();
     let attend = &mut |cache: &B::Kv, qkv: Qkv<B>, _: Option<&[usize]>, out: &mut B::Tensor| {
         let dtype = backend.kv_dtype(cache);
-        let (cached, q, all) = match (&mut exchange, cached.as_deref_mut()) {
-            (Exchange::Queries { q, out }, Some(cached)) => (cached, q, out),
+        let (cached, q, merge) = match (&mut exchange, cached.as_deref_mut()) {
+            (Exchange::Queries { q, merge }, Some(cached)) => (cached, q, merge),
             (Exchange::Keys { k, v }, _) => {
                 all_gather_rows(backend, comm, &qkv.k, width, k)?;
                 all_gather_rows(backend, comm, &qkv.v, width, v)?;
@@ -288,9 +297,12 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
         let (q_pos, q_from) = (&windows.q_pos, windows.q_from.as_deref());
         backend.causal_attention_from(&shape, &pass_q, q_pos, q_from, own, &mut states)?;
         let pass_q = backend.take_queries(&shape, pass_q)?;
-        let merged = cached.attend_folding(cache, &pass_q, &states)?;
-        backend.states_output(merged, all)?;
-        Ok(backend.gather_rows(all, &mine, out)?)
+        let local = cached.attend_local(cache, &pass_q, &states)?;
+        // Each rank's rows in a block of its own, as the queries were gathered.
+        let mut blocked = backend.empty_states(&shape, ranks * width)?;
+        backend.gather_states(local, &blocked_rows, &mut blocked)?;
+        merge.run_scattered(backend, comm, &mut blocked)?;
+        own_states_output(backend, &shape, &blocked, &own_block, out)
     };
     let own_rows = PrefillRows {
         ids: &ids,
@@ -407,17 +419,13 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
             }),
             _ => Some(Exchange::Queries {
                 q: backend.tensor(gathered.len(), cols)?,
-                out: backend.tensor(gathered.len(), cols)?,
+                merge: StatesMerge::new(
+                    backend,
+                    gathered.len() * shape.q_heads,
+                    shape.head_dim,
+                    ranks,
+                )?,
             }),
-        };
-        let mut merge = match exchange {
-            Some(Exchange::Queries { .. }) => Some(StatesMerge::new(
-                backend,
-                gathered.len() * shape.q_heads,
-                shape.head_dim,
-                ranks,
-            )?),
-            _ => None,
         };
         // The piece's keys as gathered; the padding's are past every query's.
         let gathered_keys: Vec<u32> = (chunks.iter())
@@ -457,22 +465,18 @@ pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
                         backend.causal_attention(&shape, q, &q_pos, every, &mut states)?;
                         Ok(backend.states_output(&states, out)?)
                     }
-                    Some(Exchange::Queries { q, out: all }) => {
+                    Some(Exchange::Queries { q, merge }) => {
                         all_gather_rows(backend, comm, &qkv.q, width, q)?;
                         let mut states = backend.empty_states(&shape, gathered.len())?;
                         let keys = held.in_cache(cache);
                         backend.cached_attention(&shape, q, &gathered, keys, &mut states)?;
-                        let merge = merge.as_mut().ok_or_else(|| {
-                            RuntimeError::Protocol("a piece gathered queries unmerged".into())
-                        })?;
                         // The gathered rows are rank-major: each rank reads its own block.
                         merge.run_scattered(backend, comm, &mut states)?;
-                        backend.states_output(&states, all)?;
                         let own_rows: Vec<usize> = match read {
                             None => (0..width).map(|r| rank * width + r).collect(),
                             Some(read) => read.iter().map(|r| rank * width + r).collect(),
                         };
-                        Ok(backend.gather_rows(all, &own_rows, out)?)
+                        own_states_output(backend, &shape, &states, &own_rows, out)
                     }
                 }
             };
@@ -509,9 +513,23 @@ enum Exchange<B: LayerOps> {
     /// Every rank's keys and values (gathered), to which each rank attends its own rows: a
     /// pass whose queries see no keys the ranks held before it.
     Keys { k: B::Tensor, v: B::Tensor },
-    /// Every rank's queries (gathered) and their attention output: a pass whose queries also
-    /// see keys each rank held before it, whose states merge across ranks.
-    Queries { q: B::Tensor, out: B::Tensor },
+    /// Every rank's queries (gathered) and the merge of their states: a pass whose queries
+    /// also see keys each rank held before it, whose states merge across ranks, each rank
+    /// receiving its own rows' ([`StatesMerge::run_scattered`]).
+    Queries { q: B::Tensor, merge: StatesMerge<B> },
+}
+
+/// Rows `rows` of `states` as attention output (`out`, `rows.len()` rows).
+fn own_states_output<B: LayerOps>(
+    backend: &B,
+    shape: &AttnShape,
+    states: &B::States,
+    rows: &[usize],
+    out: &mut B::Tensor,
+) -> Result<()> {
+    let mut own = backend.empty_states(shape, rows.len())?;
+    backend.gather_states(states, rows, &mut own)?;
+    Ok(backend.states_output(&own, out)?)
 }
 
 /// Every rank's `rows` rows of `mine` into `every`, in rank order.

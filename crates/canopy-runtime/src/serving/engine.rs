@@ -540,25 +540,19 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
         Ok(())
     }
 
-    /// A prefill pass's attention over this rank's `view`, its states merged across the ranks
-    /// as the tree's decode merges them; a ring server's all-reduce. The pass's rows meet
-    /// across the ranks at every layer anyway (`prefill_chunks`), and passing every shard
-    /// around the ring would attend every row to every shard on every rank.
+    /// A prefill pass's attention over this rank's `view`, on a ring server too: its rank-local
+    /// states merge across the ranks in the pass (`prefill_chunks`), whose rows meet across the
+    /// ranks at every layer anyway; passing every shard around the ring would attend every row
+    /// to every shard on every rank. It never merges by itself, so its collective is moot.
     fn prefill_attention(&self, view: &RankSnapshot) -> Result<RankAttention<'a, B, C>> {
-        let (how, layout) = match &self.merge {
-            Some((how, layout)) => (*how, layout.clone()),
-            None => (
-                MergeCollective::Allreduce2,
-                NodeLayout::single(self.comm.size()),
-            ),
-        };
+        let layout = NodeLayout::single(self.comm.size());
         let plan = self.plan_of(view, 0)?;
         Ok(RankAttention::tree(
             self.backend,
             self.comm,
             self.shape,
             &plan,
-            how,
+            MergeCollective::Allreduce2,
             layout,
         )?)
     }
