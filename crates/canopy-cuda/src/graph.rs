@@ -65,10 +65,15 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Whether a capture is running on this backend.
+    pub(crate) fn capturing(&self) -> bool {
+        self.graph.capturing.load(Ordering::SeqCst)
+    }
+
     /// An error if a capture is running: `what` would bake host data or a lasting buffer into
     /// the recording.
     pub(crate) fn refuse_while_capturing(&self, what: &str) -> Result<()> {
-        if self.graph.capturing.load(Ordering::SeqCst) {
+        if self.capturing() {
             return Err(CudaError::Unsupported(format!(
                 "{what} inside a recorded decode pass: stage the step's inputs before recording"
             )));

@@ -536,7 +536,8 @@ impl LayerOps for CudaBackend {
         )?;
         expect_gather("cuda", rows, src.rows, out.rows)?;
         out.drop_rounded();
-        Ok(self.copy_row_runs(&src.data, &mut out.data, rows, src.cols)?)
+        let input = StepInput::GatherRows;
+        Ok(self.copy_row_runs(&src.data, &mut out.data, rows, src.cols, input)?)
     }
 
     fn gather_states(&self, src: &CudaStates, rows: &[usize], out: &mut CudaStates) -> EResult<()> {

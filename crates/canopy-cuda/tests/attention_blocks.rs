@@ -519,8 +519,8 @@ fn identity(cols: usize) -> Vec<f32> {
         .collect()
 }
 
-/// `gather_states` puts states' rows in a new order, exactly: rows in runs (one copy a run),
-/// alone and repeated, every head's output and lse.
+/// `gather_states` puts states' rows in a new order, exactly: rows in a few runs (one copy a
+/// run) and in many (one launch), alone and repeated, every head's output and lse.
 #[test]
 fn gathered_states_are_the_rows_asked_for() {
     const TEST: &str = "gathered_states_are_the_rows_asked_for";
@@ -532,7 +532,7 @@ fn gathered_states_are_the_rows_asked_for() {
     let q_pos: Vec<u32> = (1..=9).collect();
     let q = values(&mut rng, q_pos.len() * shape.q_row_elems(), 1.0);
     let (k, v, positions) = block(&mut rng, &shape, (0..10).collect());
-    let run = |b: &CudaBackend| -> Result<(AttnStates, AttnStates)> {
+    let run = |b: &CudaBackend, rows: &[usize]| -> Result<(AttnStates, AttnStates)> {
         let q = b.upload_tensor(&q, q_pos.len(), shape.q_row_elems())?;
         let (k, v) = (
             b.upload_tensor(&k, positions.len(), shape.kv_token_elems())?,
@@ -546,24 +546,25 @@ fn gathered_states_are_the_rows_asked_for() {
         };
         let mut states = b.empty_states(&shape, q_pos.len())?;
         b.causal_attention_from(&shape, &q, &q_pos, None, keys, &mut states)?;
-        let mut out = b.empty_states(&shape, ROWS.len())?;
+        let mut out = b.empty_states(&shape, rows.len())?;
         b.poison(&mut out)?;
-        b.gather_states(&states, &ROWS, &mut out)?;
+        b.gather_states(&states, rows, &mut out)?;
         Ok((b.download(&states)?, b.download(&out)?))
     };
-    const ROWS: [usize; 8] = [3, 4, 5, 0, 8, 8, 1, 2];
-    let (all, got) = run(&gpu).unwrap();
     let (heads, row) = (shape.q_heads, shape.q_row_elems());
-    for (i, &r) in ROWS.iter().enumerate() {
-        assert_eq!(
-            got.lse[i * heads..(i + 1) * heads],
-            all.lse[r * heads..(r + 1) * heads],
-            "row {i}'s lse"
-        );
-        assert_eq!(
-            got.o[i * row..(i + 1) * row],
-            all.o[r * row..(r + 1) * row],
-            "row {i}'s output"
-        );
+    for rows in [&[2, 3, 4, 7][..], &[3, 4, 5, 0, 8, 8, 1, 2, 6, 6, 0]] {
+        let (all, got) = run(&gpu, rows).unwrap();
+        for (i, &r) in rows.iter().enumerate() {
+            assert_eq!(
+                got.lse[i * heads..(i + 1) * heads],
+                all.lse[r * heads..(r + 1) * heads],
+                "row {i} of {rows:?}: lse"
+            );
+            assert_eq!(
+                got.o[i * row..(i + 1) * row],
+                all.o[r * row..(r + 1) * row],
+                "row {i} of {rows:?}: output"
+            );
+        }
     }
 }

@@ -79,6 +79,17 @@ extern "C" __global__ void combine_pair(float* __restrict__ acc_o, float* __rest
     if (threadIdx.x == 0) acc_lse[c] = den > 0.f ? M + __logf(den) : NEG_INF;
 }
 
+// Row rows[i] of src (cols values a row) into row i of dst, in one launch however the rows
+// run: states and activations put in the order a collective or a pass reads them.
+extern "C" __global__ void gather_rows(const float* __restrict__ src, const u32* __restrict__ rows,
+                                       u32 count, u32 cols, float* __restrict__ dst) {
+    const u64 n = (u64)count * cols;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / cols;
+        dst[i] = src[(u64)rows[r] * cols + (i - r * cols)];
+    }
+}
+
 // The in-device transport's all-reduce (canopy-cuda's `device_world`): `slots` holds `count`
 // ranks' copies of `n` values, rank by rank; out[i] = the fold of slot 0, 1, ... at i, in rank
 // order, with `op` REDUCE_SUM or REDUCE_MAX (defined by the kernel registry). Every

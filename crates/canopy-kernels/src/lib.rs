@@ -155,6 +155,7 @@ impl Id {
                 "combine_finish",
                 "combine_gathered",
                 "combine_pair",
+                "gather_rows",
                 "reduce_slots",
                 "peer_merge",
             ],

@@ -85,6 +85,10 @@ pub(crate) enum StepInput {
     KeyPositions,
     /// The cache slots of the keys a prefill's attention reads.
     KeySlots,
+    /// The rows an activation gather reads, where they run in many pieces.
+    GatherRows,
+    /// The rows a states gather reads, where they run in many pieces.
+    StateRows,
 }
 
 impl StepInput {

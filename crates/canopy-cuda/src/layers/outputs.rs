@@ -4,7 +4,8 @@
 //! finishes the states writes that copy itself where it can (the merge of a rank's partials,
 //! or of a prompt chunk's two blocks of keys), so that no kernel of its own rounds them.
 
-use super::{same_dims, CudaTensor};
+use super::gemm::StepInput;
+use super::{narrow, same_dims, CudaTensor};
 use crate::backend::{CudaBackend, CudaQueries, CudaStates, EResult};
 use crate::descriptors::CudaPlan;
 use crate::error::{DriverContext, Result};
@@ -15,16 +16,42 @@ use canopy_engine::{Backend, MergeOps};
 use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
+/// The most runs of rows a gather copies one by one; more take one kernel launch.
+const COPIES_AT_MOST: usize = 4;
+
 impl CudaBackend {
     /// Row `rows[i]` of `src` (`cols` values a row) into row `i` of `dst`: one copy per run of
-    /// consecutive rows.
+    /// consecutive rows, or, where the rows run in more pieces than [`COPIES_AT_MOST`], one
+    /// `gather_rows` launch (`combine.cu`) reading them as `input` (a recording takes the
+    /// copies: it stages no such input).
     pub(super) fn copy_row_runs(
         &self,
         src: &CudaSlice<f32>,
         dst: &mut CudaSlice<f32>,
         rows: &[usize],
         cols: usize,
+        input: StepInput,
     ) -> Result<()> {
+        let runs = 1 + rows.windows(2).filter(|w| w[1] != w[0] + 1).count();
+        if rows.is_empty() || cols == 0 {
+            return Ok(());
+        }
+        if runs > COPIES_AT_MOST && !self.capturing() {
+            let (count, width) = (
+                narrow("gather_rows", rows.len())?,
+                narrow("gather_rows", cols)?,
+            );
+            let picks: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let picks = self.upload_step_input(input, &picks)?;
+            let f = self.function(Kernel::Combine("gather_rows"))?;
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(src).arg(&*picks).arg(&count).arg(&width).arg(dst);
+            // SAFETY: every row is below the source's rows (the caller checked), and `dst`
+            // holds count × cols values.
+            unsafe { b.launch(self.elementwise(rows.len() * cols)) }
+                .ctx("launching gather_rows")?;
+            return Ok(());
+        }
         let mut at = 0;
         while at < rows.len() {
             let run = 1
@@ -32,11 +59,9 @@ impl CudaBackend {
                     .take_while(|(next, prev)| **next == **prev + 1)
                     .count();
             let (from, to, n) = (rows[at] * cols, at * cols, run * cols);
-            if n > 0 {
-                self.stream
-                    .memcpy_dtod(&src.slice(from..from + n), &mut dst.slice_mut(to..to + n))
-                    .ctx("cuMemcpyDtoDAsync")?;
-            }
+            self.stream
+                .memcpy_dtod(&src.slice(from..from + n), &mut dst.slice_mut(to..to + n))
+                .ctx("cuMemcpyDtoDAsync")?;
             at += run;
         }
         Ok(())
@@ -65,8 +90,8 @@ impl CudaBackend {
             d,
         )?;
         expect_gather("cuda", rows, src.rows, out.rows)?;
-        self.copy_row_runs(&src.o, &mut out.o, rows, heads * d)?;
-        Ok(self.copy_row_runs(&src.lse, &mut out.lse, rows, heads)?)
+        self.copy_row_runs(&src.o, &mut out.o, rows, heads * d, StepInput::StateRows)?;
+        Ok(self.copy_row_runs(&src.lse, &mut out.lse, rows, heads, StepInput::StateRows)?)
     }
 
     /// [`LayerOps::states_output`](canopy_engine::LayerOps::states_output): a copy of the
