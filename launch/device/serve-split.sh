@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# A served prompt's prefill on several ranks of one GPU, where each rank runs the rows whose
-# KV it stores, against a base build where every rank runs every row:
+# A served prompt's prefill on several ranks of one GPU, each rank running the rows whose KV
+# it stores, against a base build:
 # 1. the tiny fixture model (f32) served on the GPU at 2 ranks, tree and ring, against the
 #    CPU at one rank (serve_fields.py check: texts equal, log-probabilities within 2e-3);
 # 2. `canopy bench serve` on the 8B shape with random weights, one random 16K-token prompt at
 #    a time (two prompt chunks of 8K, the second over the first's cached KV), 4 output tokens,
-#    at 1 rank and at 2 (tree and ring), with each binary of BINS (name=path; default
-#    new=.device/canopy base=.device/canopy-base), in turn; the TTFT of each.
+#    at each RANKS:STRATEGY of RUNS (default "1:tree 2:tree 2:ring"), with each binary of
+#    BINS (name=path; default new=.device/canopy base=.device/canopy-base), in turn; the TTFT
+#    of each.
 # Run from the repository root on the device machine. Results: $OUT/split.txt and
 # $OUT/bench-NAME-RANKS-STRATEGY-rROUND.json (round 2 runs the binaries in the other order).
 set -uo pipefail
@@ -32,8 +33,8 @@ BINS=${BINS:-new=.device/canopy base=.device/canopy-base}
     [ $round = 2 ] && order=$(echo $BINS | tr ' ' '\n' | tac | tr '\n' ' ')
     for entry in $order; do
       name=${entry%%=*} bin=${entry#*=}
-      for run in "1 tree" "2 tree" "2 ring"; do
-        set -- $run
+      for run in ${RUNS:-1:tree 2:tree 2:ring}; do
+        set -- ${run/:/ }
         [ "$(left)" -lt 60 ] && { log "stopped: $(left) s left"; break 3; }
         log "round $round, $name, $1 ranks, $2"
         json=$OUT/bench-$name-$1-$2-r$round.json
