@@ -9,7 +9,8 @@ use crate::cpu_weight::CpuWeight;
 use crate::host_ops::{causal_attention, rms_norm, rope_in_place, swiglu, CodedPanels};
 use crate::layer_ops::{
     check_logit_places, check_logprob_terms, check_pick_logits, check_softmax_totals,
-    check_top_logits, check_walk_tails, expect_gather, expect_size, KeyBlock, LayerOps, ModelNeeds,
+    check_top_logits, check_walk_tails, expect_gather, expect_size, expect_states_gather, KeyBlock,
+    LayerOps, ModelNeeds,
 };
 use crate::{Backend, EngineError, Result};
 use canopy_core::logits::{top_tokens, TailWalk};
@@ -220,21 +221,8 @@ impl LayerOps for CpuBackend {
 
     fn gather_states(&self, src: &AttnStates, rows: &[usize], out: &mut AttnStates) -> Result<()> {
         let (heads, d) = (src.heads, src.head_dim);
-        expect_size(
-            "cpu",
-            "gather_states",
-            "the output's heads",
-            out.heads,
-            heads,
-        )?;
-        expect_size(
-            "cpu",
-            "gather_states",
-            "the output's head size",
-            out.head_dim,
-            d,
-        )?;
-        expect_gather("cpu", rows, src.rows, out.rows)?;
+        let dims = |s: &AttnStates| (s.rows, s.heads, s.head_dim);
+        expect_states_gather("cpu", rows, dims(src), dims(out))?;
         for (i, &from) in rows.iter().enumerate() {
             out.lse[i * heads..(i + 1) * heads]
                 .copy_from_slice(&src.lse[from * heads..(from + 1) * heads]);

@@ -780,6 +780,25 @@ pub fn expect_gather(
     }
 }
 
+/// Refuses a states gather ([`LayerOps::gather_states`]) of `rows` from states of
+/// `(rows, heads, head size)` `src` into `out`.
+pub fn expect_states_gather(
+    backend: &'static str,
+    rows: &[usize],
+    src: (usize, usize, usize),
+    out: (usize, usize, usize),
+) -> Result<()> {
+    expect_size(backend, "gather_states", "the output's heads", out.1, src.1)?;
+    expect_size(
+        backend,
+        "gather_states",
+        "the output's head size",
+        out.2,
+        src.2,
+    )?;
+    expect_gather(backend, rows, src.0, out.0)
+}
+
 /// Refuses a buffer of `len` values where an op reads or writes `need`.
 pub fn expect_room(backend: &'static str, op: &str, len: usize, need: usize) -> Result<()> {
     if need <= len {

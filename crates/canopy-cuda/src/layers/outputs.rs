@@ -11,7 +11,7 @@ use crate::descriptors::CudaPlan;
 use crate::error::{DriverContext, Result};
 use crate::kv::CudaKv;
 use canopy_core::DType;
-use canopy_engine::layer_ops::{expect_gather, expect_size};
+use canopy_engine::layer_ops::expect_states_gather;
 use canopy_engine::{Backend, MergeOps};
 use canopy_kernels::Kernel;
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -75,21 +75,8 @@ impl CudaBackend {
         out: &mut CudaStates,
     ) -> EResult<()> {
         let (heads, d) = (src.heads, src.head_dim);
-        expect_size(
-            "cuda",
-            "gather_states",
-            "the output's heads",
-            out.heads,
-            heads,
-        )?;
-        expect_size(
-            "cuda",
-            "gather_states",
-            "the output's head size",
-            out.head_dim,
-            d,
-        )?;
-        expect_gather("cuda", rows, src.rows, out.rows)?;
+        let dims = |s: &CudaStates| (s.rows, s.heads, s.head_dim);
+        expect_states_gather("cuda", rows, dims(src), dims(out))?;
         self.copy_row_runs(&src.o, &mut out.o, rows, heads * d, StepInput::StateRows)?;
         Ok(self.copy_row_runs(&src.lse, &mut out.lse, rows, heads, StepInput::StateRows)?)
     }
