@@ -98,8 +98,8 @@ fn through_layers<B: LayerOps>(
 /// rows' queries to them; with one, they gather every row's query, each rank attends them
 /// all to the chunk keys it holds (its own rows') and to its part of the cached context, and
 /// the partial states merge across ranks in a reduce-scatter that leaves each rank its own
-/// rows'. Each rank keeps its own rows' output. The last
-/// layer's rows are gathered from every rank at the end.
+/// rows'. Each rank keeps its own rows' output. The last layer's rows are gathered from every
+/// rank at the end.
 pub(crate) fn prefill_chunks<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
@@ -368,8 +368,9 @@ impl ChunkWindows {
 /// later piece, every rank attends the piece's gathered queries to the prompt keys it holds so
 /// far, its chunks of this piece and the earlier ones, where its cache keeps them (a query
 /// sees the keys at or before its position); the partial states merge across ranks in a
-/// reduce-scatter ([`StatesMerge::run_scattered`]), which leaves each rank its own rows'. A rank's attention work is its share of the keys, and the
-/// activations are bounded by the piece, not the prompt.
+/// reduce-scatter ([`StatesMerge::run_scattered`]), which leaves each rank its own rows'. A
+/// rank's attention work is its share of the keys, and the activations are bounded by the
+/// piece, not the prompt.
 pub(crate) fn prefill<B: LayerOps, C: Collective + Transport<B>>(
     backend: &B,
     layers: &ModelLayers<B>,
