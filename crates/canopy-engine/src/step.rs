@@ -55,7 +55,8 @@ enum Kind<B: MergeOps> {
         plan: B::Plan,
         partials: B::States,
         local: B::States,
-        merge: StatesMerge<B>,
+        /// `None` for a tree whose caller merges its states ([`RankAttention::local`]).
+        merge: Option<StatesMerge<B>>,
     },
     Ring {
         shards: Vec<RingShard>,
@@ -87,9 +88,29 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 "the auto collective must be resolved to a concrete one before a step".into(),
             ));
         }
+        Self::tree_with(backend, comm, shape, plan, how, layout, true)
+    }
+
+    /// Tree attention over `plan` whose states its caller merges across the ranks
+    /// ([`RankAttention::attend_local`]): it holds no merge buffers, and
+    /// [`RankAttention::attend`] refuses on more than one rank (one has nothing to merge).
+    pub fn local(backend: &'a B, comm: &'a C, shape: AttnShape, plan: &Plan) -> Result<Self> {
+        let (how, layout) = (MergeCollective::Allreduce2, NodeLayout::single(comm.size()));
+        Self::tree_with(backend, comm, shape, plan, how, layout, false)
+    }
+
+    fn tree_with(
+        backend: &'a B,
+        comm: &'a C,
+        shape: AttnShape,
+        plan: &Plan,
+        how: MergeCollective,
+        layout: NodeLayout,
+        merged: bool,
+    ) -> Result<Self> {
         let queries = plan.num_queries();
         let plan = backend.upload_plan(&shape, plan)?;
-        let (partials, local, merge) = tree_buffers(backend, comm, &shape, &plan, queries)?;
+        let (partials, local, merge) = tree_buffers(backend, comm, &shape, &plan, queries, merged)?;
         Ok(RankAttention {
             backend,
             comm,
@@ -192,10 +213,11 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         self.comm.agree_max(vote)
     }
 
-    /// The merge the tree strategy runs (`None` for the ring).
+    /// The merge the tree strategy runs (`None` for the ring, and for a tree whose caller
+    /// merges).
     pub fn merge(&self) -> Option<MergeCollective> {
         match &self.kind {
-            Kind::Tree { how, .. } => Some(*how),
+            Kind::Tree { how, merge, .. } => merge.as_ref().map(|_| *how),
             Kind::Ring { .. } => None,
         }
     }
@@ -255,7 +277,9 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
         };
         if !backend.replan(shape, plan, new)? {
             let queries = new.num_queries();
-            (*partials, *local, *merge) = tree_buffers(backend, comm, shape, plan, queries)?;
+            let merged = merge.is_some();
+            (*partials, *local, *merge) =
+                tree_buffers(backend, comm, shape, plan, queries, merged)?;
             *generation = next_generation();
         }
         Ok(())
@@ -331,7 +355,17 @@ impl<'a, B: MergeOps, C: Transport<B>> RankAttention<'a, B, C> {
                 merge,
                 ..
             } => {
+                if merge.is_none() && comm.size() > 1 {
+                    return Err(EngineError::Config(
+                        "this tree attention leaves its merge to its caller: use attend_local"
+                            .into(),
+                    ));
+                }
                 run(kv, plan, partials, local)?;
+                // One rank has nothing to merge.
+                let Some(merge) = merge.as_mut() else {
+                    return Ok((local, settle.map(|_| 0.0)));
+                };
                 let Some(settle) = settle else {
                     merge.run(backend, comm, local, *how, layout)?;
                     return Ok((local, None));
@@ -432,24 +466,30 @@ fn stage_step<B: MergeOps>(
     backend.step(kv, q, plan, partials, out)
 }
 
+/// A tree's partials, its rank's states and its merge's buffers (if it merges).
+type TreeBuffers<B> = (
+    <B as crate::Backend>::States,
+    <B as crate::Backend>::States,
+    Option<StatesMerge<B>>,
+);
+
 /// The tree's step buffers for an uploaded `plan` of `queries` queries: its partials, the
-/// rank's merged states and the cross-rank merge's.
+/// rank's merged states and, where it `merged` them itself, the cross-rank merge's.
 fn tree_buffers<B: MergeOps, C: Transport<B>>(
     backend: &B,
     comm: &C,
     shape: &AttnShape,
     plan: &B::Plan,
     queries: usize,
-) -> Result<(B::States, B::States, StatesMerge<B>)> {
+    merged: bool,
+) -> Result<TreeBuffers<B>> {
+    let (cells, d, ranks) = (queries * shape.q_heads, shape.head_dim, comm.size());
     Ok((
         backend.alloc_partials(shape, plan)?,
         backend.alloc_states(shape, queries)?,
-        StatesMerge::new(
-            backend,
-            queries * shape.q_heads,
-            shape.head_dim,
-            comm.size(),
-        )?,
+        merged
+            .then(|| StatesMerge::new(backend, cells, d, ranks))
+            .transpose()?,
     ))
 }
 
@@ -513,6 +553,46 @@ mod tests {
             });
             for r in recordable {
                 assert_eq!(r.unwrap(), (ranks == 1, ranks == 1), "{ranks} rank(s)");
+            }
+        }
+    }
+
+    /// A tree left to its caller's merge attends alone on one rank, and on two gives the
+    /// rank-local states (with the own states folded in) but refuses to attend merged.
+    #[test]
+    fn a_local_tree_leaves_its_merge_to_its_caller() {
+        use crate::backend::Backend;
+        let shape = AttnShape::new(4, 2, 64).unwrap();
+        let tree = random_tree(3, 5, 30);
+        let shard = Shard::whole(&tree);
+        let planned = plan(
+            &TreeView::new(&tree, &shard),
+            Method::Auto,
+            &shape,
+            &PlannerConfig::default(),
+        )
+        .unwrap();
+        let problem = Problem::random(tree.clone(), shape, DType::F32, 4);
+        let queries = planned.num_queries();
+        for ranks in [1, 2] {
+            let out = ThreadWorld::run(ranks, Duration::from_secs(60), |comm| {
+                let b = &CpuBackend;
+                let mut kv = b.alloc_kv(&shape, DType::F32, tree.total_tokens() as usize)?;
+                b.write_kv(&mut kv, 0, &problem.data.k, &problem.data.v)?;
+                let q = b.upload_queries(&shape, &problem.data.q)?;
+                let mut local = RankAttention::local(b, &comm, shape, &planned)?;
+                assert_eq!(local.merge(), None);
+                let attended = local.attend(&kv, &q).cloned();
+                let empty = b.alloc_states(&shape, queries)?;
+                let folded = local.attend_local(&kv, &q, &empty)?.clone();
+                Ok::<_, crate::EngineError>((attended, folded))
+            });
+            for r in out {
+                let (attended, folded) = r.unwrap();
+                match ranks {
+                    1 => assert_eq!(attended.unwrap(), folded),
+                    _ => assert!(attended.is_err(), "{ranks} ranks attended merged"),
+                }
             }
         }
     }

@@ -543,17 +543,14 @@ impl<'a, B: LayerOps, C: Collective + Transport<B>> Ranks<'a, B, C> {
     /// A prefill pass's attention over this rank's `view`, on a ring server too: its rank-local
     /// states merge across the ranks in the pass (`prefill_chunks`), whose rows meet across the
     /// ranks at every layer anyway; passing every shard around the ring would attend every row
-    /// to every shard on every rank. It never merges by itself, so its collective is moot.
+    /// to every shard on every rank.
     fn prefill_attention(&self, view: &RankSnapshot) -> Result<RankAttention<'a, B, C>> {
-        let layout = NodeLayout::single(self.comm.size());
         let plan = self.plan_of(view, 0)?;
-        Ok(RankAttention::tree(
+        Ok(RankAttention::local(
             self.backend,
             self.comm,
             self.shape,
             &plan,
-            MergeCollective::Allreduce2,
-            layout,
         )?)
     }
 
