@@ -479,7 +479,7 @@ impl<B: MergeOps> StatesMerge<B> {
         }
         if cells % p != 0 {
             return Err(EngineError::Config(format!(
-                "{cells} states do not split into {p} equal blocks of rows, one a rank"
+                "{cells} states do not split into {p} equal blocks, one a rank"
             )));
         }
         b.copy_lse(states, &mut self.max)?;
