@@ -511,9 +511,16 @@ mod tests {
     use crate::{CpuBackend, MergeCollective, NodeLayout};
     use canopy_comm::ThreadWorld;
     use canopy_core::{
-        plan, random_tree, AttnShape, DType, Method, PlannerConfig, Shard, TreeView,
+        plan, random_tree, AttnShape, DType, KvTree, Method, Plan, PlannerConfig, Shard, TreeView,
     };
     use std::time::Duration;
+
+    /// `method`'s plan of the whole of `tree`.
+    fn whole_plan(tree: &KvTree, method: Method, shape: &AttnShape) -> Plan {
+        let shard = Shard::whole(tree);
+        let view = TreeView::new(tree, &shard);
+        plan(&view, method, shape, &PlannerConfig::default()).unwrap()
+    }
 
     /// A step runs inside a recorded graph only where nothing in it leaves the backend's
     /// stream: one rank's step, never the tree's merge over a host transport nor the ring's
@@ -522,14 +529,7 @@ mod tests {
     fn only_steps_that_stay_on_the_stream_are_recordable() {
         let shape = AttnShape::new(4, 2, 64).unwrap();
         let tree = random_tree(5, 6, 30);
-        let shard = Shard::whole(&tree);
-        let host_plan = plan(
-            &TreeView::new(&tree, &shard),
-            Method::QGuided,
-            &shape,
-            &PlannerConfig::default(),
-        )
-        .unwrap();
+        let host_plan = whole_plan(&tree, Method::QGuided, &shape);
         let tokens = tree.total_tokens() as usize;
         for ranks in [1, 2] {
             let recordable = ThreadWorld::run(ranks, Duration::from_secs(60), |comm| {
@@ -564,14 +564,7 @@ mod tests {
         use crate::backend::Backend;
         let shape = AttnShape::new(4, 2, 64).unwrap();
         let tree = random_tree(3, 5, 30);
-        let shard = Shard::whole(&tree);
-        let planned = plan(
-            &TreeView::new(&tree, &shard),
-            Method::Auto,
-            &shape,
-            &PlannerConfig::default(),
-        )
-        .unwrap();
+        let planned = whole_plan(&tree, Method::Auto, &shape);
         let problem = Problem::random(tree.clone(), shape, DType::F32, 4);
         let queries = planned.num_queries();
         for ranks in [1, 2] {
@@ -604,11 +597,7 @@ mod tests {
         use crate::backend::Backend;
         let shape = AttnShape::new(4, 2, 64).unwrap();
         let b = &CpuBackend;
-        let planned = |tree: &canopy_core::KvTree| {
-            let shard = Shard::whole(tree);
-            let view = TreeView::new(tree, &shard);
-            plan(&view, Method::Auto, &shape, &PlannerConfig::default()).unwrap()
-        };
+        let planned = |tree: &KvTree| whole_plan(tree, Method::Auto, &shape);
         let (before, after) = (random_tree(7, 5, 30), random_tree(8, 5, 30));
         let more_rows = random_tree(9, 7, 30);
         let attended = ThreadWorld::run(1, Duration::from_secs(60), |comm| {
