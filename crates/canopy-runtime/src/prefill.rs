@@ -298,8 +298,9 @@ fn prefill_split<B: LayerOps, C: Collective + Transport<B>>(
         backend.causal_attention_from(&shape, &pass_q, q_pos, q_from, own, &mut states)?;
         let pass_q = backend.take_queries(&shape, pass_q)?;
         let local = cached.attend_local(cache, &pass_q, &states)?;
-        // Each rank's rows in a block of its own, as the queries were gathered.
-        let mut blocked = backend.empty_states(&shape, ranks * width)?;
+        // Each rank's rows in a block of its own, as the queries were gathered (every row
+        // written: no fill first).
+        let mut blocked = backend.alloc_states(&shape, ranks * width)?;
         backend.gather_states(local, &blocked_rows, &mut blocked)?;
         merge.run_scattered(backend, comm, &mut blocked)?;
         own_states_output(backend, &shape, &blocked, &own_block, out)
@@ -528,7 +529,7 @@ fn own_states_output<B: LayerOps>(
     rows: &[usize],
     out: &mut B::Tensor,
 ) -> Result<()> {
-    let mut own = backend.empty_states(shape, rows.len())?;
+    let mut own = backend.alloc_states(shape, rows.len())?;
     backend.gather_states(states, rows, &mut own)?;
     Ok(backend.states_output(&own, out)?)
 }
