@@ -102,8 +102,8 @@ pub struct DecodeArgs {
     /// A Hugging Face model directory or a `.gguf` file.
     #[arg(long, required_unless_present_any = ["arch", "from"], conflicts_with = "arch")]
     model: Option<PathBuf>,
-    /// A model shape without weights: llama-3.1-8b, llama-3.2-1b or smollm2-135m (needs
-    /// --random-weights).
+    /// A model shape without weights: llama-3.1-8b, llama-3.2-3b, llama-3.2-1b or smollm2-135m
+    /// (needs --random-weights).
     #[arg(long, requires = "random_weights")]
     arch: Option<String>,
     /// Random weights of the model's shape instead of its own: with --arch, a preset shape's;

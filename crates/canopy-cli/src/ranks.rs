@@ -359,8 +359,8 @@ pub struct ModelRunArgs {
     /// fetched into $CANOPY_MODEL_CACHE or ~/.cache/canopy/models on first use].
     #[arg(long, conflicts_with = "arch")]
     pub model: Option<std::path::PathBuf>,
-    /// A model shape without its weights, for timing: llama-3.1-8b, llama-3.2-1b or
-    /// smollm2-135m (needs --random-weights). Its tokenizer is a stand-in, one token per
+    /// A model shape without its weights, for timing: llama-3.1-8b, llama-3.2-3b, llama-3.2-1b
+    /// or smollm2-135m (needs --random-weights). Its tokenizer is a stand-in, one token per
     /// character (see `Tokenizer::code_points`), and it has no chat template.
     #[arg(long, requires = "random_weights")]
     pub arch: Option<String>,

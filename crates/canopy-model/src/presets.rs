@@ -11,7 +11,12 @@ use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 
 /// The names [`preset`] knows, in the order a listing should show them.
-pub const PRESETS: &[&str] = &["llama-3.1-8b", "llama-3.2-1b", "smollm2-135m"];
+pub const PRESETS: &[&str] = &[
+    "llama-3.1-8b",
+    "llama-3.2-3b",
+    "llama-3.2-1b",
+    "smollm2-135m",
+];
 
 /// The configuration of the architecture `name` (one of [`PRESETS`]).
 pub fn preset(name: &str) -> Result<LlamaConfig> {
@@ -47,6 +52,30 @@ fn preset_json(name: &str) -> Option<Value> {
             },
             "max_position_embeddings": 131072,
             "tie_word_embeddings": false,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+        }),
+        "llama-3.2-3b" => json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": 128256,
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192
+            },
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": true,
             "bos_token_id": 128000,
             "eos_token_id": 128001,
         }),
@@ -130,6 +159,15 @@ mod tests {
         };
         match name {
             "llama-3.1-8b" => llama,
+            "llama-3.2-3b" => LlamaConfig {
+                hidden_size: 3072,
+                intermediate_size: 8192,
+                num_hidden_layers: 28,
+                num_attention_heads: 24,
+                rope_scaling: llama3_scaling(32.0),
+                tie_word_embeddings: true,
+                ..llama
+            },
             "llama-3.2-1b" => LlamaConfig {
                 hidden_size: 2048,
                 intermediate_size: 8192,
@@ -178,7 +216,11 @@ mod tests {
     /// 8192 tokens) by the factor and keeps the highest.
     #[test]
     fn llama_presets_scale_their_low_frequencies() {
-        for (name, factor) in [("llama-3.1-8b", 8.0), ("llama-3.2-1b", 32.0)] {
+        for (name, factor) in [
+            ("llama-3.1-8b", 8.0),
+            ("llama-3.2-3b", 32.0),
+            ("llama-3.2-1b", 32.0),
+        ] {
             let c = preset(name).unwrap();
             let scaled = c.rope_inv_freq();
             let unscaled = LlamaConfig {
