@@ -2,8 +2,8 @@
 //! and how its constants are fitted to measured steps.
 //!
 //! A plan is priced on the kernel the backend runs it on ([`runs_on_tensor_cores`], the rule
-//! the backend's dispatch uses): plans whose groups all have fewer than four query rows (one
-//! query per group at 32/32 heads: Q-guided's paths) run on the CUDA cores, a CTA per group
+//! the backend's dispatch uses): plans whose groups all have one query row (one query per group
+//! at 32/32 heads: Q-guided's paths) run on the CUDA cores, a CTA per group
 //! and KV head, split by [`cut_for_cuda_cores`]; their re-read KV comes from L2 faster than
 //! the tensor-core kernel's. Other plans are cut into CTAs by [`cut_for_gpu`] for the slots
 //! [`cut_slots`] gives (fewer for plans of one-warp-per-head CTAs alone); groups of up to 16

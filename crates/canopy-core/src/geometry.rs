@@ -23,10 +23,15 @@ pub const CTA_ROWS: usize = 64;
 /// in registers beside the score tile).
 pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 /// The CUDA backend's default choice runs a plan on tensor cores when some group has at least
-/// this many query rows; plans of smaller groups (one query per group at 32/32 heads: Q-guided's
-/// paths, or a tree whose nodes have few queries below them) run on the CUDA cores, which
-/// stream one or a few rows at the copy bandwidth.
-pub const TENSOR_CORE_MIN_ROWS: usize = 4;
+/// this many query rows; plans of one row a group (one query per group at 32/32 heads: Q-guided's
+/// paths, or independent sequences) run on the CUDA cores, whose one-row kernel streams at the
+/// copy bandwidth. Groups of two or three rows ran faster on tensor cores in 18 of 19 cases
+/// (H200, bf16, cold L2, session 82): one query at 24/8 heads x 128 (Llama-3.2-3B) took 20.4 µs
+/// at 8K against 26.7 on the CUDA cores' GQA kernel, 48.8 against 62.2 at 32K and 152.0 against
+/// 185.4 at 128K; at 16/8 x 128, 20.0, 48.9 and 161.6 against 24.0, 55.6 and 166.4; three
+/// queries over an 8K prompt at 32/32 x 128, 50.4 against 62.2. The one loss: 9/3 x 64 at 8K,
+/// 14.4 against 13.4.
+pub const TENSOR_CORE_MIN_ROWS: usize = 2;
 /// Shortest piece the CUDA-core kernel's plans are split into to fill the GPU: below this,
 /// partials and launch costs dominate. At 128 tokens, one query at 9 q / 3 kv heads x 64 and
 /// 8K took 11.8 µs (64 pieces) against 12.9 at 256 (32 pieces) and 12.2 at 64 (128 pieces);
