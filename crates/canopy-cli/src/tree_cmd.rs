@@ -72,7 +72,7 @@ pub struct TreeArgs {
     auto_timed: bool,
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) backend: BackendChoice,
-    /// CUDA stage-1 kernel: auto (tensor cores once a group has two query rows), simt, mma.
+    /// CUDA stage-1 kernel: auto (tensor cores for groups with several query rows), simt, mma.
     #[arg(long, default_value = "auto")]
     kernel: KernelChoice,
     /// CUDA: waves of resident CTAs a step's work is cut for (more waves: long groups are cut

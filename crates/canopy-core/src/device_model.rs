@@ -1,23 +1,22 @@
 //! `auto`'s device model: what a plan costs on a GPU, in the shape of canopy's CUDA kernels,
 //! and how its constants are fitted to measured steps.
 //!
-//! A plan is priced on the kernel the backend runs it on ([`runs_on_tensor_cores`], the rule
-//! the backend's dispatch uses): plans whose groups all have one query row (one query per group
-//! at 32/32 heads: Q-guided's paths) run on the CUDA cores, a CTA per group
-//! and KV head, split by [`cut_for_cuda_cores`]; their re-read KV comes from L2 faster than
-//! the tensor-core kernel's. Other plans are cut into CTAs by [`cut_for_gpu`] for the slots
-//! [`cut_slots`] gives (fewer for plans of one-warp-per-head CTAs alone); groups of up to 16
-//! query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger groups
-//! four warps per KV head in pieces of at most 64 rows, all sharing the GPU's CTA slots. Stage
-//! 1 costs its bytes over bandwidth, or its CTA work over the slots, or its longest CTA (a
-//! CTA's tiles run in order), whichever is largest, plus a share of the smaller of bandwidth
-//! and work (the two overlap only in part), plus a share of what the CTA that streams the most
-//! would take at a fair share of the bandwidth beyond that (a plan of a few long CTAs among
-//! many short ones, as FastTree's greedy grouping leaves, ends on its long ones). The merge is
-//! a second kernel after it: it reads the partials back, and where one warp walks each
-//! (query, head) cell's partial rows ([`merge_is_wide`]), the query with the most rows is a
-//! chain of memory latencies. A plan whose partial rows are its queries has no merge. A fixed
-//! cost per step comes on top.
+//! A plan is priced on the kernel the backend runs it on ([`runs_on_tensor_cores`], the rule the
+//! backend's dispatch uses): plans whose groups all have one query row (one query per group at
+//! 32/32 heads: Q-guided's paths), or a few where the KV heads do not come in fours, run on the
+//! CUDA cores, a CTA per group and KV head, split by [`cut_for_cuda_cores`]; their re-read KV comes
+//! from L2 faster than the tensor-core kernel's. Other plans are cut into CTAs by [`cut_for_gpu`]
+//! for the slots [`cut_slots`] gives (fewer for plans of one-warp-per-head CTAs alone); groups of
+//! up to 16 query rows run one warp per KV head (CTAs of four heads, 16-token tiles), larger groups
+//! four warps per KV head in pieces of at most 64 rows, all sharing the GPU's CTA slots. Stage 1
+//! costs its bytes over bandwidth, or its CTA work over the slots, or its longest CTA (a CTA's
+//! tiles run in order), whichever is largest, plus a share of the smaller of bandwidth and work
+//! (the two overlap only in part), plus a share of what the CTA that streams the most would take at
+//! a fair share of the bandwidth beyond that (a plan of a few long CTAs among many short ones, as
+//! FastTree's greedy grouping leaves, ends on its long ones). The merge is a second kernel after
+//! it: it reads the partials back, and where one warp walks each (query, head) cell's partial rows
+//! ([`merge_is_wide`]), the query with the most rows is a chain of memory latencies. A plan whose
+//! partial rows are its queries has no merge. A fixed cost per step comes on top.
 //!
 //! `auto` keeps `q-guided`, its baseline, unless another plan is predicted faster by more
 //! than the model's own typical error in that comparison ([`DeviceModel::pick`]).

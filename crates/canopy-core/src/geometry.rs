@@ -3,8 +3,9 @@
 //! live here, once.
 //!
 //! By default a plan runs on the tensor cores ([`runs_on_tensor_cores`]) when some group of it
-//! has [`TENSOR_CORE_MIN_ROWS`] query rows or more, and on the CUDA cores otherwise: a CTA per
-//! group and KV head, the plan split by [`cut_for_cuda_cores`] to fill one wave.
+//! has [`TENSOR_CORE_MIN_ROWS`] query rows or more ([`PER_HEAD_TENSOR_CORE_MIN_ROWS`] where the
+//! KV heads come in fours), and on the CUDA cores otherwise: a CTA per group and KV head, the
+//! plan split by [`cut_for_cuda_cores`] to fill one wave.
 //!
 //! A plan runs as one launch of CTAs of two kinds: many rows of one KV head (groups of more
 //! than [`HEADS_ROWS`] rows, at most [`CTA_ROWS`]) or one warp per KV head
@@ -23,15 +24,20 @@ pub const CTA_ROWS: usize = 64;
 /// in registers beside the score tile).
 pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 /// The CUDA backend's default choice runs a plan on tensor cores when some group has at least
-/// this many query rows; plans of one row a group (one query per group at 32/32 heads: Q-guided's
-/// paths, or independent sequences) run on the CUDA cores, whose one-row kernel streams at the
-/// copy bandwidth. Groups of two or three rows ran faster on tensor cores in 18 of 19 cases
-/// (H200, bf16, cold L2, session 82): one query at 24/8 heads x 128 (Llama-3.2-3B) took 20.4 µs
-/// at 8K against 26.7 on the CUDA cores' GQA kernel, 48.8 against 62.2 at 32K and 152.0 against
-/// 185.4 at 128K; at 16/8 x 128, 20.0, 48.9 and 161.6 against 24.0, 55.6 and 166.4; three
-/// queries over an 8K prompt at 32/32 x 128, 50.4 against 62.2. The one loss: 9/3 x 64 at 8K,
-/// 14.4 against 13.4.
-pub const TENSOR_CORE_MIN_ROWS: usize = 2;
+/// this many query rows; plans of smaller groups run on the CUDA cores, whose one-row kernel
+/// streams at the copy bandwidth, unless the one-warp-per-head path takes them
+/// ([`PER_HEAD_TENSOR_CORE_MIN_ROWS`]).
+pub const TENSOR_CORE_MIN_ROWS: usize = 4;
+/// Where the KV heads come in fours ([`HEADS_PER_CTA`]), so that the one-warp-per-head path
+/// takes groups of a few rows, a plan runs on tensor cores from this many rows a group. Groups
+/// of two or three rows ran faster there (H200, bf16, cold L2, session 82): one query at 24/8
+/// heads x 128 (Llama-3.2-3B) took 20.4 µs at 8K against 26.7 on the CUDA cores' GQA kernel,
+/// 48.8 against 62.2 at 32K and 152.0 against 185.4 at 128K; at 16/8 x 128, 20.0, 48.9 and
+/// 161.6 against 24.0, 55.6 and 166.4; at 12/4 x 64, 12.3 against 14.3 at 8K; three queries
+/// over an 8K prompt at 32/32 x 128, 50.4 against 62.2. Where the heads do not come in fours,
+/// such groups take the many-row CTAs, which lost at short contexts: one query at 9/3 x 64
+/// (SmolLM2) took 14.4 µs at 8K against 13.4, and SmolLM2-135M's decode step 3-6% longer.
+pub const PER_HEAD_TENSOR_CORE_MIN_ROWS: usize = 2;
 /// Shortest piece the CUDA-core kernel's plans are split into to fill the GPU: below this,
 /// partials and launch costs dominate. At 128 tokens, one query at 9 q / 3 kv heads x 64 and
 /// 8K took 11.8 µs (64 pieces) against 12.9 at 256 (32 pieces) and 12.2 at 64 (128 pieces);
@@ -110,7 +116,12 @@ pub fn tensor_cores_fit(shape: &AttnShape) -> bool {
 /// Whether the CUDA backend's default choice runs a plan of 16-bit KV whose largest group has
 /// `max_rows` query rows ([`max_cta_rows`]) on tensor cores.
 pub fn runs_on_tensor_cores(shape: &AttnShape, max_rows: usize) -> bool {
-    tensor_cores_fit(shape) && max_rows >= TENSOR_CORE_MIN_ROWS
+    let min_rows = if shape.kv_heads.is_multiple_of(HEADS_PER_CTA) {
+        PER_HEAD_TENSOR_CORE_MIN_ROWS
+    } else {
+        TENSOR_CORE_MIN_ROWS
+    };
+    tensor_cores_fit(shape) && max_rows >= min_rows
 }
 
 /// The CTA slots the CUDA-core kernel's plans are cut for on `multiprocessors` SMs that hold
@@ -446,7 +457,16 @@ mod tests {
         let one_row = Plan::new(3, paths).unwrap();
         assert_eq!(max_cta_rows(&one_row, &mha), 1);
         assert!(!runs_on_tensor_cores(&mha, 1));
-        assert!(runs_on_tensor_cores(&mha, TENSOR_CORE_MIN_ROWS));
+        assert!(runs_on_tensor_cores(&mha, 2));
+        // Three rows: Llama-3.2-3B's one query (24/8 heads) on the one-warp-per-head path;
+        // SmolLM2's (9/3), whose heads do not come in fours, on the CUDA cores.
+        assert!(runs_on_tensor_cores(
+            &AttnShape::new(24, 8, 128).unwrap(),
+            3
+        ));
+        let smollm2 = AttnShape::new(9, 3, 64).unwrap();
+        assert!(!runs_on_tensor_cores(&smollm2, 3));
+        assert!(runs_on_tensor_cores(&smollm2, TENSOR_CORE_MIN_ROWS));
         assert!(!runs_on_tensor_cores(
             &AttnShape::new(32, 32, 256).unwrap(),
             64

@@ -85,8 +85,8 @@ fn merge_kernel(cells: usize, head_dim: usize, multiprocessors: usize, rounded: 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum KernelChoice {
-    /// Tensor cores where some group of a plan has more than one query row, CUDA cores
-    /// otherwise.
+    /// Tensor cores where some group of a plan has several query rows (two where the KV heads
+    /// come in fours), CUDA cores otherwise.
     #[default]
     Auto,
     /// The CUDA-core kernel (`decode_partial`) for every plan.
