@@ -1,0 +1,1 @@
+PART=ab DEADLINE=230 bash launch/device/shapes-check.sh; PART=model DEADLINE=300 bash launch/device/shapes-check.sh   # the build of 13917ff (canopy) against that of e9118aa (canopy-old); the A/B part then ran SmolLM2 at 8K and 32K, past its positions, which bench decode refused

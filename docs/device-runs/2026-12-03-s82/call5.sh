@@ -1,0 +1,1 @@
+source launch/device/env.sh; DEADLINE=70 bash launch/device/model-check.sh > $OUT/model-check.txt 2>&1; ...; then bench decode --arch smollm2-135m --random-weights --context 4096,8000 --decode 30, the build of 13917ff (canopy) and of e9118aa (canopy-old) in turn, twice   # model-check.py of 3c3bf99
