@@ -66,14 +66,15 @@ GROUP_ORDER = ("fixtures",) + DEVICE_GROUPS
 PLAN_COLUMNS = ("name", "model", "model_dir", "ref", "prompt", "dtype", "ranks", "strategy",
                 "max_tokens", "prompt_ids")
 
-# The tiny model made on the device: a shape the fixtures lack (GQA groups of 3 heads of 128,
-# as Llama-3.2-3B's 24/8, which leave the prefill's and the decode's tensor-core blocks short of
-# full rows; hidden = heads x head_dim; intermediate a multiple of 128), weights drawn as the
-# fixtures' are (make_tiny_llamas).
+# The tiny model made on the device: a shape the fixtures lack (GQA groups of 3 heads of 128
+# over KV heads in fours, as Llama-3.2-3B's 24/8: the prefill's tensor-core blocks are left
+# short of full rows, and a decode step's three rows a group take the one-warp-per-head path;
+# hidden = heads x head_dim; intermediate a multiple of 128), weights drawn as the fixtures'
+# are (make_tiny_llamas).
 TINY_DEVICE_CONFIG = dict(
-    hidden_size=768,
-    num_attention_heads=6,
-    num_key_value_heads=2,
+    hidden_size=1536,
+    num_attention_heads=12,
+    num_key_value_heads=4,
     head_dim=128,
     intermediate_size=512,
     num_hidden_layers=2,

@@ -7,7 +7,7 @@
 #               "auto mma");
 #   PART=model  `bench tree` on two workloads at 24/8 and 28/4 heads of 128 and 10/2 of 64, every
 #               method against the f64 oracle, with the default kernels and the tensor-core one;
-#               model-check.sh (its device-made tiny model has 6/2 heads of 128) against
+#               model-check.sh (its device-made tiny model has 12/4 heads of 128) against
 #               transformers; `bench decode --arch llama-3.2-3b --random-weights` at 8K and 32K
 #               (prefilled), one rank, beside its floor; `bench kernel` at 32/8 and 24/8 heads
 #               of 128 (8K-128K).
