@@ -84,10 +84,12 @@ pub fn suite_trees(seed: u64, random_cases: usize) -> Vec<(String, KvTree, Optio
         fan(300, (0..72).map(|i| i % 4 + 1)),
         Some(gqa4),
     ));
-    // Groups that do not divide a CTA's 64 rows: 3 heads of 128 (Llama-3.2-3B's 24/8), 7 of
-    // 128 and 5 of 64, so that a block of queries ends short of its rows and a group's heads
-    // never straddle two blocks.
-    for (q_heads, kv_heads, head_dim, leaves) in [(6, 2, 128, 45), (7, 1, 128, 23), (10, 2, 64, 30)]
+    // Groups that do not divide a CTA's 64 rows: 3 heads of 128 over KV heads in fours
+    // (Llama-3.2-3B's 24/8, whose leaves' groups of 3 rows run one warp per KV head on
+    // tensor cores), 7 of 128 and 5 of 64, so that a block of queries ends short of its rows
+    // and a group's heads never straddle two blocks.
+    for (q_heads, kv_heads, head_dim, leaves) in
+        [(12, 4, 128, 45), (7, 1, 128, 23), (10, 2, 64, 30)]
     {
         let shape = AttnShape::new(q_heads, kv_heads, head_dim).expect("valid shape");
         trees.push((
