@@ -31,78 +31,39 @@ pub fn preset(name: &str) -> Result<LlamaConfig> {
 /// The published `config.json` of each preset, trimmed to the fields canopy reads.
 fn preset_json(name: &str) -> Option<Value> {
     let json = match name {
-        "llama-3.1-8b" => json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": 128256,
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192
-            },
-            "max_position_embeddings": 131072,
-            "tie_word_embeddings": false,
-            "bos_token_id": 128000,
-            "eos_token_id": 128001,
-        }),
-        "llama-3.2-3b" => json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": 128256,
-            "hidden_size": 3072,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 24,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192
-            },
-            "max_position_embeddings": 131072,
-            "tie_word_embeddings": true,
-            "bos_token_id": 128000,
-            "eos_token_id": 128001,
-        }),
-        "llama-3.2-1b" => json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": 128256,
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 64,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192
-            },
-            "max_position_embeddings": 131072,
-            "tie_word_embeddings": true,
-            "bos_token_id": 128000,
-            "eos_token_id": 128001,
-        }),
+        "llama-3.1-8b" => llama3(
+            json!({
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "head_dim": 128,
+                "tie_word_embeddings": false,
+            }),
+            8.0,
+        ),
+        "llama-3.2-3b" => llama3(
+            json!({
+                "hidden_size": 3072,
+                "intermediate_size": 8192,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 24,
+                "head_dim": 128,
+                "tie_word_embeddings": true,
+            }),
+            32.0,
+        ),
+        "llama-3.2-1b" => llama3(
+            json!({
+                "hidden_size": 2048,
+                "intermediate_size": 8192,
+                "num_hidden_layers": 16,
+                "num_attention_heads": 32,
+                "head_dim": 64,
+                "tie_word_embeddings": true,
+            }),
+            32.0,
+        ),
         "smollm2-135m" => json!({
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -123,6 +84,34 @@ fn preset_json(name: &str) -> Option<Value> {
         _ => return None,
     };
     Some(json)
+}
+
+/// A Llama 3.x checkpoint's `config.json`: the fields every published size shares (vocabulary,
+/// 8 KV heads, RoPE base and llama3 scaling, positions, token ids), with `shape`'s fields and
+/// the RoPE scaling `factor` of its size.
+fn llama3(shape: Value, factor: f64) -> Value {
+    let mut config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192
+        },
+        "max_position_embeddings": 131072,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    });
+    if let (Some(config), Value::Object(shape)) = (config.as_object_mut(), shape) {
+        config.extend(shape);
+    }
+    config
 }
 
 #[cfg(test)]
