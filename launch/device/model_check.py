@@ -181,11 +181,11 @@ def bf16_steps_rel(torch, model, p):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu().numpy()
     at = len(p["token_ids"]) - 1
-    errors = [0.0]
-    for i, ref in enumerate(p["greedy_steps"]):
-        errors.append(abs(float(logits[at + i][ref["token"]]) - ref["max_logit"]))
-        errors.append(abs(float(logits[at + i][ref["second_token"]]) - ref["second_logit"]))
-    return float(np.max(errors)) / float(np.abs(np.asarray(p["logits_last"])).max())
+    steps = [dict(logit=float(logits[at + i][ref["token"]]), second_token=ref["second_token"],
+                  second_logit=float(logits[at + i][ref["second_token"]]))
+             for i, ref in enumerate(p["greedy_steps"])]
+    max_abs = step_logit_error(steps, p["greedy_steps"], len(steps))
+    return max_abs / float(np.abs(np.asarray(p["logits_last"])).max())
 
 
 def bf16_context(torch, model, prompts):
