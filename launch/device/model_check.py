@@ -17,10 +17,12 @@ Only `reference` imports torch, so the other commands run wherever numpy does.
 Tolerances (relative = max |a - b| / max |ref| over the vocabulary):
   f32 vs reference   first logits and every decode step's top-2 logits within 1e-4 (1e-3 is
                      the pass bar, reported apart); greedy tokens identical.
-  bf16 vs reference  first logits and the decode steps' top-2 logits within 2e-2, or within
+  bf16 vs reference  first logits and the decode steps' top-2 logits within 2e-2, or within 2x
                      transformers' own bf16 error on the same prompt and the same steps where
                      that is larger (a model whose logits bf16 moves further, whoever computes
-                     them); greedy tokens identical until the first disagreement, which must
+                     them; two bf16 implementations round at different points, so on one
+                     prompt either may land further out than the other, by a factor of order
+                     one); greedy tokens identical until the first disagreement, which must
                      come at a step whose reference top-2 gap is below 2x the run's first-step
                      max abs error (a near-tie that rounding may flip).
   P ranks vs 1 rank  same model, prompt and dtype: f32 identical tokens and logits within 1e-5;
@@ -60,6 +62,7 @@ F32_REL_LOOSE = 1e-3
 BF16_REL = 2e-2
 RANKS_F32_REL = 1e-5
 GAP_FACTOR = 2.0
+BF16_SPREAD = 2.0  # canopy's bf16 error may reach this multiple of transformers' own
 
 DEVICE_GROUPS = ("tiny-device", "llama8b")
 GROUP_ORDER = ("fixtures",) + DEVICE_GROUPS
@@ -487,6 +490,11 @@ def length_check(sample, expected):
     return False, f"{len(tokens)} tokens (finish_reason {reason}), reference has {expected}"
 
 
+def bf16_bar(hf_bf16_rel):
+    """The bf16 logits' bar: 2e-2, or BF16_SPREAD x transformers' own bf16 error where larger."""
+    return max(BF16_REL, BF16_SPREAD * (hf_bf16_rel or 0.0))
+
+
 def compare_to_reference(out, ref_prompt, dtype):
     """One canopy run against the fp32 transformers reference (tolerances: module docstring)."""
     sample, tokens, steps, first = sample_and_logits(out)
@@ -498,8 +506,8 @@ def compare_to_reference(out, ref_prompt, dtype):
     agree = greedy_agreement(tokens, ref_prompt["greedy_tokens"], ref_prompt["greedy_steps"], gap_bar)
     step_max_abs = step_logit_error(steps, ref_prompt["greedy_steps"], agree["agreed"])
     step_rel = step_max_abs / scale
-    bar = F32_REL_LOOSE if f32 else max(BF16_REL, ref_prompt.get("hf_bf16_rel") or 0.0)
-    step_bar = F32_REL_LOOSE if f32 else max(BF16_REL, ref_prompt.get("hf_bf16_steps_rel") or 0.0)
+    bar = F32_REL_LOOSE if f32 else bf16_bar(ref_prompt.get("hf_bf16_rel"))
+    step_bar = F32_REL_LOOSE if f32 else bf16_bar(ref_prompt.get("hf_bf16_steps_rel"))
     logits_ok = rel <= bar and step_rel <= step_bar
     notes = [note] if note else []
     if agree["mismatch_gap"] is not None:
@@ -749,7 +757,8 @@ def compare_main(args):
                 prompts=[{k: v for k, v in p.items() if k not in ("logits_last", "greedy_steps")}
                          for p in ref["prompts"]])
     tolerances = dict(f32_rel=F32_REL, f32_rel_pass_bar=F32_REL_LOOSE, bf16_rel=BF16_REL,
-                      ranks_f32_rel=RANKS_F32_REL, bf16_gap_factor=GAP_FACTOR, eos_ids=EOS_IDS)
+                      bf16_spread=BF16_SPREAD, ranks_f32_rel=RANKS_F32_REL,
+                      bf16_gap_factor=GAP_FACTOR, eos_ids=EOS_IDS)
     write_json(os.path.join(args.out, "model-check.json"),
                dict(verdict=verdict, failures=failures, tolerances=tolerances, timings=timings,
                     device_models=refs, cases=records))
@@ -868,15 +877,15 @@ def selftest_main(_args):
         for at, dtype, ok in [(4, "bf16", False), (2, "bf16", True), (2, "f32", False)]:
             result = compare_ranks(fake_output(p0, swap(t0, at), 1e-2, rng), one, dtype, p0)
             assert result["ok"] == ok, (at, dtype, result)
-        # Logits bf16 moves past the 2e-2 bar pass within transformers' own bf16 error on the
-        # prompt, and fail past it.
+        # Logits bf16 moves past the 2e-2 bar pass within BF16_SPREAD x transformers' own bf16
+        # error on the prompt, and fail past it.
         loud = fake_output(p0, t0, 0.15, rng)
         plain = compare_to_reference(loud, p0, "bf16")
         worst = max(plain["rel"], plain["step_rel"])
         assert worst > BF16_REL and not plain["ok"], plain
         both = lambda x: dict(p0, hf_bf16_rel=x * worst, hf_bf16_steps_rel=x * worst)  # noqa: E731
-        assert compare_to_reference(loud, both(1.5), "bf16")["ok"]
-        assert not compare_to_reference(loud, both(0.8), "bf16")["ok"]
+        assert compare_to_reference(loud, both(1.1 / BF16_SPREAD), "bf16")["ok"]
+        assert not compare_to_reference(loud, both(0.9 / BF16_SPREAD), "bf16")["ok"]
         out = os.path.join(tmp, "out")
         os.makedirs(out)
         with contextlib.redirect_stdout(io.StringIO()):
