@@ -1,0 +1,1 @@
+PART=ab DEADLINE=250 ROUNDS=2 bash launch/device/shapes-check.sh; DEADLINE=320 bash launch/device/model-check.sh > $OUT/model-check-log.txt 2>&1   # the build of 51ea83c (canopy) and of e9118aa (canopy-old); model_check.py of 51ea83c

@@ -1,0 +1,1 @@
+DEADLINE=150 bash launch/device/model-check.sh > $OUT/model-check-log.txt 2>&1; PART=tests KERNELS=auto DEADLINE=430 bash launch/device/shapes-check.sh   # the build of 51ea83c; model_check.py of ed01178; graph_epoch, weight_upload and product_tuning not carried (size)
