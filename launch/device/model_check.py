@@ -23,13 +23,15 @@ Tolerances (relative = max |a - b| / max |ref| over the vocabulary):
                      them; two bf16 implementations round at different points, so on one
                      prompt either may land further out than the other, by a factor of order
                      one); greedy tokens identical until the first disagreement, which must
-                     come at a step whose reference top-2 gap is below 2x the run's first-step
-                     max abs error (a near-tie that rounding may flip).
+                     come at a step whose reference top-2 gap is below 2x the run's largest
+                     max abs logit error, of the first logits and of the decode steps before
+                     it (a near-tie that rounding may flip).
   P ranks vs 1 rank  same model, prompt and dtype: f32 identical tokens and logits within 1e-5;
-                     bf16 identical tokens until a first disagreement at a reference near-tie
-                     as above (P ranks round their softmax weights to bf16 over their own part
-                     of the keys, as tensor-core attention does, so the bits differ from one
-                     rank's).
+                     bf16 identical tokens until a first disagreement at a near-tie of the
+                     one-rank run's own logits there (the context both runs saw), by the
+                     one-rank run's bar as above (P ranks round their softmax weights to bf16
+                     over their own part of the keys, as tensor-core attention does, so the
+                     bits differ from one rank's).
 Decode steps are compared while canopy's tokens follow the reference's (random models often
 repeat one token, so the step logits check the decode path where the tokens cannot).
 The references never stop on EOS; canopy stops on the models' EOS (id 0), and then only the
@@ -437,12 +439,18 @@ def logit_error(got, ref):
     return max_abs, max_abs / float(np.abs(ref).max())
 
 
+def first_difference(tokens, other):
+    """The first step at which two token lists differ (the shorter's length where they agree)."""
+    n = min(len(tokens), len(other))
+    return next((i for i in range(n) if tokens[i] != other[i]), n)
+
+
 def greedy_agreement(tokens, ref_tokens, ref_steps, gap_bar):
     """Where canopy's tokens first leave the reference's, and whether that is allowed: only at
     a step whose reference top-2 gap is below gap_bar (0: never). After a divergence the two
     continue from different contexts, so nothing later is compared."""
     n = min(len(tokens), len(ref_tokens))
-    agreed = next((i for i in range(n) if tokens[i] != ref_tokens[i]), n)
+    agreed = first_difference(tokens, ref_tokens)
     if agreed == n:
         return dict(agreed=n, compared=n, mismatch_gap=None, ok=True)
     gap = ref_steps[agreed]["gap"]
@@ -459,6 +467,22 @@ def step_logit_error(steps, ref_steps, n):
         if got["second_token"] == ref["second_token"]:
             errors.append(abs(got["second_logit"] - ref["second_logit"]))
     return float(np.max(errors))  # NaN-propagating, unlike max()
+
+
+def reference_errors(tokens, steps, first, ref_prompt, before=None):
+    """A run's logits against the reference: the first logits' max abs and relative error, and
+    the decode steps' max abs (step_logit_error) over the steps before its tokens first leave
+    the reference's, where both saw the same context (and before step `before`, if given)."""
+    max_abs, rel = logit_error(first, ref_prompt["logits_last"])
+    agreed = first_difference(tokens, ref_prompt["greedy_tokens"])
+    n = agreed if before is None else min(agreed, before)
+    return max_abs, rel, step_logit_error(steps, ref_prompt["greedy_steps"], n)
+
+
+def near_tie_bar(max_abs, step_max_abs):
+    """The top-2 gap below which bf16 rounding may flip a greedy token: GAP_FACTOR x the
+    largest logit error the run showed against the reference (NaN-propagating)."""
+    return GAP_FACTOR * float(np.max([max_abs, step_max_abs]))
 
 
 def sample_and_logits(out):
@@ -498,13 +522,12 @@ def bf16_bar(hf_bf16_rel):
 def compare_to_reference(out, ref_prompt, dtype):
     """One canopy run against the fp32 transformers reference (tolerances: module docstring)."""
     sample, tokens, steps, first = sample_and_logits(out)
-    max_abs, rel = logit_error(first, ref_prompt["logits_last"])
+    max_abs, rel, step_max_abs = reference_errors(tokens, steps, first, ref_prompt)
     scale = float(np.abs(np.asarray(ref_prompt["logits_last"])).max())
     len_ok, note = length_check(sample, len(ref_prompt["greedy_tokens"]))
     f32 = dtype == "f32"
-    gap_bar = 0.0 if f32 else GAP_FACTOR * max_abs
+    gap_bar = 0.0 if f32 else near_tie_bar(max_abs, step_max_abs)
     agree = greedy_agreement(tokens, ref_prompt["greedy_tokens"], ref_prompt["greedy_steps"], gap_bar)
-    step_max_abs = step_logit_error(steps, ref_prompt["greedy_steps"], agree["agreed"])
     step_rel = step_max_abs / scale
     bar = F32_REL_LOOSE if f32 else bf16_bar(ref_prompt.get("hf_bf16_rel"))
     step_bar = F32_REL_LOOSE if f32 else bf16_bar(ref_prompt.get("hf_bf16_steps_rel"))
@@ -533,8 +556,10 @@ def compare_to_reference(out, ref_prompt, dtype):
 def compare_ranks(out, base, dtype, ref_prompt):
     """A run on P ranks against the model's one-rank run of the same prompt and dtype: for f32,
     identical tokens and logits within RANKS_F32_REL (prefill and every agreed step); for bf16,
-    identical tokens until a first disagreement at a reference near-tie (a top-2 gap below
-    GAP_FACTOR x the one-rank run's first-logits max abs error against the reference)."""
+    identical tokens until a first disagreement at a near-tie of the one-rank run's own logits
+    there (the context both runs saw, which after the one-rank run has left the reference's
+    tokens is not the reference's): its top-2 gap below near_tie_bar of the one-rank run's
+    errors against the reference before that step."""
     _, tokens, steps, first = sample_and_logits(out)
     _, base_tokens, base_steps, base_first = sample_and_logits(base)
     max_abs, rel = logit_error(first, base_first)
@@ -548,14 +573,16 @@ def compare_ranks(out, base, dtype, ref_prompt):
     tokens_ok = identical
     notes = []
     if not identical:
-        ref_steps = ref_prompt["greedy_steps"]
-        gap = ref_steps[agreed]["gap"] if agreed < len(ref_steps) else None
+        gap = (base_steps[agreed]["logit"] - base_steps[agreed]["second_logit"]
+               if agreed < len(base_steps) else None)
         gap_bar = 0.0
         if dtype != "f32" and gap is not None:
-            gap_bar = GAP_FACTOR * logit_error(base_first, ref_prompt["logits_last"])[0]
+            base_max_abs, _, base_step_max_abs = reference_errors(
+                base_tokens, base_steps, base_first, ref_prompt, before=agreed)
+            gap_bar = near_tie_bar(base_max_abs, base_step_max_abs)
             tokens_ok = gap < gap_bar
         notes.append(f"tokens differ from step {agreed} ({len(tokens)} vs {len(base_tokens)} tokens"
-                     + (f"; reference gap there {gap:.2e}" if gap is not None else "")
+                     + (f"; one rank's top-2 gap there {gap:.2e}" if gap is not None else "")
                      + (f", near-tie bar {gap_bar:.2e}" if gap_bar else "") + ")")
     logits_ok = dtype != "f32" or (rel <= RANKS_F32_REL and step_rel <= RANKS_F32_REL)
     if not logits_ok:
@@ -793,14 +820,15 @@ def fake_reference(rng, prompt_lens, vocab, new_tokens, gaps):
 
 def fake_output(ref_prompt, tokens, noise, rng, finish_reason="length"):
     """What canopy would print for a run whose logits are the reference's plus uniform noise
-    of size `noise`, and whose sample is `tokens`."""
+    of size `noise` (each step's top two shifted by it, so their gap is the reference's), and
+    whose sample is `tokens`."""
     ref = np.asarray(ref_prompt["logits_last"])
     first = ref + rng.uniform(-noise, noise, ref.size)
     steps = []
     for i, t in enumerate(tokens):
         ref = ref_prompt["greedy_steps"][i]
         steps.append(dict(token=t, logit=ref["max_logit"] + noise, second_token=ref["second_token"],
-                          second_logit=ref["second_logit"] - noise))
+                          second_logit=ref["second_logit"] + noise))
     return dict(samples=[dict(tokens=tokens, text="", finish_reason=finish_reason)],
                 logits=dict(first=[float(x) for x in first], steps=steps))
 
@@ -871,12 +899,27 @@ def selftest_main(_args):
         assert got[("m.p1.bf16.r1.tree", "reference")]["tokens_agreed"] == 2
         assert all(r["status"] == "skipped" for r in records
                    if r["name"].startswith("m.p9") and r["name"] not in scenarios)
-        # P ranks leaving one rank's tokens at a step whose reference gap is wide fail in bf16
-        # too; at a near-tie only bf16 passes.
+        # P ranks leaving one rank's tokens at a step where its top-2 gap is wide fail in bf16
+        # too; at a near-tie only bf16 passes. The gap is the one-rank run's own: a near-tie of
+        # its logits where the reference's gap is wide passes, a wide gap of its own where the
+        # reference's is narrow fails.
         one = fake_output(p0, t0, 1e-2, rng)
         for at, dtype, ok in [(4, "bf16", False), (2, "bf16", True), (2, "f32", False)]:
             result = compare_ranks(fake_output(p0, swap(t0, at), 1e-2, rng), one, dtype, p0)
             assert result["ok"] == ok, (at, dtype, result)
+        for at, own_gap, ok in [(4, 5e-3, True), (2, 0.5, False)]:
+            own = copy.deepcopy(one)
+            step = own["logits"]["steps"][at]
+            step["second_logit"] = step["logit"] - own_gap
+            result = compare_ranks(fake_output(p0, swap(t0, at), 1e-2, rng), own, "bf16", p0)
+            assert result["ok"] == ok, (at, own_gap, result)
+        # A bf16 divergence from the reference is a near-tie by the run's largest logit error,
+        # the decode steps' before it as well as the first logits'.
+        loose = dict(p0, hf_bf16_rel=1.0, hf_bf16_steps_rel=1.0)
+        quiet = fake_output(p0, swap(t0, 3), 1e-3, rng)
+        assert not compare_to_reference(quiet, loose, "bf16")["ok"]  # gap 0.5, bar 2e-3
+        quiet["logits"]["steps"][1]["logit"] += 0.3
+        assert compare_to_reference(quiet, loose, "bf16")["ok"]  # gap 0.5, bar 0.6
         # Logits bf16 moves past the 2e-2 bar pass within BF16_SPREAD x transformers' own bf16
         # error on the prompt, and fail past it.
         loud = fake_output(p0, t0, 0.15, rng)
