@@ -1,0 +1,1 @@
+R=$OUT; for s in 7 99 2026; do OUT=$R/seed-$s SEED=$s STAGES=device DEADLINE=110 bash launch/device/model-check.sh > $R/log-$s.txt 2>&1; done   # the build of 51ea83c; model_check.py of ed01178; the raw outputs (model-check-runs.tgz) not kept
