@@ -565,7 +565,7 @@ def compare_ranks(out, base, dtype, ref_prompt):
     max_abs, rel = logit_error(first, base_first)
     scale = float(np.abs(np.asarray(base_first, dtype=np.float64)).max())
     n = min(len(tokens), len(base_tokens))
-    agreed = next((i for i in range(n) if tokens[i] != base_tokens[i]), n)
+    agreed = first_difference(tokens, base_tokens)
     step_max_abs = float(np.max([0.0] + [abs(a["logit"] - b["logit"])
                                          for a, b in zip(steps[:agreed], base_steps[:agreed])]))
     step_rel = step_max_abs / scale
