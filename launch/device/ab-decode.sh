@@ -2,8 +2,9 @@
 # A/B of whole binaries on `bench decode` (random weights and context, one rank, tree): every
 # binary in BINS ("name=path ...", default this build against .device/canopy-base; a path may
 # end in @ and one flag of bench decode, e.g. eager=.device/canopy@--eager) on every
-# shape in ARCHS at CONTEXTS, ROUNDS times in turn so drift shows; DECODE tokens each (20; 150
-# or more covers a leaf's growth room several times, and the mean step counts the replans).
+# shape in ARCHS at CONTEXTS (a shape may name its own, as smollm2-135m:4096,8000), ROUNDS
+# times in turn so drift shows; DECODE tokens each (20; 150 or more covers a leaf's growth room
+# several times, and the mean step counts the replans).
 # Each binary keeps its own kernel cache. Results: $OUT/ab.jsonl (one line per row) and
 # log.txt.
 set -uo pipefail
@@ -13,13 +14,15 @@ DEADLINE=${DEADLINE:-520}
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   for round in $(seq "${ROUNDS:-2}"); do
-    for arch in ${ARCHS:-llama-3.1-8b llama-3.2-1b}; do
+    for case in ${ARCHS:-llama-3.1-8b llama-3.2-1b}; do
+      arch=${case%%:*} contexts=${CONTEXTS:-8K,32K}
+      [ "$arch" = "$case" ] || contexts=${case#*:}
       for entry in $BINS; do
         name=${entry%%=*} bin=${entry#*=} flag=
         case $bin in *@*) flag=${bin#*@} bin=${bin%%@*} ;; esac
         [ $SECONDS -gt "$DEADLINE" ] && { echo "SKIPPED $name $arch round $round (time)"; continue; }
         CANOPY_KERNEL_CACHE=/tmp/canopy-kernels-$name $bin bench decode --arch "$arch" \
-          --random-weights --context-fill random --context "${CONTEXTS:-8K,32K}" --ranks 1 \
+          --random-weights --context-fill random --context "$contexts" --ranks 1 \
           --strategy tree --decode "${DECODE:-20}" $flag --json 2> "$OUT/$name-$arch-$round.err" \
           | python3 -c 'import json,sys
 r=json.load(sys.stdin); b,a,k=sys.argv[1:4]

@@ -11,11 +11,11 @@
 #               transformers; `bench decode --arch llama-3.2-3b --random-weights` at 8K and 32K
 #               (prefilled), one rank, beside its floor; `bench kernel` at 32/8 and 24/8 heads
 #               of 128 (8K-128K).
-#   PART=ab     `bench decode`, this build against .device/canopy-old in turn, at Llama-3.2-3B's
+#   PART=ab     ab-decode.sh, this build against .device/canopy-old in turn, at Llama-3.2-3B's
 #               shape (8K, 32K) and SmolLM2-135M's (4K, 8,000).
 # Results under $OUT: tests.txt and tests/, selftest-*.txt, trees.txt, model-check.txt,
-# decode-3b.json and .txt, kernel.txt, ab.txt. Sections stop being started once DEADLINE seconds
-# (default 560) are near.
+# decode-3b.json and .txt, kernel.txt, ab.jsonl and ab.txt. Sections stop being started once
+# DEADLINE seconds (default 560) are near.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 DEADLINE=${DEADLINE:-560}
@@ -62,25 +62,17 @@ model)
   done
   ;;
 ab)
-  # `bench decode` (prefilled, one rank) with this build and .device/canopy-old, in turn,
-  # ROUNDS rounds: Llama-3.2-3B's shape at 8K and 32K, SmolLM2-135M's at 4K and 8,000 (its
-  # positions end at 8,192); the median ms/token and its ratio to the floor of each run.
-  for round in $(seq "${ROUNDS:-2}"); do
-    for case in llama-3.2-3b:8K,32K smollm2-135m:4096,8000; do
-      arch=${case%%:*}
-      for bin in "$BIN" .device/canopy-old; do
-        [ "$(left)" -gt 30 ] || continue
-        timeout $(( DEADLINE - SECONDS )) "$bin" bench decode --arch "$arch" --random-weights \
-          --context "${case#*:}" --decode 30 --backend cuda --json > "$OUT/ab.json" 2> /dev/null
-        python3 -c 'import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:
-    print(sys.argv[2], sys.argv[3], sys.argv[4], r["context"], "%.3f ms/token, %.3fx the floor" % (r["decode_ms_per_token"], r["vs_floor"]))' \
-          "$OUT/ab.json" "round $round" "$arch" "$(basename "$bin")" | tee -a "$OUT/ab.txt"
-      done
-    done
-  done
-  rm -f "$OUT/ab.json"
+  # ab-decode.sh: `bench decode` with this build and .device/canopy-old, in turn, ROUNDS
+  # rounds: Llama-3.2-3B's shape at 8K and 32K, SmolLM2-135M's at 4K and 8,000 (its positions
+  # end at 8,192).
+  BINS="canopy=$BIN canopy-old=.device/canopy-old" \
+    ARCHS="llama-3.2-3b:8K,32K smollm2-135m:4096,8000" DECODE=30 DEADLINE=$((DEADLINE - SECONDS)) bash "$(dirname "$0")/ab-decode.sh" > /dev/null
+  python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print("round", r["round"], r["arch"], r["bin"], r["context"],
+          "%.3f ms/token, %.3fx the floor" % (r["ms"], r["ms"] / r["floor"]))' "$OUT/ab.jsonl" \
+    | tee "$OUT/ab.txt"
   ;;
 esac
 for f in .device/*.gz; do rm -f "${f%.gz}"; done
