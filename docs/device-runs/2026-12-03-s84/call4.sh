@@ -1,0 +1,2 @@
+# racecheck and synccheck on Llama-3.2-3B's shape with random weights, one rank, 3 tokens.
+source launch/device/env.sh; for t in racecheck synccheck; do timeout 200 /usr/local/cuda-13.0/bin/compute-sanitizer --tool $t --error-exitcode 9 --print-limit 20 $BIN generate --backend cuda --arch llama-3.2-3b --random-weights --dtype bf16 --prompt-ids 1,5,9,13,2,7,11 --max-tokens 3 --temperature 0 > $OUT/$t-3b.txt 2>&1; echo "$t exit $?"; tail -2 $OUT/$t-3b.txt; done

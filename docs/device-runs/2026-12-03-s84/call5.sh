@@ -1,0 +1,2 @@
+# racecheck with cuBLAS's nvjet kernels excluded (the sanitizer failed inside: below).
+source launch/device/env.sh; S=/usr/local/cuda-13.0/bin/compute-sanitizer; timeout 300 $S --tool racecheck --kernel-name-exclude kns=nvjet --error-exitcode 9 --print-limit 100 $BIN generate --backend cuda --arch llama-3.2-3b --random-weights --dtype bf16 --prompt-ids 1,5,9,13,2,7,11 --max-tokens 3 --temperature 0 > $OUT/racecheck-3b-own.txt 2>&1; echo "exit $?"; tail -3 $OUT/racecheck-3b-own.txt

@@ -1,0 +1,2 @@
+# racecheck with every hazard printed, counted by kernel.
+source launch/device/env.sh; S=/usr/local/cuda-13.0/bin/compute-sanitizer; timeout 300 $S --tool racecheck --error-exitcode 9 --print-limit 0 $BIN generate --backend cuda --arch llama-3.2-3b --random-weights --dtype bf16 --prompt-ids 1,5,9,13,2,7,11 --max-tokens 3 --temperature 0 > $OUT/racecheck-3b-all.txt 2>&1; echo "exit $?"; grep -o "access at [A-Za-z0-9_]*" $OUT/racecheck-3b-all.txt | sort | uniq -c; tail -2 $OUT/racecheck-3b-all.txt
