@@ -1,0 +1,2 @@
+# The same racecheck with canopy's debug log, then the kernel's log of the host.
+source launch/device/env.sh; S=/usr/local/cuda-13.0/bin/compute-sanitizer; RUST_LOG=debug timeout 200 $S --tool racecheck --print-limit 0 $BIN generate --backend cuda --arch llama-3.1-8b --random-weights --dtype bf16 --prompt-ids 1,5,9,13,2,7,11 --max-tokens 2 --temperature 0 > $OUT/rc8b-debug.txt 2>&1; echo "exit $?"; tail -n 12 $OUT/rc8b-debug.txt | cut -c1-300; dmesg 2>&1 | tail -n 5
