@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """model_check.py's selftest: synthetic references and canopy outputs fed through its plan and
 compare code, each case with the verdict it must get (no GPU, no torch). Run as `model_check.py
 selftest` after changing either file; CI runs it."""
